@@ -1,0 +1,106 @@
+//! Engine throughput measurements, shared by `tandem bench engine` and anything else that wants the figures.
+//!
+//! Prefill: one prompt of `prompt_tokens` computed in one step. Decode: `batch` sequences with
+//! `decode_prompt_tokens`-token prompts, then `decode_tokens` steps in which every sequence adds one greedy token
+//! (end-of-generation ignored, as llama.cpp's benches do), timed from the first decode step to the last.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::forward::{ForwardError, SeqChunk};
+use crate::kv::{BlockId, KvLayout, KvStore};
+use crate::model::Model;
+use crate::sampling::argmax;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchSpec {
+    pub prompt_tokens: usize,
+    pub decode_prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub batches: Vec<usize>,
+}
+
+impl Default for BenchSpec {
+    /// The shapes llama.cpp's `llama-bench -p 512` and `llama-batched-bench -npp 128 -ntg 128 -npl 1,4,16` use.
+    fn default() -> Self {
+        BenchSpec { prompt_tokens: 512, decode_prompt_tokens: 128, decode_tokens: 128, batches: vec![1, 4, 16] }
+    }
+}
+
+/// Decode throughput at one batch size.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeFigure {
+    pub batch: usize,
+    /// Tokens per second over all sequences together.
+    pub tokens_per_s: f64,
+}
+
+/// The figures of one run.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub threads: usize,
+    pub prefill_tokens: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode: Vec<DecodeFigure>,
+}
+
+/// Deterministic prompt ids spread over the vocabulary (past the special tokens).
+fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| (100 + (i * 7919 + salt * 104_729) % (vocab - 100)) as u32).collect()
+}
+
+/// Runs the measurements on the current rayon pool.
+pub fn run(model: &Model, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
+    let vocab = model.config.n_vocab;
+    let max_batch = spec.batches.iter().copied().max().unwrap_or(1);
+    let per_seq = (spec.decode_prompt_tokens + spec.decode_tokens).max(spec.prompt_tokens).div_ceil(16) + 1;
+    let layout = KvLayout::for_model(&model.config, 16);
+    let mut kv = KvStore::new(layout, per_seq * max_batch);
+    let tables: Vec<Vec<BlockId>> =
+        (0..max_batch).map(|s| (0..per_seq).map(|b| BlockId((s * per_seq + b) as u32)).collect()).collect();
+
+    // Warm-up touches the weights and the KV pages once.
+    let warm = prompt(spec.prompt_tokens.min(64), 0, vocab);
+    model.forward(&mut kv, &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true }])?;
+
+    let long = prompt(spec.prompt_tokens, 1, vocab);
+    let t = Instant::now();
+    model.forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true }])?;
+    let prefill_tokens_per_s = spec.prompt_tokens as f64 / t.elapsed().as_secs_f64();
+
+    let mut decode = Vec::new();
+    for &batch in &spec.batches {
+        let prompts: Vec<Vec<u32>> = (0..batch).map(|s| prompt(spec.decode_prompt_tokens, s + 2, vocab)).collect();
+        let chunks: Vec<SeqChunk<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, blocks)| SeqChunk { tokens: p, start: 0, blocks, logits: true })
+            .collect();
+        let mut next: Vec<u32> = model.forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
+        let t = Instant::now();
+        for step in 0..spec.decode_tokens {
+            let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let chunks: Vec<SeqChunk<'_>> = tokens
+                .iter()
+                .zip(&tables)
+                .map(|(tok, blocks)| SeqChunk {
+                    tokens: tok,
+                    start: spec.decode_prompt_tokens + step,
+                    blocks,
+                    logits: true,
+                })
+                .collect();
+            next = model.forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
+        }
+        let secs = t.elapsed().as_secs_f64();
+        decode.push(DecodeFigure { batch, tokens_per_s: (batch * spec.decode_tokens) as f64 / secs });
+    }
+    Ok(BenchReport {
+        threads: rayon::current_num_threads(),
+        prefill_tokens: spec.prompt_tokens,
+        prefill_tokens_per_s,
+        decode,
+    })
+}

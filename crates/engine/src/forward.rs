@@ -1,0 +1,273 @@
+//! The forward pass on CPU over the paged KV cache.
+//!
+//! A batch is a list of sequence chunks, each with its own positions and block table. Token-wise work (norms,
+//! projections, MLP) runs on all chunks' tokens stacked together; attention runs per sequence and head, and
+//! always reads K and V back from the cache in their storage dtype, so a token's result does not depend on what
+//! shares its batch or how its prompt was chunked.
+
+use rayon::prelude::*;
+
+use crate::kernels::{axpy, dequantize_row, dot, f16_to_f32};
+use crate::kv::{BlockId, KvPart, KvStore};
+use crate::model::{Matrix, Model};
+
+/// One sequence's share of a forward step.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqChunk<'a> {
+    /// The new tokens, at positions `start..start + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Number of this sequence's tokens already in the cache.
+    pub start: usize,
+    /// The sequence's block table; it must cover every position up to the chunk's last.
+    pub blocks: &'a [BlockId],
+    /// Whether to return logits for the chunk's last token.
+    pub logits: bool,
+}
+
+/// Why a forward step was refused (before any compute).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ForwardError {
+    #[error("token id {0} is outside the vocabulary")]
+    TokenOutOfRange(u32),
+    #[error("position {0} is beyond the model's context of {1} tokens")]
+    PastContext(usize, usize),
+    #[error("the block table holds {have} blocks, {need} are needed")]
+    BlockTableShort { have: usize, need: usize },
+    #[error("block {0} is outside the KV store")]
+    BlockOutOfRange(u32),
+}
+
+/// Rows of weights dequantized together, so each activation row is read once per group from L1.
+const ROW_GROUP: usize = 8;
+
+impl Model {
+    /// Runs one step: writes the chunks' K and V into `kv` and returns the last-token logits of every chunk that
+    /// asked for them, in batch order.
+    pub fn forward(&self, kv: &mut KvStore, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.check(kv, batch)?;
+        let c = &self.config;
+        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let (d, kvd) = (c.n_embd, c.kv_dim());
+        let mut x = vec![0f32; n * d];
+        for (row, &tok) in x.chunks_exact_mut(d).zip(batch.iter().flat_map(|s| s.tokens)) {
+            dequantize_row(self.token_embd.ty, self.token_embd.row(tok as usize), row);
+        }
+        let positions: Vec<usize> = batch.iter().flat_map(|s| s.start..s.start + s.tokens.len()).collect();
+        let (mut h, mut q, mut k, mut v) =
+            (vec![0f32; n * d], vec![0f32; n * d], vec![0f32; n * kvd], vec![0f32; n * kvd]);
+        let (mut attn, mut tmp) = (vec![0f32; n * d], vec![0f32; n * d]);
+        let (mut gate, mut up) = (vec![0f32; n * c.n_ff], vec![0f32; n * c.n_ff]);
+        let mut scratch = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            matmul(&layer.wq, &h, n, &mut q, &mut scratch);
+            matmul(&layer.wk, &h, n, &mut k, &mut scratch);
+            matmul(&layer.wv, &h, n, &mut v, &mut scratch);
+            self.rope(&mut q, &positions, c.n_heads);
+            self.rope(&mut k, &positions, c.n_kv_heads);
+            write_kv(kv, batch, l, &k, &v, c.n_kv_heads, c.head_dim);
+            self.attention(kv, batch, l, &q, &mut attn);
+            matmul(&layer.wo, &attn, n, &mut tmp, &mut scratch);
+            add(&mut x, &tmp);
+            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            matmul(&layer.w_gate, &h, n, &mut gate, &mut scratch);
+            matmul(&layer.w_up, &h, n, &mut up, &mut scratch);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            matmul(&layer.w_down, &gate, n, &mut tmp, &mut scratch);
+            add(&mut x, &tmp);
+        }
+        // Logits only for the last token of the chunks that asked.
+        let mut last = Vec::new();
+        let mut end = 0;
+        for s in batch {
+            end += s.tokens.len();
+            if s.logits {
+                last.extend_from_slice(&x[(end - 1) * d..end * d]);
+            }
+        }
+        let m = last.len() / d;
+        let mut normed = vec![0f32; m * d];
+        rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
+        let mut logits = vec![0f32; m * c.n_vocab];
+        matmul(&self.output, &normed, m, &mut logits, &mut scratch);
+        Ok(logits.chunks_exact(c.n_vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    fn check(&self, kv: &KvStore, batch: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
+        let c = &self.config;
+        let bt = kv.layout().block_tokens;
+        for s in batch {
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+                return Err(ForwardError::TokenOutOfRange(t));
+            }
+            let end = s.start + s.tokens.len();
+            if end > c.context_len {
+                return Err(ForwardError::PastContext(end - 1, c.context_len));
+            }
+            let need = end.div_ceil(bt);
+            if s.blocks.len() < need {
+                return Err(ForwardError::BlockTableShort { have: s.blocks.len(), need });
+            }
+            if let Some(b) = s.blocks[..need].iter().find(|b| b.0 as usize >= kv.capacity()) {
+                return Err(ForwardError::BlockOutOfRange(b.0));
+            }
+        }
+        Ok(())
+    }
+
+    /// Rotates adjacent pairs `(2i, 2i+1)` of every head (GGML's normal rope for `llama`, whose Q/K weights are
+    /// stored permuted for it).
+    fn rope(&self, x: &mut [f32], positions: &[usize], heads: usize) {
+        let hd = self.config.head_dim;
+        let pairs = hd / 2;
+        for (row, &pos) in x.chunks_exact_mut(heads * hd).zip(positions) {
+            let table = &self.rope[pos * pairs..(pos + 1) * pairs];
+            for head in row.chunks_exact_mut(hd) {
+                for (pair, &[cos, sin]) in head.chunks_exact_mut(2).zip(table) {
+                    let (a, b) = (pair[0], pair[1]);
+                    pair[0] = a * cos - b * sin;
+                    pair[1] = a * sin + b * cos;
+                }
+            }
+        }
+    }
+
+    /// Causal attention of every chunk token over its sequence's cached K/V; `out` is `n × n_embd`.
+    fn attention(&self, kv: &KvStore, batch: &[SeqChunk<'_>], layer: usize, q: &[f32], out: &mut [f32]) {
+        let c = &self.config;
+        let (hd, d) = (c.head_dim, c.n_embd);
+        let group = c.n_heads / c.n_kv_heads;
+        let mut offsets = Vec::with_capacity(batch.len());
+        let mut off = 0;
+        for s in batch {
+            offsets.push(off);
+            off += s.tokens.len();
+        }
+        let tasks: Vec<(usize, usize)> = (0..batch.len()).flat_map(|s| (0..c.n_heads).map(move |h| (s, h))).collect();
+        let results: Vec<Vec<f32>> = tasks
+            .par_iter()
+            .map(|&(s, h)| {
+                let chunk = &batch[s];
+                let queries = (0..chunk.tokens.len()).map(|t| &q[(offsets[s] + t) * d + h * hd..][..hd]);
+                attend_head(kv, chunk, layer, h / group, queries)
+            })
+            .collect();
+        for (&(s, h), res) in tasks.iter().zip(results) {
+            for (t, o) in res.chunks_exact(hd).enumerate() {
+                out[(offsets[s] + t) * d + h * hd..][..hd].copy_from_slice(o);
+            }
+        }
+    }
+}
+
+/// One query head over one sequence: returns `chunk.tokens.len() × head_dim` outputs.
+fn attend_head<'q>(
+    kv: &KvStore,
+    chunk: &SeqChunk<'_>,
+    layer: usize,
+    kv_head: usize,
+    queries: impl Iterator<Item = &'q [f32]>,
+) -> Vec<f32> {
+    let layout = kv.layout();
+    let (hd, bt) = (layout.head_dim, layout.block_tokens);
+    let len = chunk.start + chunk.tokens.len();
+    let n_blocks = len.div_ceil(bt);
+    let mut keys = vec![0f32; n_blocks * bt * hd];
+    let mut values = vec![0f32; n_blocks * bt * hd];
+    for (i, &b) in chunk.blocks[..n_blocks].iter().enumerate() {
+        f16_to_f32(kv.head(b, layer, KvPart::K, kv_head), &mut keys[i * bt * hd..(i + 1) * bt * hd]);
+        f16_to_f32(kv.head(b, layer, KvPart::V, kv_head), &mut values[i * bt * hd..(i + 1) * bt * hd]);
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; chunk.tokens.len() * hd];
+    let mut scores = vec![0f32; len];
+    for (t, query) in queries.enumerate() {
+        let visible = chunk.start + t + 1;
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores[..visible].iter_mut().enumerate() {
+            *s = dot(query, &keys[j * hd..(j + 1) * hd]) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0f32;
+        for s in &mut scores[..visible] {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let o = &mut out[t * hd..(t + 1) * hd];
+        for (j, s) in scores[..visible].iter().enumerate() {
+            axpy(o, s / sum, &values[j * hd..(j + 1) * hd]);
+        }
+    }
+    out
+}
+
+/// Stores every chunk token's K and V (all KV heads) at its position.
+fn write_kv(kv: &mut KvStore, batch: &[SeqChunk<'_>], layer: usize, k: &[f32], v: &[f32], heads: usize, hd: usize) {
+    let bt = kv.layout().block_tokens;
+    let mut row = 0;
+    for s in batch {
+        for pos in s.start..s.start + s.tokens.len() {
+            let (block, slot) = (s.blocks[pos / bt], pos % bt);
+            for h in 0..heads {
+                let at = row * heads * hd + h * hd;
+                kv.write(block, layer, KvPart::K, h, slot, &k[at..at + hd]);
+                kv.write(block, layer, KvPart::V, h, slot, &v[at..at + hd]);
+            }
+            row += 1;
+        }
+    }
+}
+
+/// RMSNorm of every row of `x` (sum of squares accumulated in f64, as llama.cpp does).
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss: f64 = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let scale = (1.0 / (ss / d as f64 + f64::from(eps)).sqrt()) as f32;
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// `out[t][r] = w[r] · x[t]` for `n` activation rows. Parallel over weight rows; every element is one [`dot`] of
+/// a dequantized row and an activation row, whatever `n` is.
+fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Vec<f32>) {
+    let (rows, cols) = (w.rows, w.cols);
+    if n == 0 {
+        return;
+    }
+    let tasks = rayon::current_num_threads() * 4;
+    let per_task = rows.div_ceil(tasks).next_multiple_of(ROW_GROUP).max(ROW_GROUP);
+    scratch.clear();
+    scratch.resize(rows * n, 0.0);
+    scratch.par_chunks_mut(per_task * n).enumerate().for_each(|(task, chunk)| {
+        let r0 = task * per_task;
+        let nr = chunk.len() / n;
+        let mut wbuf = vec![0f32; ROW_GROUP * cols];
+        for g0 in (0..nr).step_by(ROW_GROUP) {
+            let gn = ROW_GROUP.min(nr - g0);
+            for k in 0..gn {
+                dequantize_row(w.ty, w.row(r0 + g0 + k), &mut wbuf[k * cols..(k + 1) * cols]);
+            }
+            for (t, xt) in x.chunks_exact(cols).take(n).enumerate() {
+                for k in 0..gn {
+                    chunk[(g0 + k) * n + t] = dot(&wbuf[k * cols..(k + 1) * cols], xt);
+                }
+            }
+        }
+    });
+    for (r, col) in scratch.chunks_exact(n).enumerate() {
+        for (t, &v) in col.iter().enumerate() {
+            out[t * rows + r] = v;
+        }
+    }
+}

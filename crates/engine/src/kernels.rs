@@ -1,0 +1,190 @@
+//! CPU kernels: dequantizing weight rows and the f32 dot product every matmul and attention score uses.
+//!
+//! Batch and chunk invariance rests on this module: every output element of a matmul is one call of [`dot`] on a
+//! dequantized weight row and one activation row, with a fixed reduction order that does not depend on how many
+//! rows or tokens are processed together.
+
+use half::f16;
+
+use crate::gguf::TensorType;
+
+/// Dequantizes one row of `ty`-typed `bytes` into `out` (`out.len()` elements).
+pub fn dequantize_row(ty: TensorType, bytes: &[u8], out: &mut [f32]) {
+    match ty {
+        TensorType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        TensorType::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        TensorType::Q8_0 => {
+            for (o, blk) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(34)) {
+                let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                for (o, &q) in o.iter_mut().zip(&blk[2..34]) {
+                    *o = f32::from(q as i8) * d;
+                }
+            }
+        }
+        TensorType::Q4_0 => {
+            for (o, blk) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(18)) {
+                let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                let (lo, hi) = o.split_at_mut(16);
+                for j in 0..16 {
+                    let q = blk[2 + j];
+                    lo[j] = (f32::from(q & 0x0F) - 8.0) * d;
+                    hi[j] = (f32::from(q >> 4) - 8.0) * d;
+                }
+            }
+        }
+        TensorType::Q4_1 => {
+            for (o, blk) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(20)) {
+                let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                let (lo, hi) = o.split_at_mut(16);
+                for j in 0..16 {
+                    let q = blk[4 + j];
+                    lo[j] = f32::from(q & 0x0F) * d + m;
+                    hi[j] = f32::from(q >> 4) * d + m;
+                }
+            }
+        }
+    }
+}
+
+/// `a · b` over `min(a.len(), b.len())` elements, with a fixed reduction order.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::available() {
+            return simd::dot(a, b);
+        }
+    }
+    dot_portable(a, b)
+}
+
+/// The portable dot product: eight lanes, summed pairwise at the end.
+pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = 0f32;
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `out[i] += w * v[i]`.
+#[inline]
+pub fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += w * x;
+    }
+}
+
+/// f16 storage to f32.
+pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    src.convert_to_f32_slice(dst);
+}
+
+/// f32 to f16 storage, rounding to nearest even.
+pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
+    use half::slice::HalfFloatSliceExt;
+    dst.convert_from_f32_slice(src);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod simd {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    pub fn available() -> bool {
+        static AVAILABLE: OnceLock<bool> = OnceLock::new();
+        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+
+    #[inline]
+    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+        // SAFETY: callers check `available()` first, so the CPU has AVX2 and FMA.
+        unsafe { dot_avx2(a, b) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads 8 floats at `i + 8k < n`, inside both slices.
+        unsafe {
+            while i + 32 <= n {
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm256_loadu_ps(a.as_ptr().add(i + 8 * k));
+                    let y = _mm256_loadu_ps(b.as_ptr().add(i + 8 * k));
+                    *acc = _mm256_fmadd_ps(x, y, *acc);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                let x = _mm256_loadu_ps(a.as_ptr().add(i));
+                let y = _mm256_loadu_ps(b.as_ptr().add(i));
+                acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
+                i += 8;
+            }
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let lo = _mm256_castps256_ps128(s);
+        let hi = _mm256_extractf128_ps::<1>(s);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+        let mut total = _mm_cvtss_f32(s);
+        while i < n {
+            total += a[i] * b[i];
+            i += 1;
+        }
+        total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_agrees_with_a_plain_sum() {
+        for n in [0, 1, 7, 8, 31, 32, 64, 100, 576] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+            assert!((f64::from(dot(&a, &b)) - want).abs() < 1e-4, "n={n}");
+            assert!((f64::from(dot_portable(&a, &b)) - want).abs() < 1e-4, "n={n}");
+        }
+    }
+
+    #[test]
+    fn q4_1_dequantizes_low_then_high_nibbles() {
+        let mut blk = vec![0u8; 20];
+        blk[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        blk[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        blk[4] = 0x3A; // element 0 = 10, element 16 = 3
+        let mut out = [0f32; 32];
+        dequantize_row(TensorType::Q4_1, &blk, &mut out);
+        assert_eq!(out[0], 10.0 * 0.5 - 1.0);
+        assert_eq!(out[16], 3.0 * 0.5 - 1.0);
+        assert_eq!(out[1], -1.0);
+    }
+}

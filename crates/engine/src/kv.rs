@@ -1,0 +1,101 @@
+//! The paged KV store: fixed-size blocks of f16 K and V, one contiguous range per block.
+//!
+//! Layout of one block (published as part of a worker's identity, so a receiver can refuse another):
+//! `[layer][k, v][kv_head][token_in_block][dim]`, f16, little-endian.
+
+use half::f16;
+
+use crate::model::ModelConfig;
+
+/// Index of a block in a [`KvStore`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+/// Shape of a KV block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_tokens: usize,
+}
+
+impl KvLayout {
+    /// The layout for `config` with blocks of `block_tokens` tokens.
+    pub fn for_model(config: &ModelConfig, block_tokens: usize) -> KvLayout {
+        KvLayout { layers: config.n_layers, kv_heads: config.n_kv_heads, head_dim: config.head_dim, block_tokens }
+    }
+
+    /// f16 values in one (layer, k-or-v, head) slab of a block.
+    pub fn head_elems(&self) -> usize {
+        self.block_tokens * self.head_dim
+    }
+
+    /// f16 values in one block.
+    pub fn block_elems(&self) -> usize {
+        self.layers * 2 * self.kv_heads * self.head_elems()
+    }
+
+    /// Bytes in one block.
+    pub fn block_bytes(&self) -> usize {
+        self.block_elems() * 2
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_tokens)
+    }
+
+    fn head_offset(&self, layer: usize, kv: usize, head: usize) -> usize {
+        ((layer * 2 + kv) * self.kv_heads + head) * self.head_elems()
+    }
+}
+
+/// Which half of the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvPart {
+    K = 0,
+    V = 1,
+}
+
+/// Storage for `capacity` blocks.
+#[derive(Debug)]
+pub struct KvStore {
+    layout: KvLayout,
+    data: Vec<f16>,
+}
+
+impl KvStore {
+    /// Zeroed storage for `capacity` blocks (the memory is committed lazily by the OS).
+    pub fn new(layout: KvLayout, capacity: usize) -> KvStore {
+        use half::vec::HalfBitsVecExt;
+        let data = vec![0u16; layout.block_elems() * capacity].reinterpret_into();
+        KvStore { layout, data }
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Number of blocks.
+    pub fn capacity(&self) -> usize {
+        self.data.len() / self.layout.block_elems().max(1)
+    }
+
+    fn base(&self, block: BlockId) -> usize {
+        block.0 as usize * self.layout.block_elems()
+    }
+
+    /// All tokens of one head's K or V in a block: `block_tokens × head_dim` values.
+    pub fn head(&self, block: BlockId, layer: usize, part: KvPart, head: usize) -> &[f16] {
+        let s = self.base(block) + self.layout.head_offset(layer, part as usize, head);
+        &self.data[s..s + self.layout.head_elems()]
+    }
+
+    /// Stores one token's K or V for one head.
+    pub fn write(&mut self, block: BlockId, layer: usize, part: KvPart, head: usize, slot: usize, values: &[f32]) {
+        let hd = self.layout.head_dim;
+        let s = self.base(block) + self.layout.head_offset(layer, part as usize, head) + slot * hd;
+        crate::kernels::f32_to_f16(&values[..hd], &mut self.data[s..s + hd]);
+    }
+}

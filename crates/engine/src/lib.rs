@@ -1,0 +1,19 @@
+//! Tandem's model engine: loads a Llama-family GGUF, tokenizes and renders chat templates, runs the forward pass
+//! on CPU over a paged KV cache, and samples.
+//!
+//! The pieces, bottom up: [`gguf`] reads the file; [`model`] holds the weights; [`kv`] stores K/V in blocks;
+//! [`forward`] computes a batch step; [`sampling`] picks tokens; [`generate`] drives sequences to completion.
+
+#![deny(unsafe_code)]
+
+pub mod bench;
+pub mod chat;
+pub mod fetch;
+pub mod forward;
+pub mod generate;
+pub mod gguf;
+pub mod kernels;
+pub mod kv;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;

@@ -1,0 +1,224 @@
+//! Byte-level BPE tokenizer built from a GGUF's vocabulary, merges and pre-tokenizer name.
+//!
+//! Encoding: special (control) tokens are split out of the text first, the rest is pre-tokenized (digits
+//! isolated, then the GPT-2 split), each piece is mapped byte by byte onto GPT-2's printable alphabet and merged
+//! by rank. Decoding maps tokens back to bytes; [`StreamDecoder`] turns a token stream into text without ever
+//! emitting half a UTF-8 character.
+
+mod bpe;
+mod bytes;
+mod decode;
+mod pretokenize;
+
+use std::collections::HashMap;
+
+pub use decode::StreamDecoder;
+
+use crate::gguf::{GgufFile, MetaArray};
+use bpe::Merges;
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// Texts of control tokens that end a generation, as llama.cpp recognizes them: turn and document ends, and the
+/// repository marker of code models, which only ever starts a new document.
+const END_OF_GENERATION_TEXTS: &[&str] = &[
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<reponame>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+];
+
+/// Why a tokenizer could not be built from a model file.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("tokenizer metadata {key} is missing or has the wrong type")]
+    Missing { key: &'static str },
+    #[error("tokenizer model {0:?} is not supported (only byte-level BPE, `gpt2`, is)")]
+    UnsupportedModel(String),
+    #[error("tokenizer pre-tokenizer {0:?} is not supported")]
+    UnsupportedPre(String),
+    #[error("tokenizer merge {index} ({merge:?}) {what}")]
+    BadMerge { index: usize, merge: String, what: &'static str },
+}
+
+/// Token ids with a meaning of their own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecialTokens {
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// Every id that ends a generation (eos included).
+    pub end_of_generation: Vec<u32>,
+}
+
+/// A byte-level BPE tokenizer.
+#[derive(Debug)]
+pub struct Tokenizer {
+    tokens: Vec<String>,
+    /// Decoded bytes of every token (special tokens: their text).
+    token_bytes: Vec<Vec<u8>>,
+    merges: Merges,
+    /// Id of the single-byte token for every byte; `None` for bytes the vocabulary lacks, which are dropped (as
+    /// both llama.cpp and Hugging Face tokenizers do for a byte-level vocabulary without them).
+    byte_ids: [Option<u32>; 256],
+    /// Control and user-defined tokens that are matched literally in text, longest first.
+    specials: Vec<(String, u32)>,
+    special: SpecialTokens,
+    add_bos: bool,
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes.
+    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
+        let meta = file.metadata();
+        let model = meta.get("tokenizer.ggml.model").and_then(|v| v.as_str());
+        let model = model.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.model" })?;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel(model.to_string()));
+        }
+        let pre = meta.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        pretokenize::check_supported(pre)?;
+        let tokens = match meta.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
+            Some(MetaArray::String(t)) => t.clone(),
+            _ => return Err(TokenizerError::Missing { key: "tokenizer.ggml.tokens" }),
+        };
+        let types = match meta.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+            Some(a) => a.to_i64s().filter(|t| t.len() == tokens.len()),
+            None => Some(vec![1; tokens.len()]),
+        };
+        let types = types.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.token_type" })?;
+        let merges = match meta.get("tokenizer.ggml.merges").and_then(|v| v.as_array()) {
+            Some(MetaArray::String(m)) => m.as_slice(),
+            _ => return Err(TokenizerError::Missing { key: "tokenizer.ggml.merges" }),
+        };
+        let id_of = |k: &str| meta.get(k).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
+        let add_bos = meta.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+        Tokenizer::new(
+            tokens,
+            &types,
+            merges,
+            id_of("tokenizer.ggml.bos_token_id"),
+            id_of("tokenizer.ggml.eos_token_id"),
+            add_bos,
+        )
+    }
+
+    fn new(
+        tokens: Vec<String>,
+        types: &[i64],
+        merges: &[String],
+        bos: Option<u32>,
+        eos: Option<u32>,
+        add_bos: bool,
+    ) -> Result<Tokenizer, TokenizerError> {
+        let index: HashMap<&str, u32> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
+        let merges = Merges::new(merges, &index)?;
+        let mut byte_ids = [None; 256];
+        for b in 0..=255u8 {
+            byte_ids[b as usize] = index.get(bytes::byte_to_char(b).to_string().as_str()).copied();
+        }
+        let is_special = |i: usize| matches!(types[i], TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED);
+        let mut specials: Vec<(String, u32)> = (0..tokens.len())
+            .filter(|&i| is_special(i) && !tokens[i].is_empty())
+            .map(|i| (tokens[i].clone(), i as u32))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let token_bytes = (0..tokens.len())
+            .map(|i| if is_special(i) { tokens[i].as_bytes().to_vec() } else { bytes::token_to_bytes(&tokens[i]) })
+            .collect();
+        let mut end_of_generation: Vec<u32> = (0..tokens.len())
+            .filter(|&i| types[i] == TOKEN_TYPE_CONTROL && END_OF_GENERATION_TEXTS.contains(&tokens[i].as_str()))
+            .map(|i| i as u32)
+            .collect();
+        end_of_generation.extend(eos.filter(|e| !end_of_generation.contains(e)));
+        end_of_generation.sort_unstable();
+        let special = SpecialTokens { bos, eos, end_of_generation };
+        Ok(Tokenizer { tokens, token_bytes, merges, byte_ids, specials, special, add_bos })
+    }
+
+    /// Number of tokens in the vocabulary.
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn special(&self) -> &SpecialTokens {
+        &self.special
+    }
+
+    /// Whether generation ends at `id`.
+    pub fn is_end_of_generation(&self, id: u32) -> bool {
+        self.special.end_of_generation.binary_search(&id).is_ok()
+    }
+
+    /// The vocabulary's text for `id` (GPT-2 alphabet for ordinary tokens).
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    /// Token ids for `text`. Special tokens written in the text become their ids; a BOS is prepended when the
+    /// model asks for one.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        if self.add_bos {
+            out.extend(self.special.bos);
+        }
+        let mut rest = text;
+        while !rest.is_empty() {
+            let (plain, special) = self.next_special(rest);
+            self.encode_plain(&rest[..plain], &mut out);
+            match special {
+                Some((len, id)) => {
+                    out.push(id);
+                    rest = &rest[plain + len..];
+                }
+                None => rest = "",
+            }
+        }
+        out
+    }
+
+    /// Position of the earliest special token in `text` (longest at that position) with its length and id.
+    fn next_special(&self, text: &str) -> (usize, Option<(usize, u32)>) {
+        let mut best: Option<(usize, usize, u32)> = None;
+        for (s, id) in &self.specials {
+            if let Some(pos) = text.find(s.as_str())
+                && best.is_none_or(|(p, l, _)| pos < p || (pos == p && s.len() > l))
+            {
+                best = Some((pos, s.len(), *id));
+            }
+        }
+        match best {
+            Some((pos, len, id)) => (pos, Some((len, id))),
+            None => (text.len(), None),
+        }
+    }
+
+    fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
+        let mut symbols = Vec::new();
+        pretokenize::split(text, |piece| {
+            symbols.clear();
+            symbols.extend(piece.bytes().filter_map(|b| self.byte_ids[b as usize]));
+            self.merges.apply(&mut symbols);
+            out.extend_from_slice(&symbols);
+        });
+    }
+
+    /// The bytes a token stands for (empty for an id outside the vocabulary).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.token_bytes.get(id as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// Text of a whole token sequence; invalid UTF-8 becomes U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id).iter().copied()).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}

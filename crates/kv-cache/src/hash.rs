@@ -1,0 +1,164 @@
+//! Chained block hashes, as `routing.md` specifies them (xxh3-64 with seed 1337 over little-endian token ids).
+
+use std::fmt;
+use std::num::NonZeroU32;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The seed every block hash uses unless a cache namespace changes the first block's seed.
+pub const HASH_SEED: u64 = 1337;
+
+/// Number of tokens in one KV block. Router and workers must agree on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockSize(NonZeroU32);
+
+impl BlockSize {
+    /// Tandem's default: 16 tokens, the block size vLLM and Dynamo use, small enough for fine-grained sharing.
+    pub const DEFAULT: BlockSize = BlockSize(NonZeroU32::new(16).expect("16 is not zero"));
+
+    /// A block size of `tokens`, or `None` for zero.
+    pub fn new(tokens: u32) -> Option<BlockSize> {
+        NonZeroU32::new(tokens).map(BlockSize)
+    }
+
+    /// The size in tokens.
+    pub fn tokens(self) -> usize {
+        self.0.get() as usize
+    }
+}
+
+impl Default for BlockSize {
+    fn default() -> Self {
+        BlockSize::DEFAULT
+    }
+}
+
+impl fmt::Display for BlockSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Hash of one block's own tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LocalHash(pub u64);
+
+/// Hash naming a whole prefix: every block up to and including this one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqHash(pub u64);
+
+/// A cache namespace (tenant id or `cache_salt`). Requests in different namespaces never share blocks, because
+/// prefix sharing is observable through time to first token.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CacheNamespace(String);
+
+impl CacheNamespace {
+    /// A namespace named `name`.
+    pub fn new(name: impl Into<String>) -> CacheNamespace {
+        CacheNamespace(name.into())
+    }
+
+    /// The seed of the first block in this namespace: the default seed mixed with the name's hash.
+    fn seed(&self) -> u64 {
+        xxh3_64_with_seed(self.0.as_bytes(), HASH_SEED) ^ HASH_SEED
+    }
+}
+
+/// The local hash of one block of token ids.
+pub fn local_hash(tokens: &[u32]) -> LocalHash {
+    local_hash_seeded(tokens, HASH_SEED)
+}
+
+fn local_hash_seeded(tokens: &[u32], seed: u64) -> LocalHash {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    LocalHash(xxh3_64_with_seed(&bytes, seed))
+}
+
+fn chain(parent: SeqHash, local: LocalHash) -> SeqHash {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&parent.0.to_le_bytes());
+    bytes[8..].copy_from_slice(&local.0.to_le_bytes());
+    SeqHash(xxh3_64_with_seed(&bytes, HASH_SEED))
+}
+
+/// Local and sequence hashes of a prompt's full blocks, in chain order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockHashes {
+    /// One per full block: the hash of that block's tokens alone.
+    pub local: Vec<LocalHash>,
+    /// One per full block: the hash of the prefix ending with that block.
+    pub seq: Vec<SeqHash>,
+}
+
+/// Hashes of every full block of `tokens`; a trailing partial block is never hashed. With a namespace, its seed
+/// replaces the default for the first block, so the whole chain differs from every other namespace's.
+pub fn block_hashes(tokens: &[u32], block_size: BlockSize, namespace: Option<&CacheNamespace>) -> BlockHashes {
+    let n = tokens.len() / block_size.tokens();
+    let mut out = BlockHashes { local: Vec::with_capacity(n), seq: Vec::with_capacity(n) };
+    let first_seed = namespace.map_or(HASH_SEED, CacheNamespace::seed);
+    for (i, block) in tokens.chunks_exact(block_size.tokens()).enumerate() {
+        let seed = if i == 0 { first_seed } else { HASH_SEED };
+        let local = local_hash_seeded(block, seed);
+        let seq = match out.seq.last() {
+            None => SeqHash(local.0),
+            Some(&parent) => chain(parent, local),
+        };
+        out.local.push(local);
+        out.seq.push(seq);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bs(n: u32) -> BlockSize {
+        BlockSize::new(n).expect("non-zero")
+    }
+
+    #[test]
+    fn matches_the_spec_test_vectors() {
+        assert_eq!(local_hash(&[1, 2, 3, 4]), LocalHash(14643705804678351452));
+        assert_eq!(local_hash(&[5, 6, 7, 8]), LocalHash(16777012769546811212));
+        let h = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], bs(4), None);
+        assert_eq!(h.seq[0], SeqHash(14643705804678351452));
+        assert_eq!(h.seq[1], SeqHash(4945711292740353085));
+        assert_eq!(h.local[1], LocalHash(16777012769546811212));
+    }
+
+    #[test]
+    fn partial_block_is_not_hashed() {
+        assert_eq!(block_hashes(&[1, 2, 3], bs(4), None), BlockHashes::default());
+        assert_eq!(block_hashes(&[1, 2, 3, 4, 5, 6, 7], bs(4), None).seq.len(), 1);
+    }
+
+    #[test]
+    fn namespaces_never_share_blocks() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let plain = block_hashes(&tokens, bs(16), None);
+        let a = block_hashes(&tokens, bs(16), Some(&CacheNamespace::new("tenant-a")));
+        let b = block_hashes(&tokens, bs(16), Some(&CacheNamespace::new("tenant-b")));
+        for i in 0..4 {
+            assert_ne!(a.seq[i], b.seq[i]);
+            assert_ne!(a.seq[i], plain.seq[i]);
+        }
+        // Only the first block's seed changes; later local hashes are the plain ones.
+        assert_eq!(a.local[1..], plain.local[1..]);
+    }
+
+    proptest! {
+        #[test]
+        fn a_prefix_has_the_same_hashes(tokens in proptest::collection::vec(any::<u32>(), 0..200), cut in 0usize..200) {
+            let cut = cut.min(tokens.len());
+            let whole = block_hashes(&tokens, bs(16), None);
+            let prefix = block_hashes(&tokens[..cut], bs(16), None);
+            prop_assert_eq!(&whole.seq[..prefix.seq.len()], &prefix.seq[..]);
+            prop_assert_eq!(&whole.local[..prefix.local.len()], &prefix.local[..]);
+        }
+    }
+}

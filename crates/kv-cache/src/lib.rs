@@ -1,0 +1,13 @@
+//! Block identity for Tandem's KV cache.
+//!
+//! A prompt is cut into full blocks of `block_size` tokens. Every block has a *local* hash (its own tokens) and a
+//! *sequence* hash that chains the previous block's sequence hash with the local one, so one sequence hash names
+//! a whole prefix. Workers and the router compute the same hashes, so the router's index needs no tokens.
+//!
+//! This crate is pure: no I/O, no clock, no async.
+
+#![forbid(unsafe_code)]
+
+mod hash;
+
+pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, local_hash};

@@ -1,0 +1,93 @@
+//! Command-line parsing and dispatch.
+
+mod bench;
+mod generate;
+
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Tandem: disaggregated LLM serving with KV-aware routing.
+#[derive(Debug, Parser)]
+#[command(name = "tandem", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Manage the embedded default model.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+    /// Generate text from a prompt, streamed to stdout.
+    Generate(generate::Args),
+    /// Measure performance.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ModelCommand {
+    /// Download and verify the embedded model (SmolLM2-135M-Instruct, Q4_1) into $TANDEM_HOME.
+    Fetch,
+    /// Print the default model's path (fetching it when missing).
+    Path,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode throughput of the CPU engine.
+    Engine(bench::Args),
+}
+
+/// Options shared by the commands that run the model.
+#[derive(Debug, clap::Args)]
+struct ModelArgs {
+    /// A GGUF model file; the embedded SmolLM2 model when absent (fetched when missing).
+    #[arg(long, value_name = "PATH")]
+    model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<NonZeroUsize>,
+}
+
+impl ModelArgs {
+    fn path(&self) -> Result<PathBuf, String> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => fetch_default(),
+        }
+    }
+}
+
+fn fetch_default() -> Result<PathBuf, String> {
+    engine::fetch::ensure_default_model(&crate::progress::Bar::new()).map_err(|e| e.to_string())
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<ExitCode, String> {
+    match cli.command {
+        Command::Model { command: ModelCommand::Fetch } => {
+            let path = fetch_default()?;
+            println!("{}", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Model { command: ModelCommand::Path } => {
+            println!("{}", fetch_default()?.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Generate(args) => generate::run(args),
+        Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
+    }
+}
+
+fn display(p: &Path) -> String {
+    p.display().to_string()
+}
