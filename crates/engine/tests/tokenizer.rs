@@ -1,0 +1,79 @@
+//! The tokenizer and chat template against the reference (Hugging Face tokenizers and transformers'
+//! apply_chat_template), on the committed corpus made by `scripts/reference/tokenizer.py`.
+
+mod common;
+
+use engine::chat::{ChatMessage, ChatTemplate};
+use engine::tokenizer::{StreamDecoder, Tokenizer};
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_gguf(&common::model_file()).expect("tokenizer builds")
+}
+
+#[test]
+fn corpus_ids_match_the_reference_exactly() {
+    let tok = tokenizer();
+    let reference = common::data("tokenizer_reference.json");
+    let cases = reference["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 200, "the corpus has at least 200 strings");
+    let mut failures = Vec::new();
+    for case in cases {
+        let text = case["text"].as_str().expect("text");
+        let want = common::ids(&case["ids"]);
+        let got = tok.encode(text);
+        if got != want {
+            failures.push(format!("{text:?}: got {got:?}, want {want:?}"));
+        }
+        assert_eq!(tok.decode(&want), case["decoded"].as_str().expect("decoded"), "decoding {text:?}");
+    }
+    assert!(failures.is_empty(), "{} of {} strings differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
+#[test]
+fn the_spec_chat_prompt_tokenizes_as_documented() {
+    let ids = tokenizer().encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(ids, [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]);
+}
+
+#[test]
+fn chat_template_matches_transformers() {
+    let file = common::model_file();
+    let tok = Tokenizer::from_gguf(&file).expect("tokenizer builds");
+    let source = file.metadata()["tokenizer.chat_template"].as_str().expect("template");
+    let template = ChatTemplate::new(source, "<|im_start|>", "<|im_end|>").expect("compiles");
+    let reference = common::data("tokenizer_reference.json");
+    for chat in reference["chats"].as_array().expect("chats") {
+        let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).expect("messages");
+        let text = template.render(&messages, true).expect("renders");
+        assert_eq!(text, chat["text"].as_str().expect("text"), "rendering {messages:?}");
+        assert_eq!(tok.encode(&text), common::ids(&chat["ids"]), "tokenizing {text:?}");
+    }
+}
+
+#[test]
+fn streaming_decode_never_splits_a_character() {
+    let tok = tokenizer();
+    let reference = common::data("tokenizer_reference.json");
+    let mut split_chars = 0;
+    for case in reference["cases"].as_array().expect("cases") {
+        let ids = common::ids(&case["ids"]);
+        let mut dec = StreamDecoder::new();
+        let mut streamed = String::new();
+        for &id in &ids {
+            let piece = dec.push(&tok, id);
+            // A piece is a `String`, so it is valid UTF-8; count tokens that end inside a character.
+            if std::str::from_utf8(tok.token_bytes(id)).is_err() {
+                split_chars += 1;
+            }
+            streamed.push_str(&piece);
+        }
+        streamed.push_str(&dec.finish());
+        assert_eq!(streamed, tok.decode(&ids), "streaming {:?}", case["text"]);
+    }
+    assert!(split_chars > 0, "the corpus has characters that span tokens");
+}
+
+#[test]
+fn end_of_generation_ids_are_the_ones_llama_cpp_uses() {
+    assert_eq!(tokenizer().special().end_of_generation, [0, 2, 4]);
+}

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Writes crates/engine/tests/data/golden.json: greedy continuations of the embedded model from the numpy oracle
+(np_llama.py, float64, weights dequantized by the `gguf` package), with the oracle's top-1 margin at every step
+and first-position logits (the top 100 and every 97th id).
+
+    pip install -r scripts/reference/requirements.txt
+    python3 scripts/reference/golden.py [GGUF] > crates/engine/tests/data/golden.json   # a few minutes
+"""
+import json
+import sys
+
+import numpy as np
+
+from common import default_model_path, reference_tokenizer
+from np_llama import Model
+
+STEPS = 24
+PROMPTS = [
+    {"name": "chat-capital", "chat": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"name": "raw-fox", "raw": "The quick brown fox jumps over the lazy dog. The dog"},
+    {"name": "chat-pirate", "chat": [{"role": "system", "content": "You are a pirate."},
+                                     {"role": "user", "content": "Tell me about the sea."}]},
+    {"name": "raw-code", "raw": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"},
+    {"name": "chat-translate", "chat": [{"role": "user", "content": "Translate to French: I love programming."}]},
+    {"name": "raw-long", "raw": (
+        "Large language model serving splits every request into two phases. Prefill reads the whole prompt at "
+        "once and fills the key-value cache; it is limited by arithmetic. Decode then produces one token at a "
+        "time, reading the whole cache and all the weights for every token; it is limited by memory bandwidth. "
+        "Because the two phases stress different resources, some systems run them on different machines and "
+        "move the cache between them. The router that decides where each request goes must therefore know")},
+]
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else default_model_path()
+    tk, fast = reference_tokenizer(path)
+    model = Model(path, np.float64)
+    out = []
+    for p in PROMPTS:
+        if "chat" in p:
+            text = fast.apply_chat_template(p["chat"], tokenize=False, add_generation_prompt=True)
+        else:
+            text = p["raw"]
+        ids = tk.encode(text, add_special_tokens=False).ids
+        model.reset()
+        logits = model.forward(ids)[-1]
+        first = logits.copy()
+        generated, margins = [], []
+        for step in range(STEPS):
+            top2 = np.sort(logits)[-2:]
+            margins.append(float(top2[1] - top2[0]))
+            nxt = int(np.argmax(logits))
+            generated.append(nxt)
+            if step + 1 < STEPS:
+                logits = model.forward([nxt])[-1]
+        picked = sorted(set(np.argsort(-first)[:100].tolist()) | set(range(0, len(first), 97)))
+        out.append({
+            "name": p["name"],
+            "messages": p.get("chat"),
+            "prompt_ids": ids,
+            "generated_ids": generated,
+            "margins": margins,
+            "first_logits": [[i, float(first[i])] for i in picked],
+        })
+        print(p["name"], len(ids), tk.decode(generated), file=sys.stderr)
+    json.dump({"generator": "scripts/reference/golden.py", "oracle": "np_llama.py float64", "steps": STEPS,
+               "prompts": out}, sys.stdout, indent=0)
+    print()
+
+
+if __name__ == "__main__":
+    main()
