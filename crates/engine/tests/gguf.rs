@@ -44,7 +44,7 @@ impl Writer {
         self.u64(offset);
     }
     fn align(&mut self, a: usize) {
-        while self.out.len() % a != 0 {
+        while !self.out.len().is_multiple_of(a) {
             self.out.push(0);
         }
     }
