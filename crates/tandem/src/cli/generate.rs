@@ -26,9 +26,9 @@ pub struct Args {
     #[arg(long, default_value_t = 256)]
     max_tokens: u32,
     /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     #[arg(long)]
     top_k: Option<u32>,

@@ -1,0 +1,86 @@
+//! `tandem` as a person uses it: the real binary on the real model.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn tandem(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tandem")).args(args).output().expect("tandem runs")
+}
+
+fn fails_with(args: &[&str], needles: &[&str]) {
+    let out = tandem(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} should fail");
+    for n in needles {
+        assert!(stderr.contains(n), "{args:?}: stderr {stderr:?} lacks {n:?}");
+    }
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+}
+
+#[test]
+fn bad_sampling_values_are_clear_errors() {
+    fails_with(&["generate", "--temperature", "-1", "hi"], &["temperature must be"]);
+    fails_with(&["generate", "--top-p", "0", "hi"], &["top_p must be in (0, 1]"]);
+    fails_with(&["generate", "--top-p", "1.5", "hi"], &["top_p"]);
+    fails_with(&["generate", "--top-k", "0", "hi"], &["top_k must be at least 1"]);
+    fails_with(&["generate", "--max-tokens", "0", "hi"], &["max_tokens must be at least 1"]);
+}
+
+#[test]
+fn missing_and_corrupt_model_files_are_named() {
+    fails_with(&["generate", "--model", "/nonexistent/m.gguf", "hi"], &["/nonexistent/m.gguf", "cannot open"]);
+    let dir = std::env::temp_dir().join(format!("tandem-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let bad = dir.join("corrupt.gguf");
+    let mut bytes = b"GGUF\x03\0\0\0".to_vec();
+    bytes.extend_from_slice(&[0xFF; 16]);
+    std::fs::write(&bad, bytes).expect("write");
+    fails_with(&["generate", "--model", bad.to_str().expect("utf-8"), "hi"], &["corrupt.gguf", "tensor count"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_prompt_over_the_context_is_refused() {
+    let long = "hello ".repeat(9000);
+    fails_with(&["generate", "--max-tokens", "1", &long], &["context is 8192 tokens"]);
+}
+
+#[test]
+fn json_output_has_every_field() {
+    let out = tandem(&["generate", "--chat", "--json", "What is the capital of France?"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["text"], "The capital of France is Paris.");
+    assert_eq!(v["token_ids"], serde_json::json!([504, 3575, 282, 4649, 314, 7042, 30, 2]));
+    assert_eq!(v["finish_reason"], "stop");
+    assert_eq!(v["prompt_ids"].as_array().map(Vec::len), Some(37));
+    assert!(v["ttft_ms"].as_f64().is_some_and(|t| t > 0.0));
+    assert!(v["decode_tokens_per_s"].as_f64().is_some_and(|t| t > 0.0));
+}
+
+#[test]
+fn ctrl_c_stops_generation_cleanly() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["generate", "--max-tokens", "4000", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawns");
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).expect("generation starts streaming");
+    let status = Command::new("kill").args(["-INT", &child.id().to_string()]).status().expect("kill runs");
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "tandem did not stop within 30 s of Ctrl-C");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut rest = String::new();
+    let _ = stdout.read_to_string(&mut rest);
+    assert_eq!(status.code(), Some(130), "exits with 130 after Ctrl-C (output {rest:?})");
+}

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Measures Tandem's engine and llama.cpp side by side on the same model and thread count, and prints one JSON
+# object with both sides and the ratios (Tandem / llama.cpp; above 1 means Tandem is faster).
+#
+#   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH]
+#
+# llama.cpp is built once (cmake + ninja, several minutes on 2 cores) from the source package of
+# llama-cpp-python on PyPI and cached under $TANDEM_HOME/llama.cpp. Needs: python3 with pip, a C++ compiler;
+# cmake and ninja are installed with pip when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_CPP_PYTHON=0.3.36
+threads=$(nproc)
+model=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --threads) threads=$2; shift 2 ;;
+    --model) model=$2; shift 2 ;;
+    *) echo "usage: $0 [--threads N] [--model PATH]" >&2; exit 2 ;;
+  esac
+done
+
+home=${TANDEM_HOME:-$HOME/.cache/tandem}
+prefix="$home/llama.cpp/$LLAMA_CPP_PYTHON"
+bin="$prefix/build/bin"
+
+build_llama_cpp() {
+  command -v cmake >/dev/null && command -v ninja >/dev/null || python3 -m pip install --quiet cmake ninja >&2
+  local work
+  work=$(mktemp -d)
+  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$work" >&2
+  mkdir -p "$prefix"
+  tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$work"
+  rm -rf "$prefix/src"
+  mv "$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$prefix/src"
+  rm -rf "$work"
+  cmake -S "$prefix/src" -B "$prefix/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >&2
+  cmake --build "$prefix/build" --target llama-bench llama-batched-bench >&2
+}
+
+if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ]; then
+  echo "building llama.cpp (once; cached in $prefix)" >&2
+  build_llama_cpp
+fi
+
+cargo build --release --quiet -p tandem >&2
+tandem=target/release/tandem
+if [ -z "$model" ]; then
+  model=$("$tandem" model path)
+fi
+
+echo "tandem: bench engine, $threads threads" >&2
+ours=$("$tandem" bench engine --model "$model" --threads "$threads" --json)
+echo "llama.cpp: llama-bench -p 512 -n 128, $threads threads" >&2
+bench=$("$bin/llama-bench" -m "$model" -t "$threads" -p 512 -n 128 -o json 2>/dev/null)
+echo "llama.cpp: llama-batched-bench -npp 128 -ntg 128 -npl 1,4,16, $threads threads" >&2
+batched=$("$bin/llama-batched-bench" -m "$model" -t "$threads" -c 4096 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,4,16 2>/dev/null)
+
+OURS="$ours" BENCH="$bench" BATCHED="$batched" THREADS="$threads" python3 - <<'PY'
+import json, os
+ours = json.loads(os.environ["OURS"])
+bench = json.loads(os.environ["BENCH"])
+pp = next(r["avg_ts"] for r in bench if r["n_prompt"] == 512 and r["n_gen"] == 0)
+tg = next(r["avg_ts"] for r in bench if r["n_gen"] == 128 and r["n_prompt"] == 0)
+# llama-batched-bench prints a markdown table: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
+batched = {}
+for line in os.environ["BATCHED"].splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) >= 8 and cells[0].isdigit():
+        batched[int(cells[2])] = float(cells[7])
+theirs = {"prefill_tokens_per_s": pp, "tg128_tokens_per_s": tg,
+          "decode": [{"batch": b, "tokens_per_s": t} for b, t in sorted(batched.items())]}
+ratios = {"prefill": ours["prefill_tokens_per_s"] / pp}
+for d in ours["decode"]:
+    if d["batch"] in batched:
+        ratios[f"decode_batch_{d['batch']}"] = d["tokens_per_s"] / batched[d["batch"]]
+print(json.dumps({"threads": int(os.environ["THREADS"]), "tandem": ours, "llama_cpp": theirs, "ratios": ratios}, indent=1))
+PY
