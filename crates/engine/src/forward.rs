@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::{axpy, dequantize_row, dot, f16_to_f32};
+use crate::kernels::{axpy, dequantize_row, dot, dot_quantized, f16_to_f32};
 use crate::kv::{BlockId, KvPart, KvStore};
 use crate::model::{Matrix, Model};
 
@@ -41,6 +41,9 @@ pub enum ForwardError {
 /// activations over dequantized weights and an f16 KV cache. Measured worst case on the golden prompts: see
 /// `tests/golden.rs`. Greedy tokens are comparable wherever the reference's top-1 margin exceeds twice this.
 pub const LOGIT_TOLERANCE: f32 = 0.05;
+
+/// Up to this many activation rows, matmuls dequantize weights in registers instead of through a buffer.
+const FUSED_MAX_ROWS: usize = 4;
 
 /// Rows of weights dequantized together, so each activation row is read once per group from L1.
 const ROW_GROUP: usize = 8;
@@ -257,6 +260,16 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Vec<f3
     scratch.par_chunks_mut(per_task * n).enumerate().for_each(|(task, chunk)| {
         let r0 = task * per_task;
         let nr = chunk.len() / n;
+        // Few activation rows: dequantize in registers (bit-identical to the buffered path below).
+        if n <= FUSED_MAX_ROWS && dot_quantized(w.ty, w.row(r0), &x[..cols]).is_some() {
+            for r in 0..nr {
+                let row = w.row(r0 + r);
+                for (t, xt) in x.chunks_exact(cols).take(n).enumerate() {
+                    chunk[r * n + t] = dot_quantized(w.ty, row, xt).unwrap_or_default();
+                }
+            }
+            return;
+        }
         let mut wbuf = vec![0f32; ROW_GROUP * cols];
         for g0 in (0..nr).step_by(ROW_GROUP) {
             let gn = ROW_GROUP.min(nr - g0);

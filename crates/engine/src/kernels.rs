@@ -78,6 +78,21 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_portable(a, b)
 }
 
+/// `dot(dequantized row, x)` straight from the row's bytes, when a kernel for `ty` exists on this CPU: the same
+/// arithmetic in the same order as [`dequantize_row`] then [`dot`], so the result is bit-identical and callers
+/// may use either. `None` when no fused kernel applies.
+#[inline]
+pub fn dot_quantized(ty: TensorType, row: &[u8], x: &[f32]) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::available() {
+            return simd::dot_quantized(ty, row, x);
+        }
+    }
+    let _ = (ty, row, x);
+    None
+}
+
 /// The portable dot product: eight lanes, summed pairwise at the end.
 pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
@@ -141,6 +156,72 @@ mod simd {
             }
             _ => false,
         }
+    }
+
+    /// Fused dequantize-and-dot for whole-block rows (see `super::dot_quantized`).
+    pub fn dot_quantized(ty: TensorType, row: &[u8], x: &[f32]) -> Option<f32> {
+        if x.len() % 32 != 0 || row.len() < x.len() / 32 * ty.block_bytes() {
+            return None;
+        }
+        match ty {
+            // SAFETY: AVX2/FMA/F16C present (checked by the caller); lengths checked above.
+            TensorType::Q4_1 => Some(unsafe { dot_q4_1(row, x) }),
+            // SAFETY: as above.
+            TensorType::Q8_0 => Some(unsafe { dot_q8_0(row, x) }),
+            _ => None,
+        }
+    }
+
+    /// Horizontal sum of four accumulators, in the order `dot_avx2` uses.
+    #[target_feature(enable = "avx2,fma")]
+    fn reduce(acc: [__m256; 4]) -> f32 {
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let lo = _mm256_castps256_ps128(s);
+        let hi = _mm256_extractf128_ps::<1>(s);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q4_1(row: &[u8], x: &[f32]) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (blk, xs) in row.chunks_exact(20).zip(x.chunks_exact(32)) {
+            let d = _mm256_set1_ps(half::f16::from_le_bytes([blk[0], blk[1]]).to_f32());
+            let m = _mm256_set1_ps(half::f16::from_le_bytes([blk[2], blk[3]]).to_f32());
+            // SAFETY: `blk` has 20 bytes and `xs` 32 floats; every load stays inside them.
+            unsafe {
+                let qs = _mm_loadu_si128(blk.as_ptr().add(4).cast());
+                let mask = _mm_set1_epi8(0x0F);
+                let lo = _mm_and_si128(qs, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
+                let parts = [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)];
+                for (k, part) in parts.into_iter().enumerate() {
+                    let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
+                    let w = _mm256_add_ps(_mm256_mul_ps(q, d), m);
+                    acc[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs.as_ptr().add(8 * k)), acc[k]);
+                }
+            }
+        }
+        reduce(acc)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (blk, xs) in row.chunks_exact(34).zip(x.chunks_exact(32)) {
+            let d = _mm256_set1_ps(half::f16::from_le_bytes([blk[0], blk[1]]).to_f32());
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: bytes 2 + 8k .. 10 + 8k lie in the 34-byte block; `xs` has 32 floats.
+                unsafe {
+                    let q8 = _mm_loadl_epi64(blk.as_ptr().add(2 + 8 * k).cast());
+                    let w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs.as_ptr().add(8 * k)), *a);
+                }
+            }
+        }
+        reduce(acc)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -211,13 +292,7 @@ mod simd {
                 i += 8;
             }
         }
-        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let lo = _mm256_castps256_ps128(s);
-        let hi = _mm256_extractf128_ps::<1>(s);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
-        let mut total = _mm_cvtss_f32(s);
+        let mut total = reduce(acc);
         while i < n {
             total += a[i] * b[i];
             i += 1;
@@ -263,6 +338,29 @@ mod tests {
             dequantize_row(ty, &row, &mut a);
             dequantize_row_portable(ty, &row, &mut b);
             assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{ty:?}");
+        }
+    }
+
+    #[test]
+    fn fused_dots_equal_dequantize_then_dot() {
+        let mut state = 0x9E37_79B9_u32;
+        let mut next = || {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            state
+        };
+        let x: Vec<f32> = (0..576).map(|_| (next() >> 8) as f32 / (1 << 24) as f32 - 0.5).collect();
+        for ty in [TensorType::Q4_1, TensorType::Q8_0] {
+            let bb = ty.block_bytes();
+            let mut row: Vec<u8> = (0..18 * bb).map(|_| (next() >> 24) as u8).collect();
+            for blk in row.chunks_exact_mut(bb) {
+                blk[1] &= 0x3B;
+                blk[3] &= 0x3B;
+            }
+            let mut w = vec![0f32; 576];
+            dequantize_row(ty, &row, &mut w);
+            if let Some(fused) = dot_quantized(ty, &row, &x) {
+                assert_eq!(fused.to_bits(), dot(&w, &x).to_bits(), "{ty:?}");
+            }
         }
     }
 
