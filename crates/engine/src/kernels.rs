@@ -160,7 +160,7 @@ mod simd {
 
     /// Fused dequantize-and-dot for whole-block rows (see `super::dot_quantized`).
     pub fn dot_quantized(ty: TensorType, row: &[u8], x: &[f32]) -> Option<f32> {
-        if x.len() % 32 != 0 || row.len() < x.len() / 32 * ty.block_bytes() {
+        if !x.len().is_multiple_of(32) || row.len() < x.len() / 32 * ty.block_bytes() {
             return None;
         }
         match ty {
