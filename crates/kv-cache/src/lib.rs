@@ -1,13 +1,15 @@
-//! Block identity for Tandem's KV cache.
+//! Tandem's KV cache bookkeeping: block identity (chained hashes), the tiered block pool and its event log.
 //!
 //! A prompt is cut into full blocks of `block_size` tokens. Every block has a *local* hash (its own tokens) and a
 //! *sequence* hash that chains the previous block's sequence hash with the local one, so one sequence hash names
 //! a whole prefix. Workers and the router compute the same hashes, so the router's index needs no tokens.
 //!
-//! This crate is pure: no I/O, no clock, no async.
+//! This crate is pure: no I/O, no clock, no async. The engine drives the pool and performs the copies it asks for.
 
 #![forbid(unsafe_code)]
 
+pub mod events;
 mod hash;
+pub mod pool;
 
 pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, local_hash};

@@ -1,0 +1,291 @@
+//! The tiered block pool: device, host and disk tiers of fixed size, reference-counted device blocks shared by
+//! hash, an LRU of cached blocks per tier, and eviction down the tiers (device → host → disk → gone).
+//!
+//! Pure mechanism: it decides slot numbers and returns the copies ([`Action`]) the caller must perform, in order,
+//! before it uses the slots involved; it never touches memory, files or clocks. Every change to a tier's content
+//! is logged as a [`KvEvent`] in the order it happened.
+//!
+//! **Invariants** (checked by the model-based test): a slot is never handed out twice; a referenced block is
+//! never evicted; per tier, used + cached + free = capacity; a block hash lives on at most one tier; replaying
+//! the log reproduces every tier's content.
+
+mod eviction;
+mod tier;
+
+pub use eviction::{EvictionPolicy, Lru};
+use tier::TierTable;
+
+use crate::events::{BlockMeta, EventId, EventLog, KvEvent, Snapshot, Tier, TooOld};
+use crate::hash::SeqHash;
+
+/// Number of blocks of each tier. Host and disk may be 0 (tier absent); the device tier may not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierSizes {
+    pub device: usize,
+    pub host: usize,
+    pub disk: usize,
+}
+
+/// A slot on a tier (for the device tier: a block of the engine's KV store).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Location {
+    pub tier: Tier,
+    pub slot: u32,
+}
+
+/// A copy the caller must perform before using the destination, in the order given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    Copy { from: Location, to: Location },
+}
+
+/// Why a pool operation was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    #[error("the device tier needs at least one block")]
+    NoDeviceBlocks,
+    #[error("out of KV capacity: every device block is referenced")]
+    OutOfBlocks,
+    #[error("device block {0} is not in use")]
+    NotInUse(u32),
+    #[error("device block {0} is already registered")]
+    AlreadyRegistered(u32),
+}
+
+/// How many of a request's leading blocks each tier holds (`routing.md`'s overlap).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Leading blocks on the device tier.
+    pub device: usize,
+    /// Further consecutive blocks on the host tier.
+    pub host: usize,
+    /// Further consecutive blocks on the disk tier.
+    pub disk: usize,
+}
+
+/// A prefix taken for a sequence: device slots (referenced), and the onboarding copies to perform first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Acquired {
+    pub slots: Vec<u32>,
+    pub actions: Vec<Action>,
+    /// Blocks that came from each tier (device hits, onboarded from host, onboarded from disk).
+    pub from_tier: [usize; 3],
+}
+
+/// Blocks per state on one tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierUsage {
+    pub used: usize,
+    pub cached: usize,
+    pub free: usize,
+}
+
+/// Outcome of registering a completed block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Registered {
+    /// The block is now findable by its hash.
+    New,
+    /// Another device block already has this hash; this one stays private and is freed on release.
+    Duplicate { existing: u32 },
+}
+
+/// The tiered pool. `E` is the eviction policy of every tier.
+#[derive(Debug)]
+pub struct BlockPool<E: EvictionPolicy + Default = Lru> {
+    tiers: [TierTable<E>; 3],
+    log: EventLog,
+}
+
+impl<E: EvictionPolicy + Default> BlockPool<E> {
+    /// A pool with the given tier sizes, keeping the last `replay` events for resubscribers.
+    pub fn new(sizes: TierSizes, replay: usize) -> Result<BlockPool<E>, PoolError> {
+        if sizes.device == 0 {
+            return Err(PoolError::NoDeviceBlocks);
+        }
+        let tiers = [TierTable::new(sizes.device), TierTable::new(sizes.host), TierTable::new(sizes.disk)];
+        Ok(BlockPool { tiers, log: EventLog::new(replay) })
+    }
+
+    fn table(&self, tier: Tier) -> &TierTable<E> {
+        &self.tiers[tier.index()]
+    }
+
+    fn table_mut(&mut self, tier: Tier) -> &mut TierTable<E> {
+        &mut self.tiers[tier.index()]
+    }
+
+    /// Blocks per state on `tier`.
+    pub fn usage(&self, tier: Tier) -> TierUsage {
+        self.table(tier).usage()
+    }
+
+    /// Capacity of `tier` in blocks.
+    pub fn capacity(&self, tier: Tier) -> usize {
+        self.table(tier).capacity()
+    }
+
+    /// The identity of the block in device slot `slot`, if it is registered.
+    pub fn meta(&self, slot: u32) -> Option<BlockMeta> {
+        self.table(Tier::Device).meta(slot)
+    }
+
+    /// The tier holding `seq`, and the slot there.
+    pub fn find(&self, seq: SeqHash) -> Option<Location> {
+        Tier::ALL.into_iter().find_map(|tier| self.table(tier).find(seq).map(|slot| Location { tier, slot }))
+    }
+
+    /// How many of `hashes`' leading blocks are on each tier, device first.
+    pub fn lookup(&self, hashes: &[SeqHash]) -> PrefixMatch {
+        let run = |tier: Tier, from: usize| {
+            hashes[from..].iter().take_while(|&&h| self.table(tier).find(h).is_some()).count()
+        };
+        let device = run(Tier::Device, 0);
+        let host = run(Tier::Host, device);
+        let disk = run(Tier::Disk, device + host);
+        PrefixMatch { device, host, disk }
+    }
+
+    /// A fresh device block for a sequence, referenced once. Evicts the least recently used cached device block
+    /// (moving it down the tiers) when none is free.
+    pub fn allocate(&mut self, actions: &mut Vec<Action>) -> Result<u32, PoolError> {
+        if let Some(slot) = self.table_mut(Tier::Device).take_free() {
+            self.table_mut(Tier::Device).set_used(slot, None);
+            return Ok(slot);
+        }
+        let victim = self.table(Tier::Device).victim().ok_or(PoolError::OutOfBlocks)?;
+        self.evict(Location { tier: Tier::Device, slot: victim }, actions);
+        let slot = self.table_mut(Tier::Device).take_free().ok_or(PoolError::OutOfBlocks)?;
+        self.table_mut(Tier::Device).set_used(slot, None);
+        Ok(slot)
+    }
+
+    /// Moves the cached block at `at` one tier down (or drops it from the last tier), leaving `at` free.
+    fn evict(&mut self, at: Location, actions: &mut Vec<Action>) {
+        let Some(meta) = self.table_mut(at.tier).take_cached(at.slot) else { return };
+        self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] });
+        let Some(below) = at.tier.below().filter(|&t| self.table(t).capacity() > 0) else { return };
+        let slot = match self.table_mut(below).take_free() {
+            Some(s) => s,
+            None => match self.table(below).victim() {
+                Some(v) => {
+                    self.evict(Location { tier: below, slot: v }, actions);
+                    match self.table_mut(below).take_free() {
+                        Some(s) => s,
+                        None => return,
+                    }
+                }
+                None => return,
+            },
+        };
+        actions.push(Action::Copy { from: at, to: Location { tier: below, slot } });
+        self.table_mut(below).set_cached(slot, meta);
+        self.log.push(stored(below, meta));
+    }
+
+    /// Marks the block in `slot` complete under `meta`, making it findable. A copy of the same block on a lower
+    /// tier is dropped (the device copy is the one that counts).
+    pub fn register(&mut self, slot: u32, meta: BlockMeta) -> Result<Registered, PoolError> {
+        let dev = self.table(Tier::Device);
+        match dev.ref_count(slot) {
+            None => return Err(PoolError::NotInUse(slot)),
+            Some(_) if dev.meta(slot).is_some() => return Err(PoolError::AlreadyRegistered(slot)),
+            Some(_) => {}
+        }
+        if let Some(existing) = dev.find(meta.seq) {
+            return Ok(Registered::Duplicate { existing });
+        }
+        for tier in [Tier::Host, Tier::Disk] {
+            if let Some(s) = self.table(tier).find(meta.seq) {
+                self.table_mut(tier).take_cached(s);
+                self.log.push(KvEvent::Removed { tier, seqs: vec![meta.seq] });
+            }
+        }
+        self.table_mut(Tier::Device).register(slot, meta);
+        self.log.push(stored(Tier::Device, meta));
+        Ok(Registered::New)
+    }
+
+    /// Drops one reference to `slot`. At zero a registered block becomes cached (evictable), another is freed.
+    pub fn release(&mut self, slot: u32) -> Result<(), PoolError> {
+        self.table_mut(Tier::Device).release(slot).ok_or(PoolError::NotInUse(slot))
+    }
+
+    /// Takes the longest prefix of `hashes` found on any tier for a new sequence: device blocks are referenced,
+    /// host and disk blocks are onboarded to fresh device blocks (copies in `Acquired::actions`). Stops at the
+    /// first block that is nowhere, or when no device block can be had.
+    pub fn acquire(&mut self, hashes: &[SeqHash]) -> Acquired {
+        let mut out = Acquired::default();
+        for &h in hashes {
+            let Some(at) = self.find(h) else { break };
+            if at.tier == Tier::Device {
+                self.table_mut(Tier::Device).add_ref(at.slot);
+                out.slots.push(at.slot);
+                out.from_tier[0] += 1;
+                continue;
+            }
+            // Pin the source so that making room on the device cannot evict it, then copy it up.
+            let Some(meta) = self.table_mut(at.tier).pin(at.slot) else { break };
+            let slot = match self.allocate(&mut out.actions) {
+                Ok(s) => s,
+                Err(_) => {
+                    self.table_mut(at.tier).unpin(at.slot, meta);
+                    break;
+                }
+            };
+            out.actions.push(Action::Copy { from: at, to: Location { tier: Tier::Device, slot } });
+            self.table_mut(at.tier).free_pinned(at.slot);
+            self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![h] });
+            self.table_mut(Tier::Device).register(slot, meta);
+            self.log.push(stored(Tier::Device, meta));
+            out.slots.push(slot);
+            out.from_tier[at.tier.index()] += 1;
+        }
+        out
+    }
+
+    /// Drops every block of the host or disk tier (a restart that discards the disk directory, say).
+    pub fn clear(&mut self, tier: Tier) {
+        if tier == Tier::Device {
+            return;
+        }
+        self.table_mut(tier).clear();
+        self.log.push(KvEvent::Cleared { tier: Some(tier) });
+    }
+
+    /// Puts a block found on a lower tier at start-up (a disk block file that checked out) into the pool.
+    pub fn restore(&mut self, tier: Tier, meta: BlockMeta) -> Option<u32> {
+        if tier == Tier::Device || self.find(meta.seq).is_some() {
+            return None;
+        }
+        let slot = self.table_mut(tier).take_free()?;
+        self.table_mut(tier).set_cached(slot, meta);
+        self.log.push(stored(tier, meta));
+        Some(slot)
+    }
+
+    /// Drops a block found to be unusable (a corrupt disk file): it leaves its tier with a `Removed` event.
+    pub fn discard(&mut self, at: Location) -> Option<BlockMeta> {
+        let meta = self.table_mut(at.tier).take_cached(at.slot)?;
+        self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] });
+        Some(meta)
+    }
+
+    /// Every tier's content, current as of the newest event.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot { as_of: self.log.last(), tiers: Tier::ALL.map(|t| self.table(t).blocks()) }
+    }
+
+    /// Events after `after` for a resubscriber, or [`TooOld`].
+    pub fn events_after(&self, after: Option<EventId>) -> Result<Vec<(EventId, KvEvent)>, TooOld> {
+        self.log.events_after(after)
+    }
+
+    /// The id of the newest event.
+    pub fn last_event(&self) -> Option<EventId> {
+        self.log.last()
+    }
+}
+
+fn stored(tier: Tier, meta: BlockMeta) -> KvEvent {
+    KvEvent::Stored { tier, parent: meta.parent, blocks: vec![(meta.seq, meta.local)] }
+}

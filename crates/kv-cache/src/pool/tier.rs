@@ -1,0 +1,179 @@
+//! One tier's slot table: the state of every slot, the free list, the hash index and the eviction policy.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+
+use super::{EvictionPolicy, TierUsage};
+use crate::events::BlockMeta;
+use crate::hash::SeqHash;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Free,
+    /// Referenced by sequences (device tier only); registered once complete.
+    Used {
+        refs: NonZeroU32,
+        meta: Option<BlockMeta>,
+    },
+    /// Complete and unreferenced: findable, evictable.
+    Cached {
+        meta: BlockMeta,
+    },
+    /// Being moved to another tier: neither free nor evictable.
+    Pinned,
+}
+
+#[derive(Debug)]
+pub struct TierTable<E> {
+    states: Vec<State>,
+    free: Vec<u32>,
+    by_hash: HashMap<SeqHash, u32>,
+    policy: E,
+}
+
+impl<E: EvictionPolicy + Default> TierTable<E> {
+    pub fn new(capacity: usize) -> TierTable<E> {
+        TierTable {
+            states: vec![State::Free; capacity],
+            // Lowest slot first, so slot numbers are predictable in tests and logs.
+            free: (0..capacity as u32).rev().collect(),
+            by_hash: HashMap::new(),
+            policy: E::default(),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.states.len()
+    }
+
+    pub fn usage(&self) -> TierUsage {
+        let mut u = TierUsage::default();
+        for s in &self.states {
+            match s {
+                State::Free => u.free += 1,
+                State::Used { .. } | State::Pinned => u.used += 1,
+                State::Cached { .. } => u.cached += 1,
+            }
+        }
+        u
+    }
+
+    pub fn find(&self, seq: SeqHash) -> Option<u32> {
+        self.by_hash.get(&seq).copied()
+    }
+
+    pub fn meta(&self, slot: u32) -> Option<BlockMeta> {
+        match self.states.get(slot as usize)? {
+            State::Used { meta, .. } => *meta,
+            State::Cached { meta } => Some(*meta),
+            State::Free | State::Pinned => None,
+        }
+    }
+
+    pub fn ref_count(&self, slot: u32) -> Option<NonZeroU32> {
+        match self.states.get(slot as usize)? {
+            State::Used { refs, .. } => Some(*refs),
+            _ => None,
+        }
+    }
+
+    pub fn victim(&self) -> Option<u32> {
+        self.policy.victim()
+    }
+
+    pub fn take_free(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    pub fn set_used(&mut self, slot: u32, meta: Option<BlockMeta>) {
+        self.states[slot as usize] = State::Used { refs: NonZeroU32::MIN, meta };
+    }
+
+    pub fn set_cached(&mut self, slot: u32, meta: BlockMeta) {
+        self.states[slot as usize] = State::Cached { meta };
+        self.by_hash.insert(meta.seq, slot);
+        self.policy.insert(slot);
+    }
+
+    /// Removes a cached block, leaving its slot free; returns what it held.
+    pub fn take_cached(&mut self, slot: u32) -> Option<BlockMeta> {
+        let State::Cached { meta } = *self.states.get(slot as usize)? else { return None };
+        self.policy.remove(slot);
+        self.by_hash.remove(&meta.seq);
+        self.states[slot as usize] = State::Free;
+        self.free.push(slot);
+        Some(meta)
+    }
+
+    /// Makes a cached block unevictable while it is copied elsewhere; returns what it holds.
+    pub fn pin(&mut self, slot: u32) -> Option<BlockMeta> {
+        let State::Cached { meta } = *self.states.get(slot as usize)? else { return None };
+        self.policy.remove(slot);
+        self.by_hash.remove(&meta.seq);
+        self.states[slot as usize] = State::Pinned;
+        Some(meta)
+    }
+
+    /// Undoes [`pin`](Self::pin).
+    pub fn unpin(&mut self, slot: u32, meta: BlockMeta) {
+        self.set_cached(slot, meta);
+    }
+
+    /// Frees a pinned slot once its copy is done.
+    pub fn free_pinned(&mut self, slot: u32) {
+        self.states[slot as usize] = State::Free;
+        self.free.push(slot);
+    }
+
+    pub fn register(&mut self, slot: u32, meta: BlockMeta) {
+        if let State::Used { refs, .. } = self.states[slot as usize] {
+            self.states[slot as usize] = State::Used { refs, meta: Some(meta) };
+            self.by_hash.insert(meta.seq, slot);
+        }
+    }
+
+    /// One more reference to a used or cached block.
+    pub fn add_ref(&mut self, slot: u32) {
+        self.states[slot as usize] = match self.states[slot as usize] {
+            State::Used { refs, meta } => State::Used { refs: refs.saturating_add(1), meta },
+            State::Cached { meta } => {
+                self.policy.remove(slot);
+                State::Used { refs: NonZeroU32::MIN, meta: Some(meta) }
+            }
+            other => other,
+        };
+    }
+
+    /// One reference fewer; `None` if the slot was not in use.
+    pub fn release(&mut self, slot: u32) -> Option<()> {
+        let State::Used { refs, meta } = *self.states.get(slot as usize)? else { return None };
+        self.states[slot as usize] = match (NonZeroU32::new(refs.get() - 1), meta) {
+            (Some(refs), meta) => State::Used { refs, meta },
+            (None, Some(meta)) => {
+                self.policy.insert(slot);
+                State::Cached { meta }
+            }
+            (None, None) => {
+                self.free.push(slot);
+                State::Free
+            }
+        };
+        Some(())
+    }
+
+    pub fn clear(&mut self) {
+        let cached: Vec<u32> = (0..self.states.len() as u32)
+            .filter(|&s| matches!(self.states[s as usize], State::Cached { .. }))
+            .collect();
+        for s in cached {
+            self.take_cached(s);
+        }
+    }
+
+    /// Every findable block, sorted.
+    pub fn blocks(&self) -> Vec<BlockMeta> {
+        let mut v: Vec<BlockMeta> = self.by_hash.values().filter_map(|&s| self.meta(s)).collect();
+        v.sort();
+        v
+    }
+}
