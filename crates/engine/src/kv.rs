@@ -92,6 +92,19 @@ impl KvStore {
         &self.data[s..s + self.layout.head_elems()]
     }
 
+    /// One whole block.
+    pub fn block(&self, block: BlockId) -> &[f16] {
+        let s = self.base(block);
+        &self.data[s..s + self.layout.block_elems()]
+    }
+
+    /// One whole block, to overwrite.
+    pub fn block_mut(&mut self, block: BlockId) -> &mut [f16] {
+        let s = self.base(block);
+        let n = self.layout.block_elems();
+        &mut self.data[s..s + n]
+    }
+
     /// Stores one token's K or V for one head.
     pub fn write(&mut self, block: BlockId, layer: usize, part: KvPart, head: usize, slot: usize, values: &[f32]) {
         let hd = self.layout.head_dim;

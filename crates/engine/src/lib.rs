@@ -16,4 +16,5 @@ pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod tiers;
 pub mod tokenizer;

@@ -139,15 +139,30 @@ fn cancellation_stops_and_frees_every_block() {
 
 #[test]
 fn bad_requests_fail_before_compute_and_lose_nothing() {
-    let mut e = engine(EngineConfig { kv_blocks: 4, ..EngineConfig::default() });
+    let config = EngineConfig { kv_blocks: 4, max_model_len: Some(64), ..EngineConfig::default() };
+    let mut e = engine(config);
     let free = e.free_blocks();
-    let context = e.model().config.context_len;
-    let too_long = greedy(vec![100; context], 1);
+    let too_long = greedy(vec![100; 64], 1);
     let err = e.run(&[too_long], &AtomicBool::new(false), |_| panic!("no token may be made")).expect_err("too long");
-    assert!(matches!(err, EngineError::PromptTooLong { prompt, context: 8192 } if prompt == context), "{err}");
+    assert!(matches!(err, EngineError::PromptTooLong { prompt: 64, context: 64 }), "{err}");
     assert!(matches!(e.run(&[greedy(vec![], 1)], &AtomicBool::new(false), |_| {}), Err(EngineError::EmptyPrompt)));
-    // More KV than the store holds: a clear error, and the blocks of the failed run come back.
-    let err = e.run(&[greedy(vec![100; 100], 1)], &AtomicBool::new(false), |_| {}).expect_err("out of KV");
-    assert!(err.to_string().contains("out of KV capacity"), "{err}");
     assert_eq!(e.free_blocks(), free);
+}
+
+#[test]
+fn impossible_configurations_fail_at_start_up_with_every_reason() {
+    let config = EngineConfig { kv_blocks: 4, max_num_seqs: 0, disk_blocks: 8, ..EngineConfig::default() };
+    let err = Engine::open(&common::model_path(), config).expect_err("refused").to_string();
+    for reason in ["cannot hold one sequence", "max_num_seqs", "needs disk_dir"] {
+        assert!(err.contains(reason), "{err}");
+    }
+    let config = EngineConfig { kv_blocks: 0, ..EngineConfig::default() };
+    assert!(Engine::open(&common::model_path(), config).is_err());
+    let unwritable = EngineConfig {
+        disk_blocks: 8,
+        disk_dir: Some("/proc/tandem-cannot-write-here".into()),
+        ..EngineConfig::default()
+    };
+    let err = Engine::open(&common::model_path(), unwritable).expect_err("refused").to_string();
+    assert!(err.contains("/proc/tandem-cannot-write-here"), "{err}");
 }

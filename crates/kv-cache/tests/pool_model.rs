@@ -122,10 +122,11 @@ impl Model {
 
 fn apply_copies(actions: &[Action], data: &mut HashMap<(Tier, u32), SeqHash>, pool: &BlockPool) {
     // Contents travel with the copies; a destination must never be overwritten while still needed.
-    for Action::Copy { from, to } in actions {
+    for Action::Copy { from, to, block } in actions {
         let v = data.get(&(from.tier, from.slot)).copied();
         match v {
             Some(v) => {
+                assert_eq!(v, *block, "the copy names the block it carries");
                 data.insert((to.tier, to.slot), v);
             }
             None => panic!("copy from an empty slot {from:?} (pool {pool:?})"),

@@ -1,45 +1,64 @@
-//! Driving sequences to completion: chunked prefill under a per-step token budget, batched decode, sampling,
-//! stop conditions and cancellation. Compute runs on the engine's own thread pool.
-//!
-//! This driver runs a fixed batch of requests; the continuous-batching scheduler with prefix reuse and
-//! preemption builds on the same [`Model::forward`] step.
+//! The batch scheduler: continuous batching with chunked prefill under a per-step token budget, prefix reuse
+//! through the tiered block pool (device, host, disk), preemption by recompute when device blocks run out (newest
+//! sequence first), sampling, stop conditions and cancellation. Compute runs on the engine's own thread pool.
 
+mod sequence;
+mod step;
 mod text;
 
 use std::num::NonZeroUsize;
-use std::sync::Arc;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
+use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
+use sequence::Seq;
 pub use text::TextStream;
 
 use crate::chat::{ChatMessage, ChatTemplate, TemplateError};
-use crate::forward::{ForwardError, SeqChunk};
+use crate::forward::ForwardError;
 use crate::gguf::{GgufError, GgufFile};
-use crate::kv::{BlockId, KvLayout, KvStore};
+use crate::kv::{KvLayout, KvStore};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams};
+use crate::tiers::{DiskTier, TierError, TierStores};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Tokens per KV block: vLLM's and Dynamo's default, and what `routing.md` hashes by.
 pub const DEFAULT_BLOCK_TOKENS: usize = 16;
 /// Tokens computed per step across all sequences: vLLM's CPU default for `max_num_batched_tokens`.
 pub const DEFAULT_MAX_BATCHED_TOKENS: usize = 2048;
-/// KV blocks reserved when nothing else is said: one full 8k context of SmolLM2 plus room for a few short
+/// Device KV blocks when nothing else is said: one full 8k context of SmolLM2 plus room for a few short
 /// sequences (the memory is only committed as blocks are written).
 pub const DEFAULT_KV_BLOCKS: usize = 1024;
+/// Sequences running at once: enough to keep a CPU busy; more only adds attention work per step.
+pub const DEFAULT_MAX_NUM_SEQS: usize = 64;
+/// Events kept for resubscribers: a few seconds of a busy worker's changes.
+pub const DEFAULT_REPLAY_EVENTS: usize = 65_536;
 
 /// How an engine runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
     /// Compute threads; `None` means one per available core.
     pub threads: Option<NonZeroUsize>,
+    /// Device tier size in blocks.
     pub kv_blocks: usize,
+    /// Host tier size in blocks (0: no host tier).
+    pub host_blocks: usize,
+    /// Disk tier size in blocks (0: no disk tier); needs `disk_dir`.
+    pub disk_blocks: usize,
+    pub disk_dir: Option<PathBuf>,
     pub block_tokens: usize,
     /// Prompt and decode tokens computed per step over the whole batch.
     pub max_batched_tokens: usize,
     /// Most prompt tokens one sequence computes in one step (chunked prefill); `None`: no limit of its own.
     pub prefill_chunk: Option<NonZeroUsize>,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Longest sequence (prompt plus output) accepted; `None`: the model's context.
+    pub max_model_len: Option<usize>,
+    pub replay_events: usize,
 }
 
 impl Default for EngineConfig {
@@ -47,9 +66,15 @@ impl Default for EngineConfig {
         EngineConfig {
             threads: None,
             kv_blocks: DEFAULT_KV_BLOCKS,
+            host_blocks: 0,
+            disk_blocks: 0,
+            disk_dir: None,
             block_tokens: DEFAULT_BLOCK_TOKENS,
             max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             prefill_chunk: None,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            max_model_len: None,
+            replay_events: DEFAULT_REPLAY_EVENTS,
         }
     }
 }
@@ -77,6 +102,10 @@ pub enum EngineError {
     Threads(String),
     #[error(transparent)]
     Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Tier(TierError),
+    #[error("block pool: {0}")]
+    Pool(PoolError),
 }
 
 /// One request: prompt tokens and how to sample.
@@ -129,42 +158,42 @@ pub enum Event<'a> {
     Token { seq: usize, token: u32, text: &'a str },
 }
 
-/// A model with its tokenizer, chat template, KV store and thread pool.
+/// Counters a worker exports (totals since the engine started).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Tokens run through the model (prompt chunks, recomputation and decode steps).
+    pub prefill_tokens: u64,
+    /// Prompt tokens taken from cached blocks instead of computed, by the tier they came from.
+    pub cached_tokens: [u64; 3],
+    pub preemptions: u64,
+    /// Blocks copied down to each tier (index 0 unused).
+    pub offloads: [u64; 3],
+    /// Blocks copied up to the device from each tier (index 0 unused).
+    pub onboards: [u64; 3],
+    /// Disk blocks that failed their check when read and were recomputed.
+    pub corrupt_disk_blocks: u64,
+}
+
+/// A model with its tokenizer, chat template, tiered KV storage, block pool and thread pool.
 #[derive(Debug)]
 pub struct Engine {
     model: Model,
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
-    kv: KvStore,
-    free: Vec<BlockId>,
-    pool: rayon::ThreadPool,
+    stores: TierStores,
+    pool: BlockPool,
+    pool_threads: rayon::ThreadPool,
     config: EngineConfig,
-}
-
-struct Seq {
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    computed: usize,
-    blocks: Vec<BlockId>,
-    sampler: Sampler,
-    text: TextStream,
-    out: String,
-    max_new: usize,
-    finish: Option<FinishReason>,
-    first_token: Option<Instant>,
-    last_token: Option<Instant>,
+    counters: Counters,
+    tick: u64,
 }
 
 impl Engine {
-    /// Loads the model at `path` and prepares to run it.
+    /// Loads the model at `path` and prepares to run it. Configuration errors are reported all at once.
     pub fn open(path: &std::path::Path, config: EngineConfig) -> Result<Engine, EngineError> {
-        if config.block_tokens == 0 || config.kv_blocks == 0 || config.max_batched_tokens == 0 {
-            return Err(EngineError::Config(
-                "block_tokens, kv_blocks and max_batched_tokens must be at least 1".into(),
-            ));
-        }
         let file = GgufFile::open(path)?;
         let model = Model::load(&file)?;
+        check_config(&config, model.config.context_len)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
         let template = match file.metadata().get("tokenizer.chat_template").and_then(|v| v.as_str()) {
             None => None,
@@ -175,15 +204,31 @@ impl Engine {
             }
         };
         let threads = config.threads.map_or(0, NonZeroUsize::get);
-        let pool = rayon::ThreadPoolBuilder::new()
+        let pool_threads = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("tandem-compute-{i}"))
             .build()
             .map_err(|e| EngineError::Threads(e.to_string()))?;
         let layout = KvLayout::for_model(&model.config, config.block_tokens);
-        let kv = KvStore::new(layout, config.kv_blocks);
-        let free = (0..config.kv_blocks as u32).rev().map(BlockId).collect();
-        Ok(Engine { model, tokenizer, template, kv, free, pool, config })
+        let disk = match (&config.disk_dir, config.disk_blocks) {
+            (Some(dir), n) if n > 0 => Some(DiskTier::open(dir).map_err(EngineError::Tier)?),
+            _ => None,
+        };
+        let host = (config.host_blocks > 0).then(|| KvStore::new(layout, config.host_blocks));
+        let stores = TierStores::new(KvStore::new(layout, config.kv_blocks), host, disk);
+        let sizes = TierSizes { device: config.kv_blocks, host: config.host_blocks, disk: config.disk_blocks };
+        let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
+        Ok(Engine {
+            model,
+            tokenizer,
+            template,
+            stores,
+            pool,
+            pool_threads,
+            config,
+            counters: Counters::default(),
+            tick: 0,
+        })
     }
 
     pub fn model(&self) -> &Model {
@@ -198,14 +243,39 @@ impl Engine {
         &self.config
     }
 
-    /// Compute threads in use.
-    pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+    pub fn counters(&self) -> Counters {
+        self.counters
     }
 
-    /// Free KV blocks.
+    /// Compute threads in use.
+    pub fn threads(&self) -> usize {
+        self.pool_threads.current_num_threads()
+    }
+
+    /// Blocks per state on `tier`.
+    pub fn kv_usage(&self, tier: Tier) -> TierUsage {
+        self.pool.usage(tier)
+    }
+
+    /// Device blocks a new sequence could get: free ones and cached ones (evictable).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        let u = self.pool.usage(Tier::Device);
+        u.free + u.cached
+    }
+
+    /// Every tier's content as of the newest event.
+    pub fn kv_snapshot(&self) -> Snapshot {
+        self.pool.snapshot()
+    }
+
+    /// KV events after `after`, or [`TooOld`] when a snapshot is needed.
+    pub fn kv_events_after(&self, after: Option<EventId>) -> Result<Vec<(EventId, KvEvent)>, TooOld> {
+        self.pool.events_after(after)
+    }
+
+    /// Longest sequence accepted.
+    pub fn max_model_len(&self) -> usize {
+        self.config.max_model_len.unwrap_or(self.model.config.context_len)
     }
 
     /// The prompt text for a conversation, with the assistant's generation prompt.
@@ -215,14 +285,14 @@ impl Engine {
     }
 
     /// Runs `requests` together to completion. `on_event` sees every token as it is made; `cancel` stops every
-    /// sequence at the next step. Validation happens before any compute; blocks are returned on every path.
+    /// sequence at the next step. Validation happens before any compute; every block is released on every path.
     pub fn run(
         &mut self,
         requests: &[Request],
         cancel: &AtomicBool,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Vec<Completion>, EngineError> {
-        let context = self.model.config.context_len;
+        let context = self.max_model_len();
         for r in requests {
             if r.prompt.is_empty() {
                 return Err(EngineError::EmptyPrompt);
@@ -240,6 +310,9 @@ impl Engine {
                 prompt_len: r.prompt.len(),
                 computed: 0,
                 blocks: Vec::new(),
+                registered: 0,
+                running: false,
+                admitted_at: 0,
                 sampler: Sampler::new(r.sampling.clone(), random_seed(i)),
                 text: TextStream::new(r.sampling.stop().to_vec()),
                 out: String::new(),
@@ -251,7 +324,10 @@ impl Engine {
             .collect();
         let result = self.drive(&mut seqs, cancel, &mut on_event);
         for s in &mut seqs {
-            self.free.append(&mut s.blocks);
+            let released = self.release_blocks(s);
+            if result.is_ok() {
+                released?;
+            }
         }
         result?;
         Ok(seqs
@@ -276,95 +352,52 @@ impl Engine {
         cancel: &AtomicBool,
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(), EngineError> {
-        let bt = self.config.block_tokens;
-        let chunk_cap = self.config.prefill_chunk.map_or(usize::MAX, NonZeroUsize::get);
-        while seqs.iter().any(|s| s.finish.is_none()) {
+        while seqs.iter().any(Seq::active) {
             if cancel.load(Ordering::Relaxed) {
-                for s in seqs.iter_mut().filter(|s| s.finish.is_none()) {
+                for s in seqs.iter_mut().filter(|s| s.active()) {
                     s.finish = Some(FinishReason::Cancelled);
+                    self.release_blocks(s)?;
+                    s.running = false;
                 }
                 break;
             }
-            // Plan the step: decodes first (one token each), then prompt chunks while the budget lasts.
-            let mut budget = self.config.max_batched_tokens;
-            let mut plan: Vec<(usize, usize)> = Vec::new();
-            for (i, s) in seqs.iter().enumerate() {
-                if s.finish.is_none() && s.computed >= s.prompt_len && budget > 0 {
-                    plan.push((i, 1));
-                    budget -= 1;
-                }
-            }
-            for (i, s) in seqs.iter().enumerate() {
-                if s.finish.is_none() && s.computed < s.prompt_len && budget > 0 {
-                    let n = (s.prompt_len - s.computed).min(chunk_cap).min(budget);
-                    plan.push((i, n));
-                    budget -= n;
-                }
-            }
-            for &(i, n) in &plan {
-                let need = (seqs[i].computed + n).div_ceil(bt).saturating_sub(seqs[i].blocks.len());
-                if need > self.free.len() {
-                    return Err(EngineError::OutOfKvCapacity {
-                        need,
-                        free: self.free.len(),
-                        total: self.kv.capacity(),
-                    });
-                }
-                let at = self.free.len() - need;
-                seqs[i].blocks.extend(self.free.drain(at..).rev());
-            }
-            let chunks: Vec<SeqChunk<'_>> = plan
-                .iter()
-                .map(|&(i, n)| {
-                    let s = &seqs[i];
-                    let end = s.computed + n;
-                    SeqChunk {
-                        tokens: &s.tokens[s.computed..end],
-                        start: s.computed,
-                        blocks: &s.blocks,
-                        logits: end >= s.prompt_len,
-                    }
-                })
-                .collect();
-            let (model, kv) = (&self.model, &mut self.kv);
-            let logits = self.pool.install(|| model.forward(kv, &chunks))?;
-            let mut logits = logits.into_iter();
-            for &(i, n) in &plan {
-                let s = &mut seqs[i];
-                s.computed += n;
-                if s.computed < s.prompt_len {
-                    continue;
-                }
-                let Some(l) = logits.next() else { continue };
-                let token = s.sampler.sample(&l);
-                self.accept(i, s, token, on_event);
+            if !self.step(seqs, on_event)? {
+                return Err(self.out_of_capacity());
             }
         }
         Ok(())
     }
+}
 
-    /// Appends a sampled token and decides whether the sequence is done.
-    fn accept(&self, i: usize, s: &mut Seq, token: u32, on_event: &mut impl FnMut(Event<'_>)) {
-        let now = Instant::now();
-        s.first_token.get_or_insert(now);
-        s.last_token = Some(now);
-        s.tokens.push(token);
-        let generated = s.tokens.len() - s.prompt_len;
-        let end_of_generation = self.tokenizer.is_end_of_generation(token);
-        let (mut text, stop_string) =
-            if end_of_generation { (String::new(), false) } else { s.text.push(&self.tokenizer, token) };
-        if end_of_generation || stop_string {
-            s.finish = Some(FinishReason::Stop);
-        } else if generated >= s.max_new {
-            s.finish = Some(FinishReason::Length);
-        }
-        if s.finish.is_some() {
-            // Text held back as a possible stop-string start is released, unless a stop string ended the sequence.
-            text.push_str(&s.text.finish(stop_string));
-        }
-        s.out.push_str(&text);
-        on_event(Event::Token { seq: i, token, text: &text });
+/// Every configuration problem, reported together.
+fn check_config(c: &EngineConfig, context: usize) -> Result<(), EngineError> {
+    let mut problems = Vec::new();
+    if c.block_tokens == 0 {
+        problems.push("block_tokens must be at least 1".to_string());
     }
+    if c.max_batched_tokens == 0 {
+        problems.push("max_batched_tokens must be at least 1".to_string());
+    }
+    if c.max_num_seqs == 0 {
+        problems.push("max_num_seqs must be at least 1".to_string());
+    }
+    let max_len = c.max_model_len.unwrap_or(context);
+    if max_len == 0 || max_len > context {
+        problems.push(format!("max_model_len {max_len} must be between 1 and the model's context ({context})"));
+    }
+    if c.kv_blocks == 0 {
+        problems.push("the device tier needs at least one block (kv_blocks)".to_string());
+    } else if c.block_tokens > 0 && c.kv_blocks < max_len.div_ceil(c.block_tokens) {
+        problems.push(format!(
+            "the device tier ({} blocks) cannot hold one sequence of max_model_len {max_len} tokens ({} blocks)",
+            c.kv_blocks,
+            max_len.div_ceil(c.block_tokens)
+        ));
+    }
+    if c.disk_blocks > 0 && c.disk_dir.is_none() {
+        problems.push("a disk tier (disk_blocks > 0) needs disk_dir".to_string());
+    }
+    if problems.is_empty() { Ok(()) } else { Err(EngineError::Config(problems.join("; "))) }
 }
 
 /// A seed for a request that brought none: different per process and per sequence.
@@ -373,9 +406,4 @@ fn random_seed(i: usize) -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_usize(i);
     h.finish()
-}
-
-/// A cancellation flag shared between a runner and whoever may stop it.
-pub fn cancel_flag() -> Arc<AtomicBool> {
-    Arc::new(AtomicBool::new(false))
 }

@@ -36,7 +36,8 @@ pub struct Location {
 /// A copy the caller must perform before using the destination, in the order given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
-    Copy { from: Location, to: Location },
+    /// Copy the bytes of `block` from one slot to another.
+    Copy { from: Location, to: Location, block: SeqHash },
 }
 
 /// Why a pool operation was refused.
@@ -177,7 +178,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
                 None => return,
             },
         };
-        actions.push(Action::Copy { from: at, to: Location { tier: below, slot } });
+        actions.push(Action::Copy { from: at, to: Location { tier: below, slot }, block: meta.seq });
         self.table_mut(below).set_cached(slot, meta);
         self.log.push(stored(below, meta));
     }
@@ -232,7 +233,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
                     break;
                 }
             };
-            out.actions.push(Action::Copy { from: at, to: Location { tier: Tier::Device, slot } });
+            out.actions.push(Action::Copy { from: at, to: Location { tier: Tier::Device, slot }, block: h });
             self.table_mut(at.tier).free_pinned(at.slot);
             self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![h] });
             self.table_mut(Tier::Device).register(slot, meta);

@@ -1,0 +1,67 @@
+//! One sequence's state in the scheduler: its tokens, how far its KV is computed, its device blocks, its sampler
+//! and text, and when it finished.
+
+use std::time::Instant;
+
+use super::{Event, FinishReason, TextStream};
+use crate::kv::BlockId;
+use crate::sampling::Sampler;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug)]
+pub(super) struct Seq {
+    /// Prompt plus generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Leading tokens whose K/V is in `blocks`.
+    pub computed: usize,
+    /// Device slots; block `i` holds tokens `[i * block, (i + 1) * block)`.
+    pub blocks: Vec<BlockId>,
+    /// Leading blocks that are registered in the pool (computed here or taken from the cache).
+    pub registered: usize,
+    /// Whether the sequence holds blocks and takes part in steps.
+    pub running: bool,
+    /// When it was last admitted (larger = newer); preemption takes the newest first.
+    pub admitted_at: u64,
+    pub sampler: Sampler,
+    pub text: TextStream,
+    pub out: String,
+    pub max_new: usize,
+    pub finish: Option<FinishReason>,
+    pub first_token: Option<Instant>,
+    pub last_token: Option<Instant>,
+}
+
+impl Seq {
+    /// Tokens still to compute before the next token can be sampled.
+    pub fn remaining(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    pub fn active(&self) -> bool {
+        self.finish.is_none()
+    }
+
+    /// Appends a sampled token, decides whether the sequence is done, and reports the text it makes.
+    pub fn accept(&mut self, index: usize, token: u32, tokenizer: &Tokenizer, on_event: &mut impl FnMut(Event<'_>)) {
+        let now = Instant::now();
+        self.first_token.get_or_insert(now);
+        self.last_token = Some(now);
+        self.tokens.push(token);
+        let generated = self.tokens.len() - self.prompt_len;
+        let end_of_generation = tokenizer.is_end_of_generation(token);
+        let (mut text, stop_string) =
+            if end_of_generation { (String::new(), false) } else { self.text.push(tokenizer, token) };
+        if end_of_generation || stop_string {
+            self.finish = Some(FinishReason::Stop);
+        } else if generated >= self.max_new {
+            self.finish = Some(FinishReason::Length);
+        }
+        if self.finish.is_some() {
+            // Text held back as a possible stop-string start is released, unless a stop string ended the sequence.
+            text.push_str(&self.text.finish(stop_string));
+        }
+        self.out.push_str(&text);
+        on_event(Event::Token { seq: index, token, text: &text });
+    }
+}

@@ -1,0 +1,216 @@
+//! One scheduler step: admit waiting sequences (taking their cached prefix from any tier), plan decodes and
+//! prompt chunks within the token budget, find device blocks (preempting the newest sequence when none are left),
+//! run the forward pass, register completed blocks, and sample.
+
+use kv_cache::events::{BlockMeta, Tier};
+use kv_cache::pool::{Action, PoolError};
+use kv_cache::{BlockSize, block_hashes};
+
+use super::sequence::Seq;
+use super::{Engine, EngineError, Event};
+use crate::forward::SeqChunk;
+use crate::kv::BlockId;
+
+impl Engine {
+    fn block_size(&self) -> BlockSize {
+        BlockSize::new(self.config.block_tokens as u32).unwrap_or_default()
+    }
+
+    /// Gives waiting sequences their cached prefix and a place in the running set, oldest request first.
+    pub(super) fn admit(&mut self, seqs: &mut [Seq]) -> Result<(), EngineError> {
+        let bt = self.config.block_tokens;
+        let room = self.config.max_num_seqs.saturating_sub(seqs.iter().filter(|s| s.running).count());
+        for s in seqs.iter_mut().filter(|s| s.active() && !s.running).take(room) {
+            // Reuse whole blocks, but always leave at least one token to compute (its logits are needed).
+            let reusable = (s.tokens.len() - 1) / bt;
+            let hashes = block_hashes(&s.tokens[..reusable * bt], self.block_size(), None);
+            self.stage_disk_hits(&hashes.seq);
+            let acquired = self.pool.acquire(&hashes.seq);
+            self.execute(&acquired.actions)?;
+            for tier in Tier::ALL {
+                self.counters.cached_tokens[tier.index()] += (acquired.from_tier[tier.index()] * bt) as u64;
+            }
+            s.registered = acquired.slots.len();
+            s.computed = s.registered * bt;
+            s.blocks = acquired.slots.into_iter().map(BlockId).collect();
+            s.running = true;
+            s.admitted_at = self.tick;
+            self.tick += 1;
+        }
+        Ok(())
+    }
+
+    /// Reads and verifies the disk blocks a prefix is about to onboard; a bad one is dropped from the pool (with a
+    /// `Removed` event) so that the prefix stops before it and the block is recomputed.
+    fn stage_disk_hits(&mut self, hashes: &[kv_cache::SeqHash]) {
+        let m = self.pool.lookup(hashes);
+        for &h in &hashes[m.device + m.host..m.device + m.host + m.disk] {
+            let Some(at) = self.pool.find(h) else { break };
+            if self.stores.stage_disk_block(at.slot, h).is_err() {
+                self.pool.discard(at);
+                self.counters.corrupt_disk_blocks += 1;
+                break;
+            }
+        }
+    }
+
+    /// Performs the pool's copies and counts them.
+    pub(super) fn execute(&mut self, actions: &[Action]) -> Result<(), EngineError> {
+        for &Action::Copy { from, to, .. } in actions {
+            if to.tier == Tier::Device {
+                self.counters.onboards[from.tier.index()] += 1;
+            } else {
+                self.counters.offloads[to.tier.index()] += 1;
+            }
+        }
+        self.stores.execute(actions).map_err(EngineError::Tier)
+    }
+
+    /// Frees every block of `s` (registered ones stay cached for reuse) and sends it back to waiting.
+    pub(super) fn preempt(&mut self, s: &mut Seq) -> Result<(), EngineError> {
+        self.release_blocks(s)?;
+        s.running = false;
+        s.computed = 0;
+        s.registered = 0;
+        self.counters.preemptions += 1;
+        Ok(())
+    }
+
+    pub(super) fn release_blocks(&mut self, s: &mut Seq) -> Result<(), EngineError> {
+        for b in s.blocks.drain(..) {
+            self.pool.release(b.0).map_err(EngineError::Pool)?;
+        }
+        Ok(())
+    }
+
+    /// Plans and runs one step. Returns `Ok(false)` when nothing could run.
+    pub(super) fn step(&mut self, seqs: &mut [Seq], on_event: &mut impl FnMut(Event<'_>)) -> Result<bool, EngineError> {
+        self.admit(seqs)?;
+        let bt = self.config.block_tokens;
+        let chunk_cap = self.config.prefill_chunk.map_or(usize::MAX, std::num::NonZeroUsize::get);
+        // Decodes first (one token each), then prompt chunks while the budget lasts.
+        let mut budget = self.config.max_batched_tokens;
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        let runnable = |s: &Seq| s.active() && s.running;
+        for (i, _) in seqs.iter().enumerate().filter(|(_, s)| runnable(s) && s.remaining() == 1) {
+            if budget == 0 {
+                break;
+            }
+            plan.push((i, 1));
+            budget -= 1;
+        }
+        for (i, s) in seqs.iter().enumerate().filter(|(_, s)| runnable(s) && s.remaining() > 1) {
+            if budget == 0 {
+                break;
+            }
+            let n = s.remaining().min(chunk_cap).min(budget);
+            plan.push((i, n));
+            budget -= n;
+        }
+        // Device blocks for the plan, preempting the newest running sequence when the pool runs dry.
+        let mut k = 0;
+        while k < plan.len() {
+            let (i, n) = plan[k];
+            let need = (seqs[i].computed + n).div_ceil(bt);
+            let mut preempted_self = false;
+            while seqs[i].blocks.len() < need {
+                let mut actions = Vec::new();
+                match self.pool.allocate(&mut actions) {
+                    Ok(slot) => {
+                        self.execute(&actions)?;
+                        seqs[i].blocks.push(BlockId(slot));
+                    }
+                    Err(PoolError::OutOfBlocks) => {
+                        let victim = seqs
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, s)| s.running && s.active())
+                            .max_by_key(|(_, s)| s.admitted_at)
+                            .map(|(v, _)| v);
+                        let Some(v) = victim else { return Err(self.out_of_capacity()) };
+                        if v == i && seqs.iter().filter(|s| s.running && s.active()).count() == 1 {
+                            return Err(self.out_of_capacity());
+                        }
+                        self.preempt(&mut seqs[v])?;
+                        if let Some(pos) = plan.iter().position(|&(p, _)| p == v) {
+                            plan.remove(pos);
+                            if pos < k {
+                                k -= 1;
+                            }
+                        }
+                        if v == i {
+                            preempted_self = true;
+                            break;
+                        }
+                    }
+                    Err(e) => return Err(EngineError::Pool(e)),
+                }
+            }
+            if !preempted_self {
+                k += 1;
+            }
+        }
+        if plan.is_empty() {
+            return Ok(false);
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let s = &seqs[i];
+                let end = s.computed + n;
+                SeqChunk {
+                    tokens: &s.tokens[s.computed..end],
+                    start: s.computed,
+                    blocks: &s.blocks,
+                    logits: end == s.tokens.len(),
+                }
+            })
+            .collect();
+        let (model, kv) = (&self.model, &mut self.stores.device);
+        let logits = self.pool_threads.install(|| model.forward(kv, &chunks))?;
+        drop(chunks);
+        let mut logits = logits.into_iter();
+        for &(i, n) in &plan {
+            let s = &mut seqs[i];
+            s.computed += n;
+            self.counters.prefill_tokens += n as u64;
+            self.register_complete(s)?;
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let Some(l) = logits.next() else { continue };
+            let token = s.sampler.sample(&l);
+            s.accept(i, token, &self.tokenizer, on_event);
+            if !s.active() {
+                self.release_blocks(s)?;
+                s.running = false;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Registers the sequence's newly completed blocks so later sequences can share them.
+    fn register_complete(&mut self, s: &mut Seq) -> Result<(), EngineError> {
+        let bt = self.config.block_tokens;
+        let full = s.computed / bt;
+        if full <= s.registered {
+            return Ok(());
+        }
+        let hashes = block_hashes(&s.tokens[..full * bt], self.block_size(), None);
+        for b in s.registered..full {
+            let meta = BlockMeta {
+                seq: hashes.seq[b],
+                local: hashes.local[b],
+                parent: b.checked_sub(1).map(|p| hashes.seq[p]),
+            };
+            self.pool.register(s.blocks[b].0, meta).map_err(EngineError::Pool)?;
+        }
+        s.registered = full;
+        Ok(())
+    }
+
+    pub(super) fn out_of_capacity(&self) -> EngineError {
+        let u = self.pool.usage(Tier::Device);
+        EngineError::OutOfKvCapacity { need: 1, free: u.free + u.cached, total: self.pool.capacity(Tier::Device) }
+    }
+}
