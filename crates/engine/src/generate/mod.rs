@@ -2,6 +2,7 @@
 //! through the tiered block pool (device, host, disk), preemption by recompute when device blocks run out (newest
 //! sequence first), sampling, stop conditions and cancellation. Compute runs on the engine's own thread pool.
 
+mod handle;
 mod sequence;
 mod step;
 mod text;
@@ -11,6 +12,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, SubmitError};
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
 use sequence::Seq;
@@ -292,36 +294,9 @@ impl Engine {
         cancel: &AtomicBool,
         mut on_event: impl FnMut(Event<'_>),
     ) -> Result<Vec<Completion>, EngineError> {
-        let context = self.max_model_len();
-        for r in requests {
-            if r.prompt.is_empty() {
-                return Err(EngineError::EmptyPrompt);
-            }
-            if r.prompt.len() >= context {
-                return Err(EngineError::PromptTooLong { prompt: r.prompt.len(), context });
-            }
-        }
         let start = Instant::now();
-        let mut seqs: Vec<Seq> = requests
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Seq {
-                tokens: r.prompt.clone(),
-                prompt_len: r.prompt.len(),
-                computed: 0,
-                blocks: Vec::new(),
-                registered: 0,
-                running: false,
-                admitted_at: 0,
-                sampler: Sampler::new(r.sampling.clone(), random_seed(i)),
-                text: TextStream::new(r.sampling.stop().to_vec()),
-                out: String::new(),
-                max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
-                finish: None,
-                first_token: None,
-                last_token: None,
-            })
-            .collect();
+        let mut seqs: Vec<Seq> =
+            requests.iter().enumerate().map(|(i, r)| self.new_seq(r, i)).collect::<Result<_, _>>()?;
         let result = self.drive(&mut seqs, cancel, &mut on_event);
         for s in &mut seqs {
             let released = self.release_blocks(s);
@@ -330,20 +305,39 @@ impl Engine {
             }
         }
         result?;
-        Ok(seqs
-            .into_iter()
-            .map(|s| {
-                let first = s.first_token.unwrap_or(start);
-                Completion {
-                    prompt_ids: s.tokens[..s.prompt_len].to_vec(),
-                    token_ids: s.tokens[s.prompt_len..].to_vec(),
-                    text: s.out,
-                    finish_reason: s.finish.unwrap_or(FinishReason::Cancelled),
-                    time_to_first_token: first - start,
-                    decode_time: s.last_token.unwrap_or(first) - first,
-                }
-            })
-            .collect())
+        Ok(seqs.into_iter().map(|s| s.completion(start)).collect())
+    }
+
+    /// A sequence for `request`, checked before any compute: an empty prompt or one that leaves no room to
+    /// generate within `max_model_len` is refused.
+    fn new_seq(&self, request: &Request, index: usize) -> Result<Seq, EngineError> {
+        let context = self.max_model_len();
+        let r = request;
+        if r.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if r.prompt.len() >= context {
+            return Err(EngineError::PromptTooLong { prompt: r.prompt.len(), context });
+        }
+        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.model.config.n_vocab) {
+            return Err(EngineError::Forward(ForwardError::TokenOutOfRange(t)));
+        }
+        Ok(Seq {
+            tokens: r.prompt.clone(),
+            prompt_len: r.prompt.len(),
+            computed: 0,
+            blocks: Vec::new(),
+            registered: 0,
+            running: false,
+            admitted_at: 0,
+            sampler: Sampler::new(r.sampling.clone(), random_seed(index)),
+            text: TextStream::new(r.sampling.stop().to_vec()),
+            out: String::new(),
+            max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
+            finish: None,
+            first_token: None,
+            last_token: None,
+        })
     }
 
     fn drive(

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::{Event, FinishReason, TextStream};
+use super::{Completion, Event, FinishReason, TextStream};
 use crate::kv::BlockId;
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
@@ -40,6 +40,19 @@ impl Seq {
 
     pub fn active(&self) -> bool {
         self.finish.is_none()
+    }
+
+    /// The finished sequence as a caller sees it; `start` is when its request arrived.
+    pub fn completion(&self, start: Instant) -> Completion {
+        let first = self.first_token.unwrap_or(start);
+        Completion {
+            prompt_ids: self.tokens[..self.prompt_len].to_vec(),
+            token_ids: self.tokens[self.prompt_len..].to_vec(),
+            text: self.out.clone(),
+            finish_reason: self.finish.unwrap_or(FinishReason::Cancelled),
+            time_to_first_token: first.saturating_duration_since(start),
+            decode_time: self.last_token.unwrap_or(first).saturating_duration_since(first),
+        }
     }
 
     /// Appends a sampled token, decides whether the sequence is done, and reports the text it makes.
