@@ -53,14 +53,17 @@ fi
 
 echo "tandem: bench engine, $threads threads" >&2
 ours=$("$tandem" bench engine --model "$model" --threads "$threads" --json)
+echo "tandem: bench engine --concurrency 4,16 (through the scheduler), $threads threads" >&2
+conc=$("$tandem" bench engine --model "$model" --threads "$threads" --concurrency 4,16 --json)
 echo "llama.cpp: llama-bench -p 512 -n 128, $threads threads" >&2
 bench=$("$bin/llama-bench" -m "$model" -t "$threads" -p 512 -n 128 -o json 2>/dev/null)
 echo "llama.cpp: llama-batched-bench -npp 128 -ntg 128 -npl 1,4,16, $threads threads" >&2
 batched=$("$bin/llama-batched-bench" -m "$model" -t "$threads" -c 4096 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,4,16 2>/dev/null)
 
-OURS="$ours" BENCH="$bench" BATCHED="$batched" THREADS="$threads" python3 - <<'PY'
+OURS="$ours" CONC="$conc" BENCH="$bench" BATCHED="$batched" THREADS="$threads" python3 - <<'PY'
 import json, os
 ours = json.loads(os.environ["OURS"])
+ours["scheduler"] = json.loads(os.environ["CONC"])["concurrency"]
 bench = json.loads(os.environ["BENCH"])
 pp = next(r["avg_ts"] for r in bench if r["n_prompt"] == 512 and r["n_gen"] == 0)
 tg = next(r["avg_ts"] for r in bench if r["n_gen"] == 128 and r["n_prompt"] == 0)
@@ -76,5 +79,8 @@ ratios = {"prefill": ours["prefill_tokens_per_s"] / pp}
 for d in ours["decode"]:
     if d["batch"] in batched:
         ratios[f"decode_batch_{d['batch']}"] = d["tokens_per_s"] / batched[d["batch"]]
+for c in ours["scheduler"]:
+    if c["sequences"] in batched:
+        ratios[f"scheduler_concurrency_{c['sequences']}"] = c["decode_tokens_per_s"] / batched[c["sequences"]]
 print(json.dumps({"threads": int(os.environ["THREADS"]), "tandem": ours, "llama_cpp": theirs, "ratios": ratios}, indent=1))
 PY

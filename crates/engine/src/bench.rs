@@ -104,3 +104,48 @@ pub fn run(model: &Model, spec: &BenchSpec) -> Result<BenchReport, ForwardError>
         decode,
     })
 }
+
+/// Decode throughput of `sequences` requests run together through the engine's scheduler.
+#[derive(Clone, Debug, Serialize)]
+pub struct ConcurrencyFigure {
+    pub sequences: usize,
+    /// Tokens per second over all sequences, from the moment every sequence has its first token to the end.
+    pub decode_tokens_per_s: f64,
+    /// From the start of the run until every sequence had its first token (all prompts prefilled).
+    pub all_first_tokens_ms: f64,
+}
+
+/// Runs `sequences` greedy requests (prompt `prompt_tokens`, `decode_tokens` each, end-of-generation ignored)
+/// through [`Engine::run`](crate::generate::Engine::run) and times the decode phase.
+pub fn concurrency(
+    engine: &mut crate::generate::Engine,
+    sequences: usize,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+) -> Result<ConcurrencyFigure, crate::generate::EngineError> {
+    use crate::generate::{Event, Request};
+    use crate::sampling::{RawSampling, SamplingParams};
+    let vocab = engine.model().config.n_vocab;
+    let raw = RawSampling { max_tokens: decode_tokens as u32, ignore_eos: true, ..RawSampling::default() };
+    let sampling = SamplingParams::new(raw).map_err(|e| crate::generate::EngineError::Config(e.to_string()))?;
+    let requests: Vec<Request> = (0..sequences)
+        .map(|s| Request { prompt: prompt(prompt_tokens, 1000 + s, vocab), sampling: sampling.clone() })
+        .collect();
+    let mut first: Vec<Option<Instant>> = vec![None; sequences];
+    let mut stamps: Vec<Instant> = Vec::with_capacity(sequences * decode_tokens);
+    let start = Instant::now();
+    engine.run(&requests, &std::sync::atomic::AtomicBool::new(false), |Event::Token { seq, .. }| {
+        let now = Instant::now();
+        first[seq].get_or_insert(now);
+        stamps.push(now);
+    })?;
+    let end = Instant::now();
+    let all_first = first.iter().flatten().max().copied().unwrap_or(end);
+    // Tokens made once every sequence was decoding.
+    let decode = stamps.iter().filter(|&&t| t > all_first).count();
+    Ok(ConcurrencyFigure {
+        sequences,
+        decode_tokens_per_s: decode as f64 / end.duration_since(all_first).as_secs_f64().max(1e-9),
+        all_first_tokens_ms: all_first.duration_since(start).as_secs_f64() * 1000.0,
+    })
+}

@@ -26,6 +26,7 @@ pub struct SamplingParams {
     seed: Option<u64>,
     max_tokens: NonZeroU32,
     stop: Vec<String>,
+    ignore_eos: bool,
 }
 
 /// Sampling parameters as a user gives them, before validation.
@@ -37,12 +38,22 @@ pub struct RawSampling {
     pub seed: Option<u64>,
     pub max_tokens: u32,
     pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens (benchmarks, as vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 impl Default for RawSampling {
     /// Greedy, 256 tokens: deterministic output unless a user asks otherwise.
     fn default() -> Self {
-        RawSampling { temperature: 0.0, top_p: 1.0, top_k: None, seed: None, max_tokens: 256, stop: Vec::new() }
+        RawSampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: None,
+            seed: None,
+            max_tokens: 256,
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
     }
 }
 
@@ -70,12 +81,21 @@ impl SamplingParams {
             seed: raw.seed,
             max_tokens,
             stop: raw.stop,
+            ignore_eos: raw.ignore_eos,
         })
     }
 
     /// Greedy decoding of at most `max_tokens` tokens.
     pub fn greedy(max_tokens: NonZeroU32) -> SamplingParams {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: None, seed: None, max_tokens, stop: Vec::new() }
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: None,
+            seed: None,
+            max_tokens,
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
     }
 
     pub fn max_tokens(&self) -> u32 {
@@ -84,6 +104,10 @@ impl SamplingParams {
 
     pub fn stop(&self) -> &[String] {
         &self.stop
+    }
+
+    pub fn ignore_eos(&self) -> bool {
+        self.ignore_eos
     }
 
     pub fn seed(&self) -> Option<u64> {

@@ -88,6 +88,7 @@ fn seeded_sampling_is_reproducible() {
             seed: Some(seed),
             max_tokens: 16,
             stop: vec![],
+            ignore_eos: false,
         };
         Request { prompt: prompt.clone(), sampling: SamplingParams::new(raw).expect("valid") }
     };

@@ -334,6 +334,7 @@ impl Engine {
             text: TextStream::new(r.sampling.stop().to_vec()),
             out: String::new(),
             max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
+            ignore_eos: r.sampling.ignore_eos(),
             finish: None,
             first_token: None,
             last_token: None,

@@ -27,6 +27,7 @@ pub(super) struct Seq {
     pub text: TextStream,
     pub out: String,
     pub max_new: usize,
+    pub ignore_eos: bool,
     pub finish: Option<FinishReason>,
     pub first_token: Option<Instant>,
     pub last_token: Option<Instant>,
@@ -62,7 +63,7 @@ impl Seq {
         self.last_token = Some(now);
         self.tokens.push(token);
         let generated = self.tokens.len() - self.prompt_len;
-        let end_of_generation = tokenizer.is_end_of_generation(token);
+        let end_of_generation = !self.ignore_eos && tokenizer.is_end_of_generation(token);
         let (mut text, stop_string) =
             if end_of_generation { (String::new(), false) } else { self.text.push(tokenizer, token) };
         if end_of_generation || stop_string {

@@ -64,6 +64,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         seed: args.seed,
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
+        ignore_eos: false,
     })
     .map_err(|e| e.to_string())?;
     let path = args.model.path()?;
