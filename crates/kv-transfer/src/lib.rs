@@ -11,6 +11,8 @@
 pub mod descriptor;
 pub mod frame;
 pub mod lease;
+pub mod quic;
+pub mod tls;
 
 /// Checksum of a block's bytes, carried in descriptors and frames.
 pub fn checksum(bytes: &[u8]) -> u64 {

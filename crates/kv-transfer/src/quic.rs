@@ -1,0 +1,272 @@
+//! The QUIC transport: quinn over UDP, TLS 1.3 with mutual authentication against the cluster CA.
+//!
+//! The owner runs a [`QuicServer`] over a [`BlockSource`]; a reader's [`QuicClient::pull`] opens a few streams in
+//! parallel, sends one `Read` on each and receives `Block` frames. Every block is checked (position, length,
+//! checksum against the frame and the handle's descriptor); the pull returns blocks only when all of them passed,
+//! so a failed or partial transfer never leaves a half-written block for the model.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::task::JoinSet;
+
+use crate::checksum;
+use crate::descriptor::BlockDescriptor;
+use crate::frame::{
+    ErrorCode, Frame, FrameDecoder, FrameError, ReadRequest, encode_block_header, encode_done, encode_error,
+    encode_read,
+};
+use crate::lease::LeaseId;
+use crate::tls::{Identity, TlsError};
+
+/// Largest `Read` frame a server accepts: 16,384 block positions, more than an 8k-token prompt has.
+const MAX_READ_FRAME: usize = 64 << 10;
+/// Frame bytes beyond a block's payload (kind, index, checksum).
+const BLOCK_FRAME_OVERHEAD: usize = 13;
+
+/// What the owner serves: block bytes by lease and position.
+pub trait BlockSource: Send + Sync + 'static {
+    /// The checksum and bytes of block `index` of `lease`, or why not.
+    fn read(&self, lease: LeaseId, index: u32) -> Result<(u64, Bytes), (ErrorCode, String)>;
+}
+
+/// Why a transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("transfer endpoint: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("cannot connect to {addr}: {reason}")]
+    Connect { addr: SocketAddr, reason: String },
+    #[error("transfer stream failed: {0}")]
+    Stream(String),
+    #[error("the owner refused: {code:?}: {message}")]
+    Remote { code: ErrorCode, message: String },
+    #[error("block {index} failed its check: {what}")]
+    Integrity { index: u32, what: &'static str },
+    #[error("the owner sent {got} of {want} blocks")]
+    Incomplete { got: usize, want: usize },
+    #[error("bad frame from the peer: {0}")]
+    Frame(#[from] FrameError),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+}
+
+fn stream_err(e: impl std::fmt::Display) -> TransferError {
+    TransferError::Stream(e.to_string())
+}
+
+/// Serves reads of leased blocks.
+#[derive(Debug)]
+pub struct QuicServer {
+    endpoint: quinn::Endpoint,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl QuicServer {
+    /// Listens on `addr` (port 0: any free port). Must be called inside a tokio runtime.
+    pub fn bind(
+        addr: SocketAddr,
+        identity: &Identity,
+        source: Arc<dyn BlockSource>,
+    ) -> Result<QuicServer, TransferError> {
+        let endpoint = quinn::Endpoint::server(identity.quic_server()?, addr)?;
+        let ep = endpoint.clone();
+        let accept = tokio::spawn(async move {
+            while let Some(incoming) = ep.accept().await {
+                let source = Arc::clone(&source);
+                tokio::spawn(async move {
+                    // A peer without a certificate from the cluster CA fails here and never sends a request.
+                    let Ok(conn) = incoming.await else { return };
+                    while let Ok((send, recv)) = conn.accept_bi().await {
+                        tokio::spawn(serve_stream(send, recv, Arc::clone(&source)));
+                    }
+                });
+            }
+        });
+        Ok(QuicServer { endpoint, accept })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// Closes every connection and stops listening.
+    pub async fn close(self) {
+        self.endpoint.close(0u32.into(), b"shutdown");
+        self.accept.abort();
+        self.endpoint.wait_idle().await;
+    }
+}
+
+async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    dec: &FrameDecoder,
+    buf: &mut BytesMut,
+) -> Result<Option<Frame>, TransferError> {
+    loop {
+        if let Some(f) = dec.decode(buf)? {
+            return Ok(Some(f));
+        }
+        match recv.read_chunk(usize::MAX, true).await.map_err(stream_err)? {
+            Some(chunk) => buf.extend_from_slice(&chunk.bytes),
+            None if buf.is_empty() => return Ok(None),
+            None => return Err(TransferError::Stream("the stream ended inside a frame".into())),
+        }
+    }
+}
+
+async fn serve_stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, source: Arc<dyn BlockSource>) {
+    let dec = FrameDecoder::new(MAX_READ_FRAME);
+    let mut buf = BytesMut::new();
+    let mut out = BytesMut::new();
+    let request = match read_frame(&mut recv, &dec, &mut buf).await {
+        Ok(Some(Frame::Read(r))) => r,
+        Ok(_) => {
+            encode_error(ErrorCode::BadRequest, "expected a read request", &mut out);
+            let _ = send.write_all(&out).await;
+            let _ = send.finish();
+            return;
+        }
+        Err(e) => {
+            encode_error(ErrorCode::BadRequest, &e.to_string(), &mut out);
+            let _ = send.write_all(&out).await;
+            let _ = send.finish();
+            return;
+        }
+    };
+    for &index in &request.blocks {
+        out.clear();
+        match source.read(request.lease, index) {
+            Ok((sum, bytes)) => {
+                encode_block_header(index, sum, bytes.len(), &mut out);
+                if send.write_all(&out).await.is_err() || send.write_chunk(bytes).await.is_err() {
+                    return;
+                }
+            }
+            Err((code, message)) => {
+                encode_error(code, &message, &mut out);
+                let _ = send.write_all(&out).await;
+                let _ = send.finish();
+                return;
+            }
+        }
+    }
+    out.clear();
+    encode_done(&mut out);
+    let _ = send.write_all(&out).await;
+    let _ = send.finish();
+}
+
+/// What to pull.
+#[derive(Clone, Debug)]
+pub struct PullRequest<'a> {
+    pub addr: SocketAddr,
+    /// The name the owner's certificate must carry (`localhost` for a local cluster).
+    pub server_name: &'a str,
+    pub lease: LeaseId,
+    /// Block positions wanted, with the handle's descriptor of each.
+    pub blocks: &'a [(u32, BlockDescriptor)],
+    /// Streams in parallel.
+    pub streams: usize,
+    /// Deadline for the whole pull, connection included.
+    pub timeout: Duration,
+    pub traceparent: Option<String>,
+}
+
+/// Pulls blocks from owners.
+#[derive(Debug)]
+pub struct QuicClient {
+    endpoint: quinn::Endpoint,
+}
+
+impl QuicClient {
+    /// A client presenting `identity`, bound to an ephemeral port on `bind` (use an unspecified or loopback
+    /// address). Must be called inside a tokio runtime.
+    pub fn new(identity: &Identity, bind: SocketAddr) -> Result<QuicClient, TransferError> {
+        let mut endpoint = quinn::Endpoint::client(bind)?;
+        endpoint.set_default_client_config(identity.quic_client()?);
+        Ok(QuicClient { endpoint })
+    }
+
+    /// Pulls and verifies every requested block; all or nothing.
+    pub async fn pull(&self, req: PullRequest<'_>) -> Result<Vec<(u32, Bytes)>, TransferError> {
+        match tokio::time::timeout(req.timeout, self.pull_inner(&req)).await {
+            Ok(r) => r,
+            Err(_) => Err(TransferError::Timeout(req.timeout)),
+        }
+    }
+
+    async fn pull_inner(&self, req: &PullRequest<'_>) -> Result<Vec<(u32, Bytes)>, TransferError> {
+        let connect_err = |e: &dyn std::fmt::Display| TransferError::Connect { addr: req.addr, reason: e.to_string() };
+        let conn = self
+            .endpoint
+            .connect(req.addr, req.server_name)
+            .map_err(|e| connect_err(&e))?
+            .await
+            .map_err(|e| connect_err(&e))?;
+        let streams = req.streams.clamp(1, req.blocks.len().max(1));
+        let mut tasks = JoinSet::new();
+        for s in 0..streams {
+            let group: HashMap<u32, BlockDescriptor> =
+                req.blocks.iter().skip(s).step_by(streams).map(|&(i, d)| (i, d)).collect();
+            let read = ReadRequest {
+                lease: req.lease,
+                traceparent: req.traceparent.clone(),
+                blocks: group.keys().copied().collect(),
+            };
+            let conn = conn.clone();
+            tasks.spawn(async move { pull_stream(conn, read, group).await });
+        }
+        let mut out = Vec::with_capacity(req.blocks.len());
+        while let Some(joined) = tasks.join_next().await {
+            out.extend(joined.map_err(stream_err)??);
+        }
+        out.sort_by_key(|(i, _)| *i);
+        Ok(out)
+    }
+}
+
+async fn pull_stream(
+    conn: quinn::Connection,
+    read: ReadRequest,
+    mut want: HashMap<u32, BlockDescriptor>,
+) -> Result<Vec<(u32, Bytes)>, TransferError> {
+    let (mut send, mut recv) = conn.open_bi().await.map_err(stream_err)?;
+    let mut out = BytesMut::new();
+    encode_read(&read, &mut out);
+    send.write_all(&out).await.map_err(stream_err)?;
+    send.finish().map_err(stream_err)?;
+    let largest = want.values().map(|d| d.len as usize).max().unwrap_or(0);
+    let dec = FrameDecoder::new(largest + BLOCK_FRAME_OVERHEAD);
+    let total = want.len();
+    let mut buf = BytesMut::new();
+    let mut got = Vec::with_capacity(total);
+    loop {
+        match read_frame(&mut recv, &dec, &mut buf).await? {
+            Some(Frame::Block { index, checksum: sum, payload }) => {
+                let desc = want
+                    .remove(&index)
+                    .ok_or(TransferError::Integrity { index, what: "not requested, or sent twice" })?;
+                if payload.len() as u64 != desc.len {
+                    return Err(TransferError::Integrity { index, what: "wrong length" });
+                }
+                if sum != desc.checksum || checksum(&payload) != desc.checksum {
+                    return Err(TransferError::Integrity { index, what: "checksum mismatch" });
+                }
+                got.push((index, payload));
+            }
+            Some(Frame::Error { code, message }) => return Err(TransferError::Remote { code, message }),
+            Some(Frame::Done) | None => break,
+            Some(Frame::Read(_)) => return Err(TransferError::Stream("the owner sent a read request".into())),
+        }
+    }
+    if !want.is_empty() {
+        return Err(TransferError::Incomplete { got: got.len(), want: total });
+    }
+    Ok(got)
+}
