@@ -106,3 +106,24 @@ fn fetch_failures_say_what_to_do() {
     assert!(!home.join("models").join(engine::fetch::MODEL_FILE).exists(), "nothing half-made is left");
     let _ = std::fs::remove_dir_all(&home);
 }
+
+#[test]
+fn certs_init_writes_a_ca_and_component_certificates_once() {
+    let dir = std::env::temp_dir().join(format!("tandem-certs-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().expect("utf-8");
+    let out = tandem(&["certs", "init", "--dir", d, "--components", "router,decode-0"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for f in ["ca.pem", "ca.key", "router.pem", "router.key", "decode-0.pem", "decode-0.key"] {
+        assert!(dir.join(f).exists(), "{f}");
+    }
+    let id = kv_transfer::tls::Identity::from_pem_files(
+        &dir.join("ca.pem"),
+        &dir.join("router.pem"),
+        &dir.join("router.key"),
+    );
+    assert!(id.is_ok(), "the files load as an identity");
+    fails_with(&["certs", "init", "--dir", d], &["already holds a CA", "--force"]);
+    assert!(tandem(&["certs", "init", "--dir", d, "--force"]).status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

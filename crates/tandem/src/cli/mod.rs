@@ -1,6 +1,7 @@
 //! Command-line parsing and dispatch.
 
 mod bench;
+mod certs;
 mod generate;
 
 use std::num::NonZeroUsize;
@@ -31,6 +32,17 @@ enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// Certificates for mutual TLS between components.
+    Certs {
+        #[command(subcommand)]
+        command: CertsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum CertsCommand {
+    /// Write a development CA and a certificate per component (for a local or test cluster, not production).
+    Init(certs::Args),
 }
 
 #[derive(Debug, Subcommand)]
@@ -85,6 +97,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         }
         Command::Generate(args) => generate::run(args),
         Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
+        Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
     }
 }
 
