@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod descriptor;
 pub mod frame;
 pub mod lease;

@@ -178,10 +178,11 @@ pub struct PullRequest<'a> {
     pub traceparent: Option<String>,
 }
 
-/// Pulls blocks from owners.
+/// Pulls blocks from owners, keeping one connection per owner for reuse.
 #[derive(Debug)]
 pub struct QuicClient {
     endpoint: quinn::Endpoint,
+    connections: std::sync::Mutex<HashMap<(SocketAddr, String), quinn::Connection>>,
 }
 
 impl QuicClient {
@@ -190,7 +191,27 @@ impl QuicClient {
     pub fn new(identity: &Identity, bind: SocketAddr) -> Result<QuicClient, TransferError> {
         let mut endpoint = quinn::Endpoint::client(bind)?;
         endpoint.set_default_client_config(identity.quic_client()?);
-        Ok(QuicClient { endpoint })
+        Ok(QuicClient { endpoint, connections: std::sync::Mutex::new(HashMap::new()) })
+    }
+
+    /// A live connection to `addr`, reused when one is open.
+    async fn connection(&self, addr: SocketAddr, server_name: &str) -> Result<quinn::Connection, TransferError> {
+        let key = (addr, server_name.to_string());
+        let cached = self.connections.lock().ok().and_then(|m| m.get(&key).cloned());
+        if let Some(conn) = cached.filter(|c| c.close_reason().is_none()) {
+            return Ok(conn);
+        }
+        let connect_err = |e: &dyn std::fmt::Display| TransferError::Connect { addr, reason: e.to_string() };
+        let conn = self
+            .endpoint
+            .connect(addr, server_name)
+            .map_err(|e| connect_err(&e))?
+            .await
+            .map_err(|e| connect_err(&e))?;
+        if let Ok(mut m) = self.connections.lock() {
+            m.insert(key, conn.clone());
+        }
+        Ok(conn)
     }
 
     /// Pulls and verifies every requested block; all or nothing.
@@ -202,13 +223,7 @@ impl QuicClient {
     }
 
     async fn pull_inner(&self, req: &PullRequest<'_>) -> Result<Vec<(u32, Bytes)>, TransferError> {
-        let connect_err = |e: &dyn std::fmt::Display| TransferError::Connect { addr: req.addr, reason: e.to_string() };
-        let conn = self
-            .endpoint
-            .connect(req.addr, req.server_name)
-            .map_err(|e| connect_err(&e))?
-            .await
-            .map_err(|e| connect_err(&e))?;
+        let conn = self.connection(req.addr, req.server_name).await?;
         let streams = req.streams.clamp(1, req.blocks.len().max(1));
         let mut tasks = JoinSet::new();
         for s in 0..streams {

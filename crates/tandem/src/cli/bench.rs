@@ -106,3 +106,47 @@ fn run_concurrency(args: &Args) -> Result<ExitCode, String> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[derive(Debug, clap::Args)]
+pub struct TransferArgs {
+    /// Mebibytes to move per run.
+    #[arg(long, default_value_t = 64)]
+    mib: usize,
+    /// Bytes per block (SmolLM2's f16 block by default).
+    #[arg(long, default_value_t = 368_640)]
+    block_bytes: usize,
+    /// Parallel QUIC streams.
+    #[arg(long, default_value_t = 4)]
+    streams: usize,
+    /// Runs per transport; the best is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Moves the same bytes over each transport on loopback.
+pub fn run_transfer(args: TransferArgs) -> Result<ExitCode, String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let total = args.mib << 20;
+    let report = runtime
+        .block_on(kv_transfer::bench::run(total, args.block_bytes.max(1), args.streams.max(1), args.runs))
+        .map_err(|e| e.to_string())?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+    } else {
+        println!(
+            "{} blocks of {} bytes ({:.1} MiB), best of {}",
+            report.blocks,
+            report.block_bytes,
+            report.bytes as f64 / 1048576.0,
+            report.runs
+        );
+        for t in &report.transports {
+            println!("{:<6} {:7.3} GB/s  ({:.1} ms)", t.transport, t.gb_per_s, t.best_ms);
+        }
+        println!("quic / tcp = {:.2}", report.quic_vs_tcp);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -57,6 +57,8 @@ enum ModelCommand {
 enum BenchCommand {
     /// Prefill and decode throughput of the CPU engine.
     Engine(bench::Args),
+    /// KV block transfer throughput on loopback: QUIC (mutual TLS) against a plain TCP socket.
+    Transfer(bench::TransferArgs),
 }
 
 /// Options shared by the commands that run the model.
@@ -97,6 +99,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         }
         Command::Generate(args) => generate::run(args),
         Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
+        Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
     }
 }

@@ -1,0 +1,148 @@
+//! Transfer throughput on loopback: the same bytes over the QUIC transport (mutual TLS, parallel streams, every
+//! block verified) and over a plain TCP socket (no TLS, no framing, no checks) as the baseline.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::checksum;
+use crate::descriptor::{BlockDescriptor, RegionKey};
+use crate::frame::ErrorCode;
+use crate::lease::LeaseId;
+use crate::quic::{BlockSource, PullRequest, QuicClient, QuicServer, TransferError};
+use crate::tls::DevCa;
+
+/// One transport's result.
+#[derive(Clone, Debug, Serialize)]
+pub struct TransportFigure {
+    pub transport: &'static str,
+    /// Best of the runs, in gigabytes (10^9 bytes) per second.
+    pub gb_per_s: f64,
+    pub best_ms: f64,
+}
+
+/// The whole comparison.
+#[derive(Clone, Debug, Serialize)]
+pub struct TransferReport {
+    pub bytes: usize,
+    pub blocks: usize,
+    pub block_bytes: usize,
+    pub streams: usize,
+    pub runs: usize,
+    pub transports: Vec<TransportFigure>,
+    /// QUIC throughput as a fraction of raw TCP's.
+    pub quic_vs_tcp: f64,
+}
+
+struct Blocks(Vec<Bytes>);
+
+impl BlockSource for Blocks {
+    fn read(&self, _lease: LeaseId, index: u32) -> Result<(u64, Bytes), (ErrorCode, String)> {
+        let b = self.0.get(index as usize).ok_or((ErrorCode::BadRequest, "no such block".to_string()))?;
+        Ok((checksum(b), b.clone()))
+    }
+}
+
+fn figure(transport: &'static str, bytes: usize, best: Duration) -> TransportFigure {
+    TransportFigure { transport, gb_per_s: bytes as f64 / best.as_secs_f64() / 1e9, best_ms: best.as_secs_f64() * 1e3 }
+}
+
+/// Moves `total` bytes in blocks of `block_bytes` over each transport `runs` times; keeps each one's best.
+pub async fn run(
+    total: usize,
+    block_bytes: usize,
+    streams: usize,
+    runs: usize,
+) -> Result<TransferReport, TransferError> {
+    let n = total.div_ceil(block_bytes).max(1);
+    let data: Vec<Bytes> = (0..n)
+        .map(|b| {
+            Bytes::from(
+                (0..block_bytes).map(|i| (i as u32 ^ b as u32).wrapping_mul(2_654_435_761) as u8).collect::<Vec<u8>>(),
+            )
+        })
+        .collect();
+    let bytes = n * block_bytes;
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+
+    let ca = DevCa::generate()?;
+    let server = QuicServer::bind(loopback, &ca.issue("owner", &[])?, Arc::new(Blocks(data.clone())))?;
+    let client = QuicClient::new(&ca.issue("reader", &[])?, loopback)?;
+    let descriptors: Vec<(u32, BlockDescriptor)> = data
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let d = BlockDescriptor {
+                seq_hash: None,
+                region: RegionKey(0),
+                offset: (i * block_bytes) as u64,
+                len: block_bytes as u64,
+                checksum: checksum(b),
+            };
+            (i as u32, d)
+        })
+        .collect();
+    let mut quic_best = Duration::MAX;
+    for _ in 0..runs.max(1) {
+        let req = PullRequest {
+            addr: server.local_addr()?,
+            server_name: "localhost",
+            lease: LeaseId(1),
+            blocks: &descriptors,
+            streams,
+            timeout: Duration::from_secs(120),
+            traceparent: None,
+        };
+        let t = Instant::now();
+        let got = client.pull(req).await?;
+        quic_best = quic_best.min(t.elapsed());
+        if got.len() != n {
+            return Err(TransferError::Incomplete { got: got.len(), want: n });
+        }
+    }
+    server.close().await;
+
+    // Raw TCP: the server writes the same blocks back to back; the client reads them into one buffer.
+    let listener = tokio::net::TcpListener::bind(loopback).await?;
+    let addr = listener.local_addr()?;
+    let payload = data.clone();
+    let serve = tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let mut ask = [0u8; 1];
+            if sock.read_exact(&mut ask).await.is_err() {
+                continue;
+            }
+            for b in &payload {
+                if sock.write_all(b).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut buf = vec![0u8; bytes];
+    let mut tcp_best = Duration::MAX;
+    for _ in 0..runs.max(1) {
+        let t = Instant::now();
+        let mut sock = tokio::net::TcpStream::connect(addr).await?;
+        sock.write_all(&[1]).await?;
+        sock.read_exact(&mut buf).await?;
+        tcp_best = tcp_best.min(t.elapsed());
+    }
+    serve.abort();
+
+    let quic = figure("quic", bytes, quic_best);
+    let tcp = figure("tcp", bytes, tcp_best);
+    Ok(TransferReport {
+        bytes,
+        blocks: n,
+        block_bytes,
+        streams,
+        runs,
+        quic_vs_tcp: quic.gb_per_s / tcp.gb_per_s,
+        transports: vec![quic, tcp],
+    })
+}
