@@ -10,10 +10,39 @@
 
 pub mod bench;
 pub mod descriptor;
+pub mod fault;
 pub mod frame;
 pub mod lease;
 pub mod quic;
 pub mod tls;
+
+use std::future::Future;
+use std::pin::Pin;
+
+/// A way to pull blocks from their owner; callers never know which one runs underneath.
+pub trait Transport: Send + Sync {
+    /// The transport's name, for metrics and traces (`quic`, `shm`).
+    fn name(&self) -> &'static str;
+
+    /// Pulls and verifies every requested block: all of them, or an error and none.
+    fn pull<'a>(
+        &'a self,
+        request: quic::PullRequest<'a>,
+    ) -> Pin<Box<dyn Future<Output = Result<Vec<(u32, bytes::Bytes)>, quic::TransferError>> + Send + 'a>>;
+}
+
+impl Transport for quic::QuicClient {
+    fn name(&self) -> &'static str {
+        "quic"
+    }
+
+    fn pull<'a>(
+        &'a self,
+        request: quic::PullRequest<'a>,
+    ) -> Pin<Box<dyn Future<Output = Result<Vec<(u32, bytes::Bytes)>, quic::TransferError>> + Send + 'a>> {
+        Box::pin(quic::QuicClient::pull(self, request))
+    }
+}
 
 /// Checksum of a block's bytes, carried in descriptors and frames.
 pub fn checksum(bytes: &[u8]) -> u64 {

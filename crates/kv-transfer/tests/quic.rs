@@ -156,6 +156,56 @@ async fn unknown_leases_and_damaged_blocks_are_errors_that_yield_nothing() {
     c.server.close().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injected_faults_are_caught_through_the_transport_trait() {
+    use kv_transfer::Transport;
+    use kv_transfer::fault::{Fault, FaultySource};
+    let ca = DevCa::generate().expect("ca");
+    let data = blocks(6);
+    let inner = Source::default();
+    inner.leases.lock().expect("lock").insert(LeaseId(42), data.clone());
+    let source = Arc::new(FaultySource::new(inner));
+    let server = QuicServer::bind(
+        loopback(),
+        &ca.issue("prefill-0", &[]).expect("cert"),
+        Arc::clone(&source) as Arc<dyn BlockSource>,
+    )
+    .expect("binds");
+    let client = QuicClient::new(&ca.issue("decode-0", &[]).expect("cert"), loopback()).expect("client");
+    let transport: &dyn Transport = &client;
+    assert_eq!(transport.name(), "quic");
+    let want = descriptors(&data);
+    let req = |timeout| PullRequest {
+        addr: server.local_addr().expect("addr"),
+        server_name: "localhost",
+        lease: LeaseId(42),
+        blocks: &want,
+        streams: 2,
+        timeout,
+        traceparent: None,
+    };
+    let cases = [
+        (Fault::Drop, "refused"),
+        (Fault::Truncate, "wrong length"),
+        (Fault::Corrupt, "checksum mismatch"),
+        (Fault::Delay(Duration::from_millis(800)), "timeout"),
+    ];
+    for (fault, what) in cases {
+        source.inject(3, fault);
+        let err = transport.pull(req(Duration::from_millis(400))).await.expect_err(what);
+        let ok = match fault {
+            Fault::Drop => matches!(err, TransferError::Remote { code: ErrorCode::Internal, .. }),
+            Fault::Truncate | Fault::Corrupt => matches!(err, TransferError::Integrity { index: 3, .. }),
+            Fault::Delay(_) => matches!(err, TransferError::Timeout(_)),
+        };
+        assert!(ok, "{fault:?}: {err}");
+        source.heal();
+    }
+    let got = transport.pull(req(Duration::from_secs(10))).await.expect("healed");
+    assert_eq!(got.into_iter().map(|(_, b)| b).collect::<Vec<_>>(), data);
+    server.close().await;
+}
+
 #[tokio::test]
 async fn a_silent_endpoint_times_out() {
     let ca = DevCa::generate().expect("ca");
