@@ -19,16 +19,18 @@ pub mod tls;
 use std::future::Future;
 use std::pin::Pin;
 
+/// Blocks pulled and verified (position, bytes), or why none were.
+pub type Pulled = Result<Vec<(u32, bytes::Bytes)>, quic::TransferError>;
+/// A pull in progress.
+pub type PullFuture<'a> = Pin<Box<dyn Future<Output = Pulled> + Send + 'a>>;
+
 /// A way to pull blocks from their owner; callers never know which one runs underneath.
 pub trait Transport: Send + Sync {
     /// The transport's name, for metrics and traces (`quic`, `shm`).
     fn name(&self) -> &'static str;
 
     /// Pulls and verifies every requested block: all of them, or an error and none.
-    fn pull<'a>(
-        &'a self,
-        request: quic::PullRequest<'a>,
-    ) -> Pin<Box<dyn Future<Output = Result<Vec<(u32, bytes::Bytes)>, quic::TransferError>> + Send + 'a>>;
+    fn pull<'a>(&'a self, request: quic::PullRequest<'a>) -> PullFuture<'a>;
 }
 
 impl Transport for quic::QuicClient {
@@ -36,10 +38,7 @@ impl Transport for quic::QuicClient {
         "quic"
     }
 
-    fn pull<'a>(
-        &'a self,
-        request: quic::PullRequest<'a>,
-    ) -> Pin<Box<dyn Future<Output = Result<Vec<(u32, bytes::Bytes)>, quic::TransferError>> + Send + 'a>> {
+    fn pull<'a>(&'a self, request: quic::PullRequest<'a>) -> PullFuture<'a> {
         Box::pin(quic::QuicClient::pull(self, request))
     }
 }
