@@ -6,12 +6,14 @@
 
 use std::time::Instant;
 
+use bytes::Bytes;
+use kv_cache::SeqHash;
 use kv_cache::events::Tier;
-use kv_cache::pool::TierUsage;
+use kv_cache::pool::{PrefixMatch, TierUsage};
 use tokio::sync::{mpsc, oneshot};
 
 use super::sequence::Seq;
-use super::{Completion, Counters, Engine, EngineError, Event, FinishReason, Request};
+use super::{Completion, Counters, Engine, EngineError, Event, ExportedKv, FinishReason, Request};
 
 /// Commands waiting for the engine thread; a full queue makes submitters wait (backpressure).
 const COMMAND_QUEUE: usize = 1024;
@@ -25,6 +27,8 @@ pub enum SeqEvent {
     Finished(Completion),
     /// The engine failed the sequence; the last message on the stream.
     Failed(String),
+    /// The prompt's KV, sent just before `Finished` when the request asked for it.
+    Exported(ExportedKv),
 }
 
 /// The engine's state, for load reports and metrics.
@@ -62,7 +66,9 @@ impl SeqStream {
 }
 
 enum Command {
-    Submit { request: Request, reply: oneshot::Sender<Result<SeqStream, EngineError>> },
+    Submit { request: Request, export: bool, reply: oneshot::Sender<Result<SeqStream, EngineError>> },
+    Lookup { hashes: Vec<SeqHash>, reply: oneshot::Sender<PrefixMatch> },
+    Import { tokens: Vec<u32>, blocks: Vec<(usize, Bytes)>, reply: oneshot::Sender<Result<usize, EngineError>> },
     Stats(oneshot::Sender<EngineStats>),
     Shutdown { finish_in_flight: bool },
 }
@@ -85,8 +91,32 @@ impl EngineHandle {
 
     /// Queues a request; validation errors come back before any compute.
     pub async fn submit(&self, request: Request) -> Result<SeqStream, SubmitError> {
+        self.submit_with(request, false).await
+    }
+
+    /// Queues a request whose stream ends with the prompt's KV ([`SeqEvent::Exported`]) before `Finished`:
+    /// the prefill side of disaggregation (run it with `max_tokens` 1).
+    pub async fn submit_exporting(&self, request: Request) -> Result<SeqStream, SubmitError> {
+        self.submit_with(request, true).await
+    }
+
+    async fn submit_with(&self, request: Request, export: bool) -> Result<SeqStream, SubmitError> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send(Command::Submit { request, reply }).await.map_err(|_| SubmitError::Closed)?;
+        self.tx.send(Command::Submit { request, export, reply }).await.map_err(|_| SubmitError::Closed)?;
+        answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::Invalid)
+    }
+
+    /// How many of `hashes`' leading blocks the engine holds, per tier.
+    pub async fn lookup(&self, hashes: Vec<SeqHash>) -> Option<PrefixMatch> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Command::Lookup { hashes, reply }).await.ok()?;
+        answer.await.ok()
+    }
+
+    /// Stores blocks pulled from another worker (full blocks of `tokens`, by position) as cached prefix.
+    pub async fn import(&self, tokens: Vec<u32>, blocks: Vec<(usize, Bytes)>) -> Result<usize, SubmitError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Command::Import { tokens, blocks, reply }).await.map_err(|_| SubmitError::Closed)?;
         answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::Invalid)
     }
 
@@ -115,6 +145,7 @@ impl EngineHandle {
 struct Live {
     out: mpsc::Sender<SeqEvent>,
     start: Instant,
+    export: bool,
 }
 
 struct Loop {
@@ -154,7 +185,14 @@ impl Loop {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { request, reply } => {
+            Command::Lookup { hashes, reply } => {
+                let _ = reply.send(self.engine.lookup(&hashes));
+            }
+            Command::Import { tokens, blocks, reply } => {
+                let views: Vec<(usize, &[u8])> = blocks.iter().map(|(i, b)| (*i, b.as_ref())).collect();
+                let _ = reply.send(self.engine.import(&tokens, &views));
+            }
+            Command::Submit { request, export, reply } => {
                 let made = if self.accepting {
                     self.engine.new_seq(&request, self.next_index)
                 } else {
@@ -162,11 +200,13 @@ impl Loop {
                 };
                 self.next_index += 1;
                 match made {
-                    Ok(seq) => {
-                        let (out, rx) = mpsc::channel(seq.max_new + 1);
+                    Ok(mut seq) => {
+                        seq.keep_blocks = export;
+                        // Every token, the export, and the last message.
+                        let (out, rx) = mpsc::channel(seq.max_new + 2);
                         if reply.send(Ok(SeqStream { rx })).is_ok() {
                             self.seqs.push(seq);
-                            self.live.push(Live { out, start: Instant::now() });
+                            self.live.push(Live { out, start: Instant::now(), export });
                         }
                     }
                     Err(e) => {
@@ -238,6 +278,9 @@ impl Loop {
             }
             let mut s = self.seqs.swap_remove(i);
             let l = self.live.swap_remove(i);
+            if l.export && s.finish != Some(FinishReason::Cancelled) {
+                let _ = l.out.try_send(SeqEvent::Exported(self.engine.export(&s)));
+            }
             let released = self.engine.release_blocks(&mut s);
             let last = match released {
                 Ok(()) => SeqEvent::Finished(s.completion(l.start)),

@@ -3,6 +3,7 @@
 //! sequence first), sampling, stop conditions and cancellation. Compute runs on the engine's own thread pool.
 
 mod handle;
+mod kv_io;
 mod sequence;
 mod step;
 mod text;
@@ -15,6 +16,7 @@ use std::time::{Duration, Instant};
 pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, SubmitError};
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
+pub use kv_io::{ExportedBlock, ExportedKv};
 use sequence::Seq;
 pub use text::TextStream;
 
@@ -174,6 +176,8 @@ pub struct Counters {
     pub onboards: [u64; 3],
     /// Disk blocks that failed their check when read and were recomputed.
     pub corrupt_disk_blocks: u64,
+    /// Blocks pulled from other workers and stored here.
+    pub imported_blocks: u64,
 }
 
 /// A model with its tokenizer, chat template, tiered KV storage, block pool and thread pool.
@@ -335,6 +339,7 @@ impl Engine {
             out: String::new(),
             max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
             ignore_eos: r.sampling.ignore_eos(),
+            keep_blocks: false,
             finish: None,
             first_token: None,
             last_token: None,

@@ -27,6 +27,8 @@ pub(super) struct Seq {
     pub text: TextStream,
     pub out: String,
     pub max_new: usize,
+    /// Keep the blocks when the sequence finishes (their KV is exported before they are released).
+    pub keep_blocks: bool,
     pub ignore_eos: bool,
     pub finish: Option<FinishReason>,
     pub first_token: Option<Instant>,

@@ -12,7 +12,7 @@ use crate::forward::SeqChunk;
 use crate::kv::BlockId;
 
 impl Engine {
-    fn block_size(&self) -> BlockSize {
+    pub(super) fn block_size(&self) -> BlockSize {
         BlockSize::new(self.config.block_tokens as u32).unwrap_or_default()
     }
 
@@ -181,7 +181,7 @@ impl Engine {
             let Some(l) = logits.next() else { continue };
             let token = s.sampler.sample(&l);
             s.accept(i, token, &self.tokenizer, on_event);
-            if !s.active() {
+            if !s.active() && !s.keep_blocks {
                 self.release_blocks(s)?;
                 s.running = false;
             }

@@ -1,0 +1,91 @@
+//! Prefill on one engine, decode on another: engine A computes a prompt and exports its KV; engine B imports the
+//! full blocks it lacks and continues. The tokens equal a single engine's, bit for bit, and B computes only what
+//! it was not given.
+
+mod common;
+
+use std::num::NonZeroU32;
+use std::sync::atomic::AtomicBool;
+
+use engine::generate::{Engine, EngineConfig, EngineHandle, ExportedKv, Request, SeqEvent};
+use engine::sampling::SamplingParams;
+use kv_cache::{BlockSize, block_hashes};
+
+fn engine() -> Engine {
+    Engine::open(&common::model_path(), EngineConfig::default()).expect("engine opens")
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
+    Request { prompt, sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")) }
+}
+
+async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
+    let mut s = p.submit_exporting(greedy(prompt.to_vec(), 1)).await.expect("accepted");
+    let (mut first, mut kv) = (None, None);
+    while let Some(ev) = s.next().await {
+        match ev {
+            SeqEvent::Token { token, .. } => first = Some(token),
+            SeqEvent::Exported(e) => kv = Some(e),
+            SeqEvent::Finished(_) => break,
+            SeqEvent::Failed(e) => panic!("prefill failed: {e}"),
+        }
+    }
+    (first.expect("a first token"), kv.expect("the prompt's KV"))
+}
+
+async fn decode(d: &EngineHandle, tokens: Vec<u32>, max_tokens: u32) -> Vec<u32> {
+    let mut s = d.submit(greedy(tokens, max_tokens)).await.expect("accepted");
+    let mut out = Vec::new();
+    while let Some(ev) = s.next().await {
+        match ev {
+            SeqEvent::Token { token, .. } => out.push(token),
+            SeqEvent::Finished(_) => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn prefill_here_decode_there_gives_the_same_tokens() {
+    let mut single = engine();
+    let text = "Disaggregated serving runs the prompt on one machine and the answer on another. In one sentence, why";
+    let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
+    prompt.truncate(70);
+    assert_eq!(prompt.len(), 70, "four full blocks and a partial one");
+    let want =
+        single.run(&[greedy(prompt.clone(), 12)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
+
+    let p = EngineHandle::start(engine()).expect("prefill engine");
+    let d = EngineHandle::start(engine()).expect("decode engine");
+    let (first, kv) = prefill(&p, &prompt).await;
+    assert_eq!(first, want[0], "the prefill worker's first token");
+    assert_eq!((kv.tokens, kv.blocks.len()), (70, 5));
+    assert!(kv.blocks[..4].iter().all(|b| b.meta.is_some()) && kv.blocks[4].meta.is_none());
+
+    // The decode side holds nothing of this prompt yet, so it takes every full block.
+    let hashes = block_hashes(&prompt, BlockSize::DEFAULT, None).seq;
+    assert_eq!(d.lookup(hashes.clone()).await.expect("lookup").device, 0);
+    let full: Vec<(usize, bytes::Bytes)> = kv
+        .blocks
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.meta.is_some())
+        .map(|(i, b)| (i, bytes::Bytes::from(b.bytes.clone())))
+        .collect();
+    assert_eq!(d.import(prompt.clone(), full.clone()).await.expect("imports"), 4);
+    assert_eq!(d.lookup(hashes).await.expect("lookup").device, 4);
+    let before = d.stats().await.expect("stats").counters;
+    let rest = decode(&d, [prompt.clone(), vec![first]].concat(), 11).await;
+    let after = d.stats().await.expect("stats").counters;
+    assert_eq!([vec![first], rest].concat(), want, "disaggregated tokens equal the single engine's");
+    assert_eq!(after.cached_tokens[0] - before.cached_tokens[0], 64, "the imported blocks were used");
+    // It computed the partial block's tokens plus the first token, then one per decode step.
+    assert_eq!(after.prefill_tokens - before.prefill_tokens, (71 - 64) + 10);
+
+    // Importing what it already holds stores nothing; a block of the wrong size is refused.
+    assert_eq!(d.import(prompt.clone(), full).await.expect("imports"), 0);
+    assert!(d.import(prompt.clone(), vec![(0, bytes::Bytes::from_static(b"short"))]).await.is_err());
+    p.shutdown(true).await;
+    d.shutdown(true).await;
+}
