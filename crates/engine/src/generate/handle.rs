@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kv_cache::SeqHash;
-use kv_cache::events::Tier;
+use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{PrefixMatch, TierUsage};
 use tokio::sync::{mpsc, oneshot};
 
@@ -41,6 +41,8 @@ pub struct EngineStats {
     pub running: usize,
     /// Sequences waiting to be admitted (new or preempted).
     pub waiting: usize,
+    /// Prompt tokens still to compute, over sequences that are not yet decoding (the router's prefill load).
+    pub prefill_tokens_pending: usize,
 }
 
 /// Why a request was not taken.
@@ -68,6 +70,8 @@ impl SeqStream {
 enum Command {
     Submit { request: Request, export: bool, reply: oneshot::Sender<Result<SeqStream, EngineError>> },
     Lookup { hashes: Vec<SeqHash>, reply: oneshot::Sender<PrefixMatch> },
+    Snapshot(oneshot::Sender<Snapshot>),
+    EventsAfter { after: Option<EventId>, reply: oneshot::Sender<Result<Vec<(EventId, KvEvent)>, TooOld>> },
     Import { tokens: Vec<u32>, blocks: Vec<(usize, Bytes)>, reply: oneshot::Sender<Result<usize, EngineError>> },
     Stats(oneshot::Sender<EngineStats>),
     Shutdown { finish_in_flight: bool },
@@ -110,6 +114,20 @@ impl EngineHandle {
     pub async fn lookup(&self, hashes: Vec<SeqHash>) -> Option<PrefixMatch> {
         let (reply, answer) = oneshot::channel();
         self.tx.send(Command::Lookup { hashes, reply }).await.ok()?;
+        answer.await.ok()
+    }
+
+    /// Every tier's content as of the newest event.
+    pub async fn snapshot(&self) -> Option<Snapshot> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Command::Snapshot(reply)).await.ok()?;
+        answer.await.ok()
+    }
+
+    /// KV events after `after`; `Err(TooOld)` when a snapshot is needed instead; `None` when the engine is gone.
+    pub async fn events_after(&self, after: Option<EventId>) -> Option<Result<Vec<(EventId, KvEvent)>, TooOld>> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Command::EventsAfter { after, reply }).await.ok()?;
         answer.await.ok()
     }
 
@@ -185,6 +203,12 @@ impl Loop {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.engine.kv_snapshot());
+            }
+            Command::EventsAfter { after, reply } => {
+                let _ = reply.send(self.engine.kv_events_after(after));
+            }
             Command::Lookup { hashes, reply } => {
                 let _ = reply.send(self.engine.lookup(&hashes));
             }
@@ -235,6 +259,12 @@ impl Loop {
             usage: Tier::ALL.map(|t| self.engine.kv_usage(t)),
             running: self.seqs.iter().filter(|s| s.running).count(),
             waiting: self.seqs.iter().filter(|s| !s.running && s.active()).count(),
+            prefill_tokens_pending: self
+                .seqs
+                .iter()
+                .filter(|s| s.active() && s.remaining() > 1)
+                .map(Seq::remaining)
+                .sum(),
         }
     }
 

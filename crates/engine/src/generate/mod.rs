@@ -149,6 +149,8 @@ pub struct Completion {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
+    /// Prompt tokens served from cache (any tier) instead of computed.
+    pub cached_tokens: usize,
     /// From the start of the run to this sequence's first token.
     pub time_to_first_token: Duration,
     /// From the first token to the last.
@@ -192,12 +194,14 @@ pub struct Engine {
     config: EngineConfig,
     counters: Counters,
     tick: u64,
+    fingerprint: String,
 }
 
 impl Engine {
     /// Loads the model at `path` and prepares to run it. Configuration errors are reported all at once.
     pub fn open(path: &std::path::Path, config: EngineConfig) -> Result<Engine, EngineError> {
         let file = GgufFile::open(path)?;
+        let fingerprint = file.fingerprint();
         let model = Model::load(&file)?;
         check_config(&config, model.config.context_len)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -234,6 +238,7 @@ impl Engine {
             config,
             counters: Counters::default(),
             tick: 0,
+            fingerprint,
         })
     }
 
@@ -247,6 +252,16 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    /// The model file's content fingerprint: workers exchange KV only when theirs are equal.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// The KV block shape.
+    pub fn kv_layout(&self) -> KvLayout {
+        *self.stores.device.layout()
     }
 
     pub fn counters(&self) -> Counters {
@@ -334,6 +349,8 @@ impl Engine {
             registered: 0,
             running: false,
             admitted_at: 0,
+            admissions: 0,
+            cached_tokens: 0,
             sampler: Sampler::new(r.sampling.clone(), random_seed(index)),
             text: TextStream::new(r.sampling.stop().to_vec()),
             out: String::new(),

@@ -23,6 +23,10 @@ pub(super) struct Seq {
     pub running: bool,
     /// When it was last admitted (larger = newer); preemption takes the newest first.
     pub admitted_at: u64,
+    /// Times admitted (more than once after preemption).
+    pub admissions: u32,
+    /// Prompt tokens taken from cache at the first admission.
+    pub cached_tokens: usize,
     pub sampler: Sampler,
     pub text: TextStream,
     pub out: String,
@@ -53,6 +57,7 @@ impl Seq {
             token_ids: self.tokens[self.prompt_len..].to_vec(),
             text: self.out.clone(),
             finish_reason: self.finish.unwrap_or(FinishReason::Cancelled),
+            cached_tokens: self.cached_tokens,
             time_to_first_token: first.saturating_duration_since(start),
             decode_time: self.last_token.unwrap_or(first).saturating_duration_since(first),
         }

@@ -34,6 +34,10 @@ impl Engine {
             s.computed = s.registered * bt;
             s.blocks = acquired.slots.into_iter().map(BlockId).collect();
             s.running = true;
+            if s.admissions == 0 {
+                s.cached_tokens = s.computed;
+            }
+            s.admissions += 1;
             s.admitted_at = self.tick;
             self.tick += 1;
         }

@@ -147,6 +147,11 @@ impl GgufFile {
         &self.data[t.start..t.start + t.len]
     }
 
+    /// An identity for the file's exact contents: `xxh3:` and the 64-bit xxh3 of every byte, in hex.
+    pub fn fingerprint(&self) -> String {
+        format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&self.data))
+    }
+
     /// A shared handle on the mapped bytes, for weights that outlive this reader.
     pub fn mapping(&self) -> Arc<memmap2::Mmap> {
         Arc::clone(&self.data)

@@ -1,0 +1,192 @@
+//! Protobuf at the edge: conversions between the worker service's messages and domain types, with typed errors
+//! that map to gRPC statuses once.
+
+use engine::generate::FinishReason;
+use engine::kv::KvLayout;
+use engine::sampling::{RawSampling, SamplingParams};
+use kv_cache::SeqHash;
+use kv_cache::events::{KvEvent, Snapshot, Tier};
+use kv_transfer::descriptor::{BlockDescriptor, KvDtype, KvHandle, KvLayoutDesc, KvOrder, RegionKey};
+use kv_transfer::lease::LeaseId;
+use proto::worker as pb;
+
+/// A message that cannot be used, and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("missing field {0}")]
+    Missing(&'static str),
+    #[error("invalid {field}: {why}")]
+    Invalid { field: &'static str, why: String },
+}
+
+impl From<ProtoError> for tonic::Status {
+    fn from(e: ProtoError) -> Self {
+        tonic::Status::invalid_argument(e.to_string())
+    }
+}
+
+/// Sampling parameters, validated; `force_max_tokens` overrides the request's (prefill makes one token).
+pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Result<SamplingParams, ProtoError> {
+    let s = s.ok_or(ProtoError::Missing("sampling"))?;
+    let raw = RawSampling {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        seed: s.seed,
+        max_tokens: force_max_tokens.unwrap_or(s.max_tokens),
+        stop: s.stop,
+        ignore_eos: s.ignore_eos,
+    };
+    SamplingParams::new(raw).map_err(|e| ProtoError::Invalid { field: "sampling", why: e.to_string() })
+}
+
+pub fn layout_desc(l: &KvLayout) -> KvLayoutDesc {
+    KvLayoutDesc {
+        dtype: KvDtype::F16,
+        order: KvOrder::LayerKvHeadTokenDim,
+        layers: l.layers as u32,
+        kv_heads: l.kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        block_tokens: l.block_tokens as u32,
+    }
+}
+
+pub fn layout_to_pb(l: &KvLayoutDesc) -> pb::KvLayout {
+    pb::KvLayout {
+        dtype: match l.dtype {
+            KvDtype::F16 => pb::KvDtype::F16,
+            KvDtype::F32 => pb::KvDtype::F32,
+        } as i32,
+        order: pb::KvOrder::LayerKvHeadTokenDim as i32,
+        layers: l.layers,
+        kv_heads: l.kv_heads,
+        head_dim: l.head_dim,
+        block_tokens: l.block_tokens,
+    }
+}
+
+fn layout_from_pb(l: pb::KvLayout) -> Result<KvLayoutDesc, ProtoError> {
+    let dtype = match l.dtype() {
+        pb::KvDtype::F16 => KvDtype::F16,
+        pb::KvDtype::F32 => KvDtype::F32,
+        pb::KvDtype::Unspecified => {
+            return Err(ProtoError::Invalid { field: "layout.dtype", why: "unspecified".into() });
+        }
+    };
+    let order = match l.order() {
+        pb::KvOrder::LayerKvHeadTokenDim => KvOrder::LayerKvHeadTokenDim,
+        pb::KvOrder::Unspecified => {
+            return Err(ProtoError::Invalid { field: "layout.order", why: "unspecified".into() });
+        }
+    };
+    Ok(KvLayoutDesc {
+        dtype,
+        order,
+        layers: l.layers,
+        kv_heads: l.kv_heads,
+        head_dim: l.head_dim,
+        block_tokens: l.block_tokens,
+    })
+}
+
+pub fn handle_to_pb(h: &KvHandle) -> pb::KvHandle {
+    pb::KvHandle {
+        endpoint: h.endpoint.clone(),
+        lease_id: h.lease.0.to_le_bytes().to_vec(),
+        model_fingerprint: h.model_fingerprint.clone(),
+        layout: Some(layout_to_pb(&h.layout)),
+        tokens: h.tokens,
+        blocks: h
+            .blocks
+            .iter()
+            .map(|b| pb::BlockDescriptor {
+                seq_hash: b.seq_hash.map(|s| s.0),
+                region: b.region.0,
+                offset: b.offset,
+                len: b.len,
+                checksum: b.checksum,
+            })
+            .collect(),
+    }
+}
+
+pub fn handle_from_pb(h: pb::KvHandle) -> Result<KvHandle, ProtoError> {
+    let lease: [u8; 16] = h.lease_id.as_slice().try_into().map_err(|_| ProtoError::Invalid {
+        field: "handle.lease_id",
+        why: format!("{} bytes, not 16", h.lease_id.len()),
+    })?;
+    let layout = layout_from_pb(h.layout.ok_or(ProtoError::Missing("handle.layout"))?)?;
+    Ok(KvHandle {
+        endpoint: h.endpoint,
+        lease: LeaseId(u128::from_le_bytes(lease)),
+        model_fingerprint: h.model_fingerprint,
+        layout,
+        tokens: h.tokens,
+        blocks: h
+            .blocks
+            .into_iter()
+            .map(|b| BlockDescriptor {
+                seq_hash: b.seq_hash.map(SeqHash),
+                region: RegionKey(b.region),
+                offset: b.offset,
+                len: b.len,
+                checksum: b.checksum,
+            })
+            .collect(),
+    })
+}
+
+pub fn tier_to_pb(t: Tier) -> pb::Tier {
+    match t {
+        Tier::Device => pb::Tier::Device,
+        Tier::Host => pb::Tier::Host,
+        Tier::Disk => pb::Tier::Disk,
+    }
+}
+
+pub fn event_to_pb(id: u64, e: &KvEvent) -> pb::KvEvent {
+    use pb::kv_event::Kind;
+    let kind = match e {
+        KvEvent::Stored { tier, parent, blocks } => Kind::Stored(pb::Stored {
+            tier: tier_to_pb(*tier) as i32,
+            parent: parent.map(|p| p.0),
+            blocks: blocks.iter().map(|(s, l)| pb::StoredBlock { seq_hash: s.0, local_hash: l.0 }).collect(),
+        }),
+        KvEvent::Removed { tier, seqs } => Kind::Removed(pb::Removed {
+            tier: tier_to_pb(*tier) as i32,
+            seq_hashes: seqs.iter().map(|s| s.0).collect(),
+        }),
+        KvEvent::Cleared { tier } => {
+            Kind::Cleared(pb::Cleared { tier: tier.map_or(pb::Tier::Unspecified, tier_to_pb) as i32 })
+        }
+    };
+    pb::KvEvent { id, kind: Some(kind) }
+}
+
+pub fn snapshot_to_pb(s: &Snapshot) -> pb::Snapshot {
+    pb::Snapshot {
+        as_of: s.as_of.map(|e| e.0),
+        tiers: Tier::ALL
+            .iter()
+            .map(|&t| pb::TierBlocks {
+                tier: tier_to_pb(t) as i32,
+                blocks: s.tiers[t.index()]
+                    .iter()
+                    .map(|m| pb::SnapshotBlock {
+                        seq_hash: m.seq.0,
+                        local_hash: m.local.0,
+                        parent: m.parent.map(|p| p.0),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+pub fn finish_to_pb(f: FinishReason) -> pb::FinishReason {
+    match f {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
+    }
+}

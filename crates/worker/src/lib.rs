@@ -1,0 +1,191 @@
+//! A Tandem worker: the engine behind the gRPC worker service, KV leases served over QUIC with mutual TLS, and
+//! the pull of missing blocks on the decode side. One library for every role; the `prefill-worker` and
+//! `decode-worker` binaries and `tandem worker` start it.
+
+#![forbid(unsafe_code)]
+
+pub mod convert;
+pub mod leases;
+mod service;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::generate::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats};
+use kv_transfer::quic::{QuicClient, QuicServer, TransferError};
+use kv_transfer::tls::Identity;
+use proto::worker as pb;
+use proto::worker::worker_server::WorkerServer;
+pub use service::DEFAULT_LOAD_INTERVAL;
+use service::WorkerService;
+use tokio::sync::oneshot;
+
+/// How long a prefill worker keeps a prompt's KV for a decode worker: long enough to choose one and pull.
+pub const DEFAULT_LEASE_TTL: Duration = kv_transfer::lease::DEFAULT_LEASE;
+/// How long shutdown waits for in-flight requests before it stops them.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// A pull that takes longer than this is abandoned (the router then re-prefills elsewhere).
+pub const DEFAULT_PULL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a worker does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+}
+
+/// Everything a worker needs to start.
+#[derive(Debug)]
+pub struct WorkerConfig {
+    pub role: Role,
+    pub model: PathBuf,
+    pub model_id: String,
+    pub engine: EngineConfig,
+    /// gRPC listen address (port 0: any free port).
+    pub grpc: SocketAddr,
+    /// KV transfer (QUIC) listen address.
+    pub transfer: SocketAddr,
+    pub identity: Identity,
+    pub lease_ttl: Duration,
+    pub pull_timeout: Duration,
+}
+
+/// Why a worker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    #[error("{what}: {source}")]
+    Io { what: &'static str, source: std::io::Error },
+}
+
+/// A running worker.
+#[derive(Debug)]
+pub struct RunningWorker {
+    pub grpc: SocketAddr,
+    pub transfer: SocketAddr,
+    service: Arc<WorkerService>,
+    stop: oneshot::Sender<()>,
+    stopping: tokio::sync::watch::Sender<bool>,
+    served: tokio::task::JoinHandle<()>,
+    transfer_server: QuicServer,
+    expiry: tokio::task::JoinHandle<()>,
+}
+
+fn instance_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    format!("{:016x}", h.finish())
+}
+
+impl RunningWorker {
+    /// Loads the model and starts serving. Must be called inside a multi-threaded tokio runtime.
+    pub async fn start(config: WorkerConfig) -> Result<RunningWorker, StartError> {
+        let engine = Engine::open(&config.model, config.engine.clone())?;
+        let layout = convert::layout_desc(&engine.kv_layout());
+        let fingerprint = engine.fingerprint().to_string();
+        let max_model_len = engine.max_model_len() as u32;
+        let tiers = [
+            (pb::Tier::Device, config.engine.kv_blocks),
+            (pb::Tier::Host, config.engine.host_blocks),
+            (pb::Tier::Disk, config.engine.disk_blocks),
+        ]
+        .into_iter()
+        .map(|(t, n)| pb::TierCapacity { tier: t as i32, blocks: n as u64 })
+        .collect();
+        let handle =
+            Arc::new(EngineHandle::start(engine).map_err(|source| StartError::Io { what: "engine thread", source })?);
+        let leases = Arc::new(leases::Leases::default());
+        let transfer_server = QuicServer::bind(config.transfer, &config.identity, Arc::clone(&leases) as _)?;
+        let transfer =
+            transfer_server.local_addr().map_err(|source| StartError::Io { what: "transfer address", source })?;
+        let client_bind = SocketAddr::new(transfer.ip(), 0);
+        let client = Arc::new(QuicClient::new(&config.identity, client_bind)?);
+        let role = match config.role {
+            Role::Prefill => pb::Role::Prefill,
+            Role::Decode => pb::Role::Decode,
+            Role::Both => pb::Role::Both,
+        };
+        let info = pb::InfoResponse {
+            role: role as i32,
+            model_id: config.model_id.clone(),
+            model_fingerprint: fingerprint,
+            block_size: layout.block_tokens,
+            layout: Some(convert::layout_to_pb(&layout)),
+            tiers,
+            transfer_endpoint: transfer.to_string(),
+            instance_id: instance_id(),
+            max_model_len,
+        };
+        let (stopping, stopping_rx) = tokio::sync::watch::channel(false);
+        let service = Arc::new(WorkerService {
+            engine: handle,
+            info,
+            layout,
+            leases: Arc::clone(&leases),
+            client,
+            lease_ttl: config.lease_ttl,
+            pull_timeout: config.pull_timeout,
+            cancels: Default::default(),
+            pulled_blocks: Default::default(),
+            stopping: stopping_rx,
+        });
+        let listener = tokio::net::TcpListener::bind(config.grpc)
+            .await
+            .map_err(|source| StartError::Io { what: "gRPC address", source })?;
+        let grpc = listener.local_addr().map_err(|source| StartError::Io { what: "gRPC address", source })?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let svc = WorkerServer::from_arc(Arc::clone(&service));
+        let served = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        let expiry = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                leases.expire(Instant::now());
+            }
+        });
+        Ok(RunningWorker { grpc, transfer, service, stop, stopping, served, transfer_server, expiry })
+    }
+
+    /// The engine's counters and occupancy.
+    pub async fn stats(&self) -> Option<EngineStats> {
+        self.service.engine.stats().await
+    }
+
+    /// Blocks this worker has pulled from others.
+    pub fn pulled_blocks(&self) -> u64 {
+        self.service.pulled_blocks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Leases currently held for readers.
+    pub fn live_leases(&self) -> usize {
+        self.service.leases.len()
+    }
+
+    /// Stops accepting requests, ends event and load streams, lets in-flight generations finish for up to
+    /// `grace`, then stops everything and closes the transfer endpoint.
+    pub async fn shutdown(self, grace: Duration) {
+        let _ = self.stopping.send(true);
+        let _ = self.stop.send(());
+        let mut served = self.served;
+        if tokio::time::timeout(grace, &mut served).await.is_err() {
+            served.abort();
+        }
+        self.expiry.abort();
+        self.transfer_server.close().await;
+    }
+}

@@ -1,0 +1,363 @@
+//! The worker service: gRPC requests turned into engine work, KV leases and transfers.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use engine::generate::{EngineHandle, Request, SeqEvent, SubmitError};
+use kv_cache::events::EventId;
+use kv_cache::{BlockSize, block_hashes};
+use kv_transfer::checksum;
+use kv_transfer::descriptor::{BlockDescriptor, KvHandle, KvLayoutDesc, RegionKey};
+use kv_transfer::frame::ErrorCode;
+use kv_transfer::lease::LeaseId;
+use kv_transfer::quic::{PullRequest, QuicClient, TransferError};
+use proto::worker as pb;
+use proto::worker::worker_server::Worker;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request as GrpcRequest, Response, Status};
+
+use crate::convert::{self, ProtoError};
+use crate::leases::Leases;
+
+type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// How often a KV event subscription looks for new events.
+const EVENT_POLL: Duration = Duration::from_millis(20);
+/// Load reports when the subscriber names no period.
+pub const DEFAULT_LOAD_INTERVAL: Duration = Duration::from_millis(100);
+/// Parallel QUIC streams per pull.
+const PULL_STREAMS: usize = 4;
+
+/// The worker's fixed facts and shared machinery.
+#[derive(Debug)]
+pub struct WorkerService {
+    pub(crate) engine: Arc<EngineHandle>,
+    pub(crate) info: pb::InfoResponse,
+    pub(crate) layout: KvLayoutDesc,
+    pub(crate) leases: Arc<Leases>,
+    pub(crate) client: Arc<QuicClient>,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) pull_timeout: Duration,
+    pub(crate) cancels: Mutex<HashMap<String, oneshot::Sender<()>>>,
+    pub(crate) pulled_blocks: std::sync::atomic::AtomicU64,
+    /// Becomes `true` when the worker stops: every stream this service feeds ends.
+    pub(crate) stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Resolves when the worker begins to stop.
+async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|&s| s).await;
+}
+
+fn submit_status(e: SubmitError) -> Status {
+    match e {
+        SubmitError::Invalid(e) => Status::invalid_argument(e.to_string()),
+        SubmitError::Closed => Status::unavailable("the worker is shutting down"),
+    }
+}
+
+fn transfer_status(e: TransferError) -> Status {
+    match e {
+        TransferError::Remote { code: ErrorCode::LeaseNotFound | ErrorCode::LeaseExpired, message } => {
+            Status::not_found(format!("KV lease: {message}"))
+        }
+        TransferError::Timeout(d) => Status::deadline_exceeded(format!("KV transfer: no answer within {d:?}")),
+        other => Status::unavailable(format!("KV transfer failed: {other}")),
+    }
+}
+
+/// 128 bits nobody can predict from outside the process (keyed SipHash over a counter and the clock).
+fn lease_id() -> LeaseId {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let half = |salt: u64| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(n);
+        h.write_u64(salt);
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        h.finish()
+    };
+    LeaseId(u128::from(half(1)) << 64 | u128::from(half(2)))
+}
+
+impl WorkerService {
+    fn block_size(&self) -> BlockSize {
+        BlockSize::new(self.layout.block_tokens).unwrap_or_default()
+    }
+
+    /// Decode side of a handle: checks it, then pulls and stores the full blocks this worker lacks.
+    async fn pull_missing(&self, tokens: &[u32], handle: KvHandle) -> Result<(), Status> {
+        handle
+            .check_compatible(&self.info.model_fingerprint, &self.layout)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let covered = handle.tokens as usize;
+        if covered > tokens.len() {
+            return Err(Status::invalid_argument(format!(
+                "the handle covers {covered} tokens, the request has {}",
+                tokens.len()
+            )));
+        }
+        let bt = self.layout.block_tokens as usize;
+        let full = covered / bt;
+        let prompt = &tokens[..full * bt];
+        let hashes = block_hashes(prompt, self.block_size(), None).seq;
+        if hashes.iter().zip(&handle.blocks).any(|(h, d)| d.seq_hash != Some(*h)) {
+            return Err(Status::invalid_argument("the handle's blocks are not this prompt's"));
+        }
+        let held = self.engine.lookup(hashes.clone()).await.ok_or_else(|| Status::unavailable("engine stopped"))?;
+        let start = held.device + held.host + held.disk;
+        let wanted: Vec<(u32, BlockDescriptor)> = (start..full).map(|i| (i as u32, handle.blocks[i])).collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let addr = handle
+            .endpoint
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| Status::invalid_argument(format!("handle endpoint {:?}: {e}", handle.endpoint)))?;
+        let server_name = addr.ip().to_string();
+        let req = PullRequest {
+            addr,
+            server_name: &server_name,
+            lease: handle.lease,
+            blocks: &wanted,
+            streams: PULL_STREAMS,
+            timeout: self.pull_timeout,
+            traceparent: None,
+        };
+        let pulled = self.client.pull(req).await.map_err(transfer_status)?;
+        self.pulled_blocks.fetch_add(pulled.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let blocks: Vec<(usize, Bytes)> = pulled.into_iter().map(|(i, b)| (i as usize, b)).collect();
+        self.engine.import(prompt.to_vec(), blocks).await.map_err(submit_status)?;
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn info(&self, _: GrpcRequest<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn prefill(&self, req: GrpcRequest<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        let r = req.into_inner();
+        let sampling = convert::sampling(r.sampling, Some(1))?;
+        let mut stream =
+            self.engine.submit_exporting(Request { prompt: r.tokens, sampling }).await.map_err(submit_status)?;
+        let (mut first, mut kv, mut done) = (None, None, None);
+        while let Some(ev) = stream.next().await {
+            match ev {
+                SeqEvent::Token { token, .. } => first = Some(token),
+                SeqEvent::Exported(e) => kv = Some(e),
+                SeqEvent::Finished(c) => {
+                    done = Some(c);
+                    break;
+                }
+                SeqEvent::Failed(e) => return Err(Status::internal(e)),
+            }
+        }
+        let (Some(first), Some(kv), Some(done)) = (first, kv, done) else {
+            return Err(Status::internal("prefill ended without a token and its KV"));
+        };
+        let len = self.layout.block_bytes();
+        let mut held = Vec::with_capacity(kv.blocks.len());
+        let mut blocks = Vec::with_capacity(kv.blocks.len());
+        for (i, b) in kv.blocks.into_iter().enumerate() {
+            let bytes = Bytes::from(b.bytes);
+            let sum = checksum(&bytes);
+            blocks.push(BlockDescriptor {
+                seq_hash: b.meta.map(|m| m.seq),
+                region: RegionKey(0),
+                offset: i as u64 * len,
+                len,
+                checksum: sum,
+            });
+            held.push((sum, bytes));
+        }
+        let lease = lease_id();
+        self.leases.grant(lease, held, Instant::now(), self.lease_ttl).map_err(|e| Status::internal(e.to_string()))?;
+        let handle = KvHandle {
+            endpoint: self.info.transfer_endpoint.clone(),
+            lease,
+            model_fingerprint: self.info.model_fingerprint.clone(),
+            layout: self.layout,
+            tokens: kv.tokens as u32,
+            blocks,
+        };
+        Ok(Response::new(pb::PrefillResponse {
+            first_token: first,
+            handle: Some(convert::handle_to_pb(&handle)),
+            cached_tokens: done.cached_tokens as u32,
+            computed_tokens: (kv.tokens - done.cached_tokens) as u32,
+        }))
+    }
+
+    type GenerateStream = Streamed<pb::GenerateResponse>;
+
+    async fn generate(&self, req: GrpcRequest<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let r = req.into_inner();
+        let sampling = convert::sampling(r.sampling, None)?;
+        if let Some(h) = r.handle {
+            self.pull_missing(&r.tokens, convert::handle_from_pb(h)?).await?;
+        }
+        let capacity = sampling.max_tokens() as usize + 2;
+        let mut stream = self.engine.submit(Request { prompt: r.tokens, sampling }).await.map_err(submit_status)?;
+        let (cancel_tx, mut cancel_rx) = oneshot::channel();
+        if !r.request_id.is_empty()
+            && let Ok(mut c) = self.cancels.lock()
+        {
+            c.insert(r.request_id.clone(), cancel_tx);
+        }
+        let (tx, rx) = mpsc::channel(capacity);
+        tokio::spawn(async move {
+            loop {
+                let ev = tokio::select! {
+                    _ = &mut cancel_rx => break,
+                    ev = stream.next() => ev,
+                };
+                let Some(ev) = ev else { break };
+                let (msg, last) = match ev {
+                    SeqEvent::Token { token, text } => (
+                        Ok(pb::GenerateResponse {
+                            event: Some(pb::generate_response::Event::Token(pb::Token { id: token, text })),
+                        }),
+                        false,
+                    ),
+                    SeqEvent::Finished(c) => {
+                        let finished = pb::Finished {
+                            reason: convert::finish_to_pb(c.finish_reason) as i32,
+                            prompt_tokens: c.prompt_ids.len() as u32,
+                            completion_tokens: c.token_ids.len() as u32,
+                            cached_tokens: c.cached_tokens as u32,
+                        };
+                        (
+                            Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(finished)) }),
+                            true,
+                        )
+                    }
+                    SeqEvent::Failed(e) => (Err(Status::internal(e)), true),
+                    SeqEvent::Exported(_) => continue,
+                };
+                // A client that went away drops the engine stream here, which cancels the sequence.
+                if tx.send(msg).await.is_err() || last {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn cancel(&self, req: GrpcRequest<pb::CancelRequest>) -> Result<Response<pb::CancelResponse>, Status> {
+        let id = req.into_inner().request_id;
+        let found = self.cancels.lock().ok().and_then(|mut c| c.remove(&id)).is_some_and(|tx| tx.send(()).is_ok());
+        Ok(Response::new(pb::CancelResponse { found }))
+    }
+
+    type SubscribeKvEventsStream = Streamed<pb::KvEventBatch>;
+
+    async fn subscribe_kv_events(
+        &self,
+        req: GrpcRequest<pb::SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        let after = req.into_inner().after_event_id.map(EventId);
+        let engine = Arc::clone(&self.engine);
+        let instance = self.info.instance_id.clone();
+        let (tx, rx) = mpsc::channel(64);
+        let stop = self.stopping.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+              _ = stopped(stop) => {}
+              _ = async move {
+              let batch = |body| pb::KvEventBatch { instance_id: instance.clone(), body: Some(body) };
+              let mut last = after;
+              let mut need_snapshot = after.is_none();
+              loop {
+                  if need_snapshot {
+                      let Some(snap) = engine.snapshot().await else { return };
+                      last = snap.as_of;
+                      if tx.send(Ok(batch(pb::kv_event_batch::Body::Snapshot(convert::snapshot_to_pb(&snap))))).await.is_err() {
+                          return;
+                      }
+                      need_snapshot = false;
+                  }
+                  match engine.events_after(last).await {
+                      None => return,
+                      Some(Err(_too_old)) => need_snapshot = true,
+                      Some(Ok(events)) if events.is_empty() => tokio::time::sleep(EVENT_POLL).await,
+                      Some(Ok(events)) => {
+                          last = events.last().map(|(id, _)| *id);
+                          let events = events.iter().map(|(id, e)| convert::event_to_pb(id.0, e)).collect();
+                          if tx.send(Ok(batch(pb::kv_event_batch::Body::Events(pb::KvEvents { events })))).await.is_err() {
+                              return;
+                          }
+                      }
+                  }
+              }
+              } => {}
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type WatchLoadStream = Streamed<pb::LoadReport>;
+
+    async fn watch_load(
+        &self,
+        req: GrpcRequest<pb::WatchLoadRequest>,
+    ) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let ms = req.into_inner().interval_ms;
+        let period = if ms == 0 { DEFAULT_LOAD_INTERVAL } else { Duration::from_millis(u64::from(ms)) };
+        let engine = Arc::clone(&self.engine);
+        let (tx, rx) = mpsc::channel(4);
+        let stop = self.stopping.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+              _ = stopped(stop) => {}
+              _ = async move {
+              let mut tick = tokio::time::interval(period);
+              loop {
+                  tick.tick().await;
+                  let Some(stats) = engine.stats().await else { return };
+                  let usage = kv_cache::events::Tier::ALL
+                      .iter()
+                      .map(|&t| {
+                          let u = stats.usage[t.index()];
+                          pb::TierUsage {
+                              tier: convert::tier_to_pb(t) as i32,
+                              used: u.used as u64,
+                              cached: u.cached as u64,
+                              total: (u.used + u.cached + u.free) as u64,
+                          }
+                      })
+                      .collect();
+                  let report = pb::LoadReport {
+                      running: stats.running as u32,
+                      waiting: stats.waiting as u32,
+                      active_prefill_tokens: stats.prefill_tokens_pending as u64,
+                      usage,
+                  };
+                  if tx.send(Ok(report)).await.is_err() {
+                      return;
+                  }
+              }
+              } => {}
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn health(&self, _: GrpcRequest<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse { serving: self.engine.stats().await.is_some() }))
+    }
+}
+
+impl From<kv_transfer::descriptor::HandleError> for ProtoError {
+    fn from(e: kv_transfer::descriptor::HandleError) -> Self {
+        ProtoError::Invalid { field: "handle", why: e.to_string() }
+    }
+}

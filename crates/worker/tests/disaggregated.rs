@@ -1,0 +1,184 @@
+//! Two real workers on 127.0.0.1: prefill on P, decode on D, KV over QUIC with mutual TLS, all through gRPC.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use engine::generate::{Engine, EngineConfig, Request};
+use engine::sampling::SamplingParams;
+use kv_cache::events::{EventId, Tier, TierView};
+use kv_transfer::tls::DevCa;
+use proto::worker as pb;
+use proto::worker::worker_client::WorkerClient;
+use worker::{Role, RunningWorker, WorkerConfig};
+
+fn model() -> std::path::PathBuf {
+    engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
+}
+
+async fn start(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    RunningWorker::start(WorkerConfig {
+        role,
+        model: model(),
+        model_id: "smollm2-135m-instruct".into(),
+        engine: EngineConfig::default(),
+        grpc: loopback,
+        transfer: loopback,
+        identity: ca.issue(name, &[]).expect("cert"),
+        lease_ttl: Duration::from_secs(30),
+        pull_timeout: Duration::from_secs(10),
+    })
+    .await
+    .expect("worker starts")
+}
+
+fn sampling(max_tokens: u32) -> pb::Sampling {
+    pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens, ..pb::Sampling::default() }
+}
+
+async fn generate(
+    d: &mut WorkerClient<tonic::transport::Channel>,
+    tokens: Vec<u32>,
+    handle: Option<pb::KvHandle>,
+    max: u32,
+) -> Result<Vec<u32>, tonic::Status> {
+    let req = pb::GenerateRequest {
+        request_id: "r".into(),
+        tokens,
+        sampling: Some(sampling(max)),
+        handle,
+        cache_namespace: None,
+    };
+    let mut stream = d.generate(req).await?.into_inner();
+    let mut out = Vec::new();
+    while let Some(msg) = stream.message().await? {
+        match msg.event {
+            Some(pb::generate_response::Event::Token(t)) => out.push(t.id),
+            Some(pb::generate_response::Event::Finished(_)) => break,
+            None => {}
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
+    let mut single = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    let text = "Disaggregated serving runs the prompt on one machine and the answer on another. In one sentence, why";
+    let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
+    prompt.truncate(70);
+    let greedy =
+        |p: Vec<u32>, n| Request { prompt: p, sampling: SamplingParams::greedy(NonZeroU32::new(n).expect("n")) };
+    let want =
+        single.run(&[greedy(prompt.clone(), 10)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
+
+    let ca = DevCa::generate().expect("ca");
+    let p = start(&ca, Role::Prefill, "prefill-0").await;
+    let d = start(&ca, Role::Decode, "decode-0").await;
+    let mut pc = WorkerClient::connect(format!("http://{}", p.grpc)).await.expect("connects to P");
+    let mut dc = WorkerClient::connect(format!("http://{}", d.grpc)).await.expect("connects to D");
+    let info = dc.info(pb::InfoRequest {}).await.expect("info").into_inner();
+    assert_eq!((info.role(), info.block_size), (pb::Role::Decode, 16));
+
+    let pre = pc
+        .prefill(pb::PrefillRequest {
+            request_id: "r1".into(),
+            tokens: prompt.clone(),
+            sampling: Some(sampling(10)),
+            cache_namespace: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    assert_eq!(pre.first_token, want[0]);
+    assert_eq!(p.live_leases(), 1);
+    let handle = pre.handle.expect("a handle");
+    let rest = generate(&mut dc, [prompt.clone(), vec![pre.first_token]].concat(), Some(handle.clone()), 9)
+        .await
+        .expect("generate");
+    assert_eq!([vec![pre.first_token], rest].concat(), want, "P + D give the single engine's tokens");
+    assert_eq!(d.pulled_blocks(), 4, "the four full blocks came over QUIC");
+
+    // A second prompt sharing the first 64 tokens: D pulls only the block it lacks.
+    let mut second = prompt[..64].to_vec();
+    second.extend(
+        single
+            .tokenizer()
+            .encode(&[" Because prefill and decode want different hardware, and the cache can move."; 3].concat()),
+    );
+    second.truncate(84);
+    assert_eq!(second.len(), 84, "five full blocks, the first four shared");
+    let pre2 = pc
+        .prefill(pb::PrefillRequest {
+            request_id: "r2".into(),
+            tokens: second.clone(),
+            sampling: Some(sampling(4)),
+            cache_namespace: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    assert_eq!(pre2.cached_tokens, 64, "P reused its own cached prefix");
+    generate(&mut dc, [second.clone(), vec![pre2.first_token]].concat(), pre2.handle.clone(), 3)
+        .await
+        .expect("generate");
+    assert_eq!(d.pulled_blocks(), 5, "only the one new full block was pulled");
+
+    // A handle from another model, or with an unknown lease, is refused with the right status.
+    let mut foreign = handle.clone();
+    foreign.model_fingerprint = "xxh3:0000000000000000".into();
+    let err =
+        generate(&mut dc, [prompt.clone(), vec![1]].concat(), Some(foreign), 2).await.expect_err("foreign handle");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("fingerprint"), "{}", err.message());
+    let mut fresh = single.tokenizer().encode(&["A different prompt entirely, about rivers and stones."; 3].join(" "));
+    fresh.truncate(40);
+    let pre3 = pc
+        .prefill(pb::PrefillRequest {
+            request_id: "r3".into(),
+            tokens: fresh.clone(),
+            sampling: Some(sampling(2)),
+            cache_namespace: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    let mut unknown = pre3.handle.expect("handle");
+    unknown.lease_id = vec![7; 16];
+    let err =
+        generate(&mut dc, [fresh, vec![pre3.first_token]].concat(), Some(unknown), 2).await.expect_err("unknown lease");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{}", err.message());
+
+    // D's event stream, replayed, is D's pool.
+    let mut events = dc
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: None })
+        .await
+        .expect("subscribe")
+        .into_inner();
+    let first = events.message().await.expect("ok").expect("a snapshot first");
+    let Some(pb::kv_event_batch::Body::Snapshot(snap)) = first.body else { panic!("snapshot expected") };
+    let mut view = TierView::default();
+    for tier in snap.tiers {
+        for b in tier.blocks {
+            if tier.tier == pb::Tier::Device as i32 {
+                let stored = kv_cache::events::KvEvent::Stored {
+                    tier: Tier::Device,
+                    parent: b.parent.map(kv_cache::SeqHash),
+                    blocks: vec![(kv_cache::SeqHash(b.seq_hash), kv_cache::LocalHash(b.local_hash))],
+                };
+                view.apply(EventId(0), &stored);
+            }
+        }
+    }
+    let stats = d.stats().await.expect("stats");
+    assert_eq!(
+        view.blocks(Tier::Device).len(),
+        stats.usage[0].used + stats.usage[0].cached,
+        "the snapshot holds every registered device block"
+    );
+    drop(events);
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
