@@ -56,6 +56,10 @@ impl<S: BlockSource> FaultySource<S> {
 }
 
 impl<S: BlockSource> BlockSource for FaultySource<S> {
+    fn release(&self, lease: LeaseId) {
+        self.inner.release(lease);
+    }
+
     fn read(&self, lease: LeaseId, index: u32) -> Result<(u64, Bytes), (ErrorCode, String)> {
         let (sum, bytes) = self.inner.read(lease, index)?;
         Ok(match self.fault(index) {

@@ -14,6 +14,7 @@ const KIND_READ: u8 = 1;
 const KIND_BLOCK: u8 = 2;
 const KIND_ERROR: u8 = 3;
 const KIND_DONE: u8 = 4;
+const KIND_RELEASE: u8 = 5;
 /// Longest `traceparent` accepted (the W3C header is 55 characters).
 pub const MAX_TRACEPARENT: usize = 256;
 /// Largest frame body accepted by default: one 8 MiB block plus its header, far above a SmolLM2 block (360 KiB).
@@ -61,9 +62,18 @@ pub struct ReadRequest {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
     Read(ReadRequest),
-    Block { index: u32, checksum: u64, payload: Bytes },
-    Error { code: ErrorCode, message: String },
+    Block {
+        index: u32,
+        checksum: u64,
+        payload: Bytes,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
     Done,
+    /// The reader has what it needs: the owner may end the lease now.
+    Release(LeaseId),
 }
 
 /// Why bytes are not a valid frame stream. After any of these the stream is closed.
@@ -111,6 +121,13 @@ pub fn encode_error(code: ErrorCode, message: &str, out: &mut BytesMut) {
     out.put_u8(KIND_ERROR);
     out.put_u16_le(code.to_wire());
     out.put_slice(msg);
+}
+
+/// Appends a `Release` frame.
+pub fn encode_release(lease: LeaseId, out: &mut BytesMut) {
+    out.put_u32_le(1 + 16);
+    out.put_u8(KIND_RELEASE);
+    out.put_u128_le(lease.0);
 }
 
 /// Appends a `Done` frame.
@@ -200,6 +217,8 @@ fn parse(kind: u8, mut body: Bytes) -> Result<Frame, FrameError> {
             let message = String::from_utf8_lossy(&body).into_owned();
             Ok(Frame::Error { code, message })
         }
+        KIND_RELEASE if body.remaining() == 16 => Ok(Frame::Release(LeaseId(body.get_u128_le()))),
+        KIND_RELEASE => Err(bad("release", "wrong length")),
         KIND_DONE if body.is_empty() => Ok(Frame::Done),
         KIND_DONE => Err(bad("done", "has a body")),
         other => Err(FrameError::UnknownKind(other)),

@@ -17,7 +17,7 @@ use crate::checksum;
 use crate::descriptor::BlockDescriptor;
 use crate::frame::{
     ErrorCode, Frame, FrameDecoder, FrameError, ReadRequest, encode_block_header, encode_done, encode_error,
-    encode_read,
+    encode_read, encode_release,
 };
 use crate::lease::LeaseId;
 use crate::tls::{Identity, TlsError};
@@ -31,6 +31,9 @@ const BLOCK_FRAME_OVERHEAD: usize = 13;
 pub trait BlockSource: Send + Sync + 'static {
     /// The checksum and bytes of block `index` of `lease`, or why not.
     fn read(&self, lease: LeaseId, index: u32) -> Result<(u64, Bytes), (ErrorCode, String)>;
+
+    /// The reader is done with `lease`; unknown leases are ignored.
+    fn release(&self, _lease: LeaseId) {}
 }
 
 /// Why a transfer failed.
@@ -126,6 +129,13 @@ async fn serve_stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, 
     let mut out = BytesMut::new();
     let request = match read_frame(&mut recv, &dec, &mut buf).await {
         Ok(Some(Frame::Read(r))) => r,
+        Ok(Some(Frame::Release(lease))) => {
+            source.release(lease);
+            encode_done(&mut out);
+            let _ = send.write_all(&out).await;
+            let _ = send.finish();
+            return;
+        }
         Ok(_) => {
             encode_error(ErrorCode::BadRequest, "expected a read request", &mut out);
             let _ = send.write_all(&out).await;
@@ -214,6 +224,31 @@ impl QuicClient {
         Ok(conn)
     }
 
+    /// Tells the owner the reader is done with `lease`, so it can unpin the blocks before the lease expires.
+    pub async fn release(
+        &self,
+        addr: SocketAddr,
+        server_name: &str,
+        lease: LeaseId,
+        timeout: Duration,
+    ) -> Result<(), TransferError> {
+        let work = async {
+            let conn = self.connection(addr, server_name).await?;
+            let (mut send, mut recv) = conn.open_bi().await.map_err(stream_err)?;
+            let mut out = BytesMut::new();
+            encode_release(lease, &mut out);
+            send.write_all(&out).await.map_err(stream_err)?;
+            send.finish().map_err(stream_err)?;
+            let mut buf = BytesMut::new();
+            match read_frame(&mut recv, &FrameDecoder::new(1024), &mut buf).await? {
+                Some(Frame::Done) => Ok(()),
+                Some(Frame::Error { code, message }) => Err(TransferError::Remote { code, message }),
+                _ => Err(TransferError::Stream("unexpected answer to a release".into())),
+            }
+        };
+        tokio::time::timeout(timeout, work).await.unwrap_or(Err(TransferError::Timeout(timeout)))
+    }
+
     /// Pulls and verifies every requested block; all or nothing.
     pub async fn pull(&self, req: PullRequest<'_>) -> Result<Vec<(u32, Bytes)>, TransferError> {
         match tokio::time::timeout(req.timeout, self.pull_inner(&req)).await {
@@ -277,7 +312,9 @@ async fn pull_stream(
             }
             Some(Frame::Error { code, message }) => return Err(TransferError::Remote { code, message }),
             Some(Frame::Done) | None => break,
-            Some(Frame::Read(_)) => return Err(TransferError::Stream("the owner sent a read request".into())),
+            Some(Frame::Read(_) | Frame::Release(_)) => {
+                return Err(TransferError::Stream("the owner sent a reader's frame".into()));
+            }
         }
     }
     if !want.is_empty() {

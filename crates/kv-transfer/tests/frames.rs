@@ -4,7 +4,7 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use kv_transfer::frame::{
     ErrorCode, Frame, FrameDecoder, FrameError, ReadRequest, encode_block_header, encode_done, encode_error,
-    encode_read,
+    encode_read, encode_release,
 };
 use kv_transfer::lease::LeaseId;
 use proptest::prelude::*;
@@ -26,6 +26,7 @@ fn frame() -> impl Strategy<Value = Frame> {
             message
         }),
         Just(Frame::Done),
+        any::<u128>().prop_map(|l| Frame::Release(LeaseId(l))),
     ]
 }
 
@@ -38,6 +39,7 @@ fn encode(f: &Frame, out: &mut BytesMut) {
         }
         Frame::Error { code, message } => encode_error(*code, message, out),
         Frame::Done => encode_done(out),
+        Frame::Release(l) => encode_release(*l, out),
     }
 }
 

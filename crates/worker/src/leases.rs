@@ -72,4 +72,8 @@ impl BlockSource for Leases {
         let blocks = inner.blocks.get(&lease).ok_or((ErrorCode::LeaseNotFound, "no blocks".to_string()))?;
         blocks.get(index as usize).cloned().ok_or((ErrorCode::BadRequest, format!("the lease has no block {index}")))
     }
+
+    fn release(&self, lease: LeaseId) {
+        let _ = Leases::release(self, lease);
+    }
 }

@@ -113,14 +113,15 @@ impl WorkerService {
         let held = self.engine.lookup(hashes.clone()).await.ok_or_else(|| Status::unavailable("engine stopped"))?;
         let start = held.device + held.host + held.disk;
         let wanted: Vec<(u32, BlockDescriptor)> = (start..full).map(|i| (i as u32, handle.blocks[i])).collect();
-        if wanted.is_empty() {
-            return Ok(());
-        }
         let addr = handle
             .endpoint
             .parse::<std::net::SocketAddr>()
             .map_err(|e| Status::invalid_argument(format!("handle endpoint {:?}: {e}", handle.endpoint)))?;
         let server_name = addr.ip().to_string();
+        if wanted.is_empty() {
+            self.release_lease(addr, &server_name, handle.lease).await;
+            return Ok(());
+        }
         let req = PullRequest {
             addr,
             server_name: &server_name,
@@ -134,7 +135,13 @@ impl WorkerService {
         self.pulled_blocks.fetch_add(pulled.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let blocks: Vec<(usize, Bytes)> = pulled.into_iter().map(|(i, b)| (i as usize, b)).collect();
         self.engine.import(prompt.to_vec(), blocks).await.map_err(submit_status)?;
+        self.release_lease(addr, &server_name, handle.lease).await;
         Ok(())
+    }
+
+    /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.
+    async fn release_lease(&self, addr: std::net::SocketAddr, server_name: &str, lease: LeaseId) {
+        let _ = self.client.release(addr, server_name, lease, self.pull_timeout).await;
     }
 }
 

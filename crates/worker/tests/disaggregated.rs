@@ -100,6 +100,7 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
         .expect("generate");
     assert_eq!([vec![pre.first_token], rest].concat(), want, "P + D give the single engine's tokens");
     assert_eq!(d.pulled_blocks(), 4, "the four full blocks came over QUIC");
+    assert_eq!(p.live_leases(), 0, "the decode worker released the lease once it had the blocks");
 
     // A second prompt sharing the first 64 tokens: D pulls only the block it lacks.
     let mut second = prompt[..64].to_vec();
