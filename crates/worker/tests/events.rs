@@ -1,0 +1,194 @@
+//! The KV event stream of a real worker: a fresh subscriber gets a snapshot and then events that, replayed,
+//! give the worker's pool; a resubscriber after a buffered id gets exactly the events it missed; one after an id
+//! the worker no longer holds gets a snapshot first. And an expired lease is gone.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use engine::generate::EngineConfig;
+use kv_cache::events::{BlockMeta, EventId, KvEvent, Snapshot, Tier, TierView};
+use kv_cache::{LocalHash, SeqHash};
+use kv_transfer::tls::DevCa;
+use proto::worker as pb;
+use proto::worker::worker_client::WorkerClient;
+use tonic::transport::Channel;
+use worker::{Role, RunningWorker, WorkerConfig};
+
+async fn start(replay: usize, lease_ttl: Duration) -> RunningWorker {
+    let ca = DevCa::generate().expect("ca");
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    RunningWorker::start(WorkerConfig {
+        role: Role::Both,
+        model: engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("model"),
+        model_id: "smollm2".into(),
+        engine: EngineConfig { replay_events: replay, ..EngineConfig::default() },
+        grpc: loopback,
+        transfer: loopback,
+        identity: ca.issue("worker-0", &[]).expect("cert"),
+        lease_ttl,
+        pull_timeout: Duration::from_secs(5),
+    })
+    .await
+    .expect("starts")
+}
+
+fn tier(t: i32) -> Tier {
+    match pb::Tier::try_from(t) {
+        Ok(pb::Tier::Host) => Tier::Host,
+        Ok(pb::Tier::Disk) => Tier::Disk,
+        _ => Tier::Device,
+    }
+}
+
+/// The protobuf event back in domain terms (the router's indexer does the same at its edge).
+fn event(e: &pb::KvEvent) -> KvEvent {
+    match e.kind.as_ref().expect("a kind") {
+        pb::kv_event::Kind::Stored(s) => KvEvent::Stored {
+            tier: tier(s.tier),
+            parent: s.parent.map(SeqHash),
+            blocks: s.blocks.iter().map(|b| (SeqHash(b.seq_hash), LocalHash(b.local_hash))).collect(),
+        },
+        pb::kv_event::Kind::Removed(r) => {
+            KvEvent::Removed { tier: tier(r.tier), seqs: r.seq_hashes.iter().map(|&s| SeqHash(s)).collect() }
+        }
+        pb::kv_event::Kind::Cleared(c) => KvEvent::Cleared { tier: Some(tier(c.tier)) },
+    }
+}
+
+fn snapshot(s: &pb::Snapshot) -> Snapshot {
+    let mut tiers: [Vec<BlockMeta>; 3] = Default::default();
+    for t in &s.tiers {
+        tiers[tier(t.tier).index()] = t
+            .blocks
+            .iter()
+            .map(|b| BlockMeta {
+                seq: SeqHash(b.seq_hash),
+                local: LocalHash(b.local_hash),
+                parent: b.parent.map(SeqHash),
+            })
+            .collect();
+    }
+    Snapshot { as_of: s.as_of.map(EventId), tiers }
+}
+
+async fn run(c: &mut WorkerClient<Channel>, seed: u32, len: usize) {
+    let tokens: Vec<u32> = (0..len as u32).map(|i| 100 + (i * 37 + seed * 101) % 4000).collect();
+    let sampling =
+        pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens: 20, ignore_eos: true, ..pb::Sampling::default() };
+    let req = pb::GenerateRequest {
+        request_id: format!("r{seed}"),
+        tokens,
+        sampling: Some(sampling),
+        handle: None,
+        cache_namespace: None,
+    };
+    let mut s = c.generate(req).await.expect("generate").into_inner();
+    while s.message().await.expect("stream").is_some() {}
+}
+
+/// Reads batches until `pred` holds for the view or the deadline passes.
+async fn follow(
+    stream: &mut tonic::Streaming<pb::KvEventBatch>,
+    view: &mut TierView,
+    seen: &mut Vec<(u64, KvEvent)>,
+    until: Option<u64>,
+) {
+    loop {
+        if until.is_some() && view.as_of.map(|e| e.0) >= until {
+            return;
+        }
+        let next = tokio::time::timeout(Duration::from_millis(500), stream.message()).await;
+        let Ok(Ok(Some(batch))) = next else { return };
+        match batch.body.expect("a body") {
+            pb::kv_event_batch::Body::Snapshot(s) => *view = TierView::from_snapshot(&snapshot(&s)),
+            pb::kv_event_batch::Body::Events(es) => {
+                for e in es.events {
+                    let ev = event(&e);
+                    view.apply(EventId(e.id), &ev);
+                    seen.push((e.id, ev));
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribers_see_the_pool_and_resume_exactly() {
+    let w = start(8, Duration::from_secs(30)).await;
+    let mut c = WorkerClient::connect(format!("http://{}", w.grpc)).await.expect("connects");
+    let mut live = c
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: None })
+        .await
+        .expect("subscribe")
+        .into_inner();
+    let mut view = TierView::default();
+    let mut seen = Vec::new();
+    follow(&mut live, &mut view, &mut seen, None).await;
+    for seed in 0..3 {
+        run(&mut c, seed, 40 + seed as usize * 17).await;
+    }
+    // The engine's own snapshot is the truth; the live subscriber must reach it.
+    let truth = c
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: None })
+        .await
+        .expect("subscribe")
+        .into_inner()
+        .message()
+        .await
+        .expect("ok")
+        .expect("snapshot");
+    let Some(pb::kv_event_batch::Body::Snapshot(truth)) = truth.body else { panic!("snapshot expected") };
+    let truth = TierView::from_snapshot(&snapshot(&truth));
+    follow(&mut live, &mut view, &mut seen, truth.as_of.map(|e| e.0)).await;
+    assert!(seen.len() > 8, "the workload made more events than the replay buffer holds ({})", seen.len());
+    for t in Tier::ALL {
+        assert_eq!(view.blocks(t), truth.blocks(t), "{t:?} after live events");
+    }
+    // Resuming after a buffered id: exactly the events after it, in order.
+    let last = seen.last().map(|(id, _)| *id).expect("events");
+    let from = last - 3;
+    let mut resumed = c
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: Some(from) })
+        .await
+        .expect("resume")
+        .into_inner();
+    let batch = resumed.message().await.expect("ok").expect("events");
+    let Some(pb::kv_event_batch::Body::Events(es)) = batch.body else { panic!("a replay, not a snapshot") };
+    let replayed: Vec<(u64, KvEvent)> = es.events.iter().map(|e| (e.id, event(e))).collect();
+    let expected: Vec<(u64, KvEvent)> = seen.iter().filter(|(id, _)| *id > from).cloned().collect();
+    assert_eq!(replayed, expected);
+    // Resuming after an id the worker no longer holds: a snapshot first.
+    let mut stale = c
+        .subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: Some(0) })
+        .await
+        .expect("resume")
+        .into_inner();
+    let batch = stale.message().await.expect("ok").expect("a batch");
+    assert!(matches!(batch.body, Some(pb::kv_event_batch::Body::Snapshot(_))), "too old: snapshot");
+    drop((live, resumed, stale));
+    w.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_is_gone() {
+    let w = start(1024, Duration::from_millis(300)).await;
+    let mut c = WorkerClient::connect(format!("http://{}", w.grpc)).await.expect("connects");
+    let tokens: Vec<u32> = (0..40).map(|i| 200 + i).collect();
+    let sampling = pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens: 1, ..pb::Sampling::default() };
+    let pre = c
+        .prefill(pb::PrefillRequest { request_id: "p".into(), tokens, sampling: Some(sampling), cache_namespace: None })
+        .await
+        .expect("prefill");
+    assert!(pre.into_inner().handle.is_some());
+    assert_eq!(w.live_leases(), 1);
+    let mut gone = false;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if w.live_leases() == 0 {
+            gone = true;
+            break;
+        }
+    }
+    assert!(gone, "the lease expired and its blocks were let go");
+    w.shutdown(Duration::from_secs(5)).await;
+}
