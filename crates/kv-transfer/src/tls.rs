@@ -93,7 +93,7 @@ impl DevCa {
             ca: self.cert.clone(),
             chain: vec![cert.der().clone()],
             key: PrivateKeyDer::try_from(key.serialize_der()).map_err(|e| TlsError::Config(e.to_string()))?,
-            pem: Some(Pem { ca: self.cert_pem.clone(), cert: cert.pem(), key: key.serialize_pem() }),
+            pem: Pem { ca: self.cert_pem.clone(), cert: cert.pem(), key: key.serialize_pem() },
         })
     }
 
@@ -117,7 +117,7 @@ pub struct Identity {
     pub ca: CertificateDer<'static>,
     pub chain: Vec<CertificateDer<'static>>,
     pub key: PrivateKeyDer<'static>,
-    pem: Option<Pem>,
+    pem: Pem,
 }
 
 fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<(), TlsError> {
@@ -136,7 +136,7 @@ fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<(), TlsError> {
 impl Identity {
     /// Writes `<name>.pem` and `<name>.key` (owner-only) into `dir`, next to the CA's `ca.pem`.
     pub fn write(&self, dir: &Path, name: &str) -> Result<(), TlsError> {
-        let pem = self.pem.as_ref().ok_or_else(|| TlsError::Config("this identity was not made here".into()))?;
+        let pem = &self.pem;
         write_file(&dir.join("ca.pem"), pem.ca.as_bytes(), false)?;
         write_file(&dir.join(format!("{name}.pem")), pem.cert.as_bytes(), false)?;
         write_file(&dir.join(format!("{name}.key")), pem.key.as_bytes(), true)
@@ -144,17 +144,34 @@ impl Identity {
 
     /// Reads a CA certificate, a certificate chain and a private key from PEM files.
     pub fn from_pem_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity, TlsError> {
-        let read = |p: &Path| std::fs::read(p).map_err(|source| TlsError::Io { path: p.to_path_buf(), source });
+        let read =
+            |p: &Path| std::fs::read_to_string(p).map_err(|source| TlsError::Io { path: p.to_path_buf(), source });
         let pem_err = |p: &Path, what: String| TlsError::Pem { path: p.to_path_buf(), what };
-        let ca_der = CertificateDer::from_pem_slice(&read(ca)?).map_err(|e| pem_err(ca, e.to_string()))?;
-        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(cert)?)
+        let pem = Pem { ca: read(ca)?, cert: read(cert)?, key: read(key)? };
+        let ca_der = CertificateDer::from_pem_slice(pem.ca.as_bytes()).map_err(|e| pem_err(ca, e.to_string()))?;
+        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem.cert.as_bytes())
             .collect::<Result<_, _>>()
             .map_err(|e| pem_err(cert, e.to_string()))?;
         if chain.is_empty() {
             return Err(pem_err(cert, "no certificate in the file".into()));
         }
-        let key_der = PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|e| pem_err(key, e.to_string()))?;
-        Ok(Identity { ca: ca_der, chain, key: key_der, pem: None })
+        let key_der = PrivateKeyDer::from_pem_slice(pem.key.as_bytes()).map_err(|e| pem_err(key, e.to_string()))?;
+        Ok(Identity { ca: ca_der, chain, key: key_der, pem })
+    }
+
+    /// The cluster CA's certificate, PEM.
+    pub fn ca_pem(&self) -> &str {
+        &self.pem.ca
+    }
+
+    /// This component's certificate chain, PEM.
+    pub fn cert_pem(&self) -> &str {
+        &self.pem.cert
+    }
+
+    /// This component's private key, PEM.
+    pub fn key_pem(&self) -> &str {
+        &self.pem.key
     }
 
     fn roots(&self) -> Result<RootCertStore, TlsError> {

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod convert;
+pub mod grpc_tls;
 pub mod leases;
 mod service;
 
@@ -62,6 +63,8 @@ pub enum StartError {
     Transfer(#[from] TransferError),
     #[error("{what}: {source}")]
     Io { what: &'static str, source: std::io::Error },
+    #[error("gRPC TLS: {0}")]
+    Tls(String),
 }
 
 /// A running worker.
@@ -140,11 +143,14 @@ impl RunningWorker {
             .await
             .map_err(|source| StartError::Io { what: "gRPC address", source })?;
         let grpc = listener.local_addr().map_err(|source| StartError::Io { what: "gRPC address", source })?;
+        let mut server = tonic::transport::Server::builder()
+            .tls_config(grpc_tls::server(&config.identity))
+            .map_err(|e| StartError::Tls(e.to_string()))?;
         let (stop, stopped) = oneshot::channel::<()>();
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         let svc = WorkerServer::from_arc(Arc::clone(&service));
         let served = tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
+            let _ = server
                 .add_service(svc)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;

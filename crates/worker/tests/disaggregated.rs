@@ -77,8 +77,9 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     let ca = DevCa::generate().expect("ca");
     let p = start(&ca, Role::Prefill, "prefill-0").await;
     let d = start(&ca, Role::Decode, "decode-0").await;
-    let mut pc = WorkerClient::connect(format!("http://{}", p.grpc)).await.expect("connects to P");
-    let mut dc = WorkerClient::connect(format!("http://{}", d.grpc)).await.expect("connects to D");
+    let router = ca.issue("router", &[]).expect("cert");
+    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
+    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
     let info = dc.info(pb::InfoRequest {}).await.expect("info").into_inner();
     assert_eq!((info.role(), info.block_size), (pb::Role::Decode, 16));
 

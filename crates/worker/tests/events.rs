@@ -14,8 +14,7 @@ use proto::worker::worker_client::WorkerClient;
 use tonic::transport::Channel;
 use worker::{Role, RunningWorker, WorkerConfig};
 
-async fn start(replay: usize, lease_ttl: Duration) -> RunningWorker {
-    let ca = DevCa::generate().expect("ca");
+async fn start(ca: &DevCa, replay: usize, lease_ttl: Duration) -> RunningWorker {
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     RunningWorker::start(WorkerConfig {
         role: Role::Both,
@@ -114,8 +113,9 @@ async fn follow(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subscribers_see_the_pool_and_resume_exactly() {
-    let w = start(8, Duration::from_secs(30)).await;
-    let mut c = WorkerClient::connect(format!("http://{}", w.grpc)).await.expect("connects");
+    let ca = DevCa::generate().expect("ca");
+    let w = start(&ca, 8, Duration::from_secs(30)).await;
+    let mut c = worker::grpc_tls::connect(w.grpc, &ca.issue("router", &[]).expect("cert")).await.expect("connects");
     let mut live = c
         .subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: None })
         .await
@@ -171,8 +171,9 @@ async fn subscribers_see_the_pool_and_resume_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_lease_is_gone() {
-    let w = start(1024, Duration::from_millis(300)).await;
-    let mut c = WorkerClient::connect(format!("http://{}", w.grpc)).await.expect("connects");
+    let ca = DevCa::generate().expect("ca");
+    let w = start(&ca, 1024, Duration::from_millis(300)).await;
+    let mut c = worker::grpc_tls::connect(w.grpc, &ca.issue("router", &[]).expect("cert")).await.expect("connects");
     let tokens: Vec<u32> = (0..40).map(|i| 200 + i).collect();
     let sampling = pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens: 1, ..pb::Sampling::default() };
     let pre = c
@@ -190,5 +191,24 @@ async fn an_expired_lease_is_gone() {
         }
     }
     assert!(gone, "the lease expired and its blocks were let go");
+    w.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_from_another_ca_cannot_subscribe_or_call() {
+    let ca = DevCa::generate().expect("ca");
+    let w = start(&ca, 1024, Duration::from_secs(30)).await;
+    let intruder = DevCa::generate().expect("another ca").issue("router", &[]).expect("cert");
+    // TLS 1.3 finishes the client's side of the handshake before the server checks the client certificate,
+    // so the refusal shows either at connect or at the first call.
+    if let Ok(mut c) = worker::grpc_tls::connect(w.grpc, &intruder).await {
+        let sub = c.subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: None }).await;
+        assert!(sub.is_err(), "subscribed without a certificate from the cluster CA");
+        assert!(c.info(pb::InfoRequest {}).await.is_err());
+    }
+    // Plain text is refused too.
+    if let Ok(mut c) = WorkerClient::connect(format!("http://{}", w.grpc)).await {
+        assert!(c.info(pb::InfoRequest {}).await.is_err());
+    }
     w.shutdown(Duration::from_secs(5)).await;
 }
