@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cli;
 pub mod convert;
 pub mod grpc_tls;
 pub mod leases;

@@ -32,6 +32,8 @@ enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// Run a worker (prefill, decode or both) until SIGINT or SIGTERM.
+    Worker(Box<worker::cli::Args>),
     /// Certificates for mutual TLS between components.
     Certs {
         #[command(subcommand)]
@@ -101,6 +103,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
+        Command::Worker(args) => Ok(worker::cli::run(*args, None)),
     }
 }
 

@@ -1,0 +1,259 @@
+//! The worker's command line and configuration: a TOML file, then `TANDEM_*` environment variables, then flags
+//! (later sources win). Unknown keys are errors; every problem is reported at once; every default is a named
+//! constant with a reason.
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use engine::generate::EngineConfig;
+use kv_transfer::tls::Identity;
+use serde::Deserialize;
+
+use crate::{DEFAULT_LEASE_TTL, DEFAULT_PULL_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Role, RunningWorker, WorkerConfig};
+
+/// Worker gRPC port (`system.md`: 9000+).
+pub const DEFAULT_GRPC: &str = "127.0.0.1:9000";
+/// Worker KV transfer (QUIC/UDP) port (`system.md`: 9100+).
+pub const DEFAULT_TRANSFER: &str = "127.0.0.1:9100";
+
+/// Settings as given by any source; all optional so that sources can be layered.
+#[derive(Debug, Default, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// prefill, decode or both.
+    #[arg(long, env = "TANDEM_ROLE")]
+    pub role: Option<String>,
+    /// GGUF model file (default: the embedded model, fetched when missing).
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Name the router and clients use for the model.
+    #[arg(long, env = "TANDEM_MODEL_ID")]
+    pub model_id: Option<String>,
+    /// gRPC listen address.
+    #[arg(long, env = "TANDEM_GRPC_ADDR")]
+    pub grpc_addr: Option<SocketAddr>,
+    /// KV transfer (QUIC) listen address.
+    #[arg(long, env = "TANDEM_TRANSFER_ADDR")]
+    pub transfer_addr: Option<SocketAddr>,
+    /// Directory with ca.pem, <name>.pem and <name>.key (default: $TANDEM_HOME/certs, made by `tandem certs init`).
+    #[arg(long, env = "TANDEM_CERTS_DIR")]
+    pub certs_dir: Option<PathBuf>,
+    /// This worker's certificate name in the certs directory (default: `<role>-0`).
+    #[arg(long, env = "TANDEM_CERT_NAME")]
+    pub cert_name: Option<String>,
+    /// Compute threads (default: all cores).
+    #[arg(long, env = "TANDEM_THREADS")]
+    pub threads: Option<NonZeroUsize>,
+    /// Device tier size in blocks.
+    #[arg(long, env = "TANDEM_KV_BLOCKS")]
+    pub kv_blocks: Option<usize>,
+    /// Host tier size in blocks (0: none).
+    #[arg(long, env = "TANDEM_HOST_BLOCKS")]
+    pub host_blocks: Option<usize>,
+    /// Disk tier size in blocks (0: none); needs disk_dir.
+    #[arg(long, env = "TANDEM_DISK_BLOCKS")]
+    pub disk_blocks: Option<usize>,
+    #[arg(long, env = "TANDEM_DISK_DIR")]
+    pub disk_dir: Option<PathBuf>,
+    #[arg(long, env = "TANDEM_MAX_NUM_SEQS")]
+    pub max_num_seqs: Option<usize>,
+    #[arg(long, env = "TANDEM_MAX_BATCHED_TOKENS")]
+    pub max_batched_tokens: Option<usize>,
+    #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+    /// How long a prefilled prompt's KV is held for a decode worker, in milliseconds.
+    #[arg(long, env = "TANDEM_LEASE_TTL_MS")]
+    pub lease_ttl_ms: Option<u64>,
+    /// How long shutdown waits for in-flight requests, in milliseconds.
+    #[arg(long, env = "TANDEM_SHUTDOWN_GRACE_MS")]
+    pub shutdown_grace_ms: Option<u64>,
+}
+
+/// The worker command line.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A TOML file with any of the settings below (snake_case keys); flags and environment override it.
+    #[arg(long, env = "TANDEM_CONFIG")]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+macro_rules! layer {
+    ($top:expr, $bottom:expr, $($field:ident),+) => {
+        Settings { $($field: $top.$field.or($bottom.$field)),+ }
+    };
+}
+
+impl Settings {
+    /// `self` over `below`: a value set here wins.
+    fn over(self, below: Settings) -> Settings {
+        layer!(
+            self,
+            below,
+            role,
+            model,
+            model_id,
+            grpc_addr,
+            transfer_addr,
+            certs_dir,
+            cert_name,
+            threads,
+            kv_blocks,
+            host_blocks,
+            disk_blocks,
+            disk_dir,
+            max_num_seqs,
+            max_batched_tokens,
+            max_model_len,
+            lease_ttl_ms,
+            shutdown_grace_ms
+        )
+    }
+}
+
+/// A resolved configuration, or every reason it is not one.
+pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, Duration), String> {
+    let file = match &args.config {
+        None => Settings::default(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?
+        }
+    };
+    let s = args.settings.over(file);
+    let mut problems = Vec::new();
+    let role = match (s.role.as_deref(), default_role) {
+        (Some("prefill"), _) => Role::Prefill,
+        (Some("decode"), _) => Role::Decode,
+        (Some("both"), _) => Role::Both,
+        (None, Some(r)) => r,
+        (Some(other), _) => {
+            problems.push(format!("role {other:?} is not one of prefill, decode, both"));
+            Role::Both
+        }
+        (None, None) => {
+            problems.push("role is required (prefill, decode or both)".to_string());
+            Role::Both
+        }
+    };
+    let role_name = match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Both => "worker",
+    };
+    let certs_dir = match s.certs_dir {
+        Some(d) => Some(d),
+        None => engine::fetch::tandem_home().map(|h| h.join("certs")).map_err(|e| problems.push(e.to_string())).ok(),
+    };
+    let cert_name = s.cert_name.unwrap_or_else(|| format!("{role_name}-0"));
+    let identity = certs_dir.as_deref().and_then(|dir| match load_identity(dir, &cert_name) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            problems.push(e);
+            None
+        }
+    });
+    let model = match s.model {
+        Some(m) => Some(m),
+        None => match engine::fetch::ensure_default_model(&engine::fetch::Quiet) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                problems.push(e.to_string());
+                None
+            }
+        },
+    };
+    let parse_addr = |a: &str| a.parse::<SocketAddr>().map_err(|e| e.to_string());
+    let grpc = s.grpc_addr.map_or_else(|| parse_addr(DEFAULT_GRPC), Ok);
+    let transfer = s.transfer_addr.map_or_else(|| parse_addr(DEFAULT_TRANSFER), Ok);
+    let defaults = EngineConfig::default();
+    let engine = EngineConfig {
+        threads: s.threads,
+        kv_blocks: s.kv_blocks.unwrap_or(defaults.kv_blocks),
+        host_blocks: s.host_blocks.unwrap_or(0),
+        disk_blocks: s.disk_blocks.unwrap_or(0),
+        disk_dir: s.disk_dir,
+        max_num_seqs: s.max_num_seqs.unwrap_or(defaults.max_num_seqs),
+        max_batched_tokens: s.max_batched_tokens.unwrap_or(defaults.max_batched_tokens),
+        max_model_len: s.max_model_len,
+        ..defaults
+    };
+    match (problems.is_empty(), identity, model, grpc, transfer) {
+        (true, Some(identity), Some(model), Ok(grpc), Ok(transfer)) => Ok((
+            WorkerConfig {
+                role,
+                model,
+                model_id: s.model_id.unwrap_or_else(|| "smollm2-135m-instruct".to_string()),
+                engine,
+                grpc,
+                transfer,
+                identity,
+                lease_ttl: s.lease_ttl_ms.map_or(DEFAULT_LEASE_TTL, Duration::from_millis),
+                pull_timeout: DEFAULT_PULL_TIMEOUT,
+            },
+            s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
+        )),
+        (_, _, _, grpc, transfer) => {
+            problems.extend(grpc.err().map(|e| format!("grpc address: {e}")));
+            problems.extend(transfer.err().map(|e| format!("transfer address: {e}")));
+            Err(problems.join("\n"))
+        }
+    }
+}
+
+fn load_identity(dir: &Path, name: &str) -> Result<Identity, String> {
+    Identity::from_pem_files(&dir.join("ca.pem"), &dir.join(format!("{name}.pem")), &dir.join(format!("{name}.key")))
+        .map_err(|e| format!("certificate {name:?}: {e} (make them with `tandem certs init --dir {}`)", dir.display()))
+}
+
+/// Runs a worker until SIGINT or SIGTERM, then shuts it down gracefully.
+pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
+    let (config, grace) = match resolve(args, default_role) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let worker = match RunningWorker::start(config).await {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        // Scripts and tests read the actual addresses from this line (ports may have been 0).
+        println!("tandem worker listening: grpc={} transfer={}", worker.grpc, worker.transfer);
+        wait_for_signal().await;
+        eprintln!("shutting down (grace {grace:?})");
+        worker.shutdown(grace).await;
+        ExitCode::SUCCESS
+    })
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

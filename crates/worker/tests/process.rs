@@ -1,0 +1,86 @@
+//! The worker binaries as processes: start on port 0, report their addresses, answer over mutual TLS, stop
+//! cleanly on SIGTERM; configuration problems are reported all at once.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kv_transfer::tls::DevCa;
+use proto::worker as pb;
+
+fn certs(names: &[&str]) -> (std::path::PathBuf, DevCa) {
+    let dir = std::env::temp_dir().join(format!("tandem-worker-proc-{}-{}", std::process::id(), names.join("-")));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ca = DevCa::generate().expect("ca");
+    ca.write(&dir).expect("ca written");
+    for n in names {
+        ca.issue(n, &[]).expect("cert").write(&dir, n).expect("written");
+    }
+    (dir, ca)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
+    let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("model");
+    let (dir, ca) = certs(&["prefill-0"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_prefill-worker"))
+        .args(["--grpc-addr", "127.0.0.1:0", "--transfer-addr", "127.0.0.1:0", "--kv-blocks", "600"])
+        .arg("--certs-dir")
+        .arg(&dir)
+        .arg("--model")
+        .arg(&model)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawns");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("a line");
+    let grpc: SocketAddr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("grpc="))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let mut client = worker::grpc_tls::connect(grpc, &ca.issue("router", &[]).expect("cert")).await.expect("connects");
+    let info = client.info(pb::InfoRequest {}).await.expect("info").into_inner();
+    assert_eq!(info.role(), pb::Role::Prefill);
+    assert!(info.model_fingerprint.starts_with("xxh3:"));
+    drop(client);
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the worker did not stop within 20 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "clean exit after SIGTERM: {status}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn configuration_problems_are_reported_together() {
+    let dir = std::env::temp_dir().join(format!("tandem-worker-conf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let conf = dir.join("worker.toml");
+    std::fs::write(&conf, "role = \"sideways\"\ncerts_dir = \"/nonexistent/certs\"\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_decode-worker"))
+        .arg("--config")
+        .arg(&conf)
+        .args(["--model", "/nonexistent/model.gguf"])
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("role \"sideways\"") && err.contains("/nonexistent/certs") && err.contains("tandem certs init"),
+        "{err}"
+    );
+    std::fs::write(&conf, "rol = \"decode\"\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_decode-worker")).arg("--config").arg(&conf).output().expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("rol"), "unknown keys are errors: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
