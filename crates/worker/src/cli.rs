@@ -18,6 +18,8 @@ use crate::{DEFAULT_LEASE_TTL, DEFAULT_PULL_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Rol
 pub const DEFAULT_GRPC: &str = "127.0.0.1:9000";
 /// Worker KV transfer (QUIC/UDP) port (`system.md`: 9100+).
 pub const DEFAULT_TRANSFER: &str = "127.0.0.1:9100";
+/// Worker metrics port (`system.md`: 9200+).
+pub const DEFAULT_METRICS: &str = "127.0.0.1:9200";
 
 /// Settings as given by any source; all optional so that sources can be layered.
 #[derive(Debug, Default, Deserialize, clap::Args)]
@@ -38,6 +40,9 @@ pub struct Settings {
     /// KV transfer (QUIC) listen address.
     #[arg(long, env = "TANDEM_TRANSFER_ADDR")]
     pub transfer_addr: Option<SocketAddr>,
+    /// Prometheus metrics listen address (`/metrics`).
+    #[arg(long, env = "TANDEM_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
     /// Directory with ca.pem, <name>.pem and <name>.key (default: $TANDEM_HOME/certs, made by `tandem certs init`).
     #[arg(long, env = "TANDEM_CERTS_DIR")]
     pub certs_dir: Option<PathBuf>,
@@ -99,6 +104,7 @@ impl Settings {
             model_id,
             grpc_addr,
             transfer_addr,
+            metrics_addr,
             certs_dir,
             cert_name,
             threads,
@@ -170,6 +176,7 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, 
     let parse_addr = |a: &str| a.parse::<SocketAddr>().map_err(|e| e.to_string());
     let grpc = s.grpc_addr.map_or_else(|| parse_addr(DEFAULT_GRPC), Ok);
     let transfer = s.transfer_addr.map_or_else(|| parse_addr(DEFAULT_TRANSFER), Ok);
+    let metrics = s.metrics_addr.map_or_else(|| parse_addr(DEFAULT_METRICS), Ok);
     let defaults = EngineConfig::default();
     let engine = EngineConfig {
         threads: s.threads,
@@ -182,8 +189,8 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, 
         max_model_len: s.max_model_len,
         ..defaults
     };
-    match (problems.is_empty(), identity, model, grpc, transfer) {
-        (true, Some(identity), Some(model), Ok(grpc), Ok(transfer)) => Ok((
+    match (problems.is_empty(), identity, model, grpc, transfer, metrics) {
+        (true, Some(identity), Some(model), Ok(grpc), Ok(transfer), Ok(metrics)) => Ok((
             WorkerConfig {
                 role,
                 model,
@@ -191,15 +198,17 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, 
                 engine,
                 grpc,
                 transfer,
+                metrics: Some(metrics),
                 identity,
                 lease_ttl: s.lease_ttl_ms.map_or(DEFAULT_LEASE_TTL, Duration::from_millis),
                 pull_timeout: DEFAULT_PULL_TIMEOUT,
             },
             s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
         )),
-        (_, _, _, grpc, transfer) => {
+        (_, _, _, grpc, transfer, metrics) => {
             problems.extend(grpc.err().map(|e| format!("grpc address: {e}")));
             problems.extend(transfer.err().map(|e| format!("transfer address: {e}")));
+            problems.extend(metrics.err().map(|e| format!("metrics address: {e}")));
             Err(problems.join("\n"))
         }
     }
@@ -235,7 +244,8 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
             }
         };
         // Scripts and tests read the actual addresses from this line (ports may have been 0).
-        println!("tandem worker listening: grpc={} transfer={}", worker.grpc, worker.transfer);
+        let metrics = worker.metrics.map_or_else(|| "off".to_string(), |m| m.to_string());
+        println!("tandem worker listening: grpc={} transfer={} metrics={metrics}", worker.grpc, worker.transfer);
         wait_for_signal().await;
         eprintln!("shutting down (grace {grace:?})");
         worker.shutdown(grace).await;

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod convert;
 pub mod grpc_tls;
 pub mod leases;
+pub mod metrics;
 mod service;
 
 use std::net::SocketAddr;
@@ -50,6 +51,8 @@ pub struct WorkerConfig {
     pub grpc: SocketAddr,
     /// KV transfer (QUIC) listen address.
     pub transfer: SocketAddr,
+    /// Prometheus metrics (`/metrics`) listen address; `None`: not served.
+    pub metrics: Option<SocketAddr>,
     pub identity: Identity,
     pub lease_ttl: Duration,
     pub pull_timeout: Duration,
@@ -73,6 +76,8 @@ pub enum StartError {
 pub struct RunningWorker {
     pub grpc: SocketAddr,
     pub transfer: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+    metrics_task: Option<tokio::task::JoinHandle<()>>,
     service: Arc<WorkerService>,
     stop: oneshot::Sender<()>,
     stopping: tokio::sync::watch::Sender<bool>,
@@ -158,6 +163,13 @@ impl RunningWorker {
                 })
                 .await;
         });
+        let (metrics, metrics_task) = match config.metrics {
+            None => (None, None),
+            Some(addr) => {
+                let (addr, task) = serve_metrics(addr, Arc::clone(&service)).await?;
+                (Some(addr), Some(task))
+            }
+        };
         let expiry = tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
@@ -165,7 +177,18 @@ impl RunningWorker {
                 leases.expire(Instant::now());
             }
         });
-        Ok(RunningWorker { grpc, transfer, service, stop, stopping, served, transfer_server, expiry })
+        Ok(RunningWorker {
+            grpc,
+            transfer,
+            metrics,
+            metrics_task,
+            service,
+            stop,
+            stopping,
+            served,
+            transfer_server,
+            expiry,
+        })
     }
 
     /// The engine's counters and occupancy.
@@ -193,6 +216,38 @@ impl RunningWorker {
             served.abort();
         }
         self.expiry.abort();
+        if let Some(t) = self.metrics_task {
+            t.abort();
+        }
         self.transfer_server.close().await;
     }
+}
+
+/// Serves `/metrics` on `addr`.
+async fn serve_metrics(
+    addr: SocketAddr,
+    service: Arc<WorkerService>,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), StartError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Io { what: "metrics address", source })?;
+    let bound = listener.local_addr().map_err(|source| StartError::Io { what: "metrics address", source })?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let service = Arc::clone(&service);
+            async move {
+                let stats = service.engine.stats().await.unwrap_or_default();
+                let figures = metrics::WorkerFigures {
+                    pulled_blocks: service.pulled_blocks.load(std::sync::atomic::Ordering::Relaxed),
+                    live_leases: service.leases.len(),
+                };
+                ([("content-type", "text/plain; version=0.0.4")], metrics::render(&stats, figures))
+            }
+        }),
+    );
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((bound, task))
 }

@@ -92,7 +92,7 @@ impl WorkerService {
     }
 
     /// Decode side of a handle: checks it, then pulls and stores the full blocks this worker lacks.
-    async fn pull_missing(&self, tokens: &[u32], handle: KvHandle) -> Result<(), Status> {
+    async fn pull_missing(&self, tokens: &[u32], handle: KvHandle, traceparent: Option<String>) -> Result<(), Status> {
         handle
             .check_compatible(&self.info.model_fingerprint, &self.layout)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -129,7 +129,7 @@ impl WorkerService {
             blocks: &wanted,
             streams: PULL_STREAMS,
             timeout: self.pull_timeout,
-            traceparent: None,
+            traceparent,
         };
         let pulled = self.client.pull(req).await.map_err(transfer_status)?;
         self.pulled_blocks.fetch_add(pulled.len() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -207,10 +207,12 @@ impl Worker for WorkerService {
     type GenerateStream = Streamed<pb::GenerateResponse>;
 
     async fn generate(&self, req: GrpcRequest<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        // W3C trace context from the caller rides on into the transfer request.
+        let traceparent = req.metadata().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
         let r = req.into_inner();
         let sampling = convert::sampling(r.sampling, None)?;
         if let Some(h) = r.handle {
-            self.pull_missing(&r.tokens, convert::handle_from_pb(h)?).await?;
+            self.pull_missing(&r.tokens, convert::handle_from_pb(h)?, traceparent).await?;
         }
         let capacity = sampling.max_tokens() as usize + 2;
         let mut stream = self.engine.submit(Request { prompt: r.tokens, sampling }).await.map_err(submit_status)?;

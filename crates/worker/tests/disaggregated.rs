@@ -26,6 +26,7 @@ async fn start(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
         engine: EngineConfig::default(),
         grpc: loopback,
         transfer: loopback,
+        metrics: Some(loopback),
         identity: ca.issue(name, &[]).expect("cert"),
         lease_ttl: Duration::from_secs(30),
         pull_timeout: Duration::from_secs(10),
@@ -181,6 +182,24 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
         "the snapshot holds every registered device block"
     );
     drop(events);
+    // The metrics endpoint tells the same story.
+    let text = http_get(d.metrics.expect("metrics served"), "/metrics").await;
+    assert!(text.contains("tandem_kv_transfer_pulled_blocks_total 5\n"), "{text}");
+    assert!(text.contains("tandem_kv_imported_blocks_total 5\n"), "{text}");
+    assert!(http_get(p.metrics.expect("metrics served"), "/metrics").await.contains("tandem_kv_leases "));
     p.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
+}
+
+/// A plain HTTP/1.1 GET on loopback; returns the body.
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    sock.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("writes");
+    let mut reply = String::new();
+    sock.read_to_string(&mut reply).await.expect("reads");
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    reply.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
 }

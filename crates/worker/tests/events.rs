@@ -23,6 +23,7 @@ async fn start(ca: &DevCa, replay: usize, lease_ttl: Duration) -> RunningWorker 
         engine: EngineConfig { replay_events: replay, ..EngineConfig::default() },
         grpc: loopback,
         transfer: loopback,
+        metrics: Some(loopback),
         identity: ca.issue("worker-0", &[]).expect("cert"),
         lease_ttl,
         pull_timeout: Duration::from_secs(5),

@@ -25,7 +25,16 @@ async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
     let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("model");
     let (dir, ca) = certs(&["prefill-0"]);
     let mut child = Command::new(env!("CARGO_BIN_EXE_prefill-worker"))
-        .args(["--grpc-addr", "127.0.0.1:0", "--transfer-addr", "127.0.0.1:0", "--kv-blocks", "600"])
+        .args([
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--transfer-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--kv-blocks",
+            "600",
+        ])
         .arg("--certs-dir")
         .arg(&dir)
         .arg("--model")
