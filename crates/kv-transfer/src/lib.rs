@@ -6,7 +6,7 @@
 //! ([`descriptor`]), the lease table ([`lease`]) and the wire format of a read ([`frame`]). Transports (QUIC with
 //! mutual TLS, shared memory) drive them.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod bench;
 pub mod descriptor;
@@ -14,6 +14,7 @@ pub mod fault;
 pub mod frame;
 pub mod lease;
 pub mod quic;
+pub mod shm;
 pub mod tls;
 
 use std::future::Future;

@@ -146,7 +146,7 @@ pub fn run_transfer(args: TransferArgs) -> Result<ExitCode, String> {
         for t in &report.transports {
             println!("{:<6} {:7.3} GB/s  ({:.1} ms)", t.transport, t.gb_per_s, t.best_ms);
         }
-        println!("quic / tcp = {:.2}", report.quic_vs_tcp);
+        println!("quic / tcp = {:.2}, shm / tcp = {:.2}", report.quic_vs_tcp, report.shm_vs_tcp);
     }
     Ok(ExitCode::SUCCESS)
 }

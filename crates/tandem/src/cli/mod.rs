@@ -59,7 +59,7 @@ enum ModelCommand {
 enum BenchCommand {
     /// Prefill and decode throughput of the CPU engine.
     Engine(bench::Args),
-    /// KV block transfer throughput on loopback: QUIC (mutual TLS) against a plain TCP socket.
+    /// KV block transfer throughput on one host: QUIC (mutual TLS) and shared memory against plain TCP.
     Transfer(bench::TransferArgs),
 }
 
