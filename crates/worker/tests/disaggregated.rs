@@ -203,3 +203,41 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
     reply.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_transfer_is_an_error_and_nothing_of_it_is_used() {
+    let ca = DevCa::generate().expect("ca");
+    let p = start(&ca, Role::Prefill, "prefill-0").await;
+    let d = start(&ca, Role::Decode, "decode-0").await;
+    let router = ca.issue("router", &[]).expect("cert");
+    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
+    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    let prompt: Vec<u32> = (0..50).map(|i| 300 + i * 3).collect();
+    let pre = pc
+        .prefill(pb::PrefillRequest {
+            request_id: "x".into(),
+            tokens: prompt.clone(),
+            sampling: Some(sampling(3)),
+            cache_namespace: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    let good = pre.handle.expect("handle");
+    // The bytes P serves no longer match what the handle promises for block 1 (as if damaged in flight).
+    let mut damaged = good.clone();
+    damaged.blocks[1].checksum ^= 0xFFFF;
+    let tokens = [prompt.clone(), vec![pre.first_token]].concat();
+    let err = generate(&mut dc, tokens.clone(), Some(damaged), 2).await.expect_err("damaged");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{}", err.message());
+    assert!(err.message().contains("checksum"), "{}", err.message());
+    let stats = d.stats().await.expect("stats");
+    assert_eq!(stats.counters.imported_blocks, 0, "no block of a failed pull was stored");
+    assert_eq!(d.pulled_blocks(), 0);
+    // The lease is still there, so the good handle works afterwards.
+    assert_eq!(generate(&mut dc, tokens, Some(good), 2).await.expect("clean pull").len(), 2);
+    assert_eq!(d.pulled_blocks(), 3);
+    drop((pc, dc));
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
