@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use engine::generate::{EngineHandle, Request, SeqEvent, SubmitError};
+use engine::generate::{EngineHandle, EngineStats, Request, SeqEvent, SubmitError};
 use kv_cache::events::EventId;
 use kv_cache::{BlockSize, block_hashes};
 use kv_transfer::checksum;
@@ -30,6 +30,60 @@ type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 const EVENT_POLL: Duration = Duration::from_millis(20);
 /// Load reports when the subscriber names no period.
 pub const DEFAULT_LOAD_INTERVAL: Duration = Duration::from_millis(100);
+/// How often a load subscription looks at the engine between periodic reports, to catch large changes.
+const LOAD_CHECK: Duration = Duration::from_millis(20);
+/// A change of this fraction of the device tier's blocks is reported at once.
+const LARGE_BLOCK_CHANGE: f64 = 0.10;
+
+/// Whether the load moved enough since the last report to tell the router now rather than at the next period:
+/// a sequence started, finished or queued, or device block use moved by a tenth of capacity.
+fn large_change(prev: &EngineStats, now: &EngineStats) -> bool {
+    let device = |s: &EngineStats| s.usage[0].used as f64;
+    let capacity = (now.usage[0].used + now.usage[0].cached + now.usage[0].free).max(1) as f64;
+    prev.running != now.running
+        || prev.waiting != now.waiting
+        || (device(prev) - device(now)).abs() / capacity >= LARGE_BLOCK_CHANGE
+}
+
+fn load_report(stats: &EngineStats) -> pb::LoadReport {
+    let usage = kv_cache::events::Tier::ALL
+        .iter()
+        .map(|&t| {
+            let u = stats.usage[t.index()];
+            pb::TierUsage {
+                tier: convert::tier_to_pb(t) as i32,
+                used: u.used as u64,
+                cached: u.cached as u64,
+                total: (u.used + u.cached + u.free) as u64,
+            }
+        })
+        .collect();
+    pb::LoadReport {
+        running: stats.running as u32,
+        waiting: stats.waiting as u32,
+        active_prefill_tokens: stats.prefill_tokens_pending as u64,
+        usage,
+    }
+}
+
+/// Sends a load report every `period`, and at once when the load changes a lot, until the reader goes away.
+async fn report_load(engine: Arc<EngineHandle>, period: Duration, tx: mpsc::Sender<Result<pb::LoadReport, Status>>) {
+    let mut tick = tokio::time::interval(period.min(LOAD_CHECK));
+    let mut last: Option<(EngineStats, Instant)> = None;
+    loop {
+        tick.tick().await;
+        let Some(stats) = engine.stats().await else { return };
+        let due = last.as_ref().is_none_or(|(prev, at)| at.elapsed() >= period || large_change(prev, &stats));
+        if !due {
+            continue;
+        }
+        if tx.send(Ok(load_report(&stats))).await.is_err() {
+            return;
+        }
+        last = Some((stats, Instant::now()));
+    }
+}
+
 /// Parallel QUIC streams per pull.
 const PULL_STREAMS: usize = 4;
 
@@ -326,35 +380,8 @@ impl Worker for WorkerService {
         let stop = self.stopping.clone();
         tokio::spawn(async move {
             tokio::select! {
-              _ = stopped(stop) => {}
-              _ = async move {
-              let mut tick = tokio::time::interval(period);
-              loop {
-                  tick.tick().await;
-                  let Some(stats) = engine.stats().await else { return };
-                  let usage = kv_cache::events::Tier::ALL
-                      .iter()
-                      .map(|&t| {
-                          let u = stats.usage[t.index()];
-                          pb::TierUsage {
-                              tier: convert::tier_to_pb(t) as i32,
-                              used: u.used as u64,
-                              cached: u.cached as u64,
-                              total: (u.used + u.cached + u.free) as u64,
-                          }
-                      })
-                      .collect();
-                  let report = pb::LoadReport {
-                      running: stats.running as u32,
-                      waiting: stats.waiting as u32,
-                      active_prefill_tokens: stats.prefill_tokens_pending as u64,
-                      usage,
-                  };
-                  if tx.send(Ok(report)).await.is_err() {
-                      return;
-                  }
-              }
-              } => {}
+                _ = stopped(stop) => {}
+                _ = report_load(engine, period, tx) => {}
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))

@@ -213,3 +213,26 @@ async fn a_client_from_another_ca_cannot_subscribe_or_call() {
     }
     w.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_reports_come_at_once_on_a_large_change() {
+    let ca = DevCa::generate().expect("ca");
+    let w = start(&ca, 1024, Duration::from_secs(30)).await;
+    let mut c = worker::grpc_tls::connect(w.grpc, &ca.issue("router", &[]).expect("cert")).await.expect("connects");
+    let mut load = c.watch_load(pb::WatchLoadRequest { interval_ms: 5_000 }).await.expect("watch").into_inner();
+    let first = load.message().await.expect("ok").expect("a first report at once");
+    assert_eq!((first.running, first.waiting), (0, 0));
+    assert_eq!(first.usage.len(), 3);
+    let mut g = c.clone();
+    let busy = tokio::spawn(async move { run(&mut g, 9, 60).await });
+    let started = std::time::Instant::now();
+    let next = tokio::time::timeout(Duration::from_secs(3), load.message())
+        .await
+        .expect("a report long before the 5 s period");
+    let next = next.expect("ok").expect("a report");
+    assert!(next.running + next.waiting >= 1 || next.usage[0].used > 0, "{next:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    busy.await.expect("the request finishes");
+    drop(load);
+    w.shutdown(Duration::from_secs(5)).await;
+}
