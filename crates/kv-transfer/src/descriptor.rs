@@ -73,6 +73,8 @@ pub struct KvHandle {
     pub tokens: u32,
     /// One per block, in position order: every full block, then the partial one if any.
     pub blocks: Vec<BlockDescriptor>,
+    /// A shared-memory region holding the same blocks at the descriptors' offsets (same-host readers).
+    pub shm_region: Option<String>,
 }
 
 /// Why a handle cannot be used here, naming what differs.
@@ -167,6 +169,7 @@ mod tests {
             layout: l,
             tokens,
             blocks,
+            shm_region: None,
         }
     }
 

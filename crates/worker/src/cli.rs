@@ -69,6 +69,9 @@ pub struct Settings {
     pub max_batched_tokens: Option<usize>,
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
+    /// Directory for shared-memory copies of leased KV (same-host readers); "off" to use QUIC only.
+    #[arg(long, env = "TANDEM_SHM_DIR")]
+    pub shm_dir: Option<String>,
     /// How long a prefilled prompt's KV is held for a decode worker, in milliseconds.
     #[arg(long, env = "TANDEM_LEASE_TTL_MS")]
     pub lease_ttl_ms: Option<u64>,
@@ -115,6 +118,7 @@ impl Settings {
             max_num_seqs,
             max_batched_tokens,
             max_model_len,
+            shm_dir,
             lease_ttl_ms,
             shutdown_grace_ms
         )
@@ -202,6 +206,11 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, 
                 identity,
                 lease_ttl: s.lease_ttl_ms.map_or(DEFAULT_LEASE_TTL, Duration::from_millis),
                 pull_timeout: DEFAULT_PULL_TIMEOUT,
+                shm_dir: match s.shm_dir.as_deref() {
+                    Some("off") => None,
+                    Some(dir) => Some(PathBuf::from(dir)),
+                    None => Some(PathBuf::from(kv_transfer::shm::DEFAULT_DIR)).filter(|d| d.is_dir()),
+                },
             },
             s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
         )),

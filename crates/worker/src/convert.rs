@@ -107,6 +107,7 @@ pub fn handle_to_pb(h: &KvHandle) -> pb::KvHandle {
                 checksum: b.checksum,
             })
             .collect(),
+        shm_region: h.shm_region.clone(),
     }
 }
 
@@ -133,6 +134,7 @@ pub fn handle_from_pb(h: pb::KvHandle) -> Result<KvHandle, ProtoError> {
                 checksum: b.checksum,
             })
             .collect(),
+        shm_region: h.shm_region,
     })
 }
 

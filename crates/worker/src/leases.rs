@@ -9,6 +9,7 @@ use bytes::Bytes;
 use kv_transfer::frame::ErrorCode;
 use kv_transfer::lease::{LeaseError, LeaseId, LeaseTable};
 use kv_transfer::quic::BlockSource;
+use kv_transfer::shm::ShmRegion;
 
 /// Leased prompt KV, served to the transfer transport.
 #[derive(Debug, Default)]
@@ -20,14 +21,26 @@ pub struct Leases {
 struct Inner {
     table: LeaseTable,
     blocks: HashMap<LeaseId, Vec<(u64, Bytes)>>,
+    /// Shared-memory copies of leased blocks; the file goes when the entry does.
+    regions: HashMap<LeaseId, ShmRegion>,
 }
 
 impl Leases {
-    /// Holds `blocks` (checksum, bytes) under `id` for `ttl`.
-    pub fn grant(&self, id: LeaseId, blocks: Vec<(u64, Bytes)>, now: Instant, ttl: Duration) -> Result<(), LeaseError> {
+    /// Holds `blocks` (checksum, bytes) under `id` for `ttl`, with their shared-memory copy if one was made.
+    pub fn grant(
+        &self,
+        id: LeaseId,
+        blocks: Vec<(u64, Bytes)>,
+        region: Option<ShmRegion>,
+        now: Instant,
+        ttl: Duration,
+    ) -> Result<(), LeaseError> {
         let mut inner = self.inner.lock().map_err(|_| LeaseError::NotFound(id.0))?;
         inner.table.grant(id, (0..blocks.len() as u32).collect(), now, ttl)?;
         inner.blocks.insert(id, blocks);
+        if let Some(r) = region {
+            inner.regions.insert(id, r);
+        }
         Ok(())
     }
 
@@ -37,6 +50,7 @@ impl Leases {
         let gone = inner.table.expire(now);
         for (id, _) in &gone {
             inner.blocks.remove(id);
+            inner.regions.remove(id);
         }
         gone.len()
     }
@@ -46,6 +60,7 @@ impl Leases {
         let mut inner = self.inner.lock().map_err(|_| LeaseError::NotFound(id.0))?;
         inner.table.release(id)?;
         inner.blocks.remove(&id);
+        inner.regions.remove(&id);
         Ok(())
     }
 

@@ -56,6 +56,8 @@ pub struct WorkerConfig {
     pub identity: Identity,
     pub lease_ttl: Duration,
     pub pull_timeout: Duration,
+    /// Directory for shared-memory copies of leased blocks (`/dev/shm`); `None`: QUIC only.
+    pub shm_dir: Option<PathBuf>,
 }
 
 /// Why a worker could not start.
@@ -143,6 +145,8 @@ impl RunningWorker {
             pull_timeout: config.pull_timeout,
             cancels: Default::default(),
             pulled_blocks: Default::default(),
+            shm_blocks: Default::default(),
+            shm_dir: config.shm_dir.clone(),
             stopping: stopping_rx,
         });
         let listener = tokio::net::TcpListener::bind(config.grpc)
@@ -199,6 +203,11 @@ impl RunningWorker {
     /// Blocks this worker has pulled from others.
     pub fn pulled_blocks(&self) -> u64 {
         self.service.pulled_blocks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Blocks this worker copied out of another worker's shared-memory region.
+    pub fn shm_blocks(&self) -> u64 {
+        self.service.shm_blocks.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Leases currently held for readers.

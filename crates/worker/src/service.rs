@@ -99,6 +99,10 @@ pub struct WorkerService {
     pub(crate) pull_timeout: Duration,
     pub(crate) cancels: Mutex<HashMap<String, oneshot::Sender<()>>>,
     pub(crate) pulled_blocks: std::sync::atomic::AtomicU64,
+    /// Of those, blocks copied out of a same-host shared-memory region.
+    pub(crate) shm_blocks: std::sync::atomic::AtomicU64,
+    /// Where to put shared-memory copies of leased blocks; `None`: no shared-memory path.
+    pub(crate) shm_dir: Option<std::path::PathBuf>,
     /// Becomes `true` when the worker stops: every stream this service feeds ends.
     pub(crate) stopping: tokio::sync::watch::Receiver<bool>,
 }
@@ -185,7 +189,21 @@ impl WorkerService {
             timeout: self.pull_timeout,
             traceparent,
         };
-        let pulled = self.client.pull(req).await.map_err(transfer_status)?;
+        // On the same host the owner's shared-memory region is readable: copy from it (one-sided); else QUIC.
+        let local = handle
+            .shm_region
+            .as_deref()
+            .filter(|_| self.shm_dir.is_some())
+            .map(std::path::Path::new)
+            .filter(|p| p.exists());
+        let pulled = match local {
+            Some(path) => {
+                let got = kv_transfer::shm::pull(path, &wanted).map_err(transfer_status)?;
+                self.shm_blocks.fetch_add(got.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                got
+            }
+            None => self.client.pull(req).await.map_err(transfer_status)?,
+        };
         self.pulled_blocks.fetch_add(pulled.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let blocks: Vec<(usize, Bytes)> = pulled.into_iter().map(|(i, b)| (i as usize, b)).collect();
         self.engine.import(prompt.to_vec(), blocks).await.map_err(submit_status)?;
@@ -241,7 +259,15 @@ impl Worker for WorkerService {
             held.push((sum, bytes));
         }
         let lease = lease_id();
-        self.leases.grant(lease, held, Instant::now(), self.lease_ttl).map_err(|e| Status::internal(e.to_string()))?;
+        // Same-host readers can copy the blocks straight out of shared memory; failing to make it only costs that.
+        let region = self.shm_dir.as_deref().and_then(|dir| {
+            let bytes: Vec<Bytes> = held.iter().map(|(_, b)| b.clone()).collect();
+            kv_transfer::shm::ShmRegion::create(dir, lease, &bytes).ok().map(|(r, _)| r)
+        });
+        let shm_region = region.as_ref().map(|r| r.path().display().to_string());
+        self.leases
+            .grant(lease, held, region, Instant::now(), self.lease_ttl)
+            .map_err(|e| Status::internal(e.to_string()))?;
         let handle = KvHandle {
             endpoint: self.info.transfer_endpoint.clone(),
             lease,
@@ -249,6 +275,7 @@ impl Worker for WorkerService {
             layout: self.layout,
             tokens: kv.tokens as u32,
             blocks,
+            shm_region,
         };
         Ok(Response::new(pb::PrefillResponse {
             first_token: first,

@@ -18,6 +18,10 @@ fn model() -> std::path::PathBuf {
 }
 
 async fn start(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
+    start_with(ca, role, name, None).await
+}
+
+async fn start_with(ca: &DevCa, role: Role, name: &str, shm_dir: Option<std::path::PathBuf>) -> RunningWorker {
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     RunningWorker::start(WorkerConfig {
         role,
@@ -30,6 +34,7 @@ async fn start(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
         identity: ca.issue(name, &[]).expect("cert"),
         lease_ttl: Duration::from_secs(30),
         pull_timeout: Duration::from_secs(10),
+        shm_dir,
     })
     .await
     .expect("worker starts")
@@ -240,4 +245,41 @@ async fn a_damaged_transfer_is_an_error_and_nothing_of_it_is_used() {
     drop((pc, dc));
     p.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_one_host_the_blocks_come_through_shared_memory() {
+    let shm = std::env::temp_dir().join(format!("tandem-shm-test-{}", std::process::id()));
+    std::fs::create_dir_all(&shm).expect("dir");
+    let ca = DevCa::generate().expect("ca");
+    let p = start_with(&ca, Role::Prefill, "prefill-0", Some(shm.clone())).await;
+    let d = start_with(&ca, Role::Decode, "decode-0", Some(shm.clone())).await;
+    let router = ca.issue("router", &[]).expect("cert");
+    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
+    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    let prompt: Vec<u32> = (0..70).map(|i| 500 + i * 11).collect();
+    let mut single = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    let greedy = Request { prompt: prompt.clone(), sampling: SamplingParams::greedy(NonZeroU32::new(6).expect("n")) };
+    let want = single.run(&[greedy], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
+    let pre = pc
+        .prefill(pb::PrefillRequest {
+            request_id: "s".into(),
+            tokens: prompt.clone(),
+            sampling: Some(sampling(6)),
+            cache_namespace: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    let handle = pre.handle.expect("handle");
+    let region = handle.shm_region.clone().expect("a shared-memory region in the handle");
+    assert!(std::path::Path::new(&region).exists());
+    let rest = generate(&mut dc, [prompt, vec![pre.first_token]].concat(), Some(handle), 5).await.expect("generate");
+    assert_eq!([vec![pre.first_token], rest].concat(), want);
+    assert_eq!((d.pulled_blocks(), d.shm_blocks()), (4, 4), "all four blocks came through shared memory");
+    assert!(!std::path::Path::new(&region).exists(), "the region went with the released lease");
+    drop((pc, dc));
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+    let _ = std::fs::remove_dir_all(&shm);
 }

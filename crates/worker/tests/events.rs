@@ -27,6 +27,7 @@ async fn start(ca: &DevCa, replay: usize, lease_ttl: Duration) -> RunningWorker 
         identity: ca.issue("worker-0", &[]).expect("cert"),
         lease_ttl,
         pull_timeout: Duration::from_secs(5),
+        shm_dir: None,
     })
     .await
     .expect("starts")
