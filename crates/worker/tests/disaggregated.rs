@@ -17,11 +17,7 @@ fn model() -> std::path::PathBuf {
     engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
 }
 
-async fn start(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
-    start_with(ca, role, name, None).await
-}
-
-async fn start_with(ca: &DevCa, role: Role, name: &str, shm_dir: Option<std::path::PathBuf>) -> RunningWorker {
+async fn start(ca: &DevCa, role: Role, name: &str, shm_dir: Option<std::path::PathBuf>) -> RunningWorker {
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     RunningWorker::start(WorkerConfig {
         role,
@@ -38,6 +34,29 @@ async fn start_with(ca: &DevCa, role: Role, name: &str, shm_dir: Option<std::pat
     })
     .await
     .expect("worker starts")
+}
+
+/// A prefill and a decode worker from one CA, and gRPC clients of both as the router would hold them.
+struct Pair {
+    p: RunningWorker,
+    d: RunningWorker,
+    pc: WorkerClient<tonic::transport::Channel>,
+    dc: WorkerClient<tonic::transport::Channel>,
+}
+
+async fn pair(shm_dir: Option<std::path::PathBuf>) -> Pair {
+    let ca = DevCa::generate().expect("ca");
+    let p = start(&ca, Role::Prefill, "prefill-0", shm_dir.clone()).await;
+    let d = start(&ca, Role::Decode, "decode-0", shm_dir).await;
+    let router = ca.issue("router", &[]).expect("cert");
+    let pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
+    let dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    Pair { p, d, pc, dc }
+}
+
+async fn stop(p: RunningWorker, d: RunningWorker) {
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
 }
 
 fn sampling(max_tokens: u32) -> pb::Sampling {
@@ -80,12 +99,7 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     let want =
         single.run(&[greedy(prompt.clone(), 10)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
 
-    let ca = DevCa::generate().expect("ca");
-    let p = start(&ca, Role::Prefill, "prefill-0").await;
-    let d = start(&ca, Role::Decode, "decode-0").await;
-    let router = ca.issue("router", &[]).expect("cert");
-    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
-    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    let Pair { p, d, mut pc, mut dc } = pair(None).await;
     let info = dc.info(pb::InfoRequest {}).await.expect("info").into_inner();
     assert_eq!((info.role(), info.block_size), (pb::Role::Decode, 16));
 
@@ -192,8 +206,8 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     assert!(text.contains("tandem_kv_transfer_pulled_blocks_total 5\n"), "{text}");
     assert!(text.contains("tandem_kv_imported_blocks_total 5\n"), "{text}");
     assert!(http_get(p.metrics.expect("metrics served"), "/metrics").await.contains("tandem_kv_leases "));
-    p.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    drop((pc, dc));
+    stop(p, d).await;
 }
 
 /// A plain HTTP/1.1 GET on loopback; returns the body.
@@ -211,12 +225,7 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_transfer_is_an_error_and_nothing_of_it_is_used() {
-    let ca = DevCa::generate().expect("ca");
-    let p = start(&ca, Role::Prefill, "prefill-0").await;
-    let d = start(&ca, Role::Decode, "decode-0").await;
-    let router = ca.issue("router", &[]).expect("cert");
-    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
-    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    let Pair { p, d, mut pc, mut dc } = pair(None).await;
     let prompt: Vec<u32> = (0..50).map(|i| 300 + i * 3).collect();
     let pre = pc
         .prefill(pb::PrefillRequest {
@@ -243,20 +252,14 @@ async fn a_damaged_transfer_is_an_error_and_nothing_of_it_is_used() {
     assert_eq!(generate(&mut dc, tokens, Some(good), 2).await.expect("clean pull").len(), 2);
     assert_eq!(d.pulled_blocks(), 3);
     drop((pc, dc));
-    p.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(p, d).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_one_host_the_blocks_come_through_shared_memory() {
     let shm = std::env::temp_dir().join(format!("tandem-shm-test-{}", std::process::id()));
     std::fs::create_dir_all(&shm).expect("dir");
-    let ca = DevCa::generate().expect("ca");
-    let p = start_with(&ca, Role::Prefill, "prefill-0", Some(shm.clone())).await;
-    let d = start_with(&ca, Role::Decode, "decode-0", Some(shm.clone())).await;
-    let router = ca.issue("router", &[]).expect("cert");
-    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
-    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    let Pair { p, d, mut pc, mut dc } = pair(Some(shm.clone())).await;
     let prompt: Vec<u32> = (0..70).map(|i| 500 + i * 11).collect();
     let mut single = Engine::open(&model(), EngineConfig::default()).expect("engine");
     let greedy = Request { prompt: prompt.clone(), sampling: SamplingParams::greedy(NonZeroU32::new(6).expect("n")) };
@@ -279,7 +282,6 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
     assert_eq!((d.pulled_blocks(), d.shm_blocks()), (4, 4), "all four blocks came through shared memory");
     assert!(!std::path::Path::new(&region).exists(), "the region went with the released lease");
     drop((pc, dc));
-    p.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(p, d).await;
     let _ = std::fs::remove_dir_all(&shm);
 }
