@@ -21,7 +21,7 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request as GrpcRequest, Response, Status};
 
-use crate::convert::{self, ProtoError};
+use crate::convert;
 use crate::leases::Leases;
 
 type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -416,11 +416,5 @@ impl Worker for WorkerService {
 
     async fn health(&self, _: GrpcRequest<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
         Ok(Response::new(pb::HealthResponse { serving: self.engine.stats().await.is_some() }))
-    }
-}
-
-impl From<kv_transfer::descriptor::HandleError> for ProtoError {
-    fn from(e: kv_transfer::descriptor::HandleError) -> Self {
-        ProtoError::Invalid { field: "handle", why: e.to_string() }
     }
 }

@@ -2,7 +2,7 @@
 //! disaggregation) and importing blocks pulled from another worker (the decode side), which then count as cached
 //! prefix like any other.
 
-use kv_cache::events::{BlockMeta, Tier};
+use kv_cache::events::BlockMeta;
 use kv_cache::pool::{PrefixMatch, Registered};
 use kv_cache::{SeqHash, block_hashes};
 
@@ -99,10 +99,5 @@ impl Engine {
         }
         self.counters.imported_blocks += stored as u64;
         Ok(stored)
-    }
-
-    /// Device blocks an import of `n` blocks may need, for callers that check room first.
-    pub fn device_capacity(&self) -> usize {
-        self.pool.capacity(Tier::Device)
     }
 }

@@ -98,8 +98,8 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("the prompt has {prompt} tokens; the model's context is {context} tokens")]
     PromptTooLong { prompt: usize, context: usize },
-    #[error("out of KV capacity: {need} blocks needed, {free} free of {total}")]
-    OutOfKvCapacity { need: usize, free: usize, total: usize },
+    #[error("out of KV capacity: no device block can be had ({used} of {total} referenced by running sequences)")]
+    OutOfKvCapacity { used: usize, total: usize },
     #[error("invalid engine configuration: {0}")]
     Config(String),
     #[error("could not start compute threads: {0}")]

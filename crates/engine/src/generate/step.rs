@@ -215,6 +215,6 @@ impl Engine {
 
     pub(super) fn out_of_capacity(&self) -> EngineError {
         let u = self.pool.usage(Tier::Device);
-        EngineError::OutOfKvCapacity { need: 1, free: u.free + u.cached, total: self.pool.capacity(Tier::Device) }
+        EngineError::OutOfKvCapacity { used: u.used, total: self.pool.capacity(Tier::Device) }
     }
 }
