@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::task::JoinSet;
+use tracing::Instrument;
 
 use crate::checksum;
 use crate::descriptor::BlockDescriptor;
@@ -149,6 +150,21 @@ async fn serve_stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, 
             return;
         }
     };
+    let span = tracing::info_span!(
+        "kv_transfer.serve",
+        traceparent = request.traceparent.as_deref(),
+        blocks = request.blocks.len(),
+    );
+    serve_blocks(send, &request, source, out).instrument(span).await;
+}
+
+/// Answers one `Read`: a `Block` frame per position, or an `Error` that ends the stream.
+async fn serve_blocks(
+    mut send: quinn::SendStream,
+    request: &ReadRequest,
+    source: Arc<dyn BlockSource>,
+    mut out: BytesMut,
+) {
     for &index in &request.blocks {
         out.clear();
         match source.read(request.lease, index) {

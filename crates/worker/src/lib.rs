@@ -144,8 +144,7 @@ impl RunningWorker {
             lease_ttl: config.lease_ttl,
             pull_timeout: config.pull_timeout,
             cancels: Default::default(),
-            pulled_blocks: Default::default(),
-            shm_blocks: Default::default(),
+            metrics: Default::default(),
             shm_dir: config.shm_dir.clone(),
             stopping: stopping_rx,
         });
@@ -202,12 +201,13 @@ impl RunningWorker {
 
     /// Blocks this worker has pulled from others.
     pub fn pulled_blocks(&self) -> u64 {
-        self.service.pulled_blocks.load(std::sync::atomic::Ordering::Relaxed)
+        let m = &self.service.metrics;
+        m.pulled_blocks(metrics::Transport::Quic) + m.pulled_blocks(metrics::Transport::Shm)
     }
 
     /// Blocks this worker copied out of another worker's shared-memory region.
     pub fn shm_blocks(&self) -> u64 {
-        self.service.shm_blocks.load(std::sync::atomic::Ordering::Relaxed)
+        self.service.metrics.pulled_blocks(metrics::Transport::Shm)
     }
 
     /// Leases currently held for readers.
@@ -247,11 +247,8 @@ async fn serve_metrics(
             let service = Arc::clone(&service);
             async move {
                 let stats = service.engine.stats().await.unwrap_or_default();
-                let figures = metrics::WorkerFigures {
-                    pulled_blocks: service.pulled_blocks.load(std::sync::atomic::Ordering::Relaxed),
-                    live_leases: service.leases.len(),
-                };
-                ([("content-type", "text/plain; version=0.0.4")], metrics::render(&stats, figures))
+                let text = metrics::render(&stats, &service.metrics, service.leases.len());
+                ([("content-type", "text/plain; version=0.0.4")], text)
             }
         }),
     );

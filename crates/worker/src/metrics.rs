@@ -1,62 +1,94 @@
 //! The worker's Prometheus metrics (`observability.md`: `tandem_` prefix, base units, `_total` counters),
 //! rendered from the engine's counters and the worker's own.
 
-use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use engine::generate::EngineStats;
 use kv_cache::events::Tier;
+use telemetry::prom::{Exposition, Histogram, labels, one};
 
-/// What the worker adds to the engine's figures.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WorkerFigures {
-    /// Blocks pulled from other workers over a transport.
-    pub pulled_blocks: u64,
-    /// Leases currently held for readers.
-    pub live_leases: usize,
+/// How KV blocks reached this worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Quic,
+    Shm,
 }
 
-fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-    for (labels, v) in samples {
-        let _ = writeln!(out, "{name}{labels} {v}");
+impl Transport {
+    const ALL: [Transport; 2] = [Transport::Quic, Transport::Shm];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Quic => "quic",
+            Transport::Shm => "shm",
+        }
     }
 }
 
-fn one(v: impl Into<f64>) -> Vec<(String, f64)> {
-    vec![(String::new(), v.into())]
+#[derive(Debug, Default)]
+struct TransportFigures {
+    blocks: AtomicU64,
+    bytes: AtomicU64,
+    nanos: AtomicU64,
+}
+
+/// What the worker measures beyond the engine's counters; shared by every request handler.
+#[derive(Debug, Default)]
+pub struct WorkerMetrics {
+    /// From a request's arrival to its first token (Prefill's answer, or Generate's first streamed token).
+    pub time_to_first_token: Histogram,
+    /// Per finished request: time from its first to its last token over the tokens after the first.
+    pub time_per_output_token: Histogram,
+    transfers: [TransportFigures; 2],
+}
+
+impl WorkerMetrics {
+    /// Records one finished pull.
+    pub fn pulled(&self, transport: Transport, blocks: usize, bytes: u64, took: Duration) {
+        let f = &self.transfers[transport as usize];
+        f.blocks.fetch_add(blocks as u64, Ordering::Relaxed);
+        f.bytes.fetch_add(bytes, Ordering::Relaxed);
+        f.nanos.fetch_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// Blocks pulled over `transport` so far.
+    pub fn pulled_blocks(&self, transport: Transport) -> u64 {
+        self.transfers[transport as usize].blocks.load(Ordering::Relaxed)
+    }
+
+    fn per_transport(&self, value: impl Fn(&TransportFigures) -> f64) -> Vec<(String, f64)> {
+        Transport::ALL
+            .iter()
+            .map(|&t| (labels(&[("transport", t.as_str())]), value(&self.transfers[t as usize])))
+            .collect()
+    }
 }
 
 fn per_tier(values: impl Fn(Tier) -> f64, skip_device: bool) -> Vec<(String, f64)> {
     Tier::ALL
         .iter()
         .filter(|&&t| !(skip_device && t == Tier::Device))
-        .map(|&t| (format!("{{tier=\"{}\"}}", t.as_str()), values(t)))
+        .map(|&t| (labels(&[("tier", t.as_str())]), values(t)))
         .collect()
 }
 
 /// The Prometheus text exposition of the worker's state.
-pub fn render(stats: &EngineStats, worker: WorkerFigures) -> String {
+pub fn render(stats: &EngineStats, worker: &WorkerMetrics, live_leases: usize) -> String {
     let c = &stats.counters;
-    let mut out = String::new();
-    metric(
-        &mut out,
+    let mut e = Exposition::new();
+    e.gauge(
         "tandem_worker_running_sequences",
-        "gauge",
         "Sequences holding KV blocks and taking part in steps.",
         &one(stats.running as f64),
     );
-    metric(
-        &mut out,
+    e.gauge(
         "tandem_worker_waiting_sequences",
-        "gauge",
         "Sequences waiting to be admitted (new or preempted).",
         &one(stats.waiting as f64),
     );
-    metric(
-        &mut out,
+    e.gauge(
         "tandem_worker_prefill_tokens_pending",
-        "gauge",
         "Prompt tokens still to compute.",
         &one(stats.prefill_tokens_pending as f64),
     );
@@ -64,74 +96,68 @@ pub fn render(stats: &EngineStats, worker: WorkerFigures) -> String {
     for t in Tier::ALL {
         let u = stats.usage[t.index()];
         for (state, n) in [("used", u.used), ("cached", u.cached), ("free", u.free)] {
-            blocks.push((format!("{{tier=\"{}\",state=\"{state}\"}}", t.as_str()), n as f64));
+            blocks.push((labels(&[("tier", t.as_str()), ("state", state)]), n as f64));
         }
     }
-    metric(&mut out, "tandem_kv_blocks", "gauge", "KV blocks per tier and state.", &blocks);
-    metric(
-        &mut out,
+    e.gauge("tandem_kv_blocks", "KV blocks per tier and state.", &blocks);
+    e.histogram(
+        "tandem_worker_time_to_first_token_seconds",
+        "From a request's arrival at the worker to its first token.",
+        &[(&[], &worker.time_to_first_token)],
+    );
+    e.histogram(
+        "tandem_worker_time_per_output_token_seconds",
+        "Per request: seconds per output token after the first.",
+        &[(&[], &worker.time_per_output_token)],
+    );
+    e.counter(
         "tandem_tokens_computed_total",
-        "counter",
         "Tokens run through the model (prompt chunks, recomputation, decode steps).",
         &one(c.prefill_tokens as f64),
     );
-    metric(
-        &mut out,
+    e.counter(
         "tandem_prefix_cache_hit_tokens_total",
-        "counter",
         "Prompt tokens served from cached blocks, by the tier they came from.",
         &per_tier(|t| c.cached_tokens[t.index()] as f64, false),
     );
-    metric(
-        &mut out,
-        "tandem_preemptions_total",
-        "counter",
-        "Sequences preempted for lack of device blocks.",
-        &one(c.preemptions as f64),
-    );
-    metric(
-        &mut out,
+    e.counter("tandem_preemptions_total", "Sequences preempted for lack of device blocks.", &one(c.preemptions as f64));
+    e.counter(
         "tandem_kv_offloads_total",
-        "counter",
         "Blocks copied down to a tier.",
         &per_tier(|t| c.offloads[t.index()] as f64, true),
     );
-    metric(
-        &mut out,
+    e.counter(
         "tandem_kv_onboards_total",
-        "counter",
         "Blocks copied up to the device from a tier.",
         &per_tier(|t| c.onboards[t.index()] as f64, true),
     );
-    metric(
-        &mut out,
+    e.counter(
         "tandem_kv_corrupt_blocks_total",
-        "counter",
         "Disk blocks that failed their check and were recomputed.",
         &one(c.corrupt_disk_blocks as f64),
     );
-    metric(
-        &mut out,
+    e.counter(
         "tandem_kv_imported_blocks_total",
-        "counter",
         "Blocks received from other workers and stored.",
         &one(c.imported_blocks as f64),
     );
-    metric(
-        &mut out,
+    e.counter(
         "tandem_kv_transfer_pulled_blocks_total",
-        "counter",
-        "Blocks pulled from other workers.",
-        &one(worker.pulled_blocks as f64),
+        "Blocks pulled from other workers, by transport.",
+        &worker.per_transport(|f| f.blocks.load(Ordering::Relaxed) as f64),
     );
-    metric(
-        &mut out,
-        "tandem_kv_leases",
-        "gauge",
-        "Prefilled prompts whose KV is held for a decode worker.",
-        &one(worker.live_leases as f64),
+    e.counter(
+        "tandem_kv_transfer_bytes_total",
+        "KV bytes pulled from other workers, by transport.",
+        &worker.per_transport(|f| f.bytes.load(Ordering::Relaxed) as f64),
     );
-    out
+    e.counter(
+        "tandem_kv_transfer_seconds_total",
+        "Time spent pulling KV from other workers, by transport.",
+        &worker.per_transport(|f| f.nanos.load(Ordering::Relaxed) as f64 / 1e9),
+    );
+    e.gauge("tandem_kv_leases", "Prefilled prompts whose KV is held for a decode worker.", &one(live_leases as f64));
+    e.finish()
 }
 
 #[cfg(test)]
@@ -143,11 +169,16 @@ mod tests {
         let mut stats = EngineStats { running: 2, waiting: 1, ..EngineStats::default() };
         stats.counters.cached_tokens = [32, 16, 0];
         stats.usage[0].used = 5;
-        let text = render(&stats, WorkerFigures { pulled_blocks: 4, live_leases: 1 });
+        let worker = WorkerMetrics::default();
+        worker.pulled(Transport::Quic, 4, 4096, Duration::from_millis(2));
+        worker.time_to_first_token.observe(Duration::from_millis(30));
+        let text = render(&stats, &worker, 1);
         assert!(text.contains("tandem_worker_running_sequences 2\n"));
         assert!(text.contains("tandem_prefix_cache_hit_tokens_total{tier=\"host\"} 16\n"));
         assert!(text.contains("tandem_kv_blocks{tier=\"device\",state=\"used\"} 5\n"));
-        assert!(text.contains("tandem_kv_transfer_pulled_blocks_total 4\n"));
+        assert!(text.contains("tandem_kv_transfer_pulled_blocks_total{transport=\"quic\"} 4\n"));
+        assert!(text.contains("tandem_kv_transfer_bytes_total{transport=\"shm\"} 0\n"));
+        assert!(text.contains("tandem_worker_time_to_first_token_seconds_count 1\n"));
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, value) = line.rsplit_once(' ').expect("name and value");
             assert!(name.starts_with("tandem_"), "{line}");

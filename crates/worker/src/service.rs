@@ -20,9 +20,11 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request as GrpcRequest, Response, Status};
+use tracing::Instrument;
 
 use crate::convert;
 use crate::leases::Leases;
+use crate::metrics::{Transport, WorkerMetrics};
 
 type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -98,9 +100,7 @@ pub struct WorkerService {
     pub(crate) lease_ttl: Duration,
     pub(crate) pull_timeout: Duration,
     pub(crate) cancels: Mutex<HashMap<String, oneshot::Sender<()>>>,
-    pub(crate) pulled_blocks: std::sync::atomic::AtomicU64,
-    /// Of those, blocks copied out of a same-host shared-memory region.
-    pub(crate) shm_blocks: std::sync::atomic::AtomicU64,
+    pub(crate) metrics: Arc<WorkerMetrics>,
     /// Where to put shared-memory copies of leased blocks; `None`: no shared-memory path.
     pub(crate) shm_dir: Option<std::path::PathBuf>,
     /// Becomes `true` when the worker stops: every stream this service feeds ends.
@@ -144,12 +144,22 @@ fn lease_id() -> LeaseId {
     LeaseId(u128::from(half(1)) << 64 | u128::from(half(2)))
 }
 
+/// The caller's W3C trace context from gRPC metadata.
+fn traceparent<T>(req: &GrpcRequest<T>) -> Option<String> {
+    req.metadata().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string)
+}
+
 impl WorkerService {
     fn block_size(&self) -> BlockSize {
         BlockSize::new(self.layout.block_tokens).unwrap_or_default()
     }
 
     /// Decode side of a handle: checks it, then pulls and stores the full blocks this worker lacks.
+    #[tracing::instrument(
+        name = "kv_transfer.pull",
+        skip_all,
+        fields(transport = tracing::field::Empty, blocks = 0u64, bytes = 0u64, throughput_bytes_per_s = tracing::field::Empty)
+    )]
     async fn pull_missing(&self, tokens: &[u32], handle: KvHandle, traceparent: Option<String>) -> Result<(), Status> {
         handle
             .check_compatible(&self.info.model_fingerprint, &self.layout)
@@ -196,42 +206,40 @@ impl WorkerService {
             .filter(|_| self.shm_dir.is_some())
             .map(std::path::Path::new)
             .filter(|p| p.exists());
-        let pulled = match local {
-            Some(path) => {
-                let got = kv_transfer::shm::pull(path, &wanted).map_err(transfer_status)?;
-                self.shm_blocks.fetch_add(got.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                got
-            }
-            None => self.client.pull(req).await.map_err(transfer_status)?,
+        let started = Instant::now();
+        let (transport, pulled) = match local {
+            Some(path) => (Transport::Shm, kv_transfer::shm::pull(path, &wanted).map_err(transfer_status)?),
+            None => (Transport::Quic, self.client.pull(req).await.map_err(transfer_status)?),
         };
-        self.pulled_blocks.fetch_add(pulled.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let took = started.elapsed();
+        let bytes: u64 = pulled.iter().map(|(_, b)| b.len() as u64).sum();
+        self.metrics.pulled(transport, pulled.len(), bytes, took);
+        let span = tracing::Span::current();
+        span.record("transport", transport.as_str());
+        span.record("blocks", pulled.len());
+        span.record("bytes", bytes);
+        span.record("throughput_bytes_per_s", (bytes as f64 / took.as_secs_f64().max(1e-9)) as u64);
         let blocks: Vec<(usize, Bytes)> = pulled.into_iter().map(|(i, b)| (i as usize, b)).collect();
         self.engine.import(prompt.to_vec(), blocks).await.map_err(submit_status)?;
         self.release_lease(addr, &server_name, handle.lease).await;
         Ok(())
     }
 
-    /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.
-    async fn release_lease(&self, addr: std::net::SocketAddr, server_name: &str, lease: LeaseId) {
-        let _ = self.client.release(addr, server_name, lease, self.pull_timeout).await;
-    }
-}
-
-#[tonic::async_trait]
-impl Worker for WorkerService {
-    async fn info(&self, _: GrpcRequest<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
-        Ok(Response::new(self.info.clone()))
-    }
-
-    async fn prefill(&self, req: GrpcRequest<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
-        let r = req.into_inner();
+    async fn prefill_inner(
+        &self,
+        r: pb::PrefillRequest,
+        arrived: Instant,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
         let sampling = convert::sampling(r.sampling, Some(1))?;
         let mut stream =
             self.engine.submit_exporting(Request { prompt: r.tokens, sampling }).await.map_err(submit_status)?;
         let (mut first, mut kv, mut done) = (None, None, None);
         while let Some(ev) = stream.next().await {
             match ev {
-                SeqEvent::Token { token, .. } => first = Some(token),
+                SeqEvent::Token { token, .. } => {
+                    self.metrics.time_to_first_token.observe(arrived.elapsed());
+                    first = Some(token);
+                }
                 SeqEvent::Exported(e) => kv = Some(e),
                 SeqEvent::Finished(c) => {
                     done = Some(c);
@@ -243,6 +251,9 @@ impl Worker for WorkerService {
         let (Some(first), Some(kv), Some(done)) = (first, kv, done) else {
             return Err(Status::internal("prefill ended without a token and its KV"));
         };
+        let span = tracing::Span::current();
+        span.record("cached_tokens", done.cached_tokens);
+        span.record("computed_tokens", kv.tokens - done.cached_tokens);
         let len = self.layout.block_bytes();
         let mut held = Vec::with_capacity(kv.blocks.len());
         let mut blocks = Vec::with_capacity(kv.blocks.len());
@@ -285,12 +296,12 @@ impl Worker for WorkerService {
         }))
     }
 
-    type GenerateStream = Streamed<pb::GenerateResponse>;
-
-    async fn generate(&self, req: GrpcRequest<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
-        // W3C trace context from the caller rides on into the transfer request.
-        let traceparent = req.metadata().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string);
-        let r = req.into_inner();
+    async fn generate_inner(
+        &self,
+        r: pb::GenerateRequest,
+        traceparent: Option<String>,
+        arrived: Instant,
+    ) -> Result<Response<Streamed<pb::GenerateResponse>>, Status> {
         let sampling = convert::sampling(r.sampling, None)?;
         if let Some(h) = r.handle {
             self.pull_missing(&r.tokens, convert::handle_from_pb(h)?, traceparent).await?;
@@ -304,42 +315,104 @@ impl Worker for WorkerService {
             c.insert(r.request_id.clone(), cancel_tx);
         }
         let (tx, rx) = mpsc::channel(capacity);
-        tokio::spawn(async move {
-            loop {
-                let ev = tokio::select! {
-                    _ = &mut cancel_rx => break,
-                    ev = stream.next() => ev,
-                };
-                let Some(ev) = ev else { break };
-                let (msg, last) = match ev {
-                    SeqEvent::Token { token, text } => (
-                        Ok(pb::GenerateResponse {
-                            event: Some(pb::generate_response::Event::Token(pb::Token { id: token, text })),
-                        }),
-                        false,
-                    ),
-                    SeqEvent::Finished(c) => {
-                        let finished = pb::Finished {
-                            reason: convert::finish_to_pb(c.finish_reason) as i32,
-                            prompt_tokens: c.prompt_ids.len() as u32,
-                            completion_tokens: c.token_ids.len() as u32,
-                            cached_tokens: c.cached_tokens as u32,
-                        };
-                        (
-                            Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(finished)) }),
-                            true,
-                        )
+        let metrics = Arc::clone(&self.metrics);
+        let decode =
+            tracing::info_span!("decode", output_tokens = tracing::field::Empty, cached_tokens = tracing::field::Empty);
+        tokio::spawn(
+            async move {
+                let mut first_at = None;
+                loop {
+                    let ev = tokio::select! {
+                        _ = &mut cancel_rx => break,
+                        ev = stream.next() => ev,
+                    };
+                    let Some(ev) = ev else { break };
+                    let (msg, last) = match ev {
+                        SeqEvent::Token { token, text } => (
+                            {
+                                if first_at.is_none() {
+                                    metrics.time_to_first_token.observe(arrived.elapsed());
+                                    first_at = Some(Instant::now());
+                                }
+                                Ok(pb::GenerateResponse {
+                                    event: Some(pb::generate_response::Event::Token(pb::Token { id: token, text })),
+                                })
+                            },
+                            false,
+                        ),
+                        SeqEvent::Finished(c) => {
+                            let n = c.token_ids.len();
+                            if let (Some(at), true) = (first_at, n > 1) {
+                                metrics.time_per_output_token.observe(at.elapsed() / (n as u32 - 1));
+                            }
+                            tracing::Span::current()
+                                .record("output_tokens", n)
+                                .record("cached_tokens", c.cached_tokens);
+                            let finished = pb::Finished {
+                                reason: convert::finish_to_pb(c.finish_reason) as i32,
+                                prompt_tokens: c.prompt_ids.len() as u32,
+                                completion_tokens: c.token_ids.len() as u32,
+                                cached_tokens: c.cached_tokens as u32,
+                            };
+                            (
+                                Ok(pb::GenerateResponse {
+                                    event: Some(pb::generate_response::Event::Finished(finished)),
+                                }),
+                                true,
+                            )
+                        }
+                        SeqEvent::Failed(e) => (Err(Status::internal(e)), true),
+                        SeqEvent::Exported(_) => continue,
+                    };
+                    // A client that went away drops the engine stream here, which cancels the sequence.
+                    if tx.send(msg).await.is_err() || last {
+                        break;
                     }
-                    SeqEvent::Failed(e) => (Err(Status::internal(e)), true),
-                    SeqEvent::Exported(_) => continue,
-                };
-                // A client that went away drops the engine stream here, which cancels the sequence.
-                if tx.send(msg).await.is_err() || last {
-                    break;
                 }
             }
-        });
+            .instrument(decode),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.
+    async fn release_lease(&self, addr: std::net::SocketAddr, server_name: &str, lease: LeaseId) {
+        let _ = self.client.release(addr, server_name, lease, self.pull_timeout).await;
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn info(&self, _: GrpcRequest<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn prefill(&self, req: GrpcRequest<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        let arrived = Instant::now();
+        let span = tracing::info_span!(
+            "prefill",
+            traceparent = traceparent(&req).as_deref(),
+            request_id = %req.get_ref().request_id,
+            prompt_tokens = req.get_ref().tokens.len(),
+            cached_tokens = tracing::field::Empty,
+            computed_tokens = tracing::field::Empty,
+        );
+        self.prefill_inner(req.into_inner(), arrived).instrument(span).await
+    }
+
+    type GenerateStream = Streamed<pb::GenerateResponse>;
+
+    async fn generate(&self, req: GrpcRequest<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrived = Instant::now();
+        // W3C trace context from the caller rides on into the transfer request.
+        let traceparent = traceparent(&req);
+        let span = tracing::info_span!(
+            "generate",
+            traceparent = traceparent.as_deref(),
+            request_id = %req.get_ref().request_id,
+            prompt_tokens = req.get_ref().tokens.len(),
+        );
+        self.generate_inner(req.into_inner(), traceparent, arrived).instrument(span).await
     }
 
     async fn cancel(&self, req: GrpcRequest<pb::CancelRequest>) -> Result<Response<pb::CancelResponse>, Status> {

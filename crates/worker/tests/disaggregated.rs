@@ -13,6 +13,9 @@ use proto::worker as pb;
 use proto::worker::worker_client::WorkerClient;
 use worker::{Role, RunningWorker, WorkerConfig};
 
+/// Long enough for a loopback pull on a loaded 2-core machine; short enough for the vanished-owner test.
+const PULL_TIMEOUT: Duration = Duration::from_secs(5);
+
 fn model() -> std::path::PathBuf {
     engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
 }
@@ -29,7 +32,7 @@ async fn start(ca: &DevCa, role: Role, name: &str, shm_dir: Option<std::path::Pa
         metrics: Some(loopback),
         identity: ca.issue(name, &[]).expect("cert"),
         lease_ttl: Duration::from_secs(30),
-        pull_timeout: Duration::from_secs(10),
+        pull_timeout: PULL_TIMEOUT,
         shm_dir,
     })
     .await
@@ -203,7 +206,9 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     drop(events);
     // The metrics endpoint tells the same story.
     let text = http_get(d.metrics.expect("metrics served"), "/metrics").await;
-    assert!(text.contains("tandem_kv_transfer_pulled_blocks_total 5\n"), "{text}");
+    assert!(text.contains("tandem_kv_transfer_pulled_blocks_total{transport=\"quic\"} 5\n"), "{text}");
+    assert!(text.contains("tandem_worker_time_to_first_token_seconds_count 2\n"), "{text}");
+    assert!(text.contains("tandem_worker_time_per_output_token_seconds_count 2\n"), "{text}");
     assert!(text.contains("tandem_kv_imported_blocks_total 5\n"), "{text}");
     assert!(http_get(p.metrics.expect("metrics served"), "/metrics").await.contains("tandem_kv_leases "));
     drop((pc, dc));
@@ -284,4 +289,107 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
     drop((pc, dc));
     stop(p, d).await;
     let _ = std::fs::remove_dir_all(&shm);
+}
+
+/// Spans seen in this process: (name, its `traceparent` field if any).
+#[derive(Default)]
+struct Spans(std::sync::Mutex<Vec<(String, Option<String>)>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for &'static Spans {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        struct Find(Option<String>);
+        impl tracing::field::Visit for Find {
+            fn record_str(&mut self, f: &tracing::field::Field, v: &str) {
+                if f.name() == "traceparent" {
+                    self.0 = Some(v.to_string());
+                }
+            }
+            fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+        }
+        let mut find = Find(None);
+        attrs.record(&mut find);
+        if let Ok(mut seen) = self.0.lock() {
+            seen.push((attrs.metadata().name().to_string(), find.0));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_context_rides_from_grpc_metadata_into_the_transfer_request() {
+    use tracing_subscriber::layer::SubscriberExt;
+    static SPANS: std::sync::OnceLock<Spans> = std::sync::OnceLock::new();
+    let spans = SPANS.get_or_init(Spans::default);
+    let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry().with(spans));
+
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let Pair { p, d, mut pc, mut dc } = pair(None).await;
+    let prompt: Vec<u32> = (0..40).map(|i| 700 + i * 5).collect();
+    let mut req = tonic::Request::new(pb::PrefillRequest {
+        request_id: "t".into(),
+        tokens: prompt.clone(),
+        sampling: Some(sampling(3)),
+        cache_namespace: None,
+    });
+    req.metadata_mut().insert("traceparent", tp.parse().expect("ascii"));
+    let pre = pc.prefill(req).await.expect("prefill").into_inner();
+    let mut req = tonic::Request::new(pb::GenerateRequest {
+        request_id: "t".into(),
+        tokens: [prompt, vec![pre.first_token]].concat(),
+        sampling: Some(sampling(2)),
+        handle: pre.handle,
+        cache_namespace: None,
+    });
+    req.metadata_mut().insert("traceparent", tp.parse().expect("ascii"));
+    let mut stream = dc.generate(req).await.expect("generate").into_inner();
+    while stream.message().await.expect("streams").is_some() {}
+    assert_eq!(d.pulled_blocks(), 2);
+
+    let seen = spans.0.lock().expect("spans").clone();
+    let with = |name: &str| seen.iter().filter(|(n, t)| n == name && t.as_deref() == Some(tp)).count();
+    assert_eq!(with("prefill"), 1, "P's prefill span carries the caller's context: {seen:?}");
+    assert_eq!(with("generate"), 1, "D's generate span carries it: {seen:?}");
+    assert!(seen.iter().any(|(n, _)| n == "kv_transfer.pull"), "{seen:?}");
+    // The owner's side of the transfer learned the context from the Read frame alone.
+    assert!(with("kv_transfer.serve") >= 1, "the transfer request carried the context to P: {seen:?}");
+    drop((pc, dc));
+    stop(p, d).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_from_a_vanished_prefill_worker_fails_and_stores_nothing() {
+    let Pair { p, d, mut pc, mut dc } = pair(None).await;
+    let prompt: Vec<u32> = (0..40).map(|i| 900 + i * 7).collect();
+    let pre = pc
+        .prefill(pb::PrefillRequest {
+            request_id: "v".into(),
+            tokens: prompt.clone(),
+            sampling: Some(sampling(3)),
+            cache_namespace: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    // P goes away with the lease before D pulls: the transfer is dropped whole.
+    p.shutdown(Duration::from_secs(1)).await;
+    let tokens = [prompt, vec![pre.first_token]].concat();
+    let started = std::time::Instant::now();
+    let err = generate(&mut dc, tokens.clone(), pre.handle, 2).await.expect_err("nobody serves the lease");
+    assert!(
+        matches!(err.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded),
+        "{:?}: {}",
+        err.code(),
+        err.message()
+    );
+    assert!(started.elapsed() < PULL_TIMEOUT + Duration::from_secs(5), "a timeout, not a hang");
+    assert_eq!(d.stats().await.expect("stats").counters.imported_blocks, 0, "nothing of it was stored");
+    assert_eq!(d.pulled_blocks(), 0);
+    // D still serves: the same request without a handle prefills locally.
+    assert_eq!(generate(&mut dc, tokens, None, 2).await.expect("local prefill").len(), 2);
+    drop((pc, dc));
+    d.shutdown(Duration::from_secs(5)).await;
 }
