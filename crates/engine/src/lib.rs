@@ -16,5 +16,6 @@ pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod text;
 pub mod tiers;
 pub mod tokenizer;

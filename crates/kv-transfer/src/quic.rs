@@ -27,6 +27,8 @@ use crate::tls::{Identity, TlsError};
 const MAX_READ_FRAME: usize = 64 << 10;
 /// Frame bytes beyond a block's payload (kind, index, checksum).
 const BLOCK_FRAME_OVERHEAD: usize = 13;
+/// The length prefix in front of every frame.
+const FRAME_HEADER: usize = 4;
 
 /// What the owner serves: block bytes by lease and position.
 pub trait BlockSource: Send + Sync + 'static {
@@ -310,7 +312,10 @@ async fn pull_stream(
     let largest = want.values().map(|d| d.len as usize).max().unwrap_or(0);
     let dec = FrameDecoder::new(largest + BLOCK_FRAME_OVERHEAD);
     let total = want.len();
-    let mut buf = BytesMut::new();
+    // One buffer sized for every frame this stream will carry: each block's payload is split off it without a
+    // copy or an allocation of its own.
+    let expected: usize = want.values().map(|d| d.len as usize + BLOCK_FRAME_OVERHEAD + FRAME_HEADER).sum();
+    let mut buf = BytesMut::with_capacity(expected + 2 * FRAME_HEADER);
     let mut got = Vec::with_capacity(total);
     loop {
         match read_frame(&mut recv, &dec, &mut buf).await? {

@@ -20,14 +20,15 @@ pub use kv_io::{ExportedBlock, ExportedKv};
 use sequence::Seq;
 pub use text::TextStream;
 
-use crate::chat::{ChatMessage, ChatTemplate, TemplateError};
+use crate::chat::ChatMessage;
 use crate::forward::ForwardError;
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv::{KvLayout, KvStore};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams};
+use crate::text::{TextError, TextModel};
 use crate::tiers::{DiskTier, TierError, TierStores};
-use crate::tokenizer::{Tokenizer, TokenizerError};
+use crate::tokenizer::Tokenizer;
 
 /// Tokens per KV block: vLLM's and Dynamo's default, and what `routing.md` hashes by.
 pub const DEFAULT_BLOCK_TOKENS: usize = 16;
@@ -88,12 +89,8 @@ impl Default for EngineConfig {
 pub enum EngineError {
     #[error(transparent)]
     Model(#[from] GgufError),
-    #[error("{0}")]
-    Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
-    Template(#[from] TemplateError),
-    #[error("the model file has no chat template")]
-    NoChatTemplate,
+    Text(#[from] TextError),
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the prompt has {prompt} tokens; the model's context is {context} tokens")]
@@ -186,33 +183,22 @@ pub struct Counters {
 #[derive(Debug)]
 pub struct Engine {
     model: Model,
-    tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
+    text: TextModel,
     stores: TierStores,
     pool: BlockPool,
     pool_threads: rayon::ThreadPool,
     config: EngineConfig,
     counters: Counters,
     tick: u64,
-    fingerprint: String,
 }
 
 impl Engine {
     /// Loads the model at `path` and prepares to run it. Configuration errors are reported all at once.
     pub fn open(path: &std::path::Path, config: EngineConfig) -> Result<Engine, EngineError> {
         let file = GgufFile::open(path)?;
-        let fingerprint = file.fingerprint();
         let model = Model::load(&file)?;
         check_config(&config, model.config.context_len)?;
-        let tokenizer = Tokenizer::from_gguf(&file)?;
-        let template = match file.metadata().get("tokenizer.chat_template").and_then(|v| v.as_str()) {
-            None => None,
-            Some(src) => {
-                let text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("").to_string();
-                let (bos, eos) = (text(tokenizer.special().bos), text(tokenizer.special().eos));
-                Some(ChatTemplate::new(src, &bos, &eos)?)
-            }
-        };
+        let text = TextModel::from_gguf(&file)?;
         let threads = config.threads.map_or(0, NonZeroUsize::get);
         let pool_threads = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -228,18 +214,7 @@ impl Engine {
         let stores = TierStores::new(KvStore::new(layout, config.kv_blocks), host, disk);
         let sizes = TierSizes { device: config.kv_blocks, host: config.host_blocks, disk: config.disk_blocks };
         let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
-        Ok(Engine {
-            model,
-            tokenizer,
-            template,
-            stores,
-            pool,
-            pool_threads,
-            config,
-            counters: Counters::default(),
-            tick: 0,
-            fingerprint,
-        })
+        Ok(Engine { model, text, stores, pool, pool_threads, config, counters: Counters::default(), tick: 0 })
     }
 
     pub fn model(&self) -> &Model {
@@ -247,7 +222,12 @@ impl Engine {
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        self.text.tokenizer()
+    }
+
+    /// Tokenizer, chat template and fingerprint.
+    pub fn text(&self) -> &TextModel {
+        &self.text
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -256,7 +236,7 @@ impl Engine {
 
     /// The model file's content fingerprint: workers exchange KV only when theirs are equal.
     pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
+        self.text.fingerprint()
     }
 
     /// The KV block shape.
@@ -301,8 +281,7 @@ impl Engine {
 
     /// The prompt text for a conversation, with the assistant's generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
-        let t = self.template.as_ref().ok_or(EngineError::NoChatTemplate)?;
-        Ok(t.render(messages, true)?)
+        Ok(self.text.render_chat(messages)?)
     }
 
     /// Runs `requests` together to completion. `on_event` sees every token as it is made; `cancel` stops every

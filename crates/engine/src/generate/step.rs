@@ -184,7 +184,7 @@ impl Engine {
             }
             let Some(l) = logits.next() else { continue };
             let token = s.sampler.sample(&l);
-            s.accept(i, token, &self.tokenizer, on_event);
+            s.accept(i, token, self.text.tokenizer(), on_event);
             if !s.active() && !s.keep_blocks {
                 self.release_blocks(s)?;
                 s.running = false;

@@ -1,0 +1,64 @@
+//! The text side of a model, without its weights: tokenizer, chat template and the file's fingerprint. The engine
+//! uses it, and so does the router, which tokenizes prompts to hash their blocks but never runs the model.
+
+use std::path::Path;
+
+use crate::chat::{ChatMessage, ChatTemplate, TemplateError};
+use crate::gguf::{GgufError, GgufFile};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Why a model file's text side could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    #[error(transparent)]
+    Model(#[from] GgufError),
+    #[error("{0}")]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error("the model file has no chat template")]
+    NoChatTemplate,
+}
+
+/// Tokenizer, chat template and identity of one model file.
+#[derive(Debug)]
+pub struct TextModel {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    fingerprint: String,
+}
+
+impl TextModel {
+    /// Reads the text side of the GGUF file at `path` (the weights stay unread).
+    pub fn open(path: &Path) -> Result<TextModel, TextError> {
+        TextModel::from_gguf(&GgufFile::open(path)?)
+    }
+
+    pub fn from_gguf(file: &GgufFile) -> Result<TextModel, TextError> {
+        let tokenizer = Tokenizer::from_gguf(file)?;
+        let template = match file.metadata().get("tokenizer.chat_template").and_then(|v| v.as_str()) {
+            None => None,
+            Some(src) => {
+                let text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or("").to_string();
+                let (bos, eos) = (text(tokenizer.special().bos), text(tokenizer.special().eos));
+                Some(ChatTemplate::new(src, &bos, &eos)?)
+            }
+        };
+        Ok(TextModel { tokenizer, template, fingerprint: file.fingerprint() })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The model file's content fingerprint: KV is exchanged only between holders of equal ones.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// The prompt text for a conversation, with the assistant's generation prompt.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
+        let t = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
+        Ok(t.render(messages, true)?)
+    }
+}
