@@ -1,0 +1,5 @@
+//! Tandem's router: OpenAI-compatible HTTP in front, a KV-aware scheduler in the middle, workers behind.
+
+#![forbid(unsafe_code)]
+
+pub mod scheduler;

@@ -1,0 +1,182 @@
+//! The scheduler's weights and thresholds (`routing.md`): typed, validated as a whole, changeable live.
+
+use serde::{Deserialize, Serialize};
+
+/// Which rule picks the workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// The KV-aware cost (`routing.md`): overlap credit against load.
+    #[default]
+    Kv,
+    RoundRobin,
+    Random,
+    /// Fewest active prefill tokens (prefill) or blocks (decode).
+    LeastLoaded,
+    /// The less loaded of two random candidates.
+    PowerOfTwo,
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Kv => "kv",
+            Policy::RoundRobin => "round_robin",
+            Policy::Random => "random",
+            Policy::LeastLoaded => "least_loaded",
+            Policy::PowerOfTwo => "power_of_two",
+        }
+    }
+}
+
+/// When to skip the prefill pool and prefill on the decode worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DisaggregationRule {
+    /// Locally when little uncached work is left and much of the prompt is already on the decode worker.
+    #[default]
+    IslBounding,
+    /// Locally when the best prefill worker is overloaded.
+    PrefillLoad,
+    /// Either of the two.
+    IslOrLoad,
+    /// Always disaggregate when a prefill worker is alive (for comparison).
+    Always,
+    /// Never disaggregate: every request is prefilled on its decode worker.
+    Never,
+}
+
+/// Dynamo's defaults where `routing.md` names them; every other default says why.
+pub mod defaults {
+    pub const OVERLAP_CREDIT: f64 = 1.0;
+    /// Off, as Dynamo ships it: decaying the credit of a busy worker only pays when a few prefixes are very hot.
+    pub const DECAY: f64 = 0.0;
+    pub const HOST_WEIGHT: f64 = 0.75;
+    pub const DISK_WEIGHT: f64 = 0.25;
+    pub const PREFILL_LOAD_SCALE: f64 = 1.0;
+    pub const ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
+    pub const TEMPERATURE: f64 = 0.0;
+    pub const MAX_LOCAL_PREFILL_TOKENS: u64 = 2048;
+    /// At least 30% of the prompt must already be on the decode worker to prefill there.
+    pub const LOCAL_PREFILL_FRACTION: f64 = 0.7;
+    pub const PREFILL_LOAD_THRESHOLD: f64 = 4.0;
+    /// The engine's prefill chunk: one step's worth of prompt tokens.
+    pub const MAX_NUM_BATCHED_TOKENS: u64 = 512;
+    /// A decode worker with more of its KV in use than this never also prefills.
+    pub const LOCAL_PREFILL_VETO: f64 = 0.9;
+    /// A decode worker that would pass this fraction of its KV is near exhaustion (it would preempt).
+    pub const DECODE_KV_LIMIT: f64 = 0.95;
+    /// A new worker's share ramps from little to full over this time.
+    pub const SLOW_START_SECS: f64 = 10.0;
+}
+
+/// Every knob of the scheduler.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerConfig {
+    pub policy: Policy,
+    pub overlap_credit: f64,
+    pub decay: f64,
+    pub host_weight: f64,
+    pub disk_weight: f64,
+    pub prefill_load_scale: f64,
+    pub active_request_weight: f64,
+    pub temperature: f64,
+    /// A prefill worker with more active prefill tokens than this is busy (skipped); none: no limit.
+    pub busy_prefill_tokens: Option<u64>,
+    /// A worker with more active KV blocks than this fraction of its capacity is busy; none: no limit.
+    pub busy_kv_fraction: Option<f64>,
+    pub disaggregation: DisaggregationRule,
+    pub max_local_prefill_tokens: u64,
+    pub local_prefill_fraction: f64,
+    pub prefill_load_threshold: f64,
+    pub max_num_batched_tokens: u64,
+    pub local_prefill_veto: f64,
+    pub decode_kv_limit: f64,
+    pub slow_start_secs: f64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> SchedulerConfig {
+        use defaults::*;
+        SchedulerConfig {
+            policy: Policy::Kv,
+            overlap_credit: OVERLAP_CREDIT,
+            decay: DECAY,
+            host_weight: HOST_WEIGHT,
+            disk_weight: DISK_WEIGHT,
+            prefill_load_scale: PREFILL_LOAD_SCALE,
+            active_request_weight: ACTIVE_REQUEST_WEIGHT,
+            temperature: TEMPERATURE,
+            busy_prefill_tokens: None,
+            busy_kv_fraction: None,
+            disaggregation: DisaggregationRule::IslBounding,
+            max_local_prefill_tokens: MAX_LOCAL_PREFILL_TOKENS,
+            local_prefill_fraction: LOCAL_PREFILL_FRACTION,
+            prefill_load_threshold: PREFILL_LOAD_THRESHOLD,
+            max_num_batched_tokens: MAX_NUM_BATCHED_TOKENS,
+            local_prefill_veto: LOCAL_PREFILL_VETO,
+            decode_kv_limit: DECODE_KV_LIMIT,
+            slow_start_secs: SLOW_START_SECS,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Every problem with the values, all at once.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errors = Vec::new();
+        let mut non_negative = |name: &str, v: f64| {
+            if !(v.is_finite() && v >= 0.0) {
+                errors.push(format!("{name} must be a finite number >= 0, got {v}"));
+            }
+        };
+        non_negative("overlap_credit", self.overlap_credit);
+        non_negative("decay", self.decay);
+        non_negative("host_weight", self.host_weight);
+        non_negative("disk_weight", self.disk_weight);
+        non_negative("prefill_load_scale", self.prefill_load_scale);
+        non_negative("active_request_weight", self.active_request_weight);
+        non_negative("temperature", self.temperature);
+        non_negative("prefill_load_threshold", self.prefill_load_threshold);
+        non_negative("slow_start_secs", self.slow_start_secs);
+        let mut fraction = |name: &str, v: f64| {
+            if !(v > 0.0 && v <= 1.0) {
+                errors.push(format!("{name} must be in (0, 1], got {v}"));
+            }
+        };
+        fraction("local_prefill_fraction", self.local_prefill_fraction);
+        fraction("local_prefill_veto", self.local_prefill_veto);
+        fraction("decode_kv_limit", self.decode_kv_limit);
+        if let Some(f) = self.busy_kv_fraction {
+            fraction("busy_kv_fraction", f);
+        }
+        if self.max_num_batched_tokens == 0 {
+            errors.push("max_num_batched_tokens must be at least 1".into());
+        }
+        if errors.is_empty() { Ok(()) } else { Err(errors) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = SchedulerConfig::default();
+        assert_eq!(c.validate(), Ok(()));
+        let json = serde_json::to_string(&c).expect("json");
+        assert_eq!(serde_json::from_str::<SchedulerConfig>(&json).expect("parses"), c);
+    }
+
+    #[test]
+    fn every_bad_value_is_reported_and_unknown_keys_refused() {
+        let c = SchedulerConfig { decay: -1.0, temperature: f64::NAN, decode_kv_limit: 1.5, ..Default::default() };
+        let errors = c.validate().expect_err("invalid");
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        assert!(serde_json::from_str::<SchedulerConfig>(r#"{"overlap_weight": 1}"#).is_err());
+        let partial: SchedulerConfig = serde_json::from_str(r#"{"policy": "round_robin", "decay": 2}"#).expect("ok");
+        assert_eq!((partial.policy, partial.decay, partial.host_weight), (Policy::RoundRobin, 2.0, 0.75));
+    }
+}

@@ -1,0 +1,112 @@
+//! The cost formulas of `routing.md`, one function each, no state.
+
+use super::config::SchedulerConfig;
+use super::view::{RouteRequest, WorkerView};
+
+/// A prefill candidate's terms and cost (lower is better).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillCost {
+    pub potential_decode_blocks: u64,
+    pub cost: f64,
+}
+
+/// Dynamo's prefill cost for `w`, given the least active prefill tokens over all candidates.
+pub fn prefill_cost(req: &RouteRequest, w: &WorkerView, min_active_prefill: u64, cfg: &SchedulerConfig) -> PrefillCost {
+    let bs = req.block_size.max(1) as f64;
+    let request_blocks = req.request_blocks().max(1) as f64;
+    let raw_prefill_blocks = (w.load.active_prefill_tokens + req.isl) as f64 / bs;
+    let excess = w.load.active_prefill_tokens.saturating_sub(min_active_prefill) as f64 / bs;
+    let decay = if cfg.decay == 0.0 { 1.0 } else { 1.0 / (1.0 + cfg.decay * excess / request_blocks) };
+    let o = w.overlap;
+    let credit = cfg.overlap_credit * decay * o.device as f64
+        + cfg.host_weight * o.host as f64
+        + cfg.disk_weight * o.disk as f64;
+    let adjusted = (raw_prefill_blocks - credit).max(0.0);
+    let potential_decode_blocks = w.load.active_blocks + req.request_blocks().saturating_sub(o.device as u64);
+    let cost = cfg.prefill_load_scale * adjusted
+        + potential_decode_blocks as f64
+        + cfg.active_request_weight * w.load.active_requests as f64;
+    PrefillCost { potential_decode_blocks, cost }
+}
+
+/// A decode candidate's cost: its active KV blocks after adding this request, as a fraction of capacity.
+pub fn decode_cost(req: &RouteRequest, w: &WorkerView) -> f64 {
+    (w.load.active_blocks + req.request_blocks()) as f64 / w.load.capacity_blocks.max(1) as f64
+}
+
+/// Whether taking this request would push `w` past `limit` of its KV capacity.
+pub fn over_kv(req: &RouteRequest, w: &WorkerView, limit: f64) -> bool {
+    decode_cost(req, w) > limit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::view::{Load, Overlap, WorkerId, WorkerRole};
+
+    fn worker(device: usize, host: usize, disk: usize, prefill_tokens: u64, active_blocks: u64) -> WorkerView {
+        WorkerView {
+            id: WorkerId(0),
+            name: "w".into(),
+            role: WorkerRole::Prefill,
+            overlap: Overlap { device, host, disk },
+            load: Load {
+                active_prefill_tokens: prefill_tokens,
+                active_blocks,
+                capacity_blocks: 1000,
+                active_requests: 3,
+            },
+            ramp: 1.0,
+        }
+    }
+
+    /// (device, host, disk, active prefill tokens, active blocks, min active prefill, config tweak, cost).
+    #[test]
+    fn the_formula_term_by_term() {
+        let req = RouteRequest { isl: 160, block_size: 16, sequence: 0 };
+        let base = SchedulerConfig::default();
+        let cases: Vec<(&str, WorkerView, u64, SchedulerConfig, f64)> = vec![
+            // raw = 10, no credit, potential decode = 0 + 10.
+            ("cold and idle", worker(0, 0, 0, 0, 0), 0, base.clone(), 20.0),
+            // raw = 10 - 4 device = 6; potential decode = 10 - 4 = 6.
+            ("device overlap", worker(4, 0, 0, 0, 0), 0, base.clone(), 12.0),
+            // credit = 4 + 0.75*2 + 0.25*4 = 6.5 → adjusted 3.5; potential decode 6.
+            ("all tiers", worker(4, 2, 4, 0, 0), 0, base.clone(), 9.5),
+            // raw = (32+160)/16 = 12, credit 4 → 8; potential decode = 5 + 6 = 11.
+            ("loaded", worker(4, 0, 0, 32, 5), 0, base.clone(), 19.0),
+            // decay 1: excess = 32/16 = 2 blocks, decay = 1/(1+2/10) = 5/6 → credit 10/3.
+            (
+                "decay",
+                worker(4, 0, 0, 32, 0),
+                0,
+                SchedulerConfig { decay: 1.0, ..base.clone() },
+                12.0 - 10.0 / 3.0 + 6.0,
+            ),
+            // the least loaded candidate has no excess: no decay.
+            ("decay, least loaded", worker(4, 0, 0, 32, 0), 32, SchedulerConfig { decay: 1.0, ..base.clone() }, 14.0),
+            // overlap beyond the load clamps to zero.
+            ("credit clamps", worker(10, 0, 0, 0, 0), 0, SchedulerConfig { overlap_credit: 5.0, ..base.clone() }, 0.0),
+            // scale and request weight: 2*6 + 6 + 0.5*3.
+            (
+                "scale and request weight",
+                worker(4, 0, 0, 0, 0),
+                0,
+                SchedulerConfig { prefill_load_scale: 2.0, active_request_weight: 0.5, ..base.clone() },
+                19.5,
+            ),
+        ];
+        for (name, w, min, cfg, want) in cases {
+            let got = prefill_cost(&req, &w, min, &cfg).cost;
+            assert!((got - want).abs() < 1e-9, "{name}: got {got}, want {want}");
+        }
+    }
+
+    #[test]
+    fn request_blocks_round_up_and_decode_cost_is_a_fraction() {
+        let req = RouteRequest { isl: 17, block_size: 16, sequence: 0 };
+        assert_eq!(req.request_blocks(), 2);
+        let w = worker(0, 0, 0, 0, 98);
+        assert!((decode_cost(&req, &w) - 0.1).abs() < 1e-12);
+        assert!(over_kv(&req, &w, 0.09) && !over_kv(&req, &w, 0.1));
+    }
+}

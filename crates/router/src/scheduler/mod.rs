@@ -1,0 +1,180 @@
+//! The scheduler: a pure function of (request, cluster view, config, random source) that picks a decode worker
+//! by load, a prefill worker by prefix overlap against load, and whether disaggregation pays (`routing.md`).
+//! It reads no clock, spawns nothing and logs nothing; the router and the simulator both call it.
+
+pub mod config;
+pub mod cost;
+mod disaggregate;
+pub mod rng;
+pub mod select;
+pub mod view;
+
+use serde::Serialize;
+
+use config::{Policy, SchedulerConfig};
+pub use disaggregate::Reason;
+use rng::Rng;
+use view::{RouteRequest, WorkerView};
+
+/// One candidate as scored, for explanations and span attributes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Scored {
+    pub worker: String,
+    #[serde(skip)]
+    pub id: view::WorkerId,
+    pub device_blocks: usize,
+    pub host_blocks: usize,
+    pub disk_blocks: usize,
+    pub active_prefill_tokens: u64,
+    pub active_blocks: u64,
+    pub potential_decode_blocks: u64,
+    pub capacity_blocks: u64,
+    pub active_requests: u64,
+    pub cost: f64,
+}
+
+/// A choice among candidates.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Choice {
+    pub worker: String,
+    #[serde(skip)]
+    pub id: view::WorkerId,
+    pub candidates: Vec<Scored>,
+}
+
+impl Choice {
+    /// The chosen candidate's scores.
+    pub fn chosen(&self) -> Option<&Scored> {
+        self.candidates.iter().find(|c| c.id == self.id)
+    }
+
+    /// The best cost among the candidates not chosen.
+    pub fn runner_up_cost(&self) -> Option<f64> {
+        self.candidates.iter().filter(|c| c.id != self.id).map(|c| c.cost).min_by(f64::total_cmp)
+    }
+}
+
+/// What to do with a request.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    pub policy: Policy,
+    /// The prefill worker's choice, also when the rule then prefills on the decode worker (to explain why).
+    pub prefill: Option<Choice>,
+    pub decode: Choice,
+    pub disaggregate: bool,
+    pub reason: Reason,
+    pub request_blocks: u64,
+    pub isl: u64,
+}
+
+/// Why no worker can take the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    #[error("no decode workers are available")]
+    NoDecodeWorkers,
+    #[error("every decode worker is busy")]
+    AllBusy,
+}
+
+impl RouteError {
+    pub fn kind(self) -> &'static str {
+        match self {
+            RouteError::NoDecodeWorkers => "no_decode_workers",
+            RouteError::AllBusy => "all_busy",
+        }
+    }
+}
+
+/// Slow start: a warming worker stays a candidate with probability `ramp`; if that leaves nobody, all stay.
+fn ramped<'a>(workers: Vec<&'a WorkerView>, rng: &mut Rng) -> Vec<&'a WorkerView> {
+    let kept: Vec<&WorkerView> = workers.iter().copied().filter(|w| w.ramp >= 1.0 || rng.unit() < w.ramp).collect();
+    if kept.is_empty() { workers } else { kept }
+}
+
+fn busy(req: &RouteRequest, w: &WorkerView, cfg: &SchedulerConfig) -> bool {
+    cfg.busy_prefill_tokens.is_some_and(|max| w.load.active_prefill_tokens > max)
+        || cfg.busy_kv_fraction.is_some_and(|f| cost::over_kv(req, w, f))
+}
+
+fn scored(w: &WorkerView, potential_decode_blocks: u64, cost: f64) -> Scored {
+    Scored {
+        worker: w.name.clone(),
+        id: w.id,
+        device_blocks: w.overlap.device,
+        host_blocks: w.overlap.host,
+        disk_blocks: w.overlap.disk,
+        active_prefill_tokens: w.load.active_prefill_tokens,
+        active_blocks: w.load.active_blocks,
+        potential_decode_blocks,
+        capacity_blocks: w.load.capacity_blocks,
+        active_requests: w.load.active_requests,
+        cost,
+    }
+}
+
+/// Picks one of `candidates` (their costs already computed) as `policy` says.
+fn pick(policy: Policy, candidates: &[Scored], load: &[f64], req: &RouteRequest, t: f64, rng: &mut Rng) -> usize {
+    match policy {
+        Policy::Kv => select::choose(&candidates.iter().map(|c| c.cost).collect::<Vec<_>>(), t, rng),
+        Policy::LeastLoaded => select::choose(load, 0.0, rng),
+        Policy::PowerOfTwo => select::power_of_two(load, rng),
+        Policy::Random => rng.below(candidates.len()),
+        Policy::RoundRobin => (req.sequence % candidates.len() as u64) as usize,
+    }
+}
+
+fn choice(candidates: Vec<Scored>, at: usize) -> Choice {
+    Choice { worker: candidates[at].worker.clone(), id: candidates[at].id, candidates }
+}
+
+/// Decides where `req` goes.
+pub fn route(
+    req: &RouteRequest,
+    workers: &[WorkerView],
+    cfg: &SchedulerConfig,
+    rng: &mut Rng,
+) -> Result<Decision, RouteError> {
+    let request_blocks = req.request_blocks();
+    // Decode: pure load, never a worker that would run out of KV.
+    let decoders: Vec<&WorkerView> = workers.iter().filter(|w| w.role.decodes()).collect();
+    if decoders.is_empty() {
+        return Err(RouteError::NoDecodeWorkers);
+    }
+    let open: Vec<&WorkerView> =
+        decoders.into_iter().filter(|w| !cost::over_kv(req, w, cfg.decode_kv_limit) && !busy(req, w, cfg)).collect();
+    if open.is_empty() {
+        return Err(RouteError::AllBusy);
+    }
+    let open = ramped(open, rng);
+    let decode_scored: Vec<Scored> =
+        open.iter().map(|w| scored(w, w.load.active_blocks + request_blocks, cost::decode_cost(req, w))).collect();
+    let load: Vec<f64> = decode_scored.iter().map(|c| c.cost).collect();
+    let at = pick(cfg.policy, &decode_scored, &load, req, cfg.temperature, rng);
+    let decode_worker = open[at];
+    let decode = choice(decode_scored, at);
+
+    // Prefill: the cost with overlap credit, among prefill-capable workers that are not busy.
+    let prefillers: Vec<&WorkerView> = workers.iter().filter(|w| w.role.prefills()).collect();
+    let any_prefillers = prefillers.iter().any(|w| w.role == view::WorkerRole::Prefill);
+    let ready: Vec<&WorkerView> = ramped(prefillers.into_iter().filter(|w| !busy(req, w, cfg)).collect(), rng);
+    let prefill = if ready.is_empty() {
+        None
+    } else {
+        let min_active = ready.iter().map(|w| w.load.active_prefill_tokens).min().unwrap_or(0);
+        let prefill_scored: Vec<Scored> = ready
+            .iter()
+            .map(|w| {
+                let c = cost::prefill_cost(req, w, min_active, cfg);
+                scored(w, c.potential_decode_blocks, c.cost)
+            })
+            .collect();
+        let load: Vec<f64> = ready.iter().map(|w| w.load.active_prefill_tokens as f64).collect();
+        let at = pick(cfg.policy, &prefill_scored, &load, req, cfg.temperature, rng);
+        Some(choice(prefill_scored, at))
+    };
+    let (disaggregate, reason) = disaggregate::decide(req, decode_worker, prefill.as_ref(), any_prefillers, cfg);
+    Ok(Decision { policy: cfg.policy, prefill, decode, disaggregate, reason, request_blocks, isl: req.isl })
+}
+
+#[cfg(test)]
+mod tests;

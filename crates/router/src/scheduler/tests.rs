@@ -1,0 +1,186 @@
+//! Table-driven tests of whole decisions.
+
+use super::config::{DisaggregationRule, Policy, SchedulerConfig};
+use super::rng::Rng;
+use super::view::{Load, Overlap, RouteRequest, WorkerId, WorkerRole, WorkerView};
+use super::*;
+
+fn w(id: u32, role: WorkerRole, device: usize, prefill_tokens: u64, active_blocks: u64) -> WorkerView {
+    WorkerView {
+        id: WorkerId(id),
+        name: format!("w{id}"),
+        role,
+        overlap: Overlap { device, host: 0, disk: 0 },
+        load: Load { active_prefill_tokens: prefill_tokens, active_blocks, capacity_blocks: 1000, active_requests: 0 },
+        ramp: 1.0,
+    }
+}
+
+fn req(isl: u64) -> RouteRequest {
+    RouteRequest { isl, block_size: 16, sequence: 0 }
+}
+
+fn decide(r: &RouteRequest, workers: &[WorkerView], cfg: &SchedulerConfig) -> Decision {
+    route(r, workers, cfg, &mut Rng::new(3)).expect("routes")
+}
+
+use WorkerRole::{Both, Decode, Prefill};
+
+#[test]
+fn prefill_goes_where_the_prefix_is_and_decode_where_the_load_is_least() {
+    let workers = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 6, 0, 0), w(2, Decode, 6, 0, 40), w(3, Decode, 0, 0, 10)];
+    let d = decide(&req(160), &workers, &SchedulerConfig::default());
+    let prefill = d.prefill.as_ref().expect("a prefill choice");
+    assert_eq!(prefill.id, WorkerId(1), "{d:?}");
+    assert_eq!(prefill.runner_up_cost(), Some(20.0));
+    assert_eq!(d.decode.id, WorkerId(3), "pure load: overlap on w2 earns it nothing");
+    assert_eq!((d.disaggregate, d.reason), (true, Reason::PrefillRemote));
+    assert_eq!((d.request_blocks, d.isl), (10, 160));
+}
+
+#[test]
+fn equal_candidates_share_the_work() {
+    let workers = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 0, 0, 0), w(2, Decode, 0, 0, 0)];
+    let mut rng = Rng::new(11);
+    let mut counts = [0; 2];
+    for _ in 0..2000 {
+        let d = route(&req(64), &workers, &SchedulerConfig::default(), &mut rng).expect("routes");
+        counts[d.prefill.expect("prefill").id.0 as usize] += 1;
+    }
+    assert!(counts.iter().all(|&c| (800..1200).contains(&c)), "{counts:?}");
+}
+
+/// (name, decode worker's device overlap, its active blocks, best prefill load, rule, disaggregate, reason).
+#[test]
+fn conditional_disaggregation() {
+    use DisaggregationRule::*;
+    let cases = [
+        ("cold prompt", 0, 0, 0, IslBounding, true, Reason::PrefillRemote),
+        ("80% on D, 64 tokens left", 16, 0, 0, IslBounding, false, Reason::CachedOnDecode),
+        ("exactly 70% left is not < 0.7", 6, 0, 0, IslBounding, true, Reason::PrefillRemote),
+        ("mostly cached, but D's KV is 91% full", 16, 910, 0, IslBounding, true, Reason::DecodeTooFull),
+        ("overloaded prefill pool", 0, 0, 4000, PrefillLoad, false, Reason::PrefillOverloaded),
+        ("prefill pool fine", 0, 0, 100, PrefillLoad, true, Reason::PrefillRemote),
+        ("either rule: load", 0, 0, 4000, IslOrLoad, false, Reason::PrefillOverloaded),
+        ("either rule: cache", 16, 0, 0, IslOrLoad, false, Reason::CachedOnDecode),
+        ("always", 16, 0, 0, Always, true, Reason::ConfiguredAlways),
+        ("never", 0, 0, 0, Never, false, Reason::ConfiguredNever),
+    ];
+    for (name, d_overlap, d_blocks, p_tokens, rule, want, reason) in cases {
+        let workers = [w(0, Prefill, 0, p_tokens, 0), w(1, Decode, d_overlap, 0, d_blocks)];
+        let cfg = SchedulerConfig { disaggregation: rule, ..SchedulerConfig::default() };
+        // 320 tokens = 20 blocks.
+        let d = decide(&req(320), &workers, &cfg);
+        assert_eq!((d.disaggregate, d.reason), (want, reason), "{name}");
+    }
+}
+
+#[test]
+fn a_long_prompt_is_disaggregated_even_when_mostly_cached() {
+    // 4096 tokens, 75% on D: 1024 left is under 2048 and under 70%: local. 8192 tokens, 50% cached: 4096 left.
+    let workers = [w(0, Prefill, 0, 0, 0), w(1, Decode, 192, 0, 0)];
+    let mut cfg = SchedulerConfig::default();
+    assert_eq!(decide(&req(4096), &workers, &cfg).reason, Reason::CachedOnDecode);
+    let workers = [w(0, Prefill, 0, 0, 0), w(1, Decode, 256, 0, 0)];
+    assert_eq!(decide(&req(8192), &workers, &cfg).reason, Reason::PrefillRemote);
+    cfg.max_local_prefill_tokens = 8192;
+    assert_eq!(decide(&req(8192), &workers, &cfg).reason, Reason::CachedOnDecode);
+}
+
+#[test]
+fn without_prefill_workers_or_with_all_busy_the_decode_worker_prefills() {
+    let d = decide(&req(64), &[w(1, Decode, 0, 0, 0)], &SchedulerConfig::default());
+    assert_eq!((d.disaggregate, d.reason, d.prefill), (false, Reason::NoPrefillWorkers, None));
+    let cfg = SchedulerConfig { busy_prefill_tokens: Some(1000), ..SchedulerConfig::default() };
+    let d = decide(&req(64), &[w(0, Prefill, 0, 5000, 0), w(1, Decode, 0, 0, 0)], &cfg);
+    assert_eq!((d.disaggregate, d.reason), (false, Reason::PrefillBusy));
+    // A single mixed worker does both.
+    let d = decide(&req(64), &[w(0, Both, 0, 0, 0)], &SchedulerConfig::default());
+    assert_eq!((d.disaggregate, d.reason), (false, Reason::NoPrefillWorkers));
+    let d = decide(&req(64), &[w(0, Both, 0, 0, 0), w(1, Prefill, 0, 99_999, 0)], &SchedulerConfig::default());
+    assert_eq!((d.disaggregate, d.reason), (false, Reason::SameWorker));
+}
+
+#[test]
+fn decode_workers_near_exhaustion_are_never_chosen() {
+    let workers = [w(0, Decode, 0, 0, 949), w(1, Decode, 0, 0, 500)];
+    for seed in 0..50 {
+        let d = route(&req(32), &workers, &SchedulerConfig::default(), &mut Rng::new(seed)).expect("routes");
+        assert_eq!(d.decode.id, WorkerId(1));
+    }
+    assert_eq!(route(&req(32), &workers[..1], &SchedulerConfig::default(), &mut Rng::new(0)), Err(RouteError::AllBusy));
+    assert_eq!(
+        route(&req(32), &[w(0, Prefill, 0, 0, 0)], &SchedulerConfig::default(), &mut Rng::new(0)),
+        Err(RouteError::NoDecodeWorkers)
+    );
+}
+
+#[test]
+fn comparison_policies() {
+    let workers = [w(0, Decode, 0, 0, 300), w(1, Decode, 0, 0, 100), w(2, Decode, 0, 0, 200)];
+    let rr = SchedulerConfig { policy: Policy::RoundRobin, ..SchedulerConfig::default() };
+    let picks: Vec<u32> = (0..6)
+        .map(|s| {
+            route(&RouteRequest { sequence: s, ..req(16) }, &workers, &rr, &mut Rng::new(0)).expect("ok").decode.id.0
+        })
+        .collect();
+    assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+    let ll = SchedulerConfig { policy: Policy::LeastLoaded, ..SchedulerConfig::default() };
+    assert_eq!(decide(&req(16), &workers, &ll).decode.id, WorkerId(1));
+    let p2 = SchedulerConfig { policy: Policy::PowerOfTwo, ..SchedulerConfig::default() };
+    let mut rng = Rng::new(5);
+    for _ in 0..200 {
+        assert_ne!(route(&req(16), &workers, &p2, &mut rng).expect("ok").decode.id, WorkerId(0));
+    }
+    let random = SchedulerConfig { policy: Policy::Random, ..SchedulerConfig::default() };
+    let mut seen = [false; 3];
+    let mut rng = Rng::new(9);
+    for _ in 0..100 {
+        seen[route(&req(16), &workers, &random, &mut rng).expect("ok").decode.id.0 as usize] = true;
+    }
+    assert_eq!(seen, [true; 3]);
+}
+
+#[test]
+fn a_warming_worker_gets_its_ramped_share() {
+    let mut fresh = w(1, Decode, 0, 0, 0);
+    fresh.ramp = 0.25;
+    let workers = [w(0, Decode, 0, 0, 50), fresh];
+    let mut rng = Rng::new(2);
+    let n = 4000;
+    let to_fresh = (0..n)
+        .filter(|_| {
+            route(&req(16), &workers, &SchedulerConfig::default(), &mut rng).expect("ok").decode.id == WorkerId(1)
+        })
+        .count();
+    // Without slow start the idle newcomer would take every request.
+    assert!((800..1200).contains(&to_fresh), "{to_fresh}");
+}
+
+#[test]
+fn the_explanation_serializes_as_the_debug_api_promises() {
+    let workers = [w(0, Prefill, 2, 0, 0), w(1, Decode, 0, 0, 0)];
+    let d = decide(&req(64), &workers, &SchedulerConfig::default());
+    let v = serde_json::to_value(&d).expect("json");
+    assert_eq!(v["policy"], "kv");
+    assert_eq!(v["prefill"]["worker"], "w0");
+    let c = &v["prefill"]["candidates"][0];
+    for key in [
+        "worker",
+        "device_blocks",
+        "host_blocks",
+        "disk_blocks",
+        "active_prefill_tokens",
+        "active_blocks",
+        "potential_decode_blocks",
+        "capacity_blocks",
+        "active_requests",
+        "cost",
+    ] {
+        assert!(!c[key].is_null(), "{key} missing from {c}");
+    }
+    assert_eq!(v["decode"]["worker"], "w1");
+    assert_eq!(v["disaggregate"], true);
+    assert_eq!(v["reason"], "prefill_remote");
+    assert_eq!((v["request_blocks"].as_u64(), v["isl"].as_u64()), (Some(4), Some(64)));
+}

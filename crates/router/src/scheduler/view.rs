@@ -1,0 +1,74 @@
+//! What the scheduler sees: each worker's overlap with the request and its load, as plain numbers.
+
+use serde::Serialize;
+
+/// A worker, as the router numbers them (stable while the worker stays registered).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct WorkerId(pub u32);
+
+/// What a worker can do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerRole {
+    Prefill,
+    Decode,
+    /// Prefills and decodes.
+    Both,
+}
+
+impl WorkerRole {
+    pub fn prefills(self) -> bool {
+        matches!(self, WorkerRole::Prefill | WorkerRole::Both)
+    }
+
+    pub fn decodes(self) -> bool {
+        matches!(self, WorkerRole::Decode | WorkerRole::Both)
+    }
+}
+
+/// Leading blocks of the request a worker holds, per tier (`routing.md`, "Overlap").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Overlap {
+    pub device: usize,
+    pub host: usize,
+    pub disk: usize,
+}
+
+/// A worker's load as the router believes it now (reports reconciled with what the router sent since).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Load {
+    pub active_prefill_tokens: u64,
+    /// Device KV blocks in use by running sequences.
+    pub active_blocks: u64,
+    pub capacity_blocks: u64,
+    pub active_requests: u64,
+}
+
+/// One worker as a scheduling candidate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerView {
+    pub id: WorkerId,
+    pub name: String,
+    pub role: WorkerRole,
+    pub overlap: Overlap,
+    pub load: Load,
+    /// Slow start: the share of requests a new worker may take, from near 0 up to 1 (fully warmed up).
+    pub ramp: f64,
+}
+
+/// The request, reduced to what routing needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouteRequest {
+    /// Input sequence length (prompt tokens).
+    pub isl: u64,
+    pub block_size: u64,
+    /// The router's request counter (round robin's position).
+    pub sequence: u64,
+}
+
+impl RouteRequest {
+    /// `ceil(isl / block_size)`.
+    pub fn request_blocks(&self) -> u64 {
+        self.isl.div_ceil(self.block_size.max(1))
+    }
+}
