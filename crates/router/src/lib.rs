@@ -2,4 +2,6 @@
 
 #![forbid(unsafe_code)]
 
+pub mod indexer;
+pub mod load;
 pub mod scheduler;
