@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cluster;
 pub mod indexer;
 pub mod load;
 pub mod scheduler;

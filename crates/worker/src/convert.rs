@@ -4,8 +4,8 @@
 use engine::generate::FinishReason;
 use engine::kv::KvLayout;
 use engine::sampling::{RawSampling, SamplingParams};
-use kv_cache::SeqHash;
-use kv_cache::events::{KvEvent, Snapshot, Tier};
+use kv_cache::{LocalHash, SeqHash};
+use kv_cache::events::{BlockMeta, EventId, KvEvent, Snapshot, Tier};
 use kv_transfer::descriptor::{BlockDescriptor, KvDtype, KvHandle, KvLayoutDesc, KvOrder, RegionKey};
 use kv_transfer::lease::LeaseId;
 use proto::worker as pb;
@@ -191,4 +191,44 @@ pub fn finish_to_pb(f: FinishReason) -> pb::FinishReason {
         FinishReason::Length => pb::FinishReason::Length,
         FinishReason::Cancelled => pb::FinishReason::Cancelled,
     }
+}
+
+pub fn tier_from_pb(t: i32) -> Result<Tier, ProtoError> {
+    match pb::Tier::try_from(t) {
+        Ok(pb::Tier::Device) => Ok(Tier::Device),
+        Ok(pb::Tier::Host) => Ok(Tier::Host),
+        Ok(pb::Tier::Disk) => Ok(Tier::Disk),
+        _ => Err(ProtoError::Invalid { field: "tier", why: format!("{t} is not a tier") }),
+    }
+}
+
+/// A KV event with its id, in domain terms.
+pub fn event_from_pb(e: &pb::KvEvent) -> Result<(EventId, KvEvent), ProtoError> {
+    use pb::kv_event::Kind;
+    let event = match e.kind.as_ref().ok_or(ProtoError::Missing("kv_event.kind"))? {
+        Kind::Stored(s) => KvEvent::Stored {
+            tier: tier_from_pb(s.tier)?,
+            parent: s.parent.map(SeqHash),
+            blocks: s.blocks.iter().map(|b| (SeqHash(b.seq_hash), LocalHash(b.local_hash))).collect(),
+        },
+        Kind::Removed(r) => {
+            KvEvent::Removed { tier: tier_from_pb(r.tier)?, seqs: r.seq_hashes.iter().map(|&s| SeqHash(s)).collect() }
+        }
+        Kind::Cleared(c) => KvEvent::Cleared {
+            tier: if c.tier == pb::Tier::Unspecified as i32 { None } else { Some(tier_from_pb(c.tier)?) },
+        },
+    };
+    Ok((EventId(e.id), event))
+}
+
+pub fn snapshot_from_pb(s: &pb::Snapshot) -> Result<Snapshot, ProtoError> {
+    let mut tiers: [Vec<BlockMeta>; 3] = Default::default();
+    for t in &s.tiers {
+        tiers[tier_from_pb(t.tier)?.index()] = t
+            .blocks
+            .iter()
+            .map(|b| BlockMeta { seq: SeqHash(b.seq_hash), local: LocalHash(b.local_hash), parent: b.parent.map(SeqHash) })
+            .collect();
+    }
+    Ok(Snapshot { as_of: s.as_of.map(EventId), tiers })
 }

@@ -6,8 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use engine::generate::EngineConfig;
-use kv_cache::events::{BlockMeta, EventId, KvEvent, Snapshot, Tier, TierView};
-use kv_cache::{LocalHash, SeqHash};
+use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TierView};
 use kv_transfer::tls::DevCa;
 use proto::worker as pb;
 use proto::worker::worker_client::WorkerClient;
@@ -33,43 +32,13 @@ async fn start(ca: &DevCa, replay: usize, lease_ttl: Duration) -> RunningWorker 
     .expect("starts")
 }
 
-fn tier(t: i32) -> Tier {
-    match pb::Tier::try_from(t) {
-        Ok(pb::Tier::Host) => Tier::Host,
-        Ok(pb::Tier::Disk) => Tier::Disk,
-        _ => Tier::Device,
-    }
-}
-
-/// The protobuf event back in domain terms (the router's indexer does the same at its edge).
+/// The protobuf event back in domain terms, as the router's indexer reads it.
 fn event(e: &pb::KvEvent) -> KvEvent {
-    match e.kind.as_ref().expect("a kind") {
-        pb::kv_event::Kind::Stored(s) => KvEvent::Stored {
-            tier: tier(s.tier),
-            parent: s.parent.map(SeqHash),
-            blocks: s.blocks.iter().map(|b| (SeqHash(b.seq_hash), LocalHash(b.local_hash))).collect(),
-        },
-        pb::kv_event::Kind::Removed(r) => {
-            KvEvent::Removed { tier: tier(r.tier), seqs: r.seq_hashes.iter().map(|&s| SeqHash(s)).collect() }
-        }
-        pb::kv_event::Kind::Cleared(c) => KvEvent::Cleared { tier: Some(tier(c.tier)) },
-    }
+    worker::convert::event_from_pb(e).expect("a valid event").1
 }
 
 fn snapshot(s: &pb::Snapshot) -> Snapshot {
-    let mut tiers: [Vec<BlockMeta>; 3] = Default::default();
-    for t in &s.tiers {
-        tiers[tier(t.tier).index()] = t
-            .blocks
-            .iter()
-            .map(|b| BlockMeta {
-                seq: SeqHash(b.seq_hash),
-                local: LocalHash(b.local_hash),
-                parent: b.parent.map(SeqHash),
-            })
-            .collect();
-    }
-    Snapshot { as_of: s.as_of.map(EventId), tiers }
+    worker::convert::snapshot_from_pb(s).expect("a valid snapshot")
 }
 
 async fn run(c: &mut WorkerClient<Channel>, seed: u32, len: usize) {

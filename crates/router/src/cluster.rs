@@ -1,0 +1,298 @@
+//! The router's picture of the cluster: members, the prefix index and the load tracker, kept current by one
+//! follower task per worker (its `SubscribeKvEvents` and `WatchLoad` streams). The state sits behind one lock
+//! with short critical sections; the pure parts (`PrefixIndex`, `LoadTracker`, the scheduler) do the work.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kv_cache::SeqHash;
+use kv_transfer::tls::Identity;
+use proto::worker as pb;
+use proto::worker::worker_client::WorkerClient;
+use tokio::sync::watch;
+use tonic::transport::Channel;
+
+use crate::indexer::{ApplyError, IndexStats, PrefixIndex};
+use crate::load::{LoadTracker, Report};
+use crate::scheduler::view::{WorkerId, WorkerRole, WorkerView};
+
+/// How long a follower waits before reconnecting to a worker that went away.
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
+/// Load report period asked of workers (`routing.md`: reports every ~100 ms).
+const LOAD_PERIOD_MS: u32 = 100;
+
+/// What every worker must share with the router.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelIdentity {
+    pub model_id: String,
+    pub fingerprint: String,
+    pub block_size: u32,
+}
+
+/// A worker the router knows.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub role: WorkerRole,
+    pub capacity_blocks: u64,
+    pub instance: String,
+    pub client: WorkerClient<Channel>,
+    /// When it last joined (slow start counts from here).
+    pub joined: Instant,
+    /// Streams are flowing; only up members are routed to.
+    pub up: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    members: BTreeMap<WorkerId, Member>,
+    index: PrefixIndex,
+    load: LoadTracker,
+}
+
+/// The cluster as the router sees it.
+#[derive(Debug)]
+pub struct Cluster {
+    model: ModelIdentity,
+    identity: Identity,
+    state: Mutex<State>,
+    next_id: AtomicU32,
+    stop: watch::Receiver<bool>,
+}
+
+/// Why a worker was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error(transparent)]
+    Connect(#[from] worker::grpc_tls::ConnectError),
+    #[error("worker {0}: Info failed: {1}")]
+    Info(SocketAddr, tonic::Status),
+    #[error("worker {addr} serves another model: {what}")]
+    Mismatch { addr: SocketAddr, what: String },
+}
+
+fn role(r: i32) -> WorkerRole {
+    match pb::Role::try_from(r) {
+        Ok(pb::Role::Prefill) => WorkerRole::Prefill,
+        Ok(pb::Role::Decode) => WorkerRole::Decode,
+        _ => WorkerRole::Both,
+    }
+}
+
+impl Cluster {
+    pub fn new(model: ModelIdentity, identity: Identity, stop: watch::Receiver<bool>) -> Arc<Cluster> {
+        Arc::new(Cluster { model, identity, state: Mutex::default(), next_id: AtomicU32::new(0), stop })
+    }
+
+    pub fn model(&self) -> &ModelIdentity {
+        &self.model
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the pure structures half-updated in a way that matters
+        // more than stopping routing would; carry on with what is there.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts following the worker at `addr`: joins it when it answers, and again whenever it comes back.
+    pub fn follow(self: &Arc<Cluster>, addr: SocketAddr) -> WorkerId {
+        let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let cluster = Arc::clone(self);
+        tokio::spawn(async move { cluster.run_follower(id, addr).await });
+        id
+    }
+
+    async fn run_follower(self: Arc<Cluster>, id: WorkerId, addr: SocketAddr) {
+        let mut stop = self.stop.clone();
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            match self.join(id, addr).await {
+                Ok(client) => {
+                    tokio::select! {
+                        _ = self.stream_events(id, client.clone()) => {}
+                        _ = self.stream_load(id, client) => {}
+                        _ = stop.wait_for(|&s| s) => return,
+                    }
+                    tracing::warn!(worker = %addr, "worker streams ended; dropping its blocks from the index");
+                    self.leave(id);
+                }
+                Err(e) => tracing::debug!(worker = %addr, error = %e, "worker not joined"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(RECONNECT_BACKOFF) => {}
+                _ = stop.wait_for(|&s| s) => return,
+            }
+        }
+    }
+
+    /// Connects, checks the model, and (re)registers the worker.
+    async fn join(&self, id: WorkerId, addr: SocketAddr) -> Result<WorkerClient<Channel>, JoinError> {
+        let mut client = worker::grpc_tls::connect(addr, &self.identity).await?;
+        let info = client.info(pb::InfoRequest {}).await.map_err(|s| JoinError::Info(addr, s))?.into_inner();
+        let mismatch = |what: String| JoinError::Mismatch { addr, what };
+        if info.model_fingerprint != self.model.fingerprint {
+            return Err(mismatch(format!(
+                "model fingerprint {} (the router's is {})",
+                info.model_fingerprint, self.model.fingerprint
+            )));
+        }
+        if info.block_size != self.model.block_size {
+            return Err(mismatch(format!("block size {} (the router's is {})", info.block_size, self.model.block_size)));
+        }
+        let capacity = info
+            .tiers
+            .iter()
+            .find(|t| t.tier == pb::Tier::Device as i32)
+            .map_or(0, |t| t.blocks);
+        let mut s = self.lock();
+        let restarted = s.members.get(&id).is_some_and(|m| m.instance != info.instance_id);
+        if restarted {
+            s.index.remove_worker(id);
+            s.load.forget(id);
+        }
+        s.members.insert(
+            id,
+            Member {
+                name: addr.to_string(),
+                addr,
+                role: role(info.role),
+                capacity_blocks: capacity,
+                instance: info.instance_id,
+                client: client.clone(),
+                joined: Instant::now(),
+                up: false,
+            },
+        );
+        tracing::info!(worker = %addr, role = ?role(info.role), "worker joined");
+        Ok(client)
+    }
+
+    fn leave(&self, id: WorkerId) {
+        let mut s = self.lock();
+        if let Some(m) = s.members.get_mut(&id) {
+            m.up = false;
+        }
+        s.index.remove_worker(id);
+        s.load.forget(id);
+    }
+
+    /// Follows the worker's KV events until the stream ends; resubscribes after a gap.
+    async fn stream_events(&self, id: WorkerId, mut client: WorkerClient<Channel>) {
+        loop {
+            let after = self.lock().index.last_event(id).map(|e| e.0);
+            let Ok(resp) = client.subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: after }).await
+            else {
+                return;
+            };
+            let mut stream = resp.into_inner();
+            let mut gap = false;
+            while let Ok(Some(batch)) = stream.message().await {
+                match batch.body {
+                    Some(pb::kv_event_batch::Body::Snapshot(snap)) => {
+                        let Ok(snap) = worker::convert::snapshot_from_pb(&snap) else { return };
+                        let mut s = self.lock();
+                        s.index.replace(id, &snap);
+                        if let Some(m) = s.members.get_mut(&id) {
+                            m.up = true;
+                        }
+                    }
+                    Some(pb::kv_event_batch::Body::Events(events)) => {
+                        let mut s = self.lock();
+                        if let Some(m) = s.members.get_mut(&id) {
+                            m.up = true;
+                        }
+                        for e in &events.events {
+                            let Ok((eid, event)) = worker::convert::event_from_pb(e) else { return };
+                            match s.index.apply(id, eid, &event) {
+                                Ok(()) => {}
+                                Err(ApplyError::Gap { .. }) => {
+                                    gap = true;
+                                    break;
+                                }
+                                Err(ApplyError::UnknownWorker) => return,
+                            }
+                        }
+                    }
+                    None => {}
+                }
+                if gap {
+                    break;
+                }
+            }
+            if !gap {
+                return;
+            }
+        }
+    }
+
+    async fn stream_load(&self, id: WorkerId, mut client: WorkerClient<Channel>) {
+        let Ok(resp) = client.watch_load(pb::WatchLoadRequest { interval_ms: LOAD_PERIOD_MS }).await else { return };
+        let mut stream = resp.into_inner();
+        while let Ok(Some(r)) = stream.message().await {
+            let device = r.usage.iter().find(|u| u.tier == pb::Tier::Device as i32);
+            let report = Report {
+                running: u64::from(r.running),
+                waiting: u64::from(r.waiting),
+                active_prefill_tokens: r.active_prefill_tokens,
+                device_used: device.map_or(0, |u| u.used),
+                device_total: device.map_or(0, |u| u.total),
+            };
+            self.lock().load.report(id, report, Instant::now());
+        }
+    }
+
+    /// Every routable worker as a scheduling candidate for a request with chained hashes `hashes`.
+    pub fn view(&self, hashes: &[SeqHash], slow_start: Duration, now: Instant) -> Vec<WorkerView> {
+        let s = self.lock();
+        let overlap = s.index.overlap(hashes);
+        s.members
+            .iter()
+            .filter(|(_, m)| m.up)
+            .map(|(&id, m)| {
+                let age = now.saturating_duration_since(m.joined);
+                let ramp = if slow_start.is_zero() { 1.0 } else { (age.as_secs_f64() / slow_start.as_secs_f64()).clamp(0.05, 1.0) };
+                WorkerView {
+                    id,
+                    name: m.name.clone(),
+                    role: m.role,
+                    overlap: overlap.get(&id).copied().unwrap_or_default(),
+                    load: s.load.load(id, m.capacity_blocks),
+                    ramp,
+                }
+            })
+            .collect()
+    }
+
+    pub fn member(&self, id: WorkerId) -> Option<Member> {
+        self.lock().members.get(&id).cloned()
+    }
+
+    /// Members that are up.
+    pub fn up_members(&self) -> Vec<(WorkerId, Member)> {
+        self.lock().members.iter().filter(|(_, m)| m.up).map(|(id, m)| (*id, m.clone())).collect()
+    }
+
+    pub fn index_stats(&self) -> (usize, IndexStats) {
+        let s = self.lock();
+        (s.index.len(), s.index.stats())
+    }
+
+    /// Own-sent accounting (see [`LoadTracker`]).
+    pub fn sent(&self, worker: WorkerId, request: u64, prefill_tokens: u64, blocks: u64) {
+        self.lock().load.sent(worker, request, prefill_tokens, blocks, Instant::now());
+    }
+
+    pub fn first_token(&self, worker: WorkerId, request: u64) {
+        self.lock().load.first_token(worker, request);
+    }
+
+    pub fn done(&self, worker: WorkerId, request: u64) {
+        self.lock().load.done(worker, request);
+    }
+}
