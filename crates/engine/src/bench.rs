@@ -129,7 +129,11 @@ pub fn concurrency(
     let raw = RawSampling { max_tokens: decode_tokens as u32, ignore_eos: true, ..RawSampling::default() };
     let sampling = SamplingParams::new(raw).map_err(|e| crate::generate::EngineError::Config(e.to_string()))?;
     let requests: Vec<Request> = (0..sequences)
-        .map(|s| Request { prompt: prompt(prompt_tokens, 1000 + s, vocab), sampling: sampling.clone() })
+        .map(|s| Request {
+            namespace: None,
+            prompt: prompt(prompt_tokens, 1000 + s, vocab),
+            sampling: sampling.clone(),
+        })
         .collect();
     let mut first: Vec<Option<Instant>> = vec![None; sequences];
     let mut stamps: Vec<Instant> = Vec::with_capacity(sequences * decode_tokens);

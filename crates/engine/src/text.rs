@@ -26,6 +26,7 @@ pub struct TextModel {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     fingerprint: String,
+    context_len: Option<usize>,
 }
 
 impl TextModel {
@@ -44,7 +45,10 @@ impl TextModel {
                 Some(ChatTemplate::new(src, &bos, &eos)?)
             }
         };
-        Ok(TextModel { tokenizer, template, fingerprint: file.fingerprint() })
+        let meta = file.metadata();
+        let arch = meta.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("llama");
+        let context_len = meta.get(&format!("{arch}.context_length")).and_then(|v| v.as_u64()).map(|n| n as usize);
+        Ok(TextModel { tokenizer, template, fingerprint: file.fingerprint(), context_len })
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -54,6 +58,11 @@ impl TextModel {
     /// The model file's content fingerprint: KV is exchanged only between holders of equal ones.
     pub fn fingerprint(&self) -> &str {
         &self.fingerprint
+    }
+
+    /// The context length the model was trained for, when the file states it.
+    pub fn context_len(&self) -> Option<usize> {
+        self.context_len
     }
 
     /// The prompt text for a conversation, with the assistant's generation prompt.

@@ -16,7 +16,11 @@ fn engine() -> Engine {
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request { prompt, sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")) }
+    Request {
+        namespace: None,
+        prompt,
+        sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")),
+    }
 }
 
 async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
@@ -73,7 +77,7 @@ async fn prefill_here_decode_there_gives_the_same_tokens() {
         .filter(|(_, b)| b.meta.is_some())
         .map(|(i, b)| (i, bytes::Bytes::from(b.bytes.clone())))
         .collect();
-    assert_eq!(d.import(prompt.clone(), full.clone()).await.expect("imports"), 4);
+    assert_eq!(d.import(prompt.clone(), None, full.clone()).await.expect("imports"), 4);
     assert_eq!(d.lookup(hashes).await.expect("lookup").device, 4);
     let before = d.stats().await.expect("stats").counters;
     let rest = decode(&d, [prompt.clone(), vec![first]].concat(), 11).await;
@@ -84,8 +88,8 @@ async fn prefill_here_decode_there_gives_the_same_tokens() {
     assert_eq!(after.prefill_tokens - before.prefill_tokens, (71 - 64) + 10);
 
     // Importing what it already holds stores nothing; a block of the wrong size is refused.
-    assert_eq!(d.import(prompt.clone(), full).await.expect("imports"), 0);
-    assert!(d.import(prompt.clone(), vec![(0, bytes::Bytes::from_static(b"short"))]).await.is_err());
+    assert_eq!(d.import(prompt.clone(), None, full).await.expect("imports"), 0);
+    assert!(d.import(prompt.clone(), None, vec![(0, bytes::Bytes::from_static(b"short"))]).await.is_err());
     p.shutdown(true).await;
     d.shutdown(true).await;
 }

@@ -15,7 +15,11 @@ fn engine() -> Engine {
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request { prompt, sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")) }
+    Request {
+        namespace: None,
+        prompt,
+        sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")),
+    }
 }
 
 /// Reads a stream to its end: the tokens, the streamed text, and the last message.

@@ -17,7 +17,11 @@ fn engine(config: EngineConfig) -> Engine {
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request { prompt, sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")) }
+    Request {
+        namespace: None,
+        prompt,
+        sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")),
+    }
 }
 
 fn run(e: &mut Engine, requests: &[Request]) -> Vec<Vec<u32>> {

@@ -143,13 +143,12 @@ impl Cluster {
             )));
         }
         if info.block_size != self.model.block_size {
-            return Err(mismatch(format!("block size {} (the router's is {})", info.block_size, self.model.block_size)));
+            return Err(mismatch(format!(
+                "block size {} (the router's is {})",
+                info.block_size, self.model.block_size
+            )));
         }
-        let capacity = info
-            .tiers
-            .iter()
-            .find(|t| t.tier == pb::Tier::Device as i32)
-            .map_or(0, |t| t.blocks);
+        let capacity = info.tiers.iter().find(|t| t.tier == pb::Tier::Device as i32).map_or(0, |t| t.blocks);
         let mut s = self.lock();
         let restarted = s.members.get(&id).is_some_and(|m| m.instance != info.instance_id);
         if restarted {
@@ -256,7 +255,11 @@ impl Cluster {
             .filter(|(_, m)| m.up)
             .map(|(&id, m)| {
                 let age = now.saturating_duration_since(m.joined);
-                let ramp = if slow_start.is_zero() { 1.0 } else { (age.as_secs_f64() / slow_start.as_secs_f64()).clamp(0.05, 1.0) };
+                let ramp = if slow_start.is_zero() {
+                    1.0
+                } else {
+                    (age.as_secs_f64() / slow_start.as_secs_f64()).clamp(0.05, 1.0)
+                };
                 WorkerView {
                     id,
                     name: m.name.clone(),
@@ -286,6 +289,11 @@ impl Cluster {
     /// Own-sent accounting (see [`LoadTracker`]).
     pub fn sent(&self, worker: WorkerId, request: u64, prefill_tokens: u64, blocks: u64) {
         self.lock().load.sent(worker, request, prefill_tokens, blocks, Instant::now());
+    }
+
+    /// Requests the router has sent `worker` that have not finished.
+    pub fn in_flight(&self, worker: WorkerId) -> u64 {
+        self.lock().load.own_requests(worker)
     }
 
     pub fn first_token(&self, worker: WorkerId, request: u64) {

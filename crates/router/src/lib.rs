@@ -3,6 +3,11 @@
 #![forbid(unsafe_code)]
 
 pub mod cluster;
+pub mod http;
 pub mod indexer;
 pub mod load;
+pub mod metrics;
+pub mod run;
 pub mod scheduler;
+pub mod serve;
+pub mod state;

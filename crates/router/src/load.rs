@@ -70,6 +70,11 @@ impl LoadTracker {
         }
     }
 
+    /// Requests sent to `worker` and not yet done.
+    pub fn own_requests(&self, worker: WorkerId) -> u64 {
+        self.workers.get(&worker).map_or(0, |t| t.sent.len() as u64)
+    }
+
     pub fn forget(&mut self, worker: WorkerId) {
         self.workers.remove(&worker);
     }

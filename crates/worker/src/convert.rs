@@ -4,8 +4,8 @@
 use engine::generate::FinishReason;
 use engine::kv::KvLayout;
 use engine::sampling::{RawSampling, SamplingParams};
-use kv_cache::{LocalHash, SeqHash};
 use kv_cache::events::{BlockMeta, EventId, KvEvent, Snapshot, Tier};
+use kv_cache::{LocalHash, SeqHash};
 use kv_transfer::descriptor::{BlockDescriptor, KvDtype, KvHandle, KvLayoutDesc, KvOrder, RegionKey};
 use kv_transfer::lease::LeaseId;
 use proto::worker as pb;
@@ -227,7 +227,11 @@ pub fn snapshot_from_pb(s: &pb::Snapshot) -> Result<Snapshot, ProtoError> {
         tiers[tier_from_pb(t.tier)?.index()] = t
             .blocks
             .iter()
-            .map(|b| BlockMeta { seq: SeqHash(b.seq_hash), local: LocalHash(b.local_hash), parent: b.parent.map(SeqHash) })
+            .map(|b| BlockMeta {
+                seq: SeqHash(b.seq_hash),
+                local: LocalHash(b.local_hash),
+                parent: b.parent.map(SeqHash),
+            })
             .collect();
     }
     Ok(Snapshot { as_of: s.as_of.map(EventId), tiers })

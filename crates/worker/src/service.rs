@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use engine::generate::{EngineHandle, EngineStats, Request, SeqEvent, SubmitError};
 use kv_cache::events::EventId;
-use kv_cache::{BlockSize, block_hashes};
+use kv_cache::{BlockSize, CacheNamespace, block_hashes};
 use kv_transfer::checksum;
 use kv_transfer::descriptor::{BlockDescriptor, KvHandle, KvLayoutDesc, RegionKey};
 use kv_transfer::frame::ErrorCode;
@@ -160,7 +160,13 @@ impl WorkerService {
         skip_all,
         fields(transport = tracing::field::Empty, blocks = 0u64, bytes = 0u64, throughput_bytes_per_s = tracing::field::Empty)
     )]
-    async fn pull_missing(&self, tokens: &[u32], handle: KvHandle, traceparent: Option<String>) -> Result<(), Status> {
+    async fn pull_missing(
+        &self,
+        tokens: &[u32],
+        namespace: Option<&CacheNamespace>,
+        handle: KvHandle,
+        traceparent: Option<String>,
+    ) -> Result<(), Status> {
         handle
             .check_compatible(&self.info.model_fingerprint, &self.layout)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -174,7 +180,7 @@ impl WorkerService {
         let bt = self.layout.block_tokens as usize;
         let full = covered / bt;
         let prompt = &tokens[..full * bt];
-        let hashes = block_hashes(prompt, self.block_size(), None).seq;
+        let hashes = block_hashes(prompt, self.block_size(), namespace).seq;
         if hashes.iter().zip(&handle.blocks).any(|(h, d)| d.seq_hash != Some(*h)) {
             return Err(Status::invalid_argument("the handle's blocks are not this prompt's"));
         }
@@ -220,7 +226,7 @@ impl WorkerService {
         span.record("bytes", bytes);
         span.record("throughput_bytes_per_s", (bytes as f64 / took.as_secs_f64().max(1e-9)) as u64);
         let blocks: Vec<(usize, Bytes)> = pulled.into_iter().map(|(i, b)| (i as usize, b)).collect();
-        self.engine.import(prompt.to_vec(), blocks).await.map_err(submit_status)?;
+        self.engine.import(prompt.to_vec(), namespace.cloned(), blocks).await.map_err(submit_status)?;
         self.release_lease(addr, &server_name, handle.lease).await;
         Ok(())
     }
@@ -231,8 +237,15 @@ impl WorkerService {
         arrived: Instant,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let sampling = convert::sampling(r.sampling, Some(1))?;
-        let mut stream =
-            self.engine.submit_exporting(Request { prompt: r.tokens, sampling }).await.map_err(submit_status)?;
+        let mut stream = self
+            .engine
+            .submit_exporting(Request {
+                namespace: r.cache_namespace.map(CacheNamespace::new),
+                prompt: r.tokens,
+                sampling,
+            })
+            .await
+            .map_err(submit_status)?;
         let (mut first, mut kv, mut done) = (None, None, None);
         while let Some(ev) = stream.next().await {
             match ev {
@@ -303,11 +316,13 @@ impl WorkerService {
         arrived: Instant,
     ) -> Result<Response<Streamed<pb::GenerateResponse>>, Status> {
         let sampling = convert::sampling(r.sampling, None)?;
+        let namespace = r.cache_namespace.map(CacheNamespace::new);
         if let Some(h) = r.handle {
-            self.pull_missing(&r.tokens, convert::handle_from_pb(h)?, traceparent).await?;
+            self.pull_missing(&r.tokens, namespace.as_ref(), convert::handle_from_pb(h)?, traceparent).await?;
         }
         let capacity = sampling.max_tokens() as usize + 2;
-        let mut stream = self.engine.submit(Request { prompt: r.tokens, sampling }).await.map_err(submit_status)?;
+        let mut stream =
+            self.engine.submit(Request { namespace, prompt: r.tokens, sampling }).await.map_err(submit_status)?;
         let (cancel_tx, mut cancel_rx) = oneshot::channel();
         if !r.request_id.is_empty()
             && let Ok(mut c) = self.cancels.lock()

@@ -97,8 +97,11 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     let text = "Disaggregated serving runs the prompt on one machine and the answer on another. In one sentence, why";
     let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
     prompt.truncate(70);
-    let greedy =
-        |p: Vec<u32>, n| Request { prompt: p, sampling: SamplingParams::greedy(NonZeroU32::new(n).expect("n")) };
+    let greedy = |p: Vec<u32>, n| Request {
+        namespace: None,
+        prompt: p,
+        sampling: SamplingParams::greedy(NonZeroU32::new(n).expect("n")),
+    };
     let want =
         single.run(&[greedy(prompt.clone(), 10)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
 
@@ -267,7 +270,11 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
     let Pair { p, d, mut pc, mut dc } = pair(Some(shm.clone())).await;
     let prompt: Vec<u32> = (0..70).map(|i| 500 + i * 11).collect();
     let mut single = Engine::open(&model(), EngineConfig::default()).expect("engine");
-    let greedy = Request { prompt: prompt.clone(), sampling: SamplingParams::greedy(NonZeroU32::new(6).expect("n")) };
+    let greedy = Request {
+        namespace: None,
+        prompt: prompt.clone(),
+        sampling: SamplingParams::greedy(NonZeroU32::new(6).expect("n")),
+    };
     let want = single.run(&[greedy], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
     let pre = pc
         .prefill(pb::PrefillRequest {

@@ -7,9 +7,9 @@
 use std::time::Instant;
 
 use bytes::Bytes;
-use kv_cache::SeqHash;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{PrefixMatch, TierUsage};
+use kv_cache::{CacheNamespace, SeqHash};
 use tokio::sync::{mpsc, oneshot};
 
 use super::sequence::Seq;
@@ -68,13 +68,30 @@ impl SeqStream {
 }
 
 enum Command {
-    Submit { request: Request, export: bool, reply: oneshot::Sender<Result<SeqStream, EngineError>> },
-    Lookup { hashes: Vec<SeqHash>, reply: oneshot::Sender<PrefixMatch> },
+    Submit {
+        request: Request,
+        export: bool,
+        reply: oneshot::Sender<Result<SeqStream, EngineError>>,
+    },
+    Lookup {
+        hashes: Vec<SeqHash>,
+        reply: oneshot::Sender<PrefixMatch>,
+    },
     Snapshot(oneshot::Sender<Snapshot>),
-    EventsAfter { after: Option<EventId>, reply: oneshot::Sender<Result<Vec<(EventId, KvEvent)>, TooOld>> },
-    Import { tokens: Vec<u32>, blocks: Vec<(usize, Bytes)>, reply: oneshot::Sender<Result<usize, EngineError>> },
+    EventsAfter {
+        after: Option<EventId>,
+        reply: oneshot::Sender<Result<Vec<(EventId, KvEvent)>, TooOld>>,
+    },
+    Import {
+        tokens: Vec<u32>,
+        namespace: Option<CacheNamespace>,
+        blocks: Vec<(usize, Bytes)>,
+        reply: oneshot::Sender<Result<usize, EngineError>>,
+    },
     Stats(oneshot::Sender<EngineStats>),
-    Shutdown { finish_in_flight: bool },
+    Shutdown {
+        finish_in_flight: bool,
+    },
 }
 
 /// A running engine. Cheap to share by reference; [`shutdown`](Self::shutdown) stops it.
@@ -132,9 +149,14 @@ impl EngineHandle {
     }
 
     /// Stores blocks pulled from another worker (full blocks of `tokens`, by position) as cached prefix.
-    pub async fn import(&self, tokens: Vec<u32>, blocks: Vec<(usize, Bytes)>) -> Result<usize, SubmitError> {
+    pub async fn import(
+        &self,
+        tokens: Vec<u32>,
+        namespace: Option<CacheNamespace>,
+        blocks: Vec<(usize, Bytes)>,
+    ) -> Result<usize, SubmitError> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send(Command::Import { tokens, blocks, reply }).await.map_err(|_| SubmitError::Closed)?;
+        self.tx.send(Command::Import { tokens, namespace, blocks, reply }).await.map_err(|_| SubmitError::Closed)?;
         answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::Invalid)
     }
 
@@ -212,9 +234,9 @@ impl Loop {
             Command::Lookup { hashes, reply } => {
                 let _ = reply.send(self.engine.lookup(&hashes));
             }
-            Command::Import { tokens, blocks, reply } => {
+            Command::Import { tokens, namespace, blocks, reply } => {
                 let views: Vec<(usize, &[u8])> = blocks.iter().map(|(i, b)| (*i, b.as_ref())).collect();
-                let _ = reply.send(self.engine.import(&tokens, &views));
+                let _ = reply.send(self.engine.import(&tokens, namespace.as_ref(), &views));
             }
             Command::Submit { request, export, reply } => {
                 let made = if self.accepting {

@@ -4,7 +4,7 @@
 
 use kv_cache::events::BlockMeta;
 use kv_cache::pool::{PrefixMatch, Registered};
-use kv_cache::{SeqHash, block_hashes};
+use kv_cache::{CacheNamespace, SeqHash, block_hashes};
 
 use super::sequence::Seq;
 use super::{Engine, EngineError};
@@ -31,7 +31,7 @@ impl Engine {
         let bt = self.config.block_tokens;
         let tokens = s.prompt_len.min(s.computed);
         let full = tokens / bt;
-        let hashes = block_hashes(&s.tokens[..full * bt], self.block_size(), None);
+        let hashes = block_hashes(&s.tokens[..full * bt], self.block_size(), s.namespace.as_ref());
         let blocks = s.blocks[..tokens.div_ceil(bt).min(s.blocks.len())]
             .iter()
             .enumerate()
@@ -60,10 +60,15 @@ impl Engine {
     /// Stores full blocks pulled from another worker as cached blocks, so that a request with this prefix reuses
     /// them. `tokens` is the prompt (its full blocks name the imported ones); `blocks` gives bytes by block
     /// position. Blocks already held anywhere are skipped. Returns how many were stored.
-    pub fn import(&mut self, tokens: &[u32], blocks: &[(usize, &[u8])]) -> Result<usize, EngineError> {
+    pub fn import(
+        &mut self,
+        tokens: &[u32],
+        namespace: Option<&CacheNamespace>,
+        blocks: &[(usize, &[u8])],
+    ) -> Result<usize, EngineError> {
         let bt = self.config.block_tokens;
         let full = tokens.len() / bt;
-        let hashes = block_hashes(&tokens[..full * bt], self.block_size(), None);
+        let hashes = block_hashes(&tokens[..full * bt], self.block_size(), namespace);
         let want = self.block_bytes();
         let mut stored = 0;
         for &(i, bytes) in blocks {

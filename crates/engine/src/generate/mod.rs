@@ -6,7 +6,7 @@ mod handle;
 mod kv_io;
 mod sequence;
 mod step;
-mod text;
+pub mod text;
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, SubmitError};
+use kv_cache::CacheNamespace;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
 pub use kv_io::{ExportedBlock, ExportedKv};
@@ -114,6 +115,8 @@ pub enum EngineError {
 pub struct Request {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
+    /// The tenant's cache namespace: its blocks are hashed apart from everyone else's.
+    pub namespace: Option<CacheNamespace>,
 }
 
 /// Why a sequence ended.
@@ -322,6 +325,7 @@ impl Engine {
         }
         Ok(Seq {
             tokens: r.prompt.clone(),
+            namespace: r.namespace.clone(),
             prompt_len: r.prompt.len(),
             computed: 0,
             blocks: Vec::new(),

@@ -3,6 +3,8 @@
 
 use std::time::Instant;
 
+use kv_cache::CacheNamespace;
+
 use super::{Completion, Event, FinishReason, TextStream};
 use crate::kv::BlockId;
 use crate::sampling::Sampler;
@@ -12,6 +14,8 @@ use crate::tokenizer::Tokenizer;
 pub(super) struct Seq {
     /// Prompt plus generated tokens.
     pub tokens: Vec<u32>,
+    /// Mixed into the first block's hash (tenant isolation).
+    pub namespace: Option<CacheNamespace>,
     pub prompt_len: usize,
     /// Leading tokens whose K/V is in `blocks`.
     pub computed: usize,

@@ -23,7 +23,7 @@ impl Engine {
         for s in seqs.iter_mut().filter(|s| s.active() && !s.running).take(room) {
             // Reuse whole blocks, but always leave at least one token to compute (its logits are needed).
             let reusable = (s.tokens.len() - 1) / bt;
-            let hashes = block_hashes(&s.tokens[..reusable * bt], self.block_size(), None);
+            let hashes = block_hashes(&s.tokens[..reusable * bt], self.block_size(), s.namespace.as_ref());
             self.stage_disk_hits(&hashes.seq);
             let acquired = self.pool.acquire(&hashes.seq);
             self.execute(&acquired.actions)?;
@@ -200,7 +200,7 @@ impl Engine {
         if full <= s.registered {
             return Ok(());
         }
-        let hashes = block_hashes(&s.tokens[..full * bt], self.block_size(), None);
+        let hashes = block_hashes(&s.tokens[..full * bt], self.block_size(), s.namespace.as_ref());
         for b in s.registered..full {
             let meta = BlockMeta {
                 seq: hashes.seq[b],

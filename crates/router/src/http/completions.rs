@@ -1,0 +1,382 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions`: check, tokenize, route, run, and answer in OpenAI's
+//! shapes, streamed (SSE) or whole.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use engine::generate::text::TextStream;
+use kv_cache::{BlockSize, CacheNamespace, block_hashes};
+use proto::worker as pb;
+use serde_json::{Value, json};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::error::ApiError;
+use super::openai::{Checked, Endpoint, Input};
+use crate::scheduler::view::RouteRequest;
+use crate::scheduler::{Decision, RouteError, route};
+use crate::serve::{Job, Piece, Pieces};
+use crate::state::RouterState;
+
+/// A request that passed every check and was routed.
+pub struct Routed {
+    pub checked: Checked,
+    pub job: Job,
+    pub decision: Decision,
+}
+
+/// Prompt tokens for a checked request.
+fn tokenize(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
+    let _span = tracing::info_span!("tokenize").entered();
+    let text = match &checked.input {
+        Input::Chat(messages) => state
+            .text
+            .render_chat(messages)
+            .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))?,
+        Input::Text(t) => t.clone(),
+    };
+    let tokens = state.text.tokenizer().encode(&text);
+    if tokens.is_empty() {
+        return Err(ApiError::bad("the prompt is empty after tokenization", "messages"));
+    }
+    Ok(tokens)
+}
+
+/// Everything before running: model, tokens, length, route.
+/// `count` says whether the decision is counted in metrics (not for explanations).
+pub fn plan(
+    state: &RouterState,
+    checked: Checked,
+    traceparent: Option<String>,
+    count: bool,
+) -> Result<Routed, ApiError> {
+    if checked.model != state.served_model {
+        return Err(ApiError::UnknownModel(checked.model));
+    }
+    let tokens = tokenize(state, &checked)?;
+    let room = state.max_model_len.saturating_sub(tokens.len());
+    let max_tokens = checked.max_tokens.unwrap_or(state.limits.default_max_tokens.min(room as u32));
+    if room == 0 || max_tokens as usize > room {
+        return Err(ApiError::TooLong { prompt: tokens.len(), max_tokens, context: state.max_model_len });
+    }
+    let block_size = state.cluster.model().block_size;
+    let bs = BlockSize::new(block_size)
+        .ok_or_else(|| ApiError::Unavailable("the workers report a block size of 0".into()))?;
+    let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
+    let hashes = block_hashes(&tokens, bs, namespace.as_ref()).seq;
+    let seq = state.next_request();
+    let req = RouteRequest { isl: tokens.len() as u64, block_size: u64::from(block_size), sequence: seq };
+    let config = state.scheduler_config();
+    let span = tracing::info_span!(
+        "route",
+        policy = config.policy.as_str(),
+        candidates = tracing::field::Empty,
+        prefill_worker = tracing::field::Empty,
+        decode_worker = tracing::field::Empty,
+        overlap_device = tracing::field::Empty,
+        overlap_host = tracing::field::Empty,
+        overlap_disk = tracing::field::Empty,
+        cost = tracing::field::Empty,
+        runner_up_cost = tracing::field::Empty,
+        disaggregate = tracing::field::Empty,
+        reason = tracing::field::Empty,
+    );
+    let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), Instant::now());
+    let decision = {
+        let mut rng = state.rng.lock().unwrap_or_else(|p| p.into_inner());
+        route(&req, &views, &config, &mut rng)
+    }
+    .map_err(|e| match e {
+        RouteError::NoDecodeWorkers => ApiError::Unavailable(e.to_string()),
+        RouteError::AllBusy => ApiError::Overloaded(Duration::from_secs(1)),
+    })?;
+    record_route(&span, &decision, views.len());
+    let chosen = decision.prefill.as_ref().and_then(|p| p.chosen());
+    let overlap = chosen.map_or([0; 3], |c| [c.device_blocks, c.host_blocks, c.disk_blocks]);
+    if count {
+        state.metrics.decision(decision.policy.as_str(), decision.reason.as_str(), overlap);
+    }
+    let sampling = pb::Sampling {
+        temperature: checked.temperature,
+        top_p: checked.top_p,
+        top_k: checked.top_k,
+        seed: checked.seed,
+        max_tokens,
+        stop: checked.stop.clone(),
+        ignore_eos: checked.ignore_eos,
+    };
+    let job = Job {
+        seq,
+        request_id: format!("{}-{seq}", if checked.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }),
+        request_blocks: req.request_blocks(),
+        tokens,
+        sampling,
+        namespace: checked.namespace.clone(),
+        traceparent,
+    };
+    Ok(Routed { checked, job, decision })
+}
+
+fn record_route(span: &tracing::Span, d: &Decision, candidates: usize) {
+    span.record("candidates", candidates);
+    span.record("decode_worker", d.decode.worker.as_str());
+    span.record("disaggregate", d.disaggregate);
+    span.record("reason", d.reason.as_str());
+    if let Some(p) = &d.prefill {
+        span.record("prefill_worker", p.worker.as_str());
+        if let Some(c) = p.chosen() {
+            span.record("overlap_device", c.device_blocks);
+            span.record("overlap_host", c.host_blocks);
+            span.record("overlap_disk", c.disk_blocks);
+            span.record("cost", c.cost);
+        }
+        if let Some(r) = p.runner_up_cost() {
+            span.record("runner_up_cost", r);
+        }
+    }
+}
+
+fn finish_reason(r: pb::FinishReason, stopped_by_text: bool) -> &'static str {
+    if stopped_by_text {
+        return "stop";
+    }
+    match r {
+        pb::FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(prompt: usize, completion: usize, cached: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn created() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Token pieces turned into text, with stop strings applied.
+struct Text {
+    stream: TextStream,
+    tokens: usize,
+    stopped: bool,
+}
+
+impl Text {
+    fn push(&mut self, state: &RouterState, id: u32) -> String {
+        self.tokens += 1;
+        // End-of-generation tokens end the text; they are not part of it (as in the engine).
+        if state.text.tokenizer().is_end_of_generation(id) {
+            return String::new();
+        }
+        let (text, hit) = self.stream.push(state.text.tokenizer(), id);
+        self.stopped |= hit;
+        text
+    }
+}
+
+/// Times the tokens a client receives.
+struct Clock {
+    arrived: Instant,
+    last: Option<Instant>,
+}
+
+impl Clock {
+    fn token(&mut self, state: &RouterState) {
+        let now = Instant::now();
+        match self.last {
+            None => state.metrics.time_to_first_token.observe(now - self.arrived),
+            Some(prev) => state.metrics.inter_token_latency.observe(now - prev),
+        }
+        self.last = Some(now);
+    }
+}
+
+/// Runs a routed request to the end and answers with one JSON body.
+pub async fn whole(state: Arc<RouterState>, routed: Routed, arrived: Instant, route: &'static str) -> Response {
+    let Routed { checked, job, decision } = routed;
+    let prompt_len = job.tokens.len();
+    let id = job.request_id.clone();
+    let deadline = state.limits.request_timeout;
+    let mut pieces = crate::serve::start(Arc::clone(&state), job, decision);
+    let mut text = Text { stream: TextStream::new(checked.stop.clone()), tokens: 0, stopped: false };
+    let mut clock = Clock { arrived, last: None };
+    let mut out = String::new();
+    let collected = tokio::time::timeout(deadline, async {
+        while let Some(p) = pieces.recv().await {
+            match p? {
+                Piece::Token(t) => {
+                    clock.token(&state);
+                    out.push_str(&text.push(&state, t));
+                    if text.stopped {
+                        return Ok((pb::FinishReason::Stop, None));
+                    }
+                }
+                Piece::Finished { reason, cached_tokens } => return Ok((reason, Some(cached_tokens))),
+            }
+        }
+        Err(ApiError::Upstream("the request ended without finishing".into()))
+    })
+    .await;
+    let (reason, cached) = match collected {
+        Err(_) => return fail(&state, route, ApiError::Deadline(deadline)),
+        Ok(Err(e)) => return fail(&state, route, e),
+        Ok(Ok(r)) => r,
+    };
+    drop(pieces);
+    out.push_str(&text.stream.finish(text.stopped));
+    let finish = finish_reason(reason, text.stopped);
+    let model = &state.served_model;
+    let body = match checked.endpoint {
+        Endpoint::Chat => json!({
+            "id": id, "object": "chat.completion", "created": created(), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": null, "finish_reason": finish}],
+            "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0)),
+        }),
+        Endpoint::Completion => json!({
+            "id": id, "object": "text_completion", "created": created(), "model": model,
+            "choices": [{"index": 0, "text": out, "logprobs": null, "finish_reason": finish}],
+            "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0)),
+        }),
+    };
+    tracing::Span::current()
+        .record("gen_ai.usage.output_tokens", text.tokens)
+        .record("gen_ai.response.finish_reasons", finish);
+    state.metrics.request(route, 200);
+    state.metrics.request_duration.observe(arrived.elapsed());
+    axum::Json(body).into_response()
+}
+
+pub fn fail(state: &RouterState, route: &'static str, e: ApiError) -> Response {
+    state.metrics.request(route, e.status().as_u16());
+    tracing::info!(kind = e.kind(), "request failed");
+    e.into_response()
+}
+
+/// One SSE chunk in the endpoint's shape.
+fn chunk(endpoint: Endpoint, id: &str, model: &str, text: Option<&str>, finish: Option<&str>, role: bool) -> Value {
+    match endpoint {
+        Endpoint::Chat => {
+            let mut delta = serde_json::Map::new();
+            if role {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+        }
+        Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created(), "model": model,
+                   "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}]}),
+    }
+}
+
+/// Runs a routed request and streams it as server-sent events.
+pub fn streamed(
+    state: Arc<RouterState>,
+    routed: Routed,
+    arrived: Instant,
+    route: &'static str,
+    permit: OwnedSemaphorePermit,
+) -> Response {
+    let Routed { checked, job, decision } = routed;
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+    let prompt_len = job.tokens.len();
+    let id = job.request_id.clone();
+    let pieces = crate::serve::start(Arc::clone(&state), job, decision);
+    let span = tracing::Span::current();
+    tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            let _permit = permit;
+            let status = pump(&state, checked, pieces, &tx, &id, prompt_len, arrived).await;
+            state.metrics.request(route, status);
+            state.metrics.request_duration.observe(arrived.elapsed());
+        },
+        span,
+    ));
+    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Moves pieces to the client until the end; returns the status to count.
+async fn pump(
+    state: &RouterState,
+    checked: Checked,
+    mut pieces: Pieces,
+    tx: &mpsc::Sender<Result<Event, Infallible>>,
+    id: &str,
+    prompt_len: usize,
+    arrived: Instant,
+) -> u16 {
+    let model = state.served_model.as_str();
+    let endpoint = checked.endpoint;
+    let send = |v: Value| {
+        let tx = tx.clone();
+        async move { tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok() }
+    };
+    let mut text = Text { stream: TextStream::new(checked.stop.clone()), tokens: 0, stopped: false };
+    let mut clock = Clock { arrived, last: None };
+    let mut first = true;
+    let deadline = tokio::time::sleep(state.limits.request_timeout);
+    tokio::pin!(deadline);
+    let (reason, cached) = loop {
+        let piece = tokio::select! {
+            p = pieces.recv() => p,
+            _ = &mut deadline => Some(Err(ApiError::Deadline(state.limits.request_timeout))),
+        };
+        match piece {
+            Some(Ok(Piece::Token(t))) => {
+                clock.token(state);
+                let s = text.push(state, t);
+                if (!s.is_empty() || first) && !send(chunk(endpoint, id, model, Some(&s), None, first)).await {
+                    return 499;
+                }
+                first = false;
+                if text.stopped {
+                    break (pb::FinishReason::Stop, None);
+                }
+            }
+            Some(Ok(Piece::Finished { reason, cached_tokens })) => break (reason, Some(cached_tokens)),
+            Some(Err(e)) => {
+                // The headers are out: the error travels as an event, as OpenAI's API does.
+                let status = e.status().as_u16();
+                let _ = send(e.body()).await;
+                return status;
+            }
+            None => {
+                let e = ApiError::Upstream("the request ended without finishing".into());
+                let _ = send(e.body()).await;
+                return e.status().as_u16();
+            }
+        }
+    };
+    drop(pieces);
+    let rest = text.stream.finish(text.stopped);
+    if !rest.is_empty() && !send(chunk(endpoint, id, model, Some(&rest), None, false)).await {
+        return 499;
+    }
+    let finish = finish_reason(reason, text.stopped);
+    if !send(chunk(endpoint, id, model, None, Some(finish), false)).await {
+        return 499;
+    }
+    if checked.include_usage {
+        let u = json!({"id": id, "object": if endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" },
+                       "created": created(), "model": model, "choices": [], "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0))});
+        let _ = send(u).await;
+    }
+    let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    200
+}
+
+/// The client's W3C trace context, if it sent one.
+pub fn traceparent(headers: &HeaderMap) -> Option<String> {
+    headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string)
+}

@@ -1,0 +1,97 @@
+//! Every error a client can see, mapped once to an HTTP status and OpenAI's error JSON.
+
+use std::time::Duration;
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// Why a request failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    #[error("{message}")]
+    BadRequest { message: String, param: Option<&'static str> },
+    #[error("the request body is not valid JSON for this endpoint: {0}")]
+    MalformedJson(String),
+    #[error("missing or invalid API key; send it as `Authorization: Bearer <key>`")]
+    Unauthorized,
+    #[error("the model `{0}` does not exist; GET /v1/models lists the served model")]
+    UnknownModel(String),
+    #[error(
+        "the prompt has {prompt} tokens; with max_tokens {max_tokens} this exceeds the model's context of {context} tokens"
+    )]
+    TooLong { prompt: usize, max_tokens: u32, context: usize },
+    #[error("the router is at capacity; retry after {}s", .0.as_secs())]
+    Overloaded(Duration),
+    #[error("no worker can take the request now: {0}")]
+    Unavailable(String),
+    #[error("the request did not finish within its deadline of {}s", .0.as_secs())]
+    Deadline(Duration),
+    #[error("the request failed on the workers: {0}")]
+    Upstream(String),
+    #[error("not found")]
+    NotFound,
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
+        ApiError::BadRequest { message: message.into(), param: Some(param) }
+    }
+
+    /// A short stable name for metrics and logs (never the message).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest { .. } => "bad_request",
+            ApiError::MalformedJson(_) => "malformed_json",
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::UnknownModel(_) => "unknown_model",
+            ApiError::TooLong { .. } => "too_long",
+            ApiError::Overloaded(_) => "overloaded",
+            ApiError::Unavailable(_) => "unavailable",
+            ApiError::Deadline(_) => "deadline",
+            ApiError::Upstream(_) => "upstream",
+            ApiError::NotFound => "not_found",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } | ApiError::MalformedJson(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::UnknownModel(_) | ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::TooLong { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// OpenAI's error object.
+    pub fn body(&self) -> serde_json::Value {
+        let (ty, code, param) = match self {
+            ApiError::BadRequest { param, .. } => ("invalid_request_error", None, *param),
+            ApiError::MalformedJson(_) => ("invalid_request_error", None, None),
+            ApiError::Unauthorized => ("invalid_request_error", Some("invalid_api_key"), None),
+            ApiError::UnknownModel(_) => ("invalid_request_error", Some("model_not_found"), Some("model")),
+            ApiError::TooLong { .. } => ("invalid_request_error", Some("context_length_exceeded"), Some("messages")),
+            ApiError::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded"), None),
+            ApiError::Unavailable(_) | ApiError::Upstream(_) => ("server_error", None, None),
+            ApiError::Deadline(_) => ("server_error", Some("timeout"), None),
+            ApiError::NotFound => ("invalid_request_error", None, None),
+        };
+        json!({"error": {"message": self.to_string(), "type": ty, "param": param, "code": code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if let ApiError::Overloaded(after) = &self
+            && let Ok(v) = HeaderValue::from_str(&after.as_secs().max(1).to_string())
+        {
+            resp.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        resp
+    }
+}

@@ -1,0 +1,192 @@
+//! The HTTP front end: OpenAI-compatible endpoints, health, metrics, the routing explainer and live config.
+
+pub mod completions;
+pub mod error;
+pub mod openai;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use tracing::Instrument;
+
+use self::completions::{fail, plan, streamed, traceparent, whole};
+use self::error::ApiError;
+use self::openai::{Checked, Endpoint, check_chat, check_completion};
+use crate::scheduler::config::SchedulerConfig;
+use crate::state::RouterState;
+
+type Shared = State<Arc<RouterState>>;
+
+/// Every route of the router.
+pub fn app(state: Arc<RouterState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completion))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/debug/route", post(debug_route))
+        .route("/admin/router-config", get(get_config).put(put_config))
+        .fallback(|| async { ApiError::NotFound })
+        .with_state(state)
+}
+
+/// Checks the bearer key when keys are configured.
+fn authorize(state: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if state.api_keys.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(k) if state.api_keys.iter().any(|key| constant_time_eq(key.as_bytes(), k.as_bytes())) => Ok(()),
+        _ => Err(ApiError::Unauthorized),
+    }
+}
+
+/// Compares without an early exit, so the time taken does not reveal how much of a key was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn chat(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let span = tracing::info_span!(
+        "POST /v1/chat/completions",
+        otel.kind = "server",
+        gen_ai.operation.name = "chat",
+        gen_ai.request.model = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        gen_ai.response.finish_reasons = tracing::field::Empty,
+    );
+    generate(state.0, headers, body, Endpoint::Chat).instrument(span).await
+}
+
+async fn completion(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let span = tracing::info_span!(
+        "POST /v1/completions",
+        otel.kind = "server",
+        gen_ai.operation.name = "text_completion",
+        gen_ai.request.model = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        gen_ai.response.finish_reasons = tracing::field::Empty,
+    );
+    generate(state.0, headers, body, Endpoint::Completion).instrument(span).await
+}
+
+fn check(endpoint: Endpoint, body: &[u8]) -> Result<Checked, ApiError> {
+    match endpoint {
+        Endpoint::Chat => check_chat(body),
+        Endpoint::Completion => check_completion(body),
+    }
+}
+
+async fn generate(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
+    let arrived = Instant::now();
+    let route = match endpoint {
+        Endpoint::Chat => "/v1/chat/completions",
+        Endpoint::Completion => "/v1/completions",
+    };
+    let prepared = async {
+        authorize(&state, &headers)?;
+        let checked = check(endpoint, &body)?;
+        tracing::Span::current().record("gen_ai.request.model", checked.model.as_str());
+        let permit = state.admission.admit().await?;
+        let routed = plan(&state, checked, traceparent(&headers), true)?;
+        tracing::Span::current().record("gen_ai.usage.input_tokens", routed.job.tokens.len());
+        Ok::<_, ApiError>((permit, routed))
+    }
+    .await;
+    match prepared {
+        Err(e) => fail(&state, route, e),
+        Ok((permit, routed)) if routed.checked.stream => streamed(state, routed, arrived, route, permit),
+        Ok((permit, routed)) => {
+            let response = whole(Arc::clone(&state), routed, arrived, route).await;
+            drop(permit);
+            response
+        }
+    }
+}
+
+async fn models(state: Shared, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    axum::Json(json!({"object": "list", "data": [
+        {"id": state.served_model, "object": "model", "created": 0, "owned_by": "tandem"}
+    ]}))
+    .into_response()
+}
+
+/// Ready when at least one worker can decode.
+async fn ready(state: Shared) -> Response {
+    let up = state.cluster.up_members();
+    let decoders = up.iter().filter(|(_, m)| m.role.decodes()).count();
+    let body = json!({"workers_up": up.len(), "decode_workers_up": decoders});
+    let status = if decoders > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(body)).into_response()
+}
+
+async fn metrics(state: Shared) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&state)).into_response()
+}
+
+/// The decision for a chat or completion body, without running it.
+async fn debug_route(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let explained = (|| {
+        authorize(&state, &headers)?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+        let endpoint = if v.get("messages").is_some() { Endpoint::Chat } else { Endpoint::Completion };
+        let routed = plan(&state, check(endpoint, &body)?, None, false)?;
+        serde_json::to_value(&routed.decision).map_err(|e| ApiError::Upstream(e.to_string()))
+    })();
+    match explained {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn get_config(state: Shared, headers: HeaderMap) -> Response {
+    match authorize(&state, &headers) {
+        Ok(()) => axum::Json(state.scheduler_config()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Changes the scheduler's weights live: the body names the fields to change; the result is validated whole.
+async fn put_config(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let updated = (|| {
+        authorize(&state, &headers)?;
+        let patch: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+        let Value::Object(fields) = patch else {
+            return Err(ApiError::bad("the body must be a JSON object of fields to change", "body"));
+        };
+        let mut current =
+            serde_json::to_value(state.scheduler_config()).map_err(|e| ApiError::Upstream(e.to_string()))?;
+        if let Value::Object(obj) = &mut current {
+            obj.extend(fields);
+        }
+        let next: SchedulerConfig =
+            serde_json::from_value(current).map_err(|e| ApiError::bad(e.to_string(), "body"))?;
+        next.validate().map_err(|errors| ApiError::bad(errors.join("; "), "body"))?;
+        state.set_scheduler_config(next.clone());
+        tracing::info!(policy = next.policy.as_str(), "router config changed");
+        Ok(next)
+    })();
+    match updated {
+        Ok(c) => axum::Json(c).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

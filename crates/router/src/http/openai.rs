@@ -1,0 +1,275 @@
+//! OpenAI request bodies for chat and text completions, checked into one validated form.
+
+use engine::chat::ChatMessage;
+use serde::Deserialize;
+
+use super::error::ApiError;
+
+/// Most stop sequences OpenAI accepts.
+const MAX_STOPS: usize = 4;
+/// OpenAI's temperature range.
+const MAX_TEMPERATURE: f32 = 2.0;
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    /// Content parts; only `text` parts are supported.
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// Fields shared by both endpoints.
+#[derive(Debug, Deserialize, Default)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Not OpenAI's, but vLLM's and SGLang's.
+    pub top_k: Option<u32>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+    /// Keep prefixes of this tenant apart from everyone else's (vLLM's `cache_salt`).
+    pub cache_salt: Option<String>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    /// A batch of one, as some clients send it.
+    Texts(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Which endpoint a request came in on (shapes the response).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// The input before templating: a conversation or raw text.
+#[derive(Debug, Clone)]
+pub enum Input {
+    Chat(Vec<ChatMessage>),
+    Text(String),
+}
+
+/// A request, checked.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub input: Input,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// `None`: as many as the context allows (capped by the router's default).
+    pub max_tokens: Option<u32>,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: Option<u32>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub namespace: Option<String>,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))
+}
+
+fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
+    let model = c.model.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::bad("`model` is required", "model"))?;
+    if c.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad("only n = 1 is supported", "n"));
+    }
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&temperature)) {
+        return Err(ApiError::bad(format!("temperature must be between 0 and 2, got {temperature}"), "temperature"));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(format!("top_p must be in (0, 1], got {top_p}"), "top_p"));
+    }
+    if c.top_k == Some(0) {
+        return Err(ApiError::bad("top_k must be at least 1", "top_k"));
+    }
+    let max_tokens = c.max_completion_tokens.or(c.max_tokens);
+    if max_tokens == Some(0) {
+        return Err(ApiError::bad("max_tokens must be at least 1", "max_tokens"));
+    }
+    let stop = match c.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.len() > MAX_STOPS {
+        return Err(ApiError::bad(format!("at most {MAX_STOPS} stop sequences are allowed"), "stop"));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("stop sequences must not be empty", "stop"));
+    }
+    let _ = c.user; // Accepted for compatibility; tenants are kept apart by `cache_salt`.
+    Ok(Checked {
+        endpoint,
+        model,
+        input,
+        stream: c.stream,
+        include_usage: c.stream_options.is_some_and(|o| o.include_usage),
+        max_tokens,
+        temperature,
+        top_p,
+        top_k: c.top_k,
+        seed: c.seed,
+        stop,
+        ignore_eos: c.ignore_eos,
+        namespace: c.cache_salt.filter(|s| !s.is_empty()),
+    })
+}
+
+/// Checks a `/v1/chat/completions` body.
+pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
+    let r: ChatRequest = parse(body)?;
+    if r.messages.is_empty() {
+        return Err(ApiError::bad("`messages` must not be empty", "messages"));
+    }
+    let mut messages = Vec::with_capacity(r.messages.len());
+    for m in r.messages {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+            return Err(ApiError::bad(format!("unknown message role `{}`", m.role), "messages"));
+        }
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ApiError::bad(
+                            format!("content parts of type `{}` are not supported", p.kind),
+                            "messages",
+                        ));
+                    }
+                    text.push_str(&p.text.unwrap_or_default());
+                }
+                text
+            }
+        };
+        let role = if m.role == "developer" { "system".to_string() } else { m.role };
+        messages.push(ChatMessage::new(role, content));
+    }
+    check_common(r.common, Endpoint::Chat, Input::Chat(messages))
+}
+
+/// Checks a `/v1/completions` body.
+pub fn check_completion(body: &[u8]) -> Result<Checked, ApiError> {
+    let r: CompletionRequest = parse(body)?;
+    let text = match r.prompt {
+        Prompt::Text(t) => t,
+        Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
+        Prompt::Texts(_) => return Err(ApiError::bad("only one prompt per request is supported", "prompt")),
+    };
+    if text.is_empty() {
+        return Err(ApiError::bad("`prompt` must not be empty", "prompt"));
+    }
+    check_common(r.common, Endpoint::Completion, Input::Text(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bad(body: &str) -> (&'static str, String) {
+        let e = check_chat(body.as_bytes()).expect_err("refused");
+        (e.kind(), e.to_string())
+    }
+
+    #[test]
+    fn a_full_chat_request_is_checked() {
+        let body = r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],
+            "max_completion_tokens":5,"temperature":0,"top_p":0.5,"seed":3,"stop":"\n","stream":true,
+            "stream_options":{"include_usage":true},"user":"u1","presence_penalty":0}"#;
+        let c = check_chat(body.as_bytes()).expect("valid");
+        assert_eq!((c.max_tokens, c.temperature, c.top_p, c.seed), (Some(5), 0.0, 0.5, Some(3)));
+        assert_eq!(c.stop, vec!["\n".to_string()]);
+        assert!(c.stream && c.include_usage);
+        let Input::Chat(m) = c.input else { panic!("chat") };
+        assert_eq!(m.len(), 2);
+    }
+
+    #[test]
+    fn bad_requests_say_what_is_wrong() {
+        assert_eq!(bad("{").0, "malformed_json");
+        assert_eq!(bad(r#"{"model":"m"}"#).0, "malformed_json");
+        assert_eq!(bad(r#"{"model":"m","messages":[]}"#).0, "bad_request");
+        assert!(bad(r#"{"messages":[{"role":"user","content":"x"}]}"#).1.contains("model"));
+        assert!(
+            bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#)
+                .1
+                .contains("temperature")
+        );
+        assert!(bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0}"#).1.contains("top_p"));
+        assert!(bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#).1.contains("n = 1"));
+        assert!(
+            bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#).1.contains("max_tokens")
+        );
+        assert!(bad(r#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#).1.contains("role"));
+        assert!(
+            bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#)
+                .1
+                .contains("stop")
+        );
+        let e = check_completion(br#"{"model":"m","prompt":["a","b"]}"#).expect_err("batch");
+        assert!(e.to_string().contains("one prompt"));
+    }
+}

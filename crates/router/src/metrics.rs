@@ -1,0 +1,138 @@
+//! The router's Prometheus metrics (`observability.md`).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use telemetry::prom::{Exposition, Histogram, labels, one};
+
+use crate::state::RouterState;
+
+/// Counters keyed by a few label values.
+#[derive(Debug, Default)]
+struct Family(Mutex<BTreeMap<Vec<(&'static str, String)>, u64>>);
+
+impl Family {
+    fn inc(&self, key: Vec<(&'static str, String)>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_default() += 1;
+    }
+
+    fn samples(&self) -> Vec<(String, f64)> {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.iter()
+            .map(|(k, v)| {
+                let pairs: Vec<(&str, &str)> = k.iter().map(|(a, b)| (*a, b.as_str())).collect();
+                (labels(&pairs), *v as f64)
+            })
+            .collect()
+    }
+}
+
+/// What the router counts and times.
+#[derive(Debug, Default)]
+pub struct RouterMetrics {
+    requests: Family,
+    decisions: Family,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub request_duration: Histogram,
+    overlap_blocks: [AtomicU64; 3],
+    pub prefill_retries: AtomicU64,
+    pub decode_resumptions: AtomicU64,
+    pub local_prefill_fallbacks: AtomicU64,
+}
+
+impl RouterMetrics {
+    /// A finished request: its route and HTTP status (or `error kind` for failures after the headers went out).
+    pub fn request(&self, route: &'static str, status: u16) {
+        self.requests.inc(vec![("route", route.to_string()), ("status", status.to_string())]);
+    }
+
+    /// A routing decision, with the chosen prefill worker's overlap per tier.
+    pub fn decision(&self, policy: &'static str, reason: &'static str, overlap: [usize; 3]) {
+        self.decisions.inc(vec![("policy", policy.to_string()), ("reason", reason.to_string())]);
+        for (i, n) in overlap.iter().enumerate() {
+            self.overlap_blocks[i].fetch_add(*n as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The exposition text.
+pub fn render(state: &RouterState) -> String {
+    let m = &state.metrics;
+    let mut e = Exposition::new();
+    e.counter("tandem_router_requests_total", "Requests by route and HTTP status.", &m.requests.samples());
+    e.histogram(
+        "tandem_router_time_to_first_token_seconds",
+        "From a request's arrival to its first token sent to the client.",
+        &[(&[], &m.time_to_first_token)],
+    );
+    e.histogram(
+        "tandem_router_inter_token_latency_seconds",
+        "Time between consecutive tokens sent to a client.",
+        &[(&[], &m.inter_token_latency)],
+    );
+    e.histogram(
+        "tandem_router_request_duration_seconds",
+        "From a request's arrival to its last byte.",
+        &[(&[], &m.request_duration)],
+    );
+    e.counter("tandem_router_decisions_total", "Routing decisions by policy and reason.", &m.decisions.samples());
+    let tiers = ["device", "host", "disk"];
+    let overlap: Vec<(String, f64)> = tiers
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (labels(&[("tier", t)]), m.overlap_blocks[i].load(Ordering::Relaxed) as f64))
+        .collect();
+    e.counter(
+        "tandem_router_overlap_blocks_total",
+        "Prompt blocks already cached on the chosen prefill worker, by tier.",
+        &overlap,
+    );
+    let (size, stats) = state.cluster.index_stats();
+    e.gauge("tandem_router_indexer_blocks", "Distinct blocks in the KV index.", &one(size as f64));
+    e.counter("tandem_router_indexer_events_applied_total", "KV events applied.", &one(stats.events_applied as f64));
+    e.counter(
+        "tandem_router_indexer_events_duplicate_total",
+        "KV events seen twice (after a resubscription) and ignored.",
+        &one(stats.events_duplicate as f64),
+    );
+    e.counter(
+        "tandem_router_indexer_orphans_total",
+        "Stored events whose parent block was unknown.",
+        &one(stats.orphans as f64),
+    );
+    e.counter(
+        "tandem_router_indexer_resyncs_total",
+        "Workers re-read from a snapshot after a gap or a reconnect.",
+        &one(stats.resyncs as f64),
+    );
+    let members = state.cluster.up_members();
+    let in_flight: Vec<(String, f64)> = members
+        .iter()
+        .map(|(id, mem)| (labels(&[("worker", &mem.name)]), state.cluster.in_flight(*id) as f64))
+        .collect();
+    e.gauge("tandem_router_worker_in_flight", "Requests the router has in flight per worker.", &in_flight);
+    e.gauge("tandem_router_workers_up", "Workers routed to.", &one(members.len() as f64));
+    e.gauge(
+        "tandem_router_queue_depth",
+        "Requests waiting for an in-flight slot.",
+        &one(state.admission.queued() as f64),
+    );
+    e.counter(
+        "tandem_router_prefill_retries_total",
+        "Prefill attempts that failed and moved to the next candidate.",
+        &one(m.prefill_retries.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_local_prefill_fallbacks_total",
+        "Requests prefilled on their decode worker after every prefill attempt failed.",
+        &one(m.local_prefill_fallbacks.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_decode_resumptions_total",
+        "Streams resumed on another decode worker after theirs failed.",
+        &one(m.decode_resumptions.load(Ordering::Relaxed) as f64),
+    );
+    e.finish()
+}

@@ -1,0 +1,162 @@
+//! Starting and stopping a router: the text model, the cluster followers and the HTTP server, under one stop
+//! signal.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use engine::text::{TextError, TextModel};
+use kv_transfer::tls::Identity;
+use tokio::sync::watch;
+
+use crate::cluster::{Cluster, ModelIdentity};
+use crate::metrics::RouterMetrics;
+use crate::scheduler::config::SchedulerConfig;
+use crate::scheduler::rng::Rng;
+use crate::state::{Admission, Limits, RouterState};
+
+/// Named defaults, each with its reason.
+pub mod defaults {
+    use std::time::Duration;
+
+    /// `system.md`: router HTTP on 8000 (loopback unless told otherwise).
+    pub const LISTEN: &str = "127.0.0.1:8000";
+    /// What clients call the embedded model.
+    pub const SERVED_MODEL: &str = "smollm2-135m-instruct";
+    /// Far above what a CPU cluster runs at once, so only a real flood is refused.
+    pub const MAX_IN_FLIGHT: usize = 256;
+    pub const MAX_QUEUE: usize = 1024;
+    /// A long answer on CPU takes minutes; a hung request must still end.
+    pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+    /// Prefilling 8k tokens on a small CPU takes about 100 s.
+    pub const PREFILL_TIMEOUT: Duration = Duration::from_secs(180);
+    pub const MAX_PREFILL_ATTEMPTS: usize = 2;
+    /// The first decode worker plus two resumptions elsewhere.
+    pub const MAX_DECODE_ATTEMPTS: usize = 3;
+    /// Output budget when a request names none.
+    pub const DEFAULT_MAX_TOKENS: u32 = 512;
+    /// The engine's and `routing.md`'s block size.
+    pub const BLOCK_SIZE: u32 = 16;
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_in_flight: defaults::MAX_IN_FLIGHT,
+            max_queue: defaults::MAX_QUEUE,
+            request_timeout: defaults::REQUEST_TIMEOUT,
+            prefill_timeout: defaults::PREFILL_TIMEOUT,
+            max_prefill_attempts: defaults::MAX_PREFILL_ATTEMPTS,
+            max_decode_attempts: defaults::MAX_DECODE_ATTEMPTS,
+            default_max_tokens: defaults::DEFAULT_MAX_TOKENS,
+        }
+    }
+}
+
+/// Everything a router needs to start.
+#[derive(Debug)]
+pub struct RouterConfig {
+    pub listen: SocketAddr,
+    /// The GGUF file whose tokenizer and chat template the router uses (the weights are not read).
+    pub model: PathBuf,
+    pub served_model: String,
+    /// Worker gRPC addresses.
+    pub workers: Vec<SocketAddr>,
+    pub identity: Identity,
+    pub limits: Limits,
+    pub scheduler: SchedulerConfig,
+    pub api_keys: Vec<String>,
+    pub block_size: u32,
+    /// Longest prompt plus output accepted; default: the model's context.
+    pub max_model_len: Option<usize>,
+    /// Seed of the scheduler's random choices (ties, temperature); default: from the clock.
+    pub seed: Option<u64>,
+}
+
+/// Why a router could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("model file: {0}")]
+    Text(#[from] TextError),
+    #[error("router address {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("invalid scheduler config: {0}")]
+    Scheduler(String),
+    #[error("the model file does not state its context length; set max_model_len")]
+    NoContextLength,
+}
+
+/// A running router.
+#[derive(Debug)]
+pub struct RunningRouter {
+    pub addr: SocketAddr,
+    pub state: Arc<RouterState>,
+    stop: watch::Sender<bool>,
+    served: tokio::task::JoinHandle<()>,
+}
+
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+impl RunningRouter {
+    /// Opens the text model, starts following every worker and serves HTTP. Call inside a tokio runtime.
+    pub async fn start(config: RouterConfig) -> Result<RunningRouter, StartError> {
+        config.scheduler.validate().map_err(|e| StartError::Scheduler(e.join("; ")))?;
+        let text = TextModel::open(&config.model)?;
+        let max_model_len = config.max_model_len.or(text.context_len()).ok_or(StartError::NoContextLength)?;
+        let (stop, stop_rx) = watch::channel(false);
+        let model = ModelIdentity {
+            model_id: config.served_model.clone(),
+            fingerprint: text.fingerprint().to_string(),
+            block_size: config.block_size,
+        };
+        let cluster = Cluster::new(model, config.identity, stop_rx.clone());
+        for w in &config.workers {
+            cluster.follow(*w);
+        }
+        let state = Arc::new(RouterState {
+            cluster,
+            text: Arc::new(text),
+            served_model: config.served_model,
+            max_model_len,
+            scheduler: RwLock::new(config.scheduler),
+            admission: Admission::new(config.limits.max_in_flight, config.limits.max_queue),
+            limits: config.limits,
+            api_keys: config.api_keys,
+            rng: Mutex::new(Rng::new(config.seed.unwrap_or_else(clock_seed))),
+            sequence: AtomicU64::new(0),
+            metrics: RouterMetrics::default(),
+        });
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| StartError::Listen { addr: config.listen, source })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Listen { addr: config.listen, source })?;
+        let app = crate::http::app(Arc::clone(&state));
+        let mut rx = stop_rx;
+        let served = tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|&s| s).await;
+                })
+                .await;
+        });
+        Ok(RunningRouter { addr, state, stop, served })
+    }
+
+    /// Adds a worker at run time (self-registration, discovery).
+    pub fn add_worker(&self, addr: SocketAddr) {
+        self.state.cluster.follow(addr);
+    }
+
+    /// Stops accepting, lets in-flight requests finish for up to `grace`, then stops everything.
+    pub async fn shutdown(self, grace: Duration) {
+        let _ = self.stop.send(true);
+        let mut served = self.served;
+        if tokio::time::timeout(grace, &mut served).await.is_err() {
+            served.abort();
+        }
+    }
+}

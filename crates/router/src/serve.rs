@@ -1,0 +1,250 @@
+//! Carrying out a routing decision: prefill on P (failing over to the next candidate, then to local prefill on
+//! D), stream the first token at once, decode on D with P's KV handle, and if D is lost mid-stream re-prefill the
+//! prompt plus every token already sent on another decode worker and continue the same stream.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use proto::worker as pb;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use crate::http::error::ApiError;
+use crate::scheduler::Decision;
+use crate::scheduler::view::WorkerId;
+use crate::state::RouterState;
+
+/// A request ready to run.
+#[derive(Clone, Debug)]
+pub struct Job {
+    /// The router's request number (load accounting).
+    pub seq: u64,
+    /// Sent to workers for cancellation and logs.
+    pub request_id: String,
+    pub tokens: Vec<u32>,
+    /// With the whole output budget in `max_tokens`.
+    pub sampling: pb::Sampling,
+    pub namespace: Option<String>,
+    pub request_blocks: u64,
+    pub traceparent: Option<String>,
+}
+
+/// What the client's side of a job receives.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    Token(u32),
+    Finished { reason: pb::FinishReason, cached_tokens: u32 },
+}
+
+pub type Pieces = mpsc::Receiver<Result<Piece, ApiError>>;
+
+fn with_trace<T>(msg: T, traceparent: &Option<String>) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    if let Some(tp) = traceparent
+        && let Ok(v) = tp.parse()
+    {
+        req.metadata_mut().insert("traceparent", v);
+    }
+    req
+}
+
+/// Starts `job` as `decision` says; pieces arrive on the returned channel until `Finished` or an error.
+/// Dropping the receiver cancels the work on the workers.
+pub fn start(state: Arc<RouterState>, job: Job, decision: Decision) -> Pieces {
+    let (tx, rx) = mpsc::channel(64);
+    // The workers' spans hang under the request's own.
+    let span = tracing::Span::current();
+    tokio::spawn(tracing::Instrument::instrument(run(state, job, decision, tx), span));
+    rx
+}
+
+/// The prefill step's result.
+struct Prefilled {
+    first: u32,
+    handle: Option<pb::KvHandle>,
+    cached_tokens: u32,
+}
+
+async fn prefill(
+    state: &RouterState,
+    job: &Job,
+    decision: &Decision,
+    tx: &mpsc::Sender<Result<Piece, ApiError>>,
+) -> Option<Prefilled> {
+    let choice = decision.prefill.as_ref()?;
+    // The chosen worker first, then the others by cost.
+    let mut order: Vec<_> = choice.candidates.iter().collect();
+    order.sort_by(|a, b| (a.id != choice.id).cmp(&(b.id != choice.id)).then(a.cost.total_cmp(&b.cost)));
+    let prefill_sampling = pb::Sampling { max_tokens: 1, ..job.sampling.clone() };
+    for cand in order.into_iter().take(state.limits.max_prefill_attempts) {
+        let Some(member) = state.cluster.member(cand.id).filter(|m| m.up) else { continue };
+        let msg = pb::PrefillRequest {
+            request_id: job.request_id.clone(),
+            tokens: job.tokens.clone(),
+            sampling: Some(prefill_sampling.clone()),
+            cache_namespace: job.namespace.clone(),
+        };
+        state.cluster.sent(cand.id, job.seq, job.tokens.len() as u64, job.request_blocks);
+        let span = tracing::info_span!("prefill", worker = %member.name, cached_tokens = tracing::field::Empty);
+        let mut client = member.client.clone();
+        let call = tracing::Instrument::instrument(
+            tokio::time::timeout(state.limits.prefill_timeout, client.prefill(with_trace(msg, &job.traceparent))),
+            span.clone(),
+        );
+        let result = tokio::select! {
+            r = call => r,
+            _ = tx.closed() => {
+                state.cluster.done(cand.id, job.seq);
+                return None;
+            }
+        };
+        state.cluster.done(cand.id, job.seq);
+        match result {
+            Ok(Ok(resp)) => {
+                let r = resp.into_inner();
+                span.record("cached_tokens", r.cached_tokens);
+                return Some(Prefilled { first: r.first_token, handle: r.handle, cached_tokens: r.cached_tokens });
+            }
+            Ok(Err(status)) => tracing::warn!(worker = %member.name, code = ?status.code(), "prefill failed"),
+            Err(_) => tracing::warn!(worker = %member.name, "prefill timed out"),
+        }
+        state.metrics.prefill_retries.fetch_add(1, Ordering::Relaxed);
+    }
+    state.metrics.local_prefill_fallbacks.fetch_add(1, Ordering::Relaxed);
+    None
+}
+
+/// How one decode attempt ended.
+enum Attempt {
+    Finished,
+    ClientGone,
+    /// The worker failed; `Status` says how.
+    Failed(Status),
+}
+
+async fn decode_once(
+    state: &RouterState,
+    job: &Job,
+    worker: WorkerId,
+    handle: Option<pb::KvHandle>,
+    generated: &mut Vec<u32>,
+    cached: &mut Option<u32>,
+    tx: &mpsc::Sender<Result<Piece, ApiError>>,
+) -> Attempt {
+    let Some(member) = state.cluster.member(worker) else {
+        return Attempt::Failed(Status::unavailable("the decode worker left"));
+    };
+    let remaining = job.sampling.max_tokens.saturating_sub(generated.len() as u32).max(1);
+    let tokens = [job.tokens.as_slice(), generated.as_slice()].concat();
+    let local_prefill = if handle.is_some() { 0 } else { tokens.len() as u64 };
+    let msg = pb::GenerateRequest {
+        request_id: job.request_id.clone(),
+        tokens,
+        sampling: Some(pb::Sampling { max_tokens: remaining, ..job.sampling.clone() }),
+        handle,
+        cache_namespace: job.namespace.clone(),
+    };
+    state.cluster.sent(worker, job.seq, local_prefill, job.request_blocks);
+    let mut client = member.client.clone();
+    let span = tracing::info_span!("generate", worker = %member.name, output_tokens = tracing::field::Empty);
+    let opened = tokio::select! {
+        r = tracing::Instrument::instrument(client.generate(with_trace(msg, &job.traceparent)), span.clone()) => r,
+        _ = tx.closed() => {
+            state.cluster.done(worker, job.seq);
+            return Attempt::ClientGone;
+        }
+    };
+    let mut stream = match opened {
+        Ok(s) => s.into_inner(),
+        Err(status) => {
+            state.cluster.done(worker, job.seq);
+            return Attempt::Failed(status);
+        }
+    };
+    let mut produced = 0u32;
+    let outcome = loop {
+        let msg = tokio::select! {
+            m = stream.message() => m,
+            _ = tx.closed() => break Attempt::ClientGone,
+        };
+        match msg {
+            Ok(Some(pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(t)) })) => {
+                if produced == 0 {
+                    state.cluster.first_token(worker, job.seq);
+                }
+                produced += 1;
+                generated.push(t.id);
+                if tx.send(Ok(Piece::Token(t.id))).await.is_err() {
+                    break Attempt::ClientGone;
+                }
+            }
+            Ok(Some(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(f)) })) => {
+                let cached_tokens = *cached.get_or_insert(f.cached_tokens);
+                let reason = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
+                let _ = tx.send(Ok(Piece::Finished { reason, cached_tokens })).await;
+                break Attempt::Finished;
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => break Attempt::Failed(Status::unavailable("the decode stream ended without finishing")),
+            Err(status) => break Attempt::Failed(status),
+        }
+    };
+    span.record("output_tokens", produced);
+    state.cluster.done(worker, job.seq);
+    outcome
+}
+
+/// The least loaded up decode worker not in `tried`, or `fallback` when there is none.
+fn next_decoder(state: &RouterState, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
+    state
+        .cluster
+        .up_members()
+        .into_iter()
+        .filter(|(id, m)| m.role.decodes() && !tried.contains(id))
+        .min_by_key(|(id, _)| state.cluster.in_flight(*id))
+        .map_or(fallback, |(id, _)| id)
+}
+
+async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Sender<Result<Piece, ApiError>>) {
+    let mut generated = Vec::new();
+    let mut cached = None;
+    let mut handle = None;
+    if decision.disaggregate {
+        match prefill(&state, &job, &decision, &tx).await {
+            Some(p) => {
+                if tx.send(Ok(Piece::Token(p.first))).await.is_err() {
+                    return;
+                }
+                generated.push(p.first);
+                cached = Some(p.cached_tokens);
+                handle = p.handle;
+                let eos = state.text.tokenizer().is_end_of_generation(p.first) && !job.sampling.ignore_eos;
+                if eos || job.sampling.max_tokens <= 1 {
+                    let reason = if eos { pb::FinishReason::Stop } else { pb::FinishReason::Length };
+                    let _ = tx.send(Ok(Piece::Finished { reason, cached_tokens: p.cached_tokens })).await;
+                    return;
+                }
+            }
+            None if tx.is_closed() => return,
+            None => {}
+        }
+    }
+    let mut worker = decision.decode.id;
+    let mut tried = Vec::new();
+    for attempt in 0..state.limits.max_decode_attempts {
+        if attempt > 0 {
+            state.metrics.decode_resumptions.fetch_add(1, Ordering::Relaxed);
+            worker = next_decoder(&state, &tried, worker);
+        }
+        match decode_once(&state, &job, worker, handle.take(), &mut generated, &mut cached, &tx).await {
+            Attempt::Finished | Attempt::ClientGone => return,
+            Attempt::Failed(status) => {
+                tracing::warn!(code = ?status.code(), message = status.message(), "decode attempt failed");
+                tried.push(worker);
+            }
+        }
+    }
+    let _ = tx
+        .send(Err(ApiError::Upstream(format!("no decode worker finished the request after {} attempts", tried.len()))))
+        .await;
+}

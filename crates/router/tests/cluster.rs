@@ -1,0 +1,160 @@
+//! The router in front of a real prefill and decode worker: OpenAI requests in, the engine's tokens out.
+
+mod common;
+
+use std::num::NonZeroU32;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use common::*;
+use engine::chat::ChatMessage;
+use engine::generate::{Engine, EngineConfig, Request};
+use engine::sampling::SamplingParams;
+use kv_transfer::tls::DevCa;
+use router::run::RunningRouter;
+use worker::Role;
+
+const MODEL: &str = "smollm2-135m-instruct";
+
+/// The engine's own greedy answer: text and token count.
+fn greedy_reply(messages: &[ChatMessage], max_tokens: u32) -> (String, usize) {
+    let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    let prompt = e.tokenizer().encode(&e.render_chat(messages).expect("template"));
+    let req =
+        Request { namespace: None, prompt, sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("n")) };
+    let c = e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    (c.text, c.token_ids.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
+    let ca = DevCa::generate().expect("ca");
+    let p = worker(&ca, Role::Prefill, "prefill-0").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let router = RunningRouter::start(router_config(&ca, vec![p.grpc, d.grpc])).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let addr = router.addr;
+
+    let system = "You are a careful assistant. Answer in one short sentence, and never use lists. ".repeat(3);
+    let question = "What is the capital of France?";
+    let (want, want_tokens) =
+        greedy_reply(&[ChatMessage::new("system", &system), ChatMessage::new("user", question)], 12);
+    let body = serde_json::json!({
+        "model": MODEL, "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    })
+    .to_string();
+
+    // The decision first, without running it: a cold prompt goes to the prefill worker.
+    let explained = http(addr, "POST", "/debug/route", &body, &[]).await;
+    assert_eq!(explained.status, 200, "{}", explained.body);
+    let d_json = explained.json();
+    assert_eq!(d_json["disaggregate"], true, "{d_json}");
+    assert_eq!(d_json["prefill"]["worker"], p.grpc.to_string());
+    assert_eq!(d_json["decode"]["worker"], d.grpc.to_string());
+
+    let reply = http(addr, "POST", "/v1/chat/completions", &body, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let v = reply.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "P + D through the router = one engine");
+    assert_eq!(v["usage"]["completion_tokens"], want_tokens);
+    let finish = if want_tokens < 12 { "stop" } else { "length" };
+    assert_eq!(v["choices"][0]["finish_reason"], finish);
+    assert!(d.pulled_blocks() > 0, "the KV came from the prefill worker");
+
+    // The same prefix again, streamed with usage: P reports its cached tokens; the text is the same.
+    tokio::time::sleep(Duration::from_millis(300)).await; // let P's events reach the index
+    let explained = http(addr, "POST", "/debug/route", &body, &[]).await.json();
+    let device_blocks = explained["prefill"]["candidates"][0]["device_blocks"].as_u64().expect("blocks");
+    assert!(device_blocks >= 4, "the index knows P holds the prompt: {explained}");
+    let streamed = serde_json::json!({
+        "model": MODEL, "max_tokens": 12, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    })
+    .to_string();
+    let reply = http(addr, "POST", "/v1/chat/completions", &streamed, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let events = reply.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<serde_json::Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("json chunk")).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+    assert_eq!(text, want);
+    let usage = &chunks.last().expect("usage chunk")["usage"];
+    let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens");
+    assert!(cached >= 64, "the shared prefix was served from P's cache: {usage}");
+
+    let metrics = http(addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(
+        metrics.contains("tandem_router_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 2"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("reason=\"prefill_remote\""), "{metrics}");
+
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_with_the_right_status() {
+    let ca = DevCa::generate().expect("ca");
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let mut config = router_config(&ca, vec![d.grpc]);
+    config.api_keys = vec!["sk-test".into()];
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 1).await;
+    let addr = router.addr;
+    let auth = [("authorization", "Bearer sk-test")];
+    let chat = |extra: &str| format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+    /// (case, body, headers, status, a word the error must contain).
+    type Case<'a> = (&'a str, String, &'a [(&'a str, &'a str)], u16, &'a str);
+    let cases: Vec<Case> = vec![
+        ("no key", chat(""), &[], 401, "invalid_api_key"),
+        ("malformed JSON", "{\"model\":".into(), &auth, 400, "JSON"),
+        (
+            "unknown model",
+            r#"{"model":"gpt-9","messages":[{"role":"user","content":"hi"}]}"#.into(),
+            &auth,
+            404,
+            "gpt-9",
+        ),
+        ("bad temperature", chat(r#","temperature":-1"#), &auth, 400, "temperature"),
+        ("bad top_p", chat(r#","top_p":1.5"#), &auth, 400, "top_p"),
+        ("too long", chat(r#","max_tokens":100000"#), &auth, 413, "context"),
+    ];
+    for (name, body, headers, status, needle) in cases {
+        let r = http(addr, "POST", "/v1/chat/completions", &body, headers).await;
+        assert_eq!(r.status, status, "{name}: {}", r.body);
+        let e = &r.json()["error"];
+        assert!(e["message"].is_string() && e["type"].is_string(), "{name}: {}", r.body);
+        assert!(r.body.contains(needle), "{name}: {}", r.body);
+    }
+    // An over-long prompt, not just an over-long budget.
+    let long = "word ".repeat(9000);
+    let r = http(addr, "POST", "/v1/completions", &format!(r#"{{"model":"{MODEL}","prompt":"{long}"}}"#), &auth).await;
+    assert_eq!(r.status, 413, "{}", r.body);
+
+    // Live config: read, change, refuse nonsense.
+    let r = http(addr, "GET", "/admin/router-config", "", &auth).await;
+    assert_eq!(r.json()["policy"], "kv");
+    let r = http(addr, "PUT", "/admin/router-config", r#"{"policy":"round_robin","decay":0.5}"#, &auth).await;
+    assert_eq!((r.status, r.json()["policy"].as_str()), (200, Some("round_robin")), "{}", r.body);
+    let r = http(addr, "PUT", "/admin/router-config", r#"{"temperature":-2,"decay":-1}"#, &auth).await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("temperature") && r.body.contains("decay"), "{}", r.body);
+    let r = http(addr, "PUT", "/admin/router-config", r#"{"overlap_weight":1}"#, &auth).await;
+    assert_eq!(r.status, 400, "unknown fields are refused: {}", r.body);
+    assert_eq!(http(addr, "GET", "/admin/router-config", "", &auth).await.json()["decay"], 0.5);
+
+    // Models, health and readiness.
+    assert_eq!(http(addr, "GET", "/v1/models", "", &auth).await.json()["data"][0]["id"], MODEL);
+    assert_eq!(http(addr, "GET", "/health", "", &[]).await.status, 200);
+    assert_eq!(http(addr, "GET", "/ready", "", &[]).await.status, 200);
+    router.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}

@@ -1,0 +1,123 @@
+//! A small real cluster on 127.0.0.1 for the router's tests: workers in-process, mutual TLS from one dev CA.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use engine::generate::EngineConfig;
+use kv_transfer::tls::DevCa;
+use router::run::{RouterConfig, RunningRouter};
+use router::scheduler::config::SchedulerConfig;
+use router::state::Limits;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use worker::{Role, RunningWorker, WorkerConfig};
+
+pub fn model() -> std::path::PathBuf {
+    engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
+}
+
+pub async fn worker(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    RunningWorker::start(WorkerConfig {
+        role,
+        model: model(),
+        model_id: "smollm2-135m-instruct".into(),
+        engine: EngineConfig { threads: std::num::NonZeroUsize::new(1), ..EngineConfig::default() },
+        grpc: loopback,
+        transfer: loopback,
+        metrics: None,
+        identity: ca.issue(name, &[]).expect("cert"),
+        lease_ttl: Duration::from_secs(30),
+        pull_timeout: Duration::from_secs(5),
+        shm_dir: None,
+    })
+    .await
+    .expect("worker starts")
+}
+
+pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
+    RouterConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        model: model(),
+        served_model: "smollm2-135m-instruct".into(),
+        workers,
+        identity: ca.issue("router", &[]).expect("cert"),
+        limits: Limits { request_timeout: Duration::from_secs(120), ..Limits::default() },
+        scheduler: SchedulerConfig { slow_start_secs: 0.0, ..SchedulerConfig::default() },
+        api_keys: Vec::new(),
+        block_size: 16,
+        max_model_len: None,
+        seed: Some(1),
+    }
+}
+
+/// Waits until the router routes to `n` workers.
+pub async fn wait_for_workers(router: &RunningRouter, n: usize) {
+    for _ in 0..400 {
+        if router.state.cluster.up_members().len() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the router never saw {n} workers");
+}
+
+/// An HTTP/1.1 reply: status, headers (lower-case names) and body.
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    /// The `data:` payloads of an SSE body.
+    pub fn events(&self) -> Vec<String> {
+        self.body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    }
+}
+
+/// One request on a fresh connection; reads until the server closes it.
+pub async fn http(addr: SocketAddr, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> Reply {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n{extra}\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.expect("writes");
+    let mut raw = Vec::new();
+    sock.read_to_end(&mut raw).await.expect("reads");
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a header block");
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).expect("a status");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    let body = if chunked { dechunk(body) } else { body.to_string() };
+    Reply { status, headers, body }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
