@@ -83,6 +83,8 @@ pub struct RunningWorker {
     service: Arc<WorkerService>,
     stop: oneshot::Sender<()>,
     stopping: tokio::sync::watch::Sender<bool>,
+    /// Set when the grace period is over: every generation still running is cut off.
+    aborting: tokio::sync::watch::Sender<bool>,
     served: tokio::task::JoinHandle<()>,
     transfer_server: QuicServer,
     expiry: tokio::task::JoinHandle<()>,
@@ -135,6 +137,7 @@ impl RunningWorker {
             max_model_len,
         };
         let (stopping, stopping_rx) = tokio::sync::watch::channel(false);
+        let (aborting, aborting_rx) = tokio::sync::watch::channel(false);
         let service = Arc::new(WorkerService {
             engine: handle,
             info,
@@ -147,6 +150,7 @@ impl RunningWorker {
             metrics: Default::default(),
             shm_dir: config.shm_dir.clone(),
             stopping: stopping_rx,
+            aborting: aborting_rx,
         });
         let listener = tokio::net::TcpListener::bind(config.grpc)
             .await
@@ -188,6 +192,7 @@ impl RunningWorker {
             service,
             stop,
             stopping,
+            aborting,
             served,
             transfer_server,
             expiry,
@@ -222,6 +227,8 @@ impl RunningWorker {
         let _ = self.stop.send(());
         let mut served = self.served;
         if tokio::time::timeout(grace, &mut served).await.is_err() {
+            // Connections run on their own tasks: end their streams, which cancels the sequences behind them.
+            let _ = self.aborting.send(true);
             served.abort();
         }
         self.expiry.abort();

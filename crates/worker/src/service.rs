@@ -105,6 +105,8 @@ pub struct WorkerService {
     pub(crate) shm_dir: Option<std::path::PathBuf>,
     /// Becomes `true` when the worker stops: every stream this service feeds ends.
     pub(crate) stopping: tokio::sync::watch::Receiver<bool>,
+    /// Becomes `true` when the shutdown grace period is over: running generations end with an error.
+    pub(crate) aborting: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Resolves when the worker begins to stop.
@@ -247,7 +249,13 @@ impl WorkerService {
             .await
             .map_err(submit_status)?;
         let (mut first, mut kv, mut done) = (None, None, None);
-        while let Some(ev) = stream.next().await {
+        let mut abort = self.aborting.clone();
+        loop {
+            let ev = tokio::select! {
+                ev = stream.next() => ev,
+                _ = abort.wait_for(|&a| a) => return Err(Status::unavailable("the worker stopped")),
+            };
+            let Some(ev) = ev else { break };
             match ev {
                 SeqEvent::Token { token, .. } => {
                     self.metrics.time_to_first_token.observe(arrived.elapsed());
@@ -331,6 +339,7 @@ impl WorkerService {
         }
         let (tx, rx) = mpsc::channel(capacity);
         let metrics = Arc::clone(&self.metrics);
+        let abort = self.aborting.clone();
         let decode =
             tracing::info_span!("decode", output_tokens = tracing::field::Empty, cached_tokens = tracing::field::Empty);
         tokio::spawn(
@@ -339,6 +348,10 @@ impl WorkerService {
                 loop {
                     let ev = tokio::select! {
                         _ = &mut cancel_rx => break,
+                        _ = stopped(abort.clone()) => {
+                            let _ = tx.send(Err(Status::unavailable("the worker stopped"))).await;
+                            break;
+                        }
                         ev = stream.next() => ev,
                     };
                     let Some(ev) = ev else { break };

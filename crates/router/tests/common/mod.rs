@@ -18,13 +18,18 @@ pub fn model() -> std::path::PathBuf {
 }
 
 pub async fn worker(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
+    worker_at(ca, role, name, SocketAddr::from(([127, 0, 0, 1], 0))).await
+}
+
+/// A worker whose gRPC service listens on `grpc`.
+pub async fn worker_at(ca: &DevCa, role: Role, name: &str, grpc: SocketAddr) -> RunningWorker {
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     RunningWorker::start(WorkerConfig {
         role,
         model: model(),
         model_id: "smollm2-135m-instruct".into(),
         engine: EngineConfig { threads: std::num::NonZeroUsize::new(1), ..EngineConfig::default() },
-        grpc: loopback,
+        grpc,
         transfer: loopback,
         metrics: None,
         identity: ca.issue(name, &[]).expect("cert"),
@@ -120,4 +125,54 @@ fn dechunk(mut s: &str) -> String {
         s = rest[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// A streamed request read as it arrives.
+pub struct Streaming {
+    sock: tokio::net::TcpStream,
+    buf: String,
+}
+
+impl Streaming {
+    pub async fn open(addr: SocketAddr, path: &str, body: &str) -> Streaming {
+        let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connects");
+        let req = format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        sock.write_all(req.as_bytes()).await.expect("writes");
+        Streaming { sock, buf: String::new() }
+    }
+
+    /// `data:` payloads seen so far (the chunk framing is skipped: each event is on its own lines).
+    pub fn events(&self) -> Vec<String> {
+        self.buf.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    }
+
+    /// Reads until at least `n` events have arrived or the stream ends.
+    pub async fn until(&mut self, n: usize) {
+        let mut chunk = [0u8; 4096];
+        while self.events().len() < n {
+            match self.sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(k) => self.buf.push_str(&String::from_utf8_lossy(&chunk[..k])),
+            }
+        }
+    }
+
+    /// Reads to the end.
+    pub async fn finish(&mut self) -> Vec<String> {
+        self.until(usize::MAX).await;
+        self.events()
+    }
+}
+
+/// The text of a streamed chat answer, from its chunks.
+pub fn streamed_text(events: &[String]) -> String {
+    events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .collect()
 }

@@ -1,0 +1,141 @@
+//! Workers that die or restart under a running router: no request is lost.
+
+mod common;
+
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use common::*;
+use engine::generate::{Engine, EngineConfig, Request};
+use engine::sampling::{RawSampling, SamplingParams};
+use kv_transfer::tls::DevCa;
+use router::run::RunningRouter;
+use worker::Role;
+
+const MODEL: &str = "smollm2-135m-instruct";
+
+fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": true, "stream": stream})
+    .to_string()
+}
+
+/// The engine's own greedy continuation, ignoring end-of-generation.
+fn greedy(prompt: &str, max_tokens: u32) -> String {
+    let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    let raw = RawSampling { temperature: 0.0, max_tokens, ignore_eos: true, ..RawSampling::default() };
+    let req = Request {
+        namespace: None,
+        prompt: e.tokenizer().encode(prompt),
+        sampling: SamplingParams::new(raw).expect("ok"),
+    };
+    e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).text
+}
+
+fn completion_text(events: &[String]) -> String {
+    events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_lost_mid_stream_is_replaced_without_a_break() {
+    let ca = DevCa::generate().expect("ca");
+    let d1 = worker(&ca, Role::Decode, "decode-0").await;
+    let d2 = worker(&ca, Role::Decode, "decode-1").await;
+    let router = RunningRouter::start(router_config(&ca, vec![d1.grpc, d2.grpc])).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let prompt = "The history of the bicycle begins in the early nineteenth century, when";
+    let want = greedy(prompt, 40);
+
+    let mut s = Streaming::open(router.addr, "/v1/completions", &completion(prompt, 40, true)).await;
+    s.until(5).await;
+    // Whichever decode worker runs it dies now, mid-stream.
+    let running_on_d1 = d1.stats().await.expect("stats").running > 0;
+    let (dying, survivor) = if running_on_d1 { (d1, d2) } else { (d2, d1) };
+    dying.shutdown(Duration::ZERO).await;
+    let events = s.finish().await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream finished: {events:?}");
+    assert_eq!(completion_text(&events), want, "the client saw one unbroken, correct answer");
+    let stats = survivor.stats().await.expect("stats");
+    assert!(stats.counters.prefill_tokens > 0, "the survivor re-prefilled prompt + tokens so far");
+    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(metrics.contains("tandem_router_decode_resumptions_total 1"), "{metrics}");
+    router.shutdown(Duration::from_secs(5)).await;
+    survivor.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_killed_under_load_costs_no_request() {
+    let ca = DevCa::generate().expect("ca");
+    let p1 = worker(&ca, Role::Prefill, "prefill-0").await;
+    let p2 = worker(&ca, Role::Prefill, "prefill-1").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let router = RunningRouter::start(router_config(&ca, vec![p1.grpc, p2.grpc, d.grpc])).await.expect("router");
+    wait_for_workers(&router, 3).await;
+    let addr = router.addr;
+    let prompts: Vec<String> = (0..6)
+        .map(|i| format!("Request number {i} asks about rivers, mountains and the sea. Describe them:"))
+        .collect();
+    let mut tasks = Vec::new();
+    for p in &prompts {
+        let body = completion(p, 8, false);
+        tasks.push(tokio::spawn(async move { http(addr, "POST", "/v1/completions", &body, &[]).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    p1.shutdown(Duration::ZERO).await;
+    for (t, prompt) in tasks.into_iter().zip(&prompts) {
+        let r = t.await.expect("task");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["choices"][0]["text"], greedy(prompt, 8).as_str());
+    }
+    // The kill cut work off: some request moved to the other prefill worker, to local prefill, or to a retry.
+    let m = &router.state.metrics;
+    let moved = [&m.prefill_retries, &m.local_prefill_fallbacks, &m.decode_resumptions]
+        .iter()
+        .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+        .sum::<u64>();
+    assert!(moved > 0, "the killed worker had work in flight");
+    router.shutdown(Duration::from_secs(5)).await;
+    p2.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_is_reindexed_from_its_snapshot() {
+    let ca = DevCa::generate().expect("ca");
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let grpc = d.grpc;
+    let router = RunningRouter::start(router_config(&ca, vec![grpc])).await.expect("router");
+    wait_for_workers(&router, 1).await;
+    let body = completion(&"A long shared preamble about the weather in spring. ".repeat(6), 2, false);
+    let held = || async {
+        let v = http(router.addr, "POST", "/debug/route", &body, &[]).await.json();
+        v["decode"]["candidates"][0]["device_blocks"].as_u64().expect("blocks")
+    };
+    assert_eq!(held().await, 0);
+    assert_eq!(http(router.addr, "POST", "/v1/completions", &body, &[]).await.status, 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(held().await >= 4, "the index learned the prompt's blocks from the event stream");
+
+    // Restart on the same address: a new instance with an empty cache.
+    d.shutdown(Duration::from_secs(1)).await;
+    let restarted = worker_at(&ca, Role::Decode, "decode-0", grpc).await;
+    let mut seen_empty = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if router.state.cluster.up_members().len() == 1 && held().await == 0 {
+            seen_empty = true;
+            break;
+        }
+    }
+    assert!(seen_empty, "the old instance's blocks were dropped and the new snapshot is empty");
+    assert_eq!(http(router.addr, "POST", "/v1/completions", &body, &[]).await.status, 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(held().await >= 4, "and the restarted worker's new blocks are indexed");
+    router.shutdown(Duration::from_secs(5)).await;
+    restarted.shutdown(Duration::from_secs(5)).await;
+}
