@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cli;
 pub mod cluster;
 pub mod http;
 pub mod indexer;

@@ -262,7 +262,8 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
     })
 }
 
-async fn wait_for_signal() {
+/// Resolves on SIGINT or SIGTERM.
+pub async fn wait_for_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     match signal(SignalKind::terminate()) {
         Ok(mut term) => {

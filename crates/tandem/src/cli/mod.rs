@@ -3,6 +3,7 @@
 mod bench;
 mod certs;
 mod generate;
+mod up;
 
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Start a local cluster (router, prefill and decode workers) on the embedded model until Ctrl-C.
+    Up(up::Args),
+    /// Run the router in front of running workers until SIGINT or SIGTERM.
+    Router(Box<router::cli::Args>),
     /// Manage the embedded default model.
     Model {
         #[command(subcommand)]
@@ -103,7 +108,15 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
-        Command::Worker(args) => Ok(worker::cli::run(*args, None)),
+        Command::Up(args) => up::run(args),
+        Command::Router(args) => {
+            let _telemetry = telemetry::init("tandem-router");
+            Ok(router::cli::run(*args))
+        }
+        Command::Worker(args) => {
+            let _telemetry = telemetry::init("tandem-worker");
+            Ok(worker::cli::run(*args, None))
+        }
     }
 }
 

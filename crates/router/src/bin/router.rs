@@ -1,0 +1,17 @@
+//! The router binary: `router --workers host:port,...` (see `router --help`).
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(name = "router", about = "Tandem's router: OpenAI-compatible HTTP in front of prefill and decode workers")]
+struct Cli {
+    #[command(flatten)]
+    args: router::cli::Args,
+}
+
+fn main() -> ExitCode {
+    let _telemetry = telemetry::init("tandem-router");
+    router::cli::run(Cli::parse().args)
+}

@@ -1,0 +1,200 @@
+//! The router's command line and configuration: a TOML file, then `TANDEM_*` environment variables, then flags
+//! (later sources win). Unknown keys are errors and every problem is reported at once. The file's `[scheduler]`
+//! table is re-read when the file changes, so mounted weights can be edited live.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use kv_transfer::tls::Identity;
+use serde::Deserialize;
+
+use crate::run::{RouterConfig, RunningRouter, defaults};
+use crate::scheduler::config::SchedulerConfig;
+use crate::state::{Limits, RouterState};
+
+/// How often a mounted config file is checked for changes.
+const CONFIG_POLL: Duration = Duration::from_secs(2);
+/// How long shutdown waits for in-flight requests.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Settings as given by any source; all optional so that sources can be layered.
+#[derive(Debug, Default, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// HTTP listen address.
+    #[arg(long, env = "TANDEM_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// GGUF file for the tokenizer and chat template (default: the embedded model, fetched when missing).
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The model name clients send.
+    #[arg(long, env = "TANDEM_SERVED_MODEL")]
+    pub served_model: Option<String>,
+    /// Worker gRPC addresses (host:port; comma-separated).
+    #[arg(long, env = "TANDEM_WORKERS", value_delimiter = ',')]
+    pub workers: Option<Vec<SocketAddr>>,
+    /// Directory with ca.pem, <name>.pem and <name>.key (default: $TANDEM_HOME/certs).
+    #[arg(long, env = "TANDEM_CERTS_DIR")]
+    pub certs_dir: Option<PathBuf>,
+    /// This router's certificate name (default: router).
+    #[arg(long, env = "TANDEM_CERT_NAME")]
+    pub cert_name: Option<String>,
+    /// Accepted API keys (comma-separated); none: no key needed.
+    #[arg(long, env = "TANDEM_API_KEYS", value_delimiter = ',')]
+    pub api_keys: Option<Vec<String>>,
+    #[arg(long, env = "TANDEM_MAX_IN_FLIGHT")]
+    pub max_in_flight: Option<usize>,
+    #[arg(long, env = "TANDEM_MAX_QUEUE")]
+    pub max_queue: Option<usize>,
+    /// Whole-request deadline in milliseconds.
+    #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS")]
+    pub request_timeout_ms: Option<u64>,
+    #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+    /// Scheduler weights (the file's `[scheduler]` table; also `PUT /admin/router-config`).
+    #[arg(skip)]
+    pub scheduler: Option<SchedulerConfig>,
+}
+
+/// The router command line.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A TOML file with any of the settings (snake_case keys) and a `[scheduler]` table.
+    #[arg(long, env = "TANDEM_CONFIG")]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+fn read_file(path: &Path) -> Result<Settings, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// A resolved configuration, or every reason it is not one.
+pub fn resolve(args: Args) -> Result<RouterConfig, String> {
+    let file = args.config.as_deref().map(read_file).transpose()?.unwrap_or_default();
+    let s = args.settings;
+    let mut problems = Vec::new();
+    let listen = s.listen.or(file.listen).map_or_else(|| defaults::LISTEN.parse().map_err(|e| format!("{e}")), Ok);
+    let certs_dir = match s.certs_dir.or(file.certs_dir) {
+        Some(d) => Some(d),
+        None => engine::fetch::tandem_home().map(|h| h.join("certs")).map_err(|e| problems.push(e.to_string())).ok(),
+    };
+    let cert_name = s.cert_name.or(file.cert_name).unwrap_or_else(|| "router".into());
+    let identity = certs_dir.as_deref().and_then(|dir| {
+        Identity::from_pem_files(
+            &dir.join("ca.pem"),
+            &dir.join(format!("{cert_name}.pem")),
+            &dir.join(format!("{cert_name}.key")),
+        )
+        .map_err(|e| problems.push(format!("certificate {cert_name:?}: {e} (make them with `tandem certs init`)")))
+        .ok()
+    });
+    let model = match s.model.or(file.model) {
+        Some(m) => Some(m),
+        None => {
+            engine::fetch::ensure_default_model(&engine::fetch::Quiet).map_err(|e| problems.push(e.to_string())).ok()
+        }
+    };
+    let workers = s.workers.or(file.workers).unwrap_or_default();
+    if workers.is_empty() {
+        problems.push("no workers: give --workers host:port,... (or TANDEM_WORKERS)".into());
+    }
+    let scheduler = file.scheduler.unwrap_or_default();
+    if let Err(e) = scheduler.validate() {
+        problems.extend(e.into_iter().map(|e| format!("scheduler: {e}")));
+    }
+    let d = Limits::default();
+    let limits = Limits {
+        max_in_flight: s.max_in_flight.or(file.max_in_flight).unwrap_or(d.max_in_flight),
+        max_queue: s.max_queue.or(file.max_queue).unwrap_or(d.max_queue),
+        request_timeout: s
+            .request_timeout_ms
+            .or(file.request_timeout_ms)
+            .map_or(d.request_timeout, Duration::from_millis),
+        ..d
+    };
+    match (problems.is_empty(), listen, identity, model) {
+        (true, Ok(listen), Some(identity), Some(model)) => Ok(RouterConfig {
+            listen,
+            model,
+            served_model: s.served_model.or(file.served_model).unwrap_or_else(|| defaults::SERVED_MODEL.into()),
+            workers,
+            identity,
+            limits,
+            scheduler,
+            api_keys: s.api_keys.or(file.api_keys).unwrap_or_default().into_iter().filter(|k| !k.is_empty()).collect(),
+            block_size: defaults::BLOCK_SIZE,
+            max_model_len: s.max_model_len.or(file.max_model_len),
+            seed: None,
+        }),
+        (_, listen, ..) => {
+            problems.extend(listen.err().map(|e| format!("listen address: {e}")));
+            Err(problems.join("\n"))
+        }
+    }
+}
+
+/// Applies the file's `[scheduler]` table whenever the file changes.
+pub async fn watch_scheduler(path: PathBuf, state: Arc<RouterState>) {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen: Option<SystemTime> = modified(&path);
+    loop {
+        tokio::time::sleep(CONFIG_POLL).await;
+        let now = modified(&path);
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        match read_file(&path).map(|s| s.scheduler.unwrap_or_default()) {
+            Ok(c) => match c.validate() {
+                Ok(()) => {
+                    tracing::info!(file = %path.display(), "scheduler config reloaded");
+                    state.set_scheduler_config(c);
+                }
+                Err(e) => tracing::warn!(file = %path.display(), problems = %e.join("; "), "scheduler config refused"),
+            },
+            Err(e) => tracing::warn!(error = %e, "scheduler config unreadable"),
+        }
+    }
+}
+
+/// Runs a router until SIGINT or SIGTERM.
+pub fn run(args: Args) -> ExitCode {
+    let file = args.config.clone();
+    let config = match resolve(args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let router = match RunningRouter::start(config).await {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let watcher = file.map(|f| tokio::spawn(watch_scheduler(f, Arc::clone(&router.state))));
+        println!("tandem router listening: http://{}", router.addr);
+        worker::cli::wait_for_signal().await;
+        if let Some(w) = watcher {
+            w.abort();
+        }
+        router.shutdown(SHUTDOWN_GRACE).await;
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,162 @@
+//! `tandem up`: a whole local cluster in one process — a router and prefill and decode workers on loopback,
+//! mutual TLS between them from a development CA made on first start — until Ctrl-C.
+
+use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use engine::generate::EngineConfig;
+use kv_transfer::tls::{DevCa, Identity};
+use router::run::{RouterConfig, RunningRouter, defaults};
+use router::scheduler::config::SchedulerConfig;
+use router::state::Limits;
+use worker::{Role, RunningWorker, WorkerConfig};
+
+/// How long Ctrl-C waits for requests in flight before stopping them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Prefill workers.
+    #[arg(long, default_value_t = 2)]
+    prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 2)]
+    decode: usize,
+    /// Router HTTP port.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Router HTTP address (loopback by default; the workers always stay on loopback).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// A GGUF model file; the embedded SmolLM2 model when absent (fetched when missing).
+    #[arg(long, value_name = "PATH")]
+    model: Option<PathBuf>,
+    /// Compute threads per worker (default: the cores shared out among the workers, at least one each).
+    #[arg(long)]
+    threads: Option<NonZeroUsize>,
+    /// Device KV blocks per worker.
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// Require this API key (`Authorization: Bearer …`) on the router.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two.
+    #[arg(long, default_value = "kv")]
+    policy: String,
+}
+
+/// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
+/// (only this cluster's own components trust this CA, so replacing it breaks nothing else).
+fn identities(dir: &Path, names: &[String]) -> Result<Vec<Identity>, String> {
+    let load = |n: &String| {
+        Identity::from_pem_files(&dir.join("ca.pem"), &dir.join(format!("{n}.pem")), &dir.join(format!("{n}.key")))
+    };
+    if let Ok(all) = names.iter().map(load).collect::<Result<Vec<_>, _>>() {
+        return Ok(all);
+    }
+    let ca = DevCa::generate().map_err(|e| e.to_string())?;
+    ca.write(dir).map_err(|e| e.to_string())?;
+    names
+        .iter()
+        .map(|n| {
+            let id = ca.issue(n, &[]).map_err(|e| e.to_string())?;
+            id.write(dir, n).map_err(|e| e.to_string())?;
+            Ok(id)
+        })
+        .collect()
+}
+
+fn policy(name: &str) -> Result<SchedulerConfig, String> {
+    serde_json::from_value(serde_json::json!({ "policy": name }))
+        .map_err(|_| format!("unknown policy {name:?}: use kv, round_robin, random, least_loaded or power_of_two"))
+}
+
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    if args.decode == 0 {
+        return Err("a cluster needs at least one decode worker (--decode)".into());
+    }
+    let scheduler = policy(&args.policy)?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => engine::fetch::ensure_default_model(&crate::progress::Bar::new()).map_err(|e| e.to_string())?,
+    };
+    let home = engine::fetch::tandem_home().map_err(|e| e.to_string())?;
+    let roles: Vec<(Role, String)> = (0..args.prefill)
+        .map(|i| (Role::Prefill, format!("prefill-{i}")))
+        .chain((0..args.decode).map(|i| (Role::Decode, format!("decode-{i}"))))
+        .collect();
+    let mut names: Vec<String> = roles.iter().map(|(_, n)| n.clone()).collect();
+    names.push("router".into());
+    let mut ids = identities(&home.join("certs").join("up"), &names)?;
+    let router_id = ids.pop().ok_or("no router certificate")?;
+    let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+    let threads = args.threads.or(NonZeroUsize::new((cores / roles.len().max(1)).max(1)));
+    let _telemetry = telemetry::init("tandem");
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
+    runtime.block_on(async move {
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let mut workers = Vec::new();
+        for ((role, name), identity) in roles.into_iter().zip(ids) {
+            let engine = EngineConfig {
+                threads,
+                kv_blocks: args.kv_blocks.unwrap_or(EngineConfig::default().kv_blocks),
+                ..EngineConfig::default()
+            };
+            let w = RunningWorker::start(WorkerConfig {
+                role,
+                model: model.clone(),
+                model_id: defaults::SERVED_MODEL.into(),
+                engine,
+                grpc: loopback,
+                transfer: loopback,
+                metrics: Some(loopback),
+                identity,
+                lease_ttl: worker::DEFAULT_LEASE_TTL,
+                pull_timeout: worker::DEFAULT_PULL_TIMEOUT,
+                shm_dir: Some(PathBuf::from(kv_transfer::shm::DEFAULT_DIR)).filter(|d| d.is_dir()),
+            })
+            .await
+            .map_err(|e| format!("{name}: {e}"))?;
+            let metrics = w.metrics.map_or_else(String::new, |m| format!(", metrics http://{m}/metrics"));
+            eprintln!("  {name:<10} grpc {}, transfer {}{metrics}", w.grpc, w.transfer);
+            workers.push(w);
+        }
+        let router = RunningRouter::start(RouterConfig {
+            listen: SocketAddr::new(args.host, args.port),
+            model,
+            served_model: defaults::SERVED_MODEL.into(),
+            workers: workers.iter().map(|w| w.grpc).collect(),
+            identity: router_id,
+            limits: Limits::default(),
+            scheduler,
+            api_keys: args.api_key.into_iter().collect(),
+            block_size: defaults::BLOCK_SIZE,
+            max_model_len: None,
+            seed: None,
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        for _ in 0..200 {
+            if router.state.cluster.up_members().len() == workers.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let url = format!("http://{}", router.addr);
+        println!("Tandem is up: {url}  (model {}, {} workers; Ctrl-C stops it)", defaults::SERVED_MODEL, workers.len());
+        println!(
+            "  curl {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}]}}'",
+            defaults::SERVED_MODEL
+        );
+        worker::cli::wait_for_signal().await;
+        eprintln!("stopping…");
+        router.shutdown(SHUTDOWN_GRACE).await;
+        for w in workers {
+            w.shutdown(SHUTDOWN_GRACE).await;
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
