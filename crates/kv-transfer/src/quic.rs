@@ -157,6 +157,7 @@ async fn serve_stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, 
         traceparent = request.traceparent.as_deref(),
         blocks = request.blocks.len(),
     );
+    telemetry::trace::set_parent(&span, request.traceparent.as_deref());
     serve_blocks(send, &request, source, out).instrument(span).await;
 }
 
@@ -230,12 +231,19 @@ impl QuicClient {
             return Ok(conn);
         }
         let connect_err = |e: &dyn std::fmt::Display| TransferError::Connect { addr, reason: e.to_string() };
-        let conn = self
-            .endpoint
-            .connect(addr, server_name)
-            .map_err(|e| connect_err(&e))?
-            .await
-            .map_err(|e| connect_err(&e))?;
+        // The connection outlives this request (it is cached), so its driver task must not sit inside the
+        // request's span (quinn instruments it with the current one): that would keep the request's trace open
+        // for good. A fresh task has no current span.
+        let (endpoint, name) = (self.endpoint.clone(), server_name.to_string());
+        let conn = tokio::spawn(async move {
+            match endpoint.connect(addr, &name) {
+                Ok(c) => c.await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await
+        .map_err(|e| connect_err(&e))?
+        .map_err(|e| connect_err(&e))?;
         if let Ok(mut m) = self.connections.lock() {
             m.insert(key, conn.clone());
         }

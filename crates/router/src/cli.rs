@@ -180,6 +180,11 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Made inside the runtime (the OTLP client needs it) and dropped before it, flushing spans.
+    let _telemetry = {
+        let _in = runtime.enter();
+        telemetry::init("tandem-router")
+    };
     runtime.block_on(async move {
         let router = match RunningRouter::start(config).await {
             Ok(r) => r,

@@ -38,9 +38,10 @@ pub enum Piece {
 
 pub type Pieces = mpsc::Receiver<Result<Piece, ApiError>>;
 
-fn with_trace<T>(msg: T, traceparent: &Option<String>) -> tonic::Request<T> {
+/// `msg` with the trace context of `span` (or, when spans are not recorded, the client's) in its metadata.
+fn with_trace<T>(msg: T, span: &tracing::Span, client: &Option<String>) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
-    if let Some(tp) = traceparent
+    if let Some(tp) = telemetry::trace::traceparent(span).or_else(|| client.clone())
         && let Ok(v) = tp.parse()
     {
         req.metadata_mut().insert("traceparent", v);
@@ -85,10 +86,18 @@ async fn prefill(
             cache_namespace: job.namespace.clone(),
         };
         state.cluster.sent(cand.id, job.seq, job.tokens.len() as u64, job.request_blocks);
-        let span = tracing::info_span!("prefill", worker = %member.name, cached_tokens = tracing::field::Empty);
+        let span = tracing::info_span!(
+            "prefill",
+            otel.kind = "client",
+            worker = %member.name,
+            cached_tokens = tracing::field::Empty
+        );
         let mut client = member.client.clone();
         let call = tracing::Instrument::instrument(
-            tokio::time::timeout(state.limits.prefill_timeout, client.prefill(with_trace(msg, &job.traceparent))),
+            tokio::time::timeout(
+                state.limits.prefill_timeout,
+                client.prefill(with_trace(msg, &span, &job.traceparent)),
+            ),
             span.clone(),
         );
         let result = tokio::select! {
@@ -146,9 +155,14 @@ async fn decode_once(
     };
     state.cluster.sent(worker, job.seq, local_prefill, job.request_blocks);
     let mut client = member.client.clone();
-    let span = tracing::info_span!("generate", worker = %member.name, output_tokens = tracing::field::Empty);
+    let span = tracing::info_span!(
+        "generate",
+        otel.kind = "client",
+        worker = %member.name,
+        output_tokens = tracing::field::Empty
+    );
     let opened = tokio::select! {
-        r = tracing::Instrument::instrument(client.generate(with_trace(msg, &job.traceparent)), span.clone()) => r,
+        r = tracing::Instrument::instrument(client.generate(with_trace(msg, &span, &job.traceparent)), span.clone()) => r,
         _ = tx.closed() => {
             state.cluster.done(worker, job.seq);
             return Attempt::ClientGone;

@@ -4,5 +4,6 @@
 
 mod logs;
 pub mod prom;
+pub mod trace;
 
-pub use logs::{Guard, init};
+pub use logs::{Guard, TraceExport, init, init_with};

@@ -1,26 +1,112 @@
 //! Logs and traces for a process: `tracing` with `RUST_LOG` levels, text or JSON lines
-//! (`TANDEM_LOG_FORMAT=json`), on stderr.
+//! (`TANDEM_LOG_FORMAT=json`) on stderr, and OpenTelemetry spans exported over OTLP/gRPC when
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` is set (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES` and
+//! `OTEL_TRACES_SAMPLER` work as usual).
 
+use std::time::Duration;
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
 /// Level when `RUST_LOG` is unset: our own crates at info, everything else at warn.
 const DEFAULT_FILTER: &str = "warn,router=info,worker=info,tandem=info,kv_transfer=info,engine=info";
+/// Spans wait at most this long for the collector on shutdown.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Keeps telemetry running; drop it last (it flushes what is buffered).
+/// Where spans go.
+#[derive(Clone, Debug, Default)]
+pub struct TraceExport {
+    /// OTLP/gRPC endpoint (`http://host:4317`); `None`: spans are not exported.
+    pub endpoint: Option<String>,
+    /// Per-export timeout; the exporter's default (10 s) when `None`.
+    pub timeout: Option<Duration>,
+}
+
+impl TraceExport {
+    /// From the standard environment variables.
+    pub fn from_env() -> TraceExport {
+        let endpoint = std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            .or_else(|_| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT"))
+            .ok()
+            .filter(|e| !e.is_empty());
+        TraceExport { endpoint, timeout: None }
+    }
+}
+
+/// Keeps telemetry running; dropping it flushes buffered spans. Drop it inside the runtime it was made in.
 #[derive(Debug)]
-pub struct Guard(());
+pub struct Guard {
+    provider: Option<SdkTracerProvider>,
+}
 
-/// Installs the process-wide subscriber once; later calls (tests, an embedding program) change nothing.
+impl Guard {
+    /// Whether spans are exported.
+    pub fn exporting(&self) -> bool {
+        self.provider.is_some()
+    }
+
+    /// Exports every finished span now.
+    pub fn flush(&self) {
+        if let Some(p) = &self.provider {
+            let _ = p.force_flush();
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(p) = self.provider.take() {
+            let _ = p.shutdown_with_timeout(FLUSH_TIMEOUT);
+        }
+    }
+}
+
+/// Installs the process-wide subscriber, exporting spans as the environment says. Call it inside a tokio runtime
+/// (the OTLP client needs one). Later calls change nothing.
 pub fn init(service: &str) -> Guard {
+    init_with(service, TraceExport::from_env())
+}
+
+fn provider(service: &str, export: &TraceExport) -> Option<SdkTracerProvider> {
+    let endpoint = export.endpoint.as_ref()?;
+    let mut builder = opentelemetry_otlp::SpanExporter::builder().with_tonic().with_endpoint(endpoint.clone());
+    if let Some(t) = export.timeout {
+        builder = builder.with_timeout(t);
+    }
+    let exporter = match builder.build() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("warning: traces are not exported: {e}");
+            return None;
+        }
+    };
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+        resource = resource.with_service_name(service.to_string());
+    }
+    // The batch exporter never blocks a request: spans queue (bounded) and leave on their own thread.
+    Some(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build())
+}
+
+/// [`init`] with an explicit export target (tests, embedding programs).
+pub fn init_with(service: &str, export: TraceExport) -> Guard {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
     let json = std::env::var("TANDEM_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let provider = provider(service, &export);
+    let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("tandem")));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let registry = tracing_subscriber::registry().with(filter);
+    let registry = tracing_subscriber::registry().with(otel).with(filter);
     let installed = if json { registry.with(fmt.json()).try_init() } else { registry.with(fmt).try_init() };
-    if installed.is_ok() {
-        tracing::debug!(service, "telemetry started");
+    if installed.is_err() {
+        // Someone else installed a subscriber first; ours would export nothing.
+        if let Some(p) = provider {
+            let _ = p.shutdown();
+        }
+        return Guard { provider: None };
     }
-    Guard(())
+    Guard { provider }
 }

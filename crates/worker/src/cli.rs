@@ -244,6 +244,16 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let service = match config.role {
+        Role::Prefill => "tandem-prefill-worker",
+        Role::Decode => "tandem-decode-worker",
+        Role::Both => "tandem-worker",
+    };
+    // Made inside the runtime (the OTLP client needs it) and dropped before it, flushing spans.
+    let _telemetry = {
+        let _in = runtime.enter();
+        telemetry::init(service)
+    };
     runtime.block_on(async move {
         let worker = match RunningWorker::start(config).await {
             Ok(w) => w,

@@ -160,7 +160,12 @@ impl WorkerService {
     #[tracing::instrument(
         name = "kv_transfer.pull",
         skip_all,
-        fields(transport = tracing::field::Empty, blocks = 0u64, bytes = 0u64, throughput_bytes_per_s = tracing::field::Empty)
+        fields(
+            transport = tracing::field::Empty,
+            blocks = tracing::field::Empty,
+            bytes = tracing::field::Empty,
+            throughput_bytes_per_s = tracing::field::Empty
+        )
     )]
     async fn pull_missing(
         &self,
@@ -195,6 +200,7 @@ impl WorkerService {
             .map_err(|e| Status::invalid_argument(format!("handle endpoint {:?}: {e}", handle.endpoint)))?;
         let server_name = addr.ip().to_string();
         if wanted.is_empty() {
+            tracing::Span::current().record("blocks", 0);
             self.release_lease(addr, &server_name, handle.lease).await;
             return Ok(());
         }
@@ -205,7 +211,8 @@ impl WorkerService {
             blocks: &wanted,
             streams: PULL_STREAMS,
             timeout: self.pull_timeout,
-            traceparent,
+            // The owner's serve span becomes a child of this pull.
+            traceparent: telemetry::trace::traceparent(&tracing::Span::current()).or(traceparent),
         };
         // On the same host the owner's shared-memory region is readable: copy from it (one-sided); else QUIC.
         let local = handle
@@ -419,12 +426,14 @@ impl Worker for WorkerService {
         let arrived = Instant::now();
         let span = tracing::info_span!(
             "prefill",
+            otel.kind = "server",
             traceparent = traceparent(&req).as_deref(),
             request_id = %req.get_ref().request_id,
             prompt_tokens = req.get_ref().tokens.len(),
             cached_tokens = tracing::field::Empty,
             computed_tokens = tracing::field::Empty,
         );
+        telemetry::trace::set_parent(&span, traceparent(&req).as_deref());
         self.prefill_inner(req.into_inner(), arrived).instrument(span).await
     }
 
@@ -436,10 +445,12 @@ impl Worker for WorkerService {
         let traceparent = traceparent(&req);
         let span = tracing::info_span!(
             "generate",
+            otel.kind = "server",
             traceparent = traceparent.as_deref(),
             request_id = %req.get_ref().request_id,
             prompt_tokens = req.get_ref().tokens.len(),
         );
+        telemetry::trace::set_parent(&span, traceparent.as_deref());
         self.generate_inner(req.into_inner(), traceparent, arrived).instrument(span).await
     }
 

@@ -12,6 +12,5 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
-    let _telemetry = telemetry::init("tandem-router");
     router::cli::run(Cli::parse().args)
 }

@@ -70,6 +70,7 @@ async fn chat(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
         gen_ai.usage.output_tokens = tracing::field::Empty,
         gen_ai.response.finish_reasons = tracing::field::Empty,
     );
+    telemetry::trace::set_parent(&span, traceparent(&headers).as_deref());
     generate(state.0, headers, body, Endpoint::Chat).instrument(span).await
 }
 
@@ -83,6 +84,7 @@ async fn completion(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
         gen_ai.usage.output_tokens = tracing::field::Empty,
         gen_ai.response.finish_reasons = tracing::field::Empty,
     );
+    telemetry::trace::set_parent(&span, traceparent(&headers).as_deref());
     generate(state.0, headers, body, Endpoint::Completion).instrument(span).await
 }
 

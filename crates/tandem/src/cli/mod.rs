@@ -109,14 +109,8 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(args),
-        Command::Router(args) => {
-            let _telemetry = telemetry::init("tandem-router");
-            Ok(router::cli::run(*args))
-        }
-        Command::Worker(args) => {
-            let _telemetry = telemetry::init("tandem-worker");
-            Ok(worker::cli::run(*args, None))
-        }
+        Command::Router(args) => Ok(router::cli::run(*args)),
+        Command::Worker(args) => Ok(worker::cli::run(*args, None)),
     }
 }
 

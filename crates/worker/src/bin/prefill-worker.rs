@@ -10,6 +10,5 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let _telemetry = telemetry::init("tandem-prefill-worker");
     worker::cli::run(Cli::parse().args, Some(worker::Role::Prefill))
 }
