@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime};
 use kv_transfer::tls::Identity;
 use serde::Deserialize;
 
+use crate::discovery::{DEFAULT_DNS_REFRESH, WorkerSource};
 use crate::run::{RouterConfig, RunningRouter, defaults};
 use crate::scheduler::config::SchedulerConfig;
 use crate::state::{Limits, RouterState};
@@ -33,9 +34,13 @@ pub struct Settings {
     /// The model name clients send.
     #[arg(long, env = "TANDEM_SERVED_MODEL")]
     pub served_model: Option<String>,
-    /// Worker gRPC addresses (host:port; comma-separated).
+    /// Worker gRPC addresses, `ip:port` or a DNS `name:port` re-resolved periodically (comma-separated). Workers
+    /// can also register themselves (`POST /admin/workers`).
     #[arg(long, env = "TANDEM_WORKERS", value_delimiter = ',')]
-    pub workers: Option<Vec<SocketAddr>>,
+    pub workers: Option<Vec<String>>,
+    /// Seconds between DNS resolutions of worker names.
+    #[arg(long, env = "TANDEM_DNS_REFRESH_SECS")]
+    pub dns_refresh_secs: Option<u64>,
     /// Directory with ca.pem, <name>.pem and <name>.key (default: $TANDEM_HOME/certs).
     #[arg(long, env = "TANDEM_CERTS_DIR")]
     pub certs_dir: Option<PathBuf>,
@@ -100,10 +105,15 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             engine::fetch::ensure_default_model(&engine::fetch::Quiet).map_err(|e| problems.push(e.to_string())).ok()
         }
     };
-    let workers = s.workers.or(file.workers).unwrap_or_default();
-    if workers.is_empty() {
-        problems.push("no workers: give --workers host:port,... (or TANDEM_WORKERS)".into());
-    }
+    let workers: Vec<WorkerSource> = s
+        .workers
+        .or(file.workers)
+        .unwrap_or_default()
+        .iter()
+        .filter(|w| !w.is_empty())
+        .filter_map(|w| WorkerSource::parse(w).map_err(|e| problems.push(e)).ok())
+        .collect();
+    let dns_refresh = s.dns_refresh_secs.or(file.dns_refresh_secs).map_or(DEFAULT_DNS_REFRESH, Duration::from_secs);
     let scheduler = file.scheduler.unwrap_or_default();
     if let Err(e) = scheduler.validate() {
         problems.extend(e.into_iter().map(|e| format!("scheduler: {e}")));
@@ -124,6 +134,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             model,
             served_model: s.served_model.or(file.served_model).unwrap_or_else(|| defaults::SERVED_MODEL.into()),
             workers,
+            dns_refresh,
             identity,
             limits,
             scheduler,

@@ -2,7 +2,7 @@
 //! follower task per worker (its `SubscribeKvEvents` and `WatchLoad` streams). The state sits behind one lock
 //! with short critical sections; the pure parts (`PrefixIndex`, `LoadTracker`, the scheduler) do the work.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -60,6 +60,8 @@ pub struct Cluster {
     model: ModelIdentity,
     identity: Identity,
     state: Mutex<State>,
+    /// One follower task per worker address.
+    followers: Mutex<HashMap<SocketAddr, (WorkerId, tokio::task::AbortHandle)>>,
     next_id: AtomicU32,
     stop: watch::Receiver<bool>,
 }
@@ -85,7 +87,14 @@ fn role(r: i32) -> WorkerRole {
 
 impl Cluster {
     pub fn new(model: ModelIdentity, identity: Identity, stop: watch::Receiver<bool>) -> Arc<Cluster> {
-        Arc::new(Cluster { model, identity, state: Mutex::default(), next_id: AtomicU32::new(0), stop })
+        Arc::new(Cluster {
+            model,
+            identity,
+            state: Mutex::default(),
+            followers: Mutex::default(),
+            next_id: AtomicU32::new(0),
+            stop,
+        })
     }
 
     pub fn model(&self) -> &ModelIdentity {
@@ -98,12 +107,36 @@ impl Cluster {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts following the worker at `addr`: joins it when it answers, and again whenever it comes back.
+    /// Starts following the worker at `addr` (once, however often it is asked): joins it when it answers, and
+    /// again whenever it comes back.
     pub fn follow(self: &Arc<Cluster>, addr: SocketAddr) -> WorkerId {
+        let mut followers = self.followers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((id, _)) = followers.get(&addr) {
+            return *id;
+        }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let cluster = Arc::clone(self);
-        tokio::spawn(async move { cluster.run_follower(id, addr).await });
+        let task = tokio::spawn(async move { cluster.run_follower(id, addr).await });
+        followers.insert(addr, (id, task.abort_handle()));
         id
+    }
+
+    /// Stops following the worker at `addr` and forgets it (it left the cluster).
+    pub fn unfollow(&self, addr: SocketAddr) -> bool {
+        let removed = self.followers.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
+        let Some((id, task)) = removed else { return false };
+        task.abort();
+        let mut s = self.lock();
+        s.members.remove(&id);
+        s.index.remove_worker(id);
+        s.load.forget(id);
+        tracing::info!(worker = %addr, "worker left");
+        true
+    }
+
+    /// Addresses being followed.
+    pub fn followed(&self) -> Vec<SocketAddr> {
+        self.followers.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect()
     }
 
     async fn run_follower(self: Arc<Cluster>, id: WorkerId, addr: SocketAddr) {

@@ -4,6 +4,7 @@
 
 pub mod cli;
 pub mod cluster;
+pub mod discovery;
 pub mod http;
 pub mod indexer;
 pub mod load;

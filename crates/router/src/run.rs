@@ -12,6 +12,7 @@ use kv_transfer::tls::Identity;
 use tokio::sync::watch;
 
 use crate::cluster::{Cluster, ModelIdentity};
+use crate::discovery::WorkerSource;
 use crate::metrics::RouterMetrics;
 use crate::scheduler::config::SchedulerConfig;
 use crate::scheduler::rng::Rng;
@@ -62,8 +63,10 @@ pub struct RouterConfig {
     /// The GGUF file whose tokenizer and chat template the router uses (the weights are not read).
     pub model: PathBuf,
     pub served_model: String,
-    /// Worker gRPC addresses.
-    pub workers: Vec<SocketAddr>,
+    /// Workers known at start (more may register themselves later).
+    pub workers: Vec<WorkerSource>,
+    /// How often DNS names among `workers` are resolved again.
+    pub dns_refresh: Duration,
     pub identity: Identity,
     pub limits: Limits,
     pub scheduler: SchedulerConfig,
@@ -114,9 +117,7 @@ impl RunningRouter {
             block_size: config.block_size,
         };
         let cluster = Cluster::new(model, config.identity, stop_rx.clone());
-        for w in &config.workers {
-            cluster.follow(*w);
-        }
+        crate::discovery::start(&cluster, &config.workers, config.dns_refresh, stop_rx.clone());
         let state = Arc::new(RouterState {
             cluster,
             text: Arc::new(text),

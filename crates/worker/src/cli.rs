@@ -78,6 +78,15 @@ pub struct Settings {
     /// How long shutdown waits for in-flight requests, in milliseconds.
     #[arg(long, env = "TANDEM_SHUTDOWN_GRACE_MS")]
     pub shutdown_grace_ms: Option<u64>,
+    /// Register with the router at this HTTP address (host:port) on start, and leave it on shutdown.
+    #[arg(long, env = "TANDEM_REGISTER_WITH")]
+    pub register_with: Option<String>,
+    /// The gRPC address the router should dial (default: the gRPC listen address).
+    #[arg(long, env = "TANDEM_ADVERTISE_ADDR")]
+    pub advertise_addr: Option<SocketAddr>,
+    /// The router's API key for registration.
+    #[arg(long, env = "TANDEM_REGISTER_KEY")]
+    pub register_key: Option<String>,
 }
 
 /// The worker command line.
@@ -120,13 +129,25 @@ impl Settings {
             max_model_len,
             shm_dir,
             lease_ttl_ms,
-            shutdown_grace_ms
+            shutdown_grace_ms,
+            register_with,
+            advertise_addr,
+            register_key
         )
     }
 }
 
+/// A worker process's resolved settings.
+#[derive(Debug)]
+pub struct Resolved {
+    pub config: WorkerConfig,
+    pub grace: Duration,
+    /// Where to register, with the advertised address still to be settled against the bound one.
+    pub register: Option<(String, Option<SocketAddr>, Option<String>)>,
+}
+
 /// A resolved configuration, or every reason it is not one.
-pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, Duration), String> {
+pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, String> {
     let file = match &args.config {
         None => Settings::default(),
         Some(path) => {
@@ -194,8 +215,9 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, 
         ..defaults
     };
     match (problems.is_empty(), identity, model, grpc, transfer, metrics) {
-        (true, Some(identity), Some(model), Ok(grpc), Ok(transfer), Ok(metrics)) => Ok((
-            WorkerConfig {
+        (true, Some(identity), Some(model), Ok(grpc), Ok(transfer), Ok(metrics)) => Ok(Resolved {
+            register: s.register_with.map(|r| (r, s.advertise_addr, s.register_key)),
+            config: WorkerConfig {
                 role,
                 model,
                 model_id: s.model_id.unwrap_or_else(|| "smollm2-135m-instruct".to_string()),
@@ -212,8 +234,8 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<(WorkerConfig, 
                     None => Some(PathBuf::from(kv_transfer::shm::DEFAULT_DIR)).filter(|d| d.is_dir()),
                 },
             },
-            s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
-        )),
+            grace: s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
+        }),
         (_, _, _, grpc, transfer, metrics) => {
             problems.extend(grpc.err().map(|e| format!("grpc address: {e}")));
             problems.extend(transfer.err().map(|e| format!("transfer address: {e}")));
@@ -230,7 +252,7 @@ fn load_identity(dir: &Path, name: &str) -> Result<Identity, String> {
 
 /// Runs a worker until SIGINT or SIGTERM, then shuts it down gracefully.
 pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
-    let (config, grace) = match resolve(args, default_role) {
+    let Resolved { config, grace, register } = match resolve(args, default_role) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -265,8 +287,20 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
         // Scripts and tests read the actual addresses from this line (ports may have been 0).
         let metrics = worker.metrics.map_or_else(|| "off".to_string(), |m| m.to_string());
         println!("tandem worker listening: grpc={} transfer={} metrics={metrics}", worker.grpc, worker.transfer);
+        let registration = register.map(|(router, advertise, api_key)| crate::register::Registration {
+            router,
+            advertise: advertise.unwrap_or(worker.grpc),
+            api_key,
+        });
+        let announcing = registration.clone().map(crate::register::Registration::keep_announcing);
         wait_for_signal().await;
         eprintln!("shutting down (grace {grace:?})");
+        if let (Some(r), Some(task)) = (registration, announcing) {
+            task.abort();
+            if let Err(e) = r.withdraw().await {
+                eprintln!("warning: {e}");
+            }
+        }
         worker.shutdown(grace).await;
         ExitCode::SUCCESS
     })

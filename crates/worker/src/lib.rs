@@ -9,6 +9,7 @@ pub mod convert;
 pub mod grpc_tls;
 pub mod leases;
 pub mod metrics;
+pub mod register;
 mod service;
 
 use std::net::SocketAddr;

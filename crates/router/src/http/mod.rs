@@ -35,6 +35,7 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/debug/route", post(debug_route))
         .route("/admin/router-config", get(get_config).put(put_config))
+        .route("/admin/workers", get(list_workers).post(add_worker).delete(remove_worker))
         .fallback(|| async { ApiError::NotFound })
         .with_state(state)
 }
@@ -189,6 +190,61 @@ async fn put_config(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
     })();
     match updated {
         Ok(c) => axum::Json(c).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The worker address in a `{"address": "host:port"}` body, resolved.
+async fn worker_address(body: &[u8]) -> Result<std::net::SocketAddr, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let addr = v["address"].as_str().ok_or_else(|| ApiError::bad("`address` (host:port) is required", "address"))?;
+    tokio::net::lookup_host(addr)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| ApiError::bad(format!("cannot resolve worker address {addr:?}"), "address"))
+}
+
+async fn list_workers(state: Shared, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    let up: std::collections::HashMap<std::net::SocketAddr, String> =
+        state.cluster.up_members().into_iter().map(|(_, m)| (m.addr, format!("{:?}", m.role).to_lowercase())).collect();
+    let mut followed = state.cluster.followed();
+    followed.sort();
+    let list: Vec<Value> = followed
+        .iter()
+        .map(|a| json!({"address": a.to_string(), "up": up.contains_key(a), "role": up.get(a)}))
+        .collect();
+    axum::Json(json!({"workers": list})).into_response()
+}
+
+/// A worker registers itself (or an operator adds one); idempotent.
+async fn add_worker(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let added = async {
+        authorize(&state, &headers)?;
+        let addr = worker_address(&body).await?;
+        state.cluster.follow(addr);
+        Ok::<_, ApiError>(addr)
+    }
+    .await;
+    match added {
+        Ok(addr) => (StatusCode::ACCEPTED, axum::Json(json!({"address": addr.to_string()}))).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A worker leaves (graceful shutdown) or an operator removes it.
+async fn remove_worker(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let removed = async {
+        authorize(&state, &headers)?;
+        let addr = worker_address(&body).await?;
+        if state.cluster.unfollow(addr) { Ok(()) } else { Err(ApiError::NotFound) }
+    }
+    .await;
+    match removed {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use engine::generate::EngineConfig;
 use kv_transfer::tls::DevCa;
+use router::discovery::WorkerSource;
 use router::run::{RouterConfig, RunningRouter};
 use router::scheduler::config::SchedulerConfig;
 use router::state::Limits;
@@ -42,11 +43,13 @@ pub async fn worker_at(ca: &DevCa, role: Role, name: &str, grpc: SocketAddr) -> 
 }
 
 pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
+    let workers = workers.into_iter().map(WorkerSource::Static).collect();
     RouterConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         model: model(),
         served_model: "smollm2-135m-instruct".into(),
         workers,
+        dns_refresh: Duration::from_millis(200),
         identity: ca.issue("router", &[]).expect("cert"),
         limits: Limits { request_timeout: Duration::from_secs(120), ..Limits::default() },
         scheduler: SchedulerConfig { slow_start_secs: 0.0, ..SchedulerConfig::default() },

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use engine::generate::EngineConfig;
 use kv_transfer::tls::{DevCa, Identity};
+use router::discovery::WorkerSource;
 use router::run::{RouterConfig, RunningRouter, defaults};
 use router::scheduler::config::SchedulerConfig;
 use router::state::Limits;
@@ -132,7 +133,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             listen: SocketAddr::new(args.host, args.port),
             model,
             served_model: defaults::SERVED_MODEL.into(),
-            workers: workers.iter().map(|w| w.grpc).collect(),
+            workers: workers.iter().map(|w| WorkerSource::Static(w.grpc)).collect(),
+            dns_refresh: router::discovery::DEFAULT_DNS_REFRESH,
             identity: router_id,
             limits: Limits::default(),
             scheduler,
