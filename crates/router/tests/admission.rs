@@ -21,7 +21,8 @@ async fn a_full_router_says_429_with_retry_after_and_a_slow_request_504() {
     let ca = DevCa::generate().expect("ca");
     let d = worker(&ca, Role::Decode, "decode-0").await;
     let mut config = router_config(&ca, vec![d.grpc]);
-    config.limits = Limits { max_in_flight: 1, max_queue: 0, request_timeout: Duration::from_secs(1), ..Limits::default() };
+    config.limits =
+        Limits { max_in_flight: 1, max_queue: 0, request_timeout: Duration::from_secs(1), ..Limits::default() };
     let router = RunningRouter::start(config).await.expect("router");
     wait_for_workers(&router, 1).await;
     let addr = router.addr;
