@@ -158,3 +158,54 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
     router.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_goes_back_to_the_prefill_worker_that_holds_it() {
+    let ca = DevCa::generate().expect("ca");
+    let p1 = worker(&ca, Role::Prefill, "prefill-0").await;
+    let p2 = worker(&ca, Role::Prefill, "prefill-1").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let router = RunningRouter::start(router_config(&ca, vec![p1.grpc, p2.grpc, d.grpc])).await.expect("router");
+    wait_for_workers(&router, 3).await;
+    let addr = router.addr;
+    // Always through a prefill worker, so that placement there is what is measured.
+    let r = http(addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    let system = "You answer questions about geography. Be precise, brief and friendly. ".repeat(5);
+    let ask = |q: &str| {
+        serde_json::json!({"model": MODEL, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+        .to_string()
+    };
+    let first = http(addr, "POST", "/v1/chat/completions", &ask("Where is Peru?"), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = if p1.stats().await.expect("stats").counters.prefill_tokens > 0 { p1.grpc } else { p2.grpc };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    for q in ["Where is Chile?", "Where is Laos?", "Where is Mali?"] {
+        let explained = http(addr, "POST", "/debug/route", &ask(q), &[]).await.json();
+        assert_eq!(explained["prefill"]["worker"], holder.to_string(), "{explained}");
+        let reply = http(addr, "POST", "/v1/chat/completions", &ask(q), &[]).await.json();
+        let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
+        assert!(cached >= 64, "the shared system prompt came from the holder's cache: {reply}");
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+    for w in [p1, p2, d] {
+        w.shutdown(Duration::from_secs(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_another_block_size_is_refused() {
+    let ca = DevCa::generate().expect("ca");
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let mut config = router_config(&ca, vec![d.grpc]);
+    config.block_size = 32;
+    let router = RunningRouter::start(config).await.expect("router");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(router.state.cluster.up_members().is_empty(), "the worker's 16-token blocks do not match the router's 32");
+    assert_eq!(http(router.addr, "GET", "/ready", "", &[]).await.status, 503);
+    router.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}

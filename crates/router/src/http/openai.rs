@@ -273,3 +273,38 @@ mod tests {
         assert!(e.to_string().contains("one prompt"));
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        /// Whatever a client sends, the checks answer with a value or an error, never a panic.
+        #[test]
+        fn arbitrary_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = check_chat(&body);
+            let _ = check_completion(&body);
+        }
+
+        /// Well-formed JSON with wild field values: still a value or an error.
+        #[test]
+        fn wild_field_values_never_panic(
+            t in any::<f32>(), p in any::<f32>(), k in any::<u32>(), m in any::<u32>(), n in any::<u32>(),
+            stop in proptest::collection::vec(".{0,8}", 0..6), content in ".{0,64}", role in "[a-z]{0,10}",
+        ) {
+            let body = serde_json::json!({
+                "model": "m", "temperature": t, "top_p": p, "top_k": k, "max_tokens": m, "n": n, "stop": stop,
+                "messages": [{"role": role, "content": content}], "prompt": content,
+            });
+            let bytes = body.to_string().into_bytes();
+            if let Ok(c) = check_chat(&bytes) {
+                prop_assert!(c.temperature >= 0.0 && c.temperature <= 2.0 && c.top_p > 0.0 && c.top_p <= 1.0);
+                prop_assert!(c.max_tokens != Some(0) && c.stop.len() <= 4);
+            }
+            let _ = check_completion(&bytes);
+        }
+    }
+}
