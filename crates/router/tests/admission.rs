@@ -62,16 +62,14 @@ async fn wait_idle(w: &worker::RunningWorker) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_cancels_its_work() {
     let ca = DevCa::generate().expect("ca");
-    let d = worker(&ca, Role::Decode, "decode-0").await;
-    let router = RunningRouter::start(router_config(&ca, vec![d.grpc])).await.expect("router");
-    wait_for_workers(&router, 1).await;
+    let (workers, router) = cluster(&ca, &[Role::Decode]).await;
+    let d = &workers[0];
     let mut s = Streaming::open(router.addr, "/v1/completions", &long(true)).await;
     s.until(3).await;
     assert_eq!(d.stats().await.expect("stats").running, 1);
     drop(s);
-    wait_idle(&d).await;
+    wait_idle(d).await;
     let stats = d.stats().await.expect("stats");
     assert!(stats.counters.prefill_tokens < 300, "stopped long before 400 tokens: {stats:?}");
-    router.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(router, workers).await;
 }

@@ -29,10 +29,8 @@ fn greedy_reply(messages: &[ChatMessage], max_tokens: u32) -> (String, usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
     let ca = DevCa::generate().expect("ca");
-    let p = worker(&ca, Role::Prefill, "prefill-0").await;
-    let d = worker(&ca, Role::Decode, "decode-0").await;
-    let router = RunningRouter::start(router_config(&ca, vec![p.grpc, d.grpc])).await.expect("router");
-    wait_for_workers(&router, 2).await;
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let (p, d) = (&workers[0], &workers[1]);
     let addr = router.addr;
 
     let system = "You are a careful assistant. Answer in one short sentence, and never use lists. ".repeat(3);
@@ -94,10 +92,7 @@ async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
         "{metrics}"
     );
     assert!(metrics.contains("reason=\"prefill_remote\""), "{metrics}");
-
-    router.shutdown(Duration::from_secs(5)).await;
-    p.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(router, workers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,11 +157,8 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_prefix_goes_back_to_the_prefill_worker_that_holds_it() {
     let ca = DevCa::generate().expect("ca");
-    let p1 = worker(&ca, Role::Prefill, "prefill-0").await;
-    let p2 = worker(&ca, Role::Prefill, "prefill-1").await;
-    let d = worker(&ca, Role::Decode, "decode-0").await;
-    let router = RunningRouter::start(router_config(&ca, vec![p1.grpc, p2.grpc, d.grpc])).await.expect("router");
-    wait_for_workers(&router, 3).await;
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Prefill, Role::Decode]).await;
+    let (p1, p2) = (&workers[0], &workers[1]);
     let addr = router.addr;
     // Always through a prefill worker, so that placement there is what is measured.
     let r = http(addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
@@ -190,10 +182,7 @@ async fn a_shared_prefix_goes_back_to_the_prefill_worker_that_holds_it() {
         let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
         assert!(cached >= 64, "the shared system prompt came from the holder's cache: {reply}");
     }
-    router.shutdown(Duration::from_secs(5)).await;
-    for w in [p1, p2, d] {
-        w.shutdown(Duration::from_secs(5)).await;
-    }
+    stop(router, workers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

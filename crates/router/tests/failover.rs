@@ -44,10 +44,8 @@ fn completion_text(events: &[String]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_lost_mid_stream_is_replaced_without_a_break() {
     let ca = DevCa::generate().expect("ca");
-    let d1 = worker(&ca, Role::Decode, "decode-0").await;
-    let d2 = worker(&ca, Role::Decode, "decode-1").await;
-    let router = RunningRouter::start(router_config(&ca, vec![d1.grpc, d2.grpc])).await.expect("router");
-    wait_for_workers(&router, 2).await;
+    let (mut workers, router) = cluster(&ca, &[Role::Decode, Role::Decode]).await;
+    let (d1, d2) = (workers.remove(0), workers.remove(0));
     let prompt = "The history of the bicycle begins in the early nineteenth century, when";
     let want = greedy(prompt, 40);
 
@@ -64,18 +62,14 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_a_break() {
     assert!(stats.counters.prefill_tokens > 0, "the survivor re-prefilled prompt + tokens so far");
     let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
     assert!(metrics.contains("tandem_router_decode_resumptions_total 1"), "{metrics}");
-    router.shutdown(Duration::from_secs(5)).await;
-    survivor.shutdown(Duration::from_secs(5)).await;
+    stop(router, vec![survivor]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_worker_killed_under_load_costs_no_request() {
     let ca = DevCa::generate().expect("ca");
-    let p1 = worker(&ca, Role::Prefill, "prefill-0").await;
-    let p2 = worker(&ca, Role::Prefill, "prefill-1").await;
-    let d = worker(&ca, Role::Decode, "decode-0").await;
-    let router = RunningRouter::start(router_config(&ca, vec![p1.grpc, p2.grpc, d.grpc])).await.expect("router");
-    wait_for_workers(&router, 3).await;
+    let (mut workers, router) = cluster(&ca, &[Role::Prefill, Role::Prefill, Role::Decode]).await;
+    let p1 = workers.remove(0);
     let addr = router.addr;
     let prompts: Vec<String> = (0..6)
         .map(|i| format!("Request number {i} asks about rivers, mountains and the sea. Describe them:"))
@@ -99,9 +93,7 @@ async fn a_prefill_worker_killed_under_load_costs_no_request() {
         .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
         .sum::<u64>();
     assert!(moved > 0, "the killed worker had work in flight");
-    router.shutdown(Duration::from_secs(5)).await;
-    p2.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(router, workers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,6 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{Tra
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
-use router::run::RunningRouter;
 use telemetry::TraceExport;
 use worker::Role;
 
@@ -69,10 +68,8 @@ async fn one_trace_follows_a_request_across_every_component() {
     assert!(guard.exporting(), "this test process exports its spans");
 
     let ca = DevCa::generate().expect("ca");
-    let p = worker(&ca, Role::Prefill, "prefill-0").await;
-    let d = worker(&ca, Role::Decode, "decode-0").await;
-    let router = RunningRouter::start(router_config(&ca, vec![p.grpc, d.grpc])).await.expect("router");
-    wait_for_workers(&router, 2).await;
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let (p, d) = (&workers[0], &workers[1]);
 
     let client_trace = "0af7651916cd43dd8448eb211c80319c";
     let client_span = "b7ad6b7169203331";
@@ -161,8 +158,6 @@ async fn one_trace_follows_a_request_across_every_component() {
     assert_eq!(hex(&decode.parent_span_id), hex(&generate_server.span_id));
     assert!(attr(decode, "output_tokens").is_some());
 
-    router.shutdown(Duration::from_secs(5)).await;
-    p.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(router, workers).await;
     drop(guard);
 }

@@ -66,6 +66,24 @@ fn sampling(max_tokens: u32) -> pb::Sampling {
     pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens, ..pb::Sampling::default() }
 }
 
+/// Prefills `tokens` on P (up to `max` tokens in the sampling the decode side will continue).
+async fn prefill(
+    p: &mut WorkerClient<tonic::transport::Channel>,
+    id: &str,
+    tokens: &[u32],
+    max: u32,
+) -> pb::PrefillResponse {
+    p.prefill(pb::PrefillRequest {
+        request_id: id.into(),
+        tokens: tokens.to_vec(),
+        sampling: Some(sampling(max)),
+        cache_namespace: None,
+    })
+    .await
+    .expect("prefill")
+    .into_inner()
+}
+
 async fn generate(
     d: &mut WorkerClient<tonic::transport::Channel>,
     tokens: Vec<u32>,
@@ -109,16 +127,7 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     let info = dc.info(pb::InfoRequest {}).await.expect("info").into_inner();
     assert_eq!((info.role(), info.block_size), (pb::Role::Decode, 16));
 
-    let pre = pc
-        .prefill(pb::PrefillRequest {
-            request_id: "r1".into(),
-            tokens: prompt.clone(),
-            sampling: Some(sampling(10)),
-            cache_namespace: None,
-        })
-        .await
-        .expect("prefill")
-        .into_inner();
+    let pre = prefill(&mut pc, "r1", &prompt, 10).await;
     assert_eq!(pre.first_token, want[0]);
     assert_eq!(p.live_leases(), 1);
     let handle = pre.handle.expect("a handle");
@@ -138,16 +147,7 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     );
     second.truncate(84);
     assert_eq!(second.len(), 84, "five full blocks, the first four shared");
-    let pre2 = pc
-        .prefill(pb::PrefillRequest {
-            request_id: "r2".into(),
-            tokens: second.clone(),
-            sampling: Some(sampling(4)),
-            cache_namespace: None,
-        })
-        .await
-        .expect("prefill")
-        .into_inner();
+    let pre2 = prefill(&mut pc, "r2", &second, 4).await;
     assert_eq!(pre2.cached_tokens, 64, "P reused its own cached prefix");
     generate(&mut dc, [second.clone(), vec![pre2.first_token]].concat(), pre2.handle.clone(), 3)
         .await
@@ -163,16 +163,7 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     assert!(err.message().contains("fingerprint"), "{}", err.message());
     let mut fresh = single.tokenizer().encode(&["A different prompt entirely, about rivers and stones."; 3].join(" "));
     fresh.truncate(40);
-    let pre3 = pc
-        .prefill(pb::PrefillRequest {
-            request_id: "r3".into(),
-            tokens: fresh.clone(),
-            sampling: Some(sampling(2)),
-            cache_namespace: None,
-        })
-        .await
-        .expect("prefill")
-        .into_inner();
+    let pre3 = prefill(&mut pc, "r3", &fresh, 2).await;
     let mut unknown = pre3.handle.expect("handle");
     unknown.lease_id = vec![7; 16];
     let err =
@@ -235,16 +226,7 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
 async fn a_damaged_transfer_is_an_error_and_nothing_of_it_is_used() {
     let Pair { p, d, mut pc, mut dc } = pair(None).await;
     let prompt: Vec<u32> = (0..50).map(|i| 300 + i * 3).collect();
-    let pre = pc
-        .prefill(pb::PrefillRequest {
-            request_id: "x".into(),
-            tokens: prompt.clone(),
-            sampling: Some(sampling(3)),
-            cache_namespace: None,
-        })
-        .await
-        .expect("prefill")
-        .into_inner();
+    let pre = prefill(&mut pc, "x", &prompt, 3).await;
     let good = pre.handle.expect("handle");
     // The bytes P serves no longer match what the handle promises for block 1 (as if damaged in flight).
     let mut damaged = good.clone();
@@ -276,16 +258,7 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
         sampling: SamplingParams::greedy(NonZeroU32::new(6).expect("n")),
     };
     let want = single.run(&[greedy], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
-    let pre = pc
-        .prefill(pb::PrefillRequest {
-            request_id: "s".into(),
-            tokens: prompt.clone(),
-            sampling: Some(sampling(6)),
-            cache_namespace: None,
-        })
-        .await
-        .expect("prefill")
-        .into_inner();
+    let pre = prefill(&mut pc, "s", &prompt, 6).await;
     let handle = pre.handle.expect("handle");
     let region = handle.shm_region.clone().expect("a shared-memory region in the handle");
     assert!(std::path::Path::new(&region).exists());
@@ -371,16 +344,7 @@ async fn trace_context_rides_from_grpc_metadata_into_the_transfer_request() {
 async fn a_transfer_from_a_vanished_prefill_worker_fails_and_stores_nothing() {
     let Pair { p, d, mut pc, mut dc } = pair(None).await;
     let prompt: Vec<u32> = (0..40).map(|i| 900 + i * 7).collect();
-    let pre = pc
-        .prefill(pb::PrefillRequest {
-            request_id: "v".into(),
-            tokens: prompt.clone(),
-            sampling: Some(sampling(3)),
-            cache_namespace: None,
-        })
-        .await
-        .expect("prefill")
-        .into_inner();
+    let pre = prefill(&mut pc, "v", &prompt, 3).await;
     // P goes away with the lease before D pulls: the transfer is dropped whole.
     p.shutdown(Duration::from_secs(1)).await;
     let tokens = [prompt, vec![pre.first_token]].concat();

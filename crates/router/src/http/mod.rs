@@ -62,31 +62,31 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn chat(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
-    let span = tracing::info_span!(
-        "POST /v1/chat/completions",
-        otel.kind = "server",
-        gen_ai.operation.name = "chat",
-        gen_ai.request.model = tracing::field::Empty,
-        gen_ai.usage.input_tokens = tracing::field::Empty,
-        gen_ai.usage.output_tokens = tracing::field::Empty,
-        gen_ai.response.finish_reasons = tracing::field::Empty,
-    );
-    telemetry::trace::set_parent(&span, traceparent(&headers).as_deref());
-    generate(state.0, headers, body, Endpoint::Chat).instrument(span).await
+    generate(state.0, headers, body, Endpoint::Chat).await
 }
 
 async fn completion(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    generate(state.0, headers, body, Endpoint::Completion).await
+}
+
+/// The request's server span, continuing the client's trace when it sent one.
+fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::Span {
+    let (name, operation) = match endpoint {
+        Endpoint::Chat => ("POST /v1/chat/completions", "chat"),
+        Endpoint::Completion => ("POST /v1/completions", "text_completion"),
+    };
     let span = tracing::info_span!(
-        "POST /v1/completions",
+        "request",
+        otel.name = name,
         otel.kind = "server",
-        gen_ai.operation.name = "text_completion",
+        gen_ai.operation.name = operation,
         gen_ai.request.model = tracing::field::Empty,
         gen_ai.usage.input_tokens = tracing::field::Empty,
         gen_ai.usage.output_tokens = tracing::field::Empty,
         gen_ai.response.finish_reasons = tracing::field::Empty,
     );
-    telemetry::trace::set_parent(&span, traceparent(&headers).as_deref());
-    generate(state.0, headers, body, Endpoint::Completion).instrument(span).await
+    telemetry::trace::set_parent(&span, traceparent(headers).as_deref());
+    span
 }
 
 fn check(endpoint: Endpoint, body: &[u8]) -> Result<Checked, ApiError> {
@@ -97,6 +97,11 @@ fn check(endpoint: Endpoint, body: &[u8]) -> Result<Checked, ApiError> {
 }
 
 async fn generate(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
+    let span = request_span(endpoint, &headers);
+    run_request(state, headers, body, endpoint).instrument(span).await
+}
+
+async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
     let arrived = Instant::now();
     let route = match endpoint {
         Endpoint::Chat => "/v1/chat/completions",

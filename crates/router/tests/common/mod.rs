@@ -179,3 +179,28 @@ pub fn streamed_text(events: &[String]) -> String {
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
         .collect()
 }
+
+/// Workers of the given roles (named `prefill-N` / `decode-N`) and a router in front of them, all up.
+pub async fn cluster(ca: &DevCa, roles: &[Role]) -> (Vec<RunningWorker>, RunningRouter) {
+    let mut workers = Vec::new();
+    for (i, role) in roles.iter().enumerate() {
+        let name = match role {
+            Role::Prefill => format!("prefill-{i}"),
+            Role::Decode => format!("decode-{i}"),
+            Role::Both => format!("worker-{i}"),
+        };
+        workers.push(worker(ca, *role, &name).await);
+    }
+    let router =
+        RunningRouter::start(router_config(ca, workers.iter().map(|w| w.grpc).collect())).await.expect("router starts");
+    wait_for_workers(&router, workers.len()).await;
+    (workers, router)
+}
+
+/// Stops the router, then every worker.
+pub async fn stop(router: RunningRouter, workers: Vec<RunningWorker>) {
+    router.shutdown(Duration::from_secs(5)).await;
+    for w in workers {
+        w.shutdown(Duration::from_secs(5)).await;
+    }
+}
