@@ -98,6 +98,11 @@ pub fn render(state: &RouterState) -> String {
         &one(stats.events_duplicate as f64),
     );
     e.counter(
+        "tandem_router_indexer_events_dropped_total",
+        "KV events dropped after a gap in a worker's stream (each gap resubscribes).",
+        &one(stats.gaps as f64),
+    );
+    e.counter(
         "tandem_router_indexer_orphans_total",
         "Stored events whose parent block was unknown.",
         &one(stats.orphans as f64),

@@ -35,6 +35,8 @@ pub struct IndexStats {
     /// `Stored` events whose parent block the index did not know (applied anyway).
     pub orphans: u64,
     pub resyncs: u64,
+    /// Events dropped because earlier ones were missing (each gap leads to a resubscription).
+    pub gaps: u64,
 }
 
 #[derive(Debug, Default)]
@@ -133,6 +135,7 @@ impl PrefixIndex {
             return Ok(());
         }
         if id.0 > expected {
+            self.stats.gaps += 1;
             return Err(ApplyError::Gap { expected, got: id.0 });
         }
         match event {

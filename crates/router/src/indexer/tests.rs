@@ -144,6 +144,7 @@ fn a_gap_is_reported_with_where_to_resume() {
     let e = KvEvent::Cleared { tier: None };
     assert_eq!(index.apply(w, EventId(12), &e), Err(ApplyError::Gap { expected: 10, got: 12 }));
     assert_eq!(index.last_event(w), Some(EventId(9)));
+    assert_eq!(index.stats().gaps, 1);
     assert_eq!(index.apply(w, EventId(10), &e), Ok(()));
     assert_eq!(index.last_event(w), Some(EventId(10)));
 }
