@@ -214,3 +214,39 @@ pub fn run(args: Args) -> ExitCode {
         ExitCode::SUCCESS
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::config::Policy;
+
+    fn file(text: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("tandem-router-{}-{}.toml", std::process::id(), text.len()));
+        std::fs::write(&p, text).expect("writes");
+        p
+    }
+
+    #[test]
+    fn the_file_carries_settings_and_scheduler_weights() {
+        let p = file(
+            "listen = \"127.0.0.1:8100\"\nworkers = [\"10.0.0.1:9000\", \"decode.svc:9000\"]\n\
+             [scheduler]\npolicy = \"power_of_two\"\nhost_weight = 0.5\n",
+        );
+        let s = read_file(&p).expect("parses");
+        assert_eq!(s.listen, Some(([127, 0, 0, 1], 8100).into()));
+        assert_eq!(s.workers.map(|w| w.len()), Some(2));
+        let sched = s.scheduler.expect("scheduler table");
+        assert_eq!((sched.policy, sched.host_weight, sched.disk_weight), (Policy::PowerOfTwo, 0.5, 0.25));
+        let _ = std::fs::remove_file(p);
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_anywhere() {
+        for text in ["listen_addr = \"x\"\n", "[scheduler]\noverlap_weight = 1\n"] {
+            let p = file(text);
+            let e = read_file(&p).expect_err("refused");
+            assert!(e.contains("unknown field"), "{e}");
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
