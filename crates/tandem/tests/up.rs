@@ -10,11 +10,21 @@ fn model() -> std::path::PathBuf {
     engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
 }
 
+/// Kills the cluster if the test fails before stopping it.
+struct Cluster(std::process::Child);
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn the_openai_client_gets_what_tandem_generate_gets() {
     let model = model();
     let home = std::env::temp_dir().join(format!("tandem-up-test-{}", std::process::id()));
-    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let up = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["up", "--port", "0", "--prefill", "1", "--decode", "1", "--model"])
         .arg(&model)
         .env("TANDEM_HOME", &home)
@@ -22,7 +32,8 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
         .stderr(Stdio::null())
         .spawn()
         .expect("tandem up starts");
-    let stdout = up.stdout.take().expect("stdout");
+    let mut up = Cluster(up);
+    let stdout = up.0.stdout.take().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
     let first = lines.next().expect("a line").expect("utf-8");
     let url = first
@@ -67,9 +78,9 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
 
     // Ctrl-C stops the whole cluster cleanly.
-    let status = Command::new("kill").args(["-INT", &up.id().to_string()]).status().expect("kill runs");
+    let status = Command::new("kill").args(["-INT", &up.0.id().to_string()]).status().expect("kill runs");
     assert!(status.success());
-    let exit = up.wait().expect("tandem up exits");
+    let exit = up.0.wait().expect("tandem up exits");
     assert!(exit.success(), "{exit:?}");
     let _ = std::fs::remove_dir_all(&home);
 }
