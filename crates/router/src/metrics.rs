@@ -139,5 +139,10 @@ pub fn render(state: &RouterState) -> String {
         "Streams resumed on another decode worker after theirs failed.",
         &one(m.decode_resumptions.load(Ordering::Relaxed) as f64),
     );
+    e.counter(
+        "tandem_trace_spans_dropped_total",
+        "Spans dropped because the trace export queue was full.",
+        &one(telemetry::dropped_spans() as f64),
+    );
     e.finish()
 }

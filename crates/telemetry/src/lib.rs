@@ -2,8 +2,10 @@
 
 #![forbid(unsafe_code)]
 
+mod export;
 mod logs;
 pub mod prom;
 pub mod trace;
 
+pub use export::dropped_spans;
 pub use logs::{Guard, TraceExport, init, init_with};

@@ -14,6 +14,8 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 /// Level when `RUST_LOG` is unset: our own crates at info, everything else at warn.
 const DEFAULT_FILTER: &str = "warn,router=info,worker=info,tandem=info,kv_transfer=info,engine=info";
+/// How long finished spans wait before they are sent in a batch (the SDK's default).
+const EXPORT_DELAY: Duration = Duration::from_secs(5);
 /// Spans wait at most this long for the collector on shutdown.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -88,8 +90,10 @@ fn provider(service: &str, export: &TraceExport) -> Option<SdkTracerProvider> {
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name(service.to_string());
     }
-    // The batch exporter never blocks a request: spans queue (bounded) and leave on their own thread.
-    Some(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build())
+    // Export never blocks a request: spans wait in a bounded queue and leave on the batch thread; a span that
+    // finds the queue full is dropped and counted.
+    let gate = crate::export::Gate::new(exporter, crate::export::QUEUE_LIMIT, EXPORT_DELAY);
+    Some(SdkTracerProvider::builder().with_span_processor(gate).with_resource(resource.build()).build())
 }
 
 /// [`init`] with an explicit export target (tests, embedding programs).

@@ -156,6 +156,11 @@ pub fn render(stats: &EngineStats, worker: &WorkerMetrics, live_leases: usize) -
         "Time spent pulling KV from other workers, by transport.",
         &worker.per_transport(|f| f.nanos.load(Ordering::Relaxed) as f64 / 1e9),
     );
+    e.counter(
+        "tandem_trace_spans_dropped_total",
+        "Spans dropped because the trace export queue was full.",
+        &one(telemetry::dropped_spans() as f64),
+    );
     e.gauge("tandem_kv_leases", "Prefilled prompts whose KV is held for a decode worker.", &one(live_leases as f64));
     e.finish()
 }
