@@ -116,6 +116,11 @@ impl RunningRouter {
             fingerprint: text.fingerprint().to_string(),
             block_size: config.block_size,
         };
+        // A lease client; without one, unused leases simply expire on the prefill worker.
+        let leases = kv_transfer::quic::QuicClient::new(&config.identity, SocketAddr::from(([0, 0, 0, 0], 0)))
+            .map_err(|e| tracing::warn!(error = %e, "no KV lease client; unused leases will expire"))
+            .ok()
+            .map(Arc::new);
         let cluster = Cluster::new(model, config.identity, stop_rx.clone());
         crate::discovery::start(&cluster, &config.workers, config.dns_refresh, stop_rx.clone());
         let state = Arc::new(RouterState {
@@ -130,6 +135,7 @@ impl RunningRouter {
             rng: Mutex::new(Rng::new(config.seed.unwrap_or_else(clock_seed))),
             sequence: AtomicU64::new(0),
             metrics: RouterMetrics::default(),
+            leases,
         });
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await

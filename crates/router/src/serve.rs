@@ -123,6 +123,20 @@ async fn prefill(
     None
 }
 
+/// How long a lease release may take before it is left to expire.
+const RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Frees a prefill worker's lease that no decode worker will pull (the answer ended at the first token, or the
+/// client left), so its KV copy goes now rather than at expiry.
+fn release_unused(state: &Arc<RouterState>, handle: Option<pb::KvHandle>) {
+    let (Some(client), Some(h)) = (state.leases.clone(), handle) else { return };
+    let Ok(h) = worker::convert::handle_from_pb(h) else { return };
+    let Ok(addr) = h.endpoint.parse::<std::net::SocketAddr>() else { return };
+    tokio::spawn(async move {
+        let _ = client.release(addr, &addr.ip().to_string(), h.lease, RELEASE_TIMEOUT).await;
+    });
+}
+
 /// How one decode attempt ended.
 enum Attempt {
     Finished,
@@ -227,6 +241,7 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
         match prefill(&state, &job, &decision, &tx).await {
             Some(p) => {
                 if tx.send(Ok(Piece::Token(p.first))).await.is_err() {
+                    release_unused(&state, p.handle);
                     return;
                 }
                 generated.push(p.first);
@@ -236,6 +251,7 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                 if eos || job.sampling.max_tokens <= 1 {
                     let reason = if eos { pb::FinishReason::Stop } else { pb::FinishReason::Length };
                     let _ = tx.send(Ok(Piece::Finished { reason, cached_tokens: p.cached_tokens })).await;
+                    release_unused(&state, handle.take());
                     return;
                 }
             }

@@ -81,6 +81,8 @@ pub struct RouterState {
     pub rng: Mutex<Rng>,
     pub sequence: AtomicU64,
     pub metrics: RouterMetrics,
+    /// Releases prefill leases the router will not hand to a decode worker (mutual TLS, the router's certificate).
+    pub leases: Option<Arc<kv_transfer::quic::QuicClient>>,
 }
 
 impl RouterState {

@@ -198,3 +198,27 @@ async fn a_worker_with_another_block_size_is_refused() {
     router.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_no_decode_worker_needs_is_released_at_once() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // One token: the prefill worker's answer is the whole answer, and its KV is never pulled.
+    let body = format!(r#"{{"model":"{MODEL}","max_tokens":1,"prompt":"{}"}}"#, "One token only, please. ".repeat(8));
+    let reply = http(router.addr, "POST", "/v1/completions", &body, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 1);
+    let p = &workers[0];
+    let mut leases = p.live_leases();
+    for _ in 0..40 {
+        if leases == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        leases = p.live_leases();
+    }
+    assert_eq!(leases, 0, "the router released the lease instead of leaving it for 30 s");
+    stop(router, workers).await;
+}
