@@ -45,6 +45,9 @@ async fn workers_register_themselves_and_leave() {
     reg.announce().await.expect("registers");
     reg.announce().await.expect("registering twice is harmless");
     wait_for_workers(&router, 1).await;
+    // Slow start: just joined, the worker may take only a small share of requests for now.
+    let views = router.state.cluster.view(&[], Duration::from_secs(60), std::time::Instant::now());
+    assert!(views[0].ramp < 0.2, "a newcomer's share ramps up: {}", views[0].ramp);
     let listed = http(router.addr, "GET", "/admin/workers", "", &auth).await.json();
     assert_eq!(listed["workers"].as_array().map(Vec::len), Some(1), "{listed}");
     assert_eq!(http(router.addr, "POST", "/v1/chat/completions", CHAT, &auth).await.status, 200);
