@@ -142,6 +142,15 @@ impl Identity {
         write_file(&dir.join(format!("{name}.key")), pem.key.as_bytes(), true)
     }
 
+    /// Reads what [`Identity::write`] wrote: `ca.pem`, `<name>.pem` and `<name>.key` in `dir`.
+    pub fn load(dir: &Path, name: &str) -> Result<Identity, TlsError> {
+        Identity::from_pem_files(
+            &dir.join("ca.pem"),
+            &dir.join(format!("{name}.pem")),
+            &dir.join(format!("{name}.key")),
+        )
+    }
+
     /// Reads a CA certificate, a certificate chain and a private key from PEM files.
     pub fn from_pem_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity, TlsError> {
         let read =

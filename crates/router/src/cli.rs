@@ -8,7 +8,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use kv_transfer::tls::Identity;
 use serde::Deserialize;
 
 use crate::discovery::{DEFAULT_DNS_REFRESH, WorkerSource};
@@ -90,15 +89,9 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
         None => engine::fetch::tandem_home().map(|h| h.join("certs")).map_err(|e| problems.push(e.to_string())).ok(),
     };
     let cert_name = s.cert_name.or(file.cert_name).unwrap_or_else(|| "router".into());
-    let identity = certs_dir.as_deref().and_then(|dir| {
-        Identity::from_pem_files(
-            &dir.join("ca.pem"),
-            &dir.join(format!("{cert_name}.pem")),
-            &dir.join(format!("{cert_name}.key")),
-        )
-        .map_err(|e| problems.push(format!("certificate {cert_name:?}: {e} (make them with `tandem certs init`)")))
-        .ok()
-    });
+    let identity = certs_dir
+        .as_deref()
+        .and_then(|dir| worker::cli::load_identity(dir, &cert_name).map_err(|e| problems.push(e)).ok());
     let model = match s.model.or(file.model) {
         Some(m) => Some(m),
         None => {

@@ -245,8 +245,9 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
     }
 }
 
-fn load_identity(dir: &Path, name: &str) -> Result<Identity, String> {
-    Identity::from_pem_files(&dir.join("ca.pem"), &dir.join(format!("{name}.pem")), &dir.join(format!("{name}.key")))
+/// This component's certificate from `dir`, with what to do when it is missing.
+pub fn load_identity(dir: &Path, name: &str) -> Result<Identity, String> {
+    Identity::load(dir, name)
         .map_err(|e| format!("certificate {name:?}: {e} (make them with `tandem certs init --dir {}`)", dir.display()))
 }
 

@@ -52,10 +52,7 @@ pub struct Args {
 /// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
 /// (only this cluster's own components trust this CA, so replacing it breaks nothing else).
 fn identities(dir: &Path, names: &[String]) -> Result<Vec<Identity>, String> {
-    let load = |n: &String| {
-        Identity::from_pem_files(&dir.join("ca.pem"), &dir.join(format!("{n}.pem")), &dir.join(format!("{n}.key")))
-    };
-    if let Ok(all) = names.iter().map(load).collect::<Result<Vec<_>, _>>() {
+    if let Ok(all) = names.iter().map(|n| Identity::load(dir, n)).collect::<Result<Vec<_>, _>>() {
         return Ok(all);
     }
     let ca = DevCa::generate().map_err(|e| e.to_string())?;
