@@ -27,7 +27,6 @@ const LOAD_PERIOD_MS: u32 = 100;
 /// What every worker must share with the router.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelIdentity {
-    pub model_id: String,
     pub fingerprint: String,
     pub block_size: u32,
 }

@@ -111,11 +111,7 @@ impl RunningRouter {
         let text = TextModel::open(&config.model)?;
         let max_model_len = config.max_model_len.or(text.context_len()).ok_or(StartError::NoContextLength)?;
         let (stop, stop_rx) = watch::channel(false);
-        let model = ModelIdentity {
-            model_id: config.served_model.clone(),
-            fingerprint: text.fingerprint().to_string(),
-            block_size: config.block_size,
-        };
+        let model = ModelIdentity { fingerprint: text.fingerprint().to_string(), block_size: config.block_size };
         // A lease client; without one, unused leases simply expire on the prefill worker.
         let leases = kv_transfer::quic::QuicClient::new(&config.identity, SocketAddr::from(([0, 0, 0, 0], 0)))
             .map_err(|e| tracing::warn!(error = %e, "no KV lease client; unused leases will expire"))
@@ -151,11 +147,6 @@ impl RunningRouter {
                 .await;
         });
         Ok(RunningRouter { addr, state, stop, served })
-    }
-
-    /// Adds a worker at run time (self-registration, discovery).
-    pub fn add_worker(&self, addr: SocketAddr) {
-        self.state.cluster.follow(addr);
     }
 
     /// Stops accepting, lets in-flight requests finish for up to `grace`, then stops everything.
