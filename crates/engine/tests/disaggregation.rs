@@ -4,27 +4,13 @@
 
 mod common;
 
-use std::num::NonZeroU32;
 use std::sync::atomic::AtomicBool;
 
-use engine::generate::{Engine, EngineConfig, EngineHandle, ExportedKv, Request, SeqEvent};
-use engine::sampling::SamplingParams;
+use engine::generate::{EngineConfig, EngineHandle, ExportedKv, SeqEvent};
 use kv_cache::{BlockSize, block_hashes};
 
-fn engine() -> Engine {
-    Engine::open(&common::model_path(), EngineConfig::default()).expect("engine opens")
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        namespace: None,
-        prompt,
-        sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")),
-    }
-}
-
 async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
-    let mut s = p.submit_exporting(greedy(prompt.to_vec(), 1)).await.expect("accepted");
+    let mut s = p.submit_exporting(common::greedy(prompt.to_vec(), 1)).await.expect("accepted");
     let (mut first, mut kv) = (None, None);
     while let Some(ev) = s.next().await {
         match ev {
@@ -38,7 +24,7 @@ async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
 }
 
 async fn decode(d: &EngineHandle, tokens: Vec<u32>, max_tokens: u32) -> Vec<u32> {
-    let mut s = d.submit(greedy(tokens, max_tokens)).await.expect("accepted");
+    let mut s = d.submit(common::greedy(tokens, max_tokens)).await.expect("accepted");
     let mut out = Vec::new();
     while let Some(ev) = s.next().await {
         match ev {
@@ -52,16 +38,19 @@ async fn decode(d: &EngineHandle, tokens: Vec<u32>, max_tokens: u32) -> Vec<u32>
 
 #[tokio::test(flavor = "current_thread")]
 async fn prefill_here_decode_there_gives_the_same_tokens() {
-    let mut single = engine();
+    let mut single = common::engine(EngineConfig::default());
     let text = "Disaggregated serving runs the prompt on one machine and the answer on another. In one sentence, why";
     let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
     prompt.truncate(70);
     assert_eq!(prompt.len(), 70, "four full blocks and a partial one");
-    let want =
-        single.run(&[greedy(prompt.clone(), 12)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
+    let want = single
+        .run(&[common::greedy(prompt.clone(), 12)], &AtomicBool::new(false), |_| {})
+        .expect("runs")
+        .remove(0)
+        .token_ids;
 
-    let p = EngineHandle::start(engine()).expect("prefill engine");
-    let d = EngineHandle::start(engine()).expect("decode engine");
+    let p = EngineHandle::start(common::engine(EngineConfig::default())).expect("prefill engine");
+    let d = EngineHandle::start(common::engine(EngineConfig::default())).expect("decode engine");
     let (first, kv) = prefill(&p, &prompt).await;
     assert_eq!(first, want[0], "the prefill worker's first token");
     assert_eq!((kv.tokens, kv.blocks.len()), (70, 5));

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use engine::forward::SeqChunk;
@@ -11,18 +11,6 @@ use engine::generate::{Engine, EngineConfig, EngineError, FinishReason, Request}
 use engine::kv::{BlockId, KvLayout, KvStore};
 use engine::model::Model;
 use engine::sampling::{RawSampling, SamplingParams};
-
-fn engine(config: EngineConfig) -> Engine {
-    Engine::open(&common::model_path(), config).expect("engine opens")
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        namespace: None,
-        prompt,
-        sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")),
-    }
-}
 
 fn run(engine: &mut Engine, requests: &[Request]) -> Vec<Vec<u32>> {
     let done = engine.run(requests, &AtomicBool::new(false), |_| {}).expect("runs");
@@ -34,7 +22,7 @@ const PROMPT: &str = "Prefill reads the whole prompt at once; decode then makes 
 #[test]
 fn prefill_chunking_is_bit_identical() {
     let model = Model::open(&common::model_path()).expect("model");
-    let e = engine(EngineConfig::default());
+    let e = common::engine(EngineConfig::default());
     let prompt = e.tokenizer().encode(PROMPT);
     assert!(prompt.len() > 16, "the prompt spans blocks");
     let layout = KvLayout::for_model(&model.config, 16);
@@ -54,35 +42,35 @@ fn prefill_chunking_is_bit_identical() {
         assert!(got.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()), "chunk {chunk}: logits differ");
     }
     // And through the engine's scheduler, end to end.
-    let want = run(&mut engine(EngineConfig::default()), &[greedy(prompt.clone(), 12)]);
+    let want = run(&mut common::engine(EngineConfig::default()), &[common::greedy(prompt.clone(), 12)]);
     for chunk in [1, 7, 16] {
         let config = EngineConfig { prefill_chunk: NonZeroUsize::new(chunk), ..EngineConfig::default() };
-        assert_eq!(run(&mut engine(config), &[greedy(prompt.clone(), 12)]), want, "chunk {chunk}");
+        assert_eq!(run(&mut common::engine(config), &[common::greedy(prompt.clone(), 12)]), want, "chunk {chunk}");
     }
 }
 
 #[test]
 fn batched_sequences_match_each_alone() {
-    let mut e = engine(EngineConfig::default());
+    let mut e = common::engine(EngineConfig::default());
     let prompts = [
         "The capital of Japan is",
         "def add(a, b):\n    return",
         "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
         "Once upon a time, in a city built on a river of light, there lived a clockmaker who",
     ];
-    let requests: Vec<Request> = prompts.iter().map(|p| greedy(e.tokenizer().encode(p), 10)).collect();
+    let requests: Vec<Request> = prompts.iter().map(|p| common::greedy(e.tokenizer().encode(p), 10)).collect();
     let together = run(&mut e, &requests);
     for (r, t) in requests.iter().zip(&together) {
         assert_eq!(&run(&mut e, std::slice::from_ref(r))[0], t);
     }
     // Also with a tight step budget, so prompts are split across steps and mixed with decodes.
     let config = EngineConfig { max_batched_tokens: 9, ..EngineConfig::default() };
-    assert_eq!(run(&mut engine(config), &requests), together);
+    assert_eq!(run(&mut common::engine(config), &requests), together);
 }
 
 #[test]
 fn seeded_sampling_is_reproducible() {
-    let mut e = engine(EngineConfig::default());
+    let mut e = common::engine(EngineConfig::default());
     let prompt = e.tokenizer().encode("Write a short poem about rivers:");
     let sampled = |seed| {
         let raw = RawSampling {
@@ -104,10 +92,10 @@ fn seeded_sampling_is_reproducible() {
 
 #[test]
 fn stop_strings_and_end_of_generation_end_the_sequence() {
-    let mut e = engine(EngineConfig::default());
+    let mut e = common::engine(EngineConfig::default());
     let prompt =
         e.tokenizer().encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n");
-    let done = e.run(&[greedy(prompt.clone(), 32)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    let done = e.run(&[common::greedy(prompt.clone(), 32)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     assert_eq!(done.token_ids, [504, 3575, 282, 4649, 314, 7042, 30, 2]);
     assert_eq!((done.text.as_str(), done.finish_reason), ("The capital of France is Paris.", FinishReason::Stop));
     let raw = RawSampling { max_tokens: 32, stop: vec!["Paris".into()], ..RawSampling::default() };
@@ -120,19 +108,19 @@ fn stop_strings_and_end_of_generation_end_the_sequence() {
         .remove(0);
     assert_eq!((done.text.as_str(), done.finish_reason), ("The capital of France is ", FinishReason::Stop));
     assert_eq!(streamed, done.text, "streamed text never shows the stop string");
-    let done = e.run(&[greedy(prompt, 3)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    let done = e.run(&[common::greedy(prompt, 3)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     assert_eq!((done.token_ids.len(), done.finish_reason), (3, FinishReason::Length));
 }
 
 #[test]
 fn cancellation_stops_and_frees_every_block() {
-    let mut e = engine(EngineConfig::default());
+    let mut e = common::engine(EngineConfig::default());
     let free = e.free_blocks();
     let prompt = e.tokenizer().encode("Count from one to one hundred: one, two, three,");
     let cancel = AtomicBool::new(false);
     let mut seen = 0;
     let done = e
-        .run(&[greedy(prompt.clone(), 200), greedy(prompt, 200)], &cancel, |_| {
+        .run(&[common::greedy(prompt.clone(), 200), common::greedy(prompt, 200)], &cancel, |_| {
             seen += 1;
             if seen == 6 {
                 cancel.store(true, Ordering::Relaxed);
@@ -146,12 +134,15 @@ fn cancellation_stops_and_frees_every_block() {
 #[test]
 fn bad_requests_fail_before_compute_and_lose_nothing() {
     let config = EngineConfig { kv_blocks: 4, max_model_len: Some(64), ..EngineConfig::default() };
-    let mut e = engine(config);
+    let mut e = common::engine(config);
     let free = e.free_blocks();
-    let too_long = greedy(vec![100; 64], 1);
+    let too_long = common::greedy(vec![100; 64], 1);
     let err = e.run(&[too_long], &AtomicBool::new(false), |_| panic!("no token may be made")).expect_err("too long");
     assert!(matches!(err, EngineError::PromptTooLong { prompt: 64, context: 64 }), "{err}");
-    assert!(matches!(e.run(&[greedy(vec![], 1)], &AtomicBool::new(false), |_| {}), Err(EngineError::EmptyPrompt)));
+    assert!(matches!(
+        e.run(&[common::greedy(vec![], 1)], &AtomicBool::new(false), |_| {}),
+        Err(EngineError::EmptyPrompt)
+    ));
     assert_eq!(e.free_blocks(), free);
 }
 

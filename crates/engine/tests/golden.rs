@@ -11,7 +11,6 @@ use engine::forward::{LOGIT_TOLERANCE, SeqChunk};
 use engine::generate::{Engine, EngineConfig, Request};
 use engine::kv::{BlockId, KvLayout, KvStore};
 use engine::model::Model;
-use engine::sampling::SamplingParams;
 
 #[test]
 fn matches_the_oracle() {
@@ -43,7 +42,7 @@ fn matches_the_oracle() {
             p["margins"].as_array().expect("margins").iter().map(|m| m.as_f64().expect("m")).collect();
         let callable = margins.iter().position(|&m| m < 2.0 * f64::from(LOGIT_TOLERANCE)).unwrap_or(want.len());
         let max_tokens = NonZeroU32::new(want.len() as u32).expect("steps");
-        let request = Request { namespace: None, prompt, sampling: SamplingParams::greedy(max_tokens) };
+        let request = Request::greedy(prompt, max_tokens);
         let got = engine.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
         let n = callable.min(got.len());
         assert_eq!(got[..n], want[..n], "{name}: greedy tokens differ within the callable {callable} steps");

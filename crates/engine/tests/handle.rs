@@ -3,24 +3,10 @@
 
 mod common;
 
-use std::num::NonZeroU32;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use engine::generate::{Engine, EngineConfig, EngineHandle, FinishReason, Request, SeqEvent, SubmitError};
-use engine::sampling::SamplingParams;
-
-fn engine() -> Engine {
-    Engine::open(&common::model_path(), EngineConfig::default()).expect("engine opens")
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        namespace: None,
-        prompt,
-        sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")),
-    }
-}
+use engine::generate::{EngineConfig, EngineHandle, FinishReason, Request, SeqEvent, SubmitError};
 
 /// Reads a stream to its end: the tokens, the streamed text, and the last message.
 async fn drain(mut s: engine::generate::SeqStream) -> (Vec<u32>, String, SeqEvent) {
@@ -39,15 +25,15 @@ async fn drain(mut s: engine::generate::SeqStream) -> (Vec<u32>, String, SeqEven
 
 #[tokio::test(flavor = "current_thread")]
 async fn concurrent_submissions_stream_what_a_direct_run_gives() {
-    let mut direct = engine();
+    let mut direct = common::engine(EngineConfig::default());
     let prompts: Vec<Vec<u32>> =
         ["The sea is", "Rust is a language that", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"]
             .iter()
             .map(|p| direct.tokenizer().encode(p))
             .collect();
-    let requests: Vec<Request> = prompts.iter().map(|p| greedy(p.clone(), 10)).collect();
+    let requests: Vec<Request> = prompts.iter().map(|p| common::greedy(p.clone(), 10)).collect();
     let want = direct.run(&requests, &AtomicBool::new(false), |_| {}).expect("runs");
-    let handle = EngineHandle::start(engine()).expect("starts");
+    let handle = EngineHandle::start(common::engine(EngineConfig::default())).expect("starts");
     let mut streams = Vec::new();
     for r in &requests {
         streams.push(handle.submit(r.clone()).await.expect("accepted"));
@@ -59,15 +45,15 @@ async fn concurrent_submissions_stream_what_a_direct_run_gives() {
         assert_eq!((c.token_ids, c.text, text), (w.token_ids.clone(), w.text.clone(), w.text.clone()));
     }
     // A bad request is refused at once, and the engine keeps going.
-    assert!(matches!(handle.submit(greedy(vec![], 4)).await, Err(SubmitError::Invalid(_))));
+    assert!(matches!(handle.submit(common::greedy(vec![], 4)).await, Err(SubmitError::Invalid(_))));
     handle.shutdown(true).await;
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn dropping_a_stream_cancels_and_frees_its_blocks() {
-    let handle = EngineHandle::start(engine()).expect("starts");
+    let handle = EngineHandle::start(common::engine(EngineConfig::default())).expect("starts");
     let idle = handle.stats().await.expect("stats");
-    let mut s = handle.submit(greedy(vec![100; 40], 2000)).await.expect("accepted");
+    let mut s = handle.submit(common::greedy(vec![100; 40], 2000)).await.expect("accepted");
     assert!(matches!(s.next().await, Some(SeqEvent::Token { .. })));
     let busy = handle.stats().await.expect("stats");
     assert!(busy.usage[0].used > 0 && busy.running == 1);
@@ -88,9 +74,9 @@ async fn dropping_a_stream_cancels_and_frees_its_blocks() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn shutdown_cancels_or_finishes_in_flight_work() {
-    let handle = EngineHandle::start(engine()).expect("starts");
-    let long = handle.submit(greedy(vec![100; 20], 2000)).await.expect("accepted");
-    let short = handle.submit(greedy(vec![200; 20], 3)).await.expect("accepted");
+    let handle = EngineHandle::start(common::engine(EngineConfig::default())).expect("starts");
+    let long = handle.submit(common::greedy(vec![100; 20], 2000)).await.expect("accepted");
+    let short = handle.submit(common::greedy(vec![200; 20], 3)).await.expect("accepted");
     handle.shutdown(false).await;
     for s in [long, short] {
         let (_, _, last) = drain(s).await;
@@ -99,8 +85,8 @@ async fn shutdown_cancels_or_finishes_in_flight_work() {
             other => panic!("unexpected {other:?}"),
         }
     }
-    let handle = EngineHandle::start(engine()).expect("starts");
-    let s = handle.submit(greedy(vec![300; 20], 5)).await.expect("accepted");
+    let handle = EngineHandle::start(common::engine(EngineConfig::default())).expect("starts");
+    let s = handle.submit(common::greedy(vec![300; 20], 5)).await.expect("accepted");
     handle.shutdown(true).await;
     let (tokens, _, last) = drain(s).await;
     assert!(matches!(last, SeqEvent::Finished(ref c) if c.finish_reason != FinishReason::Cancelled), "{last:?}");

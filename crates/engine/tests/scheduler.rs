@@ -4,25 +4,11 @@
 
 mod common;
 
-use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use engine::generate::{Engine, EngineConfig, FinishReason, Request};
-use engine::sampling::SamplingParams;
 use kv_cache::events::{KvEvent, Tier};
-
-fn engine(config: EngineConfig) -> Engine {
-    Engine::open(&common::model_path(), config).expect("engine opens")
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
-    Request {
-        namespace: None,
-        prompt,
-        sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("non-zero")),
-    }
-}
 
 fn run(e: &mut Engine, requests: &[Request]) -> Vec<Vec<u32>> {
     e.run(requests, &AtomicBool::new(false), |_| {}).expect("runs").into_iter().map(|c| c.token_ids).collect()
@@ -41,7 +27,10 @@ fn text_tokens(e: &Engine, seed: usize, len: usize) -> Vec<u32> {
 
 /// What a fresh engine with plenty of room generates for each request alone.
 fn cold(requests: &[Request]) -> Vec<Vec<u32>> {
-    requests.iter().map(|r| run(&mut engine(EngineConfig::default()), std::slice::from_ref(r))[0].clone()).collect()
+    requests
+        .iter()
+        .map(|r| run(&mut common::engine(EngineConfig::default()), std::slice::from_ref(r))[0].clone())
+        .collect()
 }
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -52,9 +41,9 @@ fn temp_dir(name: &str) -> PathBuf {
 
 #[test]
 fn a_shared_prefix_is_computed_once_and_changes_no_token() {
-    let mut e = engine(EngineConfig::default());
+    let mut e = common::engine(EngineConfig::default());
     let prefix = text_tokens(&e, 1, 200);
-    let with = |suffix: &[u32]| greedy([prefix.as_slice(), suffix].concat(), 6);
+    let with = |suffix: &[u32]| common::greedy([prefix.as_slice(), suffix].concat(), 6);
     let first = with(&text_tokens(&e, 2, 30));
     let second = with(&text_tokens(&e, 3, 25));
     run(&mut e, std::slice::from_ref(&first));
@@ -70,12 +59,12 @@ fn a_shared_prefix_is_computed_once_and_changes_no_token() {
 }
 
 fn sixteen(e: &Engine) -> Vec<Request> {
-    (0..16).map(|i| greedy(text_tokens(e, 10 + i, 20 + i % 7), 12)).collect()
+    (0..16).map(|i| common::greedy(text_tokens(e, 10 + i, 20 + i % 7), 12)).collect()
 }
 
 #[test]
 fn sixteen_concurrent_requests_match_each_alone() {
-    let mut e = engine(EngineConfig::default());
+    let mut e = common::engine(EngineConfig::default());
     let requests = sixteen(&e);
     let together = run(&mut e, &requests);
     assert_eq!(together, cold(&requests));
@@ -84,7 +73,7 @@ fn sixteen_concurrent_requests_match_each_alone() {
 #[test]
 fn preemption_under_a_small_device_tier_changes_no_token() {
     let config = EngineConfig { kv_blocks: 8, max_model_len: Some(64), ..EngineConfig::default() };
-    let mut e = engine(config);
+    let mut e = common::engine(config);
     let requests = sixteen(&e);
     let got = run(&mut e, &requests);
     assert!(e.counters().preemptions > 0, "the device tier is too small for all sixteen at once");
@@ -94,7 +83,7 @@ fn preemption_under_a_small_device_tier_changes_no_token() {
 
 /// A device tier that fits one 96-token sequence, so each new prompt pushes the previous one down the tiers.
 fn tiered(host: usize, disk: usize, dir: &std::path::Path) -> Engine {
-    engine(EngineConfig {
+    common::engine(EngineConfig {
         kv_blocks: 6,
         host_blocks: host,
         disk_blocks: disk,
@@ -108,8 +97,8 @@ fn tiered(host: usize, disk: usize, dir: &std::path::Path) -> Engine {
 fn prefixes_offloaded_to_host_and_disk_onboard_exactly() {
     let dir = temp_dir("tiers");
     let mut e = tiered(4, 16, &dir);
-    let p = greedy(text_tokens(&e, 40, 64), 4);
-    let fillers: Vec<Request> = (0..2).map(|i| greedy(text_tokens(&e, 50 + i, 64), 4)).collect();
+    let p = common::greedy(text_tokens(&e, 40, 64), 4);
+    let fillers: Vec<Request> = (0..2).map(|i| common::greedy(text_tokens(&e, 50 + i, 64), 4)).collect();
     let want = cold(std::slice::from_ref(&p));
     assert_eq!(run(&mut e, std::slice::from_ref(&p)), want);
     // One filler pushes the prompt's blocks to the host tier.
@@ -133,8 +122,8 @@ fn prefixes_offloaded_to_host_and_disk_onboard_exactly() {
 fn a_corrupt_disk_block_is_dropped_and_recomputed() {
     let dir = temp_dir("corrupt");
     let mut e = tiered(4, 16, &dir);
-    let p = greedy(text_tokens(&e, 40, 64), 4);
-    let fillers: Vec<Request> = (0..3).map(|i| greedy(text_tokens(&e, 60 + i, 64), 4)).collect();
+    let p = common::greedy(text_tokens(&e, 40, 64), 4);
+    let fillers: Vec<Request> = (0..3).map(|i| common::greedy(text_tokens(&e, 60 + i, 64), 4)).collect();
     let want = cold(std::slice::from_ref(&p));
     run(&mut e, std::slice::from_ref(&p));
     run(&mut e, &fillers);
@@ -169,9 +158,9 @@ fn a_corrupt_disk_block_is_dropped_and_recomputed() {
 
 #[test]
 fn cancelling_returns_every_block() {
-    let mut e = engine(EngineConfig::default());
+    let mut e = common::engine(EngineConfig::default());
     let free = e.free_blocks();
-    let requests: Vec<Request> = (0..3).map(|i| greedy(text_tokens(&e, 70 + i, 40), 500)).collect();
+    let requests: Vec<Request> = (0..3).map(|i| common::greedy(text_tokens(&e, 70 + i, 40), 500)).collect();
     let cancel = AtomicBool::new(false);
     let mut tokens = 0;
     let done = e

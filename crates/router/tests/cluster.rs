@@ -9,7 +9,6 @@ use std::time::Duration;
 use common::*;
 use engine::chat::ChatMessage;
 use engine::generate::{Engine, EngineConfig, Request};
-use engine::sampling::SamplingParams;
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
 use worker::Role;
@@ -20,8 +19,7 @@ const MODEL: &str = "smollm2-135m-instruct";
 fn greedy_reply(messages: &[ChatMessage], max_tokens: u32) -> (String, usize) {
     let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
     let prompt = e.tokenizer().encode(&e.render_chat(messages).expect("template"));
-    let req =
-        Request { namespace: None, prompt, sampling: SamplingParams::greedy(NonZeroU32::new(max_tokens).expect("n")) };
+    let req = Request::greedy(prompt, NonZeroU32::new(max_tokens).expect("n"));
     let c = e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     (c.text, c.token_ids.len())
 }

@@ -6,7 +6,6 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use engine::generate::{Engine, EngineConfig, Request};
-use engine::sampling::SamplingParams;
 use kv_cache::events::{EventId, Tier, TierView};
 use kv_transfer::tls::DevCa;
 use proto::worker as pb;
@@ -115,11 +114,7 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     let text = "Disaggregated serving runs the prompt on one machine and the answer on another. In one sentence, why";
     let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
     prompt.truncate(70);
-    let greedy = |p: Vec<u32>, n| Request {
-        namespace: None,
-        prompt: p,
-        sampling: SamplingParams::greedy(NonZeroU32::new(n).expect("n")),
-    };
+    let greedy = |p: Vec<u32>, n| Request::greedy(p, NonZeroU32::new(n).expect("n"));
     let want =
         single.run(&[greedy(prompt.clone(), 10)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
 
@@ -252,11 +247,7 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
     let Pair { p, d, mut pc, mut dc } = pair(Some(shm.clone())).await;
     let prompt: Vec<u32> = (0..70).map(|i| 500 + i * 11).collect();
     let mut single = Engine::open(&model(), EngineConfig::default()).expect("engine");
-    let greedy = Request {
-        namespace: None,
-        prompt: prompt.clone(),
-        sampling: SamplingParams::greedy(NonZeroU32::new(6).expect("n")),
-    };
+    let greedy = Request::greedy(prompt.clone(), NonZeroU32::new(6).expect("n"));
     let want = single.run(&[greedy], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
     let pre = prefill(&mut pc, "s", &prompt, 6).await;
     let handle = pre.handle.expect("handle");

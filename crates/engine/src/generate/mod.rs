@@ -119,6 +119,13 @@ pub struct Request {
     pub namespace: Option<CacheNamespace>,
 }
 
+impl Request {
+    /// Greedy decoding of up to `max_tokens` after `prompt`, in no namespace.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: std::num::NonZeroU32) -> Request {
+        Request { prompt, sampling: SamplingParams::greedy(max_tokens), namespace: None }
+    }
+}
+
 /// Why a sequence ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {

