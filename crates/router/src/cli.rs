@@ -177,19 +177,14 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(r) => r,
+    let process = match telemetry::Process::start("tandem-router") {
+        Ok(p) => p,
         Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
+            eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
-    // Made inside the runtime (the OTLP client needs it) and dropped before it, flushing spans.
-    let _telemetry = {
-        let _in = runtime.enter();
-        telemetry::init("tandem-router")
-    };
-    runtime.block_on(async move {
+    process.block_on(async move {
         let router = match RunningRouter::start(config).await {
             Ok(r) => r,
             Err(e) => {

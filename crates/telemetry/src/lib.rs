@@ -4,8 +4,10 @@
 
 mod export;
 mod logs;
+mod process;
 pub mod prom;
 pub mod trace;
 
 pub use export::dropped_spans;
 pub use logs::{Guard, TraceExport, init, init_with};
+pub use process::Process;

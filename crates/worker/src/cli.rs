@@ -260,24 +260,19 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
     let service = match config.role {
         Role::Prefill => "tandem-prefill-worker",
         Role::Decode => "tandem-decode-worker",
         Role::Both => "tandem-worker",
     };
-    // Made inside the runtime (the OTLP client needs it) and dropped before it, flushing spans.
-    let _telemetry = {
-        let _in = runtime.enter();
-        telemetry::init(service)
+    let process = match telemetry::Process::start(service) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
     };
-    runtime.block_on(async move {
+    process.block_on(async move {
         let worker = match RunningWorker::start(config).await {
             Ok(w) => w,
             Err(e) => {

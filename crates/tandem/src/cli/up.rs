@@ -92,13 +92,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let router_id = ids.pop().ok_or("no router certificate")?;
     let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
     let threads = args.threads.or(NonZeroUsize::new((cores / roles.len().max(1)).max(1)));
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
-    // Made inside the runtime (the OTLP client needs it) and dropped before it, flushing spans.
-    let _telemetry = {
-        let _in = runtime.enter();
-        telemetry::init("tandem")
-    };
-    runtime.block_on(async move {
+    let process = telemetry::Process::start("tandem")?;
+    process.block_on(async move {
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         let mut workers = Vec::new();
         for ((role, name), identity) in roles.into_iter().zip(ids) {
