@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Writes crates/engine/tests/data/golden.json: greedy continuations of the embedded model from the numpy oracle
+"""Writes engine/tests/data/golden.json: greedy continuations of the embedded model from the numpy oracle
 (np_llama.py, float64, weights dequantized by the `gguf` package), with the oracle's top-1 margin at every step
 and first-position logits (the top 100 and every 97th id).
 
     pip install -r scripts/reference/requirements.txt
-    python3 scripts/reference/golden.py [GGUF] > crates/engine/tests/data/golden.json   # a few minutes
+    python3 scripts/reference/golden.py [GGUF] > engine/tests/data/golden.json   # a few minutes
 """
 import json
 import sys

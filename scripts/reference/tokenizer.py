@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Writes crates/engine/tests/data/tokenizer_reference.json: reference token ids for a corpus of strings and
+"""Writes engine/tests/data/tokenizer_reference.json: reference token ids for a corpus of strings and
 chat conversations, from the Hugging Face reference tokenizer (see common.py) and transformers'
 apply_chat_template.
 
     pip install -r scripts/reference/requirements.txt
-    python3 scripts/reference/tokenizer.py [GGUF] > crates/engine/tests/data/tokenizer_reference.json
+    python3 scripts/reference/tokenizer.py [GGUF] > engine/tests/data/tokenizer_reference.json
 """
 import itertools
 import json

@@ -6,10 +6,6 @@ use std::process::{Command, Stdio};
 
 const PROMPT: &str = "What is the capital of France?";
 
-fn model() -> std::path::PathBuf {
-    engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
-}
-
 /// Kills the cluster if the test fails before stopping it.
 struct Cluster(std::process::Child);
 
@@ -22,9 +18,9 @@ impl Drop for Cluster {
 
 #[test]
 fn the_openai_client_gets_what_tandem_generate_gets() {
-    let model = model();
+    let model = tandem_tests::model();
     let home = std::env::temp_dir().join(format!("tandem-up-test-{}", std::process::id()));
-    let up = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let up = Command::new(tandem_tests::binary("tandem", "tandem"))
         .args(["up", "--port", "0", "--prefill", "1", "--decode", "1", "--model"])
         .arg(&model)
         .env("TANDEM_HOME", &home)
@@ -42,7 +38,7 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
         .unwrap_or_else(|| panic!("no URL in {first:?}"))
         .to_string();
 
-    let want = Command::new(env!("CARGO_BIN_EXE_tandem"))
+    let want = Command::new(tandem_tests::binary("tandem", "tandem"))
         .args(["generate", "--chat", "--json", "--max-tokens", "20", "--model"])
         .arg(&model)
         .arg(PROMPT)
@@ -52,7 +48,7 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     let want_text = want["text"].as_str().expect("text");
 
     let python = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".to_string());
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/e2e/openai_client.py");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/e2e/openai_client.py");
     let out =
         Command::new(&python).arg(script).arg(format!("{url}/v1")).args([PROMPT, "20"]).output().expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -1,13 +1,11 @@
 //! Admission control, deadlines and client cancellation.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
 use router::state::Limits;
+use tandem_tests::*;
 use worker::Role;
 
 fn long(stream: bool) -> String {

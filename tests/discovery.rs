@@ -1,13 +1,11 @@
 //! Workers found by DNS name, and workers that register and leave on their own, while the router runs.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use kv_transfer::tls::DevCa;
 use router::discovery::WorkerSource;
 use router::run::RunningRouter;
+use tandem_tests::*;
 use worker::Role;
 use worker::register::Registration;
 

@@ -1,15 +1,13 @@
 //! Workers that die or restart under a running router: no request is lost.
 
-mod common;
-
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use common::*;
 use engine::generate::{Engine, EngineConfig, Request};
 use engine::sampling::{RawSampling, SamplingParams};
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
+use tandem_tests::*;
 use worker::Role;
 
 const MODEL: &str = "smollm2-135m-instruct";

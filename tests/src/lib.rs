@@ -1,6 +1,5 @@
-//! A small real cluster on 127.0.0.1 for the router's tests: workers in-process, mutual TLS from one dev CA.
-
-#![allow(dead_code)]
+//! What the whole-cluster and whole-process tests share: a small real cluster on 127.0.0.1 (workers in-process,
+//! mutual TLS from one dev CA), an HTTP/1.1 client that reads SSE as it arrives, and the workspace's binaries.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -13,6 +12,28 @@ use router::scheduler::config::SchedulerConfig;
 use router::state::Limits;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use worker::{Role, RunningWorker, WorkerConfig};
+
+/// The path of the workspace binary `name` (package `package`), built first so that it is current: a test in
+/// another package cannot ask Cargo for it (`CARGO_BIN_EXE_*` names only its own package's binaries).
+pub fn binary(package: &str, name: &str) -> std::path::PathBuf {
+    use std::path::Path;
+    // This test runs as target/<profile>/deps/<test>; binaries sit in target/<profile>.
+    let exe = std::env::current_exe().expect("the test's own path");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf();
+    let target_dir = profile_dir.parent().expect("target").to_path_buf();
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let built = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", package, "--bin", name, "--profile", &profile, "--target-dir"])
+        .arg(&target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .expect("cargo runs");
+    assert!(built.success(), "cargo build -p {package} --bin {name} failed");
+    profile_dir.join(name)
+}
 
 pub fn model() -> std::path::PathBuf {
     engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")

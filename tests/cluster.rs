@@ -1,16 +1,14 @@
 //! The router in front of a real prefill and decode worker: OpenAI requests in, the engine's tokens out.
 
-mod common;
-
 use std::num::NonZeroU32;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use common::*;
 use engine::chat::ChatMessage;
 use engine::generate::{Engine, EngineConfig, Request};
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
+use tandem_tests::*;
 use worker::Role;
 
 const MODEL: &str = "smollm2-135m-instruct";

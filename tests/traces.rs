@@ -1,19 +1,17 @@
 //! One trace per request across router, prefill worker, KV transfer and decode worker, exported over OTLP to an
 //! in-process receiver: the span tree, the parent links and the key attributes.
 
-mod common;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
 use kv_transfer::tls::DevCa;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
+use tandem_tests::*;
 use telemetry::TraceExport;
 use worker::Role;
 
