@@ -104,23 +104,27 @@ impl Model {
     }
 
     fn check(&self, kv: &KvStore, batch: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
+        batch.iter().try_for_each(|s| self.check_chunk(kv, s))
+    }
+
+    /// What [`forward`](Self::forward) checks of one chunk before any compute: token ids in the vocabulary,
+    /// positions within the context, a block table covering them, blocks inside the store.
+    pub fn check_chunk(&self, kv: &KvStore, s: &SeqChunk<'_>) -> Result<(), ForwardError> {
         let c = &self.config;
         let bt = kv.layout().block_tokens;
-        for s in batch {
-            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-                return Err(ForwardError::TokenOutOfRange(t));
-            }
-            let end = s.start + s.tokens.len();
-            if end > c.context_len {
-                return Err(ForwardError::PastContext(end - 1, c.context_len));
-            }
-            let need = end.div_ceil(bt);
-            if s.blocks.len() < need {
-                return Err(ForwardError::BlockTableShort { have: s.blocks.len(), need });
-            }
-            if let Some(b) = s.blocks[..need].iter().find(|b| b.0 as usize >= kv.capacity()) {
-                return Err(ForwardError::BlockOutOfRange(b.0));
-            }
+        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(ForwardError::TokenOutOfRange(t));
+        }
+        let end = s.start + s.tokens.len();
+        if end > c.context_len {
+            return Err(ForwardError::PastContext(end - 1, c.context_len));
+        }
+        let need = end.div_ceil(bt);
+        if s.blocks.len() < need {
+            return Err(ForwardError::BlockTableShort { have: s.blocks.len(), need });
+        }
+        if let Some(b) = s.blocks[..need].iter().find(|b| b.0 as usize >= kv.capacity()) {
+            return Err(ForwardError::BlockOutOfRange(b.0));
         }
         Ok(())
     }

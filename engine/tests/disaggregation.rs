@@ -1,5 +1,5 @@
-//! Prefill on one engine, decode on another: engine A computes a prompt and exports its KV; engine B imports the
-//! full blocks it lacks and continues. The tokens equal a single engine's, bit for bit, and B computes only what
+//! Prefill on one engine, decode on another: engine A computes a prompt and exports its KV; engine B takes the
+//! full blocks it lacks with the request and continues. The tokens equal a single engine's, bit for bit, and B computes only what
 //! it was not given.
 
 mod common;
@@ -23,8 +23,8 @@ async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
     (first.expect("a first token"), kv.expect("the prompt's KV"))
 }
 
-async fn decode(d: &EngineHandle, tokens: Vec<u32>, max_tokens: u32) -> Vec<u32> {
-    let mut s = d.submit(common::greedy(tokens, max_tokens)).await.expect("accepted");
+async fn decode(d: &EngineHandle, tokens: Vec<u32>, max_tokens: u32, blocks: Vec<(usize, bytes::Bytes)>) -> Vec<u32> {
+    let mut s = d.submit_with_blocks(common::greedy(tokens, max_tokens), blocks).await.expect("accepted");
     let mut out = Vec::new();
     while let Some(ev) = s.next().await {
         match ev {
@@ -66,19 +66,21 @@ async fn prefill_here_decode_there_gives_the_same_tokens() {
         .filter(|(_, b)| b.meta.is_some())
         .map(|(i, b)| (i, bytes::Bytes::from(b.bytes.clone())))
         .collect();
-    assert_eq!(d.import(prompt.clone(), None, full.clone()).await.expect("imports"), 4);
+    let before = d.stats().counters;
+    let rest = decode(&d, [prompt.clone(), vec![first]].concat(), 11, full.clone()).await;
+    let after = d.stats().counters;
+    assert_eq!(after.imported_blocks - before.imported_blocks, 4);
     assert_eq!(d.lookup(hashes).await.expect("lookup").device, 4);
-    let before = d.stats().await.expect("stats").counters;
-    let rest = decode(&d, [prompt.clone(), vec![first]].concat(), 11).await;
-    let after = d.stats().await.expect("stats").counters;
     assert_eq!([vec![first], rest].concat(), want, "disaggregated tokens equal the single engine's");
     assert_eq!(after.cached_tokens[0] - before.cached_tokens[0], 64, "the imported blocks were used");
     // It computed the partial block's tokens plus the first token, then one per decode step.
     assert_eq!(after.prefill_tokens - before.prefill_tokens, (71 - 64) + 10);
 
-    // Importing what it already holds stores nothing; a block of the wrong size is refused.
-    assert_eq!(d.import(prompt.clone(), None, full).await.expect("imports"), 0);
-    assert!(d.import(prompt.clone(), None, vec![(0, bytes::Bytes::from_static(b"short"))]).await.is_err());
+    // Handing in what it already holds stores nothing; a block of the wrong size is refused.
+    decode(&d, [prompt.clone(), vec![first]].concat(), 2, full).await;
+    assert_eq!(d.stats().counters.imported_blocks, after.imported_blocks);
+    let short = vec![(0, bytes::Bytes::from_static(b"short"))];
+    assert!(d.submit_with_blocks(common::greedy(prompt.clone(), 2), short).await.is_err());
     p.shutdown(true).await;
     d.shutdown(true).await;
 }

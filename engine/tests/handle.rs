@@ -52,15 +52,15 @@ async fn concurrent_submissions_stream_what_a_direct_run_gives() {
 #[tokio::test(flavor = "current_thread")]
 async fn dropping_a_stream_cancels_and_frees_its_blocks() {
     let handle = EngineHandle::start(common::engine(EngineConfig::default())).expect("starts");
-    let idle = handle.stats().await.expect("stats");
+    let idle = handle.stats();
     let mut s = handle.submit(common::greedy(vec![100; 40], 2000)).await.expect("accepted");
     assert!(matches!(s.next().await, Some(SeqEvent::Token { .. })));
-    let busy = handle.stats().await.expect("stats");
+    let busy = handle.stats();
     assert!(busy.usage[0].used > 0 && busy.running == 1);
     drop(s);
     let mut freed = false;
     for _ in 0..200 {
-        let now = handle.stats().await.expect("stats");
+        let now = handle.stats();
         if now.usage[0].used == 0 && now.running == 0 {
             assert_eq!(now.usage[0].free + now.usage[0].cached, idle.usage[0].free + idle.usage[0].cached);
             freed = true;
@@ -91,4 +91,22 @@ async fn shutdown_cancels_or_finishes_in_flight_work() {
     let (tokens, _, last) = drain(s).await;
     assert!(matches!(last, SeqEvent::Finished(ref c) if c.finish_reason != FinishReason::Cancelled), "{last:?}");
     assert!(!tokens.is_empty());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_state_is_readable_while_a_step_runs_long() {
+    let handle = EngineHandle::start(common::engine(EngineConfig::default())).expect("starts");
+    let hold = handle.hold_steps();
+    let s = handle.submit(common::greedy(vec![100; 40], 5)).await.expect("accepted");
+    // The engine is stopped before its step; what it holds is published all the same.
+    let state = handle.stats();
+    assert_eq!((state.running, state.waiting, state.prefill_tokens_pending), (0, 1, 40));
+    assert!(handle.is_running());
+    drop(hold);
+    let (tokens, _, last) = drain(s).await;
+    assert_eq!(tokens.len(), 5, "{last:?}");
+    let state = handle.stats();
+    assert_eq!((state.running, state.waiting, state.prefill_tokens_pending), (0, 0, 0));
+    assert_eq!(state.counters.prefill_tokens, 40 + 4);
+    handle.shutdown(true).await;
 }

@@ -139,8 +139,8 @@ pub async fn run(
     // Shared memory: the owner's region written once; each run maps it and copies every block out, verified.
     let dir = std::path::Path::new(crate::shm::DEFAULT_DIR);
     let dir = if dir.is_dir() { dir.to_path_buf() } else { std::env::temp_dir() };
-    let (region, offsets) =
-        crate::shm::ShmRegion::create(&dir, LeaseId(u128::from(std::process::id()) << 64 | 0xbe4c), &data)?;
+    let owner = crate::shm::ShmDir::open(&dir, &format!("bench{}", std::process::id()))?;
+    let (region, offsets) = owner.create_region(LeaseId(0xbe4c), &data)?;
     let shm_descs: Vec<(u32, BlockDescriptor)> =
         descriptors.iter().zip(&offsets).map(|(&(i, d), &offset)| (i, BlockDescriptor { offset, ..d })).collect();
     let mut shm_best = Duration::MAX;

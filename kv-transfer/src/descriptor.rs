@@ -75,6 +75,8 @@ pub struct KvHandle {
     pub blocks: Vec<BlockDescriptor>,
     /// A shared-memory region holding the same blocks at the descriptors' offsets (same-host readers).
     pub shm_region: Option<String>,
+    /// The owner's host and shared-memory domain: a reader uses `shm_region` only when its own is the same.
+    pub host_id: String,
 }
 
 /// Why a handle cannot be used here, naming what differs.
@@ -170,6 +172,7 @@ mod tests {
             tokens,
             blocks,
             shm_region: None,
+            host_id: String::new(),
         }
     }
 

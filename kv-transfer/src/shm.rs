@@ -1,6 +1,13 @@
 //! The shared-memory transport, for workers on one host: the owner writes a lease's blocks into a file in shared
 //! memory (`/dev/shm` by default), readable only by its user and named by the unguessable lease id; the reader
 //! maps it and copies the blocks it needs itself — a one-sided read — checking each block's length and checksum.
+//!
+//! Every owner holds an exclusive lock on a file of its own in the directory (`tandem-kv-<owner>.lock`) for as
+//! long as it runs, and names its regions after itself (`tandem-kv-<owner>-<lease>`). A region whose owner's lock
+//! can be taken (its process is gone, however it ended) or that has no lock file at all is stale: [`ShmDir::open`]
+//! removes such files, so a crashed worker's regions do not outlive the next start on the host. A region is
+//! written only when the filesystem has room for it (containers often get 64 MiB), and a failed write leaves no
+//! file behind.
 
 use std::fs;
 use std::io::Write;
@@ -15,6 +22,21 @@ use crate::quic::TransferError;
 
 /// Where shared-memory regions live when nothing else is said.
 pub const DEFAULT_DIR: &str = "/dev/shm";
+/// Every file this transport makes starts so.
+const PREFIX: &str = "tandem-kv-";
+/// Room left free beside a new region, for everything else that uses the filesystem.
+const HEADROOM: u64 = 4 << 20;
+
+/// One owner's place in a shared-memory directory, held while the owner runs.
+#[derive(Debug)]
+pub struct ShmDir {
+    dir: PathBuf,
+    owner: String,
+    lock: PathBuf,
+    /// Holds the exclusive lock; the lock goes when the process does, however it ends.
+    _held: fs::File,
+    swept: usize,
+}
 
 /// A lease's blocks in a shared-memory file, removed when dropped.
 #[derive(Debug)]
@@ -22,24 +44,110 @@ pub struct ShmRegion {
     path: PathBuf,
 }
 
-impl ShmRegion {
-    /// Writes `blocks` back to back into a new owner-only file under `dir`; the i-th block is at offset
-    /// `i * len` for equal-length blocks (the offsets are returned).
-    pub fn create(dir: &Path, lease: LeaseId, blocks: &[Bytes]) -> Result<(ShmRegion, Vec<u64>), TransferError> {
+/// Whether `name` is one of this transport's files, and whose (the owner's name up to the next `-` or `.lock`).
+fn owner_of(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix(PREFIX)?;
+    let owner = rest.strip_suffix(".lock").unwrap_or(rest);
+    owner.split('-').next().filter(|o| !o.is_empty())
+}
+
+impl ShmDir {
+    /// Takes `owner`'s place in `dir` (an owner is one running process: pass a fresh id per start) and removes
+    /// the files of owners that are gone.
+    pub fn open(dir: &Path, owner: &str) -> Result<ShmDir, TransferError> {
+        if owner.is_empty() || !owner.chars().all(|c| c.is_ascii_alphanumeric()) {
+            return Err(TransferError::Stream(format!("shared-memory owner {owner:?} must be letters and digits")));
+        }
+        let lock = dir.join(format!("{PREFIX}{owner}.lock"));
+        let held = fs::OpenOptions::new().write(true).create(true).truncate(false).open(&lock)?;
+        held.try_lock().map_err(|e| TransferError::Stream(format!("{}: {e}", lock.display())))?;
+        let swept = sweep(dir, owner)?;
+        Ok(ShmDir { dir: dir.to_path_buf(), owner: owner.to_string(), lock, _held: held, swept })
+    }
+
+    /// Stale files removed when this owner arrived.
+    pub fn swept(&self) -> usize {
+        self.swept
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes `blocks` back to back into a new owner-only file; the i-th block is at offset `i * len` for
+    /// equal-length blocks (the offsets are returned). Refused, with nothing written, when the filesystem lacks
+    /// the room; on any error the file is gone.
+    pub fn create_region(&self, lease: LeaseId, blocks: &[Bytes]) -> Result<(ShmRegion, Vec<u64>), TransferError> {
         use std::os::unix::fs::OpenOptionsExt;
-        let path = dir.join(format!("tandem-kv-{:032x}", lease.0));
-        let mut f = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+        let size: u64 = blocks.iter().map(|b| b.len() as u64).sum();
+        room_for(size, free_bytes(&self.dir)?, &self.dir)?;
+        let path = self.dir.join(format!("{PREFIX}{}-{:032x}", self.owner, lease.0));
+        let f = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+        // From here the region owns the file: any early return removes it.
+        let region = ShmRegion { path };
         let mut offsets = Vec::with_capacity(blocks.len());
+        let mut w = std::io::BufWriter::new(f);
         let mut at = 0u64;
         for b in blocks {
             offsets.push(at);
-            f.write_all(b)?;
+            w.write_all(b)?;
             at += b.len() as u64;
         }
-        f.sync_data().ok();
-        Ok((ShmRegion { path }, offsets))
+        w.flush()?;
+        Ok((region, offsets))
     }
+}
 
+impl Drop for ShmDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.lock);
+    }
+}
+
+/// Removes every file in `dir` whose owner (other than `me`) has no lock file or no longer holds its lock.
+fn sweep(dir: &Path, me: &str) -> Result<usize, TransferError> {
+    let names: Vec<String> =
+        fs::read_dir(dir)?.filter_map(|e| e.ok()).filter_map(|e| e.file_name().into_string().ok()).collect();
+    let mut dead: std::collections::HashMap<String, bool> = std::collections::HashMap::new();
+    let mut removed = 0;
+    for name in &names {
+        let Some(owner) = owner_of(name) else { continue };
+        if owner == me {
+            continue;
+        }
+        let gone = *dead.entry(owner.to_string()).or_insert_with(|| {
+            match fs::OpenOptions::new().write(true).open(dir.join(format!("{PREFIX}{owner}.lock"))) {
+                // Nobody holds the lock: its owner is gone (this handle lets go of it when dropped).
+                Ok(f) => f.try_lock().is_ok(),
+                // No lock file at all: a file no live owner can be holding.
+                Err(_) => true,
+            }
+        });
+        if gone && fs::remove_file(dir.join(name)).is_ok() {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// Whether a region of `size` bytes fits in `free` bytes, keeping [`HEADROOM`] for everything else.
+fn room_for(size: u64, free: u64, dir: &Path) -> Result<(), TransferError> {
+    if size.saturating_add(HEADROOM) <= free {
+        return Ok(());
+    }
+    Err(TransferError::Io(std::io::Error::new(
+        std::io::ErrorKind::StorageFull,
+        format!("{} has {free} bytes free; a region of {size} bytes does not fit", dir.display()),
+    )))
+}
+
+/// Bytes an unprivileged writer can still put on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> Result<u64, TransferError> {
+    let st = rustix::fs::statvfs(dir).map_err(std::io::Error::from)?;
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+impl ShmRegion {
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -84,12 +192,19 @@ mod tests {
     use super::*;
     use crate::descriptor::RegionKey;
 
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tandem-shm-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).expect("dir");
+        d
+    }
+
     #[test]
     fn blocks_round_trip_and_damage_is_caught() {
-        let dir = std::env::temp_dir();
+        let dir = scratch("round-trip");
+        let owner = ShmDir::open(&dir, "a1").expect("owner");
         let blocks: Vec<Bytes> = (0..4u8).map(|i| Bytes::from(vec![i; 4096])).collect();
-        let (region, offsets) =
-            ShmRegion::create(&dir, LeaseId(0xfeed_0000 + u128::from(std::process::id())), &blocks).expect("region");
+        let (region, offsets) = owner.create_region(LeaseId(0xfeed), &blocks).expect("region");
         let descs: Vec<(u32, BlockDescriptor)> = offsets
             .iter()
             .zip(&blocks)
@@ -115,5 +230,63 @@ mod tests {
         let path = region.path().to_path_buf();
         drop(region);
         assert!(!path.exists(), "the region is removed with its lease");
+        drop(owner);
+        assert_eq!(fs::read_dir(&dir).expect("dir").count(), 0, "the owner's lock file goes with it");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_gone_owners_files_are_swept_and_a_live_owners_are_not() {
+        let dir = scratch("sweep");
+        let live = ShmDir::open(&dir, "live").expect("owner");
+        let (kept, _) = live.create_region(LeaseId(1), &[Bytes::from_static(b"kept")]).expect("region");
+        // A crashed owner: its lock file is there but nobody holds it; and a region with no lock file at all.
+        fs::write(dir.join("tandem-kv-dead.lock"), b"").expect("lock");
+        fs::write(dir.join(format!("tandem-kv-dead-{:032x}", 2)), b"stale").expect("region");
+        fs::write(dir.join(format!("tandem-kv-orphan-{:032x}", 3)), b"stale").expect("region");
+        fs::write(dir.join("unrelated"), b"not ours").expect("file");
+        let next = ShmDir::open(&dir, "next").expect("owner");
+        assert_eq!(next.swept(), 3, "the dead owner's lock and region, and the orphan");
+        let mut left: Vec<String> =
+            fs::read_dir(&dir).expect("dir").filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+        left.sort();
+        assert_eq!(
+            left,
+            vec![
+                format!("tandem-kv-live-{:032x}", 1),
+                "tandem-kv-live.lock".to_string(),
+                "tandem-kv-next.lock".to_string(),
+                "unrelated".to_string()
+            ]
+        );
+        assert!(kept.path().exists());
+        // An owner name the file scheme cannot carry is refused.
+        assert!(ShmDir::open(&dir, "a-b").is_err());
+        drop((kept, live, next));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_region_must_fit_beside_the_headroom() {
+        let dir = Path::new("/dev/shm");
+        // A container's 64 MiB /dev/shm holds a 47 MB prompt region, not two of them.
+        let (mib, region) = (1u64 << 20, 47_185_920);
+        assert!(room_for(region, 64 * mib, dir).is_ok());
+        let refused = room_for(region, 64 * mib - region, dir);
+        assert!(matches!(refused, Err(TransferError::Io(ref e)) if e.kind() == std::io::ErrorKind::StorageFull));
+        assert!(room_for(u64::MAX - 1, u64::MAX - 1, dir).is_err(), "no overflow");
+        // The real filesystem is asked, not assumed.
+        assert!(free_bytes(&std::env::temp_dir()).expect("statvfs") > 0);
+    }
+
+    #[test]
+    fn a_lease_whose_file_exists_is_refused_and_the_file_is_not_touched() {
+        let dir = scratch("exists");
+        let owner = ShmDir::open(&dir, "o1").expect("owner");
+        let (first, _) = owner.create_region(LeaseId(5), &[Bytes::from_static(b"one")]).expect("region");
+        assert!(owner.create_region(LeaseId(5), &[Bytes::from_static(b"two")]).is_err());
+        assert_eq!(fs::read(first.path()).expect("still there"), b"one");
+        drop((first, owner));
+        let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod cluster;
 pub mod discovery;
 pub mod http;
+pub mod ids;
 pub mod indexer;
 pub mod load;
 pub mod metrics;

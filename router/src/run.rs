@@ -129,6 +129,7 @@ impl RunningRouter {
             limits: config.limits,
             api_keys: config.api_keys,
             rng: Mutex::new(Rng::new(config.seed.unwrap_or_else(clock_seed))),
+            instance: crate::ids::instance_id(),
             sequence: AtomicU64::new(0),
             metrics: RouterMetrics::default(),
             leases,

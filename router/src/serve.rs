@@ -27,6 +27,8 @@ pub struct Job {
     pub namespace: Option<String>,
     pub request_blocks: u64,
     pub traceparent: Option<String>,
+    /// The request's deadline as Unix milliseconds, sent to workers so they drop work nobody waits for.
+    pub deadline_unix_ms: u64,
 }
 
 /// What the client's side of a job receives.
@@ -84,6 +86,7 @@ async fn prefill(
             tokens: job.tokens.clone(),
             sampling: Some(prefill_sampling.clone()),
             cache_namespace: job.namespace.clone(),
+            deadline_unix_ms: Some(job.deadline_unix_ms),
         };
         state.cluster.sent(cand.id, job.seq, job.tokens.len() as u64, job.request_blocks);
         let span = tracing::info_span!(
@@ -166,6 +169,7 @@ async fn decode_once(
         sampling: Some(pb::Sampling { max_tokens: remaining, ..job.sampling.clone() }),
         handle,
         cache_namespace: job.namespace.clone(),
+        deadline_unix_ms: Some(job.deadline_unix_ms),
     };
     state.cluster.sent(worker, job.seq, local_prefill, job.request_blocks);
     let mut client = member.client.clone();

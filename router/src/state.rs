@@ -79,6 +79,8 @@ pub struct RouterState {
     pub api_keys: Vec<String>,
     pub admission: Admission,
     pub rng: Mutex<Rng>,
+    /// This router process's random id: with `sequence`, request ids unique across replicas and restarts.
+    pub instance: u64,
     pub sequence: AtomicU64,
     pub metrics: RouterMetrics,
     /// Releases prefill leases the router will not hand to a decode worker (mutual TLS, the router's certificate).

@@ -45,19 +45,11 @@ pub async fn worker(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
 
 /// A worker whose gRPC service listens on `grpc`.
 pub async fn worker_at(ca: &DevCa, role: Role, name: &str, grpc: SocketAddr) -> RunningWorker {
-    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     RunningWorker::start(WorkerConfig {
-        role,
-        model: model(),
-        model_id: "smollm2-135m-instruct".into(),
         engine: EngineConfig { threads: std::num::NonZeroUsize::new(1), ..EngineConfig::default() },
         grpc,
-        transfer: loopback,
-        metrics: None,
-        identity: ca.issue(name, &[]).expect("cert"),
-        lease_ttl: Duration::from_secs(30),
         pull_timeout: Duration::from_secs(5),
-        shm_dir: None,
+        ..WorkerConfig::local(role, model(), ca.issue(name, &[]).expect("cert"))
     })
     .await
     .expect("worker starts")

@@ -75,6 +75,9 @@ pub struct Settings {
     /// How long a prefilled prompt's KV is held for a decode worker, in milliseconds.
     #[arg(long, env = "TANDEM_LEASE_TTL_MS")]
     pub lease_ttl_ms: Option<u64>,
+    /// Most bytes of prompt KV held for decode workers at once (default: an eighth of the machine's memory).
+    #[arg(long, env = "TANDEM_MAX_LEASED_BYTES")]
+    pub max_leased_bytes: Option<u64>,
     /// How long shutdown waits for in-flight requests, in milliseconds.
     #[arg(long, env = "TANDEM_SHUTDOWN_GRACE_MS")]
     pub shutdown_grace_ms: Option<u64>,
@@ -129,6 +132,7 @@ impl Settings {
             max_model_len,
             shm_dir,
             lease_ttl_ms,
+            max_leased_bytes,
             shutdown_grace_ms,
             register_with,
             advertise_addr,
@@ -233,6 +237,7 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
                     Some(dir) => Some(PathBuf::from(dir)),
                     None => Some(PathBuf::from(kv_transfer::shm::DEFAULT_DIR)).filter(|d| d.is_dir()),
                 },
+                max_leased_bytes: s.max_leased_bytes.unwrap_or_else(crate::leases::default_cap),
             },
             grace: s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
         }),

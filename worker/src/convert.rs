@@ -108,6 +108,7 @@ pub fn handle_to_pb(h: &KvHandle) -> pb::KvHandle {
             })
             .collect(),
         shm_region: h.shm_region.clone(),
+        host_id: h.host_id.clone(),
     }
 }
 
@@ -135,6 +136,7 @@ pub fn handle_from_pb(h: pb::KvHandle) -> Result<KvHandle, ProtoError> {
             })
             .collect(),
         shm_region: h.shm_region,
+        host_id: h.host_id,
     })
 }
 

@@ -1,8 +1,13 @@
 //! Prompts whose KV a prefill worker holds for decode workers to pull: the blocks' bytes (copied out of the
-//! engine when the prefill finished) under a lease that expires unless released first.
+//! engine when the prefill finished) under a lease that expires unless released first, with their shared-memory
+//! copy when one was made.
+//!
+//! Leased KV is capped in bytes (heap and shared memory together): a prefill reserves what its prompt's KV will
+//! take before it computes anything, and is refused when the reservation does not fit, so a burst of prefills
+//! cannot grow the worker's memory without bound; the router then tries another worker.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -12,71 +17,144 @@ use kv_transfer::quic::BlockSource;
 use kv_transfer::shm::ShmRegion;
 
 /// Leased prompt KV, served to the transfer transport.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Leases {
     inner: Mutex<Inner>,
+    /// Most bytes held under leases and reservations together.
+    cap: u64,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     table: LeaseTable,
-    blocks: HashMap<LeaseId, Vec<(u64, Bytes)>>,
-    /// Shared-memory copies of leased blocks; the file goes when the entry does.
-    regions: HashMap<LeaseId, ShmRegion>,
+    leased: HashMap<LeaseId, Leased>,
+    /// Bytes reserved or leased.
+    bytes: u64,
+}
+
+#[derive(Debug)]
+struct Leased {
+    blocks: Vec<(u64, Bytes)>,
+    /// The shared-memory copy; its file goes when the entry does.
+    _region: Option<ShmRegion>,
+    bytes: u64,
+}
+
+/// Bytes set aside for one prefill's KV until it is leased or given up (dropping it gives them back).
+#[derive(Debug)]
+pub struct Reservation {
+    leases: Arc<Leases>,
+    bytes: u64,
+}
+
+/// Leasing this prompt's KV would pass the cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("leased KV would pass its cap: {held} of {cap} bytes held, {want} more wanted")]
+pub struct LeaseCapExceeded {
+    pub held: u64,
+    pub want: u64,
+    pub cap: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut inner = self.leases.lock();
+        inner.bytes = inner.bytes.saturating_sub(self.bytes);
+    }
 }
 
 impl Leases {
-    /// Holds `blocks` (checksum, bytes) under `id` for `ttl`, with their shared-memory copy if one was made.
+    /// No more than `cap` bytes of KV leased at once.
+    pub fn new(cap: u64) -> Leases {
+        Leases { inner: Mutex::default(), cap }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // The table's invariants hold between calls; a panic elsewhere cannot leave it half-changed.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sets `bytes` aside for a prompt's KV, or says why not.
+    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, LeaseCapExceeded> {
+        let mut inner = self.lock();
+        if inner.bytes.saturating_add(bytes) > self.cap {
+            return Err(LeaseCapExceeded { held: inner.bytes, want: bytes, cap: self.cap });
+        }
+        inner.bytes += bytes;
+        Ok(Reservation { leases: Arc::clone(self), bytes })
+    }
+
+    /// Holds `blocks` (checksum, bytes) under `id` for `ttl`, with their shared-memory copy if one was made, in the
+    /// room `reserved` set aside (what the blocks take beyond it is counted too).
     pub fn grant(
         &self,
         id: LeaseId,
         blocks: Vec<(u64, Bytes)>,
         region: Option<ShmRegion>,
+        mut reserved: Reservation,
         now: Instant,
         ttl: Duration,
     ) -> Result<(), LeaseError> {
-        let mut inner = self.inner.lock().map_err(|_| LeaseError::NotFound(id.0))?;
+        let heap: u64 = blocks.iter().map(|(_, b)| b.len() as u64).sum();
+        let bytes = if region.is_some() { heap * 2 } else { heap };
+        let mut inner = self.lock();
         inner.table.grant(id, (0..blocks.len() as u32).collect(), now, ttl)?;
-        inner.blocks.insert(id, blocks);
-        if let Some(r) = region {
-            inner.regions.insert(id, r);
-        }
+        // The reservation's bytes now belong to the lease (the reservation, emptied, gives nothing back).
+        let set_aside = std::mem::take(&mut reserved.bytes);
+        inner.bytes = inner.bytes.saturating_sub(set_aside) + bytes;
+        inner.leased.insert(id, Leased { blocks, _region: region, bytes });
+        drop(inner);
+        drop(reserved);
         Ok(())
+    }
+
+    fn drop_lease(inner: &mut Inner, id: LeaseId) {
+        if let Some(l) = inner.leased.remove(&id) {
+            inner.bytes = inner.bytes.saturating_sub(l.bytes);
+        }
     }
 
     /// Drops every expired lease; returns how many.
     pub fn expire(&self, now: Instant) -> usize {
-        let Ok(mut inner) = self.inner.lock() else { return 0 };
+        let mut inner = self.lock();
         let gone = inner.table.expire(now);
         for (id, _) in &gone {
-            inner.blocks.remove(id);
-            inner.regions.remove(id);
+            Leases::drop_lease(&mut inner, *id);
         }
         gone.len()
     }
 
     /// Ends a lease early (the reader is done).
     pub fn release(&self, id: LeaseId) -> Result<(), LeaseError> {
-        let mut inner = self.inner.lock().map_err(|_| LeaseError::NotFound(id.0))?;
+        let mut inner = self.lock();
         inner.table.release(id)?;
-        inner.blocks.remove(&id);
-        inner.regions.remove(&id);
+        Leases::drop_lease(&mut inner, id);
         Ok(())
     }
 
     /// Live leases.
     pub fn len(&self) -> usize {
-        self.inner.lock().map_or(0, |i| i.table.len())
+        self.lock().table.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Bytes held under leases and reservations.
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+
+    /// The cap on [`bytes`](Self::bytes).
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
 }
 
 impl BlockSource for Leases {
     fn read(&self, lease: LeaseId, index: u32) -> Result<(u64, Bytes), (ErrorCode, String)> {
-        let inner = self.inner.lock().map_err(|_| (ErrorCode::Internal, "lease table unavailable".to_string()))?;
+        let inner = self.lock();
         match inner.table.blocks(lease, Instant::now()) {
             Ok(_) => {}
             Err(LeaseError::Expired(_)) => {
@@ -84,11 +162,61 @@ impl BlockSource for Leases {
             }
             Err(e) => return Err((ErrorCode::LeaseNotFound, e.to_string())),
         }
-        let blocks = inner.blocks.get(&lease).ok_or((ErrorCode::LeaseNotFound, "no blocks".to_string()))?;
-        blocks.get(index as usize).cloned().ok_or((ErrorCode::BadRequest, format!("the lease has no block {index}")))
+        let leased = inner.leased.get(&lease).ok_or((ErrorCode::LeaseNotFound, "no blocks".to_string()))?;
+        leased
+            .blocks
+            .get(index as usize)
+            .cloned()
+            .ok_or((ErrorCode::BadRequest, format!("the lease has no block {index}")))
     }
 
     fn release(&self, lease: LeaseId) {
         let _ = Leases::release(self, lease);
+    }
+}
+
+/// The default cap on leased KV: an eighth of the machine's memory (a prefill worker's leases are short-lived
+/// copies; the rest is the engine's, the host tier's and the OS's), or 1 GiB when the machine does not say.
+pub fn default_cap() -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+    });
+    total.map_or(1 << 30, |t| t / 8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(n: usize, len: usize) -> Vec<(u64, Bytes)> {
+        (0..n).map(|i| (i as u64, Bytes::from(vec![0u8; len]))).collect()
+    }
+
+    #[test]
+    fn leased_bytes_stay_under_the_cap_and_come_back() {
+        let leases = Arc::new(Leases::new(10_000));
+        let now = Instant::now();
+        let r = leases.reserve(4_000).expect("fits");
+        assert_eq!(leases.bytes(), 4_000);
+        let refused = leases.reserve(7_000).expect_err("past the cap");
+        assert_eq!(refused, LeaseCapExceeded { held: 4_000, want: 7_000, cap: 10_000 });
+        leases.grant(LeaseId(1), blocks(4, 1_000), None, r, now, Duration::from_secs(30)).expect("granted");
+        assert_eq!(leases.bytes(), 4_000);
+        // A reservation given up (the prefill failed) gives its room back.
+        drop(leases.reserve(6_000).expect("fits exactly"));
+        assert_eq!(leases.bytes(), 4_000);
+        let r = leases.reserve(2_000).expect("fits");
+        leases.grant(LeaseId(2), blocks(2, 1_000), None, r, now, Duration::from_secs(1)).expect("granted");
+        assert_eq!((leases.len(), leases.bytes()), (2, 6_000));
+        leases.release(LeaseId(1)).expect("released");
+        assert_eq!(leases.bytes(), 2_000);
+        assert_eq!(leases.expire(now + Duration::from_secs(2)), 1);
+        assert_eq!((leases.len(), leases.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn the_default_cap_is_a_share_of_memory() {
+        assert!(default_cap() >= 64 << 20);
     }
 }

@@ -7,9 +7,12 @@
 pub mod cli;
 pub mod convert;
 pub mod grpc_tls;
+pub mod host;
 pub mod leases;
 pub mod metrics;
+mod pull;
 pub mod register;
+pub mod requests;
 mod service;
 
 use std::net::SocketAddr;
@@ -17,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::generate::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats};
+use engine::generate::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, StepHold};
 use kv_transfer::quic::{QuicClient, QuicServer, TransferError};
 use kv_transfer::tls::Identity;
 use proto::worker as pb;
@@ -59,7 +62,35 @@ pub struct WorkerConfig {
     pub pull_timeout: Duration,
     /// Directory for shared-memory copies of leased blocks (`/dev/shm`); `None`: QUIC only.
     pub shm_dir: Option<PathBuf>,
+    /// Most bytes of KV held under leases at once (heap and shared memory); a prefill past it is refused with
+    /// RESOURCE_EXHAUSTED (the router tries another worker).
+    pub max_leased_bytes: u64,
 }
+
+impl WorkerConfig {
+    /// A worker on loopback (gRPC and transfer on any free port, no metrics endpoint, no shared memory) with the
+    /// default engine, lease and pull settings; change fields with struct update syntax.
+    pub fn local(role: Role, model: PathBuf, identity: Identity) -> WorkerConfig {
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        WorkerConfig {
+            role,
+            model,
+            model_id: DEFAULT_MODEL_ID.to_string(),
+            engine: EngineConfig::default(),
+            grpc: loopback,
+            transfer: loopback,
+            metrics: None,
+            identity,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            pull_timeout: DEFAULT_PULL_TIMEOUT,
+            shm_dir: None,
+            max_leased_bytes: leases::default_cap(),
+        }
+    }
+}
+
+/// What a worker calls its model when nothing else is said (the embedded one).
+pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";
 
 /// Why a worker could not start.
 #[derive(Debug, thiserror::Error)]
@@ -115,7 +146,7 @@ impl RunningWorker {
         .collect();
         let handle =
             Arc::new(EngineHandle::start(engine).map_err(|source| StartError::Io { what: "engine thread", source })?);
-        let leases = Arc::new(leases::Leases::default());
+        let leases = Arc::new(leases::Leases::new(config.max_leased_bytes));
         let transfer_server = QuicServer::bind(config.transfer, &config.identity, Arc::clone(&leases) as _)?;
         let transfer =
             transfer_server.local_addr().map_err(|source| StartError::Io { what: "transfer address", source })?;
@@ -136,20 +167,45 @@ impl RunningWorker {
             transfer_endpoint: transfer.to_string(),
             instance_id: instance_id(),
             max_model_len,
+            max_num_batched_tokens: config.engine.max_batched_tokens as u32,
+            host_id: host::host_id(config.shm_dir.as_deref()),
         };
+        // Shared memory only where this worker holds its place in the directory (and so sweeps what crashed
+        // workers left there).
+        let shm =
+            config.shm_dir.as_deref().and_then(|dir| match kv_transfer::shm::ShmDir::open(dir, &info.instance_id) {
+                Ok(d) => {
+                    if d.swept() > 0 {
+                        tracing::info!(dir = %dir.display(), files = d.swept(), "removed stale shared-memory files");
+                    }
+                    Some(Arc::new(d))
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "no shared-memory path; KV moves over QUIC");
+                    None
+                }
+            });
         let (stopping, stopping_rx) = tokio::sync::watch::channel(false);
         let (aborting, aborting_rx) = tokio::sync::watch::channel(false);
+        let metrics = Arc::new(metrics::WorkerMetrics::default());
+        let puller = pull::Puller {
+            client,
+            timeout: config.pull_timeout,
+            fingerprint: info.model_fingerprint.clone(),
+            layout,
+            host_id: shm.is_some().then(|| info.host_id.clone()),
+            metrics: Arc::clone(&metrics),
+        };
         let service = Arc::new(WorkerService {
             engine: handle,
             info,
             layout,
             leases: Arc::clone(&leases),
-            client,
+            puller,
             lease_ttl: config.lease_ttl,
-            pull_timeout: config.pull_timeout,
-            cancels: Default::default(),
-            metrics: Default::default(),
-            shm_dir: config.shm_dir.clone(),
+            in_flight: Default::default(),
+            metrics,
+            shm,
             stopping: stopping_rx,
             aborting: aborting_rx,
         });
@@ -200,9 +256,19 @@ impl RunningWorker {
         })
     }
 
-    /// The engine's counters and occupancy.
-    pub async fn stats(&self) -> Option<EngineStats> {
-        self.service.engine.stats().await
+    /// The engine's counters and occupancy (as last published; never waits for a step).
+    pub fn stats(&self) -> EngineStats {
+        self.service.engine.stats()
+    }
+
+    /// Calls in flight (`Prefill` and `Generate`, until each ends).
+    pub fn calls_in_flight(&self) -> usize {
+        self.service.in_flight.len()
+    }
+
+    /// Holds the engine before its next step until the hold is dropped, as a long step would (tests, diagnostics).
+    pub fn hold_engine_steps(&self) -> StepHold {
+        self.service.engine.hold_steps()
     }
 
     /// Blocks this worker has pulled from others.
@@ -254,8 +320,7 @@ async fn serve_metrics(
         axum::routing::get(move || {
             let service = Arc::clone(&service);
             async move {
-                let stats = service.engine.stats().await.unwrap_or_default();
-                let text = metrics::render(&stats, &service.metrics, service.leases.len());
+                let text = metrics::render(&service.engine.stats(), &service.metrics, service.leases.len());
                 ([("content-type", "text/plain; version=0.0.4")], text)
             }
         }),

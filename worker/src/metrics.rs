@@ -52,6 +52,13 @@ impl WorkerMetrics {
         f.nanos.fetch_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
+    /// Bytes pulled and nanoseconds spent pulling, over every transport (the measured transfer bandwidth).
+    pub fn pulled_totals(&self) -> (u64, u64) {
+        self.transfers
+            .iter()
+            .fold((0, 0), |(b, n), f| (b + f.bytes.load(Ordering::Relaxed), n + f.nanos.load(Ordering::Relaxed)))
+    }
+
     /// Blocks pulled over `transport` so far.
     pub fn pulled_blocks(&self, transport: Transport) -> u64 {
         self.transfers[transport as usize].blocks.load(Ordering::Relaxed)

@@ -1,10 +1,13 @@
 //! Two real workers on 127.0.0.1: prefill on P, decode on D, KV over QUIC with mutual TLS, all through gRPC.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use common::{http_get, model};
 use engine::generate::{Engine, EngineConfig, Request};
 use kv_cache::events::{EventId, Tier, TierView};
 use kv_transfer::tls::DevCa;
@@ -15,24 +18,13 @@ use worker::{Role, RunningWorker, WorkerConfig};
 /// Long enough for a loopback pull on a loaded 2-core machine; short enough for the vanished-owner test.
 const PULL_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn model() -> std::path::PathBuf {
-    engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
-}
-
 async fn start(ca: &DevCa, role: Role, name: &str, shm_dir: Option<std::path::PathBuf>) -> RunningWorker {
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
     RunningWorker::start(WorkerConfig {
-        role,
-        model: model(),
-        model_id: "smollm2-135m-instruct".into(),
-        engine: EngineConfig::default(),
-        grpc: loopback,
-        transfer: loopback,
         metrics: Some(loopback),
-        identity: ca.issue(name, &[]).expect("cert"),
-        lease_ttl: Duration::from_secs(30),
         pull_timeout: PULL_TIMEOUT,
         shm_dir,
+        ..WorkerConfig::local(role, model(), ca.issue(name, &[]).expect("cert"))
     })
     .await
     .expect("worker starts")
@@ -77,6 +69,7 @@ async fn prefill(
         tokens: tokens.to_vec(),
         sampling: Some(sampling(max)),
         cache_namespace: None,
+        deadline_unix_ms: None,
     })
     .await
     .expect("prefill")
@@ -95,6 +88,7 @@ async fn generate(
         sampling: Some(sampling(max)),
         handle,
         cache_namespace: None,
+        deadline_unix_ms: None,
     };
     let mut stream = d.generate(req).await?.into_inner();
     let mut out = Vec::new();
@@ -186,7 +180,7 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
             }
         }
     }
-    let stats = d.stats().await.expect("stats");
+    let stats = d.stats();
     assert_eq!(
         view.blocks(Tier::Device).len(),
         stats.usage[0].used + stats.usage[0].cached,
@@ -204,19 +198,6 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     stop(p, d).await;
 }
 
-/// A plain HTTP/1.1 GET on loopback; returns the body.
-async fn http_get(addr: SocketAddr, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connects");
-    sock.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .expect("writes");
-    let mut reply = String::new();
-    sock.read_to_string(&mut reply).await.expect("reads");
-    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
-    reply.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_transfer_is_an_error_and_nothing_of_it_is_used() {
     let Pair { p, d, mut pc, mut dc } = pair(None).await;
@@ -230,7 +211,7 @@ async fn a_damaged_transfer_is_an_error_and_nothing_of_it_is_used() {
     let err = generate(&mut dc, tokens.clone(), Some(damaged), 2).await.expect_err("damaged");
     assert_eq!(err.code(), tonic::Code::Unavailable, "{}", err.message());
     assert!(err.message().contains("checksum"), "{}", err.message());
-    let stats = d.stats().await.expect("stats");
+    let stats = d.stats();
     assert_eq!(stats.counters.imported_blocks, 0, "no block of a failed pull was stored");
     assert_eq!(d.pulled_blocks(), 0);
     // The lease is still there, so the good handle works afterwards.
@@ -305,6 +286,7 @@ async fn trace_context_rides_from_grpc_metadata_into_the_transfer_request() {
         tokens: prompt.clone(),
         sampling: Some(sampling(3)),
         cache_namespace: None,
+        deadline_unix_ms: None,
     });
     req.metadata_mut().insert("traceparent", tp.parse().expect("ascii"));
     let pre = pc.prefill(req).await.expect("prefill").into_inner();
@@ -314,6 +296,7 @@ async fn trace_context_rides_from_grpc_metadata_into_the_transfer_request() {
         sampling: Some(sampling(2)),
         handle: pre.handle,
         cache_namespace: None,
+        deadline_unix_ms: None,
     });
     req.metadata_mut().insert("traceparent", tp.parse().expect("ascii"));
     let mut stream = dc.generate(req).await.expect("generate").into_inner();
@@ -348,10 +331,76 @@ async fn a_transfer_from_a_vanished_prefill_worker_fails_and_stores_nothing() {
         err.message()
     );
     assert!(started.elapsed() < PULL_TIMEOUT + Duration::from_secs(5), "a timeout, not a hang");
-    assert_eq!(d.stats().await.expect("stats").counters.imported_blocks, 0, "nothing of it was stored");
+    assert_eq!(d.stats().counters.imported_blocks, 0, "nothing of it was stored");
     assert_eq!(d.pulled_blocks(), 0);
     // D still serves: the same request without a handle prefills locally.
     assert_eq!(generate(&mut dc, tokens, None, 2).await.expect("local prefill").len(), 2);
     drop((pc, dc));
     d.shutdown(Duration::from_secs(5)).await;
+}
+
+/// Reads a Generate stream to its end; the `Finished` message, if one came.
+async fn finish(mut s: tonic::Streaming<pb::GenerateResponse>) -> Option<pb::Finished> {
+    while let Ok(Some(msg)) = s.message().await {
+        if let Some(pb::generate_response::Event::Finished(f)) = msg.event {
+            return Some(f);
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulled_blocks_survive_while_their_request_waits_for_a_place() {
+    let ca = DevCa::generate().expect("ca");
+    let p = start(&ca, Role::Prefill, "prefill-0", None).await;
+    // A small decode worker: 24 blocks, two sequences at a time.
+    let engine = EngineConfig {
+        kv_blocks: 24,
+        max_model_len: Some(384),
+        max_num_seqs: 2,
+        threads: std::num::NonZeroUsize::new(1),
+        ..EngineConfig::default()
+    };
+    let d = RunningWorker::start(WorkerConfig {
+        engine,
+        pull_timeout: PULL_TIMEOUT,
+        ..WorkerConfig::local(Role::Decode, model(), ca.issue("decode-0", &[]).expect("cert"))
+    })
+    .await
+    .expect("starts");
+    let router = ca.issue("router", &[]).expect("cert");
+    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
+    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    // Two long answers fill D's places and, as they grow, need more blocks than it has beside the pulled ones
+    // (11 each, and 24 - 4 = 20 left).
+    let long = |id: &str, first: u32| pb::GenerateRequest {
+        request_id: id.into(),
+        tokens: (first..first + 16).collect(),
+        sampling: Some(pb::Sampling { ignore_eos: true, ..sampling(160) }),
+        ..Default::default()
+    };
+    let mut busy = Vec::new();
+    for (id, first) in [("long-1", 1000), ("long-2", 2000)] {
+        let mut s = dc.generate(long(id, first)).await.expect("accepted").into_inner();
+        s.message().await.expect("stream").expect("a first token");
+        busy.push(s);
+    }
+    // A disaggregated request arrives meanwhile: its 4 full blocks come from P and it waits for a place.
+    let prompt: Vec<u32> = (0..70).map(|i| 3000 + i * 7).collect();
+    let pre = prefill(&mut pc, "x", &prompt, 3).await;
+    let req = pb::GenerateRequest {
+        request_id: "x".into(),
+        tokens: [prompt.clone(), vec![pre.first_token]].concat(),
+        sampling: Some(sampling(3)),
+        handle: pre.handle,
+        ..Default::default()
+    };
+    let waiting = dc.generate(req).await.expect("accepted").into_inner();
+    let (x, a, b) = tokio::join!(finish(waiting), finish(busy.remove(0)), finish(busy.remove(0)));
+    assert!(a.is_some() && b.is_some(), "the long answers finished");
+    let x = x.expect("the disaggregated request finished");
+    assert_eq!(x.cached_tokens, 64, "the pulled blocks were still there when it ran: {x:?}");
+    assert_eq!(d.stats().usage[0].used, 0, "no block is held once everything ended");
+    drop((pc, dc));
+    stop(p, d).await;
 }

@@ -15,18 +15,13 @@ use worker::{Role, RunningWorker, WorkerConfig};
 
 async fn start(ca: &DevCa, replay: usize, lease_ttl: Duration) -> RunningWorker {
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("model");
     RunningWorker::start(WorkerConfig {
-        role: Role::Both,
-        model: engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("model"),
-        model_id: "smollm2".into(),
         engine: EngineConfig { replay_events: replay, ..EngineConfig::default() },
-        grpc: loopback,
-        transfer: loopback,
         metrics: Some(loopback),
-        identity: ca.issue("worker-0", &[]).expect("cert"),
         lease_ttl,
         pull_timeout: Duration::from_secs(5),
-        shm_dir: None,
+        ..WorkerConfig::local(Role::Both, model, ca.issue("worker-0", &[]).expect("cert"))
     })
     .await
     .expect("starts")
@@ -51,6 +46,7 @@ async fn run(c: &mut WorkerClient<Channel>, seed: u32, len: usize) {
         sampling: Some(sampling),
         handle: None,
         cache_namespace: None,
+        deadline_unix_ms: None,
     };
     let mut s = c.generate(req).await.expect("generate").into_inner();
     while s.message().await.expect("stream").is_some() {}
@@ -148,7 +144,7 @@ async fn an_expired_lease_is_gone() {
     let tokens: Vec<u32> = (0..40).map(|i| 200 + i).collect();
     let sampling = pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens: 1, ..pb::Sampling::default() };
     let pre = c
-        .prefill(pb::PrefillRequest { request_id: "p".into(), tokens, sampling: Some(sampling), cache_namespace: None })
+        .prefill(pb::PrefillRequest { request_id: "p".into(), tokens, sampling: Some(sampling), ..Default::default() })
         .await
         .expect("prefill");
     assert!(pre.into_inner().handle.is_some());

@@ -3,14 +3,18 @@
 //! Requests arrive on a bounded command channel; each sequence reports on its own stream whose capacity is its
 //! `max_tokens + 1` messages, so the engine never waits for a slow reader and never drops a token. Dropping a
 //! [`SeqStream`] cancels its sequence: the engine notices before its next step and frees the blocks.
+//!
+//! The engine's state ([`EngineStats`]) is published by the engine thread at every step boundary and every
+//! admission or cancellation; readers take the latest copy and never wait for a step to end.
 
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
+use kv_cache::SeqHash;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{PrefixMatch, TierUsage};
-use kv_cache::{CacheNamespace, SeqHash};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::sequence::Seq;
 use super::{Completion, Counters, Engine, EngineError, Event, ExportedKv, FinishReason, Request};
@@ -50,8 +54,22 @@ pub struct EngineStats {
 pub enum SubmitError {
     #[error(transparent)]
     Invalid(#[from] EngineError),
+    /// No device block was free for the blocks handed in with the request.
+    #[error(transparent)]
+    Exhausted(EngineError),
     #[error("the engine is shutting down")]
     Closed,
+}
+
+impl SubmitError {
+    fn from_engine(e: EngineError) -> SubmitError {
+        match e {
+            e @ (EngineError::OutOfKvCapacity { .. } | EngineError::Pool(kv_cache::pool::PoolError::OutOfBlocks)) => {
+                SubmitError::Exhausted(e)
+            }
+            e => SubmitError::Invalid(e),
+        }
+    }
 }
 
 /// A sequence's output; dropping it cancels the sequence.
@@ -71,6 +89,9 @@ enum Command {
     Submit {
         request: Request,
         export: bool,
+        /// Blocks pulled from another worker for this prompt (full blocks, by position): stored and held for the
+        /// sequence until it is admitted, so nothing can evict them in between.
+        blocks: Vec<(usize, Bytes)>,
         reply: oneshot::Sender<Result<SeqStream, EngineError>>,
     },
     Lookup {
@@ -82,16 +103,39 @@ enum Command {
         after: Option<EventId>,
         reply: oneshot::Sender<Result<Vec<(EventId, KvEvent)>, TooOld>>,
     },
-    Import {
-        tokens: Vec<u32>,
-        namespace: Option<CacheNamespace>,
-        blocks: Vec<(usize, Bytes)>,
-        reply: oneshot::Sender<Result<usize, EngineError>>,
-    },
-    Stats(oneshot::Sender<EngineStats>),
     Shutdown {
         finish_in_flight: bool,
     },
+}
+
+/// Holds the engine between steps while any [`StepHold`] lives (tests and diagnostics: a long step, on demand).
+#[derive(Debug, Default)]
+struct StepGate {
+    holds: Mutex<usize>,
+    released: Condvar,
+}
+
+impl StepGate {
+    fn wait_open(&self) {
+        let mut holds = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        while *holds > 0 {
+            holds = self.released.wait(holds).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// While it lives, the engine thread does not start another step (see [`EngineHandle::hold_steps`]).
+#[derive(Debug)]
+pub struct StepHold {
+    gate: Arc<StepGate>,
+}
+
+impl Drop for StepHold {
+    fn drop(&mut self) {
+        let mut holds = self.gate.holds.lock().unwrap_or_else(|p| p.into_inner());
+        *holds = holds.saturating_sub(1);
+        self.gate.released.notify_all();
+    }
 }
 
 /// A running engine. Cheap to share by reference; [`shutdown`](Self::shutdown) stops it.
@@ -99,32 +143,52 @@ enum Command {
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     thread: Option<std::thread::JoinHandle<()>>,
+    state: watch::Receiver<EngineStats>,
+    gate: Arc<StepGate>,
 }
 
 impl EngineHandle {
     /// Moves `engine` onto a thread of its own.
     pub fn start(engine: Engine) -> std::io::Result<EngineHandle> {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
-        let thread =
-            std::thread::Builder::new().name("tandem-engine".into()).spawn(move || Loop::new(engine, rx).run())?;
-        Ok(EngineHandle { tx, thread: Some(thread) })
+        let (publish, state) = watch::channel(EngineStats::default());
+        let gate = Arc::new(StepGate::default());
+        let looped = Loop::new(engine, rx, publish, Arc::clone(&gate));
+        let thread = std::thread::Builder::new().name("tandem-engine".into()).spawn(move || looped.run())?;
+        Ok(EngineHandle { tx, thread: Some(thread), state, gate })
     }
 
     /// Queues a request; validation errors come back before any compute.
     pub async fn submit(&self, request: Request) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, false).await
+        self.submit_with(request, false, Vec::new()).await
     }
 
     /// Queues a request whose stream ends with the prompt's KV ([`SeqEvent::Exported`]) before `Finished`:
     /// the prefill side of disaggregation (run it with `max_tokens` 1).
     pub async fn submit_exporting(&self, request: Request) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, true).await
+        self.submit_with(request, true, Vec::new()).await
     }
 
-    async fn submit_with(&self, request: Request, export: bool) -> Result<SeqStream, SubmitError> {
+    /// Queues a request together with blocks of its prompt pulled from another worker (full blocks, by position;
+    /// blocks already held are skipped). The blocks are stored and held for the sequence until it runs, so they
+    /// cannot be evicted before use; [`SubmitError::Exhausted`] when the device tier has no room for them.
+    pub async fn submit_with_blocks(
+        &self,
+        request: Request,
+        blocks: Vec<(usize, Bytes)>,
+    ) -> Result<SeqStream, SubmitError> {
+        self.submit_with(request, false, blocks).await
+    }
+
+    async fn submit_with(
+        &self,
+        request: Request,
+        export: bool,
+        blocks: Vec<(usize, Bytes)>,
+    ) -> Result<SeqStream, SubmitError> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send(Command::Submit { request, export, reply }).await.map_err(|_| SubmitError::Closed)?;
-        answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::Invalid)
+        self.tx.send(Command::Submit { request, export, blocks, reply }).await.map_err(|_| SubmitError::Closed)?;
+        answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::from_engine)
     }
 
     /// How many of `hashes`' leading blocks the engine holds, per tier.
@@ -148,23 +212,27 @@ impl EngineHandle {
         answer.await.ok()
     }
 
-    /// Stores blocks pulled from another worker (full blocks of `tokens`, by position) as cached prefix.
-    pub async fn import(
-        &self,
-        tokens: Vec<u32>,
-        namespace: Option<CacheNamespace>,
-        blocks: Vec<(usize, Bytes)>,
-    ) -> Result<usize, SubmitError> {
-        let (reply, answer) = oneshot::channel();
-        self.tx.send(Command::Import { tokens, namespace, blocks, reply }).await.map_err(|_| SubmitError::Closed)?;
-        answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::Invalid)
+    /// The engine's counters and occupancy as of its last step boundary, admission or cancellation; never waits
+    /// for the engine thread.
+    pub fn stats(&self) -> EngineStats {
+        self.state.borrow().clone()
     }
 
-    /// The engine's counters and occupancy.
-    pub async fn stats(&self) -> Option<EngineStats> {
-        let (reply, answer) = oneshot::channel();
-        self.tx.send(Command::Stats(reply)).await.ok()?;
-        answer.await.ok()
+    /// A receiver that sees every newly published [`EngineStats`].
+    pub fn watch_stats(&self) -> watch::Receiver<EngineStats> {
+        self.state.clone()
+    }
+
+    /// Whether the engine thread is still there to take work.
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished()) && !self.tx.is_closed()
+    }
+
+    /// Keeps the engine from starting another step until the returned hold is dropped, as a long step would: for
+    /// tests of everything that must keep answering meanwhile, and for diagnostics.
+    pub fn hold_steps(&self) -> StepHold {
+        *self.gate.holds.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        StepHold { gate: Arc::clone(&self.gate) }
     }
 
     /// Stops taking requests, then either lets in-flight sequences finish or cancels them, and waits for the
@@ -195,11 +263,21 @@ struct Loop {
     live: Vec<Live>,
     accepting: bool,
     next_index: usize,
+    publish: watch::Sender<EngineStats>,
+    gate: Arc<StepGate>,
 }
 
 impl Loop {
-    fn new(engine: Engine, rx: mpsc::Receiver<Command>) -> Loop {
-        Loop { engine, rx, seqs: Vec::new(), live: Vec::new(), accepting: true, next_index: 0 }
+    fn new(
+        engine: Engine,
+        rx: mpsc::Receiver<Command>,
+        publish: watch::Sender<EngineStats>,
+        gate: Arc<StepGate>,
+    ) -> Loop {
+        let mut l =
+            Loop { engine, rx, seqs: Vec::new(), live: Vec::new(), accepting: true, next_index: 0, publish, gate };
+        l.publish();
+        l
     }
 
     fn run(mut self) {
@@ -207,6 +285,7 @@ impl Loop {
             while let Ok(cmd) = self.rx.try_recv() {
                 self.handle(cmd);
             }
+            self.publish();
             if self.seqs.is_empty() {
                 if !self.accepting {
                     return;
@@ -218,9 +297,21 @@ impl Loop {
                 continue;
             }
             self.cancel_abandoned();
+            self.publish();
+            self.gate.wait_open();
             self.step();
             self.retire_finished();
         }
+    }
+
+    /// Makes the current state visible to readers (only wakes them when it changed).
+    fn publish(&mut self) {
+        let now = self.stats();
+        self.publish.send_if_modified(|s| {
+            let changed = *s != now;
+            *s = now;
+            changed
+        });
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -234,34 +325,40 @@ impl Loop {
             Command::Lookup { hashes, reply } => {
                 let _ = reply.send(self.engine.lookup(&hashes));
             }
-            Command::Import { tokens, namespace, blocks, reply } => {
-                let views: Vec<(usize, &[u8])> = blocks.iter().map(|(i, b)| (*i, b.as_ref())).collect();
-                let _ = reply.send(self.engine.import(&tokens, namespace.as_ref(), &views));
-            }
-            Command::Submit { request, export, reply } => {
+            Command::Submit { request, export, blocks, reply } => {
                 let made = if self.accepting {
                     self.engine.new_seq(&request, self.next_index)
                 } else {
                     Err(EngineError::Config("the engine is shutting down".into()))
                 };
                 self.next_index += 1;
+                let made = made.and_then(|mut seq| {
+                    if !blocks.is_empty() {
+                        let views: Vec<(usize, &[u8])> = blocks.iter().map(|(i, b)| (*i, b.as_ref())).collect();
+                        seq.pinned = self.engine.import_pinned(&seq.tokens, seq.namespace.as_ref(), &views)?;
+                    }
+                    seq.keep_blocks = export;
+                    seq.cached_hint = self.engine.cached_prefix_tokens(&seq);
+                    Ok(seq)
+                });
                 match made {
-                    Ok(mut seq) => {
-                        seq.keep_blocks = export;
+                    Ok(seq) => {
                         // Every token, the export, and the last message.
                         let (out, rx) = mpsc::channel(seq.max_new + 2);
-                        if reply.send(Ok(SeqStream { rx })).is_ok() {
-                            self.seqs.push(seq);
-                            self.live.push(Live { out, start: Instant::now(), export });
+                        self.seqs.push(seq);
+                        self.live.push(Live { out, start: Instant::now(), export });
+                        // Published before the caller hears of it: every state it reads from now on includes it.
+                        self.publish();
+                        if reply.send(Ok(SeqStream { rx })).is_err()
+                            && let Some(s) = self.seqs.last_mut()
+                        {
+                            s.finish = Some(FinishReason::Cancelled);
                         }
                     }
                     Err(e) => {
                         let _ = reply.send(Err(e));
                     }
                 }
-            }
-            Command::Stats(reply) => {
-                let _ = reply.send(self.stats());
             }
             Command::Shutdown { finish_in_flight } => {
                 self.accepting = false;
@@ -279,14 +376,9 @@ impl Loop {
         EngineStats {
             counters: self.engine.counters(),
             usage: Tier::ALL.map(|t| self.engine.kv_usage(t)),
-            running: self.seqs.iter().filter(|s| s.running).count(),
+            running: self.seqs.iter().filter(|s| s.running && s.active()).count(),
             waiting: self.seqs.iter().filter(|s| !s.running && s.active()).count(),
-            prefill_tokens_pending: self
-                .seqs
-                .iter()
-                .filter(|s| s.active() && s.remaining() > 1)
-                .map(Seq::remaining)
-                .sum(),
+            prefill_tokens_pending: self.seqs.iter().filter(|s| s.active()).map(Seq::pending_prefill).sum(),
         }
     }
 
@@ -301,23 +393,28 @@ impl Loop {
     }
 
     fn step(&mut self) {
-        let live = &self.live;
+        let mut tokens: Vec<(usize, SeqEvent)> = Vec::new();
         let result = self.engine.step(&mut self.seqs, &mut |Event::Token { seq, token, text }| {
-            // Capacity covers every message of the sequence, so this only fails when the reader is gone.
-            let _ = live[seq].out.try_send(SeqEvent::Token { token, text: text.to_string() });
+            tokens.push((seq, SeqEvent::Token { token, text: text.to_string() }));
         });
+        // A failure of one sequence ends that sequence only (the step marks it); these end every active one.
         let failure = match result {
-            Ok(true) => return,
-            Ok(false) => self.engine.out_of_capacity().to_string(),
-            Err(e) => e.to_string(),
+            Ok(true) => None,
+            Ok(false) => Some(self.engine.out_of_capacity().to_string()),
+            Err(e) => Some(e.to_string()),
         };
-        for (s, l) in self.seqs.iter_mut().zip(&self.live) {
-            let _ = self.engine.release_blocks(s);
-            s.running = false;
-            let _ = l.out.try_send(SeqEvent::Failed(failure.clone()));
+        if let Some(failure) = failure {
+            for s in self.seqs.iter_mut().filter(|s| s.active()) {
+                self.engine.fail(s, failure.clone());
+            }
         }
-        self.seqs.clear();
-        self.live.clear();
+        // The state is published before the step's tokens go out: a reader that has seen a token sees a state
+        // that includes the step which made it.
+        self.publish();
+        for (seq, ev) in tokens {
+            // Capacity covers every message of the sequence, so this only fails when the reader is gone.
+            let _ = self.live[seq].out.try_send(ev);
+        }
     }
 
     /// Finished sequences give back their blocks, send their last message and leave.
@@ -330,13 +427,14 @@ impl Loop {
             }
             let mut s = self.seqs.swap_remove(i);
             let l = self.live.swap_remove(i);
-            if l.export && s.finish != Some(FinishReason::Cancelled) {
+            if l.export && s.failure.is_none() && s.finish != Some(FinishReason::Cancelled) {
                 let _ = l.out.try_send(SeqEvent::Exported(self.engine.export(&s)));
             }
             let released = self.engine.release_blocks(&mut s);
-            let last = match released {
-                Ok(()) => SeqEvent::Finished(s.completion(l.start)),
-                Err(e) => SeqEvent::Failed(e.to_string()),
+            let last = match (released, s.failure.take()) {
+                (_, Some(why)) => SeqEvent::Failed(why),
+                (Ok(()), None) => SeqEvent::Finished(s.completion(l.start)),
+                (Err(e), None) => SeqEvent::Failed(e.to_string()),
             };
             let _ = l.out.try_send(last);
         }

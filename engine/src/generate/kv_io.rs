@@ -3,7 +3,7 @@
 //! prefix like any other.
 
 use kv_cache::events::BlockMeta;
-use kv_cache::pool::{PrefixMatch, Registered};
+use kv_cache::pool::{PoolError, PrefixMatch, Registered};
 use kv_cache::{CacheNamespace, SeqHash, block_hashes};
 
 use super::sequence::Seq;
@@ -57,20 +57,30 @@ impl Engine {
         self.stores.device.layout().block_bytes()
     }
 
-    /// Stores full blocks pulled from another worker as cached blocks, so that a request with this prefix reuses
-    /// them. `tokens` is the prompt (its full blocks name the imported ones); `blocks` gives bytes by block
-    /// position. Blocks already held anywhere are skipped. Returns how many were stored.
-    pub fn import(
+    /// Prompt tokens of `s` that the pool already holds on some tier (whole reusable blocks).
+    pub(super) fn cached_prefix_tokens(&self, s: &Seq) -> usize {
+        let bt = self.config.block_tokens;
+        let reusable = (s.tokens.len().saturating_sub(1)) / bt;
+        let hashes = block_hashes(&s.tokens[..reusable * bt], self.block_size(), s.namespace.as_ref());
+        let m = self.pool.lookup(&hashes.seq);
+        (m.device + m.host + m.disk) * bt
+    }
+
+    /// Stores full blocks pulled from another worker, then holds the prompt's whole cached prefix for a sequence
+    /// that has not started yet, so that nothing evicts those blocks before it runs (the sequence releases the
+    /// hold when it is admitted). `tokens` is the prompt (its full blocks name the imported ones); `blocks` gives
+    /// bytes by block position; blocks already held anywhere are skipped. Every block is checked before any is
+    /// stored. Returns the held device blocks.
+    pub(super) fn import_pinned(
         &mut self,
         tokens: &[u32],
         namespace: Option<&CacheNamespace>,
         blocks: &[(usize, &[u8])],
-    ) -> Result<usize, EngineError> {
+    ) -> Result<Vec<BlockId>, EngineError> {
         let bt = self.config.block_tokens;
         let full = tokens.len() / bt;
         let hashes = block_hashes(&tokens[..full * bt], self.block_size(), namespace);
         let want = self.block_bytes();
-        let mut stored = 0;
         for &(i, bytes) in blocks {
             if i >= full {
                 return Err(EngineError::Config(format!(
@@ -84,6 +94,46 @@ impl Engine {
                     bytes.len()
                 )));
             }
+        }
+        // Blocks stored here stay referenced (not evictable) until the prefix is held below.
+        let mut stored: Vec<u32> = Vec::new();
+        let result = self.store_blocks(&hashes, blocks, &mut stored);
+        let held = match &result {
+            Ok(()) => {
+                // Only whole blocks before the last token are ever reused (one token is always computed).
+                let reusable = (tokens.len().saturating_sub(1)) / bt;
+                let acquired = self.pool.acquire(&hashes.seq[..reusable.min(full)]);
+                match self.execute(&acquired.actions) {
+                    Ok(()) => acquired.slots,
+                    Err(e) => {
+                        for &slot in &acquired.slots {
+                            let _ = self.pool.release(slot);
+                        }
+                        for &slot in &stored {
+                            let _ = self.pool.release(slot);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            Err(_) => Vec::new(),
+        };
+        for &slot in &stored {
+            self.pool.release(slot).map_err(EngineError::Pool)?;
+        }
+        self.counters.imported_blocks += stored.len() as u64;
+        result.map(|()| held.into_iter().map(BlockId).collect())
+    }
+
+    /// Writes each block the pool does not hold yet into a fresh device block and registers it; the slots stay
+    /// referenced and are listed in `stored`.
+    fn store_blocks(
+        &mut self,
+        hashes: &kv_cache::BlockHashes,
+        blocks: &[(usize, &[u8])],
+        stored: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        for &(i, bytes) in blocks {
             let meta = BlockMeta {
                 seq: hashes.seq[i],
                 local: hashes.local[i],
@@ -93,16 +143,23 @@ impl Engine {
                 continue;
             }
             let mut actions = Vec::new();
-            let slot = self.pool.allocate(&mut actions).map_err(EngineError::Pool)?;
-            self.execute(&actions)?;
+            let slot = match self.pool.allocate(&mut actions) {
+                Ok(slot) => slot,
+                Err(PoolError::OutOfBlocks) => return Err(self.out_of_capacity()),
+                Err(e) => return Err(EngineError::Pool(e)),
+            };
+            let copied = self.execute(&actions);
             let dst: &mut [u8] = bytemuck::cast_slice_mut(self.stores.device.block_mut(BlockId(slot)));
             dst.copy_from_slice(bytes);
-            if self.pool.register(slot, meta).map_err(EngineError::Pool)? == Registered::New {
-                stored += 1;
+            match (copied, self.pool.register(slot, meta).map_err(EngineError::Pool)) {
+                (Ok(()), Ok(Registered::New)) => stored.push(slot),
+                (copied, registered) => {
+                    self.pool.release(slot).map_err(EngineError::Pool)?;
+                    copied?;
+                    registered?;
+                }
             }
-            self.pool.release(slot).map_err(EngineError::Pool)?;
         }
-        self.counters.imported_blocks += stored as u64;
-        Ok(stored)
+        Ok(())
     }
 }

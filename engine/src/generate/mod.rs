@@ -6,6 +6,8 @@ mod handle;
 mod kv_io;
 mod sequence;
 mod step;
+#[cfg(test)]
+mod tests;
 pub mod text;
 
 use std::num::NonZeroUsize;
@@ -13,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, SubmitError};
+pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, StepHold, SubmitError};
 use kv_cache::CacheNamespace;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
@@ -108,6 +110,9 @@ pub enum EngineError {
     Tier(TierError),
     #[error("block pool: {0}")]
     Pool(PoolError),
+    /// One sequence failed (the others went on).
+    #[error("{0}")]
+    Sequence(String),
 }
 
 /// One request: prompt tokens and how to sample.
@@ -187,6 +192,8 @@ pub struct Counters {
     pub corrupt_disk_blocks: u64,
     /// Blocks pulled from other workers and stored here.
     pub imported_blocks: u64,
+    /// Time spent in forward passes (with `prefill_tokens`, the engine's measured speed).
+    pub compute_nanos: u64,
 }
 
 /// A model with its tokenizer, chat template, tiered KV storage, block pool and thread pool.
@@ -347,6 +354,9 @@ impl Engine {
             max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
             ignore_eos: r.sampling.ignore_eos(),
             keep_blocks: false,
+            pinned: Vec::new(),
+            cached_hint: 0,
+            failure: None,
             finish: None,
             first_token: None,
             last_token: None,
@@ -370,6 +380,9 @@ impl Engine {
             }
             if !self.step(seqs, on_event)? {
                 return Err(self.out_of_capacity());
+            }
+            if let Some(why) = seqs.iter().find_map(|s| s.failure.clone()) {
+                return Err(EngineError::Sequence(why));
             }
         }
         Ok(())

@@ -37,6 +37,13 @@ pub(super) struct Seq {
     pub max_new: usize,
     /// Keep the blocks when the sequence finishes (their KV is exported before they are released).
     pub keep_blocks: bool,
+    /// Device blocks of the prompt held for the sequence until it is admitted (blocks pulled from another worker):
+    /// nothing can evict them while it waits.
+    pub pinned: Vec<BlockId>,
+    /// Prompt tokens found cached when the sequence arrived: an estimate of what it will not compute.
+    pub cached_hint: usize,
+    /// Why the engine failed this sequence alone (it then also has a `finish`).
+    pub failure: Option<String>,
     pub ignore_eos: bool,
     pub finish: Option<FinishReason>,
     pub first_token: Option<Instant>,
@@ -51,6 +58,16 @@ impl Seq {
 
     pub fn active(&self) -> bool {
         self.finish.is_none()
+    }
+
+    /// Prompt tokens still to compute before the first token, for load reports: what is not cached of a sequence
+    /// that has not started, what is left of one in prefill, nothing once it decodes.
+    pub fn pending_prefill(&self) -> usize {
+        match self.remaining() {
+            0 | 1 => 0,
+            n if !self.running && self.admissions == 0 => n.saturating_sub(self.cached_hint).max(1),
+            n => n,
+        }
     }
 
     /// The finished sequence as a caller sees it; `start` is when its request arrived.

@@ -1,6 +1,10 @@
 //! One scheduler step: admit waiting sequences (taking their cached prefix from any tier), plan decodes and
 //! prompt chunks within the token budget, find device blocks (preempting the newest sequence when none are left),
 //! run the forward pass, register completed blocks, and sample.
+//!
+//! A failure that belongs to one sequence (its blocks could not be read from a tier, it cannot get a block even
+//! alone, its chunk is refused by the forward pass) ends that sequence only, with the reason; the step goes on
+//! with the others. Only a failure of the batch as a whole ends every sequence in it.
 
 use kv_cache::events::{BlockMeta, Tier};
 use kv_cache::pool::{Action, PoolError};
@@ -16,8 +20,9 @@ impl Engine {
         BlockSize::new(self.config.block_tokens as u32).unwrap_or_default()
     }
 
-    /// Gives waiting sequences their cached prefix and a place in the running set, oldest request first.
-    pub(super) fn admit(&mut self, seqs: &mut [Seq]) -> Result<(), EngineError> {
+    /// Gives waiting sequences their cached prefix and a place in the running set, oldest request first. A
+    /// sequence whose cached blocks cannot be brought to the device fails alone.
+    pub(super) fn admit(&mut self, seqs: &mut [Seq]) {
         let bt = self.config.block_tokens;
         let room = self.config.max_num_seqs.saturating_sub(seqs.iter().filter(|s| s.running).count());
         for s in seqs.iter_mut().filter(|s| s.active() && !s.running).take(room) {
@@ -26,13 +31,20 @@ impl Engine {
             let hashes = block_hashes(&s.tokens[..reusable * bt], self.block_size(), s.namespace.as_ref());
             self.stage_disk_hits(&hashes.seq);
             let acquired = self.pool.acquire(&hashes.seq);
-            self.execute(&acquired.actions)?;
+            s.blocks = acquired.slots.iter().copied().map(BlockId).collect();
+            // The sequence now references its prefix itself: the hold taken for it on arrival goes.
+            for b in std::mem::take(&mut s.pinned) {
+                let _ = self.pool.release(b.0);
+            }
+            if let Err(e) = self.execute(&acquired.actions) {
+                self.fail(s, format!("cached blocks could not be brought to the device: {e}"));
+                continue;
+            }
             for tier in Tier::ALL {
                 self.counters.cached_tokens[tier.index()] += (acquired.from_tier[tier.index()] * bt) as u64;
             }
             s.registered = acquired.slots.len();
             s.computed = s.registered * bt;
-            s.blocks = acquired.slots.into_iter().map(BlockId).collect();
             s.running = true;
             if s.admissions == 0 {
                 s.cached_tokens = s.computed;
@@ -41,7 +53,14 @@ impl Engine {
             s.admitted_at = self.tick;
             self.tick += 1;
         }
-        Ok(())
+    }
+
+    /// Ends `s` alone: its blocks go back (cached ones stay cached) and its reader is told `why`.
+    pub(super) fn fail(&mut self, s: &mut Seq, why: String) {
+        let _ = self.release_blocks(s);
+        s.running = false;
+        s.failure = Some(why);
+        s.finish = Some(super::FinishReason::Cancelled);
     }
 
     /// Reads and verifies the disk blocks a prefix is about to onboard; a bad one is dropped from the pool (with a
@@ -80,16 +99,21 @@ impl Engine {
         Ok(())
     }
 
+    /// Gives back every block `s` references, its held prefix included.
     pub(super) fn release_blocks(&mut self, s: &mut Seq) -> Result<(), EngineError> {
-        for b in s.blocks.drain(..) {
-            self.pool.release(b.0).map_err(EngineError::Pool)?;
+        let mut result = Ok(());
+        for b in s.blocks.drain(..).chain(s.pinned.drain(..)) {
+            if let Err(e) = self.pool.release(b.0) {
+                result = Err(EngineError::Pool(e));
+            }
         }
-        Ok(())
+        result
     }
 
-    /// Plans and runs one step. Returns `Ok(false)` when nothing could run.
+    /// Plans and runs one step. Returns `Ok(false)` when nothing could run; sequences that failed alone are marked
+    /// (see [`Engine::fail`]) and the step goes on without them.
     pub(super) fn step(&mut self, seqs: &mut [Seq], on_event: &mut impl FnMut(Event<'_>)) -> Result<bool, EngineError> {
-        self.admit(seqs)?;
+        self.admit(seqs);
         let bt = self.config.block_tokens;
         let chunk_cap = self.config.prefill_chunk.map_or(usize::MAX, std::num::NonZeroUsize::get);
         // Decodes first (one token each), then prompt chunks while the budget lasts.
@@ -121,8 +145,13 @@ impl Engine {
                 let mut actions = Vec::new();
                 match self.pool.allocate(&mut actions) {
                     Ok(slot) => {
-                        self.execute(&actions)?;
                         seqs[i].blocks.push(BlockId(slot));
+                        if let Err(e) = self.execute(&actions) {
+                            self.fail(&mut seqs[i], format!("making room for a block failed: {e}"));
+                            plan.remove(k);
+                            preempted_self = true;
+                            break;
+                        }
                     }
                     Err(PoolError::OutOfBlocks) => {
                         let victim = seqs
@@ -131,10 +160,16 @@ impl Engine {
                             .filter(|(_, s)| s.running && s.active())
                             .max_by_key(|(_, s)| s.admitted_at)
                             .map(|(v, _)| v);
-                        let Some(v) = victim else { return Err(self.out_of_capacity()) };
-                        if v == i && seqs.iter().filter(|s| s.running && s.active()).count() == 1 {
-                            return Err(self.out_of_capacity());
+                        let alone = seqs.iter().filter(|s| s.running && s.active()).count() == 1;
+                        if victim.is_none() || (victim == Some(i) && alone) {
+                            // It cannot get a block even with nothing else running: it can never run here.
+                            let why = self.out_of_capacity().to_string();
+                            self.fail(&mut seqs[i], why);
+                            plan.remove(k);
+                            preempted_self = true;
+                            break;
                         }
+                        let Some(v) = victim else { break };
                         self.preempt(&mut seqs[v])?;
                         if let Some(pos) = plan.iter().position(|&(p, _)| p == v) {
                             plan.remove(pos);
@@ -154,6 +189,26 @@ impl Engine {
                 k += 1;
             }
         }
+        // A chunk the forward pass would refuse fails its sequence alone, before the batch runs.
+        let mut k = 0;
+        while k < plan.len() {
+            let (i, n) = plan[k];
+            let s = &seqs[i];
+            let end = s.computed + n;
+            let chunk = SeqChunk {
+                tokens: &s.tokens[s.computed..end],
+                start: s.computed,
+                blocks: &s.blocks,
+                logits: end == s.tokens.len(),
+            };
+            match self.model.check_chunk(&self.stores.device, &chunk) {
+                Ok(()) => k += 1,
+                Err(e) => {
+                    self.fail(&mut seqs[i], e.to_string());
+                    plan.remove(k);
+                }
+            }
+        }
         if plan.is_empty() {
             return Ok(false);
         }
@@ -171,14 +226,29 @@ impl Engine {
             })
             .collect();
         let (model, kv) = (&self.model, &mut self.stores.device);
-        let logits = self.pool_threads.install(|| model.forward(kv, &chunks))?;
+        let started = std::time::Instant::now();
+        let logits = self.pool_threads.install(|| model.forward(kv, &chunks));
+        self.counters.compute_nanos += u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         drop(chunks);
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // Not one sequence's fault: the sequences of this batch end; the waiting ones stay.
+                for &(i, _) in &plan {
+                    self.fail(&mut seqs[i], e.to_string());
+                }
+                return Ok(true);
+            }
+        };
         let mut logits = logits.into_iter();
         for &(i, n) in &plan {
             let s = &mut seqs[i];
             s.computed += n;
             self.counters.prefill_tokens += n as u64;
-            self.register_complete(s)?;
+            if let Err(e) = self.register_complete(s) {
+                self.fail(s, e.to_string());
+                continue;
+            }
             if s.computed < s.tokens.len() {
                 continue;
             }
@@ -186,7 +256,9 @@ impl Engine {
             let token = s.sampler.sample(&l);
             s.accept(i, token, self.text.tokenizer(), on_event);
             if !s.active() && !s.keep_blocks {
-                self.release_blocks(s)?;
+                if let Err(e) = self.release_blocks(s) {
+                    self.fail(s, e.to_string());
+                }
                 s.running = false;
             }
         }

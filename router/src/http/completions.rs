@@ -111,12 +111,13 @@ pub fn plan(
     };
     let job = Job {
         seq,
-        request_id: format!("{}-{seq}", if checked.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" }),
+        request_id: crate::ids::request_id(checked.endpoint == Endpoint::Chat, state.instance, seq),
         request_blocks: req.request_blocks(),
         tokens,
         sampling,
         namespace: checked.namespace.clone(),
         traceparent,
+        deadline_unix_ms: unix_ms(SystemTime::now() + state.limits.request_timeout),
     };
     Ok(Routed { checked, job, decision })
 }
@@ -157,6 +158,10 @@ fn usage(prompt: usize, completion: usize, cached: u32) -> Value {
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     })
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn created() -> u64 {

@@ -103,17 +103,11 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                 ..EngineConfig::default()
             };
             let w = RunningWorker::start(WorkerConfig {
-                role,
-                model: model.clone(),
                 model_id: defaults::SERVED_MODEL.into(),
                 engine,
-                grpc: loopback,
-                transfer: loopback,
                 metrics: Some(loopback),
-                identity,
-                lease_ttl: worker::DEFAULT_LEASE_TTL,
-                pull_timeout: worker::DEFAULT_PULL_TIMEOUT,
                 shm_dir: Some(PathBuf::from(kv_transfer::shm::DEFAULT_DIR)).filter(|d| d.is_dir()),
+                ..WorkerConfig::local(role, model.clone(), identity)
             })
             .await
             .map_err(|e| format!("{name}: {e}"))?;

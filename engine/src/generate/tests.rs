@@ -1,0 +1,70 @@
+//! The scheduler's own failure handling, driven step by step on sequences in states no request can reach from
+//! outside (as a corrupt import or a bug elsewhere would leave them).
+
+use std::num::NonZeroU32;
+
+use super::{Engine, EngineConfig, FinishReason, Request};
+use crate::kv::BlockId;
+
+fn engine(config: EngineConfig) -> Engine {
+    let model = crate::fetch::ensure_default_model(&crate::fetch::Quiet).expect("the embedded model");
+    Engine::open(&model, EngineConfig { threads: std::num::NonZeroUsize::new(1), ..config }).expect("opens")
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
+    Request::greedy(prompt, NonZeroU32::new(max_tokens).expect("positive"))
+}
+
+#[test]
+fn a_sequence_the_forward_pass_refuses_fails_alone_and_the_batch_goes_on() {
+    let mut e = engine(EngineConfig::default());
+    let good = e.new_seq(&greedy((100..140).collect(), 5), 0).expect("valid");
+    let mut bad = e.new_seq(&greedy((200..240).collect(), 5), 1).expect("valid");
+    // A token id outside the vocabulary, as a damaged import would leave behind.
+    bad.tokens[7] = u32::MAX;
+    let mut seqs = vec![good, bad];
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.active()) {
+        assert!(e.step(&mut seqs, &mut |_| {}).expect("the step itself does not fail"));
+        steps += 1;
+        assert!(steps < 50, "the good sequence finishes");
+    }
+    assert_eq!(seqs[0].failure, None);
+    assert_eq!((seqs[0].finish, seqs[0].tokens.len() - seqs[0].prompt_len), (Some(FinishReason::Length), 5));
+    let why = seqs[1].failure.clone().expect("the bad sequence failed");
+    assert!(why.contains("outside the vocabulary"), "{why}");
+    assert!(seqs[1].blocks.is_empty(), "its blocks went back at once");
+    for s in &mut seqs {
+        e.release_blocks(s).expect("released");
+    }
+    assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "no block leaked");
+}
+
+#[test]
+fn a_sequence_that_cannot_get_a_block_even_alone_fails_alone() {
+    // 8 blocks (one whole 128-token sequence, as the configuration check demands), one sequence at a time.
+    let config = EngineConfig { kv_blocks: 8, max_model_len: Some(128), max_num_seqs: 1, ..EngineConfig::default() };
+    let mut e = engine(config);
+    let long = e.new_seq(&greedy((100..200).collect(), 20), 0).expect("valid");
+    let mut holder = e.new_seq(&greedy((300..310).collect(), 3), 1).expect("valid");
+    // The second sequence waits behind the first while holding 7 of the 8 blocks (as blocks handed in with a
+    // request are held until it runs): the first cannot get its blocks even with nothing else running.
+    for _ in 0..7 {
+        holder.pinned.push(BlockId(e.pool.allocate(&mut Vec::new()).expect("a block")));
+    }
+    let mut seqs = vec![long, holder];
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.active()) {
+        e.step(&mut seqs, &mut |_| {}).expect("the step itself does not fail");
+        steps += 1;
+        assert!(steps < 20, "both sequences end");
+    }
+    let why = seqs[0].failure.clone().expect("the first sequence failed alone");
+    assert!(why.contains("out of KV capacity"), "{why}");
+    // The second ran once the first was gone, its hold released at admission.
+    assert_eq!((seqs[1].failure.as_deref(), seqs[1].finish), (None, Some(FinishReason::Length)));
+    for s in &mut seqs {
+        e.release_blocks(s).expect("released");
+    }
+    assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "no block leaked");
+}

@@ -1,0 +1,146 @@
+//! The decode side of a transfer: check a prefill worker's `KvHandle` against the prompt, find which blocks this
+//! worker already holds, pull only the rest (shared memory on one host, QUIC otherwise), and release the lease.
+//! The gRPC service calls it; it knows nothing of gRPC beyond the status it answers with.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use engine::generate::EngineHandle;
+use kv_cache::{BlockSize, CacheNamespace, block_hashes};
+use kv_transfer::descriptor::{BlockDescriptor, KvHandle, KvLayoutDesc};
+use kv_transfer::frame::ErrorCode;
+use kv_transfer::lease::LeaseId;
+use kv_transfer::quic::{PullRequest, QuicClient, TransferError};
+use tonic::Status;
+
+use crate::metrics::{Transport, WorkerMetrics};
+
+/// Parallel QUIC streams per pull.
+const PULL_STREAMS: usize = 4;
+
+/// Pulls blocks from other workers.
+#[derive(Debug)]
+pub struct Puller {
+    pub(crate) client: Arc<QuicClient>,
+    pub(crate) timeout: Duration,
+    pub(crate) fingerprint: String,
+    pub(crate) layout: KvLayoutDesc,
+    /// This worker's host id when it may read other workers' shared-memory regions (those with the same id).
+    pub(crate) host_id: Option<String>,
+    pub(crate) metrics: Arc<WorkerMetrics>,
+}
+
+/// Blocks pulled for a prompt, by block position, ready to import.
+pub type Pulled = Vec<(usize, Bytes)>;
+
+pub(crate) fn transfer_status(e: TransferError) -> Status {
+    match e {
+        TransferError::Remote { code: ErrorCode::LeaseNotFound | ErrorCode::LeaseExpired, message } => {
+            Status::not_found(format!("KV lease: {message}"))
+        }
+        TransferError::Timeout(d) => Status::deadline_exceeded(format!("KV transfer: no answer within {d:?}")),
+        other => Status::unavailable(format!("KV transfer failed: {other}")),
+    }
+}
+
+impl Puller {
+    fn block_size(&self) -> BlockSize {
+        BlockSize::new(self.layout.block_tokens).unwrap_or_default()
+    }
+
+    /// Checks `handle`, then pulls the full blocks of `tokens` that `engine` lacks; the lease is released once they
+    /// are here (or when none are needed).
+    #[tracing::instrument(
+        name = "kv_transfer.pull",
+        skip_all,
+        fields(
+            transport = tracing::field::Empty,
+            blocks = tracing::field::Empty,
+            bytes = tracing::field::Empty,
+            throughput_bytes_per_s = tracing::field::Empty
+        )
+    )]
+    pub async fn pull_missing(
+        &self,
+        engine: &EngineHandle,
+        tokens: &[u32],
+        namespace: Option<&CacheNamespace>,
+        handle: KvHandle,
+        traceparent: Option<String>,
+    ) -> Result<Pulled, Status> {
+        handle
+            .check_compatible(&self.fingerprint, &self.layout)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let covered = handle.tokens as usize;
+        if covered > tokens.len() {
+            return Err(Status::invalid_argument(format!(
+                "the handle covers {covered} tokens, the request has {}",
+                tokens.len()
+            )));
+        }
+        let bt = self.layout.block_tokens as usize;
+        let full = covered / bt;
+        let hashes = block_hashes(&tokens[..full * bt], self.block_size(), namespace).seq;
+        if handle.blocks.len() < full || hashes.iter().zip(&handle.blocks).any(|(h, d)| d.seq_hash != Some(*h)) {
+            return Err(Status::invalid_argument("the handle's blocks are not this prompt's"));
+        }
+        let held = engine.lookup(hashes).await.ok_or_else(|| Status::unavailable("engine stopped"))?;
+        let start = held.device + held.host + held.disk;
+        let wanted: Vec<(u32, BlockDescriptor)> = (start..full).map(|i| (i as u32, handle.blocks[i])).collect();
+        let addr = handle
+            .endpoint
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| Status::invalid_argument(format!("handle endpoint {:?}: {e}", handle.endpoint)))?;
+        let server_name = addr.ip().to_string();
+        if wanted.is_empty() {
+            tracing::Span::current().record("blocks", 0);
+            self.release(addr, &server_name, handle.lease).await;
+            return Ok(Vec::new());
+        }
+        let req = PullRequest {
+            addr,
+            server_name: &server_name,
+            lease: handle.lease,
+            blocks: &wanted,
+            streams: PULL_STREAMS,
+            timeout: self.timeout,
+            // The owner's serve span becomes a child of this pull.
+            traceparent: telemetry::trace::traceparent(&tracing::Span::current()).or(traceparent),
+        };
+        // On the same host (equal host ids) the owner's shared-memory region is readable: copy from it
+        // (one-sided, off the async runtime); else QUIC.
+        let local = handle
+            .shm_region
+            .as_deref()
+            .filter(|_| self.host_id.as_deref() == Some(handle.host_id.as_str()))
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.exists());
+        let started = Instant::now();
+        let (transport, pulled) = match local {
+            Some(path) => {
+                let blocks = wanted.clone();
+                let copied = tokio::task::spawn_blocking(move || kv_transfer::shm::pull(&path, &blocks))
+                    .await
+                    .map_err(|e| Status::internal(format!("shared-memory copy: {e}")))?;
+                (Transport::Shm, copied.map_err(transfer_status)?)
+            }
+            None => (Transport::Quic, self.client.pull(req).await.map_err(transfer_status)?),
+        };
+        let took = started.elapsed();
+        let bytes: u64 = pulled.iter().map(|(_, b)| b.len() as u64).sum();
+        self.metrics.pulled(transport, pulled.len(), bytes, took);
+        let span = tracing::Span::current();
+        span.record("transport", transport.as_str());
+        span.record("blocks", pulled.len());
+        span.record("bytes", bytes);
+        span.record("throughput_bytes_per_s", (bytes as f64 / took.as_secs_f64().max(1e-9)) as u64);
+        self.release(addr, &server_name, handle.lease).await;
+        Ok(pulled.into_iter().map(|(i, b)| (i as usize, b)).collect())
+    }
+
+    /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.
+    async fn release(&self, addr: std::net::SocketAddr, server_name: &str, lease: LeaseId) {
+        let _ = self.client.release(addr, server_name, lease, self.timeout).await;
+    }
+}

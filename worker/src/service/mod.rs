@@ -1,0 +1,133 @@
+//! The gRPC worker service: each call becomes engine work (`prefill`, `generate`), a subscription (`subscribe`:
+//! KV events and load reports) or an answer from the worker's own state (info, health, cancel). The transfer
+//! client side (pulling a prefill worker's blocks) is `crate::pull`; leased KV is `crate::leases`.
+
+mod generate;
+mod prefill;
+mod subscribe;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::generate::{EngineHandle, SubmitError};
+use kv_transfer::descriptor::KvLayoutDesc;
+use proto::worker as pb;
+use proto::worker::worker_server::Worker;
+pub use subscribe::DEFAULT_LOAD_INTERVAL;
+use tokio_stream::Stream;
+use tonic::{Request as GrpcRequest, Response, Status};
+use tracing::Instrument;
+
+use crate::leases::Leases;
+use crate::metrics::WorkerMetrics;
+use crate::pull::Puller;
+use crate::requests::InFlight;
+
+type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// The worker's fixed facts and shared machinery.
+#[derive(Debug)]
+pub struct WorkerService {
+    pub(crate) engine: Arc<EngineHandle>,
+    pub(crate) info: pb::InfoResponse,
+    pub(crate) layout: KvLayoutDesc,
+    pub(crate) leases: Arc<Leases>,
+    pub(crate) puller: Puller,
+    pub(crate) lease_ttl: Duration,
+    /// Calls in flight by request id (cancellation, and what load reports cover).
+    pub(crate) in_flight: Arc<InFlight>,
+    pub(crate) metrics: Arc<WorkerMetrics>,
+    /// Where shared-memory copies of leased blocks go; `None`: no shared-memory path.
+    pub(crate) shm: Option<Arc<kv_transfer::shm::ShmDir>>,
+    /// Becomes `true` when the worker stops: every stream this service feeds ends.
+    pub(crate) stopping: tokio::sync::watch::Receiver<bool>,
+    /// Becomes `true` when the shutdown grace period is over: running generations end with an error.
+    pub(crate) aborting: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Resolves when the worker begins to stop.
+async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|&s| s).await;
+}
+
+/// The one mapping of engine refusals to gRPC statuses.
+fn submit_status(e: SubmitError) -> Status {
+    match e {
+        SubmitError::Invalid(e) => Status::invalid_argument(e.to_string()),
+        SubmitError::Exhausted(e) => Status::resource_exhausted(e.to_string()),
+        SubmitError::Closed => Status::unavailable("the worker is shutting down"),
+    }
+}
+
+/// The caller's W3C trace context from gRPC metadata.
+fn traceparent<T>(req: &GrpcRequest<T>) -> Option<String> {
+    req.metadata().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string)
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn info(&self, _: GrpcRequest<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn prefill(&self, req: GrpcRequest<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        let arrived = Instant::now();
+        let span = tracing::info_span!(
+            "prefill",
+            otel.kind = "server",
+            traceparent = traceparent(&req).as_deref(),
+            request_id = %req.get_ref().request_id,
+            prompt_tokens = req.get_ref().tokens.len(),
+            cached_tokens = tracing::field::Empty,
+            computed_tokens = tracing::field::Empty,
+        );
+        telemetry::trace::set_parent(&span, traceparent(&req).as_deref());
+        self.prefill_inner(req.into_inner(), arrived).instrument(span).await
+    }
+
+    type GenerateStream = Streamed<pb::GenerateResponse>;
+
+    async fn generate(&self, req: GrpcRequest<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrived = Instant::now();
+        // W3C trace context from the caller rides on into the transfer request.
+        let traceparent = traceparent(&req);
+        let span = tracing::info_span!(
+            "generate",
+            otel.kind = "server",
+            traceparent = traceparent.as_deref(),
+            request_id = %req.get_ref().request_id,
+            prompt_tokens = req.get_ref().tokens.len(),
+        );
+        telemetry::trace::set_parent(&span, traceparent.as_deref());
+        self.generate_inner(req.into_inner(), traceparent, arrived).instrument(span).await
+    }
+
+    async fn cancel(&self, req: GrpcRequest<pb::CancelRequest>) -> Result<Response<pb::CancelResponse>, Status> {
+        Ok(Response::new(pb::CancelResponse { found: self.in_flight.cancel(&req.into_inner().request_id) }))
+    }
+
+    type SubscribeKvEventsStream = Streamed<pb::KvEventBatch>;
+
+    async fn subscribe_kv_events(
+        &self,
+        req: GrpcRequest<pb::SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        Ok(Response::new(self.kv_events(req.into_inner())))
+    }
+
+    type WatchLoadStream = Streamed<pb::LoadReport>;
+
+    async fn watch_load(
+        &self,
+        req: GrpcRequest<pb::WatchLoadRequest>,
+    ) -> Result<Response<Self::WatchLoadStream>, Status> {
+        Ok(Response::new(self.load_reports(req.into_inner())))
+    }
+
+    /// Answered by the process itself, never through the engine's queue: a worker in a long step is alive.
+    async fn health(&self, _: GrpcRequest<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+        let serving = self.engine.is_running() && !*self.stopping.borrow();
+        Ok(Response::new(pb::HealthResponse { serving }))
+    }
+}

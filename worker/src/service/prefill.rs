@@ -1,0 +1,154 @@
+//! The prefill role: compute a prompt's KV, sample the first token, and hold the KV under a lease for the decode
+//! worker to pull.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use engine::generate::{ExportedKv, Request, SeqEvent};
+use kv_cache::CacheNamespace;
+use kv_transfer::checksum;
+use kv_transfer::descriptor::{BlockDescriptor, KvHandle, RegionKey};
+use kv_transfer::lease::LeaseId;
+use kv_transfer::shm::{ShmDir, ShmRegion};
+use proto::worker as pb;
+use tonic::{Response, Status};
+
+use super::{WorkerService, submit_status};
+use crate::convert;
+
+/// 128 bits nobody can predict from outside the process (keyed SipHash over a counter and the clock).
+fn lease_id() -> LeaseId {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let half = |salt: u64| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(n);
+        h.write_u64(salt);
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        h.finish()
+    };
+    LeaseId(u128::from(half(1)) << 64 | u128::from(half(2)))
+}
+
+/// The prompt's blocks ready to lease: their descriptors, (checksum, bytes) to serve, and the shared-memory copy.
+struct Prepared {
+    descriptors: Vec<BlockDescriptor>,
+    held: Vec<(u64, Bytes)>,
+    region: Option<ShmRegion>,
+}
+
+/// Checksums every block and writes the shared-memory copy: CPU and file work, run off the async runtime.
+fn prepare(kv: ExportedKv, block_bytes: u64, lease: LeaseId, shm: Option<&ShmDir>) -> Prepared {
+    let mut held = Vec::with_capacity(kv.blocks.len());
+    let mut descriptors = Vec::with_capacity(kv.blocks.len());
+    for (i, b) in kv.blocks.into_iter().enumerate() {
+        let bytes = Bytes::from(b.bytes);
+        let sum = checksum(&bytes);
+        descriptors.push(BlockDescriptor {
+            seq_hash: b.meta.map(|m| m.seq),
+            region: RegionKey(0),
+            offset: i as u64 * block_bytes,
+            len: block_bytes,
+            checksum: sum,
+        });
+        held.push((sum, bytes));
+    }
+    // Same-host readers can copy the blocks straight out of shared memory; failing to make it only costs that.
+    let region = shm.and_then(|dir| {
+        let bytes: Vec<Bytes> = held.iter().map(|(_, b)| b.clone()).collect();
+        match dir.create_region(lease, &bytes) {
+            Ok((r, _)) => Some(r),
+            Err(e) => {
+                tracing::debug!(error = %e, "no shared-memory copy; readers pull over QUIC");
+                None
+            }
+        }
+    });
+    Prepared { descriptors, held, region }
+}
+
+impl WorkerService {
+    pub(super) async fn prefill_inner(
+        &self,
+        r: pb::PrefillRequest,
+        arrived: Instant,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let sampling = convert::sampling(r.sampling, Some(1))?;
+        // Room for the prompt's KV under the lease cap, before any compute: past it, another worker should do this.
+        let blocks = r.tokens.len().div_ceil(self.layout.block_tokens.max(1) as usize) as u64;
+        let copies = if self.shm.is_some() { 2 } else { 1 };
+        let reserved = self
+            .leases
+            .reserve(blocks * self.layout.block_bytes() * copies)
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        let (ticket, mut cancelled) = self.in_flight.enter(&r.request_id);
+        let mut stream = self
+            .engine
+            .submit_exporting(Request {
+                namespace: r.cache_namespace.map(CacheNamespace::new),
+                prompt: r.tokens,
+                sampling,
+            })
+            .await
+            .map_err(submit_status)?;
+        ticket.submitted();
+        let (mut first, mut kv, mut done) = (None, None, None);
+        let mut abort = self.aborting.clone();
+        loop {
+            // Dropping the stream (on cancel, or when the caller goes away and this future with it) cancels the
+            // sequence at the engine's next step.
+            let ev = tokio::select! {
+                ev = stream.next() => ev,
+                _ = &mut cancelled => return Err(Status::cancelled("cancelled")),
+                _ = abort.wait_for(|&a| a) => return Err(Status::unavailable("the worker stopped")),
+            };
+            let Some(ev) = ev else { break };
+            match ev {
+                SeqEvent::Token { token, .. } => {
+                    self.metrics.time_to_first_token.observe(arrived.elapsed());
+                    first = Some(token);
+                }
+                SeqEvent::Exported(e) => kv = Some(e),
+                SeqEvent::Finished(c) => {
+                    done = Some(c);
+                    break;
+                }
+                SeqEvent::Failed(e) => return Err(Status::internal(e)),
+            }
+        }
+        drop(ticket);
+        let (Some(first), Some(kv), Some(done)) = (first, kv, done) else {
+            return Err(Status::internal("prefill ended without a token and its KV"));
+        };
+        let span = tracing::Span::current();
+        span.record("cached_tokens", done.cached_tokens);
+        span.record("computed_tokens", kv.tokens - done.cached_tokens);
+        let tokens = kv.tokens;
+        let lease = lease_id();
+        let (block_bytes, shm) = (self.layout.block_bytes(), self.shm.clone());
+        let prepared = tokio::task::spawn_blocking(move || prepare(kv, block_bytes, lease, shm.as_deref()))
+            .await
+            .map_err(|e| Status::internal(format!("preparing the lease failed: {e}")))?;
+        let shm_region = prepared.region.as_ref().map(|r| r.path().display().to_string());
+        self.leases
+            .grant(lease, prepared.held, prepared.region, reserved, Instant::now(), self.lease_ttl)
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let handle = KvHandle {
+            endpoint: self.info.transfer_endpoint.clone(),
+            lease,
+            model_fingerprint: self.info.model_fingerprint.clone(),
+            layout: self.layout,
+            tokens: tokens as u32,
+            blocks: prepared.descriptors,
+            shm_region,
+            host_id: self.info.host_id.clone(),
+        };
+        Ok(Response::new(pb::PrefillResponse {
+            first_token: first,
+            handle: Some(convert::handle_to_pb(&handle)),
+            cached_tokens: done.cached_tokens as u32,
+            computed_tokens: (tokens - done.cached_tokens) as u32,
+        }))
+    }
+}

@@ -1,0 +1,135 @@
+//! The worker service's promises to its callers beyond producing tokens: it keeps answering while the engine is in
+//! a long step, every call leaves its bookkeeping when it ends, a duplicate request id never ends another call,
+//! and leased KV stays under its cap.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::{http_get, model};
+use engine::generate::EngineConfig;
+use kv_transfer::tls::DevCa;
+use proto::worker as pb;
+use proto::worker::worker_client::WorkerClient;
+use tonic::transport::Channel;
+use worker::{Role, RunningWorker, WorkerConfig};
+
+/// The longest any of the worker's own answers may take while its engine is busy.
+const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+
+async fn start(config: impl FnOnce(WorkerConfig) -> WorkerConfig) -> (RunningWorker, WorkerClient<Channel>) {
+    let ca = DevCa::generate().expect("ca");
+    let base = WorkerConfig {
+        metrics: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+        engine: EngineConfig { threads: std::num::NonZeroUsize::new(1), ..EngineConfig::default() },
+        ..WorkerConfig::local(Role::Both, model(), ca.issue("worker-0", &[]).expect("cert"))
+    };
+    let w = RunningWorker::start(config(base)).await.expect("starts");
+    let client = worker::grpc_tls::connect(w.grpc, &ca.issue("router", &[]).expect("cert")).await.expect("connects");
+    (w, client)
+}
+
+fn generate_request(id: &str, tokens: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+    let sampling =
+        pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens, ignore_eos: true, ..pb::Sampling::default() };
+    pb::GenerateRequest { request_id: id.into(), tokens, sampling: Some(sampling), ..Default::default() }
+}
+
+/// Reads a Generate stream to its end: the tokens, and whether it ended with `Finished`.
+async fn drain(mut s: tonic::Streaming<pb::GenerateResponse>) -> (usize, bool) {
+    let mut tokens = 0;
+    while let Ok(Some(msg)) = s.message().await {
+        match msg.event {
+            Some(pb::generate_response::Event::Token(_)) => tokens += 1,
+            Some(pb::generate_response::Event::Finished(_)) => return (tokens, true),
+            None => {}
+        }
+    }
+    (tokens, false)
+}
+
+async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(ANSWER_WITHIN, f).await.unwrap_or_else(|_| panic!("{what} did not answer within 2 s"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_metrics_and_load_reports_answer_while_a_step_runs_long() {
+    let (w, mut c) = start(|c| c).await;
+    let mut load = c.watch_load(pb::WatchLoadRequest { interval_ms: 100 }).await.expect("watch").into_inner();
+    within("the first load report", load.message()).await.expect("stream").expect("a report");
+    // The engine holds before its next step for as long as the test says, as a very long prefill would.
+    let hold = w.hold_engine_steps();
+    let stream = c.generate(generate_request("held", (100..400).collect(), 4)).await.expect("accepted").into_inner();
+    let started = Instant::now();
+    let health = within("Health", c.health(pb::HealthRequest {})).await.expect("health").into_inner();
+    assert!(health.serving);
+    let metrics = within("/metrics", http_get(w.metrics.expect("metrics address"), "/metrics")).await;
+    assert!(metrics.contains("tandem_worker_"), "{metrics}");
+    // Reports keep coming, and they count the request that waits for the step, naming it as covered.
+    let report = loop {
+        let r = within("a load report", load.message()).await.expect("stream").expect("a report");
+        if !r.request_ids.is_empty() {
+            break r;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "the held request never showed in a report: {r:?}");
+    };
+    assert_eq!(report.request_ids, vec!["held".to_string()]);
+    assert_eq!((report.waiting, report.running, report.active_prefill_tokens), (1, 0, 300));
+    drop(hold);
+    assert_eq!(drain(stream).await, (4, true));
+    w.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_request_id_never_ends_another_stream_and_ended_calls_leave_no_entry() {
+    let (w, mut c) = start(|c| c).await;
+    let first = c.generate(generate_request("same", (100..140).collect(), 12)).await.expect("accepted").into_inner();
+    let second = c.generate(generate_request("same", (200..240).collect(), 12)).await.expect("accepted").into_inner();
+    let (a, b) = tokio::join!(drain(first), drain(second));
+    assert_eq!((a, b), ((12, true), (12, true)), "both streams ran to the end");
+    // Many calls, finished, cancelled and abandoned: none stays in the table.
+    for i in 0..6 {
+        let s = c.generate(generate_request(&format!("r{i}"), (100..130).collect(), 40)).await.expect("ok");
+        let mut s = s.into_inner();
+        s.message().await.expect("stream").expect("a first token");
+        match i % 3 {
+            0 => assert!(drain(s).await.1),
+            1 => {
+                let found = c.cancel(pb::CancelRequest { request_id: format!("r{i}") }).await.expect("cancel");
+                assert!(found.into_inner().found);
+                assert!(!drain(s).await.1, "a cancelled stream ends without finishing");
+            }
+            _ => drop(s),
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while w.calls_in_flight() > 0 || w.stats().running > 0 {
+        assert!(Instant::now() < deadline, "{} calls still in the table", w.calls_in_flight());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_past_the_lease_cap_is_refused_before_any_compute() {
+    // Room for one 40-token prompt's KV (3 blocks of 368,640 bytes), not two.
+    let cap = 4 * 368_640;
+    let (w, mut c) =
+        start(|c| WorkerConfig { role: Role::Prefill, max_leased_bytes: cap, lease_ttl: Duration::from_secs(30), ..c })
+            .await;
+    let prefill = |id: &str, tokens: Vec<u32>| pb::PrefillRequest {
+        request_id: id.into(),
+        tokens,
+        sampling: Some(pb::Sampling { top_p: 1.0, max_tokens: 8, ..pb::Sampling::default() }),
+        ..Default::default()
+    };
+    let first = c.prefill(prefill("a", (100..140).collect())).await.expect("the first fits").into_inner();
+    assert!(first.handle.is_some());
+    let computed = w.stats().counters.prefill_tokens;
+    let refused = c.prefill(prefill("b", (200..240).collect())).await.expect_err("past the cap");
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    assert_eq!(w.stats().counters.prefill_tokens, computed, "nothing was computed for it");
+    assert_eq!(w.live_leases(), 1);
+    w.shutdown(Duration::from_secs(5)).await;
+}
