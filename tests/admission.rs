@@ -1,12 +1,15 @@
 //! Admission control, deadlines and client cancellation.
 
+use std::num::NonZeroUsize;
 use std::time::Duration;
+
+use engine::generate::EngineConfig;
 
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
 use router::state::Limits;
 use tandem_tests::*;
-use worker::Role;
+use worker::{Role, WorkerConfig};
 
 fn long(stream: bool) -> String {
     serde_json::json!({"model": "smollm2-135m-instruct", "prompt": "Count slowly:", "max_tokens": 400,
@@ -69,5 +72,92 @@ async fn a_client_that_goes_away_cancels_its_work() {
     wait_idle(d).await;
     let stats = d.stats();
     assert!(stats.counters.prefill_tokens < 300, "stopped long before 400 tokens: {stats:?}");
+    stop(router, workers).await;
+}
+
+/// Opens a request and leaves before any answer: writes it, then closes the connection.
+async fn abandon(addr: std::net::SocketAddr, body: &str) {
+    use tokio::io::AsyncWriteExt;
+    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.expect("writes");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(sock);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_requests_whose_clients_leave_give_their_places_back() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster_with(
+        &ca,
+        &[Role::Decode],
+        |w| w,
+        |r| router::run::RouterConfig { limits: Limits { max_in_flight: 1, max_queue: 2, ..r.limits.clone() }, ..r },
+    )
+    .await;
+    let addr = router.addr;
+    let mut busy = Streaming::open(addr, "/v1/completions", &long(true)).await;
+    busy.until(2).await;
+    // More clients than the queue holds come and go while the slot is taken.
+    for _ in 0..5 {
+        abandon(addr, &long(false)).await;
+    }
+    for _ in 0..100 {
+        if router.state.admission.queued() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(router.state.admission.queued(), 0, "every abandoned place was given back");
+    drop(busy);
+    // The router takes requests again: nothing counts against the queue.
+    let short = serde_json::json!({"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2}).to_string();
+    let r = http(addr, "POST", "/v1/completions", &short, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let m = http(addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_queue_depth 0\n") && m.contains("tandem_router_requests_in_flight 0\n"), "{m}");
+    stop(router, workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_client_that_leaves_during_prefill_cancels_it() {
+    let ca = DevCa::generate().expect("ca");
+    // Prefill in steps of 64 tokens, so that a cancelled prefill stops long before its end.
+    let chunked = |w: WorkerConfig| WorkerConfig {
+        engine: EngineConfig { prefill_chunk: NonZeroUsize::new(64), ..w.engine },
+        ..w
+    };
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], chunked, |r| r).await;
+    let prompt: String = (0..700).map(|i| format!("w{i} ")).collect();
+    let body =
+        serde_json::json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 20, "stream": true});
+    let s = Streaming::open(router.addr, "/v1/completions", &body.to_string()).await;
+    // Wait until the prefill worker is computing the prompt, then leave before the first token.
+    let p = &workers[0];
+    for _ in 0..500 {
+        if p.stats().counters.prefill_tokens > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(p.stats().counters.prefill_tokens > 0, "the prefill started");
+    drop(s);
+    for _ in 0..500 {
+        let st = p.stats();
+        if st.running + st.waiting == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let st = p.stats();
+    assert_eq!(st.running + st.waiting, 0, "the prefill worker runs nothing: {st:?}");
+    assert!(st.counters.prefill_tokens < 1000, "it stopped before the end of the prompt: {st:?}");
+    assert_eq!(p.live_leases(), 0, "and leased nothing");
+    for w in &workers {
+        assert_eq!(w.stats().usage[0].used, 0, "no KV block is held anywhere");
+    }
     stop(router, workers).await;
 }

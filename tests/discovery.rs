@@ -29,24 +29,29 @@ async fn workers_register_themselves_and_leave() {
     let ca = DevCa::generate().expect("ca");
     let mut config = router_config(&ca, vec![]);
     config.api_keys = vec!["sk-reg".into()];
+    config.admin_key = Some("adm-reg".into());
     let router = RunningRouter::start(config).await.expect("router");
     let auth = [("authorization", "Bearer sk-reg")];
+    let admin = [("authorization", "Bearer adm-reg")];
     assert_eq!(http(router.addr, "GET", "/ready", "", &[]).await.status, 503, "no workers yet");
     let r = http(router.addr, "POST", "/v1/chat/completions", CHAT, &auth).await;
     assert_eq!(r.status, 503, "{}", r.body);
 
     let d = worker(&ca, Role::Decode, "decode-0").await;
     let reg =
-        Registration { router: format!("http://{}", router.addr), advertise: d.grpc, api_key: Some("sk-reg".into()) };
-    let wrong = Registration { api_key: None, ..reg.clone() };
-    assert!(wrong.announce().await.is_err(), "registration needs the key");
+        Registration { router: format!("http://{}", router.addr), advertise: d.grpc, api_key: Some("adm-reg".into()) };
+    for key in [None, Some("sk-reg".to_string())] {
+        let wrong = Registration { api_key: key, ..reg.clone() };
+        assert!(wrong.announce().await.is_err(), "registration needs the admin key, not a client's");
+    }
     reg.announce().await.expect("registers");
     reg.announce().await.expect("registering twice is harmless");
     wait_for_workers(&router, 1).await;
     // Slow start: just joined, the worker may take only a small share of requests for now.
     let views = router.state.cluster.view(&[], Duration::from_secs(60), std::time::Instant::now());
     assert!(views[0].ramp < 0.2, "a newcomer's share ramps up: {}", views[0].ramp);
-    let listed = http(router.addr, "GET", "/admin/workers", "", &auth).await.json();
+    assert_eq!(http(router.addr, "GET", "/admin/workers", "", &auth).await.status, 401, "a client key is not enough");
+    let listed = http(router.addr, "GET", "/admin/workers", "", &admin).await.json();
     assert_eq!(listed["workers"].as_array().map(Vec::len), Some(1), "{listed}");
     assert_eq!(http(router.addr, "POST", "/v1/chat/completions", CHAT, &auth).await.status, 200);
 
@@ -55,4 +60,48 @@ async fn workers_register_themselves_and_leave() {
     assert_eq!(http(router.addr, "GET", "/ready", "", &[]).await.status, 503);
     router.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_are_checked_bounded_and_forgotten_when_silent() {
+    let ca = DevCa::generate().expect("ca");
+    let mut config = router_config(&ca, vec![]);
+    config.admin_key = Some("adm".into());
+    config.follow = router::cluster::FollowSettings { max_workers: 2, forget_registered_after: Duration::from_secs(1) };
+    let router = RunningRouter::start(config).await.expect("router");
+    let admin = [("authorization", "Bearer adm")];
+    let register = |a: &str| format!("{{\"address\":\"{a}\"}}");
+    for (path, method, body) in
+        [("/admin/router-config", "GET", String::new()), ("/admin/workers", "POST", register("127.0.0.1:1"))]
+    {
+        assert_eq!(http(router.addr, method, path, &body, &[]).await.status, 401, "{path} without the key");
+    }
+    assert_eq!(http(router.addr, "POST", "/debug/route", CHAT, &[]).await.status, 401);
+    assert_eq!(http(router.addr, "GET", "/admin/router-config", "", &admin).await.status, 200);
+    // Addresses no worker can have are refused.
+    for bad in ["0.0.0.0:9000", "127.0.0.1:0", "224.0.0.1:9000", "nonsense"] {
+        let r = http(router.addr, "POST", "/admin/workers", &register(bad), &admin).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+    }
+    // Two silent workers register; a third is one too many.
+    for port in [1, 2] {
+        let r = http(router.addr, "POST", "/admin/workers", &register(&format!("127.0.0.1:{port}")), &admin).await;
+        assert_eq!(r.status, 202, "{}", r.body);
+    }
+    let r = http(router.addr, "POST", "/admin/workers", &register("127.0.0.1:3"), &admin).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("at most 2"), "{}", r.body);
+    // They never answer: after a second they are forgotten, and there is room again.
+    let mut left = 2;
+    for _ in 0..200 {
+        left = router.state.cluster.followed().len();
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(left, 0, "silent registered workers are not followed forever");
+    let r = http(router.addr, "POST", "/admin/workers", &register("127.0.0.1:3"), &admin).await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    router.shutdown(Duration::from_secs(5)).await;
 }

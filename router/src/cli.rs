@@ -49,6 +49,13 @@ pub struct Settings {
     /// Accepted API keys (comma-separated); none: no key needed.
     #[arg(long, env = "TANDEM_API_KEYS", value_delimiter = ',')]
     pub api_keys: Option<Vec<String>>,
+    /// The key `/admin/*` and `/debug/*` require (workers registering themselves send it too); none: those
+    /// endpoints answer only on loopback.
+    #[arg(long, env = "TANDEM_ADMIN_KEY")]
+    pub admin_key: Option<String>,
+    /// Workers followed at most (registrations past it are refused).
+    #[arg(long, env = "TANDEM_MAX_WORKERS")]
+    pub max_workers: Option<usize>,
     #[arg(long, env = "TANDEM_MAX_IN_FLIGHT")]
     pub max_in_flight: Option<usize>,
     #[arg(long, env = "TANDEM_MAX_QUEUE")]
@@ -132,6 +139,11 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             limits,
             scheduler,
             api_keys: s.api_keys.or(file.api_keys).unwrap_or_default().into_iter().filter(|k| !k.is_empty()).collect(),
+            admin_key: s.admin_key.or(file.admin_key).filter(|k| !k.is_empty()),
+            follow: crate::cluster::FollowSettings {
+                max_workers: s.max_workers.or(file.max_workers).unwrap_or(crate::cluster::DEFAULT_MAX_WORKERS),
+                ..Default::default()
+            },
             block_size: defaults::BLOCK_SIZE,
             max_model_len: s.max_model_len.or(file.max_model_len),
             seed: None,

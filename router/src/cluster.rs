@@ -21,6 +21,46 @@ use crate::scheduler::view::{WorkerId, WorkerRole, WorkerView};
 
 /// How long a follower waits before reconnecting to a worker that went away.
 const RECONNECT_BACKOFF: Duration = Duration::from_millis(500);
+/// Workers followed at most, so that registrations cannot grow the router without bound.
+pub const DEFAULT_MAX_WORKERS: usize = 1024;
+
+/// How the router follows workers (typed, with named defaults in [`defaults`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FollowSettings {
+    /// Workers followed at most.
+    pub max_workers: usize,
+    /// A worker that registered itself and has not answered for this long is forgotten (a live one re-announces
+    /// itself every 15 s, so it comes back on its own).
+    pub forget_registered_after: Duration,
+}
+
+/// Named defaults of [`FollowSettings`].
+pub mod defaults {
+    use std::time::Duration;
+
+    /// Four times the registration period: a worker that missed that many announcements is gone.
+    pub const FORGET_REGISTERED_AFTER: Duration = Duration::from_secs(60);
+}
+
+impl Default for FollowSettings {
+    fn default() -> FollowSettings {
+        FollowSettings { max_workers: DEFAULT_MAX_WORKERS, forget_registered_after: defaults::FORGET_REGISTERED_AFTER }
+    }
+}
+
+/// How the router learned of a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// The operator's list (fixed addresses, or what DNS names resolve to): followed until removed.
+    Configured,
+    /// It registered itself (`POST /admin/workers`): forgotten after a while without an answer.
+    Registered,
+}
+
+/// The router already follows as many workers as it may.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the router follows at most {0} workers")]
+pub struct TooManyWorkers(pub usize);
 /// Load report period asked of workers (`routing.md`: reports every ~100 ms).
 const LOAD_PERIOD_MS: u32 = 100;
 
@@ -62,6 +102,7 @@ pub struct Cluster {
     /// One follower task per worker address.
     followers: Mutex<HashMap<SocketAddr, (WorkerId, tokio::task::AbortHandle)>>,
     next_id: AtomicU32,
+    settings: FollowSettings,
     stop: watch::Receiver<bool>,
 }
 
@@ -85,13 +126,19 @@ fn role(r: i32) -> WorkerRole {
 }
 
 impl Cluster {
-    pub fn new(model: ModelIdentity, identity: Identity, stop: watch::Receiver<bool>) -> Arc<Cluster> {
+    pub fn new(
+        model: ModelIdentity,
+        identity: Identity,
+        settings: FollowSettings,
+        stop: watch::Receiver<bool>,
+    ) -> Arc<Cluster> {
         Arc::new(Cluster {
             model,
             identity,
             state: Mutex::default(),
             followers: Mutex::default(),
             next_id: AtomicU32::new(0),
+            settings,
             stop,
         })
     }
@@ -107,17 +154,20 @@ impl Cluster {
     }
 
     /// Starts following the worker at `addr` (once, however often it is asked): joins it when it answers, and
-    /// again whenever it comes back.
-    pub fn follow(self: &Arc<Cluster>, addr: SocketAddr) -> WorkerId {
+    /// again whenever it comes back; a registered one that stays silent is forgotten.
+    pub fn follow(self: &Arc<Cluster>, addr: SocketAddr, origin: Origin) -> Result<WorkerId, TooManyWorkers> {
         let mut followers = self.followers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((id, _)) = followers.get(&addr) {
-            return *id;
+            return Ok(*id);
+        }
+        if followers.len() >= self.settings.max_workers {
+            return Err(TooManyWorkers(self.settings.max_workers));
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let cluster = Arc::clone(self);
-        let task = tokio::spawn(async move { cluster.run_follower(id, addr).await });
+        let task = tokio::spawn(async move { cluster.run_follower(id, addr, origin).await });
         followers.insert(addr, (id, task.abort_handle()));
-        id
+        Ok(id)
     }
 
     /// Stops following the worker at `addr` and forgets it (it left the cluster).
@@ -125,12 +175,24 @@ impl Cluster {
         let removed = self.followers.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
         let Some((id, task)) = removed else { return false };
         task.abort();
+        self.drop_member(id);
+        tracing::info!(worker = %addr, "worker left");
+        true
+    }
+
+    /// The follower of `addr` forgets it (from inside its own task, which then ends).
+    fn forget(&self, addr: SocketAddr) {
+        let removed = self.followers.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
+        if let Some((id, _)) = removed {
+            self.drop_member(id);
+        }
+    }
+
+    fn drop_member(&self, id: WorkerId) {
         let mut s = self.lock();
         s.members.remove(&id);
         s.index.remove_worker(id);
         s.load.forget(id);
-        tracing::info!(worker = %addr, "worker left");
-        true
     }
 
     /// Addresses being followed.
@@ -138,8 +200,9 @@ impl Cluster {
         self.followers.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect()
     }
 
-    async fn run_follower(self: Arc<Cluster>, id: WorkerId, addr: SocketAddr) {
+    async fn run_follower(self: Arc<Cluster>, id: WorkerId, addr: SocketAddr, origin: Origin) {
         let mut stop = self.stop.clone();
+        let mut silent_since = Instant::now();
         loop {
             if *stop.borrow() {
                 return;
@@ -153,8 +216,16 @@ impl Cluster {
                     }
                     tracing::warn!(worker = %addr, "worker streams ended; dropping its blocks from the index");
                     self.leave(id);
+                    silent_since = Instant::now();
                 }
-                Err(e) => tracing::debug!(worker = %addr, error = %e, "worker not joined"),
+                Err(e) => {
+                    tracing::debug!(worker = %addr, error = %e, "worker not joined");
+                    if origin == Origin::Registered && silent_since.elapsed() >= self.settings.forget_registered_after {
+                        tracing::warn!(worker = %addr, "registered worker never answered; forgetting it");
+                        self.forget(addr);
+                        return;
+                    }
+                }
             }
             tokio::select! {
                 _ = tokio::time::sleep(RECONNECT_BACKOFF) => {}

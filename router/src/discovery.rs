@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, Origin};
 
 /// How often DNS names are resolved again; pods come and go on this scale.
 pub const DEFAULT_DNS_REFRESH: Duration = Duration::from_secs(10);
@@ -43,7 +43,9 @@ pub fn start(cluster: &Arc<Cluster>, sources: &[WorkerSource], refresh: Duration
     for s in sources {
         match s {
             WorkerSource::Static(a) => {
-                cluster.follow(*a);
+                if let Err(e) = cluster.follow(*a, Origin::Configured) {
+                    tracing::warn!(worker = %a, error = %e, "worker not followed");
+                }
             }
             WorkerSource::Dns(n) => names.push(n.clone()),
         }
@@ -66,7 +68,9 @@ pub fn start(cluster: &Arc<Cluster>, sources: &[WorkerSource], refresh: Duration
                 let now: HashSet<SocketAddr> = found.collect();
                 let before = known.remove(name).unwrap_or_default();
                 for a in now.difference(&before) {
-                    cluster.follow(*a);
+                    if let Err(e) = cluster.follow(*a, Origin::Configured) {
+                        tracing::warn!(worker = %a, error = %e, "worker not followed");
+                    }
                 }
                 for a in before.difference(&now) {
                     cluster.unfollow(*a);

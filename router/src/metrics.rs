@@ -120,6 +120,11 @@ pub fn render(state: &RouterState) -> String {
     e.gauge("tandem_router_worker_in_flight", "Requests the router has in flight per worker.", &in_flight);
     e.gauge("tandem_router_workers_up", "Workers routed to.", &one(members.len() as f64));
     e.gauge(
+        "tandem_router_requests_in_flight",
+        "Requests holding an in-flight slot.",
+        &one(state.admission.in_flight(state.limits.max_in_flight) as f64),
+    );
+    e.gauge(
         "tandem_router_queue_depth",
         "Requests waiting for an in-flight slot.",
         &one(state.admission.queued() as f64),

@@ -71,6 +71,10 @@ pub struct RouterConfig {
     pub limits: Limits,
     pub scheduler: SchedulerConfig,
     pub api_keys: Vec<String>,
+    /// The key `/admin/*` and `/debug/*` require; `None`: they answer only on loopback.
+    pub admin_key: Option<String>,
+    /// How workers are followed (limits, liveness).
+    pub follow: crate::cluster::FollowSettings,
     pub block_size: u32,
     /// Longest prompt plus output accepted; default: the model's context.
     pub max_model_len: Option<usize>,
@@ -117,7 +121,7 @@ impl RunningRouter {
             .map_err(|e| tracing::warn!(error = %e, "no KV lease client; unused leases will expire"))
             .ok()
             .map(Arc::new);
-        let cluster = Cluster::new(model, config.identity, stop_rx.clone());
+        let cluster = Cluster::new(model, config.identity, config.follow, stop_rx.clone());
         crate::discovery::start(&cluster, &config.workers, config.dns_refresh, stop_rx.clone());
         let state = Arc::new(RouterState {
             cluster,
@@ -128,6 +132,7 @@ impl RunningRouter {
             admission: Admission::new(config.limits.max_in_flight, config.limits.max_queue),
             limits: config.limits,
             api_keys: config.api_keys,
+            admin_key: config.admin_key,
             rng: Mutex::new(Rng::new(config.seed.unwrap_or_else(clock_seed))),
             instance: crate::ids::instance_id(),
             sequence: AtomicU64::new(0),
@@ -141,7 +146,7 @@ impl RunningRouter {
         let app = crate::http::app(Arc::clone(&state));
         let mut rx = stop_rx;
         let served = tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
+            let _ = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
                 .with_graceful_shutdown(async move {
                     let _ = rx.wait_for(|&s| s).await;
                 })

@@ -43,16 +43,29 @@ pub async fn worker(ca: &DevCa, role: Role, name: &str) -> RunningWorker {
     worker_at(ca, role, name, SocketAddr::from(([127, 0, 0, 1], 0))).await
 }
 
+/// The engine the tests' workers run: one compute thread each (the machine has two cores).
+pub fn test_engine() -> EngineConfig {
+    EngineConfig { threads: std::num::NonZeroUsize::new(1), ..EngineConfig::default() }
+}
+
 /// A worker whose gRPC service listens on `grpc`.
 pub async fn worker_at(ca: &DevCa, role: Role, name: &str, grpc: SocketAddr) -> RunningWorker {
-    RunningWorker::start(WorkerConfig {
-        engine: EngineConfig { threads: std::num::NonZeroUsize::new(1), ..EngineConfig::default() },
-        grpc,
+    worker_with(ca, role, name, |c| WorkerConfig { grpc, ..c }).await
+}
+
+/// A worker with the tests' defaults changed by `config`.
+pub async fn worker_with(
+    ca: &DevCa,
+    role: Role,
+    name: &str,
+    config: impl FnOnce(WorkerConfig) -> WorkerConfig,
+) -> RunningWorker {
+    let base = WorkerConfig {
+        engine: test_engine(),
         pull_timeout: Duration::from_secs(5),
         ..WorkerConfig::local(role, model(), ca.issue(name, &[]).expect("cert"))
-    })
-    .await
-    .expect("worker starts")
+    };
+    RunningWorker::start(config(base)).await.expect("worker starts")
 }
 
 pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
@@ -67,6 +80,8 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         limits: Limits { request_timeout: Duration::from_secs(120), ..Limits::default() },
         scheduler: SchedulerConfig { slow_start_secs: 0.0, ..SchedulerConfig::default() },
         api_keys: Vec::new(),
+        admin_key: None,
+        follow: Default::default(),
         block_size: 16,
         max_model_len: None,
         seed: Some(1),
@@ -195,6 +210,16 @@ pub fn streamed_text(events: &[String]) -> String {
 
 /// Workers of the given roles (named `prefill-N` / `decode-N`) and a router in front of them, all up.
 pub async fn cluster(ca: &DevCa, roles: &[Role]) -> (Vec<RunningWorker>, RunningRouter) {
+    cluster_with(ca, roles, |c| c, |c| c).await
+}
+
+/// [`cluster`], with each worker's and the router's configuration changed first.
+pub async fn cluster_with(
+    ca: &DevCa,
+    roles: &[Role],
+    worker_config: impl Fn(WorkerConfig) -> WorkerConfig,
+    router: impl FnOnce(RouterConfig) -> RouterConfig,
+) -> (Vec<RunningWorker>, RunningRouter) {
     let mut workers = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let name = match role {
@@ -202,10 +227,10 @@ pub async fn cluster(ca: &DevCa, roles: &[Role]) -> (Vec<RunningWorker>, Running
             Role::Decode => format!("decode-{i}"),
             Role::Both => format!("worker-{i}"),
         };
-        workers.push(worker(ca, *role, &name).await);
+        workers.push(worker_with(ca, *role, &name, &worker_config).await);
     }
-    let router =
-        RunningRouter::start(router_config(ca, workers.iter().map(|w| w.grpc).collect())).await.expect("router starts");
+    let config = router(router_config(ca, workers.iter().map(|w| w.grpc).collect()));
+    let router = RunningRouter::start(config).await.expect("router starts");
     wait_for_workers(&router, workers.len()).await;
     (workers, router)
 }

@@ -87,7 +87,7 @@ pub struct Settings {
     /// The gRPC address the router should dial (default: the gRPC listen address).
     #[arg(long, env = "TANDEM_ADVERTISE_ADDR")]
     pub advertise_addr: Option<SocketAddr>,
-    /// The router's API key for registration.
+    /// The router's admin key, sent with registrations (a router without one takes them only from loopback).
     #[arg(long, env = "TANDEM_REGISTER_KEY")]
     pub register_key: Option<String>,
 }

@@ -336,6 +336,8 @@ async fn pump(
         let piece = tokio::select! {
             p = pieces.recv() => p,
             _ = &mut deadline => Some(Err(ApiError::Deadline(state.limits.request_timeout))),
+            // The client left (before the first token too): dropping `pieces` cancels the work on every worker.
+            _ = tx.closed() => return 499,
         };
         match piece {
             Some(Ok(Piece::Token(t))) => {

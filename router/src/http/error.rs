@@ -15,6 +15,8 @@ pub enum ApiError {
     MalformedJson(String),
     #[error("missing or invalid API key; send it as `Authorization: Bearer <key>`")]
     Unauthorized,
+    #[error("{0}")]
+    Forbidden(&'static str),
     #[error("the model `{0}` does not exist; GET /v1/models lists the served model")]
     UnknownModel(String),
     #[error(
@@ -44,6 +46,7 @@ impl ApiError {
             ApiError::BadRequest { .. } => "bad_request",
             ApiError::MalformedJson(_) => "malformed_json",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::Forbidden(_) => "forbidden",
             ApiError::UnknownModel(_) => "unknown_model",
             ApiError::TooLong { .. } => "too_long",
             ApiError::Overloaded(_) => "overloaded",
@@ -58,6 +61,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } | ApiError::MalformedJson(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::UnknownModel(_) | ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::TooLong { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -73,6 +77,7 @@ impl ApiError {
             ApiError::BadRequest { param, .. } => ("invalid_request_error", None, *param),
             ApiError::MalformedJson(_) => ("invalid_request_error", None, None),
             ApiError::Unauthorized => ("invalid_request_error", Some("invalid_api_key"), None),
+            ApiError::Forbidden(_) => ("permission_error", None, None),
             ApiError::UnknownModel(_) => ("invalid_request_error", Some("model_not_found"), Some("model")),
             ApiError::TooLong { .. } => ("invalid_request_error", Some("context_length_exceeded"), Some("messages")),
             ApiError::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded"), None),

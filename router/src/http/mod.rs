@@ -7,9 +7,11 @@ pub mod openai;
 use std::sync::Arc;
 use std::time::Instant;
 
+use std::net::SocketAddr;
+
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -23,6 +25,8 @@ use crate::scheduler::config::SchedulerConfig;
 use crate::state::RouterState;
 
 type Shared = State<Arc<RouterState>>;
+/// The client's address (admin endpoints answer only on loopback when no admin key is set).
+type Peer = ConnectInfo<SocketAddr>;
 
 /// Every route of the router.
 pub fn app(state: Arc<RouterState>) -> Router {
@@ -40,20 +44,43 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .with_state(state)
 }
 
-/// Checks the bearer key when keys are configured.
+/// The bearer key a request carries.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+/// Checks the client's bearer key when keys are configured.
 fn authorize(state: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
     if state.api_keys.is_empty() {
         return Ok(());
     }
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match given {
+    match bearer(headers) {
         Some(k) if state.api_keys.iter().any(|key| constant_time_eq(key.as_bytes(), k.as_bytes())) => Ok(()),
         _ => Err(ApiError::Unauthorized),
     }
+}
+
+/// Who may use `/admin/*` and `/debug/*`: the holder of the admin key when one is set (a client key is not
+/// enough), and only loopback peers when none is.
+fn authorize_admin(admin_key: Option<&str>, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+    match admin_key {
+        Some(key) => match bearer(headers) {
+            Some(k) if constant_time_eq(key.as_bytes(), k.as_bytes()) => Ok(()),
+            _ => Err(ApiError::Unauthorized),
+        },
+        None if peer.ip().is_loopback() || peer.ip().to_canonical().is_loopback() => Ok(()),
+        None => Err(ApiError::Forbidden(
+            "the admin endpoints answer only on loopback unless the router has an admin key (--admin-key)",
+        )),
+    }
+}
+
+fn admin(state: &RouterState, headers: &HeaderMap, peer: &Peer) -> Result<(), ApiError> {
+    authorize_admin(state.admin_key.as_deref(), headers, peer.0)
 }
 
 /// Compares without an early exit, so the time taken does not reveal how much of a key was right.
@@ -111,7 +138,7 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
         authorize(&state, &headers)?;
         let checked = check(endpoint, &body)?;
         tracing::Span::current().record("gen_ai.request.model", checked.model.as_str());
-        let permit = state.admission.admit().await?;
+        let permit = state.admission.admit(state.limits.request_timeout.saturating_sub(arrived.elapsed())).await?;
         let routed = plan(&state, checked, traceparent(&headers), true)?;
         tracing::Span::current().record("gen_ai.usage.input_tokens", routed.job.tokens.len());
         Ok::<_, ApiError>((permit, routed))
@@ -152,9 +179,9 @@ async fn metrics(state: Shared) -> Response {
 }
 
 /// The decision for a chat or completion body, without running it.
-async fn debug_route(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+async fn debug_route(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) -> Response {
     let explained = (|| {
-        authorize(&state, &headers)?;
+        admin(&state, &headers, &peer)?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         let endpoint = if v.get("messages").is_some() { Endpoint::Chat } else { Endpoint::Completion };
         let routed = plan(&state, check(endpoint, &body)?, None, false)?;
@@ -166,17 +193,17 @@ async fn debug_route(state: Shared, headers: HeaderMap, body: Bytes) -> Response
     }
 }
 
-async fn get_config(state: Shared, headers: HeaderMap) -> Response {
-    match authorize(&state, &headers) {
+async fn get_config(state: Shared, peer: Peer, headers: HeaderMap) -> Response {
+    match admin(&state, &headers, &peer) {
         Ok(()) => axum::Json(state.scheduler_config()).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
 /// Changes the scheduler's weights live: the body names the fields to change; the result is validated whole.
-async fn put_config(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+async fn put_config(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) -> Response {
     let updated = (|| {
-        authorize(&state, &headers)?;
+        admin(&state, &headers, &peer)?;
         let patch: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         let Value::Object(fields) = patch else {
             return Err(ApiError::bad("the body must be a JSON object of fields to change", "body"));
@@ -199,19 +226,35 @@ async fn put_config(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
     }
 }
 
-/// The worker address in a `{"address": "host:port"}` body, resolved.
-async fn worker_address(body: &[u8]) -> Result<std::net::SocketAddr, ApiError> {
+/// Whether `addr` can be a worker's gRPC address: a unicast host and a real port.
+fn routable(addr: SocketAddr) -> Result<SocketAddr, &'static str> {
+    let ip = addr.ip().to_canonical();
+    if addr.port() == 0 {
+        return Err("port 0 is not a worker's port");
+    }
+    if ip.is_unspecified() || ip.is_multicast() || ip == std::net::IpAddr::from([255, 255, 255, 255]) {
+        return Err("not a unicast address");
+    }
+    Ok(addr)
+}
+
+/// The worker address in a `{"address": "host:port"}` body, resolved and checked.
+async fn worker_address(body: &[u8]) -> Result<SocketAddr, ApiError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let addr = v["address"].as_str().ok_or_else(|| ApiError::bad("`address` (host:port) is required", "address"))?;
-    tokio::net::lookup_host(addr)
+    if addr.len() > 255 {
+        return Err(ApiError::bad("the worker address is too long", "address"));
+    }
+    let resolved = tokio::net::lookup_host(addr)
         .await
         .ok()
         .and_then(|mut a| a.next())
-        .ok_or_else(|| ApiError::bad(format!("cannot resolve worker address {addr:?}"), "address"))
+        .ok_or_else(|| ApiError::bad(format!("cannot resolve worker address {addr:?}"), "address"))?;
+    routable(resolved).map_err(|why| ApiError::bad(format!("worker address {addr:?}: {why}"), "address"))
 }
 
-async fn list_workers(state: Shared, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&state, &headers) {
+async fn list_workers(state: Shared, peer: Peer, headers: HeaderMap) -> Response {
+    if let Err(e) = admin(&state, &headers, &peer) {
         return e.into_response();
     }
     let up: std::collections::HashMap<std::net::SocketAddr, String> =
@@ -226,11 +269,14 @@ async fn list_workers(state: Shared, headers: HeaderMap) -> Response {
 }
 
 /// A worker registers itself (or an operator adds one); idempotent.
-async fn add_worker(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+async fn add_worker(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) -> Response {
     let added = async {
-        authorize(&state, &headers)?;
+        admin(&state, &headers, &peer)?;
         let addr = worker_address(&body).await?;
-        state.cluster.follow(addr);
+        state
+            .cluster
+            .follow(addr, crate::cluster::Origin::Registered)
+            .map_err(|e| ApiError::bad(e.to_string(), "address"))?;
         Ok::<_, ApiError>(addr)
     }
     .await;
@@ -241,9 +287,9 @@ async fn add_worker(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
 }
 
 /// A worker leaves (graceful shutdown) or an operator removes it.
-async fn remove_worker(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+async fn remove_worker(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) -> Response {
     let removed = async {
-        authorize(&state, &headers)?;
+        admin(&state, &headers, &peer)?;
         let addr = worker_address(&body).await?;
         if state.cluster.unfollow(addr) { Ok(()) } else { Err(ApiError::NotFound) }
     }
@@ -251,5 +297,43 @@ async fn remove_worker(state: Shared, headers: HeaderMap, body: Bytes) -> Respon
     match removed {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_key(k: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, format!("Bearer {k}").parse().expect("header"));
+        h
+    }
+
+    #[test]
+    fn admin_needs_the_admin_key_or_loopback() {
+        let (local, remote): (SocketAddr, SocketAddr) = (([127, 0, 0, 1], 5000).into(), ([10, 0, 0, 7], 5000).into());
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:5000".parse().expect("addr");
+        // No admin key: loopback only (also as an IPv4-mapped IPv6 peer).
+        assert_eq!(authorize_admin(None, &HeaderMap::new(), local).map_err(|e| e.kind()), Ok(()));
+        assert_eq!(authorize_admin(None, &HeaderMap::new(), mapped).map_err(|e| e.kind()), Ok(()));
+        assert_eq!(authorize_admin(None, &with_key("x"), remote).map_err(|e| e.kind()), Err("forbidden"));
+        // An admin key: required from everywhere, loopback included; nothing else will do.
+        assert_eq!(authorize_admin(Some("adm"), &with_key("adm"), remote).map_err(|e| e.kind()), Ok(()));
+        for h in [HeaderMap::new(), with_key("client-key"), with_key("adm2")] {
+            assert_eq!(authorize_admin(Some("adm"), &h, local).map_err(|e| e.kind()), Err("unauthorized"));
+        }
+    }
+
+    #[test]
+    fn only_unicast_addresses_with_a_port_can_be_workers() {
+        for bad in
+            ["0.0.0.0:9000", "10.0.0.1:0", "224.0.0.1:9000", "255.255.255.255:9000", "[::]:9000", "[ff02::1]:9000"]
+        {
+            assert!(routable(bad.parse().expect("addr")).is_err(), "{bad}");
+        }
+        for good in ["10.0.0.1:9000", "127.0.0.1:9000", "[fd00::1]:9000"] {
+            assert!(routable(good.parse().expect("addr")).is_ok(), "{good}");
+        }
     }
 }

@@ -44,6 +44,15 @@ pub struct Args {
     /// Require this API key (`Authorization: Bearer …`) on the router.
     #[arg(long)]
     api_key: Option<String>,
+    /// Require this key on `/admin/*` and `/debug/*` (without it they answer only on loopback).
+    #[arg(long, env = "TANDEM_ADMIN_KEY")]
+    admin_key: Option<String>,
+    /// Requests the router runs at once; more wait in its queue.
+    #[arg(long, default_value_t = defaults::MAX_IN_FLIGHT)]
+    max_in_flight: usize,
+    /// Requests that may wait for a place; more get 429 with Retry-After.
+    #[arg(long, default_value_t = defaults::MAX_QUEUE)]
+    max_queue: usize,
     /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two.
     #[arg(long, default_value = "kv")]
     policy: String,
@@ -122,9 +131,11 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             workers: workers.iter().map(|w| WorkerSource::Static(w.grpc)).collect(),
             dns_refresh: router::discovery::DEFAULT_DNS_REFRESH,
             identity: router_id,
-            limits: Limits::default(),
+            limits: Limits { max_in_flight: args.max_in_flight, max_queue: args.max_queue, ..Limits::default() },
             scheduler,
             api_keys: args.api_key.into_iter().collect(),
+            admin_key: args.admin_key,
+            follow: Default::default(),
             block_size: defaults::BLOCK_SIZE,
             max_model_len: None,
             seed: None,
