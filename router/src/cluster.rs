@@ -78,6 +78,10 @@ pub struct Member {
     pub addr: SocketAddr,
     pub role: WorkerRole,
     pub capacity_blocks: u64,
+    /// Tokens its engine computes per step (0: it did not say).
+    pub max_num_batched_tokens: u64,
+    /// Bytes of one of its KV blocks.
+    pub block_bytes: u64,
     pub instance: String,
     pub client: WorkerClient<Channel>,
     /// When it last joined (slow start counts from here).
@@ -252,6 +256,10 @@ impl Cluster {
             )));
         }
         let capacity = info.tiers.iter().find(|t| t.tier == pb::Tier::Device as i32).map_or(0, |t| t.blocks);
+        let block_bytes = info.layout.as_ref().map_or(0, |l| {
+            let dtype: u64 = if l.dtype == pb::KvDtype::F32 as i32 { 4 } else { 2 };
+            2 * u64::from(l.layers) * u64::from(l.kv_heads) * u64::from(l.head_dim) * u64::from(l.block_tokens) * dtype
+        });
         let mut s = self.lock();
         let restarted = s.members.get(&id).is_some_and(|m| m.instance != info.instance_id);
         if restarted {
@@ -265,6 +273,8 @@ impl Cluster {
                 addr,
                 role: role(info.role),
                 capacity_blocks: capacity,
+                max_num_batched_tokens: u64::from(info.max_num_batched_tokens),
+                block_bytes,
                 instance: info.instance_id,
                 client: client.clone(),
                 joined: Instant::now(),
@@ -344,6 +354,11 @@ impl Cluster {
                 active_prefill_tokens: r.active_prefill_tokens,
                 device_used: device.map_or(0, |u| u.used),
                 device_total: device.map_or(0, |u| u.total),
+                covered: r.request_ids.into_iter().collect(),
+                computed_tokens_total: r.computed_tokens_total,
+                compute_nanos_total: r.compute_nanos_total,
+                transfer_bytes_total: r.transfer_bytes_total,
+                transfer_nanos_total: r.transfer_nanos_total,
             };
             self.lock().load.report(id, report, Instant::now());
         }
@@ -368,8 +383,12 @@ impl Cluster {
                     name: m.name.clone(),
                     role: m.role,
                     overlap: overlap.get(&id).copied().unwrap_or_default(),
+                    active_overlap: s.load.active_overlap(id, hashes),
                     load: s.load.load(id, m.capacity_blocks),
                     ramp,
+                    max_num_batched_tokens: m.max_num_batched_tokens,
+                    block_bytes: m.block_bytes,
+                    speed: s.load.speed(id),
                 }
             })
             .collect()
@@ -389,9 +408,18 @@ impl Cluster {
         (s.index.len(), s.index.stats())
     }
 
-    /// Own-sent accounting (see [`LoadTracker`]).
-    pub fn sent(&self, worker: WorkerId, request: u64, prefill_tokens: u64, blocks: u64) {
-        self.lock().load.sent(worker, request, prefill_tokens, blocks, Instant::now());
+    /// Own-sent accounting (see [`LoadTracker`]): request number `request` (id `request_id`) went to `worker`
+    /// with `prefill_tokens` uncached tokens to compute and these blocks.
+    pub fn sent(
+        &self,
+        worker: WorkerId,
+        request: u64,
+        request_id: &str,
+        prefill_tokens: u64,
+        blocks: u64,
+        hashes: &[SeqHash],
+    ) {
+        self.lock().load.sent(worker, request, request_id, prefill_tokens, blocks, hashes);
     }
 
     /// Requests the router has sent `worker` that have not finished.

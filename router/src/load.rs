@@ -1,36 +1,88 @@
-//! What the router believes each worker's load is: the worker's last report plus the work the router sent it
-//! since that report (own-sent accounting). Reports reconcile rather than overwrite: work sent before a report is
-//! in the report; work sent after it is added on top until the next report covers it. Pure: `now` is an input.
+//! What the router believes each worker's load is: the worker's last report plus the work the router sent it that
+//! the report does not cover (own-sent accounting). A report names the requests whose work its figures include;
+//! every other request the router sent and has not seen end is added on top, by what the router knows of it
+//! (its uncached prefill tokens, its blocks). Reconciliation is by what a report covers, never by the clock, so
+//! no interleaving of sends, reports and completions makes the router see less work than the worker has (a
+//! property test below). Also kept per worker: the blocks of its in-flight requests (so a new request's blocks
+//! already active there are not counted twice) and its measured prefill and transfer speeds. Pure: `now` is an
+//! input.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use crate::scheduler::view::{Load, WorkerId};
+use kv_cache::SeqHash;
+
+use crate::scheduler::view::{Load, Speed, WorkerId};
 
 /// A worker's own figures (a `WatchLoad` report).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
     pub running: u64,
     pub waiting: u64,
+    /// Uncached prompt tokens still to compute.
     pub active_prefill_tokens: u64,
     pub device_used: u64,
     pub device_total: u64,
+    /// The request ids whose work these figures include.
+    pub covered: HashSet<String>,
+    /// Totals since the worker started (speeds are learned from their growth).
+    pub computed_tokens_total: u64,
+    pub compute_nanos_total: u64,
+    pub transfer_bytes_total: u64,
+    pub transfer_nanos_total: u64,
 }
 
-/// One request the router sent a worker and has not yet seen finish there.
-#[derive(Clone, Copy, Debug)]
+/// One request the router sent a worker and has not yet seen end there.
+#[derive(Clone, Debug)]
 struct Sent {
-    at: Instant,
-    /// Prompt tokens the worker still has to compute; zero once its first token came back.
+    request_id: String,
+    /// Uncached prompt tokens the worker has to compute; zero once its first token came back.
     prefill_tokens: u64,
     blocks: u64,
+    hashes: Vec<SeqHash>,
 }
+
+/// How much a new measurement moves a learned speed.
+const SPEED_WEIGHT: f64 = 0.3;
+/// Growth of the totals too small to measure a speed from (noise, or an idle worker).
+const MIN_MEASURED_NANOS: u64 = 10_000_000;
 
 #[derive(Debug, Default)]
 struct Tracked {
     report: Report,
-    reported_at: Option<Instant>,
     sent: HashMap<u64, Sent>,
+    /// Block hashes of the requests in `sent`, with how many of them hold each.
+    active: HashMap<SeqHash, u32>,
+    speed: Speed,
+}
+
+/// An exponentially weighted moving average, started by its first value.
+fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| o + SPEED_WEIGHT * (new - o)))
+}
+
+/// The rate from the growth of a (units, nanoseconds) pair of totals, when it is large enough to mean something.
+fn rate(units: (u64, u64), nanos: (u64, u64)) -> Option<f64> {
+    let (du, dn) = (units.1.checked_sub(units.0)?, nanos.1.checked_sub(nanos.0)?);
+    (dn >= MIN_MEASURED_NANOS && du > 0).then(|| du as f64 / (dn as f64 / 1e9))
+}
+
+impl Tracked {
+    fn learn(&mut self, next: &Report) {
+        let prev = &self.report;
+        let compute = (prev.computed_tokens_total, next.computed_tokens_total);
+        if let Some(r) = rate(compute, (prev.compute_nanos_total, next.compute_nanos_total)) {
+            self.speed.prefill_tokens_per_sec = ewma(self.speed.prefill_tokens_per_sec, r);
+        }
+        let bytes = (prev.transfer_bytes_total, next.transfer_bytes_total);
+        if let Some(r) = rate(bytes, (prev.transfer_nanos_total, next.transfer_nanos_total)) {
+            self.speed.transfer_bytes_per_sec = ewma(self.speed.transfer_bytes_per_sec, r);
+        }
+    }
+
+    fn uncovered(&self) -> impl Iterator<Item = &Sent> {
+        self.sent.values().filter(|s| !self.report.covered.contains(&s.request_id))
+    }
 }
 
 /// Load per worker.
@@ -44,29 +96,47 @@ impl LoadTracker {
         LoadTracker::default()
     }
 
-    /// A report from `worker`, taken at `now`.
-    pub fn report(&mut self, worker: WorkerId, report: Report, now: Instant) {
+    /// A report from `worker`; it replaces the previous one.
+    pub fn report(&mut self, worker: WorkerId, report: Report, _now: Instant) {
         let t = self.workers.entry(worker).or_default();
+        t.learn(&report);
         t.report = report;
-        t.reported_at = Some(now);
     }
 
-    /// The router sent request `id` to `worker`: `prefill_tokens` to compute there, `blocks` of KV it will hold.
-    pub fn sent(&mut self, worker: WorkerId, id: u64, prefill_tokens: u64, blocks: u64, now: Instant) {
-        self.workers.entry(worker).or_default().sent.insert(id, Sent { at: now, prefill_tokens, blocks });
+    /// The router sent request number `seq` (id `request_id`) to `worker`: `prefill_tokens` uncached prompt tokens
+    /// to compute there, `blocks` of KV it will hold, with these block hashes.
+    pub fn sent(
+        &mut self,
+        worker: WorkerId,
+        seq: u64,
+        request_id: &str,
+        prefill_tokens: u64,
+        blocks: u64,
+        hashes: &[SeqHash],
+    ) {
+        let t = self.workers.entry(worker).or_default();
+        for h in hashes {
+            *t.active.entry(*h).or_default() += 1;
+        }
+        let sent = Sent { request_id: request_id.to_string(), prefill_tokens, blocks, hashes: hashes.to_vec() };
+        if let Some(old) = t.sent.insert(seq, sent) {
+            forget_hashes(&mut t.active, &old.hashes);
+        }
     }
 
-    /// The worker produced request `id`'s first token: its prompt is computed.
-    pub fn first_token(&mut self, worker: WorkerId, id: u64) {
-        if let Some(s) = self.workers.get_mut(&worker).and_then(|t| t.sent.get_mut(&id)) {
+    /// The worker produced request `seq`'s first token: its prompt is computed.
+    pub fn first_token(&mut self, worker: WorkerId, seq: u64) {
+        if let Some(s) = self.workers.get_mut(&worker).and_then(|t| t.sent.get_mut(&seq)) {
             s.prefill_tokens = 0;
         }
     }
 
-    /// Request `id` is finished (or failed, or was cancelled) on `worker`.
-    pub fn done(&mut self, worker: WorkerId, id: u64) {
-        if let Some(t) = self.workers.get_mut(&worker) {
-            t.sent.remove(&id);
+    /// Request `seq` is finished (or failed, or was cancelled) on `worker`.
+    pub fn done(&mut self, worker: WorkerId, seq: u64) {
+        if let Some(t) = self.workers.get_mut(&worker)
+            && let Some(old) = t.sent.remove(&seq)
+        {
+            forget_hashes(&mut t.active, &old.hashes);
         }
     }
 
@@ -79,52 +149,222 @@ impl LoadTracker {
         self.workers.remove(&worker);
     }
 
-    /// The reconciled load of `worker`; `capacity` when the worker has not reported yet.
+    /// How many of `hashes` (a request's blocks) are blocks of requests in flight on `worker`.
+    pub fn active_overlap(&self, worker: WorkerId, hashes: &[SeqHash]) -> usize {
+        self.workers.get(&worker).map_or(0, |t| hashes.iter().filter(|h| t.active.contains_key(h)).count())
+    }
+
+    /// The worker's measured speeds, once it reported enough work to measure.
+    pub fn speed(&self, worker: WorkerId) -> Speed {
+        self.workers.get(&worker).map_or_else(Speed::default, |t| t.speed)
+    }
+
+    /// The reconciled load of `worker`; `capacity` when the worker has not reported its own.
     pub fn load(&self, worker: WorkerId, capacity: u64) -> Load {
         let Some(t) = self.workers.get(&worker) else {
             return Load { capacity_blocks: capacity, ..Load::default() };
         };
-        let newer = t.sent.values().filter(|s| t.reported_at.is_none_or(|r| s.at > r));
-        let (tokens, blocks) = newer.fold((0, 0), |(a, b), s| (a + s.prefill_tokens, b + s.blocks));
+        let (mut tokens, mut blocks, mut requests) = (0, 0, 0);
+        for s in t.uncovered() {
+            tokens += s.prefill_tokens;
+            blocks += s.blocks;
+            requests += 1;
+        }
+        let r = &t.report;
         Load {
-            active_prefill_tokens: t.report.active_prefill_tokens + tokens,
-            active_blocks: t.report.device_used + blocks,
-            capacity_blocks: if t.report.device_total > 0 { t.report.device_total } else { capacity },
-            active_requests: (t.sent.len() as u64).max(t.report.running + t.report.waiting),
+            active_prefill_tokens: r.active_prefill_tokens + tokens,
+            active_blocks: r.device_used + blocks,
+            capacity_blocks: if r.device_total > 0 { r.device_total } else { capacity },
+            active_requests: r.running + r.waiting + requests,
+        }
+    }
+}
+
+fn forget_hashes(active: &mut HashMap<SeqHash, u32>, hashes: &[SeqHash]) {
+    for h in hashes {
+        if let Some(n) = active.get_mut(h) {
+            *n -= 1;
+            if *n == 0 {
+                active.remove(h);
+            }
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::collections::VecDeque;
+
+    use proptest::prelude::*;
 
     use super::*;
 
+    fn report(running: u64, prefill: u64, used: u64, covered: &[&str]) -> Report {
+        Report {
+            running,
+            active_prefill_tokens: prefill,
+            device_used: used,
+            device_total: 128,
+            covered: covered.iter().map(|s| s.to_string()).collect(),
+            ..Report::default()
+        }
+    }
+
     #[test]
-    fn reports_reconcile_with_what_was_sent_since() {
+    fn reports_cover_what_they_name_and_the_rest_is_added() {
         let t0 = Instant::now();
         let w = WorkerId(0);
         let mut l = LoadTracker::new();
         assert_eq!(l.load(w, 100).capacity_blocks, 100);
-        l.sent(w, 1, 300, 20, t0);
+        l.sent(w, 1, "a", 300, 20, &[]);
         assert_eq!(l.load(w, 100).active_prefill_tokens, 300, "counted at once, before any report");
-        // A report taken after the send includes it: not counted twice.
-        let r =
-            Report { running: 1, active_prefill_tokens: 300, device_used: 20, device_total: 128, ..Report::default() };
-        l.report(w, r, t0 + Duration::from_millis(10));
+        // A report that names it includes it: not counted twice.
+        l.report(w, report(1, 300, 20, &["a"]), t0);
         let now = l.load(w, 100);
         assert_eq!((now.active_prefill_tokens, now.active_blocks, now.capacity_blocks), (300, 20, 128));
-        // Sent after the report: added on top until the next report.
-        l.sent(w, 2, 100, 7, t0 + Duration::from_millis(20));
-        assert_eq!(l.load(w, 100).active_prefill_tokens, 400);
-        assert_eq!(l.load(w, 100).active_requests, 2);
-        // Its first token came back: no more prefill work, the blocks stay.
+        // A request sent after that report (or sent before it but not yet arrived) is added on top, whatever the
+        // clock says.
+        l.sent(w, 2, "b", 100, 7, &[]);
+        l.report(w, report(1, 250, 20, &["a"]), t0);
+        assert_eq!((l.load(w, 100).active_prefill_tokens, l.load(w, 100).active_requests), (350, 2));
+        // Its first token came back: no more prefill work of its own, the blocks stay.
         l.first_token(w, 2);
-        assert_eq!((l.load(w, 100).active_prefill_tokens, l.load(w, 100).active_blocks), (300, 27));
+        assert_eq!((l.load(w, 100).active_prefill_tokens, l.load(w, 100).active_blocks), (250, 27));
         l.done(w, 2);
         l.done(w, 1);
-        l.report(w, Report { device_total: 128, ..Report::default() }, t0 + Duration::from_millis(30));
+        l.report(w, report(0, 0, 0, &[]), t0);
         assert_eq!(l.load(w, 100), Load { capacity_blocks: 128, ..Load::default() });
+    }
+
+    #[test]
+    fn blocks_already_active_on_a_worker_are_known() {
+        let (w, h) = (WorkerId(3), |n: u64| SeqHash(n));
+        let mut l = LoadTracker::new();
+        l.sent(w, 1, "a", 0, 3, &[h(1), h(2), h(3)]);
+        l.sent(w, 2, "b", 0, 2, &[h(1), h(2)]);
+        assert_eq!(l.active_overlap(w, &[h(1), h(2), h(3), h(4)]), 3);
+        l.done(w, 1);
+        assert_eq!(l.active_overlap(w, &[h(1), h(2), h(3), h(4)]), 2, "h3 is no longer active; h1, h2 still are");
+        l.done(w, 2);
+        assert_eq!(l.active_overlap(w, &[h(1)]), 0);
+        assert_eq!(l.active_overlap(WorkerId(9), &[h(1)]), 0);
+    }
+
+    #[test]
+    fn speeds_are_learned_from_the_totals() {
+        let (w, t0) = (WorkerId(0), Instant::now());
+        let mut l = LoadTracker::new();
+        assert_eq!(l.speed(w), Speed::default());
+        let totals = |tokens, tnanos, bytes, bnanos| Report {
+            computed_tokens_total: tokens,
+            compute_nanos_total: tnanos,
+            transfer_bytes_total: bytes,
+            transfer_nanos_total: bnanos,
+            ..Report::default()
+        };
+        l.report(w, totals(0, 0, 0, 0), t0);
+        // 200 tokens in 1 s; 350 MB in 1 s.
+        l.report(w, totals(200, 1_000_000_000, 350_000_000, 1_000_000_000), t0);
+        assert_eq!(l.speed(w).prefill_tokens_per_sec, Some(200.0));
+        assert_eq!(l.speed(w).transfer_bytes_per_sec, Some(350e6));
+        // 400 tokens in the next second: the average moves by its weight; nothing new moved: no change.
+        l.report(w, totals(600, 2_000_000_000, 350_000_000, 1_000_000_000), t0);
+        assert_eq!(l.speed(w).prefill_tokens_per_sec, Some(200.0 + SPEED_WEIGHT * 200.0));
+        assert_eq!(l.speed(w).transfer_bytes_per_sec, Some(350e6));
+    }
+
+    /// One step of the world: the router sends, the worker takes, computes, finishes, reports; the router learns.
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// The router sends a request with this many uncached prompt tokens.
+        Send(u64),
+        /// The oldest request on its way arrives at the worker.
+        Arrive,
+        /// The worker computes some prompt tokens of one of its requests.
+        Compute(usize, u64),
+        /// The worker finishes one of its requests.
+        Finish(usize),
+        /// The worker takes a report of its state now; it travels to the router.
+        Snapshot,
+        /// The oldest report in flight reaches the router.
+        Deliver,
+        /// The router hears that a finished request ended.
+        Ended(usize),
+        /// The router sees a request's first token (the worker has computed its prompt).
+        FirstToken(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1u64..500).prop_map(Op::Send),
+            Just(Op::Arrive),
+            (0usize..8, 1u64..300).prop_map(|(i, n)| Op::Compute(i, n)),
+            (0usize..8).prop_map(Op::Finish),
+            Just(Op::Snapshot),
+            Just(Op::Deliver),
+            (0usize..8).prop_map(Op::Ended),
+            (0usize..8).prop_map(Op::FirstToken),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+        /// Whatever the interleaving of sends, arrivals, work, reports and completions, the router never
+        /// believes the worker has fewer requests or fewer prompt tokens to compute than it really has.
+        #[test]
+        fn reconciliation_never_under_counts(ops in proptest::collection::vec(op(), 1..120)) {
+            let w = WorkerId(0);
+            let mut l = LoadTracker::new();
+            let now = Instant::now();
+            let mut next = 0u64;
+            // On their way: (seq, tokens). At the worker: (seq, tokens left). Finished, not yet heard of.
+            let mut travelling: VecDeque<(u64, u64)> = VecDeque::new();
+            let mut at_worker: Vec<(u64, u64)> = Vec::new();
+            let mut finished: Vec<u64> = Vec::new();
+            let mut reports: VecDeque<Report> = VecDeque::new();
+            for op in ops {
+                match op {
+                    Op::Send(tokens) => {
+                        l.sent(w, next, &format!("r{next}"), tokens, tokens.div_ceil(16), &[]);
+                        travelling.push_back((next, tokens));
+                        next += 1;
+                    }
+                    Op::Arrive => at_worker.extend(travelling.pop_front()),
+                    Op::Compute(i, tokens) => {
+                        let len = at_worker.len().max(1);
+                        if let Some(r) = at_worker.get_mut(i % len) {
+                            r.1 = r.1.saturating_sub(tokens);
+                        }
+                    }
+                    Op::Finish(i) if !at_worker.is_empty() => {
+                        finished.push(at_worker.remove(i % at_worker.len()).0);
+                    }
+                    Op::Finish(_) => {}
+                    Op::Snapshot => reports.push_back(Report {
+                        running: at_worker.len() as u64,
+                        active_prefill_tokens: at_worker.iter().map(|r| r.1).sum(),
+                        covered: at_worker.iter().map(|r| format!("r{}", r.0)).collect(),
+                        ..Report::default()
+                    }),
+                    Op::Deliver => {
+                        if let Some(r) = reports.pop_front() {
+                            l.report(w, r, now);
+                        }
+                    }
+                    Op::Ended(i) if !finished.is_empty() => l.done(w, finished.remove(i % finished.len())),
+                    Op::Ended(_) => {}
+                    Op::FirstToken(i) => {
+                        if let Some(r) = at_worker.iter().filter(|r| r.1 == 0).nth(i) {
+                            l.first_token(w, r.0);
+                        }
+                    }
+                }
+                let seen = l.load(w, 100);
+                let tokens: u64 = at_worker.iter().map(|r| r.1).sum();
+                prop_assert!(seen.active_prefill_tokens >= tokens, "{} < {tokens}", seen.active_prefill_tokens);
+                prop_assert!(seen.active_requests >= at_worker.len() as u64);
+            }
+        }
     }
 }

@@ -48,9 +48,14 @@ impl RouterMetrics {
         self.requests.inc(vec![("route", route.to_string()), ("status", status.to_string())]);
     }
 
-    /// A routing decision, with the chosen prefill worker's overlap per tier.
-    pub fn decision(&self, policy: &'static str, reason: &'static str, overlap: [usize; 3]) {
+    /// A routing decision.
+    pub fn decision(&self, policy: &'static str, reason: &'static str) {
         self.decisions.inc(vec![("policy", policy.to_string()), ("reason", reason.to_string())]);
+    }
+
+    /// A prompt was prefilled on a worker that held this many of its leading blocks per tier (device, host,
+    /// disk): the worker that actually prefilled, after any failover.
+    pub fn prefilled_with_overlap(&self, overlap: [usize; 3]) {
         for (i, n) in overlap.iter().enumerate() {
             self.overlap_blocks[i].fetch_add(*n as u64, Ordering::Relaxed);
         }
@@ -86,7 +91,7 @@ pub fn render(state: &RouterState) -> String {
         .collect();
     e.counter(
         "tandem_router_overlap_blocks_total",
-        "Prompt blocks already cached on the chosen prefill worker, by tier.",
+        "Prompt blocks already cached on the worker that prefilled (prefill or decode worker), by tier.",
         &overlap,
     );
     let (size, stats) = state.cluster.index_stats();

@@ -14,8 +14,8 @@ use tokio::sync::watch;
 use crate::cluster::{Cluster, ModelIdentity};
 use crate::discovery::WorkerSource;
 use crate::metrics::RouterMetrics;
+use crate::scheduler::RouteState;
 use crate::scheduler::config::SchedulerConfig;
-use crate::scheduler::rng::Rng;
 use crate::state::{Admission, Limits, RouterState};
 
 /// Named defaults, each with its reason.
@@ -133,7 +133,7 @@ impl RunningRouter {
             limits: config.limits,
             api_keys: config.api_keys,
             admin_key: config.admin_key,
-            rng: Mutex::new(Rng::new(config.seed.unwrap_or_else(clock_seed))),
+            route_state: Mutex::new(RouteState::seeded(config.seed.unwrap_or_else(clock_seed))),
             instance: crate::ids::instance_id(),
             sequence: AtomicU64::new(0),
             metrics: RouterMetrics::default(),

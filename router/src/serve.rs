@@ -26,6 +26,10 @@ pub struct Job {
     pub sampling: pb::Sampling,
     pub namespace: Option<String>,
     pub request_blocks: u64,
+    /// The chained hashes of the prompt's full blocks.
+    pub hashes: Vec<kv_cache::SeqHash>,
+    /// Tokens per KV block.
+    pub block_size: u64,
     pub traceparent: Option<String>,
     /// The request's deadline as Unix milliseconds, sent to workers so they drop work nobody waits for.
     pub deadline_unix_ms: u64,
@@ -88,7 +92,10 @@ async fn prefill(
             cache_namespace: job.namespace.clone(),
             deadline_unix_ms: Some(job.deadline_unix_ms),
         };
-        state.cluster.sent(cand.id, job.seq, job.tokens.len() as u64, job.request_blocks);
+        // What it has to compute: the prompt less what it holds on any tier (onboarding is cheap).
+        let cached = (cand.device_blocks + cand.host_blocks + cand.disk_blocks) as u64 * job.block_size;
+        let uncached = (job.tokens.len() as u64).saturating_sub(cached);
+        state.cluster.sent(cand.id, job.seq, &job.request_id, uncached, job.request_blocks, &job.hashes);
         let span = tracing::info_span!(
             "prefill",
             otel.kind = "client",
@@ -115,6 +122,7 @@ async fn prefill(
             Ok(Ok(resp)) => {
                 let r = resp.into_inner();
                 span.record("cached_tokens", r.cached_tokens);
+                state.metrics.prefilled_with_overlap([cand.device_blocks, cand.host_blocks, cand.disk_blocks]);
                 return Some(Prefilled { first: r.first_token, handle: r.handle, cached_tokens: r.cached_tokens });
             }
             Ok(Err(status)) => tracing::warn!(worker = %member.name, code = ?status.code(), "prefill failed"),
@@ -148,21 +156,40 @@ enum Attempt {
     Failed(Status),
 }
 
+/// Where one decode attempt goes.
+struct Target {
+    worker: WorkerId,
+    /// The prefill worker's KV, when there is one to pull.
+    handle: Option<pb::KvHandle>,
+    /// The worker's leading blocks per tier (device, host, disk), when the router knows them: it prefills locally.
+    overlap: Option<[usize; 3]>,
+}
+
 async fn decode_once(
     state: &RouterState,
     job: &Job,
-    worker: WorkerId,
-    handle: Option<pb::KvHandle>,
+    target: Target,
     generated: &mut Vec<u32>,
     cached: &mut Option<u32>,
     tx: &mpsc::Sender<Result<Piece, ApiError>>,
 ) -> Attempt {
+    let Target { worker, handle, overlap } = target;
     let Some(member) = state.cluster.member(worker) else {
         return Attempt::Failed(Status::unavailable("the decode worker left"));
     };
     let remaining = job.sampling.max_tokens.saturating_sub(generated.len() as u32).max(1);
     let tokens = [job.tokens.as_slice(), generated.as_slice()].concat();
-    let local_prefill = if handle.is_some() { 0 } else { tokens.len() as u64 };
+    // What it computes itself: nothing much after a pull; the prompt less what it holds otherwise.
+    let local_prefill = match (&handle, overlap) {
+        (Some(_), _) => 0,
+        (None, overlap) => {
+            if let Some(o) = overlap {
+                state.metrics.prefilled_with_overlap(o);
+            }
+            let held = overlap.map_or(0, |[d, h, k]| (d + h + k) as u64) * job.block_size;
+            (tokens.len() as u64).saturating_sub(held)
+        }
+    };
     let msg = pb::GenerateRequest {
         request_id: job.request_id.clone(),
         tokens,
@@ -171,7 +198,7 @@ async fn decode_once(
         cache_namespace: job.namespace.clone(),
         deadline_unix_ms: Some(job.deadline_unix_ms),
     };
-    state.cluster.sent(worker, job.seq, local_prefill, job.request_blocks);
+    state.cluster.sent(worker, job.seq, &job.request_id, local_prefill, job.request_blocks, &job.hashes);
     let mut client = member.client.clone();
     let span = tracing::info_span!(
         "generate",
@@ -264,13 +291,17 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
         }
     }
     let mut worker = decision.decode.id;
+    // The decided decode worker's overlap, for its own prefill (aggregated, or after every prefill attempt failed).
+    let mut overlap = decision.decode.chosen().map(|c| [c.device_blocks, c.host_blocks, c.disk_blocks]);
     let mut tried = Vec::new();
     for attempt in 0..state.limits.max_decode_attempts {
         if attempt > 0 {
             state.metrics.decode_resumptions.fetch_add(1, Ordering::Relaxed);
             worker = next_decoder(&state, &tried, worker);
+            overlap = None;
         }
-        match decode_once(&state, &job, worker, handle.take(), &mut generated, &mut cached, &tx).await {
+        let target = Target { worker, handle: handle.take(), overlap };
+        match decode_once(&state, &job, target, &mut generated, &mut cached, &tx).await {
             Attempt::Finished | Attempt::ClientGone => return,
             Attempt::Failed(status) => {
                 tracing::warn!(code = ?status.code(), message = status.message(), "decode attempt failed");

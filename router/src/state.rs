@@ -11,8 +11,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::cluster::Cluster;
 use crate::http::error::ApiError;
 use crate::metrics::RouterMetrics;
+use crate::scheduler::RouteState;
 use crate::scheduler::config::SchedulerConfig;
-use crate::scheduler::rng::Rng;
 
 /// Limits on requests (typed, with named defaults in [`crate::config`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -131,7 +131,8 @@ pub struct RouterState {
     /// The key for `/admin/*` and `/debug/*`; `None`: those answer only on loopback.
     pub admin_key: Option<String>,
     pub admission: Admission,
-    pub rng: Mutex<Rng>,
+    /// The scheduler's random source and round robin's places.
+    pub route_state: Mutex<RouteState>,
     /// This router process's random id: with `sequence`, request ids unique across replicas and restarts.
     pub instance: u64,
     pub sequence: AtomicU64,

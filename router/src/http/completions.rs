@@ -69,7 +69,7 @@ pub fn plan(
     let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
     let hashes = block_hashes(&tokens, bs, namespace.as_ref()).seq;
     let seq = state.next_request();
-    let req = RouteRequest { isl: tokens.len() as u64, block_size: u64::from(block_size), sequence: seq };
+    let req = RouteRequest { isl: tokens.len() as u64, block_size: u64::from(block_size) };
     let config = state.scheduler_config();
     let span = tracing::info_span!(
         "route",
@@ -87,18 +87,16 @@ pub fn plan(
     );
     let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), Instant::now());
     let decision = {
-        let mut rng = state.rng.lock().unwrap_or_else(|p| p.into_inner());
-        route(&req, &views, &config, &mut rng)
+        let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
+        route(&req, &views, &config, &mut route_state)
     }
     .map_err(|e| match e {
         RouteError::NoDecodeWorkers => ApiError::Unavailable(e.to_string()),
         RouteError::AllBusy => ApiError::Overloaded(Duration::from_secs(1)),
     })?;
     record_route(&span, &decision, views.len());
-    let chosen = decision.prefill.as_ref().and_then(|p| p.chosen());
-    let overlap = chosen.map_or([0; 3], |c| [c.device_blocks, c.host_blocks, c.disk_blocks]);
     if count {
-        state.metrics.decision(decision.policy.as_str(), decision.reason.as_str(), overlap);
+        state.metrics.decision(decision.policy.as_str(), decision.reason.as_str());
     }
     let sampling = pb::Sampling {
         temperature: checked.temperature,
@@ -113,6 +111,8 @@ pub fn plan(
         seq,
         request_id: crate::ids::request_id(checked.endpoint == Endpoint::Chat, state.instance, seq),
         request_blocks: req.request_blocks(),
+        hashes,
+        block_size: u64::from(block_size),
         tokens,
         sampling,
         namespace: checked.namespace.clone(),

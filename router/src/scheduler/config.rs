@@ -60,8 +60,14 @@ pub mod defaults {
     /// At least 30% of the prompt must already be on the decode worker to prefill there.
     pub const LOCAL_PREFILL_FRACTION: f64 = 0.7;
     pub const PREFILL_LOAD_THRESHOLD: f64 = 4.0;
-    /// The engine's prefill chunk: one step's worth of prompt tokens.
-    pub const MAX_NUM_BATCHED_TOKENS: u64 = 512;
+    /// The engine's default step budget (`engine::generate::DEFAULT_MAX_BATCHED_TOKENS`), used for a worker that
+    /// does not report its own in `Info`.
+    pub const MAX_NUM_BATCHED_TOKENS: u64 = 2048;
+    /// QUIC between two workers, as `tandem bench transfer` measured it (0.35 GB/s on loopback); used until the
+    /// decode worker's own pulls have been measured.
+    pub const TRANSFER_BYTES_PER_SEC: f64 = 350e6;
+    /// Prefill locally when moving the KV would take longer than this many times computing it there.
+    pub const TRANSFER_COST_RATIO: f64 = 1.0;
     /// A decode worker with more of its KV in use than this never also prefills.
     pub const LOCAL_PREFILL_VETO: f64 = 0.9;
     /// A decode worker that would pass this fraction of its KV is near exhaustion (it would preempt).
@@ -91,6 +97,10 @@ pub struct SchedulerConfig {
     pub local_prefill_fraction: f64,
     pub prefill_load_threshold: f64,
     pub max_num_batched_tokens: u64,
+    /// KV transfer bandwidth assumed until a worker's pulls are measured.
+    pub transfer_bytes_per_sec: f64,
+    /// Prefill on the decode worker when the transfer would take more than this times the local prefill.
+    pub transfer_cost_ratio: f64,
     pub local_prefill_veto: f64,
     pub decode_kv_limit: f64,
     pub slow_start_secs: f64,
@@ -115,6 +125,8 @@ impl Default for SchedulerConfig {
             local_prefill_fraction: LOCAL_PREFILL_FRACTION,
             prefill_load_threshold: PREFILL_LOAD_THRESHOLD,
             max_num_batched_tokens: MAX_NUM_BATCHED_TOKENS,
+            transfer_bytes_per_sec: TRANSFER_BYTES_PER_SEC,
+            transfer_cost_ratio: TRANSFER_COST_RATIO,
             local_prefill_veto: LOCAL_PREFILL_VETO,
             decode_kv_limit: DECODE_KV_LIMIT,
             slow_start_secs: SLOW_START_SECS,
@@ -140,6 +152,10 @@ impl SchedulerConfig {
         non_negative("temperature", self.temperature);
         non_negative("prefill_load_threshold", self.prefill_load_threshold);
         non_negative("slow_start_secs", self.slow_start_secs);
+        non_negative("transfer_cost_ratio", self.transfer_cost_ratio);
+        if !(self.transfer_bytes_per_sec.is_finite() && self.transfer_bytes_per_sec > 0.0) {
+            errors.push(format!("transfer_bytes_per_sec must be > 0, got {}", self.transfer_bytes_per_sec));
+        }
         let mut fraction = |name: &str, v: f64| {
             if !(v > 0.0 && v <= 1.0) {
                 errors.push(format!("{name} must be in (0, 1], got {v}"));

@@ -22,7 +22,8 @@ pub fn prefill_cost(req: &RouteRequest, w: &WorkerView, min_active_prefill: u64,
         + cfg.host_weight * o.host as f64
         + cfg.disk_weight * o.disk as f64;
     let adjusted = (raw_prefill_blocks - credit).max(0.0);
-    let potential_decode_blocks = w.load.active_blocks + req.request_blocks().saturating_sub(o.device as u64);
+    // Blocks active on w, plus this request's blocks not already active there (cached is not active).
+    let potential_decode_blocks = w.load.active_blocks + req.request_blocks().saturating_sub(w.active_overlap as u64);
     let cost = cfg.prefill_load_scale * adjusted
         + potential_decode_blocks as f64
         + cfg.active_request_weight * w.load.active_requests as f64;
@@ -50,6 +51,7 @@ mod tests {
             name: "w".into(),
             role: WorkerRole::Prefill,
             overlap: Overlap { device, host, disk },
+            active_overlap: 0,
             load: Load {
                 active_prefill_tokens: prefill_tokens,
                 active_blocks,
@@ -57,42 +59,51 @@ mod tests {
                 active_requests: 3,
             },
             ramp: 1.0,
+            max_num_batched_tokens: 2048,
+            block_bytes: 368_640,
+            speed: Default::default(),
         }
     }
 
     /// (device, host, disk, active prefill tokens, active blocks, min active prefill, config tweak, cost).
     #[test]
     fn the_formula_term_by_term() {
-        let req = RouteRequest { isl: 160, block_size: 16, sequence: 0 };
+        let req = RouteRequest { isl: 160, block_size: 16 };
         let base = SchedulerConfig::default();
+        let active = |mut w: WorkerView, n| {
+            w.active_overlap = n;
+            w
+        };
         let cases: Vec<(&str, WorkerView, u64, SchedulerConfig, f64)> = vec![
             // raw = 10, no credit, potential decode = 0 + 10.
             ("cold and idle", worker(0, 0, 0, 0, 0), 0, base.clone(), 20.0),
-            // raw = 10 - 4 device = 6; potential decode = 10 - 4 = 6.
-            ("device overlap", worker(4, 0, 0, 0, 0), 0, base.clone(), 12.0),
-            // credit = 4 + 0.75*2 + 0.25*4 = 6.5 → adjusted 3.5; potential decode 6.
-            ("all tiers", worker(4, 2, 4, 0, 0), 0, base.clone(), 9.5),
-            // raw = (32+160)/16 = 12, credit 4 → 8; potential decode = 5 + 6 = 11.
-            ("loaded", worker(4, 0, 0, 32, 5), 0, base.clone(), 19.0),
+            // raw = 10 - 4 device = 6; potential decode = 0 + 10 (cached blocks are not active ones).
+            ("device overlap", worker(4, 0, 0, 0, 0), 0, base.clone(), 16.0),
+            // the same 4 blocks also in use by a running request there: potential decode = 10 - 4 = 6.
+            ("device overlap, active", active(worker(4, 0, 0, 0, 4), 4), 0, base.clone(), 16.0),
+            // credit = 4 + 0.75*2 + 0.25*4 = 6.5 → adjusted 3.5; potential decode 10.
+            ("all tiers", worker(4, 2, 4, 0, 0), 0, base.clone(), 13.5),
+            // raw = (32+160)/16 = 12, credit 4 → 8; potential decode = 5 + 10 = 15.
+            ("loaded", worker(4, 0, 0, 32, 5), 0, base.clone(), 23.0),
             // decay 1: excess = 32/16 = 2 blocks, decay = 1/(1+2/10) = 5/6 → credit 10/3.
             (
                 "decay",
                 worker(4, 0, 0, 32, 0),
                 0,
                 SchedulerConfig { decay: 1.0, ..base.clone() },
-                12.0 - 10.0 / 3.0 + 6.0,
+                12.0 - 10.0 / 3.0 + 10.0,
             ),
             // the least loaded candidate has no excess: no decay.
-            ("decay, least loaded", worker(4, 0, 0, 32, 0), 32, SchedulerConfig { decay: 1.0, ..base.clone() }, 14.0),
+            ("decay, least loaded", worker(4, 0, 0, 32, 0), 32, SchedulerConfig { decay: 1.0, ..base.clone() }, 18.0),
             // overlap beyond the load clamps to zero.
-            ("credit clamps", worker(10, 0, 0, 0, 0), 0, SchedulerConfig { overlap_credit: 5.0, ..base.clone() }, 0.0),
-            // scale and request weight: 2*6 + 6 + 0.5*3.
+            ("credit clamps", worker(10, 0, 0, 0, 0), 0, SchedulerConfig { overlap_credit: 5.0, ..base.clone() }, 10.0),
+            // scale and request weight: 2*6 + 10 + 0.5*3.
             (
                 "scale and request weight",
                 worker(4, 0, 0, 0, 0),
                 0,
                 SchedulerConfig { prefill_load_scale: 2.0, active_request_weight: 0.5, ..base.clone() },
-                19.5,
+                23.5,
             ),
         ];
         for (name, w, min, cfg, want) in cases {
@@ -103,7 +114,7 @@ mod tests {
 
     #[test]
     fn request_blocks_round_up_and_decode_cost_is_a_fraction() {
-        let req = RouteRequest { isl: 17, block_size: 16, sequence: 0 };
+        let req = RouteRequest { isl: 17, block_size: 16 };
         assert_eq!(req.request_blocks(), 2);
         let w = worker(0, 0, 0, 0, 98);
         assert!((decode_cost(&req, &w) - 0.1).abs() < 1e-12);

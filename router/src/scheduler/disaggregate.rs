@@ -3,6 +3,7 @@
 use serde::Serialize;
 
 use super::Choice;
+use super::RouteError;
 use super::config::{DisaggregationRule, SchedulerConfig};
 use super::view::{RouteRequest, WorkerView};
 
@@ -16,12 +17,14 @@ pub enum Reason {
     CachedOnDecode,
     /// The best prefill worker is overloaded.
     PrefillOverloaded,
+    /// Moving the KV would take longer than computing it on the decode worker.
+    TransferCostly,
     /// The rule said local, but the decode worker's KV is too full to also prefill there.
     DecodeTooFull,
     /// No prefill-only worker is alive.
     NoPrefillWorkers,
-    /// Every prefill worker is over its busy thresholds.
-    PrefillBusy,
+    /// Every prefill worker is over its busy thresholds, and the decode worker has room to prefill.
+    PrefillPoolBusy,
     /// The best prefill worker is the decode worker itself.
     SameWorker,
     ConfiguredAlways,
@@ -34,9 +37,10 @@ impl Reason {
             Reason::PrefillRemote => "prefill_remote",
             Reason::CachedOnDecode => "cached_on_decode",
             Reason::PrefillOverloaded => "prefill_overloaded",
+            Reason::TransferCostly => "transfer_costly",
             Reason::DecodeTooFull => "decode_too_full",
             Reason::NoPrefillWorkers => "no_prefill_workers",
-            Reason::PrefillBusy => "prefill_busy",
+            Reason::PrefillPoolBusy => "prefill_pool_busy",
             Reason::SameWorker => "same_worker",
             Reason::ConfiguredAlways => "configured_always",
             Reason::ConfiguredNever => "configured_never",
@@ -44,24 +48,57 @@ impl Reason {
     }
 }
 
-/// `(disaggregate, reason)` for a request whose decode worker is `decode`.
+/// The prefill side as the rules see it.
+#[derive(Clone, Copy, Debug)]
+pub enum PrefillPool<'a> {
+    /// No prefill-only worker is alive.
+    Absent,
+    /// Prefill workers exist, but every one is over its busy thresholds.
+    Busy,
+    /// The best prefill worker, as chosen.
+    Chosen(&'a Choice, &'a WorkerView),
+}
+
+/// Whether the decode worker's KV use forbids it to also prefill (the veto).
+fn vetoed(decode: &WorkerView, cfg: &SchedulerConfig) -> bool {
+    decode.load.active_blocks as f64 > cfg.local_prefill_veto * decode.load.capacity_blocks as f64
+}
+
+/// Seconds to move the blocks of the prompt the decode worker lacks, and to compute its uncached tokens there.
+/// Speeds are the decode worker's measured ones; the transfer falls back to the configured bandwidth, and without
+/// a measured prefill speed there is nothing to compare (`None`).
+fn transfer_and_local_secs(
+    req: &RouteRequest,
+    decode: &WorkerView,
+    eff_isl: u64,
+    cfg: &SchedulerConfig,
+) -> Option<(f64, f64)> {
+    let prefill_rate = decode.speed.prefill_tokens_per_sec.filter(|r| *r > 0.0)?;
+    let bandwidth = decode.speed.transfer_bytes_per_sec.filter(|b| *b > 0.0).unwrap_or(cfg.transfer_bytes_per_sec);
+    let missing = req.request_blocks().saturating_sub(decode.overlap.device as u64);
+    Some((missing as f64 * decode.block_bytes as f64 / bandwidth, eff_isl as f64 / prefill_rate))
+}
+
+/// `(disaggregate, reason)` for a request whose decode worker is `decode`; `Err` when the prefill pool is busy and
+/// the decode worker may not prefill either (the request waits or is refused, never silently overloads anyone).
 pub fn decide(
     req: &RouteRequest,
     decode: &WorkerView,
-    prefill: Option<&Choice>,
-    any_prefillers: bool,
+    prefill: PrefillPool<'_>,
     cfg: &SchedulerConfig,
-) -> (bool, Reason) {
-    if !any_prefillers {
-        return (false, Reason::NoPrefillWorkers);
-    }
-    let Some(prefill) = prefill else { return (false, Reason::PrefillBusy) };
-    if prefill.id == decode.id {
-        return (false, Reason::SameWorker);
+) -> Result<(bool, Reason), RouteError> {
+    let (choice, prefill_worker) = match prefill {
+        PrefillPool::Absent => return Ok((false, Reason::NoPrefillWorkers)),
+        PrefillPool::Busy if vetoed(decode, cfg) => return Err(RouteError::AllBusy),
+        PrefillPool::Busy => return Ok((false, Reason::PrefillPoolBusy)),
+        PrefillPool::Chosen(c, w) => (c, w),
+    };
+    if choice.id == decode.id {
+        return Ok((false, Reason::SameWorker));
     }
     let (by_isl, by_load) = match cfg.disaggregation {
-        DisaggregationRule::Always => return (true, Reason::ConfiguredAlways),
-        DisaggregationRule::Never => return (false, Reason::ConfiguredNever),
+        DisaggregationRule::Always => return Ok((true, Reason::ConfiguredAlways)),
+        DisaggregationRule::Never => return Ok((false, Reason::ConfiguredNever)),
         DisaggregationRule::IslBounding => (true, false),
         DisaggregationRule::PrefillLoad => (false, true),
         DisaggregationRule::IslOrLoad => (true, true),
@@ -70,13 +107,22 @@ pub fn decide(
     let cached = by_isl
         && eff_isl < cfg.max_local_prefill_tokens
         && (eff_isl as f64) < cfg.local_prefill_fraction * req.isl as f64;
-    let best_prefill_tokens = prefill.chosen().map_or(0, |c| c.active_prefill_tokens) as f64;
-    let overloaded = by_load && best_prefill_tokens > cfg.prefill_load_threshold * cfg.max_num_batched_tokens as f64;
-    if !cached && !overloaded {
-        return (true, Reason::PrefillRemote);
+    let best_prefill_tokens = choice.chosen().map_or(0, |c| c.active_prefill_tokens) as f64;
+    let budget = match prefill_worker.max_num_batched_tokens {
+        0 => cfg.max_num_batched_tokens,
+        n => n,
+    };
+    let overloaded = by_load && best_prefill_tokens > cfg.prefill_load_threshold * budget as f64;
+    let costly = transfer_and_local_secs(req, decode, eff_isl, cfg)
+        .is_some_and(|(transfer, local)| transfer > cfg.transfer_cost_ratio * local);
+    let reason = match (cached, overloaded, costly) {
+        (false, false, false) => return Ok((true, Reason::PrefillRemote)),
+        (true, _, _) => Reason::CachedOnDecode,
+        (false, true, _) => Reason::PrefillOverloaded,
+        (false, false, true) => Reason::TransferCostly,
+    };
+    if vetoed(decode, cfg) {
+        return Ok((true, Reason::DecodeTooFull));
     }
-    if decode.load.active_blocks as f64 > cfg.local_prefill_veto * decode.load.capacity_blocks as f64 {
-        return (true, Reason::DecodeTooFull);
-    }
-    (false, if cached { Reason::CachedOnDecode } else { Reason::PrefillOverloaded })
+    Ok((false, reason))
 }

@@ -12,9 +12,26 @@ pub mod view;
 use serde::Serialize;
 
 use config::{Policy, SchedulerConfig};
+use disaggregate::PrefillPool;
 pub use disaggregate::Reason;
 use rng::Rng;
+use select::Rotation;
 use view::{RouteRequest, WorkerView};
+
+/// What the scheduler carries from one decision to the next: its random source and round robin's places. The
+/// caller owns it (the router behind a lock, the simulator by value), so `route` stays a pure function.
+#[derive(Clone, Debug)]
+pub struct RouteState {
+    pub rng: Rng,
+    prefill_rotation: Rotation,
+    decode_rotation: Rotation,
+}
+
+impl RouteState {
+    pub fn seeded(seed: u64) -> RouteState {
+        RouteState { rng: Rng::new(seed), prefill_rotation: Rotation::default(), decode_rotation: Rotation::default() }
+    }
+}
 
 /// One candidate as scored, for explanations and span attributes.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -27,6 +44,7 @@ pub struct Scored {
     pub disk_blocks: usize,
     pub active_prefill_tokens: u64,
     pub active_blocks: u64,
+    pub active_overlap_blocks: usize,
     pub potential_decode_blocks: u64,
     pub capacity_blocks: u64,
     pub active_requests: u64,
@@ -103,6 +121,7 @@ fn scored(w: &WorkerView, potential_decode_blocks: u64, cost: f64) -> Scored {
         device_blocks: w.overlap.device,
         host_blocks: w.overlap.host,
         disk_blocks: w.overlap.disk,
+        active_overlap_blocks: w.active_overlap,
         active_prefill_tokens: w.load.active_prefill_tokens,
         active_blocks: w.load.active_blocks,
         potential_decode_blocks,
@@ -113,13 +132,13 @@ fn scored(w: &WorkerView, potential_decode_blocks: u64, cost: f64) -> Scored {
 }
 
 /// Picks one of `candidates` (their costs already computed) as `policy` says.
-fn pick(policy: Policy, candidates: &[Scored], load: &[f64], req: &RouteRequest, t: f64, rng: &mut Rng) -> usize {
+fn pick(policy: Policy, candidates: &[Scored], load: &[f64], t: f64, rng: &mut Rng, rotation: &mut Rotation) -> usize {
     match policy {
         Policy::Kv => select::choose(&candidates.iter().map(|c| c.cost).collect::<Vec<_>>(), t, rng),
         Policy::LeastLoaded => select::choose(load, 0.0, rng),
         Policy::PowerOfTwo => select::power_of_two(load, rng),
         Policy::Random => rng.below(candidates.len()),
-        Policy::RoundRobin => (req.sequence % candidates.len() as u64) as usize,
+        Policy::RoundRobin => rotation.next(&candidates.iter().map(|c| c.id).collect::<Vec<_>>()),
     }
 }
 
@@ -132,8 +151,9 @@ pub fn route(
     req: &RouteRequest,
     workers: &[WorkerView],
     cfg: &SchedulerConfig,
-    rng: &mut Rng,
+    state: &mut RouteState,
 ) -> Result<Decision, RouteError> {
+    let rng = &mut state.rng;
     let request_blocks = req.request_blocks();
     // Decode: pure load, never a worker that would run out of KV.
     let decoders: Vec<&WorkerView> = workers.iter().filter(|w| w.role.decodes()).collect();
@@ -149,7 +169,7 @@ pub fn route(
     let decode_scored: Vec<Scored> =
         open.iter().map(|w| scored(w, w.load.active_blocks + request_blocks, cost::decode_cost(req, w))).collect();
     let load: Vec<f64> = decode_scored.iter().map(|c| c.cost).collect();
-    let at = pick(cfg.policy, &decode_scored, &load, req, cfg.temperature, rng);
+    let at = pick(cfg.policy, &decode_scored, &load, cfg.temperature, rng, &mut state.decode_rotation);
     let decode_worker = open[at];
     let decode = choice(decode_scored, at);
 
@@ -169,10 +189,16 @@ pub fn route(
             })
             .collect();
         let load: Vec<f64> = ready.iter().map(|w| w.load.active_prefill_tokens as f64).collect();
-        let at = pick(cfg.policy, &prefill_scored, &load, req, cfg.temperature, rng);
-        Some(choice(prefill_scored, at))
+        let at = pick(cfg.policy, &prefill_scored, &load, cfg.temperature, rng, &mut state.prefill_rotation);
+        Some((choice(prefill_scored, at), ready[at]))
     };
-    let (disaggregate, reason) = disaggregate::decide(req, decode_worker, prefill.as_ref(), any_prefillers, cfg);
+    let pool = match &prefill {
+        _ if !any_prefillers => PrefillPool::Absent,
+        None => PrefillPool::Busy,
+        Some((c, w)) => PrefillPool::Chosen(c, w),
+    };
+    let (disaggregate, reason) = disaggregate::decide(req, decode_worker, pool, cfg)?;
+    let prefill = prefill.map(|(c, _)| c);
     Ok(Decision { policy: cfg.policy, prefill, decode, disaggregate, reason, request_blocks, isl: req.isl })
 }
 

@@ -1,6 +1,7 @@
 //! Choosing among scored candidates: argmin with uniform random ties, or sampling by temperature.
 
 use super::rng::Rng;
+use super::view::WorkerId;
 
 /// Ties: costs this close are equal (floating-point noise must not break a tie by position).
 const TIE_EPSILON: f64 = 1e-9;
@@ -25,6 +26,29 @@ pub fn choose(costs: &[f64], temperature: f64, rng: &mut Rng) -> usize {
         target -= w;
     }
     costs.len() - 1
+}
+
+/// Round robin's place: the worker it chose last, per pool. A true rotation over whichever workers are eligible
+/// now: the next one after the last chosen, in id order, wrapping around.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rotation {
+    last: Option<WorkerId>,
+}
+
+impl Rotation {
+    /// The position in `ids` of the worker after the last chosen one (the first when none was), and remembers it.
+    pub fn next(&mut self, ids: &[WorkerId]) -> usize {
+        let after = |id: &WorkerId| self.last.is_none_or(|l| *id > l);
+        let at = ids
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| after(id))
+            .min_by_key(|(_, id)| **id)
+            .or_else(|| ids.iter().enumerate().min_by_key(|(_, id)| **id))
+            .map_or(0, |(i, _)| i);
+        self.last = ids.get(at).copied();
+        at
+    }
 }
 
 /// The less loaded of two distinct random positions (one when there is only one).
@@ -76,6 +100,20 @@ mod tests {
         // Equal costs: uniform.
         let h = histogram(&[2.0, 2.0], 0.5, 20_000);
         assert!((9_000..11_000).contains(&h[0]), "{h:?}");
+    }
+
+    #[test]
+    fn round_robin_rotates_over_whoever_is_eligible_now() {
+        let ids = |v: &[u32]| v.iter().map(|&i| WorkerId(i)).collect::<Vec<_>>();
+        let mut r = Rotation::default();
+        let picks: Vec<u32> = (0..4).map(|_| ids(&[5, 2, 9])[r.next(&ids(&[5, 2, 9]))].0).collect();
+        assert_eq!(picks, [2, 5, 9, 2]);
+        // Worker 5 is busy this time: the rotation goes on from 2 to the next eligible one, 9.
+        assert_eq!(ids(&[2, 9])[r.next(&ids(&[2, 9]))].0, 9);
+        // A newcomer takes its turn in id order.
+        assert_eq!(ids(&[2, 5, 7, 9])[r.next(&ids(&[2, 5, 7, 9]))].0, 2);
+        assert_eq!(ids(&[2, 5, 7, 9])[r.next(&ids(&[2, 5, 7, 9]))].0, 5);
+        assert_eq!(ids(&[2, 5, 7, 9])[r.next(&ids(&[2, 5, 7, 9]))].0, 7);
     }
 
     #[test]

@@ -1,7 +1,6 @@
 //! Table-driven tests of whole decisions.
 
 use super::config::{DisaggregationRule, Policy, SchedulerConfig};
-use super::rng::Rng;
 use super::view::{Load, Overlap, RouteRequest, WorkerId, WorkerRole, WorkerView};
 use super::*;
 
@@ -11,17 +10,21 @@ fn w(id: u32, role: WorkerRole, device: usize, prefill_tokens: u64, active_block
         name: format!("w{id}"),
         role,
         overlap: Overlap { device, host: 0, disk: 0 },
+        active_overlap: 0,
         load: Load { active_prefill_tokens: prefill_tokens, active_blocks, capacity_blocks: 1000, active_requests: 0 },
         ramp: 1.0,
+        max_num_batched_tokens: 2048,
+        block_bytes: 368_640,
+        speed: Default::default(),
     }
 }
 
 fn req(isl: u64) -> RouteRequest {
-    RouteRequest { isl, block_size: 16, sequence: 0 }
+    RouteRequest { isl, block_size: 16 }
 }
 
 fn decide(r: &RouteRequest, workers: &[WorkerView], cfg: &SchedulerConfig) -> Decision {
-    route(r, workers, cfg, &mut Rng::new(3)).expect("routes")
+    route(r, workers, cfg, &mut RouteState::seeded(3)).expect("routes")
 }
 
 use WorkerRole::{Both, Decode, Prefill};
@@ -41,7 +44,7 @@ fn prefill_goes_where_the_prefix_is_and_decode_where_the_load_is_least() {
 #[test]
 fn equal_candidates_share_the_work() {
     let workers = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 0, 0, 0), w(2, Decode, 0, 0, 0)];
-    let mut rng = Rng::new(11);
+    let mut rng = RouteState::seeded(11);
     let mut counts = [0; 2];
     for _ in 0..2000 {
         let d = route(&req(64), &workers, &SchedulerConfig::default(), &mut rng).expect("routes");
@@ -59,9 +62,11 @@ fn conditional_disaggregation() {
         ("80% on D, 64 tokens left", 16, 0, 0, IslBounding, false, Reason::CachedOnDecode),
         ("exactly 70% left is not < 0.7", 6, 0, 0, IslBounding, true, Reason::PrefillRemote),
         ("mostly cached, but D's KV is 91% full", 16, 910, 0, IslBounding, true, Reason::DecodeTooFull),
-        ("overloaded prefill pool", 0, 0, 4000, PrefillLoad, false, Reason::PrefillOverloaded),
+        // The threshold is 4 steps of the prefill worker's own budget (2048 tokens, from its Info): 8192.
+        ("overloaded prefill pool", 0, 0, 9000, PrefillLoad, false, Reason::PrefillOverloaded),
+        ("four steps queued is not overloaded", 0, 0, 8000, PrefillLoad, true, Reason::PrefillRemote),
         ("prefill pool fine", 0, 0, 100, PrefillLoad, true, Reason::PrefillRemote),
-        ("either rule: load", 0, 0, 4000, IslOrLoad, false, Reason::PrefillOverloaded),
+        ("either rule: load", 0, 0, 9000, IslOrLoad, false, Reason::PrefillOverloaded),
         ("either rule: cache", 16, 0, 0, IslOrLoad, false, Reason::CachedOnDecode),
         ("always", 16, 0, 0, Always, true, Reason::ConfiguredAlways),
         ("never", 0, 0, 0, Never, false, Reason::ConfiguredNever),
@@ -88,12 +93,49 @@ fn a_long_prompt_is_disaggregated_even_when_mostly_cached() {
 }
 
 #[test]
-fn without_prefill_workers_or_with_all_busy_the_decode_worker_prefills() {
+fn the_prefill_load_rule_uses_each_workers_own_step_budget() {
+    // A prefill worker that computes 512 tokens a step is overloaded at 4 x 512 = 2048 queued tokens.
+    let mut small = w(0, Prefill, 0, 3000, 0);
+    small.max_num_batched_tokens = 512;
+    let cfg = SchedulerConfig { disaggregation: DisaggregationRule::PrefillLoad, ..SchedulerConfig::default() };
+    let d = decide(&req(320), &[small.clone(), w(1, Decode, 0, 0, 0)], &cfg);
+    assert_eq!((d.disaggregate, d.reason), (false, Reason::PrefillOverloaded));
+    // One that did not say falls back to the configured budget (2048: 8192 tokens).
+    small.max_num_batched_tokens = 0;
+    assert_eq!(decide(&req(320), &[small, w(1, Decode, 0, 0, 0)], &cfg).reason, Reason::PrefillRemote);
+}
+
+#[test]
+fn a_transfer_slower_than_prefilling_locally_keeps_the_prompt_on_the_decode_worker() {
+    // 320 tokens = 20 blocks of 368,640 bytes = 7.4 MB.
+    let mut d = w(1, Decode, 0, 0, 0);
+    let p = w(0, Prefill, 0, 0, 0);
+    // No measured prefill speed on D: nothing to compare, the prompt goes to the prefill worker.
+    assert_eq!(decide(&req(320), &[p.clone(), d.clone()], &SchedulerConfig::default()).reason, Reason::PrefillRemote);
+    // A CPU-like decode worker (200 tokens/s: 1.6 s to prefill) and QUIC at 350 MB/s (21 ms): transfer pays.
+    d.speed.prefill_tokens_per_sec = Some(200.0);
+    assert_eq!(decide(&req(320), &[p.clone(), d.clone()], &SchedulerConfig::default()).reason, Reason::PrefillRemote);
+    // A GPU-like one (20,000 tokens/s: 16 ms) behind a 100 MB/s link (74 ms): prefilling locally is faster.
+    d.speed = view::Speed { prefill_tokens_per_sec: Some(20_000.0), transfer_bytes_per_sec: Some(100e6) };
+    let got = decide(&req(320), &[p.clone(), d.clone()], &SchedulerConfig::default());
+    assert_eq!((got.disaggregate, got.reason), (false, Reason::TransferCostly));
+    // The same with the decode worker's KV too full to prefill there: the veto wins.
+    d.load.active_blocks = 920;
+    let got = decide(&req(320), &[p, d], &SchedulerConfig::default());
+    assert_eq!((got.disaggregate, got.reason), (true, Reason::DecodeTooFull));
+}
+
+#[test]
+fn without_prefill_workers_or_with_all_busy_the_decode_worker_prefills_if_it_may() {
     let d = decide(&req(64), &[w(1, Decode, 0, 0, 0)], &SchedulerConfig::default());
     assert_eq!((d.disaggregate, d.reason, d.prefill), (false, Reason::NoPrefillWorkers, None));
     let cfg = SchedulerConfig { busy_prefill_tokens: Some(1000), ..SchedulerConfig::default() };
     let d = decide(&req(64), &[w(0, Prefill, 0, 5000, 0), w(1, Decode, 0, 0, 0)], &cfg);
-    assert_eq!((d.disaggregate, d.reason), (false, Reason::PrefillBusy));
+    assert_eq!((d.disaggregate, d.reason), (false, Reason::PrefillPoolBusy));
+    // Every prefill worker busy and the decode worker too full to prefill: refused (queue or 429), not silent.
+    let refused =
+        route(&req(64), &[w(0, Prefill, 0, 5000, 0), w(1, Decode, 0, 0, 910)], &cfg, &mut RouteState::seeded(1));
+    assert_eq!(refused, Err(RouteError::AllBusy));
     // A single mixed worker does both.
     let d = decide(&req(64), &[w(0, Both, 0, 0, 0)], &SchedulerConfig::default());
     assert_eq!((d.disaggregate, d.reason), (false, Reason::NoPrefillWorkers));
@@ -105,12 +147,15 @@ fn without_prefill_workers_or_with_all_busy_the_decode_worker_prefills() {
 fn decode_workers_near_exhaustion_are_never_chosen() {
     let workers = [w(0, Decode, 0, 0, 949), w(1, Decode, 0, 0, 500)];
     for seed in 0..50 {
-        let d = route(&req(32), &workers, &SchedulerConfig::default(), &mut Rng::new(seed)).expect("routes");
+        let d = route(&req(32), &workers, &SchedulerConfig::default(), &mut RouteState::seeded(seed)).expect("routes");
         assert_eq!(d.decode.id, WorkerId(1));
     }
-    assert_eq!(route(&req(32), &workers[..1], &SchedulerConfig::default(), &mut Rng::new(0)), Err(RouteError::AllBusy));
     assert_eq!(
-        route(&req(32), &[w(0, Prefill, 0, 0, 0)], &SchedulerConfig::default(), &mut Rng::new(0)),
+        route(&req(32), &workers[..1], &SchedulerConfig::default(), &mut RouteState::seeded(0)),
+        Err(RouteError::AllBusy)
+    );
+    assert_eq!(
+        route(&req(32), &[w(0, Prefill, 0, 0, 0)], &SchedulerConfig::default(), &mut RouteState::seeded(0)),
         Err(RouteError::NoDecodeWorkers)
     );
 }
@@ -119,22 +164,29 @@ fn decode_workers_near_exhaustion_are_never_chosen() {
 fn comparison_policies() {
     let workers = [w(0, Decode, 0, 0, 300), w(1, Decode, 0, 0, 100), w(2, Decode, 0, 0, 200)];
     let rr = SchedulerConfig { policy: Policy::RoundRobin, ..SchedulerConfig::default() };
-    let picks: Vec<u32> = (0..6)
-        .map(|s| {
-            route(&RouteRequest { sequence: s, ..req(16) }, &workers, &rr, &mut Rng::new(0)).expect("ok").decode.id.0
+    let mut state = RouteState::seeded(0);
+    let picks: Vec<u32> = (0..6).map(|_| route(&req(16), &workers, &rr, &mut state).expect("ok").decode.id.0).collect();
+    assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+    // Prefill and decode rotate on their own: a disaggregated stream visits every prefill worker in turn too.
+    let pd = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 0, 0, 0), w(2, Decode, 0, 0, 0), w(3, Decode, 0, 0, 0)];
+    let mut state = RouteState::seeded(0);
+    let pairs: Vec<(u32, u32)> = (0..4)
+        .map(|_| {
+            let d = route(&req(320), &pd, &rr, &mut state).expect("ok");
+            (d.prefill.expect("prefill").id.0, d.decode.id.0)
         })
         .collect();
-    assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+    assert_eq!(pairs, [(0, 2), (1, 3), (0, 2), (1, 3)]);
     let ll = SchedulerConfig { policy: Policy::LeastLoaded, ..SchedulerConfig::default() };
     assert_eq!(decide(&req(16), &workers, &ll).decode.id, WorkerId(1));
     let p2 = SchedulerConfig { policy: Policy::PowerOfTwo, ..SchedulerConfig::default() };
-    let mut rng = Rng::new(5);
+    let mut rng = RouteState::seeded(5);
     for _ in 0..200 {
         assert_ne!(route(&req(16), &workers, &p2, &mut rng).expect("ok").decode.id, WorkerId(0));
     }
     let random = SchedulerConfig { policy: Policy::Random, ..SchedulerConfig::default() };
     let mut seen = [false; 3];
-    let mut rng = Rng::new(9);
+    let mut rng = RouteState::seeded(9);
     for _ in 0..100 {
         seen[route(&req(16), &workers, &random, &mut rng).expect("ok").decode.id.0 as usize] = true;
     }
@@ -146,7 +198,7 @@ fn a_warming_worker_gets_its_ramped_share() {
     let mut fresh = w(1, Decode, 0, 0, 0);
     fresh.ramp = 0.25;
     let workers = [w(0, Decode, 0, 0, 50), fresh];
-    let mut rng = Rng::new(2);
+    let mut rng = RouteState::seeded(2);
     let n = 4000;
     let to_fresh = (0..n)
         .filter(|_| {
@@ -170,6 +222,7 @@ fn the_explanation_serializes_as_the_debug_api_promises() {
         "device_blocks",
         "host_blocks",
         "disk_blocks",
+        "active_overlap_blocks",
         "active_prefill_tokens",
         "active_blocks",
         "potential_decode_blocks",

@@ -44,6 +44,15 @@ pub struct Load {
     pub active_requests: u64,
 }
 
+/// A worker's measured speeds (learned from its reports); `None` until it has done enough to measure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Speed {
+    /// Tokens its engine computes per second of compute.
+    pub prefill_tokens_per_sec: Option<f64>,
+    /// Bytes per second of its KV pulls.
+    pub transfer_bytes_per_sec: Option<f64>,
+}
+
 /// One worker as a scheduling candidate.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerView {
@@ -51,9 +60,16 @@ pub struct WorkerView {
     pub name: String,
     pub role: WorkerRole,
     pub overlap: Overlap,
+    /// Blocks of the request already in use by requests in flight on the worker (not cached: active).
+    pub active_overlap: usize,
     pub load: Load,
     /// Slow start: the share of requests a new worker may take, from near 0 up to 1 (fully warmed up).
     pub ramp: f64,
+    /// Tokens its engine computes per step (`Info`); 0 when it did not say.
+    pub max_num_batched_tokens: u64,
+    /// Bytes of one KV block on this worker.
+    pub block_bytes: u64,
+    pub speed: Speed,
 }
 
 /// The request, reduced to what routing needs.
@@ -62,8 +78,6 @@ pub struct RouteRequest {
     /// Input sequence length (prompt tokens).
     pub isl: u64,
     pub block_size: u64,
-    /// The router's request counter (round robin's position).
-    pub sequence: u64,
 }
 
 impl RouteRequest {
