@@ -67,7 +67,11 @@ async fn registrations_are_checked_bounded_and_forgotten_when_silent() {
     let ca = DevCa::generate().expect("ca");
     let mut config = router_config(&ca, vec![]);
     config.admin_key = Some("adm".into());
-    config.follow = router::cluster::FollowSettings { max_workers: 2, forget_registered_after: Duration::from_secs(1) };
+    config.follow = router::cluster::FollowSettings {
+        max_workers: 2,
+        forget_registered_after: Duration::from_secs(1),
+        ..Default::default()
+    };
     let router = RunningRouter::start(config).await.expect("router");
     let admin = [("authorization", "Bearer adm")];
     let register = |a: &str| format!("{{\"address\":\"{a}\"}}");

@@ -1,7 +1,7 @@
 //! Workers that die or restart under a running router: no request is lost.
 
 use std::sync::atomic::AtomicBool;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use engine::generate::{Engine, EngineConfig, Request};
 use engine::sampling::{RawSampling, SamplingParams};
@@ -128,4 +128,97 @@ async fn a_restarted_worker_is_reindexed_from_its_snapshot() {
     assert!(held().await >= 4, "and the restarted worker's new blocks are indexed");
     router.shutdown(Duration::from_secs(5)).await;
     restarted.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_stops_reporting_is_marked_down_and_its_blocks_dropped() {
+    let ca = DevCa::generate().expect("ca");
+    let hung = tandem_tests::hung::HungWorker::start(&ca, proto::worker::Role::Decode, vec![11, 12, 13]).await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let mut config = router_config(&ca, vec![hung.grpc, d.grpc]);
+    config.follow.silence = Duration::from_secs(1);
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    // It joined and its snapshot's blocks are indexed; then it says nothing more, and its connection stays open.
+    let held = |r: &RunningRouter| r.state.cluster.view(&[kv_cache::SeqHash(11)], Duration::ZERO, Instant::now());
+    assert!(held(&router).iter().any(|v| v.overlap.device == 1), "the hung worker's snapshot was applied");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.state.cluster.up_members().len() > 1 {
+        assert!(Instant::now() < deadline, "the silent worker was never marked down");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(held(&router).iter().all(|v| v.overlap.device == 0), "its blocks left the index");
+    // Requests go to the worker that answers.
+    assert_eq!(http(router.addr, "POST", "/v1/completions", &completion("Hi", 3, false), &[]).await.status, 200);
+    router.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_stream_that_stalls_is_resumed_on_another_worker() {
+    let ca = DevCa::generate().expect("ca");
+    let hung = tandem_tests::hung::HungWorker::start(&ca, proto::worker::Role::Decode, vec![]).await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    // Round robin starts with the first worker followed: the hung one takes the request and stalls after a token.
+    let mut config = router_config(&ca, vec![hung.grpc, d.grpc]);
+    config.scheduler.policy = router::scheduler::config::Policy::RoundRobin;
+    config.limits.decode_idle_timeout = Duration::from_secs(1);
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let started = Instant::now();
+    let r = http(router.addr, "POST", "/v1/completions", &completion("The sea is", 6, false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let text = r.json()["choices"][0]["text"].as_str().expect("text").to_string();
+    assert!(text.starts_with("The"), "the token the stalled worker sent is kept: {text:?}");
+    assert_eq!(r.json()["usage"]["completion_tokens"], 6, "{}", r.body);
+    assert!(started.elapsed() < Duration::from_secs(30), "resumed after the idle timeout, not the request deadline");
+    let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_decode_resumptions_total 1\n"), "{m}");
+    router.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_is_ready_only_once_it_knows_what_every_worker_holds() {
+    let ca = DevCa::generate().expect("ca");
+    let p = worker(&ca, Role::Prefill, "prefill-0").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    // The prefill worker is in a long step: a snapshot waits for the step's end, as after a router restart in
+    // front of a busy cluster.
+    let hold = p.hold_engine_steps();
+    let mut pc = worker::grpc_tls::connect(p.grpc, &ca.issue("router", &[]).expect("cert")).await.expect("connects");
+    let busy = tokio::spawn(async move {
+        let sampling = proto::worker::Sampling { top_p: 1.0, max_tokens: 1, ..Default::default() };
+        let req = proto::worker::PrefillRequest {
+            request_id: "busy".into(),
+            tokens: (100..200).collect(),
+            sampling: Some(sampling),
+            ..Default::default()
+        };
+        pc.prefill(req).await.map(|_| ())
+    });
+    let router = RunningRouter::start(router_config(&ca, vec![p.grpc, d.grpc])).await.expect("router");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !router.state.cluster.up_members().iter().any(|(_, m)| m.role.decodes()) {
+        assert!(Instant::now() < deadline, "the decode worker joined");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let r = http(router.addr, "GET", "/ready", "", &[]).await;
+    assert_eq!(r.status, 503, "a decode worker is up, but the index does not know the prefill worker yet: {}", r.body);
+    assert_eq!(r.json()["waiting_for_snapshots"], serde_json::json!([p.grpc.to_string()]), "{}", r.body);
+    drop(hold);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = http(router.addr, "GET", "/ready", "", &[]).await;
+        if r.status == 200 {
+            assert_eq!(r.json()["index_synced"], true);
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    busy.await.expect("joins").expect("the held prefill finished");
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
 }

@@ -32,6 +32,13 @@ pub struct FollowSettings {
     /// A worker that registered itself and has not answered for this long is forgotten (a live one re-announces
     /// itself every 15 s, so it comes back on its own).
     pub forget_registered_after: Duration,
+    /// A worker whose event or load stream says nothing for this long is down (its blocks leave the index) until
+    /// it answers again: it reports load every 100 ms and sends an event heartbeat every second.
+    pub silence: Duration,
+    /// How long `Info` may take.
+    pub info_timeout: Duration,
+    /// `/ready` waits at most this long after start for every known worker's first snapshot.
+    pub ready_timeout: Duration,
 }
 
 /// Named defaults of [`FollowSettings`].
@@ -40,11 +47,23 @@ pub mod defaults {
 
     /// Four times the registration period: a worker that missed that many announcements is gone.
     pub const FORGET_REGISTERED_AFTER: Duration = Duration::from_secs(60);
+    /// A hundred load periods and ten event heartbeats: only a hung or unreachable worker is that quiet.
+    pub const SILENCE: Duration = Duration::from_secs(10);
+    /// `Info` is answered from the worker's memory; a worker that takes longer is not well.
+    pub const INFO_TIMEOUT: Duration = Duration::from_secs(5);
+    /// A snapshot waits for the worker's current engine step: a long CPU prefill step, plus connecting.
+    pub const READY_TIMEOUT: Duration = Duration::from_secs(60);
 }
 
 impl Default for FollowSettings {
     fn default() -> FollowSettings {
-        FollowSettings { max_workers: DEFAULT_MAX_WORKERS, forget_registered_after: defaults::FORGET_REGISTERED_AFTER }
+        FollowSettings {
+            max_workers: DEFAULT_MAX_WORKERS,
+            forget_registered_after: defaults::FORGET_REGISTERED_AFTER,
+            silence: defaults::SILENCE,
+            info_timeout: defaults::INFO_TIMEOUT,
+            ready_timeout: defaults::READY_TIMEOUT,
+        }
     }
 }
 
@@ -88,6 +107,8 @@ pub struct Member {
     pub joined: Instant,
     /// Streams are flowing; only up members are routed to.
     pub up: bool,
+    /// Its first snapshot since the router started has been applied: the index knows what it holds.
+    pub synced: bool,
 }
 
 #[derive(Debug, Default)]
@@ -106,6 +127,7 @@ pub struct Cluster {
     /// One follower task per worker address.
     followers: Mutex<HashMap<SocketAddr, (WorkerId, tokio::task::AbortHandle)>>,
     next_id: AtomicU32,
+    started: Instant,
     settings: FollowSettings,
     stop: watch::Receiver<bool>,
 }
@@ -117,6 +139,8 @@ pub enum JoinError {
     Connect(#[from] worker::grpc_tls::ConnectError),
     #[error("worker {0}: Info failed: {1}")]
     Info(SocketAddr, tonic::Status),
+    #[error("worker {0}: no answer to Info within {1:?}")]
+    InfoTimeout(SocketAddr, Duration),
     #[error("worker {addr} serves another model: {what}")]
     Mismatch { addr: SocketAddr, what: String },
 }
@@ -142,6 +166,7 @@ impl Cluster {
             state: Mutex::default(),
             followers: Mutex::default(),
             next_id: AtomicU32::new(0),
+            started: Instant::now(),
             settings,
             stop,
         })
@@ -241,7 +266,12 @@ impl Cluster {
     /// Connects, checks the model, and (re)registers the worker.
     async fn join(&self, id: WorkerId, addr: SocketAddr) -> Result<WorkerClient<Channel>, JoinError> {
         let mut client = worker::grpc_tls::connect(addr, &self.identity).await?;
-        let info = client.info(pb::InfoRequest {}).await.map_err(|s| JoinError::Info(addr, s))?.into_inner();
+        let timeout = self.settings.info_timeout;
+        let info = tokio::time::timeout(timeout, client.info(pb::InfoRequest {}))
+            .await
+            .map_err(|_| JoinError::InfoTimeout(addr, timeout))?
+            .map_err(|s| JoinError::Info(addr, s))?
+            .into_inner();
         let mismatch = |what: String| JoinError::Mismatch { addr, what };
         if info.model_fingerprint != self.model.fingerprint {
             return Err(mismatch(format!(
@@ -262,6 +292,7 @@ impl Cluster {
         });
         let mut s = self.lock();
         let restarted = s.members.get(&id).is_some_and(|m| m.instance != info.instance_id);
+        let synced = s.members.get(&id).is_some_and(|m| m.synced);
         if restarted {
             s.index.remove_worker(id);
             s.load.forget(id);
@@ -279,6 +310,7 @@ impl Cluster {
                 client: client.clone(),
                 joined: Instant::now(),
                 up: false,
+                synced,
             },
         );
         tracing::info!(worker = %addr, role = ?role(info.role), "worker joined");
@@ -294,17 +326,18 @@ impl Cluster {
         s.load.forget(id);
     }
 
-    /// Follows the worker's KV events until the stream ends; resubscribes after a gap.
+    /// Follows the worker's KV events until the stream ends or goes silent; resubscribes after a gap. The worker
+    /// is up once a snapshot is applied (or, when resuming, once the worker answers).
     async fn stream_events(&self, id: WorkerId, mut client: WorkerClient<Channel>) {
+        let silence = self.settings.silence;
         loop {
             let after = self.lock().index.last_event(id).map(|e| e.0);
-            let Ok(resp) = client.subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: after }).await
-            else {
-                return;
-            };
+            let subscribe = client.subscribe_kv_events(pb::SubscribeKvEventsRequest { after_event_id: after });
+            let Ok(Ok(resp)) = tokio::time::timeout(silence, subscribe).await else { return };
             let mut stream = resp.into_inner();
             let mut gap = false;
-            while let Ok(Some(batch)) = stream.message().await {
+            // A worker silent past the watchdog is treated as gone: its stream ends here.
+            while let Ok(Ok(Some(batch))) = tokio::time::timeout(silence, stream.message()).await {
                 match batch.body {
                     Some(pb::kv_event_batch::Body::Snapshot(snap)) => {
                         let Ok(snap) = worker::convert::snapshot_from_pb(&snap) else { return };
@@ -312,11 +345,15 @@ impl Cluster {
                         s.index.replace(id, &snap);
                         if let Some(m) = s.members.get_mut(&id) {
                             m.up = true;
+                            m.synced = true;
                         }
                     }
                     Some(pb::kv_event_batch::Body::Events(events)) => {
                         let mut s = self.lock();
-                        if let Some(m) = s.members.get_mut(&id) {
+                        // A heartbeat before the first snapshot says the worker lives, not what it holds.
+                        if after.is_some()
+                            && let Some(m) = s.members.get_mut(&id)
+                        {
                             m.up = true;
                         }
                         for e in &events.events {
@@ -343,10 +380,13 @@ impl Cluster {
         }
     }
 
+    /// Follows the worker's load reports until the stream ends or goes silent.
     async fn stream_load(&self, id: WorkerId, mut client: WorkerClient<Channel>) {
-        let Ok(resp) = client.watch_load(pb::WatchLoadRequest { interval_ms: LOAD_PERIOD_MS }).await else { return };
+        let silence = self.settings.silence;
+        let watch = client.watch_load(pb::WatchLoadRequest { interval_ms: LOAD_PERIOD_MS });
+        let Ok(Ok(resp)) = tokio::time::timeout(silence, watch).await else { return };
         let mut stream = resp.into_inner();
-        while let Ok(Some(r)) = stream.message().await {
+        while let Ok(Ok(Some(r))) = tokio::time::timeout(silence, stream.message()).await {
             let device = r.usage.iter().find(|u| u.tier == pb::Tier::Device as i32);
             let report = Report {
                 running: u64::from(r.running),
@@ -392,6 +432,22 @@ impl Cluster {
                 }
             })
             .collect()
+    }
+
+    /// Whether the router knows what every worker it follows holds: each has had a snapshot applied, or the ready
+    /// timeout has passed since start. Returns that, with the addresses still awaited.
+    pub fn synced(&self, now: Instant) -> (bool, Vec<SocketAddr>) {
+        let followed: Vec<(SocketAddr, WorkerId)> =
+            self.followers.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(a, (id, _))| (*a, *id)).collect();
+        let s = self.lock();
+        let mut waiting: Vec<SocketAddr> = followed
+            .into_iter()
+            .filter(|(_, id)| !s.members.get(id).is_some_and(|m| m.synced))
+            .map(|(a, _)| a)
+            .collect();
+        waiting.sort();
+        let timed_out = now.saturating_duration_since(self.started) >= self.settings.ready_timeout;
+        (waiting.is_empty() || timed_out, waiting)
     }
 
     pub fn member(&self, id: WorkerId) -> Option<Member> {

@@ -34,6 +34,8 @@ pub mod defaults {
     /// Prefilling 8k tokens on a small CPU takes about 100 s.
     pub const PREFILL_TIMEOUT: Duration = Duration::from_secs(180);
     pub const MAX_PREFILL_ATTEMPTS: usize = 2;
+    /// A CPU engine step with a full 2048-token prefill chunk in it takes ~12 s on two cores; five of those.
+    pub const DECODE_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
     /// The first decode worker plus two resumptions elsewhere.
     pub const MAX_DECODE_ATTEMPTS: usize = 3;
     /// Output budget when a request names none.
@@ -49,6 +51,7 @@ impl Default for Limits {
             max_queue: defaults::MAX_QUEUE,
             request_timeout: defaults::REQUEST_TIMEOUT,
             prefill_timeout: defaults::PREFILL_TIMEOUT,
+            decode_idle_timeout: defaults::DECODE_IDLE_TIMEOUT,
             max_prefill_attempts: defaults::MAX_PREFILL_ATTEMPTS,
             max_decode_attempts: defaults::MAX_DECODE_ATTEMPTS,
             default_max_tokens: defaults::DEFAULT_MAX_TOKENS,

@@ -206,24 +206,35 @@ async fn decode_once(
         worker = %member.name,
         output_tokens = tracing::field::Empty
     );
+    let limits = &state.limits;
+    let call = tokio::time::timeout(limits.prefill_timeout, client.generate(with_trace(msg, &span, &job.traceparent)));
     let opened = tokio::select! {
-        r = tracing::Instrument::instrument(client.generate(with_trace(msg, &span, &job.traceparent)), span.clone()) => r,
+        r = tracing::Instrument::instrument(call, span.clone()) => r,
         _ = tx.closed() => {
             state.cluster.done(worker, job.seq);
             return Attempt::ClientGone;
         }
     };
     let mut stream = match opened {
-        Ok(s) => s.into_inner(),
-        Err(status) => {
+        Ok(Ok(s)) => s.into_inner(),
+        Ok(Err(status)) => {
             state.cluster.done(worker, job.seq);
             return Attempt::Failed(status);
+        }
+        Err(_) => {
+            state.cluster.done(worker, job.seq);
+            return Attempt::Failed(Status::deadline_exceeded("the decode worker did not answer"));
         }
     };
     let mut produced = 0u32;
     let outcome = loop {
+        // Before the first token the worker may be prefilling; after it, a silent stream is a stuck worker.
+        let wait = if produced == 0 { limits.prefill_timeout } else { limits.decode_idle_timeout };
         let msg = tokio::select! {
-            m = stream.message() => m,
+            m = tokio::time::timeout(wait, stream.message()) => match m {
+                Ok(m) => m,
+                Err(_) => break Attempt::Failed(Status::deadline_exceeded(format!("no token for {wait:?}"))),
+            },
             _ = tx.closed() => break Attempt::ClientGone,
         };
         match msg {

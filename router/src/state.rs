@@ -21,7 +21,10 @@ pub struct Limits {
     pub max_queue: usize,
     /// Whole-request deadline (504 past it).
     pub request_timeout: Duration,
+    /// Longest wait for a prefill's answer, and for a decode stream's first token (it may prefill itself).
     pub prefill_timeout: Duration,
+    /// Longest silence of a decode stream between tokens; past it the stream is given up and resumed elsewhere.
+    pub decode_idle_timeout: Duration,
     /// Prefill workers tried before the decode worker prefills itself.
     pub max_prefill_attempts: usize,
     /// Decode workers tried, including resumptions after a worker is lost mid-stream.

@@ -2,6 +2,7 @@
 //! CA, and clients (the router, other workers) present theirs.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use kv_transfer::tls::Identity;
 use proto::worker::worker_client::WorkerClient;
@@ -22,6 +23,15 @@ pub fn client(identity: &Identity, host: &str) -> ClientTlsConfig {
         .domain_name(host)
 }
 
+/// A connection attempt (TCP and TLS) that takes longer than this has failed: a peer that accepts and then says
+/// nothing must not hold anyone up.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// HTTP/2 pings this often on an otherwise quiet connection, both ways: a peer that vanished without closing (a
+/// dead host, a cut network) is noticed within [`KEEPALIVE_TIMEOUT`] of the next ping.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// A ping unanswered this long closes the connection.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Why a worker could not be reached.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -29,17 +39,26 @@ pub enum ConnectError {
     Address(SocketAddr, String),
     #[error("cannot reach the worker at {0}: {1}")]
     Transport(SocketAddr, tonic::transport::Error),
+    #[error("the worker at {0} did not complete a connection within {1:?}")]
+    Timeout(SocketAddr, Duration),
 }
 
 /// A client of the worker at `addr`, over mutual TLS.
 pub async fn connect(addr: SocketAddr, identity: &Identity) -> Result<WorkerClient<Channel>, ConnectError> {
     let endpoint =
         Channel::from_shared(format!("https://{addr}")).map_err(|e| ConnectError::Address(addr, e.to_string()))?;
-    let channel = endpoint
+    let endpoint = endpoint
         .tls_config(client(identity, &addr.ip().to_string()))
         .map_err(|e| ConnectError::Transport(addr, e))?
-        .connect()
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
+    // The TLS handshake too must finish in time: the connect timeout alone covers TCP.
+    let channel = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
         .await
+        .map_err(|_| ConnectError::Timeout(addr, CONNECT_TIMEOUT))?
         .map_err(|e| ConnectError::Transport(addr, e))?;
     Ok(WorkerClient::new(channel))
 }

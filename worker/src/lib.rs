@@ -214,6 +214,8 @@ impl RunningWorker {
             .map_err(|source| StartError::Io { what: "gRPC address", source })?;
         let grpc = listener.local_addr().map_err(|source| StartError::Io { what: "gRPC address", source })?;
         let mut server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(grpc_tls::KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(grpc_tls::KEEPALIVE_TIMEOUT))
             .tls_config(grpc_tls::server(&config.identity))
             .map_err(|e| StartError::Tls(e.to_string()))?;
         let (stop, stopped) = oneshot::channel::<()>();

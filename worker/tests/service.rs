@@ -133,3 +133,22 @@ async fn a_prefill_past_the_lease_cap_is_refused_before_any_compute() {
     assert_eq!(w.live_leases(), 1);
     w.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_accepts_and_says_nothing_fails_the_connection_in_time() {
+    // A TCP listener that takes connections and never speaks TLS: a hung process.
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.expect("binds");
+    let addr = listener.local_addr().expect("address");
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((c, _)) = listener.accept().await {
+            conns.push(c);
+        }
+    });
+    let ca = DevCa::generate().expect("ca");
+    let started = Instant::now();
+    let err = worker::grpc_tls::connect(addr, &ca.issue("router", &[]).expect("cert")).await.expect_err("hangs");
+    assert!(matches!(err, worker::grpc_tls::ConnectError::Timeout(..)), "{err}");
+    assert!(started.elapsed() < worker::grpc_tls::CONNECT_TIMEOUT + Duration::from_secs(3));
+    held.abort();
+}

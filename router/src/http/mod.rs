@@ -165,12 +165,17 @@ async fn models(state: Shared, headers: HeaderMap) -> Response {
     .into_response()
 }
 
-/// Ready when at least one worker can decode.
+/// Ready when at least one worker can decode and the index knows what every followed worker holds (its first
+/// snapshot is applied), or the ready timeout has passed: a router that routes before it knows where prefixes live
+/// sends them to cold workers.
 async fn ready(state: Shared) -> Response {
     let up = state.cluster.up_members();
     let decoders = up.iter().filter(|(_, m)| m.role.decodes()).count();
-    let body = json!({"workers_up": up.len(), "decode_workers_up": decoders});
-    let status = if decoders > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let (synced, waiting) = state.cluster.synced(Instant::now());
+    let waiting: Vec<String> = waiting.iter().map(ToString::to_string).collect();
+    let body = json!({"workers_up": up.len(), "decode_workers_up": decoders, "index_synced": synced,
+                      "waiting_for_snapshots": waiting});
+    let status = if decoders > 0 && synced { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, axum::Json(body)).into_response()
 }
 

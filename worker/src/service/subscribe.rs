@@ -131,7 +131,7 @@ async fn follow_events(
     let mut quiet_since = Instant::now();
     loop {
         if need_snapshot {
-            let Some(snap) = engine.snapshot().await else { return };
+            let Some(Some(snap)) = with_heartbeats(engine.snapshot(), &tx, &heartbeat).await else { return };
             last = snap.as_of;
             let body = pb::kv_event_batch::Body::Snapshot(convert::snapshot_to_pb(&snap));
             if tx.send(Ok(batch(body))).await.is_err() {
