@@ -7,6 +7,7 @@ use engine::generate::{Engine, EngineConfig, Request};
 use engine::sampling::{RawSampling, SamplingParams};
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
+use tandem_tests::fake::{Behaviour, FakeWorker};
 use tandem_tests::*;
 use worker::Role;
 
@@ -26,6 +27,7 @@ fn greedy(prompt: &str, max_tokens: u32) -> String {
         namespace: None,
         prompt: e.tokenizer().encode(prompt),
         sampling: SamplingParams::new(raw).expect("ok"),
+        deadline: None,
     };
     e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).text
 }
@@ -133,7 +135,7 @@ async fn a_restarted_worker_is_reindexed_from_its_snapshot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_stops_reporting_is_marked_down_and_its_blocks_dropped() {
     let ca = DevCa::generate().expect("ca");
-    let hung = tandem_tests::hung::HungWorker::start(&ca, proto::worker::Role::Decode, vec![11, 12, 13]).await;
+    let hung = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Hang, vec![11, 12, 13]).await;
     let d = worker(&ca, Role::Decode, "decode-0").await;
     let mut config = router_config(&ca, vec![hung.grpc, d.grpc]);
     config.follow.silence = Duration::from_secs(1);
@@ -157,7 +159,7 @@ async fn a_worker_that_stops_reporting_is_marked_down_and_its_blocks_dropped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_stream_that_stalls_is_resumed_on_another_worker() {
     let ca = DevCa::generate().expect("ca");
-    let hung = tandem_tests::hung::HungWorker::start(&ca, proto::worker::Role::Decode, vec![]).await;
+    let hung = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Hang, vec![]).await;
     let d = worker(&ca, Role::Decode, "decode-0").await;
     // Round robin starts with the first worker followed: the hung one takes the request and stalls after a token.
     let mut config = router_config(&ca, vec![hung.grpc, d.grpc]);
@@ -220,5 +222,57 @@ async fn a_router_is_ready_only_once_it_knows_what_every_worker_holds() {
     busy.await.expect("joins").expect("the held prefill finished");
     router.shutdown(Duration::from_secs(5)).await;
     p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_fails_again_and_again_is_ejected() {
+    let ca = DevCa::generate().expect("ca");
+    let sick = FakeWorker::start(&ca, proto::worker::Role::Prefill, Behaviour::Fail, vec![]).await;
+    let p = worker(&ca, Role::Prefill, "prefill-0").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    // Round robin sends every other prompt to the sick worker first (it is followed first).
+    let mut config = router_config(&ca, vec![sick.grpc, p.grpc, d.grpc]);
+    config.scheduler.policy = router::scheduler::config::Policy::RoundRobin;
+    config.follow.breaker = router::resilience::BreakerSettings { failures: 2, ..Default::default() };
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 3).await;
+    for i in 0..6 {
+        let r = http(router.addr, "POST", "/v1/completions", &completion(&format!("Prompt {i}:"), 2, false), &[]).await;
+        assert_eq!(r.status, 200, "every request is served, by failing over: {}", r.body);
+    }
+    // Two failures in a row eject it: after that, no prompt is sent there first.
+    assert_eq!(sick.calls(), 2, "the sick worker was tried until its breaker opened, then left alone");
+    let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_worker_ejections_total 1\n"), "{m}");
+    assert!(m.contains("tandem_router_workers_ejected 1\n"), "{m}");
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failovers_stop_when_the_retry_budget_is_spent() {
+    let ca = DevCa::generate().expect("ca");
+    let sick = FakeWorker::start(&ca, proto::worker::Role::Prefill, Behaviour::Fail, vec![]).await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let mut config = router_config(&ca, vec![sick.grpc, d.grpc]);
+    // Room for one retry per ten requests, and no floor: the first failover spends it.
+    config.limits.retry_budget =
+        router::resilience::RetryBudgetSettings { ratio: 0.1, min_per_sec: 0.0, window: Duration::from_secs(60) };
+    config.follow.breaker = router::resilience::BreakerSettings { failures: 100, ..Default::default() };
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let mut statuses = Vec::new();
+    for i in 0..10 {
+        let r = http(router.addr, "POST", "/v1/completions", &completion(&format!("Prompt {i}:"), 2, false), &[]).await;
+        statuses.push(r.status);
+    }
+    // Each prompt fails on the prefill worker; falling back to the decode worker is a retry. One in ten fits.
+    assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 1, "{statuses:?}");
+    assert!(statuses.iter().all(|&s| s == 200 || s == 503), "{statuses:?}");
+    let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_retries_denied_total 9\n"), "{m}");
+    router.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
 }

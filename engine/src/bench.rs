@@ -133,6 +133,7 @@ pub fn concurrency(
             namespace: None,
             prompt: prompt(prompt_tokens, 1000 + s, vocab),
             sampling: sampling.clone(),
+            deadline: None,
         })
         .collect();
     let mut first: Vec<Option<Instant>> = vec![None; sequences];

@@ -82,7 +82,12 @@ fn seeded_sampling_is_reproducible() {
             stop: vec![],
             ignore_eos: false,
         };
-        Request { namespace: None, prompt: prompt.clone(), sampling: SamplingParams::new(raw).expect("valid") }
+        Request {
+            namespace: None,
+            prompt: prompt.clone(),
+            sampling: SamplingParams::new(raw).expect("valid"),
+            deadline: None,
+        }
     };
     let a = run(&mut e, &[sampled(7)]);
     assert_eq!(run(&mut e, &[sampled(7)]), a);
@@ -99,8 +104,12 @@ fn stop_strings_and_end_of_generation_end_the_sequence() {
     assert_eq!(done.token_ids, [504, 3575, 282, 4649, 314, 7042, 30, 2]);
     assert_eq!((done.text.as_str(), done.finish_reason), ("The capital of France is Paris.", FinishReason::Stop));
     let raw = RawSampling { max_tokens: 32, stop: vec!["Paris".into()], ..RawSampling::default() };
-    let request =
-        Request { namespace: None, prompt: prompt.clone(), sampling: SamplingParams::new(raw).expect("valid") };
+    let request = Request {
+        namespace: None,
+        prompt: prompt.clone(),
+        sampling: SamplingParams::new(raw).expect("valid"),
+        deadline: None,
+    };
     let mut streamed = String::new();
     let done = e
         .run(&[request], &AtomicBool::new(false), |engine::generate::Event::Token { text, .. }| streamed.push_str(text))

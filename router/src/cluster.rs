@@ -17,6 +17,7 @@ use tonic::transport::Channel;
 
 use crate::indexer::{ApplyError, IndexStats, PrefixIndex};
 use crate::load::{LoadTracker, Report};
+use crate::resilience::{Breaker, BreakerSettings, counts_against_worker};
 use crate::scheduler::view::{WorkerId, WorkerRole, WorkerView};
 
 /// How long a follower waits before reconnecting to a worker that went away.
@@ -39,6 +40,8 @@ pub struct FollowSettings {
     pub info_timeout: Duration,
     /// `/ready` waits at most this long after start for every known worker's first snapshot.
     pub ready_timeout: Duration,
+    /// When a failing worker is ejected, and for how long.
+    pub breaker: BreakerSettings,
 }
 
 /// Named defaults of [`FollowSettings`].
@@ -63,6 +66,7 @@ impl Default for FollowSettings {
             silence: defaults::SILENCE,
             info_timeout: defaults::INFO_TIMEOUT,
             ready_timeout: defaults::READY_TIMEOUT,
+            breaker: BreakerSettings::default(),
         }
     }
 }
@@ -116,6 +120,14 @@ struct State {
     members: BTreeMap<WorkerId, Member>,
     index: PrefixIndex,
     load: LoadTracker,
+    breakers: HashMap<WorkerId, Breaker>,
+}
+
+impl State {
+    /// Up, and not ejected by its breaker.
+    fn routable(&self, id: WorkerId, m: &Member, now: Instant) -> bool {
+        m.up && self.breakers.get(&id).is_none_or(|b| b.admits(now))
+    }
 }
 
 /// The cluster as the router sees it.
@@ -220,6 +232,7 @@ impl Cluster {
     fn drop_member(&self, id: WorkerId) {
         let mut s = self.lock();
         s.members.remove(&id);
+        s.breakers.remove(&id);
         s.index.remove_worker(id);
         s.load.forget(id);
     }
@@ -410,7 +423,7 @@ impl Cluster {
         let overlap = s.index.overlap(hashes);
         s.members
             .iter()
-            .filter(|(_, m)| m.up)
+            .filter(|(id, m)| s.routable(**id, m, now))
             .map(|(&id, m)| {
                 let age = now.saturating_duration_since(m.joined);
                 let ramp = if slow_start.is_zero() {
@@ -457,6 +470,32 @@ impl Cluster {
     /// Members that are up.
     pub fn up_members(&self) -> Vec<(WorkerId, Member)> {
         self.lock().members.iter().filter(|(_, m)| m.up).map(|(id, m)| (*id, m.clone())).collect()
+    }
+
+    /// Members that are up and not ejected: the ones requests may go to.
+    pub fn routable_members(&self, now: Instant) -> Vec<(WorkerId, Member)> {
+        let s = self.lock();
+        s.members.iter().filter(|(id, m)| s.routable(**id, m, now)).map(|(id, m)| (*id, m.clone())).collect()
+    }
+
+    /// How a request to `worker` went (`Err` with the gRPC code when it failed); a worker failing again and again
+    /// is ejected for a while. Returns the ejection when this outcome caused one.
+    pub fn outcome(&self, worker: WorkerId, result: Result<(), tonic::Code>) -> Option<Duration> {
+        let mut s = self.lock();
+        let breaker = s.breakers.entry(worker).or_default();
+        match result {
+            Ok(()) => {
+                breaker.success();
+                None
+            }
+            Err(code) if counts_against_worker(code) => breaker.failure(Instant::now(), &self.settings.breaker),
+            Err(_) => None,
+        }
+    }
+
+    /// Workers ejected by their breaker now.
+    pub fn ejected(&self, now: Instant) -> usize {
+        self.lock().breakers.values().filter(|b| !b.admits(now)).count()
     }
 
     pub fn index_stats(&self) -> (usize, IndexStats) {

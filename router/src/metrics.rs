@@ -40,6 +40,10 @@ pub struct RouterMetrics {
     pub prefill_retries: AtomicU64,
     pub decode_resumptions: AtomicU64,
     pub local_prefill_fallbacks: AtomicU64,
+    /// Retries and failovers the retry budget refused.
+    pub retries_denied: AtomicU64,
+    /// Workers ejected by their circuit breaker.
+    pub ejections: AtomicU64,
 }
 
 impl RouterMetrics {
@@ -148,6 +152,21 @@ pub fn render(state: &RouterState) -> String {
         "tandem_router_decode_resumptions_total",
         "Streams resumed on another decode worker after theirs failed.",
         &one(m.decode_resumptions.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_retries_denied_total",
+        "Retries and failovers refused because the retry budget was spent.",
+        &one(m.retries_denied.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_worker_ejections_total",
+        "Times a worker was ejected by its circuit breaker after failing again and again.",
+        &one(m.ejections.load(Ordering::Relaxed) as f64),
+    );
+    e.gauge(
+        "tandem_router_workers_ejected",
+        "Workers ejected now.",
+        &one(state.cluster.ejected(std::time::Instant::now()) as f64),
     );
     e.counter(
         "tandem_trace_spans_dropped_total",

@@ -55,6 +55,7 @@ impl Default for Limits {
             max_prefill_attempts: defaults::MAX_PREFILL_ATTEMPTS,
             max_decode_attempts: defaults::MAX_DECODE_ATTEMPTS,
             default_max_tokens: defaults::DEFAULT_MAX_TOKENS,
+            retry_budget: Default::default(),
         }
     }
 }
@@ -141,6 +142,7 @@ impl RunningRouter {
             sequence: AtomicU64::new(0),
             metrics: RouterMetrics::default(),
             leases,
+            retry_budget: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await

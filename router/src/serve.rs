@@ -72,19 +72,41 @@ struct Prefilled {
     cached_tokens: u32,
 }
 
+/// How the prefill step ended.
+enum PrefillOutcome {
+    Done(Prefilled),
+    /// Every attempt failed (or the retry budget allowed no more).
+    Failed,
+    ClientGone,
+}
+
+/// Records how a request to `worker` went; a worker failing again and again is ejected for a while.
+fn outcome(state: &RouterState, worker: WorkerId, name: &str, result: Result<(), tonic::Code>) {
+    if let Some(ejection) = state.cluster.outcome(worker, result) {
+        state.metrics.ejections.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(worker = %name, ejection_secs = ejection.as_secs_f64(), "worker ejected after repeated failures");
+    }
+}
+
 async fn prefill(
     state: &RouterState,
     job: &Job,
     decision: &Decision,
     tx: &mpsc::Sender<Result<Piece, ApiError>>,
-) -> Option<Prefilled> {
-    let choice = decision.prefill.as_ref()?;
+) -> PrefillOutcome {
+    let Some(choice) = decision.prefill.as_ref() else { return PrefillOutcome::Failed };
     // The chosen worker first, then the others by cost.
     let mut order: Vec<_> = choice.candidates.iter().collect();
     order.sort_by(|a, b| (a.id != choice.id).cmp(&(b.id != choice.id)).then(a.cost.total_cmp(&b.cost)));
     let prefill_sampling = pb::Sampling { max_tokens: 1, ..job.sampling.clone() };
+    let mut attempts = 0;
     for cand in order.into_iter().take(state.limits.max_prefill_attempts) {
         let Some(member) = state.cluster.member(cand.id).filter(|m| m.up) else { continue };
+        // A second worker for the same prompt is a retry: only within the budget.
+        if attempts > 0 && !state.try_retry() {
+            return PrefillOutcome::Failed;
+        }
+        attempts += 1;
         let msg = pb::PrefillRequest {
             request_id: job.request_id.clone(),
             tokens: job.tokens.clone(),
@@ -114,7 +136,7 @@ async fn prefill(
             r = call => r,
             _ = tx.closed() => {
                 state.cluster.done(cand.id, job.seq);
-                return None;
+                return PrefillOutcome::ClientGone;
             }
         };
         state.cluster.done(cand.id, job.seq);
@@ -122,16 +144,26 @@ async fn prefill(
             Ok(Ok(resp)) => {
                 let r = resp.into_inner();
                 span.record("cached_tokens", r.cached_tokens);
+                outcome(state, cand.id, &member.name, Ok(()));
                 state.metrics.prefilled_with_overlap([cand.device_blocks, cand.host_blocks, cand.disk_blocks]);
-                return Some(Prefilled { first: r.first_token, handle: r.handle, cached_tokens: r.cached_tokens });
+                return PrefillOutcome::Done(Prefilled {
+                    first: r.first_token,
+                    handle: r.handle,
+                    cached_tokens: r.cached_tokens,
+                });
             }
-            Ok(Err(status)) => tracing::warn!(worker = %member.name, code = ?status.code(), "prefill failed"),
-            Err(_) => tracing::warn!(worker = %member.name, "prefill timed out"),
+            Ok(Err(status)) => {
+                tracing::warn!(worker = %member.name, code = ?status.code(), "prefill failed");
+                outcome(state, cand.id, &member.name, Err(status.code()));
+            }
+            Err(_) => {
+                tracing::warn!(worker = %member.name, "prefill timed out");
+                outcome(state, cand.id, &member.name, Err(tonic::Code::DeadlineExceeded));
+            }
         }
         state.metrics.prefill_retries.fetch_add(1, Ordering::Relaxed);
     }
-    state.metrics.local_prefill_fallbacks.fetch_add(1, Ordering::Relaxed);
-    None
+    PrefillOutcome::Failed
 }
 
 /// How long a lease release may take before it is left to expire.
@@ -264,11 +296,11 @@ async fn decode_once(
     outcome
 }
 
-/// The least loaded up decode worker not in `tried`, or `fallback` when there is none.
+/// The least loaded routable decode worker not in `tried`, or `fallback` when there is none.
 fn next_decoder(state: &RouterState, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
     state
         .cluster
-        .up_members()
+        .routable_members(std::time::Instant::now())
         .into_iter()
         .filter(|(id, m)| m.role.decodes() && !tried.contains(id))
         .min_by_key(|(id, _)| state.cluster.in_flight(*id))
@@ -279,9 +311,10 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     let mut generated = Vec::new();
     let mut cached = None;
     let mut handle = None;
+    state.request_started();
     if decision.disaggregate {
         match prefill(&state, &job, &decision, &tx).await {
-            Some(p) => {
+            PrefillOutcome::Done(p) => {
                 if tx.send(Ok(Piece::Token(p.first))).await.is_err() {
                     release_unused(&state, p.handle);
                     return;
@@ -297,8 +330,16 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                     return;
                 }
             }
-            None if tx.is_closed() => return,
-            None => {}
+            PrefillOutcome::ClientGone => return,
+            PrefillOutcome::Failed => {
+                // Prefilling on the decode worker instead is one more try: only within the budget.
+                if !state.try_retry() {
+                    let e = ApiError::Unavailable("the prefill failed and the retry budget is spent".into());
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+                state.metrics.local_prefill_fallbacks.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
     let mut worker = decision.decode.id;
@@ -307,15 +348,24 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     let mut tried = Vec::new();
     for attempt in 0..state.limits.max_decode_attempts {
         if attempt > 0 {
+            if !state.try_retry() {
+                break;
+            }
             state.metrics.decode_resumptions.fetch_add(1, Ordering::Relaxed);
             worker = next_decoder(&state, &tried, worker);
             overlap = None;
         }
         let target = Target { worker, handle: handle.take(), overlap };
+        let name = state.cluster.member(worker).map_or_else(String::new, |m| m.name);
         match decode_once(&state, &job, target, &mut generated, &mut cached, &tx).await {
-            Attempt::Finished | Attempt::ClientGone => return,
+            Attempt::Finished => {
+                outcome(&state, worker, &name, Ok(()));
+                return;
+            }
+            Attempt::ClientGone => return,
             Attempt::Failed(status) => {
                 tracing::warn!(code = ?status.code(), message = status.message(), "decode attempt failed");
+                outcome(&state, worker, &name, Err(status.code()));
                 tried.push(worker);
             }
         }

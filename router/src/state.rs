@@ -11,6 +11,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::cluster::Cluster;
 use crate::http::error::ApiError;
 use crate::metrics::RouterMetrics;
+use crate::resilience::{RetryBudget, RetryBudgetSettings};
 use crate::scheduler::RouteState;
 use crate::scheduler::config::SchedulerConfig;
 
@@ -31,6 +32,8 @@ pub struct Limits {
     pub max_decode_attempts: usize,
     /// Output budget when a request names none.
     pub default_max_tokens: u32,
+    /// How many retries and failovers the router may add to the load.
+    pub retry_budget: RetryBudgetSettings,
 }
 
 /// Requests in flight and waiting: past `max_in_flight` they queue, past `max_queue` they are refused.
@@ -142,6 +145,7 @@ pub struct RouterState {
     pub metrics: RouterMetrics,
     /// Releases prefill leases the router will not hand to a decode worker (mutual TLS, the router's certificate).
     pub leases: Option<Arc<kv_transfer::quic::QuicClient>>,
+    pub retry_budget: Mutex<RetryBudget>,
 }
 
 impl RouterState {
@@ -156,5 +160,21 @@ impl RouterState {
     /// A fresh request number.
     pub fn next_request(&self) -> u64 {
         self.sequence.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A request starts running: it adds to what retries may spend.
+    pub fn request_started(&self) {
+        let mut b = self.retry_budget.lock().unwrap_or_else(|p| p.into_inner());
+        b.request(std::time::Instant::now(), &self.limits.retry_budget);
+    }
+
+    /// Whether one more retry or failover is within the budget (and takes it); a refusal is counted.
+    pub fn try_retry(&self) -> bool {
+        let mut b = self.retry_budget.lock().unwrap_or_else(|p| p.into_inner());
+        let ok = b.try_retry(std::time::Instant::now(), &self.limits.retry_budget);
+        if !ok {
+            self.metrics.retries_denied.fetch_add(1, Ordering::Relaxed);
+        }
+        ok
     }
 }

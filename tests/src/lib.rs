@@ -1,7 +1,7 @@
 //! What the whole-cluster and whole-process tests share: a small real cluster on 127.0.0.1 (workers in-process,
 //! mutual TLS from one dev CA), an HTTP/1.1 client that reads SSE as it arrives, and the workspace's binaries.
 
-pub mod hung;
+pub mod fake;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -25,6 +25,21 @@ impl From<ProtoError> for tonic::Status {
     }
 }
 
+/// A request's deadline (Unix milliseconds from the router) as an instant of this process's clock, given the
+/// wall clock and the monotonic clock read together; `Err` when it has already passed: nobody waits for that work.
+pub fn deadline(
+    unix_ms: Option<u64>,
+    now: std::time::SystemTime,
+    now_instant: std::time::Instant,
+) -> Result<Option<std::time::Instant>, tonic::Status> {
+    let Some(ms) = unix_ms else { return Ok(None) };
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+    match at.duration_since(now) {
+        Ok(left) if !left.is_zero() => Ok(Some(now_instant + left)),
+        _ => Err(tonic::Status::deadline_exceeded("the request's deadline has passed")),
+    }
+}
+
 /// Sampling parameters, validated; `force_max_tokens` overrides the request's (prefill makes one token).
 pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Result<SamplingParams, ProtoError> {
     let s = s.ok_or(ProtoError::Missing("sampling"))?;
@@ -237,4 +252,21 @@ pub fn snapshot_from_pb(s: &pb::Snapshot) -> Result<Snapshot, ProtoError> {
             .collect();
     }
     Ok(Snapshot { as_of: s.as_of.map(EventId), tiers })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant, UNIX_EPOCH};
+
+    use super::*;
+
+    #[test]
+    fn deadlines_become_instants_and_past_ones_are_refused() {
+        let (now, mono) = (UNIX_EPOCH + Duration::from_millis(1_000_000), Instant::now());
+        assert_eq!(deadline(None, now, mono).expect("none"), None);
+        assert_eq!(deadline(Some(1_000_250), now, mono).expect("ahead"), Some(mono + Duration::from_millis(250)));
+        for past in [1_000_000, 999_999, 0] {
+            assert_eq!(deadline(Some(past), now, mono).expect_err("past").code(), tonic::Code::DeadlineExceeded);
+        }
+    }
 }

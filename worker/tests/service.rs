@@ -152,3 +152,43 @@ async fn a_peer_that_accepts_and_says_nothing_fails_the_connection_in_time() {
     assert!(started.elapsed() < worker::grpc_tls::CONNECT_TIMEOUT + Duration::from_secs(3));
     held.abort();
 }
+
+fn unix_ms_in(d: Duration) -> u64 {
+    let at = std::time::SystemTime::now() + d;
+    at.duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_millis() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_past_its_deadline_is_dropped() {
+    let (w, mut c) = start(|c| c).await;
+    // Already past: refused before any compute.
+    let late = pb::GenerateRequest {
+        deadline_unix_ms: Some(unix_ms_in(Duration::ZERO).saturating_sub(1)),
+        ..generate_request("late", (100..140).collect(), 5)
+    };
+    let refused = c.generate(late).await.expect_err("past its deadline");
+    assert_eq!(refused.code(), tonic::Code::DeadlineExceeded);
+    assert_eq!(w.stats().counters.prefill_tokens, 0, "nothing was computed for it");
+    // Due in half a second, with far more work than that: dropped when the deadline passes.
+    let long = pb::GenerateRequest {
+        deadline_unix_ms: Some(unix_ms_in(Duration::from_millis(500))),
+        ..generate_request("long", (100..140).collect(), 2000)
+    };
+    let started = Instant::now();
+    let mut s = c.generate(long).await.expect("accepted").into_inner();
+    let end = loop {
+        match s.message().await {
+            Ok(Some(_)) => continue,
+            other => break other,
+        }
+    };
+    let status = end.expect_err("ends with an error");
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "dropped near its deadline: {:?}", started.elapsed());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while w.stats().running + w.stats().waiting > 0 || w.stats().usage[0].used > 0 {
+        assert!(Instant::now() < deadline, "the worker still runs it: {:?}", w.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.shutdown(Duration::from_secs(5)).await;
+}

@@ -33,6 +33,8 @@ pub enum SeqEvent {
     Failed(String),
     /// The prompt's KV, sent just before `Finished` when the request asked for it.
     Exported(ExportedKv),
+    /// The request's deadline passed before it finished; the last message on the stream.
+    Expired,
 }
 
 /// The engine's state, for load reports and metrics.
@@ -382,11 +384,16 @@ impl Loop {
         }
     }
 
-    /// Sequences whose reader is gone are cancelled; their blocks are freed when they retire.
+    /// Sequences whose reader is gone are cancelled, and those past their deadline dropped; their blocks are freed
+    /// when they retire.
     fn cancel_abandoned(&mut self) {
+        let now = Instant::now();
         for (s, l) in self.seqs.iter_mut().zip(&self.live) {
             if s.active() && l.out.is_closed() {
                 s.finish = Some(FinishReason::Cancelled);
+            } else if s.active() && s.deadline.is_some_and(|d| now >= d) {
+                self.engine.fail(s, "the request's deadline passed".into());
+                s.expired = true;
             }
         }
         self.retire_finished();
@@ -432,6 +439,7 @@ impl Loop {
             }
             let released = self.engine.release_blocks(&mut s);
             let last = match (released, s.failure.take()) {
+                (_, Some(_)) if s.expired => SeqEvent::Expired,
                 (_, Some(why)) => SeqEvent::Failed(why),
                 (Ok(()), None) => SeqEvent::Finished(s.completion(l.start)),
                 (Err(e), None) => SeqEvent::Failed(e.to_string()),

@@ -122,12 +122,14 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// The tenant's cache namespace: its blocks are hashed apart from everyone else's.
     pub namespace: Option<CacheNamespace>,
+    /// Past this instant nobody waits for the answer: the engine drops the sequence at its next step.
+    pub deadline: Option<Instant>,
 }
 
 impl Request {
     /// Greedy decoding of up to `max_tokens` after `prompt`, in no namespace.
     pub fn greedy(prompt: Vec<u32>, max_tokens: std::num::NonZeroU32) -> Request {
-        Request { prompt, sampling: SamplingParams::greedy(max_tokens), namespace: None }
+        Request { prompt, sampling: SamplingParams::greedy(max_tokens), namespace: None, deadline: None }
     }
 }
 
@@ -354,6 +356,8 @@ impl Engine {
             max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
             ignore_eos: r.sampling.ignore_eos(),
             keep_blocks: false,
+            deadline: r.deadline,
+            expired: false,
             pinned: Vec::new(),
             cached_hint: 0,
             failure: None,

@@ -44,6 +44,10 @@ pub(super) struct Seq {
     pub cached_hint: usize,
     /// Why the engine failed this sequence alone (it then also has a `finish`).
     pub failure: Option<String>,
+    /// When nobody waits for the answer any more.
+    pub deadline: Option<Instant>,
+    /// It was dropped because its deadline passed.
+    pub expired: bool,
     pub ignore_eos: bool,
     pub finish: Option<FinishReason>,
     pub first_token: Option<Instant>,

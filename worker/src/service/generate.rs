@@ -34,6 +34,7 @@ impl WorkerService {
         arrived: Instant,
     ) -> Result<Response<Streamed<pb::GenerateResponse>>, Status> {
         let sampling = convert::sampling(r.sampling, None)?;
+        let deadline = convert::deadline(r.deadline_unix_ms, std::time::SystemTime::now(), Instant::now())?;
         let namespace = r.cache_namespace.map(CacheNamespace::new);
         let (ticket, mut cancelled) = self.in_flight.enter(&r.request_id);
         let pulled = match r.handle {
@@ -44,7 +45,7 @@ impl WorkerService {
             None => Vec::new(),
         };
         let capacity = sampling.max_tokens() as usize + 2;
-        let request = Request { namespace, prompt: r.tokens, sampling };
+        let request = Request { namespace, prompt: r.tokens, sampling, deadline };
         let mut stream = self.engine.submit_with_blocks(request, pulled).await.map_err(submit_status)?;
         ticket.submitted();
         let (tx, rx) = mpsc::channel(capacity);
@@ -87,6 +88,7 @@ impl WorkerService {
                             (Ok(finished(&c)), true)
                         }
                         SeqEvent::Failed(e) => (Err(Status::internal(e)), true),
+                        SeqEvent::Expired => (Err(Status::deadline_exceeded("the request's deadline passed")), true),
                         SeqEvent::Exported(_) => continue,
                     };
                     // A client that went away drops the engine stream here, which cancels the sequence.

@@ -75,6 +75,7 @@ impl WorkerService {
         arrived: Instant,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let sampling = convert::sampling(r.sampling, Some(1))?;
+        let deadline = convert::deadline(r.deadline_unix_ms, std::time::SystemTime::now(), Instant::now())?;
         // Room for the prompt's KV under the lease cap, before any compute: past it, another worker should do this.
         let blocks = r.tokens.len().div_ceil(self.layout.block_tokens.max(1) as usize) as u64;
         let copies = if self.shm.is_some() { 2 } else { 1 };
@@ -89,6 +90,7 @@ impl WorkerService {
                 namespace: r.cache_namespace.map(CacheNamespace::new),
                 prompt: r.tokens,
                 sampling,
+                deadline,
             })
             .await
             .map_err(submit_status)?;
@@ -115,6 +117,7 @@ impl WorkerService {
                     break;
                 }
                 SeqEvent::Failed(e) => return Err(Status::internal(e)),
+                SeqEvent::Expired => return Err(Status::deadline_exceeded("the request's deadline passed")),
             }
         }
         drop(ticket);

@@ -1,10 +1,12 @@
-//! A worker that answers `Info` like a real one (the real model's fingerprint, over mutual TLS) and then stops:
-//! its event and load streams send their first message and go silent without closing, `Generate` streams one
-//! token and stalls, and `Prefill` and `Health` never answer. What a hung process or a wedged engine looks like
-//! from the router.
+//! A worker that answers `Info` like a real one (the real model's fingerprint, over mutual TLS) and then
+//! misbehaves, as [`Behaviour`] says: it hangs (its event and load streams send their first message and go silent
+//! without closing, `Generate` streams one token and stalls, `Prefill` and `Health` never answer: a hung process or
+//! a wedged engine), or it fails every `Prefill` and `Generate` at once (a sick worker). It counts those calls.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kv_transfer::tls::DevCa;
 use proto::worker as pb;
@@ -16,11 +18,22 @@ use tonic::{Request, Response, Status};
 
 type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
+/// How the fake worker misbehaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Behaviour {
+    /// Answers `Info`, then nothing more.
+    Hang,
+    /// Streams like a live worker but fails every `Prefill` and `Generate` with INTERNAL.
+    Fail,
+}
+
 #[derive(Clone)]
-struct Hung {
+struct Fake {
     info: pb::InfoResponse,
-    /// The blocks its first (and last) snapshot claims.
+    behaviour: Behaviour,
+    /// The blocks its first snapshot claims.
     blocks: Vec<u64>,
+    calls: Arc<AtomicUsize>,
 }
 
 /// A stream that sends `first` and then nothing, never closing while its reader waits.
@@ -33,19 +46,38 @@ fn then_silence<T: Send + 'static>(first: T) -> Streamed<T> {
     Box::pin(ReceiverStream::new(rx))
 }
 
+/// A stream that sends `item` every 100 ms (a live worker's load reports) until its reader goes.
+fn every_100ms<T: Clone + Send + 'static>(item: T) -> Streamed<T> {
+    let (tx, rx) = mpsc::channel(1);
+    tokio::spawn(async move {
+        while tx.send(Ok(item.clone())).await.is_ok() {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
 #[tonic::async_trait]
-impl Worker for Hung {
+impl Worker for Fake {
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
         Ok(Response::new(self.info.clone()))
     }
 
     async fn prefill(&self, _: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
-        std::future::pending().await
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        match self.behaviour {
+            Behaviour::Hang => std::future::pending().await,
+            Behaviour::Fail => Err(Status::internal("this worker is unwell")),
+        }
     }
 
     type GenerateStream = Streamed<pb::GenerateResponse>;
 
     async fn generate(&self, _: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.behaviour == Behaviour::Fail {
+            return Err(Status::internal("this worker is unwell"));
+        }
         let token = pb::Token { id: 504, text: "The".into() };
         Ok(Response::new(then_silence(pb::GenerateResponse {
             event: Some(pb::generate_response::Event::Token(token)),
@@ -69,14 +101,33 @@ impl Worker for Hung {
             instance_id: self.info.instance_id.clone(),
             body: Some(pb::kv_event_batch::Body::Snapshot(snapshot)),
         };
-        Ok(Response::new(then_silence(batch)))
+        if self.behaviour == Behaviour::Hang {
+            return Ok(Response::new(then_silence(batch)));
+        }
+        // A live worker: its snapshot, then a heartbeat now and then.
+        let heartbeat = pb::KvEventBatch {
+            instance_id: self.info.instance_id.clone(),
+            body: Some(pb::kv_event_batch::Body::Events(pb::KvEvents { events: Vec::new() })),
+        };
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            let _ = tx.send(Ok(batch)).await;
+            while tx.send(Ok(heartbeat.clone())).await.is_ok() {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     type WatchLoadStream = Streamed<pb::LoadReport>;
 
     async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
         let usage = vec![pb::TierUsage { tier: pb::Tier::Device as i32, used: 0, cached: 0, total: 1024 }];
-        Ok(Response::new(then_silence(pb::LoadReport { usage, ..Default::default() })))
+        let report = pb::LoadReport { usage, ..Default::default() };
+        Ok(Response::new(match self.behaviour {
+            Behaviour::Hang => then_silence(report),
+            Behaviour::Fail => every_100ms(report),
+        }))
     }
 
     async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
@@ -84,15 +135,16 @@ impl Worker for Hung {
     }
 }
 
-/// A hung worker serving on loopback.
-pub struct HungWorker {
+/// A fake worker serving on loopback.
+pub struct FakeWorker {
     pub grpc: SocketAddr,
+    calls: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
-impl HungWorker {
+impl FakeWorker {
     /// Starts one in `role` whose snapshot claims the blocks `blocks` (chained hashes).
-    pub async fn start(ca: &DevCa, role: pb::Role, blocks: Vec<u64>) -> HungWorker {
+    pub async fn start(ca: &DevCa, role: pb::Role, behaviour: Behaviour, blocks: Vec<u64>) -> FakeWorker {
         let text = engine::text::TextModel::open(&crate::model()).expect("the model's text side");
         let layout = pb::KvLayout {
             dtype: pb::KvDtype::F16 as i32,
@@ -110,26 +162,32 @@ impl HungWorker {
             layout: Some(layout),
             tiers: vec![pb::TierCapacity { tier: pb::Tier::Device as i32, blocks: 1024 }],
             transfer_endpoint: "127.0.0.1:9".into(),
-            instance_id: "hung".into(),
+            instance_id: "fake".into(),
             max_model_len: 8192,
             max_num_batched_tokens: 2048,
             host_id: "elsewhere".into(),
         };
-        let identity = ca.issue("hung-worker", &[]).expect("cert");
+        let identity = ca.issue("fake-worker", &[]).expect("cert");
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.expect("binds");
         let grpc = listener.local_addr().expect("address");
         let mut server =
             tonic::transport::Server::builder().tls_config(worker::grpc_tls::server(&identity)).expect("tls");
-        let svc = WorkerServer::new(Hung { info, blocks });
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = WorkerServer::new(Fake { info, behaviour, blocks, calls: Arc::clone(&calls) });
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         let task = tokio::spawn(async move {
             let _ = server.add_service(svc).serve_with_incoming(incoming).await;
         });
-        HungWorker { grpc, task }
+        FakeWorker { grpc, calls, task }
+    }
+
+    /// `Prefill` and `Generate` calls so far.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::Relaxed)
     }
 }
 
-impl Drop for HungWorker {
+impl Drop for FakeWorker {
     fn drop(&mut self) {
         self.task.abort();
     }
