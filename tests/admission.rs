@@ -161,3 +161,29 @@ async fn a_streaming_client_that_leaves_during_prefill_cancels_it() {
     }
     stop(router, workers).await;
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_huge_prompt_is_tokenized_off_the_runtime_and_health_answers_meanwhile() {
+    use std::sync::{Arc, Mutex};
+    let ca = DevCa::generate().expect("ca");
+    // One runtime thread for the router and this test: anything CPU-bound left on it would stall everything.
+    let router = RunningRouter::start(router_config(&ca, vec![])).await.expect("router");
+    let addr = router.addr;
+    let prompt: String = (0..230_000).map(|i| format!("w{} ", i % 997)).collect();
+    let body = serde_json::json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 1}).to_string();
+    assert!(body.len() < 2 << 20, "within the body limit: {}", body.len());
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&order);
+    let big = tokio::spawn(async move {
+        let r = http(addr, "POST", "/v1/completions", &body, &[]).await;
+        seen.lock().expect("lock").push(("big", r.status));
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let health = http(addr, "GET", "/health", "", &[]).await;
+    order.lock().expect("lock").push(("health", health.status));
+    big.await.expect("joins");
+    let order = order.lock().expect("lock").clone();
+    assert_eq!(order[0], ("health", 200), "health answered while the prompt was tokenized: {order:?}");
+    assert_eq!(order[1], ("big", 413), "and the prompt was then refused as too long: {order:?}");
+    router.shutdown(Duration::from_secs(5)).await;
+}

@@ -143,6 +143,9 @@ impl RunningRouter {
             metrics: RouterMetrics::default(),
             leases,
             retry_budget: Default::default(),
+            tokenize_slots: tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
+            ),
         });
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await

@@ -146,6 +146,8 @@ pub struct RouterState {
     /// Releases prefill leases the router will not hand to a decode worker (mutual TLS, the router's certificate).
     pub leases: Option<Arc<kv_transfer::quic::QuicClient>>,
     pub retry_budget: Mutex<RetryBudget>,
+    /// Tokenizations running at once on the blocking pool.
+    pub tokenize_slots: Semaphore,
 }
 
 impl RouterState {

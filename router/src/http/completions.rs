@@ -29,9 +29,22 @@ pub struct Routed {
     pub decision: Decision,
 }
 
-/// Prompt tokens for a checked request.
-fn tokenize(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
-    let _span = tracing::info_span!("tokenize").entered();
+/// Prompt tokens for a checked request: the chat template and the tokenizer, CPU work on bodies of up to 2 MB, run
+/// on the blocking pool (at most as many at once as the machine has cores) so the runtime keeps answering.
+async fn tokenize(state: &Arc<RouterState>, checked: Checked) -> Result<(Checked, Vec<u32>), ApiError> {
+    let _slot = state.tokenize_slots.acquire().await.map_err(|_| ApiError::Unavailable("shutting down".into()))?;
+    let shared = Arc::clone(state);
+    let span = tracing::info_span!("tokenize");
+    tokio::task::spawn_blocking(move || {
+        let _entered = span.entered();
+        let tokens = tokenize_now(&shared, &checked)?;
+        Ok((checked, tokens))
+    })
+    .await
+    .map_err(|e| ApiError::Upstream(format!("tokenizing failed: {e}")))?
+}
+
+fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
     let text = match &checked.input {
         Input::Chat(messages) => state
             .text
@@ -48,8 +61,8 @@ fn tokenize(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError
 
 /// Everything before running: model, tokens, length, route.
 /// `count` says whether the decision is counted in metrics (not for explanations).
-pub fn plan(
-    state: &RouterState,
+pub async fn plan(
+    state: &Arc<RouterState>,
     checked: Checked,
     traceparent: Option<String>,
     count: bool,
@@ -57,7 +70,7 @@ pub fn plan(
     if checked.model != state.served_model {
         return Err(ApiError::UnknownModel(checked.model));
     }
-    let tokens = tokenize(state, &checked)?;
+    let (checked, tokens) = tokenize(state, checked).await?;
     let room = state.max_model_len.saturating_sub(tokens.len());
     let max_tokens = checked.max_tokens.unwrap_or(state.limits.default_max_tokens.min(room as u32));
     if room == 0 || max_tokens as usize > room {

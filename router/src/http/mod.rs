@@ -139,7 +139,7 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
         let checked = check(endpoint, &body)?;
         tracing::Span::current().record("gen_ai.request.model", checked.model.as_str());
         let permit = state.admission.admit(state.limits.request_timeout.saturating_sub(arrived.elapsed())).await?;
-        let routed = plan(&state, checked, traceparent(&headers), true)?;
+        let routed = plan(&state, checked, traceparent(&headers), true).await?;
         tracing::Span::current().record("gen_ai.usage.input_tokens", routed.job.tokens.len());
         Ok::<_, ApiError>((permit, routed))
     }
@@ -185,13 +185,14 @@ async fn metrics(state: Shared) -> Response {
 
 /// The decision for a chat or completion body, without running it.
 async fn debug_route(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) -> Response {
-    let explained = (|| {
+    let explained = async {
         admin(&state, &headers, &peer)?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         let endpoint = if v.get("messages").is_some() { Endpoint::Chat } else { Endpoint::Completion };
-        let routed = plan(&state, check(endpoint, &body)?, None, false)?;
+        let routed = plan(&state, check(endpoint, &body)?, None, false).await?;
         serde_json::to_value(&routed.decision).map_err(|e| ApiError::Upstream(e.to_string()))
-    })();
+    }
+    .await;
     match explained {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
