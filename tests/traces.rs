@@ -155,6 +155,48 @@ async fn one_trace_follows_a_request_across_every_component() {
     let decode = find("decode", 0);
     assert_eq!(hex(&decode.parent_span_id), hex(&generate_server.span_id));
     assert!(attr(decode, "output_tokens").is_some());
+    // The client and server spans of the decode stream last as long as the stream, not just its headers.
+    for s in [generate_client, generate_server] {
+        assert!(
+            s.end_time_unix_nano >= decode.end_time_unix_nano,
+            "{} {} ends before decode: {} < {} (start {} vs {})",
+            s.name,
+            s.kind,
+            s.end_time_unix_nano,
+            decode.end_time_unix_nano,
+            s.start_time_unix_nano,
+            decode.start_time_unix_nano
+        );
+    }
+    assert_eq!(attr(root, "request_id"), reply.json()["id"].as_str().map(str::to_string), "logs can name it");
+    assert_eq!(attr(root, "trace_id").as_deref(), Some(client_trace));
+
+    // A streamed answer records its usage and finish reason on its request span too.
+    let streamed_trace = "1af7651916cd43dd8448eb211c80319d";
+    let tp = format!("00-{streamed_trace}-{client_span}-01");
+    let body = serde_json::json!({"model": "smollm2-135m-instruct", "max_tokens": 3, "stream": true,
+        "messages": [{"role": "user", "content": "Name a river."}]})
+    .to_string();
+    let reply = http(router.addr, "POST", "/v1/chat/completions", &body, &[("traceparent", &tp)]).await;
+    assert!(reply.events().last().is_some_and(|e| e == "[DONE]"), "{}", reply.body);
+    let mut root = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        guard.flush();
+        root = received
+            .0
+            .lock()
+            .expect("lock")
+            .iter()
+            .find(|s| hex(&s.trace_id) == streamed_trace && s.name == "POST /v1/chat/completions")
+            .cloned();
+        if root.is_some() {
+            break;
+        }
+    }
+    let root = root.expect("the streamed request's span");
+    assert_eq!(attr(&root, "gen_ai.usage.output_tokens").as_deref(), Some("3"));
+    assert_eq!(attr(&root, "gen_ai.response.finish_reasons").as_deref(), Some("length"));
 
     stop(router, workers).await;
     drop(guard);

@@ -207,11 +207,22 @@ pub struct PullRequest<'a> {
     pub traceparent: Option<String>,
 }
 
-/// Pulls blocks from owners, keeping one connection per owner for reuse.
+/// Connections a client keeps at most; past it the least recently used goes (owners come and go).
+const MAX_CONNECTIONS: usize = 256;
+
+/// A cached connection and when it was last handed out.
+#[derive(Debug)]
+struct Cached {
+    conn: quinn::Connection,
+    used: std::time::Instant,
+}
+
+/// Pulls blocks from owners, keeping one connection per owner for reuse: closed ones are dropped whenever a new
+/// one is made, and no more than [`MAX_CONNECTIONS`] are kept.
 #[derive(Debug)]
 pub struct QuicClient {
     endpoint: quinn::Endpoint,
-    connections: std::sync::Mutex<HashMap<(SocketAddr, String), quinn::Connection>>,
+    connections: std::sync::Mutex<HashMap<(SocketAddr, String), Cached>>,
 }
 
 impl QuicClient {
@@ -223,10 +234,19 @@ impl QuicClient {
         Ok(QuicClient { endpoint, connections: std::sync::Mutex::new(HashMap::new()) })
     }
 
+    /// Connections kept for reuse now (open or not yet noticed closed).
+    pub fn cached_connections(&self) -> usize {
+        self.connections.lock().map_or(0, |m| m.len())
+    }
+
     /// A live connection to `addr`, reused when one is open.
     async fn connection(&self, addr: SocketAddr, server_name: &str) -> Result<quinn::Connection, TransferError> {
         let key = (addr, server_name.to_string());
-        let cached = self.connections.lock().ok().and_then(|m| m.get(&key).cloned());
+        let cached = self.connections.lock().ok().and_then(|mut m| {
+            let c = m.get_mut(&key)?;
+            c.used = std::time::Instant::now();
+            Some(c.conn.clone())
+        });
         if let Some(conn) = cached.filter(|c| c.close_reason().is_none()) {
             return Ok(conn);
         }
@@ -245,7 +265,13 @@ impl QuicClient {
         .map_err(|e| connect_err(&e))?
         .map_err(|e| connect_err(&e))?;
         if let Ok(mut m) = self.connections.lock() {
-            m.insert(key, conn.clone());
+            m.retain(|_, c| c.conn.close_reason().is_none());
+            if m.len() >= MAX_CONNECTIONS
+                && let Some(oldest) = m.iter().min_by_key(|(_, c)| c.used).map(|(k, _)| k.clone())
+            {
+                m.remove(&oldest);
+            }
+            m.insert(key, Cached { conn: conn.clone(), used: std::time::Instant::now() });
         }
         Ok(conn)
     }

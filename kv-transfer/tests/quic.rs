@@ -247,3 +247,20 @@ fn certificates_round_trip_through_pem_files() {
     assert!(err.expect_err("missing").to_string().contains("missing.pem"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn connections_to_owners_that_went_away_are_not_kept() {
+    let ca = DevCa::generate().expect("ca");
+    let reader = ca.issue("decode-0", &[]).expect("cert");
+    let client = QuicClient::new(&reader, loopback()).expect("client");
+    // Owners come and go: each is pulled from once, then shuts down.
+    for i in 0..5 {
+        let c = cluster(&ca.issue(&format!("prefill-{i}"), &[]).expect("cert"), &reader);
+        let want = descriptors(&c.data);
+        let req = PullRequest { addr: c.server.local_addr().expect("addr"), ..request(&c, &want[..1], 42) };
+        client.pull(req).await.expect("pulls");
+        c.server.close().await;
+    }
+    // Every pull made a new connection and dropped the closed ones: only the last owner's may still be listed.
+    assert!(client.cached_connections() <= 1, "{} connections kept", client.cached_connections());
+}

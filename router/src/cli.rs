@@ -155,6 +155,14 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
     }
 }
 
+/// The scheduler settings a changed config file asks for: `Ok(None)` when it has no `[scheduler]` table (the live
+/// weights, perhaps set through the admin API, stay as they are), `Err` when it cannot be read or is invalid.
+fn scheduler_update(path: &Path) -> Result<Option<SchedulerConfig>, String> {
+    let Some(c) = read_file(path)?.scheduler else { return Ok(None) };
+    c.validate().map_err(|e| e.join("; "))?;
+    Ok(Some(c))
+}
+
 /// Applies the file's `[scheduler]` table whenever the file changes.
 pub async fn watch_scheduler(path: PathBuf, state: Arc<RouterState>) {
     let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
@@ -166,15 +174,13 @@ pub async fn watch_scheduler(path: PathBuf, state: Arc<RouterState>) {
             continue;
         }
         seen = now;
-        match read_file(&path).map(|s| s.scheduler.unwrap_or_default()) {
-            Ok(c) => match c.validate() {
-                Ok(()) => {
-                    tracing::info!(file = %path.display(), "scheduler config reloaded");
-                    state.set_scheduler_config(c);
-                }
-                Err(e) => tracing::warn!(file = %path.display(), problems = %e.join("; "), "scheduler config refused"),
-            },
-            Err(e) => tracing::warn!(error = %e, "scheduler config unreadable"),
+        match scheduler_update(&path) {
+            Ok(Some(c)) => {
+                tracing::info!(file = %path.display(), "scheduler config reloaded");
+                state.set_scheduler_config(c);
+            }
+            Ok(None) => tracing::info!(file = %path.display(), "no [scheduler] table; live weights unchanged"),
+            Err(e) => tracing::warn!(file = %path.display(), error = %e, "scheduler config refused"),
         }
     }
 }
@@ -237,6 +243,17 @@ mod tests {
         assert_eq!(s.workers.map(|w| w.len()), Some(2));
         let sched = s.scheduler.expect("scheduler table");
         assert_eq!((sched.policy, sched.host_weight, sched.disk_weight), (Policy::PowerOfTwo, 0.5, 0.25));
+        let _ = std::fs::remove_file(p);
+    }
+
+    #[test]
+    fn a_file_without_a_scheduler_table_leaves_the_live_weights_alone() {
+        let p = file("listen = \"127.0.0.1:8101\"\nmax_queue = 5\n");
+        assert_eq!(scheduler_update(&p), Ok(None));
+        std::fs::write(&p, "[scheduler]\npolicy = \"random\"\n").expect("writes");
+        assert_eq!(scheduler_update(&p).map(|c| c.map(|c| c.policy)), Ok(Some(Policy::Random)));
+        std::fs::write(&p, "[scheduler]\ndecay = -1\n").expect("writes");
+        assert!(scheduler_update(&p).is_err(), "an invalid table is refused, not applied");
         let _ = std::fs::remove_file(p);
     }
 

@@ -180,6 +180,17 @@ fn release_unused(state: &Arc<RouterState>, handle: Option<pb::KvHandle>) {
     });
 }
 
+/// What a request has produced so far, across decode attempts (a resumption continues from it).
+#[derive(Debug, Default)]
+struct Progress {
+    /// Tokens sent to the client.
+    generated: Vec<u32>,
+    /// Prompt tokens served from cache, as the first worker to report it said.
+    cached: Option<u32>,
+    /// Tokens the current attempt produced.
+    produced: u32,
+}
+
 /// How one decode attempt ended.
 enum Attempt {
     Finished,
@@ -201,16 +212,15 @@ async fn decode_once(
     state: &RouterState,
     job: &Job,
     target: Target,
-    generated: &mut Vec<u32>,
-    cached: &mut Option<u32>,
+    progress: &mut Progress,
     tx: &mpsc::Sender<Result<Piece, ApiError>>,
 ) -> Attempt {
     let Target { worker, handle, overlap } = target;
     let Some(member) = state.cluster.member(worker) else {
         return Attempt::Failed(Status::unavailable("the decode worker left"));
     };
-    let remaining = job.sampling.max_tokens.saturating_sub(generated.len() as u32).max(1);
-    let tokens = [job.tokens.as_slice(), generated.as_slice()].concat();
+    let remaining = job.sampling.max_tokens.saturating_sub(progress.generated.len() as u32).max(1);
+    let tokens = [job.tokens.as_slice(), progress.generated.as_slice()].concat();
     // What it computes itself: nothing much after a pull; the prompt less what it holds otherwise.
     let local_prefill = match (&handle, overlap) {
         (Some(_), _) => 0,
@@ -238,62 +248,68 @@ async fn decode_once(
         worker = %member.name,
         output_tokens = tracing::field::Empty
     );
+    // The client span covers the whole stream, not only the call that opens it.
+    progress.produced = 0;
+    let call = client.generate(with_trace(msg, &span, &job.traceparent));
+    let outcome =
+        tracing::Instrument::instrument(stream_tokens(state, job, worker, call, progress, tx), span.clone()).await;
+    span.record("output_tokens", progress.produced);
+    state.cluster.done(worker, job.seq);
+    outcome
+}
+
+/// Opens the decode stream (`call`) and moves its tokens to the client until it finishes, fails, stalls or the
+/// client leaves.
+async fn stream_tokens(
+    state: &RouterState,
+    job: &Job,
+    worker: WorkerId,
+    call: impl std::future::Future<Output = Result<tonic::Response<tonic::Streaming<pb::GenerateResponse>>, Status>>,
+    progress: &mut Progress,
+    tx: &mpsc::Sender<Result<Piece, ApiError>>,
+) -> Attempt {
     let limits = &state.limits;
-    let call = tokio::time::timeout(limits.prefill_timeout, client.generate(with_trace(msg, &span, &job.traceparent)));
     let opened = tokio::select! {
-        r = tracing::Instrument::instrument(call, span.clone()) => r,
-        _ = tx.closed() => {
-            state.cluster.done(worker, job.seq);
-            return Attempt::ClientGone;
-        }
+        r = tokio::time::timeout(limits.prefill_timeout, call) => r,
+        _ = tx.closed() => return Attempt::ClientGone,
     };
     let mut stream = match opened {
         Ok(Ok(s)) => s.into_inner(),
-        Ok(Err(status)) => {
-            state.cluster.done(worker, job.seq);
-            return Attempt::Failed(status);
-        }
-        Err(_) => {
-            state.cluster.done(worker, job.seq);
-            return Attempt::Failed(Status::deadline_exceeded("the decode worker did not answer"));
-        }
+        Ok(Err(status)) => return Attempt::Failed(status),
+        Err(_) => return Attempt::Failed(Status::deadline_exceeded("the decode worker did not answer")),
     };
-    let mut produced = 0u32;
-    let outcome = loop {
+    loop {
         // Before the first token the worker may be prefilling; after it, a silent stream is a stuck worker.
-        let wait = if produced == 0 { limits.prefill_timeout } else { limits.decode_idle_timeout };
+        let wait = if progress.produced == 0 { limits.prefill_timeout } else { limits.decode_idle_timeout };
         let msg = tokio::select! {
             m = tokio::time::timeout(wait, stream.message()) => match m {
                 Ok(m) => m,
-                Err(_) => break Attempt::Failed(Status::deadline_exceeded(format!("no token for {wait:?}"))),
+                Err(_) => return Attempt::Failed(Status::deadline_exceeded(format!("no token for {wait:?}"))),
             },
-            _ = tx.closed() => break Attempt::ClientGone,
+            _ = tx.closed() => return Attempt::ClientGone,
         };
         match msg {
             Ok(Some(pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(t)) })) => {
-                if produced == 0 {
+                if progress.produced == 0 {
                     state.cluster.first_token(worker, job.seq);
                 }
-                produced += 1;
-                generated.push(t.id);
+                progress.produced += 1;
+                progress.generated.push(t.id);
                 if tx.send(Ok(Piece::Token(t.id))).await.is_err() {
-                    break Attempt::ClientGone;
+                    return Attempt::ClientGone;
                 }
             }
             Ok(Some(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(f)) })) => {
-                let cached_tokens = *cached.get_or_insert(f.cached_tokens);
+                let cached_tokens = *progress.cached.get_or_insert(f.cached_tokens);
                 let reason = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
                 let _ = tx.send(Ok(Piece::Finished { reason, cached_tokens })).await;
-                break Attempt::Finished;
+                return Attempt::Finished;
             }
             Ok(Some(_)) => {}
-            Ok(None) => break Attempt::Failed(Status::unavailable("the decode stream ended without finishing")),
-            Err(status) => break Attempt::Failed(status),
+            Ok(None) => return Attempt::Failed(Status::unavailable("the decode stream ended without finishing")),
+            Err(status) => return Attempt::Failed(status),
         }
-    };
-    span.record("output_tokens", produced);
-    state.cluster.done(worker, job.seq);
-    outcome
+    }
 }
 
 /// The least loaded routable decode worker not in `tried`, or `fallback` when there is none.
@@ -308,8 +324,7 @@ fn next_decoder(state: &RouterState, tried: &[WorkerId], fallback: WorkerId) -> 
 }
 
 async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Sender<Result<Piece, ApiError>>) {
-    let mut generated = Vec::new();
-    let mut cached = None;
+    let mut progress = Progress::default();
     let mut handle = None;
     state.request_started();
     if decision.disaggregate {
@@ -319,8 +334,8 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                     release_unused(&state, p.handle);
                     return;
                 }
-                generated.push(p.first);
-                cached = Some(p.cached_tokens);
+                progress.generated.push(p.first);
+                progress.cached = Some(p.cached_tokens);
                 handle = p.handle;
                 let eos = state.text.tokenizer().is_end_of_generation(p.first) && !job.sampling.ignore_eos;
                 if eos || job.sampling.max_tokens <= 1 {
@@ -357,7 +372,7 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
         }
         let target = Target { worker, handle: handle.take(), overlap };
         let name = state.cluster.member(worker).map_or_else(String::new, |m| m.name);
-        match decode_once(&state, &job, target, &mut generated, &mut cached, &tx).await {
+        match decode_once(&state, &job, target, &mut progress, &tx).await {
             Attempt::Finished => {
                 outcome(&state, worker, &name, Ok(()));
                 return;

@@ -32,6 +32,16 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
     sc.is_valid().then(|| format!("00-{}-{}-{:02x}", sc.trace_id(), sc.span_id(), sc.trace_flags().to_u8()))
 }
 
+/// The trace id a log line should carry for `span`: its own trace's when spans are recorded, else the one the
+/// caller's `traceparent` names (so logs and the client's trace still meet); `None` when there is neither.
+pub fn trace_id(span: &tracing::Span, traceparent: Option<&str>) -> Option<String> {
+    let own = span.context().span().span_context().clone();
+    if own.is_valid() {
+        return Some(own.trace_id().to_string());
+    }
+    traceparent.and_then(parse).map(|cx| cx.trace_id().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

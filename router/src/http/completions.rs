@@ -59,11 +59,26 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
     Ok(tokens)
 }
 
+/// A request's number (load accounting) and id (workers, logs, the response's `id`), given when it arrives.
+#[derive(Clone, Debug)]
+pub struct Ident {
+    pub seq: u64,
+    pub id: String,
+}
+
+impl Ident {
+    pub fn new(state: &RouterState, endpoint: Endpoint) -> Ident {
+        let seq = state.next_request();
+        Ident { seq, id: crate::ids::request_id(endpoint == Endpoint::Chat, state.instance, seq) }
+    }
+}
+
 /// Everything before running: model, tokens, length, route.
 /// `count` says whether the decision is counted in metrics (not for explanations).
 pub async fn plan(
     state: &Arc<RouterState>,
     checked: Checked,
+    ident: Ident,
     traceparent: Option<String>,
     count: bool,
 ) -> Result<Routed, ApiError> {
@@ -81,7 +96,6 @@ pub async fn plan(
         .ok_or_else(|| ApiError::Unavailable("the workers report a block size of 0".into()))?;
     let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
     let hashes = block_hashes(&tokens, bs, namespace.as_ref()).seq;
-    let seq = state.next_request();
     let req = RouteRequest { isl: tokens.len() as u64, block_size: u64::from(block_size) };
     let config = state.scheduler_config();
     let span = tracing::info_span!(
@@ -121,8 +135,8 @@ pub async fn plan(
         ignore_eos: checked.ignore_eos,
     };
     let job = Job {
-        seq,
-        request_id: crate::ids::request_id(checked.endpoint == Endpoint::Chat, state.instance, seq),
+        seq: ident.seq,
+        request_id: ident.id,
         request_blocks: req.request_blocks(),
         hashes,
         block_size: u64::from(block_size),
@@ -384,6 +398,9 @@ async fn pump(
         return 499;
     }
     let finish = finish_reason(reason, text.stopped);
+    tracing::Span::current()
+        .record("gen_ai.usage.output_tokens", text.tokens)
+        .record("gen_ai.response.finish_reasons", finish);
     if !send(chunk(endpoint, id, model, None, Some(finish), false)).await {
         return 499;
     }

@@ -107,12 +107,19 @@ fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::Span {
         otel.name = name,
         otel.kind = "server",
         gen_ai.operation.name = operation,
+        request_id = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
         gen_ai.request.model = tracing::field::Empty,
         gen_ai.usage.input_tokens = tracing::field::Empty,
         gen_ai.usage.output_tokens = tracing::field::Empty,
         gen_ai.response.finish_reasons = tracing::field::Empty,
     );
-    telemetry::trace::set_parent(&span, traceparent(headers).as_deref());
+    let client = traceparent(headers);
+    telemetry::trace::set_parent(&span, client.as_deref());
+    // Every log line of the request carries its trace id (the fmt layer prints the span's fields).
+    if let Some(id) = telemetry::trace::trace_id(&span, client.as_deref()) {
+        span.record("trace_id", id);
+    }
     span
 }
 
@@ -130,6 +137,8 @@ async fn generate(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endp
 
 async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
     let arrived = Instant::now();
+    let ident = completions::Ident::new(&state, endpoint);
+    tracing::Span::current().record("request_id", ident.id.as_str());
     let route = match endpoint {
         Endpoint::Chat => "/v1/chat/completions",
         Endpoint::Completion => "/v1/completions",
@@ -139,7 +148,7 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
         let checked = check(endpoint, &body)?;
         tracing::Span::current().record("gen_ai.request.model", checked.model.as_str());
         let permit = state.admission.admit(state.limits.request_timeout.saturating_sub(arrived.elapsed())).await?;
-        let routed = plan(&state, checked, traceparent(&headers), true).await?;
+        let routed = plan(&state, checked, ident, traceparent(&headers), true).await?;
         tracing::Span::current().record("gen_ai.usage.input_tokens", routed.job.tokens.len());
         Ok::<_, ApiError>((permit, routed))
     }
@@ -189,7 +198,8 @@ async fn debug_route(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes)
         admin(&state, &headers, &peer)?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         let endpoint = if v.get("messages").is_some() { Endpoint::Chat } else { Endpoint::Completion };
-        let routed = plan(&state, check(endpoint, &body)?, None, false).await?;
+        let ident = completions::Ident::new(&state, endpoint);
+        let routed = plan(&state, check(endpoint, &body)?, ident, None, false).await?;
         serde_json::to_value(&routed.decision).map_err(|e| ApiError::Upstream(e.to_string()))
     }
     .await;

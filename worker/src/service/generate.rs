@@ -53,6 +53,9 @@ impl WorkerService {
         let abort = self.aborting.clone();
         let decode =
             tracing::info_span!("decode", output_tokens = tracing::field::Empty, cached_tokens = tracing::field::Empty);
+        // The server span lasts as long as the stream it answers with, not just until the headers go out: a span
+        // ends when it is last left, so the task runs inside it.
+        let server = tracing::Span::current();
         tokio::spawn(
             async move {
                 // The ticket lives as long as this task: the call leaves the in-flight table however it ends.
@@ -97,7 +100,8 @@ impl WorkerService {
                     }
                 }
             }
-            .instrument(decode),
+            .instrument(decode)
+            .instrument(server),
         );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
