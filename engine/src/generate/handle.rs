@@ -299,10 +299,8 @@ impl Loop {
                 continue;
             }
             self.cancel_abandoned();
-            self.publish();
             self.gate.wait_open();
             self.step();
-            self.retire_finished();
         }
     }
 
@@ -400,9 +398,10 @@ impl Loop {
     }
 
     fn step(&mut self) {
-        let mut tokens: Vec<(usize, SeqEvent)> = Vec::new();
+        let mut outbox: Vec<(mpsc::Sender<SeqEvent>, SeqEvent)> = Vec::new();
+        let live = &self.live;
         let result = self.engine.step(&mut self.seqs, &mut |Event::Token { seq, token, text }| {
-            tokens.push((seq, SeqEvent::Token { token, text: text.to_string() }));
+            outbox.push((live[seq].out.clone(), SeqEvent::Token { token, text: text.to_string() }));
         });
         // A failure of one sequence ends that sequence only (the step marks it); these end every active one.
         let failure = match result {
@@ -415,17 +414,30 @@ impl Loop {
                 self.engine.fail(s, failure.clone());
             }
         }
-        // The state is published before the step's tokens go out: a reader that has seen a token sees a state
-        // that includes the step which made it.
+        // Sequences that ended give their blocks back before the state is published, and the state is published
+        // before the step's messages go out: a reader that has seen a token, or a sequence's end, sees a state that
+        // includes the step which made it (and no blocks of a finished sequence still counted as in use).
+        self.retire_into(&mut outbox);
         self.publish();
-        for (seq, ev) in tokens {
+        for (out, ev) in outbox {
             // Capacity covers every message of the sequence, so this only fails when the reader is gone.
-            let _ = self.live[seq].out.try_send(ev);
+            let _ = out.try_send(ev);
         }
     }
 
     /// Finished sequences give back their blocks, send their last message and leave.
     fn retire_finished(&mut self) {
+        let mut outbox = Vec::new();
+        self.retire_into(&mut outbox);
+        self.publish();
+        for (out, ev) in outbox {
+            let _ = out.try_send(ev);
+        }
+    }
+
+    /// Retires finished sequences: their blocks go back and their last messages (the export, then the end) are
+    /// queued on `outbox` for the caller to send.
+    fn retire_into(&mut self, outbox: &mut Vec<(mpsc::Sender<SeqEvent>, SeqEvent)>) {
         let mut i = 0;
         while i < self.seqs.len() {
             if self.seqs[i].active() {
@@ -435,7 +447,7 @@ impl Loop {
             let mut s = self.seqs.swap_remove(i);
             let l = self.live.swap_remove(i);
             if l.export && s.failure.is_none() && s.finish != Some(FinishReason::Cancelled) {
-                let _ = l.out.try_send(SeqEvent::Exported(self.engine.export(&s)));
+                outbox.push((l.out.clone(), SeqEvent::Exported(self.engine.export(&s))));
             }
             let released = self.engine.release_blocks(&mut s);
             let last = match (released, s.failure.take()) {
@@ -444,7 +456,7 @@ impl Loop {
                 (Ok(()), None) => SeqEvent::Finished(s.completion(l.start)),
                 (Err(e), None) => SeqEvent::Failed(e.to_string()),
             };
-            let _ = l.out.try_send(last);
+            outbox.push((l.out, last));
         }
     }
 }
