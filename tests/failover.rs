@@ -276,3 +276,20 @@ async fn failovers_stop_when_the_retry_budget_is_spent() {
     router.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_out_of_lease_room_costs_no_request() {
+    let ca = DevCa::generate().expect("ca");
+    // The prefill worker may lease no KV at all: every prefill there is refused with RESOURCE_EXHAUSTED.
+    let full = |w: worker::WorkerConfig| {
+        if w.role == Role::Prefill { worker::WorkerConfig { max_leased_bytes: 0, ..w } } else { w }
+    };
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], full, |r| r).await;
+    let r = http(router.addr, "POST", "/v1/completions", &completion("The sea is", 4, false), &[]).await;
+    assert_eq!(r.status, 200, "the decode worker prefilled it instead: {}", r.body);
+    assert_eq!(workers[0].stats().counters.prefill_tokens, 0, "the prefill worker computed nothing");
+    let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_local_prefill_fallbacks_total 1\n"), "{m}");
+    assert!(m.contains("tandem_router_workers_ejected 0\n"), "a full lease table is load, not sickness: {m}");
+    stop(router, workers).await;
+}

@@ -322,7 +322,13 @@ async fn serve_metrics(
         axum::routing::get(move || {
             let service = Arc::clone(&service);
             async move {
-                let text = metrics::render(&service.engine.stats(), &service.metrics, service.leases.len());
+                let held = metrics::Held {
+                    leases: service.leases.len(),
+                    leased_bytes: service.leases.bytes(),
+                    leased_bytes_cap: service.leases.cap(),
+                    calls: service.in_flight.len(),
+                };
+                let text = metrics::render(&service.engine.stats(), &service.metrics, held);
                 ([("content-type", "text/plain; version=0.0.4")], text)
             }
         }),

@@ -80,8 +80,18 @@ fn per_tier(values: impl Fn(Tier) -> f64, skip_device: bool) -> Vec<(String, f64
         .collect()
 }
 
+/// What the worker holds beside the engine, at the moment of rendering.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub leases: usize,
+    pub leased_bytes: u64,
+    pub leased_bytes_cap: u64,
+    /// `Prefill` and `Generate` calls in flight.
+    pub calls: usize,
+}
+
 /// The Prometheus text exposition of the worker's state.
-pub fn render(stats: &EngineStats, worker: &WorkerMetrics, live_leases: usize) -> String {
+pub fn render(stats: &EngineStats, worker: &WorkerMetrics, held: Held) -> String {
     let c = &stats.counters;
     let mut e = Exposition::new();
     e.gauge(
@@ -168,7 +178,14 @@ pub fn render(stats: &EngineStats, worker: &WorkerMetrics, live_leases: usize) -
         "Spans dropped because the trace export queue was full.",
         &one(telemetry::dropped_spans() as f64),
     );
-    e.gauge("tandem_kv_leases", "Prefilled prompts whose KV is held for a decode worker.", &one(live_leases as f64));
+    e.gauge("tandem_kv_leases", "Prefilled prompts whose KV is held for a decode worker.", &one(held.leases as f64));
+    e.gauge(
+        "tandem_kv_leased_bytes",
+        "Bytes of KV held under leases (heap and shared memory).",
+        &one(held.leased_bytes as f64),
+    );
+    e.gauge("tandem_kv_leased_bytes_limit", "The cap on leased KV bytes.", &one(held.leased_bytes_cap as f64));
+    e.gauge("tandem_worker_calls_in_flight", "Prefill and Generate calls in flight.", &one(held.calls as f64));
     e.finish()
 }
 
@@ -184,7 +201,8 @@ mod tests {
         let worker = WorkerMetrics::default();
         worker.pulled(Transport::Quic, 4, 4096, Duration::from_millis(2));
         worker.time_to_first_token.observe(Duration::from_millis(30));
-        let text = render(&stats, &worker, 1);
+        let text = render(&stats, &worker, Held { leases: 1, leased_bytes: 100, leased_bytes_cap: 1000, calls: 2 });
+        assert!(text.contains("tandem_kv_leased_bytes 100\n") && text.contains("tandem_worker_calls_in_flight 2\n"));
         assert!(text.contains("tandem_worker_running_sequences 2\n"));
         assert!(text.contains("tandem_prefix_cache_hit_tokens_total{tier=\"host\"} 16\n"));
         assert!(text.contains("tandem_kv_blocks{tier=\"device\",state=\"used\"} 5\n"));
