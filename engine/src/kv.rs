@@ -66,11 +66,16 @@ pub struct KvStore {
 }
 
 impl KvStore {
-    /// Zeroed storage for `capacity` blocks (the memory is committed lazily by the OS).
+    /// Zeroed storage for `capacity` blocks, committed now: every page is written once here (as vLLM claims its
+    /// KV cache at start), so a machine without the memory fails at start-up rather than mid-run, and the worker's
+    /// resident memory does not creep up as blocks are first used (which would hide a real leak).
     pub fn new(layout: KvLayout, capacity: usize) -> KvStore {
         use half::vec::HalfBitsVecExt;
-        let data = vec![0u16; layout.block_elems() * capacity].reinterpret_into();
-        KvStore { layout, data }
+        let len = layout.block_elems() * capacity;
+        // `vec![0; n]` would be a lazily mapped zeroed allocation; filling an uninitialised one writes every page.
+        let mut bits: Vec<u16> = Vec::with_capacity(len);
+        bits.resize(len, 0);
+        KvStore { layout, data: bits.reinterpret_into() }
     }
 
     pub fn layout(&self) -> &KvLayout {
