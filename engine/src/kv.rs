@@ -69,10 +69,12 @@ impl KvStore {
     /// Zeroed storage for `capacity` blocks, committed now: every page is written once here (as vLLM claims its
     /// KV cache at start), so a machine without the memory fails at start-up rather than mid-run, and the worker's
     /// resident memory does not creep up as blocks are first used (which would hide a real leak).
+    #[allow(clippy::slow_vector_initialization)]
     pub fn new(layout: KvLayout, capacity: usize) -> KvStore {
         use half::vec::HalfBitsVecExt;
         let len = layout.block_elems() * capacity;
-        // `vec![0; n]` would be a lazily mapped zeroed allocation; filling an uninitialised one writes every page.
+        // `vec![0; n]` would be a lazily mapped zeroed allocation; filling an uninitialised one writes every page,
+        // which is the point here.
         let mut bits: Vec<u16> = Vec::with_capacity(len);
         bits.resize(len, 0);
         KvStore { layout, data: bits.reinterpret_into() }
