@@ -258,6 +258,9 @@ impl Cluster {
                     }
                     tracing::warn!(worker = %addr, "worker streams ended; dropping its blocks from the index");
                     self.leave(id);
+                    // Losing a worker's streams counts against it like a failed request: one that keeps rejoining
+                    // and going silent is ejected for a growing time instead of flapping in and out.
+                    let _ = self.outcome(id, Err(tonic::Code::Unavailable));
                     silent_since = Instant::now();
                 }
                 Err(e) => {
