@@ -58,6 +58,26 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The spans of trace `trace` received so far, once `complete` says they are all there (flushing the exporter
+/// every 100 ms, for up to 5 s).
+async fn spans_of(
+    guard: &telemetry::Guard,
+    received: &Receiver,
+    trace: &str,
+    complete: impl Fn(&[Span]) -> bool,
+) -> Vec<Span> {
+    let mut spans = Vec::new();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        guard.flush();
+        spans = received.0.lock().expect("lock").iter().filter(|s| hex(&s.trace_id) == trace).cloned().collect();
+        if complete(&spans) {
+            break;
+        }
+    }
+    spans
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_follows_a_request_across_every_component() {
     let (otlp, received) = receiver().await;
@@ -89,24 +109,11 @@ async fn one_trace_follows_a_request_across_every_component() {
         "kv_transfer.serve",
         "decode",
     ];
-    let mut spans = Vec::new();
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        guard.flush();
-        spans = received
-            .0
-            .lock()
-            .expect("lock")
-            .iter()
-            .filter(|s| hex(&s.trace_id) == client_trace)
-            .cloned()
-            .collect::<Vec<_>>();
-        if wanted.iter().all(|w| spans.iter().any(|s| s.name == *w))
+    let spans = spans_of(&guard, &received, client_trace, |spans| {
+        wanted.iter().all(|w| spans.iter().any(|s| s.name == *w))
             && spans.iter().filter(|s| s.name == "generate").count() == 2
-        {
-            break;
-        }
-    }
+    })
+    .await;
     let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
     let by_id: HashMap<String, &Span> = spans.iter().map(|s| (hex(&s.span_id), s)).collect();
     let parent_name = |s: &Span| by_id.get(&hex(&s.parent_span_id)).map(|p| p.name.clone());
@@ -179,21 +186,9 @@ async fn one_trace_follows_a_request_across_every_component() {
     .to_string();
     let reply = http(router.addr, "POST", "/v1/chat/completions", &body, &[("traceparent", &tp)]).await;
     assert!(reply.events().last().is_some_and(|e| e == "[DONE]"), "{}", reply.body);
-    let mut root = None;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        guard.flush();
-        root = received
-            .0
-            .lock()
-            .expect("lock")
-            .iter()
-            .find(|s| hex(&s.trace_id) == streamed_trace && s.name == "POST /v1/chat/completions")
-            .cloned();
-        if root.is_some() {
-            break;
-        }
-    }
+    let is_root = |s: &Span| s.name == "POST /v1/chat/completions";
+    let spans = spans_of(&guard, &received, streamed_trace, |spans| spans.iter().any(is_root)).await;
+    let root = spans.into_iter().find(is_root);
     let root = root.expect("the streamed request's span");
     assert_eq!(attr(&root, "gen_ai.usage.output_tokens").as_deref(), Some("3"));
     assert_eq!(attr(&root, "gen_ai.response.finish_reasons").as_deref(), Some("length"));
