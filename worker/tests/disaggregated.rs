@@ -404,3 +404,29 @@ async fn pulled_blocks_survive_while_their_request_waits_for_a_place() {
     drop((pc, dc));
     stop(p, d).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_shared_memory_domain_pulls_over_quic() {
+    // Two workers with their own shared-memory directories, as two containers with their own /dev/shm: the
+    // prefill worker's region file exists, but the decode worker is not in its domain and must not use it.
+    let base = std::env::temp_dir().join(format!("tandem-shm-domains-{}", std::process::id()));
+    let (dir_p, dir_d) = (base.join("p"), base.join("d"));
+    std::fs::create_dir_all(&dir_p).expect("dir");
+    std::fs::create_dir_all(&dir_d).expect("dir");
+    let ca = DevCa::generate().expect("ca");
+    let p = start(&ca, Role::Prefill, "prefill-0", Some(dir_p.clone())).await;
+    let d = start(&ca, Role::Decode, "decode-0", Some(dir_d.clone())).await;
+    let router = ca.issue("router", &[]).expect("cert");
+    let mut pc = worker::grpc_tls::connect(p.grpc, &router).await.expect("connects to P");
+    let mut dc = worker::grpc_tls::connect(d.grpc, &router).await.expect("connects to D");
+    let prompt: Vec<u32> = (0..70).map(|i| 700 + i * 13).collect();
+    let pre = prefill(&mut pc, "x", &prompt, 3).await;
+    let handle = pre.handle.expect("handle");
+    let region = handle.shm_region.clone().expect("P made a region in its own directory");
+    assert!(std::path::Path::new(&region).exists(), "readable from here, all the same");
+    generate(&mut dc, [prompt, vec![pre.first_token]].concat(), Some(handle), 2).await.expect("generate");
+    assert_eq!((d.pulled_blocks(), d.shm_blocks()), (4, 0), "every block came over QUIC");
+    drop((pc, dc));
+    stop(p, d).await;
+    let _ = std::fs::remove_dir_all(&base);
+}
