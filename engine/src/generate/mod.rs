@@ -38,7 +38,7 @@ pub const DEFAULT_BLOCK_TOKENS: usize = 16;
 /// Tokens computed per step across all sequences: vLLM's CPU default for `max_num_batched_tokens`.
 pub const DEFAULT_MAX_BATCHED_TOKENS: usize = 2048;
 /// Device KV blocks when nothing else is said: one full 8k context of SmolLM2 plus room for a few short
-/// sequences (the memory is only committed as blocks are written).
+/// sequences (377 MB for SmolLM2, claimed when the engine starts: see `KvStore::new`).
 pub const DEFAULT_KV_BLOCKS: usize = 1024;
 /// Sequences running at once: enough to keep a CPU busy; more only adds attention work per step.
 pub const DEFAULT_MAX_NUM_SEQS: usize = 64;
