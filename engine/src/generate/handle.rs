@@ -16,7 +16,7 @@ use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{PrefixMatch, TierUsage};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::sequence::Seq;
+use super::sequence::{Failure, Seq};
 use super::{Completion, Counters, Engine, EngineError, Event, ExportedKv, FinishReason, Request};
 
 /// Commands waiting for the engine thread; a full queue makes submitters wait (backpressure).
@@ -66,9 +66,7 @@ pub enum SubmitError {
 impl SubmitError {
     fn from_engine(e: EngineError) -> SubmitError {
         match e {
-            e @ (EngineError::OutOfKvCapacity { .. } | EngineError::Pool(kv_cache::pool::PoolError::OutOfBlocks)) => {
-                SubmitError::Exhausted(e)
-            }
+            e @ EngineError::OutOfKvCapacity { .. } => SubmitError::Exhausted(e),
             e => SubmitError::Invalid(e),
         }
     }
@@ -390,8 +388,7 @@ impl Loop {
             if s.active() && l.out.is_closed() {
                 s.finish = Some(FinishReason::Cancelled);
             } else if s.active() && s.deadline.is_some_and(|d| now >= d) {
-                self.engine.fail(s, "the request's deadline passed".into());
-                s.expired = true;
+                self.engine.expire(s);
             }
         }
         self.retire_finished();
@@ -451,8 +448,8 @@ impl Loop {
             }
             let released = self.engine.release_blocks(&mut s);
             let last = match (released, s.failure.take()) {
-                (_, Some(_)) if s.expired => SeqEvent::Expired,
-                (_, Some(why)) => SeqEvent::Failed(why),
+                (_, Some(Failure::Expired)) => SeqEvent::Expired,
+                (_, Some(Failure::Error(why))) => SeqEvent::Failed(why),
                 (Ok(()), None) => SeqEvent::Finished(s.completion(l.start)),
                 (Err(e), None) => SeqEvent::Failed(e.to_string()),
             };

@@ -95,34 +95,31 @@ impl Engine {
                 )));
             }
         }
-        // Blocks stored here stay referenced (not evictable) until the prefix is held below.
+        // Blocks stored here stay referenced (not evictable) until the prefix is held; then their own reference goes.
         let mut stored: Vec<u32> = Vec::new();
-        let result = self.store_blocks(&hashes, blocks, &mut stored);
-        let held = match &result {
-            Ok(()) => {
-                // Only whole blocks before the last token are ever reused (one token is always computed).
-                let reusable = (tokens.len().saturating_sub(1)) / bt;
-                let acquired = self.pool.acquire(&hashes.seq[..reusable.min(full)]);
-                match self.execute(&acquired.actions) {
-                    Ok(()) => acquired.slots,
-                    Err(e) => {
-                        for &slot in &acquired.slots {
-                            let _ = self.pool.release(slot);
-                        }
-                        for &slot in &stored {
-                            let _ = self.pool.release(slot);
-                        }
-                        return Err(e);
-                    }
-                }
-            }
-            Err(_) => Vec::new(),
-        };
+        let held = self.store_blocks(&hashes, blocks, &mut stored).and_then(|()| {
+            // Only whole blocks before the last token are ever reused (one token is always computed).
+            let reusable = (tokens.len().saturating_sub(1)) / bt;
+            self.hold(&hashes.seq[..reusable.min(full)])
+        });
         for &slot in &stored {
             self.pool.release(slot).map_err(EngineError::Pool)?;
         }
         self.counters.imported_blocks += stored.len() as u64;
-        result.map(|()| held.into_iter().map(BlockId).collect())
+        held
+    }
+
+    /// References the device blocks of the cached prefix `seq` (onboarding host and disk ones), for a sequence that
+    /// has not started yet; all or nothing.
+    fn hold(&mut self, seq: &[SeqHash]) -> Result<Vec<BlockId>, EngineError> {
+        let acquired = self.pool.acquire(seq);
+        if let Err(e) = self.execute(&acquired.actions) {
+            for &slot in &acquired.slots {
+                let _ = self.pool.release(slot);
+            }
+            return Err(e);
+        }
+        Ok(acquired.slots.into_iter().map(BlockId).collect())
     }
 
     /// Writes each block the pool does not hold yet into a fresh device block and registers it; the slots stay

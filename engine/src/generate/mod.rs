@@ -357,7 +357,6 @@ impl Engine {
             ignore_eos: r.sampling.ignore_eos(),
             keep_blocks: false,
             deadline: r.deadline,
-            expired: false,
             pinned: Vec::new(),
             cached_hint: 0,
             failure: None,
@@ -385,8 +384,8 @@ impl Engine {
             if !self.step(seqs, on_event)? {
                 return Err(self.out_of_capacity());
             }
-            if let Some(why) = seqs.iter().find_map(|s| s.failure.clone()) {
-                return Err(EngineError::Sequence(why));
+            if let Some(why) = seqs.iter().find_map(|s| s.failure.as_ref()) {
+                return Err(EngineError::Sequence(why.to_string()));
             }
         }
         Ok(())

@@ -6,6 +6,7 @@ use std::time::Instant;
 use kv_cache::CacheNamespace;
 
 use super::{Completion, Event, FinishReason, TextStream};
+use crate::forward::SeqChunk;
 use crate::kv::BlockId;
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
@@ -42,19 +43,46 @@ pub(super) struct Seq {
     pub pinned: Vec<BlockId>,
     /// Prompt tokens found cached when the sequence arrived: an estimate of what it will not compute.
     pub cached_hint: usize,
-    /// Why the engine failed this sequence alone (it then also has a `finish`).
-    pub failure: Option<String>,
+    /// Why the engine ended this sequence alone (it then also has a `finish`).
+    pub failure: Option<Failure>,
     /// When nobody waits for the answer any more.
     pub deadline: Option<Instant>,
-    /// It was dropped because its deadline passed.
-    pub expired: bool,
     pub ignore_eos: bool,
     pub finish: Option<FinishReason>,
     pub first_token: Option<Instant>,
     pub last_token: Option<Instant>,
 }
 
+/// Why the engine ended one sequence on its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Failure {
+    /// Something went wrong with this sequence (what).
+    Error(String),
+    /// Its deadline passed.
+    Expired,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Error(why) => f.write_str(why),
+            Failure::Expired => f.write_str("the request's deadline passed"),
+        }
+    }
+}
+
 impl Seq {
+    /// Its share of the next forward step: the `n` tokens after the computed ones.
+    pub fn chunk(&self, n: usize) -> SeqChunk<'_> {
+        let end = self.computed + n;
+        SeqChunk {
+            tokens: &self.tokens[self.computed..end],
+            start: self.computed,
+            blocks: &self.blocks,
+            logits: end == self.tokens.len(),
+        }
+    }
+
     /// Tokens still to compute before the next token can be sampled.
     pub fn remaining(&self) -> usize {
         self.tokens.len() - self.computed

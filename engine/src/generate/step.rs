@@ -10,7 +10,7 @@ use kv_cache::events::{BlockMeta, Tier};
 use kv_cache::pool::{Action, PoolError};
 use kv_cache::{BlockSize, block_hashes};
 
-use super::sequence::Seq;
+use super::sequence::{Failure, Seq};
 use super::{Engine, EngineError, Event};
 use crate::forward::SeqChunk;
 use crate::kv::BlockId;
@@ -57,9 +57,18 @@ impl Engine {
 
     /// Ends `s` alone: its blocks go back (cached ones stay cached) and its reader is told `why`.
     pub(super) fn fail(&mut self, s: &mut Seq, why: String) {
+        self.end_alone(s, Failure::Error(why));
+    }
+
+    /// Ends `s` alone because its deadline passed.
+    pub(super) fn expire(&mut self, s: &mut Seq) {
+        self.end_alone(s, Failure::Expired);
+    }
+
+    fn end_alone(&mut self, s: &mut Seq, failure: Failure) {
         let _ = self.release_blocks(s);
         s.running = false;
-        s.failure = Some(why);
+        s.failure = Some(failure);
         s.finish = Some(super::FinishReason::Cancelled);
     }
 
@@ -161,15 +170,14 @@ impl Engine {
                             .max_by_key(|(_, s)| s.admitted_at)
                             .map(|(v, _)| v);
                         let alone = seqs.iter().filter(|s| s.running && s.active()).count() == 1;
-                        if victim.is_none() || (victim == Some(i) && alone) {
+                        let Some(v) = victim.filter(|&v| !(v == i && alone)) else {
                             // It cannot get a block even with nothing else running: it can never run here.
                             let why = self.out_of_capacity().to_string();
                             self.fail(&mut seqs[i], why);
                             plan.remove(k);
                             preempted_self = true;
                             break;
-                        }
-                        let Some(v) = victim else { break };
+                        };
                         self.preempt(&mut seqs[v])?;
                         if let Some(pos) = plan.iter().position(|&(p, _)| p == v) {
                             plan.remove(pos);
@@ -193,15 +201,7 @@ impl Engine {
         let mut k = 0;
         while k < plan.len() {
             let (i, n) = plan[k];
-            let s = &seqs[i];
-            let end = s.computed + n;
-            let chunk = SeqChunk {
-                tokens: &s.tokens[s.computed..end],
-                start: s.computed,
-                blocks: &s.blocks,
-                logits: end == s.tokens.len(),
-            };
-            match self.model.check_chunk(&self.stores.device, &chunk) {
+            match self.model.check_chunk(&self.stores.device, &seqs[i].chunk(n)) {
                 Ok(()) => k += 1,
                 Err(e) => {
                     self.fail(&mut seqs[i], e.to_string());
@@ -212,19 +212,7 @@ impl Engine {
         if plan.is_empty() {
             return Ok(false);
         }
-        let chunks: Vec<SeqChunk<'_>> = plan
-            .iter()
-            .map(|&(i, n)| {
-                let s = &seqs[i];
-                let end = s.computed + n;
-                SeqChunk {
-                    tokens: &s.tokens[s.computed..end],
-                    start: s.computed,
-                    blocks: &s.blocks,
-                    logits: end == s.tokens.len(),
-                }
-            })
-            .collect();
+        let chunks: Vec<SeqChunk<'_>> = plan.iter().map(|&(i, n)| seqs[i].chunk(n)).collect();
         let (model, kv) = (&self.model, &mut self.stores.device);
         let started = std::time::Instant::now();
         let logits = self.pool_threads.install(|| model.forward(kv, &chunks));
