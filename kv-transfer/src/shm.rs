@@ -70,10 +70,6 @@ impl ShmDir {
         self.swept
     }
 
-    pub fn path(&self) -> &Path {
-        &self.dir
-    }
-
     /// Writes `blocks` back to back into a new owner-only file; the i-th block is at offset `i * len` for
     /// equal-length blocks (the offsets are returned). Refused, with nothing written, when the filesystem lacks
     /// the room; on any error the file is gone.

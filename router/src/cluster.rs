@@ -416,7 +416,7 @@ impl Cluster {
                 transfer_bytes_total: r.transfer_bytes_total,
                 transfer_nanos_total: r.transfer_nanos_total,
             };
-            self.lock().load.report(id, report, Instant::now());
+            self.lock().load.report(id, report);
         }
     }
 

@@ -4,11 +4,10 @@
 //! (its uncached prefill tokens, its blocks). Reconciliation is by what a report covers, never by the clock, so
 //! no interleaving of sends, reports and completions makes the router see less work than the worker has (a
 //! property test below). Also kept per worker: the blocks of its in-flight requests (so a new request's blocks
-//! already active there are not counted twice) and its measured prefill and transfer speeds. Pure: `now` is an
-//! input.
+//! already active there are not counted twice) and its measured prefill and transfer speeds. Pure: no clock, no
+//! I/O.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
 
 use kv_cache::SeqHash;
 
@@ -97,7 +96,7 @@ impl LoadTracker {
     }
 
     /// A report from `worker`; it replaces the previous one.
-    pub fn report(&mut self, worker: WorkerId, report: Report, _now: Instant) {
+    pub fn report(&mut self, worker: WorkerId, report: Report) {
         let t = self.workers.entry(worker).or_default();
         t.learn(&report);
         t.report = report;
@@ -212,27 +211,26 @@ mod tests {
 
     #[test]
     fn reports_cover_what_they_name_and_the_rest_is_added() {
-        let t0 = Instant::now();
         let w = WorkerId(0);
         let mut l = LoadTracker::new();
         assert_eq!(l.load(w, 100).capacity_blocks, 100);
         l.sent(w, 1, "a", 300, 20, &[]);
         assert_eq!(l.load(w, 100).active_prefill_tokens, 300, "counted at once, before any report");
         // A report that names it includes it: not counted twice.
-        l.report(w, report(1, 300, 20, &["a"]), t0);
+        l.report(w, report(1, 300, 20, &["a"]));
         let now = l.load(w, 100);
         assert_eq!((now.active_prefill_tokens, now.active_blocks, now.capacity_blocks), (300, 20, 128));
         // A request sent after that report (or sent before it but not yet arrived) is added on top, whatever the
         // clock says.
         l.sent(w, 2, "b", 100, 7, &[]);
-        l.report(w, report(1, 250, 20, &["a"]), t0);
+        l.report(w, report(1, 250, 20, &["a"]));
         assert_eq!((l.load(w, 100).active_prefill_tokens, l.load(w, 100).active_requests), (350, 2));
         // Its first token came back: no more prefill work of its own, the blocks stay.
         l.first_token(w, 2);
         assert_eq!((l.load(w, 100).active_prefill_tokens, l.load(w, 100).active_blocks), (250, 27));
         l.done(w, 2);
         l.done(w, 1);
-        l.report(w, report(0, 0, 0, &[]), t0);
+        l.report(w, report(0, 0, 0, &[]));
         assert_eq!(l.load(w, 100), Load { capacity_blocks: 128, ..Load::default() });
     }
 
@@ -252,7 +250,7 @@ mod tests {
 
     #[test]
     fn speeds_are_learned_from_the_totals() {
-        let (w, t0) = (WorkerId(0), Instant::now());
+        let w = WorkerId(0);
         let mut l = LoadTracker::new();
         assert_eq!(l.speed(w), Speed::default());
         let totals = |tokens, tnanos, bytes, bnanos| Report {
@@ -262,13 +260,13 @@ mod tests {
             transfer_nanos_total: bnanos,
             ..Report::default()
         };
-        l.report(w, totals(0, 0, 0, 0), t0);
+        l.report(w, totals(0, 0, 0, 0));
         // 200 tokens in 1 s; 350 MB in 1 s.
-        l.report(w, totals(200, 1_000_000_000, 350_000_000, 1_000_000_000), t0);
+        l.report(w, totals(200, 1_000_000_000, 350_000_000, 1_000_000_000));
         assert_eq!(l.speed(w).prefill_tokens_per_sec, Some(200.0));
         assert_eq!(l.speed(w).transfer_bytes_per_sec, Some(350e6));
         // 400 tokens in the next second: the average moves by its weight; nothing new moved: no change.
-        l.report(w, totals(600, 2_000_000_000, 350_000_000, 1_000_000_000), t0);
+        l.report(w, totals(600, 2_000_000_000, 350_000_000, 1_000_000_000));
         assert_eq!(l.speed(w).prefill_tokens_per_sec, Some(200.0 + SPEED_WEIGHT * 200.0));
         assert_eq!(l.speed(w).transfer_bytes_per_sec, Some(350e6));
     }
@@ -316,7 +314,6 @@ mod tests {
         fn reconciliation_never_under_counts(ops in proptest::collection::vec(op(), 1..120)) {
             let w = WorkerId(0);
             let mut l = LoadTracker::new();
-            let now = Instant::now();
             let mut next = 0u64;
             // On their way: (seq, tokens). At the worker: (seq, tokens left). Finished, not yet heard of.
             let mut travelling: VecDeque<(u64, u64)> = VecDeque::new();
@@ -349,7 +346,7 @@ mod tests {
                     }),
                     Op::Deliver => {
                         if let Some(r) = reports.pop_front() {
-                            l.report(w, r, now);
+                            l.report(w, r);
                         }
                     }
                     Op::Ended(i) if !finished.is_empty() => l.done(w, finished.remove(i % finished.len())),

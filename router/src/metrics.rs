@@ -131,7 +131,7 @@ pub fn render(state: &RouterState) -> String {
     e.gauge(
         "tandem_router_requests_in_flight",
         "Requests holding an in-flight slot.",
-        &one(state.admission.in_flight(state.limits.max_in_flight) as f64),
+        &one(state.admission.in_flight() as f64),
     );
     e.gauge(
         "tandem_router_queue_depth",

@@ -35,6 +35,14 @@ pub struct Job {
     pub deadline_unix_ms: u64,
 }
 
+impl Job {
+    /// Tokens of a `len`-token prompt a worker still computes when it holds `blocks` of its leading blocks on some
+    /// tier (onboarding from host or disk is cheap next to computing).
+    fn uncached(&self, len: usize, blocks: usize) -> u64 {
+        (len as u64).saturating_sub(blocks as u64 * self.block_size)
+    }
+}
+
 /// What the client's side of a job receives.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Piece {
@@ -114,9 +122,7 @@ async fn prefill(
             cache_namespace: job.namespace.clone(),
             deadline_unix_ms: Some(job.deadline_unix_ms),
         };
-        // What it has to compute: the prompt less what it holds on any tier (onboarding is cheap).
-        let cached = (cand.device_blocks + cand.host_blocks + cand.disk_blocks) as u64 * job.block_size;
-        let uncached = (job.tokens.len() as u64).saturating_sub(cached);
+        let uncached = job.uncached(job.tokens.len(), cand.device_blocks + cand.host_blocks + cand.disk_blocks);
         state.cluster.sent(cand.id, job.seq, &job.request_id, uncached, job.request_blocks, &job.hashes);
         let span = tracing::info_span!(
             "prefill",
@@ -228,8 +234,7 @@ async fn decode_once(
             if let Some(o) = overlap {
                 state.metrics.prefilled_with_overlap(o);
             }
-            let held = overlap.map_or(0, |[d, h, k]| (d + h + k) as u64) * job.block_size;
-            (tokens.len() as u64).saturating_sub(held)
+            job.uncached(tokens.len(), overlap.map_or(0, |[d, h, k]| d + h + k))
         }
     };
     let msg = pb::GenerateRequest {

@@ -40,6 +40,7 @@ pub struct Limits {
 #[derive(Debug)]
 pub struct Admission {
     slots: Arc<Semaphore>,
+    max_in_flight: usize,
     queued: AtomicUsize,
     max_queue: usize,
 }
@@ -59,7 +60,13 @@ impl Drop for Queued<'_> {
 
 impl Admission {
     pub fn new(max_in_flight: usize, max_queue: usize) -> Admission {
-        Admission { slots: Arc::new(Semaphore::new(max_in_flight.max(1))), queued: AtomicUsize::new(0), max_queue }
+        let max_in_flight = max_in_flight.max(1);
+        Admission {
+            slots: Arc::new(Semaphore::new(max_in_flight)),
+            max_in_flight,
+            queued: AtomicUsize::new(0),
+            max_queue,
+        }
     }
 
     /// A slot, waiting in the queue for one for at most `wait` (the request's deadline): `Overloaded` when the
@@ -86,8 +93,8 @@ impl Admission {
     }
 
     /// Requests holding a slot.
-    pub fn in_flight(&self, max_in_flight: usize) -> usize {
-        max_in_flight.max(1).saturating_sub(self.slots.available_permits())
+    pub fn in_flight(&self) -> usize {
+        self.max_in_flight.saturating_sub(self.slots.available_permits())
     }
 }
 
@@ -116,9 +123,9 @@ mod tests {
         assert_eq!(a.queued(), 1);
         // The queue wait counts against the deadline.
         assert!(matches!(second.await, Err(ApiError::Deadline(_))));
-        assert_eq!((a.queued(), a.in_flight(1)), (0, 1));
+        assert_eq!((a.queued(), a.in_flight()), (0, 1));
         drop(p);
-        assert_eq!(a.in_flight(1), 0);
+        assert_eq!(a.in_flight(), 0);
     }
 }
 
