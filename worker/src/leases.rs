@@ -178,8 +178,12 @@ impl BlockSource for Leases {
 /// The default cap on leased KV: an eighth of the machine's memory (a prefill worker's leases are short-lived
 /// copies; the rest is the engine's, the host tier's and the OS's), or 1 GiB when the machine does not say.
 pub fn default_cap() -> u64 {
-    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+    cap_from_meminfo(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default())
+}
+
+/// An eighth of `MemTotal` in a `/proc/meminfo` text, or 1 GiB when it does not say.
+fn cap_from_meminfo(meminfo: &str) -> u64 {
+    let total = meminfo.lines().find(|l| l.starts_with("MemTotal:")).and_then(|line| {
         line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
     });
     total.map_or(1 << 30, |t| t / 8)
@@ -216,7 +220,10 @@ mod tests {
     }
 
     #[test]
-    fn the_default_cap_is_a_share_of_memory() {
-        assert!(default_cap() >= 64 << 20);
+    fn the_default_cap_is_an_eighth_of_memory() {
+        let meminfo = "MemTotal:       24576000 kB\nMemFree:        20000000 kB\n";
+        assert_eq!(cap_from_meminfo(meminfo), 24_576_000 * 1024 / 8);
+        assert_eq!(cap_from_meminfo("nothing useful\n"), 1 << 30, "a machine that does not say gets 1 GiB");
+        assert_eq!(cap_from_meminfo("MemTotal: lots kB\n"), 1 << 30);
     }
 }
