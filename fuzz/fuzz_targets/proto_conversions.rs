@@ -32,7 +32,11 @@ fuzz_target!(|data: &[u8]| {
         2 => {
             if let Ok(r) = pb::GenerateRequest::decode(bytes) {
                 let _ = worker::convert::sampling(r.sampling, None);
-                let _ = worker::convert::deadline(r.deadline_unix_ms, std::time::SystemTime::now(), std::time::Instant::now());
+                let _ = worker::convert::deadline(
+                    r.deadline_unix_ms,
+                    std::time::SystemTime::now(),
+                    std::time::Instant::now(),
+                );
                 if let Some(h) = r.handle {
                     let _ = worker::convert::handle_from_pb(h);
                 }
