@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use kv_transfer::tls::DevCa;
 use proto::worker as pb;
@@ -36,22 +37,21 @@ struct Fake {
     calls: Arc<AtomicUsize>,
 }
 
-/// A stream that sends `first` and then nothing, never closing while its reader waits.
-fn then_silence<T: Send + 'static>(first: T) -> Streamed<T> {
+/// A stream that sends `first`, then `then` every period (a live worker) or nothing at all (a hung one), never
+/// closing while its reader waits.
+fn stream<T: Clone + Send + 'static>(first: T, then: Option<(T, Duration)>) -> Streamed<T> {
     let (tx, rx) = mpsc::channel(1);
     tokio::spawn(async move {
-        let _ = tx.send(Ok(first)).await;
-        tx.closed().await;
-    });
-    Box::pin(ReceiverStream::new(rx))
-}
-
-/// A stream that sends `item` every 100 ms (a live worker's load reports) until its reader goes.
-fn every_100ms<T: Clone + Send + 'static>(item: T) -> Streamed<T> {
-    let (tx, rx) = mpsc::channel(1);
-    tokio::spawn(async move {
-        while tx.send(Ok(item.clone())).await.is_ok() {
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if tx.send(Ok(first)).await.is_err() {
+            return;
+        }
+        match then {
+            None => tx.closed().await,
+            Some((item, period)) => {
+                while tx.send(Ok(item.clone())).await.is_ok() {
+                    tokio::time::sleep(period).await;
+                }
+            }
         }
     });
     Box::pin(ReceiverStream::new(rx))
@@ -79,9 +79,10 @@ impl Worker for Fake {
             return Err(Status::internal("this worker is unwell"));
         }
         let token = pb::Token { id: 504, text: "The".into() };
-        Ok(Response::new(then_silence(pb::GenerateResponse {
-            event: Some(pb::generate_response::Event::Token(token)),
-        })))
+        Ok(Response::new(stream(
+            pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(token)) },
+            None,
+        )))
     }
 
     async fn cancel(&self, _: Request<pb::CancelRequest>) -> Result<Response<pb::CancelResponse>, Status> {
@@ -101,22 +102,13 @@ impl Worker for Fake {
             instance_id: self.info.instance_id.clone(),
             body: Some(pb::kv_event_batch::Body::Snapshot(snapshot)),
         };
-        if self.behaviour == Behaviour::Hang {
-            return Ok(Response::new(then_silence(batch)));
-        }
-        // A live worker: its snapshot, then a heartbeat now and then.
+        // A live worker follows its snapshot with a heartbeat now and then.
         let heartbeat = pb::KvEventBatch {
             instance_id: self.info.instance_id.clone(),
             body: Some(pb::kv_event_batch::Body::Events(pb::KvEvents { events: Vec::new() })),
         };
-        let (tx, rx) = mpsc::channel(1);
-        tokio::spawn(async move {
-            let _ = tx.send(Ok(batch)).await;
-            while tx.send(Ok(heartbeat.clone())).await.is_ok() {
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let then = (self.behaviour == Behaviour::Fail).then_some((heartbeat, Duration::from_millis(500)));
+        Ok(Response::new(stream(batch, then)))
     }
 
     type WatchLoadStream = Streamed<pb::LoadReport>;
@@ -124,10 +116,8 @@ impl Worker for Fake {
     async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
         let usage = vec![pb::TierUsage { tier: pb::Tier::Device as i32, used: 0, cached: 0, total: 1024 }];
         let report = pb::LoadReport { usage, ..Default::default() };
-        Ok(Response::new(match self.behaviour {
-            Behaviour::Hang => then_silence(report),
-            Behaviour::Fail => every_100ms(report),
-        }))
+        let then = (self.behaviour == Behaviour::Fail).then_some((report.clone(), Duration::from_millis(100)));
+        Ok(Response::new(stream(report, then)))
     }
 
     async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {

@@ -183,9 +183,10 @@ pub fn default_cap() -> u64 {
 
 /// An eighth of `MemTotal` in a `/proc/meminfo` text, or 1 GiB when it does not say.
 fn cap_from_meminfo(meminfo: &str) -> u64 {
-    let total = meminfo.lines().find(|l| l.starts_with("MemTotal:")).and_then(|line| {
-        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
-    });
+    let total = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|line| line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024));
     total.map_or(1 << 30, |t| t / 8)
 }
 
