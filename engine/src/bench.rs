@@ -125,7 +125,7 @@ pub fn concurrency(
 ) -> Result<ConcurrencyFigure, crate::generate::EngineError> {
     use crate::generate::{Event, Request};
     use crate::sampling::{RawSampling, SamplingParams};
-    let vocab = engine.model().config.n_vocab;
+    let vocab = engine.vocab();
     let raw = RawSampling { max_tokens: decode_tokens as u32, ignore_eos: true, ..RawSampling::default() };
     let sampling = SamplingParams::new(raw).map_err(|e| crate::generate::EngineError::Config(e.to_string()))?;
     let requests: Vec<Request> = (0..sequences)

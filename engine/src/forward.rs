@@ -37,6 +37,27 @@ pub enum ForwardError {
     BlockOutOfRange(u32),
 }
 
+/// What a step checks of one chunk before any compute, whatever computes it: token ids in the vocabulary,
+/// positions within the context, a block table covering them, blocks inside the store.
+pub fn check_chunk(kv: &KvStore, s: &SeqChunk<'_>, vocab: usize, context: usize) -> Result<(), ForwardError> {
+    let bt = kv.layout().block_tokens;
+    if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ForwardError::TokenOutOfRange(t));
+    }
+    let end = s.start + s.tokens.len();
+    if end > context {
+        return Err(ForwardError::PastContext(end - 1, context));
+    }
+    let need = end.div_ceil(bt);
+    if s.blocks.len() < need {
+        return Err(ForwardError::BlockTableShort { have: s.blocks.len(), need });
+    }
+    if let Some(b) = s.blocks[..need].iter().find(|b| b.0 as usize >= kv.capacity()) {
+        return Err(ForwardError::BlockOutOfRange(b.0));
+    }
+    Ok(())
+}
+
 /// How far this engine's logits may be from the float64 reference (`scripts/reference/golden.py`): f32
 /// activations over dequantized weights and an f16 KV cache. Measured worst case on the golden prompts: see
 /// `tests/golden.rs`. Greedy tokens are comparable wherever the reference's top-1 margin exceeds twice this.
@@ -107,26 +128,9 @@ impl Model {
         batch.iter().try_for_each(|s| self.check_chunk(kv, s))
     }
 
-    /// What [`forward`](Self::forward) checks of one chunk before any compute: token ids in the vocabulary,
-    /// positions within the context, a block table covering them, blocks inside the store.
+    /// What [`forward`](Self::forward) checks of one chunk before any compute (see [`check_chunk`]).
     pub fn check_chunk(&self, kv: &KvStore, s: &SeqChunk<'_>) -> Result<(), ForwardError> {
-        let c = &self.config;
-        let bt = kv.layout().block_tokens;
-        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-            return Err(ForwardError::TokenOutOfRange(t));
-        }
-        let end = s.start + s.tokens.len();
-        if end > c.context_len {
-            return Err(ForwardError::PastContext(end - 1, c.context_len));
-        }
-        let need = end.div_ceil(bt);
-        if s.blocks.len() < need {
-            return Err(ForwardError::BlockTableShort { have: s.blocks.len(), need });
-        }
-        if let Some(b) = s.blocks[..need].iter().find(|b| b.0 as usize >= kv.capacity()) {
-            return Err(ForwardError::BlockOutOfRange(b.0));
-        }
-        Ok(())
+        check_chunk(kv, s, self.config.n_vocab, self.config.context_len)
     }
 
     /// Rotates adjacent pairs `(2i, 2i+1)` of every head (GGML's normal rope for `llama`, whose Q/K weights are

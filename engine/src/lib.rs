@@ -2,10 +2,11 @@
 //! on CPU over a paged KV cache, and samples.
 //!
 //! The pieces, bottom up: [`gguf`] reads the file; [`model`] holds the weights; [`kv`] stores K/V in blocks;
-//! [`forward`] computes a batch step; [`sampling`] picks tokens; [`generate`] drives sequences to completion.
+//! [`forward`] computes a batch step ([`backend`]: on CPU, or modelled by a timing profile); [`sampling`] picks tokens; [`generate`] drives sequences to completion.
 
 #![deny(unsafe_code)]
 
+pub mod backend;
 pub mod bench;
 pub mod chat;
 pub mod fetch;

@@ -149,6 +149,14 @@ impl Sampler {
     }
 
     /// The next token for `logits`.
+    /// Draws one of `tokens` uniformly with the sampler's own generator (a backend that computes no logits).
+    pub fn draw(&mut self, tokens: &[u32]) -> u32 {
+        if tokens.is_empty() {
+            return 0;
+        }
+        tokens[(self.rng.next_u64() % tokens.len() as u64) as usize]
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature == 0.0 || p.top_k.is_some_and(|k| k.get() == 1) {

@@ -77,3 +77,20 @@ fn streaming_decode_never_splits_a_character() {
 fn end_of_generation_ids_are_the_ones_llama_cpp_uses() {
     assert_eq!(tokenizer().special().end_of_generation, [0, 2, 4]);
 }
+
+#[test]
+fn plain_words_re_tokenize_to_themselves_in_any_order() {
+    let tok = tokenizer();
+    let words = tok.plain_words();
+    assert!(words.len() > 5000, "only {} plain words", words.len());
+    assert!(words.iter().all(|&w| !tok.is_end_of_generation(w)));
+    // A pseudo-random sequence of them, as the load generator builds prompts: the text encodes back exactly.
+    let mut x = 7u64;
+    let ids: Vec<u32> = (0..2000)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            words[(x >> 33) as usize % words.len()]
+        })
+        .collect();
+    assert_eq!(tok.encode(&tok.decode(&ids)), ids);
+}

@@ -49,6 +49,8 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Prompt tokens still to compute, over sequences that are not yet decoding (the router's prefill load).
     pub prefill_tokens_pending: usize,
+    /// How closely a mock backend keeps to its timing profile (`None` for a computing backend).
+    pub pacing: Option<crate::backend::Pacing>,
 }
 
 /// Why a request was not taken.
@@ -377,6 +379,7 @@ impl Loop {
             running: self.seqs.iter().filter(|s| s.running && s.active()).count(),
             waiting: self.seqs.iter().filter(|s| !s.running && s.active()).count(),
             prefill_tokens_pending: self.seqs.iter().filter(|s| s.active()).map(Seq::pending_prefill).sum(),
+            pacing: self.engine.pacing(),
         }
     }
 

@@ -23,6 +23,9 @@ pub use kv_io::{ExportedBlock, ExportedKv};
 use sequence::Seq;
 pub use text::TextStream;
 
+use crate::backend::cpu::CpuBackend;
+use crate::backend::mock::{MockBackend, MockSettings};
+use crate::backend::{Backend, Pacing};
 use crate::chat::ChatMessage;
 use crate::forward::ForwardError;
 use crate::gguf::{GgufError, GgufFile};
@@ -45,9 +48,20 @@ pub const DEFAULT_MAX_NUM_SEQS: usize = 64;
 /// Events kept for resubscribers: a few seconds of a busy worker's changes.
 pub const DEFAULT_REPLAY_EVENTS: usize = 65_536;
 
+/// What computes the engine's steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum BackendChoice {
+    /// The model's forward pass on CPU.
+    #[default]
+    Cpu,
+    /// No compute: each step takes the time a timing profile gives (see [`crate::backend::mock`]).
+    Mock(Box<MockSettings>),
+}
+
 /// How an engine runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
+    pub backend: BackendChoice,
     /// Compute threads; `None` means one per available core.
     pub threads: Option<NonZeroUsize>,
     /// Device tier size in blocks.
@@ -72,6 +86,7 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
+            backend: BackendChoice::Cpu,
             threads: None,
             kv_blocks: DEFAULT_KV_BLOCKS,
             host_blocks: 0,
@@ -194,18 +209,18 @@ pub struct Counters {
     pub corrupt_disk_blocks: u64,
     /// Blocks pulled from other workers and stored here.
     pub imported_blocks: u64,
-    /// Time spent in forward passes (with `prefill_tokens`, the engine's measured speed).
+    /// Time spent in steps, admission and block allocation included (with `prefill_tokens`, the engine's measured
+    /// speed).
     pub compute_nanos: u64,
 }
 
 /// A model with its tokenizer, chat template, tiered KV storage, block pool and thread pool.
 #[derive(Debug)]
 pub struct Engine {
-    model: Model,
+    backend: Box<dyn Backend>,
     text: TextModel,
     stores: TierStores,
     pool: BlockPool,
-    pool_threads: rayon::ThreadPool,
     config: EngineConfig,
     counters: Counters,
     tick: u64,
@@ -215,16 +230,31 @@ impl Engine {
     /// Loads the model at `path` and prepares to run it. Configuration errors are reported all at once.
     pub fn open(path: &std::path::Path, config: EngineConfig) -> Result<Engine, EngineError> {
         let file = GgufFile::open(path)?;
-        let model = Model::load(&file)?;
-        check_config(&config, model.config.context_len)?;
         let text = TextModel::from_gguf(&file)?;
-        let threads = config.threads.map_or(0, NonZeroUsize::get);
-        let pool_threads = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("tandem-compute-{i}"))
-            .build()
-            .map_err(|e| EngineError::Threads(e.to_string()))?;
-        let layout = KvLayout::for_model(&model.config, config.block_tokens);
+        let backend: Box<dyn Backend> = match &config.backend {
+            BackendChoice::Cpu => {
+                let model = Model::load(&file)?;
+                check_config(&config, model.config.context_len)?;
+                let threads = config.threads.map_or(0, NonZeroUsize::get);
+                let pool_threads = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("tandem-compute-{i}"))
+                    .build()
+                    .map_err(|e| EngineError::Threads(e.to_string()))?;
+                Box::new(CpuBackend::new(model, pool_threads))
+            }
+            BackendChoice::Mock(mock) => {
+                let problems = mock.problems(config.block_tokens);
+                if !problems.is_empty() {
+                    return Err(EngineError::Config(problems.join("; ")));
+                }
+                check_config(&config, mock.context_len)?;
+                let tokenizer = text.tokenizer();
+                let capacity = config.kv_blocks * config.block_tokens;
+                Box::new(MockBackend::new((**mock).clone(), tokenizer.vocab_size(), tokenizer.plain_words(), capacity))
+            }
+        };
+        let layout = backend.kv_layout(config.block_tokens);
         let disk = match (&config.disk_dir, config.disk_blocks) {
             (Some(dir), n) if n > 0 => Some(DiskTier::open(dir).map_err(EngineError::Tier)?),
             _ => None,
@@ -233,11 +263,22 @@ impl Engine {
         let stores = TierStores::new(KvStore::new(layout, config.kv_blocks), host, disk);
         let sizes = TierSizes { device: config.kv_blocks, host: config.host_blocks, disk: config.disk_blocks };
         let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
-        Ok(Engine { model, text, stores, pool, pool_threads, config, counters: Counters::default(), tick: 0 })
+        Ok(Engine { backend, text, stores, pool, config, counters: Counters::default(), tick: 0 })
     }
 
-    pub fn model(&self) -> &Model {
-        &self.model
+    /// What computes the steps: `cpu` or `mock`.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Tokens in the vocabulary.
+    pub fn vocab(&self) -> usize {
+        self.backend.vocab()
+    }
+
+    /// How closely a modelled backend keeps to its timing profile; `None` for a computing backend.
+    pub fn pacing(&self) -> Option<Pacing> {
+        self.backend.pacing()
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -269,7 +310,7 @@ impl Engine {
 
     /// Compute threads in use.
     pub fn threads(&self) -> usize {
-        self.pool_threads.current_num_threads()
+        self.backend.threads()
     }
 
     /// Blocks per state on `tier`.
@@ -295,7 +336,7 @@ impl Engine {
 
     /// Longest sequence accepted.
     pub fn max_model_len(&self) -> usize {
-        self.config.max_model_len.unwrap_or(self.model.config.context_len)
+        self.config.max_model_len.unwrap_or(self.backend.context_len())
     }
 
     /// The prompt text for a conversation, with the assistant's generation prompt.
@@ -336,7 +377,7 @@ impl Engine {
         if r.prompt.len() >= context {
             return Err(EngineError::PromptTooLong { prompt: r.prompt.len(), context });
         }
-        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.model.config.n_vocab) {
+        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.backend.vocab()) {
             return Err(EngineError::Forward(ForwardError::TokenOutOfRange(t)));
         }
         Ok(Seq {

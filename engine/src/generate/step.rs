@@ -12,6 +12,7 @@ use kv_cache::{BlockSize, block_hashes};
 
 use super::sequence::{Failure, Seq};
 use super::{Engine, EngineError, Event};
+use crate::backend::{Next, StepContext};
 use crate::forward::SeqChunk;
 use crate::kv::BlockId;
 
@@ -122,6 +123,8 @@ impl Engine {
     /// Plans and runs one step. Returns `Ok(false)` when nothing could run; sequences that failed alone are marked
     /// (see [`Engine::fail`]) and the step goes on without them.
     pub(super) fn step(&mut self, seqs: &mut [Seq], on_event: &mut impl FnMut(Event<'_>)) -> Result<bool, EngineError> {
+        let started = std::time::Instant::now();
+        let onboards_before = self.counters.onboards;
         self.admit(seqs);
         let bt = self.config.block_tokens;
         let chunk_cap = self.config.prefill_chunk.map_or(usize::MAX, std::num::NonZeroUsize::get);
@@ -201,7 +204,7 @@ impl Engine {
         let mut k = 0;
         while k < plan.len() {
             let (i, n) = plan[k];
-            match self.model.check_chunk(&self.stores.device, &seqs[i].chunk(n)) {
+            match self.backend.check_chunk(&self.stores.device, &seqs[i].chunk(n)) {
                 Ok(()) => k += 1,
                 Err(e) => {
                     self.fail(&mut seqs[i], e.to_string());
@@ -213,9 +216,14 @@ impl Engine {
             return Ok(false);
         }
         let chunks: Vec<SeqChunk<'_>> = plan.iter().map(|&(i, n)| seqs[i].chunk(n)).collect();
-        let (model, kv) = (&self.model, &mut self.stores.device);
-        let started = std::time::Instant::now();
-        let logits = self.pool_threads.install(|| model.forward(kv, &chunks));
+        let context = StepContext {
+            started,
+            onboarded: [
+                self.counters.onboards[Tier::Host.index()] - onboards_before[Tier::Host.index()],
+                self.counters.onboards[Tier::Disk.index()] - onboards_before[Tier::Disk.index()],
+            ],
+        };
+        let logits = self.backend.forward(&mut self.stores.device, &chunks, context);
         self.counters.compute_nanos += u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         drop(chunks);
         let logits = match logits {
@@ -240,8 +248,11 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let Some(l) = logits.next() else { continue };
-            let token = s.sampler.sample(&l);
+            let Some(next) = logits.next() else { continue };
+            let token = match next {
+                Next::Logits(l) => s.sampler.sample(&l),
+                Next::Draw(words) => s.sampler.draw(&words),
+            };
             s.accept(i, token, self.text.tokenizer(), on_event);
             if !s.active() && !s.keep_blocks {
                 if let Err(e) = self.release_blocks(s) {

@@ -158,6 +158,28 @@ impl Tokenizer {
         self.special.end_of_generation.binary_search(&id).is_ok()
     }
 
+    /// Ordinary word tokens (a space and three or more lowercase ASCII letters) that encode back to themselves
+    /// alone, in id order. Any sequence of them re-tokenizes to the same ids, since each starts a new word: the
+    /// mock engine draws its output from them and the load generator builds prompts of exact token counts.
+    pub fn plain_words(&self) -> Vec<u32> {
+        let bos = self.special.bos.filter(|_| self.add_bos);
+        (0..self.tokens.len() as u32)
+            .filter(|&id| {
+                let b = self.token_bytes(id);
+                b.len() >= 4 && b[0] == b' ' && b[1..].iter().all(u8::is_ascii_lowercase)
+            })
+            .filter(|&id| !self.is_end_of_generation(id))
+            .filter(|&id| {
+                let ids = self.encode(&String::from_utf8_lossy(self.token_bytes(id)));
+                let ids = match (bos, ids.split_first()) {
+                    (Some(b), Some((&first, rest))) if first == b => rest,
+                    _ => &ids[..],
+                };
+                ids == [id]
+            })
+            .collect()
+    }
+
     /// The vocabulary's text for `id` (GPT-2 alphabet for ordinary tokens).
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)

@@ -1,0 +1,51 @@
+//! The model's forward pass on the engine's own thread pool.
+
+use super::{Backend, Next, StepContext};
+use crate::forward::{ForwardError, SeqChunk};
+use crate::kv::{KvLayout, KvStore};
+use crate::model::Model;
+
+/// Computes steps with the real model on CPU.
+#[derive(Debug)]
+pub struct CpuBackend {
+    model: Model,
+    threads: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    pub fn new(model: Model, threads: rayon::ThreadPool) -> CpuBackend {
+        CpuBackend { model, threads }
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn vocab(&self) -> usize {
+        self.model.config.n_vocab
+    }
+
+    fn context_len(&self) -> usize {
+        self.model.config.context_len
+    }
+
+    fn kv_layout(&self, block_tokens: usize) -> KvLayout {
+        KvLayout::for_model(&self.model.config, block_tokens)
+    }
+
+    fn threads(&self) -> usize {
+        self.threads.current_num_threads()
+    }
+
+    fn forward(&mut self, kv: &mut KvStore, batch: &[SeqChunk<'_>], _: StepContext) -> Result<Vec<Next>, ForwardError> {
+        let model = &self.model;
+        let logits = self.threads.install(|| model.forward(kv, batch))?;
+        Ok(logits.into_iter().map(Next::Logits).collect())
+    }
+}

@@ -1,0 +1,110 @@
+//! What computes a step. The scheduler above (admission, batching, chunked prefill, the tiered pool, preemption,
+//! export and import) is the same whatever the backend: [`cpu`] runs the model's forward pass; [`mock`] computes
+//! nothing and takes the time a [`TimingProfile`] gives, so that many workers on one machine behave like GPU
+//! workers for routing experiments.
+
+pub mod cpu;
+pub mod mock;
+pub mod profile;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use profile::{StepShape, TimingProfile};
+
+use crate::forward::{ForwardError, SeqChunk};
+use crate::kv::{KvLayout, KvStore};
+
+/// What a step gives for a chunk that asked for its next token.
+#[derive(Clone, Debug)]
+pub enum Next {
+    /// Logits over the vocabulary: the sequence's sampler picks.
+    Logits(Vec<f32>),
+    /// No logits: the sequence's sampler draws uniformly from these tokens with its own seeded generator, so the
+    /// output is reproducible from the request's seed.
+    Draw(Arc<[u32]>),
+}
+
+/// What the scheduler knows of a step beyond its chunks.
+#[derive(Clone, Copy, Debug)]
+pub struct StepContext {
+    /// When the step began (admission and block allocation included).
+    pub started: Instant,
+    /// Blocks brought to the device from host and from disk during the step.
+    pub onboarded: [u64; 2],
+}
+
+/// Runs steps over the paged KV store.
+pub trait Backend: Send + std::fmt::Debug {
+    /// `cpu` or `mock`.
+    fn name(&self) -> &'static str;
+    /// Tokens in the vocabulary.
+    fn vocab(&self) -> usize;
+    /// Longest sequence the backend can hold.
+    fn context_len(&self) -> usize;
+    /// The KV block shape for blocks of `block_tokens` tokens.
+    fn kv_layout(&self, block_tokens: usize) -> KvLayout;
+    /// Compute threads.
+    fn threads(&self) -> usize;
+    /// What [`forward`](Self::forward) would refuse of one chunk, checked before the batch runs.
+    fn check_chunk(&self, kv: &KvStore, chunk: &SeqChunk<'_>) -> Result<(), ForwardError> {
+        crate::forward::check_chunk(kv, chunk, self.vocab(), self.context_len())
+    }
+    /// Runs one step: fills the chunks' KV and returns one [`Next`] per chunk that asked for it, in batch order.
+    fn forward(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        context: StepContext,
+    ) -> Result<Vec<Next>, ForwardError>;
+    /// Step timing against the profile, for a modelled backend.
+    fn pacing(&self) -> Option<Pacing> {
+        None
+    }
+}
+
+/// How closely a modelled backend kept to its profile (totals since it started).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pacing {
+    pub steps: u64,
+    /// Modelled step time (after the speed-up).
+    pub modelled_nanos: u64,
+    /// Steps by overrun (actual / modelled duration), bucketed at [`OVERRUN_BOUNDS`].
+    pub overrun_buckets: [u64; OVERRUN_BOUNDS.len() + 1],
+}
+
+/// Upper bounds of the overrun buckets (the last bucket is everything above the last bound).
+pub const OVERRUN_BOUNDS: [f64; 8] = [1.01, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0];
+
+impl Pacing {
+    /// Counts one step that was modelled at `modelled` seconds and took `actual`.
+    pub fn record(&mut self, modelled: f64, actual: f64) {
+        self.steps += 1;
+        self.modelled_nanos += (modelled * 1e9) as u64;
+        let ratio = if modelled > 0.0 { actual / modelled } else { 1.0 };
+        let b = OVERRUN_BOUNDS.iter().position(|&u| ratio <= u).unwrap_or(OVERRUN_BOUNDS.len());
+        self.overrun_buckets[b] += 1;
+    }
+
+    /// The overrun ratio at quantile `q` (an upper bound: the bucket's bound), or `None` before any step.
+    pub fn overrun_quantile(&self, q: f64) -> Option<f64> {
+        quantile_of_buckets(&self.overrun_buckets, q)
+    }
+}
+
+/// The bucket bound below which a fraction `q` of the counts in `buckets` lies (infinity for the last bucket).
+pub fn quantile_of_buckets(buckets: &[u64], q: f64) -> Option<f64> {
+    let total: u64 = buckets.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let want = (q * total as f64).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    for (i, &n) in buckets.iter().enumerate() {
+        seen += n;
+        if seen >= want {
+            return Some(OVERRUN_BOUNDS.get(i).copied().unwrap_or(f64::INFINITY));
+        }
+    }
+    Some(f64::INFINITY)
+}

@@ -1,0 +1,80 @@
+//! The mock backend under the real scheduler: prompts far past the model's trained context, output that is
+//! reproducible from the seed and never ends early, prefix caching and events as on a computing engine, and steps
+//! that take the profile's time.
+
+mod common;
+
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use engine::backend::TimingProfile;
+use engine::backend::mock::MockSettings;
+use engine::generate::{BackendChoice, EngineConfig, FinishReason, Request};
+use engine::sampling::{RawSampling, SamplingParams};
+
+fn mock(profile: &str, speedup: f64, kv_blocks: usize) -> EngineConfig {
+    let profile = TimingProfile::parse("test", profile).expect("profile parses");
+    // The device tier must hold one sequence of the whole context.
+    let context_len = (kv_blocks * 16).min(131_072);
+    EngineConfig {
+        backend: BackendChoice::Mock(Box::new(MockSettings {
+            profile,
+            speedup,
+            context_len,
+            ..MockSettings::gpu_default()
+        })),
+        kv_blocks,
+        ..EngineConfig::default()
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: u32, seed: u64) -> Request {
+    let raw = RawSampling { max_tokens, seed: Some(seed), temperature: 1.0, ..RawSampling::default() };
+    Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None }
+}
+
+#[test]
+fn long_prompts_run_and_output_is_reproducible_from_the_seed() {
+    let mut engine = common::engine(mock("", 1.0, 8192));
+    assert_eq!(engine.backend_name(), "mock");
+    assert_eq!(engine.max_model_len(), 131_072);
+    // 60k tokens: eight times SmolLM2's trained context.
+    let prompt: Vec<u32> = (0..60_000).map(|i| 1000 + (i % 5000)).collect();
+    let cancel = AtomicBool::new(false);
+    let a = engine.run(&[request(prompt.clone(), 50, 7)], &cancel, |_| {}).expect("runs");
+    let b = engine.run(&[request(prompt.clone(), 50, 7)], &cancel, |_| {}).expect("runs");
+    let c = engine.run(&[request(prompt, 50, 8)], &cancel, |_| {}).expect("runs");
+    assert_eq!(a[0].token_ids.len(), 50, "no early end of generation");
+    assert_eq!(a[0].finish_reason, FinishReason::Length);
+    assert_eq!(a[0].token_ids, b[0].token_ids, "same seed, same tokens");
+    assert_ne!(a[0].token_ids, c[0].token_ids);
+    assert_eq!(b[0].cached_tokens, 59_984, "the second run reuses the first one's blocks");
+    let tok = engine.tokenizer();
+    assert!(a[0].token_ids.iter().all(|&t| !tok.is_end_of_generation(t)));
+    assert_eq!(tok.encode(&a[0].text), a[0].token_ids, "the text is ordinary words");
+}
+
+#[test]
+fn steps_take_the_modelled_time() {
+    // 100 ms per prompt step at speed-up 4: 25 ms; decode 40 ms / 4 = 10 ms per token.
+    let mut engine = common::engine(mock("[prefill]\nbase_ms = 100\n[decode]\nbase_ms = 40\n", 4.0, 64));
+    let started = Instant::now();
+    let out = engine.run(&[request(vec![1000; 100], 5, 1)], &AtomicBool::new(false), |_| {}).expect("runs");
+    let took = started.elapsed().as_secs_f64();
+    // One prompt step, then four decode steps.
+    assert!(took >= 0.025 + 4.0 * 0.010, "took {took} s");
+    let pacing = engine.pacing().expect("a mock paces");
+    assert_eq!(pacing.steps, 5);
+    assert_eq!(pacing.modelled_nanos, 65_000_000);
+    assert_eq!(out[0].token_ids.len(), 5);
+}
+
+#[test]
+fn a_mock_refuses_bad_settings_at_start() {
+    let mut config = mock("", 1.0, 64);
+    if let BackendChoice::Mock(m) = &mut config.backend {
+        m.block_bytes = 100;
+    }
+    let e = engine::generate::Engine::open(&common::model_path(), config).expect_err("refused");
+    assert!(e.to_string().contains("block bytes"), "{e}");
+}
