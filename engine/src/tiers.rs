@@ -40,13 +40,22 @@ pub enum TierError {
 #[derive(Debug)]
 pub struct DiskTier {
     dir: PathBuf,
+    /// An exclusive lock on the directory for as long as the tier lives (released when the process ends, however
+    /// it ends): two workers given one directory would delete each other's blocks.
+    _lock: fs::File,
 }
 
 impl DiskTier {
-    /// Opens `dir` for the disk tier: creates it, checks it is writable, and deletes blocks of an earlier run.
+    /// Opens `dir` for the disk tier: creates it, locks it (refused while another live process holds it), and
+    /// deletes blocks of an earlier run.
     pub fn open(dir: &Path) -> Result<DiskTier, TierError> {
         let err = |source| TierError::Dir { path: dir.to_path_buf(), source };
         fs::create_dir_all(dir).map_err(err)?;
+        let lock =
+            fs::OpenOptions::new().write(true).create(true).truncate(false).open(dir.join(".lock")).map_err(err)?;
+        lock.try_lock().map_err(|_| {
+            err(io::Error::new(io::ErrorKind::ResourceBusy, "in use by another worker (give each its own --disk-dir)"))
+        })?;
         for entry in fs::read_dir(dir).map_err(err)? {
             let path = entry.map_err(err)?.path();
             if path.extension().is_some_and(|e| e == EXTENSION) {
@@ -56,7 +65,7 @@ impl DiskTier {
         let probe = dir.join(".write-probe");
         fs::write(&probe, b"ok").map_err(err)?;
         fs::remove_file(&probe).map_err(err)?;
-        Ok(DiskTier { dir: dir.to_path_buf() })
+        Ok(DiskTier { dir: dir.to_path_buf(), _lock: lock })
     }
 
     /// The file of `slot`.
@@ -172,5 +181,21 @@ impl TierStores {
         }
         self.staged.clear();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_disk_directory_serves_one_worker_at_a_time() {
+        let dir = std::env::temp_dir().join(format!("tandem-disk-lock-{}", std::process::id()));
+        let first = DiskTier::open(&dir).expect("opens");
+        let second = DiskTier::open(&dir).expect_err("a second tier on the same directory is refused");
+        assert!(second.to_string().contains("in use"), "{second}");
+        drop(first);
+        DiskTier::open(&dir).expect("free again once the first is gone");
+        let _ = fs::remove_dir_all(&dir);
     }
 }
