@@ -415,6 +415,7 @@ impl Cluster {
                 compute_nanos_total: r.compute_nanos_total,
                 transfer_bytes_total: r.transfer_bytes_total,
                 transfer_nanos_total: r.transfer_nanos_total,
+                step_overrun_steps: r.step_overrun_steps,
             };
             self.lock().load.report(id, report);
         }
@@ -518,6 +519,11 @@ impl Cluster {
         hashes: &[SeqHash],
     ) {
         self.lock().load.sent(worker, request, request_id, prefill_tokens, blocks, hashes);
+    }
+
+    /// Mock workers' steps by overrun bucket, summed over the workers followed now (empty without mock workers).
+    pub fn step_overrun_steps(&self) -> Vec<u64> {
+        self.lock().load.step_overrun_steps()
     }
 
     /// Requests the router has sent `worker` that have not finished.

@@ -29,6 +29,8 @@ pub struct Report {
     pub compute_nanos_total: u64,
     pub transfer_bytes_total: u64,
     pub transfer_nanos_total: u64,
+    /// A mock worker's steps by overrun bucket (see the proto's `step_overrun_steps`); empty otherwise.
+    pub step_overrun_steps: Vec<u64>,
 }
 
 /// One request the router sent a worker and has not yet seen end there.
@@ -100,6 +102,21 @@ impl LoadTracker {
         let t = self.workers.entry(worker).or_default();
         t.learn(&report);
         t.report = report;
+    }
+
+    /// Mock workers' steps by overrun bucket, summed over the workers tracked now.
+    pub fn step_overrun_steps(&self) -> Vec<u64> {
+        let mut sum: Vec<u64> = Vec::new();
+        for t in self.workers.values() {
+            let b = &t.report.step_overrun_steps;
+            if sum.len() < b.len() {
+                sum.resize(b.len(), 0);
+            }
+            for (s, n) in sum.iter_mut().zip(b) {
+                *s += n;
+            }
+        }
+        sum
     }
 
     /// The router sent request number `seq` (id `request_id`) to `worker`: `prefill_tokens` uncached prompt tokens

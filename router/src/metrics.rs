@@ -168,6 +168,15 @@ pub fn render(state: &RouterState) -> String {
         "Workers ejected now.",
         &one(state.cluster.ejected(std::time::Instant::now()) as f64),
     );
+    let overrun = state.cluster.step_overrun_steps();
+    if !overrun.is_empty() {
+        e.gauge(
+            "tandem_router_mock_step_overrun_steps",
+            "Mock workers' steps whose actual / modelled duration was at most `le` (cumulative), summed over the \
+             workers followed now.",
+            &worker::metrics::overrun_samples(&overrun),
+        );
+    }
     e.counter(
         "tandem_trace_spans_dropped_total",
         "Spans dropped because the trace export queue was full.",

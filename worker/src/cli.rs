@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use engine::generate::EngineConfig;
+use engine::backend::TimingProfile;
+use engine::backend::mock::MockSettings;
+use engine::generate::{BackendChoice, EngineConfig};
 use kv_transfer::tls::Identity;
 use serde::Deserialize;
 
@@ -52,15 +54,29 @@ pub struct Settings {
     /// Compute threads (default: all cores).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<NonZeroUsize>,
-    /// Device tier size in blocks.
+    /// What computes steps: `cpu` (the model's forward pass) or `mock` (no compute; each step takes the time its
+    /// timing profile gives).
+    #[arg(long, env = "TANDEM_ENGINE")]
+    pub engine: Option<String>,
+    /// The mock's timing profile: `gpu-default`, `cpu-smollm2` or a TOML file (default: gpu-default).
+    #[arg(long, env = "TANDEM_PROFILE")]
+    pub profile: Option<String>,
+    /// The mock divides every modelled duration by this (default 1).
+    #[arg(long, env = "TANDEM_SPEEDUP")]
+    pub speedup: Option<f64>,
+    /// Bytes of one stand-in KV block of the mock (transfers are charged for the profile's size).
+    #[arg(long, env = "TANDEM_MOCK_BLOCK_BYTES")]
+    pub mock_block_bytes: Option<usize>,
+    /// Device tier size in blocks (default: 1024 for cpu, the profile's for mock).
     #[arg(long, env = "TANDEM_KV_BLOCKS")]
     pub kv_blocks: Option<usize>,
-    /// Host tier size in blocks (0: none).
+    /// Host tier size in blocks (0: none; default: twice the device tier).
     #[arg(long, env = "TANDEM_HOST_BLOCKS")]
     pub host_blocks: Option<usize>,
-    /// Disk tier size in blocks (0: none); needs disk_dir.
+    /// Disk tier size in blocks (0: none; default: four times the device tier).
     #[arg(long, env = "TANDEM_DISK_BLOCKS")]
     pub disk_blocks: Option<usize>,
+    /// Disk tier directory, one per worker (default: $TANDEM_HOME/kv/<cert name>).
     #[arg(long, env = "TANDEM_DISK_DIR")]
     pub disk_dir: Option<PathBuf>,
     #[arg(long, env = "TANDEM_MAX_NUM_SEQS")]
@@ -123,6 +139,10 @@ impl Settings {
             certs_dir,
             cert_name,
             threads,
+            engine,
+            profile,
+            speedup,
+            mock_block_bytes,
             kv_blocks,
             host_blocks,
             disk_blocks,
@@ -180,11 +200,12 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
         Role::Decode => "decode",
         Role::Both => "worker",
     };
-    let certs_dir = match s.certs_dir {
+    let certs_dir = match s.certs_dir.clone() {
         Some(d) => Some(d),
         None => engine::fetch::tandem_home().map(|h| h.join("certs")).map_err(|e| problems.push(e.to_string())).ok(),
     };
-    let cert_name = s.cert_name.unwrap_or_else(|| format!("{role_name}-0"));
+    let cert_name = s.cert_name.clone().unwrap_or_else(|| format!("{role_name}-0"));
+    let engine = engine_config(&s, &cert_name, &mut problems);
     let identity = certs_dir.as_deref().and_then(|dir| match load_identity(dir, &cert_name) {
         Ok(id) => Some(id),
         Err(e) => {
@@ -206,18 +227,6 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
     let grpc = s.grpc_addr.map_or_else(|| parse_addr(DEFAULT_GRPC), Ok);
     let transfer = s.transfer_addr.map_or_else(|| parse_addr(DEFAULT_TRANSFER), Ok);
     let metrics = s.metrics_addr.map_or_else(|| parse_addr(DEFAULT_METRICS), Ok);
-    let defaults = EngineConfig::default();
-    let engine = EngineConfig {
-        threads: s.threads,
-        kv_blocks: s.kv_blocks.unwrap_or(defaults.kv_blocks),
-        host_blocks: s.host_blocks.unwrap_or(0),
-        disk_blocks: s.disk_blocks.unwrap_or(0),
-        disk_dir: s.disk_dir,
-        max_num_seqs: s.max_num_seqs.unwrap_or(defaults.max_num_seqs),
-        max_batched_tokens: s.max_batched_tokens.unwrap_or(defaults.max_batched_tokens),
-        max_model_len: s.max_model_len,
-        ..defaults
-    };
     match (problems.is_empty(), identity, model, grpc, transfer, metrics) {
         (true, Some(identity), Some(model), Ok(grpc), Ok(transfer), Ok(metrics)) => Ok(Resolved {
             register: s.register_with.map(|r| (r, s.advertise_addr, s.register_key)),
@@ -246,6 +255,74 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
             problems.extend(transfer.err().map(|e| format!("transfer address: {e}")));
             problems.extend(metrics.err().map(|e| format!("metrics address: {e}")));
             Err(problems.join("\n"))
+        }
+    }
+}
+
+/// Host tier size as a multiple of the device tier, unless set: room to keep evicted prefixes a while.
+pub const HOST_TIER_FACTOR: usize = 2;
+/// Disk tier size as a multiple of the device tier, unless set.
+pub const DISK_TIER_FACTOR: usize = 4;
+
+/// The engine the settings ask for, with tiers on unless sized to 0: a host tier of [`HOST_TIER_FACTOR`] times the
+/// device tier and a disk tier of [`DISK_TIER_FACTOR`] times it under `$TANDEM_HOME/kv/<cert_name>`.
+pub fn engine_config(s: &Settings, cert_name: &str, problems: &mut Vec<String>) -> EngineConfig {
+    let defaults = EngineConfig::default();
+    let (backend, device_default) = backend(s, problems);
+    let kv_blocks = s.kv_blocks.unwrap_or(device_default);
+    let disk_blocks = s.disk_blocks.unwrap_or(DISK_TIER_FACTOR * kv_blocks);
+    let disk_dir = match &s.disk_dir {
+        Some(d) => Some(d.clone()),
+        None if disk_blocks > 0 => engine::fetch::tandem_home()
+            .map(|h| h.join("kv").join(cert_name))
+            .map_err(|e| problems.push(e.to_string()))
+            .ok(),
+        None => None,
+    };
+    EngineConfig {
+        backend,
+        threads: s.threads,
+        kv_blocks,
+        host_blocks: s.host_blocks.unwrap_or(HOST_TIER_FACTOR * kv_blocks),
+        disk_blocks,
+        disk_dir,
+        max_num_seqs: s.max_num_seqs.unwrap_or(defaults.max_num_seqs),
+        max_batched_tokens: s.max_batched_tokens.unwrap_or(defaults.max_batched_tokens),
+        max_model_len: s.max_model_len,
+        ..defaults
+    }
+}
+
+/// The backend the settings ask for, and the device tier size it implies when none is set.
+fn backend(s: &Settings, problems: &mut Vec<String>) -> (BackendChoice, usize) {
+    let cpu = (BackendChoice::Cpu, engine::generate::DEFAULT_KV_BLOCKS);
+    let mock_only = [
+        ("profile", s.profile.is_some()),
+        ("speedup", s.speedup.is_some()),
+        ("mock_block_bytes", s.mock_block_bytes.is_some()),
+    ];
+    match s.engine.as_deref() {
+        None | Some("cpu") => {
+            for (name, _) in mock_only.iter().filter(|(_, set)| *set) {
+                problems.push(format!("{name} applies to the mock engine only (--engine mock)"));
+            }
+            cpu
+        }
+        Some("mock") => {
+            let mut mock = MockSettings::gpu_default();
+            match TimingProfile::load(s.profile.as_deref().unwrap_or("gpu-default")) {
+                Ok(p) => mock.profile = p,
+                Err(e) => problems.push(e.to_string()),
+            }
+            mock.speedup = s.speedup.unwrap_or(1.0);
+            mock.block_bytes = s.mock_block_bytes.unwrap_or(mock.block_bytes);
+            mock.context_len = s.max_model_len.unwrap_or(mock.context_len);
+            let device = mock.profile.device_blocks.unwrap_or(engine::generate::DEFAULT_KV_BLOCKS);
+            (BackendChoice::Mock(Box::new(mock)), device)
+        }
+        Some(other) => {
+            problems.push(format!("engine {other:?} is not one of cpu, mock"));
+            cpu
         }
     }
 }

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::generate::{Engine, EngineConfig, EngineError, EngineHandle, EngineStats, StepHold};
+use engine::generate::{BackendChoice, Engine, EngineConfig, EngineError, EngineHandle, EngineStats, StepHold};
 use kv_transfer::quic::{QuicClient, QuicServer, TransferError};
 use kv_transfer::tls::Identity;
 use proto::worker as pb;
@@ -195,6 +195,12 @@ impl RunningWorker {
             layout,
             host_id: shm.is_some().then(|| info.host_id.clone()),
             metrics: Arc::clone(&metrics),
+            modelled: match &config.engine.backend {
+                BackendChoice::Mock(m) => {
+                    Some(pull::ModelledTransfer { profile: m.profile.clone(), speedup: m.speedup })
+                }
+                BackendChoice::Cpu => None,
+            },
         };
         let service = Arc::new(WorkerService {
             engine: handle,

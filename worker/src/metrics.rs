@@ -80,6 +80,19 @@ fn per_tier(values: impl Fn(Tier) -> f64, skip_device: bool) -> Vec<(String, f64
         .collect()
 }
 
+/// Cumulative `le`-labelled samples of overrun bucket counts (as a histogram's buckets).
+pub fn overrun_samples(buckets: &[u64]) -> Vec<(String, f64)> {
+    let bounds = engine::backend::OVERRUN_BOUNDS.iter().map(f64::to_string).chain(std::iter::once("+Inf".into()));
+    let mut sum = 0;
+    bounds
+        .zip(buckets)
+        .map(|(le, n)| {
+            sum += n;
+            (labels(&[("le", &le)]), sum as f64)
+        })
+        .collect()
+}
+
 /// What the worker holds beside the engine, at the moment of rendering.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Held {
@@ -178,6 +191,23 @@ pub fn render(stats: &EngineStats, worker: &WorkerMetrics, held: Held) -> String
         "Spans dropped because the trace export queue was full.",
         &one(telemetry::dropped_spans() as f64),
     );
+    if let Some(p) = &stats.pacing {
+        e.counter(
+            "tandem_mock_steps_total",
+            "Steps the mock engine took, and their modelled time.",
+            &one(p.steps as f64),
+        );
+        e.counter(
+            "tandem_mock_modelled_seconds_total",
+            "Modelled step time (after the speed-up) of the mock engine.",
+            &one(p.modelled_nanos as f64 / 1e9),
+        );
+        e.counter(
+            "tandem_mock_step_overrun_steps_total",
+            "Mock steps whose actual / modelled duration was at most `le` (cumulative).",
+            &overrun_samples(&p.overrun_buckets),
+        );
+    }
     e.gauge("tandem_kv_leases", "Prefilled prompts whose KV is held for a decode worker.", &one(held.leases as f64));
     e.gauge(
         "tandem_kv_leased_bytes",
@@ -195,7 +225,10 @@ mod tests {
 
     #[test]
     fn every_sample_is_well_formed() {
-        let mut stats = EngineStats { running: 2, waiting: 1, ..EngineStats::default() };
+        let mut pacing = engine::backend::Pacing::default();
+        pacing.record(0.010, 0.0101);
+        pacing.record(0.010, 0.030);
+        let mut stats = EngineStats { running: 2, waiting: 1, pacing: Some(pacing), ..EngineStats::default() };
         stats.counters.cached_tokens = [32, 16, 0];
         stats.usage[0].used = 5;
         let worker = WorkerMetrics::default();
@@ -209,6 +242,10 @@ mod tests {
         assert!(text.contains("tandem_kv_transfer_pulled_blocks_total{transport=\"quic\"} 4\n"));
         assert!(text.contains("tandem_kv_transfer_bytes_total{transport=\"shm\"} 0\n"));
         assert!(text.contains("tandem_worker_time_to_first_token_seconds_count 1\n"));
+        assert!(text.contains("tandem_mock_step_overrun_steps_total{le=\"1.01\"} 1\n"), "{text}");
+        assert!(text.contains("tandem_mock_step_overrun_steps_total{le=\"2\"} 1\n"));
+        assert!(text.contains("tandem_mock_step_overrun_steps_total{le=\"4\"} 2\n"));
+        assert!(text.contains("tandem_mock_step_overrun_steps_total{le=\"+Inf\"} 2\n"));
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, value) = line.rsplit_once(' ').expect("name and value");
             assert!(name.starts_with("tandem_"), "{line}");

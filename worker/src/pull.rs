@@ -29,6 +29,22 @@ pub struct Puller {
     /// This worker's host id when it may read other workers' shared-memory regions (those with the same id).
     pub(crate) host_id: Option<String>,
     pub(crate) metrics: Arc<WorkerMetrics>,
+    /// A mock worker's transfers take (and report) the time and bytes of the modelled model's blocks.
+    pub(crate) modelled: Option<ModelledTransfer>,
+}
+
+/// Transfer timing for a mock worker: the profile's link, sped up as its steps are.
+#[derive(Clone, Debug)]
+pub struct ModelledTransfer {
+    pub profile: engine::backend::TimingProfile,
+    pub speedup: f64,
+}
+
+impl ModelledTransfer {
+    /// The wall time a pull of `blocks` blocks must take.
+    fn duration(&self, blocks: u64) -> Duration {
+        Duration::from_secs_f64((self.profile.transfer_ms(blocks) / 1000.0 / self.speedup).max(0.0))
+    }
 }
 
 /// Blocks pulled for a prompt, by block position, ready to import.
@@ -127,8 +143,15 @@ impl Puller {
             }
             None => (Transport::Quic, self.client.pull(req).await.map_err(transfer_status)?),
         };
+        let bytes: u64 = match &self.modelled {
+            None => pulled.iter().map(|(_, b)| b.len() as u64).sum(),
+            Some(m) => {
+                let target = m.duration(pulled.len() as u64);
+                tokio::time::sleep(target.saturating_sub(started.elapsed())).await;
+                m.profile.transfer_bytes(pulled.len() as u64)
+            }
+        };
         let took = started.elapsed();
-        let bytes: u64 = pulled.iter().map(|(_, b)| b.len() as u64).sum();
         self.metrics.pulled(transport, pulled.len(), bytes, took);
         let span = tracing::Span::current();
         span.record("transport", transport.as_str());

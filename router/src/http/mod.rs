@@ -169,7 +169,9 @@ async fn models(state: Shared, headers: HeaderMap) -> Response {
         return e.into_response();
     }
     axum::Json(json!({"object": "list", "data": [
-        {"id": state.served_model, "object": "model", "created": 0, "owned_by": "tandem"}
+        // `max_model_len` as vLLM reports it: load generators size their prompts by it.
+        {"id": state.served_model, "object": "model", "created": 0, "owned_by": "tandem",
+         "max_model_len": state.max_model_len}
     ]}))
     .into_response()
 }

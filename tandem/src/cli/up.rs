@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use engine::generate::EngineConfig;
+use engine::generate::{BackendChoice, EngineConfig};
 use kv_transfer::tls::{DevCa, Identity};
 use router::discovery::WorkerSource;
 use router::run::{RouterConfig, RunningRouter, defaults};
@@ -38,9 +38,34 @@ pub struct Args {
     /// Compute threads per worker (default: the cores shared out among the workers, at least one each).
     #[arg(long)]
     threads: Option<NonZeroUsize>,
-    /// Device KV blocks per worker.
+    /// What computes steps: `cpu` (the model) or `mock` (no compute; steps take the timing profile's time, for
+    /// routing experiments with many workers).
+    #[arg(long, default_value = "cpu")]
+    engine: String,
+    /// The mock's timing profile: gpu-default, cpu-smollm2 or a TOML file.
+    #[arg(long)]
+    profile: Option<String>,
+    /// The mock divides every modelled duration by this.
+    #[arg(long)]
+    speedup: Option<f64>,
+    /// Bytes of one stand-in KV block of a mock worker.
+    #[arg(long)]
+    mock_block_bytes: Option<usize>,
+    /// Longest prompt plus output (default: the model's context; 131072 for the mock).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Device KV blocks per worker (default: 1024 for cpu, the profile's for mock).
     #[arg(long)]
     kv_blocks: Option<usize>,
+    /// Host tier blocks per worker (0: none; default: twice the device tier).
+    #[arg(long)]
+    host_blocks: Option<usize>,
+    /// Disk tier blocks per worker (0: none; default: four times the device tier).
+    #[arg(long)]
+    disk_blocks: Option<usize>,
+    /// Directory under which each worker keeps its disk tier (default: $TANDEM_HOME/kv/up).
+    #[arg(long)]
+    disk_dir: Option<PathBuf>,
     /// Require this API key (`Authorization: Bearer …`) on the router.
     #[arg(long)]
     api_key: Option<String>,
@@ -53,7 +78,7 @@ pub struct Args {
     /// Requests that may wait for a place; more get 429 with Retry-After.
     #[arg(long, default_value_t = defaults::MAX_QUEUE)]
     max_queue: usize,
-    /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two.
+    /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two, prefix_hash, sglang_threshold.
     #[arg(long, default_value = "kv")]
     policy: String,
 }
@@ -78,7 +103,27 @@ fn identities(dir: &Path, names: &[String]) -> Result<Vec<Identity>, String> {
 
 fn policy(name: &str) -> Result<SchedulerConfig, String> {
     serde_json::from_value(serde_json::json!({ "policy": name }))
-        .map_err(|_| format!("unknown policy {name:?}: use kv, round_robin, random, least_loaded or power_of_two"))
+        .map_err(|_| format!("unknown policy {name:?}: use kv, round_robin, random, least_loaded, power_of_two, prefix_hash or sglang_threshold"))
+}
+
+/// One worker's engine: the flags as `tandem worker` reads them, disk tiers apart per worker.
+fn engine_config(args: &Args, home: &Path, name: &str, threads: Option<NonZeroUsize>) -> Result<EngineConfig, String> {
+    let settings = worker::cli::Settings {
+        engine: Some(args.engine.clone()),
+        profile: args.profile.clone(),
+        speedup: args.speedup,
+        mock_block_bytes: args.mock_block_bytes,
+        max_model_len: args.max_model_len,
+        threads,
+        kv_blocks: args.kv_blocks,
+        host_blocks: args.host_blocks,
+        disk_blocks: args.disk_blocks,
+        disk_dir: Some(args.disk_dir.clone().unwrap_or_else(|| home.join("kv").join("up")).join(name)),
+        ..worker::cli::Settings::default()
+    };
+    let mut problems = Vec::new();
+    let engine = worker::cli::engine_config(&settings, name, &mut problems);
+    if problems.is_empty() { Ok(engine) } else { Err(problems.join("; ")) }
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
@@ -105,12 +150,13 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     process.block_on(async move {
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         let mut workers = Vec::new();
+        let mut max_model_len = usize::MAX;
         for ((role, name), identity) in roles.into_iter().zip(ids) {
-            let engine = EngineConfig {
-                threads,
-                kv_blocks: args.kv_blocks.unwrap_or(EngineConfig::default().kv_blocks),
-                ..EngineConfig::default()
-            };
+            let engine = engine_config(&args, &home, &name, threads)?;
+            max_model_len = max_model_len.min(engine.max_model_len.unwrap_or(usize::MAX));
+            if let BackendChoice::Mock(m) = &engine.backend {
+                max_model_len = max_model_len.min(m.context_len);
+            }
             let w = RunningWorker::start(WorkerConfig {
                 model_id: defaults::SERVED_MODEL.into(),
                 engine,
@@ -137,7 +183,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             admin_key: args.admin_key,
             follow: Default::default(),
             block_size: defaults::BLOCK_SIZE,
-            max_model_len: None,
+            max_model_len: (max_model_len < usize::MAX).then_some(max_model_len),
             seed: None,
         })
         .await

@@ -60,6 +60,7 @@ fn load_report(stats: &EngineStats, request_ids: Vec<String>, metrics: &WorkerMe
         compute_nanos_total: stats.counters.compute_nanos,
         transfer_bytes_total,
         transfer_nanos_total,
+        step_overrun_steps: stats.pacing.map(|p| p.overrun_buckets.to_vec()).unwrap_or_default(),
     }
 }
 
