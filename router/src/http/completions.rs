@@ -96,8 +96,9 @@ pub async fn plan(
         .ok_or_else(|| ApiError::Unavailable("the workers report a block size of 0".into()))?;
     let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
     let hashes = block_hashes(&tokens, bs, namespace.as_ref()).seq;
-    let req = RouteRequest { isl: tokens.len() as u64, block_size: u64::from(block_size) };
     let config = state.scheduler_config();
+    let keys: Vec<u64> = hashes.iter().take(config.prefix_hash_blocks).map(|h| h.0).collect();
+    let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &keys, config.prefix_hash_blocks);
     let span = tracing::info_span!(
         "route",
         policy = config.policy.as_str(),

@@ -15,6 +15,14 @@ pub enum Policy {
     LeastLoaded,
     /// The less loaded of two random candidates.
     PowerOfTwo,
+    /// Consistent hashing of the prompt's first blocks with bounded load: each prefix has a home worker (by
+    /// rendezvous hashing), passed over when it has more than `prefix_hash_load_factor` times the mean load.
+    /// Prefill only; decode goes to the least loaded.
+    PrefixHash,
+    /// SGLang's gateway rule: cache-aware (the longest prefix match, when at least `cache_threshold` of the
+    /// prompt) unless the load is imbalanced past both balance thresholds, then the shortest queue. Prefill
+    /// only; decode goes to the least loaded.
+    SglangThreshold,
 }
 
 impl Policy {
@@ -25,6 +33,8 @@ impl Policy {
             Policy::Random => "random",
             Policy::LeastLoaded => "least_loaded",
             Policy::PowerOfTwo => "power_of_two",
+            Policy::PrefixHash => "prefix_hash",
+            Policy::SglangThreshold => "sglang_threshold",
         }
     }
 }
@@ -74,6 +84,14 @@ pub mod defaults {
     pub const DECODE_KV_LIMIT: f64 = 0.95;
     /// A new worker's share ramps from little to full over this time.
     pub const SLOW_START_SECS: f64 = 10.0;
+    /// Prefix hashing keys on the first 4 blocks (64 tokens): a system prompt's start, before users differ.
+    pub const PREFIX_HASH_BLOCKS: usize = 4;
+    /// A home worker past 1.25 times the mean load is passed over (the bounded-load paper's usual c).
+    pub const PREFIX_HASH_LOAD_FACTOR: f64 = 1.25;
+    /// SGLang router defaults (`cache_threshold`, `balance_abs_threshold`, `balance_rel_threshold`).
+    pub const CACHE_THRESHOLD: f64 = 0.3;
+    pub const BALANCE_ABS_THRESHOLD: f64 = 64.0;
+    pub const BALANCE_REL_THRESHOLD: f64 = 1.5;
 }
 
 /// Every knob of the scheduler.
@@ -104,6 +122,16 @@ pub struct SchedulerConfig {
     pub local_prefill_veto: f64,
     pub decode_kv_limit: f64,
     pub slow_start_secs: f64,
+    /// `prefix_hash`: leading blocks that make the key.
+    pub prefix_hash_blocks: usize,
+    /// `prefix_hash`: a worker above this many times the mean load (plus one request) is passed over.
+    pub prefix_hash_load_factor: f64,
+    /// `sglang_threshold`: the least share of the prompt a worker must hold to be chosen for its cache.
+    pub cache_threshold: f64,
+    /// `sglang_threshold`: the load is imbalanced when max − min exceeds this and max exceeds
+    /// `balance_rel_threshold` × min (load in requests in flight).
+    pub balance_abs_threshold: f64,
+    pub balance_rel_threshold: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -130,6 +158,11 @@ impl Default for SchedulerConfig {
             local_prefill_veto: LOCAL_PREFILL_VETO,
             decode_kv_limit: DECODE_KV_LIMIT,
             slow_start_secs: SLOW_START_SECS,
+            prefix_hash_blocks: PREFIX_HASH_BLOCKS,
+            prefix_hash_load_factor: PREFIX_HASH_LOAD_FACTOR,
+            cache_threshold: CACHE_THRESHOLD,
+            balance_abs_threshold: BALANCE_ABS_THRESHOLD,
+            balance_rel_threshold: BALANCE_REL_THRESHOLD,
         }
     }
 }
@@ -153,6 +186,19 @@ impl SchedulerConfig {
         non_negative("prefill_load_threshold", self.prefill_load_threshold);
         non_negative("slow_start_secs", self.slow_start_secs);
         non_negative("transfer_cost_ratio", self.transfer_cost_ratio);
+        non_negative("balance_abs_threshold", self.balance_abs_threshold);
+        if !(self.prefix_hash_load_factor.is_finite() && self.prefix_hash_load_factor >= 1.0) {
+            errors.push(format!("prefix_hash_load_factor must be >= 1, got {}", self.prefix_hash_load_factor));
+        }
+        if !(self.balance_rel_threshold.is_finite() && self.balance_rel_threshold >= 1.0) {
+            errors.push(format!("balance_rel_threshold must be >= 1, got {}", self.balance_rel_threshold));
+        }
+        if !(0.0..=1.0).contains(&self.cache_threshold) {
+            errors.push(format!("cache_threshold must be in [0, 1], got {}", self.cache_threshold));
+        }
+        if self.prefix_hash_blocks == 0 {
+            errors.push("prefix_hash_blocks must be at least 1".into());
+        }
         if !(self.transfer_bytes_per_sec.is_finite() && self.transfer_bytes_per_sec > 0.0) {
             errors.push(format!("transfer_bytes_per_sec must be > 0, got {}", self.transfer_bytes_per_sec));
         }

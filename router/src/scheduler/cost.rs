@@ -68,7 +68,7 @@ mod tests {
     /// (device, host, disk, active prefill tokens, active blocks, min active prefill, config tweak, cost).
     #[test]
     fn the_formula_term_by_term() {
-        let req = RouteRequest { isl: 160, block_size: 16 };
+        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0 };
         let base = SchedulerConfig::default();
         let active = |mut w: WorkerView, n| {
             w.active_overlap = n;
@@ -114,7 +114,7 @@ mod tests {
 
     #[test]
     fn request_blocks_round_up_and_decode_cost_is_a_fraction() {
-        let req = RouteRequest { isl: 17, block_size: 16 };
+        let req = RouteRequest { isl: 17, block_size: 16, prefix_key: 0 };
         assert_eq!(req.request_blocks(), 2);
         let w = worker(0, 0, 0, 0, 98);
         assert!((decode_cost(&req, &w) - 0.1).abs() < 1e-12);

@@ -131,14 +131,43 @@ fn scored(w: &WorkerView, potential_decode_blocks: u64, cost: f64) -> Scored {
     }
 }
 
-/// Picks one of `candidates` (their costs already computed) as `policy` says.
-fn pick(policy: Policy, candidates: &[Scored], load: &[f64], t: f64, rng: &mut Rng, rotation: &mut Rotation) -> usize {
-    match policy {
-        Policy::Kv => select::choose(&candidates.iter().map(|c| c.cost).collect::<Vec<_>>(), t, rng),
-        Policy::LeastLoaded => select::choose(load, 0.0, rng),
-        Policy::PowerOfTwo => select::power_of_two(load, rng),
-        Policy::Random => rng.below(candidates.len()),
-        Policy::RoundRobin => rotation.next(&candidates.iter().map(|c| c.id).collect::<Vec<_>>()),
+/// Which pool a choice is for: the prefix-aware baselines apply to prefill only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pool {
+    Prefill,
+    Decode,
+}
+
+/// Picks one of `candidates` (their costs already computed) as the configured policy says.
+fn pick(
+    pool: Pool,
+    req: &RouteRequest,
+    cfg: &SchedulerConfig,
+    candidates: &[Scored],
+    load: &[f64],
+    rng: &mut Rng,
+    rotation: &mut Rotation,
+) -> usize {
+    let requests: Vec<u64> = candidates.iter().map(|c| c.active_requests).collect();
+    match (cfg.policy, pool) {
+        (Policy::Kv, _) => select::choose(&candidates.iter().map(|c| c.cost).collect::<Vec<_>>(), cfg.temperature, rng),
+        (Policy::LeastLoaded, _) | (Policy::PrefixHash | Policy::SglangThreshold, Pool::Decode) => {
+            select::choose(load, 0.0, rng)
+        }
+        (Policy::PowerOfTwo, _) => select::power_of_two(load, rng),
+        (Policy::Random, _) => rng.below(candidates.len()),
+        (Policy::RoundRobin, _) => rotation.next(&candidates.iter().map(|c| c.id).collect::<Vec<_>>()),
+        (Policy::PrefixHash, Pool::Prefill) => {
+            let names: Vec<&str> = candidates.iter().map(|c| c.worker.as_str()).collect();
+            select::prefix_hash(req.prefix_key, &names, &requests, cfg.prefix_hash_load_factor)
+        }
+        (Policy::SglangThreshold, Pool::Prefill) => {
+            let blocks = req.request_blocks().max(1) as f64;
+            let matched: Vec<f64> =
+                candidates.iter().map(|c| (c.device_blocks + c.host_blocks + c.disk_blocks) as f64 / blocks).collect();
+            let (abs, rel) = (cfg.balance_abs_threshold, cfg.balance_rel_threshold);
+            select::sglang_threshold(&matched, &requests, cfg.cache_threshold, abs, rel, rng)
+        }
     }
 }
 
@@ -169,7 +198,7 @@ pub fn route(
     let decode_scored: Vec<Scored> =
         open.iter().map(|w| scored(w, w.load.active_blocks + request_blocks, cost::decode_cost(req, w))).collect();
     let load: Vec<f64> = decode_scored.iter().map(|c| c.cost).collect();
-    let at = pick(cfg.policy, &decode_scored, &load, cfg.temperature, rng, &mut state.decode_rotation);
+    let at = pick(Pool::Decode, req, cfg, &decode_scored, &load, rng, &mut state.decode_rotation);
     let decode_worker = open[at];
     let decode = choice(decode_scored, at);
 
@@ -189,7 +218,7 @@ pub fn route(
             })
             .collect();
         let load: Vec<f64> = ready.iter().map(|w| w.load.active_prefill_tokens as f64).collect();
-        let at = pick(cfg.policy, &prefill_scored, &load, cfg.temperature, rng, &mut state.prefill_rotation);
+        let at = pick(Pool::Prefill, req, cfg, &prefill_scored, &load, rng, &mut state.prefill_rotation);
         Some((choice(prefill_scored, at), ready[at]))
     };
     let pool = match &prefill {

@@ -61,6 +61,45 @@ pub fn power_of_two(loads: &[f64], rng: &mut Rng) -> usize {
     if loads[b] < loads[a] { b } else { a }
 }
 
+/// Consistent hashing with bounded load: candidates ranked by rendezvous hash of `key` with their names; the
+/// first whose requests in flight stay within `ceil(factor × (total + 1) / n)` with this one added wins.
+pub fn prefix_hash(key: u64, names: &[&str], requests: &[u64], factor: f64) -> usize {
+    let total: u64 = requests.iter().sum();
+    let cap = (factor * (total + 1) as f64 / names.len().max(1) as f64).ceil() as u64;
+    let mut ranked: Vec<(u64, usize)> =
+        names.iter().enumerate().map(|(i, n)| (Rng::new(key ^ fnv1a(n)).next_u64(), i)).collect();
+    ranked.sort_unstable_by(|a, b| b.cmp(a));
+    ranked
+        .iter()
+        .map(|&(_, i)| i)
+        .find(|&i| requests[i] < cap)
+        .unwrap_or_else(|| (0..requests.len()).min_by_key(|&i| requests[i]).unwrap_or(0))
+}
+
+/// SGLang's gateway rule. `matched`: the share of the prompt each candidate holds; `requests`: requests in flight.
+/// Imbalanced load (max − min > `abs` and max > `rel` × min): the shortest queue. Otherwise the best match when it
+/// is at least `threshold`, else the shortest queue. Ties are broken at random.
+pub fn sglang_threshold(matched: &[f64], requests: &[u64], threshold: f64, abs: f64, rel: f64, rng: &mut Rng) -> usize {
+    let loads: Vec<f64> = requests.iter().map(|&r| r as f64).collect();
+    let max = loads.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let min = loads.iter().copied().fold(f64::INFINITY, f64::min);
+    let shortest = |rng: &mut Rng| choose(&loads, 0.0, rng);
+    if max - min > abs && max > rel * min {
+        return shortest(rng);
+    }
+    let best = matched.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if best >= threshold && best > 0.0 {
+        let negated: Vec<f64> = matched.iter().map(|m| -m).collect();
+        return choose(&negated, 0.0, rng);
+    }
+    shortest(rng)
+}
+
+/// FNV-1a: a stable hash of a worker's name (the same in every router process).
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,6 +153,34 @@ mod tests {
         assert_eq!(ids(&[2, 5, 7, 9])[r.next(&ids(&[2, 5, 7, 9]))].0, 2);
         assert_eq!(ids(&[2, 5, 7, 9])[r.next(&ids(&[2, 5, 7, 9]))].0, 5);
         assert_eq!(ids(&[2, 5, 7, 9])[r.next(&ids(&[2, 5, 7, 9]))].0, 7);
+    }
+
+    #[test]
+    fn a_prefix_keeps_its_home_until_the_home_is_overloaded() {
+        let names = ["a", "b", "c", "d"];
+        let home = prefix_hash(42, &names, &[0, 0, 0, 0], 1.25);
+        assert_eq!(prefix_hash(42, &names, &[1, 1, 1, 1], 1.25), home, "even load keeps the home");
+        // Different prefixes spread over the workers.
+        let homes: std::collections::HashSet<usize> =
+            (0..64).map(|k| prefix_hash(k, &names, &[0, 0, 0, 0], 1.25)).collect();
+        assert_eq!(homes.len(), 4);
+        // The home has 5 of 8 in flight: the cap is ceil(1.25 × 9 / 4) = 3, so the next in rank takes it.
+        let mut loads = [1, 1, 1, 1];
+        loads[home] = 5;
+        let next = prefix_hash(42, &names, &loads, 1.25);
+        assert_ne!(next, home);
+        assert_eq!(prefix_hash(42, &names, &loads, 1.25), next, "and the same one every time");
+    }
+
+    #[test]
+    fn sglang_prefers_the_cache_unless_the_load_is_imbalanced() {
+        let mut rng = Rng::new(5);
+        // Balanced: the best match (above the threshold) wins even though it is busier.
+        assert_eq!(sglang_threshold(&[0.1, 0.8, 0.0], &[3, 5, 2], 0.3, 64.0, 1.5, &mut rng), 1);
+        // Matches under the threshold: the shortest queue.
+        assert_eq!(sglang_threshold(&[0.1, 0.2, 0.0], &[3, 5, 2], 0.3, 64.0, 1.5, &mut rng), 2);
+        // Imbalanced past both thresholds: the shortest queue whatever the cache says.
+        assert_eq!(sglang_threshold(&[0.1, 0.9, 0.0], &[3, 100, 2], 0.3, 64.0, 1.5, &mut rng), 2);
     }
 
     #[test]

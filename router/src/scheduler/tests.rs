@@ -20,7 +20,7 @@ fn w(id: u32, role: WorkerRole, device: usize, prefill_tokens: u64, active_block
 }
 
 fn req(isl: u64) -> RouteRequest {
-    RouteRequest { isl, block_size: 16 }
+    RouteRequest { isl, block_size: 16, prefix_key: 0 }
 }
 
 fn decide(r: &RouteRequest, workers: &[WorkerView], cfg: &SchedulerConfig) -> Decision {
@@ -191,6 +191,36 @@ fn comparison_policies() {
         seen[route(&req(16), &workers, &random, &mut rng).expect("ok").decode.id.0 as usize] = true;
     }
     assert_eq!(seen, [true; 3]);
+}
+
+#[test]
+fn prefix_baselines_place_prefill_by_prefix_and_decode_by_load() {
+    let workers = [
+        w(0, Prefill, 0, 0, 0),
+        w(1, Prefill, 8, 0, 0),
+        w(2, Prefill, 0, 0, 0),
+        w(3, Decode, 0, 0, 50),
+        w(4, Decode, 0, 0, 5),
+    ];
+    let keyed = |key: u64| RouteRequest { prefix_key: key, ..req(160) };
+    let ph = SchedulerConfig { policy: Policy::PrefixHash, ..SchedulerConfig::default() };
+    let home = decide(&keyed(7), &workers, &ph).prefill.expect("prefill").id;
+    for seed in 0..20 {
+        let d = route(&keyed(7), &workers, &ph, &mut RouteState::seeded(seed)).expect("routes");
+        assert_eq!(d.prefill.expect("prefill").id, home, "one prefix, one home");
+        assert_eq!(d.decode.id, WorkerId(4), "decode by load");
+    }
+    let homes: std::collections::HashSet<WorkerId> =
+        (0..32).map(|k| decide(&keyed(k), &workers, &ph).prefill.expect("prefill").id).collect();
+    assert_eq!(homes.len(), 3, "prefixes spread over every prefill worker");
+    // SGLang's rule: w1 holds 8 of 10 blocks (above the 0.3 threshold) and the load is balanced.
+    let sg = SchedulerConfig { policy: Policy::SglangThreshold, ..SchedulerConfig::default() };
+    let d = decide(&req(160), &workers, &sg);
+    assert_eq!((d.prefill.expect("prefill").id, d.decode.id), (WorkerId(1), WorkerId(4)));
+    // The same worker with 100 more requests in flight than the others: the shortest queue instead.
+    let mut busy = workers.clone();
+    busy[1].load.active_requests = 100;
+    assert_ne!(decide(&req(160), &busy, &sg).prefill.expect("prefill").id, WorkerId(1));
 }
 
 #[test]

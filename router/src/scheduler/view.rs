@@ -78,9 +78,19 @@ pub struct RouteRequest {
     /// Input sequence length (prompt tokens).
     pub isl: u64,
     pub block_size: u64,
+    /// The chained hash of the prompt's first blocks (up to `prefix_hash_blocks` of them), or of what it has:
+    /// equal keys, equal starts (the `prefix_hash` policy's key).
+    pub prefix_key: u64,
 }
 
 impl RouteRequest {
+    /// A request of `isl` tokens with chained block hashes `hashes` (full blocks), keyed on its first
+    /// `prefix_blocks` blocks.
+    pub fn new(isl: u64, block_size: u64, hashes: &[u64], prefix_blocks: usize) -> RouteRequest {
+        let prefix_key = hashes.get(prefix_blocks.min(hashes.len()).wrapping_sub(1)).copied().unwrap_or(isl);
+        RouteRequest { isl, block_size, prefix_key }
+    }
+
     /// `ceil(isl / block_size)`.
     pub fn request_blocks(&self) -> u64 {
         self.isl.div_ceil(self.block_size.max(1))
