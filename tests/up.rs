@@ -1,42 +1,16 @@
 //! `tandem up` as a user runs it: a real process with a router and workers, driven by the official `openai`
 //! Python client (`pip install -r scripts/e2e/requirements.txt`), answers equal to `tandem generate`'s.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 const PROMPT: &str = "What is the capital of France?";
-
-/// Kills the cluster if the test fails before stopping it.
-struct Cluster(std::process::Child);
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 #[test]
 fn the_openai_client_gets_what_tandem_generate_gets() {
     let model = tandem_tests::model();
     let home = std::env::temp_dir().join(format!("tandem-up-test-{}", std::process::id()));
-    let up = Command::new(tandem_tests::binary("tandem", "tandem"))
-        .args(["up", "--port", "0", "--prefill", "1", "--decode", "1", "--model"])
-        .arg(&model)
-        .env("TANDEM_HOME", &home)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("tandem up starts");
-    let mut up = Cluster(up);
-    let stdout = up.0.stdout.take().expect("stdout");
-    let mut lines = BufReader::new(stdout).lines();
-    let first = lines.next().expect("a line").expect("utf-8");
-    let url = first
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no URL in {first:?}"))
-        .to_string();
+    let mut up = tandem_tests::Up::start(&["--prefill", "1", "--decode", "1"], &home);
+    let url = up.url.clone();
 
     let want = Command::new(tandem_tests::binary("tandem", "tandem"))
         .args(["generate", "--chat", "--json", "--max-tokens", "20", "--model"])
@@ -74,9 +48,9 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
 
     // Ctrl-C stops the whole cluster cleanly.
-    let status = Command::new("kill").args(["-INT", &up.0.id().to_string()]).status().expect("kill runs");
+    let status = Command::new("kill").args(["-INT", &up.child.id().to_string()]).status().expect("kill runs");
     assert!(status.success());
-    let exit = up.0.wait().expect("tandem up exits");
+    let exit = up.child.wait().expect("tandem up exits");
     assert!(exit.success(), "{exit:?}");
     let _ = std::fs::remove_dir_all(&home);
 }

@@ -37,6 +37,48 @@ pub fn binary(package: &str, name: &str) -> std::path::PathBuf {
     profile_dir.join(name)
 }
 
+/// `tandem up` as a separate process with `TANDEM_HOME` at `home`, killed when dropped.
+pub struct Up {
+    pub child: std::process::Child,
+    /// The router's base URL, from the line `tandem up` prints when ready.
+    pub url: String,
+    /// Its stdout, kept open: `tandem up` goes on writing to it, and a closed pipe would end it.
+    _stdout: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl Up {
+    /// Starts `tandem up <args> --port 0 --model <the embedded model>` and waits for its first line.
+    pub fn start(args: &[&str], home: &std::path::Path) -> Up {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(binary("tandem", "tandem"))
+            .arg("up")
+            .args(args)
+            .args(["--port", "0", "--model"])
+            .arg(model())
+            .env("TANDEM_HOME", home)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("tandem up starts");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let first = lines.next().and_then(Result::ok).unwrap_or_default();
+        let url = first.split_whitespace().find(|w| w.starts_with("http://")).map(String::from);
+        let Some(url) = url else {
+            let _ = child.kill();
+            panic!("tandem up printed no URL: {first:?}");
+        };
+        Up { child, url, _stdout: lines }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 pub fn model() -> std::path::PathBuf {
     engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model")
 }

@@ -3,6 +3,7 @@
 mod bench;
 mod certs;
 mod generate;
+mod serve;
 mod up;
 
 use std::num::NonZeroUsize;
@@ -66,6 +67,8 @@ enum BenchCommand {
     Engine(bench::Args),
     /// KV block transfer throughput on one host: QUIC (mutual TLS) and shared memory against plain TCP.
     Transfer(bench::TransferArgs),
+    /// Replay a trace or a synthetic workload against an OpenAI-compatible server, measured from the client.
+    Serve(Box<serve::Args>),
 }
 
 /// Options shared by the commands that run the model.
@@ -107,6 +110,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Generate(args) => generate::run(args),
         Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
+        Command::Bench { command: BenchCommand::Serve(args) } => serve::run(*args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(args),
         Command::Router(args) => Ok(router::cli::run(*args)),

@@ -1,0 +1,301 @@
+//! One streamed request to an OpenAI-compatible endpoint over HTTP/1.1, timed from the client's side: when it
+//! was sent, when each content chunk arrived, what the server reported in `usage`, and how it ended.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+
+/// Which API a request goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/completions` with the prompt as text: exact prompt lengths.
+    Completions,
+    /// `/v1/chat/completions` with the prompt as one user message (the chat template adds its tokens).
+    Chat,
+}
+
+/// Where requests go.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// `host:port`.
+    pub authority: String,
+    /// Path prefix before `/v1/...` (empty for most servers).
+    pub base_path: String,
+    pub model: String,
+    pub api_key: Option<String>,
+    pub endpoint: Endpoint,
+    pub timeout: Duration,
+}
+
+impl Target {
+    /// Parses `http://host:port[/prefix]`. Only plain HTTP: put a TLS-terminating proxy in front for HTTPS.
+    pub fn parse_url(url: &str) -> Result<(String, String), String> {
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("{url:?}: only http:// URLs are supported (use a local proxy for https)"))?;
+        let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+        if authority.is_empty() {
+            return Err(format!("{url:?} names no host"));
+        }
+        let authority = if authority.contains(':') { authority.to_string() } else { format!("{authority}:80") };
+        let base = path.trim_end_matches('/');
+        let base = base.strip_suffix("v1").unwrap_or(base).trim_end_matches('/');
+        Ok((authority, if base.is_empty() { String::new() } else { format!("/{base}") }))
+    }
+
+    fn path(&self) -> String {
+        let tail = match self.endpoint {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        };
+        format!("{}{tail}", self.base_path)
+    }
+}
+
+/// What one request asks for.
+#[derive(Clone, Debug)]
+pub struct Ask {
+    pub prompt: String,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub seed: u64,
+}
+
+/// How one request went.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Outcome {
+    /// HTTP status; 0 when no response came (connection refused, reset, timed out).
+    pub status: u16,
+    pub error: Option<String>,
+    /// Milliseconds after sending at which each content chunk arrived.
+    pub chunk_ms: Vec<f64>,
+    /// When the response ended, in milliseconds after sending.
+    pub end_ms: f64,
+    /// From `usage`, when the server sent it.
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    pub finish_reason: Option<String>,
+}
+
+impl Outcome {
+    /// A request that got its stream to the end without an error.
+    pub fn ok(&self) -> bool {
+        self.status == 200 && self.error.is_none()
+    }
+}
+
+/// The request body.
+pub fn body(target: &Target, ask: &Ask) -> serde_json::Value {
+    let mut b = serde_json::json!({
+        "model": target.model,
+        "max_tokens": ask.max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "seed": ask.seed,
+    });
+    match target.endpoint {
+        Endpoint::Completions => b["prompt"] = ask.prompt.clone().into(),
+        Endpoint::Chat => b["messages"] = serde_json::json!([{"role": "user", "content": ask.prompt}]),
+    }
+    if ask.ignore_eos {
+        // vLLM's and Tandem's extension; servers without it generate until end of text or max_tokens.
+        b["ignore_eos"] = true.into();
+    }
+    b
+}
+
+/// Sends one request and reads its stream to the end (or until `target.timeout`).
+pub async fn send(target: &Target, ask: &Ask) -> Outcome {
+    let started = Instant::now();
+    let mut out = Outcome::default();
+    let result = tokio::time::timeout(target.timeout, exchange(target, ask, started, &mut out)).await;
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => out.error = Some(e),
+        Err(_) => out.error = Some(format!("no complete answer within {:?}", target.timeout)),
+    }
+    out.end_ms = started.elapsed().as_secs_f64() * 1000.0;
+    out
+}
+
+/// A plain GET of `path` on the target (its `/metrics`, `/v1/models`), as text.
+pub async fn get(target: &Target, path: &str) -> Result<String, String> {
+    let work = async {
+        let stream = tokio::net::TcpStream::connect(&target.authority).await.map_err(|e| format!("connect: {e}"))?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| format!("handshake: {e}"))?;
+        let driver = tokio::spawn(conn);
+        let mut req = hyper::Request::get(path).header("host", &target.authority);
+        if let Some(k) = &target.api_key {
+            req = req.header("authorization", format!("Bearer {k}"));
+        }
+        let req = req.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+        let resp = sender.send_request(req).await.map_err(|e| format!("GET {path}: {e}"))?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await.map_err(|e| format!("GET {path}: {e}"))?.to_bytes();
+        driver.abort();
+        if !status.is_success() {
+            return Err(format!("GET {path}: HTTP {status}"));
+        }
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(10), work).await.map_err(|_| format!("GET {path}: timed out"))?
+}
+
+async fn exchange(target: &Target, ask: &Ask, started: Instant, out: &mut Outcome) -> Result<(), String> {
+    let stream = tokio::net::TcpStream::connect(&target.authority).await.map_err(|e| format!("connect: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| format!("handshake: {e}"))?;
+    let driver = tokio::spawn(conn);
+    let mut req = hyper::Request::post(target.path())
+        .header("host", &target.authority)
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream");
+    if let Some(k) = &target.api_key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let req = req
+        .body(Full::new(Bytes::from(body(target, ask).to_string())))
+        .map_err(|e| format!("building the request: {e}"))?;
+    let resp = sender.send_request(req).await.map_err(|e| format!("sending: {e}"))?;
+    out.status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    let mut parser = SseParser::default();
+    let mut text = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
+        let Some(data) = frame.data_ref() else { continue };
+        let at = started.elapsed().as_secs_f64() * 1000.0;
+        if out.status != 200 {
+            text.extend_from_slice(data);
+            continue;
+        }
+        for event in parser.push(data) {
+            apply(&event, at, out)?;
+        }
+    }
+    driver.abort();
+    if out.status != 200 {
+        let body = String::from_utf8_lossy(&text);
+        return Err(format!("HTTP {}: {}", out.status, body.chars().take(300).collect::<String>()));
+    }
+    if !parser.done {
+        return Err("the stream ended without [DONE]".into());
+    }
+    Ok(())
+}
+
+/// Applies one server-sent event's data to the outcome.
+fn apply(data: &str, at: f64, out: &mut Outcome) -> Result<(), String> {
+    if data == "[DONE]" {
+        return Ok(());
+    }
+    let v: serde_json::Value = serde_json::from_str(data).map_err(|e| format!("a stream chunk is not JSON: {e}"))?;
+    if let Some(err) = v.get("error") {
+        return Err(format!("error in stream: {err}"));
+    }
+    if let Some(choice) = v["choices"].as_array().and_then(|c| c.first()) {
+        let content = choice["text"].as_str().or_else(|| choice["delta"]["content"].as_str()).unwrap_or("");
+        if !content.is_empty() {
+            out.chunk_ms.push(at);
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            out.finish_reason = Some(f.to_string());
+        }
+    }
+    if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+        out.prompt_tokens = u["prompt_tokens"].as_u64();
+        out.completion_tokens = u["completion_tokens"].as_u64();
+        out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
+    }
+    Ok(())
+}
+
+/// Splits a byte stream into server-sent events' `data` payloads.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    buf: Vec<u8>,
+    /// Whether `data: [DONE]` was seen.
+    pub done: bool,
+}
+
+impl SseParser {
+    /// Feeds bytes; returns the data of every event completed by them.
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.buf.extend_from_slice(bytes);
+        let mut events = Vec::new();
+        while let Some(end) = find_event_end(&self.buf) {
+            let raw: Vec<u8> = self.buf.drain(..end.0 + end.1).collect();
+            let text = String::from_utf8_lossy(&raw[..end.0]);
+            let data: Vec<&str> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                .collect();
+            if data.is_empty() {
+                continue;
+            }
+            let data = data.join("\n");
+            if data == "[DONE]" {
+                self.done = true;
+            }
+            events.push(data);
+        }
+        events
+    }
+}
+
+/// The end of the first complete event: its length and the separator's.
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 < b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_to_authority_and_base() {
+        assert_eq!(Target::parse_url("http://127.0.0.1:8000").expect("ok"), ("127.0.0.1:8000".into(), String::new()));
+        assert_eq!(Target::parse_url("http://h:1/v1/").expect("ok"), ("h:1".into(), String::new()));
+        assert_eq!(Target::parse_url("http://h/x/v1").expect("ok"), ("h:80".into(), "/x".into()));
+        assert!(Target::parse_url("https://h:1").is_err());
+        assert!(Target::parse_url("http:///v1").is_err());
+    }
+
+    #[test]
+    fn events_split_across_reads_come_out_whole() {
+        let mut p = SseParser::default();
+        assert!(p.push(b"data: {\"a\":").is_empty());
+        assert_eq!(p.push(b"1}\n\ndata: [DO"), vec!["{\"a\":1}".to_string()]);
+        assert_eq!(p.push(b"NE]\r\n\r\n: comment\n\n"), vec!["[DONE]".to_string()]);
+        assert!(p.done);
+    }
+
+    #[test]
+    fn chunks_and_usage_are_read() {
+        let mut o = Outcome::default();
+        apply(r#"{"choices":[{"text":" a","finish_reason":null}]}"#, 5.0, &mut o).expect("ok");
+        apply(r#"{"choices":[{"delta":{"content":""}}]}"#, 6.0, &mut o).expect("ok");
+        apply(r#"{"choices":[{"delta":{"content":" b"},"finish_reason":"length"}]}"#, 7.0, &mut o).expect("ok");
+        apply(
+            r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}"#,
+            8.0,
+            &mut o,
+        )
+        .expect("ok");
+        assert_eq!(o.chunk_ms, [5.0, 7.0]);
+        assert_eq!((o.prompt_tokens, o.completion_tokens, o.cached_tokens), (Some(9), Some(2), Some(4)));
+        assert_eq!(o.finish_reason.as_deref(), Some("length"));
+        assert!(apply(r#"{"error":{"message":"x"}}"#, 9.0, &mut o).is_err());
+    }
+}

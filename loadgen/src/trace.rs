@@ -1,0 +1,169 @@
+//! Workload files: Mooncake/aiperf `mooncake_trace` JSONL and the Azure LLM inference CSVs, read into one
+//! request list. Parsing is pure: text in, requests (or the first bad line, named) out.
+
+use serde::Deserialize;
+
+/// One request of a workload.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TraceRequest {
+    /// Arrival in milliseconds from the trace's start; `None` for a later turn of a session that waits for the
+    /// previous turn to finish (then `delay_ms` after it).
+    pub arrival_ms: Option<f64>,
+    pub input_length: usize,
+    pub output_length: usize,
+    /// Prefix-block ids (512-token blocks in Mooncake traces): equal leading ids mean equal leading tokens.
+    pub hash_ids: Vec<u64>,
+    pub session_id: Option<String>,
+    /// For a session's later turn: milliseconds after the previous turn finished.
+    pub delay_ms: Option<f64>,
+}
+
+/// Why a workload file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("line {line}: {why}")]
+    Line { line: usize, why: String },
+    #[error("the trace has no requests")]
+    Empty,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MooncakeLine {
+    timestamp: Option<f64>,
+    input_length: usize,
+    output_length: usize,
+    #[serde(default)]
+    hash_ids: Vec<u64>,
+    session_id: Option<String>,
+    delay: Option<f64>,
+    // aiperf accepts a literal prompt in place of lengths; lengths are what a replay needs, so it is ignored.
+    #[serde(default)]
+    #[allow(dead_code)]
+    text_input: Option<String>,
+}
+
+/// Reads `mooncake_trace` JSONL: `timestamp` (ms), `input_length`, `output_length`, `hash_ids`, and optionally
+/// `session_id` and `delay` (ms after the session's previous turn finished, for turns without a timestamp).
+pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let bad = |why: String| TraceError::Line { line: i + 1, why };
+        let l: MooncakeLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        if l.input_length == 0 {
+            return Err(bad("input_length must be at least 1".into()));
+        }
+        if l.timestamp.is_none() && (l.session_id.is_none() || out.is_empty()) {
+            return Err(bad("a request without a timestamp must continue an earlier turn of its session".into()));
+        }
+        if l.timestamp.is_some_and(|t| !(t.is_finite() && t >= 0.0))
+            || l.delay.is_some_and(|d| !(d.is_finite() && d >= 0.0))
+        {
+            return Err(bad("timestamp and delay must be non-negative milliseconds".into()));
+        }
+        out.push(TraceRequest {
+            arrival_ms: l.timestamp,
+            input_length: l.input_length,
+            output_length: l.output_length.max(1),
+            hash_ids: l.hash_ids,
+            session_id: l.session_id,
+            delay_ms: l.delay,
+        });
+    }
+    if out.is_empty() {
+        return Err(TraceError::Empty);
+    }
+    Ok(out)
+}
+
+/// Reads an Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`): arrivals and lengths, no
+/// prefix information (every prompt is its own).
+pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut out = Vec::new();
+    let mut first: Option<f64> = None;
+    for (i, line) in text.lines().enumerate().skip(1).filter(|(_, l)| !l.trim().is_empty()) {
+        let bad = |why: &str| TraceError::Line { line: i + 1, why: why.to_string() };
+        let mut cols = line.split(',');
+        let (Some(ts), Some(ctx), Some(gen_)) = (cols.next(), cols.next(), cols.next()) else {
+            return Err(bad("expected TIMESTAMP,ContextTokens,GeneratedTokens"));
+        };
+        let at = azure_timestamp_ms(ts.trim()).ok_or_else(|| bad("TIMESTAMP is not `YYYY-MM-DD HH:MM:SS.fffffff`"))?;
+        let input: usize = ctx.trim().parse().map_err(|_| bad("ContextTokens is not a count"))?;
+        let output: usize = gen_.trim().parse().map_err(|_| bad("GeneratedTokens is not a count"))?;
+        let start = *first.get_or_insert(at);
+        out.push(TraceRequest {
+            arrival_ms: Some((at - start).max(0.0)),
+            input_length: input.max(1),
+            output_length: output.max(1),
+            ..TraceRequest::default()
+        });
+    }
+    if out.is_empty() {
+        return Err(TraceError::Empty);
+    }
+    Ok(out)
+}
+
+/// Milliseconds since 1970 of `2023-11-16 18:15:46.6805900` (UTC assumed; only differences are used).
+fn azure_timestamp_ms(s: &str) -> Option<f64> {
+    let (date, time) = s.split_once(' ')?;
+    let mut d = date.split('-').map(str::parse::<i64>);
+    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let mut t = time.split(':');
+    let (h, min, sec) =
+        (t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?);
+    Some(days_from_civil(y, m, day) as f64 * 86_400_000.0 + (h * 3600.0 + min * 60.0 + sec) * 1000.0)
+}
+
+/// Days from 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (m + if m > 2 { -3 } else { 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mooncake_lines_read_with_sessions() {
+        let text = r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
+
+{"timestamp": 12.5, "input_length": 10, "output_length": 0, "hash_ids": [0], "session_id": "a"}
+{"input_length": 900, "output_length": 7, "hash_ids": [0, 2], "session_id": "a", "delay": 300}
+"#;
+        let r = parse_mooncake(text).expect("parses");
+        assert_eq!(r.len(), 3);
+        assert_eq!(r[0].hash_ids, [0, 1]);
+        assert_eq!(r[1].arrival_ms, Some(12.5));
+        assert_eq!(r[1].output_length, 1, "at least one output token");
+        assert_eq!((r[2].arrival_ms, r[2].delay_ms), (None, Some(300.0)));
+    }
+
+    #[test]
+    fn a_bad_line_is_named() {
+        let e = parse_mooncake("{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\n{\"timestamp\": 1}\n")
+            .expect_err("refused");
+        assert!(e.to_string().starts_with("line 2:"), "{e}");
+        let e = parse_mooncake("{\"input_length\": 5, \"output_length\": 1}\n").expect_err("refused");
+        assert!(e.to_string().contains("timestamp"), "{e}");
+        assert!(matches!(parse_mooncake("\n"), Err(TraceError::Empty)));
+    }
+
+    #[test]
+    fn azure_rows_become_offsets_from_the_first() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                    2023-11-16 23:59:59.5000000,374,44\n\
+                    2023-11-17 00:00:00.7500000,396,109\n";
+        let r = parse_azure(text).expect("parses");
+        assert_eq!(r[0].arrival_ms, Some(0.0));
+        assert!((r[1].arrival_ms.expect("timed") - 1250.0).abs() < 1e-6, "{:?}", r[1].arrival_ms);
+        assert_eq!((r[1].input_length, r[1].output_length), (396, 109));
+        assert!(r[1].hash_ids.is_empty());
+        assert!(parse_azure("TIMESTAMP,ContextTokens,GeneratedTokens\nx,1,2\n").is_err());
+    }
+}

@@ -1,0 +1,66 @@
+//! `tandem bench serve` against `tandem up --engine mock` with four prefill and four decode workers, both as real
+//! processes: a slice of the committed Mooncake sample is replayed, and the records and summary are checked (not
+//! timed: what a run measures depends on the machine).
+
+use std::path::Path;
+use std::process::Command;
+
+const REQUESTS: usize = 30;
+
+#[test]
+fn a_trace_replays_through_a_mock_cluster_with_cache_hits_and_ordered_percentiles() {
+    let tandem = tandem_tests::binary("tandem", "tandem");
+    let model = tandem_tests::model();
+    let home = std::env::temp_dir().join(format!("tandem-bench-serve-{}", std::process::id()));
+    let up =
+        tandem_tests::Up::start(&["--engine", "mock", "--prefill", "4", "--decode", "4", "--speedup", "10"], &home);
+    let url = up.url.clone();
+
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/traces/mooncake_conversation_1k.jsonl");
+    let out = home.join("run");
+    let bench = Command::new(&tandem)
+        .args(["bench", "serve", "--url", &url, "--speedup", "20", "--json", "--quiet", "--ignore-eos"])
+        .args(["--max-requests", &REQUESTS.to_string(), "--slo", "ttft_ms=60000"])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(&out)
+        .arg("--tokenizer-model")
+        .arg(&model)
+        .output()
+        .expect("tandem bench serve runs");
+    assert!(bench.status.success(), "bench serve failed: {}", String::from_utf8_lossy(&bench.stderr));
+    let printed: serde_json::Value = serde_json::from_slice(&bench.stdout).expect("--json prints the summary");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).expect("summary.json")).expect("json");
+    assert_eq!(printed, summary);
+
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("records.jsonl"))
+        .expect("records.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON record"))
+        .collect();
+    assert_eq!(records.len(), REQUESTS);
+    assert_eq!(summary["requests"], REQUESTS);
+    assert_eq!(summary["failed"], 0, "{summary}");
+    for r in &records {
+        assert_eq!(r["status"], 200, "{r}");
+        assert_eq!(r["finish_reason"], "length", "the mock never ends early: {r}");
+    }
+    // Every request of the sample begins with trace block 0: from the second on, prefixes are cached.
+    let cached: u64 = records.iter().map(|r| r["cached_tokens"].as_u64().expect("cached_tokens")).sum();
+    assert!(cached > 0, "no prompt token came from cache");
+    assert!(summary["cached_token_fraction"].as_f64().is_some_and(|f| f > 0.0));
+    for key in ["time_to_first_token_ms", "time_per_output_token_ms", "inter_token_latency_ms", "request_latency_ms"] {
+        let d = &summary[key];
+        let q: Vec<f64> =
+            ["min", "p50", "p90", "p95", "p99", "max"].iter().map(|p| d[p].as_f64().expect("a number")).collect();
+        assert!(q.windows(2).all(|w| w[0] <= w[1]), "{key} percentiles out of order: {d}");
+        assert!(d["count"].as_u64().is_some_and(|c| c > 0), "{key}: {d}");
+    }
+    assert!(summary["output_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0));
+    let overrun = &summary["step_overrun_p99"];
+    assert!(overrun.is_number() || overrun == "+Inf", "the mock workers report their pacing: {summary}");
+    drop(up);
+    let _ = std::fs::remove_dir_all(&home);
+}
