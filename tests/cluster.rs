@@ -143,7 +143,9 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
     assert_eq!(http(addr, "GET", "/admin/router-config", "", &auth).await.json()["decay"], 0.5);
 
     // Models, health and readiness.
-    assert_eq!(http(addr, "GET", "/v1/models", "", &auth).await.json()["data"][0]["id"], MODEL);
+    let models = http(addr, "GET", "/v1/models", "", &auth).await.json();
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(models["data"][0]["max_model_len"], 8192, "the context, as vLLM reports it: {models}");
     assert_eq!(http(addr, "GET", "/health", "", &[]).await.status, 200);
     assert_eq!(http(addr, "GET", "/ready", "", &[]).await.status, 200);
     router.shutdown(Duration::from_secs(5)).await;
