@@ -29,6 +29,18 @@ pub struct TierTable<E> {
     free: Vec<u32>,
     by_hash: HashMap<SeqHash, u32>,
     policy: E,
+    /// Slots per state, kept as states change: usage is read at every engine step, and scanning every slot of
+    /// a large tier each time cost more than the step itself.
+    counts: TierUsage,
+}
+
+/// Where a slot in `state` is counted.
+fn count_of(counts: &mut TierUsage, state: State) -> &mut usize {
+    match state {
+        State::Free => &mut counts.free,
+        State::Used { .. } | State::Pinned => &mut counts.used,
+        State::Cached { .. } => &mut counts.cached,
+    }
 }
 
 impl<E: EvictionPolicy + Default> TierTable<E> {
@@ -39,7 +51,15 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
             free: (0..capacity as u32).rev().collect(),
             by_hash: HashMap::new(),
             policy: E::default(),
+            counts: TierUsage { free: capacity, ..TierUsage::default() },
         }
+    }
+
+    /// Moves `slot` to `state`, keeping the counts.
+    fn set(&mut self, slot: u32, state: State) {
+        let old = std::mem::replace(&mut self.states[slot as usize], state);
+        *count_of(&mut self.counts, old) -= 1;
+        *count_of(&mut self.counts, state) += 1;
     }
 
     pub fn capacity(&self) -> usize {
@@ -47,15 +67,7 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
     }
 
     pub fn usage(&self) -> TierUsage {
-        let mut u = TierUsage::default();
-        for s in &self.states {
-            match s {
-                State::Free => u.free += 1,
-                State::Used { .. } | State::Pinned => u.used += 1,
-                State::Cached { .. } => u.cached += 1,
-            }
-        }
-        u
+        self.counts
     }
 
     pub fn find(&self, seq: SeqHash) -> Option<u32> {
@@ -86,11 +98,11 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
     }
 
     pub fn set_used(&mut self, slot: u32, meta: Option<BlockMeta>) {
-        self.states[slot as usize] = State::Used { refs: NonZeroU32::MIN, meta };
+        self.set(slot, State::Used { refs: NonZeroU32::MIN, meta });
     }
 
     pub fn set_cached(&mut self, slot: u32, meta: BlockMeta) {
-        self.states[slot as usize] = State::Cached { meta };
+        self.set(slot, State::Cached { meta });
         self.by_hash.insert(meta.seq, slot);
         self.policy.insert(slot);
     }
@@ -100,7 +112,7 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
         let State::Cached { meta } = *self.states.get(slot as usize)? else { return None };
         self.policy.remove(slot);
         self.by_hash.remove(&meta.seq);
-        self.states[slot as usize] = State::Free;
+        self.set(slot, State::Free);
         self.free.push(slot);
         Some(meta)
     }
@@ -110,7 +122,7 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
         let State::Cached { meta } = *self.states.get(slot as usize)? else { return None };
         self.policy.remove(slot);
         self.by_hash.remove(&meta.seq);
-        self.states[slot as usize] = State::Pinned;
+        self.set(slot, State::Pinned);
         Some(meta)
     }
 
@@ -121,20 +133,20 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
 
     /// Frees a pinned slot once its copy is done.
     pub fn free_pinned(&mut self, slot: u32) {
-        self.states[slot as usize] = State::Free;
+        self.set(slot, State::Free);
         self.free.push(slot);
     }
 
     pub fn register(&mut self, slot: u32, meta: BlockMeta) {
         if let State::Used { refs, .. } = self.states[slot as usize] {
-            self.states[slot as usize] = State::Used { refs, meta: Some(meta) };
+            self.set(slot, State::Used { refs, meta: Some(meta) });
             self.by_hash.insert(meta.seq, slot);
         }
     }
 
     /// One more reference to a used or cached block.
     pub fn add_ref(&mut self, slot: u32) {
-        self.states[slot as usize] = match self.states[slot as usize] {
+        let next = match self.states[slot as usize] {
             State::Used { refs, meta } => State::Used { refs: refs.saturating_add(1), meta },
             State::Cached { meta } => {
                 self.policy.remove(slot);
@@ -142,12 +154,13 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
             }
             other => other,
         };
+        self.set(slot, next);
     }
 
     /// One reference fewer; `None` if the slot was not in use.
     pub fn release(&mut self, slot: u32) -> Option<()> {
         let State::Used { refs, meta } = *self.states.get(slot as usize)? else { return None };
-        self.states[slot as usize] = match (NonZeroU32::new(refs.get() - 1), meta) {
+        let next = match (NonZeroU32::new(refs.get() - 1), meta) {
             (Some(refs), meta) => State::Used { refs, meta },
             (None, Some(meta)) => {
                 self.policy.insert(slot);
@@ -158,6 +171,7 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
                 State::Free
             }
         };
+        self.set(slot, next);
         Some(())
     }
 
