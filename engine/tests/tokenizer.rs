@@ -21,6 +21,7 @@ fn corpus_ids_match_the_reference_exactly() {
         let text = case["text"].as_str().expect("text");
         let want = common::ids(&case["ids"]);
         let got = tok.encode(text);
+        assert_eq!(tok.encode(text), got, "encoding {text:?} again (its pieces now cached) gives the same ids");
         if got != want {
             failures.push(format!("{text:?}: got {got:?}, want {want:?}"));
         }

@@ -73,6 +73,46 @@ pub struct Tokenizer {
     specials: Vec<(String, u32)>,
     special: SpecialTokens,
     add_bos: bool,
+    /// Ids of pre-token pieces already merged: text repeats its words, and BPE merging is most of encoding's
+    /// cost (Hugging Face tokenizers keeps the same kind of cache).
+    words: WordCache,
+}
+
+/// Pieces longer than this are merged every time (they rarely repeat).
+const CACHED_PIECE_BYTES: usize = 64;
+/// Pieces remembered before the cache starts over.
+const CACHED_PIECES: usize = 1 << 16;
+
+#[derive(Default)]
+struct WordCache(std::sync::Mutex<std::collections::HashMap<Box<str>, Box<[u32]>>>);
+
+impl std::fmt::Debug for WordCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |m| m.len());
+        write!(f, "WordCache({n} pieces)")
+    }
+}
+
+impl WordCache {
+    fn get_or(&self, piece: &str, merge: impl FnOnce() -> Vec<u32>, out: &mut Vec<u32>) {
+        if piece.len() > CACHED_PIECE_BYTES {
+            out.extend(merge());
+            return;
+        }
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ids) = map.get(piece) {
+            out.extend_from_slice(ids);
+            return;
+        }
+        drop(map);
+        let ids = merge();
+        out.extend_from_slice(&ids);
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= CACHED_PIECES {
+            map.clear();
+        }
+        map.insert(piece.into(), ids.into());
+    }
 }
 
 impl Tokenizer {
@@ -141,7 +181,7 @@ impl Tokenizer {
         end_of_generation.extend(eos.filter(|e| !end_of_generation.contains(e)));
         end_of_generation.sort_unstable();
         let special = SpecialTokens { bos, eos, end_of_generation };
-        Ok(Tokenizer { tokens, token_bytes, merges, byte_ids, specials, special, add_bos })
+        Ok(Tokenizer { tokens, token_bytes, merges, byte_ids, specials, special, add_bos, words: WordCache::default() })
     }
 
     /// Number of tokens in the vocabulary.
@@ -224,12 +264,13 @@ impl Tokenizer {
     }
 
     fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
-        let mut symbols = Vec::new();
         pretokenize::split(text, |piece| {
-            symbols.clear();
-            symbols.extend(piece.bytes().filter_map(|b| self.byte_ids[b as usize]));
-            self.merges.apply(&mut symbols);
-            out.extend_from_slice(&symbols);
+            let merge = || {
+                let mut symbols: Vec<u32> = piece.bytes().filter_map(|b| self.byte_ids[b as usize]).collect();
+                self.merges.apply(&mut symbols);
+                symbols
+            };
+            self.words.get_or(piece, merge, out);
         });
     }
 
