@@ -154,3 +154,119 @@ pub fn concurrency(
         all_first_tokens_ms: all_first.duration_since(start).as_secs_f64() * 1000.0,
     })
 }
+
+/// Shapes for fitting a timing profile: prompt chunks of `prefill_tokens` new tokens after `contexts` cached
+/// ones, decode steps of `batches` sequences at `decode_contexts` tokens each, and mixed steps (a prompt chunk
+/// with a decode batch).
+#[derive(Clone, Debug)]
+pub struct ShapeGrid {
+    pub prefill_tokens: Vec<usize>,
+    pub contexts: Vec<usize>,
+    pub batches: Vec<usize>,
+    pub decode_contexts: Vec<usize>,
+    pub mixed_prefill: Vec<usize>,
+    pub mixed_batches: Vec<usize>,
+    /// Timed runs per shape; the median is kept.
+    pub reps: usize,
+}
+
+impl Default for ShapeGrid {
+    fn default() -> Self {
+        // Sized so that the whole grid runs in a few minutes on two cores (prefill is ~130 tokens/s there).
+        ShapeGrid {
+            prefill_tokens: vec![16, 48, 96, 192, 384, 768],
+            contexts: vec![0, 256, 1024],
+            batches: vec![1, 2, 4, 8, 12, 16],
+            decode_contexts: vec![64, 320, 960],
+            mixed_prefill: vec![32, 96, 256],
+            mixed_batches: vec![2, 6, 12],
+            reps: 3,
+        }
+    }
+}
+
+/// Times one forward step per shape of `grid` (after untimed steps that fill the cached context), on the current
+/// rayon pool.
+pub fn measure_steps(model: &Model, grid: &ShapeGrid) -> Result<Vec<crate::backend::fit::Sample>, ForwardError> {
+    use crate::backend::fit::{Kind, Sample};
+    use crate::backend::mock::MockBackend;
+    let vocab = model.config.n_vocab;
+    let longest = [&grid.prefill_tokens, &grid.contexts, &grid.decode_contexts, &grid.mixed_prefill]
+        .iter()
+        .map(|v| v.iter().copied().max().unwrap_or(0))
+        .sum::<usize>()
+        + grid.reps
+        + 16;
+    let seqs = grid.batches.iter().chain(&grid.mixed_batches).copied().max().unwrap_or(1) + 1;
+    let per_seq = longest.div_ceil(16);
+    let mut kv = KvStore::new(KvLayout::for_model(&model.config, 16), per_seq * seqs);
+    let tables: Vec<Vec<BlockId>> =
+        (0..seqs).map(|s| (0..per_seq).map(|b| BlockId((s * per_seq + b) as u32)).collect()).collect();
+    // Fills `len` tokens of context for sequence `s` (untimed, in chunks the size real prefill would use).
+    let fill = |kv: &mut KvStore, s: usize, len: usize| -> Result<(), ForwardError> {
+        let p = prompt(len, s + 11, vocab);
+        for (i, c) in p.chunks(512).enumerate() {
+            model.forward(kv, &[SeqChunk { tokens: c, start: i * 512, blocks: &tables[s], logits: false }])?;
+        }
+        Ok(())
+    };
+    let timed = |kv: &mut KvStore, prefill: Option<(usize, usize)>, decode: (usize, usize)| {
+        let (b, ctx) = decode;
+        let mut times = Vec::new();
+        let mut shape = crate::backend::StepShape::default();
+        for rep in 0..grid.reps {
+            let chunk_tokens = prefill.map(|(t, _)| prompt(t, rep + 3, vocab));
+            let singles: Vec<[u32; 1]> = (0..b).map(|i| [(100 + i * 31 + rep) as u32]).collect();
+            let mut batch: Vec<SeqChunk<'_>> = Vec::new();
+            if let (Some((_, c)), Some(tokens)) = (prefill, &chunk_tokens) {
+                batch.push(SeqChunk { tokens, start: c, blocks: &tables[seqs - 1], logits: true });
+            }
+            for (i, one) in singles.iter().enumerate() {
+                batch.push(SeqChunk { tokens: one, start: ctx + rep, blocks: &tables[i], logits: true });
+            }
+            shape = MockBackend::shape(&batch, [0, 0], 0);
+            let t = Instant::now();
+            model.forward(kv, &batch)?;
+            times.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        times.sort_by(f64::total_cmp);
+        let kind = match (prefill.is_some(), b > 0) {
+            (true, false) => Kind::Prefill,
+            (false, _) => Kind::Decode,
+            (true, true) => Kind::Mixed,
+        };
+        Ok::<Sample, ForwardError>(Sample {
+            kind,
+            prefill_tokens: shape.prefill_tokens,
+            prefill_context_pairs: shape.prefill_context_pairs,
+            decode_seqs: shape.decode_seqs,
+            decode_kv_tokens: shape.decode_kv_tokens,
+            ms: times[times.len() / 2],
+        })
+    };
+    let mut out = Vec::new();
+    // Warm-up touches the weights and the KV pages once.
+    fill(&mut kv, seqs - 1, 64)?;
+    for &c in &grid.contexts {
+        fill(&mut kv, seqs - 1, c)?;
+        for &t in &grid.prefill_tokens {
+            out.push(timed(&mut kv, Some((t, c)), (0, 0))?);
+        }
+    }
+    for &ctx in &grid.decode_contexts {
+        for s in 0..seqs - 1 {
+            fill(&mut kv, s, ctx)?;
+        }
+        for &b in &grid.batches {
+            out.push(timed(&mut kv, None, (b, ctx))?);
+        }
+        if ctx == grid.decode_contexts[grid.decode_contexts.len() / 2] {
+            for &t in &grid.mixed_prefill {
+                for &b in &grid.mixed_batches {
+                    out.push(timed(&mut kv, Some((t, 0)), (b, ctx))?);
+                }
+            }
+        }
+    }
+    Ok(out)
+}

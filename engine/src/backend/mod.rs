@@ -4,6 +4,7 @@
 //! workers for routing experiments.
 
 pub mod cpu;
+pub mod fit;
 pub mod mock;
 pub mod profile;
 

@@ -8,11 +8,16 @@
 //!
 //! ```text
 //! prefill = base + per_token·T + per_token_sq·T² + per_context_ktoken·Σ(n_i·c_i)/1000        (when T > 0)
-//! decode  = max(min, base + per_seq·B + per_kv_ktoken·K/1000 + Σ_j utilization[j]·u^j)  (when B > 0)
-//!           with u = KV tokens of the batch / capacity
+//! decode  = max(min, base + rows(B) + per_kv_ktoken·K/1000 + Σ_j utilization[j]·u^j), rows(B) = per_seq·B +
+//!           per_seq_sq·B² (held at its peak past it when per_seq_sq < 0)
+//!           (when B > 0), with u = KV tokens of the batch / capacity
+//! mixed   = mixed_ms                                                         (when T > 0 and B > 0)
 //! onboard = host_ms_per_block·(blocks from host) + disk_ms_per_block·(blocks from disk)
-//! step    = prefill + decode + onboard
+//! step    = prefill + decode + mixed + onboard
 //! ```
+//!
+//! `mixed_ms` corrects a step that holds both: one forward pass reads the weights once, so it is usually negative,
+//! about minus the smaller base.
 //!
 //! A transfer of `n` blocks of the modelled `block_bytes` takes `latency_ms + n·block_bytes / bandwidth`.
 
@@ -45,6 +50,9 @@ pub struct TimingProfile {
     pub prefill: PrefillTerms,
     #[serde(default)]
     pub decode: DecodeTerms,
+    /// Added to a step that has both prompt chunks and decode rows.
+    #[serde(default)]
+    pub mixed_ms: f64,
     #[serde(default)]
     pub tiers: TierTerms,
     #[serde(default)]
@@ -74,6 +82,9 @@ pub struct DecodeTerms {
     pub base_ms: f64,
     #[serde(default)]
     pub per_seq_ms: f64,
+    /// Per decode row squared (negative when batching amortises more as the batch grows).
+    #[serde(default)]
+    pub per_seq_sq_ms: f64,
     /// Per thousand KV tokens read by the batch's decode rows.
     #[serde(default)]
     pub per_kv_ktoken_ms: f64,
@@ -83,6 +94,21 @@ pub struct DecodeTerms {
     /// Floor of the decode part.
     #[serde(default)]
     pub min_ms: f64,
+}
+
+impl DecodeTerms {
+    /// `per_seq·B + per_seq_sq·B²`, held at its peak past it when the square term is negative (a fit over small
+    /// batches must not make larger batches cheaper than smaller ones).
+    pub fn rows_ms(&self, b: f64) -> f64 {
+        let at = |b: f64| self.per_seq_ms * b + self.per_seq_sq_ms * b * b;
+        if self.per_seq_sq_ms < 0.0 {
+            let peak = -self.per_seq_ms / (2.0 * self.per_seq_sq_ms);
+            if peak > 0.0 && b > peak {
+                return at(peak);
+            }
+        }
+        at(b)
+    }
 }
 
 /// Bringing cached blocks back to the device (ms per block).
@@ -173,7 +199,9 @@ impl TimingProfile {
             self.prefill.per_context_ktoken_ms,
             self.decode.base_ms,
             self.decode.per_seq_ms,
+            self.decode.per_seq_sq_ms,
             self.decode.per_kv_ktoken_ms,
+            self.mixed_ms,
             self.decode.min_ms,
             self.tiers.host_ms_per_block,
             self.tiers.disk_ms_per_block,
@@ -203,10 +231,13 @@ impl TimingProfile {
             let u = s.batch_kv_tokens as f64 / s.capacity_tokens.max(1) as f64;
             let poly: f64 = d.utilization_ms.iter().rev().fold(0.0, |acc, c| acc * u + c);
             let raw = d.base_ms
-                + d.per_seq_ms * s.decode_seqs as f64
+                + d.rows_ms(s.decode_seqs as f64)
                 + d.per_kv_ktoken_ms * s.decode_kv_tokens as f64 / 1000.0
                 + poly;
             ms += raw.max(d.min_ms);
+        }
+        if s.prefill_tokens > 0 && s.decode_seqs > 0 {
+            ms += self.mixed_ms;
         }
         ms +=
             self.tiers.host_ms_per_block * s.onboarded[0] as f64 + self.tiers.disk_ms_per_block * s.onboarded[1] as f64;
@@ -257,6 +288,13 @@ mod tests {
         let e = TimingProfile::parse("x", "[prefil]\nbase_ms = 1\n").expect_err("refused");
         assert!(e.to_string().contains("prefil"), "{e}");
         assert!(matches!(TimingProfile::load("/nonexistent/p.toml"), Err(ProfileError::Read { .. })));
+    }
+
+    #[test]
+    fn a_negative_square_term_never_makes_a_larger_batch_cheaper() {
+        let d = DecodeTerms { per_seq_ms: 10.0, per_seq_sq_ms: -0.25, ..DecodeTerms::default() };
+        // Peak at B = 20 (100 ms): held there beyond.
+        assert_eq!((d.rows_ms(4.0), d.rows_ms(20.0), d.rows_ms(64.0)), (36.0, 100.0, 100.0));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 mod bpe;
 mod bytes;
 mod decode;
+pub mod export;
 mod pretokenize;
 
 use std::collections::HashMap;

@@ -24,6 +24,11 @@ pub fn check_supported(pre: &str) -> Result<(), TokenizerError> {
     }
 }
 
+/// Whether `pre` isolates every digit before GPT-2's split.
+pub fn isolates_digits(pre: &str) -> bool {
+    DIGITS_THEN_GPT2.contains(&pre)
+}
+
 fn gpt2() -> &'static Regex {
     static RE: OnceLock<Regex> = OnceLock::new();
     RE.get_or_init(|| Regex::new(GPT2_PATTERN).expect("the GPT-2 pattern is a valid regex"))

@@ -1,6 +1,7 @@
 //! `tandem bench engine`: prefill and decode throughput.
 
 use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use engine::bench::{self, BenchSpec};
@@ -29,6 +30,14 @@ pub struct Args {
     /// scheduler and report their total decode tokens/s (comma-separated list).
     #[arg(long, value_delimiter = ',')]
     concurrency: Vec<NonZeroUsize>,
+    /// Instead, time forward steps over a grid of shapes (prompt chunks with cached context, decode batches,
+    /// mixed steps), fit a mock timing profile to them by least squares, and write it here.
+    #[arg(long, value_name = "FILE")]
+    fit_profile: Option<PathBuf>,
+    /// With --fit-profile: fit to steps measured earlier (the `.samples.json` written next to a profile) instead
+    /// of measuring again.
+    #[arg(long, value_name = "FILE", requires = "fit_profile")]
+    samples: Option<PathBuf>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -37,6 +46,9 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode, String> {
     if !args.concurrency.is_empty() {
         return run_concurrency(&args);
+    }
+    if let Some(out) = &args.fit_profile {
+        return run_fit(&args, out);
     }
     let path = args.model.path()?;
     let model = Model::open(&path).map_err(|e| e.to_string())?;
@@ -59,6 +71,102 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One measured shape in three is held out of the fit and used to check it.
+const HOLD_OUT_EVERY: usize = 3;
+
+/// Measures the grid, fits on two thirds of it, checks on the rest, writes the profile.
+fn run_fit(args: &Args, out: &Path) -> Result<ExitCode, String> {
+    use engine::backend::TimingProfile;
+    use engine::backend::fit::{self, Kind};
+    let path = args.model.path()?;
+    let threads = args.model.threads.map_or(0, NonZeroUsize::get);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| e.to_string())?;
+    let samples_file = out.with_extension("samples.json");
+    let samples: Vec<fit::Sample> = match &args.samples {
+        Some(file) => {
+            let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?
+        }
+        None => {
+            let model = Model::open(&path).map_err(|e| e.to_string())?;
+            eprintln!("timing forward steps on {} threads (a few minutes)…", pool.current_num_threads());
+            let measured = pool
+                .install(|| bench::measure_steps(&model, &bench::ShapeGrid::default()))
+                .map_err(|e| format!("{e} (model {})", display(&path)))?;
+            let json = serde_json::to_string_pretty(&measured).map_err(|e| e.to_string())?;
+            std::fs::write(&samples_file, json).map_err(|e| format!("{}: {e}", samples_file.display()))?;
+            measured
+        }
+    };
+    // Every third shape, the pick shifted by one at each row of the grid (six shapes a row), so that every value of
+    // every factor (prompt length, context, batch) is also fitted on at some other setting of the rest.
+    let held_out = |i: usize| (i + i / 6) % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1;
+    let (held, train): (Vec<_>, Vec<_>) = samples.iter().enumerate().partition(|(i, _)| held_out(*i));
+    let held: Vec<fit::Sample> = held.into_iter().map(|(_, s)| *s).collect();
+    let train: Vec<fit::Sample> = train.into_iter().map(|(_, s)| *s).collect();
+    let f = fit::fit(&train).ok_or("too few shapes to fit")?;
+    let base = TimingProfile::load("cpu-smollm2").unwrap_or_default();
+    let mut profile = f.apply(&base);
+    let errors = fit::relative_errors(&profile, &held);
+    let p90 = fit::quantile(&errors, 0.9);
+    let command =
+        format!("tandem bench engine --fit-profile {} --threads {}", out.display(), pool.current_num_threads());
+    let refit = format!("tandem bench engine --fit-profile {} --samples {}", out.display(), samples_file.display());
+    profile.description = format!("{} on this engine's CPU forward pass", model_name(&path));
+    profile.source = format!(
+        "fitted by `{command}`; held-out shapes: p90 relative error {:.1}% ({} of {} shapes held out)",
+        p90 * 100.0,
+        held.len(),
+        samples.len()
+    );
+    let text = toml::to_string(&profile).map_err(|e| e.to_string())?;
+    let header = format!(
+        "# Re-fit whenever the engine's speed changes:\n#   {command}\n# (the measured steps are in {}; to re-fit \
+         from them alone: {refit})\n",
+        samples_file.display()
+    );
+    std::fs::write(out, header + &text).map_err(|e| format!("{}: {e}", out.display()))?;
+    let by_kind =
+        |k: Kind| -> Vec<f64> { held.iter().zip(&errors).filter(|(s, _)| s.kind == k).map(|(_, e)| *e).collect() };
+    if args.json {
+        let report = serde_json::json!({
+            "terms": fit::TERMS.iter().zip(f.coefficients.iter().zip(&f.std_errors))
+                .map(|(n, (c, e))| serde_json::json!({"term": n, "value": c, "std_error": e})).collect::<Vec<_>>(),
+            "held_out_p90_relative_error": p90,
+            "held_out": held.iter().zip(&errors).map(|(s, e)| serde_json::json!({"shape": s, "relative_error": e}))
+                .collect::<Vec<_>>(),
+            "profile": out,
+        });
+        println!("{report}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{:<32} {:>14} {:>14}", "term", "value", "std error");
+    for (name, (c, e)) in fit::TERMS.iter().zip(f.coefficients.iter().zip(&f.std_errors)) {
+        println!("{name:<32} {c:>14.6e} {e:>14.3e}");
+    }
+    println!("held-out relative error (fitted on {} shapes, checked on {}):", train.len(), held.len());
+    for (label, e) in [
+        ("prefill", by_kind(Kind::Prefill)),
+        ("decode", by_kind(Kind::Decode)),
+        ("mixed", by_kind(Kind::Mixed)),
+        ("all", errors.clone()),
+    ] {
+        println!(
+            "  {label:<8} p50 {:>5.1}%  p90 {:>5.1}%  max {:>5.1}%  ({} shapes)",
+            fit::quantile(&e, 0.5) * 100.0,
+            fit::quantile(&e, 0.9) * 100.0,
+            fit::quantile(&e, 1.0) * 100.0,
+            e.len()
+        );
+    }
+    println!("wrote {}", out.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn model_name(path: &Path) -> String {
+    path.file_stem().map_or_else(|| "the model".to_string(), |s| s.to_string_lossy().into_owned())
 }
 
 #[derive(serde::Serialize)]

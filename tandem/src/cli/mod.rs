@@ -59,6 +59,15 @@ enum ModelCommand {
     Fetch,
     /// Print the default model's path (fetching it when missing).
     Path,
+    /// Write the model's tokenizer as a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json),
+    /// for tools that load one (aiperf, vLLM's benchmarks).
+    Tokenizer {
+        /// Directory to write (made if missing).
+        dir: PathBuf,
+        /// A GGUF model file; the embedded model when absent.
+        #[arg(long, value_name = "PATH")]
+        model: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -101,6 +110,22 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Model { command: ModelCommand::Fetch } => {
             let path = fetch_default()?;
             println!("{}", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Model { command: ModelCommand::Tokenizer { dir, model } } => {
+            let path = match model {
+                Some(p) => p,
+                None => fetch_default()?,
+            };
+            let file = engine::gguf::GgufFile::open(&path).map_err(|e| format!("{}: {e}", display(&path)))?;
+            let (tokenizer, config) =
+                engine::tokenizer::export::hugging_face_files(&file).map_err(|e| e.to_string())?;
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", display(&dir)))?;
+            for (name, value) in [("tokenizer.json", tokenizer), ("tokenizer_config.json", config)] {
+                let out = dir.join(name);
+                std::fs::write(&out, value.to_string()).map_err(|e| format!("{}: {e}", display(&out)))?;
+            }
+            println!("{}", dir.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Model { command: ModelCommand::Path } => {

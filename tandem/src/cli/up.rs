@@ -81,6 +81,9 @@ pub struct Args {
     /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two, prefix_hash, sglang_threshold.
     #[arg(long, default_value = "kv")]
     policy: String,
+    /// Seed the router's random choices (tie-breaks, sampling policies) for reproducible runs.
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 /// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
@@ -184,7 +187,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             follow: Default::default(),
             block_size: defaults::BLOCK_SIZE,
             max_model_len: (max_model_len < usize::MAX).then_some(max_model_len),
-            seed: None,
+            seed: args.seed,
         })
         .await
         .map_err(|e| e.to_string())?;
