@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Routing policies compared on the committed Mooncake sample, on a mock cluster (docs/performance.md).
+
+For every (load, seed, policy) it starts a fresh `tandem up --engine mock` (8 prefill + 8 decode workers by
+default, so no run finds another's cache warm), replays the trace sample with `tandem bench serve` at the trace's
+own arrival rate times LOAD (arrivals sped up by SPEEDUP x LOAD while the mock's step times are sped up by
+SPEEDUP), and keeps the summary. Policies take turns within each (load, seed) so a drifting machine favours none.
+At the end it prints one table per load: each metric's median over seeds with the range across seeds, and whether
+every run was valid (client schedule lag and mock step overrun within 5%).
+
+Usage:
+  python3 scripts/bench/policies.py --tandem target/release/tandem [--requests 500] [--speedup 1] [--loads 1,2]
+      [--seeds 1,2,3] [--policies kv,round_robin,least_loaded,power_of_two,prefix_hash,sglang_threshold]
+      [--prefill 8] [--decode 8] [--out runs/policies]
+  python3 scripts/bench/policies.py --table runs/policies     # the table again, from the saved summaries
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TRACE = ROOT / "data/traces/mooncake_conversation_1k.jsonl"
+POLICIES = "kv,round_robin,least_loaded,power_of_two,prefix_hash,sglang_threshold"
+SLO = "ttft_ms=2000,tpot_ms=25"
+
+
+def start_cluster(args, policy, seed, home):
+    cmd = [args.tandem, "up", "--engine", "mock", "--prefill", str(args.prefill), "--decode", str(args.decode),
+           "--speedup", str(args.speedup), "--policy", policy, "--seed", str(seed), "--port", "0"]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env={**os.environ, "TANDEM_HOME": str(home)})
+    line = up.stdout.readline()
+    url = next((w for w in line.split() if w.startswith("http://")), None)
+    if url is None:
+        up.kill()
+        sys.exit(f"tandem up did not start: {line!r}")
+    return up, url
+
+
+def run_one(args, policy, load, seed, out):
+    home = pathlib.Path(tempfile.mkdtemp(prefix="tandem-policies-"))
+    models = pathlib.Path(os.environ.get("TANDEM_HOME", pathlib.Path.home() / ".cache/tandem")) / "models"
+    if models.is_dir():
+        (home / "models").symlink_to(models)
+    up, url = start_cluster(args, policy, seed, home)
+    try:
+        time.sleep(2)  # the router's first snapshots
+        cmd = [args.tandem, "bench", "serve", "--url", url, "--trace", str(TRACE), "--max-requests",
+               str(args.requests), "--speedup", str(args.speedup * load), "--seed", str(seed), "--slo", SLO,
+               "--ignore-eos", "--quiet", "--json", "--out", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"bench serve failed: {done.stderr}")
+        return json.loads(done.stdout)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+METRICS = [
+    ("TTFT p50 ms", lambda s: s["time_to_first_token_ms"]["p50"]),
+    ("TTFT p90 ms", lambda s: s["time_to_first_token_ms"]["p90"]),
+    ("TTFT p99 ms", lambda s: s["time_to_first_token_ms"]["p99"]),
+    ("ITL p50 ms", lambda s: s["inter_token_latency_ms"]["p50"]),
+    ("ITL p90 ms", lambda s: s["inter_token_latency_ms"]["p90"]),
+    ("goodput req/s", lambda s: s["goodput_requests_per_s"]),
+    ("cached %", lambda s: 100 * s["cached_token_fraction"]),
+    ("failed", lambda s: s["failed"]),
+]
+
+
+def table(out):
+    runs = {}
+    for f in sorted(pathlib.Path(out).glob("*/summary.json")):
+        policy, load, seed = f.parent.name.rsplit("-", 2)
+        runs.setdefault((float(load.lstrip("x")), policy), []).append(json.loads(f.read_text()))
+    for load in sorted({l for l, _ in runs}):
+        print(f"\nload x{load:g} (median over seeds [min, max]; SLO {SLO}):")
+        print(f"{'policy':<17}" + "".join(f"{m:>22}" for m, _ in METRICS) + "   valid")
+        for (l, policy), summaries in sorted(runs.items(), key=lambda kv: kv[0][1]):
+            if l != load:
+                continue
+            cells = []
+            for _, f in METRICS:
+                v = [f(s) for s in summaries]
+                cells.append(f"{statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}]")
+            valid = sum(1 for s in summaries if s["valid"])
+            print(f"{policy:<17}" + "".join(f"{c:>22}" for c in cells) + f"   {valid}/{len(summaries)}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tandem", default=str(ROOT / "target/release/tandem"))
+    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--loads", default="1,2")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--policies", default=POLICIES)
+    p.add_argument("--prefill", type=int, default=8)
+    p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--out", default="runs/policies")
+    p.add_argument("--table", metavar="DIR", help="print the table of an earlier run and stop")
+    args = p.parse_args()
+    if args.table:
+        table(args.table)
+        return
+    for load in [float(x) for x in args.loads.split(",")]:
+        for seed in [int(x) for x in args.seeds.split(",")]:
+            for policy in args.policies.split(","):
+                out = pathlib.Path(args.out) / f"{policy}-x{load:g}-{seed}"
+                s = run_one(args, policy, load, seed, out)
+                print(f"{policy:<17} x{load:g} seed {seed}: TTFT p90 {s['time_to_first_token_ms']['p90']:8.1f} ms, "
+                      f"cached {100 * s['cached_token_fraction']:5.1f}%, failed {s['failed']}, valid {s['valid']}",
+                      flush=True)
+    table(args.out)
+
+
+if __name__ == "__main__":
+    main()
