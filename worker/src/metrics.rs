@@ -192,11 +192,7 @@ pub fn render(stats: &EngineStats, worker: &WorkerMetrics, held: Held) -> String
         &one(telemetry::dropped_spans() as f64),
     );
     if let Some(p) = &stats.pacing {
-        e.counter(
-            "tandem_mock_steps_total",
-            "Steps the mock engine took, and their modelled time.",
-            &one(p.steps as f64),
-        );
+        e.counter("tandem_mock_steps_total", "Steps the mock engine took.", &one(p.steps as f64));
         e.counter(
             "tandem_mock_modelled_seconds_total",
             "Modelled step time (after the speed-up) of the mock engine.",

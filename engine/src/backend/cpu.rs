@@ -16,10 +16,6 @@ impl CpuBackend {
     pub fn new(model: Model, threads: rayon::ThreadPool) -> CpuBackend {
         CpuBackend { model, threads }
     }
-
-    pub fn model(&self) -> &Model {
-        &self.model
-    }
 }
 
 impl Backend for CpuBackend {

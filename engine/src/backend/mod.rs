@@ -86,26 +86,4 @@ impl Pacing {
         let b = OVERRUN_BOUNDS.iter().position(|&u| ratio <= u).unwrap_or(OVERRUN_BOUNDS.len());
         self.overrun_buckets[b] += 1;
     }
-
-    /// The overrun ratio at quantile `q` (an upper bound: the bucket's bound), or `None` before any step.
-    pub fn overrun_quantile(&self, q: f64) -> Option<f64> {
-        quantile_of_buckets(&self.overrun_buckets, q)
-    }
-}
-
-/// The bucket bound below which a fraction `q` of the counts in `buckets` lies (infinity for the last bucket).
-pub fn quantile_of_buckets(buckets: &[u64], q: f64) -> Option<f64> {
-    let total: u64 = buckets.iter().sum();
-    if total == 0 {
-        return None;
-    }
-    let want = (q * total as f64).ceil().max(1.0) as u64;
-    let mut seen = 0;
-    for (i, &n) in buckets.iter().enumerate() {
-        seen += n;
-        if seen >= want {
-            return Some(OVERRUN_BOUNDS.get(i).copied().unwrap_or(f64::INFINITY));
-        }
-    }
-    Some(f64::INFINITY)
 }

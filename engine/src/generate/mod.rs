@@ -250,8 +250,14 @@ impl Engine {
                 }
                 check_config(&config, mock.context_len)?;
                 let tokenizer = text.tokenizer();
+                let words = tokenizer.plain_words();
+                if words.is_empty() {
+                    return Err(EngineError::Config(
+                        "the vocabulary has no plain word tokens for the mock to draw".into(),
+                    ));
+                }
                 let capacity = config.kv_blocks * config.block_tokens;
-                Box::new(MockBackend::new((**mock).clone(), tokenizer.vocab_size(), tokenizer.plain_words(), capacity))
+                Box::new(MockBackend::new((**mock).clone(), tokenizer.vocab_size(), words, capacity))
             }
         };
         let layout = backend.kv_layout(config.block_tokens);
