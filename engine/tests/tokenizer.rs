@@ -95,3 +95,20 @@ fn plain_words_re_tokenize_to_themselves_in_any_order() {
         .collect();
     assert_eq!(tok.encode(&tok.decode(&ids)), ids);
 }
+
+#[test]
+fn the_hugging_face_export_carries_the_whole_vocabulary() {
+    let tok = tokenizer();
+    let (json, config) = engine::tokenizer::export::hugging_face_files(&common::model_file()).expect("exports");
+    let vocab = json["model"]["vocab"].as_object().expect("vocab");
+    assert_eq!(vocab.len(), tok.vocab_size());
+    for id in [0u32, 1, 100, 5000] {
+        let text = tok.token_text(id).expect("a token");
+        assert_eq!(vocab[text], id, "token {id} keeps its id");
+    }
+    let added: Vec<&str> =
+        json["added_tokens"].as_array().expect("added").iter().filter_map(|t| t["content"].as_str()).collect();
+    assert!(added.contains(&"<|im_start|>") && added.contains(&"<|im_end|>"), "{added:?}");
+    assert_eq!(json["pre_tokenizer"]["pretokenizers"][0]["type"], "Digits", "SmolLM2 isolates digits");
+    assert!(config["chat_template"].as_str().is_some_and(|t| t.contains("im_start")));
+}

@@ -116,9 +116,22 @@ impl WordCache {
     }
 }
 
-impl Tokenizer {
-    /// Builds the tokenizer a GGUF file describes.
-    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
+/// The tokenizer's part of a GGUF's metadata, checked: what [`Tokenizer::from_gguf`] builds from and what
+/// [`export`] writes out.
+pub(crate) struct GgufVocab<'a> {
+    /// The pre-tokenizer's name (a supported one).
+    pub pre: &'a str,
+    pub tokens: &'a [String],
+    /// One type per token (1, normal, when the file gives none).
+    pub types: Vec<i64>,
+    pub merges: &'a [String],
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+}
+
+impl<'a> GgufVocab<'a> {
+    pub(crate) fn read(file: &'a GgufFile) -> Result<GgufVocab<'a>, TokenizerError> {
         let meta = file.metadata();
         let model = meta.get("tokenizer.ggml.model").and_then(|v| v.as_str());
         let model = model.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.model" })?;
@@ -127,29 +140,34 @@ impl Tokenizer {
         }
         let pre = meta.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
         pretokenize::check_supported(pre)?;
-        let tokens = match meta.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
-            Some(MetaArray::String(t)) => t.clone(),
-            _ => return Err(TokenizerError::Missing { key: "tokenizer.ggml.tokens" }),
+        let strings = |key: &'static str| match meta.get(key).and_then(|v| v.as_array()) {
+            Some(MetaArray::String(t)) => Ok(t.as_slice()),
+            _ => Err(TokenizerError::Missing { key }),
         };
+        let tokens = strings("tokenizer.ggml.tokens")?;
         let types = match meta.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
             Some(a) => a.to_i64s().filter(|t| t.len() == tokens.len()),
             None => Some(vec![1; tokens.len()]),
         };
         let types = types.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.token_type" })?;
-        let merges = match meta.get("tokenizer.ggml.merges").and_then(|v| v.as_array()) {
-            Some(MetaArray::String(m)) => m.as_slice(),
-            _ => return Err(TokenizerError::Missing { key: "tokenizer.ggml.merges" }),
-        };
         let id_of = |k: &str| meta.get(k).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
-        let add_bos = meta.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
-        Tokenizer::new(
+        Ok(GgufVocab {
+            pre,
             tokens,
-            &types,
-            merges,
-            id_of("tokenizer.ggml.bos_token_id"),
-            id_of("tokenizer.ggml.eos_token_id"),
-            add_bos,
-        )
+            types,
+            merges: strings("tokenizer.ggml.merges")?,
+            bos: id_of("tokenizer.ggml.bos_token_id"),
+            eos: id_of("tokenizer.ggml.eos_token_id"),
+            add_bos: meta.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+        })
+    }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes.
+    pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
+        let v = GgufVocab::read(file)?;
+        Tokenizer::new(v.tokens.to_vec(), &v.types, v.merges, v.bos, v.eos, v.add_bos)
     }
 
     fn new(
