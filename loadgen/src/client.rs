@@ -121,22 +121,44 @@ pub async fn send(target: &Target, ask: &Ask) -> Outcome {
     out
 }
 
+/// A connection's driver task, ended when dropped.
+struct Connection(tokio::task::JoinHandle<Result<(), hyper::Error>>);
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Sends one request on a connection of its own (with the target's host and key); the response's body can be read
+/// while the returned connection lives.
+async fn send_request(
+    target: &Target,
+    request: hyper::http::request::Builder,
+    body: Bytes,
+) -> Result<(hyper::Response<hyper::body::Incoming>, Connection), String> {
+    let stream = tokio::net::TcpStream::connect(&target.authority).await.map_err(|e| format!("connect: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| format!("handshake: {e}"))?;
+    let connection = Connection(tokio::spawn(conn));
+    let mut request = request.header("host", &target.authority);
+    if let Some(k) = &target.api_key {
+        request = request.header("authorization", format!("Bearer {k}"));
+    }
+    let request = request.body(Full::new(body)).map_err(|e| format!("building the request: {e}"))?;
+    let response = sender.send_request(request).await.map_err(|e| format!("sending: {e}"))?;
+    Ok((response, connection))
+}
+
 /// A plain GET of `path` on the target (its `/metrics`, `/v1/models`), as text.
 pub async fn get(target: &Target, path: &str) -> Result<String, String> {
     let work = async {
-        let stream = tokio::net::TcpStream::connect(&target.authority).await.map_err(|e| format!("connect: {e}"))?;
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| format!("handshake: {e}"))?;
-        let driver = tokio::spawn(conn);
-        let mut req = hyper::Request::get(path).header("host", &target.authority);
-        if let Some(k) = &target.api_key {
-            req = req.header("authorization", format!("Bearer {k}"));
-        }
-        let req = req.body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
-        let resp = sender.send_request(req).await.map_err(|e| format!("GET {path}: {e}"))?;
+        let (resp, _connection) = send_request(target, hyper::Request::get(path), Bytes::new())
+            .await
+            .map_err(|e| format!("GET {path}: {e}"))?;
         let status = resp.status();
         let body = resp.into_body().collect().await.map_err(|e| format!("GET {path}: {e}"))?.to_bytes();
-        driver.abort();
         if !status.is_success() {
             return Err(format!("GET {path}: HTTP {status}"));
         }
@@ -146,22 +168,10 @@ pub async fn get(target: &Target, path: &str) -> Result<String, String> {
 }
 
 async fn exchange(target: &Target, ask: &Ask, started: Instant, out: &mut Outcome) -> Result<(), String> {
-    let stream = tokio::net::TcpStream::connect(&target.authority).await.map_err(|e| format!("connect: {e}"))?;
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| format!("handshake: {e}"))?;
-    let driver = tokio::spawn(conn);
-    let mut req = hyper::Request::post(target.path())
-        .header("host", &target.authority)
+    let request = hyper::Request::post(target.path())
         .header("content-type", "application/json")
         .header("accept", "text/event-stream");
-    if let Some(k) = &target.api_key {
-        req = req.header("authorization", format!("Bearer {k}"));
-    }
-    let req = req
-        .body(Full::new(Bytes::from(body(target, ask).to_string())))
-        .map_err(|e| format!("building the request: {e}"))?;
-    let resp = sender.send_request(req).await.map_err(|e| format!("sending: {e}"))?;
+    let (resp, _connection) = send_request(target, request, Bytes::from(body(target, ask).to_string())).await?;
     out.status = resp.status().as_u16();
     let mut body = resp.into_body();
     let mut parser = SseParser::default();
@@ -178,7 +188,6 @@ async fn exchange(target: &Target, ask: &Ask, started: Instant, out: &mut Outcom
             apply(&event, at, out)?;
         }
     }
-    driver.abort();
     if out.status != 200 {
         let body = String::from_utf8_lossy(&text);
         return Err(format!("HTTP {}: {}", out.status, body.chars().take(300).collect::<String>()));
