@@ -109,8 +109,9 @@ fn policy(name: &str) -> Result<SchedulerConfig, String> {
         .map_err(|_| format!("unknown policy {name:?}: use kv, round_robin, random, least_loaded, power_of_two, prefix_hash or sglang_threshold"))
 }
 
-/// One worker's engine: the flags as `tandem worker` reads them, disk tiers apart per worker.
-fn engine_config(args: &Args, home: &Path, name: &str, threads: Option<NonZeroUsize>) -> Result<EngineConfig, String> {
+/// The workers' engine: the flags as `tandem worker` reads them. `disk_dir` is the directory under which each
+/// worker gets its own.
+fn engine_config(args: &Args, home: &Path, threads: Option<NonZeroUsize>) -> Result<EngineConfig, String> {
     let settings = worker::cli::Settings {
         engine: Some(args.engine.clone()),
         profile: args.profile.clone(),
@@ -121,11 +122,11 @@ fn engine_config(args: &Args, home: &Path, name: &str, threads: Option<NonZeroUs
         kv_blocks: args.kv_blocks,
         host_blocks: args.host_blocks,
         disk_blocks: args.disk_blocks,
-        disk_dir: Some(args.disk_dir.clone().unwrap_or_else(|| home.join("kv").join("up")).join(name)),
+        disk_dir: Some(args.disk_dir.clone().unwrap_or_else(|| home.join("kv").join("up"))),
         ..worker::cli::Settings::default()
     };
     let mut problems = Vec::new();
-    let engine = worker::cli::engine_config(&settings, name, &mut problems);
+    let engine = worker::cli::engine_config(&settings, "up", &mut problems);
     if problems.is_empty() { Ok(engine) } else { Err(problems.join("; ")) }
 }
 
@@ -153,13 +154,14 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     process.block_on(async move {
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         let mut workers = Vec::new();
-        let mut max_model_len = usize::MAX;
+        let engine = engine_config(&args, &home, threads)?;
+        // The router accepts what the workers do (the model's context unless set; the mock's own).
+        let max_model_len = match &engine.backend {
+            BackendChoice::Mock(m) => Some(m.context_len),
+            BackendChoice::Cpu => engine.max_model_len,
+        };
         for ((role, name), identity) in roles.into_iter().zip(ids) {
-            let engine = engine_config(&args, &home, &name, threads)?;
-            max_model_len = max_model_len.min(engine.max_model_len.unwrap_or(usize::MAX));
-            if let BackendChoice::Mock(m) = &engine.backend {
-                max_model_len = max_model_len.min(m.context_len);
-            }
+            let engine = EngineConfig { disk_dir: engine.disk_dir.as_ref().map(|d| d.join(&name)), ..engine.clone() };
             let w = RunningWorker::start(WorkerConfig {
                 model_id: defaults::SERVED_MODEL.into(),
                 engine,
@@ -186,7 +188,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             admin_key: args.admin_key,
             follow: Default::default(),
             block_size: defaults::BLOCK_SIZE,
-            max_model_len: (max_model_len < usize::MAX).then_some(max_model_len),
+            max_model_len,
             seed: args.seed,
         })
         .await
