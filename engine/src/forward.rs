@@ -64,7 +64,7 @@ pub fn check_chunk(kv: &KvStore, s: &SeqChunk<'_>, vocab: usize, context: usize)
 pub const LOGIT_TOLERANCE: f32 = 0.05;
 
 /// Up to this many activation rows, matmuls dequantize weights in registers instead of through a buffer.
-const FUSED_MAX_ROWS: usize = 4;
+const FUSED_MAX_ROWS: usize = 2;
 
 /// Rows of weights dequantized together, so each activation row is read once per group from L1.
 const ROW_GROUP: usize = 8;
