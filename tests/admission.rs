@@ -3,7 +3,9 @@
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use engine::generate::EngineConfig;
+use engine::backend::TimingProfile;
+use engine::backend::mock::MockSettings;
+use engine::generate::{BackendChoice, EngineConfig};
 
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
@@ -46,6 +48,75 @@ async fn a_full_router_says_429_with_retry_after_and_a_slow_request_504() {
     wait_idle(&d).await;
     router.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_queued_wait_limit_requests_are_shed_with_429_and_retry_after() {
+    let ca = DevCa::generate().expect("ca");
+    // Mock workers whose prefill takes 1 ms per prompt token: a known speed, and no compute on this machine.
+    let profile = TimingProfile::parse("test", "[prefill]\nper_token_ms = 1.0\n").expect("profile");
+    let mock = |w: WorkerConfig| WorkerConfig {
+        engine: EngineConfig {
+            backend: BackendChoice::Mock(Box::new(MockSettings {
+                profile: profile.clone(),
+                context_len: 8192,
+                ..MockSettings::gpu_default()
+            })),
+            ..w.engine
+        },
+        ..w
+    };
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], mock, |r| r).await;
+    let addr = router.addr;
+    let prompt = |i: usize| -> String { (0..200).map(|k| format!("r{i} w{k} ")).collect() };
+    let body = |i: usize| {
+        serde_json::json!({"model": "smollm2-135m-instruct", "prompt": prompt(i), "max_tokens": 2}).to_string()
+    };
+    // One request first, so that the router measures the prefill worker's speed from its reports.
+    assert_eq!(http(addr, "POST", "/v1/completions", &body(0), &[]).await.status, 200);
+    let measured = || {
+        let views = router.state.cluster.view(&[], Duration::ZERO, std::time::Instant::now());
+        views.iter().any(|v| v.role.prefills() && v.speed.prefill_tokens_per_sec.is_some())
+    };
+    for _ in 0..200 {
+        if measured() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(measured(), "the router learned the prefill speed");
+    // Shed past 300 ms of queued prompts: each prompt is about a second of prefill, so of eight sent at once the
+    // first is admitted and most of the rest are refused.
+    let live = http(addr, "PUT", "/admin/router-config", r#"{"shed_wait_ms": 300}"#, &[]).await;
+    assert_eq!(live.status, 200, "{}", live.body);
+    let sent: Vec<_> = (1..=8)
+        .map(|i| {
+            let b = body(i);
+            tokio::spawn(async move { http(addr, "POST", "/v1/completions", &b, &[]).await })
+        })
+        .collect();
+    let (mut ok, mut shed) = (0, 0);
+    for s in sent {
+        let r = s.await.expect("joins");
+        match r.status {
+            200 => ok += 1,
+            429 => {
+                shed += 1;
+                let after: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).expect("Retry-After in seconds");
+                assert!((1..=60).contains(&after), "{after}");
+                assert_eq!(r.json()["error"]["type"], "rate_limit_error");
+            }
+            other => panic!("unexpected status {other}: {}", r.body),
+        }
+    }
+    assert!(ok >= 1 && shed >= 1, "{ok} served, {shed} shed");
+    let m = http(addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains(&format!("tandem_router_decisions_total{{policy=\"kv\",reason=\"shed\"}} {shed}")), "{m}");
+    // A shed request never reached a worker and left nothing behind.
+    for w in &workers {
+        wait_idle(w).await;
+    }
+    stop(router, workers).await;
 }
 
 /// Waits until the worker runs nothing and holds no KV blocks for sequences.

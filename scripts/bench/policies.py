@@ -16,57 +16,22 @@ Usage:
 """
 import argparse
 import json
-import os
 import pathlib
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TRACE = ROOT / "data/traces/mooncake_conversation_1k.jsonl"
+from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster
+
 POLICIES = "kv,round_robin,least_loaded,power_of_two,prefix_hash,sglang_threshold"
 SLO = "ttft_ms=2000,tpot_ms=25"
 
 
-def start_cluster(args, policy, seed, home):
-    cmd = [args.tandem, "up", "--engine", "mock", "--prefill", str(args.prefill), "--decode", str(args.decode),
-           "--speedup", str(args.speedup), "--policy", policy, "--seed", str(seed), "--port", "0"]
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                          env={**os.environ, "TANDEM_HOME": str(home)})
-    line = up.stdout.readline()
-    url = next((w for w in line.split() if w.startswith("http://")), None)
-    if url is None:
-        up.kill()
-        sys.exit(f"tandem up did not start: {line!r}")
-    return up, url
-
-
 def run_one(args, policy, load, seed, out):
-    home = pathlib.Path(tempfile.mkdtemp(prefix="tandem-policies-"))
-    models = pathlib.Path(os.environ.get("TANDEM_HOME", pathlib.Path.home() / ".cache/tandem")) / "models"
-    if models.is_dir():
-        (home / "models").symlink_to(models)
-    up, url = start_cluster(args, policy, seed, home)
-    try:
-        time.sleep(2)  # the router's first snapshots
-        cmd = [args.tandem, "bench", "serve", "--url", url, "--trace", str(TRACE), "--max-requests",
-               str(args.requests), "--speedup", str(args.speedup * load), "--seed", str(seed), "--slo", SLO,
-               "--ignore-eos", "--quiet", "--json", "--out", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"bench serve failed: {done.stderr}")
-        return json.loads(done.stdout)
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        shutil.rmtree(home, ignore_errors=True)
+    flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--speedup", str(args.speedup),
+             "--policy", policy, "--seed", str(seed)]
+    with mock_cluster(args.tandem, flags) as url:
+        return bench_serve(args.tandem, url, [
+            "--trace", str(TRACE), "--max-requests", str(args.requests), "--speedup", str(args.speedup * load),
+            "--seed", str(seed), "--slo", SLO, "--ignore-eos", "--out", str(out)])
 
 
 METRICS = [
@@ -102,16 +67,11 @@ def table(out):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--tandem", default=str(ROOT / "target/release/tandem"))
     p.add_argument("--requests", type=int, default=500)
-    p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--loads", default="1,2")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--policies", default=POLICIES)
-    p.add_argument("--prefill", type=int, default=8)
-    p.add_argument("--decode", type=int, default=8)
-    p.add_argument("--out", default="runs/policies")
-    p.add_argument("--table", metavar="DIR", help="print the table of an earlier run and stop")
+    add_cluster_args(p, workers=8, out="runs/policies")
     args = p.parse_args()
     if args.table:
         table(args.table)

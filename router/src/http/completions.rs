@@ -121,6 +121,13 @@ pub async fn plan(
     .map_err(|e| match e {
         RouteError::NoDecodeWorkers => ApiError::Unavailable(e.to_string()),
         RouteError::AllBusy => ApiError::Overloaded(Duration::from_secs(1)),
+        RouteError::Shed { wait_ms, limit_ms } => {
+            if count {
+                state.metrics.decision(config.policy.as_str(), e.kind());
+            }
+            // Come back when the excess queue should have drained.
+            ApiError::Overloaded(Duration::from_secs(wait_ms.saturating_sub(limit_ms).div_ceil(1000).clamp(1, 60)))
+        }
     })?;
     record_route(&span, &decision, views.len());
     if count {

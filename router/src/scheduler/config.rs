@@ -132,6 +132,9 @@ pub struct SchedulerConfig {
     /// `balance_rel_threshold` × min (load in requests in flight).
     pub balance_abs_threshold: f64,
     pub balance_rel_threshold: f64,
+    /// Refuse a request (429 with Retry-After) when the worker that would prefill it has more than this many
+    /// milliseconds of prompts queued at its measured speed; none: never (requests queue at the workers).
+    pub shed_wait_ms: Option<f64>,
 }
 
 impl Default for SchedulerConfig {
@@ -163,6 +166,7 @@ impl Default for SchedulerConfig {
             cache_threshold: CACHE_THRESHOLD,
             balance_abs_threshold: BALANCE_ABS_THRESHOLD,
             balance_rel_threshold: BALANCE_REL_THRESHOLD,
+            shed_wait_ms: None,
         }
     }
 }
@@ -187,6 +191,9 @@ impl SchedulerConfig {
         non_negative("slow_start_secs", self.slow_start_secs);
         non_negative("transfer_cost_ratio", self.transfer_cost_ratio);
         non_negative("balance_abs_threshold", self.balance_abs_threshold);
+        if let Some(ms) = self.shed_wait_ms {
+            non_negative("shed_wait_ms", ms);
+        }
         if !(self.prefix_hash_load_factor.is_finite() && self.prefix_hash_load_factor >= 1.0) {
             errors.push(format!("prefix_hash_load_factor must be >= 1, got {}", self.prefix_hash_load_factor));
         }

@@ -7,6 +7,7 @@ pub mod cost;
 mod disaggregate;
 pub mod rng;
 pub mod select;
+pub mod shed;
 pub mod view;
 
 use serde::Serialize;
@@ -92,6 +93,9 @@ pub enum RouteError {
     NoDecodeWorkers,
     #[error("every decode worker is busy")]
     AllBusy,
+    /// The worker that would prefill the request has more queued work than `shed_wait_ms`.
+    #[error("the cluster is overloaded: about {wait_ms} ms of prompts are queued ahead of this one")]
+    Shed { wait_ms: u64, limit_ms: u64 },
 }
 
 impl RouteError {
@@ -99,6 +103,7 @@ impl RouteError {
         match self {
             RouteError::NoDecodeWorkers => "no_decode_workers",
             RouteError::AllBusy => "all_busy",
+            RouteError::Shed { .. } => "shed",
         }
     }
 }
@@ -227,6 +232,14 @@ pub fn route(
         Some((c, w)) => PrefillPool::Chosen(c, w),
     };
     let (disaggregate, reason) = disaggregate::decide(req, decode_worker, pool, cfg)?;
+    let prefiller = match &prefill {
+        Some((_, w)) if disaggregate => w,
+        _ => decode_worker,
+    };
+    if let Some(wait) = shed::over_limit(prefiller, cfg.shed_wait_ms) {
+        let limit_ms = cfg.shed_wait_ms.unwrap_or_default().round() as u64;
+        return Err(RouteError::Shed { wait_ms: (wait * 1000.0).round() as u64, limit_ms });
+    }
     let prefill = prefill.map(|(c, _)| c);
     Ok(Decision { policy: cfg.policy, prefill, decode, disaggregate, reason, request_blocks, isl: req.isl })
 }

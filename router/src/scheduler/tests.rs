@@ -267,3 +267,30 @@ fn the_explanation_serializes_as_the_debug_api_promises() {
     assert_eq!(v["reason"], "prefill_remote");
     assert_eq!((v["request_blocks"].as_u64(), v["isl"].as_u64()), (Some(4), Some(64)));
 }
+
+#[test]
+fn a_request_is_shed_when_the_worker_that_would_prefill_it_has_too_much_queued() {
+    let cfg = SchedulerConfig { shed_wait_ms: Some(1000.0), ..SchedulerConfig::default() };
+    let measured = |mut v: WorkerView| {
+        v.speed.prefill_tokens_per_sec = Some(10_000.0);
+        v
+    };
+    // 30,000 queued tokens at 10,000 tokens/s: 3 s ahead of the request on the only prefill worker.
+    let (p, d) = (measured(w(0, Prefill, 0, 30_000, 0)), measured(w(1, Decode, 0, 0, 0)));
+    let got = route(&req(4096), &[p.clone(), d.clone()], &cfg, &mut RouteState::seeded(1));
+    assert_eq!(got, Err(RouteError::Shed { wait_ms: 3000, limit_ms: 1000 }));
+    // The same cluster with the shedding limit off routes it as before.
+    let off = decide(&req(4096), &[p.clone(), d.clone()], &SchedulerConfig::default());
+    assert_eq!((off.disaggregate, off.reason), (true, Reason::PrefillRemote));
+    // Most of the prompt on the decode worker: it prefills there, its own queue is empty, nothing is shed.
+    let holder = WorkerView { overlap: Overlap { device: 250, host: 0, disk: 0 }, ..d.clone() };
+    let local = decide(&req(4096), &[p.clone(), holder], &cfg);
+    assert_eq!((local.disaggregate, local.reason), (false, Reason::CachedOnDecode));
+    // A single worker that does both: its own queue decides.
+    let both = measured(w(2, Both, 0, 30_000, 0));
+    let got = route(&req(64), &[both], &cfg, &mut RouteState::seeded(1));
+    assert_eq!(got, Err(RouteError::Shed { wait_ms: 3000, limit_ms: 1000 }));
+    // Before any speed is measured there is no estimate, and nothing is shed.
+    let unmeasured = decide(&req(4096), &[w(0, Prefill, 0, 30_000, 0), d], &cfg);
+    assert!(unmeasured.disaggregate);
+}

@@ -1,0 +1,74 @@
+"""A fresh `tandem up --engine mock` cluster for one benchmark run (shared by policies.py and overload.py).
+
+Each cluster gets its own TANDEM_HOME (the model directory linked in, so nothing is fetched again), so no run
+finds another's cache warm; leaving the `with` block stops it and removes that home.
+"""
+import contextlib
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TRACE = ROOT / "data/traces/mooncake_conversation_1k.jsonl"
+
+
+def add_cluster_args(p, workers, out):
+    """The flags every mock-cluster benchmark takes: the binary, `workers` prefill and decode workers each, the
+    mock's speed-up, the output directory, and `--table` to reprint an earlier run."""
+    p.add_argument("--tandem", default=str(ROOT / "target/release/tandem"))
+    p.add_argument("--prefill", type=int, default=workers)
+    p.add_argument("--decode", type=int, default=workers)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--out", default=out)
+    p.add_argument("--table", metavar="DIR", help="print the table of an earlier run and stop")
+
+
+@contextlib.contextmanager
+def mock_cluster(tandem, flags):
+    """Yields the router's URL of `tandem up --engine mock FLAGS` once it is up."""
+    home = pathlib.Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+    models = pathlib.Path(os.environ.get("TANDEM_HOME", pathlib.Path.home() / ".cache/tandem")) / "models"
+    if models.is_dir():
+        (home / "models").symlink_to(models)
+    cmd = [tandem, "up", "--engine", "mock", "--port", "0", *flags]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env={**os.environ, "TANDEM_HOME": str(home)})
+    try:
+        line = up.stdout.readline()
+        url = next((w for w in line.split() if w.startswith("http://")), None)
+        if url is None:
+            sys.exit(f"tandem up did not start: {line!r}")
+        time.sleep(2)  # the router's first snapshots
+        yield url
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def set_router_config(url, patch):
+    """`PUT /admin/router-config` with the JSON object `patch` (open to loopback clients)."""
+    import json
+    import urllib.request
+    req = urllib.request.Request(f"{url}/admin/router-config", data=json.dumps(patch).encode(), method="PUT",
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def bench_serve(tandem, url, flags):
+    """`tandem bench serve --url URL FLAGS --quiet --json`: the summary."""
+    import json
+    done = subprocess.run([tandem, "bench", "serve", "--url", url, *flags, "--quiet", "--json"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench serve failed: {done.stderr}")
+    return json.loads(done.stdout)
