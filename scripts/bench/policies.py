@@ -5,8 +5,8 @@ For every (load, seed, policy) it starts a fresh `tandem up --engine mock` (8 pr
 default, so no run finds another's cache warm), replays the trace sample with `tandem bench serve` at the trace's
 own arrival rate times LOAD (arrivals sped up by SPEEDUP x LOAD while the mock's step times are sped up by
 SPEEDUP), and keeps the summary. Policies take turns within each (load, seed) so a drifting machine favours none.
-At the end it prints one table per load: each metric's median over seeds with the range across seeds, and whether
-every run was valid (client schedule lag and mock step overrun within 5%).
+At the end it prints one table per load: each metric's median over the valid runs' seeds with their range, and
+how many runs were valid (client schedule lag and mock step overrun within 5%); invalid runs make no figure.
 
 Usage:
   python3 scripts/bench/policies.py --tandem target/release/tandem [--requests 500] [--speedup 1] [--loads 1,2]
@@ -57,12 +57,13 @@ def table(out):
         for (l, policy), summaries in sorted(runs.items(), key=lambda kv: kv[0][1]):
             if l != load:
                 continue
+            # Only valid runs make the figures; an invalid one is reported by count.
+            valid = [s for s in summaries if s["valid"]]
             cells = []
             for _, f in METRICS:
-                v = [f(s) for s in summaries]
+                v = [f(s) for s in valid] or [float("nan")]
                 cells.append(f"{statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}]")
-            valid = sum(1 for s in summaries if s["valid"])
-            print(f"{policy:<17}" + "".join(f"{c:>22}" for c in cells) + f"   {valid}/{len(summaries)}")
+            print(f"{policy:<17}" + "".join(f"{c:>22}" for c in cells) + f"   {len(valid)}/{len(summaries)}")
 
 
 def main():
