@@ -112,6 +112,13 @@ async fn past_the_queued_wait_limit_requests_are_shed_with_429_and_retry_after()
     assert!(ok >= 1 && shed >= 1, "{ok} served, {shed} shed");
     let m = http(addr, "GET", "/metrics", "", &[]).await.body;
     assert!(m.contains(&format!("tandem_router_decisions_total{{policy=\"kv\",reason=\"shed\"}} {shed}")), "{m}");
+    // Every decode worker past the busy KV fraction: refused too, and counted under its own reason.
+    let busy = r#"{"shed_wait_ms": null, "busy_kv_fraction": 0.0001}"#;
+    assert_eq!(http(addr, "PUT", "/admin/router-config", busy, &[]).await.status, 200);
+    let r = http(addr, "POST", "/v1/completions", &body(9), &[]).await;
+    assert_eq!((r.status, r.header("retry-after")), (429, Some("1")), "{}", r.body);
+    let m = http(addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_decisions_total{policy=\"kv\",reason=\"all_busy\"} 1"), "{m}");
     // A shed request never reached a worker and left nothing behind.
     for w in &workers {
         wait_idle(w).await;

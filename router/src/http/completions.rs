@@ -118,15 +118,18 @@ pub async fn plan(
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
         route(&req, &views, &config, &mut route_state)
     }
-    .map_err(|e| match e {
-        RouteError::NoDecodeWorkers => ApiError::Unavailable(e.to_string()),
-        RouteError::AllBusy => ApiError::Overloaded(Duration::from_secs(1)),
-        RouteError::Shed { wait_ms, limit_ms } => {
-            if count {
-                state.metrics.decision(config.policy.as_str(), e.kind());
-            }
+    .map_err(|e| {
+        // Refusals for load are decisions too: operators see how much was shed and why.
+        if count && matches!(e, RouteError::AllBusy | RouteError::Shed { .. }) {
+            state.metrics.decision(config.policy.as_str(), e.kind());
+        }
+        match e {
+            RouteError::NoDecodeWorkers => ApiError::Unavailable(e.to_string()),
+            RouteError::AllBusy => ApiError::Overloaded(Duration::from_secs(1)),
             // Come back when the excess queue should have drained.
-            ApiError::Overloaded(Duration::from_secs(wait_ms.saturating_sub(limit_ms).div_ceil(1000).clamp(1, 60)))
+            RouteError::Shed { wait_ms, limit_ms } => {
+                ApiError::Overloaded(Duration::from_secs(wait_ms.saturating_sub(limit_ms).div_ceil(1000).clamp(1, 60)))
+            }
         }
     })?;
     record_route(&span, &decision, views.len());
