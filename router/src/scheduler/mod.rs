@@ -236,9 +236,10 @@ pub fn route(
         Some((_, w)) if disaggregate => w,
         _ => decode_worker,
     };
-    if let Some(wait) = shed::over_limit(prefiller, cfg.shed_wait_ms) {
-        let limit_ms = cfg.shed_wait_ms.unwrap_or_default().round() as u64;
-        return Err(RouteError::Shed { wait_ms: (wait * 1000.0).round() as u64, limit_ms });
+    if let Some(limit_ms) = cfg.shed_wait_ms
+        && let Some(wait) = shed::over_limit(prefiller, limit_ms)
+    {
+        return Err(RouteError::Shed { wait_ms: (wait * 1000.0).round() as u64, limit_ms: limit_ms.round() as u64 });
     }
     let prefill = prefill.map(|(c, _)| c);
     Ok(Decision { policy: cfg.policy, prefill, decode, disaggregate, reason, request_blocks, isl: req.isl })

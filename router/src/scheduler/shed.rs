@@ -14,9 +14,8 @@ pub fn queue_wait_secs(w: &WorkerView) -> Option<f64> {
 
 /// `Some(wait in seconds)` when the request should be shed: the worker that would prefill it has more than
 /// `limit_ms` of queued work.
-pub fn over_limit(prefiller: &WorkerView, limit_ms: Option<f64>) -> Option<f64> {
-    let limit = limit_ms? / 1000.0;
-    queue_wait_secs(prefiller).filter(|wait| *wait > limit)
+pub fn over_limit(prefiller: &WorkerView, limit_ms: f64) -> Option<f64> {
+    queue_wait_secs(prefiller).filter(|wait| *wait * 1000.0 > limit_ms)
 }
 
 #[cfg(test)]
@@ -48,10 +47,9 @@ mod tests {
 
     #[test]
     fn only_a_measured_wait_past_the_limit_sheds() {
-        assert_eq!(over_limit(&worker(20_000, Some(10_000.0)), Some(1500.0)), Some(2.0));
-        assert_eq!(over_limit(&worker(20_000, Some(10_000.0)), Some(2000.0)), None, "at the limit is admitted");
-        assert_eq!(over_limit(&worker(20_000, Some(10_000.0)), None), None, "no limit configured");
-        assert_eq!(over_limit(&worker(20_000_000, None), Some(1.0)), None, "no speed measured yet");
-        assert_eq!(over_limit(&worker(0, Some(10.0)), Some(0.0)), None, "an empty queue never sheds");
+        assert_eq!(over_limit(&worker(20_000, Some(10_000.0)), 1500.0), Some(2.0));
+        assert_eq!(over_limit(&worker(20_000, Some(10_000.0)), 2000.0), None, "at the limit is admitted");
+        assert_eq!(over_limit(&worker(20_000_000, None), 1.0), None, "no speed measured yet");
+        assert_eq!(over_limit(&worker(0, Some(10.0)), 0.0), None, "an empty queue never sheds");
     }
 }
