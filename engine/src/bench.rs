@@ -188,7 +188,7 @@ impl Default for ShapeGrid {
 /// Times one forward step per shape of `grid` (after untimed steps that fill the cached context), on the current
 /// rayon pool.
 pub fn measure_steps(model: &Model, grid: &ShapeGrid) -> Result<Vec<crate::backend::fit::Sample>, ForwardError> {
-    use crate::backend::fit::{Kind, Sample};
+    use crate::backend::fit::Sample;
     use crate::backend::mock::MockBackend;
     let vocab = model.config.n_vocab;
     let longest = [&grid.prefill_tokens, &grid.contexts, &grid.decode_contexts, &grid.mixed_prefill]
@@ -230,19 +230,7 @@ pub fn measure_steps(model: &Model, grid: &ShapeGrid) -> Result<Vec<crate::backe
             times.push(t.elapsed().as_secs_f64() * 1000.0);
         }
         times.sort_by(f64::total_cmp);
-        let kind = match (prefill.is_some(), b > 0) {
-            (true, false) => Kind::Prefill,
-            (false, _) => Kind::Decode,
-            (true, true) => Kind::Mixed,
-        };
-        Ok::<Sample, ForwardError>(Sample {
-            kind,
-            prefill_tokens: shape.prefill_tokens,
-            prefill_context_pairs: shape.prefill_context_pairs,
-            decode_seqs: shape.decode_seqs,
-            decode_kv_tokens: shape.decode_kv_tokens,
-            ms: times[times.len() / 2],
-        })
+        Ok::<Sample, ForwardError>(Sample::of(&shape, times[times.len() / 2]))
     };
     let mut out = Vec::new();
     // Warm-up touches the weights and the KV pages once.

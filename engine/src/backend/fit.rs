@@ -33,7 +33,6 @@ pub enum Kind {
 /// One measured step (what `--fit-profile` saves next to the profile, so it can be re-fitted without measuring).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sample {
-    pub kind: Kind,
     pub prefill_tokens: usize,
     /// Σ new tokens × cached tokens before them, over the step's prompt chunks.
     pub prefill_context_pairs: u64,
@@ -43,6 +42,26 @@ pub struct Sample {
 }
 
 impl Sample {
+    /// A step of `shape` that took `ms`.
+    pub fn of(shape: &StepShape, ms: f64) -> Sample {
+        Sample {
+            prefill_tokens: shape.prefill_tokens,
+            prefill_context_pairs: shape.prefill_context_pairs,
+            decode_seqs: shape.decode_seqs,
+            decode_kv_tokens: shape.decode_kv_tokens,
+            ms,
+        }
+    }
+
+    /// Prompt chunks only, decode rows only (an empty step counts as decode), or both.
+    pub fn kind(&self) -> Kind {
+        match (self.prefill_tokens > 0, self.decode_seqs > 0) {
+            (true, false) => Kind::Prefill,
+            (false, _) => Kind::Decode,
+            (true, true) => Kind::Mixed,
+        }
+    }
+
     /// The timing model's view of the step.
     pub fn shape(&self) -> StepShape {
         StepShape {
@@ -199,19 +218,7 @@ mod tests {
             decode_kv_tokens: k,
             ..StepShape::default()
         };
-        let kind = match (t > 0, b > 0) {
-            (true, false) => Kind::Prefill,
-            (false, true) => Kind::Decode,
-            _ => Kind::Mixed,
-        };
-        Sample {
-            kind,
-            prefill_tokens: t,
-            prefill_context_pairs: shape.prefill_context_pairs,
-            decode_seqs: b,
-            decode_kv_tokens: k,
-            ms: truth.step_ms(&shape),
-        }
+        Sample::of(&shape, truth.step_ms(&shape))
     }
 
     #[test]

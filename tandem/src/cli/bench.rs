@@ -129,7 +129,7 @@ fn run_fit(args: &Args, out: &Path) -> Result<ExitCode, String> {
     );
     std::fs::write(out, header + &text).map_err(|e| format!("{}: {e}", out.display()))?;
     let by_kind =
-        |k: Kind| -> Vec<f64> { held.iter().zip(&errors).filter(|(s, _)| s.kind == k).map(|(_, e)| *e).collect() };
+        |k: Kind| -> Vec<f64> { held.iter().zip(&errors).filter(|(s, _)| s.kind() == k).map(|(_, e)| *e).collect() };
     if args.json {
         let report = serde_json::json!({
             "terms": fit::TERMS.iter().zip(f.coefficients.iter().zip(&f.std_errors))
