@@ -6,7 +6,8 @@ For every router setting (a name and a JSON patch of the scheduler's settings, s
 `tandem up --engine mock` (so no point inherits another's cache or backlog) and runs `tandem bench serve` on the
 committed Mooncake sample with Poisson arrivals at that rate for DURATION seconds, then waits for every request
 to end. Goodput counts the requests that met the SLO, per second of the whole run (draining included). It prints
-one row per point and, per setting, the peak goodput and the goodput at the highest rate as a share of it.
+one row per point (with the mean trace prompt length of the served and of the refused requests: which requests
+shedding picks) and, per setting, the peak goodput and the goodput at the highest rate as a share of it.
 
 The default settings: `default` (no patch: the router refuses only at `max_queue` and when every decode worker is
 near KV exhaustion) and `shed` (`shed_wait_ms` 1000 against queued prefill work, `busy_kv_fraction` 0.3 against
@@ -47,14 +48,22 @@ def cell(values, digits):
     return m if len(values) == 1 else f"{m} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
 
+def prompt_means(run):
+    """Mean trace prompt length of the served and of the refused (429) requests of one run: what shedding picks."""
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    mean = lambda rs: statistics.mean(r["input_length"] for r in rs) if rs else float("nan")
+    return mean([r for r in records if r["status"] == 200]), mean([r for r in records if r["status"] == 429])
+
+
 def table(out):
     points = {}
     for f in pathlib.Path(out).glob("*/summary.json"):
         name, rate, seed = f.parent.name.rsplit("-", 2)
-        points.setdefault(name, {}).setdefault(float(rate.lstrip("r")), []).append(json.loads(f.read_text()))
+        summary = {**json.loads(f.read_text()), "prompt_means": prompt_means(f.parent)}
+        points.setdefault(name, {}).setdefault(float(rate.lstrip("r")), []).append(summary)
     print(f"SLO {SLO}; goodput = requests meeting it per second of the run; median over seeds [min, max]")
     print(f"{'setting':>10} {'rate/s':>7} {'goodput/s':>20} {'SLO met %':>20} {'TTFT p90 ms':>12} {'sent':>6} "
-          f"{'429':>5} {'other failed':>13} {'valid':>6}")
+          f"{'429':>5} {'other failed':>13} {'prompt ok/429':>14} {'valid':>6}")
     for name, rates in sorted(points.items()):
         goodput = {}
         for rate, runs in sorted(rates.items()):
@@ -65,6 +74,8 @@ def table(out):
                   f"{statistics.median(s['time_to_first_token_ms']['p90'] for s in runs):>12.1f} "
                   f"{statistics.median(s['requests'] for s in runs):>6g} {statistics.median(refused):>5g} "
                   f"{statistics.median(s['failed'] - r for s, r in zip(runs, refused)):>13g} "
+                  f"{statistics.median(s['prompt_means'][0] for s in runs):>7.0f}/"
+                  f"{statistics.median(s['prompt_means'][1] for s in runs):<6.0f} "
                   f"{sum(s['valid'] for s in runs):>4}/{len(runs)}")
         peak_rate = max(goodput, key=goodput.get)
         top = max(goodput)

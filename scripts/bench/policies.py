@@ -18,6 +18,7 @@ import argparse
 import json
 import pathlib
 import statistics
+import urllib.request
 
 from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster
 
@@ -29,9 +30,13 @@ def run_one(args, policy, load, seed, out):
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--speedup", str(args.speedup),
              "--policy", policy, "--seed", str(seed)]
     with mock_cluster(args.tandem, flags) as url:
-        return bench_serve(args.tandem, url, [
+        summary = bench_serve(args.tandem, url, [
             "--trace", str(TRACE), "--max-requests", str(args.requests), "--speedup", str(args.speedup * load),
             "--seed", str(seed), "--slo", SLO, "--ignore-eos", "--out", str(out)])
+        # The router's own counts (decisions by reason, retries) explain what the client saw.
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            (out / "router-metrics.txt").write_bytes(r.read())
+        return summary
 
 
 METRICS = [
@@ -40,6 +45,8 @@ METRICS = [
     ("TTFT p99 ms", lambda s: s["time_to_first_token_ms"]["p99"]),
     ("ITL p50 ms", lambda s: s["inter_token_latency_ms"]["p50"]),
     ("ITL p90 ms", lambda s: s["inter_token_latency_ms"]["p90"]),
+    ("TPOT p50 ms", lambda s: s["time_per_output_token_ms"]["p50"]),
+    ("SLO met %", lambda s: 100 * s["slo_attainment"]),
     ("goodput req/s", lambda s: s["goodput_requests_per_s"]),
     ("cached %", lambda s: 100 * s["cached_token_fraction"]),
     ("failed", lambda s: s["failed"]),
