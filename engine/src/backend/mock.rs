@@ -27,6 +27,9 @@ pub struct MockSettings {
     pub block_bytes: usize,
     /// Longest sequence accepted.
     pub context_len: usize,
+    /// Keep no real time: a step returns at once and its modelled duration is read back by whoever keeps the clock
+    /// (the simulator). Off for workers, whose steps sleep.
+    pub virtual_time: bool,
 }
 
 impl MockSettings {
@@ -37,6 +40,7 @@ impl MockSettings {
             speedup: 1.0,
             block_bytes: DEFAULT_MOCK_BLOCK_BYTES,
             context_len: DEFAULT_MOCK_CONTEXT,
+            virtual_time: false,
         }
     }
 
@@ -69,13 +73,15 @@ pub struct MockBackend {
     words: Arc<[u32]>,
     capacity_tokens: usize,
     pacing: Pacing,
+    /// The modelled duration of the last step, in seconds (after the speed-up).
+    last_step: f64,
 }
 
 impl MockBackend {
     /// A mock over a vocabulary of `vocab` tokens drawing output from `words`, with a device tier of
     /// `capacity_tokens` tokens.
     pub fn new(settings: MockSettings, vocab: usize, words: Vec<u32>, capacity_tokens: usize) -> MockBackend {
-        MockBackend { settings, vocab, words: words.into(), capacity_tokens, pacing: Pacing::default() }
+        MockBackend { settings, vocab, words: words.into(), capacity_tokens, pacing: Pacing::default(), last_step: 0.0 }
     }
 
     /// The timing model's view of a batch.
@@ -127,17 +133,26 @@ impl Backend for MockBackend {
     ) -> Result<Vec<Next>, ForwardError> {
         let shape = MockBackend::shape(batch, ctx.onboarded, self.capacity_tokens);
         let modelled = self.settings.profile.step_ms(&shape) / 1000.0 / self.settings.speedup;
-        let until = ctx.started + Duration::from_secs_f64(modelled);
-        let now = Instant::now();
-        if until > now {
-            std::thread::sleep(until - now);
+        self.last_step = modelled;
+        if self.settings.virtual_time {
+            self.pacing.record(modelled, modelled);
+        } else {
+            let until = ctx.started + Duration::from_secs_f64(modelled);
+            let now = Instant::now();
+            if until > now {
+                std::thread::sleep(until - now);
+            }
+            self.pacing.record(modelled, ctx.started.elapsed().as_secs_f64());
         }
-        self.pacing.record(modelled, ctx.started.elapsed().as_secs_f64());
         Ok(batch.iter().filter(|c| c.logits).map(|_| Next::Draw(Arc::clone(&self.words))).collect())
     }
 
     fn pacing(&self) -> Option<Pacing> {
         Some(self.pacing)
+    }
+
+    fn virtual_step_secs(&self) -> Option<f64> {
+        self.settings.virtual_time.then_some(self.last_step)
     }
 }
 
@@ -166,7 +181,7 @@ mod tests {
     #[test]
     fn a_step_takes_its_modelled_time_divided_by_the_speedup() {
         let profile = TimingProfile::parse("t", "[prefill]\nbase_ms = 40\n").expect("parses");
-        let settings = MockSettings { profile, speedup: 2.0, block_bytes: 64, context_len: 100 };
+        let settings = MockSettings { profile, speedup: 2.0, block_bytes: 64, context_len: 100, virtual_time: false };
         let mut mock = MockBackend::new(settings, 10, vec![5, 6], 100);
         let layout = mock.kv_layout(16);
         assert_eq!(layout.block_bytes(), 64);

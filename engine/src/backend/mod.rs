@@ -62,6 +62,11 @@ pub trait Backend: Send + std::fmt::Debug {
     fn pacing(&self) -> Option<Pacing> {
         None
     }
+    /// For a backend that keeps virtual time: the modelled duration of its last step, in seconds. The step took
+    /// no real time; the caller's clock advances by this.
+    fn virtual_step_secs(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// How closely a modelled backend kept to its profile (totals since it started).

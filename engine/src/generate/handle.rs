@@ -12,11 +12,11 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use kv_cache::SeqHash;
-use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
+use kv_cache::events::{EventId, KvEvent, Snapshot, TooOld};
 use kv_cache::pool::{PrefixMatch, TierUsage};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::sequence::{Failure, Seq};
+use super::sequence::{Failure, Seq, take_finished};
 use super::{Completion, Counters, Engine, EngineError, Event, ExportedKv, FinishReason, Request};
 
 /// Commands waiting for the engine thread; a full queue makes submitters wait (backpressure).
@@ -373,14 +373,7 @@ impl Loop {
     }
 
     fn stats(&self) -> EngineStats {
-        EngineStats {
-            counters: self.engine.counters(),
-            usage: Tier::ALL.map(|t| self.engine.kv_usage(t)),
-            running: self.seqs.iter().filter(|s| s.running && s.active()).count(),
-            waiting: self.seqs.iter().filter(|s| !s.running && s.active()).count(),
-            prefill_tokens_pending: self.seqs.iter().filter(|s| s.active()).map(Seq::pending_prefill).sum(),
-            pacing: self.engine.pacing(),
-        }
+        self.engine.stats_of(&self.seqs)
     }
 
     /// Sequences whose reader is gone are cancelled, and those past their deadline dropped; their blocks are freed
@@ -400,20 +393,9 @@ impl Loop {
     fn step(&mut self) {
         let mut outbox: Vec<(mpsc::Sender<SeqEvent>, SeqEvent)> = Vec::new();
         let live = &self.live;
-        let result = self.engine.step(&mut self.seqs, &mut |Event::Token { seq, token, text }| {
+        self.engine.step_or_fail(&mut self.seqs, &mut |Event::Token { seq, token, text }| {
             outbox.push((live[seq].out.clone(), SeqEvent::Token { token, text: text.to_string() }));
         });
-        // A failure of one sequence ends that sequence only (the step marks it); these end every active one.
-        let failure = match result {
-            Ok(true) => None,
-            Ok(false) => Some(self.engine.out_of_capacity().to_string()),
-            Err(e) => Some(e.to_string()),
-        };
-        if let Some(failure) = failure {
-            for s in self.seqs.iter_mut().filter(|s| s.active()) {
-                self.engine.fail(s, failure.clone());
-            }
-        }
         // Sequences that ended give their blocks back before the state is published, and the state is published
         // before the step's messages go out: a reader that has seen a token, or a sequence's end, sees a state that
         // includes the step which made it (and no blocks of a finished sequence still counted as in use).
@@ -438,23 +420,15 @@ impl Loop {
     /// Retires finished sequences: their blocks go back and their last messages (the export, then the end) are
     /// queued on `outbox` for the caller to send.
     fn retire_into(&mut self, outbox: &mut Vec<(mpsc::Sender<SeqEvent>, SeqEvent)>) {
-        let mut i = 0;
-        while i < self.seqs.len() {
-            if self.seqs[i].active() {
-                i += 1;
-                continue;
+        for (s, l) in take_finished(&mut self.seqs, &mut self.live) {
+            let (exported, end) = self.engine.retire(s, l.export, l.start);
+            if let Some(kv) = exported {
+                outbox.push((l.out.clone(), SeqEvent::Exported(kv)));
             }
-            let mut s = self.seqs.swap_remove(i);
-            let l = self.live.swap_remove(i);
-            if l.export && s.failure.is_none() && s.finish != Some(FinishReason::Cancelled) {
-                outbox.push((l.out.clone(), SeqEvent::Exported(self.engine.export(&s))));
-            }
-            let released = self.engine.release_blocks(&mut s);
-            let last = match (released, s.failure.take()) {
-                (_, Some(Failure::Expired)) => SeqEvent::Expired,
-                (_, Some(Failure::Error(why))) => SeqEvent::Failed(why),
-                (Ok(()), None) => SeqEvent::Finished(s.completion(l.start)),
-                (Err(e), None) => SeqEvent::Failed(e.to_string()),
+            let last = match end {
+                Ok(completion) => SeqEvent::Finished(completion),
+                Err(Failure::Expired) => SeqEvent::Expired,
+                Err(Failure::Error(why)) => SeqEvent::Failed(why),
             };
             outbox.push((l.out, last));
         }

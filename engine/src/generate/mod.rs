@@ -6,6 +6,7 @@ mod handle;
 mod kv_io;
 mod sequence;
 mod step;
+mod stepper;
 #[cfg(test)]
 mod tests;
 pub mod text;
@@ -21,6 +22,7 @@ use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
 pub use kv_io::{ExportedBlock, ExportedKv};
 use sequence::Seq;
+pub use stepper::{Output, Stepped, Stepper};
 pub use text::TextStream;
 
 use crate::backend::cpu::CpuBackend;

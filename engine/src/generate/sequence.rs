@@ -139,3 +139,18 @@ impl Seq {
         on_event(Event::Token { seq: index, token, text: &text });
     }
 }
+
+/// Removes the finished sequences from `seqs` together with their entries in `tags` (kept index for index), and
+/// returns them.
+pub(super) fn take_finished<T>(seqs: &mut Vec<Seq>, tags: &mut Vec<T>) -> Vec<(Seq, T)> {
+    let mut done = Vec::new();
+    let mut i = 0;
+    while i < seqs.len() {
+        if seqs[i].active() {
+            i += 1;
+        } else {
+            done.push((seqs.swap_remove(i), tags.swap_remove(i)));
+        }
+    }
+    done
+}

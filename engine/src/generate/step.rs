@@ -224,7 +224,11 @@ impl Engine {
             ],
         };
         let logits = self.backend.forward(&mut self.stores.device, &chunks, context);
-        self.counters.compute_nanos += u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let took = match self.backend.virtual_step_secs() {
+            Some(secs) => (secs * 1e9) as u64,
+            None => u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        };
+        self.counters.compute_nanos += took;
         drop(chunks);
         let logits = match logits {
             Ok(l) => l,
@@ -262,6 +266,52 @@ impl Engine {
             }
         }
         Ok(true)
+    }
+
+    /// Runs one step for a driver that keeps its sequences going: a failure of one sequence ends that sequence only
+    /// (the step marks it); a failure of the batch as a whole, or a step that could not run, ends every active one.
+    pub(super) fn step_or_fail(&mut self, seqs: &mut [Seq], on_event: &mut impl FnMut(Event<'_>)) {
+        let failure = match self.step(seqs, on_event) {
+            Ok(true) => None,
+            Ok(false) => Some(self.out_of_capacity().to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(failure) = failure {
+            for s in seqs.iter_mut().filter(|s| s.active()) {
+                self.fail(s, failure.clone());
+            }
+        }
+    }
+
+    /// Retires a finished sequence: its prompt's KV when `export` asked for it (and it ended well), then its blocks
+    /// go back; the end is its completion, or why it failed (`Expired` for a passed deadline).
+    pub(super) fn retire(
+        &mut self,
+        mut s: Seq,
+        export: bool,
+        start: std::time::Instant,
+    ) -> (Option<super::ExportedKv>, Result<super::Completion, Failure>) {
+        let exported = (export && s.failure.is_none() && s.finish != Some(super::FinishReason::Cancelled))
+            .then(|| self.export(&s));
+        let released = self.release_blocks(&mut s);
+        let end = match (released, s.failure.take()) {
+            (_, Some(failure)) => Err(failure),
+            (Ok(()), None) => Ok(s.completion(start)),
+            (Err(e), None) => Err(Failure::Error(e.to_string())),
+        };
+        (exported, end)
+    }
+
+    /// The engine's state with `seqs` as its sequences, for load reports and metrics.
+    pub(super) fn stats_of(&self, seqs: &[Seq]) -> super::EngineStats {
+        super::EngineStats {
+            counters: self.counters(),
+            usage: Tier::ALL.map(|t| self.kv_usage(t)),
+            running: seqs.iter().filter(|s| s.running && s.active()).count(),
+            waiting: seqs.iter().filter(|s| !s.running && s.active()).count(),
+            prefill_tokens_pending: seqs.iter().filter(|s| s.active()).map(Seq::pending_prefill).sum(),
+            pacing: self.pacing(),
+        }
     }
 
     /// Registers the sequence's newly completed blocks so later sequences can share them.

@@ -1,0 +1,139 @@
+//! The engine driven one step at a time by a caller that keeps the clock: the simulator's worker. The same
+//! scheduler, pool, export and import as [`EngineHandle`](super::EngineHandle), with no thread and no channels:
+//! the caller submits sequences, runs a step, and gets back what the step produced and (with a mock backend in
+//! virtual time) how long it took in modelled seconds.
+
+use std::time::Instant;
+
+use kv_cache::pool::PrefixMatch;
+
+use super::handle::EngineStats;
+use super::sequence::{Seq, take_finished};
+use super::{Completion, Engine, EngineError, Event, ExportedKv, FinishReason, Request};
+
+/// What one sequence did in a step; `id` is the caller's.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    Token {
+        id: u64,
+        token: u32,
+    },
+    /// The sequence ended; `exported` holds the prompt's KV when it was submitted exporting.
+    Finished {
+        id: u64,
+        completion: Completion,
+        exported: Option<ExportedKv>,
+    },
+    Failed {
+        id: u64,
+        why: String,
+    },
+}
+
+/// One step's result.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stepped {
+    /// Modelled seconds (a virtual-time backend), else the real time the step took.
+    pub secs: f64,
+    pub outputs: Vec<Output>,
+}
+
+/// An engine and its sequences, stepped by the caller.
+#[derive(Debug)]
+pub struct Stepper {
+    engine: Engine,
+    seqs: Vec<Seq>,
+    /// Per sequence: the caller's id and whether its KV is exported when it ends.
+    tags: Vec<(u64, bool)>,
+    next_index: usize,
+}
+
+impl Stepper {
+    pub fn new(engine: Engine) -> Stepper {
+        Stepper { engine, seqs: Vec::new(), tags: Vec::new(), next_index: 0 }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Queues `request` under the caller's `id`; `blocks` are leading full blocks of its prompt pulled from
+    /// another worker (by position), held for it until it runs. Refused requests leave nothing behind.
+    pub fn submit(
+        &mut self,
+        id: u64,
+        request: &Request,
+        export: bool,
+        blocks: &[(usize, &[u8])],
+    ) -> Result<(), EngineError> {
+        let mut seq = self.engine.new_seq(request, self.next_index)?;
+        self.next_index += 1;
+        if !blocks.is_empty() {
+            seq.pinned = self.engine.import_pinned(&seq.tokens, seq.namespace.as_ref(), blocks)?;
+        }
+        seq.keep_blocks = export;
+        seq.cached_hint = self.engine.cached_prefix_tokens(&seq);
+        self.seqs.push(seq);
+        self.tags.push((id, export));
+        Ok(())
+    }
+
+    /// Whether any sequence is waiting or running.
+    pub fn busy(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// How many of `hashes`' leading blocks the engine holds, per tier.
+    pub fn lookup(&self, hashes: &[kv_cache::SeqHash]) -> PrefixMatch {
+        self.engine.lookup(hashes)
+    }
+
+    /// Runs one step (nothing when no sequence is queued).
+    pub fn step(&mut self) -> Stepped {
+        if self.seqs.is_empty() {
+            return Stepped::default();
+        }
+        let started = Instant::now();
+        let compute_before = self.engine.counters().compute_nanos;
+        let mut outputs = Vec::new();
+        let tags = &self.tags;
+        self.engine.step_or_fail(&mut self.seqs, &mut |Event::Token { seq, token, .. }| {
+            outputs.push(Output::Token { id: tags[seq].0, token });
+        });
+        self.retire(&mut outputs, started);
+        let secs = match self.engine.backend.virtual_step_secs() {
+            Some(_) => (self.engine.counters().compute_nanos - compute_before) as f64 / 1e9,
+            None => started.elapsed().as_secs_f64(),
+        };
+        Stepped { secs, outputs }
+    }
+
+    /// Ends sequence `id` at once (the caller gave up on it); its blocks go back.
+    pub fn cancel(&mut self, id: u64) {
+        if let Some(i) = self.tags.iter().position(|t| t.0 == id) {
+            self.seqs[i].finish = Some(FinishReason::Cancelled);
+            let mut dropped = Vec::new();
+            self.retire(&mut dropped, Instant::now());
+        }
+    }
+
+    /// The engine's state, as a worker publishes it for load reports.
+    pub fn stats(&self) -> EngineStats {
+        self.engine.stats_of(&self.seqs)
+    }
+
+    /// The caller's ids of the sequences queued or running.
+    pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.tags.iter().map(|t| t.0)
+    }
+
+    /// Finished sequences give back their blocks and report their end (the export first, when asked).
+    fn retire(&mut self, outputs: &mut Vec<Output>, start: Instant) {
+        for (s, (id, export)) in take_finished(&mut self.seqs, &mut self.tags) {
+            outputs.push(match self.engine.retire(s, export, start) {
+                (exported, Ok(completion)) => Output::Finished { id, completion, exported },
+                (_, Err(why)) => Output::Failed { id, why: why.to_string() },
+            });
+        }
+    }
+}
