@@ -43,6 +43,13 @@ struct MooncakeLine {
     text_input: Option<String>,
 }
 
+/// Reads a workload file: an Azure LLM trace CSV (it starts with `TIMESTAMP,`) or `mooncake_trace` JSONL.
+pub fn read(path: &std::path::Path) -> Result<Vec<TraceRequest>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let parsed = if text.starts_with("TIMESTAMP,") { parse_azure(&text) } else { parse_mooncake(&text) };
+    parsed.map_err(|e| format!("{}: {e}", path.display()))
+}
+
 /// Reads `mooncake_trace` JSONL: `timestamp` (ms), `input_length`, `output_length`, `hash_ids`, and optionally
 /// `session_id` and `delay` (ms after the session's previous turn finished, for turns without a timestamp).
 pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {

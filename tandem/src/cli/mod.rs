@@ -4,6 +4,7 @@ mod bench;
 mod certs;
 mod generate;
 mod serve;
+mod sim;
 mod up;
 
 use std::num::NonZeroUsize;
@@ -40,6 +41,8 @@ enum Command {
     },
     /// Run a worker (prefill, decode or both) until SIGINT or SIGTERM.
     Worker(Box<worker::cli::Args>),
+    /// Replay a trace through a simulated cluster in virtual time, once per routing policy (seconds, not hours).
+    Sim(Box<sim::Args>),
     /// Certificates for mutual TLS between components.
     Certs {
         #[command(subcommand)]
@@ -138,6 +141,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Serve(args) } => serve::run(*args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(args),
+        Command::Sim(args) => sim::run(*args),
         Command::Router(args) => Ok(router::cli::run(*args)),
         Command::Worker(args) => Ok(worker::cli::run(*args, None)),
     }

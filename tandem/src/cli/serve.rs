@@ -197,15 +197,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 /// The requests to send: the trace's, or a synthetic workload's; the first `--max-requests` of them.
 fn workload(args: &Args) -> Result<Vec<TraceRequest>, String> {
     let mut requests = match &args.trace {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let parsed = if text.starts_with("TIMESTAMP,") {
-                loadgen::trace::parse_azure(&text)
-            } else {
-                loadgen::trace::parse_mooncake(&text)
-            };
-            parsed.map_err(|e| format!("{}: {e}", path.display()))?
-        }
+        Some(path) => loadgen::trace::read(path)?,
         None => {
             let s = &args.synthetic;
             SyntheticSpec {
@@ -349,7 +341,7 @@ fn chart(points: &[SweepPoint]) -> String {
     )
 }
 
-fn write(path: PathBuf, text: &str) -> Result<(), String> {
+pub(super) fn write(path: PathBuf, text: &str) -> Result<(), String> {
     std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 

@@ -1,0 +1,459 @@
+//! One simulated run: requests arrive on the workload's schedule, the real `route` picks their workers from the
+//! real indexer and load tracker (fed with KV events and load reports after modelled delays), and each worker's
+//! real engine steps in virtual time. What the client would have seen comes out as `bench serve` records.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use engine::generate::{Engine, EngineConfig, Output, Request, Stepper};
+use engine::sampling::{RawSampling, SamplingParams};
+use kv_cache::events::{EventId, KvEvent, Snapshot};
+use kv_cache::{BlockSize, SeqHash, block_hashes};
+use loadgen::prompt::PromptBuilder;
+use loadgen::schedule::Start;
+use loadgen::summary::Record;
+use loadgen::trace::TraceRequest;
+use router::indexer::PrefixIndex;
+use router::load::{LoadTracker, Report};
+use router::scheduler::config::SchedulerConfig;
+use router::scheduler::view::{RouteRequest, WorkerId, WorkerRole, WorkerView};
+use router::scheduler::{Decision, RouteError, RouteState, route};
+
+use crate::queue::Queue;
+use crate::worker::SimWorker;
+
+/// What the simulator models beyond the engine's own steps.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    /// The model file: its tokenizer gives the vocabulary the prompts and outputs are drawn from.
+    pub model: PathBuf,
+    pub prefill: usize,
+    pub decode: usize,
+    /// Every worker's engine (a mock backend in virtual time).
+    pub engine: EngineConfig,
+    pub scheduler: SchedulerConfig,
+    /// From a worker's step to the router applying its KV events.
+    pub event_delay: f64,
+    /// From a worker's state change to the router reading its load report.
+    pub report_delay: f64,
+    /// Modelled KV transfer: latency, bandwidth, and bytes per block (the modelled model's, not the stand-in's).
+    pub transfer_latency: f64,
+    pub transfer_bandwidth: f64,
+    pub transfer_block_bytes: u64,
+    /// Tokens per trace block id (Mooncake: 512).
+    pub trace_block: usize,
+    /// Longest prompt: longer ones are cut (and counted).
+    pub max_isl: usize,
+    pub seed: u64,
+}
+
+/// What a run produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Outcome {
+    pub records: Vec<Record>,
+    /// Prompt tokens the engines computed (prefill work, recomputation after preemption included).
+    pub prefill_tokens_computed: u64,
+    /// Prompt tokens served from each tier's cache (device, host, disk).
+    pub cached_tokens_by_tier: [u64; 3],
+    /// Modelled KV bytes moved between workers.
+    pub transfer_bytes: u64,
+    /// Routing decisions by reason (refusals by their kind).
+    pub decisions: BTreeMap<String, u64>,
+    /// Requests each worker prefilled or decoded, by worker name.
+    pub per_worker: BTreeMap<String, u64>,
+    /// Virtual seconds from the first arrival to the last response.
+    pub duration_s: f64,
+}
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("worker engine: {0}")]
+    Engine(#[from] engine::generate::EngineError),
+    #[error("{0}")]
+    Settings(String),
+}
+
+enum Ev {
+    Arrive(usize),
+    StepEnd(usize),
+    Events(usize, Vec<(EventId, KvEvent)>),
+    Report(usize, Report),
+    /// Request `r`'s KV has reached its decode worker.
+    Pulled(usize),
+}
+
+#[derive(Default)]
+struct Live {
+    prompt: Vec<u32>,
+    hashes: Vec<SeqHash>,
+    clipped: bool,
+    max_tokens: u32,
+    arrival: f64,
+    prefill: Option<usize>,
+    decode: usize,
+    /// The first token (made by the prefill worker when disaggregated).
+    first_token: Option<u32>,
+    first_at: Option<f64>,
+    last_at: Option<f64>,
+    gaps: Vec<f64>,
+    produced: u64,
+    cached: usize,
+    /// Pulled blocks waiting for the transfer to end: (position, stand-in bytes).
+    pull: Vec<(usize, Vec<u8>)>,
+}
+
+/// The workers, the router's state, and the requests in flight.
+struct Sim<'a> {
+    settings: &'a Settings,
+    workload: &'a [TraceRequest],
+    /// Later turns waiting on request `i`: (turn, delay seconds).
+    followers: Vec<Vec<(usize, f64)>>,
+    prompts: PromptBuilder,
+    block_size: BlockSize,
+    workers: Vec<SimWorker>,
+    index: PrefixIndex,
+    load: LoadTracker,
+    state: RouteState,
+    queue: Queue<Ev>,
+    live: Vec<Live>,
+    out: Outcome,
+}
+
+/// Runs `workload` (with its `starts`, from `loadgen::schedule::plan`) through a simulated cluster.
+pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]) -> Result<Outcome, SimError> {
+    if settings.decode == 0 {
+        return Err(SimError::Settings("the cluster needs at least one decode worker".into()));
+    }
+    if workload.len() != starts.len() {
+        return Err(SimError::Settings("one start per request".into()));
+    }
+    let mut sim = Sim::new(settings, workload)?;
+    for (i, s) in starts.iter().enumerate() {
+        match *s {
+            Start::At(ms) => sim.queue.at(ms / 1000.0, Ev::Arrive(i)),
+            Start::After { prev, delay_ms } => sim.followers[prev].push((i, delay_ms / 1000.0)),
+            Start::Slot => return Err(SimError::Settings("closed-loop schedules are not simulated".into())),
+        }
+    }
+    let mut now = 0.0;
+    while let Some((at, ev)) = sim.queue.pop() {
+        now = at;
+        sim.handle(now, ev);
+    }
+    let first = sim.live.iter().map(|l| l.arrival).fold(f64::INFINITY, f64::min);
+    sim.out.duration_s = if first.is_finite() { now - first } else { 0.0 };
+    for w in &sim.workers {
+        let c = w.engine.engine().counters();
+        sim.out.prefill_tokens_computed += c.prefill_tokens;
+        for t in 0..3 {
+            sim.out.cached_tokens_by_tier[t] += c.cached_tokens[t];
+        }
+    }
+    // Decode steps compute one token per sequence too: what counts as prefill work is prompt tokens.
+    let decoded: u64 = sim.out.records.iter().map(|r| r.output_tokens.saturating_sub(1)).sum();
+    sim.out.prefill_tokens_computed = sim.out.prefill_tokens_computed.saturating_sub(decoded);
+    sim.out.records.sort_by_key(|r| r.index);
+    Ok(sim.out)
+}
+
+impl<'a> Sim<'a> {
+    fn new(settings: &'a Settings, workload: &'a [TraceRequest]) -> Result<Sim<'a>, SimError> {
+        let block_size = BlockSize::new(settings.engine.block_tokens as u32)
+            .ok_or_else(|| SimError::Settings("block_tokens must be at least 1".into()))?;
+        let mut workers = Vec::new();
+        let roles = std::iter::repeat_n(WorkerRole::Prefill, settings.prefill)
+            .chain(std::iter::repeat_n(WorkerRole::Decode, settings.decode));
+        let mut index = PrefixIndex::new();
+        for (i, role) in roles.enumerate() {
+            let engine = Engine::open(&settings.model, settings.engine.clone())?;
+            let name = match role {
+                WorkerRole::Prefill => format!("prefill-{i}"),
+                _ => format!("decode-{}", i - settings.prefill),
+            };
+            let id = WorkerId(i as u32);
+            index.replace(id, &Snapshot { as_of: None, tiers: Default::default() });
+            workers.push(SimWorker::new(id, name, role, Stepper::new(engine)));
+        }
+        let words = workers[0].engine.engine().tokenizer().plain_words();
+        Ok(Sim {
+            settings,
+            workload,
+            followers: vec![Vec::new(); workload.len()],
+            prompts: PromptBuilder::new(words, settings.trace_block),
+            block_size,
+            workers,
+            index,
+            load: LoadTracker::new(),
+            state: RouteState::seeded(settings.seed),
+            queue: Queue::new(),
+            live: (0..workload.len()).map(|_| Live::default()).collect(),
+            out: Outcome::default(),
+        })
+    }
+
+    fn handle(&mut self, now: f64, ev: Ev) {
+        match ev {
+            Ev::Arrive(i) => self.arrive(now, i),
+            Ev::StepEnd(w) => self.step_end(now, w),
+            Ev::Events(w, events) => {
+                for (id, e) in &events {
+                    // In order and gapless by construction: nothing to resync.
+                    let _ = self.index.apply(WorkerId(w as u32), *id, e);
+                }
+            }
+            Ev::Report(w, r) => self.load.report(WorkerId(w as u32), r),
+            Ev::Pulled(i) => self.pulled(now, i),
+        }
+    }
+
+    fn view(&self, hashes: &[SeqHash]) -> Vec<WorkerView> {
+        let overlap = self.index.overlap(hashes);
+        let capacity = self.settings.engine.kv_blocks as u64;
+        self.workers
+            .iter()
+            .map(|w| WorkerView {
+                id: w.id,
+                name: w.name.clone(),
+                role: w.role,
+                overlap: overlap.get(&w.id).copied().unwrap_or_default(),
+                active_overlap: self.load.active_overlap(w.id, hashes),
+                load: self.load.load(w.id, capacity),
+                ramp: 1.0,
+                max_num_batched_tokens: self.settings.engine.max_batched_tokens as u64,
+                block_bytes: self.settings.transfer_block_bytes,
+                speed: self.load.speed(w.id),
+            })
+            .collect()
+    }
+
+    fn arrive(&mut self, now: f64, i: usize) {
+        let r = &self.workload[i];
+        let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
+        let prompt = self.prompts.prompt(r, i, Some(max_isl));
+        let hashes = block_hashes(&prompt.tokens, self.block_size, None).seq;
+        let cfg = &self.settings.scheduler;
+        let keys: Vec<u64> = hashes.iter().take(cfg.prefix_hash_blocks).map(|h| h.0).collect();
+        let bs = self.block_size.tokens() as u64;
+        let req = RouteRequest::new(prompt.tokens.len() as u64, bs, &keys, cfg.prefix_hash_blocks);
+        let views = self.view(&hashes);
+        let live = &mut self.live[i];
+        live.max_tokens = r.output_length.max(1) as u32;
+        live.arrival = now;
+        live.clipped = prompt.clipped;
+        live.prompt = prompt.tokens;
+        live.hashes = hashes;
+        let decision = match route(&req, &views, cfg, &mut self.state) {
+            Ok(d) => d,
+            Err(e) => return self.refuse(now, i, e),
+        };
+        *self.out.decisions.entry(decision.reason.as_str().to_string()).or_default() += 1;
+        self.start(now, i, &decision, &views);
+    }
+
+    fn refuse(&mut self, now: f64, i: usize, e: RouteError) {
+        *self.out.decisions.entry(e.kind().to_string()).or_default() += 1;
+        let status = if matches!(e, RouteError::NoDecodeWorkers) { 503 } else { 429 };
+        self.finish(now, i, status, Some(e.to_string()), None);
+    }
+
+    fn start(&mut self, now: f64, i: usize, d: &Decision, views: &[WorkerView]) {
+        let decode = d.decode.id.0 as usize;
+        self.live[i].decode = decode;
+        let target = match (&d.prefill, d.disaggregate) {
+            (Some(p), true) => p.id.0 as usize,
+            _ => decode,
+        };
+        let v = &views[target];
+        let held = (v.overlap.device + v.overlap.host + v.overlap.disk) as u64;
+        let isl = self.live[i].prompt.len() as u64;
+        let uncached = isl.saturating_sub(held * self.block_size.tokens() as u64);
+        let export = target != decode;
+        let max_tokens = if export { 1 } else { self.live[i].max_tokens };
+        if export {
+            self.live[i].prefill = Some(target);
+        }
+        self.send(target, i, uncached);
+        let request = self.request(i, self.live[i].prompt.clone(), max_tokens);
+        self.submit(now, target, i, &request, export, &[]);
+    }
+
+    /// The router's own accounting of work it sent `w` for request `i`.
+    fn send(&mut self, w: usize, i: usize, uncached: u64) {
+        let live = &self.live[i];
+        let blocks = (live.prompt.len() as u64).div_ceil(self.block_size.tokens() as u64);
+        self.load.sent(WorkerId(w as u32), i as u64, &i.to_string(), uncached, blocks, &live.hashes);
+    }
+
+    fn request(&self, i: usize, prompt: Vec<u32>, max_tokens: u32) -> Request {
+        let raw = RawSampling {
+            max_tokens,
+            ignore_eos: true,
+            seed: Some(self.settings.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+            ..RawSampling::default()
+        };
+        let sampling = SamplingParams::new(raw).unwrap_or_else(|_| {
+            SamplingParams::greedy(std::num::NonZeroU32::new(max_tokens.max(1)).unwrap_or(std::num::NonZeroU32::MIN))
+        });
+        Request { prompt, sampling, namespace: None, deadline: None }
+    }
+
+    fn submit(&mut self, now: f64, w: usize, i: usize, request: &Request, export: bool, blocks: &[(usize, &[u8])]) {
+        *self.out.per_worker.entry(self.workers[w].name.clone()).or_default() += 1;
+        match self.workers[w].engine.submit(i as u64, request, export, blocks) {
+            Ok(()) => {
+                self.publish(now, w);
+                self.kick(now, w);
+            }
+            Err(e) => {
+                self.load.done(WorkerId(w as u32), i as u64);
+                self.finish(now, i, 500, Some(e.to_string()), None);
+            }
+        }
+    }
+
+    /// Starts worker `w`'s next step when it is idle and has work.
+    fn kick(&mut self, now: f64, w: usize) {
+        let worker = &mut self.workers[w];
+        if worker.stepping || !worker.engine.busy() {
+            return;
+        }
+        let stepped = worker.engine.step();
+        worker.pending = stepped.outputs;
+        worker.stepping = true;
+        self.queue.at(now + stepped.secs, Ev::StepEnd(w));
+    }
+
+    /// Sends what worker `w`'s state change tells the router: new KV events and, when due, a load report.
+    fn publish(&mut self, now: f64, w: usize) {
+        let events = self.workers[w].new_events();
+        if !events.is_empty() {
+            self.queue.at(now + self.settings.event_delay, Ev::Events(w, events));
+        }
+        if let Some(r) = self.workers[w].report_if_due(now) {
+            self.queue.at(now + self.settings.report_delay, Ev::Report(w, r));
+        }
+    }
+
+    fn step_end(&mut self, now: f64, w: usize) {
+        self.workers[w].stepping = false;
+        for out in std::mem::take(&mut self.workers[w].pending) {
+            self.output(now, w, out);
+        }
+        self.publish(now, w);
+        self.kick(now, w);
+    }
+
+    fn output(&mut self, now: f64, w: usize, out: Output) {
+        let worker = WorkerId(w as u32);
+        match out {
+            Output::Token { id, token } => {
+                let live = &mut self.live[id as usize];
+                if live.prefill == Some(w) {
+                    live.first_token = Some(token);
+                } else if live.produced == u64::from(live.prefill.is_some()) {
+                    // The decode worker's first token (after the prefill worker's, when there was one).
+                    self.load.first_token(worker, id);
+                }
+                if let Some(last) = live.last_at {
+                    live.gaps.push((now - last) * 1000.0);
+                }
+                live.first_at.get_or_insert(now);
+                live.last_at = Some(now);
+                live.produced += 1;
+            }
+            Output::Finished { id, completion, exported } => {
+                let i = id as usize;
+                self.load.done(worker, id);
+                if self.live[i].prefill == Some(w) {
+                    self.live[i].cached = completion.cached_tokens;
+                    match exported {
+                        Some(kv) if self.live[i].max_tokens > 1 => self.transfer(now, i, w, kv),
+                        _ => self.finish(now, i, 200, None, Some("length")),
+                    }
+                } else {
+                    if self.live[i].prefill.is_none() {
+                        self.live[i].cached = completion.cached_tokens;
+                    }
+                    self.finish(now, i, 200, None, Some(completion.finish_reason.as_str()));
+                }
+            }
+            Output::Failed { id, why } => {
+                self.load.done(worker, id);
+                self.finish(now, id as usize, 500, Some(why), None);
+            }
+        }
+    }
+
+    /// Moves request `i`'s prompt KV from prefill worker `p` to its decode worker: only the leading full blocks
+    /// the decode worker does not hold, over both workers' links, charged at the modelled block size.
+    fn transfer(&mut self, now: f64, i: usize, p: usize, kv: engine::generate::ExportedKv) {
+        let d = self.live[i].decode;
+        let hashes: Vec<SeqHash> = kv.blocks.iter().map_while(|b| b.meta.map(|m| m.seq)).collect();
+        let m = self.workers[d].engine.lookup(&hashes);
+        let held = m.device + m.host + m.disk;
+        let pull: Vec<(usize, Vec<u8>)> =
+            kv.blocks.into_iter().enumerate().take(hashes.len()).skip(held).map(|(k, b)| (k, b.bytes)).collect();
+        let bytes = pull.len() as u64 * self.settings.transfer_block_bytes;
+        let secs = if pull.is_empty() {
+            0.0
+        } else {
+            self.settings.transfer_latency + bytes as f64 / self.settings.transfer_bandwidth
+        };
+        let begin = now.max(self.workers[p].link_free).max(self.workers[d].link_free);
+        let end = begin + secs;
+        self.workers[p].link_free = end;
+        self.workers[d].link_free = end;
+        self.workers[d].pulled_bytes += bytes;
+        self.workers[d].pulled_nanos += (secs * 1e9) as u64;
+        self.out.transfer_bytes += bytes;
+        self.live[i].pull = pull;
+        // The router calls the decode worker as soon as the prefill answers; the pull happens inside that call.
+        self.send(d, i, 0);
+        self.queue.at(end, Ev::Pulled(i));
+    }
+
+    fn pulled(&mut self, now: f64, i: usize) {
+        let d = self.live[i].decode;
+        let pull = std::mem::take(&mut self.live[i].pull);
+        let mut prompt = self.live[i].prompt.clone();
+        prompt.extend(self.live[i].first_token);
+        let request = self.request(i, prompt, self.live[i].max_tokens - 1);
+        let blocks: Vec<(usize, &[u8])> = pull.iter().map(|(k, b)| (*k, b.as_slice())).collect();
+        self.submit(now, d, i, &request, false, &blocks);
+    }
+
+    /// Request `i` ended: its record, and the session turns that wait for it.
+    fn finish(&mut self, now: f64, i: usize, status: u16, error: Option<String>, finish: Option<&str>) {
+        let live = &self.live[i];
+        let r = &self.workload[i];
+        let ttft = live.first_at.map(|f| (f - live.arrival) * 1000.0);
+        let latency = (now - live.arrival) * 1000.0;
+        let tpot = match (ttft, live.produced) {
+            (Some(t), n) if n >= 2 => Some((latency - t) / (n - 1) as f64),
+            _ => None,
+        };
+        let at_ms = live.arrival * 1000.0;
+        self.out.records.push(Record {
+            index: i,
+            scheduled_ms: at_ms,
+            sent_ms: at_ms,
+            status,
+            error,
+            time_to_first_token_ms: ttft,
+            request_latency_ms: latency,
+            time_per_output_token_ms: tpot,
+            output_tokens: live.produced,
+            prompt_tokens: live.prompt.len() as u64,
+            cached_tokens: live.cached as u64,
+            input_length: r.input_length,
+            clipped: live.clipped,
+            finish_reason: finish.map(str::to_string),
+            inter_chunk_ms: live.gaps.clone(),
+        });
+        self.live[i].gaps = Vec::new();
+        for (next, delay) in std::mem::take(&mut self.followers[i]) {
+            self.queue.at(now + delay, Ev::Arrive(next));
+        }
+    }
+}

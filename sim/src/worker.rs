@@ -1,0 +1,101 @@
+//! One simulated worker: the real engine (scheduler, block pool, export and import) over a mock backend in
+//! virtual time, plus what the worker process around it does that routing sees: KV events and load reports.
+
+use engine::generate::{EngineStats, Output, Stepper};
+use kv_cache::events::{EventId, KvEvent};
+use router::load::Report;
+use router::scheduler::view::{WorkerId, WorkerRole};
+
+/// A worker reports its load at least this often (the router's `WatchLoad` period)…
+pub const REPORT_PERIOD: f64 = 0.100;
+/// …and at once when its device block use moves by this share of capacity (as `worker::service::subscribe`).
+const LARGE_BLOCK_CHANGE: f64 = 0.10;
+
+pub struct SimWorker {
+    pub id: WorkerId,
+    pub name: String,
+    pub role: WorkerRole,
+    pub engine: Stepper,
+    /// Whether a step is under way (its end is scheduled).
+    pub stepping: bool,
+    /// What the step under way produced, delivered at its end.
+    pub pending: Vec<Output>,
+    /// The last KV event sent to the router.
+    pub events_sent: Option<EventId>,
+    /// The last load report: its state and when it was sent.
+    reported: Option<(EngineStats, f64)>,
+    /// When the worker's network link is next free (transfers queue on it).
+    pub link_free: f64,
+    /// Modelled KV bytes pulled and the seconds it took (what a mock worker reports).
+    pub pulled_bytes: u64,
+    pub pulled_nanos: u64,
+}
+
+impl SimWorker {
+    pub fn new(id: WorkerId, name: String, role: WorkerRole, engine: Stepper) -> SimWorker {
+        SimWorker {
+            id,
+            name,
+            role,
+            engine,
+            stepping: false,
+            pending: Vec::new(),
+            events_sent: None,
+            reported: None,
+            link_free: 0.0,
+            pulled_bytes: 0,
+            pulled_nanos: 0,
+        }
+    }
+
+    /// KV events not yet sent to the router.
+    pub fn new_events(&mut self) -> Vec<(EventId, KvEvent)> {
+        match self.engine.engine().kv_events_after(self.events_sent) {
+            Ok(events) => {
+                if let Some((id, _)) = events.last() {
+                    self.events_sent = Some(*id);
+                }
+                events
+            }
+            // The replay buffer is sized for far more than one step's events; a worker that fell this far behind
+            // would send a snapshot, which the simulator does not model.
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// A load report when one is due at `now` (the period passed, or the load changed a lot).
+    pub fn report_if_due(&mut self, now: f64) -> Option<Report> {
+        let stats = self.engine.stats();
+        let due = self.reported.as_ref().is_none_or(|(prev, at)| now - at >= REPORT_PERIOD || large(prev, &stats));
+        if !due {
+            return None;
+        }
+        let report = self.report(&stats);
+        self.reported = Some((stats, now));
+        Some(report)
+    }
+
+    fn report(&self, stats: &EngineStats) -> Report {
+        let device = stats.usage[0];
+        Report {
+            running: stats.running as u64,
+            waiting: stats.waiting as u64,
+            active_prefill_tokens: stats.prefill_tokens_pending as u64,
+            device_used: device.used as u64,
+            device_total: (device.used + device.cached + device.free) as u64,
+            covered: self.engine.ids().map(|id| id.to_string()).collect(),
+            computed_tokens_total: stats.counters.prefill_tokens,
+            compute_nanos_total: stats.counters.compute_nanos,
+            transfer_bytes_total: self.pulled_bytes,
+            transfer_nanos_total: self.pulled_nanos,
+            step_overrun_steps: Vec::new(),
+        }
+    }
+}
+
+fn large(prev: &EngineStats, now: &EngineStats) -> bool {
+    let capacity = (now.usage[0].used + now.usage[0].cached + now.usage[0].free).max(1) as f64;
+    prev.running != now.running
+        || prev.waiting != now.waiting
+        || (prev.usage[0].used as f64 - now.usage[0].used as f64).abs() / capacity >= LARGE_BLOCK_CHANGE
+}

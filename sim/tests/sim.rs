@@ -1,0 +1,108 @@
+//! The simulator on the real engine and router code: a scenario small enough to work out by hand, and the same
+//! trace twice giving the same records.
+
+use engine::backend::TimingProfile;
+use engine::backend::mock::MockSettings;
+use engine::generate::{BackendChoice, EngineConfig};
+use loadgen::schedule::{Arrivals, plan};
+use loadgen::trace::TraceRequest;
+use router::scheduler::config::{Policy, SchedulerConfig};
+use sim::{Settings, simulate};
+
+fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) -> Settings {
+    let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model");
+    let profile = TimingProfile::parse("test", profile).expect("profile parses");
+    let mock =
+        MockSettings { profile, block_bytes: 64, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
+    Settings {
+        model,
+        prefill,
+        decode,
+        engine: EngineConfig {
+            backend: BackendChoice::Mock(Box::new(mock)),
+            kv_blocks: 256,
+            host_blocks: 256,
+            max_model_len: Some(1024),
+            ..EngineConfig::default()
+        },
+        scheduler: SchedulerConfig { policy, ..SchedulerConfig::default() },
+        event_delay: 0.001,
+        report_delay: 0.001,
+        transfer_latency: 0.0005,
+        transfer_bandwidth: 25e9,
+        transfer_block_bytes: 2 << 20,
+        trace_block: 512,
+        max_isl: 1024,
+        seed: 7,
+    }
+}
+
+fn request(at_ms: f64, input: usize, output: usize, id: u64) -> TraceRequest {
+    TraceRequest {
+        arrival_ms: Some(at_ms),
+        input_length: input,
+        output_length: output,
+        hash_ids: vec![id],
+        ..TraceRequest::default()
+    }
+}
+
+#[test]
+fn three_requests_on_two_workers_take_the_times_worked_out_by_hand() {
+    // Prefill: 10 ms + 1 ms per token; decode: 5 ms per step; a step with both pays both.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    // No prefill workers: each request is prefilled and decoded on the decode worker round robin gives it.
+    let s = settings(profile, 0, 2, Policy::RoundRobin);
+    // A (100 tokens, 3 out) at 0 on worker 0; B (100, 1) at 1 ms on worker 1; C (50, 1) at 2 ms on worker 0.
+    let trace = [request(0.0, 100, 3, 1), request(1.0, 100, 1, 2), request(2.0, 50, 1, 3)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    assert_eq!(r.len(), 3);
+    let ttft: Vec<f64> = r.iter().map(|r| r.time_to_first_token_ms.expect("a first token")).collect();
+    let e2e: Vec<f64> = r.iter().map(|r| r.request_latency_ms).collect();
+    // A: its prefill step 0 → 110 ms. B: 1 → 111 ms. C waits for A's step, then shares the next with A's first
+    // decode: 10 + 50 + 5 = 65 ms, 110 → 175 ms (TTFT 173). A's last decode runs alone: 175 → 180 ms.
+    let want_ttft = [110.0, 110.0, 173.0];
+    let want_e2e = [180.0, 110.0, 173.0];
+    for k in 0..3 {
+        assert!((ttft[k] - want_ttft[k]).abs() < 1e-6, "TTFT of request {k}: {} (want {})", ttft[k], want_ttft[k]);
+        assert!((e2e[k] - want_e2e[k]).abs() < 1e-6, "E2E of request {k}: {} (want {})", e2e[k], want_e2e[k]);
+    }
+    assert_eq!(r[0].inter_chunk_ms.len(), 2);
+    assert!((r[0].inter_chunk_ms[0] - 65.0).abs() < 1e-6 && (r[0].inter_chunk_ms[1] - 5.0).abs() < 1e-6);
+    assert_eq!(out.prefill_tokens_computed, 250);
+    assert_eq!(out.decisions.get("no_prefill_workers"), Some(&3));
+}
+
+#[test]
+fn the_same_trace_and_seed_give_the_same_records_and_shared_prefixes_are_cached() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/traces/mooncake_conversation_1k.jsonl");
+    let mut trace = loadgen::trace::read(&path).expect("the committed sample");
+    trace.truncate(40);
+    for r in &mut trace {
+        // Small enough for the test's workers: the first 600 tokens of each prompt, 8 tokens out.
+        r.input_length = r.input_length.min(600);
+        r.output_length = 8;
+    }
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let s = settings_gpu();
+    let a = simulate(&s, &trace, &starts).expect("runs");
+    let b = simulate(&s, &trace, &starts).expect("runs again");
+    assert_eq!(a, b);
+    assert_eq!(a.records.len(), 40);
+    assert!(a.records.iter().all(|r| r.status == 200), "{:?}", a.records.iter().find(|r| r.status != 200));
+    assert!(a.records.iter().map(|r| r.cached_tokens).sum::<u64>() > 0, "shared prefixes are reused");
+    assert!(a.transfer_bytes > 0, "disaggregated requests move KV");
+}
+
+/// The `gpu-default` profile in virtual time, for runs that need realistic proportions.
+fn settings_gpu() -> Settings {
+    let mut s = settings("", 2, 2, Policy::Kv);
+    let profile = TimingProfile::load("gpu-default").expect("gpu-default ships");
+    let mock =
+        MockSettings { profile, block_bytes: 64, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
+    s.engine.backend = BackendChoice::Mock(Box::new(mock));
+    // Room for every request of the test at once: refusals are not what it checks.
+    (s.engine.kv_blocks, s.engine.host_blocks) = (4096, 4096);
+    s
+}

@@ -1,0 +1,240 @@
+//! `tandem sim`: a trace through a simulated cluster in virtual time, once per routing policy on the same
+//! arrivals, with the client-side figures `tandem bench serve` reports and what the cluster did (prefill work,
+//! cache hits by tier, bytes moved, decisions by reason).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use engine::backend::TimingProfile;
+use engine::backend::mock::MockSettings;
+use engine::generate::{BackendChoice, EngineConfig};
+use loadgen::prompt::DEFAULT_TRACE_BLOCK;
+use loadgen::schedule::Arrivals;
+use loadgen::summary::{RunFacts, Slo, Summary};
+use router::scheduler::config::{Policy, SchedulerConfig};
+use sim::{Outcome, Settings};
+
+use super::serve::write;
+
+/// Stand-in bytes per KV block: the smallest the engine accepts (4 bytes × 16 tokens); transfers are charged at
+/// the profile's modelled size, so the simulator keeps no more than this per block.
+const SIM_BLOCK_BYTES: usize = 64;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A Mooncake/aiperf `mooncake_trace` JSONL file, or an Azure LLM trace CSV.
+    #[arg(long)]
+    trace: PathBuf,
+    /// Divide the trace's timestamps by this.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Only the trace's first N requests.
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Prefill-only workers.
+    #[arg(long, default_value_t = 8)]
+    prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 8)]
+    decode: usize,
+    /// Routing policies to compare, each on the same arrivals from a fresh cluster.
+    #[arg(long, default_value = "kv,round_robin,least_loaded,power_of_two,random")]
+    policies: String,
+    /// A router TOML file: its `[scheduler]` table sets every policy's other settings.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Every worker's timing profile: gpu-default, cpu-smollm2 or a TOML file.
+    #[arg(long, default_value = "gpu-default")]
+    profile: String,
+    /// Device KV blocks per worker (default: the profile's).
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// Host tier blocks per worker (default: twice the device tier, as a worker).
+    #[arg(long)]
+    host_blocks: Option<usize>,
+    /// Prompt and decode tokens one step computes.
+    #[arg(long, default_value_t = engine::generate::DEFAULT_MAX_BATCHED_TOKENS)]
+    max_batched_tokens: usize,
+    /// Longest prompt plus output.
+    #[arg(long, default_value_t = engine::backend::mock::DEFAULT_MOCK_CONTEXT)]
+    max_model_len: usize,
+    /// Tokens per trace block id (Mooncake: 512).
+    #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK)]
+    trace_block_size: usize,
+    /// Milliseconds from a worker's step to the router applying its KV events.
+    #[arg(long, default_value_t = 1.0)]
+    event_delay_ms: f64,
+    /// Milliseconds from a worker's state change to the router reading its load report.
+    #[arg(long, default_value_t = 1.0)]
+    report_delay_ms: f64,
+    /// SLOs per request, e.g. `ttft_ms=2000,tpot_ms=25`.
+    #[arg(long, default_value = "")]
+    slo: String,
+    /// Seed for routing ties and each request's sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The model file whose vocabulary prompts and outputs are drawn from (default: the embedded model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Write per policy `POLICY/records.jsonl` and `POLICY/summary.json`, and `sim.json`, here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the result as JSON on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    let started = Instant::now();
+    let slo = Slo::parse(&args.slo)?;
+    let mut requests = loadgen::trace::read(&args.trace)?;
+    if let Some(n) = args.max_requests {
+        requests.truncate(n);
+    }
+    if !(args.speedup.is_finite() && args.speedup > 0.0) {
+        return Err(format!("--speedup must be a positive number, not {}", args.speedup));
+    }
+    let starts = loadgen::schedule::plan(&requests, &Arrivals::Trace { speedup: args.speedup });
+    let policies = parse_policies(&args.policies)?;
+    let profile = TimingProfile::load(&args.profile).map_err(|e| e.to_string())?;
+    let base = Settings {
+        model: match &args.model {
+            Some(p) => p.clone(),
+            None => super::fetch_default()?,
+        },
+        prefill: args.prefill,
+        decode: args.decode,
+        engine: engine_config(&args, profile.clone()),
+        scheduler: scheduler_config(args.config.as_deref())?,
+        event_delay: args.event_delay_ms / 1000.0,
+        report_delay: args.report_delay_ms / 1000.0,
+        transfer_latency: profile.transfer.latency_ms / 1000.0,
+        transfer_bandwidth: profile.transfer.bandwidth_bytes_per_s,
+        transfer_block_bytes: profile.transfer.block_bytes,
+        trace_block: args.trace_block_size,
+        max_isl: args.max_model_len,
+        seed: args.seed,
+    };
+    let mut results: BTreeMap<String, serde_json::Value> = BTreeMap::new();
+    let mut rows = Vec::new();
+    for policy in policies {
+        let settings = Settings { scheduler: SchedulerConfig { policy, ..base.scheduler.clone() }, ..base.clone() };
+        let outcome = sim::simulate(&settings, &requests, &starts).map_err(|e| e.to_string())?;
+        let facts = RunFacts { duration_s: outcome.duration_s, ..RunFacts::default() };
+        let summary = loadgen::summary::summarize(&outcome.records, slo, &facts);
+        if let Some(dir) = &args.out {
+            write_run(&dir.join(policy.as_str()), &outcome, &summary)?;
+        }
+        results.insert(policy.as_str().to_string(), policy_json(&outcome, &summary));
+        rows.push((policy, outcome, summary));
+    }
+    let out = serde_json::json!({ "policies": results, "wall_seconds": started.elapsed().as_secs_f64() });
+    if let Some(dir) = &args.out {
+        write(dir.join("sim.json"), &serde_json::to_string_pretty(&out).unwrap_or_default())?;
+    }
+    if args.json {
+        println!("{out}");
+    } else {
+        print_table(&rows, requests.len(), started.elapsed().as_secs_f64());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn parse_policies(list: &str) -> Result<Vec<Policy>, String> {
+    list.split(',')
+        .map(|name| {
+            serde_json::from_value(serde_json::Value::String(name.trim().to_string()))
+                .map_err(|_| format!("--policies: {name:?} is not a policy (kv, round_robin, least_loaded, power_of_two, random, prefix_hash, sglang_threshold)"))
+        })
+        .collect()
+}
+
+/// The `[scheduler]` table of a router TOML file (the defaults without a file).
+fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfig, String> {
+    let Some(path) = path else { return Ok(SchedulerConfig::default()) };
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let file: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let config: SchedulerConfig = match file.get("scheduler") {
+        Some(t) => t.clone().try_into().map_err(|e| format!("{}: [scheduler]: {e}", path.display()))?,
+        None => SchedulerConfig::default(),
+    };
+    config.validate().map_err(|e| format!("{}: [scheduler]: {}", path.display(), e.join("; ")))?;
+    Ok(config)
+}
+
+/// Every worker's engine: the mock backend in virtual time, tiers as a worker has them (no disk tier yet).
+fn engine_config(args: &Args, profile: TimingProfile) -> EngineConfig {
+    let kv_blocks = args.kv_blocks.or(profile.device_blocks).unwrap_or(engine::generate::DEFAULT_KV_BLOCKS);
+    let mock = MockSettings {
+        profile,
+        speedup: 1.0,
+        block_bytes: SIM_BLOCK_BYTES,
+        context_len: args.max_model_len,
+        virtual_time: true,
+    };
+    EngineConfig {
+        backend: BackendChoice::Mock(Box::new(mock)),
+        kv_blocks,
+        host_blocks: args.host_blocks.unwrap_or(worker::cli::HOST_TIER_FACTOR * kv_blocks),
+        max_batched_tokens: args.max_batched_tokens,
+        max_model_len: Some(args.max_model_len),
+        ..EngineConfig::default()
+    }
+}
+
+fn policy_json(o: &Outcome, s: &Summary) -> serde_json::Value {
+    let mut v = serde_json::to_value(s).unwrap_or_default();
+    if let Some(m) = v.as_object_mut() {
+        m.insert("prefill_tokens_computed".into(), o.prefill_tokens_computed.into());
+        m.insert("cached_tokens_by_tier".into(), serde_json::json!(o.cached_tokens_by_tier));
+        m.insert("transfer_bytes".into(), o.transfer_bytes.into());
+        m.insert("decisions".into(), serde_json::json!(o.decisions));
+        m.insert("requests_per_worker".into(), serde_json::json!(o.per_worker));
+    }
+    v
+}
+
+fn write_run(dir: &std::path::Path, o: &Outcome, s: &Summary) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let lines: Vec<String> = o.records.iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
+    write(dir.join("records.jsonl"), &(lines.join("\n") + "\n"))?;
+    write(dir.join("summary.json"), &serde_json::to_string_pretty(&policy_json(o, s)).unwrap_or_default())
+}
+
+fn print_table(rows: &[(Policy, Outcome, Summary)], requests: usize, wall: f64) {
+    println!(
+        "{:<17}{:>10}{:>10}{:>10}{:>9}{:>9}{:>11}{:>9}{:>14}{:>9}{:>7}",
+        "policy",
+        "TTFT p50",
+        "TTFT p90",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p90",
+        "E2E p90",
+        "goodput",
+        "prefill tok",
+        "cached",
+        "failed"
+    );
+    for (p, o, s) in rows {
+        println!(
+            "{:<17}{:>10.1}{:>10.1}{:>10.1}{:>9.1}{:>9.1}{:>11.1}{:>9.2}{:>14}{:>8.1}%{:>7}",
+            p.as_str(),
+            s.time_to_first_token_ms.p50,
+            s.time_to_first_token_ms.p90,
+            s.time_to_first_token_ms.p99,
+            s.inter_token_latency_ms.p50,
+            s.inter_token_latency_ms.p90,
+            s.request_latency_ms.p90,
+            s.goodput_requests_per_s,
+            o.prefill_tokens_computed,
+            s.cached_token_fraction * 100.0,
+            s.failed
+        );
+    }
+    println!(
+        "{requests} requests per policy, times in ms of virtual time, goodput in requests/s; {wall:.1} s of wall time"
+    );
+}
