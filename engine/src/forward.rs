@@ -52,7 +52,10 @@ pub fn check_chunk(kv: &KvStore, s: &SeqChunk<'_>, vocab: usize, context: usize)
     if s.blocks.len() < need {
         return Err(ForwardError::BlockTableShort { have: s.blocks.len(), need });
     }
-    if let Some(b) = s.blocks[..need].iter().find(|b| b.0 as usize >= kv.capacity()) {
+    // The blocks this chunk writes; those before it were checked when their own chunk ran (or came from the pool,
+    // whose slots are the store's), so a decode step checks one block per sequence, not its whole table.
+    let first = (s.start / bt).min(need);
+    if let Some(b) = s.blocks[first..need].iter().find(|b| b.0 as usize >= kv.capacity()) {
         return Err(ForwardError::BlockOutOfRange(b.0));
     }
     Ok(())

@@ -2,7 +2,9 @@
 //! replay buffer, snapshots, and [`TierView`], the per-tier state that replaying events or a snapshot rebuilds
 //! (what a router's indexer keeps per worker).
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
+
+use crate::fastmap::FastMap;
 
 use crate::hash::{LocalHash, SeqHash};
 
@@ -134,7 +136,7 @@ impl EventLog {
 /// block is ignored.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TierView {
-    tiers: [HashMap<SeqHash, BlockMeta>; 3],
+    tiers: [FastMap<SeqHash, BlockMeta>; 3],
     /// The last event applied.
     pub as_of: Option<EventId>,
     /// `Stored` events whose parent was on no tier (still applied: the map is flat).
@@ -170,7 +172,7 @@ impl TierView {
                 }
             }
             KvEvent::Cleared { tier: Some(tier) } => self.tiers[tier.index()].clear(),
-            KvEvent::Cleared { tier: None } => self.tiers.iter_mut().for_each(HashMap::clear),
+            KvEvent::Cleared { tier: None } => self.tiers.iter_mut().for_each(FastMap::clear),
         }
         self.as_of = Some(id);
     }

@@ -93,22 +93,32 @@ pub struct BlockHashes {
     pub seq: Vec<SeqHash>,
 }
 
+impl BlockHashes {
+    /// Hashes the full blocks of `tokens` past those already hashed: `tokens` is the whole sequence so far (it only
+    /// ever grows), so a sequence's hashes cost each block once however often they are asked for. Nothing happens
+    /// when every full block is already hashed.
+    pub fn extend(&mut self, tokens: &[u32], block_size: BlockSize, namespace: Option<&CacheNamespace>) {
+        let first_seed = namespace.map_or(HASH_SEED, CacheNamespace::seed);
+        let done = self.seq.len();
+        for (i, block) in tokens.chunks_exact(block_size.tokens()).enumerate().skip(done) {
+            let seed = if i == 0 { first_seed } else { HASH_SEED };
+            let local = local_hash_seeded(block, seed);
+            let seq = match self.seq.last() {
+                None => SeqHash(local.0),
+                Some(&parent) => chain(parent, local),
+            };
+            self.local.push(local);
+            self.seq.push(seq);
+        }
+    }
+}
+
 /// Hashes of every full block of `tokens`; a trailing partial block is never hashed. With a namespace, its seed
 /// replaces the default for the first block, so the whole chain differs from every other namespace's.
 pub fn block_hashes(tokens: &[u32], block_size: BlockSize, namespace: Option<&CacheNamespace>) -> BlockHashes {
     let n = tokens.len() / block_size.tokens();
     let mut out = BlockHashes { local: Vec::with_capacity(n), seq: Vec::with_capacity(n) };
-    let first_seed = namespace.map_or(HASH_SEED, CacheNamespace::seed);
-    for (i, block) in tokens.chunks_exact(block_size.tokens()).enumerate() {
-        let seed = if i == 0 { first_seed } else { HASH_SEED };
-        let local = local_hash_seeded(block, seed);
-        let seq = match out.seq.last() {
-            None => SeqHash(local.0),
-            Some(&parent) => chain(parent, local),
-        };
-        out.local.push(local);
-        out.seq.push(seq);
-    }
+    out.extend(tokens, block_size, namespace);
     out
 }
 
@@ -159,6 +169,22 @@ mod tests {
             let prefix = block_hashes(&tokens[..cut], bs(16), None);
             prop_assert_eq!(&whole.seq[..prefix.seq.len()], &prefix.seq[..]);
             prop_assert_eq!(&whole.local[..prefix.local.len()], &prefix.local[..]);
+        }
+
+        #[test]
+        fn hashing_a_growing_sequence_step_by_step_equals_hashing_it_whole(
+            tokens in proptest::collection::vec(any::<u32>(), 0..200),
+            cuts in proptest::collection::vec(0usize..200, 0..6),
+            salted in any::<bool>(),
+        ) {
+            let ns = salted.then(|| CacheNamespace::new("tenant"));
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(tokens.len())).collect();
+            cuts.sort_unstable();
+            let mut grown = BlockHashes::default();
+            for c in cuts.into_iter().chain([tokens.len()]) {
+                grown.extend(&tokens[..c], bs(16), ns.as_ref());
+            }
+            prop_assert_eq!(grown, block_hashes(&tokens, bs(16), ns.as_ref()));
         }
     }
 }

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod events;
+pub mod fastmap;
 mod hash;
 pub mod pool;
 

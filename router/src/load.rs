@@ -9,6 +9,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use kv_cache::fastmap::FastMap;
+
 use kv_cache::SeqHash;
 
 use crate::scheduler::view::{Load, Speed, WorkerId};
@@ -51,9 +53,9 @@ const MIN_MEASURED_NANOS: u64 = 10_000_000;
 #[derive(Debug, Default)]
 struct Tracked {
     report: Report,
-    sent: HashMap<u64, Sent>,
+    sent: FastMap<u64, Sent>,
     /// Block hashes of the requests in `sent`, with how many of them hold each.
-    active: HashMap<SeqHash, u32>,
+    active: FastMap<SeqHash, u32>,
     speed: Speed,
 }
 
@@ -196,7 +198,7 @@ impl LoadTracker {
     }
 }
 
-fn forget_hashes(active: &mut HashMap<SeqHash, u32>, hashes: &[SeqHash]) {
+fn forget_hashes(active: &mut FastMap<SeqHash, u32>, hashes: &[SeqHash]) {
     for h in hashes {
         if let Some(n) = active.get_mut(h) {
             *n -= 1;

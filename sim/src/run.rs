@@ -70,6 +70,8 @@ pub struct Outcome {
 pub enum SimError {
     #[error("worker engine: {0}")]
     Engine(#[from] engine::generate::EngineError),
+    #[error("model: {0}")]
+    Model(#[from] engine::text::TextError),
     #[error("{0}")]
     Settings(String),
 }
@@ -165,8 +167,11 @@ impl<'a> Sim<'a> {
         let roles = std::iter::repeat_n(WorkerRole::Prefill, settings.prefill)
             .chain(std::iter::repeat_n(WorkerRole::Decode, settings.decode));
         let mut index = PrefixIndex::new();
+        // One read of the model's vocabulary for every worker.
+        let text = std::sync::Arc::new(engine::text::TextModel::open(&settings.model)?);
+        let words = text.tokenizer().plain_words();
         for (i, role) in roles.enumerate() {
-            let engine = Engine::open(&settings.model, settings.engine.clone())?;
+            let engine = Engine::open_mock(std::sync::Arc::clone(&text), &words, settings.engine.clone())?;
             let name = match role {
                 WorkerRole::Prefill => format!("prefill-{i}"),
                 _ => format!("decode-{}", i - settings.prefill),
@@ -175,7 +180,6 @@ impl<'a> Sim<'a> {
             index.replace(id, &Snapshot { as_of: None, tiers: Default::default() });
             workers.push(SimWorker::new(id, name, role, Stepper::new(engine)));
         }
-        let words = workers[0].engine.engine().tokenizer().plain_words();
         Ok(Sim {
             settings,
             workload,

@@ -326,21 +326,13 @@ impl Loop {
                 let _ = reply.send(self.engine.lookup(&hashes));
             }
             Command::Submit { request, export, blocks, reply } => {
+                let views: Vec<(usize, &[u8])> = blocks.iter().map(|(i, b)| (*i, b.as_ref())).collect();
                 let made = if self.accepting {
-                    self.engine.new_seq(&request, self.next_index)
+                    self.engine.prepare(&request, self.next_index, export, &views)
                 } else {
                     Err(EngineError::Config("the engine is shutting down".into()))
                 };
                 self.next_index += 1;
-                let made = made.and_then(|mut seq| {
-                    if !blocks.is_empty() {
-                        let views: Vec<(usize, &[u8])> = blocks.iter().map(|(i, b)| (*i, b.as_ref())).collect();
-                        seq.pinned = self.engine.import_pinned(&seq.tokens, seq.namespace.as_ref(), &views)?;
-                    }
-                    seq.keep_blocks = export;
-                    seq.cached_hint = self.engine.cached_prefix_tokens(&seq);
-                    Ok(seq)
-                });
                 match made {
                     Ok(seq) => {
                         // Every token, the export, and the last message.

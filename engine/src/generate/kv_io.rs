@@ -2,9 +2,9 @@
 //! disaggregation) and importing blocks pulled from another worker (the decode side), which then count as cached
 //! prefix like any other.
 
+use kv_cache::SeqHash;
 use kv_cache::events::BlockMeta;
 use kv_cache::pool::{PoolError, PrefixMatch, Registered};
-use kv_cache::{CacheNamespace, SeqHash, block_hashes};
 
 use super::sequence::Seq;
 use super::{Engine, EngineError};
@@ -27,11 +27,11 @@ pub struct ExportedKv {
 
 impl Engine {
     /// Copies the KV of `s`'s prompt out of its blocks (call before they are released).
-    pub(super) fn export(&self, s: &Seq) -> ExportedKv {
+    pub(super) fn export(&self, s: &mut Seq) -> ExportedKv {
         let bt = self.config.block_tokens;
         let tokens = s.prompt_len.min(s.computed);
         let full = tokens / bt;
-        let hashes = block_hashes(&s.tokens[..full * bt], self.block_size(), s.namespace.as_ref());
+        let hashes = s.hashes(full, self.block_size()).clone();
         let blocks = s.blocks[..tokens.div_ceil(bt).min(s.blocks.len())]
             .iter()
             .enumerate()
@@ -58,11 +58,10 @@ impl Engine {
     }
 
     /// Prompt tokens of `s` that the pool already holds on some tier (whole reusable blocks).
-    pub(super) fn cached_prefix_tokens(&self, s: &Seq) -> usize {
+    pub(super) fn cached_prefix_tokens(&self, s: &mut Seq) -> usize {
         let bt = self.config.block_tokens;
         let reusable = (s.tokens.len().saturating_sub(1)) / bt;
-        let hashes = block_hashes(&s.tokens[..reusable * bt], self.block_size(), s.namespace.as_ref());
-        let m = self.pool.lookup(&hashes.seq);
+        let m = self.pool.lookup(&s.hashes(reusable, self.block_size()).seq[..reusable]);
         (m.device + m.host + m.disk) * bt
     }
 
@@ -73,20 +72,18 @@ impl Engine {
     /// stored. Returns the held device blocks.
     pub(super) fn import_pinned(
         &mut self,
-        tokens: &[u32],
-        namespace: Option<&CacheNamespace>,
+        s: &mut Seq,
         blocks: &[(usize, &[u8])],
     ) -> Result<Vec<BlockId>, EngineError> {
         let bt = self.config.block_tokens;
+        let tokens = &s.tokens;
         let full = tokens.len() / bt;
-        let hashes = block_hashes(&tokens[..full * bt], self.block_size(), namespace);
+        let len = tokens.len();
+        let hashes = s.hashes(full, self.block_size()).clone();
         let want = self.block_bytes();
         for &(i, bytes) in blocks {
             if i >= full {
-                return Err(EngineError::Config(format!(
-                    "block {i} is not a full block of a {}-token prompt",
-                    tokens.len()
-                )));
+                return Err(EngineError::Config(format!("block {i} is not a full block of a {len}-token prompt")));
             }
             if bytes.len() != want {
                 return Err(EngineError::Config(format!(
@@ -99,7 +96,7 @@ impl Engine {
         let mut stored: Vec<u32> = Vec::new();
         let held = self.store_blocks(&hashes, blocks, &mut stored).and_then(|()| {
             // Only whole blocks before the last token are ever reused (one token is always computed).
-            let reusable = (tokens.len().saturating_sub(1)) / bt;
+            let reusable = (len.saturating_sub(1)) / bt;
             self.hold(&hashes.seq[..reusable.min(full)])
         });
         for &slot in &stored {

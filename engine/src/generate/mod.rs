@@ -13,6 +13,7 @@ pub mod text;
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -220,7 +221,7 @@ pub struct Counters {
 #[derive(Debug)]
 pub struct Engine {
     backend: Box<dyn Backend>,
-    text: TextModel,
+    text: Arc<TextModel>,
     stores: TierStores,
     pool: BlockPool,
     config: EngineConfig,
@@ -232,7 +233,7 @@ impl Engine {
     /// Loads the model at `path` and prepares to run it. Configuration errors are reported all at once.
     pub fn open(path: &std::path::Path, config: EngineConfig) -> Result<Engine, EngineError> {
         let file = GgufFile::open(path)?;
-        let text = TextModel::from_gguf(&file)?;
+        let text = Arc::new(TextModel::from_gguf(&file)?);
         let backend: Box<dyn Backend> = match &config.backend {
             BackendChoice::Cpu => {
                 let model = Model::load(&file)?;
@@ -245,23 +246,39 @@ impl Engine {
                     .map_err(|e| EngineError::Threads(e.to_string()))?;
                 Box::new(CpuBackend::new(model, pool_threads))
             }
-            BackendChoice::Mock(mock) => {
-                let problems = mock.problems(config.block_tokens);
-                if !problems.is_empty() {
-                    return Err(EngineError::Config(problems.join("; ")));
-                }
-                check_config(&config, mock.context_len)?;
-                let tokenizer = text.tokenizer();
-                let words = tokenizer.plain_words();
-                if words.is_empty() {
-                    return Err(EngineError::Config(
-                        "the vocabulary has no plain word tokens for the mock to draw".into(),
-                    ));
-                }
-                let capacity = config.kv_blocks * config.block_tokens;
-                Box::new(MockBackend::new((**mock).clone(), tokenizer.vocab_size(), words, capacity))
+            BackendChoice::Mock(_) => {
+                let words = text.tokenizer().plain_words();
+                return Engine::open_mock(text, &words, config);
             }
         };
+        Engine::with_backend(backend, text, config)
+    }
+
+    /// A mock engine over a text model already read, drawing output from `words` (`Tokenizer::plain_words`):
+    /// many engines share one model's vocabulary without each reading the file (the simulator's workers).
+    pub fn open_mock(text: Arc<TextModel>, words: &[u32], config: EngineConfig) -> Result<Engine, EngineError> {
+        let BackendChoice::Mock(mock) = &config.backend else {
+            return Err(EngineError::Config("open_mock needs the mock backend".into()));
+        };
+        let problems = mock.problems(config.block_tokens);
+        if !problems.is_empty() {
+            return Err(EngineError::Config(problems.join("; ")));
+        }
+        check_config(&config, mock.context_len)?;
+        if words.is_empty() {
+            return Err(EngineError::Config("the vocabulary has no plain word tokens for the mock to draw".into()));
+        }
+        let capacity = config.kv_blocks * config.block_tokens;
+        let vocab = text.tokenizer().vocab_size();
+        let backend = Box::new(MockBackend::new((**mock).clone(), vocab, words.to_vec(), capacity));
+        Engine::with_backend(backend, text, config)
+    }
+
+    fn with_backend(
+        backend: Box<dyn Backend>,
+        text: Arc<TextModel>,
+        config: EngineConfig,
+    ) -> Result<Engine, EngineError> {
         let layout = backend.kv_layout(config.block_tokens);
         let disk = match (&config.disk_dir, config.disk_blocks) {
             (Some(dir), n) if n > 0 => Some(DiskTier::open(dir).map_err(EngineError::Tier)?),
@@ -391,6 +408,7 @@ impl Engine {
         Ok(Seq {
             tokens: r.prompt.clone(),
             namespace: r.namespace.clone(),
+            hashes: kv_cache::BlockHashes::default(),
             prompt_len: r.prompt.len(),
             computed: 0,
             blocks: Vec::new(),
@@ -413,6 +431,24 @@ impl Engine {
             first_token: None,
             last_token: None,
         })
+    }
+
+    /// A sequence for `request` ready to queue: `blocks` (full blocks of its prompt pulled from another worker, by
+    /// position) stored and held for it, its KV kept for export when `export`, and how much of it is cached.
+    fn prepare(
+        &mut self,
+        request: &Request,
+        index: usize,
+        export: bool,
+        blocks: &[(usize, &[u8])],
+    ) -> Result<Seq, EngineError> {
+        let mut seq = self.new_seq(request, index)?;
+        if !blocks.is_empty() {
+            seq.pinned = self.import_pinned(&mut seq, blocks)?;
+        }
+        seq.keep_blocks = export;
+        seq.cached_hint = self.cached_prefix_tokens(&mut seq);
+        Ok(seq)
     }
 
     fn drive(

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use kv_cache::CacheNamespace;
+use kv_cache::{BlockHashes, BlockSize, CacheNamespace};
 
 use super::{Completion, Event, FinishReason, TextStream};
 use crate::forward::SeqChunk;
@@ -17,6 +17,8 @@ pub(super) struct Seq {
     pub tokens: Vec<u32>,
     /// Mixed into the first block's hash (tenant isolation).
     pub namespace: Option<CacheNamespace>,
+    /// Hashes of the leading full blocks hashed so far (each block is hashed once: see [`Seq::hashes`]).
+    pub hashes: BlockHashes,
     pub prompt_len: usize,
     /// Leading tokens whose K/V is in `blocks`.
     pub computed: usize,
@@ -81,6 +83,14 @@ impl Seq {
             blocks: &self.blocks,
             logits: end == self.tokens.len(),
         }
+    }
+
+    /// Hashes of at least the first `blocks` full blocks (slice them): computed once per block over the
+    /// sequence's life, since its tokens only grow.
+    pub fn hashes(&mut self, blocks: usize, block_size: BlockSize) -> &BlockHashes {
+        let end = (blocks * block_size.tokens()).min(self.tokens.len());
+        self.hashes.extend(&self.tokens[..end], block_size, self.namespace.as_ref());
+        &self.hashes
     }
 
     /// Tokens still to compute before the next token can be sampled.

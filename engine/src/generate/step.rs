@@ -6,9 +6,9 @@
 //! alone, its chunk is refused by the forward pass) ends that sequence only, with the reason; the step goes on
 //! with the others. Only a failure of the batch as a whole ends every sequence in it.
 
+use kv_cache::BlockSize;
 use kv_cache::events::{BlockMeta, Tier};
 use kv_cache::pool::{Action, PoolError};
-use kv_cache::{BlockSize, block_hashes};
 
 use super::sequence::{Failure, Seq};
 use super::{Engine, EngineError, Event};
@@ -29,9 +29,9 @@ impl Engine {
         for s in seqs.iter_mut().filter(|s| s.active() && !s.running).take(room) {
             // Reuse whole blocks, but always leave at least one token to compute (its logits are needed).
             let reusable = (s.tokens.len() - 1) / bt;
-            let hashes = block_hashes(&s.tokens[..reusable * bt], self.block_size(), s.namespace.as_ref());
-            self.stage_disk_hits(&hashes.seq);
-            let acquired = self.pool.acquire(&hashes.seq);
+            let hashes = &s.hashes(reusable, self.block_size()).seq[..reusable];
+            self.stage_disk_hits(hashes);
+            let acquired = self.pool.acquire(hashes);
             s.blocks = acquired.slots.iter().copied().map(BlockId).collect();
             // The sequence now references its prefix itself: the hold taken for it on arrival goes.
             for b in std::mem::take(&mut s.pinned) {
@@ -292,7 +292,7 @@ impl Engine {
         start: std::time::Instant,
     ) -> (Option<super::ExportedKv>, Result<super::Completion, Failure>) {
         let exported = (export && s.failure.is_none() && s.finish != Some(super::FinishReason::Cancelled))
-            .then(|| self.export(&s));
+            .then(|| self.export(&mut s));
         let released = self.release_blocks(&mut s);
         let end = match (released, s.failure.take()) {
             (_, Some(failure)) => Err(failure),
@@ -321,7 +321,8 @@ impl Engine {
         if full <= s.registered {
             return Ok(());
         }
-        let hashes = block_hashes(&s.tokens[..full * bt], self.block_size(), s.namespace.as_ref());
+        s.hashes(full, self.block_size());
+        let hashes = &s.hashes;
         for b in s.registered..full {
             let meta = BlockMeta {
                 seq: hashes.seq[b],

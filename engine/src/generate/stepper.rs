@@ -66,14 +66,9 @@ impl Stepper {
         export: bool,
         blocks: &[(usize, &[u8])],
     ) -> Result<(), EngineError> {
-        let mut seq = self.engine.new_seq(request, self.next_index)?;
+        let seq = self.engine.prepare(request, self.next_index, export, blocks);
         self.next_index += 1;
-        if !blocks.is_empty() {
-            seq.pinned = self.engine.import_pinned(&seq.tokens, seq.namespace.as_ref(), blocks)?;
-        }
-        seq.keep_blocks = export;
-        seq.cached_hint = self.engine.cached_prefix_tokens(&seq);
-        self.seqs.push(seq);
+        self.seqs.push(seq?);
         self.tags.push((id, export));
         Ok(())
     }

@@ -1,7 +1,9 @@
 //! Eviction policy: which unreferenced cached block of a tier leaves first. The pool (mechanism) tells the policy
 //! when blocks become evictable or stop being so; the policy only chooses.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::fastmap::FastMap;
 
 /// Chooses eviction victims among a tier's evictable slots.
 pub trait EvictionPolicy: std::fmt::Debug {
@@ -18,7 +20,7 @@ pub trait EvictionPolicy: std::fmt::Debug {
 pub struct Lru {
     tick: u64,
     by_tick: BTreeMap<u64, u32>,
-    tick_of: HashMap<u32, u64>,
+    tick_of: FastMap<u32, u64>,
 }
 
 impl EvictionPolicy for Lru {

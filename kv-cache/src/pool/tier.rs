@@ -1,6 +1,6 @@
 //! One tier's slot table: the state of every slot, the free list, the hash index and the eviction policy.
 
-use std::collections::HashMap;
+use crate::fastmap::FastMap;
 use std::num::NonZeroU32;
 
 use super::{EvictionPolicy, TierUsage};
@@ -27,7 +27,7 @@ enum State {
 pub struct TierTable<E> {
     states: Vec<State>,
     free: Vec<u32>,
-    by_hash: HashMap<SeqHash, u32>,
+    by_hash: FastMap<SeqHash, u32>,
     policy: E,
     /// Slots per state, kept as states change: usage is read at every engine step, and scanning every slot of
     /// a large tier each time cost more than the step itself.
@@ -49,7 +49,7 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
             states: vec![State::Free; capacity],
             // Lowest slot first, so slot numbers are predictable in tests and logs.
             free: (0..capacity as u32).rev().collect(),
-            by_hash: HashMap::new(),
+            by_hash: FastMap::default(),
             policy: E::default(),
             counts: TierUsage { free: capacity, ..TierUsage::default() },
         }

@@ -3,7 +3,9 @@
 //! A flat map from chained block hash to its holders answers prefix questions, because a chained hash names the
 //! whole prefix up to its block. Pure: the subscription tasks own the sockets and hand events to its one owner.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+
+use kv_cache::fastmap::{FastMap, FastSet};
 
 use kv_cache::SeqHash;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier};
@@ -43,13 +45,13 @@ pub struct IndexStats {
 struct Indexed {
     last: Option<EventId>,
     /// Every hash this worker holds on some tier: what to drop when it goes.
-    held: HashSet<SeqHash>,
+    held: FastSet<SeqHash>,
 }
 
 /// The index of every worker's cached blocks.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
-    holders: HashMap<SeqHash, Vec<(WorkerId, u8)>>,
+    holders: FastMap<SeqHash, Vec<(WorkerId, u8)>>,
     workers: HashMap<WorkerId, Indexed>,
     stats: IndexStats,
 }
