@@ -63,6 +63,9 @@ pub struct Outcome {
     pub per_worker: BTreeMap<String, u64>,
     /// Virtual seconds from the first arrival to the last response.
     pub duration_s: f64,
+    /// Every request's prompt (length and block hashes) in the order they arrived: what the references of
+    /// [`crate::oracle`] replay.
+    pub arrivals: Vec<crate::oracle::Prompt>,
 }
 
 /// Why a run could not start.
@@ -247,6 +250,7 @@ impl<'a> Sim<'a> {
         live.clipped = prompt.clipped;
         live.prompt = prompt.tokens;
         live.hashes = hashes;
+        self.out.arrivals.push(crate::oracle::Prompt { tokens: live.prompt.len(), blocks: live.hashes.clone() });
         let decision = match route(&req, &views, cfg, &mut self.state) {
             Ok(d) => d,
             Err(e) => return self.refuse(now, i, e),
@@ -455,7 +459,9 @@ impl<'a> Sim<'a> {
             finish_reason: finish.map(str::to_string),
             inter_chunk_ms: live.gaps.clone(),
         });
-        self.live[i].gaps = Vec::new();
+        // What a finished request no longer needs (a whole trace's prompts would not fit in memory).
+        let live = &mut self.live[i];
+        (live.gaps, live.prompt, live.hashes) = (Vec::new(), Vec::new(), Vec::new());
         for (next, delay) in std::mem::take(&mut self.followers[i]) {
             self.queue.at(now + delay, Ev::Arrive(next));
         }

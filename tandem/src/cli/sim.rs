@@ -14,6 +14,7 @@ use loadgen::prompt::DEFAULT_TRACE_BLOCK;
 use loadgen::schedule::Arrivals;
 use loadgen::summary::{RunFacts, Slo, Summary};
 use router::scheduler::config::{Policy, SchedulerConfig};
+use sim::oracle::References;
 use sim::{Outcome, Settings};
 
 use super::serve::write;
@@ -130,14 +131,23 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         results.insert(policy.as_str().to_string(), policy_json(&outcome, &summary));
         rows.push((policy, outcome, summary));
     }
-    let out = serde_json::json!({ "policies": results, "wall_seconds": started.elapsed().as_secs_f64() });
+    // The references replay the first policy's arrival order (later turns of a session may arrive in another
+    // order under another policy; their prompts are the same).
+    let e = &base.engine;
+    let capacity = (args.prefill + args.decode) * (e.kv_blocks + e.host_blocks + e.disk_blocks);
+    let oracle = rows.first().map(|(_, o, _)| sim::oracle::references(&o.arrivals, e.block_tokens, capacity));
+    let out = serde_json::json!({
+        "policies": results,
+        "oracle": oracle,
+        "wall_seconds": started.elapsed().as_secs_f64(),
+    });
     if let Some(dir) = &args.out {
         write(dir.join("sim.json"), &serde_json::to_string_pretty(&out).unwrap_or_default())?;
     }
     if args.json {
         println!("{out}");
     } else {
-        print_table(&rows, requests.len(), started.elapsed().as_secs_f64());
+        print_table(&rows, oracle, requests.len(), started.elapsed().as_secs_f64());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -203,7 +213,7 @@ fn write_run(dir: &std::path::Path, o: &Outcome, s: &Summary) -> Result<(), Stri
     write(dir.join("summary.json"), &serde_json::to_string_pretty(&policy_json(o, s)).unwrap_or_default())
 }
 
-fn print_table(rows: &[(Policy, Outcome, Summary)], requests: usize, wall: f64) {
+fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, requests: usize, wall: f64) {
     println!(
         "{:<17}{:>10}{:>10}{:>10}{:>9}{:>9}{:>11}{:>9}{:>14}{:>9}{:>7}",
         "policy",
@@ -233,6 +243,23 @@ fn print_table(rows: &[(Policy, Outcome, Summary)], requests: usize, wall: f64) 
             s.cached_token_fraction * 100.0,
             s.failed
         );
+    }
+    if let Some(r) = oracle {
+        println!(
+            "prefill tokens with one pooled cache of the cluster's {} blocks: Belady {}, LRU {}; infinite cache {}",
+            r.capacity_blocks, r.belady_prefill_tokens, r.pooled_lru_prefill_tokens, r.infinite_cache_prefill_tokens
+        );
+        let ratio = |a: u64, b: u64| if b == 0 { f64::NAN } else { a as f64 / b as f64 };
+        for (p, o, _) in rows {
+            let t = o.prefill_tokens_computed;
+            println!(
+                "  {:<17} {:.3}x Belady, {:.3}x pooled LRU, {:.3}x infinite",
+                p.as_str(),
+                ratio(t, r.belady_prefill_tokens),
+                ratio(t, r.pooled_lru_prefill_tokens),
+                ratio(t, r.infinite_cache_prefill_tokens)
+            );
+        }
     }
     println!(
         "{requests} requests per policy, times in ms of virtual time, goodput in requests/s; {wall:.1} s of wall time"

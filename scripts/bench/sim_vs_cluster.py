@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""The simulator against a real mock cluster on the same trace sample (docs/simulation.md).
+
+Runs the first N requests of the committed Mooncake sample once through `tandem sim` and once through a fresh
+`tandem up --engine mock` driven by `tandem bench serve`, with the same profile (gpu-default), worker counts, tiers
+(device and host; no disk tier, which the simulator does not model yet), policy and seed, on the trace's own
+arrivals. Prints, for TTFT, TPOT and E2E, the simulated and measured p50 and p90 with their relative difference and
+a two-sample Kolmogorov-Smirnov test, and the cached token fraction of both. The real run's validity (schedule lag,
+mock step overrun) is printed too: an invalid real run is no reference.
+
+Usage:
+  python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--requests 200] [--policy kv]
+      [--prefill 8] [--decode 8] [--seed 1] [--out runs/sim-vs-cluster]
+"""
+import argparse
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster
+
+SLO = "ttft_ms=2000,tpot_ms=25"
+
+
+def quantile(values, q):
+    """The sample quantile by linear interpolation between closest ranks."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def ks_test(a, b):
+    """Two-sample Kolmogorov-Smirnov statistic D and its asymptotic p-value."""
+    a, b = sorted(a), sorted(b)
+    n, m = len(a), len(b)
+    if n == 0 or m == 0:
+        return float("nan"), float("nan")
+    i = j = 0
+    d = 0.0
+    while i < n and j < m:
+        x = min(a[i], b[j])
+        while i < n and a[i] <= x:
+            i += 1
+        while j < m and b[j] <= x:
+            j += 1
+        d = max(d, abs(i / n - j / m))
+    en = math.sqrt(n * m / (n + m))
+    lam = (en + 0.12 + 0.11 / en) * d
+    p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
+    return d, min(max(p, 0.0), 1.0)
+
+
+def records(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
+def metrics(recs):
+    ok = [r for r in recs if r["status"] == 200 and not r.get("error")]
+    return {
+        "TTFT ms": [r["time_to_first_token_ms"] for r in ok if r.get("time_to_first_token_ms") is not None],
+        "TPOT ms": [r["time_per_output_token_ms"] for r in ok if r.get("time_per_output_token_ms") is not None],
+        "E2E ms": [r["request_latency_ms"] for r in ok],
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--policy", default="kv")
+    p.add_argument("--seed", type=int, default=1)
+    add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
+    args = p.parse_args()
+    out = pathlib.Path(args.out)
+    tiers = ["--host-blocks", str(2 * 16384), "--disk-blocks", "0"]
+    flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
+             "--seed", str(args.seed), *tiers]
+    with mock_cluster(args.tandem, flags) as url:
+        real = bench_serve(args.tandem, url, [
+            "--trace", str(TRACE), "--max-requests", str(args.requests), "--seed", str(args.seed),
+            "--slo", SLO, "--ignore-eos", "--out", str(out / "cluster")])
+    sim = subprocess.run([args.tandem, "sim", "--trace", str(TRACE), "--max-requests", str(args.requests),
+                          "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
+                          "--seed", str(args.seed), "--host-blocks", str(2 * 16384), "--slo", SLO,
+                          "--out", str(out / "sim"), "--json"], capture_output=True, text=True)
+    if sim.returncode != 0:
+        sys.exit(f"tandem sim failed: {sim.stderr}")
+    simulated = json.loads(sim.stdout)["policies"][args.policy]
+    a = metrics(records(out / "sim" / args.policy / "records.jsonl"))
+    b = metrics(records(out / "cluster" / "records.jsonl"))
+    print(f"{args.requests} requests, {args.prefill}+{args.decode} workers, policy {args.policy}, seed {args.seed}; "
+          f"real run valid: {real['valid']} {real.get('invalid_reasons') or ''}")
+    print(f"{'metric':<9}{'sim p50':>10}{'real p50':>10}{'diff':>8}{'sim p90':>10}{'real p90':>10}{'diff':>8}"
+          f"{'KS D':>7}{'KS p':>8}")
+    for name in a:
+        s50, r50 = quantile(a[name], 0.5), quantile(b[name], 0.5)
+        s90, r90 = quantile(a[name], 0.9), quantile(b[name], 0.9)
+        d, pv = ks_test(a[name], b[name])
+        print(f"{name:<9}{s50:>10.1f}{r50:>10.1f}{100 * (s50 / r50 - 1):>7.1f}%{s90:>10.1f}{r90:>10.1f}"
+              f"{100 * (s90 / r90 - 1):>7.1f}%{d:>7.3f}{pv:>8.3f}")
+    print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, "
+          f"real {100 * real['cached_token_fraction']:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
