@@ -88,6 +88,16 @@ async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
         "{metrics}"
     );
     assert!(metrics.contains("reason=\"prefill_remote\""), "{metrics}");
+    // How stale the router's view of each worker may be: both signals are flowing, so both ages are fresh.
+    for worker in [p.grpc.to_string(), d.grpc.to_string()] {
+        for signal in ["load", "events"] {
+            let series = format!("tandem_router_worker_signal_age_seconds{{worker=\"{worker}\",signal=\"{signal}\"}} ");
+            let line =
+                metrics.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("{series}: {metrics}"));
+            let age: f64 = line[series.len()..].parse().expect("a number");
+            assert!((0.0..30.0).contains(&age), "{line}");
+        }
+    }
     stop(router, workers).await;
 }
 

@@ -121,6 +121,8 @@ struct State {
     index: PrefixIndex,
     load: LoadTracker,
     breakers: HashMap<WorkerId, Breaker>,
+    /// When each worker's signals last arrived: (load report, KV event batch or heartbeat).
+    heard: HashMap<WorkerId, (Option<Instant>, Option<Instant>)>,
 }
 
 impl State {
@@ -235,6 +237,7 @@ impl Cluster {
         s.breakers.remove(&id);
         s.index.remove_worker(id);
         s.load.forget(id);
+        s.heard.remove(&id);
     }
 
     /// Addresses being followed.
@@ -340,6 +343,7 @@ impl Cluster {
         }
         s.index.remove_worker(id);
         s.load.forget(id);
+        s.heard.remove(&id);
     }
 
     /// Follows the worker's KV events until the stream ends or goes silent; resubscribes after a gap. The worker
@@ -358,6 +362,7 @@ impl Cluster {
                     Some(pb::kv_event_batch::Body::Snapshot(snap)) => {
                         let Ok(snap) = worker::convert::snapshot_from_pb(&snap) else { return };
                         let mut s = self.lock();
+                        s.heard.entry(id).or_default().1 = Some(Instant::now());
                         s.index.replace(id, &snap);
                         if let Some(m) = s.members.get_mut(&id) {
                             m.up = true;
@@ -366,6 +371,7 @@ impl Cluster {
                     }
                     Some(pb::kv_event_batch::Body::Events(events)) => {
                         let mut s = self.lock();
+                        s.heard.entry(id).or_default().1 = Some(Instant::now());
                         // A heartbeat before the first snapshot says the worker lives, not what it holds.
                         if after.is_some()
                             && let Some(m) = s.members.get_mut(&id)
@@ -417,7 +423,9 @@ impl Cluster {
                 transfer_nanos_total: r.transfer_nanos_total,
                 step_overrun_steps: r.step_overrun_steps,
             };
-            self.lock().load.report(id, report);
+            let mut s = self.lock();
+            s.load.report(id, report);
+            s.heard.entry(id).or_default().0 = Some(Instant::now());
         }
     }
 
@@ -469,6 +477,14 @@ impl Cluster {
 
     pub fn member(&self, id: WorkerId) -> Option<Member> {
         self.lock().members.get(&id).cloned()
+    }
+
+    /// Seconds since `worker`'s last load report and since its last KV event batch (events or a heartbeat):
+    /// how stale the router's view of it may be. `None` until the first arrives.
+    pub fn signal_ages(&self, worker: WorkerId, now: Instant) -> (Option<f64>, Option<f64>) {
+        let age = |t: Option<Instant>| t.map(|t| now.saturating_duration_since(t).as_secs_f64());
+        let (load, events) = self.lock().heard.get(&worker).copied().unwrap_or_default();
+        (age(load), age(events))
     }
 
     /// Members that are up.

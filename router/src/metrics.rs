@@ -127,6 +127,22 @@ pub fn render(state: &RouterState) -> String {
         .map(|(id, mem)| (labels(&[("worker", &mem.name)]), state.cluster.in_flight(*id) as f64))
         .collect();
     e.gauge("tandem_router_worker_in_flight", "Requests the router has in flight per worker.", &in_flight);
+    let now = std::time::Instant::now();
+    let ages: Vec<(String, f64)> = members
+        .iter()
+        .flat_map(|(id, mem)| {
+            let (load, events) = state.cluster.signal_ages(*id, now);
+            [("load", load), ("events", events)]
+                .into_iter()
+                .filter_map(|(signal, age)| age.map(|a| (labels(&[("worker", &mem.name), ("signal", signal)]), a)))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    e.gauge(
+        "tandem_router_worker_signal_age_seconds",
+        "Seconds since each worker's last load report (signal=load) and last KV event batch or heartbeat (signal=events).",
+        &ages,
+    );
     e.gauge("tandem_router_workers_up", "Workers routed to.", &one(members.len() as f64));
     e.gauge(
         "tandem_router_requests_in_flight",
