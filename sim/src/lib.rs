@@ -9,4 +9,4 @@ mod queue;
 mod run;
 mod worker;
 
-pub use run::{Outcome, Settings, SimError, simulate};
+pub use run::{Balance, Outcome, Settings, SimError, simulate};

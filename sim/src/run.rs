@@ -44,6 +44,9 @@ pub struct Settings {
     pub trace_block: usize,
     /// Longest prompt: longer ones are cut (and counted).
     pub max_isl: usize,
+    /// Router replicas: requests are spread over them in turn; each has its own index, load reports and
+    /// accounting of what it sent (none sees what the others sent).
+    pub routers: usize,
     pub seed: u64,
 }
 
@@ -66,6 +69,22 @@ pub struct Outcome {
     /// Every request's prompt (length and block hashes) in the order they arrived: what the references of
     /// [`crate::oracle`] replay.
     pub arrivals: Vec<crate::oracle::Prompt>,
+    /// Balance at each arrival: per pool (prefill, decode), the spread (most minus fewest) of requests each
+    /// worker actually holds, and its coefficient of variation.
+    pub balance: Balance,
+}
+
+/// How evenly the work was spread, sampled at every arrival (what herding shows in).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Balance {
+    pub prefill_spread_mean: f64,
+    pub prefill_spread_max: u64,
+    pub prefill_cv_mean: f64,
+    pub decode_spread_mean: f64,
+    pub decode_spread_max: u64,
+    pub decode_cv_mean: f64,
+    /// Arrivals sampled.
+    pub samples: u64,
 }
 
 /// Why a run could not start.
@@ -83,13 +102,20 @@ enum Ev {
     Arrive(usize),
     StepEnd(usize),
     Events(usize, Vec<(EventId, KvEvent)>),
-    Report(usize, Report),
+    /// A load report from worker `w` on router replica `r`'s stream.
+    Report {
+        w: usize,
+        r: usize,
+        report: Report,
+    },
     /// Request `r`'s KV has reached its decode worker.
     Pulled(usize),
 }
 
 #[derive(Default)]
 struct Live {
+    /// The router replica that took it.
+    router: usize,
     prompt: Vec<u32>,
     hashes: Vec<SeqHash>,
     clipped: bool,
@@ -108,7 +134,14 @@ struct Live {
     pull: Vec<(usize, Vec<u8>)>,
 }
 
-/// The workers, the router's state, and the requests in flight.
+/// One router replica's own state.
+struct Replica {
+    index: PrefixIndex,
+    load: LoadTracker,
+    state: RouteState,
+}
+
+/// The workers, the routers' state, and the requests in flight.
 struct Sim<'a> {
     settings: &'a Settings,
     workload: &'a [TraceRequest],
@@ -117,9 +150,7 @@ struct Sim<'a> {
     prompts: PromptBuilder,
     block_size: BlockSize,
     workers: Vec<SimWorker>,
-    index: PrefixIndex,
-    load: LoadTracker,
-    state: RouteState,
+    routers: Vec<Replica>,
     queue: Queue<Ev>,
     live: Vec<Live>,
     out: Outcome,
@@ -169,7 +200,7 @@ impl<'a> Sim<'a> {
         let mut workers = Vec::new();
         let roles = std::iter::repeat_n(WorkerRole::Prefill, settings.prefill)
             .chain(std::iter::repeat_n(WorkerRole::Decode, settings.decode));
-        let mut index = PrefixIndex::new();
+        let replicas = settings.routers.max(1);
         // One read of the model's vocabulary for every worker.
         let text = std::sync::Arc::new(engine::text::TextModel::open(&settings.model)?);
         let words = text.tokenizer().plain_words();
@@ -179,10 +210,18 @@ impl<'a> Sim<'a> {
                 WorkerRole::Prefill => format!("prefill-{i}"),
                 _ => format!("decode-{}", i - settings.prefill),
             };
-            let id = WorkerId(i as u32);
-            index.replace(id, &Snapshot { as_of: None, tiers: Default::default() });
-            workers.push(SimWorker::new(id, name, role, Stepper::new(engine)));
+            workers.push(SimWorker::new(WorkerId(i as u32), name, role, Stepper::new(engine), replicas));
         }
+        let routers = (0..replicas)
+            .map(|r| {
+                let mut index = PrefixIndex::new();
+                for w in &workers {
+                    index.replace(w.id, &Snapshot { as_of: None, tiers: Default::default() });
+                }
+                let state = RouteState::seeded(settings.seed.wrapping_add(r as u64));
+                Replica { index, load: LoadTracker::new(), state }
+            })
+            .collect();
         Ok(Sim {
             settings,
             workload,
@@ -190,9 +229,7 @@ impl<'a> Sim<'a> {
             prompts: PromptBuilder::new(words, settings.trace_block),
             block_size,
             workers,
-            index,
-            load: LoadTracker::new(),
-            state: RouteState::seeded(settings.seed),
+            routers,
             queue: Queue::new(),
             live: (0..workload.len()).map(|_| Live::default()).collect(),
             out: Outcome::default(),
@@ -204,18 +241,21 @@ impl<'a> Sim<'a> {
             Ev::Arrive(i) => self.arrive(now, i),
             Ev::StepEnd(w) => self.step_end(now, w),
             Ev::Events(w, events) => {
-                for (id, e) in &events {
-                    // In order and gapless by construction: nothing to resync.
-                    let _ = self.index.apply(WorkerId(w as u32), *id, e);
+                for replica in &mut self.routers {
+                    for (id, e) in &events {
+                        // In order and gapless by construction: nothing to resync.
+                        let _ = replica.index.apply(WorkerId(w as u32), *id, e);
+                    }
                 }
             }
-            Ev::Report(w, r) => self.load.report(WorkerId(w as u32), r),
+            Ev::Report { w, r, report } => self.routers[r].load.report(WorkerId(w as u32), report),
             Ev::Pulled(i) => self.pulled(now, i),
         }
     }
 
-    fn view(&self, hashes: &[SeqHash]) -> Vec<WorkerView> {
-        let overlap = self.index.overlap(hashes);
+    fn view(&self, r: usize, hashes: &[SeqHash]) -> Vec<WorkerView> {
+        let Replica { index, load, .. } = &self.routers[r];
+        let overlap = index.overlap(hashes);
         let capacity = self.settings.engine.kv_blocks as u64;
         self.workers
             .iter()
@@ -224,12 +264,12 @@ impl<'a> Sim<'a> {
                 name: w.name.clone(),
                 role: w.role,
                 overlap: overlap.get(&w.id).copied().unwrap_or_default(),
-                active_overlap: self.load.active_overlap(w.id, hashes),
-                load: self.load.load(w.id, capacity),
+                active_overlap: load.active_overlap(w.id, hashes),
+                load: load.load(w.id, capacity),
                 ramp: 1.0,
                 max_num_batched_tokens: self.settings.engine.max_batched_tokens as u64,
                 block_bytes: self.settings.transfer_block_bytes,
-                speed: self.load.speed(w.id),
+                speed: load.speed(w.id),
             })
             .collect()
     }
@@ -243,20 +283,58 @@ impl<'a> Sim<'a> {
         let keys: Vec<u64> = hashes.iter().take(cfg.prefix_hash_blocks).map(|h| h.0).collect();
         let bs = self.block_size.tokens() as u64;
         let req = RouteRequest::new(prompt.tokens.len() as u64, bs, &keys, cfg.prefix_hash_blocks);
-        let views = self.view(&hashes);
+        let router = i % self.routers.len();
+        self.sample_balance();
+        let views = self.view(router, &hashes);
         let live = &mut self.live[i];
+        live.router = router;
         live.max_tokens = r.output_length.max(1) as u32;
         live.arrival = now;
         live.clipped = prompt.clipped;
         live.prompt = prompt.tokens;
         live.hashes = hashes;
         self.out.arrivals.push(crate::oracle::Prompt { tokens: live.prompt.len(), blocks: live.hashes.clone() });
-        let decision = match route(&req, &views, cfg, &mut self.state) {
+        let decision = match route(&req, &views, cfg, &mut self.routers[router].state) {
             Ok(d) => d,
             Err(e) => return self.refuse(now, i, e),
         };
         *self.out.decisions.entry(decision.reason.as_str().to_string()).or_default() += 1;
         self.start(now, i, &decision, &views);
+    }
+
+    /// Adds the current spread of work over each pool's workers to the balance figures.
+    fn sample_balance(&mut self) {
+        let pool = |role: WorkerRole| -> Vec<f64> {
+            self.workers
+                .iter()
+                .filter(|w| w.role == role)
+                .map(|w| {
+                    let s = w.engine.stats();
+                    (s.running + s.waiting) as f64
+                })
+                .collect()
+        };
+        let spread_cv = |v: &[f64]| -> (u64, f64) {
+            if v.is_empty() {
+                return (0, 0.0);
+            }
+            let (max, min) = v.iter().fold((f64::MIN, f64::MAX), |(a, b), &x| (a.max(x), b.min(x)));
+            let mean = v.iter().sum::<f64>() / v.len() as f64;
+            let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / v.len() as f64;
+            ((max - min) as u64, if mean > 0.0 { var.sqrt() / mean } else { 0.0 })
+        };
+        let (ps, pc) = spread_cv(&pool(WorkerRole::Prefill));
+        let (ds, dc) = spread_cv(&pool(WorkerRole::Decode));
+        let b = &mut self.out.balance;
+        b.samples += 1;
+        let n = b.samples as f64;
+        // Running means, so nothing grows with the trace.
+        b.prefill_spread_mean += (ps as f64 - b.prefill_spread_mean) / n;
+        b.prefill_cv_mean += (pc - b.prefill_cv_mean) / n;
+        b.decode_spread_mean += (ds as f64 - b.decode_spread_mean) / n;
+        b.decode_cv_mean += (dc - b.decode_cv_mean) / n;
+        b.prefill_spread_max = b.prefill_spread_max.max(ps);
+        b.decode_spread_max = b.decode_spread_max.max(ds);
     }
 
     fn refuse(&mut self, now: f64, i: usize, e: RouteError) {
@@ -290,7 +368,8 @@ impl<'a> Sim<'a> {
     fn send(&mut self, w: usize, i: usize, uncached: u64) {
         let live = &self.live[i];
         let blocks = (live.prompt.len() as u64).div_ceil(self.block_size.tokens() as u64);
-        self.load.sent(WorkerId(w as u32), i as u64, &i.to_string(), uncached, blocks, &live.hashes);
+        let load = &mut self.routers[live.router].load;
+        load.sent(WorkerId(w as u32), i as u64, &i.to_string(), uncached, blocks, &live.hashes);
     }
 
     fn request(&self, i: usize, prompt: Vec<u32>, max_tokens: u32) -> Request {
@@ -314,7 +393,7 @@ impl<'a> Sim<'a> {
                 self.kick(now, w);
             }
             Err(e) => {
-                self.load.done(WorkerId(w as u32), i as u64);
+                self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
                 self.finish(now, i, 500, Some(e.to_string()), None);
             }
         }
@@ -338,8 +417,8 @@ impl<'a> Sim<'a> {
         if !events.is_empty() {
             self.queue.at(now + self.settings.event_delay, Ev::Events(w, events));
         }
-        if let Some(r) = self.workers[w].report_if_due(now) {
-            self.queue.at(now + self.settings.report_delay, Ev::Report(w, r));
+        for (r, report) in self.workers[w].reports_due(now) {
+            self.queue.at(now + self.settings.report_delay, Ev::Report { w, r, report });
         }
     }
 
@@ -361,7 +440,7 @@ impl<'a> Sim<'a> {
                     live.first_token = Some(token);
                 } else if live.produced == u64::from(live.prefill.is_some()) {
                     // The decode worker's first token (after the prefill worker's, when there was one).
-                    self.load.first_token(worker, id);
+                    self.routers[live.router].load.first_token(worker, id);
                 }
                 if let Some(last) = live.last_at {
                     live.gaps.push((now - last) * 1000.0);
@@ -372,7 +451,7 @@ impl<'a> Sim<'a> {
             }
             Output::Finished { id, completion, exported } => {
                 let i = id as usize;
-                self.load.done(worker, id);
+                self.routers[self.live[i].router].load.done(worker, id);
                 if self.live[i].prefill == Some(w) {
                     self.live[i].cached = completion.cached_tokens;
                     match exported {
@@ -387,7 +466,7 @@ impl<'a> Sim<'a> {
                 }
             }
             Output::Failed { id, why } => {
-                self.load.done(worker, id);
+                self.routers[self.live[id as usize].router].load.done(worker, id);
                 self.finish(now, id as usize, 500, Some(why), None);
             }
         }

@@ -22,8 +22,8 @@ pub struct SimWorker {
     pub pending: Vec<Output>,
     /// The last KV event sent to the router.
     pub events_sent: Option<EventId>,
-    /// The last load report: its state and when it was sent.
-    reported: Option<(EngineStats, f64)>,
+    /// Per router replica (each follows its own load stream): the last report's state and when it was sent.
+    reported: Vec<Option<(EngineStats, f64)>>,
     /// When the worker's network link is next free (transfers queue on it).
     pub link_free: f64,
     /// Modelled KV bytes pulled and the seconds it took (what a mock worker reports).
@@ -32,7 +32,7 @@ pub struct SimWorker {
 }
 
 impl SimWorker {
-    pub fn new(id: WorkerId, name: String, role: WorkerRole, engine: Stepper) -> SimWorker {
+    pub fn new(id: WorkerId, name: String, role: WorkerRole, engine: Stepper, routers: usize) -> SimWorker {
         SimWorker {
             id,
             name,
@@ -41,7 +41,7 @@ impl SimWorker {
             stepping: false,
             pending: Vec::new(),
             events_sent: None,
-            reported: None,
+            reported: vec![None; routers],
             link_free: 0.0,
             pulled_bytes: 0,
             pulled_nanos: 0,
@@ -63,16 +63,23 @@ impl SimWorker {
         }
     }
 
-    /// A load report when one is due at `now` (the period passed, or the load changed a lot).
-    pub fn report_if_due(&mut self, now: f64) -> Option<Report> {
+    /// The load reports due at `now`, by router replica (the period passed on that stream, or the load changed a
+    /// lot since the report that stream last carried).
+    pub fn reports_due(&mut self, now: f64) -> Vec<(usize, Report)> {
         let stats = self.engine.stats();
-        let due = self.reported.as_ref().is_none_or(|(prev, at)| now - at >= REPORT_PERIOD || large(prev, &stats));
-        if !due {
-            return None;
+        let due: Vec<usize> = (0..self.reported.len())
+            .filter(|&r| {
+                self.reported[r].as_ref().is_none_or(|(prev, at)| now - at >= REPORT_PERIOD || large(prev, &stats))
+            })
+            .collect();
+        if due.is_empty() {
+            return Vec::new();
         }
         let report = self.report(&stats);
-        self.reported = Some((stats, now));
-        Some(report)
+        for &r in &due {
+            self.reported[r] = Some((stats.clone(), now));
+        }
+        due.into_iter().map(|r| (r, report.clone())).collect()
     }
 
     fn report(&self, stats: &EngineStats) -> Report {

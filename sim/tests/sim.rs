@@ -33,6 +33,7 @@ fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) -> Set
         transfer_block_bytes: 2 << 20,
         trace_block: 512,
         max_isl: 1024,
+        routers: 1,
         seed: 7,
     }
 }
@@ -93,6 +94,13 @@ fn the_same_trace_and_seed_give_the_same_records_and_shared_prefixes_are_cached(
     assert!(a.records.iter().all(|r| r.status == 200), "{:?}", a.records.iter().find(|r| r.status != 200));
     assert!(a.records.iter().map(|r| r.cached_tokens).sum::<u64>() > 0, "shared prefixes are reused");
     assert!(a.transfer_bytes > 0, "disaggregated requests move KV");
+    assert_eq!(a.balance.samples, 40);
+
+    // Three router replicas, each with its own view: still deterministic, still every request served.
+    let s3 = Settings { routers: 3, ..s };
+    let c = simulate(&s3, &trace, &starts).expect("runs with three routers");
+    assert_eq!(c, simulate(&s3, &trace, &starts).expect("and again"));
+    assert!(c.records.iter().all(|r| r.status == 200));
 }
 
 /// The `gpu-default` profile in virtual time, for runs that need realistic proportions.

@@ -70,6 +70,10 @@ pub struct Args {
     /// Milliseconds from a worker's state change to the router reading its load report.
     #[arg(long, default_value_t = 1.0)]
     report_delay_ms: f64,
+    /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
+    /// it sent (the herding question: do they all pick the same "least loaded" worker?).
+    #[arg(long, default_value_t = 1)]
+    routers: usize,
     /// SLOs per request, e.g. `ttft_ms=2000,tpot_ms=25`.
     #[arg(long, default_value = "")]
     slo: String,
@@ -116,6 +120,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         transfer_block_bytes: profile.transfer.block_bytes,
         trace_block: args.trace_block_size,
         max_isl: args.max_model_len,
+        routers: args.routers,
         seed: args.seed,
     };
     let mut results: BTreeMap<String, serde_json::Value> = BTreeMap::new();
@@ -202,6 +207,7 @@ fn policy_json(o: &Outcome, s: &Summary) -> serde_json::Value {
         m.insert("transfer_bytes".into(), o.transfer_bytes.into());
         m.insert("decisions".into(), serde_json::json!(o.decisions));
         m.insert("requests_per_worker".into(), serde_json::json!(o.per_worker));
+        m.insert("balance".into(), serde_json::json!(o.balance));
     }
     v
 }
@@ -215,7 +221,7 @@ fn write_run(dir: &std::path::Path, o: &Outcome, s: &Summary) -> Result<(), Stri
 
 fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, requests: usize, wall: f64) {
     println!(
-        "{:<17}{:>10}{:>10}{:>10}{:>9}{:>9}{:>11}{:>9}{:>14}{:>9}{:>7}",
+        "{:<17}{:>10}{:>10}{:>10}{:>9}{:>9}{:>11}{:>9}{:>14}{:>9}{:>7}{:>10}{:>10}",
         "policy",
         "TTFT p50",
         "TTFT p90",
@@ -226,11 +232,13 @@ fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, 
         "goodput",
         "prefill tok",
         "cached",
-        "failed"
+        "failed",
+        "P CV",
+        "D CV"
     );
     for (p, o, s) in rows {
         println!(
-            "{:<17}{:>10.1}{:>10.1}{:>10.1}{:>9.1}{:>9.1}{:>11.1}{:>9.2}{:>14}{:>8.1}%{:>7}",
+            "{:<17}{:>10.1}{:>10.1}{:>10.1}{:>9.1}{:>9.1}{:>11.1}{:>9.2}{:>14}{:>8.1}%{:>7}{:>10.2}{:>10.2}",
             p.as_str(),
             s.time_to_first_token_ms.p50,
             s.time_to_first_token_ms.p90,
@@ -241,7 +249,9 @@ fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, 
             s.goodput_requests_per_s,
             o.prefill_tokens_computed,
             s.cached_token_fraction * 100.0,
-            s.failed
+            s.failed,
+            o.balance.prefill_cv_mean,
+            o.balance.decode_cv_mean
         );
     }
     if let Some(r) = oracle {
@@ -261,6 +271,9 @@ fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, 
             );
         }
     }
+    println!(
+        "P CV, D CV: coefficient of variation of requests held per prefill and per decode worker, mean over arrivals"
+    );
     println!(
         "{requests} requests per policy, times in ms of virtual time, goodput in requests/s; {wall:.1} s of wall time"
     );
