@@ -31,6 +31,9 @@ pub struct Settings {
     pub decode: usize,
     /// Every worker's engine (a mock backend in virtual time).
     pub engine: EngineConfig,
+    /// A heterogeneous prefill pool: prefill worker k runs its profile sped up by entry `k % len` (2: twice as
+    /// fast, 0.5: half as fast); empty: all alike.
+    pub prefill_speedups: Vec<f64>,
     pub scheduler: SchedulerConfig,
     /// From a worker's step to the router applying its KV events.
     pub event_delay: f64,
@@ -205,7 +208,13 @@ impl<'a> Sim<'a> {
         let text = std::sync::Arc::new(engine::text::TextModel::open(&settings.model)?);
         let words = text.tokenizer().plain_words();
         for (i, role) in roles.enumerate() {
-            let engine = Engine::open_mock(std::sync::Arc::clone(&text), &words, settings.engine.clone())?;
+            let mut config = settings.engine.clone();
+            if let (WorkerRole::Prefill, false, engine::generate::BackendChoice::Mock(mock)) =
+                (role, settings.prefill_speedups.is_empty(), &mut config.backend)
+            {
+                mock.speedup *= settings.prefill_speedups[i % settings.prefill_speedups.len()];
+            }
+            let engine = Engine::open_mock(std::sync::Arc::clone(&text), &words, config)?;
             let name = match role {
                 WorkerRole::Prefill => format!("prefill-{i}"),
                 _ => format!("decode-{}", i - settings.prefill),

@@ -34,6 +34,7 @@ fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) -> Set
         trace_block: 512,
         max_isl: 1024,
         routers: 1,
+        prefill_speedups: Vec::new(),
         seed: 7,
     }
 }

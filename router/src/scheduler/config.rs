@@ -39,6 +39,19 @@ impl Policy {
     }
 }
 
+/// What the prefill term of the kv cost counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CostUnits {
+    /// Uncached prompt blocks, queued plus this request's, whatever the worker's speed (`routing.md`).
+    #[default]
+    Blocks,
+    /// The same blocks' predicted prefill time: blocks scaled by the fleet's mean measured prefill speed over the
+    /// worker's own, so a twice-as-fast worker's queue costs half. Where every worker measures the same speed (or
+    /// none is measured yet) it equals `blocks`, so the other terms keep their weights.
+    Seconds,
+}
+
 /// When to skip the prefill pool and prefill on the decode worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -106,6 +119,8 @@ pub struct SchedulerConfig {
     pub prefill_load_scale: f64,
     pub active_request_weight: f64,
     pub temperature: f64,
+    /// Blocks or predicted seconds for the prefill term (heterogeneous fleets).
+    pub cost_units: CostUnits,
     /// A prefill worker with more active prefill tokens than this is busy (skipped); none: no limit.
     pub busy_prefill_tokens: Option<u64>,
     /// A worker with more active KV blocks than this fraction of its capacity is busy; none: no limit.
@@ -149,6 +164,7 @@ impl Default for SchedulerConfig {
             prefill_load_scale: PREFILL_LOAD_SCALE,
             active_request_weight: ACTIVE_REQUEST_WEIGHT,
             temperature: TEMPERATURE,
+            cost_units: CostUnits::Blocks,
             busy_prefill_tokens: None,
             busy_kv_fraction: None,
             disaggregation: DisaggregationRule::IslBounding,

@@ -10,8 +10,15 @@ pub struct PrefillCost {
     pub cost: f64,
 }
 
-/// Dynamo's prefill cost for `w`, given the least active prefill tokens over all candidates.
-pub fn prefill_cost(req: &RouteRequest, w: &WorkerView, min_active_prefill: u64, cfg: &SchedulerConfig) -> PrefillCost {
+/// Dynamo's prefill cost for `w`, given the least active prefill tokens over all candidates. `speed_factor`
+/// scales the prefill term (1 in block units; the fleet's mean prefill speed over `w`'s in seconds units).
+pub fn prefill_cost(
+    req: &RouteRequest,
+    w: &WorkerView,
+    min_active_prefill: u64,
+    speed_factor: f64,
+    cfg: &SchedulerConfig,
+) -> PrefillCost {
     let bs = req.block_size.max(1) as f64;
     let request_blocks = req.request_blocks().max(1) as f64;
     let raw_prefill_blocks = (w.load.active_prefill_tokens + req.isl) as f64 / bs;
@@ -24,10 +31,22 @@ pub fn prefill_cost(req: &RouteRequest, w: &WorkerView, min_active_prefill: u64,
     let adjusted = (raw_prefill_blocks - credit).max(0.0);
     // Blocks active on w, plus this request's blocks not already active there (cached is not active).
     let potential_decode_blocks = w.load.active_blocks + req.request_blocks().saturating_sub(w.active_overlap as u64);
-    let cost = cfg.prefill_load_scale * adjusted
+    let cost = cfg.prefill_load_scale * speed_factor * adjusted
         + potential_decode_blocks as f64
         + cfg.active_request_weight * w.load.active_requests as f64;
     PrefillCost { potential_decode_blocks, cost }
+}
+
+/// Per candidate, what its prefill term is multiplied by: 1 in block units; in seconds units the mean measured
+/// prefill speed over the candidates that have one, divided by the candidate's own (1 when it has none yet).
+pub fn speed_factors(candidates: &[&WorkerView], units: super::config::CostUnits) -> Vec<f64> {
+    let speed = |w: &WorkerView| w.speed.prefill_tokens_per_sec.filter(|s| *s > 0.0);
+    let measured: Vec<f64> = candidates.iter().filter_map(|w| speed(w)).collect();
+    if units == super::config::CostUnits::Blocks || measured.is_empty() {
+        return vec![1.0; candidates.len()];
+    }
+    let mean = measured.iter().sum::<f64>() / measured.len() as f64;
+    candidates.iter().map(|w| speed(w).map_or(1.0, |s| mean / s)).collect()
 }
 
 /// A decode candidate's cost: its active KV blocks after adding this request, as a fraction of capacity.
@@ -107,9 +126,32 @@ mod tests {
             ),
         ];
         for (name, w, min, cfg, want) in cases {
-            let got = prefill_cost(&req, &w, min, &cfg).cost;
+            let got = prefill_cost(&req, &w, min, 1.0, &cfg).cost;
             assert!((got - want).abs() < 1e-9, "{name}: got {got}, want {want}");
         }
+    }
+
+    #[test]
+    fn in_seconds_a_faster_worker_queue_costs_less_and_equal_workers_cost_as_in_blocks() {
+        use crate::scheduler::config::CostUnits;
+        use crate::scheduler::view::Speed;
+        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0 };
+        let with_speed = |tps: Option<f64>| WorkerView {
+            speed: Speed { prefill_tokens_per_sec: tps, ..Speed::default() },
+            ..worker(0, 0, 0, 320, 0)
+        };
+        // Mean speed 3000 tokens/s: the fast worker's prefill term is scaled by 3000/4000, the slow one's by 3000/2000.
+        let (fast, slow, unmeasured) = (with_speed(Some(4000.0)), with_speed(Some(2000.0)), with_speed(None));
+        let f = speed_factors(&[&fast, &slow, &unmeasured], CostUnits::Seconds);
+        assert_eq!(f, vec![0.75, 1.5, 1.0]);
+        assert_eq!(speed_factors(&[&fast, &slow], CostUnits::Blocks), vec![1.0, 1.0]);
+        // raw prefill = (320 + 160) / 16 = 30 blocks, nothing cached, no decode blocks active: 10 potential.
+        let cfg = SchedulerConfig::default();
+        assert!((prefill_cost(&req, &fast, 0, f[0], &cfg).cost - (0.75 * 30.0 + 10.0)).abs() < 1e-9);
+        assert!((prefill_cost(&req, &slow, 0, f[1], &cfg).cost - (1.5 * 30.0 + 10.0)).abs() < 1e-9);
+        // Equal speeds: seconds and blocks agree.
+        let same = with_speed(Some(3000.0));
+        assert_eq!(speed_factors(&[&same, &same], CostUnits::Seconds), vec![1.0, 1.0]);
     }
 
     #[test]

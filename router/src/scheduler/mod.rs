@@ -49,6 +49,9 @@ pub struct Scored {
     pub potential_decode_blocks: u64,
     pub capacity_blocks: u64,
     pub active_requests: u64,
+    /// What the prefill term was multiplied by: 1 in block units; in seconds units, the fleet's mean measured
+    /// prefill speed over this worker's.
+    pub speed_factor: f64,
     pub cost: f64,
 }
 
@@ -119,7 +122,7 @@ fn busy(req: &RouteRequest, w: &WorkerView, cfg: &SchedulerConfig) -> bool {
         || cfg.busy_kv_fraction.is_some_and(|f| cost::over_kv(req, w, f))
 }
 
-fn scored(w: &WorkerView, potential_decode_blocks: u64, cost: f64) -> Scored {
+fn scored(w: &WorkerView, potential_decode_blocks: u64, speed_factor: f64, cost: f64) -> Scored {
     Scored {
         worker: w.name.clone(),
         id: w.id,
@@ -132,6 +135,7 @@ fn scored(w: &WorkerView, potential_decode_blocks: u64, cost: f64) -> Scored {
         potential_decode_blocks,
         capacity_blocks: w.load.capacity_blocks,
         active_requests: w.load.active_requests,
+        speed_factor,
         cost,
     }
 }
@@ -201,7 +205,7 @@ pub fn route(
     }
     let open = ramped(open, rng);
     let decode_scored: Vec<Scored> =
-        open.iter().map(|w| scored(w, w.load.active_blocks + request_blocks, cost::decode_cost(req, w))).collect();
+        open.iter().map(|w| scored(w, w.load.active_blocks + request_blocks, 1.0, cost::decode_cost(req, w))).collect();
     let load: Vec<f64> = decode_scored.iter().map(|c| c.cost).collect();
     let at = pick(Pool::Decode, req, cfg, &decode_scored, &load, rng, &mut state.decode_rotation);
     let decode_worker = open[at];
@@ -215,11 +219,13 @@ pub fn route(
         None
     } else {
         let min_active = ready.iter().map(|w| w.load.active_prefill_tokens).min().unwrap_or(0);
+        let factors = cost::speed_factors(&ready, cfg.cost_units);
         let prefill_scored: Vec<Scored> = ready
             .iter()
-            .map(|w| {
-                let c = cost::prefill_cost(req, w, min_active, cfg);
-                scored(w, c.potential_decode_blocks, c.cost)
+            .zip(&factors)
+            .map(|(w, &f)| {
+                let c = cost::prefill_cost(req, w, min_active, f, cfg);
+                scored(w, c.potential_decode_blocks, f, c.cost)
             })
             .collect();
         let load: Vec<f64> = ready.iter().map(|w| w.load.active_prefill_tokens as f64).collect();

@@ -74,6 +74,10 @@ pub struct Args {
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
     routers: usize,
+    /// A mixed prefill pool: speed-ups of the profile, cycled over the prefill workers (e.g. `1,0.5`: every other
+    /// worker half as fast).
+    #[arg(long, value_delimiter = ',')]
+    prefill_speedups: Vec<f64>,
     /// SLOs per request, e.g. `ttft_ms=2000,tpot_ms=25`.
     #[arg(long, default_value = "")]
     slo: String,
@@ -121,6 +125,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         trace_block: args.trace_block_size,
         max_isl: args.max_model_len,
         routers: args.routers,
+        prefill_speedups: args.prefill_speedups.clone(),
         seed: args.seed,
     };
     let mut results: BTreeMap<String, serde_json::Value> = BTreeMap::new();
