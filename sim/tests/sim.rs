@@ -115,3 +115,31 @@ fn settings_gpu() -> Settings {
     (s.engine.kv_blocks, s.engine.host_blocks) = (4096, 4096);
     s
 }
+
+#[test]
+fn on_shared_prefixes_at_an_open_loop_rate_kv_computes_less_prompt_than_round_robin() {
+    // 60 requests over 4 system prompts of 256 tokens, Poisson at 20 per second, 2 + 2 workers.
+    let spec = loadgen::synthetic::SyntheticSpec {
+        requests: 60,
+        prefixes: 4,
+        prefix_len: 256,
+        suffix_len: 64,
+        output_len: 4,
+        zipf: 1.0,
+        turns: 1,
+        turn_delay_ms: 0.0,
+        seed: 3,
+    };
+    let trace = spec.generate(512);
+    let starts = plan(&trace, &Arrivals::Rate { rate: 20.0, burstiness: 1.0, seed: 3 });
+    let run = |policy| {
+        let s = settings_gpu();
+        let s = Settings { scheduler: SchedulerConfig { policy, ..s.scheduler.clone() }, ..s };
+        simulate(&s, &trace, &starts).expect("runs")
+    };
+    let (kv, rr) = (run(Policy::Kv), run(Policy::RoundRobin));
+    assert!(kv.records.iter().chain(&rr.records).all(|r| r.status == 200));
+    let cached = |o: &sim::Outcome| o.records.iter().map(|r| r.cached_tokens).sum::<u64>();
+    assert!(cached(&kv) > cached(&rr), "kv {} vs round robin {}", cached(&kv), cached(&rr));
+    assert!(kv.prefill_tokens_computed < rr.prefill_tokens_computed);
+}

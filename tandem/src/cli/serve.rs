@@ -97,7 +97,7 @@ pub struct Args {
 
 /// A synthetic shared-prefix workload (used when no `--trace` is given).
 #[derive(Debug, clap::Args)]
-struct SyntheticArgs {
+pub(super) struct SyntheticArgs {
     /// Distinct shared prefixes (system prompts).
     #[arg(long, default_value_t = 8)]
     prefixes: usize,
@@ -196,12 +196,25 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 
 /// The requests to send: the trace's, or a synthetic workload's; the first `--max-requests` of them.
 fn workload(args: &Args) -> Result<Vec<TraceRequest>, String> {
-    let mut requests = match &args.trace {
+    let trace = args.trace.as_deref();
+    read_workload(trace, &args.synthetic, args.max_requests, args.seed, args.trace_block_size)
+}
+
+/// The requests of `trace`, or of the synthetic workload `synthetic` describes when there is none (seeded by
+/// `seed`); the first `max_requests` of them. Shared by `bench serve` and `sim`.
+pub(super) fn read_workload(
+    trace: Option<&std::path::Path>,
+    synthetic: &SyntheticArgs,
+    max_requests: Option<usize>,
+    seed: u64,
+    trace_block: usize,
+) -> Result<Vec<TraceRequest>, String> {
+    let mut requests = match trace {
         Some(path) => loadgen::trace::read(path)?,
         None => {
-            let s = &args.synthetic;
+            let s = synthetic;
             SyntheticSpec {
-                requests: args.max_requests.unwrap_or(DEFAULT_SYNTHETIC_REQUESTS),
+                requests: max_requests.unwrap_or(DEFAULT_SYNTHETIC_REQUESTS),
                 prefixes: s.prefixes,
                 prefix_len: s.prefix_len,
                 suffix_len: s.suffix_len,
@@ -209,12 +222,12 @@ fn workload(args: &Args) -> Result<Vec<TraceRequest>, String> {
                 zipf: s.zipf,
                 turns: s.turns,
                 turn_delay_ms: s.turn_delay_ms,
-                seed: args.seed,
+                seed,
             }
-            .generate(args.trace_block_size)
+            .generate(trace_block)
         }
     };
-    if let Some(n) = args.max_requests {
+    if let Some(n) = max_requests {
         requests.truncate(n);
     }
     Ok(requests)

@@ -25,12 +25,21 @@ const SIM_BLOCK_BYTES: usize = 64;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// A Mooncake/aiperf `mooncake_trace` JSONL file, or an Azure LLM trace CSV.
+    /// A Mooncake/aiperf `mooncake_trace` JSONL file, or an Azure LLM trace CSV; without it, the synthetic
+    /// shared-prefix workload of the `--prefixes` … flags (as `tandem bench serve`), which needs `--rate`.
     #[arg(long)]
-    trace: PathBuf,
+    trace: Option<PathBuf>,
     /// Divide the trace's timestamps by this.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
+    /// Open-loop arrivals at this many requests per second instead of the trace's timestamps.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Gamma shape of the open-loop gaps: 1 is Poisson, lower is burstier (CV = 1/sqrt(B)).
+    #[arg(long, default_value_t = 1.0)]
+    burstiness: f64,
+    #[command(flatten)]
+    synthetic: super::serve::SyntheticArgs,
     /// Only the trace's first N requests.
     #[arg(long)]
     max_requests: Option<usize>,
@@ -98,14 +107,23 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let started = Instant::now();
     let slo = Slo::parse(&args.slo)?;
-    let mut requests = loadgen::trace::read(&args.trace)?;
-    if let Some(n) = args.max_requests {
-        requests.truncate(n);
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    if !(positive(args.speedup) && positive(args.burstiness) && args.rate.is_none_or(positive)) {
+        return Err("--speedup, --burstiness and --rate must be positive numbers".into());
     }
-    if !(args.speedup.is_finite() && args.speedup > 0.0) {
-        return Err(format!("--speedup must be a positive number, not {}", args.speedup));
-    }
-    let starts = loadgen::schedule::plan(&requests, &Arrivals::Trace { speedup: args.speedup });
+    let arrivals = match (args.rate, &args.trace) {
+        (Some(rate), _) => Arrivals::Rate { rate, burstiness: args.burstiness, seed: args.seed },
+        (None, Some(_)) => Arrivals::Trace { speedup: args.speedup },
+        (None, None) => return Err("a synthetic workload needs --rate (or give --trace)".into()),
+    };
+    let requests = super::serve::read_workload(
+        args.trace.as_deref(),
+        &args.synthetic,
+        args.max_requests,
+        args.seed,
+        args.trace_block_size,
+    )?;
+    let starts = loadgen::schedule::plan(&requests, &arrivals);
     let policies = parse_policies(&args.policies)?;
     let profile = TimingProfile::load(&args.profile).map_err(|e| e.to_string())?;
     let base = Settings {
