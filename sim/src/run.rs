@@ -521,6 +521,9 @@ impl<'a> Sim<'a> {
 
     /// Request `i` ended: its record, and the session turns that wait for it.
     fn finish(&mut self, now: f64, i: usize, status: u16, error: Option<String>, finish: Option<&str>) {
+        // What a finished request no longer needs goes (a whole trace's prompts would not fit in memory); its
+        // gaps move into the record.
+        let gaps = std::mem::take(&mut self.live[i].gaps);
         let live = &self.live[i];
         let r = &self.workload[i];
         let ttft = live.first_at.map(|f| (f - live.arrival) * 1000.0);
@@ -545,11 +548,10 @@ impl<'a> Sim<'a> {
             input_length: r.input_length,
             clipped: live.clipped,
             finish_reason: finish.map(str::to_string),
-            inter_chunk_ms: live.gaps.clone(),
+            inter_chunk_ms: gaps,
         });
-        // What a finished request no longer needs (a whole trace's prompts would not fit in memory).
         let live = &mut self.live[i];
-        (live.gaps, live.prompt, live.hashes) = (Vec::new(), Vec::new(), Vec::new());
+        (live.prompt, live.hashes) = (Vec::new(), Vec::new());
         for (next, delay) in std::mem::take(&mut self.followers[i]) {
             self.queue.at(now + delay, Ev::Arrive(next));
         }
