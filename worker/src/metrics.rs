@@ -172,6 +172,11 @@ pub fn render(stats: &EngineStats, worker: &WorkerMetrics, held: Held) -> String
         &one(c.imported_blocks as f64),
     );
     e.counter(
+        "tandem_kv_import_fallbacks_total",
+        "Pulled prompts that found no free device block: queued to compute their prompt instead.",
+        &one(c.import_fallbacks as f64),
+    );
+    e.counter(
         "tandem_kv_transfer_pulled_blocks_total",
         "Blocks pulled from other workers, by transport.",
         &worker.per_transport(|f| f.blocks.load(Ordering::Relaxed) as f64),

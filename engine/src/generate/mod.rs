@@ -212,6 +212,9 @@ pub struct Counters {
     pub corrupt_disk_blocks: u64,
     /// Blocks pulled from other workers and stored here.
     pub imported_blocks: u64,
+    /// Imports that found no free device block (the decode worker full of running sequences): the request was
+    /// queued without them, to compute its prompt when admitted.
+    pub import_fallbacks: u64,
     /// Time spent in steps, admission and block allocation included (with `prefill_tokens`, the engine's measured
     /// speed).
     pub compute_nanos: u64,
@@ -444,7 +447,16 @@ impl Engine {
     ) -> Result<Seq, EngineError> {
         let mut seq = self.new_seq(request, index)?;
         if !blocks.is_empty() {
-            seq.pinned = self.import_pinned(&mut seq, blocks)?;
+            seq.pinned = match self.import_pinned(&mut seq, blocks) {
+                Ok(pinned) => pinned,
+                // Every device block is held by running sequences: the request waits and computes what it
+                // cannot find cached when admitted, rather than failing for want of room it will get later.
+                Err(EngineError::OutOfKvCapacity { .. }) => {
+                    self.counters.import_fallbacks += 1;
+                    Vec::new()
+                }
+                Err(e) => return Err(e),
+            };
         }
         seq.keep_blocks = export;
         seq.cached_hint = self.cached_prefix_tokens(&mut seq);

@@ -68,3 +68,20 @@ fn a_sequence_that_cannot_get_a_block_even_alone_fails_alone() {
     }
     assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "no block leaked");
 }
+
+#[test]
+fn an_import_that_finds_no_free_device_block_queues_the_request_to_compute_instead() {
+    let config = EngineConfig { kv_blocks: 8, max_model_len: Some(128), ..EngineConfig::default() };
+    let mut e = engine(config);
+    // Running sequences hold every device block.
+    let held: Vec<BlockId> = (0..8).map(|_| BlockId(e.pool.allocate(&mut Vec::new()).expect("a block"))).collect();
+    let bytes = vec![0u8; e.block_bytes()];
+    let request = greedy((100..140).collect(), 3);
+    let seq = e.prepare(&request, 0, false, &[(0, &bytes), (1, &bytes)]).expect("queued, not refused");
+    assert!(seq.pinned.is_empty(), "nothing held for it");
+    assert_eq!((e.counters().import_fallbacks, e.counters().imported_blocks), (1, 0));
+    for b in held {
+        e.pool.release(b.0).expect("released");
+    }
+    assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "no block leaked");
+}
