@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+pub use hyper::Method;
 use hyper_util::rt::TokioIo;
 
 /// Which API a request goes to.
@@ -153,18 +154,37 @@ async fn send_request(
 
 /// A plain GET of `path` on the target (its `/metrics`, `/v1/models`), as text.
 pub async fn get(target: &Target, path: &str) -> Result<String, String> {
+    call(target, Method::GET, path, None).await
+}
+
+/// One non-streamed call: `method` on `path` with an optional JSON body; the response body as text when the
+/// status is a success, else the status and the start of the body as the error.
+pub async fn call(
+    target: &Target,
+    method: Method,
+    path: &str,
+    json: Option<&serde_json::Value>,
+) -> Result<String, String> {
+    let what = format!("{method} {path}");
     let work = async {
-        let (resp, _connection) = send_request(target, hyper::Request::get(path), Bytes::new())
-            .await
-            .map_err(|e| format!("GET {path}: {e}"))?;
+        let mut request = hyper::Request::builder().method(method).uri(path);
+        let body = match json {
+            Some(v) => {
+                request = request.header("content-type", "application/json");
+                Bytes::from(v.to_string())
+            }
+            None => Bytes::new(),
+        };
+        let (resp, _connection) = send_request(target, request, body).await.map_err(|e| format!("{what}: {e}"))?;
         let status = resp.status();
-        let body = resp.into_body().collect().await.map_err(|e| format!("GET {path}: {e}"))?.to_bytes();
+        let body = resp.into_body().collect().await.map_err(|e| format!("{what}: {e}"))?.to_bytes();
+        let text = String::from_utf8_lossy(&body).into_owned();
         if !status.is_success() {
-            return Err(format!("GET {path}: HTTP {status}"));
+            return Err(format!("{what}: HTTP {status}: {}", text.chars().take(300).collect::<String>()));
         }
-        Ok(String::from_utf8_lossy(&body).into_owned())
+        Ok(text)
     };
-    tokio::time::timeout(Duration::from_secs(10), work).await.map_err(|_| format!("GET {path}: timed out"))?
+    tokio::time::timeout(Duration::from_secs(10), work).await.map_err(|_| format!("{what}: timed out"))?
 }
 
 async fn exchange(target: &Target, ask: &Ask, started: Instant, out: &mut Outcome) -> Result<(), String> {

@@ -21,7 +21,6 @@ use tracing::Instrument;
 use self::completions::{fail, plan, streamed, traceparent, whole};
 use self::error::ApiError;
 use self::openai::{Checked, Endpoint, check_chat, check_completion};
-use crate::scheduler::config::SchedulerConfig;
 use crate::state::RouterState;
 
 type Shared = State<Arc<RouterState>>;
@@ -226,14 +225,7 @@ async fn put_config(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) 
         let Value::Object(fields) = patch else {
             return Err(ApiError::bad("the body must be a JSON object of fields to change", "body"));
         };
-        let mut current =
-            serde_json::to_value(state.scheduler_config()).map_err(|e| ApiError::Upstream(e.to_string()))?;
-        if let Value::Object(obj) = &mut current {
-            obj.extend(fields);
-        }
-        let next: SchedulerConfig =
-            serde_json::from_value(current).map_err(|e| ApiError::bad(e.to_string(), "body"))?;
-        next.validate().map_err(|errors| ApiError::bad(errors.join("; "), "body"))?;
+        let next = state.scheduler_config().patched(fields).map_err(|e| ApiError::bad(e, "body"))?;
         state.set_scheduler_config(next.clone());
         tracing::info!(policy = next.policy.as_str(), "router config changed");
         Ok(next)

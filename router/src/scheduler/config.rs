@@ -188,6 +188,18 @@ impl Default for SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// This configuration with `fields` (names and values as in the `[scheduler]` table) changed, validated:
+    /// what `PUT /admin/router-config` applies and what `tandem tune` tries.
+    pub fn patched(&self, fields: serde_json::Map<String, serde_json::Value>) -> Result<SchedulerConfig, String> {
+        let mut current = serde_json::to_value(self).map_err(|e| e.to_string())?;
+        if let serde_json::Value::Object(obj) = &mut current {
+            obj.extend(fields);
+        }
+        let next: SchedulerConfig = serde_json::from_value(current).map_err(|e| e.to_string())?;
+        next.validate().map_err(|errors| errors.join("; "))?;
+        Ok(next)
+    }
+
     /// Every problem with the values, all at once.
     pub fn validate(&self) -> Result<(), Vec<String>> {
         let mut errors = Vec::new();
