@@ -7,6 +7,7 @@
 pub mod oracle;
 mod queue;
 mod run;
+pub mod tune;
 mod worker;
 
 pub use run::{Balance, Outcome, Settings, SimError, simulate};

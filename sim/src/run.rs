@@ -75,6 +75,8 @@ pub struct Outcome {
     /// Balance at each arrival: per pool (prefill, decode), the spread (most minus fewest) of requests each
     /// worker actually holds, and its coefficient of variation.
     pub balance: Balance,
+    /// At each arrival (virtual seconds), the requests each worker held (running and waiting), in worker order.
+    pub queues: Vec<(f64, Vec<u32>)>,
 }
 
 /// How evenly the work was spread, sampled at every arrival (what herding shows in).
@@ -293,7 +295,7 @@ impl<'a> Sim<'a> {
         let bs = self.block_size.tokens() as u64;
         let req = RouteRequest::new(prompt.tokens.len() as u64, bs, &keys, cfg.prefix_hash_blocks);
         let router = i % self.routers.len();
-        self.sample_balance();
+        self.sample_balance(now);
         let views = self.view(router, &hashes);
         let live = &mut self.live[i];
         live.router = router;
@@ -312,16 +314,17 @@ impl<'a> Sim<'a> {
     }
 
     /// Adds the current spread of work over each pool's workers to the balance figures.
-    fn sample_balance(&mut self) {
+    fn sample_balance(&mut self, now: f64) {
+        let held: Vec<u32> = self
+            .workers
+            .iter()
+            .map(|w| {
+                let s = w.engine.stats();
+                (s.running + s.waiting) as u32
+            })
+            .collect();
         let pool = |role: WorkerRole| -> Vec<f64> {
-            self.workers
-                .iter()
-                .filter(|w| w.role == role)
-                .map(|w| {
-                    let s = w.engine.stats();
-                    (s.running + s.waiting) as f64
-                })
-                .collect()
+            self.workers.iter().zip(&held).filter(|(w, _)| w.role == role).map(|(_, &n)| f64::from(n)).collect()
         };
         let spread_cv = |v: &[f64]| -> (u64, f64) {
             if v.is_empty() {
@@ -344,6 +347,7 @@ impl<'a> Sim<'a> {
         b.decode_cv_mean += (dc - b.decode_cv_mean) / n;
         b.prefill_spread_max = b.prefill_spread_max.max(ps);
         b.decode_spread_max = b.decode_spread_max.max(ds);
+        self.out.queues.push((now, held));
     }
 
     fn refuse(&mut self, now: f64, i: usize, e: RouteError) {

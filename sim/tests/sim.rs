@@ -1,53 +1,12 @@
 //! The simulator on the real engine and router code: a scenario small enough to work out by hand, and the same
 //! trace twice giving the same records.
 
-use engine::backend::TimingProfile;
-use engine::backend::mock::MockSettings;
-use engine::generate::{BackendChoice, EngineConfig};
+mod common;
+
+use common::{request, settings, settings_gpu};
 use loadgen::schedule::{Arrivals, plan};
-use loadgen::trace::TraceRequest;
 use router::scheduler::config::{Policy, SchedulerConfig};
 use sim::{Settings, simulate};
-
-fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) -> Settings {
-    let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model");
-    let profile = TimingProfile::parse("test", profile).expect("profile parses");
-    let mock =
-        MockSettings { profile, block_bytes: 64, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
-    Settings {
-        model,
-        prefill,
-        decode,
-        engine: EngineConfig {
-            backend: BackendChoice::Mock(Box::new(mock)),
-            kv_blocks: 256,
-            host_blocks: 256,
-            max_model_len: Some(1024),
-            ..EngineConfig::default()
-        },
-        scheduler: SchedulerConfig { policy, ..SchedulerConfig::default() },
-        event_delay: 0.001,
-        report_delay: 0.001,
-        transfer_latency: 0.0005,
-        transfer_bandwidth: 25e9,
-        transfer_block_bytes: 2 << 20,
-        trace_block: 512,
-        max_isl: 1024,
-        routers: 1,
-        prefill_speedups: Vec::new(),
-        seed: 7,
-    }
-}
-
-fn request(at_ms: f64, input: usize, output: usize, id: u64) -> TraceRequest {
-    TraceRequest {
-        arrival_ms: Some(at_ms),
-        input_length: input,
-        output_length: output,
-        hash_ids: vec![id],
-        ..TraceRequest::default()
-    }
-}
 
 #[test]
 fn three_requests_on_two_workers_take_the_times_worked_out_by_hand() {
@@ -102,18 +61,6 @@ fn the_same_trace_and_seed_give_the_same_records_and_shared_prefixes_are_cached(
     let c = simulate(&s3, &trace, &starts).expect("runs with three routers");
     assert_eq!(c, simulate(&s3, &trace, &starts).expect("and again"));
     assert!(c.records.iter().all(|r| r.status == 200));
-}
-
-/// The `gpu-default` profile in virtual time, for runs that need realistic proportions.
-fn settings_gpu() -> Settings {
-    let mut s = settings("", 2, 2, Policy::Kv);
-    let profile = TimingProfile::load("gpu-default").expect("gpu-default ships");
-    let mock =
-        MockSettings { profile, block_bytes: 64, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
-    s.engine.backend = BackendChoice::Mock(Box::new(mock));
-    // Room for every request of the test at once: refusals are not what it checks.
-    (s.engine.kv_blocks, s.engine.host_blocks) = (4096, 4096);
-    s
 }
 
 #[test]

@@ -2,9 +2,12 @@
 
 mod bench;
 mod certs;
+mod chart;
 mod generate;
 mod serve;
 mod sim;
+mod sim_charts;
+mod tune;
 mod up;
 
 use std::num::NonZeroUsize;
@@ -43,6 +46,9 @@ enum Command {
     Worker(Box<worker::cli::Args>),
     /// Replay a trace through a simulated cluster in virtual time, once per routing policy (seconds, not hours).
     Sim(Box<sim::Args>),
+    /// Search the router's settings (and the prefill/decode split) in the simulator on the start of a trace,
+    /// report the best on the rest against the defaults and round robin, and write or apply its TOML table.
+    Tune(Box<tune::Args>),
     /// Certificates for mutual TLS between components.
     Certs {
         #[command(subcommand)]
@@ -142,6 +148,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(args),
         Command::Sim(args) => sim::run(*args),
+        Command::Tune(args) => tune::run(*args),
         Command::Router(args) => Ok(router::cli::run(*args)),
         Command::Worker(args) => Ok(worker::cli::run(*args, None)),
     }

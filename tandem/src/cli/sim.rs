@@ -13,6 +13,7 @@ use engine::generate::{BackendChoice, EngineConfig};
 use loadgen::prompt::DEFAULT_TRACE_BLOCK;
 use loadgen::schedule::Arrivals;
 use loadgen::summary::{RunFacts, Slo, Summary};
+use loadgen::trace::TraceRequest;
 use router::scheduler::config::{Policy, SchedulerConfig};
 use sim::oracle::References;
 use sim::{Outcome, Settings};
@@ -23,8 +24,9 @@ use super::serve::write;
 /// the profile's modelled size, so the simulator keeps no more than this per block.
 const SIM_BLOCK_BYTES: usize = 64;
 
+/// Which requests, and when they arrive.
 #[derive(Debug, clap::Args)]
-pub struct Args {
+pub struct WorkloadArgs {
     /// A Mooncake/aiperf `mooncake_trace` JSONL file, or an Azure LLM trace CSV; without it, the synthetic
     /// shared-prefix workload of the `--prefixes` … flags (as `tandem bench serve`), which needs `--rate`.
     #[arg(long)]
@@ -43,16 +45,44 @@ pub struct Args {
     /// Only the trace's first N requests.
     #[arg(long)]
     max_requests: Option<usize>,
+    /// Tokens per trace block id (Mooncake: 512).
+    #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK)]
+    trace_block_size: usize,
+}
+
+impl WorkloadArgs {
+    /// The requests and their arrival schedule (`seed` draws the synthetic workload and open-loop gaps).
+    pub fn load(&self, seed: u64) -> Result<(Vec<TraceRequest>, Arrivals), String> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !(positive(self.speedup) && positive(self.burstiness) && self.rate.is_none_or(positive)) {
+            return Err("--speedup, --burstiness and --rate must be positive numbers".into());
+        }
+        let arrivals = match (self.rate, &self.trace) {
+            (Some(rate), _) => Arrivals::Rate { rate, burstiness: self.burstiness, seed },
+            (None, Some(_)) => Arrivals::Trace { speedup: self.speedup },
+            (None, None) => return Err("a synthetic workload needs --rate (or give --trace)".into()),
+        };
+        let requests = super::serve::read_workload(
+            self.trace.as_deref(),
+            &self.synthetic,
+            self.max_requests,
+            seed,
+            self.trace_block_size,
+        )?;
+        Ok((requests, arrivals))
+    }
+}
+
+/// The simulated cluster.
+#[derive(Debug, clap::Args)]
+pub struct ClusterArgs {
     /// Prefill-only workers.
     #[arg(long, default_value_t = 8)]
-    prefill: usize,
+    pub prefill: usize,
     /// Decode workers.
     #[arg(long, default_value_t = 8)]
-    decode: usize,
-    /// Routing policies to compare, each on the same arrivals from a fresh cluster.
-    #[arg(long, default_value = "kv,round_robin,least_loaded,power_of_two,random")]
-    policies: String,
-    /// A router TOML file: its `[scheduler]` table sets every policy's other settings.
+    pub decode: usize,
+    /// A router TOML file: its `[scheduler]` table sets the scheduler's settings (default: the router's).
     #[arg(long)]
     config: Option<PathBuf>,
     /// Every worker's timing profile: gpu-default, cpu-smollm2 or a TOML file.
@@ -70,9 +100,6 @@ pub struct Args {
     /// Longest prompt plus output.
     #[arg(long, default_value_t = engine::backend::mock::DEFAULT_MOCK_CONTEXT)]
     max_model_len: usize,
-    /// Tokens per trace block id (Mooncake: 512).
-    #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK)]
-    trace_block_size: usize,
     /// Milliseconds from a worker's step to the router applying its KV events.
     #[arg(long, default_value_t = 1.0)]
     event_delay_ms: f64,
@@ -87,16 +114,75 @@ pub struct Args {
     /// worker half as fast).
     #[arg(long, value_delimiter = ',')]
     prefill_speedups: Vec<f64>,
+    /// The model file whose vocabulary prompts and outputs are drawn from (default: the embedded model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+}
+
+impl ClusterArgs {
+    /// The simulator's settings for this cluster and workload.
+    pub fn settings(&self, workload: &WorkloadArgs, seed: u64) -> Result<Settings, String> {
+        let profile = TimingProfile::load(&self.profile).map_err(|e| e.to_string())?;
+        Ok(Settings {
+            model: match &self.model {
+                Some(p) => p.clone(),
+                None => super::fetch_default()?,
+            },
+            prefill: self.prefill,
+            decode: self.decode,
+            engine: self.engine_config(profile.clone()),
+            scheduler: scheduler_config(self.config.as_deref())?,
+            event_delay: self.event_delay_ms / 1000.0,
+            report_delay: self.report_delay_ms / 1000.0,
+            transfer_latency: profile.transfer.latency_ms / 1000.0,
+            transfer_bandwidth: profile.transfer.bandwidth_bytes_per_s,
+            transfer_block_bytes: profile.transfer.block_bytes,
+            trace_block: workload.trace_block_size,
+            max_isl: self.max_model_len,
+            routers: self.routers,
+            prefill_speedups: self.prefill_speedups.clone(),
+            seed,
+        })
+    }
+
+    /// Every worker's engine: the mock backend in virtual time, tiers as a worker has them (no disk tier yet).
+    fn engine_config(&self, profile: TimingProfile) -> EngineConfig {
+        let kv_blocks = self.kv_blocks.or(profile.device_blocks).unwrap_or(engine::generate::DEFAULT_KV_BLOCKS);
+        let mock = MockSettings {
+            profile,
+            speedup: 1.0,
+            block_bytes: SIM_BLOCK_BYTES,
+            context_len: self.max_model_len,
+            virtual_time: true,
+        };
+        EngineConfig {
+            backend: BackendChoice::Mock(Box::new(mock)),
+            kv_blocks,
+            host_blocks: self.host_blocks.unwrap_or(worker::cli::HOST_TIER_FACTOR * kv_blocks),
+            max_batched_tokens: self.max_batched_tokens,
+            max_model_len: Some(self.max_model_len),
+            ..EngineConfig::default()
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Routing policies to compare, each on the same arrivals from a fresh cluster.
+    #[arg(long, default_value = "kv,round_robin,least_loaded,power_of_two,random")]
+    policies: String,
     /// SLOs per request, e.g. `ttft_ms=2000,tpot_ms=25`.
     #[arg(long, default_value = "")]
     slo: String,
     /// Seed for routing ties and each request's sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// The model file whose vocabulary prompts and outputs are drawn from (default: the embedded model).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Write per policy `POLICY/records.jsonl` and `POLICY/summary.json`, and `sim.json`, here.
+    /// Write per policy `POLICY/records.jsonl`, `POLICY/summary.json` and `POLICY/queues.svg`, and `sim.json`,
+    /// `ttft_cdf.svg` and `cache_by_tier.svg`, here.
     #[arg(long)]
     out: Option<PathBuf>,
     /// Print the result as JSON on stdout instead of the table.
@@ -107,45 +193,10 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let started = Instant::now();
     let slo = Slo::parse(&args.slo)?;
-    let positive = |x: f64| x.is_finite() && x > 0.0;
-    if !(positive(args.speedup) && positive(args.burstiness) && args.rate.is_none_or(positive)) {
-        return Err("--speedup, --burstiness and --rate must be positive numbers".into());
-    }
-    let arrivals = match (args.rate, &args.trace) {
-        (Some(rate), _) => Arrivals::Rate { rate, burstiness: args.burstiness, seed: args.seed },
-        (None, Some(_)) => Arrivals::Trace { speedup: args.speedup },
-        (None, None) => return Err("a synthetic workload needs --rate (or give --trace)".into()),
-    };
-    let requests = super::serve::read_workload(
-        args.trace.as_deref(),
-        &args.synthetic,
-        args.max_requests,
-        args.seed,
-        args.trace_block_size,
-    )?;
+    let (requests, arrivals) = args.workload.load(args.seed)?;
     let starts = loadgen::schedule::plan(&requests, &arrivals);
     let policies = parse_policies(&args.policies)?;
-    let profile = TimingProfile::load(&args.profile).map_err(|e| e.to_string())?;
-    let base = Settings {
-        model: match &args.model {
-            Some(p) => p.clone(),
-            None => super::fetch_default()?,
-        },
-        prefill: args.prefill,
-        decode: args.decode,
-        engine: engine_config(&args, profile.clone()),
-        scheduler: scheduler_config(args.config.as_deref())?,
-        event_delay: args.event_delay_ms / 1000.0,
-        report_delay: args.report_delay_ms / 1000.0,
-        transfer_latency: profile.transfer.latency_ms / 1000.0,
-        transfer_bandwidth: profile.transfer.bandwidth_bytes_per_s,
-        transfer_block_bytes: profile.transfer.block_bytes,
-        trace_block: args.trace_block_size,
-        max_isl: args.max_model_len,
-        routers: args.routers,
-        prefill_speedups: args.prefill_speedups.clone(),
-        seed: args.seed,
-    };
+    let base = args.cluster.settings(&args.workload, args.seed)?;
     let mut results: BTreeMap<String, serde_json::Value> = BTreeMap::new();
     let mut rows = Vec::new();
     for policy in policies {
@@ -162,7 +213,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     // The references replay the first policy's arrival order (later turns of a session may arrive in another
     // order under another policy; their prompts are the same).
     let e = &base.engine;
-    let capacity = (args.prefill + args.decode) * (e.kv_blocks + e.host_blocks + e.disk_blocks);
+    let capacity = (base.prefill + base.decode) * (e.kv_blocks + e.host_blocks + e.disk_blocks);
     let oracle = rows.first().map(|(_, o, _)| sim::oracle::references(&o.arrivals, e.block_tokens, capacity));
     let out = serde_json::json!({
         "policies": results,
@@ -170,6 +221,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         "wall_seconds": started.elapsed().as_secs_f64(),
     });
     if let Some(dir) = &args.out {
+        let outcomes: Vec<(Policy, &Outcome)> = rows.iter().map(|(p, o, _)| (*p, o)).collect();
+        super::sim_charts::write_charts(dir, &outcomes, base.prefill)?;
         write(dir.join("sim.json"), &serde_json::to_string_pretty(&out).unwrap_or_default())?;
     }
     if args.json {
@@ -190,7 +243,7 @@ fn parse_policies(list: &str) -> Result<Vec<Policy>, String> {
 }
 
 /// The `[scheduler]` table of a router TOML file (the defaults without a file).
-fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfig, String> {
+pub fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfig, String> {
     let Some(path) = path else { return Ok(SchedulerConfig::default()) };
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let file: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -200,26 +253,6 @@ fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfig, S
     };
     config.validate().map_err(|e| format!("{}: [scheduler]: {}", path.display(), e.join("; ")))?;
     Ok(config)
-}
-
-/// Every worker's engine: the mock backend in virtual time, tiers as a worker has them (no disk tier yet).
-fn engine_config(args: &Args, profile: TimingProfile) -> EngineConfig {
-    let kv_blocks = args.kv_blocks.or(profile.device_blocks).unwrap_or(engine::generate::DEFAULT_KV_BLOCKS);
-    let mock = MockSettings {
-        profile,
-        speedup: 1.0,
-        block_bytes: SIM_BLOCK_BYTES,
-        context_len: args.max_model_len,
-        virtual_time: true,
-    };
-    EngineConfig {
-        backend: BackendChoice::Mock(Box::new(mock)),
-        kv_blocks,
-        host_blocks: args.host_blocks.unwrap_or(worker::cli::HOST_TIER_FACTOR * kv_blocks),
-        max_batched_tokens: args.max_batched_tokens,
-        max_model_len: Some(args.max_model_len),
-        ..EngineConfig::default()
-    }
 }
 
 fn policy_json(o: &Outcome, s: &Summary) -> serde_json::Value {
