@@ -77,6 +77,15 @@ fn local_hash_seeded(tokens: &[u32], seed: u64) -> LocalHash {
     LocalHash(xxh3_64_with_seed(&bytes, seed))
 }
 
+/// The chained hash of a block with local hash `local` after the block `parent` (`None`: the first block, whose
+/// chained hash is its local hash). What lets a reader check that a list of blocks really is a chain.
+pub fn chained(parent: Option<SeqHash>, local: LocalHash) -> SeqHash {
+    match parent {
+        None => SeqHash(local.0),
+        Some(p) => chain(p, local),
+    }
+}
+
 fn chain(parent: SeqHash, local: LocalHash) -> SeqHash {
     let mut bytes = [0u8; 16];
     bytes[..8].copy_from_slice(&parent.0.to_le_bytes());

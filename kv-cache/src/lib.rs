@@ -13,4 +13,4 @@ pub mod fastmap;
 mod hash;
 pub mod pool;
 
-pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, local_hash};
+pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, chained, local_hash};

@@ -2,9 +2,7 @@
 
 use serde::Serialize;
 
-/// A worker, as the router numbers them (stable while the worker stays registered).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct WorkerId(pub u32);
+pub use kv_index::{Overlap, WorkerId};
 
 /// What a worker can do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -24,14 +22,6 @@ impl WorkerRole {
     pub fn decodes(self) -> bool {
         matches!(self, WorkerRole::Decode | WorkerRole::Both)
     }
-}
-
-/// Leading blocks of the request a worker holds, per tier (`routing.md`, "Overlap").
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Overlap {
-    pub device: usize,
-    pub host: usize,
-    pub disk: usize,
 }
 
 /// A worker's load as the router believes it now (reports reconciled with what the router sent since).
