@@ -15,10 +15,24 @@ use crate::WorkerId;
 
 #[derive(Debug, Default)]
 struct Run {
-    /// The position (in `Runs::at`) of `hashes[0]`: positions stay put when the run loses its head.
+    /// The position (in `Runs::at`) of the run's first block: positions stay put when the run loses its head.
     base: u32,
+    /// The run's blocks are `hashes[off..]`: a run that loses its head (evictions take chains from the front)
+    /// drops it lazily, compacting once half the vector is dead.
+    off: u32,
     hashes: Vec<SeqHash>,
     holders: Holders,
+}
+
+impl Run {
+    fn live(&self) -> &[SeqHash] {
+        &self.hashes[self.off as usize..]
+    }
+
+    /// The position after the run's last block.
+    fn end(&self) -> u32 {
+        self.base + self.live().len() as u32
+    }
 }
 
 #[derive(Debug, Default)]
@@ -50,7 +64,7 @@ impl Runs {
         while i < blocks.len() {
             if let Some(&(r, p)) = self.at.get(&blocks[i].0) {
                 let run = &self.runs[r as usize];
-                let rest = &run.hashes[(p - run.base) as usize..];
+                let rest = &run.live()[(p - run.base) as usize..];
                 let len = rest.iter().zip(&blocks[i..]).take_while(|(a, b)| **a == b.0).count();
                 self.change(r, p, len, |h| h.set(slot, tier, true));
                 i += len;
@@ -69,7 +83,7 @@ impl Runs {
                 };
                 if let Some(was) = self.at.insert(h, (r, pos)) {
                     self.at.insert(h, was);
-                    if self.runs[r as usize].hashes.is_empty() {
+                    if self.runs[r as usize].live().is_empty() {
                         self.runs[r as usize] = Run::default();
                         self.free.push(r);
                     }
@@ -92,7 +106,7 @@ impl Runs {
                 continue;
             };
             let run = &self.runs[r as usize];
-            let rest = &run.hashes[(p - run.base) as usize..];
+            let rest = &run.live()[(p - run.base) as usize..];
             let forward = rest.iter().zip(&seqs[i..]).take_while(|(a, b)| a == b).count();
             let (from, len) = if forward > 1 { (p, forward) } else { self.matching_back(r, p, &seqs[i..]) };
             self.change(r, from, len, |h| h.set(slot, tier, false));
@@ -103,7 +117,7 @@ impl Runs {
     /// Clears `slot` on the tiers of the mask `tiers` everywhere (a scan of every run).
     pub fn clear_slot(&mut self, slot: u32, tiers: u8) {
         for r in 0..self.runs.len() {
-            if self.runs[r].hashes.is_empty() || !self.runs[r].holders.has(slot) {
+            if self.runs[r].live().is_empty() || !self.runs[r].holders.has(slot) {
                 continue;
             }
             self.runs[r].holders.clear(slot, tiers);
@@ -136,7 +150,7 @@ impl Runs {
     /// by binary search: runs are true chains, so the blocks that match are a prefix.
     fn matching(&self, r: u32, p: u32, chain: &[SeqHash]) -> usize {
         let run = &self.runs[r as usize];
-        let rest = &run.hashes[(p - run.base) as usize..];
+        let rest = &run.live()[(p - run.base) as usize..];
         let n = rest.len().min(chain.len());
         // Most often the prompt follows the run to one of their ends: one probe.
         if rest[n - 1] == chain[n - 1] {
@@ -158,7 +172,7 @@ impl Runs {
     /// How many of `seqs`' leading hashes go backwards through run `r` from position `p`: (first position, count).
     fn matching_back(&self, r: u32, p: u32, seqs: &[SeqHash]) -> (u32, usize) {
         let run = &self.runs[r as usize];
-        let upto = &run.hashes[..=(p - run.base) as usize];
+        let upto = &run.live()[..=(p - run.base) as usize];
         let n = upto.iter().rev().zip(seqs).take_while(|(a, b)| a == b).count();
         (p + 1 - n as u32, n)
     }
@@ -173,12 +187,18 @@ impl Runs {
         }
         let run = &self.runs[r as usize];
         let end = from + len as u32;
+        // Blocks nobody holds any more at either end of their run (evictions take chains from one end): the run
+        // shrinks where it is.
+        if after.is_empty() && (from == run.base || end == run.end()) && !(from == run.base && end == run.end()) {
+            self.trim(r, from, end);
+            return;
+        }
         let mut r = r;
         if from > run.base {
             r = self.split(r, from).1;
         }
         let run = &self.runs[r as usize];
-        if end < run.base + run.hashes.len() as u32 {
+        if end < run.end() {
             r = self.split(r, end).0;
         }
         if after.is_empty() {
@@ -188,18 +208,43 @@ impl Runs {
         }
     }
 
+    /// Forgets positions `from..end` at the head or the tail of run `r`.
+    fn trim(&mut self, r: u32, from: u32, end: u32) {
+        let run = &mut self.runs[r as usize];
+        let (rel, rel_end) = ((from - run.base) as usize, (end - run.base) as usize);
+        for h in &run.hashes[run.off as usize + rel..run.off as usize + rel_end] {
+            self.at.remove(h);
+        }
+        if rel == 0 {
+            run.off += (rel_end - rel) as u32;
+            run.base = end;
+            if run.off as usize * 2 > run.hashes.len() {
+                run.hashes.drain(..run.off as usize);
+                run.off = 0;
+            }
+        } else {
+            run.hashes.truncate(run.off as usize + rel);
+        }
+    }
+
     /// Splits run `r` before position `at`: (the head's run, the tail's run). The shorter side moves to a new run.
     fn split(&mut self, r: u32, at: u32) -> (u32, u32) {
         let new = self.new_run();
         let old = &mut self.runs[r as usize];
         let k = (at - old.base) as usize;
-        let moved = if k <= old.hashes.len() - k {
-            let head: Vec<SeqHash> = old.hashes.drain(..k).collect();
-            let run = Run { base: old.base, hashes: head, holders: old.holders.clone() };
+        let moved = if k <= old.live().len() - k {
+            let head = old.live()[..k].to_vec();
+            let run = Run { base: old.base, off: 0, hashes: head, holders: old.holders.clone() };
             old.base = at;
+            old.off += k as u32;
+            if old.off as usize * 2 > old.hashes.len() {
+                old.hashes.drain(..old.off as usize);
+                old.off = 0;
+            }
             run
         } else {
-            Run { base: at, hashes: old.hashes.split_off(k), holders: old.holders.clone() }
+            let tail = old.hashes.split_off(old.off as usize + k);
+            Run { base: at, off: 0, hashes: tail, holders: old.holders.clone() }
         };
         let head_moved = moved.base < at;
         for h in &moved.hashes {
@@ -216,13 +261,13 @@ impl Runs {
     fn open(&mut self, prev: Option<SeqHash>, holders: Holders) -> (u32, u32) {
         let extend = prev.and_then(|p| self.at.get(&p)).copied().filter(|&(r, p)| {
             let run = &self.runs[r as usize];
-            run.holders == holders && p + 1 == run.base + run.hashes.len() as u32
+            run.holders == holders && p + 1 == run.end()
         });
         match extend {
             Some((r, p)) => (r, p + 1),
             None => {
                 let r = self.new_run();
-                self.runs[r as usize] = Run { base: 0, hashes: Vec::new(), holders };
+                self.runs[r as usize] = Run { base: 0, off: 0, hashes: Vec::new(), holders };
                 (r, 0)
             }
         }
@@ -241,7 +286,7 @@ impl Runs {
     /// Forgets run `r`'s blocks.
     fn delete(&mut self, r: u32) {
         let run = std::mem::take(&mut self.runs[r as usize]);
-        for h in &run.hashes {
+        for h in run.live() {
             self.at.remove(h);
         }
         self.free.push(r);
