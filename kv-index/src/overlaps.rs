@@ -111,4 +111,3 @@ impl Walk {
         Overlaps(out)
     }
 }
-

@@ -6,12 +6,12 @@
 //! out of order gets shorter runs, not wrong answers). The holders are looked at once per run. Changing some
 //! blocks' holders splits their run where the change starts and ends.
 
-use kv_cache::{LocalHash, SeqHash, chained};
 use kv_cache::fastmap::FastMap;
+use kv_cache::{LocalHash, SeqHash, chained};
 
+use crate::WorkerId;
 use crate::holders::Holders;
 use crate::overlaps::{Overlaps, Walk};
-use crate::WorkerId;
 
 #[derive(Debug, Default)]
 struct Run {

@@ -56,6 +56,7 @@ impl SyntheticSpec {
                     hash_ids: ids.clone(),
                     session_id: (turns > 1).then(|| format!("s{session}")),
                     delay_ms: (turn > 0).then_some(self.turn_delay_ms),
+                    recorded: None,
                 });
             }
             session += 1;

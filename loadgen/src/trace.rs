@@ -16,6 +16,43 @@ pub struct TraceRequest {
     pub session_id: Option<String>,
     /// For a session's later turn: milliseconds after the previous turn finished.
     pub delay_ms: Option<f64>,
+    /// What a router recording says about the request (`tandem router --record-trace`).
+    pub recorded: Option<Recorded>,
+}
+
+/// A recorded request's tenant and the router's decision.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Recorded {
+    pub namespace: Option<String>,
+    pub decision: RecordedDecision,
+}
+
+/// The router's decision as recorded: the workers by name, or the refusal's kind.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct RecordedDecision {
+    pub policy: Option<String>,
+    /// The prefill worker when the request was disaggregated.
+    pub prefill: Option<String>,
+    pub decode: Option<String>,
+    #[serde(default)]
+    pub disaggregate: bool,
+    pub reason: Option<String>,
+    pub refused: Option<String>,
+}
+
+/// The header line of a router recording.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct RecordingHeader {
+    /// Tokens per block the `hash_ids` name.
+    pub block_size: usize,
+    pub started_unix_ms: Option<u64>,
+}
+
+/// The recording header of a JSONL workload, if it is a router recording.
+pub fn recording_header(text: &str) -> Option<RecordingHeader> {
+    let first = text.lines().find(|l| !l.trim().is_empty())?;
+    let v: serde_json::Value = serde_json::from_str(first).ok()?;
+    serde_json::from_value(v.get("tandem_recording")?.clone()).ok()
 }
 
 /// Why a workload file could not be read.
@@ -41,6 +78,8 @@ struct MooncakeLine {
     #[serde(default)]
     #[allow(dead_code)]
     text_input: Option<String>,
+    /// A router recording's own fields.
+    tandem: Option<Recorded>,
 }
 
 /// Reads a workload file: an Azure LLM trace CSV (it starts with `TIMESTAMP,`) or `mooncake_trace` JSONL.
@@ -54,7 +93,9 @@ pub fn read(path: &std::path::Path) -> Result<Vec<TraceRequest>, String> {
 /// `session_id` and `delay` (ms after the session's previous turn finished, for turns without a timestamp).
 pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    let header = recording_header(text).is_some();
+    let lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()).skip(usize::from(header));
+    for (i, line) in lines {
         let bad = |why: String| TraceError::Line { line: i + 1, why };
         let l: MooncakeLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
         if l.input_length == 0 {
@@ -75,6 +116,7 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
             hash_ids: l.hash_ids,
             session_id: l.session_id,
             delay_ms: l.delay,
+            recorded: l.tandem,
         });
     }
     if out.is_empty() {
@@ -149,6 +191,25 @@ mod tests {
         assert_eq!(r[1].arrival_ms, Some(12.5));
         assert_eq!(r[1].output_length, 1, "at least one output token");
         assert_eq!((r[2].arrival_ms, r[2].delay_ms), (None, Some(300.0)));
+    }
+
+    #[test]
+    fn a_router_recording_reads_with_its_block_size_and_decisions() {
+        let text = r#"{"tandem_recording": {"version": 1, "block_size": 16, "started_unix_ms": 5}}
+{"timestamp": 0.5, "input_length": 40, "output_length": 7, "hash_ids": [11, 12], "tandem": {"namespace": "t1", "decision": {"policy": "kv", "prefill": "prefill-1", "decode": "decode-0", "disaggregate": true, "reason": "kv"}}}
+{"timestamp": 3, "input_length": 20, "output_length": 2, "hash_ids": [11], "tandem": {"namespace": null, "decision": {"refused": "all_busy"}}}
+"#;
+        assert_eq!(recording_header(text).map(|h| h.block_size), Some(16));
+        let r = parse_mooncake(text).expect("parses");
+        assert_eq!(r.len(), 2);
+        let d = &r[0].recorded.as_ref().expect("recorded").decision;
+        assert_eq!(
+            (d.prefill.as_deref(), d.decode.as_deref(), d.disaggregate),
+            (Some("prefill-1"), Some("decode-0"), true)
+        );
+        assert_eq!(r[0].recorded.as_ref().and_then(|x| x.namespace.as_deref()), Some("t1"));
+        assert_eq!(r[1].recorded.as_ref().and_then(|x| x.decision.refused.as_deref()), Some("all_busy"));
+        assert_eq!(recording_header("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}"), None);
     }
 
     #[test]

@@ -65,6 +65,10 @@ pub struct Settings {
     pub request_timeout_ms: Option<u64>,
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
+    /// Record every request (arrival, lengths, tenant, re-keyed block hashes, decision; no text) to this new file,
+    /// a trace `tandem sim` replays.
+    #[arg(long, env = "TANDEM_RECORD_TRACE")]
+    pub record_trace: Option<PathBuf>,
     /// Scheduler weights (the file's `[scheduler]` table; also `PUT /admin/router-config`).
     #[arg(skip)]
     pub scheduler: Option<SchedulerConfig>,
@@ -147,6 +151,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             block_size: defaults::BLOCK_SIZE,
             max_model_len: s.max_model_len.or(file.max_model_len),
             seed: None,
+            record_trace: s.record_trace.or(file.record_trace),
         }),
         (_, listen, ..) => {
             problems.extend(listen.err().map(|e| format!("listen address: {e}")));

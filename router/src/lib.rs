@@ -10,6 +10,7 @@ pub mod ids;
 pub mod indexer;
 pub mod load;
 pub mod metrics;
+pub mod record;
 pub mod resilience;
 pub mod run;
 pub mod scheduler;

@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use crate::cluster::{Cluster, ModelIdentity};
 use crate::discovery::WorkerSource;
 use crate::metrics::RouterMetrics;
+use crate::record::Recording;
 use crate::scheduler::RouteState;
 use crate::scheduler::config::SchedulerConfig;
 use crate::state::{Admission, Limits, RouterState};
@@ -84,6 +85,8 @@ pub struct RouterConfig {
     pub max_model_len: Option<usize>,
     /// Seed of the scheduler's random choices (ties, temperature); default: from the clock.
     pub seed: Option<u64>,
+    /// Record the traffic to this new file from the start (`crate::record`); also `POST /admin/recording`.
+    pub record_trace: Option<PathBuf>,
 }
 
 /// Why a router could not start.
@@ -97,6 +100,8 @@ pub enum StartError {
     Scheduler(String),
     #[error("the model file does not state its context length; set max_model_len")]
     NoContextLength,
+    #[error("recording the traffic: {0}")]
+    Record(String),
 }
 
 /// A running router.
@@ -127,6 +132,12 @@ impl RunningRouter {
             .map(Arc::new);
         let cluster = Cluster::new(model, config.identity, config.follow, stop_rx.clone());
         crate::discovery::start(&cluster, &config.workers, config.dns_refresh, stop_rx.clone());
+        let recording = match &config.record_trace {
+            Some(path) => {
+                Some(Recording::start(path, config.block_size).map_err(|e| StartError::Record(e.to_string()))?)
+            }
+            None => None,
+        };
         let state = Arc::new(RouterState {
             cluster,
             text: Arc::new(text),
@@ -143,6 +154,7 @@ impl RunningRouter {
             metrics: RouterMetrics::default(),
             leases,
             retry_budget: Default::default(),
+            recording: Mutex::new(recording),
             tokenize_slots: tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             ),

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use engine::text::TextModel;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -155,6 +155,8 @@ pub struct RouterState {
     pub retry_budget: Mutex<RetryBudget>,
     /// Tokenizations running at once on the blocking pool.
     pub tokenize_slots: Semaphore,
+    /// The traffic recording, while one runs.
+    pub recording: Mutex<Option<crate::record::Recording>>,
 }
 
 impl RouterState {
@@ -164,6 +166,17 @@ impl RouterState {
 
     pub fn set_scheduler_config(&self, c: SchedulerConfig) {
         *self.scheduler.write().unwrap_or_else(|p| p.into_inner()) = c;
+    }
+
+    /// Adds a request to the recording, if one runs; a failed write ends the recording (the traffic goes on).
+    pub fn record(&self, arrived: Instant, a: &crate::record::Arrival<'_>, outcome: crate::record::Outcome<'_>) {
+        let mut guard = self.recording.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = guard.as_mut()
+            && let Err(e) = r.push(arrived, a, outcome)
+        {
+            tracing::error!(error = %e, "traffic recording stopped");
+            *guard = None;
+        }
     }
 
     /// A fresh request number.

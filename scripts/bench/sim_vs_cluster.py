@@ -5,8 +5,10 @@ Runs the first N requests of the committed Mooncake sample once through `tandem 
 `tandem up --engine mock` driven by `tandem bench serve`, with the same profile (gpu-default), worker counts, tiers
 (device and host; no disk tier, which the simulator does not model yet), policy and seed, on the trace's own
 arrivals. Prints, for TTFT, TPOT and E2E, the simulated and measured p50 and p90 with their relative difference and
-a two-sample Kolmogorov-Smirnov test, and the cached token fraction of both. The real run's validity (schedule lag,
-mock step overrun) is printed too: an invalid real run is no reference.
+a two-sample Kolmogorov-Smirnov test, the cached token fraction of both, and the share of requests prefilled on the
+same worker in both (the real router records its decisions with --record-trace; workers are matched one to one,
+the pairing that agrees most, since which of two idle workers gets the first request is a coin toss in both). The
+real run's validity (schedule lag, mock step overrun) is printed too: an invalid real run is no reference.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--requests 200] [--policy kv]
@@ -69,6 +71,41 @@ def metrics(recs):
     }
 
 
+def prefilled_on(decision):
+    """The worker that computed the prompt: the prefill worker when disaggregated, else the decode worker."""
+    return decision.get("prefill") or decision.get("decode")
+
+
+def agreement(recording, placements, sim_records):
+    """Share of requests prefilled on the same worker in the real cluster and the simulator, under the one-to-one
+    pairing of real and simulated workers that agrees most (greedy on the largest counts).
+
+    The recording is in the router's arrival order, where requests sent in the same instant may have swapped places:
+    each recorded request is matched to the earliest unmatched simulated request of the same prompt length."""
+    lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines() if line.strip()]
+    real = [l for l in lines[1:] if "refused" not in l["tandem"]["decision"]]
+    sim_by_index = {r["index"]: r for r in sim_records}
+    placed = [json.loads(line) for line in pathlib.Path(placements).read_text().splitlines()]
+    unmatched = [i for i, p in enumerate(placed) if p is not None and i in sim_by_index]
+    pairs = []
+    for l in real:
+        for k, i in enumerate(unmatched):
+            if sim_by_index[i]["prompt_tokens"] == l["input_length"]:
+                pairs.append((prefilled_on(l["tandem"]["decision"]), prefilled_on(placed[i])))
+                del unmatched[k]
+                break
+    counts = {}
+    for pair in pairs:
+        counts[pair] = counts.get(pair, 0) + 1
+    used_real, used_sim, agreed = set(), set(), 0
+    for (r, s), n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        if r not in used_real and s not in used_sim:
+            used_real.add(r)
+            used_sim.add(s)
+            agreed += n
+    return agreed, len(pairs), len(real)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=200)
@@ -78,8 +115,11 @@ def main():
     args = p.parse_args()
     out = pathlib.Path(args.out)
     tiers = ["--host-blocks", str(2 * 16384), "--disk-blocks", "0"]
+    recording = out / "cluster" / "recording.jsonl"
+    recording.parent.mkdir(parents=True, exist_ok=True)
+    recording.unlink(missing_ok=True)
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
-             "--seed", str(args.seed), *tiers]
+             "--seed", str(args.seed), "--record-trace", str(recording), *tiers]
     with mock_cluster(args.tandem, flags) as url:
         real = bench_serve(args.tandem, url, [
             "--trace", str(TRACE), "--max-requests", str(args.requests), "--seed", str(args.seed),
@@ -105,6 +145,10 @@ def main():
               f"{100 * (s90 / r90 - 1):>7.1f}%{d:>7.3f}{pv:>8.3f}")
     print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, "
           f"real {100 * real['cached_token_fraction']:.1f}%")
+    agreed, matched, recorded = agreement(recording, out / "sim" / args.policy / "placements.jsonl",
+                                          records(out / "sim" / args.policy / "records.jsonl"))
+    print(f"same prefill worker: {agreed} of {matched} requests ({100 * agreed / max(matched, 1):.1f}%; "
+          f"{recorded} recorded, {matched} matched to a simulated request by prompt length)")
 
 
 if __name__ == "__main__":

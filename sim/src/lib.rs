@@ -10,4 +10,4 @@ mod run;
 pub mod tune;
 mod worker;
 
-pub use run::{Balance, Outcome, Settings, SimError, simulate};
+pub use run::{Balance, Outcome, Placed, Settings, SimError, simulate};

@@ -2,7 +2,7 @@
 //! real indexer and load tracker (fed with KV events and load reports after modelled delays), and each worker's
 //! real engine steps in virtual time. What the client would have seen comes out as `bench serve` records.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use engine::generate::{Engine, EngineConfig, Output, Request, Stepper};
@@ -17,7 +17,7 @@ use router::indexer::PrefixIndex;
 use router::load::{LoadTracker, Report};
 use router::scheduler::config::SchedulerConfig;
 use router::scheduler::view::{RouteRequest, WorkerId, WorkerRole, WorkerView};
-use router::scheduler::{Decision, RouteError, RouteState, route};
+use router::scheduler::{RouteError, RouteState, route};
 
 use crate::queue::Queue;
 use crate::worker::SimWorker;
@@ -50,6 +50,9 @@ pub struct Settings {
     /// Router replicas: requests are spread over them in turn; each has its own index, load reports and
     /// accounting of what it sent (none sees what the others sent).
     pub routers: usize,
+    /// Route every request as its router recording says (the trace's `recorded` decisions, workers matched by
+    /// name) instead of by the scheduler: what the recorded decisions would have done here.
+    pub replay: bool,
     pub seed: u64,
 }
 
@@ -77,6 +80,24 @@ pub struct Outcome {
     pub balance: Balance,
     /// At each arrival (virtual seconds), the requests each worker held (running and waiting), in worker order.
     pub queues: Vec<(f64, Vec<u32>)>,
+    /// Per request (by index): the workers it went to, by name; `None` when it was refused.
+    pub placements: Vec<Option<Placed>>,
+}
+
+/// Where a request went.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Placed {
+    /// The prefill worker, when the request was disaggregated.
+    pub prefill: Option<String>,
+    pub decode: String,
+}
+
+/// Where a request goes, as indices of the simulated workers.
+struct Placement {
+    /// The prefill worker when disaggregated.
+    prefill: Option<usize>,
+    decode: usize,
+    reason: String,
 }
 
 /// How evenly the work was spread, sampled at every arrival (what herding shows in).
@@ -159,6 +180,8 @@ struct Sim<'a> {
     queue: Queue<Ev>,
     live: Vec<Live>,
     out: Outcome,
+    /// In a replay, the simulated worker for each worker the recording names.
+    recorded: HashMap<String, usize>,
 }
 
 /// Runs `workload` (with its `starts`, from `loadgen::schedule::plan`) through a simulated cluster.
@@ -223,6 +246,7 @@ impl<'a> Sim<'a> {
             };
             workers.push(SimWorker::new(WorkerId(i as u32), name, role, Stepper::new(engine), replicas));
         }
+        let recorded = if settings.replay { recorded_names(settings, workload)? } else { HashMap::new() };
         let routers = (0..replicas)
             .map(|r| {
                 let mut index = PrefixIndex::new();
@@ -243,7 +267,8 @@ impl<'a> Sim<'a> {
             routers,
             queue: Queue::new(),
             live: (0..workload.len()).map(|_| Live::default()).collect(),
-            out: Outcome::default(),
+            out: Outcome { placements: vec![None; workload.len()], ..Outcome::default() },
+            recorded,
         })
     }
 
@@ -305,12 +330,44 @@ impl<'a> Sim<'a> {
         live.prompt = prompt.tokens;
         live.hashes = hashes;
         self.out.arrivals.push(crate::oracle::Prompt { tokens: live.prompt.len(), blocks: live.hashes.clone() });
-        let decision = match route(&req, &views, cfg, &mut self.routers[router].state) {
-            Ok(d) => d,
+        let placed = if self.settings.replay {
+            self.replayed(i)
+        } else {
+            route(&req, &views, cfg, &mut self.routers[router].state).map(|d| Placement {
+                prefill: d.prefill.filter(|_| d.disaggregate).map(|c| c.id.0 as usize),
+                decode: d.decode.id.0 as usize,
+                reason: d.reason.as_str().to_string(),
+            })
+        };
+        let placed = match placed {
+            Ok(p) => p,
             Err(e) => return self.refuse(now, i, e),
         };
-        *self.out.decisions.entry(decision.reason.as_str().to_string()).or_default() += 1;
-        self.start(now, i, &decision, &views);
+        *self.out.decisions.entry(placed.reason.clone()).or_default() += 1;
+        self.out.placements[i] = Some(Placed {
+            prefill: placed.prefill.map(|p| self.workers[p].name.clone()),
+            decode: self.workers[placed.decode].name.clone(),
+        });
+        self.start(now, i, &placed, &views);
+    }
+
+    /// Request `i`'s recorded decision, its workers found by name (checked to exist when the run started).
+    fn replayed(&self, i: usize) -> Result<Placement, RouteError> {
+        let recorded = self.workload[i].recorded.as_ref().map(|r| &r.decision);
+        let named = |name: &Option<String>| name.as_ref().and_then(|n| self.recorded.get(n)).copied();
+        match recorded {
+            Some(d) if d.refused.is_some() => Err(match d.refused.as_deref() {
+                Some("no_decode_workers") => RouteError::NoDecodeWorkers,
+                Some("shed") => RouteError::Shed { wait_ms: 0, limit_ms: 0 },
+                _ => RouteError::AllBusy,
+            }),
+            Some(d) => Ok(Placement {
+                prefill: named(&d.prefill).filter(|_| d.disaggregate),
+                decode: named(&d.decode).ok_or(RouteError::NoDecodeWorkers)?,
+                reason: format!("recorded {}", d.reason.as_deref().unwrap_or("decision")),
+            }),
+            None => Err(RouteError::NoDecodeWorkers),
+        }
     }
 
     /// Adds the current spread of work over each pool's workers to the balance figures.
@@ -356,13 +413,10 @@ impl<'a> Sim<'a> {
         self.finish(now, i, status, Some(e.to_string()), None);
     }
 
-    fn start(&mut self, now: f64, i: usize, d: &Decision, views: &[WorkerView]) {
-        let decode = d.decode.id.0 as usize;
+    fn start(&mut self, now: f64, i: usize, d: &Placement, views: &[WorkerView]) {
+        let decode = d.decode;
         self.live[i].decode = decode;
-        let target = match (&d.prefill, d.disaggregate) {
-            (Some(p), true) => p.id.0 as usize,
-            _ => decode,
-        };
+        let target = d.prefill.unwrap_or(decode);
         let v = &views[target];
         let held = (v.overlap.device + v.overlap.host + v.overlap.disk) as u64;
         let isl = self.live[i].prompt.len() as u64;
@@ -560,4 +614,47 @@ impl<'a> Sim<'a> {
             self.queue.at(now + delay, Ev::Arrive(next));
         }
     }
+}
+
+/// The simulated worker for each worker a recording names: names of the simulator's own form (`prefill-K`,
+/// `decode-K`) keep their number; otherwise (a router recording names workers by the address it knows them by)
+/// prefill workers in the order they first appear become `prefill-0`, `prefill-1`, …, and decode workers
+/// `decode-0`, …. Too many names for the simulated pools is an error.
+fn recorded_names(settings: &Settings, workload: &[TraceRequest]) -> Result<HashMap<String, usize>, SimError> {
+    let mut map = HashMap::new();
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for d in workload.iter().filter_map(|r| r.recorded.as_ref()).map(|r| &r.decision) {
+        for (name, seen) in [(&d.prefill, &mut prefill), (&d.decode, &mut decode)] {
+            if let Some(n) = name.as_ref().filter(|n| !seen.contains(*n)) {
+                seen.push(n.clone());
+            }
+        }
+    }
+    if prefill.is_empty() && decode.is_empty() {
+        return Err(SimError::Settings(
+            "the trace records no decisions to replay (record one with --record-trace)".into(),
+        ));
+    }
+    if prefill.len() > settings.prefill || decode.len() > settings.decode {
+        return Err(SimError::Settings(format!(
+            "the recording names {} prefill and {} decode workers: give --prefill and --decode at least that",
+            prefill.len(),
+            decode.len()
+        )));
+    }
+    // Names the simulator itself gives (`prefill-K`, `decode-K`, as `tandem up` and `tandem sim` name workers)
+    // keep their number.
+    let numbered =
+        |n: &str, prefix: &str, pool: usize| n.strip_prefix(prefix)?.parse::<usize>().ok().filter(|&k| k < pool);
+    let by_number = prefill.iter().all(|n| numbered(n, "prefill-", settings.prefill).is_some())
+        && decode.iter().all(|n| numbered(n, "decode-", settings.decode).is_some());
+    for (k, n) in prefill.into_iter().enumerate() {
+        let at = if by_number { numbered(&n, "prefill-", settings.prefill).unwrap_or(k) } else { k };
+        map.insert(n, at);
+    }
+    for (k, n) in decode.into_iter().enumerate() {
+        let at = if by_number { numbered(&n, "decode-", settings.decode).unwrap_or(k) } else { k };
+        map.insert(n, settings.prefill + at);
+    }
+    Ok(map)
 }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{request, settings, settings_gpu};
+use common::{request, settings, settings_gpu, shared_prefixes};
 use loadgen::schedule::{Arrivals, plan};
 use router::scheduler::config::{Policy, SchedulerConfig};
 use sim::{Settings, simulate};
@@ -66,19 +66,7 @@ fn the_same_trace_and_seed_give_the_same_records_and_shared_prefixes_are_cached(
 #[test]
 fn on_shared_prefixes_at_an_open_loop_rate_kv_computes_less_prompt_than_round_robin() {
     // 60 requests over 4 system prompts of 256 tokens, Poisson at 20 per second, 2 + 2 workers.
-    let spec = loadgen::synthetic::SyntheticSpec {
-        requests: 60,
-        prefixes: 4,
-        prefix_len: 256,
-        suffix_len: 64,
-        output_len: 4,
-        zipf: 1.0,
-        turns: 1,
-        turn_delay_ms: 0.0,
-        seed: 3,
-    };
-    let trace = spec.generate(512);
-    let starts = plan(&trace, &Arrivals::Rate { rate: 20.0, burstiness: 1.0, seed: 3 });
+    let (trace, starts) = shared_prefixes(60, 4, 20.0, 3);
     let run = |policy| {
         let s = settings_gpu();
         let s = Settings { scheduler: SchedulerConfig { policy, ..s.scheduler.clone() }, ..s };
@@ -89,4 +77,34 @@ fn on_shared_prefixes_at_an_open_loop_rate_kv_computes_less_prompt_than_round_ro
     let cached = |o: &sim::Outcome| o.records.iter().map(|r| r.cached_tokens).sum::<u64>();
     assert!(cached(&kv) > cached(&rr), "kv {} vs round robin {}", cached(&kv), cached(&rr));
     assert!(kv.prefill_tokens_computed < rr.prefill_tokens_computed);
+}
+
+#[test]
+fn replaying_a_runs_own_decisions_gives_back_the_same_run() {
+    // 40 requests over shared prefixes through kv routing; then the same arrivals with each request's workers
+    // forced to where kv sent it, as a router recording would state them: the same records, request by request.
+    let (trace, starts) = shared_prefixes(40, 3, 30.0, 9);
+    let s = settings_gpu();
+    let kv = simulate(&s, &trace, &starts).expect("runs");
+    let recorded: Vec<loadgen::trace::TraceRequest> = trace
+        .iter()
+        .zip(&kv.placements)
+        .map(|(r, p)| {
+            let p = p.clone().expect("every request placed");
+            let decision = loadgen::trace::RecordedDecision {
+                disaggregate: p.prefill.is_some(),
+                prefill: p.prefill,
+                decode: Some(p.decode),
+                ..Default::default()
+            };
+            loadgen::trace::TraceRequest {
+                recorded: Some(loadgen::trace::Recorded { namespace: None, decision }),
+                ..r.clone()
+            }
+        })
+        .collect();
+    assert!(kv.placements.iter().flatten().any(|p| p.prefill.is_some()), "some requests were disaggregated");
+    let replay = simulate(&Settings { replay: true, ..s }, &recorded, &starts).expect("replays");
+    assert_eq!(replay.records, kv.records);
+    assert_eq!(replay.placements, kv.placements);
 }

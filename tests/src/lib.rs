@@ -129,6 +129,7 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         block_size: 16,
         max_model_len: None,
         seed: Some(1),
+        record_trace: None,
     }
 }
 

@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::ApiError;
 use super::openai::{Checked, Endpoint, Input};
+use crate::record::{Arrival, Outcome};
 use crate::scheduler::view::RouteRequest;
 use crate::scheduler::{Decision, RouteError, route};
 use crate::serve::{Job, Piece, Pieces};
@@ -113,12 +114,26 @@ pub async fn plan(
         disaggregate = tracing::field::Empty,
         reason = tracing::field::Empty,
     );
-    let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), Instant::now());
+    let arrived = Instant::now();
+    let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), arrived);
     let decision = {
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
         route(&req, &views, &config, &mut route_state)
+    };
+    if count {
+        let a = Arrival {
+            input_length: tokens.len(),
+            max_tokens,
+            namespace: checked.namespace.as_deref(),
+            hashes: &hashes,
+        };
+        let outcome = match &decision {
+            Ok(d) => Outcome::Routed(d),
+            Err(e) => Outcome::Refused(e.kind()),
+        };
+        state.record(arrived, &a, outcome);
     }
-    .map_err(|e| {
+    let decision = decision.map_err(|e| {
         // Refusals for load are decisions too: operators see how much was shed and why.
         if count && matches!(e, RouteError::AllBusy | RouteError::Shed { .. }) {
             state.metrics.decision(config.policy.as_str(), e.kind());

@@ -38,6 +38,7 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/debug/route", post(debug_route))
         .route("/admin/router-config", get(get_config).put(put_config))
+        .route("/admin/recording", get(recording).post(start_recording).delete(stop_recording))
         .route("/admin/workers", get(list_workers).post(add_worker).delete(remove_worker))
         .fallback(|| async { ApiError::NotFound })
         .with_state(state)
@@ -215,6 +216,63 @@ async fn get_config(state: Shared, peer: Peer, headers: HeaderMap) -> Response {
         Ok(()) => axum::Json(state.scheduler_config()).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// Whether the traffic is being recorded, where, and how many requests so far.
+fn recording_json(r: Option<&crate::record::Recording>) -> Value {
+    match r {
+        Some(r) => json!({"recording": true, "file": r.path().display().to_string(), "requests": r.requests()}),
+        None => json!({"recording": false}),
+    }
+}
+
+async fn recording(state: Shared, peer: Peer, headers: HeaderMap) -> Response {
+    if let Err(e) = admin(&state, &headers, &peer) {
+        return e.into_response();
+    }
+    let guard = state.recording.lock().unwrap_or_else(|p| p.into_inner());
+    axum::Json(recording_json(guard.as_ref())).into_response()
+}
+
+/// Starts recording the traffic to a new file on the router's machine: `{"file": "/path/traffic.jsonl"}`.
+async fn start_recording(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) -> Response {
+    let started = (|| {
+        admin(&state, &headers, &peer)?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+        let file = v.get("file").and_then(Value::as_str).filter(|f| !f.is_empty());
+        let file = file.ok_or_else(|| ApiError::bad("name the new file to record to: {\"file\": \"...\"}", "file"))?;
+        let mut guard = state.recording.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = guard.as_ref() {
+            let why = format!("already recording to {}; DELETE /admin/recording first", r.path().display());
+            return Err(ApiError::bad(why, "file"));
+        }
+        let block_size = state.cluster.model().block_size;
+        let r = crate::record::Recording::start(std::path::Path::new(file), block_size)
+            .map_err(|e| ApiError::bad(e.to_string(), "file"))?;
+        tracing::info!(file, "traffic recording started");
+        let answer = recording_json(Some(&r));
+        *guard = Some(r);
+        Ok(answer)
+    })();
+    match started {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Stops the recording; answers with what it wrote.
+async fn stop_recording(state: Shared, peer: Peer, headers: HeaderMap) -> Response {
+    if let Err(e) = admin(&state, &headers, &peer) {
+        return e.into_response();
+    }
+    let stopped = state.recording.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let mut v = recording_json(stopped.as_ref());
+    if let (Some(r), Value::Object(m)) = (&stopped, &mut v) {
+        tracing::info!(file = %r.path().display(), requests = r.requests(), "traffic recording stopped");
+        m.insert("recording".into(), json!(false));
+        m.insert("stopped".into(), json!(true));
+    }
+    axum::Json(v).into_response()
 }
 
 /// Changes the scheduler's weights live: the body names the fields to change; the result is validated whole.

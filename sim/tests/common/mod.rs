@@ -36,6 +36,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         max_isl: 1024,
         routers: 1,
         prefill_speedups: Vec::new(),
+        replay: false,
         seed: 7,
     }
 }
@@ -60,4 +61,29 @@ pub fn settings_gpu() -> Settings {
     // Room for every request of the test at once: refusals are not what it checks.
     (s.engine.kv_blocks, s.engine.host_blocks) = (4096, 4096);
     s
+}
+
+/// `requests` requests over `prefixes` system prompts of 256 tokens (Zipf 1), each with its own 64 tokens and 4 to
+/// write, arriving as a Poisson process at `rate` per second.
+pub fn shared_prefixes(
+    requests: usize,
+    prefixes: usize,
+    rate: f64,
+    seed: u64,
+) -> (Vec<TraceRequest>, Vec<loadgen::schedule::Start>) {
+    let spec = loadgen::synthetic::SyntheticSpec {
+        requests,
+        prefixes,
+        prefix_len: 256,
+        suffix_len: 64,
+        output_len: 4,
+        zipf: 1.0,
+        turns: 1,
+        turn_delay_ms: 0.0,
+        seed,
+    };
+    let trace = spec.generate(512);
+    let arrivals = loadgen::schedule::Arrivals::Rate { rate, burstiness: 1.0, seed };
+    let starts = loadgen::schedule::plan(&trace, &arrivals);
+    (trace, starts)
 }

@@ -27,7 +27,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Start a local cluster (router, prefill and decode workers) on the embedded model until Ctrl-C.
-    Up(up::Args),
+    Up(Box<up::Args>),
     /// Run the router in front of running workers until SIGINT or SIGTERM.
     Router(Box<router::cli::Args>),
     /// Manage the embedded default model.
@@ -146,7 +146,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Bench { command: BenchCommand::Serve(args) } => serve::run(*args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
-        Command::Up(args) => up::run(args),
+        Command::Up(args) => up::run(*args),
         Command::Sim(args) => sim::run(*args),
         Command::Tune(args) => tune::run(*args),
         Command::Router(args) => Ok(router::cli::run(*args)),

@@ -45,12 +45,18 @@ pub struct WorkloadArgs {
     /// Only the trace's first N requests.
     #[arg(long)]
     max_requests: Option<usize>,
-    /// Tokens per trace block id (Mooncake: 512).
+    /// Tokens per trace block id (Mooncake: 512; a router recording states its own).
     #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK)]
     trace_block_size: usize,
 }
 
 impl WorkloadArgs {
+    /// Tokens per trace block id: a router recording's own block size, else `--trace-block-size`.
+    pub fn trace_block(&self) -> usize {
+        let header = self.trace.as_deref().and_then(|p| std::fs::read_to_string(p).ok());
+        header.as_deref().and_then(loadgen::trace::recording_header).map_or(self.trace_block_size, |h| h.block_size)
+    }
+
     /// The requests and their arrival schedule (`seed` draws the synthetic workload and open-loop gaps).
     pub fn load(&self, seed: u64) -> Result<(Vec<TraceRequest>, Arrivals), String> {
         let positive = |x: f64| x.is_finite() && x > 0.0;
@@ -67,7 +73,7 @@ impl WorkloadArgs {
             &self.synthetic,
             self.max_requests,
             seed,
-            self.trace_block_size,
+            self.trace_block(),
         )?;
         Ok((requests, arrivals))
     }
@@ -137,10 +143,11 @@ impl ClusterArgs {
             transfer_latency: profile.transfer.latency_ms / 1000.0,
             transfer_bandwidth: profile.transfer.bandwidth_bytes_per_s,
             transfer_block_bytes: profile.transfer.block_bytes,
-            trace_block: workload.trace_block_size,
+            trace_block: workload.trace_block(),
             max_isl: self.max_model_len,
             routers: self.routers,
             prefill_speedups: self.prefill_speedups.clone(),
+            replay: false,
             seed,
         })
     }
@@ -181,7 +188,8 @@ pub struct Args {
     /// Seed for routing ties and each request's sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Write per policy `POLICY/records.jsonl`, `POLICY/summary.json` and `POLICY/queues.svg`, and `sim.json`,
+    /// Write per policy `POLICY/records.jsonl`, `POLICY/summary.json`, `POLICY/placements.jsonl` (each request's
+    /// workers) and `POLICY/queues.svg`, and `sim.json`,
     /// `ttft_cdf.svg` and `cache_by_tier.svg`, here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -198,17 +206,24 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let policies = parse_policies(&args.policies)?;
     let base = args.cluster.settings(&args.workload, args.seed)?;
     let mut results: BTreeMap<String, serde_json::Value> = BTreeMap::new();
-    let mut rows = Vec::new();
-    for policy in policies {
-        let settings = Settings { scheduler: SchedulerConfig { policy, ..base.scheduler.clone() }, ..base.clone() };
-        let outcome = sim::simulate(&settings, &requests, &starts).map_err(|e| e.to_string())?;
+    let mut rows: Vec<(String, Outcome, Summary)> = Vec::new();
+    // A router recording's own decisions go first, replayed on the same arrivals as every policy.
+    let recorded = requests.iter().any(|r| r.recorded.is_some());
+    let runs = recorded.then(|| ("recorded".to_string(), Settings { replay: true, ..base.clone() })).into_iter().chain(
+        policies.into_iter().map(|policy| {
+            let scheduler = SchedulerConfig { policy, ..base.scheduler.clone() };
+            (policy.as_str().to_string(), Settings { scheduler, ..base.clone() })
+        }),
+    );
+    for (label, settings) in runs {
+        let outcome = sim::simulate(&settings, &requests, &starts).map_err(|e| format!("{label}: {e}"))?;
         let facts = RunFacts { duration_s: outcome.duration_s, ..RunFacts::default() };
         let summary = loadgen::summary::summarize(&outcome.records, slo, &facts);
         if let Some(dir) = &args.out {
-            write_run(&dir.join(policy.as_str()), &outcome, &summary)?;
+            write_run(&dir.join(&label), &outcome, &summary)?;
         }
-        results.insert(policy.as_str().to_string(), policy_json(&outcome, &summary));
-        rows.push((policy, outcome, summary));
+        results.insert(label.clone(), policy_json(&outcome, &summary));
+        rows.push((label, outcome, summary));
     }
     // The references replay the first policy's arrival order (later turns of a session may arrive in another
     // order under another policy; their prompts are the same).
@@ -221,7 +236,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         "wall_seconds": started.elapsed().as_secs_f64(),
     });
     if let Some(dir) = &args.out {
-        let outcomes: Vec<(Policy, &Outcome)> = rows.iter().map(|(p, o, _)| (*p, o)).collect();
+        let outcomes: Vec<(&str, &Outcome)> = rows.iter().map(|(p, o, _)| (p.as_str(), o)).collect();
         super::sim_charts::write_charts(dir, &outcomes, base.prefill)?;
         write(dir.join("sim.json"), &serde_json::to_string_pretty(&out).unwrap_or_default())?;
     }
@@ -272,10 +287,12 @@ fn write_run(dir: &std::path::Path, o: &Outcome, s: &Summary) -> Result<(), Stri
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let lines: Vec<String> = o.records.iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
     write(dir.join("records.jsonl"), &(lines.join("\n") + "\n"))?;
+    let placed: Vec<String> = o.placements.iter().map(|p| serde_json::to_string(p).unwrap_or_default()).collect();
+    write(dir.join("placements.jsonl"), &(placed.join("\n") + "\n"))?;
     write(dir.join("summary.json"), &serde_json::to_string_pretty(&policy_json(o, s)).unwrap_or_default())
 }
 
-fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, requests: usize, wall: f64) {
+fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, requests: usize, wall: f64) {
     println!(
         "{:<17}{:>10}{:>10}{:>10}{:>9}{:>9}{:>11}{:>9}{:>14}{:>9}{:>7}{:>10}{:>10}",
         "policy",
@@ -295,7 +312,7 @@ fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, 
     for (p, o, s) in rows {
         println!(
             "{:<17}{:>10.1}{:>10.1}{:>10.1}{:>9.1}{:>9.1}{:>11.1}{:>9.2}{:>14}{:>8.1}%{:>7}{:>10.2}{:>10.2}",
-            p.as_str(),
+            p,
             s.time_to_first_token_ms.p50,
             s.time_to_first_token_ms.p90,
             s.time_to_first_token_ms.p99,
@@ -320,10 +337,23 @@ fn print_table(rows: &[(Policy, Outcome, Summary)], oracle: Option<References>, 
             let t = o.prefill_tokens_computed;
             println!(
                 "  {:<17} {:.3}x Belady, {:.3}x pooled LRU, {:.3}x infinite",
-                p.as_str(),
+                p,
                 ratio(t, r.belady_prefill_tokens),
                 ratio(t, r.pooled_lru_prefill_tokens),
                 ratio(t, r.infinite_cache_prefill_tokens)
+            );
+        }
+    }
+    if let Some((_, _, rec)) = rows.iter().find(|(p, _, _)| p == "recorded") {
+        println!("counterfactual: each policy against the recorded decisions on the same arrivals (negative: better)");
+        for (p, _, s) in rows.iter().filter(|(p, _, _)| p != "recorded") {
+            let pct = |a: f64, b: f64| if b > 0.0 { (a / b - 1.0) * 100.0 } else { f64::NAN };
+            println!(
+                "  {:<17} TTFT p90 {:+.1}%, E2E p90 {:+.1}%, goodput {:+.1}%",
+                p,
+                pct(s.time_to_first_token_ms.p90, rec.time_to_first_token_ms.p90),
+                pct(s.request_latency_ms.p90, rec.request_latency_ms.p90),
+                pct(s.goodput_requests_per_s, rec.goodput_requests_per_s)
             );
         }
     }

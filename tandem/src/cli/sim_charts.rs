@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use router::scheduler::config::Policy;
 use sim::Outcome;
 
 use super::chart::{Chart, Mark, Series, bars, cdf};
@@ -13,7 +12,7 @@ use super::serve::write;
 const QUEUE_BUCKETS: usize = 400;
 
 /// Writes `ttft_cdf.svg`, `cache_by_tier.svg` and `POLICY/queues.svg` under `dir`.
-pub fn write_charts(dir: &Path, rows: &[(Policy, &Outcome)], prefill: usize) -> Result<(), String> {
+pub fn write_charts(dir: &Path, rows: &[(&str, &Outcome)], prefill: usize) -> Result<(), String> {
     let ttft = Chart {
         title: "time to first token".into(),
         x_label: "TTFT (ms of virtual time)".into(),
@@ -21,14 +20,14 @@ pub fn write_charts(dir: &Path, rows: &[(Policy, &Outcome)], prefill: usize) -> 
         series: rows
             .iter()
             .map(|(p, o)| Series {
-                name: p.as_str().into(),
+                name: (*p).into(),
                 points: cdf(&o.records.iter().filter_map(|r| r.time_to_first_token_ms).collect::<Vec<_>>()),
                 mark: Mark::Steps,
             })
             .collect(),
     };
     write(dir.join("ttft_cdf.svg"), &ttft.svg())?;
-    let groups: Vec<String> = rows.iter().map(|(p, _)| p.as_str().to_string()).collect();
+    let groups: Vec<String> = rows.iter().map(|(p, _)| p.to_string()).collect();
     let tier = |t: usize| rows.iter().map(|(_, o)| o.cached_tokens_by_tier[t] as f64).collect::<Vec<_>>();
     let tiers = [
         ("computed".to_string(), rows.iter().map(|(_, o)| o.prefill_tokens_computed as f64).collect()),
@@ -40,7 +39,7 @@ pub fn write_charts(dir: &Path, rows: &[(Policy, &Outcome)], prefill: usize) -> 
         &bars("prompt tokens: computed or cached, by tier", "tokens", &groups, &tiers),
     )?;
     for (p, o) in rows {
-        write(dir.join(p.as_str()).join("queues.svg"), &queue_chart(p.as_str(), o, prefill).svg())?;
+        write(dir.join(p).join("queues.svg"), &queue_chart(p, o, prefill).svg())?;
     }
     Ok(())
 }

@@ -84,6 +84,9 @@ pub struct Args {
     /// Seed the router's random choices (tie-breaks, sampling policies) for reproducible runs.
     #[arg(long)]
     seed: Option<u64>,
+    /// Record the router's traffic to this new file (a trace `tandem sim` replays; no text, re-keyed hashes).
+    #[arg(long)]
+    record_trace: Option<std::path::PathBuf>,
 }
 
 /// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
@@ -190,6 +193,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             block_size: defaults::BLOCK_SIZE,
             max_model_len,
             seed: args.seed,
+            record_trace: args.record_trace,
         })
         .await
         .map_err(|e| e.to_string())?;

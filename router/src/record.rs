@@ -1,0 +1,188 @@
+//! Recording the router's traffic as a trace `tandem sim` replays: per request the arrival time, the prompt's
+//! length, its token budget, its tenant namespace, its block hashes and what the router decided, in the Mooncake
+//! JSONL format with a header line. No text and no token ids are written, and the block hashes are re-keyed with
+//! a secret drawn for each recording (HMAC-SHA256): equal blocks stay equal, so the prefix structure survives, but
+//! nobody can test a guessed prompt against the file by hashing it with the public seed.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use kv_cache::SeqHash;
+use ring::hmac;
+use serde_json::{Value, json};
+
+use crate::scheduler::Decision;
+
+/// The header line's key: what marks a file as a Tandem recording.
+pub const HEADER: &str = "tandem_recording";
+
+/// Why a recording could not start or go on.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("{path}: {source}")]
+    File { path: PathBuf, source: std::io::Error },
+    #[error("no random source for the recording's key")]
+    Random,
+}
+
+/// One request as recorded.
+#[derive(Clone, Debug)]
+pub struct Arrival<'a> {
+    pub input_length: usize,
+    /// The request's token budget (`max_tokens`, or the default the router gave it).
+    pub max_tokens: u32,
+    pub namespace: Option<&'a str>,
+    pub hashes: &'a [SeqHash],
+}
+
+/// What the router did with it: the decision, or why it refused (`RouteError::kind`).
+#[derive(Clone, Copy, Debug)]
+pub enum Outcome<'a> {
+    Routed(&'a Decision),
+    Refused(&'a str),
+}
+
+/// A recording in progress: the file, its key, and its clock.
+pub struct Recording {
+    path: PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+    key: hmac::Key,
+    started: Instant,
+    requests: u64,
+}
+
+impl std::fmt::Debug for Recording {
+    /// Never the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recording").field("path", &self.path).field("requests", &self.requests).finish_non_exhaustive()
+    }
+}
+
+impl Recording {
+    /// Creates `path` (never overwriting a file) and writes the header: the block size the hashes are of, and when
+    /// the recording started.
+    pub fn start(path: &Path, block_size: u32) -> Result<Recording, RecordError> {
+        let file_error = |source| RecordError::File { path: path.to_path_buf(), source };
+        let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(file_error)?;
+        let key = hmac::Key::generate(hmac::HMAC_SHA256, &ring::rand::SystemRandom::new())
+            .map_err(|_| RecordError::Random)?;
+        let mut r = Recording {
+            path: path.to_path_buf(),
+            file: std::io::BufWriter::new(file),
+            key,
+            started: Instant::now(),
+            requests: 0,
+        };
+        let started_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let header = json!({ HEADER: { "version": 1, "block_size": block_size, "started_unix_ms": started_unix_ms,
+                                       "hash_ids": "hmac-sha256 of each block's chained hash, keyed per recording" } });
+        r.write(&header)?;
+        Ok(r)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Requests recorded so far.
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+
+    /// Appends one request, `arrived` being when it reached the router.
+    pub fn push(&mut self, arrived: Instant, a: &Arrival<'_>, outcome: Outcome<'_>) -> Result<(), RecordError> {
+        let ms = arrived.saturating_duration_since(self.started).as_secs_f64() * 1000.0;
+        let line = line(ms, a, outcome, |h| rekey(&self.key, h));
+        self.write(&line)?;
+        self.requests += 1;
+        Ok(())
+    }
+
+    /// One line, flushed at once: a recording read while it runs (or after a crash) is whole up to its last line.
+    fn write(&mut self, v: &Value) -> Result<(), RecordError> {
+        let file_error = |source| RecordError::File { path: self.path.clone(), source };
+        writeln!(self.file, "{v}").map_err(file_error)?;
+        self.file.flush().map_err(file_error)
+    }
+}
+
+/// A block hash under the recording's key: the first 8 bytes of HMAC-SHA256 over its little-endian bytes, kept below
+/// 2^53 so that every JSON reader keeps it exact.
+fn rekey(key: &hmac::Key, h: SeqHash) -> u64 {
+    let tag = hmac::sign(key, &h.0.to_le_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&tag.as_ref()[..8]);
+    u64::from_le_bytes(b) >> 11
+}
+
+/// One request's line: the Mooncake fields, and Tandem's own under `tandem`.
+fn line(ms: f64, a: &Arrival<'_>, outcome: Outcome<'_>, rekey: impl Fn(SeqHash) -> u64) -> Value {
+    let decision = match outcome {
+        Outcome::Routed(d) => json!({
+            "policy": d.policy.as_str(),
+            "prefill": d.prefill.as_ref().filter(|_| d.disaggregate).map(|c| c.worker.as_str()),
+            "decode": d.decode.worker.as_str(),
+            "disaggregate": d.disaggregate,
+            "reason": d.reason.as_str(),
+        }),
+        Outcome::Refused(kind) => json!({ "refused": kind }),
+    };
+    json!({
+        "timestamp": (ms * 1000.0).round() / 1000.0,
+        "input_length": a.input_length,
+        "output_length": a.max_tokens,
+        "hash_ids": a.hashes.iter().map(|h| rekey(*h)).collect::<Vec<u64>>(),
+        "tandem": { "namespace": a.namespace, "decision": decision },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rekeying_keeps_equality_and_hides_the_public_hashes() {
+        let rng = ring::rand::SystemRandom::new();
+        let (k1, k2) = (
+            hmac::Key::generate(hmac::HMAC_SHA256, &rng).expect("key"),
+            hmac::Key::generate(hmac::HMAC_SHA256, &rng).expect("key"),
+        );
+        let a = kv_cache::block_hashes(&(0..64).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None).seq;
+        let b =
+            kv_cache::block_hashes(&(0..48).chain(900..916).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None)
+                .seq;
+        let ra: Vec<u64> = a.iter().map(|h| rekey(&k1, *h)).collect();
+        let rb: Vec<u64> = b.iter().map(|h| rekey(&k1, *h)).collect();
+        // The shared prefix stays shared, the rest differs, and no id is the public hash.
+        assert_eq!(ra[..3], rb[..3]);
+        assert_ne!(ra[3], rb[3]);
+        assert!(a.iter().zip(&ra).all(|(h, r)| h.0 != *r && *r < 1 << 53));
+        // Another recording's key gives other ids for the same prompt.
+        assert!(a.iter().zip(&ra).all(|(h, r)| rekey(&k2, *h) != *r));
+    }
+
+    #[test]
+    fn a_recording_is_a_trace_with_a_header_and_is_never_overwritten() {
+        let dir = std::env::temp_dir().join(format!("tandem-record-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("traffic.jsonl");
+        let _ = std::fs::remove_file(&path);
+        let mut r = Recording::start(&path, 16).expect("starts");
+        let hashes = kv_cache::block_hashes(&(0..40).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None).seq;
+        let a = Arrival { input_length: 40, max_tokens: 7, namespace: Some("tenant-a"), hashes: &hashes };
+        r.push(Instant::now(), &a, Outcome::Refused("all_busy")).expect("written");
+        assert_eq!(r.requests(), 1);
+        let text = std::fs::read_to_string(&path).expect("readable while recording");
+        let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+        assert_eq!(lines[0][HEADER]["block_size"], 16);
+        assert_eq!(lines[1]["input_length"], 40);
+        assert_eq!(lines[1]["output_length"], 7);
+        assert_eq!(lines[1]["hash_ids"].as_array().map(Vec::len), Some(2));
+        assert_eq!(lines[1]["tandem"]["namespace"], "tenant-a");
+        assert_eq!(lines[1]["tandem"]["decision"]["refused"], "all_busy");
+        assert!(!text.contains(&hashes[0].0.to_string()), "no public hash in the file");
+        assert!(Recording::start(&path, 16).is_err(), "an existing file is not overwritten");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,96 @@
+//! Recording a real router's traffic: the file is a trace with the router's decisions and re-keyed block hashes
+//! (no text, no public hashes), started from the configuration or the admin API, and `tandem sim` replays it,
+//! the recorded decisions next to each policy.
+
+use std::process::Command;
+
+use kv_transfer::tls::DevCa;
+use tandem_tests::{binary, cluster_with, http, stop};
+use worker::Role;
+
+const MODEL: &str = "smollm2-135m-instruct";
+const WORD: &str = "lighthouse";
+
+fn completion(words: usize) -> String {
+    let prompt = format!("{WORD} keepers log the weather every hour. ").repeat(words);
+    format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":3}}"#)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_records_a_replayable_trace_without_text() {
+    let ca = DevCa::generate().expect("ca");
+    let dir = std::env::temp_dir().join(format!("tandem-record-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let boot = dir.join("boot.jsonl");
+    let (workers, router) = cluster_with(
+        &ca,
+        &[Role::Prefill, Role::Decode],
+        |w| w,
+        |r| router::run::RouterConfig { record_trace: Some(boot.clone()), ..r },
+    )
+    .await;
+    let addr = router.addr;
+    for words in [6, 6, 12] {
+        let r = http(addr, "POST", "/v1/completions", &completion(words), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let status = http(addr, "GET", "/admin/recording", "", &[]).await.json();
+    assert_eq!((status["recording"].as_bool(), status["requests"].as_u64()), (Some(true), Some(3)), "{status}");
+    let stopped = http(addr, "DELETE", "/admin/recording", "", &[]).await.json();
+    assert_eq!(stopped["stopped"], true);
+
+    // Started again through the admin API, to a new file only.
+    let second = dir.join("second.jsonl");
+    let body = format!(r#"{{"file":"{}"}}"#, second.display());
+    assert_eq!(http(addr, "POST", "/admin/recording", &body, &[]).await.status, 200);
+    assert_eq!(http(addr, "POST", "/admin/recording", &body, &[]).await.status, 400, "one recording at a time");
+    assert_eq!(http(addr, "POST", "/v1/completions", &completion(4), &[]).await.status, 200);
+    assert_eq!(http(addr, "DELETE", "/admin/recording", "", &[]).await.json()["requests"], 1);
+    let again = format!(r#"{{"file":"{}"}}"#, boot.display());
+    assert_eq!(http(addr, "POST", "/admin/recording", &again, &[]).await.status, 400, "an existing file is kept");
+    let decode_addr = workers[1].grpc.to_string();
+    stop(router, workers).await;
+
+    let text = std::fs::read_to_string(&boot).expect("the recording");
+    assert!(!text.contains(WORD), "no prompt text in the recording");
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("JSON lines")).collect();
+    assert_eq!(lines.len(), 4, "a header and three requests");
+    assert_eq!(lines[0]["tandem_recording"]["block_size"], 16);
+    for l in &lines[1..] {
+        let input = l["input_length"].as_u64().expect("a length");
+        assert_eq!(l["hash_ids"].as_array().map(Vec::len), Some(input as usize / 16), "{l}");
+        assert_eq!(l["output_length"], 3);
+        let decode = l["tandem"]["decision"]["decode"].as_str().expect("the decode worker");
+        assert_eq!(decode, decode_addr, "workers are named by the address the router knows");
+    }
+    // The two equal prompts have equal ids, and the longer one shares their start.
+    assert_eq!(lines[1]["hash_ids"], lines[2]["hash_ids"]);
+    assert_eq!(lines[3]["hash_ids"][0], lines[1]["hash_ids"][0]);
+
+    // Replayed: the recorded decisions as a row of their own, next to a policy.
+    let out = Command::new(binary("tandem", "tandem"))
+        .args(["sim", "--prefill", "1", "--decode", "1", "--policies", "kv", "--json", "--trace"])
+        .arg(&boot)
+        .output()
+        .expect("tandem sim runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let sim: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json");
+    for row in ["recorded", "kv"] {
+        assert_eq!(sim["policies"][row]["requests"], 3, "{row}: {sim}");
+        assert_eq!(sim["policies"][row]["failed"], 0, "{row}: {sim}");
+    }
+    // Too few workers for the names it recorded: a clear error.
+    let out = Command::new(binary("tandem", "tandem"))
+        .args(["sim", "--prefill", "0", "--decode", "1", "--policies", "kv", "--trace"])
+        .arg(&boot)
+        .output()
+        .expect("tandem sim runs");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("1 prefill and 1 decode"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
