@@ -12,7 +12,7 @@ real run's validity (schedule lag, mock step overrun) is printed too: an invalid
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--requests 200] [--policy kv]
-      [--prefill 8] [--decode 8] [--seed 1] [--out runs/sim-vs-cluster]
+      [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6] [--out runs/sim-vs-cluster]
 """
 import argparse
 import json
@@ -111,6 +111,8 @@ def main():
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--policy", default="kv")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--router-tokens-per-s", default="0",
+                   help="the simulated router's tokenizer speed per slot (0: routing is instant; docs/simulation.md)")
     add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
     args = p.parse_args()
     out = pathlib.Path(args.out)
@@ -127,6 +129,7 @@ def main():
     sim = subprocess.run([args.tandem, "sim", "--trace", str(TRACE), "--max-requests", str(args.requests),
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--host-blocks", str(2 * 16384), "--slo", SLO,
+                          "--router-tokens-per-s", args.router_tokens_per_s,
                           "--out", str(out / "sim"), "--json"], capture_output=True, text=True)
     if sim.returncode != 0:
         sys.exit(f"tandem sim failed: {sim.stderr}")

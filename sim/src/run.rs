@@ -53,6 +53,10 @@ pub struct Settings {
     /// Route every request as its router recording says (the trace's `recorded` decisions, workers matched by
     /// name) instead of by the scheduler: what the recorded decisions would have done here.
     pub replay: bool,
+    /// The router's tokenizer: prompt tokens per second per slot (0: routing is instant), and slots per router
+    /// replica. A request is routed once tokenized; its TTFT counts from its arrival.
+    pub router_tokens_per_s: f64,
+    pub router_slots: usize,
     pub seed: u64,
 }
 
@@ -126,6 +130,8 @@ pub enum SimError {
 
 enum Ev {
     Arrive(usize),
+    /// The router has tokenized request `i`.
+    Route(usize),
     StepEnd(usize),
     Events(usize, Vec<(EventId, KvEvent)>),
     /// A load report from worker `w` on router replica `r`'s stream.
@@ -165,6 +171,8 @@ struct Replica {
     index: PrefixIndex,
     load: LoadTracker,
     state: RouteState,
+    /// When each tokenizer slot is free.
+    tokenizers: Vec<f64>,
 }
 
 /// The workers, the routers' state, and the requests in flight.
@@ -254,7 +262,7 @@ impl<'a> Sim<'a> {
                     index.replace(w.id, &Snapshot { as_of: None, tiers: Default::default() });
                 }
                 let state = RouteState::seeded(settings.seed.wrapping_add(r as u64));
-                Replica { index, load: LoadTracker::new(), state }
+                Replica { index, load: LoadTracker::new(), state, tokenizers: vec![0.0; settings.router_slots.max(1)] }
             })
             .collect();
         Ok(Sim {
@@ -275,6 +283,7 @@ impl<'a> Sim<'a> {
     fn handle(&mut self, now: f64, ev: Ev) {
         match ev {
             Ev::Arrive(i) => self.arrive(now, i),
+            Ev::Route(i) => self.route(now, i),
             Ev::StepEnd(w) => self.step_end(now, w),
             Ev::Events(w, events) => {
                 for replica in &mut self.routers {
@@ -310,18 +319,14 @@ impl<'a> Sim<'a> {
             .collect()
     }
 
+    /// Request `i` reaches its router replica: routed once the router has tokenized it (at once when the
+    /// tokenizer is not modelled).
     fn arrive(&mut self, now: f64, i: usize) {
         let r = &self.workload[i];
         let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
         let prompt = self.prompts.prompt(r, i, Some(max_isl));
         let hashes = block_hashes(&prompt.tokens, self.block_size, None).seq;
-        let cfg = &self.settings.scheduler;
-        let keys: Vec<u64> = hashes.iter().take(cfg.prefix_hash_blocks).map(|h| h.0).collect();
-        let bs = self.block_size.tokens() as u64;
-        let req = RouteRequest::new(prompt.tokens.len() as u64, bs, &keys, cfg.prefix_hash_blocks);
         let router = i % self.routers.len();
-        self.sample_balance(now);
-        let views = self.view(router, &hashes);
         let live = &mut self.live[i];
         live.router = router;
         live.max_tokens = r.output_length.max(1) as u32;
@@ -330,6 +335,29 @@ impl<'a> Sim<'a> {
         live.prompt = prompt.tokens;
         live.hashes = hashes;
         self.out.arrivals.push(crate::oracle::Prompt { tokens: live.prompt.len(), blocks: live.hashes.clone() });
+        let rate = self.settings.router_tokens_per_s;
+        if rate > 0.0 {
+            // The replica's first free tokenizer slot takes it.
+            let slots = &mut self.routers[router].tokenizers;
+            let slot = (0..slots.len()).min_by(|&a, &b| slots[a].total_cmp(&slots[b])).unwrap_or(0);
+            let done = now.max(slots[slot]) + self.live[i].prompt.len() as f64 / rate;
+            slots[slot] = done;
+            self.queue.at(done, Ev::Route(i));
+        } else {
+            self.route(now, i);
+        }
+    }
+
+    /// Routes request `i`: the real scheduler over this replica's view (or the recorded decision), then starts it.
+    fn route(&mut self, now: f64, i: usize) {
+        let router = self.live[i].router;
+        let cfg = &self.settings.scheduler;
+        let hashes = &self.live[i].hashes;
+        let keys: Vec<u64> = hashes.iter().take(cfg.prefix_hash_blocks).map(|h| h.0).collect();
+        let bs = self.block_size.tokens() as u64;
+        let req = RouteRequest::new(self.live[i].prompt.len() as u64, bs, &keys, cfg.prefix_hash_blocks);
+        self.sample_balance(now);
+        let views = self.view(router, &self.live[i].hashes);
         let placed = if self.settings.replay {
             self.replayed(i)
         } else {

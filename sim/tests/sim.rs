@@ -36,6 +36,23 @@ fn three_requests_on_two_workers_take_the_times_worked_out_by_hand() {
 }
 
 #[test]
+fn a_modelled_router_tokenizer_delays_routing_by_the_prompt_and_queues_on_its_slots() {
+    // As above, with the router tokenizing 1,000 tokens per second on one slot: A (100 tokens) is routed at 100 ms
+    // and B (100 tokens, arriving at 1 ms) waits for the slot until 200 ms; each then prefills alone (110 ms) on
+    // its own worker. TTFT counts from arrival.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let s = Settings { router_tokens_per_s: 1000.0, router_slots: 1, ..settings(profile, 0, 2, Policy::RoundRobin) };
+    let trace = [request(0.0, 100, 1, 1), request(1.0, 100, 1, 2)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let ttft: Vec<f64> = out.records.iter().map(|r| r.time_to_first_token_ms.expect("a first token")).collect();
+    assert!((ttft[0] - 210.0).abs() < 1e-6 && (ttft[1] - 309.0).abs() < 1e-6, "{ttft:?}");
+    // Two slots: B is tokenized alongside A.
+    let two = Settings { router_slots: 2, ..s };
+    let out = simulate(&two, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    assert!((out.records[1].time_to_first_token_ms.expect("a first token") - 210.0).abs() < 1e-6);
+}
+
+#[test]
 fn the_same_trace_and_seed_give_the_same_records_and_shared_prefixes_are_cached() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/traces/mooncake_conversation_1k.jsonl");
     let mut trace = loadgen::trace::read(&path).expect("the committed sample");

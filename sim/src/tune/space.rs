@@ -44,6 +44,7 @@ pub fn default_space(workers: Option<usize>) -> Vec<Param> {
         Param { name: "prefill_load_scale", range: Range::Log(0.1, 10.0) },
         Param { name: "active_request_weight", range: Range::Linear(0.0, 128.0) },
         Param { name: "temperature", range: Range::Linear(0.0, 0.5) },
+        Param { name: "cost_units", range: Range::Choice(&["blocks", "seconds"]) },
         Param {
             name: "disaggregation",
             range: Range::Choice(&["isl_bounding", "prefill_load", "isl_or_load", "always", "never"]),

@@ -37,6 +37,8 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         routers: 1,
         prefill_speedups: Vec::new(),
         replay: false,
+        router_tokens_per_s: 0.0,
+        router_slots: 1,
         seed: 7,
     }
 }

@@ -112,6 +112,13 @@ pub struct ClusterArgs {
     /// Milliseconds from a worker's state change to the router reading its load report.
     #[arg(long, default_value_t = 1.0)]
     report_delay_ms: f64,
+    /// The router's tokenizer, prompt tokens per second per slot: a request is routed only once tokenized (0:
+    /// routing is instant). A router on a busy 2-core machine managed about 1e6 (docs/simulation.md).
+    #[arg(long, default_value_t = 0.0)]
+    router_tokens_per_s: f64,
+    /// Tokenizer slots per router replica (the real router runs one per core).
+    #[arg(long, default_value_t = 2)]
+    router_slots: usize,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -129,6 +136,9 @@ impl ClusterArgs {
     /// The simulator's settings for this cluster and workload.
     pub fn settings(&self, workload: &WorkloadArgs, seed: u64) -> Result<Settings, String> {
         let profile = TimingProfile::load(&self.profile).map_err(|e| e.to_string())?;
+        if !(self.router_tokens_per_s.is_finite() && self.router_tokens_per_s >= 0.0) {
+            return Err("--router-tokens-per-s must be a number >= 0".into());
+        }
         Ok(Settings {
             model: match &self.model {
                 Some(p) => p.clone(),
@@ -148,6 +158,8 @@ impl ClusterArgs {
             routers: self.routers,
             prefill_speedups: self.prefill_speedups.clone(),
             replay: false,
+            router_tokens_per_s: self.router_tokens_per_s,
+            router_slots: self.router_slots,
             seed,
         })
     }
