@@ -29,13 +29,13 @@ def add_cluster_args(p, workers, out):
 
 
 @contextlib.contextmanager
-def mock_cluster(tandem, flags):
-    """Yields the router's URL of `tandem up --engine mock FLAGS` once it is up."""
+def mock_cluster(tandem, flags, engine="mock"):
+    """Yields the router's URL of `tandem up --engine ENGINE FLAGS` (mock by default) once it is up."""
     home = pathlib.Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     models = pathlib.Path(os.environ.get("TANDEM_HOME", pathlib.Path.home() / ".cache/tandem")) / "models"
     if models.is_dir():
         (home / "models").symlink_to(models)
-    cmd = [tandem, "up", "--engine", "mock", "--port", "0", *flags]
+    cmd = [tandem, "up", "--engine", engine, "--port", "0", *flags]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                           env={**os.environ, "TANDEM_HOME": str(home)})
     try:

@@ -10,8 +10,13 @@ same worker in both (the real router records its decisions with --record-trace; 
 the pairing that agrees most, since which of two idle workers gets the first request is a coin toss in both). The
 real run's validity (schedule lag, mock step overrun) is printed too: an invalid real run is no reference.
 
+With `--engine cpu` the real side is `tandem up` on the embedded model on this machine's CPU (`--prefill 2
+--decode 2`), the simulator uses the `cpu-smollm2` profile, and the workload is the synthetic shared-prefix one
+at `--rate` (the same prompts for both): this measures the timing model itself, which the mock shares with the
+simulator.
+
 Usage:
-  python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--requests 200] [--policy kv]
+  python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6] [--out runs/sim-vs-cluster]
 """
 import argparse
@@ -111,24 +116,34 @@ def main():
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--policy", default="kv")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--engine", choices=["mock", "cpu"], default="mock")
+    p.add_argument("--rate", default="0.5", help="requests/s of the synthetic workload (--engine cpu)")
     p.add_argument("--router-tokens-per-s", default="0",
                    help="the simulated router's tokenizer speed per slot (0: routing is instant; docs/simulation.md)")
     add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
     args = p.parse_args()
     out = pathlib.Path(args.out)
-    tiers = ["--host-blocks", str(2 * 16384), "--disk-blocks", "0"]
+    cpu = args.engine == "cpu"
+    blocks = 1024 if cpu else 16384
+    tiers = ["--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks), "--disk-blocks", "0"]
+    # The CPU cluster gets a small synthetic workload (4 system prompts of 256 tokens, 64 of its own, 16 out);
+    # the mock cluster the trace sample.
+    workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "256", "--suffix-len", "64",
+                 "--output-len", "16"] if cpu else ["--trace", str(TRACE)]) + ["--max-requests", str(args.requests)]
     recording = out / "cluster" / "recording.jsonl"
     recording.parent.mkdir(parents=True, exist_ok=True)
     recording.unlink(missing_ok=True)
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
              "--seed", str(args.seed), "--record-trace", str(recording), *tiers]
-    with mock_cluster(args.tandem, flags) as url:
+    with mock_cluster(args.tandem, flags, engine=args.engine) as url:
         real = bench_serve(args.tandem, url, [
-            "--trace", str(TRACE), "--max-requests", str(args.requests), "--seed", str(args.seed),
+            *workload, "--seed", str(args.seed),
             "--slo", SLO, "--ignore-eos", "--out", str(out / "cluster")])
-    sim = subprocess.run([args.tandem, "sim", "--trace", str(TRACE), "--max-requests", str(args.requests),
+    profile = ["--profile", "cpu-smollm2", "--max-model-len", "8192"] if cpu else []
+    sim = subprocess.run([args.tandem, "sim", *workload, *profile,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
-                          "--seed", str(args.seed), "--host-blocks", str(2 * 16384), "--slo", SLO,
+                          "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
+                          "--slo", SLO,
                           "--router-tokens-per-s", args.router_tokens_per_s,
                           "--out", str(out / "sim"), "--json"], capture_output=True, text=True)
     if sim.returncode != 0:
@@ -136,7 +151,8 @@ def main():
     simulated = json.loads(sim.stdout)["policies"][args.policy]
     a = metrics(records(out / "sim" / args.policy / "records.jsonl"))
     b = metrics(records(out / "cluster" / "records.jsonl"))
-    print(f"{args.requests} requests, {args.prefill}+{args.decode} workers, policy {args.policy}, seed {args.seed}; "
+    print(f"{args.engine}: {args.requests} requests, {args.prefill}+{args.decode} workers, policy {args.policy}, "
+          f"seed {args.seed}; "
           f"real run valid: {real['valid']} {real.get('invalid_reasons') or ''}")
     print(f"{'metric':<9}{'sim p50':>10}{'real p50':>10}{'diff':>8}{'sim p90':>10}{'real p90':>10}{'diff':>8}"
           f"{'KS D':>7}{'KS p':>8}")
