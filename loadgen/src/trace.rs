@@ -38,6 +38,8 @@ pub struct RecordedDecision {
     pub disaggregate: bool,
     pub reason: Option<String>,
     pub refused: Option<String>,
+    /// How much cheaper the worker that computed the prompt was than the next best (0: a tie).
+    pub margin: Option<f64>,
 }
 
 /// The header line of a router recording.

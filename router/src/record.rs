@@ -125,6 +125,7 @@ fn line(ms: f64, a: &Arrival<'_>, outcome: Outcome<'_>, rekey: impl Fn(SeqHash) 
             "decode": d.decode.worker.as_str(),
             "disaggregate": d.disaggregate,
             "reason": d.reason.as_str(),
+            "margin": d.prefill_margin().map(|m| (m * 1000.0).round() / 1000.0),
         }),
         Outcome::Refused(kind) => json!({ "refused": kind }),
     };

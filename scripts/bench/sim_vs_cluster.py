@@ -93,22 +93,28 @@ def agreement(recording, placements, sim_records):
     placed = [json.loads(line) for line in pathlib.Path(placements).read_text().splitlines()]
     unmatched = [i for i, p in enumerate(placed) if p is not None and i in sim_by_index]
     pairs = []
+    decided = []  # whether the real router's choice was clear (margin over the runner-up) rather than a tie
     for l in real:
         for k, i in enumerate(unmatched):
             if sim_by_index[i]["prompt_tokens"] == l["input_length"]:
                 pairs.append((prefilled_on(l["tandem"]["decision"]), prefilled_on(placed[i])))
+                decided.append((l["tandem"]["decision"].get("margin") or 0) > 1e-9)
                 del unmatched[k]
                 break
     counts = {}
     for pair in pairs:
         counts[pair] = counts.get(pair, 0) + 1
     used_real, used_sim, agreed = set(), set(), 0
+    pairing = {}
     for (r, s), n in sorted(counts.items(), key=lambda kv: -kv[1]):
         if r not in used_real and s not in used_sim:
             used_real.add(r)
             used_sim.add(s)
+            pairing[r] = s
             agreed += n
-    return agreed, len(pairs), len(real)
+    clear = [pair for pair, d in zip(pairs, decided) if d]
+    clear_agreed = sum(1 for r, s in clear if pairing.get(r) == s)
+    return agreed, len(pairs), len(real), clear_agreed, len(clear)
 
 
 def main():
@@ -164,10 +170,12 @@ def main():
               f"{100 * (s90 / r90 - 1):>7.1f}%{d:>7.3f}{pv:>8.3f}")
     print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, "
           f"real {100 * real['cached_token_fraction']:.1f}%")
-    agreed, matched, recorded = agreement(recording, out / "sim" / args.policy / "placements.jsonl",
-                                          records(out / "sim" / args.policy / "records.jsonl"))
+    agreed, matched, recorded, clear_agreed, clear = agreement(
+        recording, out / "sim" / args.policy / "placements.jsonl", records(out / "sim" / args.policy / "records.jsonl"))
     print(f"same prefill worker: {agreed} of {matched} requests ({100 * agreed / max(matched, 1):.1f}%; "
-          f"{recorded} recorded, {matched} matched to a simulated request by prompt length)")
+          f"{recorded} recorded, {matched} matched to a simulated request by prompt length); "
+          f"where the real router's choice was not a tie: {clear_agreed} of {clear} "
+          f"({100 * clear_agreed / max(clear, 1):.1f}%)")
 
 
 if __name__ == "__main__":

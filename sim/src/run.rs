@@ -89,11 +89,14 @@ pub struct Outcome {
 }
 
 /// Where a request went.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Placed {
     /// The prefill worker, when the request was disaggregated.
     pub prefill: Option<String>,
     pub decode: String,
+    /// How much cheaper the worker that computed the prompt was than the next best (0: a tie broken at random;
+    /// `None` in a replay, or without a rival).
+    pub margin: Option<f64>,
 }
 
 /// Where a request goes, as indices of the simulated workers.
@@ -102,6 +105,7 @@ struct Placement {
     prefill: Option<usize>,
     decode: usize,
     reason: String,
+    margin: Option<f64>,
 }
 
 /// How evenly the work was spread, sampled at every arrival (what herding shows in).
@@ -362,6 +366,7 @@ impl<'a> Sim<'a> {
             self.replayed(i)
         } else {
             route(&req, &views, cfg, &mut self.routers[router].state).map(|d| Placement {
+                margin: d.prefill_margin(),
                 prefill: d.prefill.filter(|_| d.disaggregate).map(|c| c.id.0 as usize),
                 decode: d.decode.id.0 as usize,
                 reason: d.reason.as_str().to_string(),
@@ -375,6 +380,7 @@ impl<'a> Sim<'a> {
         self.out.placements[i] = Some(Placed {
             prefill: placed.prefill.map(|p| self.workers[p].name.clone()),
             decode: self.workers[placed.decode].name.clone(),
+            margin: placed.margin,
         });
         self.start(now, i, &placed, &views);
     }
@@ -393,6 +399,7 @@ impl<'a> Sim<'a> {
                 prefill: named(&d.prefill).filter(|_| d.disaggregate),
                 decode: named(&d.decode).ok_or(RouteError::NoDecodeWorkers)?,
                 reason: format!("recorded {}", d.reason.as_deref().unwrap_or("decision")),
+                margin: None,
             }),
             None => Err(RouteError::NoDecodeWorkers),
         }

@@ -74,6 +74,11 @@ impl Choice {
     pub fn runner_up_cost(&self) -> Option<f64> {
         self.candidates.iter().filter(|c| c.id != self.id).map(|c| c.cost).min_by(f64::total_cmp)
     }
+
+    /// How much cheaper the chosen worker was than the next best (0: a tie, broken at random; `None`: no rival).
+    pub fn margin(&self) -> Option<f64> {
+        Some(self.runner_up_cost()? - self.chosen()?.cost)
+    }
 }
 
 /// What to do with a request.
@@ -87,6 +92,17 @@ pub struct Decision {
     pub reason: Reason,
     pub request_blocks: u64,
     pub isl: u64,
+}
+
+impl Decision {
+    /// The margin of the choice that decided where the prompt is computed: the prefill worker's when
+    /// disaggregated, else the decode worker's.
+    pub fn prefill_margin(&self) -> Option<f64> {
+        match (&self.prefill, self.disaggregate) {
+            (Some(p), true) => p.margin(),
+            _ => self.decode.margin(),
+        }
+    }
 }
 
 /// Why no worker can take the request.
