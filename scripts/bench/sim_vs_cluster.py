@@ -3,7 +3,7 @@
 
 Runs the first N requests of the committed Mooncake sample once through `tandem sim` and once through a fresh
 `tandem up --engine mock` driven by `tandem bench serve`, with the same profile (gpu-default), worker counts, tiers
-(device and host; no disk tier, which the simulator does not model yet), policy and seed, on the trace's own
+(device and host; no disk tier, to keep both fast), policy and seed, on the trace's own
 arrivals. Prints, for TTFT, TPOT and E2E, the simulated and measured p50 and p90 with their relative difference and
 a two-sample Kolmogorov-Smirnov test, the cached token fraction of both, and the share of requests prefilled on the
 same worker in both (the real router records its decisions with --record-trace; workers are matched one to one,

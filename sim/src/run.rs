@@ -194,6 +194,29 @@ struct Sim<'a> {
     out: Outcome,
     /// In a replay, the simulated worker for each worker the recording names.
     recorded: HashMap<String, usize>,
+    /// The workers' disk tiers live here for the run (removed at its end).
+    _disk: Option<ScratchDir>,
+}
+
+/// A directory of the run's own, removed when dropped.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    /// A fresh directory under the system's temporary directory, unique to this process and run (runs of one
+    /// search go on in parallel).
+    fn new() -> Result<ScratchDir, SimError> {
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tandem-sim-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| SimError::Settings(format!("{}: {e}", dir.display())))?;
+        Ok(ScratchDir(dir))
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Runs `workload` (with its `starts`, from `loadgen::schedule::plan`) through a simulated cluster.
@@ -243,9 +266,12 @@ impl<'a> Sim<'a> {
         let replicas = settings.routers.max(1);
         // One read of the model's vocabulary for every worker.
         let text = std::sync::Arc::new(engine::text::TextModel::open(&settings.model)?);
+        // A disk tier is real files, as on a worker: each worker gets a directory of this run's own.
+        let disk = (settings.engine.disk_blocks > 0).then(ScratchDir::new).transpose()?;
         let words = text.tokenizer().plain_words();
         for (i, role) in roles.enumerate() {
             let mut config = settings.engine.clone();
+            config.disk_dir = disk.as_ref().map(|d| d.0.join(format!("worker-{i}")));
             if let (WorkerRole::Prefill, false, engine::generate::BackendChoice::Mock(mock)) =
                 (role, settings.prefill_speedups.is_empty(), &mut config.backend)
             {
@@ -281,6 +307,7 @@ impl<'a> Sim<'a> {
             live: (0..workload.len()).map(|_| Live::default()).collect(),
             out: Outcome { placements: vec![None; workload.len()], ..Outcome::default() },
             recorded,
+            _disk: disk,
         })
     }
 

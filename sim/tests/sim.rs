@@ -128,3 +128,34 @@ fn replaying_a_runs_own_decisions_gives_back_the_same_run() {
     };
     assert_eq!(workers(&replay), workers(&kv));
 }
+
+#[test]
+fn a_disk_tier_serves_what_the_upper_tiers_lost_and_its_files_go_with_the_run() {
+    // 2 + 2 workers with 256 device and 32 host blocks each: 48 system prompts of 16 blocks (plus 4 of each
+    // request's own) do not fit in them, and come back from disk.
+    let mut s = settings_gpu();
+    (s.engine.kv_blocks, s.engine.host_blocks, s.engine.disk_blocks) = (256, 32, 2048);
+    let (trace, starts) = shared_prefixes(150, 48, 5.0, 4);
+    let before: Vec<_> = tandem_sim_dirs();
+    let out = simulate(&s, &trace, &starts).expect("runs");
+    assert!(out.records.iter().all(|r| r.status == 200), "{:?}", out.decisions);
+    assert!(out.cached_tokens_by_tier[2] > 0, "hits by tier: {:?}", out.cached_tokens_by_tier);
+    assert_eq!(tandem_sim_dirs(), before, "the run's disk directory is removed");
+    let without = simulate(&Settings { engine: without_disk(&s), ..s.clone() }, &trace, &starts).expect("runs");
+    assert!(without.prefill_tokens_computed > out.prefill_tokens_computed);
+}
+
+fn without_disk(s: &Settings) -> engine::generate::EngineConfig {
+    engine::generate::EngineConfig { disk_blocks: 0, ..s.engine.clone() }
+}
+
+/// This process's simulator scratch directories.
+fn tandem_sim_dirs() -> Vec<std::path::PathBuf> {
+    let prefix = format!("tandem-sim-{}-", std::process::id());
+    let mut dirs: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    dirs.retain(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix)));
+    dirs.sort();
+    dirs
+}

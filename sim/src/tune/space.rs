@@ -33,10 +33,10 @@ pub const PREFILL_WORKERS: &str = "prefill_workers";
 /// The KV policy's settings a deployment would tune (`routing.md`), with ranges wide enough to hold every sane
 /// value; `workers`: also search the prefill/decode split of that many workers (at least one decodes).
 ///
-/// Left out: `disk_weight` (the simulator has no disk tier, so it cannot be measured), the `prefix_hash` and
+/// `disk`: the workers have a disk tier, so `disk_weight` matters. Left out: the `prefix_hash` and
 /// `sglang_threshold` knobs (other policies), and the limits that protect rather than steer (`decode_kv_limit`,
 /// `local_prefill_veto`, `shed_wait_ms`).
-pub fn default_space(workers: Option<usize>) -> Vec<Param> {
+pub fn default_space(workers: Option<usize>, disk: bool) -> Vec<Param> {
     let mut space = vec![
         Param { name: "overlap_credit", range: Range::Linear(0.0, 2.0) },
         Param { name: "host_weight", range: Range::Linear(0.0, 1.0) },
@@ -53,6 +53,9 @@ pub fn default_space(workers: Option<usize>) -> Vec<Param> {
         Param { name: "local_prefill_fraction", range: Range::Linear(0.1, 1.0) },
         Param { name: "prefill_load_threshold", range: Range::Log(1.0, 16.0) },
     ];
+    if disk {
+        space.push(Param { name: "disk_weight", range: Range::Linear(0.0, 1.0) });
+    }
     if let Some(n) = workers.filter(|&n| n >= 2) {
         space.push(Param { name: PREFILL_WORKERS, range: Range::Int(0, n as u64 - 1) });
     }
@@ -180,7 +183,7 @@ mod tests {
 
     #[test]
     fn every_drawn_candidate_is_a_valid_configuration() {
-        let space = default_space(Some(16));
+        let space = default_space(Some(16), true);
         for point in unit_points(Sampler::Random, 200, space.len(), 1) {
             let c = candidate(&space, &point, &SchedulerConfig::default(), (8, 8)).expect("valid");
             assert_eq!(c.prefill + c.decode, 16);

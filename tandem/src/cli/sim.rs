@@ -100,6 +100,9 @@ pub struct ClusterArgs {
     /// Host tier blocks per worker (default: twice the device tier, as a worker).
     #[arg(long)]
     host_blocks: Option<usize>,
+    /// Disk tier blocks per worker (real files in a temporary directory for the run; slower to simulate).
+    #[arg(long, default_value_t = 0)]
+    disk_blocks: usize,
     /// Prompt and decode tokens one step computes.
     #[arg(long, default_value_t = engine::generate::DEFAULT_MAX_BATCHED_TOKENS)]
     max_batched_tokens: usize,
@@ -164,7 +167,7 @@ impl ClusterArgs {
         })
     }
 
-    /// Every worker's engine: the mock backend in virtual time, tiers as a worker has them (no disk tier yet).
+    /// Every worker's engine: the mock backend in virtual time, tiers as a worker has them.
     fn engine_config(&self, profile: TimingProfile) -> EngineConfig {
         let kv_blocks = self.kv_blocks.or(profile.device_blocks).unwrap_or(engine::generate::DEFAULT_KV_BLOCKS);
         let mock = MockSettings {
@@ -178,6 +181,7 @@ impl ClusterArgs {
             backend: BackendChoice::Mock(Box::new(mock)),
             kv_blocks,
             host_blocks: self.host_blocks.unwrap_or(worker::cli::HOST_TIER_FACTOR * kv_blocks),
+            disk_blocks: self.disk_blocks,
             max_batched_tokens: self.max_batched_tokens,
             max_model_len: Some(self.max_model_len),
             ..EngineConfig::default()

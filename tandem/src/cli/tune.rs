@@ -90,10 +90,11 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         // The defaults' split of the budget: as even as it goes, the odd one decoding.
         (base.prefill, base.decode) = (n / 2, n - n / 2);
     }
+    let space = default_space(args.workers, base.engine.disk_blocks > 0);
     let settings = TuneSettings {
         base,
         arrivals,
-        space: default_space(args.workers),
+        space,
         sampler,
         samples: args.samples,
         rounds: args.rounds,
