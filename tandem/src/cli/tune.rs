@@ -16,6 +16,9 @@ use super::serve::write;
 use super::sim::{ClusterArgs, WorkloadArgs};
 
 #[derive(Debug, clap::Args)]
+#[command(after_help = "Example: tandem tune --trace data/traces/mooncake_conversation_1k.jsonl --objective ttft_p90 \
+--out runs/tune  (then --apply http://127.0.0.1:8000 to send the winner to a router). docs/simulation.md explains \
+the search and the report.")]
 pub struct Args {
     #[command(flatten)]
     workload: WorkloadArgs,
@@ -230,7 +233,8 @@ fn print_report(report: &Report, t: &TuneSettings, toml: &str, wall: Duration) {
             String::new()
         } else {
             let g = if o.higher_is_better() { tuned / h.mean() - 1.0 } else { 1.0 - tuned / h.mean() };
-            format!("   tuned is {:+.1}% better", g * 100.0)
+            let verdict = if g > 0.0 { "better" } else { "worse" };
+            format!("   tuned {:.1}% {verdict}", g.abs() * 100.0)
         };
         println!("  {:<12} {}{gain}", h.name, spread(&h.values));
     }
