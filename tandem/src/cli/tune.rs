@@ -233,8 +233,11 @@ fn print_report(report: &Report, t: &TuneSettings, toml: &str, wall: Duration) {
             String::new()
         } else {
             let g = if o.higher_is_better() { tuned / h.mean() - 1.0 } else { 1.0 - tuned / h.mean() };
-            let verdict = if g > 0.0 { "better" } else { "worse" };
-            format!("   tuned {:.1}% {verdict}", g.abs() * 100.0)
+            match g {
+                g if g.abs() < 0.0005 => "   the same".to_string(),
+                g if g > 0.0 => format!("   tuned {:.1}% better", g * 100.0),
+                g => format!("   tuned {:.1}% worse", -g * 100.0),
+            }
         };
         println!("  {:<12} {}{gain}", h.name, spread(&h.values));
     }
