@@ -104,11 +104,6 @@ impl PrefixIndex {
         self.workers.get(&worker).and_then(|w| w.last)
     }
 
-    /// Clears `slot` on `tiers` in every block (a scan of every run).
-    fn clear_slot(&mut self, slot: u32, tiers: u8) {
-        self.blocks.clear_slot(slot, tiers);
-    }
-
     /// Replaces everything known about `worker` with `snapshot` (a new subscription, or a resync after a gap the
     /// worker could not replay). Registers the worker if it was not indexed.
     pub fn replace(&mut self, worker: WorkerId, snapshot: &Snapshot) {
@@ -116,7 +111,7 @@ impl PrefixIndex {
             Some(w) => {
                 self.stats.resyncs += 1;
                 let slot = w.slot;
-                self.clear_slot(slot, ALL_TIERS);
+                self.blocks.clear_slot(slot, ALL_TIERS);
                 slot
             }
             None => self.take_slot(worker),
@@ -162,7 +157,7 @@ impl PrefixIndex {
             }
             KvEvent::Removed { tier, seqs } => self.blocks.remove(slot, tier.index(), seqs),
             KvEvent::Cleared { tier } => {
-                self.clear_slot(slot, tier.map_or(ALL_TIERS, |t| 1 << t.index()));
+                self.blocks.clear_slot(slot, tier.map_or(ALL_TIERS, |t| 1 << t.index()));
             }
         }
         if let Some(w) = self.workers.get_mut(&worker) {
@@ -175,7 +170,7 @@ impl PrefixIndex {
     /// Forgets `worker` and all its blocks (it vanished, or restarted under a new instance id).
     pub fn remove_worker(&mut self, worker: WorkerId) {
         if let Some(w) = self.workers.remove(&worker) {
-            self.clear_slot(w.slot, ALL_TIERS);
+            self.blocks.clear_slot(w.slot, ALL_TIERS);
             self.slots[w.slot as usize] = None;
         }
     }

@@ -417,11 +417,9 @@ impl<'a> Sim<'a> {
         let recorded = self.workload[i].recorded.as_ref().map(|r| &r.decision);
         let named = |name: &Option<String>| name.as_ref().and_then(|n| self.recorded.get(n)).copied();
         match recorded {
-            Some(d) if d.refused.is_some() => Err(match d.refused.as_deref() {
-                Some("no_decode_workers") => RouteError::NoDecodeWorkers,
-                Some("shed") => RouteError::Shed { wait_ms: 0, limit_ms: 0 },
-                _ => RouteError::AllBusy,
-            }),
+            Some(d) if d.refused.is_some() => {
+                Err(d.refused.as_deref().and_then(RouteError::from_kind).unwrap_or(RouteError::AllBusy))
+            }
             Some(d) => Ok(Placement {
                 prefill: named(&d.prefill).filter(|_| d.disaggregate),
                 decode: named(&d.decode).ok_or(RouteError::NoDecodeWorkers)?,

@@ -125,6 +125,17 @@ impl RouteError {
             RouteError::Shed { .. } => "shed",
         }
     }
+
+    /// The refusal a [`kind`](Self::kind) names (a recorded one; a shed's figures are not kept): `None` for
+    /// another word.
+    pub fn from_kind(kind: &str) -> Option<RouteError> {
+        match kind {
+            "no_decode_workers" => Some(RouteError::NoDecodeWorkers),
+            "all_busy" => Some(RouteError::AllBusy),
+            "shed" => Some(RouteError::Shed { wait_ms: 0, limit_ms: 0 }),
+            _ => None,
+        }
+    }
 }
 
 /// Slow start: a warming worker stays a candidate with probability `ramp`; if that leaves nobody, all stay.

@@ -294,3 +294,11 @@ fn a_request_is_shed_when_the_worker_that_would_prefill_it_has_too_much_queued()
     let unmeasured = decide(&req(4096), &[w(0, Prefill, 0, 30_000, 0), d], &cfg);
     assert!(unmeasured.disaggregate);
 }
+
+#[test]
+fn a_refusals_kind_names_it_back() {
+    for e in [RouteError::NoDecodeWorkers, RouteError::AllBusy, RouteError::Shed { wait_ms: 0, limit_ms: 0 }] {
+        assert_eq!(RouteError::from_kind(e.kind()), Some(e));
+    }
+    assert_eq!(RouteError::from_kind("kv"), None);
+}

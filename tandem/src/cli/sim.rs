@@ -53,8 +53,13 @@ pub struct WorkloadArgs {
 impl WorkloadArgs {
     /// Tokens per trace block id: a router recording's own block size, else `--trace-block-size`.
     pub fn trace_block(&self) -> usize {
-        let header = self.trace.as_deref().and_then(|p| std::fs::read_to_string(p).ok());
-        header.as_deref().and_then(loadgen::trace::recording_header).map_or(self.trace_block_size, |h| h.block_size)
+        use std::io::BufRead;
+        // The header is the first line: the rest of a large trace is not read for it.
+        let mut first = String::new();
+        if let Some(f) = self.trace.as_deref().and_then(|p| std::fs::File::open(p).ok()) {
+            let _ = std::io::BufReader::new(f).read_line(&mut first);
+        }
+        loadgen::trace::recording_header(&first).map_or(self.trace_block_size, |h| h.block_size)
     }
 
     /// The requests and their arrival schedule (`seed` draws the synthetic workload and open-loop gaps).
