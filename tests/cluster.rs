@@ -230,3 +230,43 @@ async fn a_lease_no_decode_worker_needs_is_released_at_once() {
     assert_eq!(leases, 0, "the router released the lease instead of leaving it for 30 s");
     stop(router, workers).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_routed_at_the_same_moment_see_each_others_prompts() {
+    use router::http::completions::{Ident, plan};
+    use router::http::openai::{Endpoint, check_chat};
+    use router::scheduler::config::{SchedulerConfig, Ties};
+
+    let ca = DevCa::generate().expect("ca");
+    // Hashed ties: two cold copies of one prompt on idle workers tie the same way, so only the first one's
+    // count on its worker can send the second elsewhere.
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Prefill, Role::Decode], |c| c, |c| {
+        router::run::RouterConfig { scheduler: SchedulerConfig { ties: Ties::Hashed, ..c.scheduler }, ..c }
+    })
+    .await;
+    let state = &router.state;
+    let body = serde_json::json!({
+        "model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Name three rivers of Europe and say where each one rises. ".repeat(8)}],
+    })
+    .to_string();
+    let planned = || async {
+        let checked = check_chat(body.as_bytes()).expect("valid");
+        plan(state, checked, Ident::new(state, Endpoint::Chat), None, true).await.expect("routed")
+    };
+    let prefill_worker = |r: &router::http::completions::Routed| {
+        assert!(r.decision.disaggregate, "a cold prompt goes to a prefill worker: {:?}", r.decision);
+        r.decision.prefill.as_ref().expect("prefill choice").id
+    };
+    // Routed, not yet started: nothing has been sent to a worker, as when many requests arrive at once.
+    let first = planned().await;
+    let second = planned().await;
+    assert_ne!(prefill_worker(&first), prefill_worker(&second), "the second saw the first's prompt queued");
+    // A request that ends (here: one that never started) gives its count back.
+    let chosen = prefill_worker(&first);
+    assert_eq!(state.cluster.in_flight(chosen), 1);
+    drop((first, second));
+    assert_eq!(state.cluster.in_flight(chosen), 0, "no count is left behind");
+    assert_eq!(prefill_worker(&planned().await), chosen, "the same prompt on idle workers goes where it went");
+    stop(router, workers).await;
+}

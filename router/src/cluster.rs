@@ -537,6 +537,20 @@ impl Cluster {
         self.lock().load.sent(worker, request, request_id, prefill_tokens, blocks, hashes);
     }
 
+    /// [`sent`](Self::sent), as a [`Reservation`] that ends the count when dropped.
+    pub fn reserve(
+        self: &Arc<Cluster>,
+        worker: WorkerId,
+        request: u64,
+        request_id: &str,
+        prefill_tokens: u64,
+        blocks: u64,
+        hashes: &[SeqHash],
+    ) -> Reservation {
+        self.sent(worker, request, request_id, prefill_tokens, blocks, hashes);
+        Reservation { cluster: Arc::clone(self), worker, request }
+    }
+
     /// Mock workers' steps by overrun bucket, summed over the workers followed now (empty without mock workers).
     pub fn step_overrun_steps(&self) -> Vec<u64> {
         self.lock().load.step_overrun_steps()
@@ -553,5 +567,22 @@ impl Cluster {
 
     pub fn done(&self, worker: WorkerId, request: u64) {
         self.lock().load.done(worker, request);
+    }
+}
+
+/// The router's count of a routed request's prompt on the worker that will compute it, taken in the same critical
+/// section as the decision, so requests routed at the same moment see each other's work instead of all choosing
+/// the same idle worker. The serving path counts the request again (the same entry) when it sends it; dropping the
+/// reservation ends the count however the request ends, also when it never started.
+#[derive(Debug)]
+pub struct Reservation {
+    cluster: Arc<Cluster>,
+    worker: WorkerId,
+    request: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.cluster.done(self.worker, self.request);
     }
 }

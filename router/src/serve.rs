@@ -15,7 +15,7 @@ use crate::scheduler::view::WorkerId;
 use crate::state::RouterState;
 
 /// A request ready to run.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Job {
     /// The router's request number (load accounting).
     pub seq: u64,
@@ -33,14 +33,21 @@ pub struct Job {
     pub traceparent: Option<String>,
     /// The request's deadline as Unix milliseconds, sent to workers so they drop work nobody waits for.
     pub deadline_unix_ms: u64,
+    /// The routing decision's count of the prompt on the worker that computes it, held until the job ends.
+    pub reserved: Option<crate::cluster::Reservation>,
 }
 
 impl Job {
     /// Tokens of a `len`-token prompt a worker still computes when it holds `blocks` of its leading blocks on some
     /// tier (onboarding from host or disk is cheap next to computing).
-    fn uncached(&self, len: usize, blocks: usize) -> u64 {
-        (len as u64).saturating_sub(blocks as u64 * self.block_size)
+    pub fn uncached(&self, len: usize, blocks: usize) -> u64 {
+        uncached(len, blocks, self.block_size)
     }
+}
+
+/// Tokens of a `len`-token prompt still to compute with `blocks` leading blocks of `block_size` tokens held.
+pub fn uncached(len: usize, blocks: usize, block_size: u64) -> u64 {
+    (len as u64).saturating_sub(blocks as u64 * block_size)
 }
 
 /// What the client's side of a job receives.

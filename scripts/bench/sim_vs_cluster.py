@@ -17,7 +17,8 @@ simulator.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
-      [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6] [--out runs/sim-vs-cluster]
+      [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6] [--ties random|hashed]
+      [--out runs/sim-vs-cluster]
 """
 import argparse
 import json
@@ -26,7 +27,7 @@ import pathlib
 import subprocess
 import sys
 
-from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster
+from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster, set_router_config
 
 SLO = "ttft_ms=2000,tpot_ms=25"
 
@@ -126,6 +127,8 @@ def main():
     p.add_argument("--rate", default="0.5", help="requests/s of the synthetic workload (--engine cpu)")
     p.add_argument("--router-tokens-per-s", default="0",
                    help="the simulated router's tokenizer speed per slot (0: routing is instant; docs/simulation.md)")
+    p.add_argument("--ties", choices=["random", "hashed"], default="random",
+                   help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
     add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
     args = p.parse_args()
     out = pathlib.Path(args.out)
@@ -142,14 +145,18 @@ def main():
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
              "--seed", str(args.seed), "--record-trace", str(recording), *tiers]
     with mock_cluster(args.tandem, flags, engine=args.engine) as url:
+        set_router_config(url, {"ties": args.ties})
         real = bench_serve(args.tandem, url, [
             *workload, "--seed", str(args.seed),
             "--slo", SLO, "--ignore-eos", "--out", str(out / "cluster")])
     profile = ["--profile", "cpu-smollm2", "--max-model-len", "8192"] if cpu else []
+    config = out / "sim" / "router.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
     sim = subprocess.run([args.tandem, "sim", *workload, *profile,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
-                          "--slo", SLO,
+                          "--slo", SLO, "--config", str(config),
                           "--router-tokens-per-s", args.router_tokens_per_s,
                           "--out", str(out / "sim"), "--json"], capture_output=True, text=True)
     if sim.returncode != 0:

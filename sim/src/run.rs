@@ -384,7 +384,7 @@ impl<'a> Sim<'a> {
         let router = self.live[i].router;
         let cfg = &self.settings.scheduler;
         let hashes = &self.live[i].hashes;
-        let keys: Vec<u64> = hashes.iter().take(cfg.prefix_hash_blocks).map(|h| h.0).collect();
+        let keys: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let bs = self.block_size.tokens() as u64;
         let req = RouteRequest::new(self.live[i].prompt.len() as u64, bs, &keys, cfg.prefix_hash_blocks);
         self.sample_balance(now);

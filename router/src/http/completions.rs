@@ -98,7 +98,7 @@ pub async fn plan(
     let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
     let hashes = block_hashes(&tokens, bs, namespace.as_ref()).seq;
     let config = state.scheduler_config();
-    let keys: Vec<u64> = hashes.iter().take(config.prefix_hash_blocks).map(|h| h.0).collect();
+    let keys: Vec<u64> = hashes.iter().map(|h| h.0).collect();
     let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &keys, config.prefix_hash_blocks);
     let span = tracing::info_span!(
         "route",
@@ -115,10 +115,24 @@ pub async fn plan(
         reason = tracing::field::Empty,
     );
     let arrived = Instant::now();
-    let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), arrived);
-    let decision = {
+    // The view, the decision and the count of the prompt on the worker chosen to compute it are one step: a
+    // request routed at the same moment sees this one's work.
+    let (views, decision, reserved) = {
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
-        route(&req, &views, &config, &mut route_state)
+        let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), arrived);
+        let decision = route(&req, &views, &config, &mut route_state);
+        let reserved = match &decision {
+            Ok(d) if count => {
+                let computes = d.prefill.as_ref().filter(|_| d.disaggregate).unwrap_or(&d.decode);
+                computes.chosen().map(|c| {
+                    let held = c.device_blocks + c.host_blocks + c.disk_blocks;
+                    let uncached = crate::serve::uncached(tokens.len(), held, u64::from(block_size));
+                    state.cluster.reserve(c.id, ident.seq, &ident.id, uncached, req.request_blocks(), &hashes)
+                })
+            }
+            _ => None,
+        };
+        (views, decision, reserved)
     };
     if count {
         let a = Arrival {
@@ -171,6 +185,7 @@ pub async fn plan(
         namespace: checked.namespace.clone(),
         traceparent,
         deadline_unix_ms: unix_ms(SystemTime::now() + state.limits.request_timeout),
+        reserved,
     };
     Ok(Routed { checked, job, decision })
 }

@@ -52,6 +52,19 @@ pub enum CostUnits {
     Seconds,
 }
 
+/// How a tie between equally cheap workers is broken (`temperature` 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Ties {
+    /// Uniformly at random, from the router's seeded random source.
+    #[default]
+    Random,
+    /// By rendezvous hashing of the request's prompt with each tied worker's id: uniform over different prompts,
+    /// but a function of the request and the router's view alone, so a decision can be reproduced (by another
+    /// router replica, or the simulator) without replaying every decision before it.
+    Hashed,
+}
+
 /// When to skip the prefill pool and prefill on the decode worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -119,6 +132,8 @@ pub struct SchedulerConfig {
     pub prefill_load_scale: f64,
     pub active_request_weight: f64,
     pub temperature: f64,
+    /// How ties are broken at temperature 0.
+    pub ties: Ties,
     /// Blocks or predicted seconds for the prefill term (heterogeneous fleets).
     pub cost_units: CostUnits,
     /// A prefill worker with more active prefill tokens than this is busy (skipped); none: no limit.
@@ -164,6 +179,7 @@ impl Default for SchedulerConfig {
             prefill_load_scale: PREFILL_LOAD_SCALE,
             active_request_weight: ACTIVE_REQUEST_WEIGHT,
             temperature: TEMPERATURE,
+            ties: Ties::Random,
             cost_units: CostUnits::Blocks,
             busy_prefill_tokens: None,
             busy_kv_fraction: None,

@@ -12,11 +12,11 @@ pub mod view;
 
 use serde::Serialize;
 
-use config::{Policy, SchedulerConfig};
+use config::{Policy, SchedulerConfig, Ties};
 use disaggregate::PrefillPool;
 pub use disaggregate::Reason;
 use rng::Rng;
-use select::Rotation;
+use select::{Rotation, Tie};
 use view::{RouteRequest, WorkerView};
 
 /// What the scheduler carries from one decision to the next: its random source and round robin's places. The
@@ -185,10 +185,17 @@ fn pick(
     rotation: &mut Rotation,
 ) -> usize {
     let requests: Vec<u64> = candidates.iter().map(|c| c.active_requests).collect();
+    let ids: Vec<view::WorkerId> = candidates.iter().map(|c| c.id).collect();
+    let tie = match cfg.ties {
+        Ties::Random => Tie::Random,
+        Ties::Hashed => Tie::Hashed { key: req.key, ids: &ids },
+    };
     match (cfg.policy, pool) {
-        (Policy::Kv, _) => select::choose(&candidates.iter().map(|c| c.cost).collect::<Vec<_>>(), cfg.temperature, rng),
+        (Policy::Kv, _) => {
+            select::choose(&candidates.iter().map(|c| c.cost).collect::<Vec<_>>(), cfg.temperature, tie, rng)
+        }
         (Policy::LeastLoaded, _) | (Policy::PrefixHash | Policy::SglangThreshold, Pool::Decode) => {
-            select::choose(load, 0.0, rng)
+            select::choose(load, 0.0, tie, rng)
         }
         (Policy::PowerOfTwo, _) => select::power_of_two(load, rng),
         (Policy::Random, _) => rng.below(candidates.len()),

@@ -6,16 +6,34 @@ use super::view::WorkerId;
 /// Ties: costs this close are equal (floating-point noise must not break a tie by position).
 const TIE_EPSILON: f64 = 1e-9;
 
+/// How [`choose`] breaks a tie at temperature 0.
+#[derive(Clone, Copy, Debug)]
+pub enum Tie<'a> {
+    /// Uniformly at random.
+    Random,
+    /// The tied candidate whose id ranks first by rendezvous hash with `key` (`ids[i]` is candidate `i`'s id).
+    Hashed { key: u64, ids: &'a [WorkerId] },
+}
+
 /// The position of the chosen cost (lower is better); `costs` must not be empty.
 ///
-/// `temperature == 0`: the minimum, ties broken uniformly at random. `temperature > 0`: each candidate with
+/// `temperature == 0`: the minimum, ties broken as `tie` says. `temperature > 0`: each candidate with
 /// probability ∝ `exp(-(c - min) / ((max - min) * T))`, uniform when all costs are equal.
-pub fn choose(costs: &[f64], temperature: f64, rng: &mut Rng) -> usize {
+pub fn choose(costs: &[f64], temperature: f64, tie: Tie, rng: &mut Rng) -> usize {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    if temperature <= 0.0 || max - min <= TIE_EPSILON {
-        let ties: Vec<usize> = (0..costs.len()).filter(|&i| costs[i] - min <= TIE_EPSILON).collect();
-        return ties[rng.below(ties.len())];
+    if temperature <= 0.0 {
+        let ties = (0..costs.len()).filter(|&i| costs[i] - min <= TIE_EPSILON);
+        return match tie {
+            Tie::Random => {
+                let ties: Vec<usize> = ties.collect();
+                ties[rng.below(ties.len())]
+            }
+            Tie::Hashed { key, ids } => ties.max_by_key(|&i| rendezvous(key, ids[i])).unwrap_or(0),
+        };
+    }
+    if max - min <= TIE_EPSILON {
+        return rng.below(costs.len());
     }
     let weights: Vec<f64> = costs.iter().map(|c| (-(c - min) / ((max - min) * temperature)).exp()).collect();
     let mut target = rng.unit() * weights.iter().sum::<f64>();
@@ -83,16 +101,22 @@ pub fn sglang_threshold(matched: &[f64], requests: &[u64], threshold: f64, abs: 
     let loads: Vec<f64> = requests.iter().map(|&r| r as f64).collect();
     let max = loads.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let min = loads.iter().copied().fold(f64::INFINITY, f64::min);
-    let shortest = |rng: &mut Rng| choose(&loads, 0.0, rng);
+    let shortest = |rng: &mut Rng| choose(&loads, 0.0, Tie::Random, rng);
     if max - min > abs && max > rel * min {
         return shortest(rng);
     }
     let best = matched.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     if best >= threshold && best > 0.0 {
         let negated: Vec<f64> = matched.iter().map(|m| -m).collect();
-        return choose(&negated, 0.0, rng);
+        return choose(&negated, 0.0, Tie::Random, rng);
     }
     shortest(rng)
+}
+
+/// The rank of worker `id` for a request keyed `key` (higher first): a SplitMix64 mix of the two, so each
+/// request orders the workers independently and uniformly.
+fn rendezvous(key: u64, id: WorkerId) -> u64 {
+    Rng::new(key ^ u64::from(id.0).wrapping_mul(0xD6E8_FEB8_6659_FD93)).next_u64()
 }
 
 /// FNV-1a: a stable hash of a worker's name (the same in every router process).
@@ -108,7 +132,7 @@ mod tests {
         let mut rng = Rng::new(7);
         let mut h = vec![0; costs.len()];
         for _ in 0..n {
-            h[choose(costs, t, &mut rng)] += 1;
+            h[choose(costs, t, Tie::Random, &mut rng)] += 1;
         }
         h
     }

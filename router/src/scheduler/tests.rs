@@ -20,7 +20,7 @@ fn w(id: u32, role: WorkerRole, device: usize, prefill_tokens: u64, active_block
 }
 
 fn req(isl: u64) -> RouteRequest {
-    RouteRequest { isl, block_size: 16, prefix_key: 0 }
+    RouteRequest { isl, block_size: 16, prefix_key: 0, key: 0 }
 }
 
 fn decide(r: &RouteRequest, workers: &[WorkerView], cfg: &SchedulerConfig) -> Decision {
@@ -51,6 +51,33 @@ fn equal_candidates_share_the_work() {
         counts[d.prefill.expect("prefill").id.0 as usize] += 1;
     }
     assert!(counts.iter().all(|&c| (800..1200).contains(&c)), "{counts:?}");
+}
+
+#[test]
+fn hashed_ties_follow_the_prompt_not_the_random_source_nor_the_candidates_order() {
+    let cfg = SchedulerConfig { ties: config::Ties::Hashed, ..Default::default() };
+    let workers = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 0, 0, 0), w(2, Prefill, 0, 0, 0), w(3, Decode, 0, 0, 0)];
+    let keyed = |key: u64| RouteRequest { key, ..req(64) };
+    let mut counts = [0; 3];
+    for key in 0..3000 {
+        let picks: Vec<WorkerId> = (0..4)
+            .map(|seed| route(&keyed(key), &workers, &cfg, &mut RouteState::seeded(seed)).expect("routes"))
+            .map(|d| d.prefill.expect("prefill").id)
+            .collect();
+        assert!(picks.iter().all(|p| *p == picks[0]), "key {key}: {picks:?}");
+        let mut reversed = workers.clone();
+        reversed.reverse();
+        let d = route(&keyed(key), &reversed, &cfg, &mut RouteState::seeded(0)).expect("routes");
+        assert_eq!(d.prefill.expect("prefill").id, picks[0], "the order of the candidates does not matter");
+        counts[picks[0].0 as usize] += 1;
+    }
+    assert!(counts.iter().all(|&c| (850..1150).contains(&c)), "different prompts spread evenly: {counts:?}");
+    // A cheaper worker still wins whatever the key; a tie is only broken among the cheapest.
+    let loaded = [w(0, Prefill, 0, 64, 0), w(1, Prefill, 0, 0, 0), w(2, Prefill, 0, 0, 0), w(3, Decode, 0, 0, 0)];
+    for key in 0..200 {
+        let d = route(&keyed(key), &loaded, &cfg, &mut RouteState::seeded(0)).expect("routes");
+        assert_ne!(d.prefill.expect("prefill").id, WorkerId(0));
+    }
 }
 
 /// (name, decode worker's device overlap, its active blocks, best prefill load, rule, disaggregate, reason).

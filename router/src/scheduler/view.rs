@@ -71,14 +71,18 @@ pub struct RouteRequest {
     /// The chained hash of the prompt's first blocks (up to `prefix_hash_blocks` of them), or of what it has:
     /// equal keys, equal starts (the `prefix_hash` policy's key).
     pub prefix_key: u64,
+    /// A key of the whole prompt (its last full block's chained hash and its length): what hashed tie-breaking
+    /// ranks the tied workers by, so the same prompt in the same state goes to the same worker in any router.
+    pub key: u64,
 }
 
 impl RouteRequest {
-    /// A request of `isl` tokens with chained block hashes `hashes` (full blocks), keyed on its first
+    /// A request of `isl` tokens with chained block hashes `hashes` (its full blocks), keyed on its first
     /// `prefix_blocks` blocks.
     pub fn new(isl: u64, block_size: u64, hashes: &[u64], prefix_blocks: usize) -> RouteRequest {
         let prefix_key = hashes.get(prefix_blocks.min(hashes.len()).wrapping_sub(1)).copied().unwrap_or(isl);
-        RouteRequest { isl, block_size, prefix_key }
+        let key = hashes.last().copied().unwrap_or(0) ^ isl.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        RouteRequest { isl, block_size, prefix_key, key }
     }
 
     /// `ceil(isl / block_size)`.
