@@ -240,9 +240,12 @@ async fn requests_routed_at_the_same_moment_see_each_others_prompts() {
     let ca = DevCa::generate().expect("ca");
     // Hashed ties: two cold copies of one prompt on idle workers tie the same way, so only the first one's
     // count on its worker can send the second elsewhere.
-    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Prefill, Role::Decode], |c| c, |c| {
-        router::run::RouterConfig { scheduler: SchedulerConfig { ties: Ties::Hashed, ..c.scheduler }, ..c }
-    })
+    let (workers, router) = cluster_with(
+        &ca,
+        &[Role::Prefill, Role::Prefill, Role::Decode],
+        |c| c,
+        |c| router::run::RouterConfig { scheduler: SchedulerConfig { ties: Ties::Hashed, ..c.scheduler }, ..c },
+    )
     .await;
     let state = &router.state;
     let body = serde_json::json!({

@@ -3,6 +3,7 @@
 //! (what a router's indexer keeps per worker).
 
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::fastmap::FastMap;
 
@@ -85,21 +86,60 @@ pub struct TooOld {
 }
 
 /// Ids and a bounded buffer of recent events.
-#[derive(Clone, Debug)]
+///
+/// An event nobody has read yet takes in the next one when that continues it (blocks stored on the same tier
+/// right after its last block, or more blocks leaving the same tier): applying the merged event is applying both,
+/// and a pool that stores a prompt block by block publishes one event per run of blocks instead of one per block.
+/// Reading seals what was read, so an event never grows after a reader has seen it.
+#[derive(Debug)]
 pub struct EventLog {
     next: u64,
     buffer: VecDeque<(EventId, KvEvent)>,
     capacity: usize,
+    /// Events with ids below this were read and never change again.
+    sealed: AtomicU64,
+}
+
+impl Clone for EventLog {
+    fn clone(&self) -> EventLog {
+        EventLog {
+            next: self.next,
+            buffer: self.buffer.clone(),
+            capacity: self.capacity,
+            sealed: AtomicU64::new(self.sealed.load(Ordering::Relaxed)),
+        }
+    }
 }
 
 impl EventLog {
     /// A log that keeps the last `capacity` events for replay.
     pub fn new(capacity: usize) -> EventLog {
-        EventLog { next: 0, buffer: VecDeque::with_capacity(capacity.min(4096)), capacity }
+        EventLog { next: 0, buffer: VecDeque::with_capacity(capacity.min(4096)), capacity, sealed: AtomicU64::new(0) }
     }
 
-    /// Records `event` and returns its id.
+    /// Records `event` and returns its id: the newest event's when it continues that one, unread.
     pub fn push(&mut self, event: KvEvent) -> EventId {
+        let open = self.next > *self.sealed.get_mut();
+        let event = match (open, self.buffer.back_mut()) {
+            (true, Some((id, last))) => match (last, event) {
+                (KvEvent::Stored { tier, blocks, .. }, KvEvent::Stored { tier: t, parent, blocks: more })
+                    if *tier == t && parent.is_some() && blocks.last().map(|b| b.0) == parent =>
+                {
+                    blocks.extend(more);
+                    return *id;
+                }
+                (KvEvent::Removed { tier, seqs }, KvEvent::Removed { tier: t, seqs: more }) if *tier == t => {
+                    seqs.extend(more);
+                    return *id;
+                }
+                (_, event) => event,
+            },
+            _ => event,
+        };
+        self.append(event)
+    }
+
+    fn append(&mut self, event: KvEvent) -> EventId {
         let id = EventId(self.next);
         self.next += 1;
         if self.capacity > 0 {
@@ -111,8 +151,9 @@ impl EventLog {
         id
     }
 
-    /// The id of the newest event, if any.
+    /// The id of the newest event, if any. It is sealed: whoever asks (a snapshot's `as_of`) has seen it whole.
     pub fn last(&self) -> Option<EventId> {
+        self.sealed.fetch_max(self.next, Ordering::Relaxed);
         self.next.checked_sub(1).map(EventId)
     }
 
@@ -122,6 +163,7 @@ impl EventLog {
         if first_wanted >= self.next {
             return Ok(Vec::new());
         }
+        self.sealed.fetch_max(self.next, Ordering::Relaxed);
         let oldest = self.buffer.front().map(|(id, _)| *id);
         match oldest {
             Some(o) if o.0 <= first_wanted => {
@@ -185,5 +227,42 @@ impl TierView {
     /// The blocks on `tier`, sorted.
     pub fn blocks(&self, tier: Tier) -> BTreeSet<BlockMeta> {
         self.tiers[tier.index()].values().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(tier: Tier, parent: Option<u64>, blocks: &[u64]) -> KvEvent {
+        let blocks = blocks.iter().map(|&b| (SeqHash(b), LocalHash(b))).collect();
+        KvEvent::Stored { tier, parent: parent.map(SeqHash), blocks }
+    }
+
+    fn removed(tier: Tier, seqs: &[u64]) -> KvEvent {
+        KvEvent::Removed { tier, seqs: seqs.iter().map(|&s| SeqHash(s)).collect() }
+    }
+
+    #[test]
+    fn unread_events_that_continue_each_other_merge_and_reading_seals_them() {
+        let mut log = EventLog::new(16);
+        assert_eq!(log.push(stored(Tier::Device, None, &[1])), EventId(0));
+        assert_eq!(log.push(stored(Tier::Device, Some(1), &[2])), EventId(0), "continues block 1");
+        assert_eq!(log.push(stored(Tier::Device, Some(2), &[3, 4])), EventId(0));
+        assert_eq!(log.push(stored(Tier::Device, Some(9), &[10])), EventId(1), "another chain");
+        assert_eq!(log.push(stored(Tier::Host, Some(10), &[11])), EventId(2), "another tier");
+        assert_eq!(log.push(removed(Tier::Device, &[4])), EventId(3));
+        assert_eq!(log.push(removed(Tier::Device, &[3])), EventId(3), "more blocks leaving the same tier");
+        assert_eq!(log.push(removed(Tier::Host, &[11])), EventId(4));
+        let read = log.events_after(None).expect("held");
+        assert_eq!(read.len(), 5);
+        assert_eq!(read[0].1, stored(Tier::Device, None, &[1, 2, 3, 4]));
+        assert_eq!(read[3].1, removed(Tier::Device, &[4, 3]));
+        // What was read never grows: the next removal from the host tier is an event of its own.
+        assert_eq!(log.push(removed(Tier::Host, &[10])), EventId(5));
+        assert_eq!(log.events_after(Some(EventId(4))).expect("held"), vec![(EventId(5), removed(Tier::Host, &[10]))]);
+        // Nor does the newest event once a snapshot was taken as of it.
+        assert_eq!(log.last(), Some(EventId(5)));
+        assert_eq!(log.push(removed(Tier::Host, &[12])), EventId(6));
     }
 }
