@@ -151,6 +151,20 @@ impl EventLog {
         id
     }
 
+    /// Every event not read yet, moved out of the log (which then holds none for replay), or [`TooOld`] when
+    /// some were dropped unread: for a sole reader that never resubscribes (the simulator), which so reads each
+    /// event once without copying it and keeps the buffer small.
+    pub fn take_unread(&mut self) -> Result<Vec<(EventId, KvEvent)>, TooOld> {
+        let sealed = std::mem::replace(self.sealed.get_mut(), self.next);
+        let oldest = self.buffer.front().map(|(id, _)| *id);
+        let events: Vec<(EventId, KvEvent)> = self.buffer.drain(..).filter(|(id, _)| id.0 >= sealed).collect();
+        match events.first().map(|(id, _)| *id) {
+            Some(first) if first.0 > sealed => Err(TooOld { requested: sealed.checked_sub(1).map(EventId), oldest }),
+            None if self.next > sealed => Err(TooOld { requested: sealed.checked_sub(1).map(EventId), oldest }),
+            _ => Ok(events),
+        }
+    }
+
     /// The id of the newest event, if any. It is sealed: whoever asks (a snapshot's `as_of`) has seen it whole.
     pub fn last(&self) -> Option<EventId> {
         self.sealed.fetch_max(self.next, Ordering::Relaxed);
@@ -264,5 +278,26 @@ mod tests {
         // Nor does the newest event once a snapshot was taken as of it.
         assert_eq!(log.last(), Some(EventId(5)));
         assert_eq!(log.push(removed(Tier::Host, &[12])), EventId(6));
+    }
+
+    #[test]
+    fn a_sole_reader_takes_each_event_once_and_hears_of_any_it_missed() {
+        let mut log = EventLog::new(2);
+        assert_eq!(log.take_unread(), Ok(vec![]));
+        log.push(stored(Tier::Device, None, &[1]));
+        log.push(stored(Tier::Device, Some(1), &[2]));
+        log.push(removed(Tier::Host, &[7]));
+        assert_eq!(
+            log.take_unread(),
+            Ok(vec![(EventId(0), stored(Tier::Device, None, &[1, 2])), (EventId(1), removed(Tier::Host, &[7]))])
+        );
+        assert_eq!(log.take_unread(), Ok(vec![]), "taken once");
+        // Taken events are sealed: the next removal from the host is an event of its own.
+        assert_eq!(log.push(removed(Tier::Host, &[8])), EventId(2));
+        // Three events into a log of two: the first is gone unread.
+        log.push(stored(Tier::Host, None, &[9]));
+        log.push(removed(Tier::Device, &[1]));
+        assert!(log.take_unread().is_err(), "event 2 was dropped before it was read");
+        assert_eq!(log.take_unread(), Ok(vec![]));
     }
 }

@@ -50,7 +50,7 @@ impl SimWorker {
 
     /// KV events not yet sent to the router.
     pub fn new_events(&mut self) -> Vec<(EventId, KvEvent)> {
-        match self.engine.engine().kv_events_after(self.events_sent) {
+        match self.engine.take_kv_events() {
             Ok(events) => {
                 if let Some((id, _)) = events.last() {
                     self.events_sent = Some(*id);

@@ -362,6 +362,11 @@ impl Engine {
         self.pool.events_after(after)
     }
 
+    /// KV events not read yet, moved out: for a sole reader that never resubscribes (the simulator).
+    pub fn take_kv_events(&mut self) -> Result<Vec<(EventId, KvEvent)>, TooOld> {
+        self.pool.take_events()
+    }
+
     /// Longest sequence accepted.
     pub fn max_model_len(&self) -> usize {
         self.config.max_model_len.unwrap_or(self.backend.context_len())

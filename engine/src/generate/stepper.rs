@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use kv_cache::events::{EventId, KvEvent, TooOld};
 use kv_cache::pool::PrefixMatch;
 
 use super::handle::EngineStats;
@@ -55,6 +56,11 @@ impl Stepper {
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// KV events not read yet, moved out ([`Engine::take_kv_events`]).
+    pub fn take_kv_events(&mut self) -> Result<Vec<(EventId, KvEvent)>, TooOld> {
+        self.engine.take_kv_events()
     }
 
     /// Queues `request` under the caller's `id`; `blocks` are leading full blocks of its prompt pulled from

@@ -281,6 +281,11 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         self.log.events_after(after)
     }
 
+    /// Every event not read yet, moved out ([`EventLog::take_unread`]).
+    pub fn take_events(&mut self) -> Result<Vec<(EventId, KvEvent)>, TooOld> {
+        self.log.take_unread()
+    }
+
     /// The id of the newest event.
     pub fn last_event(&self) -> Option<EventId> {
         self.log.last()
