@@ -57,6 +57,10 @@ pub struct Settings {
     /// replica. A request is routed once tokenized; its TTFT counts from its arrival.
     pub router_tokens_per_s: f64,
     pub router_slots: usize,
+    /// The cores every worker shares (one host, one compute thread per worker, as `tandem up` on a small
+    /// machine runs them): a step that starts while `k` workers are computing takes `max(1, k / cores)` times its
+    /// modelled duration. 0: each worker has its own hardware (a GPU each).
+    pub host_cores: usize,
     pub seed: u64,
 }
 
@@ -535,7 +539,18 @@ impl<'a> Sim<'a> {
         let stepped = worker.engine.step();
         worker.pending = stepped.outputs;
         worker.stepping = true;
-        self.queue.at(now + stepped.secs, Ev::StepEnd(w));
+        let secs = stepped.secs * self.core_share();
+        self.queue.at(now + secs, Ev::StepEnd(w));
+    }
+
+    /// How much longer a step starting now takes for sharing the host's cores with the steps under way (the step
+    /// itself counted): processor sharing, taken at the step's start.
+    fn core_share(&self) -> f64 {
+        if self.settings.host_cores == 0 {
+            return 1.0;
+        }
+        let computing = self.workers.iter().filter(|w| w.stepping).count();
+        (computing as f64 / self.settings.host_cores as f64).max(1.0)
     }
 
     /// Sends what worker `w`'s state change tells the router: new KV events and, when due, a load report.

@@ -38,6 +38,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         prefill_speedups: Vec::new(),
         replay: false,
         router_tokens_per_s: 0.0,
+        host_cores: 0,
         router_slots: 1,
         seed: 7,
     }
