@@ -11,16 +11,18 @@ the pairing that agrees most, since which of two idle workers gets the first req
 real run's validity (schedule lag, mock step overrun) is printed too: an invalid real run is no reference.
 
 With `--engine cpu` the real side is `tandem up` on the embedded model on this machine's CPU (`--prefill 2
---decode 2`), the simulator uses the `cpu-smollm2` profile, and the workload is the synthetic shared-prefix one
-at `--rate` (the same prompts for both): this measures the timing model itself, which the mock shares with the
-simulator.
+--decode 2`, one compute thread per worker), the simulator uses `--sim-profile` (default `cpu-smollm2-1t`, fitted on
+one thread) with `--host-cores` (the cores the workers share, default this machine's; 0: none shared), and the workload is the synthetic shared-prefix one at `--rate` (the same prompts for
+both): this measures the timing model itself, which the mock shares with the simulator.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6] [--ties random|hashed]
+      [--sim-profile cpu-smollm2-1t] [--host-cores N]
       [--out runs/sim-vs-cluster]
 """
 import argparse
+import os
 import json
 import math
 import pathlib
@@ -127,6 +129,11 @@ def main():
     p.add_argument("--rate", default="0.5", help="requests/s of the synthetic workload (--engine cpu)")
     p.add_argument("--router-tokens-per-s", default="0",
                    help="the simulated router's tokenizer speed per slot (0: routing is instant; docs/simulation.md)")
+    p.add_argument("--sim-profile", default="cpu-smollm2-1t",
+                   help="the simulator's profile with --engine cpu (cpu-smollm2-1t: fitted on one thread, as each "
+                        "worker of tandem up runs on a machine with no more cores than workers)")
+    p.add_argument("--host-cores", default=str(os.cpu_count() or 1),
+                   help="the cores the simulated CPU workers share (default: this machine's; 0: a machine each)")
     p.add_argument("--ties", choices=["random", "hashed"], default="random",
                    help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
     add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
@@ -149,7 +156,7 @@ def main():
         real = bench_serve(args.tandem, url, [
             *workload, "--seed", str(args.seed),
             "--slo", SLO, "--ignore-eos", "--out", str(out / "cluster")])
-    profile = ["--profile", "cpu-smollm2", "--max-model-len", "8192"] if cpu else []
+    profile = ["--profile", args.sim_profile, "--max-model-len", "8192", "--host-cores", args.host_cores] if cpu else []
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'[scheduler]\nties = "{args.ties}"\n')

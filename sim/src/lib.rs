@@ -4,6 +4,7 @@
 //! router side is the real `route` over the real indexer and load tracker, fed with KV events and load reports
 //! after modelled delays. Requests come out as `tandem bench serve` records, so the same summary applies.
 
+mod cores;
 pub mod oracle;
 mod queue;
 mod run;

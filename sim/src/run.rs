@@ -19,6 +19,7 @@ use router::scheduler::config::SchedulerConfig;
 use router::scheduler::view::{RouteRequest, WorkerId, WorkerRole, WorkerView};
 use router::scheduler::{RouteError, RouteState, route};
 
+use crate::cores::Cores;
 use crate::queue::Queue;
 use crate::worker::SimWorker;
 
@@ -58,8 +59,8 @@ pub struct Settings {
     pub router_tokens_per_s: f64,
     pub router_slots: usize,
     /// The cores every worker shares (one host, one compute thread per worker, as `tandem up` on a small
-    /// machine runs them): a step that starts while `k` workers are computing takes `max(1, k / cores)` times its
-    /// modelled duration. 0: each worker has its own hardware (a GPU each).
+    /// machine runs them): while `k` workers compute, each step advances at `min(1, cores / k)` of its modelled
+    /// speed (processor sharing, `cores`). 0: each worker has its own hardware (a GPU each).
     pub host_cores: usize,
     pub seed: u64,
 }
@@ -140,7 +141,11 @@ enum Ev {
     Arrive(usize),
     /// The router has tokenized request `i`.
     Route(usize),
-    StepEnd(usize),
+    /// Worker `w`'s step ends, if `turn` is still its current end (shared cores move ends).
+    StepEnd {
+        w: usize,
+        turn: u64,
+    },
     Events(usize, Vec<(EventId, KvEvent)>),
     /// A load report from worker `w` on router replica `r`'s stream.
     Report {
@@ -194,6 +199,8 @@ struct Sim<'a> {
     workers: Vec<SimWorker>,
     routers: Vec<Replica>,
     queue: Queue<Ev>,
+    /// The host's shared cores (`Settings::host_cores`), when the workers share some.
+    cores: Option<Cores>,
     live: Vec<Live>,
     out: Outcome,
     /// In a replay, the simulated worker for each worker the recording names.
@@ -308,6 +315,8 @@ impl<'a> Sim<'a> {
             workers,
             routers,
             queue: Queue::new(),
+            cores: (settings.host_cores > 0)
+                .then(|| Cores::new(settings.host_cores, settings.prefill + settings.decode)),
             live: (0..workload.len()).map(|_| Live::default()).collect(),
             out: Outcome { placements: vec![None; workload.len()], ..Outcome::default() },
             recorded,
@@ -319,7 +328,7 @@ impl<'a> Sim<'a> {
         match ev {
             Ev::Arrive(i) => self.arrive(now, i),
             Ev::Route(i) => self.route(now, i),
-            Ev::StepEnd(w) => self.step_end(now, w),
+            Ev::StepEnd { w, turn } => self.step_end(now, w, turn),
             Ev::Events(w, events) => {
                 for replica in &mut self.routers {
                     for (id, e) in &events {
@@ -539,18 +548,14 @@ impl<'a> Sim<'a> {
         let stepped = worker.engine.step();
         worker.pending = stepped.outputs;
         worker.stepping = true;
-        let secs = stepped.secs * self.core_share();
-        self.queue.at(now + secs, Ev::StepEnd(w));
-    }
-
-    /// How much longer a step starting now takes for sharing the host's cores with the steps under way (the step
-    /// itself counted): processor sharing, taken at the step's start.
-    fn core_share(&self) -> f64 {
-        if self.settings.host_cores == 0 {
-            return 1.0;
+        match &mut self.cores {
+            None => self.queue.at(now + stepped.secs, Ev::StepEnd { w, turn: 0 }),
+            Some(cores) => {
+                for e in cores.start(now, w, stepped.secs) {
+                    self.queue.at(e.at, Ev::StepEnd { w: e.worker, turn: e.turn });
+                }
+            }
         }
-        let computing = self.workers.iter().filter(|w| w.stepping).count();
-        (computing as f64 / self.settings.host_cores as f64).max(1.0)
     }
 
     /// Sends what worker `w`'s state change tells the router: new KV events and, when due, a load report.
@@ -564,7 +569,14 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn step_end(&mut self, now: f64, w: usize) {
+    fn step_end(&mut self, now: f64, w: usize, turn: u64) {
+        if let Some(cores) = &mut self.cores {
+            // A stale end (another step started or ended since), or the others' new ends.
+            let Some(ends) = cores.end(now, w, turn) else { return };
+            for e in ends {
+                self.queue.at(e.at, Ev::StepEnd { w: e.worker, turn: e.turn });
+            }
+        }
         self.workers[w].stepping = false;
         for out in std::mem::take(&mut self.workers[w].pending) {
             self.output(now, w, out);

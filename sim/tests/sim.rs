@@ -54,17 +54,17 @@ fn a_modelled_router_tokenizer_delays_routing_by_the_prompt_and_queues_on_its_sl
 
 #[test]
 fn workers_sharing_one_core_slow_each_other_down() {
-    // The first scenario's A and B on one shared core: A's prefill starts alone (0 → 110 ms); B's starts at 1 ms
-    // while A computes, so it takes twice its 110 ms (1 → 221 ms, TTFT 220). C joins A's next step, which starts at
-    // 110 ms while B still computes: 2 × 65 ms, 110 → 240 ms (TTFT 238). A's last decode starts alone at 240 ms
-    // (B finished at 221): 5 ms.
+    // The first scenario on one shared core. A's prefill (110 ms of work) runs alone for 1 ms; from B's start both
+    // run at half speed, so A ends at 1 + 2 × 109 = 219 ms and B, with 1 ms left then, at 221 (TTFT 220). A's next
+    // step (C's 50 tokens and A's decode: 65 ms) starts at 219, at half speed until B ends (1 ms of work done),
+    // then alone: 221 + 64 = 285 ms (C's TTFT 283). A's last decode runs alone: 285 → 290 ms.
     let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
     let s = Settings { host_cores: 1, ..settings(profile, 0, 2, Policy::RoundRobin) };
     let trace = [request(0.0, 100, 3, 1), request(1.0, 100, 1, 2), request(2.0, 50, 1, 3)];
     let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
     let ttft: Vec<f64> = out.records.iter().map(|r| r.time_to_first_token_ms.expect("a first token")).collect();
     let e2e: Vec<f64> = out.records.iter().map(|r| r.request_latency_ms).collect();
-    for (got, want) in ttft.iter().zip([110.0, 220.0, 238.0]).chain(e2e.iter().zip([245.0, 220.0, 238.0])) {
+    for (got, want) in ttft.iter().zip([219.0, 220.0, 283.0]).chain(e2e.iter().zip([290.0, 220.0, 283.0])) {
         assert!((got - want).abs() < 1e-6, "TTFT {ttft:?}, E2E {e2e:?}");
     }
     // Two cores for two workers: nobody waits, the times of the first scenario.

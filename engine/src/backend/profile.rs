@@ -27,11 +27,14 @@ use serde::{Deserialize, Serialize};
 
 /// Dynamo's mocker polynomial, standing for one GPU worker.
 pub const GPU_DEFAULT: &str = include_str!("../../profiles/gpu-default.toml");
-/// Fitted to this engine on CPU with SmolLM2-135M by `tandem bench engine --fit-profile`.
+/// Fitted to this engine on CPU with SmolLM2-135M by `tandem bench engine --fit-profile` (two threads).
 pub const CPU_SMOLLM2: &str = include_str!("../../profiles/cpu-smollm2.toml");
+/// The same on one thread: a worker of `tandem up` on a machine with no more cores than workers.
+pub const CPU_SMOLLM2_1T: &str = include_str!("../../profiles/cpu-smollm2-1t.toml");
 
 /// The profiles that ship with Tandem, by name.
-pub const BUILT_IN: [(&str, &str); 2] = [("gpu-default", GPU_DEFAULT), ("cpu-smollm2", CPU_SMOLLM2)];
+pub const BUILT_IN: [(&str, &str); 3] =
+    [("gpu-default", GPU_DEFAULT), ("cpu-smollm2", CPU_SMOLLM2), ("cpu-smollm2-1t", CPU_SMOLLM2_1T)];
 
 /// Step and transfer times of a modelled engine.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -168,7 +171,7 @@ pub enum ProfileError {
 }
 
 impl TimingProfile {
-    /// A built-in profile by name (`gpu-default`, `cpu-smollm2`) or a TOML file at that path.
+    /// A built-in profile by name (`gpu-default`, `cpu-smollm2`, `cpu-smollm2-1t`) or a TOML file at that path.
     pub fn load(name_or_path: &str) -> Result<TimingProfile, ProfileError> {
         if let Some((_, text)) = BUILT_IN.iter().find(|(n, _)| *n == name_or_path) {
             return TimingProfile::parse(name_or_path, text);

@@ -127,9 +127,10 @@ pub struct ClusterArgs {
     /// Tokenizer slots per router replica (the real router runs one per core).
     #[arg(long, default_value_t = 2)]
     router_slots: usize,
-    /// The host's cores, shared by every worker's compute (one thread each): a step that starts while k workers
-    /// compute takes max(1, k / N) times its modelled time. For a `tandem up` of CPU workers on one machine, with a
-    /// profile fitted on one thread; 0 (the default): every worker has its own hardware.
+    /// The host's cores, shared by every worker's compute (one thread each): while k workers compute, each step
+    /// advances at min(1, N / k) of its modelled speed. For a `tandem up` of CPU workers on one machine, with a
+    /// profile fitted on one thread (engine/profiles/cpu-smollm2-1t.toml); 0 (the default): every worker has its
+    /// own hardware.
     #[arg(long, default_value_t = 0)]
     host_cores: usize,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
