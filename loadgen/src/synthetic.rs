@@ -1,7 +1,8 @@
 //! Synthetic shared-prefix workloads, as Dynamo's prefix-ratio benchmark builds them: `prefixes` system prompts
 //! of `prefix_len` tokens chosen by Zipf popularity, each request adding `suffix_len` tokens of its own, and
 //! optionally sessions of several turns where each turn re-sends the conversation so far plus a new message.
-//! Lengths are whole trace blocks (rounded up), so that every block id stands for whole blocks of tokens.
+//! Lengths are whole trace blocks (rounded up), so that every block id stands for whole blocks of tokens;
+//! [`SyntheticSpec::check`] refuses lengths that would be rounded, for callers that take them from a user.
 
 use crate::rng::{Rng, Zipf};
 use crate::trace::TraceRequest;
@@ -27,6 +28,20 @@ pub struct SyntheticSpec {
 const OWN_IDS: u64 = 1 << 40;
 
 impl SyntheticSpec {
+    /// Whether the lengths are whole blocks of `block` tokens, as [`generate`](Self::generate) makes them; a
+    /// length it would round up (256 tokens of 512-token blocks become 512) is refused, naming the length.
+    pub fn check(&self, block: usize) -> Result<(), String> {
+        for (name, len) in [("prefix length", self.prefix_len), ("suffix length", self.suffix_len)] {
+            if block == 0 || len == 0 || len % block != 0 {
+                return Err(format!(
+                    "the {name} ({len} tokens) must be a positive multiple of the trace block ({block} tokens): \
+                     the workload shares and differs by whole blocks (change the length, or the block size)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The workload's requests in session order (a session's turns follow each other), with block ids for
     /// blocks of `block` tokens.
     pub fn generate(&self, block: usize) -> Vec<TraceRequest> {
@@ -92,5 +107,28 @@ mod tests {
         assert_eq!(r[3].session_id.as_deref(), Some("s1"));
         // Every request starts with one of the two prefixes.
         assert!(r.iter().all(|x| x.hash_ids[0] >> 20 < 2 && x.hash_ids[1] & 0xFFFFF == 1));
+    }
+
+    #[test]
+    fn lengths_that_would_be_rounded_up_are_refused() {
+        let spec = |prefix_len, suffix_len| SyntheticSpec {
+            requests: 1,
+            prefixes: 1,
+            prefix_len,
+            suffix_len,
+            output_len: 1,
+            zipf: 0.0,
+            turns: 1,
+            turn_delay_ms: 0.0,
+            seed: 1,
+        };
+        assert_eq!(spec(1024, 512).check(512), Ok(()));
+        assert_eq!(spec(256, 64).check(64), Ok(()));
+        let e = spec(256, 64).check(512).expect_err("256 tokens would become 512");
+        assert!(e.contains("prefix length (256 tokens)") && e.contains("512"), "{e}");
+        assert!(spec(512, 64).check(512).expect_err("64 would become 512").contains("suffix length (64 tokens)"));
+        assert!(spec(512, 0).check(512).is_err(), "no tokens of its own would still get a block");
+        // What the check guards: generate rounds up.
+        assert_eq!(spec(256, 64).generate(512)[0].input_length, 1024);
     }
 }

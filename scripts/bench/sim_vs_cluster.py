@@ -142,9 +142,9 @@ def main():
     cpu = args.engine == "cpu"
     blocks = 1024 if cpu else 16384
     tiers = ["--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks), "--disk-blocks", "0"]
-    # The CPU cluster gets a small synthetic workload (4 system prompts of 256 tokens, 64 of its own, 16 out);
+    # The CPU cluster gets a small synthetic workload (4 system prompts of 512 tokens, 512 of its own, 16 out);
     # the mock cluster the trace sample.
-    workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "256", "--suffix-len", "64",
+    workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "512", "--suffix-len", "512",
                  "--output-len", "16"] if cpu else ["--trace", str(TRACE)]) + ["--max-requests", str(args.requests)]
     recording = out / "cluster" / "recording.jsonl"
     recording.parent.mkdir(parents=True, exist_ok=True)

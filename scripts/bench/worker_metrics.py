@@ -48,7 +48,7 @@ def main():
         time.sleep(2)
         workers = re.findall(r"(\S+-\d+)\s+grpc .*metrics (http://\S+)", log.read_text())
         subprocess.run([args.tandem, "bench", "serve", "--url", url, "--rate", args.rate, "--prefixes", "4",
-                        "--prefix-len", "256", "--suffix-len", "64", "--output-len", "16", "--max-requests",
+                        "--prefix-len", "512", "--suffix-len", "512", "--output-len", "16", "--max-requests",
                         args.requests, "--seed", "1", "--ignore-eos", "--quiet", "--json"], check=True,
                        capture_output=True)
         for name, metrics in workers:

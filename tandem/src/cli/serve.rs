@@ -101,10 +101,10 @@ pub(super) struct SyntheticArgs {
     /// Distinct shared prefixes (system prompts).
     #[arg(long, default_value_t = 8)]
     prefixes: usize,
-    /// Tokens of each shared prefix.
+    /// Tokens of each shared prefix (a multiple of --trace-block-size).
     #[arg(long, default_value_t = 2048)]
     prefix_len: usize,
-    /// Tokens each request adds of its own (per turn).
+    /// Tokens each request adds of its own (per turn; a multiple of --trace-block-size).
     #[arg(long, default_value_t = 512)]
     suffix_len: usize,
     /// Output tokens per request.
@@ -213,7 +213,7 @@ pub(super) fn read_workload(
         Some(path) => loadgen::trace::read(path)?,
         None => {
             let s = synthetic;
-            SyntheticSpec {
+            let spec = SyntheticSpec {
                 requests: max_requests.unwrap_or(DEFAULT_SYNTHETIC_REQUESTS),
                 prefixes: s.prefixes,
                 prefix_len: s.prefix_len,
@@ -223,8 +223,9 @@ pub(super) fn read_workload(
                 turns: s.turns,
                 turn_delay_ms: s.turn_delay_ms,
                 seed,
-            }
-            .generate(trace_block)
+            };
+            spec.check(trace_block).map_err(|e| format!("{e} (--prefix-len, --suffix-len, --trace-block-size)"))?;
+            spec.generate(trace_block)
         }
     };
     if let Some(n) = max_requests {
