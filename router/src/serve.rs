@@ -40,7 +40,7 @@ pub struct Job {
 impl Job {
     /// Tokens of a `len`-token prompt a worker still computes when it holds `blocks` of its leading blocks on some
     /// tier (onboarding from host or disk is cheap next to computing).
-    pub fn uncached(&self, len: usize, blocks: usize) -> u64 {
+    fn uncached(&self, len: usize, blocks: usize) -> u64 {
         uncached(len, blocks, self.block_size)
     }
 }
