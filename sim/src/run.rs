@@ -283,6 +283,9 @@ impl<'a> Sim<'a> {
         for (i, role) in roles.enumerate() {
             let mut config = settings.engine.clone();
             config.disk_dir = disk.as_ref().map(|d| d.0.join(format!("worker-{i}")));
+            // Every publish takes all of a worker's new events out of its log, so an unbounded log holds one
+            // step's worth at most and never drops one unread.
+            config.replay_events = usize::MAX;
             if let (WorkerRole::Prefill, false, engine::generate::BackendChoice::Mock(mock)) =
                 (role, settings.prefill_speedups.is_empty(), &mut config.backend)
             {

@@ -57,8 +57,7 @@ impl SimWorker {
                 }
                 events
             }
-            // The replay buffer is sized for far more than one step's events; a worker that fell this far behind
-            // would send a snapshot, which the simulator does not model.
+            // Cannot happen: the simulator's workers keep every event until it is taken (`replay_events` unbounded).
             Err(_) => Vec::new(),
         }
     }
