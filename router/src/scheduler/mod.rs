@@ -138,9 +138,13 @@ impl RouteError {
     }
 }
 
-/// Slow start: a warming worker stays a candidate with probability `ramp`; if that leaves nobody, all stay.
+/// Slow start: a worker warmer than the others' warmest stays a candidate; a cooler one with probability its ramp
+/// over that warmest's, so a newcomer among warm workers gets its ramped share, while workers that joined together
+/// (a fresh cluster, a restarted router) are all candidates, as equals. If that leaves nobody, all stay.
 fn ramped<'a>(workers: Vec<&'a WorkerView>, rng: &mut Rng) -> Vec<&'a WorkerView> {
-    let kept: Vec<&WorkerView> = workers.iter().copied().filter(|w| w.ramp >= 1.0 || rng.unit() < w.ramp).collect();
+    let warmest = workers.iter().map(|w| w.ramp).fold(0.0, f64::max).min(1.0);
+    let kept: Vec<&WorkerView> =
+        workers.iter().copied().filter(|w| w.ramp >= warmest || rng.unit() * warmest < w.ramp).collect();
     if kept.is_empty() { workers } else { kept }
 }
 

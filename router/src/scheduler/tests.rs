@@ -267,6 +267,30 @@ fn a_warming_worker_gets_its_ramped_share() {
 }
 
 #[test]
+fn workers_that_joined_together_are_all_candidates_while_they_warm_up() {
+    // A fresh cluster (or a restarted router): every worker at the same early ramp. The one holding the prompt is
+    // the cheapest and must be chosen every time, not only when the ramp's draw happens to keep it.
+    let mut workers = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 8, 0, 0), w(2, Prefill, 0, 0, 0), w(3, Decode, 0, 0, 0)];
+    for x in &mut workers {
+        x.ramp = 0.2;
+    }
+    let mut rng = RouteState::seeded(5);
+    for _ in 0..200 {
+        let d = route(&req(160), &workers, &SchedulerConfig::default(), &mut rng).expect("routes");
+        assert_eq!(d.prefill.expect("prefill").id, WorkerId(1));
+    }
+    // Among workers further along, a later one still gets its share relative to the warmest.
+    workers[1].ramp = 0.05;
+    let to_late = (0..4000)
+        .filter(|_| {
+            route(&req(160), &workers, &SchedulerConfig::default(), &mut rng).expect("ok").prefill.expect("p").id
+                == WorkerId(1)
+        })
+        .count();
+    assert!((800..1200).contains(&to_late), "0.05 of 0.2: a quarter of the requests it would win, {to_late}");
+}
+
+#[test]
 fn the_explanation_serializes_as_the_debug_api_promises() {
     let workers = [w(0, Prefill, 2, 0, 0), w(1, Decode, 0, 0, 0)];
     let d = decide(&req(64), &workers, &SchedulerConfig::default());
