@@ -29,14 +29,16 @@ def add_cluster_args(p, workers, out):
 
 
 @contextlib.contextmanager
-def mock_cluster(tandem, flags, engine="mock"):
-    """Yields the router's URL of `tandem up --engine ENGINE FLAGS` (mock by default) once it is up."""
+def mock_cluster(tandem, flags, engine="mock", log=None):
+    """Yields the router's URL of `tandem up --engine ENGINE FLAGS` (mock by default) once it is up; its stderr
+    (each worker's name and addresses) goes to the file `log` when given."""
     home = pathlib.Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     models = pathlib.Path(os.environ.get("TANDEM_HOME", pathlib.Path.home() / ".cache/tandem")) / "models"
     if models.is_dir():
         (home / "models").symlink_to(models)
     cmd = [tandem, "up", "--engine", engine, "--port", "0", *flags]
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    err = open(log, "w") if log else subprocess.DEVNULL
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                           env={**os.environ, "TANDEM_HOME": str(home)})
     try:
         line = up.stdout.readline()
@@ -52,6 +54,8 @@ def mock_cluster(tandem, flags, engine="mock"):
         except subprocess.TimeoutExpired:
             up.kill()
         shutil.rmtree(home, ignore_errors=True)
+        if log:
+            err.close()
 
 
 def set_router_config(url, patch):

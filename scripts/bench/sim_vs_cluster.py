@@ -26,6 +26,7 @@ import os
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -84,9 +85,29 @@ def prefilled_on(decision):
     return decision.get("prefill") or decision.get("decode")
 
 
-def agreement(recording, placements, sim_records):
-    """Share of requests prefilled on the same worker in the real cluster and the simulator, under the one-to-one
-    pairing of real and simulated workers that agrees most (greedy on the largest counts).
+def worker_names(log):
+    """`tandem up`'s workers by address, from the lines it prints at start (`  prefill-0  grpc 127.0.0.1:…, …`)."""
+    found = re.findall(r"^\s*(\S+-\d+)\s+grpc (\S+?),", pathlib.Path(log).read_text(), re.MULTILINE)
+    return {addr: name for name, addr in found}
+
+
+def retimed(recording, trace, n, path):
+    """The first `n` requests of `trace` at the times and in the order the real router routed them (its recording,
+    matched by prompt length): the simulator's input when only the routing is compared."""
+    requests = [json.loads(line) for line in pathlib.Path(trace).read_text().splitlines()[:n]]
+    lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines()[1:] if line.strip()]
+    unmatched = list(range(len(requests)))
+    with open(path, "w") as f:
+        for l in lines:
+            k = next((k for k, i in enumerate(unmatched) if requests[i]["input_length"] == l["input_length"]), None)
+            if k is not None:
+                f.write(json.dumps({**requests[unmatched.pop(k)], "timestamp": l["timestamp"]}) + "\n")
+
+
+def agreement(recording, placements, sim_records, names=None):
+    """Share of requests prefilled on the same worker in the real cluster and the simulator: workers matched by
+    name when `names` (address → name) is known, else under the one-to-one pairing of real and simulated workers
+    that agrees most (greedy on the largest counts).
 
     The recording is in the router's arrival order, where requests sent in the same instant may have swapped places:
     each recorded request is matched to the earliest unmatched simulated request of the same prompt length."""
@@ -108,13 +129,13 @@ def agreement(recording, placements, sim_records):
     for pair in pairs:
         counts[pair] = counts.get(pair, 0) + 1
     used_real, used_sim, agreed = set(), set(), 0
-    pairing = {}
+    pairing = dict(names or {})
     for (r, s), n in sorted(counts.items(), key=lambda kv: -kv[1]):
-        if r not in used_real and s not in used_sim:
+        if names is None and r not in used_real and s not in used_sim:
             used_real.add(r)
             used_sim.add(s)
             pairing[r] = s
-            agreed += n
+    agreed = sum(n for (r, s), n in counts.items() if pairing.get(r) == s)
     clear = [pair for pair, d in zip(pairs, decided) if d]
     clear_agreed = sum(1 for r, s in clear if pairing.get(r) == s)
     return agreed, len(pairs), len(real), clear_agreed, len(clear)
@@ -151,8 +172,10 @@ def main():
     recording.unlink(missing_ok=True)
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
              "--seed", str(args.seed), "--record-trace", str(recording), *tiers]
-    with mock_cluster(args.tandem, flags, engine=args.engine) as url:
-        set_router_config(url, {"ties": args.ties})
+    log = out / "cluster" / "up.log"
+    with mock_cluster(args.tandem, flags, engine=args.engine, log=log) as url:
+        # The simulator's workers start warm: no slow start for the real ones either.
+        set_router_config(url, {"ties": args.ties, "slow_start_secs": 0})
         real = bench_serve(args.tandem, url, [
             *workload, "--seed", str(args.seed),
             "--slo", SLO, "--ignore-eos", "--out", str(out / "cluster")])
@@ -184,12 +207,29 @@ def main():
               f"{100 * (s90 / r90 - 1):>7.1f}%{d:>7.3f}{pv:>8.3f}")
     print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, "
           f"real {100 * real['cached_token_fraction']:.1f}%")
+    names = worker_names(log)
     agreed, matched, recorded, clear_agreed, clear = agreement(
-        recording, out / "sim" / args.policy / "placements.jsonl", records(out / "sim" / args.policy / "records.jsonl"))
+        recording, out / "sim" / args.policy / "placements.jsonl", records(out / "sim" / args.policy / "records.jsonl"),
+        names)
     print(f"same prefill worker: {agreed} of {matched} requests ({100 * agreed / max(matched, 1):.1f}%; "
-          f"{recorded} recorded, {matched} matched to a simulated request by prompt length); "
+          f"{recorded} recorded, {matched} matched to a simulated request by prompt length; workers matched by name); "
           f"where the real router's choice was not a tie: {clear_agreed} of {clear} "
           f"({100 * clear_agreed / max(clear, 1):.1f}%)")
+    if not cpu:
+        # The routing alone: the simulator given the real router's own arrival order and routing times.
+        again = out / "sim-retimed"
+        again.mkdir(parents=True, exist_ok=True)
+        retimed(recording, TRACE, args.requests, again / "trace.jsonl")
+        done = subprocess.run([args.tandem, "sim", "--trace", str(again / "trace.jsonl"),
+                               "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
+                               "--seed", str(args.seed), *tiers[:4], "--config", str(config),
+                               "--out", str(again), "--json"], capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"tandem sim failed: {done.stderr}")
+        agreed, matched, _, clear_agreed, clear = agreement(
+            recording, again / args.policy / "placements.jsonl", records(again / args.policy / "records.jsonl"), names)
+        print(f"same prefill worker given the real router's arrival order and times (its recording): {agreed} of "
+              f"{matched} ({100 * agreed / max(matched, 1):.1f}%); not a tie: {clear_agreed} of {clear}")
 
 
 if __name__ == "__main__":
