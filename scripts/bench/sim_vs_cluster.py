@@ -18,7 +18,7 @@ both): this measures the timing model itself, which the mock shares with the sim
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6] [--ties random|hashed]
-      [--sim-profile cpu-smollm2-1t] [--host-cores N]
+      [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K]
       [--out runs/sim-vs-cluster]
 """
 import argparse
@@ -155,6 +155,9 @@ def main():
                         "worker of tandem up runs on a machine with no more cores than workers)")
     p.add_argument("--host-cores", default=str(os.cpu_count() or 1),
                    help="the cores the simulated CPU workers share (default: this machine's; 0: a machine each)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="real runs of the same command: latencies compared with the runs pooled, each run's range "
+                        "printed (one real run differs from the next by 10-20% at TTFT p90 on a 2-core machine)")
     p.add_argument("--ties", choices=["random", "hashed"], default="random",
                    help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
     add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
@@ -167,18 +170,19 @@ def main():
     # the mock cluster the trace sample.
     workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "512", "--suffix-len", "512",
                  "--output-len", "16"] if cpu else ["--trace", str(TRACE)]) + ["--max-requests", str(args.requests)]
-    recording = out / "cluster" / "recording.jsonl"
-    recording.parent.mkdir(parents=True, exist_ok=True)
-    recording.unlink(missing_ok=True)
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
-             "--seed", str(args.seed), "--record-trace", str(recording), *tiers]
-    log = out / "cluster" / "up.log"
-    with mock_cluster(args.tandem, flags, engine=args.engine, log=log) as url:
-        # The simulator's workers start warm: no slow start for the real ones either.
-        set_router_config(url, {"ties": args.ties, "slow_start_secs": 0})
-        real = bench_serve(args.tandem, url, [
-            *workload, "--seed", str(args.seed),
-            "--slo", SLO, "--ignore-eos", "--out", str(out / "cluster")])
+             "--seed", str(args.seed), *tiers]
+    runs = []  # (directory, bench serve's summary) per real run
+    for k in range(args.repeat):
+        d = out / ("cluster" if k == 0 else f"cluster-{k}")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "recording.jsonl").unlink(missing_ok=True)
+        with mock_cluster(args.tandem, [*flags, "--record-trace", str(d / "recording.jsonl")], engine=args.engine,
+                          log=d / "up.log") as url:
+            # The simulator's workers start warm: no slow start for the real ones either.
+            set_router_config(url, {"ties": args.ties, "slow_start_secs": 0})
+            runs.append((d, bench_serve(args.tandem, url, [
+                *workload, "--seed", str(args.seed), "--slo", SLO, "--ignore-eos", "--out", str(d)])))
     profile = ["--profile", args.sim_profile, "--max-model-len", "8192", "--host-cores", args.host_cores] if cpu else []
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
@@ -193,31 +197,41 @@ def main():
         sys.exit(f"tandem sim failed: {sim.stderr}")
     simulated = json.loads(sim.stdout)["policies"][args.policy]
     a = metrics(records(out / "sim" / args.policy / "records.jsonl"))
-    b = metrics(records(out / "cluster" / "records.jsonl"))
+    per_run = [metrics(records(d / "records.jsonl")) for d, _ in runs]
+    b = {name: [v for m in per_run for v in m[name]] for name in a}
     print(f"{args.engine}: {args.requests} requests, {args.prefill}+{args.decode} workers, policy {args.policy}, "
-          f"seed {args.seed}; "
-          f"real run valid: {real['valid']} {real.get('invalid_reasons') or ''}")
+          f"ties {args.ties}, seed {args.seed}; real runs valid: "
+          + ", ".join(f"{r['valid']} {r.get('invalid_reasons') or ''}".strip() for _, r in runs))
+    pooled = " (the real runs pooled)" if len(runs) > 1 else ""
     print(f"{'metric':<9}{'sim p50':>10}{'real p50':>10}{'diff':>8}{'sim p90':>10}{'real p90':>10}{'diff':>8}"
-          f"{'KS D':>7}{'KS p':>8}")
+          f"{'KS D':>7}{'KS p':>8}{pooled}")
     for name in a:
         s50, r50 = quantile(a[name], 0.5), quantile(b[name], 0.5)
         s90, r90 = quantile(a[name], 0.9), quantile(b[name], 0.9)
         d, pv = ks_test(a[name], b[name])
         print(f"{name:<9}{s50:>10.1f}{r50:>10.1f}{100 * (s50 / r50 - 1):>7.1f}%{s90:>10.1f}{r90:>10.1f}"
               f"{100 * (s90 / r90 - 1):>7.1f}%{d:>7.3f}{pv:>8.3f}")
-    print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, "
-          f"real {100 * real['cached_token_fraction']:.1f}%")
-    names = worker_names(log)
-    agreed, matched, recorded, clear_agreed, clear = agreement(
-        recording, out / "sim" / args.policy / "placements.jsonl", records(out / "sim" / args.policy / "records.jsonl"),
-        names)
-    print(f"same prefill worker: {agreed} of {matched} requests ({100 * agreed / max(matched, 1):.1f}%; "
-          f"{recorded} recorded, {matched} matched to a simulated request by prompt length; workers matched by name); "
-          f"where the real router's choice was not a tie: {clear_agreed} of {clear} "
-          f"({100 * clear_agreed / max(clear, 1):.1f}%)")
-    if not cpu:
+    if len(runs) > 1:
+        for name in a:
+            p50s = [quantile(m[name], 0.5) for m in per_run]
+            p90s = [quantile(m[name], 0.9) for m in per_run]
+            print(f"  {name} of each real run: p50 {min(p50s):.1f}-{max(p50s):.1f}, p90 {min(p90s):.1f}-{max(p90s):.1f}")
+    print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, real "
+          + ", ".join(f"{100 * r['cached_token_fraction']:.1f}%" for _, r in runs))
+    for d, _ in runs:
+        recording = d / "recording.jsonl"
+        names = worker_names(d / "up.log")
+        agreed, matched, recorded, clear_agreed, clear = agreement(
+            recording, out / "sim" / args.policy / "placements.jsonl",
+            records(out / "sim" / args.policy / "records.jsonl"), names)
+        print(f"{d.name}: same prefill worker: {agreed} of {matched} requests ({100 * agreed / max(matched, 1):.1f}%; "
+              f"{recorded} recorded, {matched} matched to a simulated request by prompt length; workers matched by "
+              f"name); where the real router's choice was not a tie: {clear_agreed} of {clear} "
+              f"({100 * clear_agreed / max(clear, 1):.1f}%)")
+        if cpu:
+            continue
         # The routing alone: the simulator given the real router's own arrival order and routing times.
-        again = out / "sim-retimed"
+        again = out / f"sim-retimed-{d.name}"
         again.mkdir(parents=True, exist_ok=True)
         retimed(recording, TRACE, args.requests, again / "trace.jsonl")
         done = subprocess.run([args.tandem, "sim", "--trace", str(again / "trace.jsonl"),
@@ -228,8 +242,8 @@ def main():
             sys.exit(f"tandem sim failed: {done.stderr}")
         agreed, matched, _, clear_agreed, clear = agreement(
             recording, again / args.policy / "placements.jsonl", records(again / args.policy / "records.jsonl"), names)
-        print(f"same prefill worker given the real router's arrival order and times (its recording): {agreed} of "
-              f"{matched} ({100 * agreed / max(matched, 1):.1f}%); not a tie: {clear_agreed} of {clear}")
+        print(f"{d.name}: same prefill worker given the real router's arrival order and times (its recording): "
+              f"{agreed} of {matched} ({100 * agreed / max(matched, 1):.1f}%); not a tie: {clear_agreed} of {clear}")
 
 
 if __name__ == "__main__":
