@@ -273,3 +273,42 @@ async fn requests_routed_at_the_same_moment_see_each_others_prompts() {
     assert_eq!(prefill_worker(&planned().await), chosen, "the same prompt on idle workers goes where it went");
     stop(router, workers).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_reserve_decode_a_routed_request_counts_on_its_decode_worker_from_the_decision() {
+    use router::http::completions::{Ident, plan};
+    use router::http::openai::{Endpoint, check_chat};
+    use router::scheduler::config::{SchedulerConfig, Ties};
+
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster_with(
+        &ca,
+        &[Role::Prefill, Role::Decode, Role::Decode],
+        |c| c,
+        |c| {
+            let scheduler = SchedulerConfig { ties: Ties::Hashed, reserve_decode: true, ..c.scheduler };
+            router::run::RouterConfig { scheduler, ..c }
+        },
+    )
+    .await;
+    let state = &router.state;
+    let body = serde_json::json!({
+        "model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Name three rivers of Europe and say where each one rises. ".repeat(8)}],
+    })
+    .to_string();
+    let planned = || async {
+        let checked = check_chat(body.as_bytes()).expect("valid");
+        plan(state, checked, Ident::new(state, Endpoint::Chat), None, true).await.expect("routed")
+    };
+    // Two copies of one prompt, routed before either reaches a decode worker: without the reservation both would
+    // see two idle decode workers and tie the same way.
+    let (first, second) = (planned().await, planned().await);
+    assert!(first.decision.disaggregate && second.decision.disaggregate, "{:?}", first.decision);
+    let (d1, d2) = (first.decision.decode.id, second.decision.decode.id);
+    assert_ne!(d1, d2, "the second saw the first's decode coming");
+    assert_eq!((state.cluster.in_flight(d1), state.cluster.in_flight(d2)), (1, 1));
+    drop((first, second));
+    assert_eq!((state.cluster.in_flight(d1), state.cluster.in_flight(d2)), (0, 0), "no count is left behind");
+    stop(router, workers).await;
+}

@@ -33,8 +33,9 @@ pub struct Job {
     pub traceparent: Option<String>,
     /// The request's deadline as Unix milliseconds, sent to workers so they drop work nobody waits for.
     pub deadline_unix_ms: u64,
-    /// The routing decision's count of the prompt on the worker that computes it, held until the job ends.
-    pub reserved: Option<crate::cluster::Reservation>,
+    /// The routing decision's counts: the prompt on the worker that computes it and, with `reserve_decode`, the
+    /// request on its decode worker; held until the job ends.
+    pub reserved: Vec<crate::cluster::Reservation>,
 }
 
 impl Job {

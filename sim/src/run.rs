@@ -503,6 +503,9 @@ impl<'a> Sim<'a> {
             self.live[i].prefill = Some(target);
         }
         self.send(target, i, uncached);
+        if export && self.settings.scheduler.reserve_decode {
+            self.send(decode, i, 0);
+        }
         let request = self.request(i, self.live[i].prompt.clone(), max_tokens);
         self.submit(now, target, i, &request, export, &[]);
     }
@@ -669,6 +672,9 @@ impl<'a> Sim<'a> {
 
     /// Request `i` ended: its record, and the session turns that wait for it.
     fn finish(&mut self, now: f64, i: usize, status: u16, error: Option<String>, finish: Option<&str>) {
+        // However it ended, the router forgets it on its decode worker (reserved there at the decision, or sent).
+        let (router, decode) = (self.live[i].router, self.live[i].decode);
+        self.routers[router].load.done(WorkerId(decode as u32), i as u64);
         // What a finished request no longer needs goes (a whole trace's prompts would not fit in memory); its
         // gaps move into the record.
         let gaps = std::mem::take(&mut self.live[i].gaps);

@@ -165,6 +165,10 @@ pub struct SchedulerConfig {
     /// Refuse a request (429 with Retry-After) when the worker that would prefill it has more than this many
     /// milliseconds of prompts queued at its measured speed; none: never (requests queue at the workers).
     pub shed_wait_ms: Option<f64>,
+    /// Count a disaggregated request on its decode worker from the routing decision on, not only once the decode
+    /// worker starts it (after the prefill and the pull): requests routed meanwhile see the decode work coming.
+    /// Off by default for now: the published figures were measured without it (`docs/simulation.md`).
+    pub reserve_decode: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -199,6 +203,7 @@ impl Default for SchedulerConfig {
             balance_abs_threshold: BALANCE_ABS_THRESHOLD,
             balance_rel_threshold: BALANCE_REL_THRESHOLD,
             shed_wait_ms: None,
+            reserve_decode: false,
         }
     }
 }
