@@ -231,79 +231,63 @@ async fn a_lease_no_decode_worker_needs_is_released_at_once() {
     stop(router, workers).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_routed_at_the_same_moment_see_each_others_prompts() {
+/// A cluster of `roles` whose router breaks ties by hashing (two cold copies of one prompt on idle workers tie the
+/// same way, so only a count of the first can send the second elsewhere), with `reserve_decode` as given.
+async fn hashed_ties_cluster(roles: &[Role], reserve_decode: bool) -> (Vec<worker::RunningWorker>, RunningRouter) {
+    use router::scheduler::config::{SchedulerConfig, Ties};
+    let ca = DevCa::generate().expect("ca");
+    cluster_with(
+        &ca,
+        roles,
+        |c| c,
+        |c| {
+            let scheduler = SchedulerConfig { ties: Ties::Hashed, reserve_decode, ..c.scheduler };
+            router::run::RouterConfig { scheduler, ..c }
+        },
+    )
+    .await
+}
+
+/// One long chat prompt routed (and counted) but not started: as when many requests arrive at once.
+async fn planned(router: &RunningRouter) -> router::http::completions::Routed {
     use router::http::completions::{Ident, plan};
     use router::http::openai::{Endpoint, check_chat};
-    use router::scheduler::config::{SchedulerConfig, Ties};
-
-    let ca = DevCa::generate().expect("ca");
-    // Hashed ties: two cold copies of one prompt on idle workers tie the same way, so only the first one's
-    // count on its worker can send the second elsewhere.
-    let (workers, router) = cluster_with(
-        &ca,
-        &[Role::Prefill, Role::Prefill, Role::Decode],
-        |c| c,
-        |c| router::run::RouterConfig { scheduler: SchedulerConfig { ties: Ties::Hashed, ..c.scheduler }, ..c },
-    )
-    .await;
-    let state = &router.state;
     let body = serde_json::json!({
         "model": MODEL, "max_tokens": 4,
         "messages": [{"role": "user", "content": "Name three rivers of Europe and say where each one rises. ".repeat(8)}],
     })
     .to_string();
-    let planned = || async {
-        let checked = check_chat(body.as_bytes()).expect("valid");
-        plan(state, checked, Ident::new(state, Endpoint::Chat), None, true).await.expect("routed")
-    };
+    let state = &router.state;
+    let checked = check_chat(body.as_bytes()).expect("valid");
+    plan(state, checked, Ident::new(state, Endpoint::Chat), None, true).await.expect("routed")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_routed_at_the_same_moment_see_each_others_prompts() {
+    let (workers, router) = hashed_ties_cluster(&[Role::Prefill, Role::Prefill, Role::Decode], false).await;
+    let state = &router.state;
     let prefill_worker = |r: &router::http::completions::Routed| {
         assert!(r.decision.disaggregate, "a cold prompt goes to a prefill worker: {:?}", r.decision);
         r.decision.prefill.as_ref().expect("prefill choice").id
     };
-    // Routed, not yet started: nothing has been sent to a worker, as when many requests arrive at once.
-    let first = planned().await;
-    let second = planned().await;
+    let first = planned(&router).await;
+    let second = planned(&router).await;
     assert_ne!(prefill_worker(&first), prefill_worker(&second), "the second saw the first's prompt queued");
     // A request that ends (here: one that never started) gives its count back.
     let chosen = prefill_worker(&first);
     assert_eq!(state.cluster.in_flight(chosen), 1);
     drop((first, second));
     assert_eq!(state.cluster.in_flight(chosen), 0, "no count is left behind");
-    assert_eq!(prefill_worker(&planned().await), chosen, "the same prompt on idle workers goes where it went");
+    assert_eq!(prefill_worker(&planned(&router).await), chosen, "the same prompt on idle workers goes where it went");
     stop(router, workers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_reserve_decode_a_routed_request_counts_on_its_decode_worker_from_the_decision() {
-    use router::http::completions::{Ident, plan};
-    use router::http::openai::{Endpoint, check_chat};
-    use router::scheduler::config::{SchedulerConfig, Ties};
-
-    let ca = DevCa::generate().expect("ca");
-    let (workers, router) = cluster_with(
-        &ca,
-        &[Role::Prefill, Role::Decode, Role::Decode],
-        |c| c,
-        |c| {
-            let scheduler = SchedulerConfig { ties: Ties::Hashed, reserve_decode: true, ..c.scheduler };
-            router::run::RouterConfig { scheduler, ..c }
-        },
-    )
-    .await;
+    let (workers, router) = hashed_ties_cluster(&[Role::Prefill, Role::Decode, Role::Decode], true).await;
     let state = &router.state;
-    let body = serde_json::json!({
-        "model": MODEL, "max_tokens": 4,
-        "messages": [{"role": "user", "content": "Name three rivers of Europe and say where each one rises. ".repeat(8)}],
-    })
-    .to_string();
-    let planned = || async {
-        let checked = check_chat(body.as_bytes()).expect("valid");
-        plan(state, checked, Ident::new(state, Endpoint::Chat), None, true).await.expect("routed")
-    };
-    // Two copies of one prompt, routed before either reaches a decode worker: without the reservation both would
-    // see two idle decode workers and tie the same way.
-    let (first, second) = (planned().await, planned().await);
+    // Without the reservation both would see two idle decode workers and tie the same way.
+    let (first, second) = (planned(&router).await, planned(&router).await);
     assert!(first.decision.disaggregate && second.decision.disaggregate, "{:?}", first.decision);
     let (d1, d2) = (first.decision.decode.id, second.decision.decode.id);
     assert_ne!(d1, d2, "the second saw the first's decode coming");
