@@ -128,13 +128,11 @@ def agreement(recording, placements, sim_records, names=None):
     counts = {}
     for pair in pairs:
         counts[pair] = counts.get(pair, 0) + 1
-    used_real, used_sim, agreed = set(), set(), 0
-    pairing = dict(names or {})
-    for (r, s), n in sorted(counts.items(), key=lambda kv: -kv[1]):
-        if names is None and r not in used_real and s not in used_sim:
-            used_real.add(r)
-            used_sim.add(s)
-            pairing[r] = s
+    pairing = dict(names) if names is not None else {}
+    if names is None:
+        for (r, s), n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            if r not in pairing and s not in pairing.values():
+                pairing[r] = s
     agreed = sum(n for (r, s), n in counts.items() if pairing.get(r) == s)
     clear = [pair for pair, d in zip(pairs, decided) if d]
     clear_agreed = sum(1 for r, s in clear if pairing.get(r) == s)

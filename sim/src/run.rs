@@ -399,10 +399,8 @@ impl<'a> Sim<'a> {
     fn route(&mut self, now: f64, i: usize) {
         let router = self.live[i].router;
         let cfg = &self.settings.scheduler;
-        let hashes = &self.live[i].hashes;
-        let keys: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let bs = self.block_size.tokens() as u64;
-        let req = RouteRequest::new(self.live[i].prompt.len() as u64, bs, &keys, cfg.prefix_hash_blocks);
+        let req = RouteRequest::new(self.live[i].prompt.len() as u64, bs, &self.live[i].hashes, cfg.prefix_hash_blocks);
         self.sample_balance(now);
         let views = self.view(router, &self.live[i].hashes);
         let placed = if self.settings.replay {

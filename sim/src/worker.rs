@@ -20,8 +20,6 @@ pub struct SimWorker {
     pub stepping: bool,
     /// What the step under way produced, delivered at its end.
     pub pending: Vec<Output>,
-    /// The last KV event sent to the router.
-    pub events_sent: Option<EventId>,
     /// Per router replica (each follows its own load stream): the last report's state and when it was sent.
     reported: Vec<Option<(EngineStats, f64)>>,
     /// When the worker's network link is next free (transfers queue on it).
@@ -40,7 +38,6 @@ impl SimWorker {
             engine,
             stepping: false,
             pending: Vec::new(),
-            events_sent: None,
             reported: vec![None; routers],
             link_free: 0.0,
             pulled_bytes: 0,
@@ -50,16 +47,9 @@ impl SimWorker {
 
     /// KV events not yet sent to the router.
     pub fn new_events(&mut self) -> Vec<(EventId, KvEvent)> {
-        match self.engine.take_kv_events() {
-            Ok(events) => {
-                if let Some((id, _)) = events.last() {
-                    self.events_sent = Some(*id);
-                }
-                events
-            }
-            // Cannot happen: the simulator's workers keep every event until it is taken (`replay_events` unbounded).
-            Err(_) => Vec::new(),
-        }
+        // Err cannot happen: the simulator's workers keep every event until it is taken (`replay_events`
+        // unbounded).
+        self.engine.take_kv_events().unwrap_or_default()
     }
 
     /// The load reports due at `now`, by router replica (the period passed on that stream, or the load changed a

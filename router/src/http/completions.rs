@@ -98,8 +98,7 @@ pub async fn plan(
     let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
     let hashes = block_hashes(&tokens, bs, namespace.as_ref()).seq;
     let config = state.scheduler_config();
-    let keys: Vec<u64> = hashes.iter().map(|h| h.0).collect();
-    let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &keys, config.prefix_hash_blocks);
+    let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
     let span = tracing::info_span!(
         "route",
         policy = config.policy.as_str(),

@@ -60,8 +60,9 @@ pub enum Ties {
     #[default]
     Random,
     /// By rendezvous hashing of the request's prompt with each tied worker's id: uniform over different prompts,
-    /// but a function of the request and the router's view alone, so a decision can be reproduced (by another
-    /// router replica, or the simulator) without replaying every decision before it.
+    /// but a function of the request and the router's view alone, so a decision can be reproduced without
+    /// replaying every decision before it, by a router that numbers the workers alike (ids follow the order the
+    /// workers were first followed: the simulator, against `tandem up`).
     Hashed,
 }
 

@@ -189,10 +189,13 @@ fn pick(
     rotation: &mut Rotation,
 ) -> usize {
     let requests: Vec<u64> = candidates.iter().map(|c| c.active_requests).collect();
-    let ids: Vec<view::WorkerId> = candidates.iter().map(|c| c.id).collect();
+    let ids: Vec<view::WorkerId>;
     let tie = match cfg.ties {
         Ties::Random => Tie::Random,
-        Ties::Hashed => Tie::Hashed { key: req.key, ids: &ids },
+        Ties::Hashed => {
+            ids = candidates.iter().map(|c| c.id).collect();
+            Tie::Hashed { key: req.key, ids: &ids }
+        }
     };
     match (cfg.policy, pool) {
         (Policy::Kv, _) => {

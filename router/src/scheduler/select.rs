@@ -29,7 +29,9 @@ pub fn choose(costs: &[f64], temperature: f64, tie: Tie, rng: &mut Rng) -> usize
                 let ties: Vec<usize> = ties.collect();
                 ties[rng.below(ties.len())]
             }
-            Tie::Hashed { key, ids } => ties.max_by_key(|&i| rendezvous(key, ids[i])).unwrap_or(0),
+            Tie::Hashed { key, ids } => ties
+                .max_by_key(|&i| rendezvous(key, u64::from(ids[i].0).wrapping_mul(0xD6E8_FEB8_6659_FD93)))
+                .unwrap_or(0),
         };
     }
     if max - min <= TIE_EPSILON {
@@ -84,8 +86,7 @@ pub fn power_of_two(loads: &[f64], rng: &mut Rng) -> usize {
 pub fn prefix_hash(key: u64, names: &[&str], requests: &[u64], factor: f64) -> usize {
     let total: u64 = requests.iter().sum();
     let cap = (factor * (total + 1) as f64 / names.len().max(1) as f64).ceil() as u64;
-    let mut ranked: Vec<(u64, usize)> =
-        names.iter().enumerate().map(|(i, n)| (Rng::new(key ^ fnv1a(n)).next_u64(), i)).collect();
+    let mut ranked: Vec<(u64, usize)> = names.iter().enumerate().map(|(i, n)| (rendezvous(key, fnv1a(n)), i)).collect();
     ranked.sort_unstable_by(|a, b| b.cmp(a));
     ranked
         .iter()
@@ -113,10 +114,10 @@ pub fn sglang_threshold(matched: &[f64], requests: &[u64], threshold: f64, abs: 
     shortest(rng)
 }
 
-/// The rank of worker `id` for a request keyed `key` (higher first): a SplitMix64 mix of the two, so each
-/// request orders the workers independently and uniformly.
-fn rendezvous(key: u64, id: WorkerId) -> u64 {
-    Rng::new(key ^ u64::from(id.0).wrapping_mul(0xD6E8_FEB8_6659_FD93)).next_u64()
+/// Rendezvous hashing: the rank (higher first) of the worker named by `worker` (a hash of its name or id) for a
+/// request keyed `key`, a SplitMix64 mix of the two, so each key orders the workers independently and uniformly.
+fn rendezvous(key: u64, worker: u64) -> u64 {
+    Rng::new(key ^ worker).next_u64()
 }
 
 /// FNV-1a: a stable hash of a worker's name (the same in every router process).

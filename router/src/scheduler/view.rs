@@ -79,9 +79,9 @@ pub struct RouteRequest {
 impl RouteRequest {
     /// A request of `isl` tokens with chained block hashes `hashes` (its full blocks), keyed on its first
     /// `prefix_blocks` blocks.
-    pub fn new(isl: u64, block_size: u64, hashes: &[u64], prefix_blocks: usize) -> RouteRequest {
-        let prefix_key = hashes.get(prefix_blocks.min(hashes.len()).wrapping_sub(1)).copied().unwrap_or(isl);
-        let key = hashes.last().copied().unwrap_or(0) ^ isl.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    pub fn new(isl: u64, block_size: u64, hashes: &[kv_cache::SeqHash], prefix_blocks: usize) -> RouteRequest {
+        let prefix_key = hashes.get(prefix_blocks.min(hashes.len()).wrapping_sub(1)).map_or(isl, |h| h.0);
+        let key = hashes.last().map_or(0, |h| h.0) ^ isl.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         RouteRequest { isl, block_size, prefix_key, key }
     }
 
