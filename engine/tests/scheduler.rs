@@ -106,14 +106,19 @@ fn prefixes_offloaded_to_host_and_disk_onboard_exactly() {
     let before = e.counters();
     assert_eq!(run(&mut e, std::slice::from_ref(&p)), want);
     let c = e.counters();
-    assert_eq!(c.cached_tokens[1] - before.cached_tokens[1], 48, "three whole blocks onboarded from host");
+    // Chains leave the device last block first: the filler's five blocks took three of the prompt's four, so its
+    // first block is still on the device and the next two come back from the host.
+    let reused = |c: &engine::generate::Counters, t: usize| c.cached_tokens[t] - before.cached_tokens[t];
+    assert_eq!((reused(&c, 0), reused(&c, 1)), (16, 32), "three whole blocks reused, two onboarded from host");
     assert!(c.onboards[1] > before.onboards[1] && c.offloads[1] > 0);
     // Two more fillers push them on to disk.
     run(&mut e, &fillers);
     let before = e.counters();
     assert_eq!(run(&mut e, std::slice::from_ref(&p)), want);
     let c = e.counters();
-    assert_eq!(c.cached_tokens[2] - before.cached_tokens[2], 48, "three whole blocks onboarded from disk");
+    let reused = |c: &engine::generate::Counters, t: usize| c.cached_tokens[t] - before.cached_tokens[t];
+    // Now the first block is the one on the host, and the two after it went on to disk.
+    assert_eq!((reused(&c, 0), reused(&c, 1), reused(&c, 2)), (0, 16, 32), "one block from host, two from disk");
     assert!(c.offloads[2] > 0 && c.onboards[2] > before.onboards[2]);
     let _ = std::fs::remove_dir_all(&dir);
 }

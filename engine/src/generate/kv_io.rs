@@ -99,7 +99,7 @@ impl Engine {
             let reusable = (len.saturating_sub(1)) / bt;
             self.hold(&hashes.seq[..reusable.min(full)])
         });
-        for &slot in &stored {
+        for &slot in stored.iter().rev() {
             self.pool.release(slot).map_err(EngineError::Pool)?;
         }
         self.counters.imported_blocks += stored.len() as u64;
@@ -111,7 +111,7 @@ impl Engine {
     fn hold(&mut self, seq: &[SeqHash]) -> Result<Vec<BlockId>, EngineError> {
         let acquired = self.pool.acquire(seq);
         if let Err(e) = self.execute(&acquired.actions) {
-            for &slot in &acquired.slots {
+            for &slot in acquired.slots.iter().rev() {
                 let _ = self.pool.release(slot);
             }
             return Err(e);

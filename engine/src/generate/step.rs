@@ -109,10 +109,12 @@ impl Engine {
         Ok(())
     }
 
-    /// Gives back every block `s` references, its held prefix included.
+    /// Gives back every block `s` references, its held prefix included, last block first: blocks that become
+    /// evictable join the end of the LRU order, so a chain leaves the device from its end and what stays is always
+    /// a prefix (its first block gone first would leave the rest unreachable by any prompt).
     pub(super) fn release_blocks(&mut self, s: &mut Seq) -> Result<(), EngineError> {
         let mut result = Ok(());
-        for b in s.blocks.drain(..).chain(s.pinned.drain(..)) {
+        for b in s.blocks.drain(..).rev().chain(s.pinned.drain(..).rev()) {
             if let Err(e) = self.pool.release(b.0) {
                 result = Err(EngineError::Pool(e));
             }

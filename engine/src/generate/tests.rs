@@ -85,3 +85,24 @@ fn an_import_that_finds_no_free_device_block_queues_the_request_to_compute_inste
     }
     assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "no block leaked");
 }
+
+#[test]
+fn a_finished_sequence_leaves_the_device_last_block_first_so_its_prefix_stays_findable() {
+    let config = EngineConfig { kv_blocks: 8, host_blocks: 0, max_model_len: Some(128), ..EngineConfig::default() };
+    let mut e = engine(config);
+    let prompt: Vec<u32> = (100..150).collect();
+    let mut seqs = vec![e.new_seq(&greedy(prompt.clone(), 2), 0).expect("valid")];
+    while seqs[0].active() {
+        e.step(&mut seqs, &mut |_| {}).expect("steps");
+    }
+    e.release_blocks(&mut seqs[0]).expect("released");
+    let hashes = kv_cache::block_hashes(&prompt, e.block_size(), None).seq;
+    assert_eq!(e.lookup(&hashes).device, 3, "the prompt's three full blocks are cached");
+    // Taking every free block, then one more, evicts one cached block: the chain's last, not its first (which
+    // would leave the other two unreachable by any prefix).
+    let free = e.kv_usage(kv_cache::events::Tier::Device).free;
+    for _ in 0..=free {
+        e.pool.allocate(&mut Vec::new()).expect("a block");
+    }
+    assert_eq!(e.lookup(&hashes).device, 2);
+}
