@@ -87,10 +87,13 @@ pub struct TooOld {
 
 /// Ids and a bounded buffer of recent events.
 ///
-/// An event nobody has read yet takes in the next one when that continues it (blocks stored on the same tier
-/// right after its last block, or more blocks leaving the same tier): applying the merged event is applying both,
-/// and a pool that stores a prompt block by block publishes one event per run of blocks instead of one per block.
-/// Reading seals what was read, so an event never grows after a reader has seen it.
+/// An event nobody has read yet takes in a later one that continues it (blocks stored on the same tier right after
+/// its last block or right before its first, or more blocks leaving the same tier), when every event between them
+/// commutes with the later one (another tier, or the same tier and other blocks): applying the joined event, then
+/// the ones between, is applying them all in order. So a pool that stores a prompt block by block, or offloads a
+/// chain block by block (a removal from one tier and a store on the next, interleaved), publishes one event per
+/// run of blocks and tier instead of one per block. Reading seals what was read, so an event never grows after a
+/// reader has seen it.
 #[derive(Debug)]
 pub struct EventLog {
     next: u64,
@@ -98,6 +101,59 @@ pub struct EventLog {
     capacity: usize,
     /// Events with ids below this were read and never change again.
     sealed: AtomicU64,
+}
+
+/// How many unread events a new one looks back over for one to join.
+const LOOKBACK: usize = 4;
+
+/// Joins `later` into `earlier` when applying the result is applying both in order, else hands it back.
+fn join(earlier: &mut KvEvent, later: KvEvent) -> Result<(), KvEvent> {
+    match (earlier, later) {
+        (KvEvent::Stored { tier, parent, blocks }, KvEvent::Stored { tier: t, parent: p, blocks: mut more })
+            if *tier == t =>
+        {
+            if p.is_some() && blocks.last().map(|b| b.0) == p {
+                blocks.extend(more);
+                Ok(())
+            } else if parent.is_some() && blocks.len() < JOIN_BEFORE && more.last().map(|b| b.0) == *parent {
+                more.append(blocks);
+                (*parent, *blocks) = (p, more);
+                Ok(())
+            } else {
+                Err(KvEvent::Stored { tier: t, parent: p, blocks: more })
+            }
+        }
+        (KvEvent::Removed { tier, seqs }, KvEvent::Removed { tier: t, seqs: more }) if *tier == t => {
+            seqs.extend(more);
+            Ok(())
+        }
+        (_, later) => Err(later),
+    }
+}
+
+/// Blocks compared at most to tell a store and a removal on one tier apart (past it they are taken to overlap):
+/// a bound on the work of every push.
+const DISJOINT_CHECK: usize = 128;
+
+/// The longest a stored event grows by blocks before its first (each such join moves every block it holds).
+const JOIN_BEFORE: usize = 128;
+
+/// Whether applying `a` then `b` leaves the same content as `b` then `a`.
+fn commute(a: &KvEvent, b: &KvEvent) -> bool {
+    let tier = |e: &KvEvent| match e {
+        KvEvent::Stored { tier, .. } | KvEvent::Removed { tier, .. } => Some(*tier),
+        KvEvent::Cleared { tier } => *tier,
+    };
+    match (a, b) {
+        (KvEvent::Cleared { tier: None }, _) | (_, KvEvent::Cleared { tier: None }) => false,
+        _ if tier(a) != tier(b) => true,
+        (KvEvent::Stored { .. }, KvEvent::Stored { .. }) | (KvEvent::Removed { .. }, KvEvent::Removed { .. }) => true,
+        (KvEvent::Stored { blocks, .. }, KvEvent::Removed { seqs, .. })
+        | (KvEvent::Removed { seqs, .. }, KvEvent::Stored { blocks, .. }) => {
+            blocks.len().saturating_mul(seqs.len()) <= DISJOINT_CHECK && !blocks.iter().any(|(h, _)| seqs.contains(h))
+        }
+        _ => false,
+    }
 }
 
 impl Clone for EventLog {
@@ -117,25 +173,23 @@ impl EventLog {
         EventLog { next: 0, buffer: VecDeque::with_capacity(capacity.min(4096)), capacity, sealed: AtomicU64::new(0) }
     }
 
-    /// Records `event` and returns its id: the newest event's when it continues that one, unread.
+    /// Records `event` and returns its id: that of an unread event it joins (see the type's documentation).
     pub fn push(&mut self, event: KvEvent) -> EventId {
-        let open = self.next > *self.sealed.get_mut();
-        let event = match (open, self.buffer.back_mut()) {
-            (true, Some((id, last))) => match (last, event) {
-                (KvEvent::Stored { tier, blocks, .. }, KvEvent::Stored { tier: t, parent, blocks: more })
-                    if *tier == t && parent.is_some() && blocks.last().map(|b| b.0) == parent =>
-                {
-                    blocks.extend(more);
-                    return *id;
-                }
-                (KvEvent::Removed { tier, seqs }, KvEvent::Removed { tier: t, seqs: more }) if *tier == t => {
-                    seqs.extend(more);
-                    return *id;
-                }
-                (_, event) => event,
-            },
-            _ => event,
-        };
+        let unread = self.next.saturating_sub(*self.sealed.get_mut()) as usize;
+        let back = unread.min(self.buffer.len()).min(LOOKBACK);
+        let mut event = event;
+        for k in 1..=back {
+            let at = self.buffer.len() - k;
+            let (id, earlier) = &mut self.buffer[at];
+            match join(earlier, event) {
+                Ok(()) => return *id,
+                Err(e) => event = e,
+            }
+            // Past an event that does not commute with this one, joining an older one would reorder them.
+            if !commute(&self.buffer[at].1, &event) {
+                break;
+            }
+        }
         self.append(event)
     }
 
@@ -278,6 +332,37 @@ mod tests {
         // Nor does the newest event once a snapshot was taken as of it.
         assert_eq!(log.last(), Some(EventId(5)));
         assert_eq!(log.push(removed(Tier::Host, &[12])), EventId(6));
+    }
+
+    #[test]
+    fn a_chain_offloaded_block_by_block_makes_one_event_per_tier() {
+        // What the pool logs moving blocks 3, 2, 1 of a chain (last first) from the device to the host tier, each
+        // made room for by dropping an old host block: the host drop, the host store, the device removal.
+        let mut log = EventLog::new(16);
+        for (b, old) in [(3, 30), (2, 20), (1, 10)] {
+            log.push(removed(Tier::Host, &[old]));
+            log.push(stored(Tier::Host, Some(b - 1), &[b]));
+            log.push(removed(Tier::Device, &[b]));
+        }
+        assert_eq!(
+            log.take_unread().expect("held"),
+            vec![
+                (EventId(0), removed(Tier::Host, &[30, 20, 10])),
+                (EventId(1), stored(Tier::Host, Some(0), &[1, 2, 3])),
+                (EventId(2), removed(Tier::Device, &[3, 2, 1])),
+            ]
+        );
+        // A removal never moves before a store of the same block on its tier, nor a store before its removal.
+        log.push(stored(Tier::Host, None, &[5]));
+        log.push(removed(Tier::Host, &[6]));
+        log.push(removed(Tier::Host, &[5]));
+        log.push(stored(Tier::Host, Some(5), &[7]));
+        log.push(stored(Tier::Host, None, &[5]));
+        let read: Vec<KvEvent> = log.take_unread().expect("held").into_iter().map(|(_, e)| e).collect();
+        assert_eq!(
+            read,
+            vec![stored(Tier::Host, None, &[5, 7]), removed(Tier::Host, &[6, 5]), stored(Tier::Host, None, &[5]),]
+        );
     }
 
     #[test]

@@ -163,24 +163,25 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// Moves the cached block at `at` one tier down (or drops it from the last tier), leaving `at` free.
     fn evict(&mut self, at: Location, actions: &mut Vec<Action>) {
         let Some(meta) = self.table_mut(at.tier).take_cached(at.slot) else { return };
-        self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] });
-        let Some(below) = at.tier.below().filter(|&t| self.table(t).capacity() > 0) else { return };
-        let slot = match self.table_mut(below).take_free() {
-            Some(s) => s,
-            None => match self.table(below).victim() {
-                Some(v) => {
-                    self.evict(Location { tier: below, slot: v }, actions);
-                    match self.table_mut(below).take_free() {
-                        Some(s) => s,
-                        None => return,
-                    }
-                }
-                None => return,
-            },
+        let removed = KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] };
+        let Some(below) = at.tier.below().filter(|&t| self.table(t).capacity() > 0) else {
+            self.log.push(removed);
+            return;
         };
-        actions.push(Action::Copy { from: at, to: Location { tier: below, slot }, block: meta.seq });
-        self.table_mut(below).set_cached(slot, meta);
-        self.log.push(stored(below, meta));
+        let slot = match self.table_mut(below).take_free() {
+            Some(s) => Some(s),
+            None => self.table(below).victim().and_then(|v| {
+                self.evict(Location { tier: below, slot: v }, actions);
+                self.table_mut(below).take_free()
+            }),
+        };
+        if let Some(slot) = slot {
+            actions.push(Action::Copy { from: at, to: Location { tier: below, slot }, block: meta.seq });
+            self.table_mut(below).set_cached(slot, meta);
+            // The copy is logged before the original goes, as it happens: the block is never on neither tier.
+            self.log.push(stored(below, meta));
+        }
+        self.log.push(removed);
     }
 
     /// Marks the block in `slot` complete under `meta`, making it findable. A copy of the same block on a lower
@@ -195,14 +196,14 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         if let Some(existing) = dev.find(meta.seq) {
             return Ok(Registered::Duplicate { existing });
         }
+        self.table_mut(Tier::Device).register(slot, meta);
+        self.log.push(stored(Tier::Device, meta));
         for tier in [Tier::Host, Tier::Disk] {
             if let Some(s) = self.table(tier).find(meta.seq) {
                 self.table_mut(tier).take_cached(s);
                 self.log.push(KvEvent::Removed { tier, seqs: vec![meta.seq] });
             }
         }
-        self.table_mut(Tier::Device).register(slot, meta);
-        self.log.push(stored(Tier::Device, meta));
         Ok(Registered::New)
     }
 
@@ -234,10 +235,10 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
                 }
             };
             out.actions.push(Action::Copy { from: at, to: Location { tier: Tier::Device, slot }, block: h });
-            self.table_mut(at.tier).free_pinned(at.slot);
-            self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![h] });
             self.table_mut(Tier::Device).register(slot, meta);
             self.log.push(stored(Tier::Device, meta));
+            self.table_mut(at.tier).free_pinned(at.slot);
+            self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![h] });
             out.slots.push(slot);
             out.from_tier[at.tier.index()] += 1;
         }
