@@ -167,8 +167,8 @@ pub struct SchedulerConfig {
     /// milliseconds of prompts queued at its measured speed; none: never (requests queue at the workers).
     pub shed_wait_ms: Option<f64>,
     /// Count a disaggregated request on its decode worker from the routing decision on, not only once the decode
-    /// worker starts it (after the prefill and the pull): requests routed meanwhile see the decode work coming.
-    /// Off by default for now: the published figures were measured without it (`docs/simulation.md`).
+    /// worker starts it (after the prefill and the pull): requests routed meanwhile see the decode work coming
+    /// (`docs/simulation.md`, "Counting the decode worker at the decision").
     pub reserve_decode: bool,
 }
 
@@ -204,7 +204,7 @@ impl Default for SchedulerConfig {
             balance_abs_threshold: BALANCE_ABS_THRESHOLD,
             balance_rel_threshold: BALANCE_REL_THRESHOLD,
             shed_wait_ms: None,
-            reserve_decode: false,
+            reserve_decode: true,
         }
     }
 }
