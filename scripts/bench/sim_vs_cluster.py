@@ -156,7 +156,7 @@ def main():
     p.add_argument("--repeat", type=int, default=1,
                    help="real runs of the same command: latencies compared with the runs pooled, each run's range "
                         "printed (one real run differs from the next by 10-20% at TTFT p90 on a 2-core machine)")
-    p.add_argument("--ties", choices=["random", "hashed"], default="random",
+    p.add_argument("--ties", choices=["random", "hashed"], default="hashed",
                    help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
     add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
     args = p.parse_args()

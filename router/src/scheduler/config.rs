@@ -56,13 +56,15 @@ pub enum CostUnits {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Ties {
-    /// Uniformly at random, from the router's seeded random source.
+    /// Uniformly at random, from the router's seeded random source (`routing.md`; the default).
     #[default]
     Random,
     /// By rendezvous hashing of the request's prompt with each tied worker's id: uniform over different prompts,
     /// but a function of the request and the router's view alone, so a decision can be reproduced without
     /// replaying every decision before it, by a router that numbers the workers alike (ids follow the order the
-    /// workers were first followed: the simulator, against `tandem up`).
+    /// workers were first followed: the simulator, against `tandem up`). As good as random ties in every
+    /// measurement of `docs/simulation.md`, but identical prompts arriving at once at several replicas all take
+    /// the same worker while they tie.
     Hashed,
 }
 

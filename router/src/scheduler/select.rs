@@ -1,4 +1,5 @@
-//! Choosing among scored candidates: argmin with uniform random ties, or sampling by temperature.
+//! Choosing among scored candidates: argmin with ties broken by rendezvous hashing or at random, or sampling by
+//! temperature.
 
 use super::rng::Rng;
 use super::view::WorkerId;

@@ -42,12 +42,13 @@ fn prefill_goes_where_the_prefix_is_and_decode_where_the_load_is_least() {
 }
 
 #[test]
-fn equal_candidates_share_the_work() {
+fn with_random_ties_equal_candidates_share_the_work_even_for_one_prompt() {
     let workers = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 0, 0, 0), w(2, Decode, 0, 0, 0)];
     let mut rng = RouteState::seeded(11);
     let mut counts = [0; 2];
+    let cfg = SchedulerConfig { ties: config::Ties::Random, ..SchedulerConfig::default() };
     for _ in 0..2000 {
-        let d = route(&req(64), &workers, &SchedulerConfig::default(), &mut rng).expect("routes");
+        let d = route(&req(64), &workers, &cfg, &mut rng).expect("routes");
         counts[d.prefill.expect("prefill").id.0 as usize] += 1;
     }
     assert!(counts.iter().all(|&c| (800..1200).contains(&c)), "{counts:?}");
