@@ -167,9 +167,15 @@ impl LoadTracker {
         self.workers.remove(&worker);
     }
 
-    /// How many of `hashes` (a request's blocks) are blocks of requests in flight on `worker`.
+    /// How many of `hashes` (a request's chained block hashes) are blocks of requests in flight on `worker`.
+    /// They are always its leading ones: a chained hash names its whole prefix and each request in flight counts
+    /// every block of its prompt, so a block counted means the blocks before it are too. A binary search finds
+    /// where they end (a few probes per worker instead of one per block for every routing decision).
     pub fn active_overlap(&self, worker: WorkerId, hashes: &[SeqHash]) -> usize {
-        self.workers.get(&worker).map_or(0, |t| hashes.iter().filter(|h| t.active.contains_key(h)).count())
+        match self.workers.get(&worker) {
+            Some(t) if !t.active.is_empty() => hashes.partition_point(|h| t.active.contains_key(h)),
+            _ => 0,
+        }
     }
 
     /// The worker's measured speeds, once it reported enough work to measure.
@@ -326,6 +332,40 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+        /// Prompts of chained blocks, some sharing a start, sent and finished in any order: the blocks active on
+        /// the worker are always a prompt's leading ones, so the binary search counts what a scan counts.
+        #[test]
+        fn active_overlap_counts_every_active_block_of_the_prompt(
+            ops in proptest::collection::vec((0u64..3, 0usize..6, 1u64..4, 0usize..8, any::<bool>()), 1..60),
+        ) {
+            let w = WorkerId(0);
+            let prompt = |start: u64, shared: usize, own: u64, len: usize| {
+                // `shared` blocks of system prompt `start`, then blocks of its own.
+                let mut parent = None;
+                (0..len.max(1))
+                    .map(|i| {
+                        let local = if i < shared { start * 100 + i as u64 } else { 1000 + own * 100 + i as u64 };
+                        let h = kv_cache::chained(parent, kv_cache::LocalHash(local));
+                        parent = Some(h);
+                        h
+                    })
+                    .collect::<Vec<SeqHash>>()
+            };
+            let mut l = LoadTracker::new();
+            let mut live: Vec<u64> = Vec::new();
+            for (seq, &(start, shared, own, len, finish)) in ops.iter().enumerate() {
+                let p = prompt(start, shared, own, len);
+                let scan = l.workers.get(&w).map_or(0, |t| p.iter().filter(|h| t.active.contains_key(h)).count());
+                prop_assert_eq!(l.active_overlap(w, &p), scan);
+                if finish && !live.is_empty() {
+                    l.done(w, live.remove(seq % live.len()));
+                } else {
+                    l.sent(w, seq as u64, "r", 0, p.len() as u64, &p);
+                    live.push(seq as u64);
+                }
+            }
+        }
 
         /// Whatever the interleaving of sends, arrivals, work, reports and completions, the router never
         /// believes the worker has fewer requests or fewer prompt tokens to compute than it really has.
