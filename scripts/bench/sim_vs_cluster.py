@@ -195,12 +195,16 @@ def main():
         sys.exit(f"tandem sim failed: {sim.stderr}")
     simulated = json.loads(sim.stdout)["policies"][args.policy]
     a = metrics(records(out / "sim" / args.policy / "records.jsonl"))
-    per_run = [metrics(records(d / "records.jsonl")) for d, _ in runs]
+    # An invalid real run (the client or a mock worker fell behind) is no reference: only valid runs are pooled,
+    # unless none is.
+    valid = [(d, r) for d, r in runs if r["valid"]]
+    per_run = [metrics(records(d / "records.jsonl")) for d, _ in (valid or runs)]
     b = {name: [v for m in per_run for v in m[name]] for name in a}
     print(f"{args.engine}: {args.requests} requests, {args.prefill}+{args.decode} workers, policy {args.policy}, "
           f"ties {args.ties}, seed {args.seed}; real runs valid: "
           + ", ".join(f"{r['valid']} {r.get('invalid_reasons') or ''}".strip() for _, r in runs))
-    pooled = " (the real runs pooled)" if len(runs) > 1 else ""
+    pooled = (f" (the {len(per_run)} {'valid ' if valid else ''}real runs pooled)" if len(per_run) > 1
+              else "" if valid else " (no real run was valid)")
     print(f"{'metric':<9}{'sim p50':>10}{'real p50':>10}{'diff':>8}{'sim p90':>10}{'real p90':>10}{'diff':>8}"
           f"{'KS D':>7}{'KS p':>8}{pooled}")
     for name in a:
@@ -209,7 +213,7 @@ def main():
         d, pv = ks_test(a[name], b[name])
         print(f"{name:<9}{s50:>10.1f}{r50:>10.1f}{100 * (s50 / r50 - 1):>7.1f}%{s90:>10.1f}{r90:>10.1f}"
               f"{100 * (s90 / r90 - 1):>7.1f}%{d:>7.3f}{pv:>8.3f}")
-    if len(runs) > 1:
+    if len(per_run) > 1:
         for name in a:
             p50s = [quantile(m[name], 0.5) for m in per_run]
             p90s = [quantile(m[name], 0.9) for m in per_run]
