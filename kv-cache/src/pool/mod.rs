@@ -16,6 +16,7 @@ pub use eviction::{EvictionPolicy, Lru};
 use tier::TierTable;
 
 use crate::events::{BlockMeta, EventId, EventLog, KvEvent, Snapshot, Tier, TooOld};
+use crate::fastmap::FastMap;
 use crate::hash::SeqHash;
 
 /// Number of blocks of each tier. Host and disk may be 0 (tier absent); the device tier may not.
@@ -94,6 +95,9 @@ pub enum Registered {
 #[derive(Debug)]
 pub struct BlockPool<E: EvictionPolicy + Default = Lru> {
     tiers: [TierTable<E>; 3],
+    /// Where every findable block is: registered device blocks (in use or cached) and cached host and disk
+    /// blocks. One map for all tiers, so a block moving down a tier is one update, and a miss one probe.
+    located: FastMap<SeqHash, Location>,
     log: EventLog,
 }
 
@@ -104,7 +108,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             return Err(PoolError::NoDeviceBlocks);
         }
         let tiers = [TierTable::new(sizes.device), TierTable::new(sizes.host), TierTable::new(sizes.disk)];
-        Ok(BlockPool { tiers, log: EventLog::new(replay) })
+        Ok(BlockPool { tiers, located: FastMap::default(), log: EventLog::new(replay) })
     }
 
     fn table(&self, tier: Tier) -> &TierTable<E> {
@@ -132,13 +136,13 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
 
     /// The tier holding `seq`, and the slot there.
     pub fn find(&self, seq: SeqHash) -> Option<Location> {
-        Tier::ALL.into_iter().find_map(|tier| self.table(tier).find(seq).map(|slot| Location { tier, slot }))
+        self.located.get(&seq).copied()
     }
 
     /// How many of `hashes`' leading blocks are on each tier, device first.
     pub fn lookup(&self, hashes: &[SeqHash]) -> PrefixMatch {
         let run = |tier: Tier, from: usize| {
-            hashes[from..].iter().take_while(|&&h| self.table(tier).find(h).is_some()).count()
+            hashes[from..].iter().take_while(|&&h| self.find(h).is_some_and(|at| at.tier == tier)).count()
         };
         let device = run(Tier::Device, 0);
         let host = run(Tier::Host, device);
@@ -165,6 +169,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         let Some(meta) = self.table_mut(at.tier).take_cached(at.slot) else { return };
         let removed = KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] };
         let Some(below) = at.tier.below().filter(|&t| self.table(t).capacity() > 0) else {
+            self.located.remove(&meta.seq);
             self.log.push(removed);
             return;
         };
@@ -176,10 +181,14 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             }),
         };
         if let Some(slot) = slot {
-            actions.push(Action::Copy { from: at, to: Location { tier: below, slot }, block: meta.seq });
+            let to = Location { tier: below, slot };
+            actions.push(Action::Copy { from: at, to, block: meta.seq });
             self.table_mut(below).set_cached(slot, meta);
+            self.located.insert(meta.seq, to);
             // The copy is logged before the original goes, as it happens: the block is never on neither tier.
             self.log.push(stored(below, meta));
+        } else {
+            self.located.remove(&meta.seq);
         }
         self.log.push(removed);
     }
@@ -193,16 +202,16 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             Some(_) if dev.meta(slot).is_some() => return Err(PoolError::AlreadyRegistered(slot)),
             Some(_) => {}
         }
-        if let Some(existing) = dev.find(meta.seq) {
-            return Ok(Registered::Duplicate { existing });
-        }
+        let lower = match self.find(meta.seq) {
+            Some(Location { tier: Tier::Device, slot: existing }) => return Ok(Registered::Duplicate { existing }),
+            other => other,
+        };
         self.table_mut(Tier::Device).register(slot, meta);
+        self.located.insert(meta.seq, Location { tier: Tier::Device, slot });
         self.log.push(stored(Tier::Device, meta));
-        for tier in [Tier::Host, Tier::Disk] {
-            if let Some(s) = self.table(tier).find(meta.seq) {
-                self.table_mut(tier).take_cached(s);
-                self.log.push(KvEvent::Removed { tier, seqs: vec![meta.seq] });
-            }
+        if let Some(at) = lower {
+            self.table_mut(at.tier).take_cached(at.slot);
+            self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] });
         }
         Ok(Registered::New)
     }
@@ -236,6 +245,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             };
             out.actions.push(Action::Copy { from: at, to: Location { tier: Tier::Device, slot }, block: h });
             self.table_mut(Tier::Device).register(slot, meta);
+            self.located.insert(h, Location { tier: Tier::Device, slot });
             self.log.push(stored(Tier::Device, meta));
             self.table_mut(at.tier).free_pinned(at.slot);
             self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![h] });
@@ -250,7 +260,9 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         if tier == Tier::Device {
             return;
         }
-        self.table_mut(tier).clear();
+        for meta in self.table_mut(tier).clear() {
+            self.located.remove(&meta.seq);
+        }
         self.log.push(KvEvent::Cleared { tier: Some(tier) });
     }
 
@@ -261,6 +273,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         }
         let slot = self.table_mut(tier).take_free()?;
         self.table_mut(tier).set_cached(slot, meta);
+        self.located.insert(meta.seq, Location { tier, slot });
         self.log.push(stored(tier, meta));
         Some(slot)
     }
@@ -268,6 +281,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// Drops a block found to be unusable (a corrupt disk file): it leaves its tier with a `Removed` event.
     pub fn discard(&mut self, at: Location) -> Option<BlockMeta> {
         let meta = self.table_mut(at.tier).take_cached(at.slot)?;
+        self.located.remove(&meta.seq);
         self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] });
         Some(meta)
     }

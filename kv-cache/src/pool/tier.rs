@@ -1,11 +1,11 @@
-//! One tier's slot table: the state of every slot, the free list, the hash index and the eviction policy.
+//! One tier's slot table: the state of every slot, the free list and the eviction policy. Which slot holds a
+//! block, whatever its tier, is the pool's one map (`BlockPool::located`): a block moving down a tier changes its
+//! entry there instead of leaving one tier's map and joining the next one's.
 
-use crate::fastmap::FastMap;
 use std::num::NonZeroU32;
 
 use super::{EvictionPolicy, TierUsage};
 use crate::events::BlockMeta;
-use crate::hash::SeqHash;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
@@ -27,7 +27,6 @@ enum State {
 pub struct TierTable<E> {
     states: Vec<State>,
     free: Vec<u32>,
-    by_hash: FastMap<SeqHash, u32>,
     policy: E,
     /// Slots per state, kept as states change: usage is read at every engine step, and scanning every slot of
     /// a large tier each time cost more than the step itself.
@@ -49,7 +48,6 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
             states: vec![State::Free; capacity],
             // Lowest slot first, so slot numbers are predictable in tests and logs.
             free: (0..capacity as u32).rev().collect(),
-            by_hash: FastMap::default(),
             policy: E::default(),
             counts: TierUsage { free: capacity, ..TierUsage::default() },
         }
@@ -68,10 +66,6 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
 
     pub fn usage(&self) -> TierUsage {
         self.counts
-    }
-
-    pub fn find(&self, seq: SeqHash) -> Option<u32> {
-        self.by_hash.get(&seq).copied()
     }
 
     pub fn meta(&self, slot: u32) -> Option<BlockMeta> {
@@ -103,7 +97,6 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
 
     pub fn set_cached(&mut self, slot: u32, meta: BlockMeta) {
         self.set(slot, State::Cached { meta });
-        self.by_hash.insert(meta.seq, slot);
         self.policy.insert(slot);
     }
 
@@ -111,7 +104,6 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
     pub fn take_cached(&mut self, slot: u32) -> Option<BlockMeta> {
         let State::Cached { meta } = *self.states.get(slot as usize)? else { return None };
         self.policy.remove(slot);
-        self.by_hash.remove(&meta.seq);
         self.set(slot, State::Free);
         self.free.push(slot);
         Some(meta)
@@ -121,7 +113,6 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
     pub fn pin(&mut self, slot: u32) -> Option<BlockMeta> {
         let State::Cached { meta } = *self.states.get(slot as usize)? else { return None };
         self.policy.remove(slot);
-        self.by_hash.remove(&meta.seq);
         self.set(slot, State::Pinned);
         Some(meta)
     }
@@ -140,7 +131,6 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
     pub fn register(&mut self, slot: u32, meta: BlockMeta) {
         if let State::Used { refs, .. } = self.states[slot as usize] {
             self.set(slot, State::Used { refs, meta: Some(meta) });
-            self.by_hash.insert(meta.seq, slot);
         }
     }
 
@@ -175,18 +165,17 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
         Some(())
     }
 
-    pub fn clear(&mut self) {
+    /// Drops every cached block; returns what they held.
+    pub fn clear(&mut self) -> Vec<BlockMeta> {
         let cached: Vec<u32> = (0..self.states.len() as u32)
             .filter(|&s| matches!(self.states[s as usize], State::Cached { .. }))
             .collect();
-        for s in cached {
-            self.take_cached(s);
-        }
+        cached.into_iter().filter_map(|s| self.take_cached(s)).collect()
     }
 
-    /// Every findable block, sorted.
+    /// Every findable block (registered, in use or cached), sorted.
     pub fn blocks(&self) -> Vec<BlockMeta> {
-        let mut v: Vec<BlockMeta> = self.by_hash.values().filter_map(|&s| self.meta(s)).collect();
+        let mut v: Vec<BlockMeta> = (0..self.states.len() as u32).filter_map(|s| self.meta(s)).collect();
         v.sort();
         v
     }
