@@ -106,28 +106,46 @@ pub struct EventLog {
 /// How many unread events a new one looks back over for one to join.
 const LOOKBACK: usize = 4;
 
-/// Joins `later` into `earlier` when applying the result is applying both in order, else hands it back.
-fn join(earlier: &mut KvEvent, later: KvEvent) -> Result<(), KvEvent> {
+/// A change to record, borrowed: a whole event's, or one block's (which then needs no allocation to join one).
+#[derive(Clone, Copy)]
+enum Change<'a> {
+    Stored { tier: Tier, parent: Option<SeqHash>, blocks: &'a [(SeqHash, LocalHash)] },
+    Removed { tier: Tier, seqs: &'a [SeqHash] },
+    Cleared { tier: Option<Tier> },
+}
+
+impl KvEvent {
+    fn change(&self) -> Change<'_> {
+        match self {
+            KvEvent::Stored { tier, parent, blocks } => Change::Stored { tier: *tier, parent: *parent, blocks },
+            KvEvent::Removed { tier, seqs } => Change::Removed { tier: *tier, seqs },
+            KvEvent::Cleared { tier } => Change::Cleared { tier: *tier },
+        }
+    }
+}
+
+/// Joins `later` into `earlier` when applying the result is applying both in order; whether it did.
+fn join(earlier: &mut KvEvent, later: Change<'_>) -> bool {
     match (earlier, later) {
-        (KvEvent::Stored { tier, parent, blocks }, KvEvent::Stored { tier: t, parent: p, blocks: mut more })
+        (KvEvent::Stored { tier, parent, blocks }, Change::Stored { tier: t, parent: p, blocks: more })
             if *tier == t =>
         {
             if p.is_some() && blocks.last().map(|b| b.0) == p {
-                blocks.extend(more);
-                Ok(())
+                blocks.extend_from_slice(more);
+                true
             } else if parent.is_some() && blocks.len() < JOIN_BEFORE && more.last().map(|b| b.0) == *parent {
-                more.append(blocks);
-                (*parent, *blocks) = (p, more);
-                Ok(())
+                blocks.splice(0..0, more.iter().copied());
+                *parent = p;
+                true
             } else {
-                Err(KvEvent::Stored { tier: t, parent: p, blocks: more })
+                false
             }
         }
-        (KvEvent::Removed { tier, seqs }, KvEvent::Removed { tier: t, seqs: more }) if *tier == t => {
-            seqs.extend(more);
-            Ok(())
+        (KvEvent::Removed { tier, seqs }, Change::Removed { tier: t, seqs: more }) if *tier == t => {
+            seqs.extend_from_slice(more);
+            true
         }
-        (_, later) => Err(later),
+        _ => false,
     }
 }
 
@@ -139,17 +157,17 @@ const DISJOINT_CHECK: usize = 128;
 const JOIN_BEFORE: usize = 128;
 
 /// Whether applying `a` then `b` leaves the same content as `b` then `a`.
-fn commute(a: &KvEvent, b: &KvEvent) -> bool {
-    let tier = |e: &KvEvent| match e {
-        KvEvent::Stored { tier, .. } | KvEvent::Removed { tier, .. } => Some(*tier),
-        KvEvent::Cleared { tier } => *tier,
+fn commute(a: Change<'_>, b: Change<'_>) -> bool {
+    let tier = |c: Change<'_>| match c {
+        Change::Stored { tier, .. } | Change::Removed { tier, .. } => Some(tier),
+        Change::Cleared { tier } => tier,
     };
     match (a, b) {
-        (KvEvent::Cleared { tier: None }, _) | (_, KvEvent::Cleared { tier: None }) => false,
+        (Change::Cleared { tier: None }, _) | (_, Change::Cleared { tier: None }) => false,
         _ if tier(a) != tier(b) => true,
-        (KvEvent::Stored { .. }, KvEvent::Stored { .. }) | (KvEvent::Removed { .. }, KvEvent::Removed { .. }) => true,
-        (KvEvent::Stored { blocks, .. }, KvEvent::Removed { seqs, .. })
-        | (KvEvent::Removed { seqs, .. }, KvEvent::Stored { blocks, .. }) => {
+        (Change::Stored { .. }, Change::Stored { .. }) | (Change::Removed { .. }, Change::Removed { .. }) => true,
+        (Change::Stored { blocks, .. }, Change::Removed { seqs, .. })
+        | (Change::Removed { seqs, .. }, Change::Stored { blocks, .. }) => {
             blocks.len().saturating_mul(seqs.len()) <= DISJOINT_CHECK && !blocks.iter().any(|(h, _)| seqs.contains(h))
         }
         _ => false,
@@ -175,22 +193,45 @@ impl EventLog {
 
     /// Records `event` and returns its id: that of an unread event it joins (see the type's documentation).
     pub fn push(&mut self, event: KvEvent) -> EventId {
+        match self.join_unread(event.change()) {
+            Some(id) => id,
+            None => self.append(event),
+        }
+    }
+
+    /// Records that `meta`'s block is now on `tier` (as [`push`](Self::push), allocating only for a new event).
+    pub fn push_stored(&mut self, tier: Tier, meta: BlockMeta) -> EventId {
+        let one = [(meta.seq, meta.local)];
+        match self.join_unread(Change::Stored { tier, parent: meta.parent, blocks: &one }) {
+            Some(id) => id,
+            None => self.append(KvEvent::Stored { tier, parent: meta.parent, blocks: one.to_vec() }),
+        }
+    }
+
+    /// Records that block `seq` left `tier` (as [`push`](Self::push), allocating only for a new event).
+    pub fn push_removed(&mut self, tier: Tier, seq: SeqHash) -> EventId {
+        match self.join_unread(Change::Removed { tier, seqs: std::slice::from_ref(&seq) }) {
+            Some(id) => id,
+            None => self.append(KvEvent::Removed { tier, seqs: vec![seq] }),
+        }
+    }
+
+    /// The id of the unread event `change` joined, if any.
+    fn join_unread(&mut self, change: Change<'_>) -> Option<EventId> {
         let unread = self.next.saturating_sub(*self.sealed.get_mut()) as usize;
         let back = unread.min(self.buffer.len()).min(LOOKBACK);
-        let mut event = event;
         for k in 1..=back {
             let at = self.buffer.len() - k;
             let (id, earlier) = &mut self.buffer[at];
-            match join(earlier, event) {
-                Ok(()) => return *id,
-                Err(e) => event = e,
+            if join(earlier, change) {
+                return Some(*id);
             }
             // Past an event that does not commute with this one, joining an older one would reorder them.
-            if !commute(&self.buffer[at].1, &event) {
+            if !commute(self.buffer[at].1.change(), change) {
                 break;
             }
         }
-        self.append(event)
+        None
     }
 
     fn append(&mut self, event: KvEvent) -> EventId {
@@ -363,6 +404,23 @@ mod tests {
             read,
             vec![stored(Tier::Host, None, &[5, 7]), removed(Tier::Host, &[6, 5]), stored(Tier::Host, None, &[5]),]
         );
+    }
+
+    #[test]
+    fn blocks_pushed_one_by_one_log_as_their_single_block_events_would() {
+        let (mut by_event, mut by_block) = (EventLog::new(16), EventLog::new(16));
+        let meta = |b: u64| BlockMeta { seq: SeqHash(b), local: LocalHash(b), parent: b.checked_sub(1).map(SeqHash) };
+        for (b, old) in [(3, 30), (2, 20), (1, 10), (4, 40)] {
+            by_event.push(removed(Tier::Host, &[old]));
+            by_event.push(stored(Tier::Host, Some(b - 1), &[b]));
+            by_event.push(removed(Tier::Device, &[b]));
+            by_block.push_removed(Tier::Host, SeqHash(old));
+            by_block.push_stored(Tier::Host, meta(b));
+            by_block.push_removed(Tier::Device, SeqHash(b));
+        }
+        let taken = by_event.take_unread().expect("held");
+        assert_eq!(taken.len(), 3, "{taken:?}");
+        assert_eq!(by_block.take_unread().expect("held"), taken);
     }
 
     #[test]

@@ -167,10 +167,9 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// Moves the cached block at `at` one tier down (or drops it from the last tier), leaving `at` free.
     fn evict(&mut self, at: Location, actions: &mut Vec<Action>) {
         let Some(meta) = self.table_mut(at.tier).take_cached(at.slot) else { return };
-        let removed = KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] };
         let Some(below) = at.tier.below().filter(|&t| self.table(t).capacity() > 0) else {
             self.located.remove(&meta.seq);
-            self.log.push(removed);
+            self.log.push_removed(at.tier, meta.seq);
             return;
         };
         let slot = match self.table_mut(below).take_free() {
@@ -186,11 +185,11 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             self.table_mut(below).set_cached(slot, meta);
             self.located.insert(meta.seq, to);
             // The copy is logged before the original goes, as it happens: the block is never on neither tier.
-            self.log.push(stored(below, meta));
+            self.log.push_stored(below, meta);
         } else {
             self.located.remove(&meta.seq);
         }
-        self.log.push(removed);
+        self.log.push_removed(at.tier, meta.seq);
     }
 
     /// Marks the block in `slot` complete under `meta`, making it findable. A copy of the same block on a lower
@@ -208,10 +207,10 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         };
         self.table_mut(Tier::Device).register(slot, meta);
         self.located.insert(meta.seq, Location { tier: Tier::Device, slot });
-        self.log.push(stored(Tier::Device, meta));
+        self.log.push_stored(Tier::Device, meta);
         if let Some(at) = lower {
             self.table_mut(at.tier).take_cached(at.slot);
-            self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] });
+            self.log.push_removed(at.tier, meta.seq);
         }
         Ok(Registered::New)
     }
@@ -246,9 +245,9 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             out.actions.push(Action::Copy { from: at, to: Location { tier: Tier::Device, slot }, block: h });
             self.table_mut(Tier::Device).register(slot, meta);
             self.located.insert(h, Location { tier: Tier::Device, slot });
-            self.log.push(stored(Tier::Device, meta));
+            self.log.push_stored(Tier::Device, meta);
             self.table_mut(at.tier).free_pinned(at.slot);
-            self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![h] });
+            self.log.push_removed(at.tier, h);
             out.slots.push(slot);
             out.from_tier[at.tier.index()] += 1;
         }
@@ -274,7 +273,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         let slot = self.table_mut(tier).take_free()?;
         self.table_mut(tier).set_cached(slot, meta);
         self.located.insert(meta.seq, Location { tier, slot });
-        self.log.push(stored(tier, meta));
+        self.log.push_stored(tier, meta);
         Some(slot)
     }
 
@@ -282,7 +281,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     pub fn discard(&mut self, at: Location) -> Option<BlockMeta> {
         let meta = self.table_mut(at.tier).take_cached(at.slot)?;
         self.located.remove(&meta.seq);
-        self.log.push(KvEvent::Removed { tier: at.tier, seqs: vec![meta.seq] });
+        self.log.push_removed(at.tier, meta.seq);
         Some(meta)
     }
 
@@ -305,8 +304,4 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     pub fn last_event(&self) -> Option<EventId> {
         self.log.last()
     }
-}
-
-fn stored(tier: Tier, meta: BlockMeta) -> KvEvent {
-    KvEvent::Stored { tier, parent: meta.parent, blocks: vec![(meta.seq, meta.local)] }
 }
