@@ -120,24 +120,19 @@ pub async fn plan(
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
         let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), arrived);
         let decision = route(&req, &views, &config, &mut route_state);
+        // This request on `worker`, with `prefill_tokens` of its prompt to compute there.
+        let reserve = |worker, prefill_tokens| {
+            state.cluster.reserve(worker, ident.seq, &ident.id, prefill_tokens, req.request_blocks(), &hashes)
+        };
         let mut reserved = Vec::new();
         if let (Ok(d), true) = (&decision, count) {
             let computes = d.prefill.as_ref().filter(|_| d.disaggregate).unwrap_or(&d.decode);
             if let Some(c) = computes.chosen() {
                 let held = c.device_blocks + c.host_blocks + c.disk_blocks;
-                let uncached = crate::serve::uncached(tokens.len(), held, u64::from(block_size));
-                reserved.push(state.cluster.reserve(
-                    c.id,
-                    ident.seq,
-                    &ident.id,
-                    uncached,
-                    req.request_blocks(),
-                    &hashes,
-                ));
+                reserved.push(reserve(c.id, crate::serve::uncached(tokens.len(), held, u64::from(block_size))));
             }
             if d.disaggregate && config.reserve_decode {
-                let blocks = req.request_blocks();
-                reserved.push(state.cluster.reserve(d.decode.id, ident.seq, &ident.id, 0, blocks, &hashes));
+                reserved.push(reserve(d.decode.id, 0));
             }
         }
         (views, decision, reserved)
