@@ -11,10 +11,10 @@
 //! Hits are counted per block, so the Belady figure is a lower bound on prefill work at that capacity for any
 //! placement and eviction: a real engine, which needs a block's whole prefix, can only compute more.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BinaryHeap;
 
 use kv_cache::SeqHash;
-use kv_cache::fastmap::{FastMap, FastSet};
+use kv_cache::fastmap::FastMap;
 
 /// One request as the references see it: its prompt length and the hashes of its full blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,11 +36,44 @@ pub struct References {
 /// The references for `prompts` (in arrival order) with blocks of `block_size` tokens and a pool of `capacity`
 /// blocks.
 pub fn references(prompts: &[Prompt], block_size: usize, capacity: usize) -> References {
+    let blocks = Blocks::number(prompts);
     References {
-        infinite_cache_prefill_tokens: infinite(prompts, block_size),
-        pooled_lru_prefill_tokens: lru(prompts, block_size, capacity),
-        belady_prefill_tokens: belady(prompts, block_size, capacity),
+        infinite_cache_prefill_tokens: infinite(prompts, &blocks, block_size),
+        pooled_lru_prefill_tokens: lru(prompts, &blocks, block_size, capacity),
+        belady_prefill_tokens: belady(prompts, &blocks, block_size, capacity),
         capacity_blocks: capacity as u64,
+    }
+}
+
+/// Every prompt's blocks as small numbers (0, 1, 2, … in order of first appearance): the three pools then keep
+/// their state in arrays indexed by block, hashing each block hash once in all instead of several times per pool.
+struct Blocks {
+    /// Every prompt's block numbers, one prompt after the other.
+    ids: Vec<u32>,
+    /// Where each prompt's numbers start in `ids`, and the end.
+    starts: Vec<usize>,
+    distinct: usize,
+}
+
+impl Blocks {
+    fn number(prompts: &[Prompt]) -> Blocks {
+        let total = prompts.iter().map(|p| p.blocks.len()).sum();
+        let mut ids = Vec::with_capacity(total);
+        let mut starts = Vec::with_capacity(prompts.len() + 1);
+        let mut number: FastMap<SeqHash, u32> = FastMap::default();
+        for p in prompts {
+            starts.push(ids.len());
+            for h in &p.blocks {
+                let next = number.len() as u32;
+                ids.push(*number.entry(*h).or_insert(next));
+            }
+        }
+        starts.push(ids.len());
+        Blocks { ids, starts, distinct: number.len() }
+    }
+
+    fn of(&self, request: usize) -> &[u32] {
+        &self.ids[self.starts[request]..self.starts[request + 1]]
     }
 }
 
@@ -54,98 +87,169 @@ fn computed(p: &Prompt, block_size: usize, hits: usize) -> u64 {
     (p.tokens - hits * block_size) as u64
 }
 
-fn infinite(prompts: &[Prompt], block_size: usize) -> u64 {
-    let mut seen: FastSet<SeqHash> = FastSet::default();
+fn infinite(prompts: &[Prompt], blocks: &Blocks, block_size: usize) -> u64 {
+    let mut seen = vec![false; blocks.distinct];
     let mut total = 0;
-    for p in prompts {
-        let hits = p.blocks[..reusable(p, block_size)].iter().filter(|h| seen.contains(h)).count();
+    for (r, p) in prompts.iter().enumerate() {
+        let ids = blocks.of(r);
+        let hits = ids[..reusable(p, block_size)].iter().filter(|&&b| seen[b as usize]).count();
         total += computed(p, block_size, hits);
-        seen.extend(p.blocks.iter().copied());
+        for &b in ids {
+            seen[b as usize] = true;
+        }
     }
     total
 }
 
-fn lru(prompts: &[Prompt], block_size: usize, capacity: usize) -> u64 {
-    let mut tick_of: FastMap<SeqHash, u64> = FastMap::default();
-    let mut by_tick: BTreeMap<u64, SeqHash> = BTreeMap::new();
-    let mut tick = 0u64;
-    let mut total = 0;
-    for p in prompts {
-        let hits = p.blocks[..reusable(p, block_size)].iter().filter(|h| tick_of.contains_key(h)).count();
-        total += computed(p, block_size, hits);
-        for &h in p.blocks.iter().rev() {
-            if let Some(old) = tick_of.insert(h, tick) {
-                by_tick.remove(&old);
-            } else if tick_of.len() > capacity {
-                // The block just added is the newest: the oldest one goes.
-                if let Some((_, victim)) = by_tick.pop_first() {
-                    tick_of.remove(&victim);
-                }
-            }
-            by_tick.insert(tick, h);
-            tick += 1;
+/// No block: the end of the LRU list, or not in it.
+const NONE: u32 = u32::MAX;
+
+/// The pooled LRU: a list threaded through the block numbers, least recently used first.
+struct LruList {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    held: Vec<bool>,
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+impl LruList {
+    fn new(distinct: usize) -> LruList {
+        LruList {
+            prev: vec![NONE; distinct],
+            next: vec![NONE; distinct],
+            held: vec![false; distinct],
+            head: NONE,
+            tail: NONE,
+            len: 0,
         }
+    }
+
+    fn unlink(&mut self, b: u32) {
+        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
+        match p {
+            NONE => self.head = n,
+            p => self.next[p as usize] = n,
+        }
+        match n {
+            NONE => self.tail = p,
+            n => self.prev[n as usize] = p,
+        }
+        self.held[b as usize] = false;
+        self.len -= 1;
+    }
+
+    /// Makes `b` the most recently used block, taking it in if it was not held.
+    fn touch(&mut self, b: u32) {
+        if self.held[b as usize] {
+            self.unlink(b);
+        }
+        self.prev[b as usize] = self.tail;
+        self.next[b as usize] = NONE;
+        match self.tail {
+            NONE => self.head = b,
+            t => self.next[t as usize] = b,
+        }
+        self.tail = b;
+        self.held[b as usize] = true;
+        self.len += 1;
+    }
+}
+
+fn lru(prompts: &[Prompt], blocks: &Blocks, block_size: usize, capacity: usize) -> u64 {
+    let mut list = LruList::new(blocks.distinct);
+    let mut total = 0;
+    for (r, p) in prompts.iter().enumerate() {
+        let ids = blocks.of(r);
+        let hits = ids[..reusable(p, block_size)].iter().filter(|&&b| list.held[b as usize]).count();
+        total += computed(p, block_size, hits);
         // A zero-capacity pool keeps nothing.
         if capacity == 0 {
-            tick_of.clear();
-            by_tick.clear();
+            continue;
+        }
+        for &b in ids.iter().rev() {
+            list.touch(b);
+            if list.len > capacity {
+                // The block just touched is the newest (and not alone): the oldest one goes.
+                list.unlink(list.head);
+            }
         }
     }
     total
 }
 
-fn belady(prompts: &[Prompt], block_size: usize, capacity: usize) -> u64 {
+/// A held block and when it is next needed, ordered by that (then by block): the farthest is the heap's top.
+fn entry(next: u32, b: u32) -> u64 {
+    (u64::from(next) << 32) | u64::from(b)
+}
+
+fn belady(prompts: &[Prompt], blocks: &Blocks, block_size: usize, capacity: usize) -> u64 {
     // For each access (in order), when the block is next needed: the next request that asks for it, if that
     // request's hit on it saves work; never, if the next request asking for it computes it anyway (the prompt's
     // last full block) or nobody asks again, since then it can be taken in again for free. A request's hits are
     // settled when it arrives, so within one request every block is next needed by a later one.
-    let mut next: Vec<usize> = Vec::with_capacity(prompts.iter().map(|p| p.blocks.len()).sum());
-    let mut later: FastMap<SeqHash, usize> = FastMap::default();
+    let mut next: Vec<u32> = vec![NONE; blocks.ids.len()];
+    let mut later: Vec<u32> = vec![NONE; blocks.distinct];
     for (r, p) in prompts.iter().enumerate().rev() {
-        for h in p.blocks.iter().rev() {
-            next.push(later.get(h).copied().unwrap_or(usize::MAX));
+        let start = blocks.starts[r];
+        let ids = blocks.of(r);
+        for (k, &b) in ids.iter().enumerate() {
+            next[start + k] = later[b as usize];
         }
         let saves = reusable(p, block_size);
-        for (k, h) in p.blocks.iter().enumerate() {
-            later.insert(*h, if k < saves { r } else { usize::MAX });
+        for (k, &b) in ids.iter().enumerate() {
+            later[b as usize] = if k < saves { r as u32 } else { NONE };
         }
     }
-    next.reverse();
-    let mut next_of: FastMap<SeqHash, usize> = FastMap::default();
-    let mut by_next: BTreeSet<(usize, SeqHash)> = BTreeSet::new();
+    // Per block, its next use while held (NONE: not held); the heap holds an entry for every held block at its
+    // current next use, and stale entries (a block since dropped or moved on) that are skipped when they surface.
+    let mut next_of: Vec<u32> = vec![NONE; blocks.distinct];
+    let mut held = 0usize;
+    let mut by_next: BinaryHeap<u64> = BinaryHeap::new();
+    let current = |next_of: &[u32], e: u64| next_of[(e & 0xffff_ffff) as usize] == (e >> 32) as u32;
     let mut total = 0;
-    let mut at = 0;
-    for p in prompts {
-        let hits = p.blocks[..reusable(p, block_size)].iter().filter(|h| next_of.contains_key(h)).count();
+    for (r, p) in prompts.iter().enumerate() {
+        let ids = blocks.of(r);
+        let hits = ids[..reusable(p, block_size)].iter().filter(|&&b| next_of[b as usize] != NONE).count();
         total += computed(p, block_size, hits);
-        let nexts = &next[at..at + p.blocks.len()];
-        at += p.blocks.len();
+        let nexts = &next[blocks.starts[r]..blocks.starts[r + 1]];
         // First what is held moves on to its next use (this request's are settled), then the rest may come in.
-        for (&h, &n) in p.blocks.iter().zip(nexts) {
-            if let Some(old) = next_of.remove(&h) {
-                by_next.remove(&(old, h));
-                if n != usize::MAX {
-                    next_of.insert(h, n);
-                    by_next.insert((n, h));
+        for (&b, &n) in ids.iter().zip(nexts) {
+            if next_of[b as usize] != NONE {
+                next_of[b as usize] = n;
+                if n == NONE {
+                    held -= 1;
+                } else {
+                    by_next.push(entry(n, b));
                 }
             }
         }
-        for (&h, &n) in p.blocks.iter().zip(nexts) {
-            if n == usize::MAX || next_of.contains_key(&h) {
+        for (&b, &n) in ids.iter().zip(nexts) {
+            if n == NONE || next_of[b as usize] != NONE {
                 continue;
             }
-            if next_of.len() >= capacity {
+            if held >= capacity {
                 // Full: keep this block only if it is needed sooner than the farthest one held.
-                match by_next.last().copied() {
-                    Some((far, victim)) if far > n => {
-                        by_next.remove(&(far, victim));
-                        next_of.remove(&victim);
+                while by_next.peek().is_some_and(|&e| !current(&next_of, e)) {
+                    by_next.pop();
+                }
+                match by_next.peek().copied() {
+                    Some(e) if (e >> 32) as u32 > n => {
+                        by_next.pop();
+                        next_of[(e & 0xffff_ffff) as usize] = NONE;
+                        held -= 1;
                     }
                     _ => continue,
                 }
             }
-            next_of.insert(h, n);
-            by_next.insert((n, h));
+            next_of[b as usize] = n;
+            held += 1;
+            by_next.push(entry(n, b));
+        }
+        // Stale entries never outnumber the live ones for long.
+        if by_next.len() > 2 * held + 4096 {
+            by_next.retain(|&e| current(&next_of, e));
         }
     }
     total
