@@ -54,8 +54,6 @@ const MIN_MEASURED_NANOS: u64 = 10_000_000;
 struct Tracked {
     report: Report,
     sent: FastMap<u64, Sent>,
-    /// Block hashes of the requests in `sent`, with how many of them hold each.
-    active: FastMap<SeqHash, u32>,
     speed: Speed,
 }
 
@@ -133,13 +131,8 @@ impl LoadTracker {
         hashes: &[SeqHash],
     ) {
         let t = self.workers.entry(worker).or_default();
-        for h in hashes {
-            *t.active.entry(*h).or_default() += 1;
-        }
         let sent = Sent { request_id: request_id.to_string(), prefill_tokens, blocks, hashes: hashes.to_vec() };
-        if let Some(old) = t.sent.insert(seq, sent) {
-            forget_hashes(&mut t.active, &old.hashes);
-        }
+        t.sent.insert(seq, sent);
     }
 
     /// The worker produced request `seq`'s first token: its prompt is computed.
@@ -151,10 +144,8 @@ impl LoadTracker {
 
     /// Request `seq` is finished (or failed, or was cancelled) on `worker`.
     pub fn done(&mut self, worker: WorkerId, seq: u64) {
-        if let Some(t) = self.workers.get_mut(&worker)
-            && let Some(old) = t.sent.remove(&seq)
-        {
-            forget_hashes(&mut t.active, &old.hashes);
+        if let Some(t) = self.workers.get_mut(&worker) {
+            t.sent.remove(&seq);
         }
     }
 
@@ -168,14 +159,32 @@ impl LoadTracker {
     }
 
     /// How many of `hashes` (a request's chained block hashes) are blocks of requests in flight on `worker`.
-    /// They are always its leading ones: a chained hash names its whole prefix and each request in flight counts
-    /// every block of its prompt, so a block counted means the blocks before it are too. A binary search finds
-    /// where they end (a few probes per worker instead of one per block for every routing decision).
+    /// They are always its leading ones, and the longest prefix it shares with one of those requests: a chained
+    /// hash names its whole prefix (so it can only stand at one position of any prompt) and each request in flight
+    /// counts every block of its prompt. So nothing is kept per block: a request sent or done is one entry, and a
+    /// decision compares the first block not yet matched with each request in flight, and binary-searches the
+    /// few that match it.
     pub fn active_overlap(&self, worker: WorkerId, hashes: &[SeqHash]) -> usize {
-        match self.workers.get(&worker) {
-            Some(t) if !t.active.is_empty() => hashes.partition_point(|h| t.active.contains_key(h)),
-            _ => 0,
+        let Some(t) = self.workers.get(&worker) else { return 0 };
+        let mut best = 0;
+        for s in t.sent.values() {
+            let n = s.hashes.len().min(hashes.len());
+            if n <= best || s.hashes[best] != hashes[best] {
+                continue;
+            }
+            // The first `lo` blocks are shared; at most `hi` are.
+            let (mut lo, mut hi) = (best + 1, n);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if s.hashes[mid - 1] == hashes[mid - 1] {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            best = lo;
         }
+        best
     }
 
     /// The worker's measured speeds, once it reported enough work to measure.
@@ -200,17 +209,6 @@ impl LoadTracker {
             active_blocks: r.device_used + blocks,
             capacity_blocks: if r.device_total > 0 { r.device_total } else { capacity },
             active_requests: r.running + r.waiting + requests,
-        }
-    }
-}
-
-fn forget_hashes(active: &mut FastMap<SeqHash, u32>, hashes: &[SeqHash]) {
-    for h in hashes {
-        if let Some(n) = active.get_mut(h) {
-            *n -= 1;
-            if *n == 0 {
-                active.remove(h);
-            }
         }
     }
 }
@@ -334,7 +332,8 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(2_000))]
 
         /// Prompts of chained blocks, some sharing a start, sent and finished in any order: the blocks active on
-        /// the worker are always a prompt's leading ones, so the binary search counts what a scan counts.
+        /// the worker are always a prompt's leading ones, so the longest shared prefix counts what a scan of every
+        /// request in flight counts.
         #[test]
         fn active_overlap_counts_every_active_block_of_the_prompt(
             ops in proptest::collection::vec((0u64..3, 0usize..6, 1u64..4, 0usize..8, any::<bool>()), 1..60),
@@ -356,7 +355,8 @@ mod tests {
             let mut live: Vec<u64> = Vec::new();
             for (seq, &(start, shared, own, len, finish)) in ops.iter().enumerate() {
                 let p = prompt(start, shared, own, len);
-                let scan = l.workers.get(&w).map_or(0, |t| p.iter().filter(|h| t.active.contains_key(h)).count());
+                let active = |h: &SeqHash| l.workers.get(&w).is_some_and(|t| t.sent.values().any(|s| s.hashes.contains(h)));
+                let scan = p.iter().filter(|h| active(h)).count();
                 prop_assert_eq!(l.active_overlap(w, &p), scan);
                 if finish && !live.is_empty() {
                     l.done(w, live.remove(seq % live.len()));
