@@ -15,6 +15,8 @@ pub enum SamplingError {
     MaxTokens,
     #[error("stop strings must not be empty")]
     EmptyStop,
+    #[error("stop strings need the text: they cannot be used with detokenize off")]
+    StopWithoutText,
 }
 
 /// How to pick tokens and when to stop: valid by construction.
@@ -27,6 +29,7 @@ pub struct SamplingParams {
     max_tokens: NonZeroU32,
     stop: Vec<String>,
     ignore_eos: bool,
+    detokenize: bool,
 }
 
 /// Sampling parameters as a user gives them, before validation.
@@ -40,6 +43,9 @@ pub struct RawSampling {
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation tokens (benchmarks, as vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Make the output's text (as vLLM's `detokenize`); off, only token ids come out, and no time goes into
+    /// decoding them (the simulator, which counts tokens and never reads them).
+    pub detokenize: bool,
 }
 
 impl Default for RawSampling {
@@ -53,6 +59,7 @@ impl Default for RawSampling {
             max_tokens: 256,
             stop: Vec::new(),
             ignore_eos: false,
+            detokenize: true,
         }
     }
 }
@@ -74,6 +81,9 @@ impl SamplingParams {
         if raw.stop.iter().any(String::is_empty) {
             return Err(SamplingError::EmptyStop);
         }
+        if !raw.detokenize && !raw.stop.is_empty() {
+            return Err(SamplingError::StopWithoutText);
+        }
         Ok(SamplingParams {
             temperature: raw.temperature,
             top_p: raw.top_p,
@@ -82,6 +92,7 @@ impl SamplingParams {
             max_tokens,
             stop: raw.stop,
             ignore_eos: raw.ignore_eos,
+            detokenize: raw.detokenize,
         })
     }
 
@@ -95,6 +106,7 @@ impl SamplingParams {
             max_tokens,
             stop: Vec::new(),
             ignore_eos: false,
+            detokenize: true,
         }
     }
 
@@ -108,6 +120,10 @@ impl SamplingParams {
 
     pub fn ignore_eos(&self) -> bool {
         self.ignore_eos
+    }
+
+    pub fn detokenize(&self) -> bool {
+        self.detokenize
     }
 
     pub fn seed(&self) -> Option<u64> {
@@ -235,6 +251,8 @@ mod tests {
         assert_eq!(SamplingParams::new(RawSampling { top_p: 1.5, ..raw() }), Err(SamplingError::TopP(1.5)));
         assert_eq!(SamplingParams::new(RawSampling { top_k: Some(0), ..raw() }), Err(SamplingError::TopK));
         assert_eq!(SamplingParams::new(RawSampling { max_tokens: 0, ..raw() }), Err(SamplingError::MaxTokens));
+        let no_text = RawSampling { detokenize: false, stop: vec!["x".into()], ..raw() };
+        assert_eq!(SamplingParams::new(no_text), Err(SamplingError::StopWithoutText));
     }
 
     #[test]

@@ -81,6 +81,7 @@ fn seeded_sampling_is_reproducible() {
             max_tokens: 16,
             stop: vec![],
             ignore_eos: false,
+            detokenize: true,
         };
         Request {
             namespace: None,
@@ -117,8 +118,19 @@ fn stop_strings_and_end_of_generation_end_the_sequence() {
         .remove(0);
     assert_eq!((done.text.as_str(), done.finish_reason), ("The capital of France is ", FinishReason::Stop));
     assert_eq!(streamed, done.text, "streamed text never shows the stop string");
-    let done = e.run(&[common::greedy(prompt, 3)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    let done = e.run(&[common::greedy(prompt.clone(), 3)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     assert_eq!((done.token_ids.len(), done.finish_reason), (3, FinishReason::Length));
+    // Without text, the same tokens and the same end; no text, streamed or whole.
+    let raw = RawSampling { max_tokens: 32, detokenize: false, ..RawSampling::default() };
+    let request =
+        Request { namespace: None, prompt, sampling: SamplingParams::new(raw).expect("valid"), deadline: None };
+    let mut streamed = String::new();
+    let done = e
+        .run(&[request], &AtomicBool::new(false), |engine::generate::Event::Token { text, .. }| streamed.push_str(text))
+        .expect("runs")
+        .remove(0);
+    assert_eq!(done.token_ids, [504, 3575, 282, 4649, 314, 7042, 30, 2]);
+    assert_eq!((done.text.as_str(), streamed.as_str(), done.finish_reason), ("", "", FinishReason::Stop));
 }
 
 #[test]

@@ -520,6 +520,8 @@ impl<'a> Sim<'a> {
         let raw = RawSampling {
             max_tokens,
             ignore_eos: true,
+            // Nobody reads the text: the records count tokens.
+            detokenize: false,
             seed: Some(self.settings.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
             ..RawSampling::default()
         };

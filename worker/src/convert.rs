@@ -51,6 +51,7 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
         max_tokens: force_max_tokens.unwrap_or(s.max_tokens),
         stop: s.stop,
         ignore_eos: s.ignore_eos,
+        detokenize: true,
     };
     SamplingParams::new(raw).map_err(|e| ProtoError::Invalid { field: "sampling", why: e.to_string() })
 }

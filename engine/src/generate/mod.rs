@@ -430,6 +430,7 @@ impl Engine {
             out: String::new(),
             max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
             ignore_eos: r.sampling.ignore_eos(),
+            detokenize: r.sampling.detokenize(),
             keep_blocks: false,
             deadline: r.deadline,
             pinned: Vec::new(),

@@ -50,6 +50,8 @@ pub(super) struct Seq {
     /// When nobody waits for the answer any more.
     pub deadline: Option<Instant>,
     pub ignore_eos: bool,
+    /// Whether the output's text is made (otherwise only its token ids).
+    pub detokenize: bool,
     pub finish: Option<FinishReason>,
     pub first_token: Option<Instant>,
     pub last_token: Option<Instant>,
@@ -134,14 +136,17 @@ impl Seq {
         self.tokens.push(token);
         let generated = self.tokens.len() - self.prompt_len;
         let end_of_generation = !self.ignore_eos && tokenizer.is_end_of_generation(token);
-        let (mut text, stop_string) =
-            if end_of_generation { (String::new(), false) } else { self.text.push(tokenizer, token) };
+        let (mut text, stop_string) = if end_of_generation || !self.detokenize {
+            (String::new(), false)
+        } else {
+            self.text.push(tokenizer, token)
+        };
         if end_of_generation || stop_string {
             self.finish = Some(FinishReason::Stop);
         } else if generated >= self.max_new {
             self.finish = Some(FinishReason::Length);
         }
-        if self.finish.is_some() {
+        if self.finish.is_some() && self.detokenize {
             // Text held back as a possible stop-string start is released, unless a stop string ended the sequence.
             text.push_str(&self.text.finish(stop_string));
         }

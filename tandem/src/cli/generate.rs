@@ -65,6 +65,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
         ignore_eos: false,
+        detokenize: true,
     })
     .map_err(|e| e.to_string())?;
     let path = args.model.path()?;
