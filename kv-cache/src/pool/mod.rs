@@ -12,6 +12,8 @@
 mod eviction;
 mod tier;
 
+use std::collections::hash_map::Entry;
+
 pub use eviction::{EvictionPolicy, Lru};
 use tier::TierTable;
 
@@ -201,12 +203,19 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             Some(_) if dev.meta(slot).is_some() => return Err(PoolError::AlreadyRegistered(slot)),
             Some(_) => {}
         }
-        let lower = match self.find(meta.seq) {
-            Some(Location { tier: Tier::Device, slot: existing }) => return Ok(Registered::Duplicate { existing }),
-            other => other,
+        // One probe of the map: a fresh block (the common case) is inserted where the lookup ended.
+        let here = Location { tier: Tier::Device, slot };
+        let lower = match self.located.entry(meta.seq) {
+            Entry::Occupied(e) if e.get().tier == Tier::Device => {
+                return Ok(Registered::Duplicate { existing: e.get().slot });
+            }
+            Entry::Occupied(mut e) => Some(e.insert(here)),
+            Entry::Vacant(e) => {
+                e.insert(here);
+                None
+            }
         };
         self.table_mut(Tier::Device).register(slot, meta);
-        self.located.insert(meta.seq, Location { tier: Tier::Device, slot });
         self.log.push_stored(Tier::Device, meta);
         if let Some(at) = lower {
             self.table_mut(at.tier).take_cached(at.slot);
