@@ -53,18 +53,15 @@ async fn prefill_here_decode_there_gives_the_same_tokens() {
     let d = EngineHandle::start(common::engine(EngineConfig::default())).expect("decode engine");
     let (first, kv) = prefill(&p, &prompt).await;
     assert_eq!(first, want[0], "the prefill worker's first token");
-    assert_eq!((kv.tokens, kv.blocks.len()), (70, 5));
-    assert!(kv.blocks[..4].iter().all(|b| b.meta.is_some()) && kv.blocks[4].meta.is_none());
+    assert_eq!((kv.tokens, kv.len()), (70, 5));
+    assert!(kv.metas[..4].iter().all(Option::is_some) && kv.metas[4].is_none());
 
     // The decode side holds nothing of this prompt yet, so it takes every full block.
     let hashes = block_hashes(&prompt, BlockSize::DEFAULT, None).seq;
     assert_eq!(d.lookup(hashes.clone()).await.expect("lookup").device, 0);
-    let full: Vec<(usize, bytes::Bytes)> = kv
-        .blocks
-        .iter()
-        .enumerate()
-        .filter(|(_, b)| b.meta.is_some())
-        .map(|(i, b)| (i, bytes::Bytes::from(b.bytes.clone())))
+    let full: Vec<(usize, bytes::Bytes)> = (0..kv.len())
+        .filter(|&i| kv.metas[i].is_some())
+        .map(|i| (i, bytes::Bytes::copy_from_slice(kv.block(i))))
         .collect();
     let before = d.stats().counters;
     let rest = decode(&d, [prompt.clone(), vec![first]].concat(), 11, full.clone()).await;

@@ -176,7 +176,8 @@ struct Live {
     produced: u64,
     cached: usize,
     /// Pulled blocks waiting for the transfer to end: (position, stand-in bytes).
-    pull: Vec<(usize, Vec<u8>)>,
+    /// The prompt's KV from its prefill worker, and the first block its decode worker pulls.
+    pull: Option<(engine::generate::ExportedKv, usize)>,
 }
 
 /// One router replica's own state.
@@ -636,13 +637,12 @@ impl<'a> Sim<'a> {
     /// the decode worker does not hold, over both workers' links, charged at the modelled block size.
     fn transfer(&mut self, now: f64, i: usize, p: usize, kv: engine::generate::ExportedKv) {
         let d = self.live[i].decode;
-        let hashes: Vec<SeqHash> = kv.blocks.iter().map_while(|b| b.meta.map(|m| m.seq)).collect();
+        let hashes: Vec<SeqHash> = kv.metas.iter().map_while(|b| b.map(|m| m.seq)).collect();
         let m = self.workers[d].engine.lookup(&hashes);
-        let held = m.device + m.host + m.disk;
-        let pull: Vec<(usize, Vec<u8>)> =
-            kv.blocks.into_iter().enumerate().take(hashes.len()).skip(held).map(|(k, b)| (k, b.bytes)).collect();
-        let bytes = pull.len() as u64 * self.settings.transfer_block_bytes;
-        let secs = if pull.is_empty() {
+        let held = (m.device + m.host + m.disk).min(hashes.len());
+        let pulled = hashes.len() - held;
+        let bytes = pulled as u64 * self.settings.transfer_block_bytes;
+        let secs = if pulled == 0 {
             0.0
         } else {
             self.settings.transfer_latency + bytes as f64 / self.settings.transfer_bandwidth
@@ -654,7 +654,7 @@ impl<'a> Sim<'a> {
         self.workers[d].pulled_bytes += bytes;
         self.workers[d].pulled_nanos += (secs * 1e9) as u64;
         self.out.transfer_bytes += bytes;
-        self.live[i].pull = pull;
+        self.live[i].pull = Some((kv, held)).filter(|_| pulled > 0);
         // The router calls the decode worker as soon as the prefill answers; the pull happens inside that call.
         self.send(d, i, 0);
         self.queue.at(end, Ev::Pulled(i));
@@ -666,7 +666,12 @@ impl<'a> Sim<'a> {
         let mut prompt = self.live[i].prompt.clone();
         prompt.extend(self.live[i].first_token);
         let request = self.request(i, prompt, self.live[i].max_tokens - 1);
-        let blocks: Vec<(usize, &[u8])> = pull.iter().map(|(k, b)| (*k, b.as_slice())).collect();
+        let blocks: Vec<(usize, &[u8])> = match &pull {
+            Some((kv, from)) => {
+                (*from..kv.metas.iter().take_while(|m| m.is_some()).count()).map(|k| (k, kv.block(k))).collect()
+            }
+            None => Vec::new(),
+        };
         self.submit(now, d, i, &request, false, &blocks);
     }
 

@@ -10,19 +10,32 @@ use super::sequence::Seq;
 use super::{Engine, EngineError};
 use crate::kv::BlockId;
 
-/// One exported block: its bytes (the engine's KV layout) and, for a full block, its identity.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExportedBlock {
-    /// `None` for the trailing partial block.
-    pub meta: Option<BlockMeta>,
-    pub bytes: Vec<u8>,
-}
-
-/// The KV of a prompt: every block covering its tokens, in position order.
+/// The KV of a prompt: every block covering its tokens, in position order, in one buffer (one allocation per
+/// prompt, not per block; a reader slices it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedKv {
     pub tokens: usize,
-    pub blocks: Vec<ExportedBlock>,
+    /// Each block's identity; `None` for the trailing partial block.
+    pub metas: Vec<Option<BlockMeta>>,
+    /// The blocks' bytes (the engine's KV layout), `block_bytes` each, one after the other.
+    pub bytes: Vec<u8>,
+    pub block_bytes: usize,
+}
+
+impl ExportedKv {
+    /// Blocks exported.
+    pub fn len(&self) -> usize {
+        self.metas.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.metas.is_empty()
+    }
+
+    /// The bytes of block `i`.
+    pub fn block(&self, i: usize) -> &[u8] {
+        &self.bytes[i * self.block_bytes..(i + 1) * self.block_bytes]
+    }
 }
 
 impl Engine {
@@ -31,20 +44,24 @@ impl Engine {
         let bt = self.config.block_tokens;
         let tokens = s.prompt_len.min(s.computed);
         let full = tokens / bt;
-        let hashes = s.hashes(full, self.block_size()).clone();
-        let blocks = s.blocks[..tokens.div_ceil(bt).min(s.blocks.len())]
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| ExportedBlock {
-                meta: (i < full).then(|| BlockMeta {
+        let count = tokens.div_ceil(bt).min(s.blocks.len());
+        let hashes = s.hashes(full, self.block_size());
+        let metas = (0..count)
+            .map(|i| {
+                (i < full).then(|| BlockMeta {
                     seq: hashes.seq[i],
                     local: hashes.local[i],
                     parent: i.checked_sub(1).map(|p| hashes.seq[p]),
-                }),
-                bytes: bytemuck::cast_slice(self.stores.device.block(b)).to_vec(),
+                })
             })
             .collect();
-        ExportedKv { tokens, blocks }
+        let block_bytes = self.block_bytes();
+        let blocks = &s.blocks[..count];
+        let mut bytes = Vec::with_capacity(count * block_bytes);
+        for &b in blocks {
+            bytes.extend_from_slice(bytemuck::cast_slice(self.stores.device.block(b)));
+        }
+        ExportedKv { tokens, metas, bytes, block_bytes }
     }
 
     /// How many of `hashes`' leading blocks this engine holds, per tier.

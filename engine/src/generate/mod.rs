@@ -21,7 +21,7 @@ pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, StepHold, Submi
 use kv_cache::CacheNamespace;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
-pub use kv_io::{ExportedBlock, ExportedKv};
+pub use kv_io::ExportedKv;
 use sequence::Seq;
 pub use stepper::{Output, Stepped, Stepper};
 pub use text::TextStream;

@@ -40,13 +40,16 @@ struct Prepared {
 
 /// Checksums every block and writes the shared-memory copy: CPU and file work, run off the async runtime.
 fn prepare(kv: ExportedKv, block_bytes: u64, lease: LeaseId, shm: Option<&ShmDir>) -> Prepared {
-    let mut held = Vec::with_capacity(kv.blocks.len());
-    let mut descriptors = Vec::with_capacity(kv.blocks.len());
-    for (i, b) in kv.blocks.into_iter().enumerate() {
-        let bytes = Bytes::from(b.bytes);
+    let mut held = Vec::with_capacity(kv.len());
+    let mut descriptors = Vec::with_capacity(kv.len());
+    // Each block is a slice of the one exported buffer (no copy).
+    let all = Bytes::from(kv.bytes);
+    let step = kv.block_bytes;
+    for (i, meta) in kv.metas.iter().enumerate() {
+        let bytes = all.slice(i * step..(i + 1) * step);
         let sum = checksum(&bytes);
         descriptors.push(BlockDescriptor {
-            seq_hash: b.meta.map(|m| m.seq),
+            seq_hash: meta.map(|m| m.seq),
             region: RegionKey(0),
             offset: i as u64 * block_bytes,
             len: block_bytes,
