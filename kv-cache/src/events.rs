@@ -443,4 +443,42 @@ mod tests {
         assert!(log.take_unread().is_err(), "event 2 was dropped before it was read");
         assert_eq!(log.take_unread(), Ok(vec![]));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+        /// Blocks of a small set stored on and removed from two tiers in any order, with reads in between: what a
+        /// reader of the joined events rebuilds is what applying every change on its own gives.
+        #[test]
+        fn joined_events_rebuild_what_every_change_alone_does(
+            ops in proptest::collection::vec((0u8..3, 0usize..2, 0u64..6), 1..80),
+        ) {
+            let mut log = EventLog::new(1_000);
+            let (mut alone, mut joined) = (TierView::default(), TierView::default());
+            let mut read: Option<EventId> = None;
+            for (k, &(kind, tier, b)) in ops.iter().enumerate() {
+                let tier = Tier::ALL[tier];
+                let meta = BlockMeta { seq: SeqHash(b), local: LocalHash(b), parent: b.checked_sub(1).map(SeqHash) };
+                match kind {
+                    0 => {
+                        log.push_stored(tier, meta);
+                        alone.apply(EventId(k as u64), &stored(tier, meta.parent.map(|p| p.0), &[b]));
+                    }
+                    1 => {
+                        log.push_removed(tier, SeqHash(b));
+                        alone.apply(EventId(k as u64), &removed(tier, &[b]));
+                    }
+                    _ => {
+                        for (id, e) in log.events_after(read).expect("held") {
+                            joined.apply(id, &e);
+                            read = Some(id);
+                        }
+                        for t in Tier::ALL {
+                            proptest::prop_assert_eq!(joined.blocks(t), alone.blocks(t), "after op {}", k);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
