@@ -141,14 +141,21 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         self.located.get(&seq).copied()
     }
 
-    /// How many of `hashes`' leading blocks are on each tier, device first.
+    /// How many of `hashes`' leading blocks are on each tier, device first: a run on the device, then one on
+    /// the host, then one on disk (each may be empty). One probe per block.
     pub fn lookup(&self, hashes: &[SeqHash]) -> PrefixMatch {
-        let run = |tier: Tier, from: usize| {
-            hashes[from..].iter().take_while(|&&h| self.find(h).is_some_and(|at| at.tier == tier)).count()
-        };
-        let device = run(Tier::Device, 0);
-        let host = run(Tier::Host, device);
-        let disk = run(Tier::Disk, device + host);
+        let mut runs = [0; 3];
+        let mut tier = 0;
+        for &h in hashes {
+            match self.find(h) {
+                Some(at) if at.tier.index() >= tier => {
+                    tier = at.tier.index();
+                    runs[tier] += 1;
+                }
+                _ => break,
+            }
+        }
+        let [device, host, disk] = runs;
         PrefixMatch { device, host, disk }
     }
 
