@@ -39,7 +39,7 @@ struct Prepared {
 }
 
 /// Checksums every block and writes the shared-memory copy: CPU and file work, run off the async runtime.
-fn prepare(kv: ExportedKv, block_bytes: u64, lease: LeaseId, shm: Option<&ShmDir>) -> Prepared {
+fn prepare(kv: ExportedKv, lease: LeaseId, shm: Option<&ShmDir>) -> Prepared {
     let mut held = Vec::with_capacity(kv.len());
     let mut descriptors = Vec::with_capacity(kv.len());
     // Each block is a slice of the one exported buffer (no copy).
@@ -51,8 +51,8 @@ fn prepare(kv: ExportedKv, block_bytes: u64, lease: LeaseId, shm: Option<&ShmDir
         descriptors.push(BlockDescriptor {
             seq_hash: meta.map(|m| m.seq),
             region: RegionKey(0),
-            offset: i as u64 * block_bytes,
-            len: block_bytes,
+            offset: (i * step) as u64,
+            len: step as u64,
             checksum: sum,
         });
         held.push((sum, bytes));
@@ -132,8 +132,8 @@ impl WorkerService {
         span.record("computed_tokens", kv.tokens - done.cached_tokens);
         let tokens = kv.tokens;
         let lease = lease_id();
-        let (block_bytes, shm) = (self.layout.block_bytes(), self.shm.clone());
-        let prepared = tokio::task::spawn_blocking(move || prepare(kv, block_bytes, lease, shm.as_deref()))
+        let shm = self.shm.clone();
+        let prepared = tokio::task::spawn_blocking(move || prepare(kv, lease, shm.as_deref()))
             .await
             .map_err(|e| Status::internal(format!("preparing the lease failed: {e}")))?;
         let shm_region = prepared.region.as_ref().map(|r| r.path().display().to_string());
