@@ -175,9 +175,9 @@ struct Live {
     gaps: Vec<f64>,
     produced: u64,
     cached: usize,
-    /// Pulled blocks waiting for the transfer to end: (position, stand-in bytes).
-    /// The prompt's KV from its prefill worker, and the first block its decode worker pulls.
-    pull: Option<(engine::generate::ExportedKv, usize)>,
+    /// While the transfer runs: the prompt's KV from its prefill worker, and the positions of the blocks its
+    /// decode worker pulls (the full blocks it does not hold).
+    pull: Option<(engine::generate::ExportedKv, std::ops::Range<usize>)>,
 }
 
 /// One router replica's own state.
@@ -654,7 +654,7 @@ impl<'a> Sim<'a> {
         self.workers[d].pulled_bytes += bytes;
         self.workers[d].pulled_nanos += (secs * 1e9) as u64;
         self.out.transfer_bytes += bytes;
-        self.live[i].pull = Some((kv, held)).filter(|_| pulled > 0);
+        self.live[i].pull = Some((kv, held..hashes.len())).filter(|_| pulled > 0);
         // The router calls the decode worker as soon as the prefill answers; the pull happens inside that call.
         self.send(d, i, 0);
         self.queue.at(end, Ev::Pulled(i));
@@ -667,9 +667,7 @@ impl<'a> Sim<'a> {
         prompt.extend(self.live[i].first_token);
         let request = self.request(i, prompt, self.live[i].max_tokens - 1);
         let blocks: Vec<(usize, &[u8])> = match &pull {
-            Some((kv, from)) => {
-                (*from..kv.metas.iter().take_while(|m| m.is_some()).count()).map(|k| (k, kv.block(k))).collect()
-            }
+            Some((kv, range)) => range.clone().map(|k| (k, kv.block(k))).collect(),
             None => Vec::new(),
         };
         self.submit(now, d, i, &request, false, &blocks);
