@@ -63,6 +63,8 @@ pub enum KvPart {
 pub struct KvStore {
     layout: KvLayout,
     data: Vec<f16>,
+    /// Blocks, kept apart from `data`: a layout of empty blocks (the simulator's) holds no data at all.
+    capacity: usize,
 }
 
 impl KvStore {
@@ -77,7 +79,7 @@ impl KvStore {
         // which is the point here.
         let mut bits: Vec<u16> = Vec::with_capacity(len);
         bits.resize(len, 0);
-        KvStore { layout, data: bits.reinterpret_into() }
+        KvStore { layout, data: bits.reinterpret_into(), capacity }
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -86,7 +88,7 @@ impl KvStore {
 
     /// Number of blocks.
     pub fn capacity(&self) -> usize {
-        self.data.len() / self.layout.block_elems().max(1)
+        self.capacity
     }
 
     fn base(&self, block: BlockId) -> usize {
@@ -117,5 +119,18 @@ impl KvStore {
         let hd = self.layout.head_dim;
         let s = self.base(block) + self.layout.head_offset(layer, part as usize, head) + slot * hd;
         crate::kernels::f32_to_f16(&values[..hd], &mut self.data[s..s + hd]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_of_empty_blocks_still_has_its_blocks() {
+        let layout = KvLayout { layers: 1, kv_heads: 1, head_dim: 0, block_tokens: 16 };
+        let mut kv = KvStore::new(layout, 5);
+        assert_eq!((kv.capacity(), layout.block_bytes()), (5, 0));
+        assert!(kv.block(BlockId(4)).is_empty() && kv.block_mut(BlockId(4)).is_empty());
     }
 }

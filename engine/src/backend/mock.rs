@@ -23,7 +23,8 @@ pub struct MockSettings {
     pub profile: TimingProfile,
     /// Every modelled duration is divided by this.
     pub speedup: f64,
-    /// Bytes of one stand-in KV block (a multiple of 4 × block tokens).
+    /// Bytes of one stand-in KV block (a multiple of 4 × block tokens). 0 in virtual time only: the blocks hold
+    /// nothing at all (the simulator moves no KV bytes; its transfers are charged at the profile's size).
     pub block_bytes: usize,
     /// Longest sequence accepted.
     pub context_len: usize,
@@ -51,9 +52,11 @@ impl MockSettings {
             out.push(format!("the mock speed-up must be a positive number, not {}", self.speedup));
         }
         let unit = 4 * block_tokens.max(1);
-        if self.block_bytes == 0 || !self.block_bytes.is_multiple_of(unit) {
+        if self.block_bytes == 0 && !self.virtual_time {
+            out.push("mock block bytes must be positive for a worker (only the simulator keeps none)".into());
+        } else if !self.block_bytes.is_multiple_of(unit) {
             out.push(format!(
-                "mock block bytes ({}) must be a positive multiple of {unit} (4 bytes × {block_tokens} tokens)",
+                "mock block bytes ({}) must be a multiple of {unit} (4 bytes × {block_tokens} tokens)",
                 self.block_bytes
             ));
         }
@@ -117,7 +120,7 @@ impl Backend for MockBackend {
 
     fn kv_layout(&self, block_tokens: usize) -> KvLayout {
         // One layer, one head: the stand-in block is exactly `block_bytes` of f16 K and V.
-        let head_dim = (self.settings.block_bytes / (4 * block_tokens.max(1))).max(1);
+        let head_dim = self.settings.block_bytes / (4 * block_tokens.max(1));
         KvLayout { layers: 1, kv_heads: 1, head_dim, block_tokens }
     }
 
@@ -201,5 +204,10 @@ mod tests {
         let s = MockSettings { speedup: 0.0, block_bytes: 100, ..MockSettings::gpu_default() };
         let p = s.problems(16);
         assert_eq!(p.len(), 2, "{p:?}");
+        let empty = MockSettings { block_bytes: 0, ..MockSettings::gpu_default() };
+        assert_eq!(empty.problems(16).len(), 1, "a worker's blocks must hold bytes");
+        let simulated = MockSettings { virtual_time: true, ..empty };
+        assert!(simulated.problems(16).is_empty(), "the simulator's need not");
+        assert_eq!(MockBackend::new(simulated, 10, vec![5], 100).kv_layout(16).block_bytes(), 0);
     }
 }

@@ -14,7 +14,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
     let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model");
     let profile = TimingProfile::parse("test", profile).expect("profile parses");
     let mock =
-        MockSettings { profile, block_bytes: 64, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
+        MockSettings { profile, block_bytes: 0, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
     Settings {
         model,
         prefill,
@@ -59,7 +59,7 @@ pub fn settings_gpu() -> Settings {
     let mut s = settings("", 2, 2, Policy::Kv);
     let profile = TimingProfile::load("gpu-default").expect("gpu-default ships");
     let mock =
-        MockSettings { profile, block_bytes: 64, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
+        MockSettings { profile, block_bytes: 0, context_len: 1024, virtual_time: true, ..MockSettings::gpu_default() };
     s.engine.backend = BackendChoice::Mock(Box::new(mock));
     // Room for every request of the test at once: refusals are not what it checks.
     (s.engine.kv_blocks, s.engine.host_blocks) = (4096, 4096);
