@@ -10,15 +10,14 @@
 //! the log reproduces every tier's content.
 
 mod eviction;
+mod located;
 mod tier;
 
-use std::collections::hash_map::Entry;
-
 pub use eviction::{EvictionPolicy, Lru};
+use located::Located;
 use tier::TierTable;
 
 use crate::events::{BlockMeta, EventId, EventLog, KvEvent, Snapshot, Tier, TooOld};
-use crate::fastmap::FastMap;
 use crate::hash::SeqHash;
 
 /// Number of blocks of each tier. Host and disk may be 0 (tier absent); the device tier may not.
@@ -99,7 +98,7 @@ pub struct BlockPool<E: EvictionPolicy + Default = Lru> {
     tiers: [TierTable<E>; 3],
     /// Where every findable block is: registered device blocks (in use or cached) and cached host and disk
     /// blocks. One map for all tiers, so a block moving down a tier is one update, and a miss one probe.
-    located: FastMap<SeqHash, Location>,
+    located: Located,
     log: EventLog,
 }
 
@@ -110,7 +109,9 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             return Err(PoolError::NoDeviceBlocks);
         }
         let tiers = [TierTable::new(sizes.device), TierTable::new(sizes.host), TierTable::new(sizes.disk)];
-        Ok(BlockPool { tiers, located: FastMap::default(), log: EventLog::new(replay) })
+        // Every block findable at once fits without the table growing.
+        let located = Located::with_capacity(sizes.device + sizes.host + sizes.disk);
+        Ok(BlockPool { tiers, located, log: EventLog::new(replay) })
     }
 
     fn table(&self, tier: Tier) -> &TierTable<E> {
@@ -138,7 +139,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
 
     /// The tier holding `seq`, and the slot there.
     pub fn find(&self, seq: SeqHash) -> Option<Location> {
-        self.located.get(&seq).copied()
+        self.located.get(&seq)
     }
 
     /// How many of `hashes`' leading blocks are on each tier, device first: a run on the device, then one on
@@ -210,17 +211,15 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             Some(_) if dev.meta(slot).is_some() => return Err(PoolError::AlreadyRegistered(slot)),
             Some(_) => {}
         }
-        // One probe of the map: a fresh block (the common case) is inserted where the lookup ended.
+        // One probe of the map: a fresh block (the common case) goes where the lookup ended, and a copy on a lower
+        // tier is replaced; a device copy stays.
         let here = Location { tier: Tier::Device, slot };
-        let lower = match self.located.entry(meta.seq) {
-            Entry::Occupied(e) if e.get().tier == Tier::Device => {
-                return Ok(Registered::Duplicate { existing: e.get().slot });
-            }
-            Entry::Occupied(mut e) => Some(e.insert(here)),
-            Entry::Vacant(e) => {
-                e.insert(here);
-                None
-            }
+        let lower = match self.located.upsert(meta.seq, |now| match now {
+            Some(at) if at.tier == Tier::Device => None,
+            _ => Some(here),
+        }) {
+            Some(at) if at.tier == Tier::Device => return Ok(Registered::Duplicate { existing: at.slot }),
+            lower => lower,
         };
         self.table_mut(Tier::Device).register(slot, meta);
         self.log.push_stored(Tier::Device, meta);
