@@ -27,6 +27,12 @@ fn chain(c: u64, len: u64) -> Vec<SeqHash> {
 #[derive(Clone, Debug)]
 enum Op {
     Allocate,
+    /// Several blocks in one call (their evictions logged together).
+    AllocateMany {
+        n: usize,
+    },
+    /// A reader applies the events so far (sealing them) and must see the pool's content.
+    Read,
     /// Register a held, unregistered block as block `i` of chain `c` (picked by index among candidates).
     Register {
         pick: usize,
@@ -53,6 +59,8 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => Just(Op::Allocate),
+        2 => (2usize..6).prop_map(|n| Op::AllocateMany { n }),
+        1 => Just(Op::Read),
         3 => (any::<usize>(), 0..CHAINS, 0..CHAIN_LEN).prop_map(|(pick, c, i)| Op::Register { pick, c, i }),
         3 => any::<usize>().prop_map(|pick| Op::Release { pick }),
         3 => (0..CHAINS, 1..=CHAIN_LEN).prop_map(|(c, len)| Op::Acquire { c, len }),
@@ -142,6 +150,8 @@ fn run(sizes: TierSizes, ops: Vec<Op>, snapshot_at: usize) -> Result<(), TestCas
     // References the test holds: one entry per reference.
     let mut held: Vec<u32> = Vec::new();
     let mut snapshot = None;
+    // A reader following the log as it goes.
+    let (mut reader, mut read) = (TierView::default(), None);
     for (step, op) in ops.into_iter().enumerate() {
         if step == snapshot_at {
             snapshot = Some(pool.snapshot());
@@ -163,6 +173,36 @@ fn run(sizes: TierSizes, ops: Vec<Op>, snapshot_at: usize) -> Result<(), TestCas
                         held.push(slot);
                     }
                     Err(_) => prop_assert!(!room, "the pool refused where the model had room"),
+                }
+            }
+            Op::AllocateMany { n } => {
+                let (mut actions, mut slots) = (Vec::new(), Vec::new());
+                let result = pool.allocate_many(n, &mut slots, &mut actions);
+                apply_copies(&actions, &mut data, &pool);
+                let mut room = 0;
+                while room < n && model.make_room(Tier::Device) {
+                    let Some(&slot) = slots.get(room) else {
+                        return Err(TestCaseError::fail("the pool allocated fewer blocks than the model could"));
+                    };
+                    prop_assert!(
+                        !held.contains(&slot) && !model.used.contains_key(&slot),
+                        "slot {slot} handed out twice"
+                    );
+                    data.remove(&(Tier::Device, slot));
+                    model.used.insert(slot, (1, None));
+                    held.push(slot);
+                    room += 1;
+                }
+                prop_assert_eq!(slots.len(), room, "blocks allocated");
+                prop_assert_eq!(result.is_ok(), room == n);
+            }
+            Op::Read => {
+                for (id, e) in pool.events_after(read).expect("the whole log is kept") {
+                    reader.apply(id, &e);
+                    read = Some(id);
+                }
+                for tier in Tier::ALL {
+                    prop_assert_eq!(&reader.blocks(tier), &model.tier_content(tier), "a reader's view of {:?}", tier);
                 }
             }
             Op::Register { pick, c, i } => {

@@ -137,40 +137,45 @@ impl Engine {
     }
 
     /// Writes each block the pool does not hold yet into a fresh device block and registers it; the slots stay
-    /// referenced and are listed in `stored`.
+    /// referenced and are listed in `stored`. The fresh blocks are allocated in one call, so that the evictions
+    /// making room for them are logged as runs.
     fn store_blocks(
         &mut self,
         hashes: &kv_cache::BlockHashes,
         blocks: &[(usize, &[u8])],
         stored: &mut Vec<u32>,
     ) -> Result<(), EngineError> {
-        for &(i, bytes) in blocks {
-            let meta = BlockMeta {
-                seq: hashes.seq[i],
-                local: hashes.local[i],
-                parent: i.checked_sub(1).map(|p| hashes.seq[p]),
-            };
-            if self.pool.find(meta.seq).is_some() {
-                continue;
-            }
-            let mut actions = Vec::new();
-            let slot = match self.pool.allocate(&mut actions) {
-                Ok(slot) => slot,
-                Err(PoolError::OutOfBlocks) => return Err(self.out_of_capacity()),
-                Err(e) => return Err(EngineError::Pool(e)),
-            };
-            let copied = self.execute(&actions);
+        let fresh: Vec<(BlockMeta, &[u8])> = blocks
+            .iter()
+            .map(|&(i, bytes)| {
+                let meta = BlockMeta {
+                    seq: hashes.seq[i],
+                    local: hashes.local[i],
+                    parent: i.checked_sub(1).map(|p| hashes.seq[p]),
+                };
+                (meta, bytes)
+            })
+            .filter(|(meta, _)| self.pool.find(meta.seq).is_none())
+            .collect();
+        let (mut actions, mut slots) = (Vec::new(), Vec::new());
+        let allocated = self.pool.allocate_many(fresh.len(), &mut slots, &mut actions);
+        let copied = self.execute(&actions);
+        for (&slot, &(meta, bytes)) in slots.iter().zip(&fresh) {
             let dst: &mut [u8] = bytemuck::cast_slice_mut(self.stores.device.block_mut(BlockId(slot)));
             dst.copy_from_slice(bytes);
-            match (copied, self.pool.register(slot, meta).map_err(EngineError::Pool)) {
+            match (&copied, self.pool.register(slot, meta)) {
                 (Ok(()), Ok(Registered::New)) => stored.push(slot),
-                (copied, registered) => {
+                (_, registered) => {
                     self.pool.release(slot).map_err(EngineError::Pool)?;
-                    copied?;
-                    registered?;
+                    registered.map_err(EngineError::Pool)?;
                 }
             }
         }
-        Ok(())
+        copied?;
+        match allocated {
+            Ok(()) => Ok(()),
+            Err(PoolError::OutOfBlocks) => Err(self.out_of_capacity()),
+            Err(e) => Err(EngineError::Pool(e)),
+        }
     }
 }

@@ -156,17 +156,17 @@ impl Engine {
             let need = (seqs[i].computed + n).div_ceil(bt);
             let mut preempted_self = false;
             while seqs[i].blocks.len() < need {
-                let mut actions = Vec::new();
-                match self.pool.allocate(&mut actions) {
-                    Ok(slot) => {
-                        seqs[i].blocks.push(BlockId(slot));
-                        if let Err(e) = self.execute(&actions) {
-                            self.fail(&mut seqs[i], format!("making room for a block failed: {e}"));
-                            plan.remove(k);
-                            preempted_self = true;
-                            break;
-                        }
-                    }
+                let (mut actions, mut slots) = (Vec::new(), Vec::new());
+                let allocated = self.pool.allocate_many(need - seqs[i].blocks.len(), &mut slots, &mut actions);
+                seqs[i].blocks.extend(slots.into_iter().map(BlockId));
+                if let Err(e) = self.execute(&actions) {
+                    self.fail(&mut seqs[i], format!("making room for a block failed: {e}"));
+                    plan.remove(k);
+                    preempted_self = true;
+                    break;
+                }
+                match allocated {
+                    Ok(()) => {}
                     Err(PoolError::OutOfBlocks) => {
                         let victim = seqs
                             .iter()

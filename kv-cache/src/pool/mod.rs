@@ -100,6 +100,21 @@ pub struct BlockPool<E: EvictionPolicy + Default = Lru> {
     /// blocks. One map for all tiers, so a block moving down a tier is one update, and a miss one probe.
     located: Located,
     log: EventLog,
+    /// The tier changes of the allocation under way, logged when it ends ([`BlockPool::allocate_many`]).
+    moves: Moves,
+}
+
+/// The tier changes evictions made during one allocation of many blocks, per tier, logged together when it ends:
+/// every tier's removals, then its stores (a store's copy before its original's removal, lowest tier first), which
+/// is the order the changes happened in as long as no block stored on a tier in the batch leaves it again in the
+/// batch. `older` tells when that could happen: a tier's eviction victims come oldest first, so while victims
+/// cached before the batch remain, a victim cannot be a block the batch stored; when they run out, the batch so far
+/// is logged first.
+#[derive(Debug, Default)]
+struct Moves {
+    removed: [Vec<SeqHash>; 3],
+    stored: [Vec<BlockMeta>; 3],
+    older: [usize; 3],
 }
 
 impl<E: EvictionPolicy + Default> BlockPool<E> {
@@ -111,7 +126,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         let tiers = [TierTable::new(sizes.device), TierTable::new(sizes.host), TierTable::new(sizes.disk)];
         // Every block findable at once fits without the table growing.
         let located = Located::with_capacity(sizes.device + sizes.host + sizes.disk);
-        Ok(BlockPool { tiers, located, log: EventLog::new(replay) })
+        Ok(BlockPool { tiers, located, log: EventLog::new(replay), moves: Moves::default() })
     }
 
     fn table(&self, tier: Tier) -> &TierTable<E> {
@@ -163,28 +178,67 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// A fresh device block for a sequence, referenced once. Evicts the least recently used cached device block
     /// (moving it down the tiers) when none is free.
     pub fn allocate(&mut self, actions: &mut Vec<Action>) -> Result<u32, PoolError> {
-        if let Some(slot) = self.table_mut(Tier::Device).take_free() {
-            self.table_mut(Tier::Device).set_used(slot, None);
-            return Ok(slot);
-        }
-        let victim = self.table(Tier::Device).victim().ok_or(PoolError::OutOfBlocks)?;
-        self.evict(Location { tier: Tier::Device, slot: victim }, actions);
-        let slot = self.table_mut(Tier::Device).take_free().ok_or(PoolError::OutOfBlocks)?;
-        self.table_mut(Tier::Device).set_used(slot, None);
-        Ok(slot)
+        let mut slot = Vec::with_capacity(1);
+        self.allocate_many(1, &mut slot, actions)?;
+        slot.pop().ok_or(PoolError::OutOfBlocks)
     }
 
-    /// Moves the cached block at `at` one tier down (or drops it from the last tier), leaving `at` free.
+    /// `n` fresh device blocks (as [`allocate`](Self::allocate) each), appended to `slots`. When every device
+    /// block is referenced before `n` are found, the ones found stay in `slots` and the answer is
+    /// [`PoolError::OutOfBlocks`]. The evictions' events are logged once, as runs, instead of block by block.
+    pub fn allocate_many(
+        &mut self,
+        n: usize,
+        slots: &mut Vec<u32>,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), PoolError> {
+        for t in [Tier::Host, Tier::Disk] {
+            self.moves.older[t.index()] = self.table(t).usage().cached;
+        }
+        let mut result = Ok(());
+        for _ in 0..n {
+            let slot = match self.table_mut(Tier::Device).take_free() {
+                Some(slot) => slot,
+                None => {
+                    let Some(victim) = self.table(Tier::Device).victim() else {
+                        result = Err(PoolError::OutOfBlocks);
+                        break;
+                    };
+                    self.evict(Location { tier: Tier::Device, slot: victim }, actions);
+                    match self.table_mut(Tier::Device).take_free() {
+                        Some(slot) => slot,
+                        None => {
+                            result = Err(PoolError::OutOfBlocks);
+                            break;
+                        }
+                    }
+                }
+            };
+            self.table_mut(Tier::Device).set_used(slot, None);
+            slots.push(slot);
+        }
+        self.log_moves();
+        result
+    }
+
+    /// Moves the cached block at `at` one tier down (or drops it from the last tier), leaving `at` free; its
+    /// events wait in `moves`.
     fn evict(&mut self, at: Location, actions: &mut Vec<Action>) {
         let Some(meta) = self.table_mut(at.tier).take_cached(at.slot) else { return };
         let Some(below) = at.tier.below().filter(|&t| self.table(t).capacity() > 0) else {
             self.located.remove(&meta.seq);
-            self.log.push_removed(at.tier, meta.seq);
+            self.moves.removed[at.tier.index()].push(meta.seq);
             return;
         };
         let slot = match self.table_mut(below).take_free() {
             Some(s) => Some(s),
             None => self.table(below).victim().and_then(|v| {
+                // The victim may be a block this batch stored there: log the batch so far first.
+                if self.moves.older[below.index()] == 0 {
+                    self.log_moves();
+                    self.moves.older[below.index()] = self.table(below).usage().cached;
+                }
+                self.moves.older[below.index()] -= 1;
                 self.evict(Location { tier: below, slot: v }, actions);
                 self.table_mut(below).take_free()
             }),
@@ -194,12 +248,36 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             actions.push(Action::Copy { from: at, to, block: meta.seq });
             self.table_mut(below).set_cached(slot, meta);
             self.located.insert(meta.seq, to);
-            // The copy is logged before the original goes, as it happens: the block is never on neither tier.
-            self.log.push_stored(below, meta);
+            self.moves.stored[below.index()].push(meta);
         } else {
             self.located.remove(&meta.seq);
         }
-        self.log.push_removed(at.tier, meta.seq);
+        self.moves.removed[at.tier.index()].push(meta.seq);
+    }
+
+    /// Logs the changes in `moves`: per tier, lowest first, the removals, then the stores as chain runs (the LRU
+    /// evicts a chain from its end, so a run arrives backwards).
+    fn log_moves(&mut self) {
+        for tier in [Tier::Disk, Tier::Host, Tier::Device] {
+            let removed = std::mem::take(&mut self.moves.removed[tier.index()]);
+            if !removed.is_empty() {
+                self.log.push(KvEvent::Removed { tier, seqs: removed });
+            }
+            let mut stored = std::mem::take(&mut self.moves.stored[tier.index()]);
+            let mut rest = &mut stored[..];
+            while !rest.is_empty() {
+                // A run: each block the parent of the one before it.
+                let len = 1 + rest.windows(2).take_while(|w| w[0].parent == Some(w[1].seq)).count();
+                let (run, tail) = rest.split_at_mut(len);
+                run.reverse();
+                let blocks = run.iter().map(|m| (m.seq, m.local)).collect();
+                self.log.push(KvEvent::Stored { tier, parent: run[0].parent, blocks });
+                rest = tail;
+            }
+            // The buffer is kept for the next batch.
+            stored.clear();
+            self.moves.stored[tier.index()] = stored;
+        }
     }
 
     /// Marks the block in `slot` complete under `meta`, making it findable. A copy of the same block on a lower
