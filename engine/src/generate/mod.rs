@@ -413,8 +413,12 @@ impl Engine {
         if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.backend.vocab()) {
             return Err(EngineError::Forward(ForwardError::TokenOutOfRange(t)));
         }
+        let max_new = (r.sampling.max_tokens() as usize).min(context - r.prompt.len());
+        // Room for the output too (up to a bound), so the first token does not copy the whole prompt.
+        let mut tokens = Vec::with_capacity(r.prompt.len() + max_new.min(2048));
+        tokens.extend_from_slice(&r.prompt);
         Ok(Seq {
-            tokens: r.prompt.clone(),
+            tokens,
             namespace: r.namespace.clone(),
             hashes: kv_cache::BlockHashes::default(),
             prompt_len: r.prompt.len(),
@@ -428,7 +432,7 @@ impl Engine {
             sampler: Sampler::new(r.sampling.clone(), random_seed(index)),
             text: TextStream::new(r.sampling.stop().to_vec()),
             out: String::new(),
-            max_new: (r.sampling.max_tokens() as usize).min(context - r.prompt.len()),
+            max_new,
             ignore_eos: r.sampling.ignore_eos(),
             detokenize: r.sampling.detokenize(),
             keep_blocks: false,
