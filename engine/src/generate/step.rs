@@ -76,6 +76,10 @@ impl Engine {
     /// Reads and verifies the disk blocks a prefix is about to onboard; a bad one is dropped from the pool (with a
     /// `Removed` event) so that the prefix stops before it and the block is recomputed.
     fn stage_disk_hits(&mut self, hashes: &[kv_cache::SeqHash]) {
+        if self.stores.disk.is_none() {
+            // No disk tier: nothing to read ahead, and no lookup of the whole prefix to find that out.
+            return;
+        }
         let m = self.pool.lookup(hashes);
         for &h in &hashes[m.device + m.host..m.device + m.host + m.disk] {
             let Some(at) = self.pool.find(h) else { break };
