@@ -413,3 +413,54 @@ fn blocks_found_at_start_up_are_restored_once_with_events() {
 fn a_device_tier_of_zero_is_refused() {
     assert!(BlockPool::<kv_cache::pool::Lru>::new(TierSizes { device: 0, host: 4, disk: 4 }, 16).is_err());
 }
+
+/// Evicts the block that became evictable last: a policy whose victims are not oldest first.
+#[derive(Debug, Default)]
+struct Newest(Vec<u32>);
+
+impl kv_cache::pool::EvictionPolicy for Newest {
+    fn insert(&mut self, slot: u32) {
+        self.remove(slot);
+        self.0.push(slot);
+    }
+
+    fn remove(&mut self, slot: u32) {
+        self.0.retain(|&s| s != slot);
+    }
+
+    fn victim(&self) -> Option<u32> {
+        self.0.last().copied()
+    }
+}
+
+#[test]
+fn a_batch_of_evictions_logs_in_order_under_a_policy_that_is_not_oldest_first() {
+    let mut pool: BlockPool<Newest> = BlockPool::new(TierSizes { device: 2, host: 2, disk: 0 }, 1_000).expect("valid");
+    let cache = |pool: &mut BlockPool<Newest>, m: BlockMeta| {
+        let slot = pool.allocate(&mut Vec::new()).expect("room");
+        pool.register(slot, m).expect("registers");
+        pool.release(slot).expect("releases");
+    };
+    // Two blocks moved to the host tier, filling it.
+    cache(&mut pool, meta(2, 0));
+    cache(&mut pool, meta(3, 0));
+    let mut slots = Vec::new();
+    pool.allocate_many(2, &mut slots, &mut Vec::new()).expect("room");
+    slots.iter().for_each(|&s| pool.release(s).expect("releases"));
+    // Two more cached on the device, then both evicted in one batch: the second eviction's host victim is the block
+    // the first one stored there (the newest), so its removal must be logged after that store.
+    cache(&mut pool, meta(0, 0));
+    cache(&mut pool, meta(1, 0));
+    pool.allocate_many(2, &mut Vec::new(), &mut Vec::new()).expect("room");
+    let mut view = TierView::default();
+    for (id, e) in pool.events_after(None).expect("kept") {
+        view.apply(id, &e);
+    }
+    let snapshot = pool.snapshot();
+    for tier in Tier::ALL {
+        let content: BTreeSet<BlockMeta> = snapshot.tiers[tier.index()].iter().copied().collect();
+        assert_eq!(view.blocks(tier), content, "{tier:?}");
+    }
+    // meta(2, 0) made room for meta(1, 0), which then made room for meta(0, 0).
+    assert_eq!(snapshot.tiers[Tier::Host.index()], vec![meta(0, 0), meta(3, 0)]);
+}

@@ -9,6 +9,12 @@ pub trait EvictionPolicy: std::fmt::Debug {
     fn remove(&mut self, slot: u32);
     /// The slot to evict next, if any is evictable.
     fn victim(&self) -> Option<u32>;
+    /// Whether victims come in the order slots became evictable (oldest first). The pool then tells from counts
+    /// alone whether a victim became evictable during a batch of evictions; for other policies it logs each
+    /// eviction's changes before the next.
+    fn oldest_first(&self) -> bool {
+        false
+    }
 }
 
 /// Least recently cached first: a list threaded through the slots (slots are small dense numbers), so each call is
@@ -66,6 +72,10 @@ impl EvictionPolicy for Lru {
 
     fn victim(&self) -> Option<u32> {
         (!self.links.is_empty() && self.head != NONE).then_some(self.head)
+    }
+
+    fn oldest_first(&self) -> bool {
+        true
     }
 }
 

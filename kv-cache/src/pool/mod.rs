@@ -107,9 +107,9 @@ pub struct BlockPool<E: EvictionPolicy + Default = Lru> {
 /// The tier changes evictions made during one allocation of many blocks, per tier, logged together when it ends:
 /// every tier's removals, then its stores (a store's copy before its original's removal, lowest tier first), which
 /// is the order the changes happened in as long as no block stored on a tier in the batch leaves it again in the
-/// batch. `older` tells when that could happen: a tier's eviction victims come oldest first, so while victims
-/// cached before the batch remain, a victim cannot be a block the batch stored; when they run out, the batch so far
-/// is logged first.
+/// batch. `older` tells when that could happen: under a policy whose victims come oldest first (LRU), while victims
+/// cached before the batch remain, a victim cannot be a block the batch stored; when they run out (or under any
+/// other policy, at every victim), the batch so far is logged first.
 #[derive(Debug, Default)]
 struct Moves {
     removed: [Vec<SeqHash>; 3],
@@ -234,7 +234,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             Some(s) => Some(s),
             None => self.table(below).victim().and_then(|v| {
                 // The victim may be a block this batch stored there: log the batch so far first.
-                if self.moves.older[below.index()] == 0 {
+                if self.moves.older[below.index()] == 0 || !self.table(below).oldest_first() {
                     self.log_moves();
                     self.moves.older[below.index()] = self.table(below).usage().cached;
                 }

@@ -87,6 +87,10 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
         self.policy.victim()
     }
 
+    pub fn oldest_first(&self) -> bool {
+        self.policy.oldest_first()
+    }
+
     pub fn take_free(&mut self) -> Option<u32> {
         self.free.pop()
     }
