@@ -27,13 +27,17 @@ struct Entry {
 const VACANT: Entry = Entry { key: 0, slot: 0, tier: EMPTY };
 
 impl Entry {
+    fn new(key: u64, at: Location) -> Entry {
+        Entry { key, slot: at.slot, tier: at.tier.index() as u8 }
+    }
+
     fn location(&self) -> Location {
         Location { tier: Tier::ALL[self.tier as usize], slot: self.slot }
     }
 }
 
 /// Block hash → location.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Located {
     entries: Vec<Entry>,
     /// `entries.len() - 1` (a power of two minus one).
@@ -46,12 +50,6 @@ pub struct Located {
 enum Probe {
     Found(usize),
     Vacant(usize),
-}
-
-impl Default for Located {
-    fn default() -> Located {
-        Located::with_capacity(0)
-    }
 }
 
 impl Located {
@@ -107,18 +105,17 @@ impl Located {
         if 2 * (self.len + 1) > self.entries.len() {
             self.grow();
         }
-        let new = Entry { key: seq.0, slot: 0, tier: EMPTY };
         match self.probe(seq.0) {
             Probe::Found(i) => {
                 let old = self.entries[i].location();
                 if let Some(at) = decide(Some(old)) {
-                    self.entries[i] = Entry { slot: at.slot, tier: at.tier.index() as u8, ..new };
+                    self.entries[i] = Entry::new(seq.0, at);
                 }
                 Some(old)
             }
             Probe::Vacant(i) => {
                 if let Some(at) = decide(None) {
-                    self.entries[i] = Entry { slot: at.slot, tier: at.tier.index() as u8, ..new };
+                    self.entries[i] = Entry::new(seq.0, at);
                     self.len += 1;
                 }
                 None

@@ -178,9 +178,10 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// A fresh device block for a sequence, referenced once. Evicts the least recently used cached device block
     /// (moving it down the tiers) when none is free.
     pub fn allocate(&mut self, actions: &mut Vec<Action>) -> Result<u32, PoolError> {
-        let mut slot = Vec::with_capacity(1);
-        self.allocate_many(1, &mut slot, actions)?;
-        slot.pop().ok_or(PoolError::OutOfBlocks)
+        self.begin_moves();
+        let slot = self.take_device_block(actions);
+        self.log_moves();
+        slot.ok_or(PoolError::OutOfBlocks)
     }
 
     /// `n` fresh device blocks (as [`allocate`](Self::allocate) each), appended to `slots`. When every device
@@ -192,33 +193,33 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         slots: &mut Vec<u32>,
         actions: &mut Vec<Action>,
     ) -> Result<(), PoolError> {
+        self.begin_moves();
+        let before = slots.len();
+        slots.extend((0..n).map_while(|_| self.take_device_block(actions)));
+        self.log_moves();
+        if slots.len() - before == n { Ok(()) } else { Err(PoolError::OutOfBlocks) }
+    }
+
+    /// A free device block, made by eviction if need be, marked used; `None` when every device block is referenced.
+    /// Its evictions' events wait in `moves`.
+    fn take_device_block(&mut self, actions: &mut Vec<Action>) -> Option<u32> {
+        let slot = match self.table_mut(Tier::Device).take_free() {
+            Some(slot) => slot,
+            None => {
+                let victim = self.table(Tier::Device).victim()?;
+                self.evict(Location { tier: Tier::Device, slot: victim }, actions);
+                self.table_mut(Tier::Device).take_free()?
+            }
+        };
+        self.table_mut(Tier::Device).set_used(slot, None);
+        Some(slot)
+    }
+
+    /// Starts a batch of evictions: the lower tiers' blocks cached now are the victims that cannot be the batch's.
+    fn begin_moves(&mut self) {
         for t in [Tier::Host, Tier::Disk] {
             self.moves.older[t.index()] = self.table(t).usage().cached;
         }
-        let mut result = Ok(());
-        for _ in 0..n {
-            let slot = match self.table_mut(Tier::Device).take_free() {
-                Some(slot) => slot,
-                None => {
-                    let Some(victim) = self.table(Tier::Device).victim() else {
-                        result = Err(PoolError::OutOfBlocks);
-                        break;
-                    };
-                    self.evict(Location { tier: Tier::Device, slot: victim }, actions);
-                    match self.table_mut(Tier::Device).take_free() {
-                        Some(slot) => slot,
-                        None => {
-                            result = Err(PoolError::OutOfBlocks);
-                            break;
-                        }
-                    }
-                }
-            };
-            self.table_mut(Tier::Device).set_used(slot, None);
-            slots.push(slot);
-        }
-        self.log_moves();
-        result
     }
 
     /// Moves the cached block at `at` one tier down (or drops it from the last tier), leaving `at` free; its
