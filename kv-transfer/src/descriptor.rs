@@ -77,6 +77,9 @@ pub struct KvHandle {
     pub shm_region: Option<String>,
     /// The owner's host and shared-memory domain: a reader uses `shm_region` only when its own is the same.
     pub host_id: String,
+    /// The name the endpoint's certificate carries, which the reader verifies (empty: the endpoint's address, as
+    /// protocol version 1 did).
+    pub server_name: String,
 }
 
 /// Why a handle cannot be used here, naming what differs.
@@ -173,6 +176,7 @@ mod tests {
             blocks,
             shm_region: None,
             host_id: String::new(),
+            server_name: String::new(),
         }
     }
 

@@ -157,6 +157,18 @@ pub enum JoinError {
     InfoTimeout(SocketAddr, Duration),
     #[error("worker {addr} serves another model: {what}")]
     Mismatch { addr: SocketAddr, what: String },
+    #[error("worker {addr} speaks worker protocol {theirs}; this router speaks {ours} and accepts {oldest} and later")]
+    Protocol { addr: SocketAddr, theirs: u32, ours: u32, oldest: u32 },
+}
+
+/// The oldest worker protocol version this router works with: the one before its own, so that a rolling upgrade
+/// can replace workers and routers in any order.
+pub const OLDEST_PROTOCOL: u32 = worker::PROTOCOL_VERSION - 1;
+
+/// The protocol version a worker's `Info` names (absent: 1, which sent none), if this router works with it.
+pub fn protocol_version(sent: u32) -> Result<u32, u32> {
+    let v = sent.max(1);
+    if (OLDEST_PROTOCOL..=worker::PROTOCOL_VERSION).contains(&v) { Ok(v) } else { Err(v) }
 }
 
 fn role(r: i32) -> WorkerRole {
@@ -198,7 +210,13 @@ impl Cluster {
 
     /// Starts following the worker at `addr` (once, however often it is asked): joins it when it answers, and
     /// again whenever it comes back; a registered one that stays silent is forgotten.
-    pub fn follow(self: &Arc<Cluster>, addr: SocketAddr, origin: Origin) -> Result<WorkerId, TooManyWorkers> {
+    /// `tls_name` is the name its certificate must carry (the DNS name it was found under); `None`: its address.
+    pub fn follow(
+        self: &Arc<Cluster>,
+        addr: SocketAddr,
+        origin: Origin,
+        tls_name: Option<String>,
+    ) -> Result<WorkerId, TooManyWorkers> {
         let mut followers = self.followers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((id, _)) = followers.get(&addr) {
             return Ok(*id);
@@ -208,7 +226,8 @@ impl Cluster {
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let cluster = Arc::clone(self);
-        let task = tokio::spawn(async move { cluster.run_follower(id, addr, origin).await });
+        let tls_name = tls_name.unwrap_or_else(|| addr.ip().to_string());
+        let task = tokio::spawn(async move { cluster.run_follower(id, addr, origin, tls_name).await });
         followers.insert(addr, (id, task.abort_handle()));
         Ok(id)
     }
@@ -245,14 +264,14 @@ impl Cluster {
         self.followers.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect()
     }
 
-    async fn run_follower(self: Arc<Cluster>, id: WorkerId, addr: SocketAddr, origin: Origin) {
+    async fn run_follower(self: Arc<Cluster>, id: WorkerId, addr: SocketAddr, origin: Origin, tls_name: String) {
         let mut stop = self.stop.clone();
         let mut silent_since = Instant::now();
         loop {
             if *stop.borrow() {
                 return;
             }
-            match self.join(id, addr).await {
+            match self.join(id, addr, &tls_name).await {
                 Ok(client) => {
                     tokio::select! {
                         _ = self.stream_events(id, client.clone()) => {}
@@ -283,14 +302,20 @@ impl Cluster {
     }
 
     /// Connects, checks the model, and (re)registers the worker.
-    async fn join(&self, id: WorkerId, addr: SocketAddr) -> Result<WorkerClient<Channel>, JoinError> {
-        let mut client = worker::grpc_tls::connect(addr, &self.identity).await?;
+    async fn join(&self, id: WorkerId, addr: SocketAddr, tls_name: &str) -> Result<WorkerClient<Channel>, JoinError> {
+        let mut client = worker::grpc_tls::connect_named(addr, tls_name, &self.identity).await?;
         let timeout = self.settings.info_timeout;
         let info = tokio::time::timeout(timeout, client.info(pb::InfoRequest {}))
             .await
             .map_err(|_| JoinError::InfoTimeout(addr, timeout))?
             .map_err(|s| JoinError::Info(addr, s))?
             .into_inner();
+        protocol_version(info.protocol_version).map_err(|theirs| JoinError::Protocol {
+            addr,
+            theirs,
+            ours: worker::PROTOCOL_VERSION,
+            oldest: OLDEST_PROTOCOL,
+        })?;
         let mismatch = |what: String| JoinError::Mismatch { addr, what };
         if info.model_fingerprint != self.model.fingerprint {
             return Err(mismatch(format!(
@@ -319,7 +344,7 @@ impl Cluster {
         s.members.insert(
             id,
             Member {
-                name: addr.to_string(),
+                name: if info.name.is_empty() { addr.to_string() } else { info.name },
                 addr,
                 role: role(info.role),
                 capacity_blocks: capacity,
@@ -584,5 +609,19 @@ pub struct Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.cluster.done(self.worker, self.request);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::protocol_version;
+
+    #[test]
+    fn a_router_works_with_its_own_protocol_and_the_one_before() {
+        let ours = worker::PROTOCOL_VERSION;
+        assert_eq!(protocol_version(ours), Ok(ours));
+        assert_eq!(protocol_version(ours - 1), Ok(ours - 1), "a worker one version older (rolling upgrade)");
+        assert_eq!(protocol_version(0), Ok(1), "version 1 workers sent no version");
+        assert_eq!(protocol_version(ours + 1), Err(ours + 1), "a newer worker needs a newer router");
     }
 }

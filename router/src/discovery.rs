@@ -37,13 +37,21 @@ impl WorkerSource {
     }
 }
 
+/// The name a worker found under `host:port` must carry in its certificate: the host, as HTTPS verifies the name
+/// it dialled (a headless Service's name; every replica's certificate carries it).
+fn tls_name(source: &str) -> &str {
+    source.rsplit_once(':').map_or(source, |(host, _)| host)
+}
+
 /// Follows every static worker now, and keeps DNS names' workers in step with what they resolve to until `stop`.
 pub fn start(cluster: &Arc<Cluster>, sources: &[WorkerSource], refresh: Duration, stop: watch::Receiver<bool>) {
     let mut names = Vec::new();
+    let mut statics = HashSet::new();
     for s in sources {
         match s {
             WorkerSource::Static(a) => {
-                if let Err(e) = cluster.follow(*a, Origin::Configured) {
+                statics.insert(*a);
+                if let Err(e) = cluster.follow(*a, Origin::Configured, None) {
                     tracing::warn!(worker = %a, error = %e, "worker not followed");
                 }
             }
@@ -56,27 +64,35 @@ pub fn start(cluster: &Arc<Cluster>, sources: &[WorkerSource], refresh: Duration
     let cluster = Arc::clone(cluster);
     tokio::spawn(async move {
         let mut stop = stop;
-        // What each name resolved to last time: only those addresses are dropped when they disappear.
-        let mut known: HashMap<String, HashSet<SocketAddr>> = HashMap::new();
+        // What each name resolved to last time it did: a failed lookup changes nothing (a DNS hiccup must not
+        // empty the cluster).
+        let mut resolved: HashMap<String, HashSet<SocketAddr>> = HashMap::new();
+        // Every address followed through a name, with that name.
+        let mut followed: HashMap<SocketAddr, String> = HashMap::new();
         loop {
             for name in &names {
-                let Ok(found) = tokio::net::lookup_host(name.as_str()).await else {
-                    // A failed lookup changes nothing: a DNS hiccup must not empty the cluster.
-                    tracing::warn!(name = %name, "worker name did not resolve");
-                    continue;
-                };
-                let now: HashSet<SocketAddr> = found.collect();
-                let before = known.remove(name).unwrap_or_default();
-                for a in now.difference(&before) {
-                    if let Err(e) = cluster.follow(*a, Origin::Configured) {
-                        tracing::warn!(worker = %a, error = %e, "worker not followed");
+                match tokio::net::lookup_host(name.as_str()).await {
+                    Ok(found) => {
+                        resolved.insert(name.clone(), found.collect());
                     }
+                    Err(_) => tracing::warn!(name = %name, "worker name did not resolve"),
                 }
-                for a in before.difference(&now) {
-                    cluster.unfollow(*a);
-                }
-                known.insert(name.clone(), now);
             }
+            let now: HashMap<SocketAddr, String> = names
+                .iter()
+                .flat_map(|n| resolved.get(n).into_iter().flatten().map(move |a| (*a, n.clone())))
+                .filter(|(a, _)| !statics.contains(a))
+                .collect();
+            let (gone, new) = changes(&followed, &now);
+            for a in gone {
+                cluster.unfollow(a);
+            }
+            for (a, name) in new {
+                if let Err(e) = cluster.follow(a, Origin::Configured, Some(tls_name(&name).to_string())) {
+                    tracing::warn!(worker = %a, error = %e, "worker not followed");
+                }
+            }
+            followed = now;
             tokio::select! {
                 _ = tokio::time::sleep(refresh) => {}
                 _ = stop.wait_for(|&s| s) => return,
@@ -85,9 +101,48 @@ pub fn start(cluster: &Arc<Cluster>, sources: &[WorkerSource], refresh: Duration
     });
 }
 
+/// What to stop and start following when the names' addresses go from `before` to `now` (each address with the
+/// name it was found under). Addresses are compared across all names at once: one that moved from a name to
+/// another (a container or pod restarted under another role got a freed address) is followed again under its new
+/// name, whose certificate name differs, and is not dropped because its old name lost it.
+fn changes(
+    before: &HashMap<SocketAddr, String>,
+    now: &HashMap<SocketAddr, String>,
+) -> (Vec<SocketAddr>, Vec<(SocketAddr, String)>) {
+    let moved = |a: &SocketAddr, n: &String| before.get(a) != Some(n);
+    let gone = before.iter().filter(|(a, n)| now.get(a) != Some(n)).map(|(a, _)| *a).collect();
+    let new = now.iter().filter(|(a, n)| moved(a, n)).map(|(a, n)| (*a, n.clone())).collect();
+    (gone, new)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_address_that_moves_to_another_name_is_followed_again_under_it() {
+        let a: SocketAddr = "172.21.0.5:9000".parse().expect("addr");
+        let b: SocketAddr = "172.21.0.6:9000".parse().expect("addr");
+        let map = |v: &[(SocketAddr, &str)]| v.iter().map(|(a, n)| (*a, n.to_string())).collect::<HashMap<_, _>>();
+        let before = map(&[(a, "decode:9000"), (b, "prefill:9000")]);
+        let (mut gone, new) = changes(&before, &map(&[(a, "prefill:9000"), (b, "prefill:9000")]));
+        gone.sort();
+        assert_eq!(gone, vec![a], "dropped under its old name");
+        assert_eq!(new, vec![(a, "prefill:9000".to_string())], "and followed under its new one; b untouched");
+        let (gone, new) = changes(&before, &before);
+        assert!(gone.is_empty() && new.is_empty(), "nothing changed");
+        let (gone, new) = changes(&before, &map(&[(b, "prefill:9000")]));
+        assert_eq!((gone, new), (vec![a], vec![]), "a disappeared");
+    }
+
+    #[test]
+    fn a_worker_found_by_name_must_carry_that_name() {
+        assert_eq!(tls_name("prefill:9000"), "prefill");
+        assert_eq!(
+            tls_name("tandem-prefill.default.svc.cluster.local:9000"),
+            "tandem-prefill.default.svc.cluster.local"
+        );
+    }
 
     #[test]
     fn sources_parse() {

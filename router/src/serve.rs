@@ -90,7 +90,8 @@ struct Prefilled {
 
 /// How the prefill step ended.
 enum PrefillOutcome {
-    Done(Prefilled),
+    /// Boxed: a handle is large beside the other outcomes.
+    Done(Box<Prefilled>),
     /// Every attempt failed (or the retry budget allowed no more).
     Failed,
     ClientGone,
@@ -160,11 +161,11 @@ async fn prefill(
                 span.record("cached_tokens", r.cached_tokens);
                 outcome(state, cand.id, &member.name, Ok(()));
                 state.metrics.prefilled_with_overlap([cand.device_blocks, cand.host_blocks, cand.disk_blocks]);
-                return PrefillOutcome::Done(Prefilled {
+                return PrefillOutcome::Done(Box::new(Prefilled {
                     first: r.first_token,
                     handle: r.handle,
                     cached_tokens: r.cached_tokens,
-                });
+                }));
             }
             Ok(Err(status)) => {
                 tracing::warn!(worker = %member.name, code = ?status.code(), "prefill failed");

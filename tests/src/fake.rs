@@ -156,6 +156,9 @@ impl FakeWorker {
             max_model_len: 8192,
             max_num_batched_tokens: 2048,
             host_id: "elsewhere".into(),
+            // As a worker of protocol version 1 answers: no version, no name.
+            protocol_version: 0,
+            name: String::new(),
         };
         let identity = ca.issue("fake-worker", &[]).expect("cert");
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.expect("binds");

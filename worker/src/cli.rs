@@ -51,6 +51,15 @@ pub struct Settings {
     /// This worker's certificate name in the certs directory (default: `<role>-0`).
     #[arg(long, env = "TANDEM_CERT_NAME")]
     pub cert_name: Option<String>,
+    /// The DNS name in this worker's certificate that decode workers verify when they pull KV from it: a role
+    /// identity such as `prefill` or a headless Service's name, shared by every replica (default: the
+    /// certificate name, which `tandem certs init` writes into the certificate).
+    #[arg(long, env = "TANDEM_TLS_NAME")]
+    pub tls_name: Option<String>,
+    /// What the router calls this worker in `/debug/route`, metrics and traces (a pod or container name;
+    /// default: its address).
+    #[arg(long, env = "TANDEM_WORKER_NAME")]
+    pub name: Option<String>,
     /// Compute threads (default: all cores).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<NonZeroUsize>,
@@ -138,6 +147,8 @@ impl Settings {
             metrics_addr,
             certs_dir,
             cert_name,
+            tls_name,
+            name,
             threads,
             engine,
             profile,
@@ -205,7 +216,9 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
         None => engine::fetch::tandem_home().map(|h| h.join("certs")).map_err(|e| problems.push(e.to_string())).ok(),
     };
     let cert_name = s.cert_name.clone().unwrap_or_else(|| format!("{role_name}-0"));
-    let engine = engine_config(&s, &cert_name, &mut problems);
+    // Replicas of a role share a certificate, and may share TANDEM_HOME (one volume in a compose file): the
+    // worker's own name keeps their disk tiers apart.
+    let engine = engine_config(&s, s.name.as_deref().unwrap_or(&cert_name), &mut problems);
     let identity = certs_dir.as_deref().and_then(|dir| match load_identity(dir, &cert_name) {
         Ok(id) => Some(id),
         Err(e) => {
@@ -247,6 +260,8 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
                     None => Some(PathBuf::from(kv_transfer::shm::DEFAULT_DIR)).filter(|d| d.is_dir()),
                 },
                 max_leased_bytes: s.max_leased_bytes.unwrap_or_else(crate::leases::default_cap),
+                name: s.name.unwrap_or_default(),
+                tls_name: s.tls_name.unwrap_or_else(|| cert_name.clone()),
             },
             grace: s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
         }),
@@ -265,8 +280,8 @@ pub const HOST_TIER_FACTOR: usize = 2;
 pub const DISK_TIER_FACTOR: usize = 4;
 
 /// The engine the settings ask for, with tiers on unless sized to 0: a host tier of [`HOST_TIER_FACTOR`] times the
-/// device tier and a disk tier of [`DISK_TIER_FACTOR`] times it under `$TANDEM_HOME/kv/<cert_name>`.
-pub fn engine_config(s: &Settings, cert_name: &str, problems: &mut Vec<String>) -> EngineConfig {
+/// device tier and a disk tier of [`DISK_TIER_FACTOR`] times it under `$TANDEM_HOME/kv/<worker>`.
+pub fn engine_config(s: &Settings, worker: &str, problems: &mut Vec<String>) -> EngineConfig {
     let defaults = EngineConfig::default();
     let (backend, device_default) = backend(s, problems);
     let kv_blocks = s.kv_blocks.unwrap_or(device_default);
@@ -274,7 +289,7 @@ pub fn engine_config(s: &Settings, cert_name: &str, problems: &mut Vec<String>) 
     let disk_dir = match &s.disk_dir {
         Some(d) => Some(d.clone()),
         None if disk_blocks > 0 => engine::fetch::tandem_home()
-            .map(|h| h.join("kv").join(cert_name))
+            .map(|h| h.join("kv").join(worker))
             .map_err(|e| problems.push(e.to_string()))
             .ok(),
         None => None,

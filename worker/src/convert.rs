@@ -125,6 +125,7 @@ pub fn handle_to_pb(h: &KvHandle) -> pb::KvHandle {
             .collect(),
         shm_region: h.shm_region.clone(),
         host_id: h.host_id.clone(),
+        server_name: h.server_name.clone(),
     }
 }
 
@@ -153,6 +154,7 @@ pub fn handle_from_pb(h: pb::KvHandle) -> Result<KvHandle, ProtoError> {
             .collect(),
         shm_region: h.shm_region,
         host_id: h.host_id,
+        server_name: h.server_name,
     })
 }
 

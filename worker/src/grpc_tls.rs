@@ -43,12 +43,22 @@ pub enum ConnectError {
     Timeout(SocketAddr, Duration),
 }
 
-/// A client of the worker at `addr`, over mutual TLS.
+/// A client of the worker at `addr`, over mutual TLS, whose certificate must carry that address.
 pub async fn connect(addr: SocketAddr, identity: &Identity) -> Result<WorkerClient<Channel>, ConnectError> {
+    connect_named(addr, &addr.ip().to_string(), identity).await
+}
+
+/// A client of the worker at `addr`, over mutual TLS, whose certificate must carry `server_name` (the DNS name it
+/// was found under, a role identity shared by its replicas) and chain to the cluster CA.
+pub async fn connect_named(
+    addr: SocketAddr,
+    server_name: &str,
+    identity: &Identity,
+) -> Result<WorkerClient<Channel>, ConnectError> {
     let endpoint =
         Channel::from_shared(format!("https://{addr}")).map_err(|e| ConnectError::Address(addr, e.to_string()))?;
     let endpoint = endpoint
-        .tls_config(client(identity, &addr.ip().to_string()))
+        .tls_config(client(identity, server_name))
         .map_err(|e| ConnectError::Transport(addr, e))?
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(KEEPALIVE_INTERVAL)

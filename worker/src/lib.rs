@@ -65,6 +65,11 @@ pub struct WorkerConfig {
     /// Most bytes of KV held under leases at once (heap and shared memory); a prefill past it is refused with
     /// RESOURCE_EXHAUSTED (the router tries another worker).
     pub max_leased_bytes: u64,
+    /// What the router calls this worker (a pod or container name); empty: its address.
+    pub name: String,
+    /// The DNS name this worker's certificate carries, which decode workers verify when they pull KV from it:
+    /// a role identity shared by every replica, not an address (pods and containers move).
+    pub tls_name: String,
 }
 
 impl WorkerConfig {
@@ -85,9 +90,16 @@ impl WorkerConfig {
             pull_timeout: DEFAULT_PULL_TIMEOUT,
             shm_dir: None,
             max_leased_bytes: leases::default_cap(),
+            name: String::new(),
+            // Every certificate `DevCa::issue` makes carries it.
+            tls_name: "localhost".to_string(),
         }
     }
 }
+
+/// The worker protocol this build speaks (`InfoResponse.protocol_version`). 2: `InfoResponse.name` and
+/// `KvHandle.server_name` (peers verified by role identity, not address). A router accepts this and the one before.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// What a worker calls its model when nothing else is said (the embedded one).
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";
@@ -169,6 +181,8 @@ impl RunningWorker {
             max_model_len,
             max_num_batched_tokens: config.engine.max_batched_tokens as u32,
             host_id: host::host_id(config.shm_dir.as_deref()),
+            protocol_version: PROTOCOL_VERSION,
+            name: config.name.clone(),
         };
         // Shared memory only where this worker holds its place in the directory (and so sweeps what crashed
         // workers left there).
@@ -212,6 +226,7 @@ impl RunningWorker {
             in_flight: Default::default(),
             metrics,
             shm,
+            tls_name: config.tls_name.clone(),
             stopping: stopping_rx,
             aborting: aborting_rx,
         });
@@ -314,7 +329,7 @@ impl RunningWorker {
     }
 }
 
-/// Serves `/metrics` on `addr`.
+/// Serves `/metrics`, `/health` and `/ready` on `addr`.
 async fn serve_metrics(
     addr: SocketAddr,
     service: Arc<WorkerService>,
@@ -323,22 +338,40 @@ async fn serve_metrics(
         .await
         .map_err(|source| StartError::Io { what: "metrics address", source })?;
     let bound = listener.local_addr().map_err(|source| StartError::Io { what: "metrics address", source })?;
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let service = Arc::clone(&service);
-            async move {
-                let held = metrics::Held {
-                    leases: service.leases.len(),
-                    leased_bytes: service.leases.bytes(),
-                    leased_bytes_cap: service.leases.cap(),
-                    calls: service.in_flight.len(),
-                };
-                let text = metrics::render(&service.engine.stats(), &service.metrics, held);
-                ([("content-type", "text/plain; version=0.0.4")], text)
-            }
-        }),
-    );
+    let ready = Arc::clone(&service);
+    let app = axum::Router::new()
+        // Liveness: the process answers. Readiness: it takes work (not draining); probes and health checks use
+        // these, since a container image may hold no gRPC client.
+        .route("/health", axum::routing::get(|| async { "ok" }))
+        .route(
+            "/ready",
+            axum::routing::get(move || {
+                let draining = *ready.stopping.borrow();
+                async move {
+                    if draining {
+                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "draining")
+                    } else {
+                        (axum::http::StatusCode::OK, "ready")
+                    }
+                }
+            }),
+        )
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let service = Arc::clone(&service);
+                async move {
+                    let held = metrics::Held {
+                        leases: service.leases.len(),
+                        leased_bytes: service.leases.bytes(),
+                        leased_bytes_cap: service.leases.cap(),
+                        calls: service.in_flight.len(),
+                    };
+                    let text = metrics::render(&service.engine.stats(), &service.metrics, held);
+                    ([("content-type", "text/plain; version=0.0.4")], text)
+                }
+            }),
+        );
     let task = tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });

@@ -108,7 +108,9 @@ impl Puller {
             .endpoint
             .parse::<std::net::SocketAddr>()
             .map_err(|e| Status::invalid_argument(format!("handle endpoint {:?}: {e}", handle.endpoint)))?;
-        let server_name = addr.ip().to_string();
+        // Protocol version 1 handles name no certificate name: the address, as then.
+        let server_name =
+            if handle.server_name.is_empty() { addr.ip().to_string() } else { handle.server_name.clone() };
         if wanted.is_empty() {
             tracing::Span::current().record("blocks", 0);
             self.release(addr, &server_name, handle.lease).await;

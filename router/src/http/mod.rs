@@ -343,7 +343,7 @@ async fn add_worker(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) 
         let addr = worker_address(&body).await?;
         state
             .cluster
-            .follow(addr, crate::cluster::Origin::Registered)
+            .follow(addr, crate::cluster::Origin::Registered, None)
             .map_err(|e| ApiError::bad(e.to_string(), "address"))?;
         Ok::<_, ApiError>(addr)
     }

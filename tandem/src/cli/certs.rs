@@ -20,8 +20,12 @@ pub struct Args {
     #[arg(long = "name", value_delimiter = ',')]
     names: Vec<String>,
     /// Replace an existing CA (every certificate it signed stops being trusted).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "if_absent")]
     force: bool,
+    /// Succeed without writing anything when the directory already holds a CA (a one-shot container that runs
+    /// at every start of a cluster).
+    #[arg(long)]
+    if_absent: bool,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
@@ -29,6 +33,10 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         Some(d) => d,
         None => engine::fetch::tandem_home().map_err(|e| e.to_string())?.join("certs"),
     };
+    if dir.join("ca.pem").exists() && args.if_absent {
+        println!("{} already holds a CA; keeping it", dir.display());
+        return Ok(ExitCode::SUCCESS);
+    }
     if dir.join("ca.pem").exists() && !args.force {
         return Err(format!("{} already holds a CA; pass --force to replace it", dir.display()));
     }

@@ -4,6 +4,7 @@ mod bench;
 mod certs;
 mod chart;
 mod generate;
+mod probe;
 mod serve;
 mod sim;
 mod sim_charts;
@@ -49,6 +50,8 @@ enum Command {
     /// Search the router's settings (and the prefill/decode split) in the simulator on the start of a trace,
     /// report the best on the rest against the defaults and round robin, and write or apply its TOML table.
     Tune(Box<tune::Args>),
+    /// Exit 0 when an HTTP GET of URL answers 2xx (container health checks and probes).
+    Probe(probe::Args),
     /// Certificates for mutual TLS between components.
     Certs {
         #[command(subcommand)]
@@ -145,6 +148,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Bench { command: BenchCommand::Serve(args) } => serve::run(*args),
+        Command::Probe(args) => probe::run(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(*args),
         Command::Sim(args) => sim::run(*args),

@@ -40,10 +40,22 @@ pub struct WorkerService {
     pub(crate) metrics: Arc<WorkerMetrics>,
     /// Where shared-memory copies of leased blocks go; `None`: no shared-memory path.
     pub(crate) shm: Option<Arc<kv_transfer::shm::ShmDir>>,
+    /// The name this worker's certificate carries, which pullers verify (`KvHandle.server_name`).
+    pub(crate) tls_name: String,
     /// Becomes `true` when the worker stops: every stream this service feeds ends.
     pub(crate) stopping: tokio::sync::watch::Receiver<bool>,
     /// Becomes `true` when the shutdown grace period is over: running generations end with an error.
     pub(crate) aborting: tokio::sync::watch::Receiver<bool>,
+}
+
+/// The transfer endpoint a handle names. A worker listening on every interface (`0.0.0.0:9100`, as in a
+/// container) is reached at the address its caller reached it at: the router dialled this connection's local
+/// address, so a decode worker on the router's network can dial it too.
+pub(crate) fn transfer_endpoint(listening: &str, local: Option<std::net::SocketAddr>) -> String {
+    match (listening.parse::<std::net::SocketAddr>(), local) {
+        (Ok(l), Some(local)) if l.ip().is_unspecified() => std::net::SocketAddr::new(local.ip(), l.port()).to_string(),
+        _ => listening.to_string(),
+    }
 }
 
 /// Resolves when the worker begins to stop.
@@ -83,7 +95,8 @@ impl Worker for WorkerService {
             computed_tokens = tracing::field::Empty,
         );
         telemetry::trace::set_parent(&span, traceparent(&req).as_deref());
-        self.prefill_inner(req.into_inner(), arrived).instrument(span).await
+        let endpoint = transfer_endpoint(&self.info.transfer_endpoint, req.local_addr());
+        self.prefill_inner(req.into_inner(), endpoint, arrived).instrument(span).await
     }
 
     type GenerateStream = Streamed<pb::GenerateResponse>;
@@ -129,5 +142,19 @@ impl Worker for WorkerService {
     async fn health(&self, _: GrpcRequest<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
         let serving = self.engine.is_running() && !*self.stopping.borrow();
         Ok(Response::new(pb::HealthResponse { serving }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transfer_endpoint;
+
+    #[test]
+    fn a_worker_listening_everywhere_is_named_by_the_address_it_was_reached_at() {
+        let local = Some("172.18.0.5:9000".parse().expect("addr"));
+        assert_eq!(transfer_endpoint("0.0.0.0:9100", local), "172.18.0.5:9100");
+        assert_eq!(transfer_endpoint("[::]:9100", Some("[fd00::5]:9000".parse().expect("addr"))), "[fd00::5]:9100");
+        assert_eq!(transfer_endpoint("10.0.0.7:9100", local), "10.0.0.7:9100", "a bound address is kept");
+        assert_eq!(transfer_endpoint("0.0.0.0:9100", None), "0.0.0.0:9100", "nothing better known");
     }
 }

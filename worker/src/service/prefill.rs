@@ -75,6 +75,7 @@ impl WorkerService {
     pub(super) async fn prefill_inner(
         &self,
         r: pb::PrefillRequest,
+        endpoint: String,
         arrived: Instant,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let sampling = convert::sampling(r.sampling, Some(1))?;
@@ -141,7 +142,7 @@ impl WorkerService {
             .grant(lease, prepared.held, prepared.region, reserved, Instant::now(), self.lease_ttl)
             .map_err(|e| Status::internal(e.to_string()))?;
         let handle = KvHandle {
-            endpoint: self.info.transfer_endpoint.clone(),
+            endpoint,
             lease,
             model_fingerprint: self.info.model_fingerprint.clone(),
             layout: self.layout,
@@ -149,6 +150,7 @@ impl WorkerService {
             blocks: prepared.descriptors,
             shm_region,
             host_id: self.info.host_id.clone(),
+            server_name: self.tls_name.clone(),
         };
         Ok(Response::new(pb::PrefillResponse {
             first_token: first,
