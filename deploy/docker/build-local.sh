@@ -37,10 +37,13 @@ printf 'FROM scratch\nCOPY rootfs/ /\n' > "$work/Dockerfile"
 base="${tag%%:*}-base:local"
 DOCKER_BUILDKIT=0 docker build -q -t "$base" "$work" >/dev/null
 
-mkdir -p deploy/docker/.prebuilt
-cp "$binary" deploy/docker/.prebuilt/tandem
-# Debug symbols are not needed in an image (and make the build context bigger than the binary itself).
-strip deploy/docker/.prebuilt/tandem 2>/dev/null || true
+# A context of its own (the Dockerfile's paths, the binary in place of a build): builds may run side by side.
+ctx="$work/context"
+mkdir -p "$ctx/deploy/docker/.prebuilt"
+cp -r deploy/docker/home deploy/docker/certs "$ctx/deploy/docker/"
+cp "$binary" "$ctx/deploy/docker/.prebuilt/tandem"
+# Debug symbols are not needed in an image (and would make the context bigger than the binary itself).
+strip "$ctx/deploy/docker/.prebuilt/tandem" 2>/dev/null || true
 DOCKER_BUILDKIT=0 docker build -q -f deploy/docker/Dockerfile --target prebuilt \
-    --build-arg RUNTIME_IMAGE="$base" -t "$tag" . >/dev/null
+    --build-arg RUNTIME_IMAGE="$base" -t "$tag" "$ctx" >/dev/null
 echo "$tag"

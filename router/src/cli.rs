@@ -63,6 +63,14 @@ pub struct Settings {
     /// Whole-request deadline in milliseconds.
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS")]
     pub request_timeout_ms: Option<u64>,
+    /// How long a prefill worker may take to answer before the next candidate is tried, in milliseconds (default
+    /// 180 s: an 8k-token prompt on a small CPU).
+    #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_MS")]
+    pub prefill_timeout_ms: Option<u64>,
+    /// How long a decode stream may go without a token before it is resumed on another decode worker, in
+    /// milliseconds (default 60 s).
+    #[arg(long, env = "TANDEM_DECODE_IDLE_TIMEOUT_MS")]
+    pub decode_idle_timeout_ms: Option<u64>,
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
     /// Record every request (arrival, lengths, tenant, re-keyed block hashes, decision; no text) to this new file,
@@ -130,6 +138,14 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             .request_timeout_ms
             .or(file.request_timeout_ms)
             .map_or(d.request_timeout, Duration::from_millis),
+        prefill_timeout: s
+            .prefill_timeout_ms
+            .or(file.prefill_timeout_ms)
+            .map_or(d.prefill_timeout, Duration::from_millis),
+        decode_idle_timeout: s
+            .decode_idle_timeout_ms
+            .or(file.decode_idle_timeout_ms)
+            .map_or(d.decode_idle_timeout, Duration::from_millis),
         ..d
     };
     match (problems.is_empty(), listen, identity, model) {

@@ -1,6 +1,7 @@
 //! What the whole-cluster and whole-process tests share: a small real cluster on 127.0.0.1 (workers in-process,
 //! mutual TLS from one dev CA), an HTTP/1.1 client that reads SSE as it arrives, and the workspace's binaries.
 
+pub mod compose;
 pub mod fake;
 
 use std::net::SocketAddr;
@@ -178,16 +179,21 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str, body: &str, header
     let mut raw = Vec::new();
     sock.read_to_end(&mut raw).await.expect("reads");
     let text = String::from_utf8_lossy(&raw).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").expect("a header block");
+    parse_reply(&text).unwrap_or_else(|| panic!("not an HTTP reply: {text:?}"))
+}
+
+/// A whole HTTP/1.1 reply read off a connection the server closed; `None` when it is not one.
+pub fn parse_reply(text: &str) -> Option<Reply> {
+    let (head, body) = text.split_once("\r\n\r\n")?;
     let mut lines = head.lines();
-    let status = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).expect("a status");
+    let status = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok())?;
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
     let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
     let body = if chunked { dechunk(body) } else { body.to_string() };
-    Reply { status, headers, body }
+    Some(Reply { status, headers, body })
 }
 
 fn dechunk(mut s: &str) -> String {
