@@ -47,6 +47,8 @@ pub struct Project {
     env: Vec<(String, String)>,
     /// More override files under tests/compose/, after test.yml.
     overrides: Vec<String>,
+    /// Containers started beside the project's (`Project::run_beside`), removed with it.
+    beside: std::sync::Mutex<Vec<String>>,
 }
 
 impl Project {
@@ -59,6 +61,7 @@ impl Project {
             program: compose_program(),
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             overrides: overrides.iter().map(|o| o.to_string()).collect(),
+            beside: Default::default(),
         };
         run(p.command().env("TANDEM_ENGINE", engine).args(["up", "-d", "--no-build"]));
         p.wait_for_workers(4, Duration::from_secs(120));
@@ -89,9 +92,9 @@ impl Project {
         c
     }
 
-    /// `service`'s container id.
+    /// `service`'s container id (a one-shot's too, after it exited).
     pub fn container(&self, service: &str) -> String {
-        let out = run(self.command().args(["ps", "-q", service]));
+        let out = run(self.command().args(["ps", "-a", "-q", service]));
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
@@ -162,6 +165,9 @@ impl Project {
 
 impl Drop for Project {
     fn drop(&mut self) {
+        for id in self.beside.lock().map(|b| b.clone()).unwrap_or_default() {
+            let _ = Command::new("docker").args(["rm", "-f", &id]).output();
+        }
         let _ = self.command().args(["down", "-v", "--remove-orphans", "--timeout", "5"]).output();
         let _ = Command::new("docker").args(["rmi", "-f", &self.image]).output();
     }
@@ -217,6 +223,26 @@ impl Project {
     pub fn reconnect(&self, service: &str, network: &str, alias: &str) {
         let id = self.container(service);
         run(Command::new("docker").args(["network", "connect", "--alias", alias, network, &id]));
+    }
+}
+
+impl Project {
+    /// The project's image.
+    pub fn image(&self) -> &str {
+        &self.image
+    }
+
+    /// `docker run -d <args> <the image> <command>` on the project's network, removed with the project; its id.
+    pub fn run_beside(&self, args: &[&str], command: &[&str]) -> String {
+        let network = self.network_of("router");
+        let out = run(Command::new("docker")
+            .args(["run", "-d", "--network", &network])
+            .args(args)
+            .arg(&self.image)
+            .args(command));
+        let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        self.beside.lock().expect("not poisoned").push(id.clone());
+        id
     }
 }
 
