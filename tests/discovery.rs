@@ -109,3 +109,22 @@ async fn registrations_are_checked_bounded_and_forgotten_when_silent() {
     assert_eq!(r.status, 202, "{}", r.body);
     router.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_ones() {
+    use tandem_tests::fake::{Behaviour, FakeWorker};
+    let ca = DevCa::generate().expect("ca");
+    let role = proto::worker::Role::Decode;
+    // Version 1 sent no version at all; the version before this build's says so.
+    let silent = FakeWorker::start(&ca, role, Behaviour::Fail, vec![]).await;
+    let older = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], worker::PROTOCOL_VERSION - 1).await;
+    let newer = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], worker::PROTOCOL_VERSION + 1).await;
+    let router =
+        RunningRouter::start(router_config(&ca, vec![silent.grpc, older.grpc, newer.grpc])).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let up: Vec<std::net::SocketAddr> = router.state.cluster.up_members().into_iter().map(|(_, m)| m.addr).collect();
+    assert!(up.contains(&silent.grpc) && up.contains(&older.grpc), "{up:?}");
+    assert!(!up.contains(&newer.grpc), "a newer worker needs a newer router: {up:?}");
+    router.shutdown(Duration::from_secs(5)).await;
+}

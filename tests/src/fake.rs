@@ -133,8 +133,20 @@ pub struct FakeWorker {
 }
 
 impl FakeWorker {
-    /// Starts one in `role` whose snapshot claims the blocks `blocks` (chained hashes).
+    /// Starts one in `role` whose snapshot claims the blocks `blocks` (chained hashes), answering `Info` as a
+    /// worker of protocol version 1 does (no version, no name).
     pub async fn start(ca: &DevCa, role: pb::Role, behaviour: Behaviour, blocks: Vec<u64>) -> FakeWorker {
+        FakeWorker::speaking(ca, role, behaviour, blocks, 0).await
+    }
+
+    /// [`FakeWorker::start`], naming protocol version `version` in `Info` (0: none).
+    pub async fn speaking(
+        ca: &DevCa,
+        role: pb::Role,
+        behaviour: Behaviour,
+        blocks: Vec<u64>,
+        version: u32,
+    ) -> FakeWorker {
         let text = engine::text::TextModel::open(&crate::model()).expect("the model's text side");
         let layout = pb::KvLayout {
             dtype: pb::KvDtype::F16 as i32,
@@ -156,8 +168,7 @@ impl FakeWorker {
             max_model_len: 8192,
             max_num_batched_tokens: 2048,
             host_id: "elsewhere".into(),
-            // As a worker of protocol version 1 answers: no version, no name.
-            protocol_version: 0,
+            protocol_version: version,
             name: String::new(),
         };
         let identity = ca.issue("fake-worker", &[]).expect("cert");

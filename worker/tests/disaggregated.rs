@@ -430,3 +430,34 @@ async fn another_shared_memory_domain_pulls_over_quic() {
     stop(p, d).await;
     let _ = std::fs::remove_dir_all(&base);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handle_names_the_certificate_name_to_verify_and_a_version_1_handle_is_verified_by_address() {
+    let Pair { p, d, mut pc, mut dc } = pair(None).await;
+    let info = pc.info(pb::InfoRequest {}).await.expect("info").into_inner();
+    assert_eq!(info.protocol_version, worker::PROTOCOL_VERSION);
+    let prompt: Vec<u32> = (100..150).collect();
+    let continued = |first| [prompt.clone(), vec![first]].concat();
+
+    // The owner's certificate name rides in the handle (`WorkerConfig::local`'s: every dev certificate has it).
+    let pre = prefill(&mut pc, "named", &prompt, 4).await;
+    let handle = pre.handle.expect("a handle");
+    assert_eq!(handle.server_name, "localhost");
+    // A name the owner's certificate does not carry is refused by the reader: the name is what is verified.
+    let mut wrong = handle.clone();
+    wrong.server_name = "someone-else".into();
+    let before = d.pulled_blocks();
+    let _ = generate(&mut dc, continued(pre.first_token), Some(wrong), 3).await;
+    assert_eq!(d.pulled_blocks(), before, "nothing pulled from a peer that is not who the handle says");
+    generate(&mut dc, continued(pre.first_token), Some(handle), 3).await.expect("the named owner");
+    assert_eq!(d.pulled_blocks(), before + 3, "three full blocks over QUIC");
+
+    // A version-1 owner names no certificate name: the reader verifies the endpoint's address instead.
+    let other: Vec<u32> = (200..250).collect();
+    let pre = prefill(&mut pc, "v1", &other, 4).await;
+    let mut v1 = pre.handle.expect("a handle");
+    v1.server_name = String::new();
+    generate(&mut dc, [other.clone(), vec![pre.first_token]].concat(), Some(v1), 3).await.expect("a v1 handle");
+    assert_eq!(d.pulled_blocks(), before + 6);
+    stop(p, d).await;
+}
