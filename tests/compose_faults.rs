@@ -116,7 +116,7 @@ fn a_restarted_router_rebuilds_its_index_from_snapshots_and_hits_the_cache_again
         std::thread::sleep(Duration::from_millis(100));
     };
     println!(
-        "figures: router restarted: all workers up again after {ready:.1?}, routing hits the cache after {hit:.1?}"
+        "figures: router restarted: all workers up {ready:.1?} after `docker restart` returned, a cache hit {hit:.1?} after it began"
     );
 }
 
