@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use tandem_tests::compose::{ADMIN_KEY, Project, request, run};
+use tandem_tests::compose::{ADMIN_KEY, Project, docker, request, run, within};
 
 const PROMPT: &str = "Write a long story about a lighthouse keeper who finds a message in a bottle that was sent \
                       from the future, and explain what the message says in detail.";
@@ -87,22 +87,6 @@ fn followed(router: std::net::SocketAddr) -> Vec<(String, bool)> {
     list.iter().map(|w| (w["address"].as_str().unwrap_or_default().to_string(), w["up"] == true)).collect()
 }
 
-fn docker_out(args: &[&str]) -> String {
-    String::from_utf8_lossy(&run(Command::new("docker").args(args)).stdout).trim().to_string()
-}
-
-/// Polls `check` every 250 ms for up to `limit`; whether it held.
-fn within(limit: std::time::Duration, mut check: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if check() {
-            return true;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(250));
-    }
-    false
-}
-
 #[test]
 fn peers_with_a_foreign_cas_certificate_are_refused_by_the_router_and_by_the_workers() {
     use std::time::Duration;
@@ -117,7 +101,7 @@ fn peers_with_a_foreign_cas_certificate_are_refused_by_the_router_and_by_the_wor
     // The cluster's own certificates, and a mix: the cluster's CA trusted, a foreign CA's certificate presented.
     let certs = project.container("certs");
     std::fs::create_dir_all(&mixed).expect("dir");
-    docker_out(&["cp", &format!("{certs}:/certs/."), own.to_str().expect("utf-8")]);
+    docker(&["cp", &format!("{certs}:/certs/."), own.to_str().expect("utf-8")]);
     std::fs::copy(own.join("ca.pem"), mixed.join("ca.pem")).expect("copies");
     for f in ["router.pem", "router.key"] {
         std::fs::copy(foreign.join(f), mixed.join(f)).expect("copies");
@@ -138,7 +122,7 @@ fn peers_with_a_foreign_cas_certificate_are_refused_by_the_router_and_by_the_wor
     args.extend(["-e", "TANDEM_MAX_MODEL_LEN=8192", "-e", "TANDEM_SHM_DIR=off"].map(String::from));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let intruder = project.run_beside(&args, &["worker"]);
-    let ip = docker_out(&["inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", &intruder]);
+    let ip = docker(&["inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", &intruder]);
     let address = format!("{ip}:9000");
     assert!(
         within(Duration::from_secs(30), || followed(router).iter().any(|(a, _)| *a == address)),
@@ -161,14 +145,14 @@ fn peers_with_a_foreign_cas_certificate_are_refused_by_the_router_and_by_the_wor
         args.extend(["-e".to_string(), format!("TANDEM_ADMIN_KEY={ADMIN_KEY}")]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let id = project.run_beside(&args, &["router"]);
-        let port = docker_out(&["port", &id, "8000/tcp"]);
+        let port = docker(&["port", &id, "8000/tcp"]);
         let addr: std::net::SocketAddr = port.lines().next().unwrap_or_default().parse().expect("published");
         (id, addr)
     };
     let (own_router, at) = router_beside(&own);
     let up = |at| followed(at).iter().filter(|(_, up)| *up).count();
     assert!(within(Duration::from_secs(30), || up(at) == 2), "the control router never took the decode workers");
-    docker_out(&["rm", "-f", &own_router]);
+    docker(&["rm", "-f", &own_router]);
     let (_, at) = router_beside(&mixed);
     assert!(within(Duration::from_secs(30), || followed(at).len() == 2), "the second router resolved both");
     std::thread::sleep(Duration::from_secs(5));

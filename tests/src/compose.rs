@@ -31,6 +31,23 @@ fn compose_program() -> Vec<String> {
     if plugin { vec!["docker".into(), "compose".into()] } else { vec!["docker-compose".into()] }
 }
 
+/// `docker <args>`, which must succeed; its stdout, trimmed.
+pub fn docker(args: &[&str]) -> String {
+    String::from_utf8_lossy(&run(Command::new("docker").args(args)).stdout).trim().to_string()
+}
+
+/// Polls `check` every 250 ms for up to `limit`; whether it held.
+pub fn within(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    false
+}
+
 /// The image of this build's `tandem`, built without a registry under a tag of this process's own.
 pub fn image() -> String {
     let tag = format!("tandem-test:{}", std::process::id());
