@@ -67,6 +67,56 @@ impl RouterMetrics {
 }
 
 /// The exposition text.
+/// What one role's routable workers have to do, as this router sees it (its own sends and the workers' reports):
+/// the signal to scale a role on (queued work says what GPU utilization cannot: whether requests wait).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PoolWork {
+    pub workers: u64,
+    /// Uncached prompt tokens sent to the role's workers and not yet computed (queued or computing).
+    pub prefill_tokens: u64,
+    pub requests: u64,
+    /// Device KV blocks in use over the role's device capacity (0 with no capacity).
+    pub kv_fraction: f64,
+}
+
+/// Each role's [`PoolWork`] (`prefill`, `decode`, `both`), every role listed even with no workers (a scaler reads 0,
+/// not an absent series).
+pub fn pool_work(views: &[crate::scheduler::view::WorkerView]) -> Vec<(&'static str, PoolWork)> {
+    use crate::scheduler::view::WorkerRole;
+    [("prefill", WorkerRole::Prefill), ("decode", WorkerRole::Decode), ("both", WorkerRole::Both)]
+        .into_iter()
+        .map(|(name, role)| {
+            let of: Vec<_> = views.iter().filter(|v| v.role == role).collect();
+            let (used, capacity) =
+                of.iter().fold((0, 0), |(u, c), v| (u + v.load.active_blocks, c + v.load.capacity_blocks));
+            let work = PoolWork {
+                workers: of.len() as u64,
+                prefill_tokens: of.iter().map(|v| v.load.active_prefill_tokens).sum(),
+                requests: of.iter().map(|v| v.load.active_requests).sum(),
+                kv_fraction: if capacity == 0 { 0.0 } else { used as f64 / capacity as f64 },
+            };
+            (name, work)
+        })
+        .collect()
+}
+
+type PoolMetric = (&'static str, &'static str, fn(&PoolWork) -> f64);
+
+const POOL_METRICS: [PoolMetric; 4] = [
+    ("tandem_router_pool_workers", "Routable workers per role.", |w| w.workers as f64),
+    (
+        "tandem_router_pool_queued_prefill_tokens",
+        "Uncached prompt tokens sent to a role's workers and not yet computed: what to scale prefill workers on.",
+        |w| w.prefill_tokens as f64,
+    ),
+    ("tandem_router_pool_requests", "Requests in flight on a role's workers.", |w| w.requests as f64),
+    (
+        "tandem_router_pool_kv_used_fraction",
+        "Device KV blocks in use over device capacity, per role: what to scale decode workers on.",
+        |w| w.kv_fraction,
+    ),
+];
+
 pub fn render(state: &RouterState) -> String {
     let m = &state.metrics;
     let mut e = Exposition::new();
@@ -121,6 +171,11 @@ pub fn render(state: &RouterState) -> String {
         "Workers re-read from a snapshot after a gap or a reconnect.",
         &one(stats.resyncs as f64),
     );
+    let pools = pool_work(&state.cluster.view(&[], std::time::Duration::ZERO, std::time::Instant::now()));
+    for (name, help, pick) in POOL_METRICS {
+        let samples: Vec<(String, f64)> = pools.iter().map(|(role, w)| (labels(&[("role", role)]), pick(w))).collect();
+        e.gauge(name, help, &samples);
+    }
     let members = state.cluster.up_members();
     let in_flight: Vec<(String, f64)> = members
         .iter()
@@ -199,4 +254,44 @@ pub fn render(state: &RouterState) -> String {
         &one(telemetry::dropped_spans() as f64),
     );
     e.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::view::{Load, WorkerId, WorkerRole, WorkerView};
+
+    fn worker(id: u32, role: WorkerRole, load: Load) -> WorkerView {
+        WorkerView {
+            id: WorkerId(id),
+            name: format!("w{id}"),
+            role,
+            overlap: Default::default(),
+            active_overlap: 0,
+            load,
+            ramp: 1.0,
+            max_num_batched_tokens: 2048,
+            block_bytes: 0,
+            speed: Default::default(),
+        }
+    }
+
+    #[test]
+    fn pool_work_sums_each_roles_workers_and_lists_every_role() {
+        let load = |tokens, blocks, requests| Load {
+            active_prefill_tokens: tokens,
+            active_blocks: blocks,
+            capacity_blocks: 100,
+            active_requests: requests,
+        };
+        let views = [
+            worker(0, WorkerRole::Prefill, load(4096, 10, 2)),
+            worker(1, WorkerRole::Prefill, load(1024, 30, 1)),
+            worker(2, WorkerRole::Decode, load(0, 75, 9)),
+        ];
+        let pools = pool_work(&views);
+        assert_eq!(pools[0], ("prefill", PoolWork { workers: 2, prefill_tokens: 5120, requests: 3, kv_fraction: 0.2 }));
+        assert_eq!(pools[1], ("decode", PoolWork { workers: 1, prefill_tokens: 0, requests: 9, kv_fraction: 0.75 }));
+        assert_eq!(pools[2], ("both", PoolWork::default()), "no such workers: zeros, not an absent series");
+    }
 }

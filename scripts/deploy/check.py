@@ -15,7 +15,7 @@ import tempfile
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OVERLAYS = ["cpu", "gpu", "cert-manager"]
+OVERLAYS = ["cpu", "gpu", "cert-manager", "autoscaling"]
 ROLES = ["router", "prefill", "decode"]
 # The worker's drain (TANDEM_SHUTDOWN_GRACE_MS in the base) must end before Kubernetes kills the pod.
 WORKER_DRAIN_S = 30
@@ -107,6 +107,16 @@ def check(overlay, docs):
         headless = {s["metadata"]["name"] for s in kinds.get("Service", []) if s["spec"].get("clusterIP") == "None"}
         if names != headless:
             problem(overlay, f"the router follows {sorted(names)}, the headless Services are {sorted(headless)}")
+    exported = open(os.path.join(ROOT, "router/src/metrics.rs")).read()
+    for h in kinds.get("HorizontalPodAutoscaler", []):
+        where = f"{overlay}/HorizontalPodAutoscaler/{h['metadata']['name']}"
+        target = h["spec"]["scaleTargetRef"]["name"]
+        if not any(d["metadata"]["name"] == target for d in kinds.get("Deployment", [])):
+            problem(where, f"scales {target}, which is not rendered")
+        for m in h["spec"]["metrics"]:
+            name = m.get("external", {}).get("metric", {}).get("name", "")
+            if f'"{name}"' not in exported:
+                problem(where, f"scales on {name}, which the router does not export")
     budgets = [component(p["spec"]["selector"]["matchLabels"]) for p in kinds.get("PodDisruptionBudget", [])]
     if sorted(budgets) != sorted(ROLES):
         problem(overlay, f"one PodDisruptionBudget per role, found {sorted(budgets)}")
