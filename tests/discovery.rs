@@ -128,3 +128,27 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
     assert!(!up.contains(&newer.grpc), "a newer worker needs a newer router: {up:?}");
     router.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_takes_rotated_certificates_without_a_restart() {
+    use kv_transfer::tls::{Identity, IdentityFiles};
+    let dir = std::env::temp_dir().join(format!("tandem-router-rotation-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (old, new) = (DevCa::generate().expect("ca"), DevCa::generate().expect("the next ca"));
+    old.write(&dir).expect("writes");
+    old.issue("router", &[]).expect("cert").write(&dir, "router").expect("writes");
+    // The worker already has the next CA's certificate; the router cannot take it until it has one too.
+    let d = worker(&new, Role::Decode, "decode-0").await;
+    let mut config = router_config(&old, vec![d.grpc]);
+    config.identity = Identity::load(&dir, "router").expect("reads");
+    config.certs = Some(IdentityFiles { dir: dir.clone(), name: "router".into() });
+    let router = RunningRouter::start(config).await.expect("router");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(router.state.cluster.up_members().is_empty(), "another CA's worker was taken");
+    new.write(&dir).expect("writes");
+    new.issue("router", &[]).expect("cert").write(&dir, "router").expect("writes");
+    wait_for_workers(&router, 1).await;
+    router.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

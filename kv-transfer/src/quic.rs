@@ -101,11 +101,28 @@ impl QuicServer {
         self.endpoint.local_addr()
     }
 
+    /// What changes the identity this server presents while it runs.
+    pub fn handle(&self) -> QuicServerHandle {
+        QuicServerHandle(self.endpoint.clone())
+    }
+
     /// Closes every connection and stops listening.
     pub async fn close(self) {
         self.endpoint.close(0u32.into(), b"shutdown");
         self.accept.abort();
         self.endpoint.wait_idle().await;
+    }
+}
+
+/// Changes a running [`QuicServer`]'s identity.
+#[derive(Clone, Debug)]
+pub struct QuicServerHandle(quinn::Endpoint);
+
+impl QuicServerHandle {
+    /// Presents `identity` (and trusts its CA) from the next connection on; open connections keep theirs.
+    pub fn set_identity(&self, identity: &Identity) -> Result<(), TransferError> {
+        self.0.set_server_config(Some(identity.quic_server()?));
+        Ok(())
     }
 }
 
@@ -222,6 +239,8 @@ struct Cached {
 #[derive(Debug)]
 pub struct QuicClient {
     endpoint: quinn::Endpoint,
+    /// What new connections present and trust (replaced when the certificates rotate).
+    config: std::sync::RwLock<quinn::ClientConfig>,
     connections: std::sync::Mutex<HashMap<(SocketAddr, String), Cached>>,
 }
 
@@ -229,9 +248,16 @@ impl QuicClient {
     /// A client presenting `identity`, bound to an ephemeral port on `bind` (use an unspecified or loopback
     /// address). Must be called inside a tokio runtime.
     pub fn new(identity: &Identity, bind: SocketAddr) -> Result<QuicClient, TransferError> {
-        let mut endpoint = quinn::Endpoint::client(bind)?;
-        endpoint.set_default_client_config(identity.quic_client()?);
-        Ok(QuicClient { endpoint, connections: std::sync::Mutex::new(HashMap::new()) })
+        let endpoint = quinn::Endpoint::client(bind)?;
+        let config = std::sync::RwLock::new(identity.quic_client()?);
+        Ok(QuicClient { endpoint, config, connections: std::sync::Mutex::new(HashMap::new()) })
+    }
+
+    /// Presents `identity` (and trusts its CA) on the next new connection; reused ones keep theirs.
+    pub fn set_identity(&self, identity: &Identity) -> Result<(), TransferError> {
+        let config = identity.quic_client()?;
+        *self.config.write().unwrap_or_else(|p| p.into_inner()) = config;
+        Ok(())
     }
 
     /// Connections kept for reuse now (open or not yet noticed closed).
@@ -255,8 +281,9 @@ impl QuicClient {
         // request's span (quinn instruments it with the current one): that would keep the request's trace open
         // for good. A fresh task has no current span.
         let (endpoint, name) = (self.endpoint.clone(), server_name.to_string());
+        let config = self.config.read().unwrap_or_else(|p| p.into_inner()).clone();
         let conn = tokio::spawn(async move {
-            match endpoint.connect(addr, &name) {
+            match endpoint.connect_with(config, addr, &name) {
                 Ok(c) => c.await.map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             }

@@ -189,8 +189,8 @@ impl Identity {
         Ok(roots)
     }
 
-    /// A QUIC server configuration that requires a client certificate from the cluster CA.
-    pub fn quic_server(&self) -> Result<quinn::ServerConfig, TlsError> {
+    /// A TLS 1.3 server configuration speaking `alpn` that requires a client certificate from the cluster CA.
+    pub fn tls_server(&self, alpn: &[u8]) -> Result<rustls::ServerConfig, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let verifier =
             rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), Arc::clone(&provider))
@@ -202,7 +202,13 @@ impl Identity {
             .with_client_cert_verifier(verifier)
             .with_single_cert(self.chain.clone(), self.key.clone_key())
             .map_err(|e| TlsError::Config(e.to_string()))?;
-        tls.alpn_protocols = vec![ALPN.to_vec()];
+        tls.alpn_protocols = vec![alpn.to_vec()];
+        Ok(tls)
+    }
+
+    /// A QUIC server configuration that requires a client certificate from the cluster CA.
+    pub fn quic_server(&self) -> Result<quinn::ServerConfig, TlsError> {
+        let tls = self.tls_server(ALPN)?;
         let crypto =
             quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| TlsError::Config(e.to_string()))?;
         let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
@@ -225,5 +231,53 @@ impl Identity {
         let mut config = quinn::ClientConfig::new(Arc::new(crypto));
         config.transport_config(transport());
         Ok(config)
+    }
+}
+
+/// Where a process's identity lives on disk (`dir` holds `ca.pem`, `<name>.pem` and `<name>.key`), so that it can be
+/// read again when the files change: cert-manager or an operator rotates certificates under a running process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdentityFiles {
+    pub dir: PathBuf,
+    pub name: String,
+}
+
+/// How often [`watch`] looks at the files: rotation is rare, a look is three `stat`s.
+pub const WATCH_PERIOD: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl IdentityFiles {
+    fn paths(&self) -> [PathBuf; 3] {
+        [
+            self.dir.join("ca.pem"),
+            self.dir.join(format!("{}.pem", self.name)),
+            self.dir.join(format!("{}.key", self.name)),
+        ]
+    }
+
+    /// The files' modification times (through symbolic links, as Kubernetes swaps a Secret's files).
+    fn stamp(&self) -> Vec<Option<std::time::SystemTime>> {
+        self.paths().iter().map(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok()).collect()
+    }
+}
+
+/// Calls `apply` with the identity read again from `files` whenever they change, until the task is dropped or
+/// aborted. A change that does not read as an identity (a rotation caught half-written, a bad file) is logged and
+/// skipped: the identity in use stays until a good one is there.
+pub async fn watch(files: IdentityFiles, mut apply: impl FnMut(Identity) + Send) {
+    let mut seen = files.stamp();
+    loop {
+        tokio::time::sleep(WATCH_PERIOD).await;
+        let now = files.stamp();
+        if now == seen {
+            continue;
+        }
+        match Identity::load(&files.dir, &files.name) {
+            Ok(identity) => {
+                seen = now;
+                tracing::info!(dir = %files.dir.display(), name = %files.name, "certificates changed; now presenting the new ones");
+                apply(identity);
+            }
+            Err(e) => tracing::warn!(error = %e, "certificates changed but cannot be read; keeping the ones in use"),
+        }
     }
 }

@@ -108,6 +108,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
         None => engine::fetch::tandem_home().map(|h| h.join("certs")).map_err(|e| problems.push(e.to_string())).ok(),
     };
     let cert_name = s.cert_name.or(file.cert_name).unwrap_or_else(|| "router".into());
+    let certs = certs_dir.clone().map(|dir| kv_transfer::tls::IdentityFiles { dir, name: cert_name.clone() });
     let identity = certs_dir
         .as_deref()
         .and_then(|dir| worker::cli::load_identity(dir, &cert_name).map_err(|e| problems.push(e)).ok());
@@ -156,6 +157,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             workers,
             dns_refresh,
             identity,
+            certs,
             limits,
             scheduler,
             api_keys: s.api_keys.or(file.api_keys).unwrap_or_default().into_iter().filter(|k| !k.is_empty()).collect(),

@@ -136,7 +136,8 @@ impl State {
 #[derive(Debug)]
 pub struct Cluster {
     model: ModelIdentity,
-    identity: Identity,
+    /// What new connections to workers present and trust (replaced when the certificates rotate).
+    identity: std::sync::RwLock<Arc<Identity>>,
     state: Mutex<State>,
     /// One follower task per worker address.
     followers: Mutex<HashMap<SocketAddr, (WorkerId, tokio::task::AbortHandle)>>,
@@ -188,7 +189,7 @@ impl Cluster {
     ) -> Arc<Cluster> {
         Arc::new(Cluster {
             model,
-            identity,
+            identity: std::sync::RwLock::new(Arc::new(identity)),
             state: Mutex::default(),
             followers: Mutex::default(),
             next_id: AtomicU32::new(0),
@@ -196,6 +197,11 @@ impl Cluster {
             settings,
             stop,
         })
+    }
+
+    /// Presents `identity` (and trusts its CA) on the next connection to a worker; open ones keep theirs.
+    pub fn set_identity(&self, identity: Identity) {
+        *self.identity.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(identity);
     }
 
     pub fn model(&self) -> &ModelIdentity {
@@ -303,7 +309,8 @@ impl Cluster {
 
     /// Connects, checks the model, and (re)registers the worker.
     async fn join(&self, id: WorkerId, addr: SocketAddr, tls_name: &str) -> Result<WorkerClient<Channel>, JoinError> {
-        let mut client = worker::grpc_tls::connect_named(addr, tls_name, &self.identity).await?;
+        let identity = Arc::clone(&self.identity.read().unwrap_or_else(|p| p.into_inner()));
+        let mut client = worker::grpc_tls::connect_named(addr, tls_name, &identity).await?;
         let timeout = self.settings.info_timeout;
         let info = tokio::time::timeout(timeout, client.info(pb::InfoRequest {}))
             .await

@@ -73,6 +73,8 @@ pub struct RouterConfig {
     /// How often DNS names among `workers` are resolved again.
     pub dns_refresh: Duration,
     pub identity: Identity,
+    /// Where `identity` was read from: when the files change, new connections present the new certificates.
+    pub certs: Option<kv_transfer::tls::IdentityFiles>,
     pub limits: Limits,
     pub scheduler: SchedulerConfig,
     pub api_keys: Vec<String>,
@@ -132,6 +134,21 @@ impl RunningRouter {
             .map(Arc::new);
         let cluster = Cluster::new(model, config.identity, config.follow, stop_rx.clone());
         crate::discovery::start(&cluster, &config.workers, config.dns_refresh, stop_rx.clone());
+        if let Some(files) = config.certs {
+            let (cluster, leases, mut stop) = (Arc::clone(&cluster), leases.clone(), stop_rx.clone());
+            tokio::spawn(async move {
+                let apply = move |identity: Identity| {
+                    if let Some(Err(e)) = leases.as_ref().map(|l| l.set_identity(&identity)) {
+                        tracing::warn!(error = %e, "new certificates refused for the lease client");
+                    }
+                    cluster.set_identity(identity);
+                };
+                tokio::select! {
+                    _ = kv_transfer::tls::watch(files, apply) => {}
+                    _ = stop.wait_for(|&s| s) => {}
+                }
+            });
+        }
         let recording = match &config.record_trace {
             Some(path) => {
                 Some(Recording::start(path, config.block_size).map_err(|e| StartError::Record(e.to_string()))?)

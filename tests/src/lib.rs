@@ -122,6 +122,7 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         workers,
         dns_refresh: Duration::from_millis(200),
         identity: ca.issue("router", &[]).expect("cert"),
+        certs: None,
         limits: Limits { request_timeout: Duration::from_secs(120), ..Limits::default() },
         scheduler: SchedulerConfig { slow_start_secs: 0.0, ..SchedulerConfig::default() },
         api_keys: Vec::new(),

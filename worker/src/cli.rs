@@ -262,6 +262,7 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
                 max_leased_bytes: s.max_leased_bytes.unwrap_or_else(crate::leases::default_cap),
                 name: s.name.unwrap_or_default(),
                 tls_name: s.tls_name.unwrap_or_else(|| cert_name.clone()),
+                certs: certs_dir.map(|dir| kv_transfer::tls::IdentityFiles { dir, name: cert_name.clone() }),
             },
             grace: s.shutdown_grace_ms.map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_millis),
         }),

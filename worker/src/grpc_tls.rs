@@ -4,8 +4,14 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kv_transfer::tls::Identity;
+use std::sync::Arc;
+
+use kv_transfer::tls::{Identity, TlsError};
 use proto::worker::worker_client::WorkerClient;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIdentity, ServerTlsConfig};
 
 /// Server settings: this component's certificate, and the CA that client certificates must chain to.
@@ -13,6 +19,51 @@ pub fn server(identity: &Identity) -> ServerTlsConfig {
     ServerTlsConfig::new()
         .identity(TlsIdentity::from_pem(identity.cert_pem(), identity.key_pem()))
         .client_ca_root(Certificate::from_pem(identity.ca_pem()))
+}
+
+/// The same settings for [`incoming`]: HTTP/2 over TLS 1.3, client certificates from the cluster CA.
+pub fn server_config(identity: &Identity) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    Ok(Arc::new(identity.tls_server(b"h2")?))
+}
+
+/// The connections accepted on `listener`, each through a TLS handshake with the settings `current` holds when it
+/// begins, so that new certificates apply to the next connection without a restart. A handshake that fails or
+/// takes longer than [`CONNECT_TIMEOUT`] is dropped without holding up the others. The accepting task ends when
+/// the stream is dropped.
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+    current: watch::Receiver<Arc<rustls::ServerConfig>>,
+) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: the next accept may work.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&current.borrow()));
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(CONNECT_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(Ok(tls)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake refused"),
+                    Err(_) => tracing::debug!(peer = %peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
 }
 
 /// Client settings for a worker reached at `host` (a name or address its certificate carries).

@@ -70,6 +70,9 @@ pub struct WorkerConfig {
     /// The DNS name this worker's certificate carries, which decode workers verify when they pull KV from it:
     /// a role identity shared by every replica, not an address (pods and containers move).
     pub tls_name: String,
+    /// Where `identity` was read from: when the files change (a rotation), the worker presents the new
+    /// certificates on its next connections without a restart. `None`: the identity is fixed.
+    pub certs: Option<kv_transfer::tls::IdentityFiles>,
 }
 
 impl WorkerConfig {
@@ -93,6 +96,7 @@ impl WorkerConfig {
             name: String::new(),
             // Every certificate `DevCa::issue` makes carries it.
             tls_name: "localhost".to_string(),
+            certs: None,
         }
     }
 }
@@ -132,6 +136,8 @@ pub struct RunningWorker {
     served: tokio::task::JoinHandle<()>,
     transfer_server: QuicServer,
     expiry: tokio::task::JoinHandle<()>,
+    /// Follows the certificate files (when they are files).
+    reload: Option<tokio::task::JoinHandle<()>>,
 }
 
 fn instance_id() -> String {
@@ -203,7 +209,7 @@ impl RunningWorker {
         let (aborting, aborting_rx) = tokio::sync::watch::channel(false);
         let metrics = Arc::new(metrics::WorkerMetrics::default());
         let puller = pull::Puller {
-            client,
+            client: Arc::clone(&client),
             timeout: config.pull_timeout,
             fingerprint: info.model_fingerprint.clone(),
             layout,
@@ -236,11 +242,33 @@ impl RunningWorker {
         let grpc = listener.local_addr().map_err(|source| StartError::Io { what: "gRPC address", source })?;
         let mut server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(grpc_tls::KEEPALIVE_INTERVAL))
-            .http2_keepalive_timeout(Some(grpc_tls::KEEPALIVE_TIMEOUT))
-            .tls_config(grpc_tls::server(&config.identity))
-            .map_err(|e| StartError::Tls(e.to_string()))?;
+            .http2_keepalive_timeout(Some(grpc_tls::KEEPALIVE_TIMEOUT));
+        let tls = grpc_tls::server_config(&config.identity).map_err(|e| StartError::Tls(e.to_string()))?;
+        let (tls_now, tls_current) = tokio::sync::watch::channel(tls);
         let (stop, stopped) = oneshot::channel::<()>();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let incoming = grpc_tls::incoming(listener, tls_current);
+        // Rotated certificates: the gRPC service, the transfer server and the transfer client take them for their
+        // next connections.
+        let reload = config.certs.clone().map(|files| {
+            let quic = transfer_server.handle();
+            let client = Arc::clone(&client);
+            tokio::spawn(kv_transfer::tls::watch(files, move |identity| {
+                match grpc_tls::server_config(&identity) {
+                    Ok(c) => {
+                        tls_now.send_replace(c);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "new certificates refused for gRPC"),
+                }
+                for (what, r) in [
+                    ("transfer server", quic.set_identity(&identity)),
+                    ("transfer client", client.set_identity(&identity)),
+                ] {
+                    if let Err(e) = r {
+                        tracing::warn!(error = %e, "new certificates refused for the {what}");
+                    }
+                }
+            }))
+        });
         let svc = WorkerServer::from_arc(Arc::clone(&service));
         let served = tokio::spawn(async move {
             let _ = server
@@ -276,6 +304,7 @@ impl RunningWorker {
             served,
             transfer_server,
             expiry,
+            reload,
         })
     }
 
@@ -322,6 +351,9 @@ impl RunningWorker {
             served.abort();
         }
         self.expiry.abort();
+        if let Some(t) = self.reload {
+            t.abort();
+        }
         if let Some(t) = self.metrics_task {
             t.abort();
         }

@@ -185,6 +185,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             workers: workers.iter().map(|w| WorkerSource::Static(w.grpc)).collect(),
             dns_refresh: router::discovery::DEFAULT_DNS_REFRESH,
             identity: router_id,
+            // tandem up made these certificates itself and keeps them for its life.
+            certs: None,
             limits: Limits { max_in_flight: args.max_in_flight, max_queue: args.max_queue, ..Limits::default() },
             scheduler,
             api_keys: args.api_key.into_iter().collect(),
