@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use tandem_tests::compose::{ADMIN_KEY, Project, docker, request, run, within};
+use tandem_tests::compose::{ADMIN_KEY, Project, docker, followed, request, run, up, within};
 
 const PROMPT: &str = "Write a long story about a lighthouse keeper who finds a message in a bottle that was sent \
                       from the future, and explain what the message says in detail.";
@@ -78,15 +78,6 @@ fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
     names
 }
 
-/// `GET /admin/workers` of the router at `router`: (address, up) for every worker it follows.
-fn followed(router: std::net::SocketAddr) -> Vec<(String, bool)> {
-    let Some(reply) = request(router, "GET", "/admin/workers", "", Some(ADMIN_KEY)).filter(|r| r.status == 200) else {
-        return Vec::new();
-    };
-    let list = reply.json()["workers"].as_array().cloned().unwrap_or_default();
-    list.iter().map(|w| (w["address"].as_str().unwrap_or_default().to_string(), w["up"] == true)).collect()
-}
-
 #[test]
 fn peers_with_a_foreign_cas_certificate_are_refused_by_the_router_and_by_the_workers() {
     use std::time::Duration;
@@ -150,7 +141,6 @@ fn peers_with_a_foreign_cas_certificate_are_refused_by_the_router_and_by_the_wor
         (id, addr)
     };
     let (own_router, at) = router_beside(&own);
-    let up = |at| followed(at).iter().filter(|(_, up)| *up).count();
     assert!(within(Duration::from_secs(30), || up(at) == 2), "the control router never took the decode workers");
     docker(&["rm", "-f", &own_router]);
     let (_, at) = router_beside(&mixed);

@@ -5,15 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_tests::compose::{LOAD_TIMEOUT_SECS, Load, Project, counter, request, router_counter};
+use tandem_tests::compose::{LOAD_TIMEOUT_SECS, Load, Project, request, router_metric};
 
 /// Stand-in blocks cost the mock nothing: tiers big enough that no request is refused for KV.
 const MOCK: &[(&str, &str)] = &[("TANDEM_KV_BLOCKS", "4096"), ("TANDEM_HOST_BLOCKS", "4096")];
-
-/// A router metric's samples whose labels contain `label`, summed.
-fn metric(router: std::net::SocketAddr, name: &str, label: &str) -> f64 {
-    counter(&request(router, "GET", "/metrics", "", None).map(|r| r.body).unwrap_or_default(), name, label)
-}
 
 fn sent_failed(summary: &serde_json::Value) -> (u64, u64) {
     (summary["requests"].as_u64().unwrap_or(0), summary["failed"].as_u64().unwrap_or(u64::MAX))
@@ -29,7 +24,7 @@ fn a_decode_worker_killed_mid_stream_loses_no_request() {
     project.docker(&["kill"], "decode-0");
     let summary = load.finish();
     let (sent, failed) = sent_failed(&summary);
-    let resumed = router_counter(router, "tandem_router_decode_resumptions_total");
+    let resumed = router_metric(router, "tandem_router_decode_resumptions_total", "");
     println!("figures: decode worker killed: sent {sent}, failed {failed}, resumed {resumed}");
     assert_eq!(failed, 0, "{summary}\n{}", project.logs());
     assert!(resumed >= 1.0, "the streams on the killed worker resumed on the other one: {summary}");
@@ -43,15 +38,15 @@ fn a_prefill_worker_killed_before_its_first_tokens_loses_no_request() {
     let load = Load::start(router, 30, 6.0, 64, 32);
     // Killed while the router has a prompt in flight on it.
     let waiting = Instant::now();
-    while metric(router, "tandem_router_worker_in_flight", "worker=\"prefill-0\"") < 1.0 {
+    while router_metric(router, "tandem_router_worker_in_flight", "worker=\"prefill-0\"") < 1.0 {
         assert!(waiting.elapsed() < Duration::from_secs(20), "nothing ever in flight on prefill-0");
         std::thread::sleep(Duration::from_millis(20));
     }
     project.docker(&["kill"], "prefill-0");
     let summary = load.finish();
     let (sent, failed) = sent_failed(&summary);
-    let retried = router_counter(router, "tandem_router_prefill_retries_total")
-        + router_counter(router, "tandem_router_local_prefill_fallbacks_total");
+    let retried = router_metric(router, "tandem_router_prefill_retries_total", "")
+        + router_metric(router, "tandem_router_local_prefill_fallbacks_total", "");
     println!("figures: prefill worker killed: sent {sent}, failed {failed}, prefills retried elsewhere {retried}");
     assert_eq!(failed, 0, "{summary}\n{}", project.logs());
     assert!(retried >= 1.0, "the prompts on the killed worker were prefilled elsewhere: {summary}");
@@ -79,7 +74,7 @@ fn a_worker_cut_off_the_network_is_dropped_then_taken_back_and_nothing_hangs() {
     let back = project.wait_for_workers(4, Duration::from_secs(60));
     let summary = load.finish();
     let (sent, failed) = sent_failed(&summary);
-    let resumed = router_counter(router, "tandem_router_decode_resumptions_total");
+    let resumed = router_metric(router, "tandem_router_decode_resumptions_total", "");
     let slowest = summary["request_latency_ms"]["max"].as_f64().unwrap_or(f64::INFINITY);
     println!(
         "figures: decode worker cut off 20 s: sent {sent}, failed {failed}, resumed {resumed}, dropped after \
@@ -132,7 +127,7 @@ fn a_worker_stopped_with_sigterm_drains_its_requests() {
     let drained = stopping.elapsed();
     let summary = load.finish();
     let (sent, failed) = sent_failed(&summary);
-    let resumed = router_counter(router, "tandem_router_decode_resumptions_total");
+    let resumed = router_metric(router, "tandem_router_decode_resumptions_total", "");
     println!(
         "figures: decode worker stopped (SIGTERM): sent {sent}, failed {failed}, resumed {resumed}, exited after {drained:.1?}"
     );

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tandem_tests::compose::{ADMIN_KEY, docker, image, request, run, within};
+use tandem_tests::compose::{ADMIN_KEY, docker, image, request, run, up, within};
 
 /// Containers, network and image of one run, removed however the test ends.
 struct Cluster {
@@ -28,12 +28,6 @@ impl Drop for Cluster {
         let _ = Command::new("docker").args(["network", "rm", &self.network]).output();
         let _ = Command::new("docker").args(["rmi", "-f", &self.image]).output();
     }
-}
-
-fn up(router: SocketAddr) -> usize {
-    request(router, "GET", "/admin/workers", "", Some(ADMIN_KEY))
-        .filter(|r| r.status == 200)
-        .map_or(0, |r| r.body.matches("\"up\":true").count())
 }
 
 #[test]

@@ -115,11 +115,6 @@ impl Project {
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
-    /// The project's network (`<project>_tandem`).
-    pub fn network(&self) -> String {
-        format!("{}_tandem", self.name.replace('.', ""))
-    }
-
     /// Where `service`'s container `port` is published on this machine (again after a restart: it may move).
     pub fn port(&self, service: &str, port: u16) -> SocketAddr {
         let out = run(self.command().args(["port", service, &port.to_string()]));
@@ -145,8 +140,7 @@ impl Project {
         let Some(router) = out.ok().and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok()) else {
             return 0;
         };
-        let reply = request(router, "GET", "/admin/workers", "", Some(ADMIN_KEY));
-        reply.filter(|r| r.status == 200).map_or(0, |r| r.body.matches("\"up\":true").count())
+        up(router)
     }
 
     /// Waits until the router has `n` workers up.
@@ -244,11 +238,6 @@ impl Project {
 }
 
 impl Project {
-    /// The project's image.
-    pub fn image(&self) -> &str {
-        &self.image
-    }
-
     /// `docker run -d <args> <the image> <command>` on the project's network, removed with the project; its id.
     pub fn run_beside(&self, args: &[&str], command: &[&str]) -> String {
         let network = self.network_of("router");
@@ -308,8 +297,23 @@ impl Drop for Load {
     }
 }
 
-/// A router counter summed over its samples (`GET /metrics` on the router).
-pub fn router_counter(router: SocketAddr, name: &str) -> f64 {
+/// A router metric's samples whose line contains `label` (`""`: all of them), summed (`GET /metrics`).
+pub fn router_metric(router: SocketAddr, name: &str, label: &str) -> f64 {
     let page = request(router, "GET", "/metrics", "", None).map(|r| r.body).unwrap_or_default();
-    counter(&page, name, "")
+    counter(&page, name, label)
+}
+
+/// Every worker the router at `router` follows (`GET /admin/workers`, with the test's admin key), with whether
+/// it is up; empty while the router does not answer.
+pub fn followed(router: SocketAddr) -> Vec<(String, bool)> {
+    let Some(reply) = request(router, "GET", "/admin/workers", "", Some(ADMIN_KEY)).filter(|r| r.status == 200) else {
+        return Vec::new();
+    };
+    let list = reply.json()["workers"].as_array().cloned().unwrap_or_default();
+    list.iter().map(|w| (w["address"].as_str().unwrap_or_default().to_string(), w["up"] == true)).collect()
+}
+
+/// How many workers the router at `router` has up.
+pub fn up(router: SocketAddr) -> usize {
+    followed(router).iter().filter(|(_, up)| *up).count()
 }
