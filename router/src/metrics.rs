@@ -66,7 +66,6 @@ impl RouterMetrics {
     }
 }
 
-/// The exposition text.
 /// What one role's routable workers have to do, as this router sees it (its own sends and the workers' reports):
 /// the signal to scale a role on (queued work says what GPU utilization cannot: whether requests wait).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -117,6 +116,7 @@ const POOL_METRICS: [PoolMetric; 4] = [
     ),
 ];
 
+/// The exposition text.
 pub fn render(state: &RouterState) -> String {
     let m = &state.metrics;
     let mut e = Exposition::new();

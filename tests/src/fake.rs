@@ -174,11 +174,12 @@ impl FakeWorker {
         let identity = ca.issue("fake-worker", &[]).expect("cert");
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.expect("binds");
         let grpc = listener.local_addr().expect("address");
-        let mut server =
-            tonic::transport::Server::builder().tls_config(worker::grpc_tls::server(&identity)).expect("tls");
+        // The real worker's TLS acceptor, with settings that never change (the sender is dropped).
+        let tls = worker::grpc_tls::server_config(&identity).expect("tls");
+        let incoming = worker::grpc_tls::incoming(listener, tokio::sync::watch::channel(tls).1);
+        let mut server = tonic::transport::Server::builder();
         let calls = Arc::new(AtomicUsize::new(0));
         let svc = WorkerServer::new(Fake { info, behaviour, blocks, calls: Arc::clone(&calls) });
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         let task = tokio::spawn(async move {
             let _ = server.add_service(svc).serve_with_incoming(incoming).await;
         });

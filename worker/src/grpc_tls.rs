@@ -2,9 +2,8 @@
 //! CA, and clients (the router, other workers) present theirs.
 
 use std::net::SocketAddr;
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use kv_transfer::tls::{Identity, TlsError};
 use proto::worker::worker_client::WorkerClient;
@@ -12,16 +11,10 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIdentity, ServerTlsConfig};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity as TlsIdentity};
 
-/// Server settings: this component's certificate, and the CA that client certificates must chain to.
-pub fn server(identity: &Identity) -> ServerTlsConfig {
-    ServerTlsConfig::new()
-        .identity(TlsIdentity::from_pem(identity.cert_pem(), identity.key_pem()))
-        .client_ca_root(Certificate::from_pem(identity.ca_pem()))
-}
-
-/// The same settings for [`incoming`]: HTTP/2 over TLS 1.3, client certificates from the cluster CA.
+/// Server settings for [`incoming`]: this component's certificate, HTTP/2 over TLS 1.3, and the CA that client
+/// certificates must chain to.
 pub fn server_config(identity: &Identity) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     Ok(Arc::new(identity.tls_server(b"h2")?))
 }
