@@ -23,15 +23,9 @@ fn kubernetes_manifests_render_validate_and_keep_their_invariants_and_the_files_
 
 #[test]
 fn the_compose_file_and_every_profile_parse() {
-    let plugin = Command::new("docker").args(["compose", "version"]).output().is_ok_and(|o| o.status.success());
-    let mut cmd = if plugin {
-        let mut c = Command::new("docker");
-        c.arg("compose");
-        c
-    } else {
-        Command::new("docker-compose")
-    };
-    let out = cmd
+    let program = tandem_tests::compose::compose_program();
+    let out = Command::new(&program[0])
+        .args(&program[1..])
         .arg("-f")
         .arg(repo().join("deploy/compose/docker-compose.yml"))
         .args(["--profile", "gpu", "--profile", "observability", "config", "-q"])

@@ -81,8 +81,8 @@ def check(overlay, docs):
             for m in c.get("volumeMounts", []):
                 if "subPath" in m:
                     problem(where, f"{m['name']} is mounted with subPath: updates would never arrive")
-            gpu = c.get("resources", {})
-            requests, limits = gpu.get("requests", {}), gpu.get("limits", {})
+            resources = c.get("resources", {})
+            requests, limits = resources.get("requests", {}), resources.get("limits", {})
             if overlay == "gpu" and role != "router":
                 if requests.get("nvidia.com/gpu") is None or requests.get("nvidia.com/gpu") != limits.get("nvidia.com/gpu"):
                     problem(where, f"GPU requests must equal limits: {requests} / {limits}")

@@ -26,7 +26,7 @@ pub fn run(cmd: &mut Command) -> Output {
 }
 
 /// `docker compose` where the plugin is installed, else the standalone `docker-compose`.
-fn compose_program() -> Vec<String> {
+pub fn compose_program() -> Vec<String> {
     let plugin = Command::new("docker").args(["compose", "version"]).output().is_ok_and(|o| o.status.success());
     if plugin { vec!["docker".into(), "compose".into()] } else { vec!["docker-compose".into()] }
 }
