@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds Tandem's image on a machine that cannot pull from any registry: a base image made here from nothing
 # (`FROM scratch` plus the shared libraries `ldd` lists for the binary, a passwd entry and /tmp), then
-# deploy/docker/Dockerfile's `prebuilt` stage on it with an already built `tandem` binary. Seconds, not a build.
+# deploy/docker/Dockerfile's `base` stage on it, then an already built `tandem` binary added. Seconds, not a build.
 #
 #   deploy/docker/build-local.sh [--binary PATH] [--tag NAME]
 #
@@ -34,16 +34,21 @@ printf 'root:x:0:0:root:/root:/sbin/nologin\ntandem:x:10001:10001:tandem:/var/li
 printf 'root:x:0:\ntandem:x:10001:\n' > "$root/etc/group"
 printf 'hosts: files dns\n' > "$root/etc/nsswitch.conf"
 printf 'FROM scratch\nCOPY rootfs/ /\n' > "$work/Dockerfile"
-base="${tag%%:*}-base:local"
-DOCKER_BUILDKIT=0 docker build -q -t "$base" "$work" >/dev/null
+libs="${tag%%:*}-libs:local"
+DOCKER_BUILDKIT=0 docker build -q -t "$libs" "$work" >/dev/null
 
-# A context of its own (the Dockerfile's paths, the binary in place of a build): builds may run side by side.
+# Contexts of their own (only the paths the stage copies; then the binary): builds may run side by side.
+base="${tag%%:*}-base:local"
 ctx="$work/context"
-mkdir -p "$ctx/deploy/docker/.prebuilt"
+mkdir -p "$ctx/deploy/docker"
 cp -r deploy/docker/home deploy/docker/certs "$ctx/deploy/docker/"
-cp "$binary" "$ctx/deploy/docker/.prebuilt/tandem"
+DOCKER_BUILDKIT=0 docker build -q -f deploy/docker/Dockerfile --target base \
+    --build-arg RUNTIME_IMAGE="$libs" -t "$base" "$ctx" >/dev/null
+bin="$work/binary"
+mkdir -p "$bin"
+cp "$binary" "$bin/tandem"
 # Debug symbols are not needed in an image (and would make the context bigger than the binary itself).
-strip "$ctx/deploy/docker/.prebuilt/tandem" 2>/dev/null || true
-DOCKER_BUILDKIT=0 docker build -q -f deploy/docker/Dockerfile --target prebuilt \
-    --build-arg RUNTIME_IMAGE="$base" -t "$tag" "$ctx" >/dev/null
+strip "$bin/tandem" 2>/dev/null || true
+printf 'FROM %s\nCOPY tandem /usr/local/bin/tandem\n' "$base" > "$bin/Dockerfile"
+DOCKER_BUILDKIT=0 docker build -q -t "$tag" "$bin" >/dev/null
 echo "$tag"

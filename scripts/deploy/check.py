@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks deploy/ offline: every Kubernetes overlay renders (`kubectl kustomize`), validates strictly against the
 bundled schemas (`kubernetes-validate --strict`; cert-manager's custom resources left out), and keeps the
-invariants operators check first; the YAML files pass yamllint and the Dockerfile hadolint.
+invariants operators check first; the YAML files pass yamllint and the Dockerfile hadolint, and every stage of
+the Dockerfile builds from a fresh clone.
 
     pip install -r deploy/requirements.txt && python3 scripts/deploy/check.py
 
@@ -134,6 +135,25 @@ def lint():
         problem("hadolint", out.stdout.strip())
 
 
+def dockerfile_sources():
+    """The classic builder (docker-compose v1, DOCKER_BUILDKIT=0) builds every stage before the target, used or not:
+    each stage's COPY must find its sources in a fresh clone."""
+    path = os.path.join(ROOT, "deploy/docker/Dockerfile")
+    with open(path) as f:
+        text = f.read().replace("\\\n", " ")
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0].upper() not in ("COPY", "ADD"):
+            continue
+        args = words[1:]
+        if any(a.startswith("--from") for a in args):
+            continue
+        for src in [a for a in args if not a.startswith("--")][:-1]:
+            tracked = subprocess.run(["git", "-C", ROOT, "ls-files", "--", src], capture_output=True, text=True)
+            if not tracked.stdout.strip():
+                problem("Dockerfile", f"{words[0]} {src}: not in a fresh clone (the classic builder builds this stage)")
+
+
 def main():
     for overlay in OVERLAYS:
         docs = render(overlay)
@@ -141,6 +161,7 @@ def main():
             validate(overlay, docs)
             check(overlay, docs)
     lint()
+    dockerfile_sources()
     for p in problems:
         print(p)
     if problems:
