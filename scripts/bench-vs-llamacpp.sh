@@ -4,13 +4,11 @@
 #
 #   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH]
 #
-# llama.cpp is built once (cmake + ninja, several minutes on 2 cores) from the source package of
-# llama-cpp-python on PyPI and cached under $TANDEM_HOME/llama.cpp. Needs: python3 with pip, a C++ compiler;
-# cmake and ninja are installed with pip when missing.
+# llama.cpp is built once by scripts/llama-cpp.sh (from the source package of llama-cpp-python on PyPI, cached
+# under $TANDEM_HOME/llama.cpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-LLAMA_CPP_PYTHON=0.3.36
 threads=$(nproc)
 model=""
 while [ $# -gt 0 ]; do
@@ -21,29 +19,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-home=${TANDEM_HOME:-$HOME/.cache/tandem}
-prefix="$home/llama.cpp/$LLAMA_CPP_PYTHON"
-bin="$prefix/build/bin"
-
-build_llama_cpp() {
-  command -v cmake >/dev/null && command -v ninja >/dev/null || python3 -m pip install --quiet cmake ninja >&2
-  local work
-  work=$(mktemp -d)
-  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$work" >&2
-  mkdir -p "$prefix"
-  tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$work"
-  rm -rf "$prefix/src"
-  mv "$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$prefix/src"
-  rm -rf "$work"
-  cmake -S "$prefix/src" -B "$prefix/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >&2
-  cmake --build "$prefix/build" --target llama-bench llama-batched-bench >&2
-}
-
-if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ]; then
-  echo "building llama.cpp (once; cached in $prefix)" >&2
-  build_llama_cpp
-fi
+bin=$(scripts/llama-cpp.sh llama-bench llama-batched-bench)
 
 cargo build --release --quiet -p tandem >&2
 tandem=target/release/tandem

@@ -4,9 +4,10 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 pub use hyper::Method;
-use hyper_util::rt::TokioIo;
+use router::external::http::Connection;
+pub use router::external::sse::SseParser;
 
 /// Which API a request goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,34 +123,18 @@ pub async fn send(target: &Target, ask: &Ask) -> Outcome {
     out
 }
 
-/// A connection's driver task, ended when dropped.
-struct Connection(tokio::task::JoinHandle<Result<(), hyper::Error>>);
-
-impl Drop for Connection {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Sends one request on a connection of its own (with the target's host and key); the response's body can be read
-/// while the returned connection lives.
+/// Sends one request on a connection of its own (with the target's key); the response's body can be read while
+/// the returned connection lives.
 async fn send_request(
     target: &Target,
     request: hyper::http::request::Builder,
     body: Bytes,
 ) -> Result<(hyper::Response<hyper::body::Incoming>, Connection), String> {
-    let stream = tokio::net::TcpStream::connect(&target.authority).await.map_err(|e| format!("connect: {e}"))?;
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| format!("handshake: {e}"))?;
-    let connection = Connection(tokio::spawn(conn));
-    let mut request = request.header("host", &target.authority);
+    let mut request = request;
     if let Some(k) = &target.api_key {
         request = request.header("authorization", format!("Bearer {k}"));
     }
-    let request = request.body(Full::new(body)).map_err(|e| format!("building the request: {e}"))?;
-    let response = sender.send_request(request).await.map_err(|e| format!("sending: {e}"))?;
-    Ok((response, connection))
+    router::external::http::send(&target.authority, request, body).await
 }
 
 /// A plain GET of `path` on the target (its `/metrics`, `/v1/models`), as text.
@@ -244,50 +229,6 @@ fn apply(data: &str, at: f64, out: &mut Outcome) -> Result<(), String> {
     Ok(())
 }
 
-/// Splits a byte stream into server-sent events' `data` payloads.
-#[derive(Debug, Default)]
-pub struct SseParser {
-    buf: Vec<u8>,
-    /// Whether `data: [DONE]` was seen.
-    pub done: bool,
-}
-
-impl SseParser {
-    /// Feeds bytes; returns the data of every event completed by them.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buf.extend_from_slice(bytes);
-        let mut events = Vec::new();
-        while let Some(end) = find_event_end(&self.buf) {
-            let raw: Vec<u8> = self.buf.drain(..end.0 + end.1).collect();
-            let text = String::from_utf8_lossy(&raw[..end.0]);
-            let data: Vec<&str> = text
-                .lines()
-                .filter_map(|l| l.strip_prefix("data:"))
-                .map(|d| d.strip_prefix(' ').unwrap_or(d))
-                .collect();
-            if data.is_empty() {
-                continue;
-            }
-            let data = data.join("\n");
-            if data == "[DONE]" {
-                self.done = true;
-            }
-            events.push(data);
-        }
-        events
-    }
-}
-
-/// The end of the first complete event: its length and the separator's.
-fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| (p, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 < b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,15 +240,6 @@ mod tests {
         assert_eq!(Target::parse_url("http://h/x/v1").expect("ok"), ("h:80".into(), "/x".into()));
         assert!(Target::parse_url("https://h:1").is_err());
         assert!(Target::parse_url("http:///v1").is_err());
-    }
-
-    #[test]
-    fn events_split_across_reads_come_out_whole() {
-        let mut p = SseParser::default();
-        assert!(p.push(b"data: {\"a\":").is_empty());
-        assert_eq!(p.push(b"1}\n\ndata: [DO"), vec!["{\"a\":1}".to_string()]);
-        assert_eq!(p.push(b"NE]\r\n\r\n: comment\n\n"), vec!["[DONE]".to_string()]);
-        assert!(p.done);
     }
 
     #[test]

@@ -37,6 +37,19 @@ pub struct Settings {
     /// can also register themselves (`POST /admin/workers`).
     #[arg(long, env = "TANDEM_WORKERS", value_delimiter = ',')]
     pub workers: Option<Vec<String>>,
+    /// Engine servers Tandem does not own, `http://host:port` (comma-separated): they serve whole requests, and
+    /// what they cache is predicted from the prompts sent to them (`docs/external-engines.md`).
+    #[arg(long, env = "TANDEM_EXTERNAL_WORKERS", value_delimiter = ',')]
+    pub external_workers: Option<Vec<String>>,
+    /// Which server the external workers run: `llama-server` (llama.cpp).
+    #[arg(long, env = "TANDEM_EXTERNAL_ENGINE")]
+    pub external_engine: Option<String>,
+    /// Seconds a block predicted on an external worker is kept without being sent again (default 120).
+    #[arg(long, env = "TANDEM_EXTERNAL_PREDICTED_TTL_SECS")]
+    pub external_predicted_ttl_secs: Option<u64>,
+    /// Blocks predicted per external worker at most (default: as many as its KV holds, from its `/props`).
+    #[arg(long, env = "TANDEM_EXTERNAL_PREDICTED_BLOCKS")]
+    pub external_predicted_blocks: Option<u64>,
     /// Seconds between DNS resolutions of worker names.
     #[arg(long, env = "TANDEM_DNS_REFRESH_SECS")]
     pub dns_refresh_secs: Option<u64>,
@@ -126,6 +139,27 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
         .filter(|w| !w.is_empty())
         .filter_map(|w| WorkerSource::parse(w).map_err(|e| problems.push(e)).ok())
         .collect();
+    let kind = s
+        .external_engine
+        .or(file.external_engine)
+        .map_or(Ok(crate::external::EngineKind::LlamaServer), |k| crate::external::EngineKind::parse(&k));
+    let kind = kind.map_err(|e| problems.push(e)).unwrap_or(crate::external::EngineKind::LlamaServer);
+    let external: Vec<crate::external::Engine> = s
+        .external_workers
+        .or(file.external_workers)
+        .unwrap_or_default()
+        .iter()
+        .filter(|w| !w.is_empty())
+        .filter_map(|w| crate::external::Engine::new(w, kind).map_err(|e| problems.push(e)).ok())
+        .collect();
+    let external_settings = crate::external::ExternalSettings {
+        predicted_ttl: s
+            .external_predicted_ttl_secs
+            .or(file.external_predicted_ttl_secs)
+            .map_or(crate::external::defaults::PREDICTED_TTL, Duration::from_secs),
+        predicted_blocks: s.external_predicted_blocks.or(file.external_predicted_blocks),
+        ..Default::default()
+    };
     let dns_refresh = s.dns_refresh_secs.or(file.dns_refresh_secs).map_or(DEFAULT_DNS_REFRESH, Duration::from_secs);
     let scheduler = file.scheduler.unwrap_or_default();
     if let Err(e) = scheduler.validate() {
@@ -155,6 +189,8 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             model,
             served_model: s.served_model.or(file.served_model).unwrap_or_else(|| defaults::SERVED_MODEL.into()),
             workers,
+            external,
+            external_settings,
             dns_refresh,
             identity,
             certs,

@@ -15,6 +15,8 @@ use proto::worker::worker_client::WorkerClient;
 use tokio::sync::watch;
 use tonic::transport::Channel;
 
+use crate::external::predicted::Predicted;
+use crate::external::{Engine, ExternalSettings};
 use crate::indexer::{ApplyError, IndexStats, PrefixIndex};
 use crate::load::{LoadTracker, Report};
 use crate::resilience::{Breaker, BreakerSettings, counts_against_worker};
@@ -94,6 +96,15 @@ pub struct ModelIdentity {
     pub block_size: u32,
 }
 
+/// How the router talks to a worker.
+#[derive(Clone, Debug)]
+pub enum Transport {
+    /// One of Tandem's own workers: gRPC, with KV events and load reports.
+    Tandem(WorkerClient<Channel>),
+    /// An engine server Tandem does not own ([`crate::external`]): whole requests over HTTP, its cache predicted.
+    External(Arc<crate::external::Engine>),
+}
+
 /// A worker the router knows.
 #[derive(Clone, Debug)]
 pub struct Member {
@@ -106,13 +117,20 @@ pub struct Member {
     /// Bytes of one of its KV blocks.
     pub block_bytes: u64,
     pub instance: String,
-    pub client: WorkerClient<Channel>,
+    pub transport: Transport,
     /// When it last joined (slow start counts from here).
     pub joined: Instant,
     /// Streams are flowing; only up members are routed to.
     pub up: bool,
     /// Its first snapshot since the router started has been applied: the index knows what it holds.
     pub synced: bool,
+}
+
+impl Member {
+    /// What the index holds for it is a prediction (it publishes no KV events).
+    pub fn predicted(&self) -> bool {
+        matches!(self.transport, Transport::External(_))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -123,6 +141,8 @@ struct State {
     breakers: HashMap<WorkerId, Breaker>,
     /// When each worker's signals last arrived: (load report, KV event batch or heartbeat).
     heard: HashMap<WorkerId, (Option<Instant>, Option<Instant>)>,
+    /// What each external worker is predicted to hold.
+    predicted: HashMap<WorkerId, Predicted>,
 }
 
 impl State {
@@ -223,6 +243,17 @@ impl Cluster {
         origin: Origin,
         tls_name: Option<String>,
     ) -> Result<WorkerId, TooManyWorkers> {
+        let tls_name = tls_name.unwrap_or_else(|| addr.ip().to_string());
+        self.start_follower(addr, |cluster, id| async move { cluster.run_follower(id, addr, origin, tls_name).await })
+    }
+
+    /// Runs `follower` (given the cluster and the worker's new id) for `addr`, unless it is followed already or
+    /// the limit is reached.
+    fn start_follower<F: std::future::Future<Output = ()> + Send + 'static>(
+        self: &Arc<Cluster>,
+        addr: SocketAddr,
+        follower: impl FnOnce(Arc<Cluster>, WorkerId) -> F,
+    ) -> Result<WorkerId, TooManyWorkers> {
         let mut followers = self.followers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((id, _)) = followers.get(&addr) {
             return Ok(*id);
@@ -231,11 +262,79 @@ impl Cluster {
             return Err(TooManyWorkers(self.settings.max_workers));
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let cluster = Arc::clone(self);
-        let tls_name = tls_name.unwrap_or_else(|| addr.ip().to_string());
-        let task = tokio::spawn(async move { cluster.run_follower(id, addr, origin, tls_name).await });
+        let task = tokio::spawn(follower(Arc::clone(self), id));
         followers.insert(addr, (id, task.abort_handle()));
         Ok(id)
+    }
+
+    /// Starts following an engine server Tandem does not own (once per address): up while it answers its health
+    /// check ([`crate::external::follow`]).
+    pub fn follow_external(
+        self: &Arc<Cluster>,
+        addr: SocketAddr,
+        engine: Arc<Engine>,
+        settings: ExternalSettings,
+    ) -> Result<WorkerId, TooManyWorkers> {
+        let stop = self.stop.clone();
+        self.start_follower(addr, |cluster, id| crate::external::follow(cluster, id, engine, settings, stop))
+    }
+
+    /// External worker `id` answers: it is a member, up, with an empty predicted cache when it was down.
+    /// `capacity_tokens`: its KV as it says (else the predicted cache's own limit, or the context of one request).
+    pub(crate) fn external_up(
+        &self,
+        id: WorkerId,
+        engine: &Arc<Engine>,
+        capacity_tokens: Option<u64>,
+        settings: &ExternalSettings,
+    ) {
+        let block = u64::from(self.model.block_size.max(1));
+        let capacity_blocks = capacity_tokens.map(|t| t / block).or(settings.predicted_blocks).unwrap_or(0);
+        let limit = settings.predicted_blocks.unwrap_or(capacity_blocks).max(1);
+        let followed = self.followers.lock().unwrap_or_else(|p| p.into_inner());
+        let addr =
+            followed.iter().find(|(_, (i, _))| *i == id).map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |(a, _)| *a);
+        drop(followed);
+        let mut s = self.lock();
+        s.members.insert(
+            id,
+            Member {
+                name: engine.url.clone(),
+                addr,
+                role: WorkerRole::Both,
+                capacity_blocks,
+                max_num_batched_tokens: 0,
+                block_bytes: 0,
+                instance: engine.url.clone(),
+                transport: Transport::External(Arc::clone(engine)),
+                joined: Instant::now(),
+                up: true,
+                synced: true,
+            },
+        );
+        s.index.replace(id, &kv_cache::events::Snapshot { as_of: None, tiers: Default::default() });
+        s.predicted.insert(id, Predicted::new(usize::try_from(limit).unwrap_or(usize::MAX), settings.predicted_ttl));
+    }
+
+    /// External worker `id` stopped answering: down, and nothing predicted on it.
+    pub(crate) fn external_down(&self, id: WorkerId) {
+        self.leave(id);
+        self.lock().predicted.remove(&id);
+    }
+
+    /// A prompt with these blocks was sent to external worker `id`: they are predicted there from now on.
+    pub fn predict(&self, id: WorkerId, blocks: &[(SeqHash, kv_cache::LocalHash)], now: Instant) {
+        let mut s = self.lock();
+        let Some(p) = s.predicted.get_mut(&id) else { return };
+        let events = p.sent(blocks, now);
+        apply_own(&mut s, id, &events);
+    }
+
+    /// Forgets what external worker `id` has not been sent for the predicted cache's time to live.
+    pub(crate) fn expire_predicted(&self, id: WorkerId, now: Instant) {
+        let mut s = self.lock();
+        let Some(event) = s.predicted.get_mut(&id).and_then(|p| p.expire(now)) else { return };
+        apply_own(&mut s, id, &[event]);
     }
 
     /// Stops following the worker at `addr` and forgets it (it left the cluster).
@@ -263,6 +362,7 @@ impl Cluster {
         s.index.remove_worker(id);
         s.load.forget(id);
         s.heard.remove(&id);
+        s.predicted.remove(&id);
     }
 
     /// Addresses being followed.
@@ -358,7 +458,7 @@ impl Cluster {
                 max_num_batched_tokens: u64::from(info.max_num_batched_tokens),
                 block_bytes,
                 instance: info.instance_id,
-                client: client.clone(),
+                transport: Transport::Tandem(client.clone()),
                 joined: Instant::now(),
                 up: false,
                 synced,
@@ -486,6 +586,7 @@ impl Cluster {
                     max_num_batched_tokens: m.max_num_batched_tokens,
                     block_bytes: m.block_bytes,
                     speed: s.load.speed(id),
+                    predicted: m.predicted(),
                 }
             })
             .collect()
@@ -599,6 +700,17 @@ impl Cluster {
 
     pub fn done(&self, worker: WorkerId, request: u64) {
         self.lock().load.done(worker, request);
+    }
+}
+
+/// Applies events the router made itself (a predicted cache's) to `id`'s entry in the index, numbered on from its
+/// last.
+fn apply_own(s: &mut State, id: WorkerId, events: &[kv_cache::events::KvEvent]) {
+    for event in events {
+        let next = kv_cache::events::EventId(s.index.last_event(id).map_or(0, |e| e.0 + 1));
+        if let Err(e) = s.index.apply(id, next, event) {
+            tracing::warn!(worker = ?id, error = %e, "predicted blocks not indexed");
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod cluster;
 pub mod discovery;
+pub mod external;
 pub mod http;
 pub mod ids;
 pub mod indexer;

@@ -273,6 +273,7 @@ mod tests {
             max_num_batched_tokens: 2048,
             block_bytes: 0,
             speed: Default::default(),
+            predicted: false,
         }
     }
 

@@ -70,6 +70,9 @@ pub struct RouterConfig {
     pub served_model: String,
     /// Workers known at start (more may register themselves later).
     pub workers: Vec<WorkerSource>,
+    /// Engine servers Tandem does not own (`crate::external`).
+    pub external: Vec<crate::external::Engine>,
+    pub external_settings: crate::external::ExternalSettings,
     /// How often DNS names among `workers` are resolved again.
     pub dns_refresh: Duration,
     pub identity: Identity,
@@ -104,6 +107,8 @@ pub enum StartError {
     NoContextLength,
     #[error("recording the traffic: {0}")]
     Record(String),
+    #[error("external worker {0}")]
+    External(String),
 }
 
 /// A running router.
@@ -134,6 +139,17 @@ impl RunningRouter {
             .map(Arc::new);
         let cluster = Cluster::new(model, config.identity, config.follow, stop_rx.clone());
         crate::discovery::start(&cluster, &config.workers, config.dns_refresh, stop_rx.clone());
+        for engine in config.external {
+            let addr = tokio::net::lookup_host(engine.authority())
+                .await
+                .map_err(|e| StartError::External(format!("{}: {e}", engine.url)))?
+                .next()
+                .ok_or_else(|| StartError::External(format!("{}: no address", engine.url)))?;
+            let settings = config.external_settings.clone();
+            if let Err(e) = cluster.follow_external(addr, Arc::new(engine), settings) {
+                return Err(StartError::External(e.to_string()));
+            }
+        }
         if let Some(files) = config.certs {
             let (cluster, leases, mut stop) = (Arc::clone(&cluster), leases.clone(), stop_rx.clone());
             tokio::spawn(async move {

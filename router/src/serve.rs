@@ -9,6 +9,8 @@ use proto::worker as pb;
 use tokio::sync::mpsc;
 use tonic::Status;
 
+use crate::cluster::Transport;
+use crate::external::TokenStream;
 use crate::http::error::ApiError;
 use crate::scheduler::Decision;
 use crate::scheduler::view::WorkerId;
@@ -28,6 +30,8 @@ pub struct Job {
     pub request_blocks: u64,
     /// The chained hashes of the prompt's full blocks.
     pub hashes: Vec<kv_cache::SeqHash>,
+    /// Their local hashes (what a predicted cache records, `crate::external`).
+    pub locals: Vec<kv_cache::LocalHash>,
     /// Tokens per KV block.
     pub block_size: u64,
     pub traceparent: Option<String>,
@@ -119,6 +123,8 @@ async fn prefill(
     let mut attempts = 0;
     for cand in order.into_iter().take(state.limits.max_prefill_attempts) {
         let Some(member) = state.cluster.member(cand.id).filter(|m| m.up) else { continue };
+        // An external engine serves whole requests only: it cannot hand its KV to another worker.
+        let Transport::Tandem(mut client) = member.transport else { continue };
         // A second worker for the same prompt is a retry: only within the budget.
         if attempts > 0 && !state.try_retry() {
             return PrefillOutcome::Failed;
@@ -139,7 +145,6 @@ async fn prefill(
             worker = %member.name,
             cached_tokens = tracing::field::Empty
         );
-        let mut client = member.client.clone();
         let call = tracing::Instrument::instrument(
             tokio::time::timeout(
                 state.limits.prefill_timeout,
@@ -186,7 +191,7 @@ const RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Frees a prefill worker's lease that no decode worker will pull (the answer ended at the first token, or the
 /// client left), so its KV copy goes now rather than at expiry.
-fn release_unused(state: &Arc<RouterState>, handle: Option<pb::KvHandle>) {
+fn release_unused(state: &RouterState, handle: Option<pb::KvHandle>) {
     let (Some(client), Some(h)) = (state.leases.clone(), handle) else { return };
     let Ok(h) = worker::convert::handle_from_pb(h) else { return };
     let Ok(addr) = h.endpoint.parse::<std::net::SocketAddr>() else { return };
@@ -230,10 +235,14 @@ async fn decode_once(
     progress: &mut Progress,
     tx: &mpsc::Sender<Result<Piece, ApiError>>,
 ) -> Attempt {
-    let Target { worker, handle, overlap } = target;
+    let Target { worker, mut handle, overlap } = target;
     let Some(member) = state.cluster.member(worker) else {
         return Attempt::Failed(Status::unavailable("the decode worker left"));
     };
+    if member.predicted() {
+        // An external engine cannot pull another worker's KV: it computes the whole prompt.
+        release_unused(state, handle.take());
+    }
     let remaining = job.sampling.max_tokens.saturating_sub(progress.generated.len() as u32).max(1);
     let tokens = [job.tokens.as_slice(), progress.generated.as_slice()].concat();
     // What it computes itself: nothing much after a pull; the prompt less what it holds otherwise.
@@ -255,7 +264,6 @@ async fn decode_once(
         deadline_unix_ms: Some(job.deadline_unix_ms),
     };
     state.cluster.sent(worker, job.seq, &job.request_id, local_prefill, job.request_blocks, &job.hashes);
-    let mut client = member.client.clone();
     let span = tracing::info_span!(
         "generate",
         otel.kind = "client",
@@ -264,7 +272,20 @@ async fn decode_once(
     );
     // The client span covers the whole stream, not only the call that opens it.
     progress.produced = 0;
-    let call = client.generate(with_trace(msg, &span, &job.traceparent));
+    let call = async {
+        match member.transport {
+            Transport::Tandem(mut client) => {
+                let r = client.generate(with_trace(msg, &span, &job.traceparent)).await?;
+                Ok(Box::pin(r.into_inner()) as TokenStream)
+            }
+            Transport::External(engine) => {
+                let blocks: Vec<_> = job.hashes.iter().copied().zip(job.locals.iter().copied()).collect();
+                state.cluster.predict(worker, &blocks, std::time::Instant::now());
+                let sampling = msg.sampling.unwrap_or_default();
+                engine.generate(&msg.tokens, &sampling).await
+            }
+        }
+    };
     let outcome =
         tracing::Instrument::instrument(stream_tokens(state, job, worker, call, progress, tx), span.clone()).await;
     span.record("output_tokens", progress.produced);
@@ -278,7 +299,7 @@ async fn stream_tokens(
     state: &RouterState,
     job: &Job,
     worker: WorkerId,
-    call: impl std::future::Future<Output = Result<tonic::Response<tonic::Streaming<pb::GenerateResponse>>, Status>>,
+    call: impl std::future::Future<Output = Result<TokenStream, Status>>,
     progress: &mut Progress,
     tx: &mpsc::Sender<Result<Piece, ApiError>>,
 ) -> Attempt {
@@ -288,7 +309,7 @@ async fn stream_tokens(
         _ = tx.closed() => return Attempt::ClientGone,
     };
     let mut stream = match opened {
-        Ok(Ok(s)) => s.into_inner(),
+        Ok(Ok(s)) => s,
         Ok(Err(status)) => return Attempt::Failed(status),
         Err(_) => return Attempt::Failed(Status::deadline_exceeded("the decode worker did not answer")),
     };
@@ -296,14 +317,14 @@ async fn stream_tokens(
         // Before the first token the worker may be prefilling; after it, a silent stream is a stuck worker.
         let wait = if progress.produced == 0 { limits.prefill_timeout } else { limits.decode_idle_timeout };
         let msg = tokio::select! {
-            m = tokio::time::timeout(wait, stream.message()) => match m {
+            m = tokio::time::timeout(wait, futures_util::StreamExt::next(&mut stream)) => match m {
                 Ok(m) => m,
                 Err(_) => return Attempt::Failed(Status::deadline_exceeded(format!("no token for {wait:?}"))),
             },
             _ = tx.closed() => return Attempt::ClientGone,
         };
         match msg {
-            Ok(Some(pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(t)) })) => {
+            Some(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(t)) })) => {
                 if progress.produced == 0 {
                     state.cluster.first_token(worker, job.seq);
                 }
@@ -313,15 +334,15 @@ async fn stream_tokens(
                     return Attempt::ClientGone;
                 }
             }
-            Ok(Some(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(f)) })) => {
+            Some(Ok(pb::GenerateResponse { event: Some(pb::generate_response::Event::Finished(f)) })) => {
                 let cached_tokens = *progress.cached.get_or_insert(f.cached_tokens);
                 let reason = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
                 let _ = tx.send(Ok(Piece::Finished { reason, cached_tokens })).await;
                 return Attempt::Finished;
             }
-            Ok(Some(_)) => {}
-            Ok(None) => return Attempt::Failed(Status::unavailable("the decode stream ended without finishing")),
-            Err(status) => return Attempt::Failed(status),
+            Some(Ok(_)) => {}
+            None => return Attempt::Failed(Status::unavailable("the decode stream ended without finishing")),
+            Some(Err(status)) => return Attempt::Failed(status),
         }
     }
 }

@@ -363,6 +363,7 @@ impl<'a> Sim<'a> {
                 max_num_batched_tokens: self.settings.engine.max_batched_tokens as u64,
                 block_bytes: self.settings.transfer_block_bytes,
                 speed: load.speed(w.id),
+                predicted: false,
             })
             .collect()
     }

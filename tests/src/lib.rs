@@ -120,6 +120,8 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         model: model(),
         served_model: "smollm2-135m-instruct".into(),
         workers,
+        external: Vec::new(),
+        external_settings: Default::default(),
         dns_refresh: Duration::from_millis(200),
         identity: ca.issue("router", &[]).expect("cert"),
         certs: None,

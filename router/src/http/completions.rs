@@ -96,7 +96,7 @@ pub async fn plan(
     let bs = BlockSize::new(block_size)
         .ok_or_else(|| ApiError::Unavailable("the workers report a block size of 0".into()))?;
     let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
-    let hashes = block_hashes(&tokens, bs, namespace.as_ref()).seq;
+    let kv_cache::BlockHashes { seq: hashes, local: locals } = block_hashes(&tokens, bs, namespace.as_ref());
     let config = state.scheduler_config();
     let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
     let span = tracing::info_span!(
@@ -182,6 +182,7 @@ pub async fn plan(
         request_id: ident.id,
         request_blocks: req.request_blocks(),
         hashes,
+        locals,
         block_size: u64::from(block_size),
         tokens,
         sampling,

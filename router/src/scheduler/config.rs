@@ -92,6 +92,10 @@ pub mod defaults {
     pub const DECAY: f64 = 0.0;
     pub const HOST_WEIGHT: f64 = 0.75;
     pub const DISK_WEIGHT: f64 = 0.25;
+    /// Blocks an engine without KV events is only predicted to hold (from the prompts sent to it) count as
+    /// device blocks, as Dynamo's and SGLang's routers count them without events; lower it when such engines
+    /// evict more than their predicted capacity says.
+    pub const PREDICTED_WEIGHT: f64 = 1.0;
     pub const PREFILL_LOAD_SCALE: f64 = 1.0;
     pub const ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
     pub const TEMPERATURE: f64 = 0.0;
@@ -132,6 +136,9 @@ pub struct SchedulerConfig {
     pub decay: f64,
     pub host_weight: f64,
     pub disk_weight: f64,
+    /// Credit per block a worker is only predicted to hold (an engine that publishes no KV events), in place
+    /// of `overlap_credit`.
+    pub predicted_weight: f64,
     pub prefill_load_scale: f64,
     pub active_request_weight: f64,
     pub temperature: f64,
@@ -183,6 +190,7 @@ impl Default for SchedulerConfig {
             decay: DECAY,
             host_weight: HOST_WEIGHT,
             disk_weight: DISK_WEIGHT,
+            predicted_weight: PREDICTED_WEIGHT,
             prefill_load_scale: PREFILL_LOAD_SCALE,
             active_request_weight: ACTIVE_REQUEST_WEIGHT,
             temperature: TEMPERATURE,
@@ -236,6 +244,7 @@ impl SchedulerConfig {
         non_negative("decay", self.decay);
         non_negative("host_weight", self.host_weight);
         non_negative("disk_weight", self.disk_weight);
+        non_negative("predicted_weight", self.predicted_weight);
         non_negative("prefill_load_scale", self.prefill_load_scale);
         non_negative("active_request_weight", self.active_request_weight);
         non_negative("temperature", self.temperature);

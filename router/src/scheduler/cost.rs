@@ -25,9 +25,9 @@ pub fn prefill_cost(
     let excess = w.load.active_prefill_tokens.saturating_sub(min_active_prefill) as f64 / bs;
     let decay = if cfg.decay == 0.0 { 1.0 } else { 1.0 / (1.0 + cfg.decay * excess / request_blocks) };
     let o = w.overlap;
-    let credit = cfg.overlap_credit * decay * o.device as f64
-        + cfg.host_weight * o.host as f64
-        + cfg.disk_weight * o.disk as f64;
+    let device_credit = if w.predicted { cfg.predicted_weight } else { cfg.overlap_credit };
+    let credit =
+        device_credit * decay * o.device as f64 + cfg.host_weight * o.host as f64 + cfg.disk_weight * o.disk as f64;
     let adjusted = (raw_prefill_blocks - credit).max(0.0);
     // Blocks active on w, plus this request's blocks not already active there (cached is not active).
     let potential_decode_blocks = w.load.active_blocks + req.request_blocks().saturating_sub(w.active_overlap as u64);
@@ -81,6 +81,7 @@ mod tests {
             max_num_batched_tokens: 2048,
             block_bytes: 368_640,
             speed: Default::default(),
+            predicted: false,
         }
     }
 

@@ -53,6 +53,8 @@ pub struct Scored {
     /// prefill speed over this worker's.
     pub speed_factor: f64,
     pub cost: f64,
+    /// Its overlap is predicted from what the router sent it (an engine without KV events).
+    pub predicted: bool,
 }
 
 /// A choice among candidates.
@@ -168,6 +170,7 @@ fn scored(w: &WorkerView, potential_decode_blocks: u64, speed_factor: f64, cost:
         active_requests: w.load.active_requests,
         speed_factor,
         cost,
+        predicted: w.predicted,
     }
 }
 
@@ -221,6 +224,42 @@ fn pick(
     }
 }
 
+/// The prompt's worker among `ready` (not empty) by the prefill cost, as the configured policy picks (`load`: what
+/// the load-only policies compare).
+fn prefill_choice<'a>(
+    req: &RouteRequest,
+    ready: &[&'a WorkerView],
+    cfg: &SchedulerConfig,
+    load: impl Fn(&WorkerView) -> f64,
+    rng: &mut Rng,
+    rotation: &mut Rotation,
+) -> (Choice, &'a WorkerView) {
+    let min_active = ready.iter().map(|w| w.load.active_prefill_tokens).min().unwrap_or(0);
+    let factors = cost::speed_factors(ready, cfg.cost_units);
+    let prefill_scored: Vec<Scored> = ready
+        .iter()
+        .zip(&factors)
+        .map(|(w, &f)| {
+            let c = cost::prefill_cost(req, w, min_active, f, cfg);
+            scored(w, c.potential_decode_blocks, f, c.cost)
+        })
+        .collect();
+    let load: Vec<f64> = ready.iter().map(|w| load(w)).collect();
+    let at = pick(Pool::Prefill, req, cfg, &prefill_scored, &load, rng, rotation);
+    (choice(prefill_scored, at), ready[at])
+}
+
+/// Refuses the request when the worker that would compute its prompt has more queued than `shed_wait_ms`.
+fn shed(prefiller: &WorkerView, cfg: &SchedulerConfig) -> Result<(), RouteError> {
+    let Some(limit_ms) = cfg.shed_wait_ms else { return Ok(()) };
+    match shed::over_limit(prefiller, limit_ms) {
+        Some(wait) => {
+            Err(RouteError::Shed { wait_ms: (wait * 1000.0).round() as u64, limit_ms: limit_ms.round() as u64 })
+        }
+        None => Ok(()),
+    }
+}
+
 fn choice(candidates: Vec<Scored>, at: usize) -> Choice {
     Choice { worker: candidates[at].worker.clone(), id: candidates[at].id, candidates }
 }
@@ -245,6 +284,25 @@ pub fn route(
         return Err(RouteError::AllBusy);
     }
     let open = ramped(open, rng);
+    let any_prefillers = workers.iter().any(|w| w.role == view::WorkerRole::Prefill);
+    // No prefill-only worker: the worker that decodes also computes the prompt (aggregated), so it is chosen by the
+    // prefill cost (overlap against load: Dynamo's aggregated routing), not by load alone; the load-only
+    // policies weigh their whole load, as for decode.
+    if !any_prefillers {
+        let load = |w: &WorkerView| cost::decode_cost(req, w);
+        let (decode, worker) = prefill_choice(req, &open, cfg, load, rng, &mut state.decode_rotation);
+        shed(worker, cfg)?;
+        let reason = Reason::NoPrefillWorkers;
+        return Ok(Decision {
+            policy: cfg.policy,
+            prefill: None,
+            decode,
+            disaggregate: false,
+            reason,
+            request_blocks,
+            isl: req.isl,
+        });
+    }
     let decode_scored: Vec<Scored> =
         open.iter().map(|w| scored(w, w.load.active_blocks + request_blocks, 1.0, cost::decode_cost(req, w))).collect();
     let load: Vec<f64> = decode_scored.iter().map(|c| c.cost).collect();
@@ -254,24 +312,12 @@ pub fn route(
 
     // Prefill: the cost with overlap credit, among prefill-capable workers that are not busy.
     let prefillers: Vec<&WorkerView> = workers.iter().filter(|w| w.role.prefills()).collect();
-    let any_prefillers = prefillers.iter().any(|w| w.role == view::WorkerRole::Prefill);
     let ready: Vec<&WorkerView> = ramped(prefillers.into_iter().filter(|w| !busy(req, w, cfg)).collect(), rng);
     let prefill = if ready.is_empty() {
         None
     } else {
-        let min_active = ready.iter().map(|w| w.load.active_prefill_tokens).min().unwrap_or(0);
-        let factors = cost::speed_factors(&ready, cfg.cost_units);
-        let prefill_scored: Vec<Scored> = ready
-            .iter()
-            .zip(&factors)
-            .map(|(w, &f)| {
-                let c = cost::prefill_cost(req, w, min_active, f, cfg);
-                scored(w, c.potential_decode_blocks, f, c.cost)
-            })
-            .collect();
-        let load: Vec<f64> = ready.iter().map(|w| w.load.active_prefill_tokens as f64).collect();
-        let at = pick(Pool::Prefill, req, cfg, &prefill_scored, &load, rng, &mut state.prefill_rotation);
-        Some((choice(prefill_scored, at), ready[at]))
+        let load = |w: &WorkerView| w.load.active_prefill_tokens as f64;
+        Some(prefill_choice(req, &ready, cfg, load, rng, &mut state.prefill_rotation))
     };
     let pool = match &prefill {
         _ if !any_prefillers => PrefillPool::Absent,
@@ -283,11 +329,7 @@ pub fn route(
         Some((_, w)) if disaggregate => w,
         _ => decode_worker,
     };
-    if let Some(limit_ms) = cfg.shed_wait_ms
-        && let Some(wait) = shed::over_limit(prefiller, limit_ms)
-    {
-        return Err(RouteError::Shed { wait_ms: (wait * 1000.0).round() as u64, limit_ms: limit_ms.round() as u64 });
-    }
+    shed(prefiller, cfg)?;
     let prefill = prefill.map(|(c, _)| c);
     Ok(Decision { policy: cfg.policy, prefill, decode, disaggregate, reason, request_blocks, isl: req.isl })
 }

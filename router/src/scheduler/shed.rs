@@ -35,6 +35,7 @@ mod tests {
             max_num_batched_tokens: 2048,
             block_bytes: 1024,
             speed: Speed { prefill_tokens_per_sec: rate, transfer_bytes_per_sec: None },
+            predicted: false,
         }
     }
 

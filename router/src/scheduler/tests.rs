@@ -16,6 +16,7 @@ fn w(id: u32, role: WorkerRole, device: usize, prefill_tokens: u64, active_block
         max_num_batched_tokens: 2048,
         block_bytes: 368_640,
         speed: Default::default(),
+        predicted: false,
     }
 }
 
@@ -169,6 +170,34 @@ fn without_prefill_workers_or_with_all_busy_the_decode_worker_prefills_if_it_may
     assert_eq!((d.disaggregate, d.reason), (false, Reason::NoPrefillWorkers));
     let d = decide(&req(64), &[w(0, Both, 0, 0, 0), w(1, Prefill, 0, 99_999, 0)], &SchedulerConfig::default());
     assert_eq!((d.disaggregate, d.reason), (false, Reason::SameWorker));
+}
+
+#[test]
+fn without_prefill_only_workers_the_prompt_goes_where_its_prefix_is_unless_that_worker_is_loaded() {
+    // Workers that do both (an aggregated fleet, external engines): the one that computes the prompt decodes it,
+    // chosen by the prefill cost, not by decode load alone.
+    // Costs (prefill blocks less the overlap, plus decode blocks): w0 10 + 20, w1 (10 - 8) + 15, w2 10 + 10.
+    let workers = [w(0, Both, 0, 0, 10), w(1, Both, 8, 0, 5), w(2, Both, 0, 0, 0)];
+    let d = decide(&req(160), &workers, &SchedulerConfig::default());
+    assert_eq!(d.decode.id, WorkerId(1), "{d:?}");
+    assert_eq!((d.disaggregate, d.reason, d.prefill.is_none()), (false, Reason::NoPrefillWorkers, true));
+    // w1 at (10 - 8) + 410: the overlap no longer pays for its load.
+    let loaded = [w(0, Both, 0, 0, 10), w(1, Both, 8, 0, 400), w(2, Both, 0, 0, 0)];
+    let d = decide(&req(160), &loaded, &SchedulerConfig::default());
+    assert_eq!(d.decode.id, WorkerId(2), "{d:?}");
+    // A predicted overlap earns `predicted_weight` per block instead of the reported overlap's credit.
+    let mut predicted = w(1, Both, 8, 0, 5);
+    predicted.predicted = true;
+    let workers = [w(0, Both, 0, 0, 0), predicted];
+    let chosen = |weight| {
+        let cfg = SchedulerConfig { predicted_weight: weight, ..SchedulerConfig::default() };
+        let d = decide(&req(160), &workers, &cfg);
+        assert!(d.decode.chosen().expect("chosen").predicted == (d.decode.id == WorkerId(1)));
+        d.decode.id
+    };
+    // w0: 10 + 10 = 20. w1 at weight 1: (10 - 8) + (5 + 10) = 17; at weight 0.25: (10 - 2) + 15 = 23.
+    assert_eq!(chosen(1.0), WorkerId(1));
+    assert_eq!(chosen(0.25), WorkerId(0));
 }
 
 #[test]

@@ -60,6 +60,8 @@ pub struct WorkerView {
     /// Bytes of one KV block on this worker.
     pub block_bytes: u64,
     pub speed: Speed,
+    /// Its overlap is predicted from the prompts the router sent it, not reported (an engine without KV events).
+    pub predicted: bool,
 }
 
 /// The request, reduced to what routing needs.

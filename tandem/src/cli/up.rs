@@ -183,6 +183,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             model,
             served_model: defaults::SERVED_MODEL.into(),
             workers: workers.iter().map(|w| WorkerSource::Static(w.grpc)).collect(),
+            external: Vec::new(),
+            external_settings: Default::default(),
             dns_refresh: router::discovery::DEFAULT_DNS_REFRESH,
             identity: router_id,
             // tandem up made these certificates itself and keeps them for its life.

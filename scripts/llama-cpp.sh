@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's programs once, from the vendored copy in llama-cpp-python's source package on PyPI, and prints
+# the directory that holds them. What the comparisons and the external-engine tests run Tandem against.
+#
+#   scripts/llama-cpp.sh TARGET...        # e.g. llama-server; llama-bench llama-batched-bench
+#
+# Cached under $TANDEM_HOME/llama.cpp/<version> (default ~/.cache/tandem); a target already built is not built
+# again. Needs python3 with pip and a C++ compiler; cmake and ninja are installed with pip when missing. On two
+# cores: about 12 minutes for llama-server, the first time.
+set -euo pipefail
+
+LLAMA_CPP_PYTHON=0.3.36
+[ $# -gt 0 ] || { echo "usage: $0 TARGET..." >&2; exit 2; }
+
+home=${TANDEM_HOME:-$HOME/.cache/tandem}
+prefix="$home/llama.cpp/$LLAMA_CPP_PYTHON"
+bin="$prefix/build/bin"
+
+missing=()
+for t in "$@"; do
+  [ -x "$bin/$t" ] || missing+=("$t")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "building llama.cpp ${missing[*]} (once; cached in $prefix)" >&2
+  command -v cmake >/dev/null && command -v ninja >/dev/null || python3 -m pip install --quiet cmake ninja >&2
+  if [ ! -f "$prefix/src/CMakeLists.txt" ]; then
+    work=$(mktemp -d)
+    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_CPP_PYTHON" \
+      -d "$work" >&2
+    mkdir -p "$prefix"
+    tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$work"
+    rm -rf "$prefix/src"
+    mv "$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$prefix/src"
+    rm -rf "$work"
+  fi
+  cmake -S "$prefix/src" -B "$prefix/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >&2
+  cmake --build "$prefix/build" --target "${missing[@]}" >&2
+fi
+echo "$bin"

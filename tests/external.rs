@@ -1,0 +1,153 @@
+//! Tandem's router in front of an engine it does not own: two llama.cpp `llama-server` processes on the embedded
+//! model (built by `scripts/llama-cpp.sh llama-server`), which publish no KV events. Requests that share a prefix
+//! land on the server that served it first (seen in llama.cpp's own counts: its cache hits and the prompt tokens
+//! each server computed), and a server killed before its first token costs no request.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kv_transfer::tls::DevCa;
+use router::external::{Engine, EngineKind, ExternalSettings};
+use router::run::{RouterConfig, RunningRouter};
+use tandem_tests::*;
+
+const MODEL: &str = "smollm2-135m-instruct";
+
+/// Where `scripts/llama-cpp.sh` keeps llama-server (it builds it the first time: minutes).
+fn llama_server() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join("scripts/llama-cpp.sh")).arg("llama-server").output().expect("runs the script");
+    assert!(
+        out.status.success(),
+        "scripts/llama-cpp.sh llama-server failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("llama-server")
+}
+
+/// A llama-server process, killed when dropped.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    async fn start(bin: &PathBuf) -> Server {
+        // A free port, given to the server (it cannot report one it chose).
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("binds").local_addr().expect("addr").port();
+        let child = Command::new(bin)
+            .args(["-m", model().to_str().expect("utf-8 path"), "--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["-c", "8192", "-np", "1", "-t", "1", "--metrics"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("llama-server starts");
+        let server = Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)) };
+        let started = Instant::now();
+        while http_maybe(server.addr, "/health").await != Some(200) {
+            assert!(started.elapsed() < Duration::from_secs(60), "llama-server did not become healthy");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Prompt tokens this server has computed (not served from its cache), as its `/metrics` says.
+    async fn prompt_tokens_computed(&self) -> f64 {
+        let body = http(self.addr, "GET", "/metrics", "", &[]).await.body;
+        body.lines()
+            .find_map(|l| l.strip_prefix("llamacpp:prompt_tokens_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no llamacpp:prompt_tokens_total in {body}"))
+    }
+}
+
+/// The status of a GET, or `None` when nothing answers.
+async fn http_maybe(addr: SocketAddr, path: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr).await.ok()?;
+    sock.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes()).await.ok()?;
+    let mut raw = Vec::new();
+    sock.read_to_end(&mut raw).await.ok()?;
+    parse_reply(&String::from_utf8_lossy(&raw)).map(|r| r.status)
+}
+
+fn chat(system: &str, user: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                       "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+    .to_string()
+}
+
+/// A system prompt of a few hundred tokens that every request shares.
+fn shared_prefix() -> String {
+    (0..40).map(|i| format!("Rule {i}: answer politely, briefly and in plain words about topic {i}. ")).collect()
+}
+
+async fn router_for(ca: &DevCa, servers: &[&Server]) -> RunningRouter {
+    let config = RouterConfig {
+        external: servers.iter().map(|s| Engine::new(&s.url(), EngineKind::LlamaServer).expect("url")).collect(),
+        external_settings: ExternalSettings { health_period: Duration::from_millis(200), ..Default::default() },
+        ..router_config(ca, Vec::new())
+    };
+    let router = RunningRouter::start(config).await.expect("router starts");
+    wait_for_workers(&router, servers.len()).await;
+    router
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_goes_back_to_the_llama_server_that_cached_it_and_a_killed_one_fails_over() {
+    let bin = llama_server();
+    let ca = DevCa::generate().expect("ca");
+    let servers = [Server::start(&bin).await, Server::start(&bin).await];
+    let router = router_for(&ca, &[&servers[0], &servers[1]]).await;
+    let system = shared_prefix();
+
+    let first = http(router.addr, "POST", "/v1/chat/completions", &chat(&system, "Say hi.", 4, false), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let computed = [servers[0].prompt_tokens_computed().await, servers[1].prompt_tokens_computed().await];
+    let home = usize::from(computed[1] > 0.0);
+    assert!(computed[1 - home] == 0.0 && computed[home] > 300.0, "one server computed the prompt: {computed:?}");
+
+    // The same system prompt again: the router predicts it on `home`, and llama.cpp serves it from its cache.
+    for (i, question) in ["What is a block?", "Name a colour.", "Count to three."].iter().enumerate() {
+        let r = http(router.addr, "POST", "/v1/chat/completions", &chat(&system, question, 4, false), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens");
+        assert!(cached as f64 > computed[home] * 0.8, "request {i}: llama.cpp served {cached} tokens from cache");
+    }
+    assert_eq!(servers[1 - home].prompt_tokens_computed().await, 0.0, "nothing went to the other server");
+
+    // A long new question after the shared prefix goes to `home` too; kill it before its first token.
+    let long: String = (0..300).map(|i| format!("item {i}, ")).collect();
+    let mut stream = Streaming::open(router.addr, "/v1/chat/completions", &chat(&system, &long, 8, true)).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let [a, b] = servers;
+    let (killed, survivor) = if home == 0 { (a, b) } else { (b, a) };
+    drop(killed);
+    let events = stream.finish().await;
+    assert!(events.last().is_some_and(|e| e == "[DONE]"), "the stream finished: {events:?}");
+    assert!(!events.iter().any(|e| e.contains("\"error\"")), "no error: {events:?}");
+    assert!(!streamed_text(&events).is_empty(), "{events:?}");
+    assert!(router.state.metrics.decode_resumptions.load(Ordering::Relaxed) >= 1, "the request moved to the survivor");
+    assert!(survivor.prompt_tokens_computed().await > 0.0);
+
+    // Afterwards every request goes to the survivor.
+    for question in ["One more?", "And another?"] {
+        let r = http(router.addr, "POST", "/v1/chat/completions", &chat(&system, question, 4, false), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+}
