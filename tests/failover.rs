@@ -260,6 +260,21 @@ async fn a_worker_that_fails_again_and_again_is_ejected() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_worker_refuses_as_invalid_is_answered_400_at_once_not_retried() {
+    let ca = DevCa::generate().expect("ca");
+    let refusing = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Refuse, vec![]).await;
+    let p = worker(&ca, Role::Prefill, "prefill-0").await;
+    let router = RunningRouter::start(router_config(&ca, vec![refusing.grpc, p.grpc])).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let r = http(router.addr, "POST", "/v1/completions", &completion("Prompt:", 4, false), &[]).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("longer than this worker's context"), "the worker's reason reaches the client: {}", r.body);
+    assert_eq!(refusing.calls(), 1, "another attempt would be refused too");
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failovers_stop_when_the_retry_budget_is_spent() {
     let ca = DevCa::generate().expect("ca");
     let sick = FakeWorker::start(&ca, proto::worker::Role::Prefill, Behaviour::Fail, vec![]).await;

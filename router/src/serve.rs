@@ -413,6 +413,13 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                 return;
             }
             Attempt::ClientGone => return,
+            Attempt::Failed(status) if status.code() == tonic::Code::InvalidArgument => {
+                // The worker refused the request itself (an external engine's 4xx): another would too.
+                outcome(&state, worker, &name, Err(status.code()));
+                let e = ApiError::BadRequest { message: status.message().to_string(), param: None };
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
             Attempt::Failed(status) => {
                 tracing::warn!(code = ?status.code(), message = status.message(), "decode attempt failed");
                 outcome(&state, worker, &name, Err(status.code()));

@@ -26,6 +26,9 @@ pub enum Behaviour {
     Hang,
     /// Streams like a live worker but fails every `Prefill` and `Generate` with INTERNAL.
     Fail,
+    /// Streams like a live worker but refuses every `Prefill` and `Generate` as invalid (INVALID_ARGUMENT), as an
+    /// engine refuses a request it cannot take.
+    Refuse,
 }
 
 #[derive(Clone)]
@@ -68,6 +71,7 @@ impl Worker for Fake {
         match self.behaviour {
             Behaviour::Hang => std::future::pending().await,
             Behaviour::Fail => Err(Status::internal("this worker is unwell")),
+            Behaviour::Refuse => Err(Status::invalid_argument("the prompt is longer than this worker's context")),
         }
     }
 
@@ -75,8 +79,12 @@ impl Worker for Fake {
 
     async fn generate(&self, _: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        if self.behaviour == Behaviour::Fail {
-            return Err(Status::internal("this worker is unwell"));
+        match self.behaviour {
+            Behaviour::Fail => return Err(Status::internal("this worker is unwell")),
+            Behaviour::Refuse => {
+                return Err(Status::invalid_argument("the prompt is longer than this worker's context"));
+            }
+            Behaviour::Hang => {}
         }
         let token = pb::Token { id: 504, text: "The".into() };
         Ok(Response::new(stream(
@@ -107,7 +115,7 @@ impl Worker for Fake {
             instance_id: self.info.instance_id.clone(),
             body: Some(pb::kv_event_batch::Body::Events(pb::KvEvents { events: Vec::new() })),
         };
-        let then = (self.behaviour == Behaviour::Fail).then_some((heartbeat, Duration::from_millis(500)));
+        let then = (self.behaviour != Behaviour::Hang).then_some((heartbeat, Duration::from_millis(500)));
         Ok(Response::new(stream(batch, then)))
     }
 
@@ -116,7 +124,7 @@ impl Worker for Fake {
     async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<Self::WatchLoadStream>, Status> {
         let usage = vec![pb::TierUsage { tier: pb::Tier::Device as i32, used: 0, cached: 0, total: 1024 }];
         let report = pb::LoadReport { usage, ..Default::default() };
-        let then = (self.behaviour == Behaviour::Fail).then_some((report.clone(), Duration::from_millis(100)));
+        let then = (self.behaviour != Behaviour::Hang).then_some((report.clone(), Duration::from_millis(100)));
         Ok(Response::new(stream(report, then)))
     }
 
