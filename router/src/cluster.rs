@@ -276,14 +276,15 @@ impl Cluster {
         settings: ExternalSettings,
     ) -> Result<WorkerId, TooManyWorkers> {
         let stop = self.stop.clone();
-        self.start_follower(addr, |cluster, id| crate::external::follow(cluster, id, engine, settings, stop))
+        self.start_follower(addr, |cluster, id| crate::external::follow(cluster, id, addr, engine, settings, stop))
     }
 
-    /// External worker `id` answers: it is a member, up, with an empty predicted cache when it was down.
-    /// `capacity_tokens`: its KV as it says (else the predicted cache's own limit, or the context of one request).
+    /// External worker `id` (at `addr`) answers: it is a member, up, with an empty predicted cache.
+    /// `capacity_tokens`: its KV as it says (else the predicted cache's own limit).
     pub(crate) fn external_up(
         &self,
         id: WorkerId,
+        addr: SocketAddr,
         engine: &Arc<Engine>,
         capacity_tokens: Option<u64>,
         settings: &ExternalSettings,
@@ -291,10 +292,6 @@ impl Cluster {
         let block = u64::from(self.model.block_size.max(1));
         let capacity_blocks = capacity_tokens.map(|t| t / block).or(settings.predicted_blocks).unwrap_or(0);
         let limit = settings.predicted_blocks.unwrap_or(capacity_blocks).max(1);
-        let followed = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        let addr =
-            followed.iter().find(|(_, (i, _))| *i == id).map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |(a, _)| *a);
-        drop(followed);
         let mut s = self.lock();
         s.members.insert(
             id,
@@ -314,12 +311,6 @@ impl Cluster {
         );
         s.index.replace(id, &kv_cache::events::Snapshot { as_of: None, tiers: Default::default() });
         s.predicted.insert(id, Predicted::new(usize::try_from(limit).unwrap_or(usize::MAX), settings.predicted_ttl));
-    }
-
-    /// External worker `id` stopped answering: down, and nothing predicted on it.
-    pub(crate) fn external_down(&self, id: WorkerId) {
-        self.leave(id);
-        self.lock().predicted.remove(&id);
     }
 
     /// A prompt with these blocks was sent to external worker `id`: they are predicted there from now on.
@@ -468,7 +459,8 @@ impl Cluster {
         Ok(client)
     }
 
-    fn leave(&self, id: WorkerId) {
+    /// Worker `id` went down: its blocks (reported or predicted) leave the index.
+    pub(crate) fn leave(&self, id: WorkerId) {
         let mut s = self.lock();
         if let Some(m) = s.members.get_mut(&id) {
             m.up = false;
@@ -476,6 +468,7 @@ impl Cluster {
         s.index.remove_worker(id);
         s.load.forget(id);
         s.heard.remove(&id);
+        s.predicted.remove(&id);
     }
 
     /// Follows the worker's KV events until the stream ends or goes silent; resubscribes after a gap. The worker

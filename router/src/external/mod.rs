@@ -199,6 +199,7 @@ async fn forward(
 pub async fn follow(
     cluster: Arc<Cluster>,
     id: WorkerId,
+    addr: std::net::SocketAddr,
     engine: Arc<Engine>,
     settings: ExternalSettings,
     mut stop: watch::Receiver<bool>,
@@ -209,12 +210,12 @@ pub async fn follow(
         match (healthy, cluster.member(id).is_some_and(|m| m.up)) {
             (true, false) => {
                 let capacity = engine.capacity_tokens(timeout).await;
-                cluster.external_up(id, &engine, capacity, &settings);
+                cluster.external_up(id, addr, &engine, capacity, &settings);
                 tracing::info!(worker = %engine.url, "external worker joined");
             }
             (false, true) => {
                 tracing::warn!(worker = %engine.url, "external worker stopped answering; dropping its predicted blocks");
-                cluster.external_down(id);
+                cluster.leave(id);
             }
             _ => {}
         }
