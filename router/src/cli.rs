@@ -41,9 +41,20 @@ pub struct Settings {
     /// what they cache is predicted from the prompts sent to them (`docs/external-engines.md`).
     #[arg(long, env = "TANDEM_EXTERNAL_WORKERS", value_delimiter = ',')]
     pub external_workers: Option<Vec<String>>,
-    /// Which server the external workers run: `llama-server` (llama.cpp).
+    /// Which server the external workers run: `llama-server` (llama.cpp), `vllm` or `sglang`.
     #[arg(long, env = "TANDEM_EXTERNAL_ENGINE")]
     pub external_engine: Option<String>,
+    /// Where the external workers publish their KV events, one `tcp://host:port` per `--external-workers` URL in
+    /// the same order (empty for one that publishes none: its cache is predicted). vLLM's and SGLang's
+    /// `--kv-events-config` `endpoint`.
+    #[arg(long, env = "TANDEM_EXTERNAL_KV_EVENTS", value_delimiter = ',')]
+    pub external_kv_events: Option<Vec<String>>,
+    /// Their replay sockets (`replay_endpoint`), in the same order (empty: none).
+    #[arg(long, env = "TANDEM_EXTERNAL_KV_REPLAY", value_delimiter = ',')]
+    pub external_kv_replay: Option<Vec<String>>,
+    /// External workers one by one (the file's `[[external]]` tables), next to `external_workers`.
+    #[arg(skip)]
+    pub external: Option<Vec<ExternalWorker>>,
     /// Seconds a block predicted on an external worker is kept without being sent again (default 120).
     #[arg(long, env = "TANDEM_EXTERNAL_PREDICTED_TTL_SECS")]
     pub external_predicted_ttl_secs: Option<u64>,
@@ -95,6 +106,85 @@ pub struct Settings {
     pub scheduler: Option<SchedulerConfig>,
 }
 
+/// One external worker as the file's `[[external]]` table gives it.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExternalWorker {
+    /// `http://host:port`.
+    pub url: String,
+    /// `llama-server`, `vllm` or `sglang` (default: `external_engine`, else `llama-server`).
+    pub engine: Option<String>,
+    /// Its KV event PUB socket, `tcp://host:port`; none: its cache is predicted.
+    pub kv_events: Option<String>,
+    /// Its replay ROUTER socket.
+    pub kv_replay: Option<String>,
+    /// The topic it publishes under (default: empty, everything on the socket).
+    pub kv_topic: Option<String>,
+}
+
+/// The external workers the settings name, or every reason they do not.
+fn external_workers(s: &mut Settings, file: &mut Settings, problems: &mut Vec<String>) -> Vec<crate::external::Engine> {
+    use crate::external::{Engine, EngineKind, events::EventSource};
+    let default_kind = s.external_engine.take().or(file.external_engine.take());
+    let kind = |name: Option<&str>, problems: &mut Vec<String>| {
+        name.or(default_kind.as_deref())
+            .map_or(Ok(EngineKind::LlamaServer), EngineKind::parse)
+            .map_err(|e| problems.push(e))
+            .ok()
+    };
+    let mut tables = file.external.take().unwrap_or_default();
+    let urls: Vec<String> = s
+        .external_workers
+        .take()
+        .or(file.external_workers.take())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|u| !u.is_empty())
+        .collect();
+    let events = s.external_kv_events.take().or(file.external_kv_events.take()).unwrap_or_default();
+    let replay = s.external_kv_replay.take().or(file.external_kv_replay.take()).unwrap_or_default();
+    for (name, list) in [("external_kv_events", &events), ("external_kv_replay", &replay)] {
+        if !list.is_empty() && list.len() != urls.len() {
+            problems.push(format!("{name} names {} endpoints for {} external workers", list.len(), urls.len()));
+        }
+    }
+    let nonempty = |v: Option<&String>| v.filter(|e| !e.is_empty()).cloned();
+    for (i, url) in urls.into_iter().enumerate() {
+        tables.push(ExternalWorker {
+            url,
+            kv_events: nonempty(events.get(i)),
+            kv_replay: nonempty(replay.get(i)),
+            ..Default::default()
+        });
+    }
+    let mut engines = Vec::new();
+    for t in tables {
+        let Some(kind) = kind(t.engine.as_deref(), problems) else { continue };
+        let source = match (&t.kv_events, &t.kv_replay) {
+            (None, Some(_)) => {
+                problems.push(format!("{}: a replay socket without a KV event socket", t.url));
+                continue;
+            }
+            (None, None) => None,
+            (Some(endpoint), replay) => {
+                let topic = t.kv_topic.as_deref().unwrap_or("");
+                match EventSource::new(endpoint, replay.as_deref(), topic) {
+                    Ok(source) => Some(source),
+                    Err(e) => {
+                        problems.push(format!("{}: {e}", t.url));
+                        continue;
+                    }
+                }
+            }
+        };
+        match Engine::new(&t.url, kind) {
+            Ok(engine) => engines.push(engine.with_events(source)),
+            Err(e) => problems.push(e),
+        }
+    }
+    engines
+}
+
 /// The router command line.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -112,9 +202,10 @@ fn read_file(path: &Path) -> Result<Settings, String> {
 
 /// A resolved configuration, or every reason it is not one.
 pub fn resolve(args: Args) -> Result<RouterConfig, String> {
-    let file = args.config.as_deref().map(read_file).transpose()?.unwrap_or_default();
-    let s = args.settings;
+    let mut file = args.config.as_deref().map(read_file).transpose()?.unwrap_or_default();
+    let mut s = args.settings;
     let mut problems = Vec::new();
+    let external = external_workers(&mut s, &mut file, &mut problems);
     let listen = s.listen.or(file.listen).map_or_else(|| defaults::LISTEN.parse().map_err(|e| format!("{e}")), Ok);
     let certs_dir = match s.certs_dir.or(file.certs_dir) {
         Some(d) => Some(d),
@@ -138,19 +229,6 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
         .iter()
         .filter(|w| !w.is_empty())
         .filter_map(|w| WorkerSource::parse(w).map_err(|e| problems.push(e)).ok())
-        .collect();
-    let kind = s
-        .external_engine
-        .or(file.external_engine)
-        .map_or(Ok(crate::external::EngineKind::LlamaServer), |k| crate::external::EngineKind::parse(&k));
-    let kind = kind.map_err(|e| problems.push(e)).unwrap_or(crate::external::EngineKind::LlamaServer);
-    let external: Vec<crate::external::Engine> = s
-        .external_workers
-        .or(file.external_workers)
-        .unwrap_or_default()
-        .iter()
-        .filter(|w| !w.is_empty())
-        .filter_map(|w| crate::external::Engine::new(w, kind).map_err(|e| problems.push(e)).ok())
         .collect();
     let external_settings = crate::external::ExternalSettings {
         predicted_ttl: s
@@ -324,5 +402,53 @@ mod tests {
             assert!(e.contains("unknown field"), "{e}");
             let _ = std::fs::remove_file(p);
         }
+    }
+
+    #[test]
+    fn external_workers_from_flags_and_tables() {
+        let p = file(
+            "external_engine = \"vllm\"\n\
+             [[external]]\nurl = \"http://10.0.0.9:30000\"\nengine = \"sglang\"\nkv_events = \"tcp://10.0.0.9:5557\"\n\
+             kv_topic = \"kv\"\n",
+        );
+        let mut file = read_file(&p).expect("parses");
+        let mut flags = Settings {
+            external_workers: Some(vec!["http://10.0.0.5:8000".into(), "http://10.0.0.6:8000".into()]),
+            external_kv_events: Some(vec!["tcp://10.0.0.5:5557".into(), "".into()]),
+            external_kv_replay: Some(vec!["tcp://10.0.0.5:5558".into(), "".into()]),
+            ..Default::default()
+        };
+        let mut problems = Vec::new();
+        let engines = external_workers(&mut flags, &mut file, &mut problems);
+        assert!(problems.is_empty(), "{problems:?}");
+        let summary: Vec<_> = engines
+            .iter()
+            .map(|e| {
+                (
+                    e.url.as_str(),
+                    e.kind,
+                    e.events.as_ref().map(|s| (s.endpoint.as_str(), s.replay.as_deref(), s.topic.as_str())),
+                )
+            })
+            .collect();
+        use crate::external::EngineKind::{Sglang, Vllm};
+        assert_eq!(
+            summary,
+            vec![
+                ("http://10.0.0.9:30000", Sglang, Some(("tcp://10.0.0.9:5557", None, "kv"))),
+                ("http://10.0.0.5:8000", Vllm, Some(("tcp://10.0.0.5:5557", Some("tcp://10.0.0.5:5558"), ""))),
+                ("http://10.0.0.6:8000", Vllm, None),
+            ]
+        );
+        // Lists that do not line up with the workers, and endpoints that are not tcp://, are reported.
+        let mut bad = Settings {
+            external_workers: Some(vec!["http://h:1".into(), "http://h:2".into()]),
+            external_kv_events: Some(vec!["ipc:///tmp/kv".into()]),
+            ..Default::default()
+        };
+        let mut problems = Vec::new();
+        external_workers(&mut bad, &mut Settings::default(), &mut problems);
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        let _ = std::fs::remove_file(p);
     }
 }

@@ -101,7 +101,8 @@ pub struct ModelIdentity {
 pub enum Transport {
     /// One of Tandem's own workers: gRPC, with KV events and load reports.
     Tandem(WorkerClient<Channel>),
-    /// An engine server Tandem does not own ([`crate::external`]): whole requests over HTTP, its cache predicted.
+    /// An engine server Tandem does not own ([`crate::external`]): whole requests over HTTP, its cache followed
+    /// from its KV events or predicted.
     External(Arc<crate::external::Engine>),
 }
 
@@ -127,9 +128,9 @@ pub struct Member {
 }
 
 impl Member {
-    /// What the index holds for it is a prediction (it publishes no KV events).
+    /// What the index holds for it is a prediction (an external engine that publishes no KV events).
     pub fn predicted(&self) -> bool {
-        matches!(self.transport, Transport::External(_))
+        matches!(&self.transport, Transport::External(e) if e.events.is_none())
     }
 }
 
@@ -290,7 +291,11 @@ impl Cluster {
         settings: &ExternalSettings,
     ) {
         let block = u64::from(self.model.block_size.max(1));
-        let capacity_blocks = capacity_tokens.map(|t| t / block).or(settings.predicted_blocks).unwrap_or(0);
+        let capacity_blocks = capacity_tokens.map(|t| t / block).or(settings.predicted_blocks).unwrap_or_else(|| {
+            let assumed = crate::external::defaults::ASSUMED_CAPACITY_TOKENS;
+            tracing::warn!(worker = %engine.url, assumed, "the server does not say how much KV it holds; assuming tokens");
+            assumed / block
+        });
         let limit = settings.predicted_blocks.unwrap_or(capacity_blocks).max(1);
         let mut s = self.lock();
         s.members.insert(
@@ -310,7 +315,28 @@ impl Cluster {
             },
         );
         s.index.replace(id, &kv_cache::events::Snapshot { as_of: None, tiers: Default::default() });
-        s.predicted.insert(id, Predicted::new(usize::try_from(limit).unwrap_or(usize::MAX), settings.predicted_ttl));
+        if engine.events.is_none() {
+            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+            s.predicted.insert(id, Predicted::new(limit, settings.predicted_ttl));
+        }
+    }
+
+    /// What external worker `id`'s metrics say about its load ([`crate::external::metrics`]).
+    pub(crate) fn engine_load(&self, id: WorkerId, load: crate::external::metrics::EngineLoad) {
+        let mut s = self.lock();
+        s.load.engine_load(id, load);
+        s.heard.entry(id).or_default().0 = Some(Instant::now());
+    }
+
+    /// Events external worker `id` published, in the router's terms ([`crate::external::events`]); ignored while
+    /// it is down (the index does not have it).
+    pub(crate) fn apply_engine_events(&self, id: WorkerId, events: &[kv_cache::events::KvEvent]) {
+        let mut s = self.lock();
+        if !s.members.get(&id).is_some_and(|m| m.up) {
+            return;
+        }
+        s.heard.entry(id).or_default().1 = Some(Instant::now());
+        apply_own(&mut s, id, events);
     }
 
     /// A prompt with these blocks was sent to external worker `id`: they are predicted there from now on.
@@ -696,13 +722,13 @@ impl Cluster {
     }
 }
 
-/// Applies events the router made itself (a predicted cache's) to `id`'s entry in the index, numbered on from its
-/// last.
+/// Applies events the router made itself (a predicted cache's, or an external engine's translated) to `id`'s
+/// entry in the index, numbered on from its last.
 fn apply_own(s: &mut State, id: WorkerId, events: &[kv_cache::events::KvEvent]) {
     for event in events {
         let next = kv_cache::events::EventId(s.index.last_event(id).map_or(0, |e| e.0 + 1));
         if let Err(e) = s.index.apply(id, next, event) {
-            tracing::warn!(worker = ?id, error = %e, "predicted blocks not indexed");
+            tracing::warn!(worker = ?id, error = %e, "external worker's blocks not indexed");
         }
     }
 }

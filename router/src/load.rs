@@ -13,6 +13,7 @@ use kv_cache::fastmap::FastMap;
 
 use kv_cache::SeqHash;
 
+use crate::external::metrics::EngineLoad;
 use crate::scheduler::view::{Load, Speed, WorkerId};
 
 /// A worker's own figures (a `WatchLoad` report).
@@ -55,6 +56,9 @@ struct Tracked {
     report: Report,
     sent: FastMap<u64, Sent>,
     speed: Speed,
+    /// An external engine's own figures, from its metrics: they include requests that did not come through this
+    /// router, but not those it sent a moment ago, so the load is the larger of the two counts, never their sum.
+    engine: Option<EngineLoad>,
 }
 
 /// An exponentially weighted moving average, started by its first value.
@@ -102,6 +106,11 @@ impl LoadTracker {
         let t = self.workers.entry(worker).or_default();
         t.learn(&report);
         t.report = report;
+    }
+
+    /// What external engine `worker`'s metrics say now (replaces what they said before).
+    pub fn engine_load(&mut self, worker: WorkerId, load: EngineLoad) {
+        self.workers.entry(worker).or_default().engine = Some(load);
     }
 
     /// Mock workers' steps by overrun bucket, summed over the workers tracked now.
@@ -204,12 +213,19 @@ impl LoadTracker {
             requests += 1;
         }
         let r = &t.report;
-        Load {
+        let mut load = Load {
             active_prefill_tokens: r.active_prefill_tokens + tokens,
             active_blocks: r.device_used + blocks,
             capacity_blocks: if r.device_total > 0 { r.device_total } else { capacity },
             active_requests: r.running + r.waiting + requests,
+        };
+        if let Some(e) = &t.engine {
+            load.active_requests = load.active_requests.max(e.running + e.waiting);
+            if let Some(usage) = e.kv_usage {
+                load.active_blocks = load.active_blocks.max((usage * load.capacity_blocks as f64).round() as u64);
+            }
         }
+        load
     }
 }
 
@@ -255,6 +271,21 @@ mod tests {
         l.done(w, 1);
         l.report(w, report(0, 0, 0, &[]));
         assert_eq!(l.load(w, 100), Load { capacity_blocks: 128, ..Load::default() });
+    }
+
+    #[test]
+    fn an_external_engines_metrics_and_the_routers_count_give_the_larger() {
+        let w = WorkerId(5);
+        let mut l = LoadTracker::new();
+        l.sent(w, 1, "a", 100, 10, &[]);
+        l.sent(w, 2, "b", 100, 10, &[]);
+        // The engine has not seen the router's two yet, but runs three from elsewhere and half its KV is in use.
+        l.engine_load(w, EngineLoad { running: 2, waiting: 1, kv_usage: Some(0.5) });
+        let now = l.load(w, 400);
+        assert_eq!((now.active_requests, now.active_blocks, now.active_prefill_tokens), (3, 200, 200));
+        // Its metrics include the router's requests now: still the larger count, not the sum.
+        l.engine_load(w, EngineLoad { running: 1, waiting: 0, kv_usage: Some(0.01) });
+        assert_eq!((l.load(w, 400).active_requests, l.load(w, 400).active_blocks), (2, 20));
     }
 
     #[test]

@@ -282,7 +282,9 @@ async fn decode_once(
                 let blocks: Vec<_> = job.hashes.iter().copied().zip(job.locals.iter().copied()).collect();
                 state.cluster.predict(worker, &blocks, std::time::Instant::now());
                 let sampling = msg.sampling.unwrap_or_default();
-                engine.generate(&msg.tokens, &sampling).await
+                // vLLM and SGLang continue the trace from this header (their spans hang under this one).
+                let traceparent = telemetry::trace::traceparent(&span).or_else(|| job.traceparent.clone());
+                engine.generate(&msg.tokens, &sampling, traceparent.as_deref()).await
             }
         }
     };

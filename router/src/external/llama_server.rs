@@ -6,6 +6,8 @@
 use proto::worker as pb;
 use serde_json::{Value, json};
 
+use super::Chunk;
+
 /// The path requests go to.
 pub const GENERATE_PATH: &str = "/completion";
 /// Answers 200 once the model is loaded (503 while loading).
@@ -35,32 +37,10 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
     b
 }
 
-/// One streamed chunk.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Chunk {
-    Tokens(Vec<u32>),
-    /// The last chunk, with any tokens it still carries.
-    Finished {
-        tokens: Vec<u32>,
-        reason: pb::FinishReason,
-        cached_tokens: u32,
-    },
-}
-
 /// Reads one chunk's JSON.
 pub fn parse(data: &str) -> Result<Chunk, String> {
-    let v: Value = serde_json::from_str(data).map_err(|e| format!("a stream chunk is not JSON: {e}"))?;
-    if let Some(e) = v.get("error") {
-        return Err(format!("the server reported an error: {}", e.get("message").unwrap_or(e)));
-    }
-    let tokens = match v.get("tokens") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(ids)) => ids
-            .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| format!("a token id is {t}")))
-            .collect::<Result<_, _>>()?,
-        Some(other) => return Err(format!("`tokens` is {other}, not a list of token ids")),
-    };
+    let v = super::chunk_json(data)?;
+    let tokens = super::token_ids(v.get("tokens"))?;
     if v.get("stop").and_then(Value::as_bool) != Some(true) {
         return Ok(Chunk::Tokens(tokens));
     }

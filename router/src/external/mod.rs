@@ -1,12 +1,17 @@
-//! Engine servers Tandem does not own (llama.cpp's `llama-server`), routed to next to its own workers. They serve
-//! whole requests (prefill and decode together) over HTTP and publish no KV events, so the router predicts what
-//! each holds from the prompts it sent there ([`predicted`]) and counts their load from what it sent and what
-//! has finished, and checks their health by polling.
+//! Engine servers Tandem does not own (llama.cpp's `llama-server`, vLLM, SGLang), routed to next to its own
+//! workers. They serve whole requests (prefill and decode together) over HTTP. Where one publishes its KV events
+//! (vLLM, SGLang), the router follows them ([`events`]) and knows exactly what it holds; where it does not, the
+//! router predicts that from the prompts it sent there ([`predicted`]). Their load is counted from what the router
+//! sent and what has finished, and their health checked by polling.
 
+pub mod events;
 pub mod http;
 pub mod llama_server;
+pub mod metrics;
 pub mod predicted;
+pub mod sglang;
 pub mod sse;
+pub mod vllm;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -31,14 +36,104 @@ pub type TokenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, St
 pub enum EngineKind {
     /// llama.cpp's `llama-server` (its native `/completion` endpoint, which speaks token ids).
     LlamaServer,
+    /// vLLM's OpenAI server (`/v1/completions` with token ids in and out).
+    Vllm,
+    /// SGLang's server (its native `/generate`, with token ids in and out).
+    Sglang,
 }
 
 impl EngineKind {
     pub fn parse(s: &str) -> Result<EngineKind, String> {
         match s {
             "llama-server" | "llama.cpp" => Ok(EngineKind::LlamaServer),
-            other => Err(format!("unknown engine {other:?} (known: llama-server)")),
+            "vllm" => Ok(EngineKind::Vllm),
+            "sglang" => Ok(EngineKind::Sglang),
+            other => Err(format!("unknown engine {other:?} (known: llama-server, vllm, sglang)")),
         }
+    }
+
+    fn health_path(self) -> &'static str {
+        match self {
+            EngineKind::LlamaServer => llama_server::HEALTH_PATH,
+            EngineKind::Vllm => vllm::HEALTH_PATH,
+            EngineKind::Sglang => sglang::HEALTH_PATH,
+        }
+    }
+
+    fn generate_path(self) -> &'static str {
+        match self {
+            EngineKind::LlamaServer => llama_server::GENERATE_PATH,
+            EngineKind::Vllm => vllm::GENERATE_PATH,
+            EngineKind::Sglang => sglang::GENERATE_PATH,
+        }
+    }
+
+    fn body(self, tokens: &[u32], sampling: &pb::Sampling) -> Value {
+        match self {
+            EngineKind::LlamaServer => llama_server::body(tokens, sampling),
+            EngineKind::Vllm => vllm::body(tokens, sampling),
+            EngineKind::Sglang => sglang::body(tokens, sampling),
+        }
+    }
+
+    fn parser(self) -> Parser {
+        match self {
+            EngineKind::LlamaServer => Parser::LlamaServer,
+            EngineKind::Vllm => Parser::Vllm(vllm::Parser::default()),
+            EngineKind::Sglang => Parser::Sglang(sglang::Parser::default()),
+        }
+    }
+}
+
+/// One streamed chunk of generated tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Chunk {
+    Tokens(Vec<u32>),
+    /// The last chunk, with any tokens it still carries.
+    Finished {
+        tokens: Vec<u32>,
+        reason: pb::FinishReason,
+        cached_tokens: u32,
+    },
+}
+
+/// Reads one engine's stream, chunk by chunk.
+enum Parser {
+    LlamaServer,
+    Vllm(vllm::Parser),
+    Sglang(sglang::Parser),
+}
+
+impl Parser {
+    /// The chunk an event's data carries (`None`: nothing to pass on).
+    fn push(&mut self, data: &str) -> Result<Option<Chunk>, String> {
+        match self {
+            Parser::LlamaServer if data.trim() == "[DONE]" => Ok(None),
+            Parser::LlamaServer => llama_server::parse(data).map(Some),
+            Parser::Vllm(p) => p.push(data),
+            Parser::Sglang(p) => p.push(data),
+        }
+    }
+}
+
+/// A stream chunk's JSON, unless it reports an error.
+pub(crate) fn chunk_json(data: &str) -> Result<Value, String> {
+    let v: Value = serde_json::from_str(data).map_err(|e| format!("a stream chunk is not JSON: {e}"))?;
+    match v.get("error") {
+        Some(e) => Err(format!("the server reported an error: {}", e.get("message").unwrap_or(e))),
+        None => Ok(v),
+    }
+}
+
+/// A JSON list of token ids (absent or null: none).
+pub(crate) fn token_ids(v: Option<&Value>) -> Result<Vec<u32>, String> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(ids)) => ids
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| format!("a token id is {t}")))
+            .collect(),
+        Some(other) => Err(format!("{other} is not a list of token ids")),
     }
 }
 
@@ -51,6 +146,8 @@ pub struct ExternalSettings {
     pub predicted_ttl: Duration,
     /// Blocks predicted per server at most; `None`: as many as its KV holds (`/props`).
     pub predicted_blocks: Option<u64>,
+    /// Engine blocks followed per server publishing KV events at most (past it, its view is dropped).
+    pub max_engine_blocks: usize,
 }
 
 /// Named defaults of [`ExternalSettings`].
@@ -62,6 +159,11 @@ pub mod defaults {
     /// SGLang's gateway forgets predicted prefixes after 120 s; an idle engine keeps its cache longer, a busy one
     /// much shorter, which the capacity bounds.
     pub const PREDICTED_TTL: Duration = Duration::from_secs(120);
+    /// 4 M blocks: 64 M tokens at vLLM's 16, more KV than one server holds; about 300 MB of bookkeeping at most.
+    pub const MAX_ENGINE_BLOCKS: usize = 1 << 22;
+    /// KV assumed for a server that does not say (no `/props`, `/metrics` or `/server_info` answer): it scales the
+    /// load term and bounds what is sent there (without one, every request would look like too much).
+    pub const ASSUMED_CAPACITY_TOKENS: u64 = 1 << 16;
 }
 
 impl Default for ExternalSettings {
@@ -70,6 +172,7 @@ impl Default for ExternalSettings {
             health_period: defaults::HEALTH_PERIOD,
             predicted_ttl: defaults::PREDICTED_TTL,
             predicted_blocks: None,
+            max_engine_blocks: defaults::MAX_ENGINE_BLOCKS,
         }
     }
 }
@@ -81,6 +184,8 @@ pub struct Engine {
     /// As configured (`http://host:port`).
     pub url: String,
     authority: String,
+    /// Where it publishes its KV events (exact mode); `None`: its cache is predicted.
+    pub events: Option<events::EventSource>,
 }
 
 impl Engine {
@@ -91,7 +196,12 @@ impl Engine {
         if authority.is_empty() || authority.contains('/') || !authority.contains(':') {
             return Err(format!("{url:?} is not http://host:port"));
         }
-        Ok(Engine { kind, url: url.to_string(), authority: authority.to_string() })
+        Ok(Engine { kind, url: url.to_string(), authority: authority.to_string(), events: None })
+    }
+
+    /// The same server, its KV events followed at `source`.
+    pub fn with_events(self, source: Option<events::EventSource>) -> Engine {
+        Engine { events: source, ..self }
     }
 
     /// `host:port`.
@@ -99,7 +209,7 @@ impl Engine {
         &self.authority
     }
 
-    async fn get_json(&self, path: &str, timeout: Duration) -> Result<Value, String> {
+    async fn get(&self, path: &str, timeout: Duration) -> Result<Bytes, String> {
         let work = async {
             let req = hyper::Request::get(path);
             let (resp, _conn) = http::send(&self.authority, req, Bytes::new()).await?;
@@ -108,28 +218,57 @@ impl Engine {
             if !status.is_success() {
                 return Err(format!("GET {path}: HTTP {status}"));
             }
-            serde_json::from_slice(&body).map_err(|e| format!("GET {path}: {e}"))
+            Ok(body)
         };
         tokio::time::timeout(timeout, work).await.map_err(|_| format!("GET {path}: no answer within {timeout:?}"))?
     }
 
+    async fn get_json(&self, path: &str, timeout: Duration) -> Result<Value, String> {
+        let body = self.get(path, timeout).await?;
+        serde_json::from_slice(&body).map_err(|e| format!("GET {path}: {e}"))
+    }
+
     /// Whether the server answers its health check now.
     pub async fn healthy(&self, timeout: Duration) -> bool {
-        self.get_json(llama_server::HEALTH_PATH, timeout).await.is_ok()
+        self.get(self.kind.health_path(), timeout).await.is_ok()
     }
 
     /// Tokens of KV the server holds, as it says.
     pub async fn capacity_tokens(&self, timeout: Duration) -> Option<u64> {
-        llama_server::capacity_tokens(&self.get_json(llama_server::PROPS_PATH, timeout).await.ok()?)
+        match self.kind {
+            EngineKind::LlamaServer => {
+                llama_server::capacity_tokens(&self.get_json(llama_server::PROPS_PATH, timeout).await.ok()?)
+            }
+            EngineKind::Vllm => {
+                let text = self.get(metrics::PATH, timeout).await.ok()?;
+                vllm::capacity_tokens(&String::from_utf8_lossy(&text))
+            }
+            EngineKind::Sglang => sglang::capacity_tokens(&self.get_json(sglang::INFO_PATH, timeout).await.ok()?),
+        }
+    }
+
+    /// The load its metrics report, where it serves them.
+    pub async fn load(&self, timeout: Duration) -> Option<metrics::EngineLoad> {
+        let text = self.get(metrics::PATH, timeout).await.ok()?;
+        metrics::parse(self.kind, &String::from_utf8_lossy(&text))
     }
 
     /// Starts generating after `tokens`; the stream carries the tokens and then how it finished. Dropping the
     /// stream closes the connection (the server stops).
-    pub async fn generate(&self, tokens: &[u32], sampling: &pb::Sampling) -> Result<TokenStream, Status> {
-        let body = llama_server::body(tokens, sampling).to_string();
-        let req = hyper::Request::post(llama_server::GENERATE_PATH)
+    /// `traceparent`: the W3C trace context the server's own spans continue from.
+    pub async fn generate(
+        &self,
+        tokens: &[u32],
+        sampling: &pb::Sampling,
+        traceparent: Option<&str>,
+    ) -> Result<TokenStream, Status> {
+        let body = self.kind.body(tokens, sampling).to_string();
+        let mut req = hyper::Request::post(self.kind.generate_path())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream");
+        if let Some(tp) = traceparent {
+            req = req.header("traceparent", tp);
+        }
         let (resp, conn) = http::send(&self.authority, req, Bytes::from(body)).await.map_err(Status::unavailable)?;
         let status = resp.status();
         if !status.is_success() {
@@ -143,7 +282,7 @@ impl Engine {
             });
         }
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(forward(resp.into_body(), conn, tx));
+        tokio::spawn(forward(resp.into_body(), conn, self.kind.parser(), tx));
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 }
@@ -152,6 +291,7 @@ impl Engine {
 async fn forward(
     mut body: hyper::body::Incoming,
     _conn: http::Connection,
+    mut chunks: Parser,
     tx: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
 ) {
     use pb::generate_response::Event;
@@ -171,9 +311,10 @@ async fn forward(
             None => return,
         };
         for event in parser.push(&data) {
-            let (tokens, finished) = match llama_server::parse(&event) {
-                Ok(llama_server::Chunk::Tokens(t)) => (t, None),
-                Ok(llama_server::Chunk::Finished { tokens, reason, cached_tokens }) => {
+            let (tokens, finished) = match chunks.push(&event) {
+                Ok(None) => continue,
+                Ok(Some(Chunk::Tokens(t))) => (t, None),
+                Ok(Some(Chunk::Finished { tokens, reason, cached_tokens })) => {
                     (tokens, Some(pb::Finished { reason: reason as i32, cached_tokens, ..Default::default() }))
                 }
                 Err(e) => {
@@ -194,14 +335,33 @@ async fn forward(
     }
 }
 
-/// Follows one external worker until `stop`: up while its health check answers, down (its predicted blocks
-/// dropped) while it does not; predicted blocks expire on the way.
+/// Follows one external worker until `stop`: up while its health check answers, down (what the index holds for
+/// it dropped) while it does not; its KV events followed meanwhile where it publishes them, else predicted blocks
+/// expire on the way. One task, so that unfollowing the worker ends both.
 pub async fn follow(
     cluster: Arc<Cluster>,
     id: WorkerId,
     addr: std::net::SocketAddr,
     engine: Arc<Engine>,
     settings: ExternalSettings,
+    stop: watch::Receiver<bool>,
+) {
+    let source = engine.events.clone();
+    let events = async {
+        if let Some(source) = source {
+            let blocks = settings.max_engine_blocks;
+            events::follow(&cluster, id, &engine.url, &source, blocks, stop.clone()).await;
+        }
+    };
+    tokio::join!(health(&cluster, id, addr, &engine, &settings, stop.clone()), events);
+}
+
+async fn health(
+    cluster: &Arc<Cluster>,
+    id: WorkerId,
+    addr: std::net::SocketAddr,
+    engine: &Arc<Engine>,
+    settings: &ExternalSettings,
     mut stop: watch::Receiver<bool>,
 ) {
     let timeout = settings.health_period.max(Duration::from_secs(1));
@@ -210,12 +370,17 @@ pub async fn follow(
         match (healthy, cluster.member(id).is_some_and(|m| m.up)) {
             (true, false) => {
                 let capacity = engine.capacity_tokens(timeout).await;
-                cluster.external_up(id, addr, &engine, capacity, &settings);
+                cluster.external_up(id, addr, engine, capacity, settings);
                 tracing::info!(worker = %engine.url, "external worker joined");
             }
             (false, true) => {
-                tracing::warn!(worker = %engine.url, "external worker stopped answering; dropping its predicted blocks");
+                tracing::warn!(worker = %engine.url, "external worker stopped answering; dropping what it held");
                 cluster.leave(id);
+            }
+            (true, true) => {
+                if let Some(load) = engine.load(timeout).await {
+                    cluster.engine_load(id, load);
+                }
             }
             _ => {}
         }
@@ -239,6 +404,7 @@ mod tests {
         assert!(Engine::new("http://h", EngineKind::LlamaServer).is_err());
         assert!(Engine::new("http://h:1/x", EngineKind::LlamaServer).is_err());
         assert_eq!(EngineKind::parse("llama-server"), Ok(EngineKind::LlamaServer));
-        assert!(EngineKind::parse("vllm").is_err());
+        assert_eq!(EngineKind::parse("vllm"), Ok(EngineKind::Vllm));
+        assert!(EngineKind::parse("tgi").is_err());
     }
 }

@@ -1,0 +1,133 @@
+//! SGLang's server, through its native `/generate` endpoint: the prompt goes as `input_ids` and the stream carries
+//! `output_ids` (all generated so far by default; only the new ones with `--incremental-streaming-output`, told
+//! apart by `meta_info.completion_tokens`), with `meta_info.finish_reason` and `cached_tokens` on the last chunk.
+
+use proto::worker as pb;
+use serde_json::{Value, json};
+
+use super::Chunk;
+
+pub const GENERATE_PATH: &str = "/generate";
+/// 200 once the server is up.
+pub const HEALTH_PATH: &str = "/health";
+/// The resolved server settings, with the KV pool's size (`max_total_num_tokens`).
+pub const INFO_PATH: &str = "/server_info";
+
+pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
+    let mut params = json!({
+        "max_new_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        // -1: the whole vocabulary.
+        "top_k": sampling.top_k.map_or(-1, i64::from),
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "ignore_eos": sampling.ignore_eos,
+    });
+    if let Some(seed) = sampling.seed {
+        params["sampling_seed"] = seed.into();
+    }
+    json!({"input_ids": tokens, "sampling_params": params, "stream": true})
+}
+
+#[derive(Debug, Default)]
+pub struct Parser {
+    /// Tokens passed on so far.
+    sent: usize,
+}
+
+impl Parser {
+    pub fn push(&mut self, data: &str) -> Result<Option<Chunk>, String> {
+        if data.trim() == "[DONE]" {
+            return Ok(None);
+        }
+        let v = super::chunk_json(data)?;
+        let ids = super::token_ids(v.get("output_ids"))?;
+        let meta = v.get("meta_info").unwrap_or(&Value::Null);
+        let total = meta.get("completion_tokens").and_then(Value::as_u64).map(|t| t as usize);
+        // All generated so far when the count says so, else only the new ones.
+        let new = if total == Some(ids.len()) {
+            ids.get(self.sent..).map(<[u32]>::to_vec).ok_or("the stream went back")?
+        } else {
+            ids
+        };
+        self.sent += new.len();
+        let reason = match meta.get("finish_reason") {
+            None | Some(Value::Null) => return Ok(Some(Chunk::Tokens(new))),
+            Some(r) => match r.get("type").and_then(Value::as_str) {
+                Some("length") => pb::FinishReason::Length,
+                Some("stop") => pb::FinishReason::Stop,
+                _ => return Err(format!("the server ended generation with {r}")),
+            },
+        };
+        let cached = meta.get("cached_tokens").and_then(Value::as_u64).unwrap_or(0);
+        Ok(Some(Chunk::Finished { tokens: new, reason, cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX) }))
+    }
+}
+
+/// Tokens of KV the server holds, from its settings.
+pub fn capacity_tokens(info: &Value) -> Option<u64> {
+    info.get("max_total_num_tokens")
+        .or_else(|| info.pointer("/internal_states/0/max_total_num_tokens"))
+        .and_then(Value::as_u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_body_sends_input_ids() {
+        let s = pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens: 3, seed: Some(9), ..Default::default() };
+        let b = body(&[1, 2], &s);
+        assert_eq!(b["input_ids"], json!([1, 2]));
+        let p = &b["sampling_params"];
+        assert_eq!(
+            (p["max_new_tokens"].as_u64(), p["top_k"].as_i64(), p["sampling_seed"].as_u64()),
+            (Some(3), Some(-1), Some(9))
+        );
+    }
+
+    #[test]
+    fn cumulative_and_incremental_streams_give_the_same_tokens() {
+        // SGLang 0.5's stream: `output_ids` so far and `meta_info` (by default), or only the new ids.
+        let chunks = |ids: [&str; 3]| {
+            [
+                format!(
+                    r#"{{"output_ids":{},"meta_info":{{"id":"a","finish_reason":null,"prompt_tokens":9,"completion_tokens":1,"cached_tokens":0}}}}"#,
+                    ids[0]
+                ),
+                format!(
+                    r#"{{"output_ids":{},"meta_info":{{"id":"a","finish_reason":null,"completion_tokens":2}}}}"#,
+                    ids[1]
+                ),
+                format!(
+                    r#"{{"output_ids":{},"meta_info":{{"id":"a","finish_reason":{{"type":"length","length":3}},"completion_tokens":3,"cached_tokens":8}}}}"#,
+                    ids[2]
+                ),
+            ]
+        };
+        for ids in [["[7]", "[7,8]", "[7,8,9]"], ["[7]", "[8]", "[9]"]] {
+            let mut p = Parser::default();
+            let [a, b, c] = chunks(ids);
+            assert_eq!(p.push(&a), Ok(Some(Chunk::Tokens(vec![7]))));
+            assert_eq!(p.push(&b), Ok(Some(Chunk::Tokens(vec![8]))));
+            assert_eq!(
+                p.push(&c),
+                Ok(Some(Chunk::Finished { tokens: vec![9], reason: pb::FinishReason::Length, cached_tokens: 8 }))
+            );
+            assert_eq!(p.push("[DONE]"), Ok(None));
+        }
+    }
+
+    #[test]
+    fn aborts_and_garbage_are_errors() {
+        let mut p = Parser::default();
+        let abort = r#"{"output_ids":[],"meta_info":{"finish_reason":{"type":"abort","message":"too long"},"completion_tokens":0}}"#;
+        assert!(p.push(abort).expect_err("an abort").contains("too long"));
+        assert!(p.push("[1,2").is_err());
+        assert!(p.push(r#"{"output_ids":[-3]}"#).is_err());
+        assert_eq!(capacity_tokens(&json!({"max_total_num_tokens": 500})), Some(500));
+        assert_eq!(capacity_tokens(&json!({"internal_states": [{"max_total_num_tokens": 7}]})), Some(7));
+    }
+}

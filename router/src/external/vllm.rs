@@ -1,0 +1,151 @@
+//! vLLM's OpenAI server, through `/v1/completions` with the prompt as token ids and `return_token_ids`, so each
+//! streamed chunk carries the generated ids and the router keeps its own detokenization, stop strings and usage.
+//! The chunk with `finish_reason` says why generation stopped; the usage chunk after it (`include_usage`) says how
+//! much of the prompt came from the cache (`prompt_tokens_details.cached_tokens`, present when the server runs
+//! with `--enable-prompt-tokens-details`).
+
+use proto::worker as pb;
+use serde_json::{Value, json};
+
+use super::Chunk;
+
+pub const GENERATE_PATH: &str = "/v1/completions";
+/// 200 once the engine is up.
+pub const HEALTH_PATH: &str = "/health";
+
+/// The request body for `tokens` sampled as `sampling` says (the model's generation-config defaults overridden:
+/// OpenAI's meaning throughout).
+pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
+    let mut b = json!({
+        "prompt": tokens,
+        "max_tokens": sampling.max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "return_token_ids": true,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        // 0: top-k off in vLLM.
+        "top_k": sampling.top_k.unwrap_or(0),
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "ignore_eos": sampling.ignore_eos,
+    });
+    if let Some(seed) = sampling.seed {
+        b["seed"] = seed.into();
+    }
+    b
+}
+
+/// Reads the stream's chunks in order.
+#[derive(Debug, Default)]
+pub struct Parser {
+    /// Why generation stopped, once a chunk said so (the usage chunk may follow).
+    finished: Option<pb::FinishReason>,
+}
+
+impl Parser {
+    pub fn push(&mut self, data: &str) -> Result<Option<Chunk>, String> {
+        if data.trim() == "[DONE]" {
+            return Ok(self.finished.take().map(|reason| Chunk::Finished { tokens: vec![], reason, cached_tokens: 0 }));
+        }
+        let v = super::chunk_json(data)?;
+        let choices = v.get("choices").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        if let Some(usage) = v.get("usage").filter(|u| !u.is_null())
+            && choices.is_empty()
+        {
+            let cached = usage.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0);
+            let reason = self.finished.take().ok_or("the usage chunk came before the last token")?;
+            return Ok(Some(Chunk::Finished {
+                tokens: vec![],
+                reason,
+                cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
+            }));
+        }
+        let [choice] = choices else {
+            return Err(format!("a chunk has {} choices, not one", choices.len()));
+        };
+        let tokens = super::token_ids(choice.get("token_ids"))?;
+        match choice.get("finish_reason").and_then(Value::as_str) {
+            None => Ok(Some(Chunk::Tokens(tokens))),
+            Some("length") => {
+                self.finished = Some(pb::FinishReason::Length);
+                Ok(Some(Chunk::Tokens(tokens)))
+            }
+            Some("stop") => {
+                self.finished = Some(pb::FinishReason::Stop);
+                Ok(Some(Chunk::Tokens(tokens)))
+            }
+            Some(other) => Err(format!("the server ended generation with {other:?}")),
+        }
+    }
+}
+
+/// Tokens of KV the server holds (`num_gpu_blocks` × `block_size` of `vllm:cache_config_info`, in its metrics).
+pub fn capacity_tokens(metrics: &str) -> Option<u64> {
+    let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let label = |name: &str| {
+        let at = line.find(&format!("{name}=\""))? + name.len() + 2;
+        line[at..].split('"').next()?.parse::<u64>().ok()
+    };
+    Some(label("num_gpu_blocks")? * label("block_size")?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_body_sends_token_ids_and_asks_for_them_back() {
+        let s = pb::Sampling { temperature: 0.5, top_p: 0.9, max_tokens: 4, seed: Some(1), ..Default::default() };
+        let b = body(&[5, 6], &s);
+        assert_eq!((b["prompt"].clone(), b["max_tokens"].as_u64()), (json!([5, 6]), Some(4)));
+        assert_eq!(
+            (b["return_token_ids"].as_bool(), b["stream_options"]["include_usage"].as_bool()),
+            (Some(true), Some(true))
+        );
+        assert_eq!((b["top_k"].as_u64(), b["seed"].as_u64(), b.get("model")), (Some(0), Some(1), None));
+    }
+
+    #[test]
+    fn chunks_as_the_server_streams_them() {
+        // Shapes of vLLM 0.33's `CompletionStreamResponse` (`exclude_unset`), then its usage chunk and `[DONE]`.
+        let mut p = Parser::default();
+        let first = r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" Hi","logprobs":null,"finish_reason":null,"prompt_token_ids":[5,6],"token_ids":[3874]}]}"#;
+        assert_eq!(p.push(first), Ok(Some(Chunk::Tokens(vec![3874]))));
+        let last = r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"!","finish_reason":"length","stop_reason":null,"token_ids":[17]}]}"#;
+        assert_eq!(p.push(last), Ok(Some(Chunk::Tokens(vec![17]))));
+        let usage = r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+        assert_eq!(
+            p.push(usage),
+            Ok(Some(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Length, cached_tokens: 16 }))
+        );
+        assert_eq!(p.push("[DONE]"), Ok(None));
+        // Without a usage chunk, `[DONE]` ends it.
+        let mut q = Parser::default();
+        let eos = r#"{"choices":[{"index":0,"text":"","finish_reason":"stop","token_ids":[2]}]}"#;
+        assert_eq!(q.push(eos), Ok(Some(Chunk::Tokens(vec![2]))));
+        assert_eq!(
+            q.push("[DONE]"),
+            Ok(Some(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Stop, cached_tokens: 0 }))
+        );
+    }
+
+    #[test]
+    fn bad_chunks_are_errors() {
+        let mut p = Parser::default();
+        assert!(p.push("{").is_err());
+        assert!(p.push(r#"{"error":{"message":"too long","code":400}}"#).expect_err("error").contains("too long"));
+        assert!(p.push(r#"{"choices":[{"token_ids":["x"]}]}"#).is_err());
+        assert!(p.push(r#"{"choices":[{"token_ids":[1],"finish_reason":"abort"}]}"#).is_err());
+        assert!(p.push(r#"{"choices":[],"usage":{"prompt_tokens":1}}"#).is_err(), "usage before the end");
+        assert!(p.push(r#"{"choices":[{},{}]}"#).is_err());
+    }
+
+    #[test]
+    fn capacity_from_the_cache_config_metric() {
+        let m = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+                 vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"2048\"} 1.0\n";
+        assert_eq!(capacity_tokens(m), Some(32768));
+        assert_eq!(capacity_tokens("vllm:num_requests_running 0\n"), None);
+    }
+}

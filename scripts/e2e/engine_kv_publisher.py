@@ -1,0 +1,129 @@
+"""Publishes KV events with an engine's own publisher: vLLM's or SGLang's `kv_events.py` (fetched by
+scripts/engine-kv-events.sh), its `ZmqEventPublisher` and its event classes, encoded by msgspec over pyzmq exactly as
+the engine does. The engines themselves are not installed: the few names each file imports from the rest of its
+package (a logger, a config holder, address helpers the publisher does not call here) are supplied as stand-ins
+before the file is loaded; nothing that touches the wire is replaced.
+
+    python3 engine_kv_publisher.py --engine vllm --source DIR --pub-port P --replay-port R --health-port H
+
+Serves `GET /health` on 127.0.0.1:H (so a router sees a live server) and reads one JSON command per line on stdin,
+answering each with a line once the publisher has sent it:
+    {"op": "store", "hashes": [...], "parent": null, "tokens": [...], "block_size": 16, "medium": "GPU"}
+        (a hash is an integer, or {"bytes": n} for n as 32 bytes, like vLLM's SHA-256 hashes)
+    {"op": "remove", "hashes": [...], "medium": "GPU"}
+    {"op": "clear"}
+    {"op": "skip"}   # burns a sequence number: subscribers see a batch missing that no replay can return
+"""
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import threading
+import time
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def stand_ins(engine):
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        sys.modules[name] = m
+
+    class Holder:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    if engine == "vllm":
+        for name in ["vllm", "vllm.config", "vllm.utils", "vllm.v1", "vllm.v1.core"]:
+            module(name)
+        module("vllm.config.kv_events", KVEventsConfig=Holder)
+        module("vllm.logger", init_logger=logging.getLogger)
+        module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
+        unused = lambda *a, **k: None  # noqa: E731  (address helpers for wildcard binds, not used on loopback)
+        module("vllm.utils.network_utils", get_ip=unused, get_tcp_uri=unused, is_valid_ipv6_address=unused,
+               split_zmq_path=unused)
+    else:
+        for name in ["sglang", "sglang.srt", "sglang.srt.utils"]:
+            module(name)
+        module("sglang.srt.runtime_context", get_parallel=lambda: None)
+        module("sglang.srt.utils.network", NetworkAddress=Holder)
+
+
+def load(engine, source):
+    stand_ins(engine)
+    spec = importlib.util.spec_from_file_location(f"{engine}_kv_events", f"{source}/{engine}/kv_events.py")
+    kv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv)
+    return kv
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", choices=["vllm", "sglang"], required=True)
+    p.add_argument("--source", required=True)
+    p.add_argument("--pub-port", type=int, required=True)
+    p.add_argument("--replay-port", type=int, required=True)
+    p.add_argument("--health-port", type=int, required=True)
+    p.add_argument("--topic", default="")
+    args = p.parse_args()
+    kv = load(args.engine, args.source)
+
+    pub_endpoint = f"tcp://127.0.0.1:{args.pub_port}"
+    replay_endpoint = f"tcp://127.0.0.1:{args.replay_port}"
+    if args.engine == "vllm":
+        # vLLM binds wildcard endpoints and connects to concrete ones; bind this one on loopback.
+        kv.ZmqEventPublisher._is_bind_endpoint = staticmethod(lambda endpoint: True)
+        publisher = kv.ZmqEventPublisher(0, endpoint=pub_endpoint, replay_endpoint=replay_endpoint, topic=args.topic)
+    else:
+        publisher = kv.ZmqEventPublisher(0, endpoint=pub_endpoint, replay_endpoint=replay_endpoint, topic=args.topic,
+                                         bind=True)
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", args.health_port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    print("ready", flush=True)
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "skip":
+            next(publisher._seq_gen)
+            print("ok", flush=True)
+            continue
+        def block_hash(h):
+            # {"bytes": n}: a 32-byte hash, as vLLM's default SHA-256 block hashes.
+            return h["bytes"].to_bytes(32, "big") if isinstance(h, dict) else h
+
+        if op == "store":
+            cmd["hashes"] = [block_hash(h) for h in cmd["hashes"]]
+            cmd["parent"] = block_hash(cmd["parent"]) if cmd.get("parent") is not None else None
+            fields = dict(block_hashes=cmd["hashes"], parent_block_hash=cmd.get("parent"), token_ids=cmd["tokens"],
+                          block_size=cmd["block_size"], lora_id=None, medium=cmd.get("medium"))
+            if args.engine == "vllm":
+                fields["lora_name"] = None
+            event = kv.BlockStored(**fields)
+        elif op == "remove":
+            cmd["hashes"] = [block_hash(h) for h in cmd["hashes"]]
+            event = kv.BlockRemoved(block_hashes=cmd["hashes"], medium=cmd.get("medium"))
+        else:
+            event = kv.AllBlocksCleared()
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[event]))
+        while not publisher._event_queue.empty():
+            time.sleep(0.005)
+        time.sleep(0.02)
+        print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
