@@ -97,7 +97,16 @@ fn a_restarted_router_rebuilds_its_index_from_snapshots_and_hits_the_cache_again
     let project = Project::up("mock", MOCK, &[]);
     let router = project.router();
     assert_eq!(cached_tokens(router), Some(0), "a new prompt");
-    assert!(cached_tokens(router).is_some_and(|c| c > 0), "the same prompt again is found cached");
+    // The worker's KV events reach the router a moment after the answer: asked again at once, the prompt may be
+    // routed before the index knows where it is (a full suite on a 2-core VM saw that once).
+    let again = (0..10).find_map(|_| {
+        let c = cached_tokens(router).filter(|&c| c > 0);
+        if c.is_none() {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        c
+    });
+    assert!(again.is_some(), "the same prompt again is found cached");
     let restarted = Instant::now();
     project.docker(&["restart", "-t", "5"], "router");
     let ready = project.wait_for_workers(4, Duration::from_secs(60));
