@@ -149,5 +149,21 @@ async fn a_shared_prefix_goes_back_to_the_llama_server_that_cached_it_and_a_kill
         let r = http(router.addr, "POST", "/v1/chat/completions", &chat(&system, question, 4, false), &[]).await;
         assert_eq!(r.status, 200, "{}", r.body);
     }
+    // llama-server takes the penalties and biases in its own terms; what it cannot do is refused by name.
+    let sea = engine::text::TextModel::open(&model()).expect("model").tokenizer().encode(" sea")[0];
+    let with = |extra: serde_json::Value| {
+        let mut b: serde_json::Value = serde_json::from_str(&chat(&system, "Say hi.", 3, false)).expect("json");
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let biased = with(serde_json::json!({"logit_bias": {sea.to_string(): 100}, "frequency_penalty": 0.5,
+                                          "repetition_penalty": 1.1, "ignore_eos": true}));
+    let r = http(router.addr, "POST", "/v1/chat/completions", &biased, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"][0]["message"]["content"].as_str().map(str::trim), Some("sea sea sea"), "{}", r.body);
+    let r = http(router.addr, "POST", "/v1/chat/completions", &with(serde_json::json!({"min_tokens": 2})), &[]).await;
+    assert!(r.status == 400 && r.body.contains("min_tokens"), "{}", r.body);
     router.shutdown(Duration::from_secs(5)).await;
 }

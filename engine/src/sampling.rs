@@ -17,6 +17,12 @@ pub enum SamplingError {
     EmptyStop,
     #[error("stop strings need the text: they cannot be used with detokenize off")]
     StopWithoutText,
+    #[error("{0} must be in [-2, 2], got {1}")]
+    Penalty(&'static str, f32),
+    #[error("repetition_penalty must be a number > 0, got {0}")]
+    RepetitionPenalty(f32),
+    #[error("a logit_bias value must be in [-100, 100], got {1} for token {0}")]
+    LogitBias(u32, f32),
 }
 
 /// How to pick tokens and when to stop: valid by construction.
@@ -30,6 +36,86 @@ pub struct SamplingParams {
     stop: Vec<String>,
     ignore_eos: bool,
     detokenize: bool,
+    logits: LogitsRules,
+}
+
+/// What changes the logits before sampling (all off by default).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogitsRules {
+    /// Added to the token's logit (OpenAI's `logit_bias`), sorted by token.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// OpenAI's: subtracted once per occurrence of the token in the generated text.
+    pub frequency_penalty: f32,
+    /// OpenAI's: subtracted once if the token occurs in the generated text.
+    pub presence_penalty: f32,
+    /// vLLM's and Hugging Face's: a token seen in the prompt or the output has a positive logit divided by it and a
+    /// negative one multiplied by it (1: off).
+    pub repetition_penalty: f32,
+    /// End-of-generation and stop tokens are impossible until this many tokens are generated.
+    pub min_tokens: u32,
+    /// Tokens that end generation like end-of-generation does (vLLM's `stop_token_ids`; not part of the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Tokens at the end of the prompt that were generated earlier: the first token a prefill worker sampled, or
+    /// the tokens a stream had sent before it resumed elsewhere. They count as generated for the penalties and
+    /// `min_tokens`, so a continued sequence samples as it would have in one place.
+    pub prior_generated: u32,
+}
+
+impl LogitsRules {
+    /// Whether any rule changes the logits.
+    pub fn active(&self) -> bool {
+        !self.logit_bias.is_empty()
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.min_tokens > 0
+    }
+
+    /// Applies the rules to `logits` for a sequence of `tokens` whose generated part starts at `generated_from`,
+    /// in vLLM's order: `min_tokens`, then `logit_bias`, then the penalties. `end_of_generation` names the tokens
+    /// `min_tokens` holds back (with `stop_token_ids`). Tokens outside the vocabulary are ignored.
+    pub fn apply(
+        &self,
+        logits: &mut [f32],
+        tokens: &[u32],
+        generated_from: usize,
+        end_of_generation: &dyn Fn(u32) -> bool,
+    ) {
+        let generated = &tokens[generated_from.min(tokens.len())..];
+        if (generated.len() as u64) < u64::from(self.min_tokens) {
+            for (id, l) in logits.iter_mut().enumerate() {
+                if end_of_generation(id as u32) || self.stop_token_ids.contains(&(id as u32)) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for &(id, bias) in &self.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        if self.repetition_penalty != 1.0 {
+            let mut seen = vec![false; logits.len()];
+            for &t in tokens {
+                if let Some(l) = logits.get_mut(t as usize)
+                    && !std::mem::replace(&mut seen[t as usize], true)
+                {
+                    *l = if *l > 0.0 { *l / self.repetition_penalty } else { *l * self.repetition_penalty };
+                }
+            }
+        }
+        if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
+            let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+            for &t in generated {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, c) in counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= c as f32 * self.frequency_penalty + self.presence_penalty;
+                }
+            }
+        }
+    }
 }
 
 /// Sampling parameters as a user gives them, before validation.
@@ -46,6 +132,8 @@ pub struct RawSampling {
     /// Make the output's text (as vLLM's `detokenize`); off, only token ids come out, and no time goes into
     /// decoding them (the simulator, which counts tokens and never reads them).
     pub detokenize: bool,
+    /// Biases, penalties, `min_tokens` and stop token ids.
+    pub logits: LogitsRules,
 }
 
 impl Default for RawSampling {
@@ -60,6 +148,7 @@ impl Default for RawSampling {
             stop: Vec::new(),
             ignore_eos: false,
             detokenize: true,
+            logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
         }
     }
 }
@@ -84,6 +173,20 @@ impl SamplingParams {
         if !raw.detokenize && !raw.stop.is_empty() {
             return Err(SamplingError::StopWithoutText);
         }
+        let r = &raw.logits;
+        for (name, v) in [("frequency_penalty", r.frequency_penalty), ("presence_penalty", r.presence_penalty)] {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return Err(SamplingError::Penalty(name, v));
+            }
+        }
+        if !(r.repetition_penalty.is_finite() && r.repetition_penalty > 0.0) {
+            return Err(SamplingError::RepetitionPenalty(r.repetition_penalty));
+        }
+        if let Some(&(t, b)) = r.logit_bias.iter().find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b))) {
+            return Err(SamplingError::LogitBias(t, b));
+        }
+        let mut logits = raw.logits;
+        logits.logit_bias.sort_by_key(|(t, _)| *t);
         Ok(SamplingParams {
             temperature: raw.temperature,
             top_p: raw.top_p,
@@ -93,6 +196,7 @@ impl SamplingParams {
             stop: raw.stop,
             ignore_eos: raw.ignore_eos,
             detokenize: raw.detokenize,
+            logits,
         })
     }
 
@@ -107,7 +211,12 @@ impl SamplingParams {
             stop: Vec::new(),
             ignore_eos: false,
             detokenize: true,
+            logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
         }
+    }
+
+    pub fn logits(&self) -> &LogitsRules {
+        &self.logits
     }
 
     pub fn max_tokens(&self) -> u32 {
@@ -171,6 +280,28 @@ impl Sampler {
             return 0;
         }
         tokens[(self.rng.next_u64() % tokens.len() as u64) as usize]
+    }
+
+    /// The next token for `logits` after the sampling rules ([`LogitsRules`]) for a sequence of `tokens` whose
+    /// generated part starts at `generated_from`.
+    pub fn sample_in(
+        &mut self,
+        logits: &[f32],
+        tokens: &[u32],
+        generated_from: usize,
+        end_of_generation: &dyn Fn(u32) -> bool,
+    ) -> u32 {
+        if !self.params.logits.active() {
+            return self.sample(logits);
+        }
+        let mut processed = logits.to_vec();
+        self.params.logits.apply(&mut processed, tokens, generated_from, end_of_generation);
+        self.sample(&processed)
+    }
+
+    /// The sampler's parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -253,6 +384,44 @@ mod tests {
         assert_eq!(SamplingParams::new(RawSampling { max_tokens: 0, ..raw() }), Err(SamplingError::MaxTokens));
         let no_text = RawSampling { detokenize: false, stop: vec!["x".into()], ..raw() };
         assert_eq!(SamplingParams::new(no_text), Err(SamplingError::StopWithoutText));
+    }
+
+    #[test]
+    fn the_logits_rules_follow_their_formulas() {
+        let logits = [2.0f32, -1.0, 0.5, 3.0, -2.0, 1.0];
+        // Prompt [0, 4], generated [3, 3, 5]: the generated part starts at 2.
+        let tokens = [0u32, 4, 3, 3, 5];
+        let eog = |t: u32| t == 1;
+        let run = |rules: LogitsRules| {
+            let mut l = logits;
+            rules.apply(&mut l, &tokens, 2, &eog);
+            l
+        };
+        let base = LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() };
+        // OpenAI: logit[j] -= c[j] * frequency + (c[j] > 0) * presence, over generated tokens only.
+        let fp = run(LogitsRules { frequency_penalty: 0.5, presence_penalty: 0.25, ..base.clone() });
+        assert_eq!(fp, [2.0, -1.0, 0.5, 3.0 - 2.0 * 0.5 - 0.25, -2.0, 1.0 - 0.5 - 0.25]);
+        // vLLM / Hugging Face: over prompt and output, positive / p, negative * p, once per token.
+        let rp = run(LogitsRules { repetition_penalty: 2.0, ..base.clone() });
+        assert_eq!(rp, [1.0, -1.0, 0.5, 1.5, -4.0, 0.5]);
+        // logit_bias adds; min_tokens holds back end-of-generation and stop tokens while too few are generated.
+        let lb = run(LogitsRules { logit_bias: vec![(2, 5.0), (99, 1.0)], ..base.clone() });
+        assert_eq!(lb, [2.0, -1.0, 5.5, 3.0, -2.0, 1.0]);
+        let mt = run(LogitsRules { min_tokens: 4, stop_token_ids: vec![5], ..base.clone() });
+        assert_eq!(mt, [2.0, f32::NEG_INFINITY, 0.5, 3.0, -2.0, f32::NEG_INFINITY]);
+        assert_eq!(run(LogitsRules { min_tokens: 3, ..base.clone() }), logits, "three generated already");
+        assert!(!base.active());
+    }
+
+    #[test]
+    fn bad_rules_are_refused() {
+        let with = |logits: LogitsRules| SamplingParams::new(RawSampling { logits, ..RawSampling::default() });
+        let base = LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() };
+        assert!(with(LogitsRules { frequency_penalty: 2.5, ..base.clone() }).is_err());
+        assert!(with(LogitsRules { presence_penalty: f32::NAN, ..base.clone() }).is_err());
+        assert!(with(LogitsRules { repetition_penalty: 0.0, ..base.clone() }).is_err());
+        assert!(with(LogitsRules { logit_bias: vec![(1, 101.0)], ..base.clone() }).is_err());
+        assert!(with(LogitsRules { frequency_penalty: -2.0, logit_bias: vec![(1, -100.0)], ..base }).is_ok());
     }
 
     #[test]

@@ -82,6 +82,7 @@ fn seeded_sampling_is_reproducible() {
             stop: vec![],
             ignore_eos: false,
             detokenize: true,
+            ..RawSampling::default()
         };
         Request {
             namespace: None,

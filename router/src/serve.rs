@@ -258,7 +258,12 @@ async fn decode_once(
     let msg = pb::GenerateRequest {
         request_id: job.request_id.clone(),
         tokens,
-        sampling: Some(pb::Sampling { max_tokens: remaining, ..job.sampling.clone() }),
+        sampling: Some(pb::Sampling {
+            max_tokens: remaining,
+            // What it is sent after the prompt was generated: the penalties and min_tokens count it.
+            prior_generated: progress.generated.len() as u32,
+            ..job.sampling.clone()
+        }),
         handle,
         cache_namespace: job.namespace.clone(),
         deadline_unix_ms: Some(job.deadline_unix_ms),
@@ -374,7 +379,8 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                 progress.generated.push(p.first);
                 progress.cached = Some(p.cached_tokens);
                 handle = p.handle;
-                let eos = state.text.tokenizer().is_end_of_generation(p.first) && !job.sampling.ignore_eos;
+                let eos = job.sampling.stop_token_ids.contains(&p.first)
+                    || (state.text.tokenizer().is_end_of_generation(p.first) && !job.sampling.ignore_eos);
                 if eos || job.sampling.max_tokens <= 1 {
                     let reason = if eos { pb::FinishReason::Stop } else { pb::FinishReason::Length };
                     let _ = tx.send(Ok(Piece::Finished { reason, cached_tokens: p.cached_tokens })).await;

@@ -3,7 +3,7 @@
 
 use engine::generate::FinishReason;
 use engine::kv::KvLayout;
-use engine::sampling::{RawSampling, SamplingParams};
+use engine::sampling::{LogitsRules, RawSampling, SamplingParams};
 use kv_cache::events::{BlockMeta, EventId, KvEvent, Snapshot, Tier};
 use kv_cache::{LocalHash, SeqHash};
 use kv_transfer::descriptor::{BlockDescriptor, KvDtype, KvHandle, KvLayoutDesc, KvOrder, RegionKey};
@@ -52,6 +52,15 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
         stop: s.stop,
         ignore_eos: s.ignore_eos,
         detokenize: true,
+        logits: LogitsRules {
+            logit_bias: s.logit_bias.into_iter().collect(),
+            frequency_penalty: s.frequency_penalty,
+            presence_penalty: s.presence_penalty,
+            repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+            min_tokens: s.min_tokens,
+            stop_token_ids: s.stop_token_ids,
+            prior_generated: s.prior_generated,
+        },
     };
     SamplingParams::new(raw).map_err(|e| ProtoError::Invalid { field: "sampling", why: e.to_string() })
 }

@@ -89,7 +89,8 @@ impl SeqStream {
 
 enum Command {
     Submit {
-        request: Request,
+        /// Boxed: a request (its sampling rules included) is much larger than the other commands.
+        request: Box<Request>,
         export: bool,
         /// Blocks pulled from another worker for this prompt (full blocks, by position): stored and held for the
         /// sequence until it is admitted, so nothing can evict them in between.
@@ -189,7 +190,10 @@ impl EngineHandle {
         blocks: Vec<(usize, Bytes)>,
     ) -> Result<SeqStream, SubmitError> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send(Command::Submit { request, export, blocks, reply }).await.map_err(|_| SubmitError::Closed)?;
+        self.tx
+            .send(Command::Submit { request: Box::new(request), export, blocks, reply })
+            .await
+            .map_err(|_| SubmitError::Closed)?;
         answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::from_engine)
     }
 

@@ -135,7 +135,9 @@ impl Seq {
         self.last_token = Some(now);
         self.tokens.push(token);
         let generated = self.tokens.len() - self.prompt_len;
-        let end_of_generation = !self.ignore_eos && tokenizer.is_end_of_generation(token);
+        // A stop token id ends the sequence even with `ignore_eos`, as in vLLM; neither is part of the text.
+        let stop_token = self.sampler.params().logits().stop_token_ids.contains(&token);
+        let end_of_generation = stop_token || (!self.ignore_eos && tokenizer.is_end_of_generation(token));
         let (mut text, stop_string) = if end_of_generation || !self.detokenize {
             (String::new(), false)
         } else {

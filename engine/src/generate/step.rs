@@ -260,7 +260,12 @@ impl Engine {
             }
             let Some(next) = logits.next() else { continue };
             let token = match next {
-                Next::Logits(l) => s.sampler.sample(&l),
+                Next::Logits(l) => {
+                    let prior = s.sampler.params().logits().prior_generated as usize;
+                    let from = s.prompt_len.saturating_sub(prior);
+                    let tokenizer = self.text.tokenizer();
+                    s.sampler.sample_in(&l, &s.tokens, from, &|t| tokenizer.is_end_of_generation(t))
+                }
                 Next::Draw(words) => s.sampler.draw(&words),
             };
             s.accept(i, token, self.text.tokenizer(), on_event);

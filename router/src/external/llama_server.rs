@@ -28,13 +28,30 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         // 0 turns top-k off in llama.cpp (its default is 40); min-p and the repetition penalty are off in OpenAI's API.
         "top_k": sampling.top_k.unwrap_or(0),
         "min_p": 0.0,
-        "repeat_penalty": 1.0,
         "ignore_eos": sampling.ignore_eos,
+        // llama.cpp's penalties, over the whole sequence (its window is the last 64 tokens by default; the server
+        // takes no -1 for "all").
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "repeat_penalty": sampling.repetition_penalty.unwrap_or(1.0),
+        "repeat_last_n": tokens.len() + sampling.max_tokens as usize,
+        "logit_bias": sampling.logit_bias.iter().map(|(t, v)| json!([t, v])).collect::<Vec<_>>(),
     });
     if let Some(seed) = sampling.seed {
         b["seed"] = seed.into();
     }
     b
+}
+
+/// What llama-server cannot do that the request asks for.
+pub fn unsupported(sampling: &pb::Sampling) -> Option<&'static str> {
+    if sampling.min_tokens > 0 {
+        Some("min_tokens")
+    } else if !sampling.stop_token_ids.is_empty() {
+        Some("stop_token_ids")
+    } else {
+        None
+    }
 }
 
 /// Reads one chunk's JSON.

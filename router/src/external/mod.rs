@@ -262,6 +262,11 @@ impl Engine {
         sampling: &pb::Sampling,
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
+        if self.kind == EngineKind::LlamaServer
+            && let Some(field) = llama_server::unsupported(sampling)
+        {
+            return Err(Status::invalid_argument(format!("{}: llama-server does not support {field}", self.url)));
+        }
         let body = self.kind.body(tokens, sampling).to_string();
         let mut req = hyper::Request::post(self.kind.generate_path())
             .header("content-type", "application/json")

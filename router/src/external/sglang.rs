@@ -21,11 +21,20 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         // -1: the whole vocabulary.
         "top_k": sampling.top_k.map_or(-1, i64::from),
         "min_p": 0.0,
-        "repetition_penalty": 1.0,
         "ignore_eos": sampling.ignore_eos,
     });
     if let Some(seed) = sampling.seed {
         params["sampling_seed"] = seed.into();
+    }
+    params["frequency_penalty"] = sampling.frequency_penalty.into();
+    params["presence_penalty"] = sampling.presence_penalty.into();
+    params["repetition_penalty"] = sampling.repetition_penalty.unwrap_or(1.0).into();
+    params["min_new_tokens"] = sampling.min_tokens.into();
+    if !sampling.stop_token_ids.is_empty() {
+        params["stop_token_ids"] = sampling.stop_token_ids.clone().into();
+    }
+    if !sampling.logit_bias.is_empty() {
+        params["logit_bias"] = sampling.logit_bias.iter().map(|(t, v)| (t.to_string(), Value::from(*v))).collect();
     }
     json!({"input_ids": tokens, "sampling_params": params, "stream": true})
 }

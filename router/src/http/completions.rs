@@ -52,6 +52,13 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
             .render_chat(messages)
             .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))?,
         Input::Text(t) => t.clone(),
+        Input::Tokens(ids) => {
+            let vocab = state.text.tokenizer().vocab_size();
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::bad(format!("token id {bad} is outside the vocabulary of {vocab}"), "prompt"));
+            }
+            return Ok(ids.clone());
+        }
     };
     let tokens = state.text.tokenizer().encode(&text);
     if tokens.is_empty() {
@@ -87,6 +94,10 @@ pub async fn plan(
         return Err(ApiError::UnknownModel(checked.model));
     }
     let (checked, tokens) = tokenize(state, checked).await?;
+    let vocab = state.text.tokenizer().vocab_size();
+    if let Some((id, field)) = checked.logits.token_ids().find(|(id, _)| *id as usize >= vocab) {
+        return Err(ApiError::bad(format!("token id {id} is outside the vocabulary of {vocab}"), field));
+    }
     let room = state.max_model_len.saturating_sub(tokens.len());
     let max_tokens = checked.max_tokens.unwrap_or(state.limits.default_max_tokens.min(room as u32));
     if room == 0 || max_tokens as usize > room {
@@ -176,6 +187,13 @@ pub async fn plan(
         max_tokens,
         stop: checked.stop.clone(),
         ignore_eos: checked.ignore_eos,
+        logit_bias: checked.logits.logit_bias.iter().copied().collect(),
+        frequency_penalty: checked.logits.frequency_penalty,
+        presence_penalty: checked.logits.presence_penalty,
+        repetition_penalty: checked.logits.repetition_penalty,
+        min_tokens: checked.logits.min_tokens,
+        stop_token_ids: checked.logits.stop_token_ids.clone(),
+        prior_generated: 0,
     };
     let job = Job {
         seq: ident.seq,
@@ -245,13 +263,15 @@ struct Text {
     stream: TextStream,
     tokens: usize,
     stopped: bool,
+    /// The request's `stop_token_ids`: like end-of-generation, not part of the text.
+    stop_ids: Vec<u32>,
 }
 
 impl Text {
     fn push(&mut self, state: &RouterState, id: u32) -> String {
         self.tokens += 1;
-        // End-of-generation tokens end the text; they are not part of it (as in the engine).
-        if state.text.tokenizer().is_end_of_generation(id) {
+        // End-of-generation and stop tokens end the text; they are not part of it (as in the engine).
+        if state.text.tokenizer().is_end_of_generation(id) || self.stop_ids.contains(&id) {
             return String::new();
         }
         let (text, hit) = self.stream.push(state.text.tokenizer(), id);
@@ -284,7 +304,12 @@ pub async fn whole(state: Arc<RouterState>, routed: Routed, arrived: Instant, ro
     let id = job.request_id.clone();
     let deadline = state.limits.request_timeout;
     let mut pieces = crate::serve::start(Arc::clone(&state), job, decision);
-    let mut text = Text { stream: TextStream::new(checked.stop.clone()), tokens: 0, stopped: false };
+    let mut text = Text {
+        stream: TextStream::new(checked.stop.clone()),
+        tokens: 0,
+        stopped: false,
+        stop_ids: checked.logits.stop_token_ids.clone(),
+    };
     let mut clock = Clock { arrived, last: None };
     let mut out = String::new();
     let collected = tokio::time::timeout(deadline, async {
@@ -399,7 +424,12 @@ async fn pump(
         let tx = tx.clone();
         async move { tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok() }
     };
-    let mut text = Text { stream: TextStream::new(checked.stop.clone()), tokens: 0, stopped: false };
+    let mut text = Text {
+        stream: TextStream::new(checked.stop.clone()),
+        tokens: 0,
+        stopped: false,
+        stop_ids: checked.logits.stop_token_ids.clone(),
+    };
     let mut clock = Clock { arrived, last: None };
     let mut first = true;
     let deadline = tokio::time::sleep(state.limits.request_timeout);

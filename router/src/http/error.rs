@@ -1,5 +1,6 @@
 //! Every error a client can see, mapped once to an HTTP status and OpenAI's error JSON.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -10,7 +11,7 @@ use serde_json::json;
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     #[error("{message}")]
-    BadRequest { message: String, param: Option<&'static str> },
+    BadRequest { message: String, param: Option<Cow<'static, str>> },
     #[error("the request body is not valid JSON for this endpoint: {0}")]
     MalformedJson(String),
     #[error("missing or invalid API key; send it as `Authorization: Bearer <key>`")]
@@ -33,11 +34,20 @@ pub enum ApiError {
     Upstream(String),
     #[error("not found")]
     NotFound,
+    #[error("this endpoint does not take {0} requests")]
+    MethodNotAllowed(String),
+    #[error("the request body is over the limit of {0} bytes")]
+    BodyTooLarge(usize),
 }
 
 impl ApiError {
     pub fn bad(message: impl Into<String>, param: &'static str) -> ApiError {
-        ApiError::BadRequest { message: message.into(), param: Some(param) }
+        ApiError::BadRequest { message: message.into(), param: Some(Cow::Borrowed(param)) }
+    }
+
+    /// A refused field whose name comes from the request.
+    pub fn bad_field(message: impl Into<String>, field: &str) -> ApiError {
+        ApiError::BadRequest { message: message.into(), param: Some(Cow::Owned(field.to_string())) }
     }
 
     /// A short stable name for metrics and logs (never the message).
@@ -54,6 +64,8 @@ impl ApiError {
             ApiError::Deadline(_) => "deadline",
             ApiError::Upstream(_) => "upstream",
             ApiError::NotFound => "not_found",
+            ApiError::MethodNotAllowed(_) => "method_not_allowed",
+            ApiError::BodyTooLarge(_) => "body_too_large",
         }
     }
 
@@ -63,6 +75,8 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::UnknownModel(_) | ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::TooLong { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -74,7 +88,7 @@ impl ApiError {
     /// OpenAI's error object.
     pub fn body(&self) -> serde_json::Value {
         let (ty, code, param) = match self {
-            ApiError::BadRequest { param, .. } => ("invalid_request_error", None, *param),
+            ApiError::BadRequest { param, .. } => ("invalid_request_error", None, param.as_deref()),
             ApiError::MalformedJson(_) => ("invalid_request_error", None, None),
             ApiError::Unauthorized => ("invalid_request_error", Some("invalid_api_key"), None),
             ApiError::Forbidden(_) => ("permission_error", None, None),
@@ -83,7 +97,8 @@ impl ApiError {
             ApiError::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded"), None),
             ApiError::Unavailable(_) | ApiError::Upstream(_) => ("server_error", None, None),
             ApiError::Deadline(_) => ("server_error", Some("timeout"), None),
-            ApiError::NotFound => ("invalid_request_error", None, None),
+            ApiError::NotFound | ApiError::MethodNotAllowed(_) => ("invalid_request_error", None, None),
+            ApiError::BodyTooLarge(_) => ("invalid_request_error", Some("request_too_large"), None),
         };
         json!({"error": {"message": self.to_string(), "type": ty, "param": param, "code": code}})
     }

@@ -2,6 +2,7 @@
 
 pub mod completions;
 pub mod error;
+pub mod fields;
 pub mod openai;
 
 use std::sync::Arc;
@@ -33,6 +34,8 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completion))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
@@ -41,7 +44,25 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route("/admin/recording", get(recording).post(start_recording).delete(stop_recording))
         .route("/admin/workers", get(list_workers).post(add_worker).delete(remove_worker))
         .fallback(|| async { ApiError::NotFound })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            ApiError::MethodNotAllowed(method.to_string())
+        })
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::map_response(openai_shaped))
         .with_state(state)
+}
+
+/// Largest request body taken (axum's default: a long conversation of text fits many times over).
+pub const BODY_LIMIT: usize = 2 << 20;
+
+/// Turns the plain-text refusals of the HTTP layer (a body over the limit) into OpenAI's error JSON, as every other
+/// error is.
+async fn openai_shaped(resp: Response) -> Response {
+    let json = resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if resp.status() == StatusCode::PAYLOAD_TOO_LARGE && !json {
+        return ApiError::BodyTooLarge(BODY_LIMIT).into_response();
+    }
+    resp
 }
 
 /// The bearer key a request carries.
@@ -113,6 +134,8 @@ fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::Span {
         gen_ai.usage.input_tokens = tracing::field::Empty,
         gen_ai.usage.output_tokens = tracing::field::Empty,
         gen_ai.response.finish_reasons = tracing::field::Empty,
+        user = tracing::field::Empty,
+        safety_identifier = tracing::field::Empty,
     );
     let client = traceparent(headers);
     telemetry::trace::set_parent(&span, client.as_deref());
@@ -146,7 +169,14 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
     let prepared = async {
         authorize(&state, &headers)?;
         let checked = check(endpoint, &body)?;
-        tracing::Span::current().record("gen_ai.request.model", checked.model.as_str());
+        let span = tracing::Span::current();
+        span.record("gen_ai.request.model", checked.model.as_str());
+        if let Some(u) = &checked.user {
+            span.record("user", u.as_str());
+        }
+        if let Some(s) = &checked.safety_identifier {
+            span.record("safety_identifier", s.as_str());
+        }
         let permit = state.admission.admit(state.limits.request_timeout.saturating_sub(arrived.elapsed())).await?;
         let routed = plan(&state, checked, ident, traceparent(&headers), true).await?;
         tracing::Span::current().record("gen_ai.usage.input_tokens", routed.job.tokens.len());
@@ -174,6 +204,63 @@ async fn models(state: Shared, headers: HeaderMap) -> Response {
          "max_model_len": state.max_model_len}
     ]}))
     .into_response()
+}
+
+/// `POST /tokenize` as vLLM serves it: a `prompt`, or `messages` through the chat template, to token ids.
+async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let answer = async {
+        authorize(&state, &headers)?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+        check_model(&state, &v)?;
+        let text = match (v.get("prompt"), v.get("messages")) {
+            (Some(Value::String(p)), None) => p.clone(),
+            (None, Some(_)) => {
+                let c = check_chat(
+                    &serde_json::to_vec(&json!({"model": state.served_model, "messages": v["messages"]}))
+                        .map_err(|e| ApiError::MalformedJson(e.to_string()))?,
+                )?;
+                let openai::Input::Chat(messages) = c.input else { unreachable!("a chat request") };
+                state.text.render_chat(&messages).map_err(|e| ApiError::bad(e.to_string(), "messages"))?
+            }
+            _ => return Err(ApiError::bad("give either `prompt` (a string) or `messages`", "prompt")),
+        };
+        let tokens = state.text.tokenizer().encode(&text);
+        Ok(json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens}))
+    };
+    match answer.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize` as vLLM serves it: token ids to text.
+async fn detokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
+    let answer = async {
+        authorize(&state, &headers)?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+        check_model(&state, &v)?;
+        let ids: Vec<u32> = v
+            .get("tokens")
+            .and_then(|t| serde_json::from_value(t.clone()).ok())
+            .ok_or_else(|| ApiError::bad("`tokens` must be a list of token ids", "tokens"))?;
+        let vocab = state.text.tokenizer().vocab_size();
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad(format!("token id {bad} is outside the vocabulary of {vocab}"), "tokens"));
+        }
+        Ok(json!({"prompt": state.text.tokenizer().decode(&ids)}))
+    };
+    match answer.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A `model` field, when given, must name the served model.
+fn check_model(state: &RouterState, v: &Value) -> Result<(), ApiError> {
+    match v.get("model").and_then(Value::as_str) {
+        Some(m) if m != state.served_model => Err(ApiError::UnknownModel(m.to_string())),
+        _ => Ok(()),
+    }
 }
 
 /// Ready when at least one worker can decode and the index knows what every followed worker holds (its first

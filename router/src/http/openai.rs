@@ -63,10 +63,22 @@ pub struct Common {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
+    /// OpenAI's stable identifier of the end user (for abuse detection): recorded on the request's trace span.
+    pub safety_identifier: Option<String>,
     /// Keep prefixes of this tenant apart from everyone else's (vLLM's `cache_salt`).
     pub cache_salt: Option<String>,
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Token id (a string, as OpenAI's JSON has it) to bias.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    /// vLLM's.
+    pub repetition_penalty: Option<f32>,
+    /// vLLM's.
+    pub min_tokens: Option<u32>,
+    /// vLLM's.
+    pub stop_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -82,6 +94,10 @@ pub enum Prompt {
     Text(String),
     /// A batch of one, as some clients send it.
     Texts(Vec<String>),
+    /// Token ids, as benchmarks and vLLM's clients send them.
+    Tokens(Vec<u32>),
+    /// A batch of one list of token ids.
+    TokenLists(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -103,6 +119,60 @@ pub enum Endpoint {
 pub enum Input {
     Chat(Vec<ChatMessage>),
     Text(String),
+    /// Token ids given by the client (checked against the vocabulary when tokenizing).
+    Tokens(Vec<u32>),
+}
+
+/// What changes the logits before sampling, as the request asks (OpenAI's and vLLM's meanings).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Logits {
+    pub logit_bias: Vec<(u32, f32)>,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub repetition_penalty: Option<f32>,
+    pub min_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Logits {
+    /// Token ids it names (each must be in the vocabulary).
+    pub fn token_ids(&self) -> impl Iterator<Item = (u32, &'static str)> + '_ {
+        let bias = self.logit_bias.iter().map(|(t, _)| (*t, "logit_bias"));
+        bias.chain(self.stop_token_ids.iter().map(|t| (*t, "stop_token_ids")))
+    }
+}
+
+fn check_logits(c: &Common, max_tokens: Option<u32>) -> Result<Logits, ApiError> {
+    let mut logit_bias = Vec::new();
+    for (token, &bias) in c.logit_bias.iter().flatten() {
+        let id = token
+            .parse::<u32>()
+            .map_err(|_| ApiError::bad(format!("logit_bias keys are token ids, not {token:?}"), "logit_bias"))?;
+        if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+            return Err(ApiError::bad(format!("a logit_bias value must be in [-100, 100], got {bias}"), "logit_bias"));
+        }
+        logit_bias.push((id, bias));
+    }
+    for (name, v) in [("frequency_penalty", c.frequency_penalty), ("presence_penalty", c.presence_penalty)] {
+        if v.is_some_and(|v| !(v.is_finite() && (-2.0..=2.0).contains(&v))) {
+            return Err(ApiError::bad(format!("{name} must be in [-2, 2]"), name));
+        }
+    }
+    if c.repetition_penalty.is_some_and(|p| !(p.is_finite() && p > 0.0)) {
+        return Err(ApiError::bad("repetition_penalty must be a number > 0", "repetition_penalty"));
+    }
+    let min_tokens = c.min_tokens.unwrap_or(0);
+    if max_tokens.is_some_and(|m| min_tokens > m) {
+        return Err(ApiError::bad("min_tokens must not exceed max_tokens", "min_tokens"));
+    }
+    Ok(Logits {
+        logit_bias,
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        repetition_penalty: c.repetition_penalty,
+        min_tokens,
+        stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+    })
 }
 
 /// A request, checked.
@@ -122,13 +192,25 @@ pub struct Checked {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub namespace: Option<String>,
+    /// Biases, penalties, `min_tokens`, stop token ids (validated; token ids against the vocabulary later).
+    pub logits: Logits,
+    /// `user` and `safety_identifier` as the client sent them (for the trace, nothing else).
+    pub user: Option<String>,
+    pub safety_identifier: Option<String>,
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))
+/// The typed request, once every field in it is one `endpoint` supports ([`super::fields`]).
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoint) -> Result<T, ApiError> {
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let Some(fields) = v.as_object() else {
+        return Err(ApiError::MalformedJson("the body is not a JSON object".into()));
+    };
+    super::fields::check(endpoint, fields)?;
+    serde_json::from_value(v).map_err(|e| ApiError::MalformedJson(e.to_string()))
 }
 
 fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
+    let logits = check_logits(&c, c.max_completion_tokens.or(c.max_tokens))?;
     let model = c.model.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::bad("`model` is required", "model"))?;
     if c.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("only n = 1 is supported", "n"));
@@ -161,6 +243,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
     }
     let _ = c.user; // Accepted for compatibility; tenants are kept apart by `cache_salt`.
     Ok(Checked {
+        logits,
         endpoint,
         model,
         input,
@@ -174,12 +257,14 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         stop,
         ignore_eos: c.ignore_eos,
         namespace: c.cache_salt.filter(|s| !s.is_empty()),
+        user: c.user,
+        safety_identifier: c.safety_identifier,
     })
 }
 
 /// Checks a `/v1/chat/completions` body.
 pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
-    let r: ChatRequest = parse(body)?;
+    let r: ChatRequest = parse(body, Endpoint::Chat)?;
     if r.messages.is_empty() {
         return Err(ApiError::bad("`messages` must not be empty", "messages"));
     }
@@ -213,16 +298,20 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
 
 /// Checks a `/v1/completions` body.
 pub fn check_completion(body: &[u8]) -> Result<Checked, ApiError> {
-    let r: CompletionRequest = parse(body)?;
-    let text = match r.prompt {
-        Prompt::Text(t) => t,
-        Prompt::Texts(mut v) if v.len() == 1 => v.remove(0),
-        Prompt::Texts(_) => return Err(ApiError::bad("only one prompt per request is supported", "prompt")),
+    let r: CompletionRequest = parse(body, Endpoint::Completion)?;
+    let batch = || ApiError::bad("only one prompt per request is supported", "prompt");
+    let input = match r.prompt {
+        Prompt::Text(t) => Input::Text(t),
+        Prompt::Texts(v) if v.is_empty() => Input::Text(String::new()),
+        Prompt::Texts(mut v) if v.len() == 1 => Input::Text(v.remove(0)),
+        Prompt::Tokens(t) => Input::Tokens(t),
+        Prompt::TokenLists(mut v) if v.len() == 1 => Input::Tokens(v.remove(0)),
+        Prompt::Texts(_) | Prompt::TokenLists(_) => return Err(batch()),
     };
-    if text.is_empty() {
+    if matches!(&input, Input::Text(t) if t.is_empty()) || matches!(&input, Input::Tokens(t) if t.is_empty()) {
         return Err(ApiError::bad("`prompt` must not be empty", "prompt"));
     }
-    check_common(r.common, Endpoint::Completion, Input::Text(text))
+    check_common(r.common, Endpoint::Completion, input)
 }
 
 #[cfg(test)]

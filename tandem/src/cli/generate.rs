@@ -66,6 +66,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         stop: args.stop.clone(),
         ignore_eos: false,
         detokenize: true,
+        ..RawSampling::default()
     })
     .map_err(|e| e.to_string())?;
     let path = args.model.path()?;

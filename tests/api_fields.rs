@@ -1,0 +1,382 @@
+//! No request field is silently ignored. The field lists come from the installed `openai` package's own request
+//! types (`openai.types.chat.completion_create_params`, `openai.types.completion_create_params`): each field is
+//! sent with a value that asks for something, through a real router and worker, and either does what OpenAI
+//! specifies (checked here), is one that changes nothing by nature (accepted), or gets 400 naming it. A field the
+//! package gains that this test has no value for fails the test, so a new field is decided on, not ignored.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::Command;
+
+use kv_transfer::tls::DevCa;
+use serde_json::{Value, json};
+use tandem_tests::*;
+use worker::Role;
+
+const MODEL: &str = "smollm2-135m-instruct";
+
+/// The fields of a request type of the installed `openai` package (its TypedDict and the bases it extends).
+fn openai_fields(module: &str) -> Vec<String> {
+    let script = format!(
+        "import json, importlib\n\
+         base = importlib.import_module('{module}').CompletionCreateParamsBase\n\
+         names = []\n\
+         for cls in reversed(base.__mro__):\n    \
+             names += [k for k in getattr(cls, '__annotations__', {{}}) if k not in names]\n\
+         print(json.dumps(names))"
+    );
+    let out = Command::new("python3").args(["-c", &script]).output().expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the openai package (scripts/e2e/requirements.txt): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("a JSON list")
+}
+
+/// A value asking for something, for every field that is refused or accepted without effect (`true`: accepted).
+fn asks(chat: bool) -> BTreeMap<&'static str, (Value, bool)> {
+    let mut m = BTreeMap::from([("user", (json!("someone"), true)), ("n", (json!(2), false))]);
+    if chat {
+        m.extend([
+            ("metadata", (json!({"k": "v"}), true)),
+            ("store", (json!(true), true)),
+            ("parallel_tool_calls", (json!(true), true)),
+            ("safety_identifier", (json!("hashed-user"), true)),
+            ("prompt_cache_key", (json!("session-1"), true)),
+            ("prompt_cache_retention", (json!("24h"), true)),
+            ("prompt_cache_options", (json!({"mode": "explicit", "ttl": "30m"}), true)),
+            ("logprobs", (json!(true), false)),
+            ("top_logprobs", (json!(2), false)),
+            ("response_format", (json!({"type": "json_object"}), false)),
+            ("tools", (json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]), false)),
+            ("tool_choice", (json!("auto"), false)),
+            ("functions", (json!([{"name": "f", "parameters": {}}]), false)),
+            ("function_call", (json!("auto"), false)),
+            ("modalities", (json!(["text", "audio"]), false)),
+            ("audio", (json!({"voice": "alloy", "format": "wav"}), false)),
+            ("prediction", (json!({"type": "content", "content": "x"}), false)),
+            ("reasoning_effort", (json!("low"), false)),
+            ("verbosity", (json!("low"), false)),
+            ("web_search_options", (json!({}), false)),
+            ("moderation", (json!({"model": "omni-moderation-latest"}), false)),
+            ("service_tier", (json!("flex"), false)),
+        ]);
+    } else {
+        m.extend([
+            ("logprobs", (json!(2), false)),
+            ("best_of", (json!(2), false)),
+            ("echo", (json!(true), false)),
+            ("suffix", (json!(" and so on"), false)),
+        ]);
+    }
+    m
+}
+
+/// Fields implemented: each is checked for its effect below.
+const IMPLEMENTED: &[&str] = &[
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream_options",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+];
+
+struct Api {
+    addr: SocketAddr,
+    chat: bool,
+}
+
+impl Api {
+    fn path(&self) -> &'static str {
+        if self.chat { "/v1/chat/completions" } else { "/v1/completions" }
+    }
+
+    fn base(&self) -> Value {
+        let text = "Write one sentence about the sea.";
+        if self.chat {
+            json!({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 12})
+        } else {
+            json!({"model": MODEL, "prompt": text, "max_tokens": 12})
+        }
+    }
+
+    async fn send(&self, extra: Value) -> Reply {
+        let mut body = self.base();
+        for (k, v) in extra.as_object().expect("an object") {
+            body[k] = v.clone();
+        }
+        http(self.addr, "POST", self.path(), &body.to_string(), &[]).await
+    }
+
+    /// The answer's text, usage and finish reason.
+    async fn answer(&self, extra: Value) -> (String, u64, String) {
+        let r = self.send(extra.clone()).await;
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+        let v = r.json();
+        let choice = &v["choices"][0];
+        let text = if self.chat { &choice["message"]["content"] } else { &choice["text"] };
+        let tokens = v["usage"]["completion_tokens"].as_u64().expect("usage");
+        (text.as_str().unwrap_or_default().to_string(), tokens, choice["finish_reason"].as_str().unwrap_or("").into())
+    }
+
+    /// What each implemented field does, as OpenAI specifies it.
+    async fn check_implemented(&self, field: &str) {
+        match field {
+            "messages" => assert_eq!(self.send(json!({})).await.status, 200),
+            "prompt" => {
+                // Text, token ids and a batch of one list of token ids are the same prompt.
+                let text = self.base()["prompt"].as_str().expect("text").to_string();
+                let ids = engine::text::TextModel::open(&model()).expect("model").tokenizer().encode(&text);
+                let greedy = self.answer(json!({"temperature": 0})).await.0;
+                assert_eq!(self.answer(json!({"temperature": 0, "prompt": ids})).await.0, greedy);
+                assert_eq!(self.answer(json!({"temperature": 0, "prompt": [ids]})).await.0, greedy);
+                for bad in [json!([1, 999_999]), json!([]), json!(["a", "b"])] {
+                    let r = self.send(json!({"prompt": bad})).await;
+                    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("prompt")), "{bad}");
+                }
+            }
+            "model" => {
+                let r = self.send(json!({"model": "no-such-model"})).await;
+                assert_eq!((r.status, r.json()["error"]["param"].clone()), (404, json!("model")), "{}", r.body);
+            }
+            "max_tokens" | "max_completion_tokens" => {
+                let (_, n, reason) = self.answer(json!({field: 3, "ignore_eos": true})).await;
+                assert_eq!((n, reason.as_str()), (3, "length"), "{field}");
+            }
+            "temperature" => {
+                let a = self.answer(json!({"temperature": 0, "seed": 1})).await.0;
+                let b = self.answer(json!({"temperature": 0, "seed": 2})).await.0;
+                assert_eq!(a, b, "temperature 0 is greedy whatever the seed");
+            }
+            "top_p" => {
+                let greedy = self.answer(json!({"temperature": 0})).await.0;
+                let a = self.answer(json!({"temperature": 1, "top_p": 1e-6, "seed": 1})).await.0;
+                assert_eq!(a, greedy, "a tiny top_p keeps only the most likely token");
+            }
+            "seed" => {
+                let hot = |seed| json!({"temperature": 1.5, "seed": seed, "max_tokens": 16, "ignore_eos": true});
+                let first = self.answer(hot(7)).await.0;
+                assert_eq!(self.answer(hot(7)).await.0, first, "the same seed samples the same tokens");
+                let mut others = Vec::new();
+                for seed in [8, 9, 10] {
+                    others.push(self.answer(hot(seed)).await.0);
+                }
+                assert!(others.iter().any(|o| *o != first), "other seeds sample other tokens: {first:?} {others:?}");
+            }
+            "stop" => {
+                let (greedy, _, _) = self.answer(json!({"temperature": 0, "ignore_eos": true})).await;
+                let word = greedy.split_whitespace().nth(1).expect("two words").to_string();
+                let (cut, _, reason) = self.answer(json!({"temperature": 0, "stop": [word.clone()]})).await;
+                assert!(!cut.contains(&word) && greedy.starts_with(&cut), "{greedy:?} stopped at {word:?}: {cut:?}");
+                assert_eq!(reason, "stop");
+            }
+            "stream_options" => {
+                let r = self.send(json!({"stream": true, "stream_options": {"include_usage": true}})).await;
+                let events = r.events();
+                let usage: Value = serde_json::from_str(&events[events.len() - 2]).expect("the usage chunk");
+                assert!(usage["usage"]["completion_tokens"].as_u64().is_some(), "{usage}");
+            }
+            "frequency_penalty" | "presence_penalty" => {
+                // Greedy, long enough to repeat itself: a strong penalty changes what is picked (the formulas are
+                // checked exactly in engine::sampling and across workers below).
+                let long = json!({"temperature": 0, "max_tokens": 32, "ignore_eos": true});
+                let plain = self.answer(long.clone()).await.0;
+                let mut with = long;
+                with[field] = json!(2.0);
+                assert_ne!(self.answer(with).await.0, plain, "{field} changes the output");
+            }
+            "logit_bias" => {
+                let id = engine::text::TextModel::open(&model()).expect("model").tokenizer().encode(" sea")[0];
+                let (text, _, _) =
+                    self.answer(json!({"temperature": 0, "max_tokens": 3, "ignore_eos": true, "logit_bias": {id.to_string(): 100}})).await;
+                assert_eq!(text.trim(), "sea sea sea", "a bias of 100 makes the token certain");
+            }
+            other => panic!("no check for implemented field {other}"),
+        }
+    }
+}
+
+async fn every_field(chat: bool) {
+    let module =
+        if chat { "openai.types.chat.completion_create_params" } else { "openai.types.completion_create_params" };
+    let fields = openai_fields(module);
+    assert!(fields.len() > 10, "{fields:?}");
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Both]).await;
+    let api = Api { addr: router.addr, chat };
+    let asks = asks(chat);
+    for field in &fields {
+        if IMPLEMENTED.contains(&field.as_str()) {
+            api.check_implemented(field).await;
+            continue;
+        }
+        let Some((value, accepted)) = asks.get(field.as_str()) else {
+            panic!(
+                "the openai package has a field this test does not know: {field} (decide its rule in router/src/http/fields.rs)"
+            );
+        };
+        let r = api.send(json!({field.as_str(): value})).await;
+        if *accepted {
+            assert_eq!(r.status, 200, "{field} = {value}: {}", r.body);
+        } else {
+            let e = r.json();
+            assert_eq!((r.status, &e["error"]["param"]), (400, &json!(field)), "{field} = {value}: {}", r.body);
+        }
+    }
+    // A field no schema has is refused as well.
+    let r = api.send(json!({"temprature": 0.5})).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("temprature")));
+    stop(router, workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_chat_completion_field_works_or_is_refused_by_name() {
+    every_field(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_completion_field_works_or_is_refused_by_name() {
+    every_field(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_layer_errors_are_openai_json() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Both]).await;
+    let big = json!({"model": MODEL, "prompt": "x".repeat(3 << 20)}).to_string();
+    for (method, path, body, status) in [
+        ("POST", "/v1/completions", big.as_str(), 413),
+        ("GET", "/v1/chat/completions", "", 405),
+        ("POST", "/v1/no-such-endpoint", "{}", 404),
+        ("POST", "/v1/completions", "[1, 2]", 400),
+    ] {
+        let r = http(router.addr, method, path, body, &[]).await;
+        assert_eq!(r.status, status, "{method} {path}: {}", r.body);
+        let e = r.json();
+        assert!(e["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{method} {path}: {}", r.body);
+        assert!(e["error"]["type"].is_string(), "{}", r.body);
+    }
+    stop(router, workers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize_as_vllm_serves_them() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Both]).await;
+    let text = "The sea is wide and deep.";
+    let want = engine::text::TextModel::open(&model()).expect("model").tokenizer().encode(text);
+    let r = http(router.addr, "POST", "/tokenize", &json!({"model": MODEL, "prompt": text}).to_string(), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!((v["tokens"].clone(), v["count"].as_u64()), (json!(want), Some(want.len() as u64)));
+    assert!(v["max_model_len"].as_u64().is_some_and(|n| n > 1000));
+    let r = http(router.addr, "POST", "/detokenize", &json!({"model": MODEL, "tokens": want}).to_string(), &[]).await;
+    assert_eq!((r.status, r.json()["prompt"].clone()), (200, json!(text)), "{}", r.body);
+    // Messages go through the chat template: as many tokens as the chat request's prompt.
+    let messages = json!([{"role": "user", "content": text}]);
+    let counted = http(router.addr, "POST", "/tokenize", &json!({"messages": messages}).to_string(), &[]).await.json();
+    let chat = json!({"model": MODEL, "messages": messages, "max_tokens": 1}).to_string();
+    let used = http(router.addr, "POST", "/v1/chat/completions", &chat, &[]).await.json();
+    assert_eq!(counted["count"], used["usage"]["prompt_tokens"], "{counted} {used}");
+    for (path, body, param) in [
+        ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
+        ("/tokenize", json!({"prompt": 5}), "prompt"),
+        ("/tokenize", json!({"model": "other", "prompt": "x"}), "model"),
+    ] {
+        let r = http(router.addr, "POST", path, &body.to_string(), &[]).await;
+        assert!(r.status == 400 || r.status == 404, "{path} {body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], json!(param), "{path} {body}");
+    }
+    stop(router, workers).await;
+}
+
+/// The engine's own answer for `messages` with these sampling rules, in one process.
+fn engine_reply(messages: &[engine::chat::ChatMessage], max_tokens: u32, rules: LogitsRules) -> (String, Vec<u32>) {
+    use engine::generate::{Engine, EngineConfig, Request};
+    use engine::sampling::{RawSampling, SamplingParams};
+    let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    let prompt = e.tokenizer().encode(&e.render_chat(messages).expect("template"));
+    let raw = RawSampling { temperature: 0.0, max_tokens, logits: rules, ..RawSampling::default() };
+    let req = Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None };
+    let c = e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    (c.text, c.token_ids)
+}
+
+use engine::sampling::LogitsRules;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_one_engine() {
+    let ca = DevCa::generate().expect("ca");
+    // A prefill and a decode worker: the first token is sampled on one, the rest on the other.
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let system = "You describe places. Answer in two plain sentences about what one sees there. ".repeat(3);
+    let question = "Describe the sea at dawn.";
+    let messages =
+        [engine::chat::ChatMessage::new("system", &system), engine::chat::ChatMessage::new("user", question)];
+    let ask = |extra: Value| {
+        let mut b = json!({"model": MODEL, "max_tokens": 40, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let off = LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() };
+    let (plain, plain_ids) = engine_reply(&messages, 40, off.clone());
+    let sea = engine::text::TextModel::open(&model()).expect("model").tokenizer().encode(" sea")[0];
+    let cases = [
+        (
+            json!({"frequency_penalty": 2.0, "presence_penalty": 1.0}),
+            LogitsRules { frequency_penalty: 2.0, presence_penalty: 1.0, ..off.clone() },
+        ),
+        (json!({"repetition_penalty": 1.3}), LogitsRules { repetition_penalty: 1.3, ..off.clone() }),
+        (json!({"logit_bias": {sea.to_string(): 6}}), LogitsRules { logit_bias: vec![(sea, 6.0)], ..off.clone() }),
+        (
+            json!({"min_tokens": 40, "frequency_penalty": 0.3}),
+            LogitsRules { min_tokens: 40, frequency_penalty: 0.3, ..off.clone() },
+        ),
+    ];
+    for (fields, rules) in cases {
+        let (want, _) = engine_reply(&messages, 40, rules);
+        assert_ne!(want, plain, "{fields} changes the engine's output");
+        let r = http(router.addr, "POST", "/v1/chat/completions", &ask(fields.clone()), &[]).await;
+        assert_eq!(r.status, 200, "{fields}: {}", r.body);
+        assert_eq!(r.json()["choices"][0]["message"]["content"], json!(want), "{fields}: P + D = one engine");
+    }
+    // A stop token id ends the answer before it, whatever ignore_eos says.
+    let stop_id = plain_ids[4];
+    let r = http(
+        router.addr,
+        "POST",
+        "/v1/chat/completions",
+        &ask(json!({"stop_token_ids": [stop_id], "ignore_eos": true})),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    let (cut, _) = engine_reply(&messages, 4, off);
+    assert_eq!(r["choices"][0]["message"]["content"], json!(cut), "{r}");
+    // Ids outside the vocabulary and values out of range are refused by name.
+    for (fields, param) in [
+        (json!({"logit_bias": {"999999": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": 101}}), "logit_bias"),
+        (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"min_tokens": 41}), "min_tokens"),
+        (json!({"stop_token_ids": [999999]}), "stop_token_ids"),
+    ] {
+        let r = http(router.addr, "POST", "/v1/chat/completions", &ask(fields.clone()), &[]).await;
+        assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{fields}: {}", r.body);
+    }
+    stop(router, workers).await;
+}
