@@ -48,7 +48,7 @@ async fn workers_register_themselves_and_leave() {
     reg.announce().await.expect("registering twice is harmless");
     wait_for_workers(&router, 1).await;
     // Slow start: just joined, the worker may take only a small share of requests for now.
-    let views = router.state.cluster.view(&[], Duration::from_secs(60), std::time::Instant::now());
+    let views = router.state.cluster.view(&[], 0, Duration::from_secs(60), std::time::Instant::now());
     assert!(views[0].ramp < 0.2, "a newcomer's share ramps up: {}", views[0].ramp);
     assert_eq!(http(router.addr, "GET", "/admin/workers", "", &auth).await.status, 401, "a client key is not enough");
     let listed = http(router.addr, "GET", "/admin/workers", "", &admin).await.json();
@@ -115,17 +115,53 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
     use tandem_tests::fake::{Behaviour, FakeWorker};
     let ca = DevCa::generate().expect("ca");
     let role = proto::worker::Role::Decode;
-    // Version 1 sent no version at all; the version before this build's says so.
-    let silent = FakeWorker::start(&ca, role, Behaviour::Fail, vec![]).await;
-    let older = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], worker::PROTOCOL_VERSION - 1).await;
-    let newer = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], worker::PROTOCOL_VERSION + 1).await;
-    let router =
-        RunningRouter::start(router_config(&ca, vec![silent.grpc, older.grpc, newer.grpc])).await.expect("router");
+    let ours = worker::PROTOCOL_VERSION;
+    // Version 1 sent no version at all: two versions back, refused like a newer one.
+    let silent = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], 0).await;
+    let older = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], ours - 1).await;
+    let current = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], ours).await;
+    let newer = FakeWorker::speaking(&ca, role, Behaviour::Fail, vec![], ours + 1).await;
+    let workers = vec![silent.grpc, older.grpc, current.grpc, newer.grpc];
+    let router = RunningRouter::start(router_config(&ca, workers)).await.expect("router");
     wait_for_workers(&router, 2).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let up: Vec<std::net::SocketAddr> = router.state.cluster.up_members().into_iter().map(|(_, m)| m.addr).collect();
-    assert!(up.contains(&silent.grpc) && up.contains(&older.grpc), "{up:?}");
+    assert!(up.contains(&older.grpc) && up.contains(&current.grpc), "{up:?}");
     assert!(!up.contains(&newer.grpc), "a newer worker needs a newer router: {up:?}");
+    assert!(!up.contains(&silent.grpc), "two versions back is too old: {up:?}");
+    // A request with sampling rules the older protocol does not carry (it would ignore them) goes only to workers
+    // that know them; a plain one may go to either.
+    let candidates = |extra: serde_json::Value| {
+        let mut body = serde_json::json!({"model": "smollm2-135m-instruct", "prompt": "Hello there", "max_tokens": 2});
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        let router = router.addr;
+        async move {
+            let v = http(router, "POST", "/debug/route", &body.to_string(), &[]).await.json();
+            let mut names: Vec<String> = v["decode"]["candidates"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{v}"))
+                .iter()
+                .map(|c| c["worker"].as_str().expect("name").to_string())
+                .collect();
+            names.sort();
+            names
+        }
+    };
+    assert_eq!(candidates(serde_json::json!({})).await.len(), 2);
+    let name_of = |addr| {
+        let up = router.state.cluster.up_members();
+        up.into_iter().find(|(_, m)| m.addr == addr).map(|(_, m)| m.name).expect("up")
+    };
+    let current_name = name_of(current.grpc);
+    for rules in [
+        serde_json::json!({"frequency_penalty": 0.5}),
+        serde_json::json!({"logit_bias": {"5": 1}}),
+        serde_json::json!({"stop_token_ids": [2]}),
+    ] {
+        assert_eq!(candidates(rules.clone()).await, vec![current_name.clone()], "{rules}");
+    }
     router.shutdown(Duration::from_secs(5)).await;
 }
 

@@ -123,6 +123,8 @@ pub struct Member {
     pub joined: Instant,
     /// Streams are flowing; only up members are routed to.
     pub up: bool,
+    /// The worker protocol it speaks (this build's or the one before).
+    pub protocol: u32,
     /// Its first snapshot since the router started has been applied: the index knows what it holds.
     pub synced: bool,
 }
@@ -311,6 +313,8 @@ impl Cluster {
                 transport: Transport::External(Arc::clone(engine)),
                 joined: Instant::now(),
                 up: true,
+                // Spoken over HTTP: whatever the router sends, it maps to the engine's own fields.
+                protocol: worker::PROTOCOL_VERSION,
                 synced: true,
             },
         );
@@ -434,7 +438,7 @@ impl Cluster {
             .map_err(|_| JoinError::InfoTimeout(addr, timeout))?
             .map_err(|s| JoinError::Info(addr, s))?
             .into_inner();
-        protocol_version(info.protocol_version).map_err(|theirs| JoinError::Protocol {
+        let protocol = protocol_version(info.protocol_version).map_err(|theirs| JoinError::Protocol {
             addr,
             theirs,
             ours: worker::PROTOCOL_VERSION,
@@ -478,6 +482,7 @@ impl Cluster {
                 transport: Transport::Tandem(client.clone()),
                 joined: Instant::now(),
                 up: false,
+                protocol,
                 synced,
             },
         );
@@ -580,13 +585,14 @@ impl Cluster {
         }
     }
 
-    /// Every routable worker as a scheduling candidate for a request with chained hashes `hashes`.
-    pub fn view(&self, hashes: &[SeqHash], slow_start: Duration, now: Instant) -> Vec<WorkerView> {
+    /// Every routable worker speaking at least protocol `min_protocol` as a scheduling candidate for a request with
+    /// chained hashes `hashes`.
+    pub fn view(&self, hashes: &[SeqHash], min_protocol: u32, slow_start: Duration, now: Instant) -> Vec<WorkerView> {
         let s = self.lock();
         let overlap = s.index.overlap(hashes);
         s.members
             .iter()
-            .filter(|(id, m)| s.routable(**id, m, now))
+            .filter(|(id, m)| s.routable(**id, m, now) && m.protocol >= min_protocol)
             .map(|(&id, m)| {
                 let age = now.saturating_duration_since(m.joined);
                 let ramp = if slow_start.is_zero() {
@@ -759,7 +765,7 @@ mod tests {
         let ours = worker::PROTOCOL_VERSION;
         assert_eq!(protocol_version(ours), Ok(ours));
         assert_eq!(protocol_version(ours - 1), Ok(ours - 1), "a worker one version older (rolling upgrade)");
-        assert_eq!(protocol_version(0), Ok(1), "version 1 workers sent no version");
+        assert_eq!(protocol_version(0), Err(1), "version 1 workers sent no version: two versions back");
         assert_eq!(protocol_version(ours + 1), Err(ours + 1), "a newer worker needs a newer router");
     }
 }

@@ -354,13 +354,31 @@ async fn stream_tokens(
     }
 }
 
-/// The least loaded routable decode worker not in `tried`, or `fallback` when there is none.
-fn next_decoder(state: &RouterState, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
+/// The oldest worker protocol that applies everything `logits` asks for (a version-2 worker would ignore the rules).
+pub fn protocol_needed(logits: &crate::http::openai::Logits) -> u32 {
+    if *logits == crate::http::openai::Logits::default() { 0 } else { worker::LOGITS_RULES_PROTOCOL }
+}
+
+/// The protocol a job's sampling needs of a worker.
+fn job_protocol(s: &pb::Sampling) -> u32 {
+    let plain = s.logit_bias.is_empty()
+        && s.frequency_penalty == 0.0
+        && s.presence_penalty == 0.0
+        && s.repetition_penalty.is_none_or(|p| p == 1.0)
+        && s.min_tokens == 0
+        && s.stop_token_ids.is_empty();
+    if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL }
+}
+
+/// The least loaded routable decode worker not in `tried` that speaks the job's protocol, or `fallback` when there
+/// is none.
+fn next_decoder(state: &RouterState, job: &Job, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
+    let protocol = job_protocol(&job.sampling);
     state
         .cluster
         .routable_members(std::time::Instant::now())
         .into_iter()
-        .filter(|(id, m)| m.role.decodes() && !tried.contains(id))
+        .filter(|(id, m)| m.role.decodes() && !tried.contains(id) && m.protocol >= protocol)
         .min_by_key(|(id, _)| state.cluster.in_flight(*id))
         .map_or(fallback, |(id, _)| id)
 }
@@ -410,7 +428,7 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                 break;
             }
             state.metrics.decode_resumptions.fetch_add(1, Ordering::Relaxed);
-            worker = next_decoder(&state, &tried, worker);
+            worker = next_decoder(&state, &job, &tried, worker);
             overlap = None;
         }
         let target = Target { worker, handle: handle.take(), overlap };

@@ -142,9 +142,9 @@ pub struct FakeWorker {
 
 impl FakeWorker {
     /// Starts one in `role` whose snapshot claims the blocks `blocks` (chained hashes), answering `Info` as a
-    /// worker of protocol version 1 does (no version, no name).
+    /// worker of this build's protocol does (with no name).
     pub async fn start(ca: &DevCa, role: pb::Role, behaviour: Behaviour, blocks: Vec<u64>) -> FakeWorker {
-        FakeWorker::speaking(ca, role, behaviour, blocks, 0).await
+        FakeWorker::speaking(ca, role, behaviour, blocks, worker::PROTOCOL_VERSION).await
     }
 
     /// [`FakeWorker::start`], naming protocol version `version` in `Info` (0: none).

@@ -129,7 +129,8 @@ pub async fn plan(
     // request routed at the same moment sees this one's work.
     let (views, decision, reserved) = {
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
-        let views = state.cluster.view(&hashes, Duration::from_secs_f64(config.slow_start_secs), arrived);
+        let protocol = crate::serve::protocol_needed(&checked.logits);
+        let views = state.cluster.view(&hashes, protocol, Duration::from_secs_f64(config.slow_start_secs), arrived);
         let decision = route(&req, &views, &config, &mut route_state);
         // This request on `worker`, with `prefill_tokens` of its prompt to compute there.
         let reserve = |worker, prefill_tokens| {
