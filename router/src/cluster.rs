@@ -332,15 +332,16 @@ impl Cluster {
         s.heard.entry(id).or_default().0 = Some(Instant::now());
     }
 
-    /// Events external worker `id` published, in the router's terms ([`crate::external::events`]); ignored while
-    /// it is down (the index does not have it).
-    pub(crate) fn apply_engine_events(&self, id: WorkerId, events: &[kv_cache::events::KvEvent]) {
+    /// Events external worker `id` published, in the router's terms ([`crate::external::events`]); `false` (and
+    /// nothing applied) while it is down: the index does not have it.
+    pub(crate) fn apply_engine_events(&self, id: WorkerId, events: &[kv_cache::events::KvEvent]) -> bool {
         let mut s = self.lock();
         if !s.members.get(&id).is_some_and(|m| m.up) {
-            return;
+            return false;
         }
         s.heard.entry(id).or_default().1 = Some(Instant::now());
         apply_own(&mut s, id, events);
+        true
     }
 
     /// A prompt with these blocks was sent to external worker `id`: they are predicted there from now on.

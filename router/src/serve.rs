@@ -354,13 +354,9 @@ async fn stream_tokens(
     }
 }
 
-/// The oldest worker protocol that applies everything `logits` asks for (a version-2 worker would ignore the rules).
-pub fn protocol_needed(logits: &crate::http::openai::Logits) -> u32 {
-    if *logits == crate::http::openai::Logits::default() { 0 } else { worker::LOGITS_RULES_PROTOCOL }
-}
-
-/// The protocol a job's sampling needs of a worker.
-fn job_protocol(s: &pb::Sampling) -> u32 {
+/// The oldest worker protocol that applies everything `s` asks for (a version-2 worker would ignore the logits
+/// rules).
+pub fn protocol_needed(s: &pb::Sampling) -> u32 {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
         && s.presence_penalty == 0.0
@@ -373,7 +369,7 @@ fn job_protocol(s: &pb::Sampling) -> u32 {
 /// The least loaded routable decode worker not in `tried` that speaks the job's protocol, or `fallback` when there
 /// is none.
 fn next_decoder(state: &RouterState, job: &Job, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
-    let protocol = job_protocol(&job.sampling);
+    let protocol = protocol_needed(&job.sampling);
     state
         .cluster
         .routable_members(std::time::Instant::now())

@@ -159,7 +159,8 @@ pub mod defaults {
     /// SGLang's gateway forgets predicted prefixes after 120 s; an idle engine keeps its cache longer, a busy one
     /// much shorter, which the capacity bounds.
     pub const PREDICTED_TTL: Duration = Duration::from_secs(120);
-    /// 4 M blocks: 64 M tokens at vLLM's 16, more KV than one server holds; about 300 MB of bookkeeping at most.
+    /// 4 M blocks: 64 M tokens at vLLM's 16, more KV than one server holds (each followed block costs a map entry,
+    /// its owned hashes and under one block of tail tokens: tens of bytes, so hundreds of MB at the bound).
     pub const MAX_ENGINE_BLOCKS: usize = 1 << 22;
     /// KV assumed for a server that does not say (no `/props`, `/metrics` or `/server_info` answer): it scales the
     /// load term and bounds what is sent there (without one, every request would look like too much).

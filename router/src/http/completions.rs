@@ -53,10 +53,7 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
             .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))?,
         Input::Text(t) => t.clone(),
         Input::Tokens(ids) => {
-            let vocab = state.text.tokenizer().vocab_size();
-            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(ApiError::bad(format!("token id {bad} is outside the vocabulary of {vocab}"), "prompt"));
-            }
+            in_vocabulary(state, ids, "prompt")?;
             return Ok(ids.clone());
         }
     };
@@ -65,6 +62,15 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
         return Err(ApiError::bad("the prompt is empty after tokenization", "messages"));
     }
     Ok(tokens)
+}
+
+/// Refuses token ids the served model's vocabulary does not have (`param` names the field they came in).
+pub fn in_vocabulary(state: &RouterState, ids: &[u32], param: &'static str) -> Result<(), ApiError> {
+    let vocab = state.text.tokenizer().vocab_size();
+    match ids.iter().find(|&&t| t as usize >= vocab) {
+        Some(bad) => Err(ApiError::bad(format!("token id {bad} is outside the vocabulary of {vocab}"), param)),
+        None => Ok(()),
+    }
 }
 
 /// A request's number (load accounting) and id (workers, logs, the response's `id`), given when it arrives.
@@ -94,10 +100,8 @@ pub async fn plan(
         return Err(ApiError::UnknownModel(checked.model));
     }
     let (checked, tokens) = tokenize(state, checked).await?;
-    let vocab = state.text.tokenizer().vocab_size();
-    if let Some((id, field)) = checked.logits.token_ids().find(|(id, _)| *id as usize >= vocab) {
-        return Err(ApiError::bad(format!("token id {id} is outside the vocabulary of {vocab}"), field));
-    }
+    in_vocabulary(state, &checked.logits.logit_bias.iter().map(|(t, _)| *t).collect::<Vec<_>>(), "logit_bias")?;
+    in_vocabulary(state, &checked.logits.stop_token_ids, "stop_token_ids")?;
     let room = state.max_model_len.saturating_sub(tokens.len());
     let max_tokens = checked.max_tokens.unwrap_or(state.limits.default_max_tokens.min(room as u32));
     if room == 0 || max_tokens as usize > room {
@@ -108,6 +112,22 @@ pub async fn plan(
         .ok_or_else(|| ApiError::Unavailable("the workers report a block size of 0".into()))?;
     let namespace = checked.namespace.as_deref().map(CacheNamespace::new);
     let kv_cache::BlockHashes { seq: hashes, local: locals } = block_hashes(&tokens, bs, namespace.as_ref());
+    let sampling = pb::Sampling {
+        temperature: checked.temperature,
+        top_p: checked.top_p,
+        top_k: checked.top_k,
+        seed: checked.seed,
+        max_tokens,
+        stop: checked.stop.clone(),
+        ignore_eos: checked.ignore_eos,
+        logit_bias: checked.logits.logit_bias.iter().copied().collect(),
+        frequency_penalty: checked.logits.frequency_penalty,
+        presence_penalty: checked.logits.presence_penalty,
+        repetition_penalty: checked.logits.repetition_penalty,
+        min_tokens: checked.logits.min_tokens,
+        stop_token_ids: checked.logits.stop_token_ids.clone(),
+        prior_generated: 0,
+    };
     let config = state.scheduler_config();
     let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
     let span = tracing::info_span!(
@@ -129,7 +149,7 @@ pub async fn plan(
     // request routed at the same moment sees this one's work.
     let (views, decision, reserved) = {
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
-        let protocol = crate::serve::protocol_needed(&checked.logits);
+        let protocol = crate::serve::protocol_needed(&sampling);
         let views = state.cluster.view(&hashes, protocol, Duration::from_secs_f64(config.slow_start_secs), arrived);
         let decision = route(&req, &views, &config, &mut route_state);
         // This request on `worker`, with `prefill_tokens` of its prompt to compute there.
@@ -180,22 +200,6 @@ pub async fn plan(
     if count {
         state.metrics.decision(decision.policy.as_str(), decision.reason.as_str());
     }
-    let sampling = pb::Sampling {
-        temperature: checked.temperature,
-        top_p: checked.top_p,
-        top_k: checked.top_k,
-        seed: checked.seed,
-        max_tokens,
-        stop: checked.stop.clone(),
-        ignore_eos: checked.ignore_eos,
-        logit_bias: checked.logits.logit_bias.iter().copied().collect(),
-        frequency_penalty: checked.logits.frequency_penalty,
-        presence_penalty: checked.logits.presence_penalty,
-        repetition_penalty: checked.logits.repetition_penalty,
-        min_tokens: checked.logits.min_tokens,
-        stop_token_ids: checked.logits.stop_token_ids.clone(),
-        prior_generated: 0,
-    };
     let job = Job {
         seq: ident.seq,
         request_id: ident.id,

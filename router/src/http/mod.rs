@@ -243,11 +243,8 @@ async fn detokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
             .get("tokens")
             .and_then(|t| serde_json::from_value(t.clone()).ok())
             .ok_or_else(|| ApiError::bad("`tokens` must be a list of token ids", "tokens"))?;
-        let vocab = state.text.tokenizer().vocab_size();
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ApiError::bad(format!("token id {bad} is outside the vocabulary of {vocab}"), "tokens"));
-        }
-        Ok(json!({"prompt": state.text.tokenizer().decode(&ids)}))
+        completions::in_vocabulary(&state, &ids, "tokens")?;
+        Ok::<_, ApiError>(json!({"prompt": state.text.tokenizer().decode(&ids)}))
     };
     match answer.await {
         Ok(v) => axum::Json(v).into_response(),

@@ -134,14 +134,6 @@ pub struct Logits {
     pub stop_token_ids: Vec<u32>,
 }
 
-impl Logits {
-    /// Token ids it names (each must be in the vocabulary).
-    pub fn token_ids(&self) -> impl Iterator<Item = (u32, &'static str)> + '_ {
-        let bias = self.logit_bias.iter().map(|(t, _)| (*t, "logit_bias"));
-        bias.chain(self.stop_token_ids.iter().map(|t| (*t, "stop_token_ids")))
-    }
-}
-
 fn check_logits(c: &Common, max_tokens: Option<u32>) -> Result<Logits, ApiError> {
     let mut logit_bias = Vec::new();
     for (token, &bias) in c.logit_bias.iter().flatten() {

@@ -114,12 +114,13 @@ impl Follower<'_> {
         if self.source.replay.is_some() {
             self.catch_up(0).await?;
         }
+        // A busy stream notices the worker going down when a batch cannot be applied; a quiet one by this check.
+        let mut check = tokio::time::interval(MEMBERSHIP_CHECK);
         loop {
             let message = tokio::select! {
                 m = sub.recv() => m?,
-                _ = tokio::time::sleep(MEMBERSHIP_CHECK) => {
+                _ = check.tick() => {
                     if !self.cluster.member(self.id).is_some_and(|m| m.up) {
-                        self.blocks.clear();
                         return Ok(());
                     }
                     continue;
@@ -138,22 +139,23 @@ impl Follower<'_> {
                     self.reset("events lost");
                 }
             }
-            self.take(seq, payload);
+            if !self.take(seq, payload) {
+                return Ok(());
+            }
         }
     }
 
-    /// Applies batch `seq` unless it was applied already.
-    fn take(&mut self, seq: u64, payload: &[u8]) {
+    /// Applies batch `seq` unless it was applied already; `false` once the worker is down (nothing more applies).
+    fn take(&mut self, seq: u64, payload: &[u8]) -> bool {
         if self.expected.is_some_and(|due| seq < due) {
-            return;
+            return true;
         }
         self.expected = Some(seq + 1);
         let batch = match wire::decode(payload) {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(worker = ?self.id, seq, error = %e, "an unreadable KV event batch");
-                self.reset("an unreadable batch");
-                return;
+                return self.reset("an unreadable batch");
             }
         };
         for event in &batch.events {
@@ -162,15 +164,17 @@ impl Follower<'_> {
                     if out.skipped > 0 {
                         tracing::debug!(worker = ?self.id, blocks = out.skipped, "engine blocks not followed");
                     }
-                    self.cluster.apply_engine_events(self.id, &out.events);
+                    if !self.cluster.apply_engine_events(self.id, &out.events) {
+                        return false;
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(worker = ?self.id, error = %e, "dropping the view of an external worker");
-                    self.reset("too many blocks");
-                    return;
+                    return self.reset("too many blocks");
                 }
             }
         }
+        true
     }
 
     /// Asks the replay socket for every batch from `from` on and applies those not applied yet.
@@ -192,19 +196,21 @@ impl Follower<'_> {
             {
                 self.reset("the replay buffer no longer holds the missed batches");
             }
-            self.take(seq, payload);
+            if !self.take(seq, payload) {
+                return Ok(());
+            }
         }
         Ok(())
     }
 
-    /// Forgets what the router knew of the worker's cache.
-    fn reset(&mut self, why: &str) {
+    /// Forgets what the router knew of the worker's cache; `false` when the worker is down.
+    fn reset(&mut self, why: &str) -> bool {
         if !self.blocks.is_empty() || self.expected.is_some() {
             tracing::info!(worker = ?self.id, why, "rebuilding an external worker's cache view from its events");
         }
         self.blocks.clear();
         self.expected = None;
-        self.cluster.apply_engine_events(self.id, &[kv_cache::events::KvEvent::Cleared { tier: None }]);
+        self.cluster.apply_engine_events(self.id, &[kv_cache::events::KvEvent::Cleared { tier: None }])
     }
 }
 
