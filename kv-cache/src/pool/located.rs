@@ -1,10 +1,12 @@
 //! Where every findable block is: a hash table from block hash to [`Location`], made for the pool's access
 //! pattern. Each tier move and eviction updates it, and on a large pool nearly every update misses the cache;
 //! std's table keeps its control bytes apart from its entries, so each of those lookups misses twice. Here an
-//! entry holds its key and value together and collisions go to the next entries (linear probing), so a lookup is
-//! one miss; removal shifts the entries after it back (no tombstones), and the table keeps at most half its entries
-//! in use so probe runs stay short. Positions come from the keyed hasher of [`crate::fastmap`], so hashes chosen by
-//! an adversary do not pile into one run.
+//! entry is 8 bytes, 32 bits of the key's keyed hash (its tag) next to the location, and collisions go to the next
+//! entries (linear probing), so a lookup is one miss; the key itself is not stored, since the slot an entry names
+//! holds it: a lookup checks a tag match there, and a move or removal names where the block is. Removal shifts the
+//! entries after it back (no tombstones), and the table keeps at most half its entries in use so probe runs stay
+//! short. Tags come from the keyed hasher of [`crate::fastmap`], so hashes chosen by an adversary do not pile into
+//! one run.
 
 use std::hash::BuildHasher;
 
@@ -13,30 +15,43 @@ use crate::events::Tier;
 use crate::fastmap::KeyedState;
 use crate::hash::SeqHash;
 
-/// An entry's tier byte when the entry is empty.
-const EMPTY: u8 = u8::MAX;
+/// An entry's `at` when the entry is empty (tier bits 3: no tier).
+const EMPTY: u32 = u32::MAX;
+/// Bits of `at` that hold the slot; the two above them hold the tier.
+const SLOT_BITS: u32 = 30;
+/// A tier has fewer slots than this (so that a table for three tiers has fewer than 2^32 entries and a tag
+/// places an entry anywhere in it).
+pub const MAX_SLOTS: usize = 1 << 28;
 
+/// 8 bytes: a simulated cluster's pools have tables of 16 × 131,072 entries, which at 16 bytes an entry did not
+/// fit the last-level cache next to everything else. The entry keeps 32 bits of the key's hash (the tag) and the
+/// location; the key itself is the one stored in the slot the entry names, which the pool checks.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
-    key: u64,
-    slot: u32,
-    /// [`Tier::index`], or [`EMPTY`].
-    tier: u8,
+    tag: u32,
+    /// [`Tier::index`] above [`SLOT_BITS`] bits of slot, or [`EMPTY`].
+    at: u32,
 }
 
-const VACANT: Entry = Entry { key: 0, slot: 0, tier: EMPTY };
+const VACANT: Entry = Entry { tag: 0, at: EMPTY };
+
+fn pack(at: Location) -> u32 {
+    debug_assert!((at.slot as usize) < MAX_SLOTS);
+    (at.tier.index() as u32) << SLOT_BITS | at.slot
+}
 
 impl Entry {
-    fn new(key: u64, at: Location) -> Entry {
-        Entry { key, slot: at.slot, tier: at.tier.index() as u8 }
+    fn is_empty(&self) -> bool {
+        self.at == EMPTY
     }
 
     fn location(&self) -> Location {
-        Location { tier: Tier::ALL[self.tier as usize], slot: self.slot }
+        Location { tier: Tier::ALL[(self.at >> SLOT_BITS) as usize], slot: self.at & ((1 << SLOT_BITS) - 1) }
     }
 }
 
-/// Block hash → location.
+/// Block hash → location. The table does not hold whole keys: each method takes `key_at`, the hash of the block
+/// a location holds (the pool's slot states), or the location the block is known to be at.
 #[derive(Debug)]
 pub struct Located {
     entries: Vec<Entry>,
@@ -64,35 +79,47 @@ impl Located {
         self.len
     }
 
-    fn home(&self, key: u64) -> usize {
+    fn tag(&self, seq: SeqHash) -> u32 {
         // The hasher's high bits are its best mixed.
-        (self.hasher.hash_one(key) >> 32) as usize & self.mask
+        (self.hasher.hash_one(seq.0) >> 32) as u32
     }
 
-    fn probe(&self, key: u64) -> Probe {
-        let mut i = self.home(key);
+    fn home(&self, tag: u32) -> usize {
+        tag as usize & self.mask
+    }
+
+    /// The entry for `seq` (one whose tag matches and whose location `is_it` accepts), or the empty one where it
+    /// would go.
+    fn probe(&self, seq: SeqHash, mut is_it: impl FnMut(Location) -> bool) -> Probe {
+        let tag = self.tag(seq);
+        let mut i = self.home(tag);
         loop {
-            let e = &self.entries[i];
-            if e.tier == EMPTY {
+            let e = self.entries[i];
+            if e.is_empty() {
                 return Probe::Vacant(i);
             }
-            if e.key == key {
+            if e.tag == tag && is_it(e.location()) {
                 return Probe::Found(i);
             }
             i = (i + 1) & self.mask;
         }
     }
 
-    pub fn get(&self, seq: &SeqHash) -> Option<Location> {
-        match self.probe(seq.0) {
+    /// Where `seq` is; `key_at` tells what a location holds.
+    pub fn get(&self, seq: SeqHash, key_at: impl Fn(Location) -> Option<SeqHash>) -> Option<Location> {
+        match self.probe(seq, |at| key_at(at) == Some(seq)) {
             Probe::Found(i) => Some(self.entries[i].location()),
             Probe::Vacant(_) => None,
         }
     }
 
-    /// Sets `seq`'s location; returns the one it replaces.
-    pub fn insert(&mut self, seq: SeqHash, at: Location) -> Option<Location> {
-        self.upsert(seq, |_| Some(at))
+    /// Adds `seq`, known to be absent, at `at`.
+    pub fn insert_new(&mut self, seq: SeqHash, at: Location) {
+        self.reserve_one();
+        if let Probe::Vacant(i) = self.probe(seq, |_| false) {
+            self.entries[i] = Entry { tag: self.tag(seq), at: pack(at) };
+            self.len += 1;
+        }
     }
 
     /// Looks `seq` up once and sets its location to what `decide` returns given the current one (`None`: leave
@@ -100,22 +127,21 @@ impl Located {
     pub fn upsert(
         &mut self,
         seq: SeqHash,
+        key_at: impl Fn(Location) -> Option<SeqHash>,
         decide: impl FnOnce(Option<Location>) -> Option<Location>,
     ) -> Option<Location> {
-        if 2 * (self.len + 1) > self.entries.len() {
-            self.grow();
-        }
-        match self.probe(seq.0) {
+        self.reserve_one();
+        match self.probe(seq, |at| key_at(at) == Some(seq)) {
             Probe::Found(i) => {
                 let old = self.entries[i].location();
                 if let Some(at) = decide(Some(old)) {
-                    self.entries[i] = Entry::new(seq.0, at);
+                    self.entries[i].at = pack(at);
                 }
                 Some(old)
             }
             Probe::Vacant(i) => {
                 if let Some(at) = decide(None) {
-                    self.entries[i] = Entry::new(seq.0, at);
+                    self.entries[i] = Entry { tag: self.tag(seq), at: pack(at) };
                     self.len += 1;
                 }
                 None
@@ -123,20 +149,32 @@ impl Located {
         }
     }
 
-    /// Removes `seq`; returns where it was.
-    pub fn remove(&mut self, seq: &SeqHash) -> Option<Location> {
-        let Probe::Found(mut hole) = self.probe(seq.0) else { return None };
-        let old = self.entries[hole].location();
+    /// Moves `seq` from `from` (where it is) to `to`; false if it was not at `from`.
+    pub fn relocate(&mut self, seq: SeqHash, from: Location, to: Location) -> bool {
+        let from = pack(from);
+        match self.probe(seq, |at| pack(at) == from) {
+            Probe::Found(i) => {
+                self.entries[i].at = pack(to);
+                true
+            }
+            Probe::Vacant(_) => false,
+        }
+    }
+
+    /// Removes `seq`, known to be at `at`; false if it was not there.
+    pub fn remove_at(&mut self, seq: SeqHash, at: Location) -> bool {
+        let at = pack(at);
+        let Probe::Found(mut hole) = self.probe(seq, |now| pack(now) == at) else { return false };
         // Shift back every later entry of the run that may move into the hole (whose home is not between the
         // hole and it), so that every key stays reachable from its home without crossing an empty entry.
         let mut i = hole;
         loop {
             i = (i + 1) & self.mask;
             let e = self.entries[i];
-            if e.tier == EMPTY {
+            if e.is_empty() {
                 break;
             }
-            let home = self.home(e.key);
+            let home = self.home(e.tag);
             let distance_home = i.wrapping_sub(home) & self.mask;
             let distance_hole = i.wrapping_sub(hole) & self.mask;
             if distance_home >= distance_hole {
@@ -146,17 +184,39 @@ impl Located {
         }
         self.entries[hole] = VACANT;
         self.len -= 1;
-        Some(old)
+        true
     }
 
-    fn grow(&mut self) {
-        let old = std::mem::take(&mut self.entries);
-        let size = (old.len() * 2).max(16);
-        self.entries = vec![VACANT; size];
-        self.mask = size - 1;
-        for e in old.into_iter().filter(|e| e.tier != EMPTY) {
-            let Probe::Vacant(i) = self.probe(e.key) else { unreachable!("keys are unique") };
-            self.entries[i] = e;
+    /// Drops every entry on `tier`.
+    pub fn remove_tier(&mut self, tier: Tier) {
+        let kept: Vec<Entry> =
+            self.entries.iter().copied().filter(|e| !e.is_empty() && e.location().tier != tier).collect();
+        self.entries.fill(VACANT);
+        self.len = 0;
+        for e in kept {
+            self.place(e);
+        }
+    }
+
+    fn place(&mut self, e: Entry) {
+        let mut i = self.home(e.tag);
+        while !self.entries[i].is_empty() {
+            i = (i + 1) & self.mask;
+        }
+        self.entries[i] = e;
+        self.len += 1;
+    }
+
+    fn reserve_one(&mut self) {
+        if 2 * (self.len + 1) > self.entries.len() {
+            let old = std::mem::take(&mut self.entries);
+            let size = (old.len() * 2).max(16);
+            self.entries = vec![VACANT; size];
+            self.mask = size - 1;
+            self.len = 0;
+            for e in old.into_iter().filter(|e| !e.is_empty()) {
+                self.place(e);
+            }
         }
     }
 }
@@ -170,32 +230,69 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
 
-        /// Inserts, replacements, removals and growth agree with std's map, over keys few enough to collide often.
+        /// Inserts, moves, upserts, removals, tier drops and growth agree with a map, over keys few enough to
+        /// collide often; which block each location holds is the model's, as the pool's slot states are.
         #[test]
         fn the_table_agrees_with_a_map(
-            ops in proptest::collection::vec((0u8..3, 0u64..200, 0u32..1000, 0usize..3), 1..2_000),
+            ops in proptest::collection::vec((0u8..5, 0u64..200, 0u32..300, 0usize..3), 1..2_000),
             start in 0usize..40,
         ) {
             let mut table = Located::with_capacity(start);
             let mut model: HashMap<u64, Location> = HashMap::new();
+            let mut holder: HashMap<Location, u64> = HashMap::new();
             for (op, key, slot, tier) in ops {
                 let at = Location { tier: Tier::ALL[tier], slot };
                 let seq = SeqHash(key.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                let now = model.get(&seq.0).copied();
+                let taken = holder.contains_key(&at);
                 match op {
-                    0 => proptest::prop_assert_eq!(table.insert(seq, at), model.insert(seq.0, at)),
-                    1 => proptest::prop_assert_eq!(table.remove(&seq), model.remove(&seq.0)),
-                    _ => {
-                        // Keep a found key as it is; put a missing one in.
-                        let before = table.upsert(seq, |now| now.is_none().then_some(at));
-                        proptest::prop_assert_eq!(before, model.get(&seq.0).copied());
-                        model.entry(seq.0).or_insert(at);
+                    0 if now.is_none() && !taken => {
+                        table.insert_new(seq, at);
+                        model.insert(seq.0, at);
+                        holder.insert(at, seq.0);
                     }
+                    1 => {
+                        // A missing key is "moved" from where it is not, which changes nothing; a move to a
+                        // taken location stays put.
+                        let from = now.unwrap_or(at);
+                        let moves = now.is_some() && !taken;
+                        let to = if moves { at } else { from };
+                        proptest::prop_assert_eq!(table.relocate(seq, from, to), now.is_some());
+                        if moves {
+                            holder.remove(&from);
+                            holder.insert(at, seq.0);
+                            model.insert(seq.0, at);
+                        }
+                    }
+                    2 => {
+                        proptest::prop_assert_eq!(table.remove_at(seq, now.unwrap_or(at)), now.is_some());
+                        if let Some(was) = model.remove(&seq.0) {
+                            holder.remove(&was);
+                        }
+                    }
+                    3 if !taken => {
+                        // Keep a found key as it is; put a missing one in.
+                        let key_at = |l: Location| holder.get(&l).map(|&k| SeqHash(k));
+                        let before = table.upsert(seq, key_at, |now| now.is_none().then_some(at));
+                        proptest::prop_assert_eq!(before, now);
+                        if now.is_none() {
+                            model.insert(seq.0, at);
+                            holder.insert(at, seq.0);
+                        }
+                    }
+                    4 if key % 50 == 0 => {
+                        table.remove_tier(at.tier);
+                        model.retain(|_, l| l.tier != at.tier);
+                        holder.retain(|l, _| l.tier != at.tier);
+                    }
+                    _ => {}
                 }
                 proptest::prop_assert_eq!(table.len(), model.len());
             }
             for key in 0u64..200 {
                 let seq = SeqHash(key.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                proptest::prop_assert_eq!(table.get(&seq), model.get(&seq.0).copied());
+                let key_at = |l: Location| holder.get(&l).map(|&k| SeqHash(k));
+                proptest::prop_assert_eq!(table.get(seq, key_at), model.get(&seq.0).copied());
             }
         }
     }

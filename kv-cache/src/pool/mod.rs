@@ -47,6 +47,8 @@ pub enum Action {
 pub enum PoolError {
     #[error("the device tier needs at least one block")]
     NoDeviceBlocks,
+    #[error("a tier may have at most {max} blocks, not {0}", max = located::MAX_SLOTS - 1)]
+    TierTooLarge(usize),
     #[error("out of KV capacity: every device block is referenced")]
     OutOfBlocks,
     #[error("device block {0} is not in use")]
@@ -123,6 +125,9 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         if sizes.device == 0 {
             return Err(PoolError::NoDeviceBlocks);
         }
+        if let Some(&n) = [sizes.device, sizes.host, sizes.disk].iter().find(|&&n| n >= located::MAX_SLOTS) {
+            return Err(PoolError::TierTooLarge(n));
+        }
         let tiers = [TierTable::new(sizes.device), TierTable::new(sizes.host), TierTable::new(sizes.disk)];
         // Every block findable at once fits without the table growing.
         let located = Located::with_capacity(sizes.device + sizes.host + sizes.disk);
@@ -154,7 +159,8 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
 
     /// The tier holding `seq`, and the slot there.
     pub fn find(&self, seq: SeqHash) -> Option<Location> {
-        self.located.get(&seq)
+        let tiers = &self.tiers;
+        self.located.get(seq, |at| tiers[at.tier.index()].seq_at(at.slot))
     }
 
     /// How many of `hashes`' leading blocks are on each tier, device first: a run on the device, then one on
@@ -227,7 +233,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     fn evict(&mut self, at: Location, actions: &mut Vec<Action>) {
         let Some(meta) = self.table_mut(at.tier).take_cached(at.slot) else { return };
         let Some(below) = at.tier.below().filter(|&t| self.table(t).capacity() > 0) else {
-            self.located.remove(&meta.seq);
+            self.located.remove_at(meta.seq, at);
             self.moves.removed[at.tier.index()].push(meta.seq);
             return;
         };
@@ -248,10 +254,10 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             let to = Location { tier: below, slot };
             actions.push(Action::Copy { from: at, to, block: meta.seq });
             self.table_mut(below).set_cached(slot, meta);
-            self.located.insert(meta.seq, to);
+            self.located.relocate(meta.seq, at, to);
             self.moves.stored[below.index()].push(meta);
         } else {
-            self.located.remove(&meta.seq);
+            self.located.remove_at(meta.seq, at);
         }
         self.moves.removed[at.tier.index()].push(meta.seq);
     }
@@ -293,7 +299,9 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         // One probe of the map: a fresh block (the common case) goes where the lookup ended, and a copy on a lower
         // tier is replaced; a device copy stays.
         let here = Location { tier: Tier::Device, slot };
-        let lower = match self.located.upsert(meta.seq, |now| match now {
+        let tiers = &self.tiers;
+        let key_at = |at: Location| tiers[at.tier.index()].seq_at(at.slot);
+        let lower = match self.located.upsert(meta.seq, key_at, |now| match now {
             Some(at) if at.tier == Tier::Device => None,
             _ => Some(here),
         }) {
@@ -338,7 +346,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             };
             out.actions.push(Action::Copy { from: at, to: Location { tier: Tier::Device, slot }, block: h });
             self.table_mut(Tier::Device).register(slot, meta);
-            self.located.insert(h, Location { tier: Tier::Device, slot });
+            self.located.relocate(h, at, Location { tier: Tier::Device, slot });
             self.log.push_stored(Tier::Device, meta);
             self.table_mut(at.tier).free_pinned(at.slot);
             self.log.push_removed(at.tier, h);
@@ -353,9 +361,8 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         if tier == Tier::Device {
             return;
         }
-        for meta in self.table_mut(tier).clear() {
-            self.located.remove(&meta.seq);
-        }
+        self.table_mut(tier).clear();
+        self.located.remove_tier(tier);
         self.log.push(KvEvent::Cleared { tier: Some(tier) });
     }
 
@@ -366,7 +373,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         }
         let slot = self.table_mut(tier).take_free()?;
         self.table_mut(tier).set_cached(slot, meta);
-        self.located.insert(meta.seq, Location { tier, slot });
+        self.located.insert_new(meta.seq, Location { tier, slot });
         self.log.push_stored(tier, meta);
         Some(slot)
     }
@@ -374,7 +381,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// Drops a block found to be unusable (a corrupt disk file): it leaves its tier with a `Removed` event.
     pub fn discard(&mut self, at: Location) -> Option<BlockMeta> {
         let meta = self.table_mut(at.tier).take_cached(at.slot)?;
-        self.located.remove(&meta.seq);
+        self.located.remove_at(meta.seq, at);
         self.log.push_removed(at.tier, meta.seq);
         Some(meta)
     }

@@ -1,11 +1,13 @@
 //! One tier's slot table: the state of every slot, the free list and the eviction policy. Which slot holds a
 //! block, whatever its tier, is the pool's one map (`BlockPool::located`): a block moving down a tier changes its
-//! entry there instead of leaving one tier's map and joining the next one's.
+//! entry there instead of leaving one tier's map and joining the next one's. That map keeps no keys: the hash in
+//! the slot an entry names is the key ([`TierTable::seq_at`]).
 
 use std::num::NonZeroU32;
 
 use super::{EvictionPolicy, TierUsage};
 use crate::events::BlockMeta;
+use crate::hash::SeqHash;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
@@ -19,8 +21,10 @@ enum State {
     Cached {
         meta: BlockMeta,
     },
-    /// Being moved to another tier: neither free nor evictable.
-    Pinned,
+    /// Being moved to another tier: neither free nor evictable, still findable.
+    Pinned {
+        meta: BlockMeta,
+    },
 }
 
 #[derive(Debug)]
@@ -37,7 +41,7 @@ pub struct TierTable<E> {
 fn count_of(counts: &mut TierUsage, state: State) -> &mut usize {
     match state {
         State::Free => &mut counts.free,
-        State::Used { .. } | State::Pinned => &mut counts.used,
+        State::Used { .. } | State::Pinned { .. } => &mut counts.used,
         State::Cached { .. } => &mut counts.cached,
     }
 }
@@ -72,7 +76,17 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
         match self.states.get(slot as usize)? {
             State::Used { meta, .. } => *meta,
             State::Cached { meta } => Some(*meta),
-            State::Free | State::Pinned => None,
+            State::Free | State::Pinned { .. } => None,
+        }
+    }
+
+    /// The hash of the block `slot` holds, pinned ones included: what the pool's table of locations checks
+    /// its entries against.
+    pub fn seq_at(&self, slot: u32) -> Option<SeqHash> {
+        match self.states.get(slot as usize)? {
+            State::Used { meta, .. } => meta.map(|m| m.seq),
+            State::Cached { meta } | State::Pinned { meta } => Some(meta.seq),
+            State::Free => None,
         }
     }
 
@@ -117,7 +131,7 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
     pub fn pin(&mut self, slot: u32) -> Option<BlockMeta> {
         let State::Cached { meta } = *self.states.get(slot as usize)? else { return None };
         self.policy.remove(slot);
-        self.set(slot, State::Pinned);
+        self.set(slot, State::Pinned { meta });
         Some(meta)
     }
 
@@ -169,12 +183,11 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
         Some(())
     }
 
-    /// Drops every cached block; returns what they held.
-    pub fn clear(&mut self) -> Vec<BlockMeta> {
-        let cached: Vec<u32> = (0..self.states.len() as u32)
-            .filter(|&s| matches!(self.states[s as usize], State::Cached { .. }))
-            .collect();
-        cached.into_iter().filter_map(|s| self.take_cached(s)).collect()
+    /// Drops every cached block.
+    pub fn clear(&mut self) {
+        for slot in 0..self.states.len() as u32 {
+            self.take_cached(slot);
+        }
     }
 
     /// Every findable block (registered, in use or cached), sorted.
