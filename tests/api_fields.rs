@@ -46,8 +46,6 @@ fn asks(chat: bool) -> BTreeMap<&'static str, (Value, bool)> {
             ("prompt_cache_key", (json!("session-1"), true)),
             ("prompt_cache_retention", (json!("24h"), true)),
             ("prompt_cache_options", (json!({"mode": "explicit", "ttl": "30m"}), true)),
-            ("logprobs", (json!(true), false)),
-            ("top_logprobs", (json!(2), false)),
             ("response_format", (json!({"type": "json_object"}), false)),
             ("tools", (json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]), false)),
             ("tool_choice", (json!("auto"), false)),
@@ -64,7 +62,6 @@ fn asks(chat: bool) -> BTreeMap<&'static str, (Value, bool)> {
         ]);
     } else {
         m.extend([
-            ("logprobs", (json!(2), false)),
             ("best_of", (json!(2), false)),
             ("echo", (json!(true), false)),
             ("suffix", (json!(" and so on"), false)),
@@ -88,6 +85,8 @@ const IMPLEMENTED: &[&str] = &[
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
+    "logprobs",
+    "top_logprobs",
 ];
 
 struct Api {
@@ -199,6 +198,83 @@ impl Api {
                 let (text, _, _) =
                     self.answer(json!({"temperature": 0, "max_tokens": 3, "ignore_eos": true, "logit_bias": {id.to_string(): 100}})).await;
                 assert_eq!(text.trim(), "sea sea sea", "a bias of 100 makes the token certain");
+            }
+            "logprobs" if self.chat => {
+                let ask = json!({"temperature": 0, "logprobs": true, "top_logprobs": 2});
+                let r = self.send(ask.clone()).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                let v = r.json();
+                let content = v["choices"][0]["logprobs"]["content"].as_array().expect("logprobs.content").clone();
+                assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().expect("usage"));
+                for e in &content {
+                    let top = e["top_logprobs"].as_array().expect("alternatives");
+                    assert_eq!(top.len(), 2, "{e}");
+                    // Greedy picks the most likely token; log-probabilities are at most 0, most likely first.
+                    assert_eq!((&e["token"], &e["logprob"]), (&top[0]["token"], &top[0]["logprob"]), "{e}");
+                    let (a, b) = (top[0]["logprob"].as_f64().expect("lp"), top[1]["logprob"].as_f64().expect("lp"));
+                    assert!(a <= 0.0 && b <= a, "{e}");
+                    assert!(e["bytes"].as_array().is_some(), "{e}");
+                }
+                // Streamed: the same entries, spread over the chunks.
+                let mut streamed = Vec::new();
+                for ev in self
+                    .send(json!({"stream": true, "temperature": 0, "logprobs": true, "top_logprobs": 2}))
+                    .await
+                    .events()
+                {
+                    let Ok(chunk) = serde_json::from_str::<Value>(&ev) else { continue };
+                    if let Some(c) = chunk["choices"][0]["logprobs"]["content"].as_array() {
+                        streamed.extend(c.iter().cloned());
+                    }
+                }
+                assert_eq!(streamed, content);
+                for bad in [json!("yes"), json!(1)] {
+                    let r = self.send(json!({"logprobs": bad})).await;
+                    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("logprobs")), "{bad}");
+                }
+                let off = self.answer(json!({"logprobs": false})).await;
+                assert!(!off.0.is_empty());
+            }
+            "logprobs" => {
+                let ask = json!({"prompt": "The quick brown fox jumps over", "temperature": 0, "logprobs": 3, "max_tokens": 6});
+                let r = self.send(ask).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                let v = r.json();
+                let lp = &v["choices"][0]["logprobs"];
+                let tokens = lp["tokens"].as_array().expect("tokens");
+                assert_eq!(tokens.len(), 6, "{lp}");
+                let joined: String = tokens.iter().map(|t| t.as_str().expect("token")).collect();
+                assert_eq!(joined, v["choices"][0]["text"].as_str().expect("text"), "the tokens spell the text");
+                let offsets: Vec<u64> =
+                    lp["text_offset"].as_array().expect("offsets").iter().map(|o| o.as_u64().expect("o")).collect();
+                assert!(offsets[0] == 0 && offsets.windows(2).all(|w| w[0] <= w[1]), "{lp}");
+                for (i, top) in lp["top_logprobs"].as_array().expect("top").iter().enumerate() {
+                    let top = top.as_object().expect("a map");
+                    assert!(!top.is_empty() && top.len() <= 3, "{lp}");
+                    let best = top.values().map(|l| l.as_f64().expect("lp")).fold(f64::MIN, f64::max);
+                    assert_eq!(lp["token_logprobs"][i].as_f64(), Some(best), "greedy takes the most likely");
+                }
+                for bad in [json!(21), json!(true), json!(-1)] {
+                    let r = self.send(json!({"logprobs": bad})).await;
+                    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("logprobs")), "{bad}");
+                }
+            }
+            "top_logprobs" => {
+                for ask in [
+                    json!({"top_logprobs": 2}),
+                    json!({"logprobs": false, "top_logprobs": 2}),
+                    json!({"logprobs": true, "top_logprobs": 21}),
+                ] {
+                    let r = self.send(ask.clone()).await;
+                    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("top_logprobs")), "{ask}");
+                }
+                let r = self.send(json!({"logprobs": true, "top_logprobs": 0})).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                let content = r.json()["choices"][0]["logprobs"]["content"].clone();
+                assert!(
+                    content.as_array().is_some_and(|c| c.iter().all(|e| e["top_logprobs"] == json!([]))),
+                    "{content}"
+                );
             }
             other => panic!("no check for implemented field {other}"),
         }

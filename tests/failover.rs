@@ -21,15 +21,22 @@ fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
 
 /// The engine's own greedy continuation, ignoring end-of-generation.
 fn greedy(prompt: &str, max_tokens: u32) -> String {
+    greedy_with_logprobs(prompt, max_tokens).0
+}
+
+/// The engine's own greedy continuation and each token's log-probability.
+fn greedy_with_logprobs(prompt: &str, max_tokens: u32) -> (String, Vec<f32>) {
     let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
-    let raw = RawSampling { temperature: 0.0, max_tokens, ignore_eos: true, ..RawSampling::default() };
+    let raw =
+        RawSampling { temperature: 0.0, max_tokens, ignore_eos: true, logprobs: Some(2), ..RawSampling::default() };
     let req = Request {
         namespace: None,
         prompt: e.tokenizer().encode(prompt),
         sampling: SamplingParams::new(raw).expect("ok"),
         deadline: None,
     };
-    e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).text
+    let done = e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    (done.text, done.logprobs.iter().map(|l| l.logprob).collect())
 }
 
 fn completion_text(events: &[String]) -> String {
@@ -47,9 +54,12 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_a_break() {
     let (mut workers, router) = cluster(&ca, &[Role::Decode, Role::Decode]).await;
     let (d1, d2) = (workers.remove(0), workers.remove(0));
     let prompt = "The history of the bicycle begins in the early nineteenth century, when";
-    let want = greedy(prompt, 40);
+    let (want, want_logprobs) = greedy_with_logprobs(prompt, 40);
 
-    let mut s = Streaming::open(router.addr, "/v1/completions", &completion(prompt, 40, true)).await;
+    // With log-probabilities: the resumed stream's are the uninterrupted run's too.
+    let mut body: serde_json::Value = serde_json::from_str(&completion(prompt, 40, true)).expect("json");
+    body["logprobs"] = 2.into();
+    let mut s = Streaming::open(router.addr, "/v1/completions", &body.to_string()).await;
     s.until(5).await;
     // Whichever decode worker runs it dies now, mid-stream.
     let running_on_d1 = d1.stats().running > 0;
@@ -58,6 +68,17 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_a_break() {
     let events = s.finish().await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream finished: {events:?}");
     assert_eq!(completion_text(&events), want, "the client saw one unbroken, correct answer");
+    let logprobs: Vec<f64> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["logprobs"]["token_logprobs"].as_array().cloned())
+        .flatten()
+        .map(|l| l.as_f64().expect("a logprob"))
+        .collect();
+    assert_eq!(logprobs.len(), want_logprobs.len(), "one per token");
+    for (got, want) in logprobs.iter().zip(&want_logprobs) {
+        assert!((got - f64::from(*want)).abs() < 1e-4, "{logprobs:?} against {want_logprobs:?}");
+    }
     let stats = survivor.stats();
     assert!(stats.counters.prefill_tokens > 0, "the survivor re-prefilled prompt + tokens so far");
     let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;

@@ -13,7 +13,7 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     let url = up.url.clone();
 
     let want = Command::new(tandem_tests::binary("tandem", "tandem"))
-        .args(["generate", "--chat", "--json", "--max-tokens", "20", "--model"])
+        .args(["generate", "--chat", "--json", "--max-tokens", "20", "--logprobs", "3", "--model"])
         .arg(&model)
         .arg(PROMPT)
         .output()
@@ -23,8 +23,15 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
 
     let python = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| "python3".to_string());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/e2e/openai_client.py");
-    let out =
-        Command::new(&python).arg(script).arg(format!("{url}/v1")).args([PROMPT, "20"]).output().expect("python runs");
+    let text_model = engine::text::TextModel::open(&model).expect("model");
+    let tokenizer = text_model.tokenizer();
+    let ids = serde_json::to_string(&tokenizer.encode("The capital of France is")).expect("ids");
+    let out = Command::new(&python)
+        .arg(script)
+        .arg(format!("{url}/v1"))
+        .args([PROMPT, "20", &ids])
+        .output()
+        .expect("python runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
@@ -45,6 +52,45 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     assert_eq!(got["whole_finish"], want["finish_reason"]);
     assert!(got["completion"].as_str().is_some_and(|t| !t.is_empty()));
     assert_eq!(got["unknown_model"], "NotFoundError");
+
+    // Log-probabilities through the prefill worker (the first token) and the decode worker (the rest) are the
+    // single engine's, whole and streamed; each token is named by its text and bytes.
+    let want_ids: Vec<u32> =
+        want["token_ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
+    let want_lp = want["logprobs"].as_array().expect("generate --logprobs");
+    let whole = got["whole_logprobs"].as_array().expect("whole logprobs");
+    assert_eq!(whole.len(), want_ids.len(), "one entry per completion token: {got}");
+    let close = |a: &serde_json::Value, b: &serde_json::Value| {
+        (a.as_f64().expect("a logprob") - b.as_f64().expect("a logprob")).abs() < 1e-4
+    };
+    for ((entry, id), w) in whole.iter().zip(&want_ids).zip(want_lp) {
+        let bytes: Vec<u8> =
+            entry["bytes"].as_array().expect("bytes").iter().map(|b| b.as_u64().expect("byte") as u8).collect();
+        assert_eq!(bytes, tokenizer.token_bytes(*id), "{entry}");
+        assert!(close(&entry["logprob"], &w["logprob"]), "{entry} against {w}");
+        let top = entry["top"].as_array().expect("top");
+        let want_top = w["top"].as_array().expect("top");
+        assert_eq!(top.len(), 3, "{entry}");
+        for (alt, w_alt) in top.iter().zip(want_top) {
+            let w_id = w_alt[0].as_u64().expect("id") as u32;
+            assert_eq!(alt[0].as_str().expect("token").as_bytes(), tokenizer.token_bytes(w_id), "{entry}");
+            assert!(close(&alt[1], &w_alt[1]), "{entry} against {w}");
+        }
+    }
+    assert_eq!(got["streamed_logprobs"], got["whole_logprobs"], "streamed as whole");
+    assert_ne!(got["penalized"], got["unpenalized"], "frequency and presence penalties change the greedy answer");
+    // A prompt as token ids is the same prompt as its text; completions' log-probabilities in their own shape.
+    let by_ids = &got["by_ids"];
+    assert_eq!(by_ids["text"], got["completion"], "{by_ids}");
+    let tokens = by_ids["tokens"].as_array().expect("tokens");
+    assert!(!tokens.is_empty() && tokens.len() <= 4, "{by_ids}");
+    for list in ["token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(by_ids[list].as_array().map(Vec::len), Some(tokens.len()), "{list}: {by_ids}");
+    }
+    assert!(
+        by_ids["top_logprobs"].as_array().expect("top").iter().all(|m| m.as_object().is_some_and(|m| m.len() <= 2))
+    );
+    assert_eq!(by_ids["text_offset"][0], 0);
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
 
     // Ctrl-C stops the whole cluster cleanly.

@@ -23,7 +23,12 @@ pub enum SamplingError {
     RepetitionPenalty(f32),
     #[error("a logit_bias value must be in [-100, 100], got {1} for token {0}")]
     LogitBias(u32, f32),
+    #[error("at most {MAX_TOP_LOGPROBS} alternatives per token can be asked for, got {0}")]
+    Logprobs(u32),
 }
+
+/// The most alternatives per token [`RawSampling::logprobs`] may ask for (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// How to pick tokens and when to stop: valid by construction.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +42,7 @@ pub struct SamplingParams {
     ignore_eos: bool,
     detokenize: bool,
     logits: LogitsRules,
+    logprobs: Option<u32>,
 }
 
 /// What changes the logits before sampling (all off by default).
@@ -134,6 +140,9 @@ pub struct RawSampling {
     pub detokenize: bool,
     /// Biases, penalties, `min_tokens` and stop token ids.
     pub logits: LogitsRules,
+    /// Report each sampled token's log-probability and this many most likely alternatives (at most
+    /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
+    pub logprobs: Option<u32>,
 }
 
 impl Default for RawSampling {
@@ -149,6 +158,7 @@ impl Default for RawSampling {
             ignore_eos: false,
             detokenize: true,
             logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
+            logprobs: None,
         }
     }
 }
@@ -185,6 +195,9 @@ impl SamplingParams {
         if let Some(&(t, b)) = r.logit_bias.iter().find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b))) {
             return Err(SamplingError::LogitBias(t, b));
         }
+        if let Some(n) = raw.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(SamplingError::Logprobs(n));
+        }
         let mut logits = raw.logits;
         logits.logit_bias.sort_by_key(|(t, _)| *t);
         Ok(SamplingParams {
@@ -197,6 +210,7 @@ impl SamplingParams {
             ignore_eos: raw.ignore_eos,
             detokenize: raw.detokenize,
             logits,
+            logprobs: raw.logprobs,
         })
     }
 
@@ -212,11 +226,17 @@ impl SamplingParams {
             ignore_eos: false,
             detokenize: true,
             logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
+            logprobs: None,
         }
     }
 
     pub fn logits(&self) -> &LogitsRules {
         &self.logits
+    }
+
+    /// How many alternatives each token's log-probabilities name; `None`: none are computed.
+    pub fn logprobs(&self) -> Option<u32> {
+        self.logprobs
     }
 
     pub fn max_tokens(&self) -> u32 {
@@ -350,6 +370,54 @@ impl Sampler {
     }
 }
 
+/// A sampled token's log-probability and the most likely tokens' at that position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// Most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// Log-softmax of `logits` over the whole vocabulary (in f64): the chosen `token`'s and the `top` most likely
+    /// ones. These are the model's own probabilities, before any sampling rule (penalties, bias, temperature,
+    /// top-k/p), as vLLM reports them by default.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = f64::from(max);
+        let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+        let log_z = max + sum.ln();
+        let lp = |id: u32| logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| (f64::from(l) - log_z) as f32);
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        let k = top.min(ids.len());
+        if k > 0 && k < ids.len() {
+            ids.select_nth_unstable_by(k - 1, by_logit);
+        }
+        ids.truncate(k);
+        ids.sort_unstable_by(by_logit);
+        TokenLogprobs { logprob: lp(token), top: ids.into_iter().map(|id| (id, lp(id))).collect() }
+    }
+
+    /// For a backend that draws `token` uniformly from `words` (the mock engine): each distinct word's share.
+    pub fn uniform(words: &[u32], token: u32, top: usize) -> TokenLogprobs {
+        let mut distinct: Vec<(u32, usize)> = Vec::new();
+        let mut sorted = words.to_vec();
+        sorted.sort_unstable();
+        for w in sorted {
+            match distinct.last_mut() {
+                Some((last, n)) if *last == w => *n += 1,
+                _ => distinct.push((w, 1)),
+            }
+        }
+        let total = words.len().max(1) as f64;
+        let lp = |n: usize| (n as f64 / total).ln() as f32;
+        let logprob = distinct.iter().find(|(w, _)| *w == token).map_or(f32::NEG_INFINITY, |&(_, n)| lp(n));
+        distinct.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        TokenLogprobs { logprob, top: distinct.into_iter().take(top).map(|(w, n)| (w, lp(n))).collect() }
+    }
+}
+
 /// Index of the largest logit; the lowest index wins ties.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -411,6 +479,33 @@ mod tests {
         assert_eq!(mt, [2.0, f32::NEG_INFINITY, 0.5, 3.0, -2.0, f32::NEG_INFINITY]);
         assert_eq!(run(LogitsRules { min_tokens: 3, ..base.clone() }), logits, "three generated already");
         assert!(!base.active());
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_raw_logits() {
+        let logits = [2.0f32, -1.0, 0.5, 3.0, -2.0, 3.0];
+        // log p(i) = l(i) - ln(sum_j exp(l(j))), written out.
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
+        let want = |i: usize| (f64::from(logits[i]) - z) as f32;
+        let got = TokenLogprobs::of(&logits, 2, 3);
+        assert!((got.logprob - want(2)).abs() < 1e-6);
+        // Most likely first; the tie between 3 and 5 goes to the lower id.
+        let ids: Vec<u32> = got.top.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, [3, 5, 0]);
+        for (id, lp) in &got.top {
+            assert!((lp - want(*id as usize)).abs() < 1e-6);
+        }
+        let total: f64 = (0..logits.len()).map(|i| f64::from(want(i)).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(TokenLogprobs::of(&logits, 1, 0).top.is_empty());
+        assert_eq!(TokenLogprobs::of(&logits, 1, 50).top.len(), logits.len());
+        // Large logits do not overflow.
+        let big = TokenLogprobs::of(&[1000.0, 1000.0], 0, 1);
+        assert!((big.logprob + std::f32::consts::LN_2).abs() < 1e-6);
+        // Uniform draws: each distinct word's share.
+        let u = TokenLogprobs::uniform(&[7, 8, 7, 9], 7, 2);
+        assert!((u.logprob - 0.5f32.ln()).abs() < 1e-6);
+        assert_eq!(u.top.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [7, 8]);
     }
 
     #[test]

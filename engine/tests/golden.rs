@@ -52,3 +52,63 @@ fn matches_the_oracle() {
     eprintln!("worst first-position logit difference {worst:.4}; {compared} greedy tokens compared");
     assert!(compared >= 60, "the golden prompts exercise enough decoding ({compared} tokens)");
 }
+
+/// How far a reported log-probability may be from the oracle's (nats).
+const LOGPROB_TOLERANCE: f32 = 0.02;
+
+/// Each greedy step's top-5 log-probabilities (log-softmax over the whole vocabulary) against the oracle's, as far
+/// as the greedy tokens agree: every token we name is in the oracle's top 10 with the same log-probability within
+/// [`LOGPROB_TOLERANCE`], and no token the oracle ranks clearly above our fifth is missing.
+#[test]
+fn logprobs_match_the_oracle() {
+    let golden = common::data("golden.json");
+    let mut engine = Engine::open(&common::model_path(), EngineConfig::default()).expect("engine");
+    let (mut worst, mut compared) = (0f32, 0);
+    for p in golden["prompts"].as_array().expect("prompts") {
+        let name = p["name"].as_str().expect("name");
+        let want = common::ids(&p["generated_ids"]);
+        let margins: Vec<f64> =
+            p["margins"].as_array().expect("margins").iter().map(|m| m.as_f64().expect("m")).collect();
+        let callable = margins.iter().position(|&m| m < 2.0 * f64::from(LOGIT_TOLERANCE)).unwrap_or(want.len());
+        let raw = engine::sampling::RawSampling {
+            max_tokens: want.len() as u32,
+            logprobs: Some(5),
+            ..engine::sampling::RawSampling::default()
+        };
+        let sampling = engine::sampling::SamplingParams::new(raw).expect("valid");
+        let request = Request { prompt: common::ids(&p["prompt_ids"]), sampling, namespace: None, deadline: None };
+        let got = engine.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+        assert_eq!(got.logprobs.len(), got.token_ids.len(), "{name}: one entry per token");
+        let steps = p["top_logprobs"].as_array().expect("top_logprobs");
+        // The oracle's steps follow its own greedy tokens: compare while ours are the same.
+        let n = callable.min(got.token_ids.len());
+        for (step, (mine, oracle)) in got.logprobs.iter().zip(steps).take(n).enumerate() {
+            let oracle: Vec<(u32, f32)> = oracle
+                .as_array()
+                .expect("step")
+                .iter()
+                .map(|e| (e[0].as_u64().expect("id") as u32, e[1].as_f64().expect("lp") as f32))
+                .collect();
+            let of = |id: u32| oracle.iter().find(|(i, _)| *i == id).map(|(_, lp)| *lp);
+            assert_eq!(mine.top.len(), 5, "{name} step {step}");
+            let chosen = got.token_ids[step];
+            for &(id, lp) in mine.top.iter().chain([&(chosen, mine.logprob)]) {
+                let want =
+                    of(id).unwrap_or_else(|| panic!("{name} step {step}: token {id} is not in the oracle's top"));
+                let diff = (lp - want).abs();
+                worst = worst.max(diff);
+                assert!(diff <= LOGPROB_TOLERANCE, "{name} step {step}: token {id} has {lp}, the oracle {want}");
+            }
+            let fifth = mine.top[4].1;
+            for &(id, lp) in &oracle[..5] {
+                assert!(
+                    lp < fifth + 2.0 * LOGPROB_TOLERANCE || mine.top.iter().any(|(i, _)| *i == id),
+                    "{name} step {step}: the oracle's token {id} ({lp}) is missing from ours"
+                );
+            }
+            compared += 1;
+        }
+    }
+    eprintln!("worst log-probability difference {worst:.4} nats over {compared} steps");
+    assert!(compared >= 60, "the golden prompts exercise enough steps ({compared})");
+}

@@ -13,7 +13,7 @@ async fn drain(mut s: engine::generate::SeqStream) -> (Vec<u32>, String, SeqEven
     let (mut tokens, mut text) = (Vec::new(), String::new());
     while let Some(ev) = s.next().await {
         match ev {
-            SeqEvent::Token { token, text: t } => {
+            SeqEvent::Token { token, text: t, .. } => {
                 tokens.push(token);
                 text.push_str(&t);
             }

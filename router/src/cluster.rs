@@ -313,8 +313,9 @@ impl Cluster {
                 transport: Transport::External(Arc::clone(engine)),
                 joined: Instant::now(),
                 up: true,
-                // Spoken over HTTP: whatever the router sends, it maps to the engine's own fields.
-                protocol: worker::PROTOCOL_VERSION,
+                // Spoken over HTTP: the router maps the logits rules to the engine's own fields; log-probabilities
+                // are not relayed yet, so requests for them go to the router's own workers.
+                protocol: worker::LOGITS_RULES_PROTOCOL,
                 synced: true,
             },
         );

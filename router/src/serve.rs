@@ -58,8 +58,12 @@ pub fn uncached(len: usize, blocks: usize, block_size: u64) -> u64 {
 /// What the client's side of a job receives.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Piece {
-    Token(u32),
-    Finished { reason: pb::FinishReason, cached_tokens: u32 },
+    /// A token, with its log-probabilities when the request asked for them.
+    Token(u32, Option<pb::TokenLogprobs>),
+    Finished {
+        reason: pb::FinishReason,
+        cached_tokens: u32,
+    },
 }
 
 pub type Pieces = mpsc::Receiver<Result<Piece, ApiError>>;
@@ -88,6 +92,7 @@ pub fn start(state: Arc<RouterState>, job: Job, decision: Decision) -> Pieces {
 /// The prefill step's result.
 struct Prefilled {
     first: u32,
+    first_logprobs: Option<pb::TokenLogprobs>,
     handle: Option<pb::KvHandle>,
     cached_tokens: u32,
 }
@@ -168,6 +173,7 @@ async fn prefill(
                 state.metrics.prefilled_with_overlap([cand.device_blocks, cand.host_blocks, cand.disk_blocks]);
                 return PrefillOutcome::Done(Box::new(Prefilled {
                     first: r.first_token,
+                    first_logprobs: r.first_logprobs,
                     handle: r.handle,
                     cached_tokens: r.cached_tokens,
                 }));
@@ -337,7 +343,7 @@ async fn stream_tokens(
                 }
                 progress.produced += 1;
                 progress.generated.push(t.id);
-                if tx.send(Ok(Piece::Token(t.id))).await.is_err() {
+                if tx.send(Ok(Piece::Token(t.id, t.logprobs))).await.is_err() {
                     return Attempt::ClientGone;
                 }
             }
@@ -355,8 +361,11 @@ async fn stream_tokens(
 }
 
 /// The oldest worker protocol that applies everything `s` asks for (a version-2 worker would ignore the logits
-/// rules).
+/// rules, a version-3 one the log-probabilities).
 pub fn protocol_needed(s: &pb::Sampling) -> u32 {
+    if s.logprobs.is_some() {
+        return worker::LOGPROBS_PROTOCOL;
+    }
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
         && s.presence_penalty == 0.0
@@ -386,7 +395,7 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     if decision.disaggregate {
         match prefill(&state, &job, &decision, &tx).await {
             PrefillOutcome::Done(p) => {
-                if tx.send(Ok(Piece::Token(p.first))).await.is_err() {
+                if tx.send(Ok(Piece::Token(p.first, p.first_logprobs))).await.is_err() {
                     release_unused(&state, p.handle);
                     return;
                 }

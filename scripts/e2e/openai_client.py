@@ -1,12 +1,18 @@
 """Drives a running Tandem cluster with the official `openai` client and prints what came back as JSON.
 
-Usage: python openai_client.py BASE_URL PROMPT MAX_TOKENS
+Usage: python openai_client.py BASE_URL PROMPT MAX_TOKENS [COMPLETION_PROMPT_IDS_JSON]
 """
 
 import json
 import sys
 
 from openai import OpenAI
+
+
+def entry(e) -> dict:
+    """One token's log-probabilities as plain data."""
+    return {"token": e.token, "bytes": e.bytes, "logprob": e.logprob,
+            "top": [[t.token, t.logprob] for t in e.top_logprobs]}
 
 
 def main() -> None:
@@ -40,6 +46,40 @@ def main() -> None:
         model="smollm2-135m-instruct", prompt="The capital of France is", temperature=0, max_tokens=4
     )
 
+    # Log-probabilities, whole and streamed, with three alternatives per token.
+    with_logprobs = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=max_tokens,
+        logprobs=True, top_logprobs=3,
+    )
+    whole_logprobs = [entry(e) for e in with_logprobs.choices[0].logprobs.content]
+    streamed_logprobs = []
+    for chunk in client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=max_tokens,
+        logprobs=True, top_logprobs=3, stream=True,
+    ):
+        for choice in chunk.choices:
+            if choice.logprobs and choice.logprobs.content:
+                streamed_logprobs.extend(entry(e) for e in choice.logprobs.content)
+
+    # A penalty changes the greedy answer; a prompt given as token ids is the same prompt as its text.
+    listing = [{"role": "user", "content": "List the days of the week, one per line."}]
+    plain, penalized = (
+        client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=listing, temperature=0, max_tokens=40,
+            frequency_penalty=penalty, presence_penalty=penalty,
+        ).choices[0].message.content
+        for penalty in (0.0, 2.0)
+    )
+    by_ids = None
+    if len(sys.argv) > 4:
+        ids = json.loads(sys.argv[4])
+        c = client.completions.create(
+            model="smollm2-135m-instruct", prompt=ids, temperature=0, max_tokens=4, logprobs=2
+        )
+        lp = c.choices[0].logprobs
+        by_ids = {"text": c.choices[0].text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+                  "top_logprobs": lp.top_logprobs, "text_offset": lp.text_offset}
+
     try:
         client.chat.completions.create(model="no-such-model", messages=messages)
         unknown_model = None
@@ -57,6 +97,11 @@ def main() -> None:
                 "streamed_finish": finish,
                 "streamed_usage": usage.model_dump() if usage else None,
                 "completion": completion.choices[0].text,
+                "whole_logprobs": whole_logprobs,
+                "streamed_logprobs": streamed_logprobs,
+                "unpenalized": plain,
+                "penalized": penalized,
+                "by_ids": by_ids,
                 "unknown_model": unknown_model,
                 "models": models,
             }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes engine/tests/data/golden.json: greedy continuations of the embedded model from the numpy oracle
-(np_llama.py, float64, weights dequantized by the `gguf` package), with the oracle's top-1 margin at every step
-and first-position logits (the top 100 and every 97th id).
+(np_llama.py, float64, weights dequantized by the `gguf` package), with the oracle's top-1 margin at every step,
+first-position logits (the top 100 and every 97th id), and at every step the top 10 log-probabilities (log-softmax
+over the whole vocabulary).
 
     pip install -r scripts/reference/requirements.txt
     python3 scripts/reference/golden.py [GGUF] > engine/tests/data/golden.json   # a few minutes
@@ -15,6 +16,7 @@ from common import default_model_path, reference_tokenizer
 from np_llama import Model
 
 STEPS = 24
+TOP_LOGPROBS = 10
 PROMPTS = [
     {"name": "chat-capital", "chat": [{"role": "user", "content": "What is the capital of France?"}]},
     {"name": "raw-fox", "raw": "The quick brown fox jumps over the lazy dog. The dog"},
@@ -45,8 +47,12 @@ def main():
         model.reset()
         logits = model.forward(ids)[-1]
         first = logits.copy()
-        generated, margins = [], []
+        generated, margins, top_logprobs = [], [], []
         for step in range(STEPS):
+            shifted = logits - logits.max()
+            logprobs = shifted - np.log(np.exp(shifted).sum())
+            best = np.argsort(-logprobs, kind="stable")[:TOP_LOGPROBS]
+            top_logprobs.append([[int(i), float(logprobs[i])] for i in best])
             top2 = np.sort(logits)[-2:]
             margins.append(float(top2[1] - top2[0]))
             nxt = int(np.argmax(logits))
@@ -61,6 +67,7 @@ def main():
             "generated_ids": generated,
             "margins": margins,
             "first_logits": [[i, float(first[i])] for i in picked],
+            "top_logprobs": top_logprobs,
         })
         print(p["name"], len(ids), tk.decode(generated), file=sys.stderr)
     json.dump({"generator": "scripts/reference/golden.py", "oracle": "np_llama.py float64", "steps": STEPS,

@@ -86,7 +86,7 @@ impl Worker for Fake {
             }
             Behaviour::Hang => {}
         }
-        let token = pb::Token { id: 504, text: "The".into() };
+        let token = pb::Token { id: 504, text: "The".into(), logprobs: None };
         Ok(Response::new(stream(
             pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(token)) },
             None,

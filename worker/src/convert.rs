@@ -61,8 +61,18 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
             stop_token_ids: s.stop_token_ids,
             prior_generated: s.prior_generated,
         },
+        logprobs: s.logprobs,
     };
     SamplingParams::new(raw).map_err(|e| ProtoError::Invalid { field: "sampling", why: e.to_string() })
+}
+
+/// A token's log-probabilities for the wire.
+pub fn logprobs_to_pb(lp: &engine::sampling::TokenLogprobs) -> pb::TokenLogprobs {
+    pb::TokenLogprobs {
+        logprob: lp.logprob,
+        top_ids: lp.top.iter().map(|(id, _)| *id).collect(),
+        top_logprobs: lp.top.iter().map(|(_, l)| *l).collect(),
+    }
 }
 
 pub fn layout_desc(l: &KvLayout) -> KvLayoutDesc {

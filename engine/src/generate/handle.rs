@@ -25,8 +25,8 @@ const COMMAND_QUEUE: usize = 1024;
 /// What a sequence's stream carries.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SeqEvent {
-    /// A new token and the text it makes safe to show.
-    Token { token: u32, text: String },
+    /// A new token, the text it makes safe to show, and its log-probabilities when the request asked for them.
+    Token { token: u32, text: String, logprobs: Option<crate::sampling::TokenLogprobs> },
     /// The sequence is done; the last message on the stream.
     Finished(Completion),
     /// The engine failed the sequence; the last message on the stream.
@@ -389,8 +389,9 @@ impl Loop {
     fn step(&mut self) {
         let mut outbox: Vec<(mpsc::Sender<SeqEvent>, SeqEvent)> = Vec::new();
         let live = &self.live;
-        self.engine.step_or_fail(&mut self.seqs, &mut |Event::Token { seq, token, text }| {
-            outbox.push((live[seq].out.clone(), SeqEvent::Token { token, text: text.to_string() }));
+        self.engine.step_or_fail(&mut self.seqs, &mut |Event::Token { seq, token, text, logprobs }| {
+            let event = SeqEvent::Token { token, text: text.to_string(), logprobs: logprobs.cloned() };
+            outbox.push((live[seq].out.clone(), event));
         });
         // Sequences that ended give their blocks back before the state is published, and the state is published
         // before the step's messages go out: a reader that has seen a token, or a sequence's end, sees a state that

@@ -187,13 +187,15 @@ pub struct Completion {
     pub time_to_first_token: Duration,
     /// From the first token to the last.
     pub decode_time: Duration,
+    /// Each generated token's log-probabilities, when the request asked for them (else empty).
+    pub logprobs: Vec<crate::sampling::TokenLogprobs>,
 }
 
 /// What a run reports as it goes.
 #[derive(Debug)]
 pub enum Event<'a> {
-    /// Sequence `seq` produced `token`; `text` is what is now safe to show.
-    Token { seq: usize, token: u32, text: &'a str },
+    /// Sequence `seq` produced `token`; `text` is what is now safe to show; `logprobs` when the request asked.
+    Token { seq: usize, token: u32, text: &'a str, logprobs: Option<&'a crate::sampling::TokenLogprobs> },
 }
 
 /// Counters a worker exports (totals since the engine started).
@@ -442,6 +444,7 @@ impl Engine {
             failure: None,
             finish: None,
             first_token: None,
+            logprobs: Vec::new(),
             last_token: None,
         })
     }

@@ -8,7 +8,7 @@ use kv_cache::{BlockHashes, BlockSize, CacheNamespace};
 use super::{Completion, Event, FinishReason, TextStream};
 use crate::forward::SeqChunk;
 use crate::kv::BlockId;
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, TokenLogprobs};
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug)]
@@ -55,6 +55,8 @@ pub(super) struct Seq {
     pub finish: Option<FinishReason>,
     pub first_token: Option<Instant>,
     pub last_token: Option<Instant>,
+    /// Each generated token's log-probabilities, when the request asked for them.
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// Why the engine ended one sequence on its own.
@@ -125,11 +127,20 @@ impl Seq {
             cached_tokens: self.cached_tokens,
             time_to_first_token: first.saturating_duration_since(start),
             decode_time: self.last_token.unwrap_or(first).saturating_duration_since(first),
+            logprobs: self.logprobs.clone(),
         }
     }
 
-    /// Appends a sampled token, decides whether the sequence is done, and reports the text it makes.
-    pub fn accept(&mut self, index: usize, token: u32, tokenizer: &Tokenizer, on_event: &mut impl FnMut(Event<'_>)) {
+    /// Appends a sampled token (with its log-probabilities, when they were asked for), decides whether the
+    /// sequence is done, and reports the text it makes.
+    pub fn accept(
+        &mut self,
+        index: usize,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        tokenizer: &Tokenizer,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) {
         let now = Instant::now();
         self.first_token.get_or_insert(now);
         self.last_token = Some(now);
@@ -153,7 +164,10 @@ impl Seq {
             text.push_str(&self.text.finish(stop_string));
         }
         self.out.push_str(&text);
-        on_event(Event::Token { seq: index, token, text: &text });
+        let has_logprobs = logprobs.is_some();
+        self.logprobs.extend(logprobs);
+        let logprobs = if has_logprobs { self.logprobs.last() } else { None };
+        on_event(Event::Token { seq: index, token, text: &text, logprobs });
     }
 }
 

@@ -15,6 +15,7 @@ use super::{Engine, EngineError, Event};
 use crate::backend::{Next, StepContext};
 use crate::forward::SeqChunk;
 use crate::kv::BlockId;
+use crate::sampling::TokenLogprobs;
 
 impl Engine {
     pub(super) fn block_size(&self) -> BlockSize {
@@ -259,16 +260,21 @@ impl Engine {
                 continue;
             }
             let Some(next) = logits.next() else { continue };
-            let token = match next {
+            let top = s.sampler.params().logprobs().map(|n| n as usize);
+            let (token, logprobs) = match next {
                 Next::Logits(l) => {
                     let prior = s.sampler.params().logits().prior_generated as usize;
                     let from = s.prompt_len.saturating_sub(prior);
                     let tokenizer = self.text.tokenizer();
-                    s.sampler.sample_in(&l, &s.tokens, from, &|t| tokenizer.is_end_of_generation(t))
+                    let token = s.sampler.sample_in(&l, &s.tokens, from, &|t| tokenizer.is_end_of_generation(t));
+                    (token, top.map(|k| TokenLogprobs::of(&l, token, k)))
                 }
-                Next::Draw(words) => s.sampler.draw(&words),
+                Next::Draw(words) => {
+                    let token = s.sampler.draw(&words);
+                    (token, top.map(|k| TokenLogprobs::uniform(&words, token, k)))
+                }
             };
-            s.accept(i, token, self.text.tokenizer(), on_event);
+            s.accept(i, token, logprobs, self.text.tokenizer(), on_event);
             if !s.active() && !s.keep_blocks {
                 if let Err(e) = self.release_blocks(s) {
                     self.fail(s, e.to_string());

@@ -263,6 +263,12 @@ impl Engine {
         sampling: &pb::Sampling,
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
+        if sampling.logprobs.is_some() {
+            return Err(Status::invalid_argument(format!(
+                "{}: logprobs are not relayed from external engines",
+                self.url
+            )));
+        }
         if self.kind == EngineKind::LlamaServer
             && let Some(field) = llama_server::unsupported(sampling)
         {

@@ -16,6 +16,7 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::ApiError;
+use super::logprobs::Logprobs;
 use super::openai::{Checked, Endpoint, Input};
 use crate::record::{Arrival, Outcome};
 use crate::scheduler::view::RouteRequest;
@@ -127,6 +128,7 @@ pub async fn plan(
         min_tokens: checked.logits.min_tokens,
         stop_token_ids: checked.logits.stop_token_ids.clone(),
         prior_generated: 0,
+        logprobs: checked.logprobs,
     };
     let config = state.scheduler_config();
     let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
@@ -317,11 +319,15 @@ pub async fn whole(state: Arc<RouterState>, routed: Routed, arrived: Instant, ro
     };
     let mut clock = Clock { arrived, last: None };
     let mut out = String::new();
+    let mut logprobs = checked.logprobs.map(|_| Logprobs::new(checked.endpoint));
     let collected = tokio::time::timeout(deadline, async {
         while let Some(p) = pieces.recv().await {
             match p? {
-                Piece::Token(t) => {
+                Piece::Token(t, lp) => {
                     clock.token(&state);
+                    if let Some(l) = logprobs.as_mut() {
+                        l.push(state.text.tokenizer(), t, lp.as_ref())?;
+                    }
                     out.push_str(&text.push(&state, t));
                     if text.stopped {
                         return Ok((pb::FinishReason::Stop, None));
@@ -342,15 +348,16 @@ pub async fn whole(state: Arc<RouterState>, routed: Routed, arrived: Instant, ro
     out.push_str(&text.stream.finish(text.stopped));
     let finish = finish_reason(reason, text.stopped);
     let model = &state.served_model;
+    let logprobs = logprobs.as_mut().map_or(Value::Null, Logprobs::take);
     let body = match checked.endpoint {
         Endpoint::Chat => json!({
             "id": id, "object": "chat.completion", "created": created(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0)),
         }),
         Endpoint::Completion => json!({
             "id": id, "object": "text_completion", "created": created(), "model": model,
-            "choices": [{"index": 0, "text": out, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": out, "logprobs": logprobs, "finish_reason": finish}],
             "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0)),
         }),
     };
@@ -370,6 +377,19 @@ pub fn fail(state: &RouterState, route: &'static str, e: ApiError) -> Response {
 
 /// One SSE chunk in the endpoint's shape.
 fn chunk(endpoint: Endpoint, id: &str, model: &str, text: Option<&str>, finish: Option<&str>, role: bool) -> Value {
+    chunk_with(endpoint, id, model, text, finish, role, Value::Null)
+}
+
+/// One SSE chunk, with the log-probabilities of the tokens it carries.
+fn chunk_with(
+    endpoint: Endpoint,
+    id: &str,
+    model: &str,
+    text: Option<&str>,
+    finish: Option<&str>,
+    role: bool,
+    logprobs: Value,
+) -> Value {
     match endpoint {
         Endpoint::Chat => {
             let mut delta = serde_json::Map::new();
@@ -380,10 +400,10 @@ fn chunk(endpoint: Endpoint, id: &str, model: &str, text: Option<&str>, finish: 
                 delta.insert("content".into(), json!(t));
             }
             json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
         }
         Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created(), "model": model,
-                   "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}]}),
+                   "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]}),
     }
 }
 
@@ -437,6 +457,7 @@ async fn pump(
     };
     let mut clock = Clock { arrived, last: None };
     let mut first = true;
+    let mut logprobs = checked.logprobs.map(|_| Logprobs::new(endpoint));
     let deadline = tokio::time::sleep(state.limits.request_timeout);
     tokio::pin!(deadline);
     let (reason, cached) = loop {
@@ -447,10 +468,20 @@ async fn pump(
             _ = tx.closed() => return 499,
         };
         match piece {
-            Some(Ok(Piece::Token(t))) => {
+            Some(Ok(Piece::Token(t, lp))) => {
                 clock.token(state);
+                let mut lps = Value::Null;
+                if let Some(l) = logprobs.as_mut() {
+                    if let Err(e) = l.push(state.text.tokenizer(), t, lp.as_ref()) {
+                        let _ = send(e.body()).await;
+                        return e.status().as_u16();
+                    }
+                    lps = l.take();
+                }
                 let s = text.push(state, t);
-                if (!s.is_empty() || first) && !send(chunk(endpoint, id, model, Some(&s), None, first)).await {
+                // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
+                let due = !s.is_empty() || first || !lps.is_null();
+                if due && !send(chunk_with(endpoint, id, model, Some(&s), None, first, lps)).await {
                     return 499;
                 }
                 first = false;

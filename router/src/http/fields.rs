@@ -49,7 +49,6 @@ fn never(_: &Value) -> bool {
     false
 }
 
-const NO_LOGPROBS: &str = "logprobs are not supported yet";
 const NO_TOOLS: &str = "the served model's chat template has no tool support";
 const NO_GRAMMAR: &str = "structured outputs are not supported yet";
 const NOT_REASONING: &str = "the served model is not a reasoning model";
@@ -91,8 +90,7 @@ fn chat(name: &str) -> Option<Rule> {
         | "prompt_cache_key"
         | "prompt_cache_retention"
         | "prompt_cache_options" => Inert,
-        "logprobs" => Refused(falsy, NO_LOGPROBS),
-        "top_logprobs" => Refused(zero, NO_LOGPROBS),
+        "logprobs" | "top_logprobs" => Used,
         "response_format" => Refused(text_format, NO_GRAMMAR),
         "tools" | "functions" => Refused(empty, NO_TOOLS),
         "tool_choice" | "function_call" => Refused(none_choice, NO_TOOLS),
@@ -111,7 +109,7 @@ fn chat(name: &str) -> Option<Rule> {
 fn completion(name: &str) -> Option<Rule> {
     Some(match name {
         "prompt" => Used,
-        "logprobs" => Refused(never, NO_LOGPROBS),
+        "logprobs" => Used,
         "best_of" => Refused(one, "best_of is not supported (n = 1 only)"),
         "echo" => Refused(falsy, "echo is not supported yet"),
         "suffix" => Refused(empty, "suffix is not supported: the served model has no fill-in-the-middle mode"),
@@ -166,7 +164,6 @@ mod tests {
         assert_eq!(refused(chat, ok), None);
         for (field, value) in [
             ("n", json!(2)),
-            ("logprobs", json!(true)),
             ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
             ("response_format", json!({"type": "json_object"})),
             ("reasoning_effort", json!("low")),

@@ -3,6 +3,7 @@
 pub mod completions;
 pub mod error;
 pub mod fields;
+pub mod logprobs;
 pub mod openai;
 
 use std::sync::Arc;

@@ -9,6 +9,8 @@ use super::error::ApiError;
 const MAX_STOPS: usize = 4;
 /// OpenAI's temperature range.
 const MAX_TEMPERATURE: f32 = 2.0;
+/// Most alternatives per token (OpenAI's `top_logprobs` limit; vLLM's default `max_logprobs` for completions).
+const MAX_LOGPROBS: u32 = engine::sampling::MAX_TOP_LOGPROBS;
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -79,6 +81,10 @@ pub struct Common {
     pub min_tokens: Option<u32>,
     /// vLLM's.
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Chat: `true` or `false`; completions: how many alternatives per token (OpenAI's two meanings).
+    pub logprobs: Option<serde_json::Value>,
+    /// Chat only: alternatives per token, with `logprobs: true`.
+    pub top_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -189,6 +195,38 @@ pub struct Checked {
     /// `user` and `safety_identifier` as the client sent them (for the trace, nothing else).
     pub user: Option<String>,
     pub safety_identifier: Option<String>,
+    /// Each token's log-probability with this many alternatives; `None`: not asked for.
+    pub logprobs: Option<u32>,
+}
+
+/// The request's log-probabilities: chat's `logprobs` (a boolean) with `top_logprobs`, or completions' `logprobs`
+/// (the number of alternatives).
+fn check_logprobs(c: &Common, endpoint: Endpoint) -> Result<Option<u32>, ApiError> {
+    let value = c.logprobs.as_ref().filter(|v| !v.is_null());
+    let top = c.top_logprobs;
+    if top.is_some_and(|n| n > MAX_LOGPROBS) {
+        return Err(ApiError::bad(format!("top_logprobs must be between 0 and {MAX_LOGPROBS}"), "top_logprobs"));
+    }
+    match endpoint {
+        Endpoint::Chat => match value {
+            None | Some(serde_json::Value::Bool(false)) if top.is_some_and(|n| n > 0) => {
+                Err(ApiError::bad("top_logprobs needs logprobs set to true", "top_logprobs"))
+            }
+            None | Some(serde_json::Value::Bool(false)) => Ok(None),
+            Some(serde_json::Value::Bool(true)) => Ok(Some(top.unwrap_or(0))),
+            Some(other) => Err(ApiError::bad(format!("logprobs must be true or false, not {other}"), "logprobs")),
+        },
+        Endpoint::Completion => match value {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= u64::from(MAX_LOGPROBS) => Ok(Some(n as u32)),
+                _ => Err(ApiError::bad(
+                    format!("logprobs must be an integer from 0 to {MAX_LOGPROBS}, not {v}"),
+                    "logprobs",
+                )),
+            },
+        },
+    }
 }
 
 /// The typed request, once every field in it is one `endpoint` supports ([`super::fields`]).
@@ -203,6 +241,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoint) -> Res
 
 fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
     let logits = check_logits(&c, c.max_completion_tokens.or(c.max_tokens))?;
+    let logprobs = check_logprobs(&c, endpoint)?;
     let model = c.model.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::bad("`model` is required", "model"))?;
     if c.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("only n = 1 is supported", "n"));
@@ -251,6 +290,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         namespace: c.cache_salt.filter(|s| !s.is_empty()),
         user: c.user,
         safety_identifier: c.safety_identifier,
+        logprobs,
     })
 }
 
@@ -313,6 +353,30 @@ mod tests {
     fn bad(body: &str) -> (&'static str, String) {
         let e = check_chat(body.as_bytes()).expect_err("refused");
         (e.kind(), e.to_string())
+    }
+
+    #[test]
+    fn logprobs_take_each_endpoints_meaning() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            check_chat(body.as_bytes()).map(|c| c.logprobs).map_err(|e| e.to_string())
+        };
+        assert_eq!(chat(""), Ok(None));
+        assert_eq!(chat(r#","logprobs":false"#), Ok(None));
+        assert_eq!(chat(r#","logprobs":true"#), Ok(Some(0)));
+        assert_eq!(chat(r#","logprobs":true,"top_logprobs":20"#), Ok(Some(20)));
+        assert!(chat(r#","logprobs":true,"top_logprobs":21"#).is_err());
+        assert!(chat(r#","top_logprobs":2"#).is_err(), "top_logprobs needs logprobs");
+        assert!(chat(r#","logprobs":3"#).is_err(), "chat's logprobs is a boolean");
+        let completion = |extra: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"x"{extra}}}"#);
+            check_completion(body.as_bytes()).map(|c| c.logprobs).map_err(|e| e.to_string())
+        };
+        assert_eq!(completion(r#","logprobs":null"#), Ok(None));
+        assert_eq!(completion(r#","logprobs":0"#), Ok(Some(0)));
+        assert_eq!(completion(r#","logprobs":5"#), Ok(Some(5)));
+        assert!(completion(r#","logprobs":true"#).is_err(), "completions' logprobs is a count");
+        assert!(completion(r#","logprobs":21"#).is_err());
     }
 
     #[test]

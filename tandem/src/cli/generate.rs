@@ -40,6 +40,9 @@ pub struct Args {
     /// Tokens of the prompt computed per step (chunked prefill).
     #[arg(long)]
     prefill_chunk: Option<NonZeroUsize>,
+    /// Report each token's log-probability and this many most likely alternatives (0-20; in --json's output).
+    #[arg(long, requires = "json")]
+    logprobs: Option<u32>,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -54,6 +57,15 @@ struct JsonOut<'a> {
     finish_reason: &'static str,
     ttft_ms: f64,
     decode_tokens_per_s: Option<f64>,
+    /// Per token: its log-probability and the alternatives as `[id, logprob]`, most likely first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    logprobs: Vec<JsonLogprobs>,
+}
+
+#[derive(Serialize)]
+struct JsonLogprobs {
+    logprob: f32,
+    top: Vec<(u32, f32)>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
@@ -66,6 +78,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         stop: args.stop.clone(),
         ignore_eos: false,
         detokenize: true,
+        logprobs: args.logprobs,
         ..RawSampling::default()
     })
     .map_err(|e| e.to_string())?;
@@ -139,6 +152,7 @@ fn print_json(c: &Completion) -> serde_json::Result<()> {
         finish_reason: c.finish_reason.as_str(),
         ttft_ms: c.time_to_first_token.as_secs_f64() * 1000.0,
         decode_tokens_per_s: (decoded > 0 && secs > 0.0).then(|| decoded as f64 / secs),
+        logprobs: c.logprobs.iter().map(|l| JsonLogprobs { logprob: l.logprob, top: l.top.clone() }).collect(),
     };
     println!("{}", serde_json::to_string(&out)?);
     Ok(())

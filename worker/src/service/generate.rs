@@ -72,12 +72,13 @@ impl WorkerService {
                     };
                     let Some(ev) = ev else { break };
                     let (msg, last) = match ev {
-                        SeqEvent::Token { token, text } => {
+                        SeqEvent::Token { token, text, logprobs } => {
                             if first_at.is_none() {
                                 metrics.time_to_first_token.observe(arrived.elapsed());
                                 first_at = Some(Instant::now());
                             }
-                            let event = pb::generate_response::Event::Token(pb::Token { id: token, text });
+                            let logprobs = logprobs.as_ref().map(convert::logprobs_to_pb);
+                            let event = pb::generate_response::Event::Token(pb::Token { id: token, text, logprobs });
                             (Ok(pb::GenerateResponse { event: Some(event) }), false)
                         }
                         SeqEvent::Finished(c) => {

@@ -99,7 +99,7 @@ impl WorkerService {
             .await
             .map_err(submit_status)?;
         ticket.submitted();
-        let (mut first, mut kv, mut done) = (None, None, None);
+        let (mut first, mut first_logprobs, mut kv, mut done) = (None, None, None, None);
         let mut abort = self.aborting.clone();
         loop {
             // Dropping the stream (on cancel, or when the caller goes away and this future with it) cancels the
@@ -111,9 +111,10 @@ impl WorkerService {
             };
             let Some(ev) = ev else { break };
             match ev {
-                SeqEvent::Token { token, .. } => {
+                SeqEvent::Token { token, logprobs, .. } => {
                     self.metrics.time_to_first_token.observe(arrived.elapsed());
                     first = Some(token);
+                    first_logprobs = logprobs.as_ref().map(convert::logprobs_to_pb);
                 }
                 SeqEvent::Exported(e) => kv = Some(e),
                 SeqEvent::Finished(c) => {
@@ -157,6 +158,7 @@ impl WorkerService {
             handle: Some(convert::handle_to_pb(&handle)),
             cached_tokens: done.cached_tokens as u32,
             computed_tokens: (tokens - done.cached_tokens) as u32,
+            first_logprobs,
         }))
     }
 }
