@@ -106,7 +106,7 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
     let ca = DevCa::generate().expect("ca");
     let d = worker(&ca, Role::Decode, "decode-0").await;
     let mut config = router_config(&ca, vec![d.grpc]);
-    config.api_keys = vec!["sk-test".into()];
+    config.tenants = router::tenants::Tenants::open(vec!["sk-test".into()]);
     let router = RunningRouter::start(config).await.expect("router");
     wait_for_workers(&router, 1).await;
     let addr = router.addr;
@@ -295,4 +295,58 @@ async fn with_reserve_decode_a_routed_request_counts_on_its_decode_worker_from_t
     drop((first, second));
     assert_eq!((state.cluster.in_flight(d1), state.cluster.in_flight(d2)), (0, 0), "no count is left behind");
     stop(router, workers).await;
+}
+
+/// API keys bound to tenants: the same prompt never reports cached tokens across tenants (prefix sharing shows in
+/// the time to first token), `cache_salt` narrows within a tenant, and sharing across tenants is a setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_never_hit_each_others_cached_prompts() {
+    let ca = DevCa::generate().expect("ca");
+    let d = worker(&ca, Role::Both, "both-0").await;
+    let prompt = "Tenants must not learn which prompts other tenants sent: a cache hit is visible as a shorter \
+                  time to first token, so the router hashes each tenant's blocks apart from everyone else's.";
+    let body = |salt: Option<&str>| {
+        let mut b = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0});
+        if let Some(s) = salt {
+            b["cache_salt"] = s.into();
+        }
+        b.to_string()
+    };
+    for share in [false, true] {
+        let tenants = router::tenants::parse(&["team-a:sk-a".into(), "team-b:sk-b".into()]).expect("valid");
+        let mut config = router_config(&ca, vec![d.grpc]);
+        config.tenants = router::tenants::Tenants::new(vec!["sk-open".into()], tenants, share);
+        let router = RunningRouter::start(config).await.expect("router");
+        wait_for_workers(&router, 1).await;
+        let cached = |key: &'static str, salt: Option<&'static str>| {
+            let addr = router.addr;
+            let body = body(salt);
+            async move {
+                let auth = format!("Bearer {key}");
+                let r = http(addr, "POST", "/v1/completions", &body, &[("authorization", &auth)]).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens")
+            }
+        };
+        // A fresh salt per round keeps the rounds apart on the one worker.
+        let (s, other) = if share { (Some("round-2"), Some("round-2-other")) } else { (None, Some("other")) };
+        assert_eq!(cached("sk-a", s).await, 0, "share {share}: the first time anyone sends it");
+        assert!(cached("sk-a", s).await > 0, "share {share}: the same tenant hits its own cache");
+        let b = cached("sk-b", s).await;
+        let open = cached("sk-open", s).await;
+        if share {
+            assert!(b > 0 && open > 0, "shared on purpose: {b} {open}");
+        } else {
+            assert_eq!((b, open), (0, 0), "another tenant, or a key of no tenant, finds nothing cached");
+            assert!(cached("sk-b", s).await > 0, "team-b now hits its own");
+        }
+        assert_eq!(cached("sk-a", other).await, 0, "share {share}: a salt narrows within a tenant");
+        let r = http(router.addr, "POST", "/v1/completions", &body(Some("a\0b")), &[("authorization", "Bearer sk-a")])
+            .await;
+        assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, serde_json::json!("cache_salt")));
+        let r = http(router.addr, "POST", "/v1/completions", &body(None), &[("authorization", "Bearer sk-c")]).await;
+        assert_eq!(r.status, 401);
+        router.shutdown(std::time::Duration::from_secs(5)).await;
+    }
+    d.shutdown(std::time::Duration::from_secs(5)).await;
 }

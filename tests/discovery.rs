@@ -28,7 +28,7 @@ async fn a_dns_name_brings_in_the_workers_it_resolves_to() {
 async fn workers_register_themselves_and_leave() {
     let ca = DevCa::generate().expect("ca");
     let mut config = router_config(&ca, vec![]);
-    config.api_keys = vec!["sk-reg".into()];
+    config.tenants = router::tenants::Tenants::open(vec!["sk-reg".into()]);
     config.admin_key = Some("adm-reg".into());
     let router = RunningRouter::start(config).await.expect("router");
     let auth = [("authorization", "Bearer sk-reg")];

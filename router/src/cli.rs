@@ -73,6 +73,13 @@ pub struct Settings {
     /// Accepted API keys (comma-separated); none: no key needed.
     #[arg(long, env = "TANDEM_API_KEYS", value_delimiter = ',')]
     pub api_keys: Option<Vec<String>>,
+    /// API keys bound to tenants, as TENANT:KEY (comma-separated; a tenant may have several keys): each tenant's
+    /// prompts are cached apart from everyone else's, so one cannot probe another's cache through its latency.
+    #[arg(long, env = "TANDEM_TENANT_KEYS", value_delimiter = ',')]
+    pub tenant_keys: Option<Vec<String>>,
+    /// Let tenants share cached prompts after all (`true`); by default each tenant is its own cache namespace.
+    #[arg(long, env = "TANDEM_SHARE_CACHE_ACROSS_TENANTS")]
+    pub share_cache_across_tenants: Option<bool>,
     /// The key `/admin/*` and `/debug/*` require (workers registering themselves send it too); none: those
     /// endpoints answer only on loopback.
     #[arg(long, env = "TANDEM_ADMIN_KEY")]
@@ -261,6 +268,14 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             .map_or(d.decode_idle_timeout, Duration::from_millis),
         ..d
     };
+    let tenant_keys = crate::tenants::parse(&s.tenant_keys.or(file.tenant_keys).unwrap_or_default())
+        .map_err(|e| problems.push(format!("tenant_keys: {e}")))
+        .unwrap_or_default();
+    let tenants = crate::tenants::Tenants::new(
+        s.api_keys.or(file.api_keys).unwrap_or_default().into_iter().filter(|k| !k.is_empty()).collect(),
+        tenant_keys,
+        s.share_cache_across_tenants.or(file.share_cache_across_tenants).unwrap_or(false),
+    );
     match (problems.is_empty(), listen, identity, model) {
         (true, Ok(listen), Some(identity), Some(model)) => Ok(RouterConfig {
             listen,
@@ -274,7 +289,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             certs,
             limits,
             scheduler,
-            api_keys: s.api_keys.or(file.api_keys).unwrap_or_default().into_iter().filter(|k| !k.is_empty()).collect(),
+            tenants,
             admin_key: s.admin_key.or(file.admin_key).filter(|k| !k.is_empty()),
             follow: crate::cluster::FollowSettings {
                 max_workers: s.max_workers.or(file.max_workers).unwrap_or(crate::cluster::DEFAULT_MAX_WORKERS),

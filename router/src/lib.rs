@@ -17,3 +17,4 @@ pub mod run;
 pub mod scheduler;
 pub mod serve;
 pub mod state;
+pub mod tenants;

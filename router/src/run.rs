@@ -80,7 +80,8 @@ pub struct RouterConfig {
     pub certs: Option<kv_transfer::tls::IdentityFiles>,
     pub limits: Limits,
     pub scheduler: SchedulerConfig,
-    pub api_keys: Vec<String>,
+    /// Accepted API keys and the tenants they name.
+    pub tenants: crate::tenants::Tenants,
     /// The key `/admin/*` and `/debug/*` require; `None`: they answer only on loopback.
     pub admin_key: Option<String>,
     /// How workers are followed (limits, liveness).
@@ -179,7 +180,7 @@ impl RunningRouter {
             scheduler: RwLock::new(config.scheduler),
             admission: Admission::new(config.limits.max_in_flight, config.limits.max_queue),
             limits: config.limits,
-            api_keys: config.api_keys,
+            tenants: config.tenants,
             admin_key: config.admin_key,
             route_state: Mutex::new(RouteState::seeded(config.seed.unwrap_or_else(clock_seed))),
             instance: crate::ids::instance_id(),

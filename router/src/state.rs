@@ -139,8 +139,8 @@ pub struct RouterState {
     pub max_model_len: usize,
     pub scheduler: RwLock<SchedulerConfig>,
     pub limits: Limits,
-    /// Accepted bearer keys; empty: no key needed.
-    pub api_keys: Vec<String>,
+    /// Accepted bearer keys and their tenants; none: no key needed.
+    pub tenants: crate::tenants::Tenants,
     /// The key for `/admin/*` and `/debug/*`; `None`: those answer only on loopback.
     pub admin_key: Option<String>,
     pub admission: Admission,

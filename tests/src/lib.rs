@@ -127,7 +127,7 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         certs: None,
         limits: Limits { request_timeout: Duration::from_secs(120), ..Limits::default() },
         scheduler: SchedulerConfig { slow_start_secs: 0.0, ..SchedulerConfig::default() },
-        api_keys: Vec::new(),
+        tenants: Default::default(),
         admin_key: None,
         follow: Default::default(),
         block_size: 16,

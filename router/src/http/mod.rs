@@ -77,13 +77,12 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 /// Checks the client's bearer key when keys are configured.
 fn authorize(state: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if state.api_keys.is_empty() {
-        return Ok(());
-    }
-    match bearer(headers) {
-        Some(k) if state.api_keys.iter().any(|key| constant_time_eq(key.as_bytes(), k.as_bytes())) => Ok(()),
-        _ => Err(ApiError::Unauthorized),
-    }
+    tenant(state, headers).map(|_| ())
+}
+
+/// The tenant the client's bearer key names (`None`: no tenant), when the key is accepted.
+fn tenant(state: &RouterState, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    state.tenants.identify(bearer(headers)).map(|t| t.map(str::to_string)).map_err(|_| ApiError::Unauthorized)
 }
 
 /// Who may use `/admin/*` and `/debug/*`: the holder of the admin key when one is set (a client key is not
@@ -91,7 +90,7 @@ fn authorize(state: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
 fn authorize_admin(admin_key: Option<&str>, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
     match admin_key {
         Some(key) => match bearer(headers) {
-            Some(k) if constant_time_eq(key.as_bytes(), k.as_bytes()) => Ok(()),
+            Some(k) if crate::tenants::constant_time_eq(key.as_bytes(), k.as_bytes()) => Ok(()),
             _ => Err(ApiError::Unauthorized),
         },
         None if peer.ip().is_loopback() || peer.ip().to_canonical().is_loopback() => Ok(()),
@@ -103,11 +102,6 @@ fn authorize_admin(admin_key: Option<&str>, headers: &HeaderMap, peer: SocketAdd
 
 fn admin(state: &RouterState, headers: &HeaderMap, peer: &Peer) -> Result<(), ApiError> {
     authorize_admin(state.admin_key.as_deref(), headers, peer.0)
-}
-
-/// Compares without an early exit, so the time taken does not reveal how much of a key was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn chat(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
@@ -168,8 +162,9 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
         Endpoint::Completion => "/v1/completions",
     };
     let prepared = async {
-        authorize(&state, &headers)?;
-        let checked = check(endpoint, &body)?;
+        let tenant = tenant(&state, &headers)?;
+        let mut checked = check(endpoint, &body)?;
+        checked.namespace = state.tenants.namespace(tenant.as_deref(), checked.namespace.as_deref());
         let span = tracing::Span::current();
         span.record("gen_ai.request.model", checked.model.as_str());
         if let Some(u) = &checked.user {

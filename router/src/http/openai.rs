@@ -272,7 +272,9 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::bad("stop sequences must not be empty", "stop"));
     }
-    let _ = c.user; // Accepted for compatibility; tenants are kept apart by `cache_salt`.
+    if c.cache_salt.as_deref().is_some_and(|s| s.contains('\0')) {
+        return Err(ApiError::bad("cache_salt must not contain NUL", "cache_salt"));
+    }
     Ok(Checked {
         logits,
         endpoint,

@@ -191,7 +191,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             certs: None,
             limits: Limits { max_in_flight: args.max_in_flight, max_queue: args.max_queue, ..Limits::default() },
             scheduler,
-            api_keys: args.api_key.into_iter().collect(),
+            tenants: router::tenants::Tenants::open(args.api_key.into_iter().collect()),
             admin_key: args.admin_key,
             follow: Default::default(),
             block_size: defaults::BLOCK_SIZE,
