@@ -350,3 +350,50 @@ async fn tenants_never_hit_each_others_cached_prompts() {
     }
     d.shutdown(std::time::Duration::from_secs(5)).await;
 }
+
+/// `prompt_cache_key`: an agent's prompts that share no prefix still go to the worker that computed the session's
+/// last one (an affinity credit, shown in `/debug/route`); without the key, nothing holds them there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_with_the_same_prompt_cache_key_stay_on_one_worker() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Both, Role::Both]).await;
+    let addr = router.addr;
+    let ask = |q: &str, key: Option<&str>| {
+        // The question opens the prompt (as the system message), so no two prompts share a block: only the key
+        // can hold them together.
+        let mut b = serde_json::json!({"model": MODEL, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": q}, {"role": "user", "content": "Go."}]});
+        if let Some(k) = key {
+            b["prompt_cache_key"] = k.into();
+        }
+        b.to_string()
+    };
+    let first = http(addr, "POST", "/v1/chat/completions", &ask("Plan a trip to Lima.", Some("agent-7")), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = if workers[0].stats().counters.prefill_tokens > 0 { workers[0].grpc } else { workers[1].grpc };
+    for q in ["Summarise the history of tea.", "Write a haiku on rain.", "List three prime numbers."] {
+        let explained = http(addr, "POST", "/debug/route", &ask(q, Some("agent-7")), &[]).await.json();
+        assert_eq!(explained["decode"]["worker"], holder.to_string(), "{explained}");
+        let credits: Vec<(String, f64)> = explained["decode"]["candidates"]
+            .as_array()
+            .expect("candidates")
+            .iter()
+            .map(|c| (c["worker"].as_str().expect("name").to_string(), c["affinity_credit"].as_f64().expect("credit")))
+            .collect();
+        for (worker, credit) in credits {
+            let want = if worker == holder.to_string() { 16.0 } else { 0.0 };
+            assert_eq!(credit, want, "{explained}");
+        }
+        let r = http(addr, "POST", "/v1/chat/completions", &ask(q, Some("agent-7")), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        // Another key, or none, is not credited.
+        let other = http(addr, "POST", "/debug/route", &ask(q, Some("agent-8")), &[]).await.json();
+        assert!(
+            other["decode"]["candidates"].as_array().expect("c").iter().all(|c| c["affinity_credit"] == 0.0),
+            "{other}"
+        );
+    }
+    let elsewhere = workers.iter().find(|w| w.grpc != holder).expect("the other worker");
+    assert_eq!(elsewhere.stats().counters.prefill_tokens, 0, "the whole session stayed on one worker");
+    stop(router, workers).await;
+}

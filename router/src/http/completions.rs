@@ -131,7 +131,8 @@ pub async fn plan(
         logprobs: checked.logprobs,
     };
     let config = state.scheduler_config();
-    let req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
+    let mut req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
+    let cache_key = checked.prompt_cache_key.as_deref().map(|k| cache_key(checked.namespace.as_deref(), k));
     let span = tracing::info_span!(
         "route",
         policy = config.policy.as_str(),
@@ -153,6 +154,7 @@ pub async fn plan(
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
         let protocol = crate::serve::protocol_needed(&sampling);
         let views = state.cluster.view(&hashes, protocol, Duration::from_secs_f64(config.slow_start_secs), arrived);
+        req.affinity = cache_key.and_then(|k| route_state.affinity.get(k));
         let decision = route(&req, &views, &config, &mut route_state);
         // This request on `worker`, with `prefill_tokens` of its prompt to compute there.
         let reserve = |worker, prefill_tokens| {
@@ -162,6 +164,9 @@ pub async fn plan(
         if let (Ok(d), true) = (&decision, count) {
             let computes = d.prefill.as_ref().filter(|_| d.disaggregate).unwrap_or(&d.decode);
             if let Some(c) = computes.chosen() {
+                if let Some(k) = cache_key {
+                    route_state.affinity.remember(k, c.id);
+                }
                 let held = c.device_blocks + c.host_blocks + c.disk_blocks;
                 reserved.push(reserve(c.id, crate::serve::uncached(tokens.len(), held, u64::from(block_size))));
             }
@@ -217,6 +222,14 @@ pub async fn plan(
         reserved,
     };
     Ok(Routed { checked, job, decision })
+}
+
+/// The affinity key of a `prompt_cache_key` within its cache namespace (tenants' keys never meet).
+fn cache_key(namespace: Option<&str>, key: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (namespace, key).hash(&mut h);
+    h.finish()
 }
 
 fn record_route(span: &tracing::Span, d: &Decision, candidates: usize) {

@@ -81,15 +81,15 @@ fn common(name: &str) -> Option<Rule> {
 fn chat(name: &str) -> Option<Rule> {
     Some(match name {
         "messages" => Used,
-        // `safety_identifier` is recorded on the trace span; the prompt cache fields ask for caching, which the
-        // router does anyway (`prompt_cache_key` does not yet steer routing).
+        // `safety_identifier` is recorded on the trace span; the other prompt cache fields ask for caching, which
+        // the router does anyway.
         "metadata"
         | "store"
         | "parallel_tool_calls"
         | "safety_identifier"
-        | "prompt_cache_key"
         | "prompt_cache_retention"
         | "prompt_cache_options" => Inert,
+        "prompt_cache_key" => Used,
         "logprobs" | "top_logprobs" => Used,
         "response_format" => Refused(text_format, NO_GRAMMAR),
         "tools" | "functions" => Refused(empty, NO_TOOLS),

@@ -85,6 +85,8 @@ pub struct Common {
     pub logprobs: Option<serde_json::Value>,
     /// Chat only: alternatives per token, with `logprobs: true`.
     pub top_logprobs: Option<u32>,
+    /// Chat only (OpenAI's): requests with the same key prefer the worker that last computed one.
+    pub prompt_cache_key: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -197,6 +199,8 @@ pub struct Checked {
     pub safety_identifier: Option<String>,
     /// Each token's log-probability with this many alternatives; `None`: not asked for.
     pub logprobs: Option<u32>,
+    /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
+    pub prompt_cache_key: Option<String>,
 }
 
 /// The request's log-probabilities: chat's `logprobs` (a boolean) with `top_logprobs`, or completions' `logprobs`
@@ -293,6 +297,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         user: c.user,
         safety_identifier: c.safety_identifier,
         logprobs,
+        prompt_cache_key: c.prompt_cache_key.filter(|k| !k.is_empty()),
     })
 }
 

@@ -98,6 +98,10 @@ pub mod defaults {
     pub const PREDICTED_WEIGHT: f64 = 1.0;
     pub const PREFILL_LOAD_SCALE: f64 = 1.0;
     pub const ACTIVE_REQUEST_WEIGHT: f64 = 0.0;
+    /// A request's `prompt_cache_key` credits the worker that last computed a prompt with that key as if it held
+    /// 16 more of the prompt's blocks (256 tokens): enough to keep a session in place against small load
+    /// differences, not enough to pile sessions onto a busy worker.
+    pub const CACHE_KEY_CREDIT: f64 = 16.0;
     pub const TEMPERATURE: f64 = 0.0;
     pub const MAX_LOCAL_PREFILL_TOKENS: u64 = 2048;
     /// At least 30% of the prompt must already be on the decode worker to prefill there.
@@ -141,6 +145,9 @@ pub struct SchedulerConfig {
     pub predicted_weight: f64,
     pub prefill_load_scale: f64,
     pub active_request_weight: f64,
+    /// Blocks of prefill credited to the worker that last computed a prompt with the request's
+    /// `prompt_cache_key` (0: keys do not steer routing).
+    pub cache_key_credit: f64,
     pub temperature: f64,
     /// How ties are broken at temperature 0.
     pub ties: Ties,
@@ -193,6 +200,7 @@ impl Default for SchedulerConfig {
             predicted_weight: PREDICTED_WEIGHT,
             prefill_load_scale: PREFILL_LOAD_SCALE,
             active_request_weight: ACTIVE_REQUEST_WEIGHT,
+            cache_key_credit: CACHE_KEY_CREDIT,
             temperature: TEMPERATURE,
             ties: Ties::Random,
             cost_units: CostUnits::Blocks,
@@ -247,6 +255,7 @@ impl SchedulerConfig {
         non_negative("predicted_weight", self.predicted_weight);
         non_negative("prefill_load_scale", self.prefill_load_scale);
         non_negative("active_request_weight", self.active_request_weight);
+        non_negative("cache_key_credit", self.cache_key_credit);
         non_negative("temperature", self.temperature);
         non_negative("prefill_load_threshold", self.prefill_load_threshold);
         non_negative("slow_start_secs", self.slow_start_secs);

@@ -7,6 +7,8 @@ use super::view::{RouteRequest, WorkerView};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillCost {
     pub potential_decode_blocks: u64,
+    /// Blocks credited because `w` last computed a prompt with the request's `prompt_cache_key`.
+    pub affinity_credit: f64,
     pub cost: f64,
 }
 
@@ -31,10 +33,12 @@ pub fn prefill_cost(
     let adjusted = (raw_prefill_blocks - credit).max(0.0);
     // Blocks active on w, plus this request's blocks not already active there (cached is not active).
     let potential_decode_blocks = w.load.active_blocks + req.request_blocks().saturating_sub(w.active_overlap as u64);
+    let affinity_credit = if req.affinity == Some(w.id) { cfg.cache_key_credit } else { 0.0 };
     let cost = cfg.prefill_load_scale * speed_factor * adjusted
         + potential_decode_blocks as f64
-        + cfg.active_request_weight * w.load.active_requests as f64;
-    PrefillCost { potential_decode_blocks, cost }
+        + cfg.active_request_weight * w.load.active_requests as f64
+        - affinity_credit;
+    PrefillCost { potential_decode_blocks, affinity_credit, cost }
 }
 
 /// Per candidate, what its prefill term is multiplied by: 1 in block units; in seconds units the mean measured
@@ -88,7 +92,7 @@ mod tests {
     /// (device, host, disk, active prefill tokens, active blocks, min active prefill, config tweak, cost).
     #[test]
     fn the_formula_term_by_term() {
-        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0 };
+        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: None };
         let base = SchedulerConfig::default();
         let active = |mut w: WorkerView, n| {
             w.active_overlap = n;
@@ -133,10 +137,27 @@ mod tests {
     }
 
     #[test]
+    fn the_worker_a_prompt_cache_key_last_used_is_credited() {
+        use crate::scheduler::view::WorkerId;
+        let cfg = SchedulerConfig::default();
+        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: Some(WorkerId(0)) };
+        // Cold and idle costs 20 (above); the credited worker 20 - 16, another worker 20.
+        let c = prefill_cost(&req, &worker(0, 0, 0, 0, 0), 0, 1.0, &cfg);
+        assert_eq!((c.affinity_credit, c.cost), (16.0, 4.0));
+        let other = WorkerView { id: WorkerId(1), ..worker(0, 0, 0, 0, 0) };
+        assert_eq!(prefill_cost(&req, &other, 0, 1.0, &cfg).cost, 20.0);
+        // Load beyond the credit outweighs it: 32 more blocks queued on the credited worker.
+        let busy = worker(0, 0, 0, 32 * 16, 0);
+        assert!(prefill_cost(&req, &busy, 0, 1.0, &cfg).cost > prefill_cost(&req, &other, 0, 1.0, &cfg).cost);
+        let off = SchedulerConfig { cache_key_credit: 0.0, ..cfg };
+        assert_eq!(prefill_cost(&req, &worker(0, 0, 0, 0, 0), 0, 1.0, &off).cost, 20.0);
+    }
+
+    #[test]
     fn in_seconds_a_faster_worker_queue_costs_less_and_equal_workers_cost_as_in_blocks() {
         use crate::scheduler::config::CostUnits;
         use crate::scheduler::view::Speed;
-        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0 };
+        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: None };
         let with_speed = |tps: Option<f64>| WorkerView {
             speed: Speed { prefill_tokens_per_sec: tps, ..Speed::default() },
             ..worker(0, 0, 0, 320, 0)
@@ -157,7 +178,7 @@ mod tests {
 
     #[test]
     fn request_blocks_round_up_and_decode_cost_is_a_fraction() {
-        let req = RouteRequest { isl: 17, block_size: 16, prefix_key: 0, key: 0 };
+        let req = RouteRequest { isl: 17, block_size: 16, prefix_key: 0, key: 0, affinity: None };
         assert_eq!(req.request_blocks(), 2);
         let w = worker(0, 0, 0, 0, 98);
         assert!((decode_cost(&req, &w) - 0.1).abs() < 1e-12);

@@ -2,6 +2,7 @@
 //! by load, a prefill worker by prefix overlap against load, and whether disaggregation pays (`routing.md`).
 //! It reads no clock, spawns nothing and logs nothing; the router and the simulator both call it.
 
+pub mod affinity;
 pub mod config;
 pub mod cost;
 mod disaggregate;
@@ -26,11 +27,18 @@ pub struct RouteState {
     pub rng: Rng,
     prefill_rotation: Rotation,
     decode_rotation: Rotation,
+    /// Which worker last computed a prompt with each recent `prompt_cache_key`.
+    pub affinity: affinity::Affinity,
 }
 
 impl RouteState {
     pub fn seeded(seed: u64) -> RouteState {
-        RouteState { rng: Rng::new(seed), prefill_rotation: Rotation::default(), decode_rotation: Rotation::default() }
+        RouteState {
+            rng: Rng::new(seed),
+            prefill_rotation: Rotation::default(),
+            decode_rotation: Rotation::default(),
+            affinity: affinity::Affinity::default(),
+        }
     }
 }
 
@@ -52,6 +60,8 @@ pub struct Scored {
     /// What the prefill term was multiplied by: 1 in block units; in seconds units, the fleet's mean measured
     /// prefill speed over this worker's.
     pub speed_factor: f64,
+    /// Blocks credited because it last computed a prompt with the request's `prompt_cache_key` (0: none).
+    pub affinity_credit: f64,
     pub cost: f64,
     /// Its overlap is predicted from what the router sent it (an engine without KV events).
     pub predicted: bool,
@@ -155,7 +165,7 @@ fn busy(req: &RouteRequest, w: &WorkerView, cfg: &SchedulerConfig) -> bool {
         || cfg.busy_kv_fraction.is_some_and(|f| cost::over_kv(req, w, f))
 }
 
-fn scored(w: &WorkerView, potential_decode_blocks: u64, speed_factor: f64, cost: f64) -> Scored {
+fn scored(w: &WorkerView, potential_decode_blocks: u64, speed_factor: f64, affinity_credit: f64, cost: f64) -> Scored {
     Scored {
         worker: w.name.clone(),
         id: w.id,
@@ -169,6 +179,7 @@ fn scored(w: &WorkerView, potential_decode_blocks: u64, speed_factor: f64, cost:
         capacity_blocks: w.load.capacity_blocks,
         active_requests: w.load.active_requests,
         speed_factor,
+        affinity_credit,
         cost,
         predicted: w.predicted,
     }
@@ -241,7 +252,7 @@ fn prefill_choice<'a>(
         .zip(&factors)
         .map(|(w, &f)| {
             let c = cost::prefill_cost(req, w, min_active, f, cfg);
-            scored(w, c.potential_decode_blocks, f, c.cost)
+            scored(w, c.potential_decode_blocks, f, c.affinity_credit, c.cost)
         })
         .collect();
     let load: Vec<f64> = ready.iter().map(|w| load(w)).collect();
@@ -303,8 +314,10 @@ pub fn route(
             isl: req.isl,
         });
     }
-    let decode_scored: Vec<Scored> =
-        open.iter().map(|w| scored(w, w.load.active_blocks + request_blocks, 1.0, cost::decode_cost(req, w))).collect();
+    let decode_scored: Vec<Scored> = open
+        .iter()
+        .map(|w| scored(w, w.load.active_blocks + request_blocks, 1.0, 0.0, cost::decode_cost(req, w)))
+        .collect();
     let load: Vec<f64> = decode_scored.iter().map(|c| c.cost).collect();
     let at = pick(Pool::Decode, req, cfg, &decode_scored, &load, rng, &mut state.decode_rotation);
     let decode_worker = open[at];

@@ -21,7 +21,7 @@ fn w(id: u32, role: WorkerRole, device: usize, prefill_tokens: u64, active_block
 }
 
 fn req(isl: u64) -> RouteRequest {
-    RouteRequest { isl, block_size: 16, prefix_key: 0, key: 0 }
+    RouteRequest { isl, block_size: 16, prefix_key: 0, key: 0, affinity: None }
 }
 
 fn decide(r: &RouteRequest, workers: &[WorkerView], cfg: &SchedulerConfig) -> Decision {

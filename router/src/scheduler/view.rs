@@ -76,6 +76,9 @@ pub struct RouteRequest {
     /// A key of the whole prompt (its last full block's chained hash and its length): what hashed tie-breaking
     /// ranks the tied workers by, so the same prompt in the same state goes to the same worker in any router.
     pub key: u64,
+    /// The worker that last computed a prompt with this request's `prompt_cache_key` (credited
+    /// `cache_key_credit` blocks), if the key is remembered.
+    pub affinity: Option<WorkerId>,
 }
 
 impl RouteRequest {
@@ -84,7 +87,7 @@ impl RouteRequest {
     pub fn new(isl: u64, block_size: u64, hashes: &[kv_cache::SeqHash], prefix_blocks: usize) -> RouteRequest {
         let prefix_key = hashes.get(prefix_blocks.min(hashes.len()).wrapping_sub(1)).map_or(isl, |h| h.0);
         let key = hashes.last().map_or(0, |h| h.0) ^ isl.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        RouteRequest { isl, block_size, prefix_key, key }
+        RouteRequest { isl, block_size, prefix_key, key, affinity: None }
     }
 
     /// `ceil(isl / block_size)`.
