@@ -36,7 +36,7 @@ fn openai_fields(module: &str) -> Vec<String> {
 
 /// A value asking for something, for every field that is refused or accepted without effect (`true`: accepted).
 fn asks(chat: bool) -> BTreeMap<&'static str, (Value, bool)> {
-    let mut m = BTreeMap::from([("user", (json!("someone"), true)), ("n", (json!(2), false))]);
+    let mut m = BTreeMap::from([("user", (json!("someone"), true))]);
     if chat {
         m.extend([
             ("metadata", (json!({"k": "v"}), true)),
@@ -61,11 +61,7 @@ fn asks(chat: bool) -> BTreeMap<&'static str, (Value, bool)> {
             ("service_tier", (json!("flex"), false)),
         ]);
     } else {
-        m.extend([
-            ("best_of", (json!(2), false)),
-            ("echo", (json!(true), false)),
-            ("suffix", (json!(" and so on"), false)),
-        ]);
+        m.extend([("best_of", (json!(2), false)), ("suffix", (json!(" and so on"), false))]);
     }
     m
 }
@@ -87,6 +83,8 @@ const IMPLEMENTED: &[&str] = &[
     "logit_bias",
     "logprobs",
     "top_logprobs",
+    "n",
+    "echo",
 ];
 
 struct Api {
@@ -138,9 +136,98 @@ impl Api {
                 let greedy = self.answer(json!({"temperature": 0})).await.0;
                 assert_eq!(self.answer(json!({"temperature": 0, "prompt": ids})).await.0, greedy);
                 assert_eq!(self.answer(json!({"temperature": 0, "prompt": [ids]})).await.0, greedy);
-                for bad in [json!([1, 999_999]), json!([]), json!(["a", "b"])] {
+                for bad in [json!([1, 999_999]), json!([]), json!(["a", ""]), json!(vec!["a"; 33])] {
                     let r = self.send(json!({"prompt": bad})).await;
                     assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("prompt")), "{bad}");
+                }
+                // A batch: one choice per prompt, in order, each the prompt's own answer; usage over all.
+                let other = "The sea at night";
+                let alone = self.send(json!({"temperature": 0, "prompt": other})).await.json();
+                let batch = self.send(json!({"temperature": 0, "prompt": [text, other]})).await.json();
+                let texts: Vec<&str> = batch["choices"]
+                    .as_array()
+                    .expect("choices")
+                    .iter()
+                    .map(|c| c["text"].as_str().expect("text"))
+                    .collect();
+                assert_eq!(texts, [greedy.as_str(), alone["choices"][0]["text"].as_str().expect("text")], "{batch}");
+                assert_eq!(batch["choices"][1]["index"], 1);
+                let single = self.send(json!({"temperature": 0})).await.json();
+                let sum = |k: &str| single["usage"][k].as_u64().expect("u") + alone["usage"][k].as_u64().expect("u");
+                assert_eq!(batch["usage"]["prompt_tokens"].as_u64(), Some(sum("prompt_tokens")), "{batch}");
+                assert_eq!(batch["usage"]["completion_tokens"].as_u64(), Some(sum("completion_tokens")), "{batch}");
+                // Batch and n together: prompt-major, as OpenAI numbers them.
+                let both = self.send(json!({"temperature": 0, "prompt": [text, other], "n": 2})).await.json();
+                let texts: Vec<&str> = both["choices"]
+                    .as_array()
+                    .expect("choices")
+                    .iter()
+                    .map(|c| c["text"].as_str().expect("text"))
+                    .collect();
+                assert_eq!(texts.len(), 4, "{both}");
+                assert_eq!((texts[0], texts[1]), (greedy.as_str(), greedy.as_str()), "{both}");
+                assert_eq!(texts[2], alone["choices"][0]["text"].as_str().expect("text"), "{both}");
+            }
+            "echo" => {
+                let text = self.base()["prompt"].as_str().expect("text").to_string();
+                let greedy = self.answer(json!({"temperature": 0})).await.0;
+                assert_eq!(self.answer(json!({"temperature": 0, "echo": true})).await.0, format!("{text}{greedy}"));
+                // Streamed: the prompt comes first.
+                let events = self.send(json!({"temperature": 0, "echo": true, "stream": true})).await.events();
+                let streamed: String = events
+                    .iter()
+                    .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                    .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+                    .collect();
+                assert_eq!(streamed, format!("{text}{greedy}"));
+                let r = self.send(json!({"echo": true, "logprobs": 1})).await;
+                assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("echo")), "{}", r.body);
+            }
+            "n" => {
+                // Sampled: each choice its own seed (the request's plus its number), so the first is the n = 1
+                // answer and the others differ; the prompt counts once in usage, the completions all.
+                let hot = json!({"temperature": 1.5, "seed": 11, "max_tokens": 12, "ignore_eos": true});
+                let mut three = hot.clone();
+                three["n"] = json!(3);
+                let r = self.send(three.clone()).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                let v = r.json();
+                let choice = |c: &Value| {
+                    let t = if self.chat { &c["message"]["content"] } else { &c["text"] };
+                    t.as_str().expect("text").to_string()
+                };
+                let texts: Vec<String> = v["choices"].as_array().expect("choices").iter().map(choice).collect();
+                let indices: Vec<u64> =
+                    v["choices"].as_array().expect("c").iter().map(|c| c["index"].as_u64().expect("i")).collect();
+                assert_eq!(indices, [0, 1, 2]);
+                let (one, tokens, _) = self.answer(hot.clone()).await;
+                assert_eq!(texts[0], one, "choice 0 has the request's seed");
+                assert!(texts[1] != texts[0] || texts[2] != texts[0], "the other seeds sample other tokens: {texts:?}");
+                assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(3 * tokens), "{v}");
+                let single = self.send(hot.clone()).await.json();
+                assert_eq!(v["usage"]["prompt_tokens"], single["usage"]["prompt_tokens"], "the prompt counts once");
+                // The same request again: the same three answers.
+                let again: Vec<String> = self.send(three.clone()).await.json()["choices"]
+                    .as_array()
+                    .expect("c")
+                    .iter()
+                    .map(choice)
+                    .collect();
+                assert_eq!(again, texts);
+                // Streamed: the same choices, their chunks interleaved and told apart by index.
+                three["stream"] = json!(true);
+                let mut streamed = vec![String::new(); 3];
+                for e in self.send(three).await.events() {
+                    let Ok(c) = serde_json::from_str::<Value>(&e) else { continue };
+                    let Some(c0) = c["choices"].as_array().and_then(|a| a.first()) else { continue };
+                    let i = c0["index"].as_u64().expect("index") as usize;
+                    let t = if self.chat { &c0["delta"]["content"] } else { &c0["text"] };
+                    streamed[i].push_str(t.as_str().unwrap_or(""));
+                }
+                assert_eq!(streamed, texts);
+                for bad in [json!(0), json!(9)] {
+                    let r = self.send(json!({"n": bad})).await;
+                    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("n")), "{bad}");
                 }
             }
             "model" => {

@@ -397,3 +397,28 @@ async fn requests_with_the_same_prompt_cache_key_stay_on_one_worker() {
     assert_eq!(elsewhere.stats().counters.prefill_tokens, 0, "the whole session stayed on one worker");
     stop(router, workers).await;
 }
+
+/// `n` samples compute their prompt once: the first goes through the prefill worker and its KV to the decode
+/// worker, the others fork there once the KV has arrived and find the prompt in its pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_samples_compute_their_prompt_once() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let (p, d) = (&workers[0], &workers[1]);
+    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let prompt = "A long prompt that four samples share: ".repeat(24);
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "n": 4, "max_tokens": 4, "temperature": 1.0,
+                                  "seed": 3, "ignore_eos": true});
+    let r = http(router.addr, "POST", "/v1/completions", &body.to_string(), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(4), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 16, "{v}");
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+    let (on_p, on_d) = (p.stats().counters.prefill_tokens, d.stats().counters.prefill_tokens);
+    assert!(on_p >= prompt_tokens && on_p < prompt_tokens + 16, "the prefill worker computed the prompt once: {on_p}");
+    // The decode worker: the three forks' partial last block and every sample's decode steps, not three prompts.
+    assert!(on_d < prompt_tokens, "the forks found the prompt in the decode worker's pool: {on_d} of {prompt_tokens}");
+    stop(router, workers).await;
+}

@@ -1,27 +1,20 @@
-//! `POST /v1/chat/completions` and `POST /v1/completions`: check, tokenize, route, run, and answer in OpenAI's
-//! shapes, streamed (SSE) or whole.
+//! `POST /v1/chat/completions` and `POST /v1/completions`, one prompt: tokenize, check against the context, and
+//! route (`choices` runs and answers them).
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use engine::generate::text::TextStream;
 use kv_cache::{BlockSize, CacheNamespace, block_hashes};
 use proto::worker as pb;
-use serde_json::{Value, json};
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
-use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::ApiError;
-use super::logprobs::Logprobs;
 use super::openai::{Checked, Endpoint, Input};
 use crate::record::{Arrival, Outcome};
 use crate::scheduler::view::RouteRequest;
 use crate::scheduler::{Decision, RouteError, route};
-use crate::serve::{Job, Piece, Pieces};
+use crate::serve::Job;
 use crate::state::RouterState;
 
 /// A request that passed every check and was routed.
@@ -251,290 +244,14 @@ fn record_route(span: &tracing::Span, d: &Decision, candidates: usize) {
     }
 }
 
-fn finish_reason(r: pb::FinishReason, stopped_by_text: bool) -> &'static str {
-    if stopped_by_text {
-        return "stop";
-    }
-    match r {
-        pb::FinishReason::Length => "length",
-        _ => "stop",
-    }
-}
-
-fn usage(prompt: usize, completion: usize, cached: u32) -> Value {
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
-}
-
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-fn created() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
-/// Token pieces turned into text, with stop strings applied.
-struct Text {
-    stream: TextStream,
-    tokens: usize,
-    stopped: bool,
-    /// The request's `stop_token_ids`: like end-of-generation, not part of the text.
-    stop_ids: Vec<u32>,
-}
-
-impl Text {
-    fn push(&mut self, state: &RouterState, id: u32) -> String {
-        self.tokens += 1;
-        // End-of-generation and stop tokens end the text; they are not part of it (as in the engine).
-        if state.text.tokenizer().is_end_of_generation(id) || self.stop_ids.contains(&id) {
-            return String::new();
-        }
-        let (text, hit) = self.stream.push(state.text.tokenizer(), id);
-        self.stopped |= hit;
-        text
-    }
-}
-
-/// Times the tokens a client receives.
-struct Clock {
-    arrived: Instant,
-    last: Option<Instant>,
-}
-
-impl Clock {
-    fn token(&mut self, state: &RouterState) {
-        let now = Instant::now();
-        match self.last {
-            None => state.metrics.time_to_first_token.observe(now - self.arrived),
-            Some(prev) => state.metrics.inter_token_latency.observe(now - prev),
-        }
-        self.last = Some(now);
-    }
-}
-
-/// Runs a routed request to the end and answers with one JSON body.
-pub async fn whole(state: Arc<RouterState>, routed: Routed, arrived: Instant, route: &'static str) -> Response {
-    let Routed { checked, job, decision } = routed;
-    let prompt_len = job.tokens.len();
-    let id = job.request_id.clone();
-    let deadline = state.limits.request_timeout;
-    let mut pieces = crate::serve::start(Arc::clone(&state), job, decision);
-    let mut text = Text {
-        stream: TextStream::new(checked.stop.clone()),
-        tokens: 0,
-        stopped: false,
-        stop_ids: checked.logits.stop_token_ids.clone(),
-    };
-    let mut clock = Clock { arrived, last: None };
-    let mut out = String::new();
-    let mut logprobs = checked.logprobs.map(|_| Logprobs::new(checked.endpoint));
-    let collected = tokio::time::timeout(deadline, async {
-        while let Some(p) = pieces.recv().await {
-            match p? {
-                Piece::Token(t, lp) => {
-                    clock.token(&state);
-                    if let Some(l) = logprobs.as_mut() {
-                        l.push(state.text.tokenizer(), t, lp.as_ref())?;
-                    }
-                    out.push_str(&text.push(&state, t));
-                    if text.stopped {
-                        return Ok((pb::FinishReason::Stop, None));
-                    }
-                }
-                Piece::Finished { reason, cached_tokens } => return Ok((reason, Some(cached_tokens))),
-            }
-        }
-        Err(ApiError::Upstream("the request ended without finishing".into()))
-    })
-    .await;
-    let (reason, cached) = match collected {
-        Err(_) => return fail(&state, route, ApiError::Deadline(deadline)),
-        Ok(Err(e)) => return fail(&state, route, e),
-        Ok(Ok(r)) => r,
-    };
-    drop(pieces);
-    out.push_str(&text.stream.finish(text.stopped));
-    let finish = finish_reason(reason, text.stopped);
-    let model = &state.served_model;
-    let logprobs = logprobs.as_mut().map_or(Value::Null, Logprobs::take);
-    let body = match checked.endpoint {
-        Endpoint::Chat => json!({
-            "id": id, "object": "chat.completion", "created": created(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0)),
-        }),
-        Endpoint::Completion => json!({
-            "id": id, "object": "text_completion", "created": created(), "model": model,
-            "choices": [{"index": 0, "text": out, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0)),
-        }),
-    };
-    tracing::Span::current()
-        .record("gen_ai.usage.output_tokens", text.tokens)
-        .record("gen_ai.response.finish_reasons", finish);
-    state.metrics.request(route, 200);
-    state.metrics.request_duration.observe(arrived.elapsed());
-    axum::Json(body).into_response()
 }
 
 pub fn fail(state: &RouterState, route: &'static str, e: ApiError) -> Response {
     state.metrics.request(route, e.status().as_u16());
     tracing::info!(kind = e.kind(), "request failed");
     e.into_response()
-}
-
-/// One SSE chunk in the endpoint's shape.
-fn chunk(endpoint: Endpoint, id: &str, model: &str, text: Option<&str>, finish: Option<&str>, role: bool) -> Value {
-    chunk_with(endpoint, id, model, text, finish, role, Value::Null)
-}
-
-/// One SSE chunk, with the log-probabilities of the tokens it carries.
-fn chunk_with(
-    endpoint: Endpoint,
-    id: &str,
-    model: &str,
-    text: Option<&str>,
-    finish: Option<&str>,
-    role: bool,
-    logprobs: Value,
-) -> Value {
-    match endpoint {
-        Endpoint::Chat => {
-            let mut delta = serde_json::Map::new();
-            if role {
-                delta.insert("role".into(), json!("assistant"));
-            }
-            if let Some(t) = text {
-                delta.insert("content".into(), json!(t));
-            }
-            json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
-        }
-        Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created(), "model": model,
-                   "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]}),
-    }
-}
-
-/// Runs a routed request and streams it as server-sent events.
-pub fn streamed(
-    state: Arc<RouterState>,
-    routed: Routed,
-    arrived: Instant,
-    route: &'static str,
-    permit: OwnedSemaphorePermit,
-) -> Response {
-    let Routed { checked, job, decision } = routed;
-    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
-    let prompt_len = job.tokens.len();
-    let id = job.request_id.clone();
-    let pieces = crate::serve::start(Arc::clone(&state), job, decision);
-    let span = tracing::Span::current();
-    tokio::spawn(tracing::Instrument::instrument(
-        async move {
-            let _permit = permit;
-            let status = pump(&state, checked, pieces, &tx, &id, prompt_len, arrived).await;
-            state.metrics.request(route, status);
-            state.metrics.request_duration.observe(arrived.elapsed());
-        },
-        span,
-    ));
-    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
-}
-
-/// Moves pieces to the client until the end; returns the status to count.
-async fn pump(
-    state: &RouterState,
-    checked: Checked,
-    mut pieces: Pieces,
-    tx: &mpsc::Sender<Result<Event, Infallible>>,
-    id: &str,
-    prompt_len: usize,
-    arrived: Instant,
-) -> u16 {
-    let model = state.served_model.as_str();
-    let endpoint = checked.endpoint;
-    let send = |v: Value| {
-        let tx = tx.clone();
-        async move { tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok() }
-    };
-    let mut text = Text {
-        stream: TextStream::new(checked.stop.clone()),
-        tokens: 0,
-        stopped: false,
-        stop_ids: checked.logits.stop_token_ids.clone(),
-    };
-    let mut clock = Clock { arrived, last: None };
-    let mut first = true;
-    let mut logprobs = checked.logprobs.map(|_| Logprobs::new(endpoint));
-    let deadline = tokio::time::sleep(state.limits.request_timeout);
-    tokio::pin!(deadline);
-    let (reason, cached) = loop {
-        let piece = tokio::select! {
-            p = pieces.recv() => p,
-            _ = &mut deadline => Some(Err(ApiError::Deadline(state.limits.request_timeout))),
-            // The client left (before the first token too): dropping `pieces` cancels the work on every worker.
-            _ = tx.closed() => return 499,
-        };
-        match piece {
-            Some(Ok(Piece::Token(t, lp))) => {
-                clock.token(state);
-                let mut lps = Value::Null;
-                if let Some(l) = logprobs.as_mut() {
-                    if let Err(e) = l.push(state.text.tokenizer(), t, lp.as_ref()) {
-                        let _ = send(e.body()).await;
-                        return e.status().as_u16();
-                    }
-                    lps = l.take();
-                }
-                let s = text.push(state, t);
-                // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
-                let due = !s.is_empty() || first || !lps.is_null();
-                if due && !send(chunk_with(endpoint, id, model, Some(&s), None, first, lps)).await {
-                    return 499;
-                }
-                first = false;
-                if text.stopped {
-                    break (pb::FinishReason::Stop, None);
-                }
-            }
-            Some(Ok(Piece::Finished { reason, cached_tokens })) => break (reason, Some(cached_tokens)),
-            Some(Err(e)) => {
-                // The headers are out: the error travels as an event, as OpenAI's API does.
-                let status = e.status().as_u16();
-                let _ = send(e.body()).await;
-                return status;
-            }
-            None => {
-                let e = ApiError::Upstream("the request ended without finishing".into());
-                let _ = send(e.body()).await;
-                return e.status().as_u16();
-            }
-        }
-    };
-    drop(pieces);
-    let rest = text.stream.finish(text.stopped);
-    if !rest.is_empty() && !send(chunk(endpoint, id, model, Some(&rest), None, false)).await {
-        return 499;
-    }
-    let finish = finish_reason(reason, text.stopped);
-    tracing::Span::current()
-        .record("gen_ai.usage.output_tokens", text.tokens)
-        .record("gen_ai.response.finish_reasons", finish);
-    if !send(chunk(endpoint, id, model, None, Some(finish), false)).await {
-        return 499;
-    }
-    if checked.include_usage {
-        let u = json!({"id": id, "object": if endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" },
-                       "created": created(), "model": model, "choices": [], "usage": usage(prompt_len, text.tokens, cached.unwrap_or(0))});
-        let _ = send(u).await;
-    }
-    let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-    200
 }
 
 /// The client's W3C trace context, if it sent one.

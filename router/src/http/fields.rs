@@ -27,9 +27,6 @@ fn zero(v: &Value) -> bool {
 fn one(v: &Value) -> bool {
     v.as_f64() == Some(1.0)
 }
-fn falsy(v: &Value) -> bool {
-    *v == Value::Bool(false)
-}
 fn empty(v: &Value) -> bool {
     v.as_array().is_some_and(Vec::is_empty) || v.as_object().is_some_and(Map::is_empty) || v.as_str() == Some("")
 }
@@ -67,7 +64,7 @@ fn common(name: &str) -> Option<Rule> {
         | "stream_options" => Used,
         // Recorded on the request's trace span; nothing else.
         "user" => Inert,
-        "n" => Refused(one, "only one choice per request is supported (n = 1)"),
+        "n" => Used,
         "frequency_penalty" | "presence_penalty" | "logit_bias" => Used,
         // vLLM's extra sampling fields.
         "top_k" | "ignore_eos" | "cache_salt" | "repetition_penalty" | "min_tokens" | "stop_token_ids" => Used,
@@ -110,8 +107,8 @@ fn completion(name: &str) -> Option<Rule> {
     Some(match name {
         "prompt" => Used,
         "logprobs" => Used,
-        "best_of" => Refused(one, "best_of is not supported (n = 1 only)"),
-        "echo" => Refused(falsy, "echo is not supported yet"),
+        "best_of" => Refused(one, "best_of is not supported: ask for n samples and rank them yourself"),
+        "echo" => Used,
         "suffix" => Refused(empty, "suffix is not supported: the served model has no fill-in-the-middle mode"),
         _ => return None,
     })
@@ -163,7 +160,6 @@ mod tests {
             "user": "u", "metadata": {"a": "b"}, "store": true, "service_tier": "auto", "top_logprobs": null});
         assert_eq!(refused(chat, ok), None);
         for (field, value) in [
-            ("n", json!(2)),
             ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
             ("response_format", json!({"type": "json_object"})),
             ("reasoning_effort", json!("low")),
@@ -177,7 +173,6 @@ mod tests {
             assert_eq!(param.as_deref(), Some(field), "{field}");
         }
         // Completions: their own fields, and chat's are unknown there.
-        assert_eq!(refused(Endpoint::Completion, json!({"prompt": "x", "echo": true})).as_deref(), Some("echo"));
         assert_eq!(refused(Endpoint::Completion, json!({"prompt": "x", "suffix": "y"})).as_deref(), Some("suffix"));
         assert_eq!(refused(Endpoint::Completion, json!({"prompt": "x", "messages": []})).as_deref(), Some("messages"));
         assert_eq!(refused(Endpoint::Completion, json!({"prompt": "x", "best_of": 1, "logprobs": null})), None);

@@ -1,5 +1,6 @@
 //! The HTTP front end: OpenAI-compatible endpoints, health, metrics, the routing explainer and live config.
 
+pub mod choices;
 pub mod completions;
 pub mod error;
 pub mod fields;
@@ -20,7 +21,8 @@ use axum::routing::{get, post};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
-use self::completions::{fail, plan, streamed, traceparent, whole};
+use self::choices::{plan_all, streamed, whole};
+use self::completions::{fail, plan, traceparent};
 use self::error::ApiError;
 use self::openai::{Checked, Endpoint, check_chat, check_completion};
 use crate::state::RouterState;
@@ -174,16 +176,22 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
             span.record("safety_identifier", s.as_str());
         }
         let permit = state.admission.admit(state.limits.request_timeout.saturating_sub(arrived.elapsed())).await?;
-        let routed = plan(&state, checked, ident, traceparent(&headers), true).await?;
-        tracing::Span::current().record("gen_ai.usage.input_tokens", routed.job.tokens.len());
-        Ok::<_, ApiError>((permit, routed))
+        let stream = checked.stream;
+        let planned = plan_all(&state, checked, ident, traceparent(&headers)).await?;
+        let input_tokens: usize = planned
+            .iter()
+            .filter(|p| p.index % p.routed.checked.n as usize == 0)
+            .map(|p| p.routed.job.tokens.len())
+            .sum();
+        tracing::Span::current().record("gen_ai.usage.input_tokens", input_tokens);
+        Ok::<_, ApiError>((permit, planned, stream))
     }
     .await;
     match prepared {
         Err(e) => fail(&state, route, e),
-        Ok((permit, routed)) if routed.checked.stream => streamed(state, routed, arrived, route, permit),
-        Ok((permit, routed)) => {
-            let response = whole(Arc::clone(&state), routed, arrived, route).await;
+        Ok((permit, planned, true)) => streamed(state, planned, arrived, route, permit),
+        Ok((permit, planned, false)) => {
+            let response = whole(Arc::clone(&state), planned, arrived, route).await;
             drop(permit);
             response
         }

@@ -9,6 +9,10 @@ use super::error::ApiError;
 const MAX_STOPS: usize = 4;
 /// OpenAI's temperature range.
 const MAX_TEMPERATURE: f32 = 2.0;
+/// Most samples per prompt (`n`).
+pub const MAX_N: u32 = 8;
+/// Most prompts in one text completion request.
+pub const MAX_BATCH: usize = 32;
 /// Most alternatives per token (OpenAI's `top_logprobs` limit; vLLM's default `max_logprobs` for completions).
 const MAX_LOGPROBS: u32 = engine::sampling::MAX_TOP_LOGPROBS;
 
@@ -100,17 +104,20 @@ pub struct ChatRequest {
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
-    /// A batch of one, as some clients send it.
+    /// A batch: one choice (or `n`) per prompt.
     Texts(Vec<String>),
     /// Token ids, as benchmarks and vLLM's clients send them.
     Tokens(Vec<u32>),
-    /// A batch of one list of token ids.
+    /// A batch of token-id prompts.
     TokenLists(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: Prompt,
+    /// Put the prompt before the completion in each choice's text.
+    #[serde(default)]
+    pub echo: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -199,6 +206,12 @@ pub struct Checked {
     pub safety_identifier: Option<String>,
     /// Each token's log-probability with this many alternatives; `None`: not asked for.
     pub logprobs: Option<u32>,
+    /// Samples per prompt (1 to [`MAX_N`]), each with its own seed (the request's seed plus its number).
+    pub n: u32,
+    /// The other prompts of a batch (a completion request with several), each answered as `input` is.
+    pub batch: Vec<Input>,
+    /// Text completions: each choice's text starts with its prompt.
+    pub echo: bool,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
     pub prompt_cache_key: Option<String>,
 }
@@ -247,8 +260,9 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
     let logits = check_logits(&c, c.max_completion_tokens.or(c.max_tokens))?;
     let logprobs = check_logprobs(&c, endpoint)?;
     let model = c.model.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::bad("`model` is required", "model"))?;
-    if c.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad("only n = 1 is supported", "n"));
+    let n = c.n.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::bad(format!("n must be between 1 and {MAX_N}, got {n}"), "n"));
     }
     let temperature = c.temperature.unwrap_or(1.0);
     if !(temperature.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&temperature)) {
@@ -298,6 +312,9 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         safety_identifier: c.safety_identifier,
         logprobs,
         prompt_cache_key: c.prompt_cache_key.filter(|k| !k.is_empty()),
+        n,
+        batch: Vec::new(),
+        echo: false,
     })
 }
 
@@ -338,19 +355,32 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
 /// Checks a `/v1/completions` body.
 pub fn check_completion(body: &[u8]) -> Result<Checked, ApiError> {
     let r: CompletionRequest = parse(body, Endpoint::Completion)?;
-    let batch = || ApiError::bad("only one prompt per request is supported", "prompt");
-    let input = match r.prompt {
-        Prompt::Text(t) => Input::Text(t),
-        Prompt::Texts(v) if v.is_empty() => Input::Text(String::new()),
-        Prompt::Texts(mut v) if v.len() == 1 => Input::Text(v.remove(0)),
-        Prompt::Tokens(t) => Input::Tokens(t),
-        Prompt::TokenLists(mut v) if v.len() == 1 => Input::Tokens(v.remove(0)),
-        Prompt::Texts(_) | Prompt::TokenLists(_) => return Err(batch()),
+    let mut inputs: Vec<Input> = match r.prompt {
+        Prompt::Text(t) => vec![Input::Text(t)],
+        Prompt::Texts(v) => v.into_iter().map(Input::Text).collect(),
+        Prompt::Tokens(t) => vec![Input::Tokens(t)],
+        Prompt::TokenLists(v) => v.into_iter().map(Input::Tokens).collect(),
     };
-    if matches!(&input, Input::Text(t) if t.is_empty()) || matches!(&input, Input::Tokens(t) if t.is_empty()) {
+    if inputs.len() > MAX_BATCH {
+        return Err(ApiError::bad(format!("at most {MAX_BATCH} prompts per request"), "prompt"));
+    }
+    let empty =
+        |i: &Input| matches!(i, Input::Text(t) if t.is_empty()) || matches!(i, Input::Tokens(t) if t.is_empty());
+    if inputs.is_empty() || inputs.iter().any(empty) {
         return Err(ApiError::bad("`prompt` must not be empty", "prompt"));
     }
-    check_common(r.common, Endpoint::Completion, input)
+    let echo = r.echo.unwrap_or(false);
+    let first = inputs.remove(0);
+    let mut checked = check_common(r.common, Endpoint::Completion, first)?;
+    if echo && checked.logprobs.is_some() {
+        return Err(ApiError::bad(
+            "echo with logprobs asks for the prompt's log-probabilities, which are not computed; use one or the other",
+            "echo",
+        ));
+    }
+    checked.batch = inputs;
+    checked.echo = echo;
+    Ok(checked)
 }
 
 #[cfg(test)]

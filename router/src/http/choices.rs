@@ -1,0 +1,505 @@
+//! The choices of one request, run and answered in OpenAI's shapes, whole or streamed: one per prompt of a batch
+//! times `n` samples each, numbered prompt-major as OpenAI does. A prompt's first sample is routed as any request;
+//! its other samples are forks pinned to the worker that decodes the first, started once the prompt's KV is there
+//! (after the first sample's first token, or its second when disaggregated: the one that follows the pull), so the
+//! prompt is computed once and its blocks are shared in that worker's pool.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use engine::generate::text::TextStream;
+use futures_util::future::try_join_all;
+use proto::worker as pb;
+use serde_json::{Value, json};
+use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::completions::{Ident, Routed, fail, plan};
+use super::error::ApiError;
+use super::logprobs::Logprobs;
+use super::openai::{Checked, Endpoint, Input};
+use crate::scheduler::Decision;
+use crate::serve::{Job, Piece, Pieces};
+use crate::state::RouterState;
+
+/// One choice, routed and ready to run.
+pub struct Planned {
+    /// Its place in the response (`choices[].index`).
+    pub index: usize,
+    /// Which prompt of the batch it answers.
+    pub prompt: usize,
+    pub routed: Routed,
+    /// A fork waits for this to turn true (or for its sender to go) before it starts.
+    after: Option<watch::Receiver<bool>>,
+    /// A prompt's first sample with forks: turned true once the prompt's KV is on the decode worker.
+    ready: Option<(watch::Sender<bool>, usize)>,
+    /// `echo`: the prompt's text, put before the completion.
+    echo: Option<String>,
+}
+
+/// Every choice of a checked request: each prompt of the batch routed as a request, then its forks.
+pub async fn plan_all(
+    state: &Arc<RouterState>,
+    mut checked: Checked,
+    ident: Ident,
+    traceparent: Option<String>,
+) -> Result<Vec<Planned>, ApiError> {
+    let batch = std::mem::take(&mut checked.batch);
+    let n = checked.n as usize;
+    let mut prompts = vec![checked.clone()];
+    prompts.extend(batch.into_iter().map(|input| Checked { input, ..checked.clone() }));
+    let mut planned = Vec::with_capacity(prompts.len() * n);
+    for (p, c) in prompts.into_iter().enumerate() {
+        let echo = c.echo.then(|| echo_text(state, &c.input));
+        let id = if p == 0 { ident.clone() } else { Ident::new(state, c.endpoint) };
+        let first = plan(state, c, id, traceparent.clone(), true).await?;
+        let (ready, after) = if n > 1 {
+            let (tx, rx) = watch::channel(false);
+            // The first token comes from the prefill worker when disaggregated; the second follows the pull.
+            let tokens = if first.decision.disaggregate { 2 } else { 1 };
+            (Some((tx, tokens)), Some(rx))
+        } else {
+            (None, None)
+        };
+        let forks: Vec<Routed> =
+            (1..n).map(|j| fork(state, &first, Ident::new(state, first.checked.endpoint), j as u64)).collect();
+        planned.push(Planned { index: p * n, prompt: p, routed: first, after: None, ready, echo: echo.clone() });
+        for (j, routed) in forks.into_iter().enumerate() {
+            let index = p * n + j + 1;
+            planned.push(Planned { index, prompt: p, routed, after: after.clone(), ready: None, echo: echo.clone() });
+        }
+    }
+    Ok(planned)
+}
+
+/// The text `echo` puts first: the prompt as given, or its token ids decoded.
+fn echo_text(state: &RouterState, input: &Input) -> String {
+    match input {
+        Input::Text(t) => t.clone(),
+        Input::Tokens(ids) => state.text.tokenizer().decode(ids),
+        Input::Chat(_) => String::new(),
+    }
+}
+
+/// Sample `j` of `first`'s prompt: its own request id and seed (the request's plus `j`), pinned to the worker
+/// that decodes `first`, where the prompt's blocks will be, and counted there from now on.
+fn fork(state: &RouterState, first: &Routed, ident: Ident, j: u64) -> Routed {
+    let job = &first.job;
+    let worker = first.decision.decode.id;
+    let mut decode = first.decision.decode.clone();
+    decode.candidates.retain(|c| c.id == worker);
+    for c in &mut decode.candidates {
+        // By the time the fork starts, the prompt's full blocks are there.
+        (c.device_blocks, c.host_blocks, c.disk_blocks) = (job.hashes.len(), 0, 0);
+    }
+    let decision = Decision { prefill: None, decode, disaggregate: false, ..first.decision.clone() };
+    let left = crate::serve::uncached(job.tokens.len(), job.hashes.len(), job.block_size);
+    let reserved = vec![state.cluster.reserve(worker, ident.seq, &ident.id, left, job.request_blocks, &job.hashes)];
+    let sampling = pb::Sampling { seed: job.sampling.seed.map(|s| s.wrapping_add(j)), ..job.sampling.clone() };
+    let job = Job {
+        seq: ident.seq,
+        request_id: ident.id,
+        tokens: job.tokens.clone(),
+        sampling,
+        namespace: job.namespace.clone(),
+        request_blocks: job.request_blocks,
+        hashes: job.hashes.clone(),
+        locals: job.locals.clone(),
+        block_size: job.block_size,
+        traceparent: job.traceparent.clone(),
+        deadline_unix_ms: job.deadline_unix_ms,
+        reserved,
+    };
+    Routed { checked: first.checked.clone(), job, decision }
+}
+
+fn finish_reason(r: pb::FinishReason, stopped_by_text: bool) -> &'static str {
+    if stopped_by_text {
+        return "stop";
+    }
+    match r {
+        pb::FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(prompt: usize, completion: usize, cached: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn created() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Token pieces turned into text, with stop strings applied.
+struct Text {
+    stream: TextStream,
+    tokens: usize,
+    stopped: bool,
+    /// The request's `stop_token_ids`: like end-of-generation, not part of the text.
+    stop_ids: Vec<u32>,
+}
+
+impl Text {
+    fn new(checked: &Checked) -> Text {
+        Text {
+            stream: TextStream::new(checked.stop.clone()),
+            tokens: 0,
+            stopped: false,
+            stop_ids: checked.logits.stop_token_ids.clone(),
+        }
+    }
+
+    fn push(&mut self, state: &RouterState, id: u32) -> String {
+        self.tokens += 1;
+        // End-of-generation and stop tokens end the text; they are not part of it (as in the engine).
+        if state.text.tokenizer().is_end_of_generation(id) || self.stop_ids.contains(&id) {
+            return String::new();
+        }
+        let (text, hit) = self.stream.push(state.text.tokenizer(), id);
+        self.stopped |= hit;
+        text
+    }
+}
+
+/// Times the tokens a client receives (the request's first choice stands for the request).
+struct Clock {
+    arrived: Instant,
+    last: Option<Instant>,
+    on: bool,
+}
+
+impl Clock {
+    fn token(&mut self, state: &RouterState) {
+        if !self.on {
+            return;
+        }
+        let now = Instant::now();
+        match self.last {
+            None => state.metrics.time_to_first_token.observe(now - self.arrived),
+            Some(prev) => state.metrics.inter_token_latency.observe(now - prev),
+        }
+        self.last = Some(now);
+    }
+}
+
+/// What one choice produced.
+struct Done {
+    index: usize,
+    prompt: usize,
+    prompt_len: usize,
+    text: String,
+    logprobs: Value,
+    finish: &'static str,
+    tokens: usize,
+    cached: Option<u32>,
+}
+
+/// A choice's run: waits for its prompt (a fork), starts, and tells its forks when the prompt's KV is in place.
+struct Run {
+    index: usize,
+    prompt: usize,
+    prompt_len: usize,
+    checked: Checked,
+    pieces: Pieces,
+    ready: Option<(watch::Sender<bool>, usize)>,
+    echo: Option<String>,
+    text: Text,
+    logprobs: Option<Logprobs>,
+    clock: Clock,
+}
+
+impl Run {
+    async fn start(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Run {
+        if let Some(mut after) = p.after {
+            // A first sample that ended without a token drops the sender: the fork then computes the prompt.
+            let _ = after.wait_for(|ready| *ready).await;
+        }
+        let Routed { checked, job, decision } = p.routed;
+        let prompt_len = job.tokens.len();
+        let pieces = crate::serve::start(Arc::clone(state), job, decision);
+        Run {
+            index: p.index,
+            prompt: p.prompt,
+            prompt_len,
+            text: Text::new(&checked),
+            logprobs: checked.logprobs.map(|_| Logprobs::new(checked.endpoint)),
+            clock: Clock { arrived, last: None, on: p.index == 0 },
+            checked,
+            pieces,
+            ready: p.ready,
+            echo: p.echo,
+        }
+    }
+
+    /// One token: its text, and (streamed) its log-probabilities' JSON when asked for; a whole answer takes them
+    /// all at the end.
+    fn token(
+        &mut self,
+        state: &RouterState,
+        id: u32,
+        lp: Option<pb::TokenLogprobs>,
+    ) -> Result<(String, Value), ApiError> {
+        self.clock.token(state);
+        let mut lps = Value::Null;
+        if let Some(l) = self.logprobs.as_mut() {
+            l.push(state.text.tokenizer(), id, lp.as_ref())?;
+            if self.checked.stream {
+                lps = l.take();
+            }
+        }
+        let text = self.text.push(state, id);
+        if let Some((tx, after)) = &self.ready
+            && self.text.tokens >= *after
+        {
+            let _ = tx.send(true);
+        }
+        Ok((text, lps))
+    }
+}
+
+/// Runs every choice to the end and answers with one JSON body.
+pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Instant, route: &'static str) -> Response {
+    let Some(first) = planned.first() else { return fail(&state, route, ApiError::Upstream("no choices".into())) };
+    let (id, endpoint) = (first.routed.job.request_id.clone(), first.routed.checked.endpoint);
+    let deadline = state.limits.request_timeout;
+    let runs = planned.into_iter().map(|p| collect(&state, p, arrived));
+    let done = match tokio::time::timeout(deadline, try_join_all(runs)).await {
+        Err(_) => return fail(&state, route, ApiError::Deadline(deadline)),
+        Ok(Err(e)) => return fail(&state, route, e),
+        Ok(Ok(done)) => done,
+    };
+    let model = &state.served_model;
+    let choices: Vec<Value> = done
+        .iter()
+        .map(|d| match endpoint {
+            Endpoint::Chat => json!({"index": d.index, "message": {"role": "assistant", "content": d.text},
+                                     "logprobs": d.logprobs, "finish_reason": d.finish}),
+            Endpoint::Completion => {
+                json!({"index": d.index, "text": d.text, "logprobs": d.logprobs, "finish_reason": d.finish})
+            }
+        })
+        .collect();
+    let (prompt_tokens, completion_tokens, cached) =
+        totals(done.iter().map(|d| (d.prompt, d.prompt_len, d.tokens, d.cached)));
+    let object = if endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
+    let body = json!({"id": id, "object": object, "created": created(), "model": model, "choices": choices,
+                      "usage": usage(prompt_tokens, completion_tokens, cached)});
+    let finishes: Vec<&str> = done.iter().map(|d| d.finish).collect();
+    tracing::Span::current()
+        .record("gen_ai.usage.output_tokens", completion_tokens)
+        .record("gen_ai.response.finish_reasons", finishes.join(",").as_str());
+    state.metrics.request(route, 200);
+    state.metrics.request_duration.observe(arrived.elapsed());
+    axum::Json(body).into_response()
+}
+
+/// Usage over choices given as (prompt, prompt tokens, completion tokens, cached tokens): each prompt counted once
+/// (its first choice's cached tokens), completion tokens summed, as OpenAI counts `n` and batches.
+fn totals(choices: impl Iterator<Item = (usize, usize, usize, Option<u32>)>) -> (usize, usize, u32) {
+    let (mut prompt_tokens, mut completion_tokens, mut cached) = (0, 0, 0u32);
+    let mut seen = std::collections::BTreeSet::new();
+    for (prompt, len, tokens, c) in choices {
+        completion_tokens += tokens;
+        if seen.insert(prompt) {
+            prompt_tokens += len;
+            cached = cached.saturating_add(c.unwrap_or(0));
+        }
+    }
+    (prompt_tokens, completion_tokens, cached)
+}
+
+/// One choice, whole.
+async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Result<Done, ApiError> {
+    let mut run = Run::start(state, p, arrived).await;
+    let mut out = run.echo.take().unwrap_or_default();
+    let (reason, cached) = loop {
+        match run.pieces.recv().await {
+            Some(Ok(Piece::Token(t, lp))) => {
+                out.push_str(&run.token(state, t, lp)?.0);
+                if run.text.stopped {
+                    break (pb::FinishReason::Stop, None);
+                }
+            }
+            Some(Ok(Piece::Finished { reason, cached_tokens })) => break (reason, Some(cached_tokens)),
+            Some(Err(e)) => return Err(e),
+            None => return Err(ApiError::Upstream("the request ended without finishing".into())),
+        }
+    };
+    out.push_str(&run.text.stream.finish(run.text.stopped));
+    Ok(Done {
+        index: run.index,
+        prompt: run.prompt,
+        prompt_len: run.prompt_len,
+        text: out,
+        logprobs: run.logprobs.as_mut().map_or(Value::Null, Logprobs::take),
+        finish: finish_reason(reason, run.text.stopped),
+        tokens: run.text.tokens,
+        cached,
+    })
+}
+
+/// One SSE chunk in the endpoint's shape, for choice `index`, with the log-probabilities of its tokens.
+#[allow(clippy::too_many_arguments)]
+fn chunk(
+    endpoint: Endpoint,
+    id: &str,
+    model: &str,
+    index: usize,
+    text: Option<&str>,
+    finish: Option<&str>,
+    role: bool,
+    logprobs: Value,
+) -> Value {
+    match endpoint {
+        Endpoint::Chat => {
+            let mut delta = serde_json::Map::new();
+            if role {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model,
+                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+        }
+        Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created(), "model": model,
+                   "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]}),
+    }
+}
+
+type Sink = mpsc::Sender<Result<Event, Infallible>>;
+
+async fn send(tx: &Sink, v: Value) -> bool {
+    tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok()
+}
+
+/// Runs every choice and streams them as server-sent events, interleaved as their tokens come.
+pub fn streamed(
+    state: Arc<RouterState>,
+    planned: Vec<Planned>,
+    arrived: Instant,
+    route: &'static str,
+    permit: OwnedSemaphorePermit,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+    let span = tracing::Span::current();
+    tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            let _permit = permit;
+            let status = pump(&state, planned, &tx, arrived).await;
+            state.metrics.request(route, status);
+            state.metrics.request_duration.observe(arrived.elapsed());
+        },
+        span,
+    ));
+    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Streams every choice, then the usage and `[DONE]`; returns the status to count.
+async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrived: Instant) -> u16 {
+    let Some(first) = planned.first() else { return 502 };
+    let (id, checked) = (first.routed.job.request_id.clone(), first.routed.checked.clone());
+    let deadline = state.limits.request_timeout;
+    let runs = planned.into_iter().map(|p| stream_choice(state, p, tx, &id, arrived));
+    let done = tokio::select! {
+        r = try_join_all(runs) => r,
+        _ = tokio::time::sleep(deadline) => {
+            let e = ApiError::Deadline(deadline);
+            let _ = send(tx, e.body()).await;
+            return e.status().as_u16();
+        }
+    };
+    let done = match done {
+        Ok(done) => done,
+        Err(status) => return status,
+    };
+    let (prompt_tokens, completion_tokens, cached) = totals(done.iter().copied());
+    tracing::Span::current().record("gen_ai.usage.output_tokens", completion_tokens);
+    if checked.include_usage {
+        let object = if checked.endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let u = json!({"id": id, "object": object, "created": created(), "model": state.served_model,
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)});
+        let _ = send(tx, u).await;
+    }
+    let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    200
+}
+
+/// One choice, streamed; its usage figures (prompt, prompt tokens, completion tokens, cached) when it finished, or
+/// the status that ended the request (an error event already sent).
+async fn stream_choice(
+    state: &Arc<RouterState>,
+    p: Planned,
+    tx: &Sink,
+    id: &str,
+    arrived: Instant,
+) -> Result<(usize, usize, usize, Option<u32>), u16> {
+    let model = state.served_model.as_str();
+    let mut run = Run::start(state, p, arrived).await;
+    let endpoint = run.checked.endpoint;
+    let index = run.index;
+    let mut first = true;
+    if let Some(echo) = run.echo.take() {
+        if !send(tx, chunk(endpoint, id, model, index, Some(&echo), None, true, Value::Null)).await {
+            return Err(499);
+        }
+        first = false;
+    }
+    let (reason, cached) = loop {
+        let piece = tokio::select! {
+            p = run.pieces.recv() => p,
+            // The client left (before the first token too): dropping the pieces cancels the work on every worker.
+            _ = tx.closed() => return Err(499),
+        };
+        match piece {
+            Some(Ok(Piece::Token(t, lp))) => {
+                let (s, lps) = match run.token(state, t, lp) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = send(tx, e.body()).await;
+                        return Err(e.status().as_u16());
+                    }
+                };
+                // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
+                let due = !s.is_empty() || first || !lps.is_null();
+                if due && !send(tx, chunk(endpoint, id, model, index, Some(&s), None, first, lps)).await {
+                    return Err(499);
+                }
+                first = false;
+                if run.text.stopped {
+                    break (pb::FinishReason::Stop, None);
+                }
+            }
+            Some(Ok(Piece::Finished { reason, cached_tokens })) => break (reason, Some(cached_tokens)),
+            Some(Err(e)) => {
+                // The headers are out: the error travels as an event, as OpenAI's API does.
+                let _ = send(tx, e.body()).await;
+                return Err(e.status().as_u16());
+            }
+            None => {
+                let e = ApiError::Upstream("the request ended without finishing".into());
+                let _ = send(tx, e.body()).await;
+                return Err(e.status().as_u16());
+            }
+        }
+    };
+    let rest = run.text.stream.finish(run.text.stopped);
+    if !rest.is_empty() && !send(tx, chunk(endpoint, id, model, index, Some(&rest), None, false, Value::Null)).await {
+        return Err(499);
+    }
+    let finish = finish_reason(reason, run.text.stopped);
+    if !send(tx, chunk(endpoint, id, model, index, None, Some(finish), false, Value::Null)).await {
+        return Err(499);
+    }
+    tracing::Span::current().record("gen_ai.response.finish_reasons", finish);
+    Ok((run.prompt, run.prompt_len, run.text.tokens, cached))
+}
