@@ -129,8 +129,8 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
     assert!(up.contains(&older.grpc) && up.contains(&current.grpc), "{up:?}");
     assert!(!up.contains(&newer.grpc), "a newer worker needs a newer router: {up:?}");
     assert!(!up.contains(&silent.grpc), "two versions back is too old: {up:?}");
-    // A request with sampling rules the older protocol does not carry (it would ignore them) goes only to workers
-    // that know them; a plain one may go to either.
+    // A request asking for what the older protocol does not carry goes only to workers that know it; a plain one
+    // may go to either.
     let candidates = |extra: serde_json::Value| {
         let mut body = serde_json::json!({"model": "smollm2-135m-instruct", "prompt": "Hello there", "max_tokens": 2});
         for (k, v) in extra.as_object().expect("object") {
@@ -155,13 +155,16 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
         up.into_iter().find(|(_, m)| m.addr == addr).map(|(_, m)| m.name).expect("up")
     };
     let current_name = name_of(current.grpc);
+    // Sampling rules came with the older version: both take them. Log-probabilities came with ours: only the
+    // current worker may be asked (the older one would answer without them).
     for rules in [
         serde_json::json!({"frequency_penalty": 0.5}),
         serde_json::json!({"logit_bias": {"5": 1}}),
         serde_json::json!({"stop_token_ids": [2]}),
     ] {
-        assert_eq!(candidates(rules.clone()).await, vec![current_name.clone()], "{rules}");
+        assert_eq!(candidates(rules.clone()).await.len(), 2, "{rules}");
     }
+    assert_eq!(candidates(serde_json::json!({"logprobs": 1})).await, vec![current_name.clone()]);
     router.shutdown(Duration::from_secs(5)).await;
 }
 

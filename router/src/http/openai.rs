@@ -441,7 +441,7 @@ mod tests {
                 .contains("temperature")
         );
         assert!(bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0}"#).1.contains("top_p"));
-        assert!(bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#).1.contains("n = 1"));
+        assert!(bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":9}"#).1.contains("between 1 and 8"));
         assert!(
             bad(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#).1.contains("max_tokens")
         );
@@ -451,8 +451,10 @@ mod tests {
                 .1
                 .contains("stop")
         );
-        let e = check_completion(br#"{"model":"m","prompt":["a","b"]}"#).expect_err("batch");
-        assert!(e.to_string().contains("one prompt"));
+        let batch = check_completion(br#"{"model":"m","prompt":["a","b"],"n":2}"#).expect("a batch");
+        assert_eq!((batch.batch.len(), batch.n), (1, 2), "the first prompt is the request's input, the rest follow");
+        let e = check_completion(br#"{"model":"m","prompt":"a","echo":true,"logprobs":1}"#).expect_err("echo");
+        assert!(e.to_string().contains("echo"));
     }
 }
 
