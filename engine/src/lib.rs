@@ -13,6 +13,7 @@ pub mod fetch;
 pub mod forward;
 pub mod generate;
 pub mod gguf;
+pub mod grammar;
 pub mod kernels;
 pub mod kv;
 pub mod model;

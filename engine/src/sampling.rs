@@ -43,6 +43,7 @@ pub struct SamplingParams {
     detokenize: bool,
     logits: LogitsRules,
     logprobs: Option<u32>,
+    grammar: Option<crate::grammar::Grammar>,
 }
 
 /// What changes the logits before sampling (all off by default).
@@ -143,6 +144,8 @@ pub struct RawSampling {
     /// Report each sampled token's log-probability and this many most likely alternatives (at most
     /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
     pub logprobs: Option<u32>,
+    /// What the output must match (structured outputs); compiled when the sequence is created.
+    pub grammar: Option<crate::grammar::Grammar>,
 }
 
 impl Default for RawSampling {
@@ -159,6 +162,7 @@ impl Default for RawSampling {
             detokenize: true,
             logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
             logprobs: None,
+            grammar: None,
         }
     }
 }
@@ -211,6 +215,7 @@ impl SamplingParams {
             detokenize: raw.detokenize,
             logits,
             logprobs: raw.logprobs,
+            grammar: raw.grammar,
         })
     }
 
@@ -227,6 +232,7 @@ impl SamplingParams {
             detokenize: true,
             logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
             logprobs: None,
+            grammar: None,
         }
     }
 
@@ -237,6 +243,11 @@ impl SamplingParams {
     /// How many alternatives each token's log-probabilities name; `None`: none are computed.
     pub fn logprobs(&self) -> Option<u32> {
         self.logprobs
+    }
+
+    /// What the output must match, if anything.
+    pub fn grammar(&self) -> Option<&crate::grammar::Grammar> {
+        self.grammar.as_ref()
     }
 
     pub fn max_tokens(&self) -> u32 {

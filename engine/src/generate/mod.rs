@@ -114,6 +114,8 @@ pub enum EngineError {
     Text(#[from] TextError),
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error(transparent)]
+    Grammar(#[from] crate::grammar::GrammarError),
     #[error("the prompt has {prompt} tokens; the model's context is {context} tokens")]
     PromptTooLong { prompt: usize, context: usize },
     #[error("out of KV capacity: no device block can be had ({used} of {total} referenced by running sequences)")]
@@ -227,6 +229,8 @@ pub struct Counters {
 pub struct Engine {
     backend: Box<dyn Backend>,
     text: Arc<TextModel>,
+    /// Structured outputs' grammars, compiled against this model's vocabulary.
+    grammars: crate::grammar::Grammars,
     stores: TierStores,
     pool: BlockPool,
     config: EngineConfig,
@@ -293,7 +297,8 @@ impl Engine {
         let stores = TierStores::new(KvStore::new(layout, config.kv_blocks), host, disk);
         let sizes = TierSizes { device: config.kv_blocks, host: config.host_blocks, disk: config.disk_blocks };
         let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
-        Ok(Engine { backend, text, stores, pool, config, counters: Counters::default(), tick: 0 })
+        let grammars = crate::grammar::Grammars::new(Arc::clone(&text));
+        Ok(Engine { backend, text, grammars, stores, pool, config, counters: Counters::default(), tick: 0 })
     }
 
     /// What computes the steps: `cpu` or `mock`.
@@ -416,6 +421,14 @@ impl Engine {
             return Err(EngineError::Forward(ForwardError::TokenOutOfRange(t)));
         }
         let max_new = (r.sampling.max_tokens() as usize).min(context - r.prompt.len());
+        // The tokens at the end of the prompt that were generated earlier have been through the grammar already.
+        let grammar = match r.sampling.grammar() {
+            None => None,
+            Some(g) => {
+                let prior = (r.sampling.logits().prior_generated as usize).min(r.prompt.len());
+                Some(self.grammars.matcher(g, &r.prompt[r.prompt.len() - prior..])?)
+            }
+        };
         // Room for the output too (up to a bound), so the first token does not copy the whole prompt.
         let mut tokens = Vec::with_capacity(r.prompt.len() + max_new.min(2048));
         tokens.extend_from_slice(&r.prompt);
@@ -445,6 +458,7 @@ impl Engine {
             finish: None,
             first_token: None,
             logprobs: Vec::new(),
+            grammar,
             last_token: None,
         })
     }

@@ -57,6 +57,8 @@ pub(super) struct Seq {
     pub last_token: Option<Instant>,
     /// Each generated token's log-probabilities, when the request asked for them.
     pub logprobs: Vec<TokenLogprobs>,
+    /// The grammar the output must match, with what it has taken so far.
+    pub grammar: Option<crate::grammar::Constrained>,
 }
 
 /// Why the engine ended one sequence on its own.
@@ -148,7 +150,10 @@ impl Seq {
         let generated = self.tokens.len() - self.prompt_len;
         // A stop token id ends the sequence even with `ignore_eos`, as in vLLM; neither is part of the text.
         let stop_token = self.sampler.params().logits().stop_token_ids.contains(&token);
-        let end_of_generation = stop_token || (!self.ignore_eos && tokenizer.is_end_of_generation(token));
+        // Under a grammar, end-of-generation is only possible where the grammar is complete: it ends the output
+        // even with `ignore_eos`.
+        let eog = tokenizer.is_end_of_generation(token) && (!self.ignore_eos || self.grammar.is_some());
+        let end_of_generation = stop_token || eog;
         let (mut text, stop_string) = if end_of_generation || !self.detokenize {
             (String::new(), false)
         } else {

@@ -263,17 +263,38 @@ impl Engine {
             let top = s.sampler.params().logprobs().map(|n| n as usize);
             let (token, logprobs) = match next {
                 Next::Logits(l) => {
+                    // A grammar masks what it does not allow; log-probabilities stay the model's own.
+                    let masked = match s.grammar.as_mut().map(|g| {
+                        let mut m = l.clone();
+                        g.mask(&mut m).map(|()| m)
+                    }) {
+                        None => None,
+                        Some(Ok(m)) => Some(m),
+                        Some(Err(e)) => {
+                            self.fail(s, e.to_string());
+                            continue;
+                        }
+                    };
                     let prior = s.sampler.params().logits().prior_generated as usize;
                     let from = s.prompt_len.saturating_sub(prior);
                     let tokenizer = self.text.tokenizer();
-                    let token = s.sampler.sample_in(&l, &s.tokens, from, &|t| tokenizer.is_end_of_generation(t));
+                    let eog = |t| tokenizer.is_end_of_generation(t);
+                    let token = s.sampler.sample_in(masked.as_deref().unwrap_or(&l), &s.tokens, from, &eog);
                     (token, top.map(|k| TokenLogprobs::of(&l, token, k)))
+                }
+                Next::Draw(_) if s.grammar.is_some() => {
+                    self.fail(s, "structured outputs need the model's logits; this backend draws its tokens".into());
+                    continue;
                 }
                 Next::Draw(words) => {
                     let token = s.sampler.draw(&words);
                     (token, top.map(|k| TokenLogprobs::uniform(&words, token, k)))
                 }
             };
+            if let Some(Err(e)) = s.grammar.as_mut().map(|g| g.take(&[token])) {
+                self.fail(s, e.to_string());
+                continue;
+            }
             s.accept(i, token, logprobs, self.text.tokenizer(), on_event);
             if !s.active() && !s.keep_blocks {
                 if let Err(e) = self.release_blocks(s) {

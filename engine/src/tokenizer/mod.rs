@@ -212,6 +212,11 @@ impl Tokenizer {
         &self.special
     }
 
+    /// Whether `id` is a control or user-defined token (its text stands for it; it is not ordinary text).
+    pub fn is_special(&self, id: u32) -> bool {
+        self.specials.iter().any(|(_, s)| *s == id)
+    }
+
     /// Whether generation ends at `id`.
     pub fn is_end_of_generation(&self, id: u32) -> bool {
         self.special.end_of_generation.binary_search(&id).is_ok()

@@ -1,0 +1,223 @@
+//! Structured outputs: a request's grammar (a JSON schema, any JSON object, or a regular expression) compiled by
+//! llguidance against the model's vocabulary. At every step the sequence's matcher says which tokens may come next
+//! (the others' logits become −∞ before sampling) and then takes the sampled token; generation may end only where
+//! the grammar is complete. A continued sequence (a decode worker after a prefill worker, a stream resumed
+//! elsewhere) rebuilds its matcher from the tokens generated so far.
+
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{InferenceCapabilities, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::text::TextModel;
+
+/// What a request's output must match.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grammar {
+    /// A JSON schema (its JSON text): the output is one JSON value that validates against it.
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// A regular expression (Rust `regex` syntax) the whole output matches.
+    Regex(String),
+}
+
+/// Why a grammar cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GrammarError {
+    #[error("unknown grammar kind {0:?} (json_schema, json_object or regex)")]
+    UnknownKind(String),
+    #[error("the grammar does not compile: {0}")]
+    Compile(String),
+    #[error("structured output failed: {0}")]
+    Runtime(String),
+}
+
+impl Grammar {
+    /// The wire form's kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Grammar::JsonSchema(_) => "json_schema",
+            Grammar::JsonObject => "json_object",
+            Grammar::Regex(_) => "regex",
+        }
+    }
+
+    /// The wire form's data (empty for `json_object`).
+    pub fn data(&self) -> &str {
+        match self {
+            Grammar::JsonSchema(d) | Grammar::Regex(d) => d,
+            Grammar::JsonObject => "",
+        }
+    }
+
+    /// A grammar from its wire form.
+    pub fn from_parts(kind: &str, data: &str) -> Result<Grammar, GrammarError> {
+        match kind {
+            "json_schema" => Ok(Grammar::JsonSchema(data.to_string())),
+            "json_object" => Ok(Grammar::JsonObject),
+            "regex" => Ok(Grammar::Regex(data.to_string())),
+            other => Err(GrammarError::UnknownKind(other.to_string())),
+        }
+    }
+
+    /// llguidance's form. JSON is written without free whitespace between its tokens (a model sampled at a high
+    /// temperature could otherwise spend its whole budget on spaces), unless the schema says otherwise in its
+    /// `x-guidance` options.
+    fn top_level(&self) -> Result<TopLevelGrammar, GrammarError> {
+        let compact = |mut schema: serde_json::Value| {
+            if let Some(o) = schema.as_object_mut() {
+                let options = o.entry("x-guidance").or_insert_with(|| serde_json::json!({}));
+                if let Some(opts) = options.as_object_mut() {
+                    opts.entry("whitespace_flexible").or_insert(serde_json::Value::Bool(false));
+                }
+            }
+            TopLevelGrammar::from_json_schema(schema)
+        };
+        match self {
+            Grammar::JsonSchema(text) => {
+                let schema: serde_json::Value = serde_json::from_str(text)
+                    .map_err(|e| GrammarError::Compile(format!("the schema is not JSON: {e}")))?;
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(GrammarError::Compile("a JSON schema is an object".into()));
+                }
+                Ok(compact(schema))
+            }
+            Grammar::JsonObject => Ok(compact(serde_json::json!({"type": "object"}))),
+            Grammar::Regex(rx) => Ok(TopLevelGrammar::from_regex(rx)),
+        }
+    }
+}
+
+/// The model's vocabulary as llguidance reads it: every token's bytes (special tokens marked as such, so no text
+/// spells them), and the tokenizer for text it needs tokenized.
+struct Vocabulary {
+    trie: TokTrie,
+    text: Arc<TextModel>,
+}
+
+impl TokenizerEnv for Vocabulary {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+        let tokenizer = self.text.tokenizer();
+        let mut ids = tokenizer.encode(&String::from_utf8_lossy(s));
+        if let (Some(bos), Some(&first)) = (tokenizer.special().bos, ids.first())
+            && first == bos
+        {
+            ids.remove(0);
+        }
+        ids
+    }
+}
+
+/// Compiles grammars for one model; the vocabulary's index is built on the first grammar (about a second for
+/// 49,152 tokens) and shared after that.
+pub struct Grammars {
+    text: Arc<TextModel>,
+    factory: OnceLock<Result<Arc<ParserFactory>, String>>,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars").field("ready", &self.factory.get().is_some()).finish()
+    }
+}
+
+impl Grammars {
+    pub fn new(text: Arc<TextModel>) -> Grammars {
+        Grammars { text, factory: OnceLock::new() }
+    }
+
+    fn factory(&self) -> Result<&Arc<ParserFactory>, GrammarError> {
+        let built = self.factory.get_or_init(|| {
+            let tokenizer = self.text.tokenizer();
+            let n = tokenizer.vocab_size() as u32;
+            let words: Vec<Vec<u8>> = (0..n)
+                .map(|id| {
+                    let bytes = tokenizer.token_bytes(id);
+                    if tokenizer.is_special(id) {
+                        [&[TokTrie::SPECIAL_TOKEN_MARKER][..], bytes].concat()
+                    } else {
+                        bytes.to_vec()
+                    }
+                })
+                .collect();
+            let eos = tokenizer.special().eos.or_else(|| tokenizer.special().end_of_generation.first().copied());
+            let mut info = TokRxInfo::new(n, eos.unwrap_or(0));
+            info.tok_bos = tokenizer.special().bos;
+            let env: TokEnv = Arc::new(Vocabulary { trie: TokTrie::from(&info, &words), text: Arc::clone(&self.text) });
+            let mut factory =
+                ParserFactory::new(&env, InferenceCapabilities::default(), &[]).map_err(|e| e.to_string())?;
+            factory.quiet();
+            Ok(Arc::new(factory))
+        });
+        built.as_ref().map_err(|e| GrammarError::Compile(e.clone()))
+    }
+
+    /// A fresh matcher for `grammar` that has taken `generated` (the tokens of the output so far).
+    pub fn matcher(&self, grammar: &Grammar, generated: &[u32]) -> Result<Constrained, GrammarError> {
+        let factory = self.factory()?;
+        let parser = factory.create_parser(grammar.top_level()?).map_err(|e| GrammarError::Compile(e.to_string()))?;
+        let mut m = Constrained {
+            matcher: Matcher::new(Ok(parser)),
+            eos: self.text.tokenizer().special().end_of_generation.clone(),
+        };
+        if let Some(e) = m.matcher.get_error() {
+            return Err(GrammarError::Compile(e));
+        }
+        m.take(generated)?;
+        Ok(m)
+    }
+}
+
+/// One sequence's grammar state.
+pub struct Constrained {
+    matcher: Matcher,
+    /// End-of-generation ids: allowed wherever the grammar allows its own end.
+    eos: Vec<u32>,
+}
+
+impl std::fmt::Debug for Constrained {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constrained").field("stopped", &self.matcher.is_stopped()).finish()
+    }
+}
+
+impl Constrained {
+    /// Sets the logits of every token the grammar does not allow next to −∞ (end-of-generation tokens are allowed
+    /// exactly where the grammar may end).
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
+        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(e.to_string()))?;
+        let end = allowed.is_allowed(self.matcher_eos());
+        let mut any = false;
+        for (id, l) in logits.iter_mut().enumerate() {
+            let id = id as u32;
+            let ok = if self.eos.contains(&id) { end } else { allowed.is_allowed(id) };
+            if ok {
+                any |= *l > f32::NEG_INFINITY;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if any { Ok(()) } else { Err(GrammarError::Runtime("no token the grammar allows is possible".into())) }
+    }
+
+    /// Takes sampled tokens (end-of-generation ones end the output and are not the grammar's).
+    pub fn take(&mut self, tokens: &[u32]) -> Result<(), GrammarError> {
+        for &t in tokens {
+            if self.eos.contains(&t) {
+                continue;
+            }
+            self.matcher.consume_token(t).map_err(|e| GrammarError::Runtime(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn matcher_eos(&self) -> u32 {
+        self.matcher.tok_env().map_or(0, |env| env.tok_trie().eos_token())
+    }
+}
