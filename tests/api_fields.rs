@@ -46,7 +46,6 @@ fn asks(chat: bool) -> BTreeMap<&'static str, (Value, bool)> {
             ("prompt_cache_key", (json!("session-1"), true)),
             ("prompt_cache_retention", (json!("24h"), true)),
             ("prompt_cache_options", (json!({"mode": "explicit", "ttl": "30m"}), true)),
-            ("response_format", (json!({"type": "json_object"}), false)),
             ("tools", (json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]), false)),
             ("tool_choice", (json!("auto"), false)),
             ("functions", (json!([{"name": "f", "parameters": {}}]), false)),
@@ -85,6 +84,7 @@ const IMPLEMENTED: &[&str] = &[
     "top_logprobs",
     "n",
     "echo",
+    "response_format",
 ];
 
 struct Api {
@@ -363,6 +363,75 @@ impl Api {
                     "{content}"
                 );
             }
+            "response_format" => {
+                // Sampled at temperature 1, the answers still follow the constraint.
+                let schema = json!({"type": "object", "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["city", "rank"], "additionalProperties": false});
+                let format =
+                    json!({"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": true}});
+                let hot = |extra: Value| {
+                    let mut b = json!({"temperature": 1.0, "seed": 4, "n": 4, "max_tokens": 64});
+                    for (k, v) in extra.as_object().expect("object") {
+                        b[k] = v.clone();
+                    }
+                    b
+                };
+                let texts = |v: &Value| -> Vec<String> {
+                    v["choices"]
+                        .as_array()
+                        .expect("choices")
+                        .iter()
+                        .map(|c| c["message"]["content"].as_str().expect("text").to_string())
+                        .collect()
+                };
+                let r = self.send(hot(json!({"response_format": format}))).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                for t in texts(&r.json()) {
+                    let v: Value = serde_json::from_str(&t).unwrap_or_else(|e| panic!("{e}: {t:?}"));
+                    let o = v.as_object().expect("an object");
+                    assert_eq!(o.len(), 2, "{t}");
+                    assert!(o["city"].as_str().is_some_and(|c| c.chars().count() <= 12), "{t}");
+                    assert!(o["rank"].as_u64().is_some_and(|r| (1..=9).contains(&r)), "{t}");
+                }
+                let r = self.send(hot(json!({"response_format": {"type": "json_object"}, "max_tokens": 200}))).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                for (t, c) in texts(&r.json()).iter().zip(r.json()["choices"].as_array().expect("c")) {
+                    if c["finish_reason"] == "stop" {
+                        assert!(serde_json::from_str::<Value>(t).is_ok_and(|v| v.is_object()), "{t:?}");
+                    }
+                }
+                // vLLM's fields: a choice and a regular expression.
+                let r = self.send(hot(json!({"guided_choice": ["north", "south", "east (or west)"]}))).await;
+                for t in texts(&r.json()) {
+                    assert!(["north", "south", "east (or west)"].contains(&t.as_str()), "{t:?}");
+                }
+                let r = self.send(hot(json!({"guided_regex": "[0-9]{3}-[a-z]{2}"}))).await;
+                let re = regex::Regex::new("^[0-9]{3}-[a-z]{2}$").expect("regex");
+                for t in texts(&r.json()) {
+                    assert!(re.is_match(&t), "{t:?}");
+                }
+                for (bad, param) in [
+                    (
+                        json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+                        "response_format",
+                    ),
+                    (json!({"response_format": {"type": "yaml"}}), "response_format"),
+                    (json!({"guided_regex": "("}), "guided_regex"),
+                    (json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}), "guided_regex"),
+                    (json!({"guided_choice": []}), "guided_choice"),
+                    (json!({"guided_grammar": "root ::= \"a\""}), "guided_grammar"),
+                ] {
+                    let r = self.send(bad.clone()).await;
+                    assert_eq!(
+                        (r.status, r.json()["error"]["param"].clone()),
+                        (400, json!(param)),
+                        "{bad}: {}",
+                        r.body
+                    );
+                }
+            }
             other => panic!("no check for implemented field {other}"),
         }
     }
@@ -541,5 +610,41 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
         let r = http(router.addr, "POST", "/v1/chat/completions", &ask(fields.clone()), &[]).await;
         assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{fields}: {}", r.body);
     }
+    stop(router, workers).await;
+}
+
+/// Structured outputs across a prefill and a decode worker: the decode worker rebuilds the grammar's state from the
+/// first token and answers as one engine does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_across_prefill_and_decode_match_one_engine() {
+    use engine::generate::{Engine, EngineConfig, Request};
+    use engine::grammar::Grammar;
+    use engine::sampling::{RawSampling, SamplingParams};
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "colours": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}},
+        "required": ["name", "colours"], "additionalProperties": false});
+    let question = "Name a painter and the colours they liked, as JSON.";
+    let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    let prompt =
+        e.tokenizer().encode(&e.render_chat(&[engine::chat::ChatMessage::new("user", question)]).expect("template"));
+    let raw = RawSampling {
+        temperature: 0.0,
+        max_tokens: 80,
+        grammar: Some(Grammar::JsonSchema(schema.to_string())),
+        ..RawSampling::default()
+    };
+    let req = Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None };
+    let want = e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0).text;
+    let body = json!({"model": MODEL, "max_tokens": 80, "temperature": 0, "messages": [{"role": "user", "content": question}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "painter", "schema": schema}}});
+    let r = http(router.addr, "POST", "/v1/chat/completions", &body.to_string(), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"][0]["message"]["content"], json!(want), "P + D = one engine");
+    let v: Value = serde_json::from_str(&want).expect("json");
+    assert!(v["colours"].as_array().is_some_and(|c| c.len() <= 2), "{want}");
     stop(router, workers).await;
 }

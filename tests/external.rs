@@ -165,5 +165,12 @@ async fn a_shared_prefix_goes_back_to_the_llama_server_that_cached_it_and_a_kill
     assert_eq!(r.json()["choices"][0]["message"]["content"].as_str().map(str::trim), Some("sea sea sea"), "{}", r.body);
     let r = http(router.addr, "POST", "/v1/chat/completions", &with(serde_json::json!({"min_tokens": 2})), &[]).await;
     assert!(r.status == 400 && r.body.contains("min_tokens"), "{}", r.body);
+    // Log-probabilities and structured outputs are not relayed to external engines: with only those, a 400 says so.
+    for extra in
+        [serde_json::json!({"logprobs": true}), serde_json::json!({"response_format": {"type": "json_object"}})]
+    {
+        let r = http(router.addr, "POST", "/v1/chat/completions", &with(extra.clone()), &[]).await;
+        assert!(r.status == 400 && r.body.contains("external engines"), "{extra}: {}", r.body);
+    }
     router.shutdown(Duration::from_secs(5)).await;
 }

@@ -9,7 +9,7 @@ use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
 use tandem_tests::fake::{Behaviour, FakeWorker};
 use tandem_tests::*;
-use worker::Role;
+use worker::{Role, RunningWorker};
 
 const MODEL: &str = "smollm2-135m-instruct";
 
@@ -48,6 +48,24 @@ fn completion_text(events: &[String]) -> String {
         .collect()
 }
 
+/// Streams `body` and, five events in, kills whichever of the two decode workers runs it; the stream's events (it
+/// must have finished) and the surviving worker.
+async fn stream_through_a_decode_death(
+    router: std::net::SocketAddr,
+    d1: RunningWorker,
+    d2: RunningWorker,
+    body: &serde_json::Value,
+) -> (Vec<String>, RunningWorker) {
+    let mut s = Streaming::open(router, "/v1/completions", &body.to_string()).await;
+    s.until(5).await;
+    let running_on_d1 = d1.stats().running > 0;
+    let (dying, survivor) = if running_on_d1 { (d1, d2) } else { (d2, d1) };
+    dying.shutdown(Duration::ZERO).await;
+    let events = s.finish().await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream finished: {events:?}");
+    (events, survivor)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_lost_mid_stream_is_replaced_without_a_break() {
     let ca = DevCa::generate().expect("ca");
@@ -59,14 +77,7 @@ async fn a_decode_worker_lost_mid_stream_is_replaced_without_a_break() {
     // With log-probabilities: the resumed stream's are the uninterrupted run's too.
     let mut body: serde_json::Value = serde_json::from_str(&completion(prompt, 40, true)).expect("json");
     body["logprobs"] = 2.into();
-    let mut s = Streaming::open(router.addr, "/v1/completions", &body.to_string()).await;
-    s.until(5).await;
-    // Whichever decode worker runs it dies now, mid-stream.
-    let running_on_d1 = d1.stats().running > 0;
-    let (dying, survivor) = if running_on_d1 { (d1, d2) } else { (d2, d1) };
-    dying.shutdown(Duration::ZERO).await;
-    let events = s.finish().await;
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream finished: {events:?}");
+    let (events, survivor) = stream_through_a_decode_death(router.addr, d1, d2, &body).await;
     assert_eq!(completion_text(&events), want, "the client saw one unbroken, correct answer");
     let logprobs: Vec<f64> = events
         .iter()
@@ -336,4 +347,42 @@ async fn a_prefill_worker_out_of_lease_room_costs_no_request() {
     assert!(m.contains("tandem_router_local_prefill_fallbacks_total 1\n"), "{m}");
     assert!(m.contains("tandem_router_workers_ejected 0\n"), "a full lease table is load, not sickness: {m}");
     stop(router, workers).await;
+}
+
+/// A grammar-constrained stream survives its decode worker's death: the worker that resumes it rebuilds the
+/// grammar's state from the tokens already sent and the client gets the uninterrupted run's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constrained_stream_resumed_elsewhere_keeps_its_grammar() {
+    let ca = DevCa::generate().expect("ca");
+    let (mut workers, router) = cluster(&ca, &[Role::Decode, Role::Decode]).await;
+    let (d1, d2) = (workers.remove(0), workers.remove(0));
+    let prompt = "The history of the bicycle begins in the early nineteenth century, when";
+    // Mid-object, a matcher that forgot what was generated would ask for a fresh '{'.
+    let schema =
+        r#"{"type": "object", "properties": {"story": {"type": "string", "maxLength": 400}}, "required": ["story"]}"#;
+    let want = {
+        let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
+        let raw = RawSampling {
+            temperature: 0.0,
+            max_tokens: 40,
+            grammar: Some(engine::grammar::Grammar::JsonSchema(schema.into())),
+            ..RawSampling::default()
+        };
+        let req = Request {
+            namespace: None,
+            prompt: e.tokenizer().encode(prompt),
+            sampling: SamplingParams::new(raw).expect("ok"),
+            deadline: None,
+        };
+        e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).text
+    };
+    assert!(want.starts_with("{\"story\":\""), "{want:?}");
+    let mut body: serde_json::Value = serde_json::from_str(&completion(prompt, 40, true)).expect("json");
+    body["guided_json"] = schema.into();
+    body["ignore_eos"] = false.into();
+    let (events, survivor) = stream_through_a_decode_death(router.addr, d1, d2, &body).await;
+    assert_eq!(completion_text(&events), want, "one unbroken answer under the grammar");
+    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(metrics.contains("tandem_router_decode_resumptions_total 1"), "{metrics}");
+    stop(router, vec![survivor]).await;
 }

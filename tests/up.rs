@@ -91,6 +91,14 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
         by_ids["top_logprobs"].as_array().expect("top").iter().all(|m| m.as_object().is_some_and(|m| m.len() <= 2))
     );
     assert_eq!(by_ids["text_offset"][0], 0);
+    // n = 2 samples of a JSON schema's output, each valid.
+    let structured = got["structured"].as_array().expect("structured");
+    assert_eq!(structured.len(), 2, "{got}");
+    for s in structured {
+        let v: serde_json::Value = serde_json::from_str(s.as_str().expect("text")).expect("JSON");
+        assert!(v["city"].as_str().is_some_and(|c| c.chars().count() <= 12), "{v}");
+        assert!(v["rank"].as_u64().is_some_and(|r| (1..=9).contains(&r)), "{v}");
+    }
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
 
     // Ctrl-C stops the whole cluster cleanly.

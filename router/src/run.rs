@@ -129,7 +129,7 @@ impl RunningRouter {
     /// Opens the text model, starts following every worker and serves HTTP. Call inside a tokio runtime.
     pub async fn start(config: RouterConfig) -> Result<RunningRouter, StartError> {
         config.scheduler.validate().map_err(|e| StartError::Scheduler(e.join("; ")))?;
-        let text = TextModel::open(&config.model)?;
+        let text = Arc::new(TextModel::open(&config.model)?);
         let max_model_len = config.max_model_len.or(text.context_len()).ok_or(StartError::NoContextLength)?;
         let (stop, stop_rx) = watch::channel(false);
         let model = ModelIdentity { fingerprint: text.fingerprint().to_string(), block_size: config.block_size };
@@ -174,7 +174,8 @@ impl RunningRouter {
         };
         let state = Arc::new(RouterState {
             cluster,
-            text: Arc::new(text),
+            grammars: engine::grammar::Grammars::new(Arc::clone(&text)),
+            text,
             served_model: config.served_model,
             max_model_len,
             scheduler: RwLock::new(config.scheduler),

@@ -363,7 +363,7 @@ async fn stream_tokens(
 /// The oldest worker protocol that applies everything `s` asks for (a version-2 worker would ignore the logits
 /// rules, a version-3 one the log-probabilities).
 pub fn protocol_needed(s: &pb::Sampling) -> u32 {
-    if s.logprobs.is_some() {
+    if s.logprobs.is_some() || s.grammar.is_some() {
         return worker::LOGPROBS_PROTOCOL;
     }
     let plain = s.logit_bias.is_empty()

@@ -134,6 +134,8 @@ mod tests {
 pub struct RouterState {
     pub cluster: Arc<Cluster>,
     pub text: Arc<TextModel>,
+    /// Structured outputs' grammars, compiled here to refuse a bad one before any worker sees it.
+    pub grammars: engine::grammar::Grammars,
     /// The model name clients use.
     pub served_model: String,
     pub max_model_len: usize,

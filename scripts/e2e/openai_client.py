@@ -70,6 +70,15 @@ def main() -> None:
         ).choices[0].message.content
         for penalty in (0.0, 2.0)
     )
+    # Two samples of a structured output.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    structured = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Name a city and rank it."}],
+        temperature=1.0, seed=2, n=2, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+    )
     by_ids = None
     if len(sys.argv) > 4:
         ids = json.loads(sys.argv[4])
@@ -102,6 +111,7 @@ def main() -> None:
                 "unpenalized": plain,
                 "penalized": penalized,
                 "by_ids": by_ids,
+                "structured": [c.message.content for c in structured.choices],
                 "unknown_model": unknown_model,
                 "models": models,
             }

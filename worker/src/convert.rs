@@ -62,6 +62,11 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
             prior_generated: s.prior_generated,
         },
         logprobs: s.logprobs,
+        grammar: s
+            .grammar
+            .map(|g| engine::grammar::Grammar::from_parts(&g.kind, &g.data))
+            .transpose()
+            .map_err(|e| ProtoError::Invalid { field: "sampling.grammar", why: e.to_string() })?,
     };
     SamplingParams::new(raw).map_err(|e| ProtoError::Invalid { field: "sampling", why: e.to_string() })
 }

@@ -263,11 +263,9 @@ impl Engine {
         sampling: &pb::Sampling,
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
-        if sampling.logprobs.is_some() {
-            return Err(Status::invalid_argument(format!(
-                "{}: logprobs are not relayed from external engines",
-                self.url
-            )));
+        if sampling.logprobs.is_some() || sampling.grammar.is_some() {
+            let what = if sampling.logprobs.is_some() { "logprobs are" } else { "structured outputs are" };
+            return Err(Status::invalid_argument(format!("{}: {what} not relayed to external engines", self.url)));
         }
         if self.kind == EngineKind::LlamaServer
             && let Some(field) = llama_server::unsupported(sampling)

@@ -40,6 +40,10 @@ async fn tokenize(state: &Arc<RouterState>, checked: Checked) -> Result<(Checked
 }
 
 fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
+    // A grammar that does not compile is the client's error, named here rather than by a worker.
+    if let Some((g, param)) = &checked.grammar {
+        state.grammars.matcher(g, &[]).map_err(|e| ApiError::bad(e.to_string(), param))?;
+    }
     let text = match &checked.input {
         Input::Chat(messages) => state
             .text
@@ -122,6 +126,7 @@ pub async fn plan(
         stop_token_ids: checked.logits.stop_token_ids.clone(),
         prior_generated: 0,
         logprobs: checked.logprobs,
+        grammar: checked.grammar.as_ref().map(|(g, _)| pb::Grammar { kind: g.kind().into(), data: g.data().into() }),
     };
     let config = state.scheduler_config();
     let mut req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
@@ -143,10 +148,14 @@ pub async fn plan(
     let arrived = Instant::now();
     // The view, the decision and the count of the prompt on the worker chosen to compute it are one step: a
     // request routed at the same moment sees this one's work.
-    let (views, decision, reserved) = {
+    let (views, decision, reserved, others_only) = {
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
+        let slow_start = Duration::from_secs_f64(config.slow_start_secs);
         let protocol = crate::serve::protocol_needed(&sampling);
-        let views = state.cluster.view(&hashes, protocol, Duration::from_secs_f64(config.slow_start_secs), arrived);
+        let views = state.cluster.view(&hashes, protocol, slow_start, arrived);
+        // Workers that would serve the request were it not for what it asks (external engines, older workers).
+        let others_only =
+            views.is_empty() && protocol > 0 && !state.cluster.view(&hashes, 0, slow_start, arrived).is_empty();
         req.affinity = cache_key.and_then(|k| route_state.affinity.get(k));
         let decision = route(&req, &views, &config, &mut route_state);
         // This request on `worker`, with `prefill_tokens` of its prompt to compute there.
@@ -167,7 +176,7 @@ pub async fn plan(
                 reserved.push(reserve(d.decode.id, 0));
             }
         }
-        (views, decision, reserved)
+        (views, decision, reserved, others_only)
     };
     if count {
         let a = Arrival {
@@ -188,6 +197,12 @@ pub async fn plan(
             state.metrics.decision(config.policy.as_str(), e.kind());
         }
         match e {
+            RouteError::NoDecodeWorkers if others_only => ApiError::BadRequest {
+                message: "no worker up can serve this request: log-probabilities and structured outputs need Tandem \
+                          workers of protocol 4 or newer (external engines do not relay them)"
+                    .into(),
+                param: None,
+            },
             RouteError::NoDecodeWorkers => ApiError::Unavailable(e.to_string()),
             RouteError::AllBusy => ApiError::Overloaded(Duration::from_secs(1)),
             // Come back when the excess queue should have drained.

@@ -33,9 +33,6 @@ fn empty(v: &Value) -> bool {
 fn none_choice(v: &Value) -> bool {
     v.as_str() == Some("none")
 }
-fn text_format(v: &Value) -> bool {
-    *v == json!({"type": "text"})
-}
 fn text_only(v: &Value) -> bool {
     *v == json!(["text"])
 }
@@ -47,7 +44,6 @@ fn never(_: &Value) -> bool {
 }
 
 const NO_TOOLS: &str = "the served model's chat template has no tool support";
-const NO_GRAMMAR: &str = "structured outputs are not supported yet";
 const NOT_REASONING: &str = "the served model is not a reasoning model";
 
 /// Fields both endpoints take (OpenAI's, then vLLM's extra ones).
@@ -69,7 +65,11 @@ fn common(name: &str) -> Option<Rule> {
         // vLLM's extra sampling fields.
         "top_k" | "ignore_eos" | "cache_salt" | "repetition_penalty" | "min_tokens" | "stop_token_ids" => Used,
         "min_p" => Refused(zero, "min_p is not supported yet"),
-        "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" => Refused(never, NO_GRAMMAR),
+        "guided_json" | "guided_regex" | "guided_choice" => Used,
+        "guided_grammar" => Refused(
+            never,
+            "grammars in EBNF/Lark are not supported: give a JSON schema (guided_json) or a regular expression (guided_regex)",
+        ),
         _ => return None,
     })
 }
@@ -88,7 +88,7 @@ fn chat(name: &str) -> Option<Rule> {
         | "prompt_cache_options" => Inert,
         "prompt_cache_key" => Used,
         "logprobs" | "top_logprobs" => Used,
-        "response_format" => Refused(text_format, NO_GRAMMAR),
+        "response_format" => Used,
         "tools" | "functions" => Refused(empty, NO_TOOLS),
         "tool_choice" | "function_call" => Refused(none_choice, NO_TOOLS),
         "modalities" => Refused(text_only, "only text output is supported"),
@@ -161,7 +161,7 @@ mod tests {
         assert_eq!(refused(chat, ok), None);
         for (field, value) in [
             ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
-            ("response_format", json!({"type": "json_object"})),
+            ("guided_grammar", json!("root ::= \"a\"")),
             ("reasoning_effort", json!("low")),
             ("min_p", json!(0.1)),
             ("best_of", json!(2)),

@@ -1,6 +1,7 @@
 //! OpenAI request bodies for chat and text completions, checked into one validated form.
 
 use engine::chat::ChatMessage;
+use engine::grammar::Grammar;
 use serde::Deserialize;
 
 use super::error::ApiError;
@@ -91,6 +92,12 @@ pub struct Common {
     pub top_logprobs: Option<u32>,
     /// Chat only (OpenAI's): requests with the same key prefer the worker that last computed one.
     pub prompt_cache_key: Option<String>,
+    /// Chat only (OpenAI's): `text`, `json_object` or `json_schema`.
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's structured output fields: a JSON schema (an object or its text), a regular expression, a choice.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -212,8 +219,62 @@ pub struct Checked {
     pub batch: Vec<Input>,
     /// Text completions: each choice's text starts with its prompt.
     pub echo: bool,
+    /// What the output must match, and the field that asked for it.
+    pub grammar: Option<(engine::grammar::Grammar, &'static str)>,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
     pub prompt_cache_key: Option<String>,
+}
+
+/// The structured output a request asks for (at most one of `response_format`, `guided_json`, `guided_regex`,
+/// `guided_choice`), with the field that asked.
+fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError> {
+    let mut found: Vec<(Grammar, &'static str)> = Vec::new();
+    if let Some(rf) = c.response_format.as_ref().filter(|v| !v.is_null()) {
+        let param = "response_format";
+        match rf.get("type").and_then(serde_json::Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push((Grammar::JsonObject, param)),
+            Some("json_schema") => {
+                let schema = rf
+                    .pointer("/json_schema/schema")
+                    .ok_or_else(|| ApiError::bad("response_format.json_schema.schema is required", param))?;
+                found.push((Grammar::JsonSchema(schema.to_string()), param));
+            }
+            _ => return Err(ApiError::bad("response_format.type must be text, json_object or json_schema", param)),
+        }
+    }
+    match c.guided_json.as_ref().filter(|v| !v.is_null()) {
+        None => {}
+        Some(serde_json::Value::String(s)) => found.push((Grammar::JsonSchema(s.clone()), "guided_json")),
+        Some(v @ serde_json::Value::Object(_)) => found.push((Grammar::JsonSchema(v.to_string()), "guided_json")),
+        Some(_) => return Err(ApiError::bad("guided_json is a JSON schema (an object or its text)", "guided_json")),
+    }
+    if let Some(rx) = &c.guided_regex {
+        found.push((Grammar::Regex(rx.clone()), "guided_regex"));
+    }
+    if let Some(choices) = &c.guided_choice {
+        if choices.is_empty() || choices.iter().any(String::is_empty) {
+            return Err(ApiError::bad("guided_choice is a list of non-empty strings", "guided_choice"));
+        }
+        let alternatives: Vec<String> = choices.iter().map(|s| regex_escape(s)).collect();
+        found.push((Grammar::Regex(format!("({})", alternatives.join("|"))), "guided_choice"));
+    }
+    if let Some((_, second)) = found.get(1) {
+        return Err(ApiError::bad("one structured output constraint per request", second));
+    }
+    Ok(found.pop())
+}
+
+/// `s` as a regular expression matching exactly it.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for ch in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(ch) {
+            out.push('\\');
+        }
+        out.push(ch);
+    }
+    out
 }
 
 /// The request's log-probabilities: chat's `logprobs` (a boolean) with `top_logprobs`, or completions' `logprobs`
@@ -259,6 +320,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoint) -> Res
 fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
     let logits = check_logits(&c, c.max_completion_tokens.or(c.max_tokens))?;
     let logprobs = check_logprobs(&c, endpoint)?;
+    let grammar = check_grammar(&c)?;
     let model = c.model.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::bad("`model` is required", "model"))?;
     let n = c.n.unwrap_or(1);
     if !(1..=MAX_N).contains(&n) {
@@ -315,6 +377,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         n,
         batch: Vec::new(),
         echo: false,
+        grammar,
     })
 }
 
