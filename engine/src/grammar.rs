@@ -114,8 +114,9 @@ impl TokenizerEnv for Vocabulary {
     }
 }
 
-/// Compiles grammars for one model; the vocabulary's index is built on the first grammar (about a second for
-/// 49,152 tokens) and shared after that.
+/// Compiles grammars for one model; the vocabulary's index is built on the first grammar (under 0.2 s for
+/// 49,152 tokens: a first structured request through `tandem up` took 0.26 s against 0.09 s for the next) and
+/// shared after that.
 pub struct Grammars {
     text: Arc<TextModel>,
     factory: OnceLock<Result<Arc<ParserFactory>, String>>,
