@@ -64,3 +64,25 @@ fn a_trace_replays_through_a_mock_cluster_with_cache_hits_and_ordered_percentile
     drop(up);
     let _ = std::fs::remove_dir_all(&home);
 }
+
+/// `tandem bench router` measures both paths at every level it is given (what they measure is not checked: it
+/// depends on the machine).
+#[test]
+fn the_router_benchmark_measures_both_paths_at_each_level() {
+    let tandem = tandem_tests::binary("tandem", "tandem");
+    let _ = tandem_tests::model();
+    let out = std::process::Command::new(&tandem)
+        .args(["bench", "router", "--concurrency", "1,4", "--requests", "40", "--prompt-tokens", "32", "--json"])
+        .output()
+        .expect("tandem runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let levels = v["levels"].as_array().expect("levels");
+    assert_eq!(levels.iter().map(|l| l["concurrency"].as_u64().expect("c")).collect::<Vec<_>>(), [1, 4]);
+    for l in levels {
+        for k in ["direct_p50_ms", "direct_p99_ms", "router_p50_ms", "router_p99_ms"] {
+            assert!(l[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {l}");
+        }
+        assert!(l["direct_p50_ms"].as_f64() <= l["direct_p99_ms"].as_f64(), "{l}");
+    }
+}

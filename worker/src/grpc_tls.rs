@@ -43,6 +43,12 @@ pub fn incoming(
                     continue;
                 }
             };
+            // Tokens go out one small frame at a time: without TCP_NODELAY, Nagle's algorithm holds each behind
+            // the peer's delayed ACK of the one before (about 40 ms on Linux). tonic sets it on the sockets it
+            // accepts itself; these it does not see.
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(peer = %peer, error = %e, "TCP_NODELAY not set");
+            }
             let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&current.borrow()));
             let tx = tx.clone();
             tokio::spawn(async move {
@@ -115,4 +121,28 @@ pub async fn connect_named(
         .map_err(|_| ConnectError::Timeout(addr, CONNECT_TIMEOUT))?
         .map_err(|e| ConnectError::Transport(addr, e))?;
     Ok(WorkerClient::new(channel))
+}
+
+#[cfg(test)]
+mod tests {
+    use kv_transfer::tls::DevCa;
+    use tokio_stream::StreamExt;
+
+    use super::*;
+
+    /// Accepted connections carry TCP_NODELAY: streamed tokens are small writes that Nagle's algorithm would hold
+    /// behind the peer's delayed ACK of the one before (about 40 ms each on Linux).
+    #[tokio::test]
+    async fn accepted_connections_send_small_writes_at_once() {
+        let ca = DevCa::generate().expect("ca");
+        let (server, client) = (ca.issue("worker", &[]).expect("cert"), ca.issue("router", &[]).expect("cert"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (_keep, current) = watch::channel(server_config(&server).expect("config"));
+        let mut accepted = incoming(listener, current);
+        let dial = tokio::spawn(async move { connect(addr, &client).await.map(|_| ()) });
+        let tls = accepted.next().await.expect("a connection").expect("accepted");
+        assert!(tls.get_ref().0.nodelay().expect("the option reads"), "TCP_NODELAY on the accepted socket");
+        dial.await.expect("joins").expect("the client connected");
+    }
 }

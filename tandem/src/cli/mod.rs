@@ -1,6 +1,7 @@
 //! Command-line parsing and dispatch.
 
 mod bench;
+mod bench_router;
 mod certs;
 mod chart;
 mod generate;
@@ -90,6 +91,8 @@ enum BenchCommand {
     Transfer(bench::TransferArgs),
     /// Replay a trace or a synthetic workload against an OpenAI-compatible server, measured from the client.
     Serve(Box<serve::Args>),
+    /// What the router adds to the time to the first token: a zero-time mock worker, directly and through a router.
+    Router(bench_router::Args),
 }
 
 /// Options shared by the commands that run the model.
@@ -148,6 +151,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Engine(args) } => bench::run(args),
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Bench { command: BenchCommand::Serve(args) } => serve::run(*args),
+        Command::Bench { command: BenchCommand::Router(args) } => bench_router::run(args),
         Command::Probe(args) => probe::run(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(*args),

@@ -1,0 +1,257 @@
+//! `tandem bench router`: what the router adds to the time to the first token. One mock worker whose steps take no
+//! time (the profile's durations divided by a large speed-up) serves the same one-token requests two ways, side
+//! by side at each concurrency: straight to its gRPC `Generate` (token ids, mutual TLS, one HTTP/2 channel), and
+//! through a router (`POST /v1/completions` with the prompt as text, a connection per request as `tandem bench
+//! serve` makes them: parse, tokenize, route, the router's own gRPC call, SSE back). The difference of the two is
+//! the router's overhead.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kv_transfer::tls::{DevCa, Identity};
+use proto::worker as pb;
+use router::discovery::WorkerSource;
+use router::run::{RouterConfig, RunningRouter, defaults};
+use router::state::Limits;
+use worker::{Role, RunningWorker, WorkerConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Concurrent streams, each level measured in turn.
+    #[arg(long, value_delimiter = ',', default_value = "1,64,512")]
+    concurrency: Vec<usize>,
+    /// Requests per level and path (spread over its streams).
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Prompt length in tokens (plain words, one token each).
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Print the results as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Latencies to the first token of one path at one concurrency, in milliseconds, sorted.
+struct Sample(Vec<f64>);
+
+impl Sample {
+    fn quantile(&self, q: f64) -> f64 {
+        let v = &self.0;
+        if v.is_empty() {
+            return f64::NAN;
+        }
+        v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)]
+    }
+}
+
+fn identity(ca: &DevCa, name: &str) -> Result<Identity, String> {
+    ca.issue(name, &[]).map_err(|e| e.to_string())
+}
+
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    if args.concurrency.contains(&0) || args.requests == 0 || args.prompt_tokens == 0 {
+        return Err("--concurrency, --requests and --prompt-tokens must be at least 1".into());
+    }
+    let model = engine::fetch::ensure_default_model(&crate::progress::Bar::new()).map_err(|e| e.to_string())?;
+    let text = engine::text::TextModel::open(&model).map_err(|e| e.to_string())?;
+    let words = text.tokenizer().plain_words();
+    let ids: Vec<u32> = (0..args.prompt_tokens).map(|i| words[(i * 7919) % words.len()]).collect();
+    let prompt = text.tokenizer().decode(&ids);
+    let ca = DevCa::generate().map_err(|e| e.to_string())?;
+    let (worker_id, router_id, client_id) =
+        (identity(&ca, "worker")?, identity(&ca, "router")?, identity(&ca, "bench")?);
+    let process = telemetry::Process::start("tandem")?;
+    process.block_on(async move {
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        let settings = worker::cli::Settings {
+            engine: Some("mock".into()),
+            // Steps take the profile's time divided by this: nothing measurable.
+            speedup: Some(1e9),
+            ..worker::cli::Settings::default()
+        };
+        let mut problems = Vec::new();
+        let engine = worker::cli::engine_config(&settings, "bench", &mut problems);
+        if !problems.is_empty() {
+            return Err(problems.join("; "));
+        }
+        let worker =
+            RunningWorker::start(WorkerConfig { engine, ..WorkerConfig::local(Role::Both, model.clone(), worker_id) })
+                .await
+                .map_err(|e| format!("worker: {e}"))?;
+        let most = args.concurrency.iter().copied().max().unwrap_or(1);
+        let router = RunningRouter::start(RouterConfig {
+            listen: loopback,
+            model,
+            served_model: defaults::SERVED_MODEL.into(),
+            workers: vec![WorkerSource::Static(worker.grpc)],
+            external: Vec::new(),
+            external_settings: Default::default(),
+            dns_refresh: router::discovery::DEFAULT_DNS_REFRESH,
+            identity: router_id,
+            certs: None,
+            limits: Limits {
+                max_in_flight: most.max(defaults::MAX_IN_FLIGHT),
+                max_queue: most * 2,
+                ..Limits::default()
+            },
+            scheduler: Default::default(),
+            tenants: Default::default(),
+            admin_key: None,
+            follow: Default::default(),
+            block_size: defaults::BLOCK_SIZE,
+            max_model_len: None,
+            seed: Some(1),
+            record_trace: None,
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        for _ in 0..200 {
+            if !router.state.cluster.up_members().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let client = worker::grpc_tls::connect(worker.grpc, &client_id).await.map_err(|e| e.to_string())?;
+        let target = loadgen::client::Target {
+            authority: router.addr.to_string(),
+            base_path: String::new(),
+            model: defaults::SERVED_MODEL.into(),
+            api_key: None,
+            endpoint: loadgen::client::Endpoint::Completions,
+            timeout: Duration::from_secs(60),
+        };
+        // Warm both paths (the first request pays for connections, caches and the worker's first step).
+        direct(&client, &ids, 1, 16).await?;
+        through(&target, &prompt, 1, 16).await?;
+        let mut rows = Vec::new();
+        for &c in &args.concurrency {
+            let d = direct(&client, &ids, c, args.requests).await?;
+            let r = through(&target, &prompt, c, args.requests).await?;
+            rows.push((c, d, r));
+        }
+        report(&args, &rows);
+        router.shutdown(Duration::from_secs(5)).await;
+        worker.shutdown(Duration::from_secs(5)).await;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// `requests` one-token requests over `streams` concurrent loops; each loop's latencies as `ask` measures them.
+async fn spread<F, Fut>(streams: usize, requests: usize, ask: F) -> Result<Sample, String>
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<f64, String>> + Send,
+{
+    let left = Arc::new(AtomicUsize::new(requests));
+    let tasks: Vec<_> = (0..streams)
+        .map(|_| {
+            let (left, ask) = (Arc::clone(&left), ask.clone());
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                while left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
+                    out.push(ask().await?);
+                }
+                Ok::<_, String>(out)
+            })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(requests);
+    for t in tasks {
+        all.extend(t.await.map_err(|e| e.to_string())??);
+    }
+    all.sort_by(f64::total_cmp);
+    Ok(Sample(all))
+}
+
+/// Straight to the worker: `Generate` with the token ids, timed to the first token message.
+async fn direct(
+    client: &pb::worker_client::WorkerClient<tonic::transport::Channel>,
+    ids: &[u32],
+    streams: usize,
+    requests: usize,
+) -> Result<Sample, String> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let (client, ids) = (client.clone(), ids.to_vec());
+    spread(streams, requests, move || {
+        let (mut client, ids, n) = (client.clone(), ids.clone(), next.fetch_add(1, Ordering::Relaxed));
+        async move {
+            let req = pb::GenerateRequest {
+                request_id: format!("bench-{n}"),
+                tokens: ids,
+                sampling: Some(pb::Sampling { max_tokens: 1, top_p: 1.0, ignore_eos: true, ..Default::default() }),
+                ..Default::default()
+            };
+            let started = Instant::now();
+            let mut stream = client.generate(req).await.map_err(|e| e.to_string())?.into_inner();
+            loop {
+                match stream.message().await.map_err(|e| e.to_string())? {
+                    Some(pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(_)) }) => {
+                        let ms = started.elapsed().as_secs_f64() * 1000.0;
+                        // Read to the end, so the worker is done with it before the next.
+                        while stream.message().await.map_err(|e| e.to_string())?.is_some() {}
+                        return Ok(ms);
+                    }
+                    Some(_) => {}
+                    None => return Err("the worker's stream ended without a token".into()),
+                }
+            }
+        }
+    })
+    .await
+}
+
+/// Through the router: a streamed completion of the prompt's text, timed to its first content chunk.
+async fn through(
+    target: &loadgen::client::Target,
+    prompt: &str,
+    streams: usize,
+    requests: usize,
+) -> Result<Sample, String> {
+    let (target, prompt) = (target.clone(), prompt.to_string());
+    spread(streams, requests, move || {
+        let (target, prompt) = (target.clone(), prompt.clone());
+        async move {
+            let ask = loadgen::client::Ask { prompt, max_tokens: 1, ignore_eos: true, seed: 1 };
+            let out = loadgen::client::send(&target, &ask).await;
+            match (out.ok(), out.chunk_ms.first()) {
+                (true, Some(&ms)) => Ok(ms),
+                _ => Err(format!("through the router: status {} {:?}", out.status, out.error)),
+            }
+        }
+    })
+    .await
+}
+
+fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
+    if args.json {
+        let levels: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(c, d, r)| {
+                serde_json::json!({
+                    "concurrency": c,
+                    "direct_p50_ms": d.quantile(0.5), "direct_p99_ms": d.quantile(0.99),
+                    "router_p50_ms": r.quantile(0.5), "router_p99_ms": r.quantile(0.99),
+                    "added_p50_ms": r.quantile(0.5) - d.quantile(0.5), "added_p99_ms": r.quantile(0.99) - d.quantile(0.99),
+                })
+            })
+            .collect();
+        let out = serde_json::json!({"requests": args.requests, "prompt_tokens": args.prompt_tokens, "levels": levels});
+        println!("{out}");
+        return;
+    }
+    println!(
+        "time to first token, ms ({} one-token requests per path and level, {}-token prompts; mock worker, no step time)",
+        args.requests, args.prompt_tokens
+    );
+    println!(
+        "{:>11} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "streams", "direct p50", "direct p99", "router p50", "router p99", "added p50", "added p99"
+    );
+    for (c, d, r) in rows {
+        let (d50, d99, r50, r99) = (d.quantile(0.5), d.quantile(0.99), r.quantile(0.5), r.quantile(0.99));
+        println!("{c:>11} {d50:>10.3} {d99:>10.3} {r50:>10.3} {r99:>10.3} {:>10.3} {:>10.3}", r50 - d50, r99 - d99);
+    }
+}
