@@ -1,8 +1,8 @@
 //! `tandem bench router`: what the router adds to the time to the first token. One mock worker whose steps take no
 //! time (the profile's durations divided by a large speed-up) serves the same one-token requests two ways, side
 //! by side at each concurrency: straight to its gRPC `Generate` (token ids, mutual TLS, one HTTP/2 channel), and
-//! through a router (`POST /v1/completions` with the prompt as text, a connection per request as `tandem bench
-//! serve` makes them: parse, tokenize, route, the router's own gRPC call, SSE back). The difference of the two is
+//! through a router (`POST /v1/completions` with the prompt as text on a kept-alive HTTP/1.1 connection per stream:
+//! parse, tokenize, route, the router's own gRPC call, SSE back). The difference of the two is
 //! the router's overhead.
 
 use std::net::SocketAddr;
@@ -115,14 +115,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         let client = worker::grpc_tls::connect(worker.grpc, &client_id).await.map_err(|e| e.to_string())?;
-        let target = loadgen::client::Target {
-            authority: router.addr.to_string(),
-            base_path: String::new(),
-            model: defaults::SERVED_MODEL.into(),
-            api_key: None,
-            endpoint: loadgen::client::Endpoint::Completions,
-            timeout: Duration::from_secs(60),
-        };
+        let target = router.addr.to_string();
         // Warm both paths (the first request pays for connections, caches and the worker's first step).
         direct(&client, &ids, 1, 16).await?;
         through(&target, &prompt, 1, 16).await?;
@@ -203,26 +196,61 @@ async fn direct(
     .await
 }
 
-/// Through the router: a streamed completion of the prompt's text, timed to its first content chunk.
-async fn through(
-    target: &loadgen::client::Target,
-    prompt: &str,
-    streams: usize,
-    requests: usize,
-) -> Result<Sample, String> {
-    let (target, prompt) = (target.clone(), prompt.to_string());
-    spread(streams, requests, move || {
-        let (target, prompt) = (target.clone(), prompt.clone());
-        async move {
-            let ask = loadgen::client::Ask { prompt, max_tokens: 1, ignore_eos: true, seed: 1 };
-            let out = loadgen::client::send(&target, &ask).await;
-            match (out.ok(), out.chunk_ms.first()) {
-                (true, Some(&ms)) => Ok(ms),
-                _ => Err(format!("through the router: status {} {:?}", out.status, out.error)),
+/// Through the router: a streamed completion of the prompt's text, timed to its first content chunk. Each stream
+/// keeps one HTTP/1.1 connection for its requests, as a client's connection pool does.
+async fn through(authority: &str, prompt: &str, streams: usize, requests: usize) -> Result<Sample, String> {
+    let body = serde_json::json!({"model": defaults::SERVED_MODEL, "prompt": prompt, "max_tokens": 1,
+                                  "ignore_eos": true, "stream": true})
+    .to_string();
+    let left = Arc::new(AtomicUsize::new(requests));
+    let tasks: Vec<_> = (0..streams)
+        .map(|_| {
+            let (left, authority, body) = (Arc::clone(&left), authority.to_string(), body.clone());
+            tokio::spawn(async move { one_connection(&authority, &body, &left).await })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(requests);
+    for t in tasks {
+        all.extend(t.await.map_err(|e| e.to_string())??);
+    }
+    all.sort_by(f64::total_cmp);
+    Ok(Sample(all))
+}
+
+/// One stream's requests on one connection, until `left` runs out; each one's milliseconds to its first chunk.
+async fn one_connection(authority: &str, body: &str, left: &AtomicUsize) -> Result<Vec<f64>, String> {
+    use http_body_util::BodyExt;
+    let tcp = tokio::net::TcpStream::connect(authority).await.map_err(|e| format!("connect: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    let driver = tokio::spawn(conn);
+    let mut out = Vec::new();
+    while left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
+        sender.ready().await.map_err(|e| format!("connection: {e}"))?;
+        let request = hyper::Request::post("/v1/completions")
+            .header("host", authority)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())?;
+        let started = Instant::now();
+        let response = sender.send_request(request).await.map_err(|e| format!("sending: {e}"))?;
+        if response.status() != 200 {
+            return Err(format!("through the router: HTTP {}", response.status()));
+        }
+        let mut first = None;
+        let mut stream = response.into_body();
+        while let Some(frame) = stream.frame().await {
+            let frame = frame.map_err(|e| format!("reading: {e}"))?;
+            if first.is_none() && frame.data_ref().is_some_and(|d| d.windows(7).any(|w| w == b"data: {")) {
+                first = Some(started.elapsed().as_secs_f64() * 1000.0);
             }
         }
-    })
-    .await
+        out.push(first.ok_or("the router's stream had no chunk")?);
+    }
+    driver.abort();
+    Ok(out)
 }
 
 fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
