@@ -151,6 +151,14 @@ where
             })
         })
         .collect();
+    gather(tasks, requests).await
+}
+
+/// Every stream's latencies, sorted.
+async fn gather(
+    tasks: Vec<tokio::task::JoinHandle<Result<Vec<f64>, String>>>,
+    requests: usize,
+) -> Result<Sample, String> {
     let mut all = Vec::with_capacity(requests);
     for t in tasks {
         all.extend(t.await.map_err(|e| e.to_string())??);
@@ -209,12 +217,7 @@ async fn through(authority: &str, prompt: &str, streams: usize, requests: usize)
             tokio::spawn(async move { one_connection(&authority, &body, &left).await })
         })
         .collect();
-    let mut all = Vec::with_capacity(requests);
-    for t in tasks {
-        all.extend(t.await.map_err(|e| e.to_string())??);
-    }
-    all.sort_by(f64::total_cmp);
-    Ok(Sample(all))
+    gather(tasks, requests).await
 }
 
 /// One stream's requests on one connection, until `left` runs out; each one's milliseconds to its first chunk.
