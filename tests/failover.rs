@@ -170,7 +170,9 @@ async fn a_worker_that_stops_reporting_is_marked_down_and_its_blocks_dropped() {
     let hung = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Hang, vec![11, 12, 13]).await;
     let d = worker(&ca, Role::Decode, "decode-0").await;
     let mut config = router_config(&ca, vec![hung.grpc, d.grpc]);
-    config.follow.silence = Duration::from_secs(1);
+    // Short, so the test is quick, but well past the idle worker's heartbeat (`EVENT_HEARTBEAT`, 1 s): at exactly
+    // the heartbeat's period the healthy worker raced the watchdog and went down now and then too.
+    config.follow.silence = worker::EVENT_HEARTBEAT * 5 / 2;
     let router = RunningRouter::start(config).await.expect("router");
     wait_for_workers(&router, 2).await;
     // It joined and its snapshot's blocks are indexed; then it says nothing more, and its connection stays open.
@@ -178,7 +180,7 @@ async fn a_worker_that_stops_reporting_is_marked_down_and_its_blocks_dropped() {
     assert!(held(&router).iter().any(|v| v.overlap.device == 1), "the hung worker's snapshot was applied");
     // Once silent past the watchdog it is down and its blocks are out of the index (it answers Info again, so
     // it rejoins and goes down again, one silence at a time: look for the down state).
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let (up, indexed) = (router.state.cluster.up_members().len(), router.state.cluster.index_stats().0);
         if up == 1 && indexed == 0 {

@@ -25,8 +25,8 @@ use kv_transfer::quic::{QuicClient, QuicServer, TransferError};
 use kv_transfer::tls::Identity;
 use proto::worker as pb;
 use proto::worker::worker_server::WorkerServer;
-pub use service::DEFAULT_LOAD_INTERVAL;
 use service::WorkerService;
+pub use service::{DEFAULT_LOAD_INTERVAL, EVENT_HEARTBEAT};
 use tokio::sync::oneshot;
 
 /// How long a prefill worker keeps a prompt's KV for a decode worker: long enough to choose one and pull.

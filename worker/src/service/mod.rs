@@ -14,7 +14,7 @@ use engine::generate::{EngineHandle, SubmitError};
 use kv_transfer::descriptor::KvLayoutDesc;
 use proto::worker as pb;
 use proto::worker::worker_server::Worker;
-pub use subscribe::DEFAULT_LOAD_INTERVAL;
+pub use subscribe::{DEFAULT_LOAD_INTERVAL, EVENT_HEARTBEAT};
 use tokio_stream::Stream;
 use tonic::{Request as GrpcRequest, Response, Status};
 use tracing::Instrument;
