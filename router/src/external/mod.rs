@@ -28,6 +28,21 @@ use tonic::Status;
 use crate::cluster::Cluster;
 use crate::scheduler::view::WorkerId;
 
+/// The request's penalties, bias, `min_tokens` (under the name the engine uses for it) and stop token ids, in the
+/// sampling fields vLLM and SGLang share (both define them as Tandem's engine does).
+fn put_logits_rules(fields: &mut Value, sampling: &pb::Sampling, min_tokens_key: &str) {
+    fields["frequency_penalty"] = sampling.frequency_penalty.into();
+    fields["presence_penalty"] = sampling.presence_penalty.into();
+    fields["repetition_penalty"] = sampling.repetition_penalty.unwrap_or(1.0).into();
+    fields[min_tokens_key] = sampling.min_tokens.into();
+    if !sampling.stop_token_ids.is_empty() {
+        fields["stop_token_ids"] = sampling.stop_token_ids.clone().into();
+    }
+    if !sampling.logit_bias.is_empty() {
+        fields["logit_bias"] = sampling.logit_bias.iter().map(|(t, v)| (t.to_string(), Value::from(*v))).collect();
+    }
+}
+
 /// Generated tokens as a worker streams them, whatever carries them.
 pub type TokenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 

@@ -26,16 +26,7 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
     if let Some(seed) = sampling.seed {
         params["sampling_seed"] = seed.into();
     }
-    params["frequency_penalty"] = sampling.frequency_penalty.into();
-    params["presence_penalty"] = sampling.presence_penalty.into();
-    params["repetition_penalty"] = sampling.repetition_penalty.unwrap_or(1.0).into();
-    params["min_new_tokens"] = sampling.min_tokens.into();
-    if !sampling.stop_token_ids.is_empty() {
-        params["stop_token_ids"] = sampling.stop_token_ids.clone().into();
-    }
-    if !sampling.logit_bias.is_empty() {
-        params["logit_bias"] = sampling.logit_bias.iter().map(|(t, v)| (t.to_string(), Value::from(*v))).collect();
-    }
+    super::put_logits_rules(&mut params, sampling, "min_new_tokens");
     json!({"input_ids": tokens, "sampling_params": params, "stream": true})
 }
 

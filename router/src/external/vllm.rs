@@ -33,16 +33,7 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         b["seed"] = seed.into();
     }
     // The same rules vLLM applies itself (Tandem's engine follows vLLM's meaning of each).
-    b["frequency_penalty"] = sampling.frequency_penalty.into();
-    b["presence_penalty"] = sampling.presence_penalty.into();
-    b["repetition_penalty"] = sampling.repetition_penalty.unwrap_or(1.0).into();
-    b["min_tokens"] = sampling.min_tokens.into();
-    if !sampling.stop_token_ids.is_empty() {
-        b["stop_token_ids"] = sampling.stop_token_ids.clone().into();
-    }
-    if !sampling.logit_bias.is_empty() {
-        b["logit_bias"] = sampling.logit_bias.iter().map(|(t, v)| (t.to_string(), Value::from(*v))).collect();
-    }
+    super::put_logits_rules(&mut b, sampling, "min_tokens");
     b
 }
 
