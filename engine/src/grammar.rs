@@ -166,6 +166,7 @@ impl Grammars {
         let mut m = Constrained {
             matcher: Matcher::new(Ok(parser)),
             eos: self.text.tokenizer().special().end_of_generation.clone(),
+            grammar_eos: factory.tok_env().tok_trie().eos_token(),
         };
         if let Some(e) = m.matcher.get_error() {
             return Err(GrammarError::Compile(e));
@@ -180,6 +181,8 @@ pub struct Constrained {
     matcher: Matcher,
     /// End-of-generation ids: allowed wherever the grammar allows its own end.
     eos: Vec<u32>,
+    /// The one of them the grammar's mask speaks for.
+    grammar_eos: u32,
 }
 
 impl std::fmt::Debug for Constrained {
@@ -193,18 +196,26 @@ impl Constrained {
     /// exactly where the grammar may end).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
         let allowed = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(e.to_string()))?;
-        let end = allowed.is_allowed(self.matcher_eos());
-        let mut any = false;
+        let end = allowed.is_allowed(self.grammar_eos);
+        // The end-of-generation tokens follow the grammar's end, whatever the mask says of each one.
+        let eos: Vec<(usize, f32)> = self
+            .eos
+            .iter()
+            .filter_map(|&e| logits.get(e as usize).map(|&l| (e as usize, if end { l } else { f32::NEG_INFINITY })))
+            .collect();
         for (id, l) in logits.iter_mut().enumerate() {
-            let id = id as u32;
-            let ok = if self.eos.contains(&id) { end } else { allowed.is_allowed(id) };
-            if ok {
-                any |= *l > f32::NEG_INFINITY;
-            } else {
+            if !allowed.is_allowed(id as u32) {
                 *l = f32::NEG_INFINITY;
             }
         }
-        if any { Ok(()) } else { Err(GrammarError::Runtime("no token the grammar allows is possible".into())) }
+        for (e, l) in eos {
+            logits[e] = l;
+        }
+        if logits.iter().any(|&l| l > f32::NEG_INFINITY) {
+            Ok(())
+        } else {
+            Err(GrammarError::Runtime("no token the grammar allows is possible".into()))
+        }
     }
 
     /// Takes sampled tokens (end-of-generation ones end the output and are not the grammar's).
@@ -216,9 +227,5 @@ impl Constrained {
             self.matcher.consume_token(t).map_err(|e| GrammarError::Runtime(e.to_string()))?;
         }
         Ok(())
-    }
-
-    fn matcher_eos(&self) -> u32 {
-        self.matcher.tok_env().map_or(0, |env| env.tok_trie().eos_token())
     }
 }

@@ -256,25 +256,13 @@ fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError
         if choices.is_empty() || choices.iter().any(String::is_empty) {
             return Err(ApiError::bad("guided_choice is a list of non-empty strings", "guided_choice"));
         }
-        let alternatives: Vec<String> = choices.iter().map(|s| regex_escape(s)).collect();
+        let alternatives: Vec<String> = choices.iter().map(|s| regex::escape(s)).collect();
         found.push((Grammar::Regex(format!("({})", alternatives.join("|"))), "guided_choice"));
     }
     if let Some((_, second)) = found.get(1) {
         return Err(ApiError::bad("one structured output constraint per request", second));
     }
     Ok(found.pop())
-}
-
-/// `s` as a regular expression matching exactly it.
-fn regex_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for ch in s.chars() {
-        if "\\.+*?()|[]{}^$#&-~".contains(ch) {
-            out.push('\\');
-        }
-        out.push(ch);
-    }
-    out
 }
 
 /// The request's log-probabilities: chat's `logprobs` (a boolean) with `top_logprobs`, or completions' `logprobs`
