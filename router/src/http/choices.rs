@@ -75,6 +75,11 @@ pub async fn plan_all(
     Ok(planned)
 }
 
+/// The prompt tokens of a request's choices, each prompt counted once (its first sample, which no fork waits on).
+pub fn prompt_tokens(planned: &[Planned]) -> usize {
+    planned.iter().filter(|p| p.after.is_none()).map(|p| p.routed.job.tokens.len()).sum()
+}
+
 /// The text `echo` puts first: the prompt as given, or its token ids decoded.
 fn echo_text(state: &RouterState, input: &Input) -> String {
     match input {

@@ -178,12 +178,7 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
         let permit = state.admission.admit(state.limits.request_timeout.saturating_sub(arrived.elapsed())).await?;
         let stream = checked.stream;
         let planned = plan_all(&state, checked, ident, traceparent(&headers)).await?;
-        let input_tokens: usize = planned
-            .iter()
-            .filter(|p| p.index % p.routed.checked.n as usize == 0)
-            .map(|p| p.routed.job.tokens.len())
-            .sum();
-        tracing::Span::current().record("gen_ai.usage.input_tokens", input_tokens);
+        tracing::Span::current().record("gen_ai.usage.input_tokens", choices::prompt_tokens(&planned));
         Ok::<_, ApiError>((permit, planned, stream))
     }
     .await;
