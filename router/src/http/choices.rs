@@ -352,32 +352,34 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
     })
 }
 
-/// One SSE chunk in the endpoint's shape, for choice `index`, with the log-probabilities of its tokens.
-#[allow(clippy::too_many_arguments)]
-fn chunk(
+/// What every SSE chunk of one choice carries.
+#[derive(Clone, Copy)]
+struct Head<'a> {
     endpoint: Endpoint,
-    id: &str,
-    model: &str,
+    id: &'a str,
+    model: &'a str,
     index: usize,
-    text: Option<&str>,
-    finish: Option<&str>,
-    role: bool,
-    logprobs: Value,
-) -> Value {
-    match endpoint {
-        Endpoint::Chat => {
-            let mut delta = serde_json::Map::new();
-            if role {
-                delta.insert("role".into(), json!("assistant"));
+}
+
+impl Head<'_> {
+    /// One SSE chunk in the endpoint's shape, with the log-probabilities of its tokens.
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool, logprobs: Value) -> Value {
+        let Head { endpoint, id, model, index } = *self;
+        match endpoint {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model,
+                       "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
             }
-            if let Some(t) = text {
-                delta.insert("content".into(), json!(t));
-            }
-            json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model,
-                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+            Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created(), "model": model,
+                       "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]}),
         }
-        Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created(), "model": model,
-                   "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]}),
     }
 }
 
@@ -450,11 +452,10 @@ async fn stream_choice(
 ) -> Result<(usize, usize, usize, Option<u32>), u16> {
     let model = state.served_model.as_str();
     let mut run = Run::start(state, p, arrived).await;
-    let endpoint = run.checked.endpoint;
-    let index = run.index;
+    let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index };
     let mut first = true;
     if let Some(echo) = run.echo.take() {
-        if !send(tx, chunk(endpoint, id, model, index, Some(&echo), None, true, Value::Null)).await {
+        if !send(tx, head.chunk(Some(&echo), None, true, Value::Null)).await {
             return Err(499);
         }
         first = false;
@@ -476,7 +477,7 @@ async fn stream_choice(
                 };
                 // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
                 let due = !s.is_empty() || first || !lps.is_null();
-                if due && !send(tx, chunk(endpoint, id, model, index, Some(&s), None, first, lps)).await {
+                if due && !send(tx, head.chunk(Some(&s), None, first, lps)).await {
                     return Err(499);
                 }
                 first = false;
@@ -498,11 +499,11 @@ async fn stream_choice(
         }
     };
     let rest = run.text.stream.finish(run.text.stopped);
-    if !rest.is_empty() && !send(tx, chunk(endpoint, id, model, index, Some(&rest), None, false, Value::Null)).await {
+    if !rest.is_empty() && !send(tx, head.chunk(Some(&rest), None, false, Value::Null)).await {
         return Err(499);
     }
     let finish = finish_reason(reason, run.text.stopped);
-    if !send(tx, chunk(endpoint, id, model, index, None, Some(finish), false, Value::Null)).await {
+    if !send(tx, head.chunk(None, Some(finish), false, Value::Null)).await {
         return Err(499);
     }
     tracing::Span::current().record("gen_ai.response.finish_reasons", finish);
