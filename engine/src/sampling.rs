@@ -399,10 +399,13 @@ impl TokenLogprobs {
         let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
         let log_z = max + sum.ln();
         let lp = |id: u32| logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| (f64::from(l) - log_z) as f32);
+        if top == 0 {
+            return TokenLogprobs { logprob: lp(token), top: Vec::new() };
+        }
         let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
         let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
         let k = top.min(ids.len());
-        if k > 0 && k < ids.len() {
+        if k < ids.len() {
             ids.select_nth_unstable_by(k - 1, by_logit);
         }
         ids.truncate(k);
