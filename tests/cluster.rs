@@ -98,6 +98,14 @@ async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
             assert!((0.0..30.0).contains(&age), "{line}");
         }
     }
+    // What the index holds per worker and tier: at least the prompt's blocks on P's device tier.
+    let series = format!("tandem_router_worker_indexed_blocks{{worker=\"{}\",tier=\"device\"}} ", p.grpc);
+    let held: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{series}: {metrics}"));
+    assert!(held >= device_blocks as f64, "{held} < {device_blocks}");
     stop(router, workers).await;
 }
 

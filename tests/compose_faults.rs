@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_tests::compose::{LOAD_TIMEOUT_SECS, Load, Project, request, router_metric};
+use tandem_tests::compose::{LOAD_TIMEOUT_SECS, Load, Project, request, router_metric, within};
 
 /// Stand-in blocks cost the mock nothing: tiers big enough that no request is refused for KV.
 const MOCK: &[(&str, &str)] = &[("TANDEM_KV_BLOCKS", "4096"), ("TANDEM_HOST_BLOCKS", "4096")];
@@ -59,6 +59,9 @@ fn a_worker_cut_off_the_network_is_dropped_then_taken_back_and_nothing_hangs() {
     let network = project.network_of("decode-0");
     let load = Load::start(router, 120, 4.0, 4, 100);
     std::thread::sleep(Duration::from_secs(3));
+    let held = || router_metric(router, "tandem_router_worker_indexed_blocks", "worker=\"decode-0\"");
+    // Decode workers keep the prompts' KV they were sent (and the tokens they computed) in their caches.
+    assert!(within(Duration::from_secs(10), || held() > 0.0), "the router indexes decode-0's blocks");
     project.disconnect("decode-0", &network);
     let cut = Instant::now();
     // The router stops routing to it once its streams time out (HTTP/2 keepalive) or its name stops resolving.
@@ -69,16 +72,21 @@ fn a_worker_cut_off_the_network_is_dropped_then_taken_back_and_nothing_hangs() {
         assert!(cut.elapsed() < Duration::from_secs(30), "the cut-off worker is still up:\n{}", project.logs());
         std::thread::sleep(Duration::from_millis(250));
     };
+    assert_eq!(held(), 0.0, "the router dropped the cut-off worker's blocks");
     std::thread::sleep(Duration::from_secs(20).saturating_sub(cut.elapsed()));
     project.reconnect("decode-0", &network, "decode");
     let back = project.wait_for_workers(4, Duration::from_secs(60));
+    // Up again means a fresh snapshot was applied: the blocks it kept while cut off are indexed again.
+    let indexed = held();
+    assert!(indexed > 0.0, "decode-0's blocks came back with its snapshot:\n{}", project.logs());
     let summary = load.finish();
     let (sent, failed) = sent_failed(&summary);
     let resumed = router_metric(router, "tandem_router_decode_resumptions_total", "");
     let slowest = summary["request_latency_ms"]["max"].as_f64().unwrap_or(f64::INFINITY);
     println!(
         "figures: decode worker cut off 20 s: sent {sent}, failed {failed}, resumed {resumed}, dropped after \
-         {dropped:.1?}, back {back:.1?} after reconnecting, slowest request {slowest:.0} ms"
+         {dropped:.1?}, back {back:.1?} after reconnecting with {indexed} blocks indexed, slowest request \
+         {slowest:.0} ms"
     );
     assert_eq!(failed, 0, "{summary}\n{}", project.logs());
     assert!(slowest < (LOAD_TIMEOUT_SECS * 1000) as f64, "no request hangs: {summary}");
@@ -129,7 +137,11 @@ fn a_worker_stopped_with_sigterm_drains_its_requests() {
     let project = Project::up("mock", MOCK, &[]);
     let router = project.router();
     let load = Load::start(router, 40, 6.0, 4, 200);
-    std::thread::sleep(Duration::from_secs(3));
+    // SIGTERM while the router has streams in flight on the worker: draining means they finish there.
+    let in_flight = || router_metric(router, "tandem_router_worker_in_flight", "worker=\"decode-0\"");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(within(Duration::from_secs(10), || in_flight() > 0.0), "nothing ever in flight on decode-0");
+    let draining = in_flight();
     let stopping = Instant::now();
     // SIGTERM, then SIGKILL after 30 s: the worker's own grace is 30 s too.
     project.docker(&["stop", "-t", "30"], "decode-0");
@@ -138,7 +150,10 @@ fn a_worker_stopped_with_sigterm_drains_its_requests() {
     let (sent, failed) = sent_failed(&summary);
     let resumed = router_metric(router, "tandem_router_decode_resumptions_total", "");
     println!(
-        "figures: decode worker stopped (SIGTERM): sent {sent}, failed {failed}, resumed {resumed}, exited after {drained:.1?}"
+        "figures: decode worker stopped (SIGTERM) with {draining} streams in flight: sent {sent}, failed {failed}, \
+         resumed {resumed}, exited after {drained:.1?}"
     );
     assert_eq!(failed, 0, "{summary}\n{}", project.logs());
+    // A worker killed instead of drained would leave its streams to be resumed elsewhere.
+    assert_eq!(resumed, 0.0, "every stream in flight on the stopped worker finished there: {summary}");
 }

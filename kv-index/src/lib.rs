@@ -99,6 +99,12 @@ impl PrefixIndex {
         self.blocks.len() == 0
     }
 
+    /// How many blocks `worker` holds as far as the index knows, per tier (device, host, disk); `None` when the
+    /// worker is not indexed.
+    pub fn held(&self, worker: WorkerId) -> Option<[u64; 3]> {
+        self.workers.get(&worker).map(|w| self.blocks.held(w.slot))
+    }
+
     /// The last event applied for `worker`: where a resubscription resumes.
     pub fn last_event(&self, worker: WorkerId) -> Option<EventId> {
         self.workers.get(&worker).and_then(|w| w.last)

@@ -42,12 +42,19 @@ pub(crate) struct Runs {
     free: Vec<u32>,
     /// Where each block is: its run and its position.
     at: FastMap<SeqHash, (u32, u32)>,
+    /// Per slot, how many blocks it holds on each tier.
+    held: Vec<[u64; 3]>,
 }
 
 impl Runs {
     /// Distinct blocks held by anyone.
     pub fn len(&self) -> usize {
         self.at.len()
+    }
+
+    /// How many blocks `slot` holds on each tier.
+    pub fn held(&self, slot: u32) -> [u64; 3] {
+        self.held.get(slot as usize).copied().unwrap_or_default()
     }
 
     pub fn holders(&self, h: &SeqHash) -> Option<&Holders> {
@@ -90,6 +97,7 @@ impl Runs {
                     break;
                 }
                 self.runs[r as usize].hashes.push(h);
+                held_by(&mut self.held, slot)[tier] += 1;
                 open = Some((r, pos + 1));
                 prev = Some(h);
                 i += 1;
@@ -123,6 +131,12 @@ impl Runs {
             self.runs[r].holders.clear(slot, tiers);
             if self.runs[r].holders.is_empty() {
                 self.delete(r as u32);
+            }
+        }
+        let held = held_by(&mut self.held, slot);
+        for (t, n) in held.iter_mut().enumerate() {
+            if tiers & (1 << t) != 0 {
+                *n = 0;
             }
         }
     }
@@ -185,6 +199,7 @@ impl Runs {
         if after == self.runs[r as usize].holders {
             return;
         }
+        count_change(&mut self.held, &self.runs[r as usize].holders, &after, len as u64);
         let run = &self.runs[r as usize];
         let end = from + len as u32;
         // Blocks nobody holds any more at either end of their run (evictions take chains from one end): the run
@@ -290,5 +305,35 @@ impl Runs {
             self.at.remove(h);
         }
         self.free.push(r);
+    }
+}
+
+/// `slot`'s counts, growing the table for a new slot.
+fn held_by(held: &mut Vec<[u64; 3]>, slot: u32) -> &mut [u64; 3] {
+    if held.len() <= slot as usize {
+        held.resize(slot as usize + 1, [0; 3]);
+    }
+    &mut held[slot as usize]
+}
+
+/// Counts `len` blocks whose holders went from `before` to `after`: a bit turned on adds them to its slot's tier,
+/// one turned off takes them away.
+fn count_change(held: &mut Vec<[u64; 3]>, before: &Holders, after: &Holders, len: u64) {
+    let (b, a) = (before.words(), after.words());
+    for k in 0..b.len().max(a.len()) {
+        let (wb, wa) = (b.get(k).copied().unwrap_or_default(), a.get(k).copied().unwrap_or_default());
+        for tier in 0..3 {
+            let mut changed = wb[tier] ^ wa[tier];
+            while changed != 0 {
+                let bit = changed.trailing_zeros();
+                changed &= changed - 1;
+                let n = &mut held_by(held, 64 * k as u32 + bit)[tier];
+                if wa[tier] & (1 << bit) != 0 {
+                    *n += len;
+                } else {
+                    *n -= len;
+                }
+            }
+        }
     }
 }

@@ -186,6 +186,10 @@ proptest! {
             }
             let all: BTreeSet<u64> = model.tiers.values().flat_map(|t| t.iter().flatten().copied()).collect();
             prop_assert_eq!(index.len(), all.len());
+            for w in 0..WORKERS {
+                let held = model.tiers.get(&w).map(|t| t.each_ref().map(|s| s.len() as u64));
+                prop_assert_eq!(index.held(WorkerId(w)), held, "worker {}'s block counts", w);
+            }
         }
     }
 }

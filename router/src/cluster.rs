@@ -678,6 +678,11 @@ impl Cluster {
         self.lock().breakers.values().filter(|b| !b.admits(now)).count()
     }
 
+    /// How many blocks the index holds for `worker` per tier (device, host, disk); `None` when it is not indexed.
+    pub fn indexed_blocks(&self, worker: WorkerId) -> Option<[u64; 3]> {
+        self.lock().index.held(worker)
+    }
+
     pub fn index_stats(&self) -> (usize, IndexStats) {
         let s = self.lock();
         (s.index.len(), s.index.stats())

@@ -193,6 +193,19 @@ pub fn render(state: &RouterState) -> String {
                 .collect::<Vec<_>>()
         })
         .collect();
+    let indexed: Vec<(String, f64)> = members
+        .iter()
+        .flat_map(|(id, mem)| {
+            let held = state.cluster.indexed_blocks(*id).unwrap_or_default();
+            kv_cache::events::Tier::ALL
+                .map(|t| (labels(&[("worker", &mem.name), ("tier", t.as_str())]), held[t.index()] as f64))
+        })
+        .collect();
+    e.gauge(
+        "tandem_router_worker_indexed_blocks",
+        "Blocks the router's index holds for each worker, per tier: the cache it can route to there.",
+        &indexed,
+    );
     e.gauge(
         "tandem_router_worker_signal_age_seconds",
         "Seconds since each worker's last load report (signal=load) and last KV event batch or heartbeat (signal=events).",
