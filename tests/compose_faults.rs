@@ -45,9 +45,13 @@ fn a_prefill_worker_killed_before_its_first_tokens_loses_no_request() {
     project.docker(&["kill"], "prefill-0");
     let summary = load.finish();
     let (sent, failed) = sent_failed(&summary);
-    let retried = router_metric(router, "tandem_router_prefill_retries_total", "")
-        + router_metric(router, "tandem_router_local_prefill_fallbacks_total", "");
-    println!("figures: prefill worker killed: sent {sent}, failed {failed}, prefills retried elsewhere {retried}");
+    let moved = router_metric(router, "tandem_router_prefill_retries_total", "");
+    let local = router_metric(router, "tandem_router_local_prefill_fallbacks_total", "");
+    let retried = moved + local;
+    println!(
+        "figures: prefill worker killed: sent {sent}, failed {failed}, prefills retried elsewhere {retried} \
+         ({moved} on the other prefill worker, {local} on the decode worker)"
+    );
     assert_eq!(failed, 0, "{summary}\n{}", project.logs());
     assert!(retried >= 1.0, "the prompts on the killed worker were prefilled elsewhere: {summary}");
 }
