@@ -78,6 +78,27 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_portable(a, b)
 }
 
+/// Rows a [`dot_tile`] takes at once.
+pub const TILE_ROWS: usize = 2;
+/// Activation rows a [`dot_tile`] takes at once.
+pub const TILE_COLS: usize = 4;
+
+/// `out[r][t] = dot(w[r], x[t])` for a tile of two weight rows and four activation rows, every element
+/// bit-identical to [`dot`]: the same lanes go to the same accumulators in the same order. Each weight load then
+/// serves four products and each activation load two (one load per product before), which is what bounds the
+/// dot on its own. `None` without a SIMD kernel (callers fall back to [`dot`]).
+#[inline]
+pub fn dot_tile(w: [&[f32]; TILE_ROWS], x: [&[f32]; TILE_COLS]) -> Option<[[f32; TILE_COLS]; TILE_ROWS]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::available() {
+            return Some(simd::dot_tile(w, x));
+        }
+    }
+    let _ = (w, x);
+    None
+}
+
 /// `dot(dequantized row, x)` straight from the row's bytes, when a kernel for `ty` exists on this CPU: the same
 /// arithmetic in the same order as [`dequantize_row`] then [`dot`], so the result is bit-identical and callers
 /// may use either. `None` when no fused kernel applies.
@@ -170,6 +191,83 @@ mod simd {
             TensorType::Q8_0 => Some(unsafe { dot_q8_0(row, x) }),
             _ => None,
         }
+    }
+
+    /// See `super::dot_tile`.
+    pub fn dot_tile(w: [&[f32]; 2], x: [&[f32]; 4]) -> [[f32; 4]; 2] {
+        let n = w.iter().chain(&x).map(|s| s.len()).min().unwrap_or(0);
+        // SAFETY: AVX2/FMA present (checked by the caller); every slice holds at least `n` floats.
+        unsafe { dot_tile_avx2(w, x, n) }
+    }
+
+    /// `dot_avx2` for eight elements at once. `dot_avx2` keeps four accumulators per element, accumulator `k`
+    /// taking lanes `8k..8k + 8` of every 32-float chunk (and accumulator 0 the 8-float chunks after them); the
+    /// four are independent sums, so here each is computed in a pass of its own, for all eight elements together
+    /// (eight accumulators, one per element, fit the registers where thirty-two would not), then reduced and
+    /// finished exactly as `dot_avx2` does.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_tile_avx2(w: [&[f32]; 2], x: [&[f32]; 4], n: usize) -> [[f32; 4]; 2] {
+        let whole = n / 32 * 32;
+        let eights = n / 8 * 8;
+        let mut passes = [[[_mm256_setzero_ps(); 4]; 2]; 4];
+        for (k, acc) in passes.iter_mut().enumerate() {
+            // SAFETY: `tile_pass` reads 8 floats at each `i < end`, inside every slice (`end <= eights <= n`).
+            *acc = unsafe { tile_pass(w, x, 8 * k, whole, 32, *acc) };
+            if k == 0 {
+                // SAFETY: as above.
+                *acc = unsafe { tile_pass(w, x, whole, eights, 8, *acc) };
+            }
+        }
+        let mut out = [[0f32; 4]; 2];
+        for (r, row) in out.iter_mut().enumerate() {
+            for (t, o) in row.iter_mut().enumerate() {
+                let mut total = reduce(passes.map(|p| p[r][t]));
+                for i in eights..n {
+                    total += w[r][i] * x[t][i];
+                }
+                *o = total;
+            }
+        }
+        out
+    }
+
+    /// One accumulator per element of the tile, adding the 8 lanes at `start`, `start + step`, ... below `end`.
+    /// Named locals rather than arrays, so that the eight accumulators stay in registers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_pass(
+        w: [&[f32]; 2],
+        x: [&[f32]; 4],
+        start: usize,
+        end: usize,
+        step: usize,
+        acc: [[__m256; 4]; 2],
+    ) -> [[__m256; 4]; 2] {
+        let [[mut c00, mut c01, mut c02, mut c03], [mut c10, mut c11, mut c12, mut c13]] = acc;
+        let (w0, w1) = (w[0].as_ptr(), w[1].as_ptr());
+        let (x0, x1, x2, x3) = (x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr());
+        let mut i = start;
+        // SAFETY: the caller guarantees 8 floats at every `i < end` in each slice.
+        unsafe {
+            while i < end {
+                let a0 = _mm256_loadu_ps(w0.add(i));
+                let a1 = _mm256_loadu_ps(w1.add(i));
+                let b = _mm256_loadu_ps(x0.add(i));
+                c00 = _mm256_fmadd_ps(a0, b, c00);
+                c10 = _mm256_fmadd_ps(a1, b, c10);
+                let b = _mm256_loadu_ps(x1.add(i));
+                c01 = _mm256_fmadd_ps(a0, b, c01);
+                c11 = _mm256_fmadd_ps(a1, b, c11);
+                let b = _mm256_loadu_ps(x2.add(i));
+                c02 = _mm256_fmadd_ps(a0, b, c02);
+                c12 = _mm256_fmadd_ps(a1, b, c12);
+                let b = _mm256_loadu_ps(x3.add(i));
+                c03 = _mm256_fmadd_ps(a0, b, c03);
+                c13 = _mm256_fmadd_ps(a1, b, c13);
+                i += step;
+            }
+        }
+        [[c00, c01, c02, c03], [c10, c11, c12, c13]]
     }
 
     /// Horizontal sum of four accumulators, in the order `dot_avx2` uses.
@@ -363,6 +461,27 @@ mod tests {
             dequantize_row(ty, &row, &mut w);
             if let Some(fused) = dot_quantized(ty, &row, &x) {
                 assert_eq!(fused.to_bits(), dot(&w, &x).to_bits(), "{ty:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_equal_dots_bit_for_bit() {
+        let mut state = 0x2545_F491_u32;
+        let mut next = || {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (state >> 8) as f32 / (1 << 24) as f32 - 0.5
+        };
+        // Lengths with and without 32-float chunks, 8-float chunks after them and a scalar tail; the model's 576
+        // and 1,536.
+        for n in [0, 3, 8, 13, 32, 40, 47, 64, 100, 576, 1536] {
+            let w: Vec<Vec<f32>> = (0..TILE_ROWS).map(|_| (0..n).map(|_| next()).collect()).collect();
+            let x: Vec<Vec<f32>> = (0..TILE_COLS).map(|_| (0..n).map(|_| next()).collect()).collect();
+            let Some(tile) = dot_tile([&w[0], &w[1]], [&x[0], &x[1], &x[2], &x[3]]) else { return };
+            for r in 0..TILE_ROWS {
+                for t in 0..TILE_COLS {
+                    assert_eq!(tile[r][t].to_bits(), dot(&w[r], &x[t]).to_bits(), "n={n} r={r} t={t}");
+                }
             }
         }
     }
