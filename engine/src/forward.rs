@@ -296,16 +296,12 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Vec<f3
             let xt = |t: usize| &x[t * cols..(t + 1) * cols];
             for t0 in (0..n).step_by(TOKEN_BLOCK) {
                 let tn = TOKEN_BLOCK.min(n - t0);
-                // Tiles of rows × activation rows where they fit and a kernel exists, single dots for the rest:
-                // either way every element is the same `dot`, bit for bit.
-                let (tiled_rows, tiled_cols) = (gn / TILE_ROWS * TILE_ROWS, tn / TILE_COLS * TILE_COLS);
-                let mut tiled = false;
-                'tiles: for k in (0..tiled_rows).step_by(TILE_ROWS) {
-                    for t in (t0..t0 + tiled_cols).step_by(TILE_COLS) {
-                        let Some(tile) = dot_tile([w(k), w(k + 1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]) else {
-                            break 'tiles;
-                        };
-                        tiled = true;
+                // Tiles of rows × activation rows where they fit, single dots for the rest: either way every element
+                // is the same `dot`, bit for bit.
+                let (tiled_rows, tiled_end) = (gn / TILE_ROWS * TILE_ROWS, t0 + tn / TILE_COLS * TILE_COLS);
+                for k in (0..tiled_rows).step_by(TILE_ROWS) {
+                    for t in (t0..tiled_end).step_by(TILE_COLS) {
+                        let tile = dot_tile([w(k), w(k + 1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
                         for (r, row) in tile.iter().enumerate() {
                             chunk[(g0 + k + r) * n + t..][..TILE_COLS].copy_from_slice(row);
                         }
@@ -313,7 +309,7 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Vec<f3
                 }
                 for k in 0..gn {
                     for t in t0..t0 + tn {
-                        if !(tiled && k < tiled_rows && t < t0 + tiled_cols) {
+                        if k >= tiled_rows || t >= tiled_end {
                             chunk[(g0 + k) * n + t] = dot(w(k), xt(t));
                         }
                     }

@@ -84,19 +84,18 @@ pub const TILE_ROWS: usize = 2;
 pub const TILE_COLS: usize = 4;
 
 /// `out[r][t] = dot(w[r], x[t])` for a tile of two weight rows and four activation rows, every element
-/// bit-identical to [`dot`]: the same lanes go to the same accumulators in the same order. Each weight load then
-/// serves four products and each activation load two (one load per product before), which is what bounds the
-/// dot on its own. `None` without a SIMD kernel (callers fall back to [`dot`]).
+/// bit-identical to [`dot`]: the same lanes go to the same accumulators in the same order. With the SIMD kernel
+/// each weight load serves four products and each activation load two (a lone `dot` loads twice per product,
+/// which is what bounds it); without one, the elements are plain [`dot`]s.
 #[inline]
-pub fn dot_tile(w: [&[f32]; TILE_ROWS], x: [&[f32]; TILE_COLS]) -> Option<[[f32; TILE_COLS]; TILE_ROWS]> {
+pub fn dot_tile(w: [&[f32]; TILE_ROWS], x: [&[f32]; TILE_COLS]) -> [[f32; TILE_COLS]; TILE_ROWS] {
     #[cfg(target_arch = "x86_64")]
     {
         if simd::available() {
-            return Some(simd::dot_tile(w, x));
+            return simd::dot_tile(w, x);
         }
     }
-    let _ = (w, x);
-    None
+    w.map(|row| x.map(|xt| dot(row, xt)))
 }
 
 /// `dot(dequantized row, x)` straight from the row's bytes, when a kernel for `ty` exists on this CPU: the same
@@ -211,7 +210,8 @@ mod simd {
         let eights = n / 8 * 8;
         let mut passes = [[[_mm256_setzero_ps(); 4]; 2]; 4];
         for (k, acc) in passes.iter_mut().enumerate() {
-            // SAFETY: `tile_pass` reads 8 floats at each `i < end`, inside every slice (`end <= eights <= n`).
+            // SAFETY: `tile_pass` reads 8 floats at each `i < end` it visits: `i = 8k + 32m < whole` leaves 8 floats
+            // before `whole`, and `i < eights` 8 before `eights`; both are at most `n`, every slice's length.
             *acc = unsafe { tile_pass(w, x, 8 * k, whole, 32, *acc) };
             if k == 0 {
                 // SAFETY: as above.
@@ -477,7 +477,7 @@ mod tests {
         for n in [0, 3, 8, 13, 32, 40, 47, 64, 100, 576, 1536] {
             let w: Vec<Vec<f32>> = (0..TILE_ROWS).map(|_| (0..n).map(|_| next()).collect()).collect();
             let x: Vec<Vec<f32>> = (0..TILE_COLS).map(|_| (0..n).map(|_| next()).collect()).collect();
-            let Some(tile) = dot_tile([&w[0], &w[1]], [&x[0], &x[1], &x[2], &x[3]]) else { return };
+            let tile = dot_tile([&w[0], &w[1]], [&x[0], &x[1], &x[2], &x[3]]);
             for r in 0..TILE_ROWS {
                 for t in 0..TILE_COLS {
                     assert_eq!(tile[r][t].to_bits(), dot(&w[r], &x[t]).to_bits(), "n={n} r={r} t={t}");
