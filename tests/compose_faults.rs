@@ -76,11 +76,12 @@ fn a_worker_cut_off_the_network_is_dropped_then_taken_back_and_nothing_hangs() {
         assert!(cut.elapsed() < Duration::from_secs(30), "the cut-off worker is still up:\n{}", project.logs());
         std::thread::sleep(Duration::from_millis(250));
     };
-    assert_eq!(held(), 0.0, "the router dropped the cut-off worker's blocks");
     std::thread::sleep(Duration::from_secs(20).saturating_sub(cut.elapsed()));
     project.reconnect("decode-0", &network, "decode");
     let back = project.wait_for_workers(4, Duration::from_secs(60));
-    // Up again means a fresh snapshot was applied: the blocks it kept while cut off are indexed again.
+    // Dropped, it was forgotten with its blocks (tests/failover.rs checks that in-process: while it is down it has
+    // no series here to read); followed anew, it is up once its snapshot is applied, so what it kept while cut off
+    // is indexed again at once.
     let indexed = held();
     assert!(indexed > 0.0, "decode-0's blocks came back with its snapshot:\n{}", project.logs());
     let summary = load.finish();
