@@ -6,11 +6,12 @@
 //!
 //! This crate is pure: no I/O, no clock, no async. The engine drives the pool and performs the copies it asks for.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod events;
 pub mod fastmap;
 mod hash;
 pub mod pool;
+mod prefetch;
 
 pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, chained, local_hash};

@@ -4,7 +4,7 @@
 
 use kv_cache::SeqHash;
 use kv_cache::events::BlockMeta;
-use kv_cache::pool::{PoolError, PrefixMatch, Registered};
+use kv_cache::pool::{LOOK_AHEAD, PoolError, PrefixMatch, Registered};
 
 use super::sequence::Seq;
 use super::{Engine, EngineError};
@@ -145,18 +145,20 @@ impl Engine {
         blocks: &[(usize, &[u8])],
         stored: &mut Vec<u32>,
     ) -> Result<(), EngineError> {
-        let fresh: Vec<(BlockMeta, &[u8])> = blocks
-            .iter()
-            .map(|&(i, bytes)| {
-                let meta = BlockMeta {
-                    seq: hashes.seq[i],
-                    local: hashes.local[i],
-                    parent: i.checked_sub(1).map(|p| hashes.seq[p]),
-                };
-                (meta, bytes)
-            })
-            .filter(|(meta, _)| self.pool.find(meta.seq).is_none())
-            .collect();
+        let mut fresh: Vec<(BlockMeta, &[u8])> = Vec::with_capacity(blocks.len());
+        for (k, &(i, bytes)) in blocks.iter().enumerate() {
+            if let Some(&(ahead, _)) = blocks.get(k + LOOK_AHEAD) {
+                self.pool.prefetch(hashes.seq[ahead]);
+            }
+            let meta = BlockMeta {
+                seq: hashes.seq[i],
+                local: hashes.local[i],
+                parent: i.checked_sub(1).map(|p| hashes.seq[p]),
+            };
+            if self.pool.find(meta.seq).is_none() {
+                fresh.push((meta, bytes));
+            }
+        }
         let (mut actions, mut slots) = (Vec::new(), Vec::new());
         let allocated = self.pool.allocate_many(fresh.len(), &mut slots, &mut actions);
         let copied = self.execute(&actions);

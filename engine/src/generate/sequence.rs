@@ -133,17 +133,17 @@ impl Seq {
         }
     }
 
-    /// Appends a sampled token (with its log-probabilities, when they were asked for), decides whether the
-    /// sequence is done, and reports the text it makes.
+    /// Appends a token sampled from the pass that ended at `now` (with its log-probabilities, when they were
+    /// asked for), decides whether the sequence is done, and reports the text it makes.
     pub fn accept(
         &mut self,
         index: usize,
         token: u32,
         logprobs: Option<TokenLogprobs>,
+        now: Instant,
         tokenizer: &Tokenizer,
         on_event: &mut impl FnMut(Event<'_>),
     ) {
-        let now = Instant::now();
         self.first_token.get_or_insert(now);
         self.last_token = Some(now);
         self.tokens.push(token);

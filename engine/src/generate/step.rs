@@ -8,7 +8,7 @@
 
 use kv_cache::BlockSize;
 use kv_cache::events::{BlockMeta, Tier};
-use kv_cache::pool::{Action, PoolError};
+use kv_cache::pool::{Action, LOOK_AHEAD, PoolError};
 
 use super::sequence::{Failure, Seq};
 use super::{Engine, EngineError, Event};
@@ -248,6 +248,8 @@ impl Engine {
             }
         };
         let mut logits = logits.into_iter();
+        // Every token of the step is produced by the same pass: one clock read for all of them.
+        let produced = std::time::Instant::now();
         for &(i, n) in &plan {
             let s = &mut seqs[i];
             s.computed += n;
@@ -295,7 +297,7 @@ impl Engine {
                 self.fail(s, e.to_string());
                 continue;
             }
-            s.accept(i, token, logprobs, self.text.tokenizer(), on_event);
+            s.accept(i, token, logprobs, produced, self.text.tokenizer(), on_event);
             if !s.active() && !s.keep_blocks {
                 if let Err(e) = self.release_blocks(s) {
                     self.fail(s, e.to_string());
@@ -362,6 +364,9 @@ impl Engine {
         s.hashes(full, self.block_size());
         let hashes = &s.hashes;
         for b in s.registered..full {
+            if b + LOOK_AHEAD < full {
+                self.pool.prefetch(hashes.seq[b + LOOK_AHEAD]);
+            }
             let meta = BlockMeta {
                 seq: hashes.seq[b],
                 local: hashes.local[b],

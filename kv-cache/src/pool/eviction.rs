@@ -15,6 +15,13 @@ pub trait EvictionPolicy: std::fmt::Debug {
     fn oldest_first(&self) -> bool {
         false
     }
+    /// The slot that would be the victim after `slot` (itself a victim-to-be), where the policy knows it cheaply;
+    /// the pool uses it to ask for the lines of victims ahead. `None`: unknown.
+    fn after(&self, _slot: u32) -> Option<u32> {
+        None
+    }
+    /// Asks the processor for the policy's own line about `slot` (see [`crate::prefetch`]).
+    fn prefetch(&self, _slot: u32) {}
 }
 
 /// Least recently cached first: a list threaded through the slots (slots are small dense numbers), so each call is
@@ -30,7 +37,8 @@ pub struct Lru {
 /// No slot: the end of the list, or an empty one.
 const NONE: u32 = u32::MAX;
 /// A slot not in the list.
-const UNLINKED: (u32, u32) = (u32::MAX - 1, u32::MAX - 1);
+const UNLINKED: (u32, u32) = (UNLINKED_NEXT, UNLINKED_NEXT);
+const UNLINKED_NEXT: u32 = u32::MAX - 1;
 
 impl Lru {
     fn linked(&self, slot: u32) -> bool {
@@ -76,6 +84,19 @@ impl EvictionPolicy for Lru {
 
     fn oldest_first(&self) -> bool {
         true
+    }
+
+    fn after(&self, slot: u32) -> Option<u32> {
+        match self.links.get(slot as usize)?.1 {
+            NONE | UNLINKED_NEXT => None,
+            next => Some(next),
+        }
+    }
+
+    fn prefetch(&self, slot: u32) {
+        if let Some(link) = self.links.get(slot as usize) {
+            crate::prefetch::prefetch(link);
+        }
     }
 }
 

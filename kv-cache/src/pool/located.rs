@@ -105,6 +105,11 @@ impl Located {
         }
     }
 
+    /// Asks for the line `seq`'s probe starts at, ahead of a lookup or change.
+    pub fn prefetch(&self, seq: SeqHash) {
+        crate::prefetch::prefetch(&self.entries[self.home(self.tag(seq))]);
+    }
+
     /// Where `seq` is; `key_at` tells what a location holds.
     pub fn get(&self, seq: SeqHash, key_at: impl Fn(Location) -> Option<SeqHash>) -> Option<Location> {
         match self.probe(seq, |at| key_at(at) == Some(seq)) {

@@ -20,6 +20,10 @@ use tier::TierTable;
 use crate::events::{BlockMeta, EventId, EventLog, KvEvent, Snapshot, Tier, TooOld};
 use crate::hash::SeqHash;
 
+/// How many blocks ahead a walk over a prompt's hashes asks for the lines of their lookups
+/// ([`BlockPool::prefetch`]): enough for the misses to overlap, few enough that the lines are still there.
+pub const LOOK_AHEAD: usize = 8;
+
 /// Number of blocks of each tier. Host and disk may be 0 (tier absent); the device tier may not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TierSizes {
@@ -163,12 +167,21 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         self.located.get(seq, |at| tiers[at.tier.index()].seq_at(at.slot))
     }
 
+    /// Asks the processor for the line a lookup of `seq` starts at: a caller about to look up or register many
+    /// blocks in turn asks a few ahead, so that their misses overlap.
+    pub fn prefetch(&self, seq: SeqHash) {
+        self.located.prefetch(seq);
+    }
+
     /// How many of `hashes`' leading blocks are on each tier, device first: a run on the device, then one on
     /// the host, then one on disk (each may be empty). One probe per block.
     pub fn lookup(&self, hashes: &[SeqHash]) -> PrefixMatch {
         let mut runs = [0; 3];
         let mut tier = 0;
-        for &h in hashes {
+        for (i, &h) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + LOOK_AHEAD) {
+                self.prefetch(ahead);
+            }
             match self.find(h) {
                 Some(at) if at.tier.index() >= tier => {
                     tier = at.tier.index();
@@ -213,12 +226,28 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             Some(slot) => slot,
             None => {
                 let victim = self.table(Tier::Device).victim()?;
+                self.prefetch_after(Tier::Device, victim);
                 self.evict(Location { tier: Tier::Device, slot: victim }, actions);
                 self.table_mut(Tier::Device).take_free()?
             }
         };
         self.table_mut(Tier::Device).set_used(slot, None);
         Some(slot)
+    }
+
+    /// Asks for the lines the victims after `victim` on `tier` will need, as a pipeline over the eviction order:
+    /// the map entry of the next victim (whose state line was asked for while the one before `victim` was
+    /// handled), and the state and links of the one after it. A run of evictions then waits on one miss at a time
+    /// less often. (Two victims ahead measured no faster.)
+    fn prefetch_after(&self, tier: Tier, victim: u32) {
+        let table = self.table(tier);
+        let Some(next) = table.after(victim) else { return };
+        if let Some(seq) = table.seq_at(next) {
+            self.located.prefetch(seq);
+        }
+        if let Some(later) = table.after(next) {
+            table.prefetch(later);
+        }
     }
 
     /// Starts a batch of evictions: the lower tiers' blocks cached now are the victims that cannot be the batch's.
@@ -240,6 +269,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         let slot = match self.table_mut(below).take_free() {
             Some(s) => Some(s),
             None => self.table(below).victim().and_then(|v| {
+                self.prefetch_after(below, v);
                 // The victim may be a block this batch stored there: log the batch so far first.
                 if self.moves.older[below.index()] == 0 || !self.table(below).oldest_first() {
                     self.log_moves();
@@ -327,7 +357,10 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// first block that is nowhere, or when no device block can be had.
     pub fn acquire(&mut self, hashes: &[SeqHash]) -> Acquired {
         let mut out = Acquired::default();
-        for &h in hashes {
+        for (i, &h) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + LOOK_AHEAD) {
+                self.prefetch(ahead);
+            }
             let Some(at) = self.find(h) else { break };
             if at.tier == Tier::Device {
                 self.table_mut(Tier::Device).add_ref(at.slot);

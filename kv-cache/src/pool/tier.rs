@@ -101,6 +101,19 @@ impl<E: EvictionPolicy + Default> TierTable<E> {
         self.policy.victim()
     }
 
+    /// The victim after `slot` in the policy's order, where it knows.
+    pub fn after(&self, slot: u32) -> Option<u32> {
+        self.policy.after(slot)
+    }
+
+    /// Asks for the lines about `slot` (its state and the policy's links) ahead of use.
+    pub fn prefetch(&self, slot: u32) {
+        if let Some(state) = self.states.get(slot as usize) {
+            crate::prefetch::prefetch(state);
+        }
+        self.policy.prefetch(slot);
+    }
+
     pub fn oldest_first(&self) -> bool {
         self.policy.oldest_first()
     }
