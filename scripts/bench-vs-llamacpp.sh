@@ -2,7 +2,10 @@
 # Measures Tandem's engine and llama.cpp side by side on the same model and thread count, and prints one JSON
 # object with both sides and the ratios (Tandem / llama.cpp; above 1 means Tandem is faster).
 #
-#   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH]
+#   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH] [--precision fast|reference]
+#
+# --precision is Tandem's (`reference` by default: f32 activations; `fast`: 8-bit activations in decode-sized
+# matmuls, as llama.cpp computes all of its quantized ones).
 #
 # llama.cpp is built once by scripts/llama-cpp.sh (from the source package of llama-cpp-python on PyPI, cached
 # under $TANDEM_HOME/llama.cpp).
@@ -11,11 +14,13 @@ cd "$(dirname "$0")/.."
 
 threads=$(nproc)
 model=""
+precision=reference
 while [ $# -gt 0 ]; do
   case "$1" in
     --threads) threads=$2; shift 2 ;;
     --model) model=$2; shift 2 ;;
-    *) echo "usage: $0 [--threads N] [--model PATH]" >&2; exit 2 ;;
+    --precision) precision=$2; shift 2 ;;
+    *) echo "usage: $0 [--threads N] [--model PATH] [--precision fast|reference]" >&2; exit 2 ;;
   esac
 done
 
@@ -27,16 +32,16 @@ if [ -z "$model" ]; then
   model=$("$tandem" model path)
 fi
 
-echo "tandem: bench engine, $threads threads" >&2
-ours=$("$tandem" bench engine --model "$model" --threads "$threads" --json)
-echo "tandem: bench engine --concurrency 4,16 (through the scheduler), $threads threads" >&2
-conc=$("$tandem" bench engine --model "$model" --threads "$threads" --concurrency 4,16 --json)
+echo "tandem: bench engine, $threads threads, $precision precision" >&2
+ours=$("$tandem" bench engine --model "$model" --threads "$threads" --precision "$precision" --json)
+echo "tandem: bench engine --concurrency 4,16 (through the scheduler), $threads threads, $precision precision" >&2
+conc=$("$tandem" bench engine --model "$model" --threads "$threads" --precision "$precision" --concurrency 4,16 --json)
 echo "llama.cpp: llama-bench -p 512 -n 128, $threads threads" >&2
 bench=$("$bin/llama-bench" -m "$model" -t "$threads" -p 512 -n 128 -o json 2>/dev/null)
 echo "llama.cpp: llama-batched-bench -npp 128 -ntg 128 -npl 1,4,16, $threads threads" >&2
 batched=$("$bin/llama-batched-bench" -m "$model" -t "$threads" -c 4096 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,4,16 2>/dev/null)
 
-OURS="$ours" CONC="$conc" BENCH="$bench" BATCHED="$batched" THREADS="$threads" python3 - <<'PY'
+OURS="$ours" CONC="$conc" BENCH="$bench" BATCHED="$batched" THREADS="$threads" PRECISION="$precision" python3 - <<'PY'
 import json, os
 ours = json.loads(os.environ["OURS"])
 ours["scheduler"] = json.loads(os.environ["CONC"])["concurrency"]
@@ -58,5 +63,5 @@ for d in ours["decode"]:
 for c in ours["scheduler"]:
     if c["sequences"] in batched:
         ratios[f"scheduler_concurrency_{c['sequences']}"] = c["decode_tokens_per_s"] / batched[c["sequences"]]
-print(json.dumps({"threads": int(os.environ["THREADS"]), "tandem": ours, "llama_cpp": theirs, "ratios": ratios}, indent=1))
+print(json.dumps({"threads": int(os.environ["THREADS"]), "precision": os.environ["PRECISION"], "tandem": ours, "llama_cpp": theirs, "ratios": ratios}, indent=1))
 PY

@@ -17,6 +17,7 @@ pub mod grammar;
 pub mod kernels;
 pub mod kv;
 pub mod model;
+pub mod q8;
 pub mod sampling;
 pub mod text;
 pub mod tiers;

@@ -122,6 +122,8 @@ pub struct Model {
     pub output: Matrix,
     /// `cos` and `sin` of every (position, pair), `[pos][pair][cos, sin]`.
     pub(crate) rope: Vec<[f32; 2]>,
+    /// How matmuls over quantized weights compute (the reference precision unless told).
+    pub precision: crate::forward::Precision,
 }
 
 impl Model {
@@ -165,7 +167,15 @@ impl Model {
             None => token_embd.clone(),
         };
         let rope = rope_table(c);
-        Ok(Model { output_norm: vector("output_norm.weight", c.n_embd)?, token_embd, layers, output, rope, config })
+        Ok(Model {
+            output_norm: vector("output_norm.weight", c.n_embd)?,
+            token_embd,
+            layers,
+            output,
+            rope,
+            config,
+            precision: crate::forward::Precision::Reference,
+        })
     }
 
     /// Opens and loads the model at `path`.

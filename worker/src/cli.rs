@@ -67,6 +67,11 @@ pub struct Settings {
     /// timing profile gives).
     #[arg(long, env = "TANDEM_ENGINE")]
     pub engine: Option<String>,
+    /// How the cpu engine computes matmuls over quantized weights: `reference` (f32 activations, what the golden
+    /// tests check) or `fast` (8-bit activations and integer dot products in decode-sized steps, as llama.cpp;
+    /// see docs/performance.md) (default: reference).
+    #[arg(long, env = "TANDEM_PRECISION")]
+    pub precision: Option<String>,
     /// The mock's timing profile: `gpu-default`, `cpu-smollm2` or a TOML file (default: gpu-default).
     #[arg(long, env = "TANDEM_PROFILE")]
     pub profile: Option<String>,
@@ -151,6 +156,7 @@ impl Settings {
             name,
             threads,
             engine,
+            precision,
             profile,
             speedup,
             mock_block_bytes,
@@ -295,8 +301,20 @@ pub fn engine_config(s: &Settings, worker: &str, problems: &mut Vec<String>) -> 
             .ok(),
         None => None,
     };
+    let precision = match s.precision.as_deref().map(str::parse) {
+        None => defaults.precision,
+        Some(Ok(p)) => p,
+        Some(Err(e)) => {
+            problems.push(e);
+            defaults.precision
+        }
+    };
+    if s.precision.is_some() && !matches!(backend, BackendChoice::Cpu) {
+        problems.push("precision applies to the cpu engine only".to_string());
+    }
     EngineConfig {
         backend,
+        precision,
         threads: s.threads,
         kv_blocks,
         host_blocks: s.host_blocks.unwrap_or(HOST_TIER_FACTOR * kv_blocks),

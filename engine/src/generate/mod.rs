@@ -30,7 +30,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::mock::{MockBackend, MockSettings};
 use crate::backend::{Backend, Pacing};
 use crate::chat::ChatMessage;
-use crate::forward::ForwardError;
+use crate::forward::{ForwardError, Precision};
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv::{KvLayout, KvStore};
 use crate::model::Model;
@@ -65,6 +65,8 @@ pub enum BackendChoice {
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     pub backend: BackendChoice,
+    /// How the CPU backend computes matmuls over quantized weights.
+    pub precision: Precision,
     /// Compute threads; `None` means one per available core.
     pub threads: Option<NonZeroUsize>,
     /// Device tier size in blocks.
@@ -90,6 +92,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             backend: BackendChoice::Cpu,
+            precision: Precision::Reference,
             threads: None,
             kv_blocks: DEFAULT_KV_BLOCKS,
             host_blocks: 0,
@@ -245,7 +248,8 @@ impl Engine {
         let text = Arc::new(TextModel::from_gguf(&file)?);
         let backend: Box<dyn Backend> = match &config.backend {
             BackendChoice::Cpu => {
-                let model = Model::load(&file)?;
+                let mut model = Model::load(&file)?;
+                model.precision = config.precision;
                 check_config(&config, model.config.context_len)?;
                 let threads = config.threads.map_or(0, NonZeroUsize::get);
                 let pool_threads = rayon::ThreadPoolBuilder::new()

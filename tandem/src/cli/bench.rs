@@ -51,7 +51,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         return run_fit(&args, out);
     }
     let path = args.model.path()?;
-    let model = Model::open(&path).map_err(|e| e.to_string())?;
+    let mut model = Model::open(&path).map_err(|e| e.to_string())?;
+    model.precision = args.model.precision;
     let threads = args.model.threads.map_or(0, NonZeroUsize::get);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| e.to_string())?;
     let spec = BenchSpec {
@@ -90,7 +91,8 @@ fn run_fit(args: &Args, out: &Path) -> Result<ExitCode, String> {
             serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?
         }
         None => {
-            let model = Model::open(&path).map_err(|e| e.to_string())?;
+            let mut model = Model::open(&path).map_err(|e| e.to_string())?;
+            model.precision = args.model.precision;
             eprintln!("timing forward steps on {} threads (a few minutes)…", pool.current_num_threads());
             let measured = pool
                 .install(|| bench::measure_steps(&model, &bench::ShapeGrid::default()))
@@ -184,6 +186,7 @@ fn run_concurrency(args: &Args) -> Result<ExitCode, String> {
     let blocks_per_seq = (args.decode_prompt_tokens + args.decode_tokens).div_ceil(16) + 1;
     let config = EngineConfig {
         threads: args.model.threads,
+        precision: args.model.precision,
         kv_blocks: (most * blocks_per_seq).max(EngineConfig::default().kv_blocks),
         max_num_seqs: most,
         ..EngineConfig::default()

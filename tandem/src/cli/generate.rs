@@ -83,8 +83,12 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     })
     .map_err(|e| e.to_string())?;
     let path = args.model.path()?;
-    let config =
-        EngineConfig { threads: args.model.threads, prefill_chunk: args.prefill_chunk, ..EngineConfig::default() };
+    let config = EngineConfig {
+        threads: args.model.threads,
+        precision: args.model.precision,
+        prefill_chunk: args.prefill_chunk,
+        ..EngineConfig::default()
+    };
     let engine = Engine::open(&path, config).map_err(|e| e.to_string())?;
     let text = if args.chat {
         let mut messages = Vec::new();

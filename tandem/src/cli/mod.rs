@@ -104,6 +104,10 @@ struct ModelArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<NonZeroUsize>,
+    /// How matmuls over quantized weights compute: `reference` (f32 activations, what the golden tests check) or
+    /// `fast` (8-bit activations and integer dot products, as llama.cpp; slightly less exact).
+    #[arg(long, default_value = "reference", value_name = "fast|reference")]
+    precision: engine::forward::Precision,
 }
 
 impl ModelArgs {

@@ -42,6 +42,10 @@ pub struct Args {
     /// routing experiments with many workers).
     #[arg(long, default_value = "cpu")]
     engine: String,
+    /// How cpu workers compute matmuls over quantized weights: `reference` (f32 activations, what the golden
+    /// tests check) or `fast` (8-bit activations in decode-sized steps, as llama.cpp; see docs/performance.md).
+    #[arg(long, value_name = "fast|reference")]
+    precision: Option<String>,
     /// The mock's timing profile: gpu-default, cpu-smollm2 or a TOML file.
     #[arg(long)]
     profile: Option<String>,
@@ -117,6 +121,7 @@ fn policy(name: &str) -> Result<SchedulerConfig, String> {
 fn engine_config(args: &Args, home: &Path, threads: Option<NonZeroUsize>) -> Result<EngineConfig, String> {
     let settings = worker::cli::Settings {
         engine: Some(args.engine.clone()),
+        precision: args.precision.clone(),
         profile: args.profile.clone(),
         speedup: args.speedup,
         mock_block_bytes: args.mock_block_bytes,

@@ -1,0 +1,326 @@
+//! The fast precision's matmul arithmetic: activation rows quantized to 8 bits per 32-value block, dotted with
+//! Q4_1 and Q8_0 weight rows in integers (llama.cpp's scheme for quantized weights: a block's 32 products summed
+//! exactly, then scaled once, instead of 32 dequantized floats multiplied one by one).
+//!
+//! A block of 32 activations `x` becomes a scale `d = max|x| / 127`, 32 signed bytes `q = round(x / d)`, and
+//! `s = d·Σq`. Against a Q4_1 block (`w = dw·qw + mw`): `Σ w·x ≈ dw·d·Σ qw·q + mw·s`; against Q8_0 (`w = dw·qw`):
+//! `dw·d·Σ qw·q`. Rounding the activations costs accuracy, which is why this is not the reference precision: see
+//! [`crate::forward::Precision`].
+//!
+//! Batch invariance holds here as in the reference path: quantizing a row reads that row only, and every
+//! (weight row, activation row) element goes through the same operations in the same order whether it is
+//! computed alone ([`dot`]) or in a tile with others ([`dot_tile`]).
+
+use half::f16;
+
+use crate::gguf::TensorType;
+
+/// Values per quantization block (the weights' and the activations').
+pub const BLOCK: usize = 32;
+
+/// Activation rows in 8 bits: per row, per block, 32 signed bytes, a scale and the scaled sum of the bytes.
+#[derive(Debug, Default)]
+pub struct Q8Rows {
+    blocks_per_row: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+/// One quantized activation row.
+#[derive(Clone, Copy, Debug)]
+pub struct Q8Row<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    s: &'a [f32],
+}
+
+impl Q8Rows {
+    /// Quantizes the `x.len() / cols` rows of `x` (`cols` a multiple of [`BLOCK`]), reusing this buffer.
+    pub fn quantize(&mut self, x: &[f32], cols: usize) {
+        debug_assert!(cols.is_multiple_of(BLOCK));
+        let blocks = x.len() / BLOCK;
+        self.blocks_per_row = cols / BLOCK;
+        self.q.resize(blocks * BLOCK, 0);
+        self.d.resize(blocks, 0.0);
+        self.s.resize(blocks, 0.0);
+        for (((xs, q), d), s) in
+            x.chunks_exact(BLOCK).zip(self.q.chunks_exact_mut(BLOCK)).zip(&mut self.d).zip(&mut self.s)
+        {
+            (*d, *s) = quantize_block(xs, q);
+        }
+    }
+
+    /// Row `t`.
+    pub fn row(&self, t: usize) -> Q8Row<'_> {
+        let b = self.blocks_per_row;
+        Q8Row {
+            q: &self.q[t * b * BLOCK..(t + 1) * b * BLOCK],
+            d: &self.d[t * b..(t + 1) * b],
+            s: &self.s[t * b..(t + 1) * b],
+        }
+    }
+}
+
+/// Quantizes one block to nearest (ties away from zero, as C's `roundf`); returns `(d, d·Σq)`.
+fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (o, &v) in q.iter_mut().zip(x) {
+        // A NaN becomes 0 (Rust's saturating cast); |v·inv| ≤ 127 otherwise.
+        let r = ((v * inv).round() as i32).clamp(-127, 127);
+        *o = r as i8;
+        sum += r;
+    }
+    (d, d * sum as f32)
+}
+
+/// Whether rows of `ty` with `cols` columns have an integer dot here.
+pub fn supported(ty: TensorType, cols: usize) -> bool {
+    matches!(ty, TensorType::Q4_1 | TensorType::Q8_0) && cols.is_multiple_of(BLOCK) && cols > 0
+}
+
+/// Weight row `w` (of a [`supported`] type, as many blocks as `x`) against activation row `x`.
+pub fn dot(ty: TensorType, w: &[u8], x: Q8Row<'_>) -> f32 {
+    dot_tile(ty, w, [x; 1])[0]
+}
+
+/// Weight row `w` against `N` activation rows: the same values as `N` calls of [`dot`], bit for bit, with the
+/// weight block unpacked once for all of them.
+pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [Q8Row<'_>; N]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::kernels::simd_available() && std::arch::is_x86_feature_detected!("f16c") {
+            return simd::dot_tile(ty, w, x);
+        }
+    }
+    portable::dot_tile(ty, w, x)
+}
+
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// Without SIMD: each block's integer sum exactly, scaled and added in block order.
+mod portable {
+    use super::{BLOCK, Q8Row, f16_at};
+    use crate::gguf::TensorType;
+
+    pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [Q8Row<'_>; N]) -> [f32; N] {
+        let mut acc = [0f32; N];
+        for (b, blk) in w.chunks_exact(ty.block_bytes()).enumerate() {
+            for (a, x) in acc.iter_mut().zip(&x) {
+                let xq = &x.q[b * BLOCK..(b + 1) * BLOCK];
+                *a += match ty {
+                    TensorType::Q4_1 => {
+                        let qs = &blk[4..20];
+                        let isum: i32 = (0..16)
+                            .map(|j| {
+                                i32::from(qs[j] & 0x0F) * i32::from(xq[j])
+                                    + i32::from(qs[j] >> 4) * i32::from(xq[j + 16])
+                            })
+                            .sum();
+                        f16_at(blk, 0) * x.d[b] * isum as f32 + f16_at(blk, 2) * x.s[b]
+                    }
+                    _ => {
+                        let isum: i32 =
+                            blk[2..34].iter().zip(xq).map(|(&q, &v)| i32::from(q as i8) * i32::from(v)).sum();
+                        f16_at(blk, 0) * x.d[b] * isum as f32
+                    }
+                };
+            }
+        }
+        acc
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, Q8Row};
+    use crate::gguf::TensorType;
+    use crate::kernels::simd::{prefetch_weights, scales};
+
+    pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [Q8Row<'_>; N]) -> [f32; N] {
+        let blocks = x.iter().map(|r| r.d.len().min(r.s.len()).min(r.q.len() / BLOCK)).min().unwrap_or(0);
+        let blocks = blocks.min(w.len() / ty.block_bytes());
+        match ty {
+            // SAFETY: the caller checked AVX2 and FMA; every row holds at least `blocks` blocks.
+            TensorType::Q4_1 => unsafe { tile_q4_1(&w[..blocks * 20], x, blocks) },
+            // SAFETY: as above.
+            _ => unsafe { tile_q8_0(&w[..blocks * 34], x, blocks) },
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q4_1<const N: usize>(w: &[u8], x: [Q8Row<'_>; N], blocks: usize) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0f32; N];
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        for (b, blk) in w.chunks_exact(20).take(blocks).enumerate() {
+            let (dw, mw) = scales(blk);
+            prefetch_weights(blk);
+            // SAFETY: bytes 4..20 are in the block; each row's bytes `32b..32b + 32` are inside its `blocks`.
+            unsafe {
+                let qs = _mm_loadu_si128(blk.as_ptr().add(4).cast());
+                // Low nibbles are values 0..16, high nibbles 16..32: one byte per value, in order.
+                let wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs), mask);
+                for k in 0..N {
+                    let xv = _mm256_loadu_si256(x[k].q.as_ptr().add(b * 32).cast());
+                    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw * x[k].d[b]), acc[k]);
+                    mins[k] += mw * x[k].s[b];
+                }
+            }
+        }
+        std::array::from_fn(|k| hsum(acc[k]) + mins[k])
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q8_0<const N: usize>(w: &[u8], x: [Q8Row<'_>; N], blocks: usize) -> [f32; N] {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let ones = _mm256_set1_epi16(1);
+        for (b, blk) in w.chunks_exact(34).take(blocks).enumerate() {
+            let dw = scales(blk).0;
+            prefetch_weights(blk);
+            // SAFETY: bytes 2..34 are in the block; each row's bytes `32b..32b + 32` are inside its `blocks`.
+            unsafe {
+                let wv = _mm256_loadu_si256(blk.as_ptr().add(2).cast());
+                // `maddubs` takes unsigned × signed bytes: |w| against x carrying w's sign.
+                let wabs = _mm256_sign_epi8(wv, wv);
+                for k in 0..N {
+                    let xv = _mm256_loadu_si256(x[k].q.as_ptr().add(b * 32).cast());
+                    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones);
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw * x[k].d[b]), acc[k]);
+                }
+            }
+        }
+        std::array::from_fn(|k| hsum(acc[k]))
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+        _mm_cvtss_f32(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{dequantize_row, dot as dot_f32};
+
+    /// Deterministic pseudo-random bytes and floats (no RNG crate in the engine's dependencies).
+    fn noise(seed: u64, n: usize) -> Vec<u64> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s
+            })
+            .collect()
+    }
+
+    /// A weight row of `blocks` blocks of `ty` with small, finite scales.
+    fn weights(ty: TensorType, blocks: usize, seed: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (b, r) in noise(seed, blocks).into_iter().enumerate() {
+            let scale = f16::from_f32(0.001 + (r % 1000) as f32 * 1e-5).to_le_bytes();
+            out.extend_from_slice(&scale);
+            if ty == TensorType::Q4_1 {
+                out.extend_from_slice(&f16::from_f32(-0.01 * (b % 3) as f32).to_le_bytes());
+            }
+            let n = if ty == TensorType::Q4_1 { 16 } else { 32 };
+            out.extend(noise(r, n).into_iter().map(|v| v as u8));
+        }
+        out
+    }
+
+    fn activations(n: usize, seed: u64) -> Vec<f32> {
+        noise(seed, n).into_iter().map(|v| ((v % 20_001) as f32 - 10_000.0) / 2_500.0).collect()
+    }
+
+    #[test]
+    fn integer_dots_stay_near_the_f32_dot_of_dequantized_weights() {
+        for ty in [TensorType::Q4_1, TensorType::Q8_0] {
+            for seed in 0..20 {
+                let cols = 576;
+                let w = weights(ty, cols / BLOCK, seed);
+                let x = activations(cols, seed + 100);
+                let mut deq = vec![0f32; cols];
+                dequantize_row(ty, &w, &mut deq);
+                let exact = dot_f32(&deq, &x);
+                let mut q = Q8Rows::default();
+                q.quantize(&x, cols);
+                let fast = dot(ty, &w, q.row(0));
+                // The activations' rounding: at most half a step (d/2) per value, |w| summed.
+                let bound: f32 = deq
+                    .iter()
+                    .zip(x.chunks_exact(BLOCK).flat_map(|b| {
+                        let d = b.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                        std::iter::repeat_n(d / 2.0, BLOCK)
+                    }))
+                    .map(|(w, h)| w.abs() * h)
+                    .sum();
+                assert!(
+                    (fast - exact).abs() <= bound * 1.01 + 1e-4,
+                    "{ty:?} seed {seed}: {fast} vs {exact} (bound {bound})"
+                );
+                // Without SIMD the same sums, added in another order.
+                let portable = portable::dot_tile(ty, &w, [q.row(0)])[0];
+                assert!((portable - fast).abs() <= 1e-4 * exact.abs().max(1.0), "{ty:?}: {portable} vs {fast}");
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_equal_single_dots_bit_for_bit() {
+        for ty in [TensorType::Q4_1, TensorType::Q8_0] {
+            let cols = 96;
+            let w = weights(ty, cols / BLOCK, 7);
+            let x = activations(4 * cols, 8);
+            let mut q = Q8Rows::default();
+            q.quantize(&x, cols);
+            let tile = dot_tile(ty, &w, [q.row(0), q.row(1), q.row(2), q.row(3)]);
+            for (t, v) in tile.iter().enumerate() {
+                assert_eq!(v.to_bits(), dot(ty, &w, q.row(t)).to_bits(), "{ty:?} row {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_quantizes_the_same_alone_or_among_others() {
+        let cols = 64;
+        let x = activations(3 * cols, 3);
+        let mut all = Q8Rows::default();
+        all.quantize(&x, cols);
+        let mut one = Q8Rows::default();
+        one.quantize(&x[cols..2 * cols], cols);
+        assert_eq!(all.row(1).q, one.row(0).q);
+        assert_eq!(all.row(1).d, one.row(0).d);
+        assert_eq!(all.row(1).s, one.row(0).s);
+    }
+
+    #[test]
+    fn zeros_and_extremes_quantize_without_overflow() {
+        let mut q = Q8Rows::default();
+        let mut x = vec![0f32; 64];
+        x[32] = -3.0;
+        x[33] = 3.0;
+        x[34] = f32::NAN;
+        q.quantize(&x, 64);
+        let r = q.row(0);
+        assert_eq!((r.d[0], r.s[0]), (0.0, 0.0));
+        assert!(r.q[..32].iter().all(|&v| v == 0));
+        assert_eq!((r.q[32], r.q[33], r.q[34]), (-127, 127, 0));
+    }
+}
