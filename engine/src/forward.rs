@@ -198,31 +198,38 @@ impl Model {
             offsets.push(off);
             off += s.tokens.len();
         }
-        let tasks: Vec<(usize, usize)> = (0..batch.len()).flat_map(|s| (0..c.n_heads).map(move |h| (s, h))).collect();
-        let results: Vec<Vec<f32>> = tasks
+        // One task per sequence and KV head: its K and V are converted from f16 once for the query heads that
+        // share them (grouped-query attention).
+        let tasks: Vec<(usize, usize)> =
+            (0..batch.len()).flat_map(|s| (0..c.n_kv_heads).map(move |g| (s, g))).collect();
+        let results: Vec<Vec<Vec<f32>>> = tasks
             .par_iter()
-            .map(|&(s, h)| {
+            .map(|&(s, g)| {
                 let chunk = &batch[s];
-                let queries = (0..chunk.tokens.len()).map(|t| &q[(offsets[s] + t) * d + h * hd..][..hd]);
-                attend_head(kv, chunk, layer, h / group, queries)
+                let heads = g * group..(g + 1) * group;
+                let base = offsets[s];
+                let queries = move |h: usize| (0..chunk.tokens.len()).map(move |t| &q[(base + t) * d + h * hd..][..hd]);
+                attend_group(kv, chunk, layer, g, heads.map(queries))
             })
             .collect();
-        for (&(s, h), res) in tasks.iter().zip(results) {
-            for (t, o) in res.chunks_exact(hd).enumerate() {
-                out[(offsets[s] + t) * d + h * hd..][..hd].copy_from_slice(o);
+        for (&(s, g), per_head) in tasks.iter().zip(results) {
+            for (h, res) in (g * group..).zip(per_head) {
+                for (t, o) in res.chunks_exact(hd).enumerate() {
+                    out[(offsets[s] + t) * d + h * hd..][..hd].copy_from_slice(o);
+                }
             }
         }
     }
 }
 
-/// One query head over one sequence: returns `chunk.tokens.len() × head_dim` outputs.
-fn attend_head<'q>(
+/// The query heads of one KV head over one sequence: per head, `chunk.tokens.len() × head_dim` outputs.
+fn attend_group<'q, Q: Iterator<Item = &'q [f32]>>(
     kv: &KvStore,
     chunk: &SeqChunk<'_>,
     layer: usize,
     kv_head: usize,
-    queries: impl Iterator<Item = &'q [f32]>,
-) -> Vec<f32> {
+    heads: impl Iterator<Item = Q>,
+) -> Vec<Vec<f32>> {
     let layout = kv.layout();
     let (hd, bt) = (layout.head_dim, layout.block_tokens);
     let len = chunk.start + chunk.tokens.len();
@@ -233,9 +240,21 @@ fn attend_head<'q>(
         f16_to_f32(kv.head(b, layer, KvPart::K, kv_head), &mut keys[i * bt * hd..(i + 1) * bt * hd]);
         f16_to_f32(kv.head(b, layer, KvPart::V, kv_head), &mut values[i * bt * hd..(i + 1) * bt * hd]);
     }
+    let mut scores = vec![0f32; len];
+    heads.map(|queries| attend_head(chunk, hd, &keys, &values, &mut scores, queries)).collect()
+}
+
+/// One query head over one sequence's K and V (in f32): returns `chunk.tokens.len() × head_dim` outputs.
+fn attend_head<'q>(
+    chunk: &SeqChunk<'_>,
+    hd: usize,
+    keys: &[f32],
+    values: &[f32],
+    scores: &mut [f32],
+    queries: impl Iterator<Item = &'q [f32]>,
+) -> Vec<f32> {
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; chunk.tokens.len() * hd];
-    let mut scores = vec![0f32; len];
     for (t, query) in queries.enumerate() {
         let visible = chunk.start + t + 1;
         let mut max = f32::NEG_INFINITY;
