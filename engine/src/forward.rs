@@ -18,7 +18,7 @@ pub enum Precision {
     /// f32 activations against dequantized weights: what the golden tests hold to [`LOGIT_TOLERANCE`].
     #[default]
     Reference,
-    /// Decode-sized matmuls (one or two activation rows) quantize the activations to 8 bits per 32-value block
+    /// Decode-sized matmuls (up to four activation rows) quantize the activations to 8 bits per 32-value block
     /// and dot them with Q4_1/Q8_0 weights in integers ([`crate::q8`], as llama.cpp computes quantized matmuls):
     /// batch-1 decode about 1.4x faster, within a measured tolerance of the reference (`tests/precision.rs`).
     /// Larger batches and prompt chunks compute as in the reference (integer tiles measured slower than the f32
@@ -96,6 +96,9 @@ pub const LOGIT_TOLERANCE: f32 = 0.05;
 
 /// Up to this many activation rows, matmuls dequantize weights in registers instead of through a buffer.
 const FUSED_MAX_ROWS: usize = 2;
+
+/// Up to this many activation rows, the fast precision computes in 8 bits ([`crate::q8`]).
+const FAST_MAX_ROWS: usize = 4;
 
 /// Rows of weights dequantized together (72 KiB of f32 at the model's width of 576: they stay in L2), so each
 /// activation row is read from memory once per group rather than once per row.
@@ -333,13 +336,17 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratc
     let Scratch { precision, out: buf, q8: xq } = scratch;
     buf.clear();
     buf.resize(rows * n, 0.0);
-    if *precision == Precision::Fast && n <= FUSED_MAX_ROWS && q8::supported(w.ty, cols) {
+    if *precision == Precision::Fast && n <= FAST_MAX_ROWS && q8::supported(w.ty, cols) {
         xq.quantize(&x[..n * cols], cols);
         let xq = &*xq;
         buf.par_chunks_mut(per_task * n).enumerate().for_each(|(task, chunk)| {
             let r0 = task * per_task;
             for (r, col) in chunk.chunks_exact_mut(n).enumerate() {
                 let row = w.row(r0 + r);
+                if n == 4 {
+                    col.copy_from_slice(&q8::dot_tile(w.ty, row, [0, 1, 2, 3].map(|t| xq.row(t))));
+                    continue;
+                }
                 for (t, v) in col.iter_mut().enumerate() {
                     *v = q8::dot(w.ty, row, xq.row(t));
                 }
