@@ -433,3 +433,26 @@ pub async fn wait_for_signal() {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use engine::forward::Precision;
+
+    use super::*;
+
+    #[test]
+    fn the_precision_is_read_and_checked() {
+        let mut problems = Vec::new();
+        assert_eq!(engine_config(&Settings::default(), "w", &mut problems).precision, Precision::Reference);
+        let fast = Settings { precision: Some("fast".into()), ..Settings::default() };
+        assert_eq!(engine_config(&fast, "w", &mut problems).precision, Precision::Fast);
+        assert!(problems.is_empty(), "{problems:?}");
+        let unknown = Settings { precision: Some("fastest".into()), ..Settings::default() };
+        engine_config(&unknown, "w", &mut problems);
+        assert!(problems.iter().any(|p| p.contains("\"fastest\"")), "{problems:?}");
+        problems.clear();
+        let mock = Settings { engine: Some("mock".into()), precision: Some("fast".into()), ..Settings::default() };
+        engine_config(&mock, "w", &mut problems);
+        assert!(problems.iter().any(|p| p.contains("cpu engine only")), "{problems:?}");
+    }
+}
