@@ -20,9 +20,9 @@ pub enum Precision {
     Reference,
     /// Decode-sized matmuls (up to four activation rows) quantize the activations to 8 bits per 32-value block
     /// and dot them with Q4_1/Q8_0 weights in integers ([`crate::q8`], as llama.cpp computes quantized matmuls):
-    /// batch-1 decode about 1.4x faster, within a measured tolerance of the reference (`tests/precision.rs`).
-    /// Larger batches and prompt chunks compute as in the reference (integer tiles measured slower than the f32
-    /// tiles there), so a sequence's logits depend on how many share its step, as in llama.cpp and vLLM: the
+    /// batch-1 decode 1.2–1.4x faster in docs/performance.md's runs, within a measured tolerance of the reference
+    /// (`tests/precision.rs`). Larger batches and prompt chunks compute as in the reference (integer tiles
+    /// measured slower than the f32 tiles there, before weight prefetching landed), so a sequence's logits depend on how many share its step, as in llama.cpp and vLLM: the
     /// batch-invariance guarantees are the reference precision's.
     Fast,
 }

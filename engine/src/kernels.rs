@@ -8,7 +8,7 @@ use half::f16;
 
 use crate::gguf::TensorType;
 
-/// Whether this CPU runs the AVX2 + FMA kernels (the other kernel modules ask too, so that all agree).
+/// Whether this CPU runs the AVX2 + FMA + F16C kernels (the other kernel modules ask too, so that all agree).
 pub(crate) fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -400,9 +400,12 @@ pub(crate) mod simd {
         }
     }
 
+    /// AVX2, FMA and F16C: every kernel here (and in `q8`) needs the first two, the quantized ones the third.
     pub fn available() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
-        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        *AVAILABLE.get_or_init(|| {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        })
     }
 
     #[inline]

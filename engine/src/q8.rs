@@ -7,9 +7,10 @@
 //! `dw·d·Σ qw·q`. Rounding the activations costs accuracy, which is why this is not the reference precision: see
 //! [`crate::forward::Precision`].
 //!
-//! Batch invariance holds here as in the reference path: quantizing a row reads that row only, and every
-//! (weight row, activation row) element goes through the same operations in the same order whether it is
-//! computed alone ([`dot`]) or in a tile with others ([`dot_tile`]).
+//! Within this module the result for a (weight row, activation row) pair does not depend on its company:
+//! quantizing a row reads that row only, and the pair goes through the same operations in the same order alone
+//! ([`dot`]) or in a tile ([`dot_tile`]). The fast precision as a whole is still not batch-invariant: the matmul
+//! uses this arithmetic only for steps of up to four activation rows (`forward::Precision::Fast`).
 
 use half::f16;
 
@@ -88,11 +89,12 @@ pub fn dot(ty: TensorType, w: &[u8], x: Q8Row<'_>) -> f32 {
 }
 
 /// Weight row `w` against `N` activation rows: the same values as `N` calls of [`dot`], bit for bit, with the
-/// weight block unpacked once for all of them.
+/// weight block unpacked once for all of them. `ty` must be [`supported`] (any other is read as Q8_0).
 pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [Q8Row<'_>; N]) -> [f32; N] {
+    debug_assert!(matches!(ty, TensorType::Q4_1 | TensorType::Q8_0), "no integer dot for {ty:?}");
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::kernels::simd_available() && std::arch::is_x86_feature_detected!("f16c") {
+        if crate::kernels::simd_available() {
             return simd::dot_tile(ty, w, x);
         }
     }

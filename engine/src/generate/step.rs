@@ -8,7 +8,7 @@
 
 use kv_cache::BlockSize;
 use kv_cache::events::{BlockMeta, Tier};
-use kv_cache::pool::{Action, LOOK_AHEAD, PoolError};
+use kv_cache::pool::{Action, PoolError};
 
 use super::sequence::{Failure, Seq};
 use super::{Engine, EngineError, Event};
@@ -364,9 +364,7 @@ impl Engine {
         s.hashes(full, self.block_size());
         let hashes = &s.hashes;
         for b in s.registered..full {
-            if b + LOOK_AHEAD < full {
-                self.pool.prefetch(hashes.seq[b + LOOK_AHEAD]);
-            }
+            self.pool.prefetch_ahead(&hashes.seq[..full], b);
             let meta = BlockMeta {
                 seq: hashes.seq[b],
                 local: hashes.local[b],

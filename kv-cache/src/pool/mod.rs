@@ -173,15 +173,20 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         self.located.prefetch(seq);
     }
 
+    /// For a walk over `hashes` now at block `i`: asks for the lookup line of the block [`LOOK_AHEAD`] further on.
+    pub fn prefetch_ahead(&self, hashes: &[SeqHash], i: usize) {
+        if let Some(&ahead) = hashes.get(i + LOOK_AHEAD) {
+            self.prefetch(ahead);
+        }
+    }
+
     /// How many of `hashes`' leading blocks are on each tier, device first: a run on the device, then one on
     /// the host, then one on disk (each may be empty). One probe per block.
     pub fn lookup(&self, hashes: &[SeqHash]) -> PrefixMatch {
         let mut runs = [0; 3];
         let mut tier = 0;
         for (i, &h) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + LOOK_AHEAD) {
-                self.prefetch(ahead);
-            }
+            self.prefetch_ahead(hashes, i);
             match self.find(h) {
                 Some(at) if at.tier.index() >= tier => {
                     tier = at.tier.index();
@@ -358,9 +363,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     pub fn acquire(&mut self, hashes: &[SeqHash]) -> Acquired {
         let mut out = Acquired::default();
         for (i, &h) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + LOOK_AHEAD) {
-                self.prefetch(ahead);
-            }
+            self.prefetch_ahead(hashes, i);
             let Some(at) = self.find(h) else { break };
             if at.tier == Tier::Device {
                 self.table_mut(Tier::Device).add_ref(at.slot);
