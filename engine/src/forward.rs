@@ -18,12 +18,12 @@ pub enum Precision {
     /// f32 activations against dequantized weights: what the golden tests hold to [`LOGIT_TOLERANCE`].
     #[default]
     Reference,
-    /// Decode-sized matmuls (up to four activation rows) quantize the activations to 8 bits per 32-value block
-    /// and dot them with Q4_1/Q8_0 weights in integers ([`crate::q8`], as llama.cpp computes quantized matmuls):
-    /// batch-1 decode 1.2–1.4x faster in docs/performance.md's runs, within a measured tolerance of the reference
-    /// (`tests/precision.rs`). Larger batches and prompt chunks compute as in the reference (integer tiles
-    /// measured slower than the f32 tiles there, before weight prefetching landed), so a sequence's logits depend on how many share its step, as in llama.cpp and vLLM: the
-    /// batch-invariance guarantees are the reference precision's.
+    /// Matmuls over Q4_1/Q8_0 weights quantize the activations to 8 bits per 32-value block and dot them with the
+    /// weights in integers ([`crate::q8`], as llama.cpp computes quantized matmuls): up to four activation rows
+    /// (decode) on AVX2, more (prompts, large batches) in 4 × 4 tiles on CPUs with AVX-512 VNNI, elsewhere as in
+    /// the reference. Faster in docs/performance.md's runs, within a measured tolerance of the reference
+    /// (`tests/precision.rs`); a sequence's logits depend on how many share its step, as in llama.cpp and vLLM:
+    /// the batch-invariance guarantees are the reference precision's.
     Fast,
 }
 
@@ -334,6 +334,12 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratc
     let tasks = rayon::current_num_threads() * 4;
     let per_task = rows.div_ceil(tasks).next_multiple_of(ROW_GROUP).max(ROW_GROUP);
     let Scratch { precision, out: buf, q8: xq } = scratch;
+    #[cfg(target_arch = "x86_64")]
+    if *precision == Precision::Fast && n > FAST_MAX_ROWS && q8::vnni::supported(w.ty, cols) && q8::vnni::available() {
+        xq.quantize(&x[..n * cols], cols);
+        q8::vnni::matmul(|r| w.row(r), rows, xq, n, out, per_task);
+        return;
+    }
     buf.clear();
     buf.resize(rows * n, 0.0);
     if *precision == Precision::Fast && n <= FAST_MAX_ROWS && q8::supported(w.ty, cols) {

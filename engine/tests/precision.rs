@@ -1,8 +1,9 @@
-//! The fast precision against the reference one on the committed golden prompts. The fast precision computes decode
-//! steps differently (8-bit activations), so each golden prompt is fed to both, then the oracle's generated tokens
-//! one at a time (both see the same inputs), and every decode step's distribution is compared: the KL divergence
-//! from the reference's within bounds, the top token's logit within [`FAST_TOP_LOGIT_TOLERANCE`], and the same
-//! top-1 token wherever the reference's margin is clear of twice that.
+//! The fast precision against the reference one on the committed golden prompts. The fast precision computes
+//! matmuls over quantized weights with 8-bit activations (decode steps everywhere, prompts where the CPU has
+//! AVX-512 VNNI), so each golden prompt is fed to both, then the oracle's generated tokens one at a time (both see
+//! the same inputs), and every decode step's distribution is compared: the KL divergence from the reference's
+//! within bounds, the top token's logit within [`FAST_TOP_LOGIT_TOLERANCE`], and the same top-1 token wherever the
+//! reference's margin is clear of twice that.
 
 mod common;
 
@@ -14,11 +15,12 @@ use engine::kv::{BlockId, KvLayout, KvStore};
 use engine::model::Model;
 use engine::sampling::{RawSampling, SamplingParams};
 
-/// Bounds measured on the golden prompts when the fast precision landed (138 decode steps, 2026-12-02): the
-/// reference's top token's logit moved by 0.10 at the median and 0.48 at worst; KL(reference ‖ fast) 0.0024 on
-/// average, 0.071 at worst; the top-1 token changed at 3 steps, each with a reference margin under 0.12. The
-/// bounds leave room for other CPUs' summation order, not for a different scheme.
-const FAST_TOP_LOGIT_TOLERANCE: f32 = 0.6;
+/// Bounds measured on the golden prompts (138 decode steps). When the fast precision computed only decode steps
+/// in 8 bits (2026-12-02): the reference's top token's logit moved by 0.48 at worst, KL(reference ‖ fast) 0.0024 on
+/// average and 0.071 at worst. With prompts in 8 bits as well (on CPUs with AVX-512 VNNI, the same day): 0.60 at
+/// worst, KL 0.0031 on average and 0.055 at worst, every clear top-1 token the same. The bounds leave room for
+/// other CPUs' summation order, not for a different scheme.
+const FAST_TOP_LOGIT_TOLERANCE: f32 = 0.75;
 const FAST_MEAN_KL: f64 = 0.005;
 const FAST_MAX_KL: f64 = 0.15;
 

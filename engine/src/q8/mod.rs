@@ -9,8 +9,12 @@
 //!
 //! Within this module the result for a (weight row, activation row) pair does not depend on its company:
 //! quantizing a row reads that row only, and the pair goes through the same operations in the same order alone
-//! ([`dot`]) or in a tile ([`dot_tile`]). The fast precision as a whole is still not batch-invariant: the matmul
-//! uses this arithmetic only for steps of up to four activation rows (`forward::Precision::Fast`).
+//! ([`dot`]) or in a tile ([`dot_tile`]). The fast precision as a whole is still not batch-invariant: steps of more
+//! than four activation rows go through [`vnni`]'s tiles (another summation order) where the CPU has them, and
+//! through the reference's f32 tiles elsewhere (`forward::Precision::Fast`).
+
+#[cfg(target_arch = "x86_64")]
+pub mod vnni;
 
 use half::f16;
 
@@ -48,6 +52,11 @@ impl Q8Rows {
         for (((xs, q), d), s) in
             x.chunks_exact(BLOCK).zip(self.q.chunks_exact_mut(BLOCK)).zip(&mut self.d).zip(&mut self.s)
         {
+            #[cfg(target_arch = "x86_64")]
+            if crate::kernels::simd_available() {
+                (*d, *s) = simd::quantize_block(xs, q);
+                continue;
+            }
             (*d, *s) = quantize_block(xs, q);
         }
     }
@@ -63,7 +72,8 @@ impl Q8Rows {
     }
 }
 
-/// Quantizes one block to nearest (ties away from zero, as C's `roundf`); returns `(d, d·Σq)`.
+/// Quantizes one block to nearest (ties to even, as the SIMD conversion rounds); returns `(d, d·Σq)`. A NaN counts
+/// as 0.
 fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
@@ -71,7 +81,7 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     let mut sum = 0i32;
     for (o, &v) in q.iter_mut().zip(x) {
         // A NaN becomes 0 (Rust's saturating cast); |v·inv| ≤ 127 otherwise.
-        let r = ((v * inv).round() as i32).clamp(-127, 127);
+        let r = ((v * inv).round_ties_even() as i32).clamp(-127, 127);
         *o = r as i8;
         sum += r;
     }
@@ -205,6 +215,48 @@ mod simd {
         std::array::from_fn(|k| hsum(acc[k]))
     }
 
+    /// [`super::quantize_block`] for one block of 32, bit for bit. The caller checked AVX2 and FMA.
+    pub fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+        assert!(x.len() == BLOCK && q.len() == BLOCK);
+        // SAFETY: the caller checked the features; both slices hold one block.
+        unsafe { quantize_avx2(x, q) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn quantize_avx2(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+        // SAFETY: 32 floats are read from `x` and 32 bytes written to `q` (checked by the caller).
+        unsafe {
+            // NaNs become 0 first (`x == x` is false only for them), as the scalar code's `max` and cast treat them.
+            let v: [__m256; 4] = std::array::from_fn(|k| {
+                let a = _mm256_loadu_ps(x.as_ptr().add(8 * k));
+                _mm256_and_ps(a, _mm256_cmp_ps::<_CMP_ORD_Q>(a, a))
+            });
+            let sign = _mm256_set1_ps(-0.0);
+            let abs = v.map(|a| _mm256_andnot_ps(sign, a));
+            let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m)));
+            let d = amax / 127.0;
+            let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+            // Rounds to nearest, ties to even (the default rounding mode).
+            let r = v.map(|a| _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, inv)), lo), hi));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+            let sum = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
+            let sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32::<0b01>(sum)));
+            // Packing interleaves 128-bit lanes; the permute puts the 32 bytes back in order.
+            let w16 = [_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])];
+            let b = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(w16[0], w16[1]),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+            );
+            _mm256_storeu_si256(q.as_mut_ptr().cast(), b);
+            (d, d * sum as f32)
+        }
+    }
+
     #[target_feature(enable = "avx2")]
     fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -296,6 +348,63 @@ mod tests {
             for (t, v) in tile.iter().enumerate() {
                 assert_eq!(v.to_bits(), dot(ty, &w, q.row(t)).to_bits(), "{ty:?} row {t}");
             }
+        }
+    }
+
+    /// The VNNI tiles (prompt-sized matmuls) against single integer dots of the same quantized rows: the same
+    /// exact block sums, scaled and added in another order, for every shape of remainder (rows and activation rows
+    /// not multiples of four, more than one group of weight rows).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_tiles_match_single_integer_dots() {
+        if !vnni::available() {
+            eprintln!("this CPU has no AVX-512 VNNI: the tiles are never used here");
+            return;
+        }
+        for (nr, n, cols) in [(1, 1, 64), (4, 4, 576), (7, 5, 576), (37, 9, 1536), (64, 16, 128)] {
+            let rows: Vec<Vec<u8>> = (0..nr).map(|r| weights(TensorType::Q4_1, cols / BLOCK, r as u64)).collect();
+            let x = activations(n * cols, 99 + n as u64);
+            let mut q = Q8Rows::default();
+            q.quantize(&x, cols);
+            for per_task in [32, 5] {
+                let mut out = vec![f32::NAN; nr * n];
+                vnni::matmul(|r| rows[r].as_slice(), nr, &q, n, &mut out, per_task);
+                for r in 0..nr {
+                    for t in 0..n {
+                        let single = dot(TensorType::Q4_1, &rows[r], q.row(t));
+                        let tiled = out[t * nr + r];
+                        assert!(
+                            (tiled - single).abs() <= 1e-5 * single.abs().max(1.0),
+                            "{nr}x{n}x{cols}: row {r}, activation row {t}: {tiled} vs {single}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_quantization_equals_the_scalar_one() {
+        if !crate::kernels::simd_available() {
+            eprintln!("no AVX2 here: only the scalar quantization runs");
+            return;
+        }
+        let mut x = activations(32 * 64, 5);
+        // Exact ties (k + 0.5 steps), a NaN and a zero block.
+        x[..32].iter_mut().enumerate().for_each(|(i, v)| *v = (i as f32 - 16.0) + 0.5);
+        x[..32][31] = 127.0;
+        x[40] = f32::NAN;
+        x[64..96].fill(0.0);
+        for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
+            let (mut a, mut s) = ([0i8; 32], [0i8; 32]);
+            let fast = simd::quantize_block(xs, &mut a);
+            let scalar = quantize_block(xs, &mut s);
+            assert_eq!(
+                (a, fast.0.to_bits(), fast.1.to_bits()),
+                (s, scalar.0.to_bits(), scalar.1.to_bits()),
+                "block {b}"
+            );
         }
     }
 

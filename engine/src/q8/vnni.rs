@@ -1,0 +1,233 @@
+//! Prompt-sized matmuls in the fast precision on CPUs with 512-bit integer dot products (AVX-512 VNNI): Q4_1
+//! weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles of four weight rows by four activation
+//! rows.
+//!
+//! A group of weight rows is unpacked once per matmul into one byte per value (a Q4_1 nibble is already
+//! unsigned, which is what `vpdpbusd` takes against signed activation bytes), with its block scales and minimums
+//! in f32. One 512-bit register then holds two blocks, `vpdpbusd` sums their 64 products into sixteen lanes of four,
+//! and each lane is scaled by its block's weight scale times activation scale and added to a float accumulator:
+//! three instructions and a multiply for 64 products, where the f32 tiles take eight fused multiply-adds. The
+//! minimums' term `Σ m·s` is a short f32 dot over blocks at the end. The summation order differs from
+//! [`super::dot`]'s, so results are not bit-identical to the single-row path: the fast precision is not
+//! batch-invariant, and its tests hold it to tolerances instead.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::{BLOCK, Q8Rows};
+use crate::gguf::TensorType;
+
+/// Whether the CPU has what the tiles use (AVX-512 F/BW with VNNI; F16C for the scales).
+pub fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// Whether rows of `ty` with `cols` columns go through the tiles: Q4_1, whole pairs of blocks.
+pub fn supported(ty: TensorType, cols: usize) -> bool {
+    ty == TensorType::Q4_1 && cols > 0 && cols.is_multiple_of(2 * BLOCK)
+}
+
+/// Weight rows unpacked for the tiles; reused across groups.
+#[derive(Default)]
+pub struct Unpacked {
+    cols: usize,
+    /// One byte per value, row after row.
+    u: Vec<u8>,
+    /// Per row, per block: the scale.
+    d: Vec<f32>,
+    /// Per row, per block: the minimum, each row padded with zeros to a multiple of 16 blocks.
+    m: Vec<f32>,
+}
+
+impl Unpacked {
+    fn blocks(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    fn padded(&self) -> usize {
+        self.blocks().next_multiple_of(16)
+    }
+
+    /// Unpacks Q4_1 rows (`cols` values each). [`available`] must hold.
+    fn unpack<'a>(&mut self, rows: impl ExactSizeIterator<Item = &'a [u8]>, cols: usize) {
+        self.cols = cols;
+        let (blocks, padded, n) = (self.blocks(), self.padded(), rows.len());
+        self.u.resize(n * cols, 0);
+        self.d.resize(n * blocks, 0.0);
+        self.m.clear();
+        self.m.resize(n * padded, 0.0);
+        for (r, row) in rows.enumerate() {
+            let row = &row[..blocks * 20];
+            let u = &mut self.u[r * cols..(r + 1) * cols];
+            let (d, m) = (&mut self.d[r * blocks..(r + 1) * blocks], &mut self.m[r * padded..r * padded + blocks]);
+            // SAFETY: `available()` holds (the caller's contract); the slices have the lengths `unpack_row` reads
+            // and writes.
+            unsafe { unpack_row(row, u, d, m) };
+        }
+    }
+}
+
+/// One Q4_1 row: `u` gets 32 bytes per 20-byte block, `d` and `m` one float each.
+///
+/// # Safety
+/// AVX2 and F16C are there; `u.len() == 32 * d.len()`, `m.len() == d.len()`, `row.len() == 20 * d.len()`.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn unpack_row(row: &[u8], u: &mut [u8], d: &mut [f32], m: &mut [f32]) {
+    let mask = _mm256_set1_epi8(0x0F);
+    for (b, blk) in row.chunks_exact(20).enumerate() {
+        // SAFETY: bytes 0..20 are the block; bytes 32b..32b + 32 are in `u`.
+        unsafe {
+            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]])));
+            d[b] = _mm_cvtss_f32(scales);
+            m[b] = _mm_cvtss_f32(_mm_movehdup_ps(scales));
+            let qs = _mm_loadu_si128(blk.as_ptr().add(4).cast());
+            // Low nibbles are values 0..16, high nibbles 16..32.
+            let v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs), mask);
+            _mm256_storeu_si256(u.as_mut_ptr().add(32 * b).cast(), v);
+        }
+    }
+}
+
+/// `out[t * rows + r] = w(r) · x(t)` for every weight row `r < rows` (Q4_1, [`supported`]) and every row `t` of
+/// `x` (`n` rows, `out` holds `n * rows`): parallel over groups of `per_task` weight rows, each task writing its
+/// rows' values straight into the token-major output. [`available`] must hold.
+pub fn matmul<'a>(
+    w: impl Fn(usize) -> &'a [u8] + Sync,
+    rows: usize,
+    x: &Q8Rows,
+    n: usize,
+    out: &mut [f32],
+    per_task: usize,
+) {
+    assert!(available(), "VNNI tiles on a CPU without them");
+    assert!(out.len() >= n * rows && x.d.len() >= n * x.blocks_per_row, "vnni::matmul: short buffers");
+    let out = Columns { ptr: out.as_mut_ptr(), rows, _out: PhantomData };
+    let per_task = per_task.max(1);
+    (0..rows.div_ceil(per_task)).into_par_iter().for_each(|task| {
+        let r0 = task * per_task;
+        let nr = per_task.min(rows - r0);
+        // SAFETY: each task writes only rows `r0..r0 + nr`, which no other task has.
+        unsafe { matmul_rows(|r| w(r0 + r), r0, nr, x, n, &out, &mut Unpacked::default()) };
+    });
+}
+
+/// The token-major output of one matmul, written by its tasks at once, each in its own weight rows' columns.
+struct Columns<'a> {
+    ptr: *mut f32,
+    rows: usize,
+    _out: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: tasks write disjoint elements (their own weight rows), and nothing reads them before the tasks end.
+unsafe impl Sync for Columns<'_> {}
+
+/// Weight rows `first..first + nr` (`w(k)` is row `first + k`) against every row of `x`, written into `out`.
+///
+/// # Safety
+/// No other thread writes rows `first..first + nr` of `out` meanwhile; `out` holds `n` rows of its width, and
+/// `first + nr` is within it; [`available`] holds.
+unsafe fn matmul_rows<'a>(
+    w: impl Fn(usize) -> &'a [u8],
+    first: usize,
+    nr: usize,
+    x: &Q8Rows,
+    n: usize,
+    out: &Columns<'_>,
+    scratch: &mut Unpacked,
+) {
+    /// Weight rows unpacked at a time (18 KiB at the model's width of 576: they stay in L1 while four activation
+    /// rows pass over them, and the activation rows stay there while the group's tiles use them).
+    const GROUP: usize = 32;
+    let cols = x.blocks_per_row * BLOCK;
+    for g0 in (0..nr).step_by(GROUP) {
+        let gn = GROUP.min(nr - g0);
+        scratch.unpack((g0..g0 + gn).map(&w), cols);
+        let u = &*scratch;
+        let (full_r, full_t) = (gn / 4 * 4, n / 4 * 4);
+        // SAFETY (every `put`): row `first + g0 + r0 + r` is one of ours and `t0 + t < n`.
+        let put = |r0: usize, t0: usize, tile: &[[f32; 4]], tn: usize| {
+            for (r, row) in tile.iter().enumerate() {
+                for (t, &v) in row.iter().take(tn).enumerate() {
+                    unsafe { out.ptr.add((t0 + t) * out.rows + first + g0 + r0 + r).write(v) };
+                }
+            }
+        };
+        for t0 in (0..n).step_by(4) {
+            for r0 in (0..gn).step_by(4) {
+                // SAFETY: `available()` holds; the tiles stay inside `u`'s `gn` rows and `x`'s `n` rows.
+                unsafe {
+                    if r0 < full_r && t0 < full_t {
+                        put(r0, t0, &tile::<4, 4>(u, r0, x, t0), 4);
+                        continue;
+                    }
+                    for r in r0..gn.min(r0 + 4) {
+                        for t in t0..n.min(t0 + 4) {
+                            put(r, t, &[[tile::<1, 1>(u, r, x, t)[0][0], 0.0, 0.0, 0.0]], 1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Unpacked rows `r0..r0 + R` against activation rows `t0..t0 + T`.
+///
+/// # Safety
+/// The CPU has what [`available`] checks; the rows exist in `u` and `x`, and `x` has `u`'s width.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile<const R: usize, const T: usize>(u: &Unpacked, r0: usize, x: &Q8Rows, t0: usize) -> [[f32; T]; R] {
+    let (cols, blocks, padded) = (u.cols, u.blocks(), u.padded());
+    // Lanes 0–7 take the first float of a pair, lanes 8–15 the second.
+    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY (every load below): pair `p` covers bytes `64p..64p + 64` and blocks `2p, 2p + 1` of a row, inside
+    // the row since `cols` is a multiple of 64; rows `r0 + r` and `t0 + t` exist (the caller's contract).
+    unsafe {
+        for p in 0..cols / 64 {
+            let pair = |scales: &[f32], row: usize| {
+                let two = _mm_castpd_ps(_mm_load_sd(scales.as_ptr().add(row * blocks + 2 * p).cast()));
+                _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two))
+            };
+            let xv: [__m512i; T] =
+                std::array::from_fn(|t| _mm512_loadu_si512(x.q.as_ptr().add((t0 + t) * cols + 64 * p).cast()));
+            let xs: [__m512; T] = std::array::from_fn(|t| pair(&x.d, t0 + t));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let wv = _mm512_loadu_si512(u.u.as_ptr().add((r0 + r) * cols + 64 * p).cast());
+                let ws = pair(&u.d, r0 + r);
+                for ((a, &xv), &xs) in acc.iter_mut().zip(&xv).zip(&xs) {
+                    let sums = _mm512_dpbusd_epi32(zero, wv, xv);
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(ws, xs), *a);
+                }
+            }
+        }
+        // The minimums: Σ over blocks of m·s, sixteen blocks at a time (the weights' side is zero-padded).
+        let mut out = [[0f32; T]; R];
+        for (r, row) in out.iter_mut().enumerate() {
+            for (t, v) in row.iter_mut().enumerate() {
+                let mut mins = _mm512_setzero_ps();
+                for b in (0..padded).step_by(16) {
+                    let left = blocks - b;
+                    let keep: __mmask16 = if left >= 16 { 0xFFFF } else { (1 << left) - 1 };
+                    let s = _mm512_maskz_loadu_ps(keep, x.s.as_ptr().add((t0 + t) * blocks + b));
+                    let m = _mm512_loadu_ps(u.m.as_ptr().add((r0 + r) * padded + b));
+                    mins = _mm512_fmadd_ps(m, s, mins);
+                }
+                *v = _mm512_reduce_add_ps(acc[r][t]) + _mm512_reduce_add_ps(mins);
+            }
+        }
+        out
+    }
+}
