@@ -30,6 +30,9 @@ pub struct Q8Rows {
     q: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
+    /// Where [`vnni`] computes the dots: the bytes again, per pair of blocks in the order of Q4_1's nibbles
+    /// (`vnni::interleave`); empty elsewhere.
+    paired: Vec<i8>,
 }
 
 /// One quantized activation row.
@@ -38,6 +41,7 @@ pub struct Q8Row<'a> {
     q: &'a [i8],
     d: &'a [f32],
     s: &'a [f32],
+    paired: &'a [i8],
 }
 
 impl Q8Rows {
@@ -59,6 +63,12 @@ impl Q8Rows {
             }
             (*d, *s) = quantize_block(xs, q);
         }
+        self.paired.clear();
+        #[cfg(target_arch = "x86_64")]
+        if vnni::available() && self.blocks_per_row.is_multiple_of(2) {
+            self.paired.resize(self.q.len(), 0);
+            vnni::interleave(&self.q, &mut self.paired);
+        }
     }
 
     /// Row `t`.
@@ -68,6 +78,7 @@ impl Q8Rows {
             q: &self.q[t * b * BLOCK..(t + 1) * b * BLOCK],
             d: &self.d[t * b..(t + 1) * b],
             s: &self.s[t * b..(t + 1) * b],
+            paired: self.paired.get(t * b * BLOCK..(t + 1) * b * BLOCK).unwrap_or_default(),
         }
     }
 }
@@ -99,11 +110,15 @@ pub fn dot(ty: TensorType, w: &[u8], x: Q8Row<'_>) -> f32 {
 }
 
 /// Weight row `w` against `N` activation rows: the same values as `N` calls of [`dot`], bit for bit, with the
-/// weight block unpacked once for all of them. `ty` must be [`supported`] (any other is read as Q8_0).
+/// weight block unpacked once for all of them (with AVX-512 VNNI where the CPU has it and the rows have whole
+/// pairs of blocks, else AVX2, else portable code: each sums in its own order). `ty` must be [`supported`] (any other is read as Q8_0).
 pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [Q8Row<'_>; N]) -> [f32; N] {
     debug_assert!(matches!(ty, TensorType::Q4_1 | TensorType::Q8_0), "no integer dot for {ty:?}");
     #[cfg(target_arch = "x86_64")]
     {
+        if x.iter().all(|r| !r.paired.is_empty()) {
+            return vnni::dot_tile(ty, w, x);
+        }
         if crate::kernels::simd_available() {
             return simd::dot_tile(ty, w, x);
         }
@@ -329,17 +344,23 @@ mod tests {
                     (fast - exact).abs() <= bound * 1.01 + 1e-4,
                     "{ty:?} seed {seed}: {fast} vs {exact} (bound {bound})"
                 );
-                // Without SIMD the same sums, added in another order.
+                // Without SIMD (or with AVX2 where VNNI took the dot) the same sums, added in another order.
                 let portable = portable::dot_tile(ty, &w, [q.row(0)])[0];
                 assert!((portable - fast).abs() <= 1e-4 * exact.abs().max(1.0), "{ty:?}: {portable} vs {fast}");
+                #[cfg(target_arch = "x86_64")]
+                if crate::kernels::simd_available() {
+                    let avx2 = simd::dot_tile(ty, &w, [q.row(0)])[0];
+                    assert!((avx2 - fast).abs() <= 1e-4 * exact.abs().max(1.0), "{ty:?}: {avx2} vs {fast}");
+                }
             }
         }
     }
 
     #[test]
     fn tiles_equal_single_dots_bit_for_bit() {
-        for ty in [TensorType::Q4_1, TensorType::Q8_0] {
-            let cols = 96;
+        for (ty, cols) in
+            [(TensorType::Q4_1, 96), (TensorType::Q8_0, 96), (TensorType::Q4_1, 128), (TensorType::Q8_0, 128)]
+        {
             let w = weights(ty, cols / BLOCK, 7);
             let x = activations(4 * cols, 8);
             let mut q = Q8Rows::default();

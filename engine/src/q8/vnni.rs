@@ -1,6 +1,7 @@
-//! Prompt-sized matmuls in the fast precision on CPUs with 512-bit integer dot products (AVX-512 VNNI): Q4_1
-//! weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles of four weight rows by four activation
-//! rows.
+//! The fast precision's integer dots on CPUs with 512-bit integer dot products (AVX-512 VNNI). Prompt-sized
+//! matmuls ([`matmul`]): Q4_1 weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles of four weight
+//! rows by four activation rows. Decode-sized ones ([`dot_tile`]): one weight row, Q4_1 or Q8_0, against up to
+//! four activation rows, unpacked in registers.
 //!
 //! A group of weight rows is unpacked once per matmul into one byte per value (a Q4_1 nibble is already
 //! unsigned, which is what `vpdpbusd` takes against signed activation bytes), with its block scales and minimums
@@ -230,4 +231,104 @@ unsafe fn tile<const R: usize, const T: usize>(u: &Unpacked, r0: usize, x: &Q8Ro
         }
         out
     }
+}
+
+/// Lane groups of four bytes to blocks, for a pair of blocks laid out as [`interleave`] and Q4_1's nibbles
+/// order them (lanes 0–3 and 8–11 the first block, 4–7 and 12–15 the second).
+#[inline(always)]
+fn nibble_spread() -> __m512i {
+    // SAFETY: no memory is touched; AVX-512F is there wherever this module's functions run.
+    unsafe { _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0) }
+}
+
+/// Orders each pair of 32-byte blocks of `q` (block `a` then `b`) as Q4_1's nibbles come out of two blocks
+/// loaded side by side: `a[..16]`, `b[..16]`, `a[16..]`, `b[16..]`. `q.len()` is a multiple of 64.
+pub(super) fn interleave(q: &[i8], out: &mut [i8]) {
+    for (src, dst) in q.chunks_exact(2 * BLOCK).zip(out.chunks_exact_mut(2 * BLOCK)) {
+        dst[..16].copy_from_slice(&src[..16]);
+        dst[16..32].copy_from_slice(&src[32..48]);
+        dst[32..48].copy_from_slice(&src[16..32]);
+        dst[48..].copy_from_slice(&src[48..]);
+    }
+}
+
+/// Weight row `w` (Q4_1 or Q8_0) against `N` activation rows with their `paired` bytes: a pair (weight row,
+/// activation row) takes the same operations in the same order whatever `N` is, so tiles equal single dots.
+pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [super::Q8Row<'_>; N]) -> [f32; N] {
+    let pairs = x.iter().map(|r| r.d.len().min(r.s.len()).min(r.paired.len() / BLOCK).min(r.q.len() / BLOCK)).min();
+    let pairs = pairs.unwrap_or(0).min(w.len() / ty.block_bytes()) / 2;
+    assert!(available(), "VNNI dots on a CPU without them");
+    match ty {
+        // SAFETY: checked above: the features, and `pairs` pairs of blocks in `w` and in every row.
+        TensorType::Q4_1 => unsafe { dot_pairs::<N, true>(w, x, pairs) },
+        // SAFETY: as above.
+        _ => unsafe { dot_pairs::<N, false>(w, x, pairs) },
+    }
+}
+
+/// `Q4` picks the weights' type: Q4_1 (40 bytes a pair; nibbles against the rows' `paired` bytes) or Q8_0 (68
+/// bytes a pair; against the rows' bytes in order). A Q8_0 byte is signed and `vpdpbusd` wants unsigned weights,
+/// so each is taken plus 128 (its top bit flipped) and 128·Σq is taken back through the minimums' term, as a
+/// block minimum of −128·d.
+///
+/// # Safety
+/// [`available`]; `w` and every row hold `pairs` pairs of blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_pairs<const N: usize, const Q4: bool>(w: &[u8], x: [super::Q8Row<'_>; N], pairs: usize) -> [f32; N] {
+    let spread = if Q4 { nibble_spread() } else { _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0) };
+    let stride = if Q4 { 40 } else { 68 };
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut mins = [_mm_setzero_ps(); N];
+    // SAFETY (every access): pair `p` is bytes `stride·p..stride·(p + 1)` of `w`, blocks `2p, 2p + 1` and bytes
+    // `64p..64p + 64` of each row.
+    unsafe {
+        for p in 0..pairs {
+            let blk = w.as_ptr().add(stride * p);
+            crate::kernels::simd::prefetch_weights(&w[stride * p..]);
+            let (wv, ws, m) = if Q4 {
+                // d0, m0, d1, m1.
+                let halfs =
+                    _mm_set_epi32(0, 0, blk.add(20).cast::<i32>().read_unaligned(), blk.cast::<i32>().read_unaligned());
+                let scales = _mm_cvtph_ps(halfs);
+                let ws = _mm512_permutexvar_ps(
+                    _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
+                    _mm512_castps128_ps512(scales),
+                );
+                let both = _mm256_loadu2_m128i(blk.add(24).cast(), blk.add(4).cast());
+                let wv = _mm512_and_si512(
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(both), _mm256_srli_epi16::<4>(both)),
+                    _mm512_set1_epi8(0x0F),
+                );
+                (wv, ws, _mm_shuffle_ps::<0b11_01_11_01>(scales, scales))
+            } else {
+                let halfs = i32::from(blk.cast::<u16>().read_unaligned())
+                    | (i32::from(blk.add(34).cast::<u16>().read_unaligned()) << 16);
+                let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(halfs));
+                let bytes = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2).cast())),
+                    _mm256_loadu_si256(blk.add(36).cast()),
+                );
+                let ws = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scales));
+                (_mm512_xor_si512(bytes, _mm512_set1_epi8(-128)), ws, _mm_mul_ps(scales, _mm_set1_ps(-128.0)))
+            };
+            for k in 0..N {
+                let row = if Q4 { x[k].paired } else { x[k].q };
+                let xv = _mm512_loadu_si512(row.as_ptr().add(64 * p).cast());
+                let dx = _mm_castpd_ps(_mm_load_sd(x[k].d.as_ptr().add(2 * p).cast()));
+                let xs = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(dx));
+                let sums = _mm512_dpbusd_epi32(zero, wv, xv);
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(ws, xs), acc[k]);
+                let s = _mm_castpd_ps(_mm_load_sd(x[k].s.as_ptr().add(2 * p).cast()));
+                mins[k] = _mm_fmadd_ps(m, s, mins[k]);
+            }
+        }
+    }
+    std::array::from_fn(|k| finish(acc[k], mins[k]))
+}
+
+/// The lanes' sum plus the minimums' sums of the pairs' first and second blocks (lanes 0 and 1 of `mins`).
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn finish(acc: __m512, mins: __m128) -> f32 {
+    _mm512_reduce_add_ps(acc) + (_mm_cvtss_f32(mins) + _mm_cvtss_f32(_mm_movehdup_ps(mins)))
 }
