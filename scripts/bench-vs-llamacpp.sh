@@ -4,8 +4,8 @@
 #
 #   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH] [--precision fast|reference]
 #
-# --precision is Tandem's (`reference` by default: f32 activations; `fast`: 8-bit activations in decode-sized
-# matmuls, as llama.cpp computes all of its quantized ones).
+# --precision is Tandem's (`reference` by default: f32 activations; `fast`: 8-bit activations in matmuls over
+# quantized weights, as llama.cpp computes them: every step where the CPU has AVX-512 VNNI, decode steps elsewhere).
 #
 # llama.cpp is built once by scripts/llama-cpp.sh (from the source package of llama-cpp-python on PyPI, cached
 # under $TANDEM_HOME/llama.cpp).

@@ -14,7 +14,11 @@ LLAMA_CPP_PYTHON=0.3.36
 
 home=${TANDEM_HOME:-$HOME/.cache/tandem}
 prefix="$home/llama.cpp/$LLAMA_CPP_PYTHON"
-bin="$prefix/build/bin"
+# Built for this CPU, but without AMX: on the Sapphire Rapids VMs here (2026-12-02) the kernel grants the tile
+# state, yet ggml's AMX matmul faults on its first `ldtilecfg` and llama-bench dies; without AMX it takes its
+# AVX-512 VNNI kernels. A build directory of its own, so that a build with AMX is not reused.
+build="$prefix/build-noamx"
+bin="$build/bin"
 
 missing=()
 for t in "$@"; do
@@ -33,8 +37,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     mv "$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$prefix/src"
     rm -rf "$work"
   fi
-  cmake -S "$prefix/src" -B "$prefix/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >&2
-  cmake --build "$prefix/build" --target "${missing[@]}" >&2
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  cmake -S "$prefix/src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" >&2
+  cmake --build "$build" --target "${missing[@]}" >&2
 fi
 echo "$bin"
