@@ -155,11 +155,26 @@ impl Drop for ShmRegion {
     }
 }
 
-/// Copies `blocks` (position, descriptor) out of the region at `path`; all verified, or an error and none.
+/// Copies `blocks` (position, descriptor) out of the region at `path`; all verified, or an error and none. The
+/// blocks land in one allocation (each returned `Bytes` a slice of it), and the mapping is populated in one call
+/// instead of faulting page by page: a 64 MiB pull was a fresh allocation and a few thousand faults per block.
 pub fn pull(path: &Path, blocks: &[(u32, BlockDescriptor)]) -> Result<Vec<(u32, Bytes)>, TransferError> {
+    let mut buf = Vec::new();
+    let ranges = pull_into(path, blocks, &mut buf)?;
+    let all = Bytes::from(buf);
+    Ok(ranges.into_iter().map(|(index, r)| (index, all.slice(r))).collect())
+}
+
+/// [`pull`] into `dst` (cleared first; its capacity is reused): the blocks one after another, in the order given.
+/// Returns each block's position and its bytes' range in `dst`.
+pub fn pull_into(
+    path: &Path,
+    blocks: &[(u32, BlockDescriptor)],
+    dst: &mut Vec<u8>,
+) -> Result<Vec<(u32, std::ops::Range<usize>)>, TransferError> {
     let file = fs::File::open(path)?;
     let map = map(&file)?;
-    let mut out = Vec::with_capacity(blocks.len());
+    let mut ranges = Vec::with_capacity(blocks.len());
     for &(index, d) in blocks {
         let range = usize::try_from(d.offset)
             .ok()
@@ -167,11 +182,18 @@ pub fn pull(path: &Path, blocks: &[(u32, BlockDescriptor)]) -> Result<Vec<(u32, 
             .and_then(|(o, l)| o.checked_add(l).map(|end| o..end))
             .filter(|r| r.end <= map.len())
             .ok_or(TransferError::Integrity { index, what: "outside the shared region" })?;
-        let bytes = Bytes::copy_from_slice(&map[range]);
-        if checksum(&bytes) != d.checksum {
+        ranges.push((index, range, d.checksum));
+    }
+    dst.clear();
+    dst.reserve(ranges.iter().map(|(_, r, _)| r.len()).sum());
+    let mut out = Vec::with_capacity(ranges.len());
+    for (index, range, sum) in ranges {
+        let start = dst.len();
+        dst.extend_from_slice(&map[range]);
+        if checksum(&dst[start..]) != sum {
             return Err(TransferError::Integrity { index, what: "checksum mismatch" });
         }
-        out.push((index, bytes));
+        out.push((index, start..dst.len()));
     }
     Ok(out)
 }
@@ -180,7 +202,7 @@ pub fn pull(path: &Path, blocks: &[(u32, BlockDescriptor)]) -> Result<Vec<(u32, 
 fn map(file: &fs::File) -> std::io::Result<memmap2::Mmap> {
     // SAFETY: the owner writes a region once, before any handle naming it exists, and afterwards only unlinks
     // it (never truncates or rewrites), so the mapped bytes stay valid and unchanged while we read them.
-    unsafe { memmap2::Mmap::map(file) }
+    unsafe { memmap2::MmapOptions::new().populate().map(file) }
 }
 
 #[cfg(test)]
@@ -213,6 +235,15 @@ mod tests {
             .collect();
         let got = pull(region.path(), &descs[1..]).expect("pulls");
         assert_eq!(got.iter().map(|(_, b)| b.clone()).collect::<Vec<_>>(), blocks[1..].to_vec());
+        // Into a buffer the caller keeps: the blocks in the order asked, the buffer's room reused.
+        let mut dst = Vec::with_capacity(3 * 4096);
+        let room = dst.as_ptr();
+        let order = [descs[3], descs[0], descs[2]];
+        let ranges = pull_into(region.path(), &order, &mut dst).expect("pulls into");
+        assert_eq!(dst.as_ptr(), room, "no new allocation");
+        for ((index, range), want) in ranges.iter().zip([3, 0, 2]) {
+            assert_eq!((*index, &dst[range.clone()]), (want, &blocks[want as usize][..]));
+        }
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(fs::metadata(region.path()).expect("meta").permissions().mode() & 0o077, 0, "owner-only");
         let mut bad = descs.clone();
