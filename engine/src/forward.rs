@@ -7,6 +7,7 @@
 
 use rayon::prelude::*;
 
+use crate::columns;
 use crate::kernels::{TILE_COLS, TILE_ROWS, axpy, dequantize_row, dot, dot_quantized, dot_tile, f16_to_f32};
 use crate::kv::{BlockId, KvPart, KvStore};
 use crate::model::{Matrix, Model};
@@ -317,15 +318,13 @@ fn add(x: &mut [f32], y: &[f32]) {
 #[derive(Default)]
 struct Scratch {
     precision: Precision,
-    /// The output, weight row by weight row, before it is laid out token by token.
-    out: Vec<f32>,
     /// The activation rows in 8 bits ([`Precision::Fast`]).
     q8: Q8Rows,
 }
 
-/// `out[t][r] = w[r] · x[t]` for `n` activation rows. Parallel over weight rows; every element is one [`dot`] of
-/// a dequantized row and an activation row, whatever `n` is (in [`Precision::Fast`] with few rows, one
-/// [`q8::dot`] of the weight row and the quantized activation row).
+/// `out[t][r] = w[r] · x[t]` for `n` activation rows. Parallel over weight rows, each task writing its rows'
+/// values in place ([`columns`]); every element is one [`dot`] of a dequantized row and an activation row, whatever
+/// `n` is (in [`Precision::Fast`], one integer dot of the weight row and the quantized activation row).
 fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratch) {
     let (rows, cols) = (w.rows, w.cols);
     if n == 0 {
@@ -333,43 +332,40 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratc
     }
     let tasks = rayon::current_num_threads() * 4;
     let per_task = rows.div_ceil(tasks).next_multiple_of(ROW_GROUP).max(ROW_GROUP);
-    let Scratch { precision, out: buf, q8: xq } = scratch;
+    let Scratch { precision, q8: xq } = scratch;
     #[cfg(target_arch = "x86_64")]
     if *precision == Precision::Fast && n > FAST_MAX_ROWS && q8::vnni::supported(w.ty, cols) && q8::vnni::available() {
         xq.quantize(&x[..n * cols], cols);
-        q8::vnni::matmul(|r| w.row(r), rows, xq, n, out, per_task);
+        let xq = &*xq;
+        columns::par_rows(out, n, rows, per_task, |part| q8::vnni::matmul_rows(|r| w.row(r), part, xq, n));
         return;
     }
-    buf.clear();
-    buf.resize(rows * n, 0.0);
     if *precision == Precision::Fast && n <= FAST_MAX_ROWS && q8::supported(w.ty, cols) {
         xq.quantize(&x[..n * cols], cols);
         let xq = &*xq;
-        buf.par_chunks_mut(per_task * n).enumerate().for_each(|(task, chunk)| {
-            let r0 = task * per_task;
-            for (r, col) in chunk.chunks_exact_mut(n).enumerate() {
-                let row = w.row(r0 + r);
+        columns::par_rows(out, n, rows, per_task, |part| {
+            for r in 0..part.len() {
+                let row = w.row(part.first() + r);
                 if n == 4 {
-                    col.copy_from_slice(&q8::dot_tile(w.ty, row, [0, 1, 2, 3].map(|t| xq.row(t))));
+                    let tile = q8::dot_tile(w.ty, row, [0, 1, 2, 3].map(|t| xq.row(t)));
+                    tile.iter().enumerate().for_each(|(t, &v)| part.set(r, t, v));
                     continue;
                 }
-                for (t, v) in col.iter_mut().enumerate() {
-                    *v = q8::dot(w.ty, row, xq.row(t));
+                for t in 0..n {
+                    part.set(r, t, q8::dot(w.ty, row, xq.row(t)));
                 }
             }
         });
-        transpose_into(buf, n, rows, out);
         return;
     }
-    buf.par_chunks_mut(per_task * n).enumerate().for_each(|(task, chunk)| {
-        let r0 = task * per_task;
-        let nr = chunk.len() / n;
+    columns::par_rows(out, n, rows, per_task, |part| {
+        let (r0, nr) = (part.first(), part.len());
         // Few activation rows: dequantize in registers (bit-identical to the buffered path below).
         if n <= FUSED_MAX_ROWS && dot_quantized(w.ty, w.row(r0), &x[..cols]).is_some() {
             for r in 0..nr {
                 let row = w.row(r0 + r);
                 for (t, xt) in x.chunks_exact(cols).take(n).enumerate() {
-                    chunk[r * n + t] = dot_quantized(w.ty, row, xt).unwrap_or_default();
+                    part.set(r, t, dot_quantized(w.ty, row, xt).unwrap_or_default());
                 }
             }
             return;
@@ -391,28 +387,20 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratc
                     for t in (t0..tiled_end).step_by(TILE_COLS) {
                         let tile = dot_tile([w(k), w(k + 1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
                         for (r, row) in tile.iter().enumerate() {
-                            chunk[(g0 + k + r) * n + t..][..TILE_COLS].copy_from_slice(row);
+                            for (c, &v) in row.iter().enumerate() {
+                                part.set(g0 + k + r, t + c, v);
+                            }
                         }
                     }
                 }
                 for k in 0..gn {
                     for t in t0..t0 + tn {
                         if k >= tiled_rows || t >= tiled_end {
-                            chunk[(g0 + k) * n + t] = dot(w(k), xt(t));
+                            part.set(g0 + k, t, dot(w(k), xt(t)));
                         }
                     }
                 }
             }
         }
     });
-    transpose_into(buf, n, rows, out);
-}
-
-/// Lays `by_row` (weight row by weight row, `n` values each) out token by token in `out`.
-fn transpose_into(by_row: &[f32], n: usize, rows: usize, out: &mut [f32]) {
-    for (r, col) in by_row.chunks_exact(n).enumerate() {
-        for (t, &v) in col.iter().enumerate() {
-            out[t * rows + r] = v;
-        }
-    }
 }

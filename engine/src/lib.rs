@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod bench;
 pub mod chat;
+mod columns;
 pub mod fetch;
 pub mod forward;
 pub mod generate;

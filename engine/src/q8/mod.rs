@@ -389,7 +389,9 @@ mod tests {
             q.quantize(&x, cols);
             for per_task in [32, 5] {
                 let mut out = vec![f32::NAN; nr * n];
-                vnni::matmul(|r| rows[r].as_slice(), nr, &q, n, &mut out, per_task);
+                crate::columns::par_rows(&mut out, n, nr, per_task, |part| {
+                    vnni::matmul_rows(|r| rows[r].as_slice(), part, &q, n)
+                });
                 for r in 0..nr {
                     for t in 0..n {
                         let single = dot(TensorType::Q4_1, &rows[r], q.row(t));

@@ -1,7 +1,7 @@
 //! The fast precision's integer dots on CPUs with 512-bit integer dot products (AVX-512 VNNI). Prompt-sized
-//! matmuls ([`matmul`]): Q4_1 weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles of four weight
-//! rows by four activation rows. Decode-sized ones ([`dot_tile`]): one weight row, Q4_1 or Q8_0, against up to
-//! four activation rows, unpacked in registers.
+//! matmuls ([`matmul_rows`]): Q4_1 weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles of four
+//! weight rows by four activation rows. Decode-sized ones ([`dot_tile`]): one weight row, Q4_1 or Q8_0, against
+//! up to four activation rows, unpacked in registers.
 //!
 //! A group of weight rows is unpacked once per matmul into one byte per value (a Q4_1 nibble is already
 //! unsigned, which is what `vpdpbusd` takes against signed activation bytes), with its block scales and minimums
@@ -15,12 +15,10 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
-use std::marker::PhantomData;
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
-
 use super::{BLOCK, Q8Rows};
+use crate::columns::Part;
 use crate::gguf::TensorType;
 
 /// Whether the CPU has what the tiles use (AVX-512 F/BW with VNNI; F16C for the scales).
@@ -41,7 +39,7 @@ pub fn supported(ty: TensorType, cols: usize) -> bool {
 
 /// Weight rows unpacked for the tiles; reused across groups.
 #[derive(Default)]
-pub struct Unpacked {
+struct Unpacked {
     cols: usize,
     /// One byte per value, row after row.
     u: Vec<u8>,
@@ -100,67 +98,26 @@ unsafe fn unpack_row(row: &[u8], u: &mut [u8], d: &mut [f32], m: &mut [f32]) {
     }
 }
 
-/// `out[t * rows + r] = w(r) · x(t)` for every weight row `r < rows` (Q4_1, [`supported`]) and every row `t` of
-/// `x` (`n` rows, `out` holds `n * rows`): parallel over groups of `per_task` weight rows, each task writing its
-/// rows' values straight into the token-major output. [`available`] must hold.
-pub fn matmul<'a>(
-    w: impl Fn(usize) -> &'a [u8] + Sync,
-    rows: usize,
-    x: &Q8Rows,
-    n: usize,
-    out: &mut [f32],
-    per_task: usize,
-) {
-    assert!(available(), "VNNI tiles on a CPU without them");
-    assert!(out.len() >= n * rows && x.d.len() >= n * x.blocks_per_row, "vnni::matmul: short buffers");
-    let out = Columns { ptr: out.as_mut_ptr(), rows, _out: PhantomData };
-    let per_task = per_task.max(1);
-    (0..rows.div_ceil(per_task)).into_par_iter().for_each(|task| {
-        let r0 = task * per_task;
-        let nr = per_task.min(rows - r0);
-        // SAFETY: each task writes only rows `r0..r0 + nr`, which no other task has.
-        unsafe { matmul_rows(|r| w(r0 + r), r0, nr, x, n, &out, &mut Unpacked::default()) };
-    });
-}
-
-/// The token-major output of one matmul, written by its tasks at once, each in its own weight rows' columns.
-struct Columns<'a> {
-    ptr: *mut f32,
-    rows: usize,
-    _out: PhantomData<&'a mut [f32]>,
-}
-
-// SAFETY: tasks write disjoint elements (their own weight rows), and nothing reads them before the tasks end.
-unsafe impl Sync for Columns<'_> {}
-
-/// Weight rows `first..first + nr` (`w(k)` is row `first + k`) against every row of `x`, written into `out`.
-///
-/// # Safety
-/// No other thread writes rows `first..first + nr` of `out` meanwhile; `out` holds `n` rows of its width, and
-/// `first + nr` is within it; [`available`] holds.
-unsafe fn matmul_rows<'a>(
-    w: impl Fn(usize) -> &'a [u8],
-    first: usize,
-    nr: usize,
-    x: &Q8Rows,
-    n: usize,
-    out: &Columns<'_>,
-    scratch: &mut Unpacked,
-) {
+/// The weight rows of `part` (`w(r)` is row `r`; Q4_1, [`supported`]) against every row of `x` (`n` rows),
+/// written into `part`. [`available`] must hold.
+pub(crate) fn matmul_rows<'a>(w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x: &Q8Rows, n: usize) {
     /// Weight rows unpacked at a time (18 KiB at the model's width of 576: they stay in L1 while four activation
     /// rows pass over them, and the activation rows stay there while the group's tiles use them).
     const GROUP: usize = 32;
+    assert!(available(), "VNNI tiles on a CPU without them");
+    assert!(x.d.len() >= n * x.blocks_per_row, "vnni::matmul_rows: {n} rows wanted");
     let cols = x.blocks_per_row * BLOCK;
+    let (first, nr) = (part.first(), part.len());
+    let mut scratch = Unpacked::default();
     for g0 in (0..nr).step_by(GROUP) {
         let gn = GROUP.min(nr - g0);
-        scratch.unpack((g0..g0 + gn).map(&w), cols);
-        let u = &*scratch;
+        scratch.unpack((first + g0..first + g0 + gn).map(&w), cols);
+        let u = &scratch;
         let (full_r, full_t) = (gn / 4 * 4, n / 4 * 4);
-        // SAFETY (every `put`): row `first + g0 + r0 + r` is one of ours and `t0 + t < n`.
         let put = |r0: usize, t0: usize, tile: &[[f32; 4]], tn: usize| {
             for (r, row) in tile.iter().enumerate() {
                 for (t, &v) in row.iter().take(tn).enumerate() {
-                    unsafe { out.ptr.add((t0 + t) * out.rows + first + g0 + r0 + r).write(v) };
+                    part.set(g0 + r0 + r, t0 + t, v);
                 }
             }
         };

@@ -1,0 +1,88 @@
+//! A matmul's output, token by token (`out[t * rows + r]`), written by parallel tasks that each own a range of
+//! weight rows: a task's results land in place instead of in a buffer laid out weight row by weight row and
+//! transposed afterwards. The ranges are handed out here, so no two tasks can write the same element.
+
+#![allow(unsafe_code)]
+
+use std::marker::PhantomData;
+
+use rayon::prelude::*;
+
+struct Columns<'a> {
+    ptr: *mut f32,
+    rows: usize,
+    n: usize,
+    _out: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: the tasks write disjoint elements (each its own rows, enforced by `Part::set`), and nothing reads the
+// output until they have all ended.
+unsafe impl Sync for Columns<'_> {}
+
+/// Weight rows `first..first + len` of the output: what one task writes.
+pub struct Part<'c> {
+    cols: &'c Columns<'c>,
+    first: usize,
+    len: usize,
+}
+
+impl Part<'_> {
+    /// The first weight row of this part.
+    pub fn first(&self) -> usize {
+        self.first
+    }
+
+    /// How many weight rows this part has.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Sets the value of weight row `first + r` for activation row `t`.
+    #[inline]
+    pub fn set(&self, r: usize, t: usize, v: f32) {
+        assert!(r < self.len && t < self.cols.n, "row {r} of {}, activation row {t} of {}", self.len, self.cols.n);
+        // SAFETY: in bounds (`t < n`, `first + r < rows`, `out` holds `n * rows`), and row `first + r` belongs to
+        // this part alone.
+        unsafe { self.cols.ptr.add(t * self.cols.rows + self.first + r).write(v) }
+    }
+}
+
+/// Runs `task` in parallel over the parts of `per_task` weight rows (the last one shorter) of `out`, which holds
+/// `n` activation rows of `rows` values.
+pub fn par_rows(out: &mut [f32], n: usize, rows: usize, per_task: usize, task: impl Fn(&Part<'_>) + Sync) {
+    assert!(out.len() >= n * rows, "the output holds {} values, not {n} × {rows}", out.len());
+    let per_task = per_task.max(1);
+    let cols = Columns { ptr: out.as_mut_ptr(), rows, n, _out: PhantomData };
+    (0..rows.div_ceil(per_task)).into_par_iter().for_each(|k| {
+        let first = k * per_task;
+        task(&Part { cols: &cols, first, len: per_task.min(rows - first) });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_element_is_written_once_in_token_order() {
+        let (n, rows) = (3, 70);
+        let mut out = vec![f32::NAN; n * rows];
+        par_rows(&mut out, n, rows, 32, |part| {
+            for r in 0..part.len() {
+                for t in 0..n {
+                    part.set(r, t, (t * 1000 + part.first() + r) as f32);
+                }
+            }
+        });
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(*v, ((i / rows) * 1000 + i % rows) as f32);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "row 32 of 32")]
+    fn a_part_cannot_write_past_its_rows() {
+        let mut out = vec![0f32; 64];
+        par_rows(&mut out, 1, 64, 32, |part| part.set(32, 0, 1.0));
+    }
+}
