@@ -8,7 +8,9 @@
 use rayon::prelude::*;
 
 use crate::columns;
-use crate::kernels::{TILE_COLS, TILE_ROWS, axpy, dequantize_row, dot, dot_quantized, dot_tile, f16_to_f32};
+use crate::kernels::{
+    TILE_COLS, TILE_ROWS, dequantize_row, dot, dot_quantized, dot_tile, f16_to_f32, scaled_dots, weighted_rows,
+};
 use crate::kv::{BlockId, KvPart, KvStore};
 use crate::model::{Matrix, Model};
 use crate::q8::{self, Q8Rows};
@@ -261,20 +263,14 @@ fn attend_head<'q>(
     let mut out = vec![0f32; chunk.tokens.len() * hd];
     for (t, query) in queries.enumerate() {
         let visible = chunk.start + t + 1;
-        let mut max = f32::NEG_INFINITY;
-        for (j, s) in scores[..visible].iter_mut().enumerate() {
-            *s = dot(query, &keys[j * hd..(j + 1) * hd]) * scale;
-            max = max.max(*s);
-        }
+        scaled_dots(query, &keys[..visible * hd], hd, scale, &mut scores[..visible]);
+        let max = scores[..visible].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         let mut sum = 0f32;
         for s in &mut scores[..visible] {
             *s = (*s - max).exp();
             sum += *s;
         }
-        let o = &mut out[t * hd..(t + 1) * hd];
-        for (j, s) in scores[..visible].iter().enumerate() {
-            axpy(o, s / sum, &values[j * hd..(j + 1) * hd]);
-        }
+        weighted_rows(&mut out[t * hd..(t + 1) * hd], &scores[..visible], sum, &values[..visible * hd]);
     }
     out
 }

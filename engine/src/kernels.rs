@@ -152,6 +152,37 @@ pub fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
     }
 }
 
+/// `out[j] = dot(q, rows[j]) * scale` for the `out.len()` rows of `width` floats in `rows` (attention's scores:
+/// a query against every key), each exactly the [`dot`] it names, in one call.
+pub fn scaled_dots(q: &[f32], rows: &[f32], width: usize, scale: f32, out: &mut [f32]) {
+    assert!(q.len() == width && rows.len() >= out.len() * width, "scaled_dots: {} rows of {width}", out.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::available() {
+            return simd::scaled_dots(q, rows, width, scale, out);
+        }
+    }
+    for (o, row) in out.iter_mut().zip(rows.chunks_exact(width)) {
+        *o = dot(q, row) * scale;
+    }
+}
+
+/// `out += (weights[j] / sum) · rows[j]` for every row `j` in turn, each as [`axpy`] computes it (attention's
+/// weighted sum of the values), in one call.
+pub fn weighted_rows(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f32]) {
+    let width = out.len();
+    assert!(rows.len() >= weights.len() * width, "weighted_rows: {} rows of {width}", weights.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::available() {
+            return simd::weighted_rows(out, weights, sum, rows);
+        }
+    }
+    for (&w, row) in weights.iter().zip(rows.chunks_exact(width)) {
+        axpy(out, w / sum, row);
+    }
+}
+
 /// f16 storage to f32.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     use half::slice::HalfFloatSliceExt;
@@ -474,6 +505,55 @@ pub(crate) mod simd {
         unsafe { dot_avx2(a, b) }
     }
 
+    pub fn scaled_dots(q: &[f32], rows: &[f32], width: usize, scale: f32, out: &mut [f32]) {
+        // SAFETY: callers check `available()` first (AVX2 and FMA).
+        unsafe { scaled_dots_avx2(q, rows, width, scale, out) }
+    }
+
+    /// `dot_avx2` per row, inlined here (same target features), so each score is the same `dot` bit for bit.
+    #[target_feature(enable = "avx2,fma")]
+    fn scaled_dots_avx2(q: &[f32], rows: &[f32], width: usize, scale: f32, out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(width)) {
+            // SAFETY: AVX2 and FMA are enabled here.
+            *o = unsafe { dot_avx2(q, row) } * scale;
+        }
+    }
+
+    pub fn weighted_rows(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f32]) {
+        // SAFETY: callers check `available()` first (AVX2).
+        unsafe { weighted_rows_avx2(out, weights, sum, rows) }
+    }
+
+    /// Sixty-four output floats at a time stay in registers while every row adds its share to them, each lane a
+    /// multiply then an add, rows in order: `axpy`'s arithmetic, element for element.
+    #[target_feature(enable = "avx2")]
+    fn weighted_rows_avx2(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f32]) {
+        let width = out.len();
+        let whole = width / 64 * 64;
+        for c in (0..whole).step_by(64) {
+            // SAFETY: floats `c..c + 64` are inside `out` and inside every row (`c + 64 <= width`).
+            unsafe {
+                let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(out.as_ptr().add(c + 8 * k)));
+                for (j, &w) in weights.iter().enumerate() {
+                    let p = _mm256_set1_ps(w / sum);
+                    let row = rows.as_ptr().add(j * width + c);
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(p, _mm256_loadu_ps(row.add(8 * k))));
+                    }
+                }
+                for (k, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * k), *a);
+                }
+            }
+        }
+        for (j, &w) in weights.iter().enumerate() {
+            let p = w / sum;
+            for (o, v) in out[whole..].iter_mut().zip(&rows[j * width + whole..(j + 1) * width]) {
+                *o += p * v;
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
@@ -517,6 +597,31 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
             assert!((f64::from(dot(&a, &b)) - want).abs() < 1e-4, "n={n}");
             assert!((f64::from(dot_portable(&a, &b)) - want).abs() < 1e-4, "n={n}");
+        }
+    }
+
+    /// The attention kernels against the plain calls they stand for, bit for bit (widths with and without a
+    /// part past the last 64 floats).
+    #[test]
+    fn attention_kernels_equal_their_plain_loops() {
+        for width in [64, 72, 8, 3] {
+            let f = |i: usize, s: f32| ((i as f32) * s).sin();
+            let q: Vec<f32> = (0..width).map(|i| f(i, 0.37)).collect();
+            let rows: Vec<f32> = (0..9 * width).map(|i| f(i, 0.11)).collect();
+            let mut scores = vec![0f32; 9];
+            scaled_dots(&q, &rows, width, 0.125, &mut scores);
+            for (j, s) in scores.iter().enumerate() {
+                assert_eq!(s.to_bits(), (dot(&q, &rows[j * width..(j + 1) * width]) * 0.125).to_bits(), "{width} {j}");
+            }
+            let mut out: Vec<f32> = (0..width).map(|i| f(i, 0.7)).collect();
+            let mut want = out.clone();
+            weighted_rows(&mut out, &scores, 1.7, &rows);
+            for (j, &w) in scores.iter().enumerate() {
+                for (o, v) in want.iter_mut().zip(&rows[j * width..(j + 1) * width]) {
+                    *o += (w / 1.7) * v;
+                }
+            }
+            assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "width {width}");
         }
     }
 
