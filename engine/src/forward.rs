@@ -23,7 +23,7 @@ pub enum Precision {
     Reference,
     /// Matmuls over Q4_1/Q8_0 weights quantize the activations to 8 bits per 32-value block and dot them with the
     /// weights in integers ([`crate::q8`], as llama.cpp computes quantized matmuls): up to four activation rows
-    /// (decode) on AVX2, more (prompts, large batches) in 4 × 4 tiles on CPUs with AVX-512 VNNI, elsewhere as in
+    /// (decode) with AVX2 or AVX-512 VNNI, more (prompts, large batches) in 4 × 4 tiles on CPUs with AVX-512 VNNI, elsewhere as in
     /// the reference. Faster in docs/performance.md's runs, within a measured tolerance of the reference
     /// (`tests/precision.rs`); a sequence's logits depend on how many share its step, as in llama.cpp and vLLM:
     /// the batch-invariance guarantees are the reference precision's.
@@ -101,7 +101,7 @@ pub const LOGIT_TOLERANCE: f32 = 0.05;
 const FUSED_MAX_ROWS: usize = 2;
 
 /// Up to this many activation rows, the fast precision computes in 8 bits ([`crate::q8`]).
-const FAST_MAX_ROWS: usize = 4;
+const FAST_MAX_ROWS: usize = q8::PAIRED_MAX_ROWS;
 
 /// Rows of weights dequantized together (72 KiB of f32 at the model's width of 576: they stay in L2), so each
 /// activation row is read from memory once per group rather than once per row.

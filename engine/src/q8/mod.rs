@@ -23,6 +23,10 @@ use crate::gguf::TensorType;
 /// Values per quantization block (the weights' and the activations').
 pub const BLOCK: usize = 32;
 
+/// Up to this many rows, a quantization also keeps the paired copy the VNNI dots read ([`dot_tile`]); more rows
+/// than this go through tiles that do not need it, and a dot of rows without it takes the AVX2 path.
+pub const PAIRED_MAX_ROWS: usize = 4;
+
 /// Activation rows in 8 bits: per row, per block, 32 signed bytes, a scale and the scaled sum of the bytes.
 #[derive(Debug, Default)]
 pub struct Q8Rows {
@@ -31,7 +35,7 @@ pub struct Q8Rows {
     d: Vec<f32>,
     s: Vec<f32>,
     /// Where [`vnni`] computes the dots: the bytes again, per pair of blocks in the order of Q4_1's nibbles
-    /// (`vnni::interleave`); empty elsewhere.
+    /// (`vnni::interleave`), for up to [`PAIRED_MAX_ROWS`] rows; empty elsewhere.
     paired: Vec<i8>,
 }
 
@@ -64,8 +68,9 @@ impl Q8Rows {
             (*d, *s) = quantize_block(xs, q);
         }
         self.paired.clear();
+        // Only decode-sized steps read the paired copy (prompt-sized ones go through `vnni`'s tiles, which read `q`).
         #[cfg(target_arch = "x86_64")]
-        if vnni::available() && self.blocks_per_row.is_multiple_of(2) {
+        if x.len() <= PAIRED_MAX_ROWS * cols && vnni::available() && self.blocks_per_row.is_multiple_of(2) {
             self.paired.resize(self.q.len(), 0);
             vnni::interleave(&self.q, &mut self.paired);
         }
@@ -110,8 +115,9 @@ pub fn dot(ty: TensorType, w: &[u8], x: Q8Row<'_>) -> f32 {
 }
 
 /// Weight row `w` against `N` activation rows: the same values as `N` calls of [`dot`], bit for bit, with the
-/// weight block unpacked once for all of them (with AVX-512 VNNI where the CPU has it and the rows have whole
-/// pairs of blocks, else AVX2, else portable code: each sums in its own order). `ty` must be [`supported`] (any other is read as Q8_0).
+/// weight block unpacked once for all of them (with AVX-512 VNNI where the CPU has it and the rows have their
+/// paired copy, else AVX2, else portable code: each sums in its own order). `ty` must be [`supported`] (any
+/// other is read as Q8_0).
 pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [Q8Row<'_>; N]) -> [f32; N] {
     debug_assert!(matches!(ty, TensorType::Q4_1 | TensorType::Q8_0), "no integer dot for {ty:?}");
     #[cfg(target_arch = "x86_64")]

@@ -20,6 +20,7 @@ use std::sync::OnceLock;
 use super::{BLOCK, Q8Rows};
 use crate::columns::Part;
 use crate::gguf::TensorType;
+use crate::kernels::simd::{prefetch_weights, scales};
 
 /// Whether the CPU has what the tiles use (AVX-512 F/BW with VNNI; F16C for the scales).
 pub fn available() -> bool {
@@ -80,16 +81,14 @@ impl Unpacked {
 /// One Q4_1 row: `u` gets 32 bytes per 20-byte block, `d` and `m` one float each.
 ///
 /// # Safety
-/// AVX2 and F16C are there; `u.len() == 32 * d.len()`, `m.len() == d.len()`, `row.len() == 20 * d.len()`.
-#[target_feature(enable = "avx2,f16c")]
+/// AVX2, FMA and F16C are there; `u.len() == 32 * d.len()`, `m.len() == d.len()`, `row.len() == 20 * d.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn unpack_row(row: &[u8], u: &mut [u8], d: &mut [f32], m: &mut [f32]) {
     let mask = _mm256_set1_epi8(0x0F);
     for (b, blk) in row.chunks_exact(20).enumerate() {
-        // SAFETY: bytes 0..20 are the block; bytes 32b..32b + 32 are in `u`.
+        (d[b], m[b]) = scales(blk);
+        // SAFETY: bytes 4..20 are in the block; bytes 32b..32b + 32 are in `u`.
         unsafe {
-            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]])));
-            d[b] = _mm_cvtss_f32(scales);
-            m[b] = _mm_cvtss_f32(_mm_movehdup_ps(scales));
             let qs = _mm_loadu_si128(blk.as_ptr().add(4).cast());
             // Low nibbles are values 0..16, high nibbles 16..32.
             let v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs), mask);
@@ -114,30 +113,39 @@ pub(crate) fn matmul_rows<'a>(w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x:
         scratch.unpack((first + g0..first + g0 + gn).map(&w), cols);
         let u = &scratch;
         let (full_r, full_t) = (gn / 4 * 4, n / 4 * 4);
-        let put = |r0: usize, t0: usize, tile: &[[f32; 4]], tn: usize| {
-            for (r, row) in tile.iter().enumerate() {
-                for (t, &v) in row.iter().take(tn).enumerate() {
-                    part.set(g0 + r0 + r, t0 + t, v);
-                }
-            }
-        };
         for t0 in (0..n).step_by(4) {
             for r0 in (0..gn).step_by(4) {
                 // SAFETY: `available()` holds; the tiles stay inside `u`'s `gn` rows and `x`'s `n` rows.
                 unsafe {
                     if r0 < full_r && t0 < full_t {
-                        put(r0, t0, &tile::<4, 4>(u, r0, x, t0), 4);
+                        for (r, row) in tile::<4, 4>(u, r0, x, t0).iter().enumerate() {
+                            row.iter().enumerate().for_each(|(t, &v)| part.set(g0 + r0 + r, t0 + t, v));
+                        }
                         continue;
                     }
+                    // The edges: one weight row against one activation row at a time.
                     for r in r0..gn.min(r0 + 4) {
                         for t in t0..n.min(t0 + 4) {
-                            put(r, t, &[[tile::<1, 1>(u, r, x, t)[0][0], 0.0, 0.0, 0.0]], 1);
+                            part.set(g0 + r, t, tile::<1, 1>(u, r, x, t)[0][0]);
                         }
                     }
                 }
             }
         }
     }
+}
+
+/// Two floats at `at` (a pair of blocks' scales) spread over the 16 lanes as `lanes` names them (0: the first,
+/// 1: the second).
+///
+/// # Safety
+/// AVX-512F; two floats readable at `at`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn spread_pair(at: *const f32, lanes: __m512i) -> __m512 {
+    // SAFETY: the caller's contract.
+    let two = unsafe { _mm_castpd_ps(_mm_load_sd(at.cast())) };
+    _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(two))
 }
 
 /// Unpacked rows `r0..r0 + R` against activation rows `t0..t0 + T`.
@@ -155,10 +163,7 @@ unsafe fn tile<const R: usize, const T: usize>(u: &Unpacked, r0: usize, x: &Q8Ro
     // the row since `cols` is a multiple of 64; rows `r0 + r` and `t0 + t` exist (the caller's contract).
     unsafe {
         for p in 0..cols / 64 {
-            let pair = |scales: &[f32], row: usize| {
-                let two = _mm_castpd_ps(_mm_load_sd(scales.as_ptr().add(row * blocks + 2 * p).cast()));
-                _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two))
-            };
+            let pair = |scales: &[f32], row: usize| spread_pair(scales.as_ptr().add(row * blocks + 2 * p), spread);
             let xv: [__m512i; T] =
                 std::array::from_fn(|t| _mm512_loadu_si512(x.q.as_ptr().add((t0 + t) * cols + 64 * p).cast()));
             let xs: [__m512; T] = std::array::from_fn(|t| pair(&x.d, t0 + t));
@@ -242,7 +247,7 @@ unsafe fn dot_pairs<const N: usize, const Q4: bool>(w: &[u8], x: [super::Q8Row<'
     unsafe {
         for p in 0..pairs {
             let blk = w.as_ptr().add(stride * p);
-            crate::kernels::simd::prefetch_weights(&w[stride * p..]);
+            prefetch_weights(&w[stride * p..]);
             let (wv, ws, m) = if Q4 {
                 // d0, m0, d1, m1.
                 let halfs =
@@ -272,8 +277,7 @@ unsafe fn dot_pairs<const N: usize, const Q4: bool>(w: &[u8], x: [super::Q8Row<'
             for k in 0..N {
                 let row = if Q4 { x[k].paired } else { x[k].q };
                 let xv = _mm512_loadu_si512(row.as_ptr().add(64 * p).cast());
-                let dx = _mm_castpd_ps(_mm_load_sd(x[k].d.as_ptr().add(2 * p).cast()));
-                let xs = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(dx));
+                let xs = spread_pair(x[k].d.as_ptr().add(2 * p), spread);
                 let sums = _mm512_dpbusd_epi32(zero, wv, xv);
                 acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(ws, xs), acc[k]);
                 let s = _mm_castpd_ps(_mm_load_sd(x[k].s.as_ptr().add(2 * p).cast()));
