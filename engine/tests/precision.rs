@@ -19,8 +19,11 @@ use engine::sampling::{RawSampling, SamplingParams};
 /// in 8 bits (2026-12-02): the reference's top token's logit moved by 0.48 at worst, KL(reference ‖ fast) 0.0024 on
 /// average and 0.071 at worst. With prompts in 8 bits as well (on CPUs with AVX-512 VNNI, the same day): 0.60 at
 /// worst, KL 0.0031 on average and 0.055 at worst (0.59, 0.0030 and 0.046 once decode dots took VNNI as well),
-/// every clear top-1 token the same. The bounds leave room for
-/// other CPUs' summation order, not for a different scheme.
+/// every clear top-1 token the same; those runs rounded ties to even when quantizing. On an AVX2-only CPU (AMD EPYC,
+/// prompts in f32) ties to even moved one step's top logit by 0.94, ties away from zero (C's `roundf`, as llama.cpp's
+/// reference quantizer and as the fast precision first did) by 0.48: the quantizer rounds ties away from zero again,
+/// and a CPU with VNNI has not been re-measured since. The bounds leave room for other CPUs' summation order, not for
+/// a different scheme.
 const FAST_TOP_LOGIT_TOLERANCE: f32 = 0.75;
 const FAST_MEAN_KL: f64 = 0.005;
 const FAST_MAX_KL: f64 = 0.15;

@@ -88,7 +88,8 @@ impl Q8Rows {
     }
 }
 
-/// Quantizes one block to nearest (ties to even, as the SIMD conversion rounds); returns `(d, d·Σq)`. A NaN counts
+/// Quantizes one block to nearest, ties away from zero (C's `roundf`, as llama.cpp's reference quantizer); returns
+/// `(d, d·Σq)`. A NaN counts
 /// as 0.
 fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -97,7 +98,7 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     let mut sum = 0i32;
     for (o, &v) in q.iter_mut().zip(x) {
         // A NaN becomes 0 (Rust's saturating cast); |v·inv| ≤ 127 otherwise.
-        let r = ((v * inv).round_ties_even() as i32).clamp(-127, 127);
+        let r = ((v * inv).round() as i32).clamp(-127, 127);
         *o = r as i8;
         sum += r;
     }
@@ -261,8 +262,17 @@ mod simd {
             let d = amax / 127.0;
             let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
             let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
-            // Rounds to nearest, ties to even (the default rounding mode).
-            let r = v.map(|a| _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, inv)), lo), hi));
+            // Rounds to nearest, ties away from zero, exactly as `f32::round`: the truncation plus one step away
+            // from zero where the dropped fraction (exact below 2^23) is at least a half. (Adding ±0.5 and
+            // truncating would round 0.49999997 up.)
+            let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+            let round = |y: __m256| {
+                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let up = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half);
+                _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(y, sign), one)))
+            };
+            let r =
+                v.map(|a| _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(round(_mm256_mul_ps(a, inv))), lo), hi));
             let sum = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
             let sum = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
             let sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
@@ -425,6 +435,9 @@ mod tests {
         x[..32][31] = 127.0;
         x[40] = f32::NAN;
         x[64..96].fill(0.0);
+        // Just under a half (adding 0.5 and truncating would round these away from zero), with a scale of 1.
+        x[96..128]
+            .copy_from_slice(&[[127.0, 0.499_999_97, -0.499_999_97, 1.499_999_9, -2.5, 2.5, -0.0, 126.5]; 4].concat());
         for (b, xs) in x.chunks_exact(BLOCK).enumerate() {
             let (mut a, mut s) = ([0i8; 32], [0i8; 32]);
             let fast = simd::quantize_block(xs, &mut a);
