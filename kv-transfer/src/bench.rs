@@ -136,9 +136,10 @@ pub async fn run(
     }
     serve.abort();
 
-    // Shared memory: the owner's region written once; each run maps it and copies every block out, verified:
-    // into fresh memory (`shm::pull`, what the decode worker calls today), and into one buffer reused across runs
-    // as the TCP reader's is (`shm::pull_into`: what a pull straight into the engine's warm KV blocks would cost).
+    // Shared memory: the owner's region written once; each run maps it and copies every block out, checking each
+    // copy: into one buffer reused across runs, as the TCP reader's is (`shm::pull_into`: what the decode worker's
+    // path costs, its engine copying each mapped block into a warm KV block and checking it there), and into
+    // fresh memory (`shm::pull`, the worker's path before the engine read mapped blocks itself).
     let dir = std::path::Path::new(crate::shm::DEFAULT_DIR);
     let dir = if dir.is_dir() { dir.to_path_buf() } else { std::env::temp_dir() };
     let owner = crate::shm::ShmDir::open(&dir, &format!("bench{}", std::process::id()))?;

@@ -155,9 +155,71 @@ impl Drop for ShmRegion {
     }
 }
 
+/// Blocks of another owner's region, mapped and bounds-checked, to be read where they lie: the decode worker's
+/// engine copies each straight into one of its KV blocks and checks the copy there ([`MappedBlocks::check`]), so a
+/// pull needs no buffer of its own. The mapping stays valid after the owner unlinks the file (its lease released).
+#[derive(Debug)]
+pub struct MappedBlocks {
+    map: memmap2::Mmap,
+    /// Per block: its position, its bytes' range in the mapping, and the owner's checksum.
+    blocks: Vec<(u32, std::ops::Range<usize>, u64)>,
+}
+
+impl MappedBlocks {
+    /// Maps the region at `path` (populated in one call rather than faulted page by page) and checks that every
+    /// block of `blocks` (position, descriptor) lies inside it.
+    pub fn open(path: &Path, blocks: &[(u32, BlockDescriptor)]) -> Result<MappedBlocks, TransferError> {
+        let file = fs::File::open(path)?;
+        let map = map(&file)?;
+        let mut ranges = Vec::with_capacity(blocks.len());
+        for &(index, d) in blocks {
+            let range = usize::try_from(d.offset)
+                .ok()
+                .zip(usize::try_from(d.len).ok())
+                .and_then(|(o, l)| o.checked_add(l).map(|end| o..end))
+                .filter(|r| r.end <= map.len())
+                .ok_or(TransferError::Integrity { index, what: "outside the shared region" })?;
+            ranges.push((index, range, d.checksum));
+        }
+        Ok(MappedBlocks { map, blocks: ranges })
+    }
+
+    /// How many blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The `k`-th block: its position and its bytes in the mapping (not yet checked).
+    pub fn block(&self, k: usize) -> (u32, &[u8]) {
+        let (index, range, _) = &self.blocks[k];
+        (*index, &self.map[range.clone()])
+    }
+
+    /// Checks a copy of the `k`-th block against the owner's checksum: check the copy, not the mapping, so that
+    /// what is checked is what is used.
+    pub fn check(&self, k: usize, copy: &[u8]) -> Result<(), TransferError> {
+        let (index, range, sum) = &self.blocks[k];
+        if copy.len() != range.len() {
+            return Err(TransferError::Integrity { index: *index, what: "wrong length" });
+        }
+        if checksum(copy) != *sum {
+            return Err(TransferError::Integrity { index: *index, what: "checksum mismatch" });
+        }
+        Ok(())
+    }
+
+    /// Bytes over all blocks.
+    pub fn bytes(&self) -> u64 {
+        self.blocks.iter().map(|(_, r, _)| r.len() as u64).sum()
+    }
+}
+
 /// Copies `blocks` (position, descriptor) out of the region at `path`; all verified, or an error and none. The
-/// blocks land in one allocation (each returned `Bytes` a slice of it), and the mapping is populated in one call
-/// instead of faulting page by page: a 64 MiB pull was a fresh allocation and a few thousand faults per block.
+/// blocks land in one allocation (each returned `Bytes` a slice of it).
 pub fn pull(path: &Path, blocks: &[(u32, BlockDescriptor)]) -> Result<Vec<(u32, Bytes)>, TransferError> {
     let mut buf = Vec::new();
     let ranges = pull_into(path, blocks, &mut buf)?;
@@ -165,34 +227,22 @@ pub fn pull(path: &Path, blocks: &[(u32, BlockDescriptor)]) -> Result<Vec<(u32, 
     Ok(ranges.into_iter().map(|(index, r)| (index, all.slice(r))).collect())
 }
 
-/// [`pull`] into `dst` (cleared first; its capacity is reused): the blocks one after another, in the order given.
-/// Returns each block's position and its bytes' range in `dst`.
+/// [`pull`] into `dst` (cleared first; its capacity is reused): the blocks one after another, in the order given,
+/// each checked after it is copied. Returns each block's position and its bytes' range in `dst`.
 pub fn pull_into(
     path: &Path,
     blocks: &[(u32, BlockDescriptor)],
     dst: &mut Vec<u8>,
 ) -> Result<Vec<(u32, std::ops::Range<usize>)>, TransferError> {
-    let file = fs::File::open(path)?;
-    let map = map(&file)?;
-    let mut ranges = Vec::with_capacity(blocks.len());
-    for &(index, d) in blocks {
-        let range = usize::try_from(d.offset)
-            .ok()
-            .zip(usize::try_from(d.len).ok())
-            .and_then(|(o, l)| o.checked_add(l).map(|end| o..end))
-            .filter(|r| r.end <= map.len())
-            .ok_or(TransferError::Integrity { index, what: "outside the shared region" })?;
-        ranges.push((index, range, d.checksum));
-    }
+    let mapped = MappedBlocks::open(path, blocks)?;
     dst.clear();
-    dst.reserve(ranges.iter().map(|(_, r, _)| r.len()).sum());
-    let mut out = Vec::with_capacity(ranges.len());
-    for (index, range, sum) in ranges {
+    dst.reserve(usize::try_from(mapped.bytes()).unwrap_or(usize::MAX));
+    let mut out = Vec::with_capacity(mapped.len());
+    for k in 0..mapped.len() {
+        let (index, bytes) = mapped.block(k);
         let start = dst.len();
-        dst.extend_from_slice(&map[range]);
-        if checksum(&dst[start..]) != sum {
-            return Err(TransferError::Integrity { index, what: "checksum mismatch" });
-        }
+        dst.extend_from_slice(bytes);
+        mapped.check(k, &dst[start..])?;
         out.push((index, start..dst.len()));
     }
     Ok(out)
@@ -217,22 +267,25 @@ mod tests {
         d
     }
 
+    /// Each block's descriptor in its region (at `offsets`), positions numbered from `first`.
+    fn described(offsets: &[u64], blocks: &[Bytes], first: u32) -> Vec<(u32, BlockDescriptor)> {
+        let desc = |(&offset, b): (&u64, &Bytes)| BlockDescriptor {
+            seq_hash: None,
+            region: RegionKey(0),
+            offset,
+            len: b.len() as u64,
+            checksum: checksum(b),
+        };
+        (first..).zip(offsets.iter().zip(blocks).map(desc)).collect()
+    }
+
     #[test]
     fn blocks_round_trip_and_damage_is_caught() {
         let dir = scratch("round-trip");
         let owner = ShmDir::open(&dir, "a1").expect("owner");
         let blocks: Vec<Bytes> = (0..4u8).map(|i| Bytes::from(vec![i; 4096])).collect();
         let (region, offsets) = owner.create_region(LeaseId(0xfeed), &blocks).expect("region");
-        let descs: Vec<(u32, BlockDescriptor)> = offsets
-            .iter()
-            .zip(&blocks)
-            .enumerate()
-            .map(|(i, (&offset, b))| {
-                let d =
-                    BlockDescriptor { seq_hash: None, region: RegionKey(0), offset, len: 4096, checksum: checksum(b) };
-                (i as u32, d)
-            })
-            .collect();
+        let descs = described(&offsets, &blocks, 0);
         let got = pull(region.path(), &descs[1..]).expect("pulls");
         assert_eq!(got.iter().map(|(_, b)| b.clone()).collect::<Vec<_>>(), blocks[1..].to_vec());
         // Into a buffer the caller keeps: the blocks in the order asked, the buffer's room reused.
@@ -259,6 +312,34 @@ mod tests {
         assert!(!path.exists(), "the region is removed with its lease");
         drop(owner);
         assert_eq!(fs::read_dir(&dir).expect("dir").count(), 0, "the owner's lock file goes with it");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn mapped_blocks_are_read_in_place_checked_by_their_copy_and_outlive_the_file() {
+        let dir = scratch("mapped");
+        let owner = ShmDir::open(&dir, "m1").expect("owner");
+        let blocks: Vec<Bytes> = (0..3u8).map(|i| Bytes::from(vec![i + 7; 4096])).collect();
+        let (region, offsets) = owner.create_region(LeaseId(0xbeef), &blocks).expect("region");
+        let descs = described(&offsets, &blocks, 10);
+        let mapped = MappedBlocks::open(region.path(), &[descs[2], descs[0]]).expect("maps");
+        // The owner lets the lease go (the file is unlinked): the mapping still reads the blocks.
+        drop(region);
+        assert_eq!((mapped.len(), mapped.bytes()), (2, 8192));
+        let (index, bytes) = mapped.block(0);
+        assert_eq!((index, bytes), (12, &blocks[2][..]));
+        let mut copy = bytes.to_vec();
+        assert!(mapped.check(0, &copy).is_ok());
+        copy[100] ^= 1;
+        assert!(matches!(
+            mapped.check(0, &copy),
+            Err(TransferError::Integrity { index: 12, what: "checksum mismatch" })
+        ));
+        assert!(matches!(
+            mapped.check(1, &blocks[0][..4095]),
+            Err(TransferError::Integrity { what: "wrong length", .. })
+        ));
+        drop((mapped, owner));
         let _ = fs::remove_dir_all(&dir);
     }
 

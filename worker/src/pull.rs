@@ -47,8 +47,50 @@ impl ModelledTransfer {
     }
 }
 
-/// Blocks pulled for a prompt, by block position, ready to import.
-pub type Pulled = Vec<(usize, Bytes)>;
+/// Blocks pulled for a prompt, ready to import: received over QUIC into buffers (checked on receipt), or still in
+/// the owner's shared-memory region, mapped (the engine copies each into its KV block and checks it there).
+#[derive(Debug)]
+pub enum Pulled {
+    Received(Vec<(usize, Bytes)>),
+    Mapped(kv_transfer::shm::MappedBlocks),
+}
+
+impl engine::generate::PulledBlocks for Pulled {
+    fn count(&self) -> usize {
+        match self {
+            Pulled::Received(v) => v.len(),
+            Pulled::Mapped(m) => m.len(),
+        }
+    }
+
+    fn block(&self, k: usize) -> (usize, &[u8]) {
+        match self {
+            Pulled::Received(v) => (v[k].0, &v[k].1),
+            Pulled::Mapped(m) => {
+                let (index, bytes) = m.block(k);
+                (index as usize, bytes)
+            }
+        }
+    }
+
+    fn check(&self, k: usize, copy: &[u8]) -> Result<(), String> {
+        match self {
+            Pulled::Received(_) => Ok(()),
+            Pulled::Mapped(m) => m.check(k, copy).map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// A pull whose blocks are not imported yet: its figures are recorded once they are (a shared-memory pull's copy
+/// happens in the import), by [`Puller::imported`].
+#[derive(Debug)]
+pub struct PullTiming {
+    transport: Transport,
+    blocks: usize,
+    bytes: u64,
+    started: Instant,
+    span: tracing::Span,
+}
 
 pub(crate) fn transfer_status(e: TransferError) -> Status {
     match e {
@@ -84,7 +126,7 @@ impl Puller {
         namespace: Option<&CacheNamespace>,
         handle: KvHandle,
         traceparent: Option<String>,
-    ) -> Result<Pulled, Status> {
+    ) -> Result<(Pulled, Option<PullTiming>), Status> {
         handle
             .check_compatible(&self.fingerprint, &self.layout)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -114,7 +156,7 @@ impl Puller {
         if wanted.is_empty() {
             tracing::Span::current().record("blocks", 0);
             self.release(addr, &server_name, handle.lease).await;
-            return Ok(Vec::new());
+            return Ok((Pulled::Received(Vec::new()), None));
         }
         let req = PullRequest {
             addr,
@@ -138,30 +180,41 @@ impl Puller {
         let (transport, pulled) = match local {
             Some(path) => {
                 let blocks = wanted.clone();
-                let copied = tokio::task::spawn_blocking(move || kv_transfer::shm::pull(&path, &blocks))
+                let mapped = tokio::task::spawn_blocking(move || kv_transfer::shm::MappedBlocks::open(&path, &blocks))
                     .await
-                    .map_err(|e| Status::internal(format!("shared-memory copy: {e}")))?;
-                (Transport::Shm, copied.map_err(transfer_status)?)
+                    .map_err(|e| Status::internal(format!("shared-memory mapping: {e}")))?;
+                (Transport::Shm, Pulled::Mapped(mapped.map_err(transfer_status)?))
             }
-            None => (Transport::Quic, self.client.pull(req).await.map_err(transfer_status)?),
+            None => {
+                let received = self.client.pull(req).await.map_err(transfer_status)?;
+                (Transport::Quic, Pulled::Received(received.into_iter().map(|(i, b)| (i as usize, b)).collect()))
+            }
         };
-        let bytes: u64 = match &self.modelled {
-            None => pulled.iter().map(|(_, b)| b.len() as u64).sum(),
-            Some(m) => {
-                let target = m.duration(pulled.len() as u64);
+        let blocks = engine::generate::PulledBlocks::count(&pulled);
+        let bytes: u64 = match (&self.modelled, &pulled) {
+            (None, Pulled::Received(v)) => v.iter().map(|(_, b)| b.len() as u64).sum(),
+            (None, Pulled::Mapped(m)) => m.bytes(),
+            (Some(m), _) => {
+                let target = m.duration(blocks as u64);
                 tokio::time::sleep(target.saturating_sub(started.elapsed())).await;
-                m.profile.transfer_bytes(pulled.len() as u64)
+                m.profile.transfer_bytes(blocks as u64)
             }
         };
-        let took = started.elapsed();
-        self.metrics.pulled(transport, pulled.len(), bytes, took);
         let span = tracing::Span::current();
         span.record("transport", transport.as_str());
-        span.record("blocks", pulled.len());
+        span.record("blocks", blocks);
         span.record("bytes", bytes);
-        span.record("throughput_bytes_per_s", (bytes as f64 / took.as_secs_f64().max(1e-9)) as u64);
+        // A mapping stays readable once the owner unlinks its file: the lease can go before the copy.
         self.release(addr, &server_name, handle.lease).await;
-        Ok(pulled.into_iter().map(|(i, b)| (i as usize, b)).collect())
+        Ok((pulled, Some(PullTiming { transport, blocks, bytes, started, span })))
+    }
+
+    /// Records a pull's figures once its blocks are in the engine (imported, or refused): its time runs from the
+    /// pull's start to here, so a shared-memory pull counts its copy into the KV blocks.
+    pub fn imported(&self, timing: PullTiming) {
+        let took = timing.started.elapsed();
+        self.metrics.pulled(timing.transport, timing.blocks, timing.bytes, took);
+        timing.span.record("throughput_bytes_per_s", (timing.bytes as f64 / took.as_secs_f64().max(1e-9)) as u64);
     }
 
     /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.

@@ -243,6 +243,38 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
     let _ = std::fs::remove_dir_all(&shm);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_damaged_in_shared_memory_is_caught_in_the_decode_engine_and_nothing_of_it_is_kept() {
+    let shm = std::env::temp_dir().join(format!("tandem-shm-damage-{}", std::process::id()));
+    std::fs::create_dir_all(&shm).expect("dir");
+    let Pair { p, d, mut pc, mut dc } = pair(Some(shm.clone())).await;
+    let prompt: Vec<u32> = (0..70).map(|i| 700 + i * 7).collect();
+    let pre = prefill(&mut pc, "s", &prompt, 4).await;
+    let mut damaged = pre.handle.expect("handle");
+    assert!(damaged.shm_region.is_some(), "a shared-memory pull");
+    // The region's block 2 is not what the handle promises: the engine's copy of it fails its check.
+    damaged.blocks[2].checksum ^= 0xFFFF;
+    let tokens = [prompt.clone(), vec![pre.first_token]].concat();
+    let err = generate(&mut dc, tokens.clone(), Some(damaged), 3).await.expect_err("damaged");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "another decode worker may succeed: {}", err.message());
+    assert!(err.message().contains("checksum"), "{}", err.message());
+    let stats = d.stats();
+    assert_eq!(stats.counters.imported_blocks, 0, "no block of the failed import was stored");
+    assert_eq!(stats.usage[0].used + stats.usage[0].cached, 0, "nor left behind in the pool");
+    assert_eq!(d.shm_blocks(), 0, "a failed pull is not counted");
+    // The worker goes on: the same prompt from a fresh prefill decodes through shared memory.
+    let again = prefill(&mut pc, "t", &prompt, 4).await;
+    let handle = again.handle.expect("handle");
+    assert_eq!(
+        generate(&mut dc, [prompt, vec![again.first_token]].concat(), Some(handle), 3).await.expect("ok").len(),
+        3
+    );
+    assert_eq!(d.shm_blocks(), 4);
+    drop((pc, dc));
+    stop(p, d).await;
+    let _ = std::fs::remove_dir_all(&shm);
+}
+
 /// Spans seen in this process: (name, its `traceparent` field if any).
 #[derive(Default)]
 struct Spans(std::sync::Mutex<Vec<(String, Option<String>)>>);

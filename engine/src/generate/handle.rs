@@ -17,7 +17,7 @@ use kv_cache::pool::{PrefixMatch, TierUsage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::sequence::{Failure, Seq, take_finished};
-use super::{Completion, Counters, Engine, EngineError, Event, ExportedKv, FinishReason, Request};
+use super::{Completion, Counters, Engine, EngineError, Event, ExportedKv, FinishReason, PulledBlocks, Request};
 
 /// Commands waiting for the engine thread; a full queue makes submitters wait (backpressure).
 const COMMAND_QUEUE: usize = 1024;
@@ -61,6 +61,9 @@ pub enum SubmitError {
     /// No device block was free for the blocks handed in with the request.
     #[error(transparent)]
     Exhausted(EngineError),
+    /// A block handed in with the request failed its check: the transfer, not the request, was at fault.
+    #[error(transparent)]
+    Transfer(EngineError),
     #[error("the engine is shutting down")]
     Closed,
 }
@@ -69,6 +72,7 @@ impl SubmitError {
     fn from_engine(e: EngineError) -> SubmitError {
         match e {
             e @ EngineError::OutOfKvCapacity { .. } => SubmitError::Exhausted(e),
+            e @ EngineError::Import(_) => SubmitError::Transfer(e),
             e => SubmitError::Invalid(e),
         }
     }
@@ -87,6 +91,11 @@ impl SeqStream {
     }
 }
 
+/// Nothing pulled: a request computes or finds its prompt here.
+fn no_blocks() -> Box<dyn PulledBlocks> {
+    Box::new(Vec::<(usize, Bytes)>::new())
+}
+
 enum Command {
     Submit {
         /// Boxed: a request (its sampling rules included) is much larger than the other commands.
@@ -94,7 +103,7 @@ enum Command {
         export: bool,
         /// Blocks pulled from another worker for this prompt (full blocks, by position): stored and held for the
         /// sequence until it is admitted, so nothing can evict them in between.
-        blocks: Vec<(usize, Bytes)>,
+        blocks: Box<dyn PulledBlocks>,
         reply: oneshot::Sender<Result<SeqStream, EngineError>>,
     },
     Lookup {
@@ -163,31 +172,33 @@ impl EngineHandle {
 
     /// Queues a request; validation errors come back before any compute.
     pub async fn submit(&self, request: Request) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, false, Vec::new()).await
+        self.submit_with(request, false, no_blocks()).await
     }
 
     /// Queues a request whose stream ends with the prompt's KV ([`SeqEvent::Exported`]) before `Finished`:
     /// the prefill side of disaggregation (run it with `max_tokens` 1).
     pub async fn submit_exporting(&self, request: Request) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, true, Vec::new()).await
+        self.submit_with(request, true, no_blocks()).await
     }
 
     /// Queues a request together with blocks of its prompt pulled from another worker (full blocks, by position;
-    /// blocks already held are skipped). The blocks are stored and held for the sequence until it runs, so they
-    /// cannot be evicted before use; [`SubmitError::Exhausted`] when the device tier has no room for them.
+    /// blocks already held are skipped), read where they lie: each is copied into a device block and checked
+    /// there, then stored and held for the sequence until it runs, so they cannot be evicted before use;
+    /// [`SubmitError::Exhausted`] when the device tier has no room for them, [`SubmitError::Transfer`] (and none
+    /// kept) when one fails its check.
     pub async fn submit_with_blocks(
         &self,
         request: Request,
-        blocks: Vec<(usize, Bytes)>,
+        blocks: impl PulledBlocks + 'static,
     ) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, false, blocks).await
+        self.submit_with(request, false, Box::new(blocks)).await
     }
 
     async fn submit_with(
         &self,
         request: Request,
         export: bool,
-        blocks: Vec<(usize, Bytes)>,
+        blocks: Box<dyn PulledBlocks>,
     ) -> Result<SeqStream, SubmitError> {
         let (reply, answer) = oneshot::channel();
         self.tx
@@ -330,9 +341,8 @@ impl Loop {
                 let _ = reply.send(self.engine.lookup(&hashes));
             }
             Command::Submit { request, export, blocks, reply } => {
-                let views: Vec<(usize, &[u8])> = blocks.iter().map(|(i, b)| (*i, b.as_ref())).collect();
                 let made = if self.accepting {
-                    self.engine.prepare(&request, self.next_index, export, &views)
+                    self.engine.prepare(&request, self.next_index, export, blocks.as_ref())
                 } else {
                     Err(EngineError::Config("the engine is shutting down".into()))
                 };

@@ -38,6 +38,49 @@ impl ExportedKv {
     }
 }
 
+/// Blocks of a prompt pulled from another worker, read where they lie (a buffer they were received into, or the
+/// owner's shared-memory region, mapped): the engine copies each into a fresh device block and checks the copy
+/// there before registering it, so a block needs no buffer of its own on the way in and none becomes visible
+/// unchecked.
+pub trait PulledBlocks: Send {
+    /// How many blocks.
+    fn count(&self) -> usize;
+    /// The `k`-th block: its position in the prompt and its bytes.
+    fn block(&self, k: usize) -> (usize, &[u8]);
+    /// Checks the copy of the `k`-th block in its device block; the error says why it is not that block.
+    fn check(&self, k: usize, copy: &[u8]) -> Result<(), String>;
+}
+
+/// Blocks received into buffers of their own and checked on receipt (the QUIC client checks every block).
+impl PulledBlocks for Vec<(usize, bytes::Bytes)> {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
+    fn block(&self, k: usize) -> (usize, &[u8]) {
+        (self[k].0, &self[k].1)
+    }
+
+    fn check(&self, _: usize, _: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Blocks the caller already holds (the simulator's exports, tests).
+impl PulledBlocks for &[(usize, &[u8])] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
+    fn block(&self, k: usize) -> (usize, &[u8]) {
+        self[k]
+    }
+
+    fn check(&self, _: usize, _: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 impl Engine {
     /// Copies the KV of `s`'s prompt out of its blocks (call before they are released).
     pub(super) fn export(&self, s: &mut Seq) -> ExportedKv {
@@ -85,12 +128,13 @@ impl Engine {
     /// Stores full blocks pulled from another worker, then holds the prompt's whole cached prefix for a sequence
     /// that has not started yet, so that nothing evicts those blocks before it runs (the sequence releases the
     /// hold when it is admitted). `tokens` is the prompt (its full blocks name the imported ones); `blocks` gives
-    /// bytes by block position; blocks already held anywhere are skipped. Every block is checked before any is
-    /// stored. Returns the held device blocks.
+    /// bytes by block position; blocks already held anywhere are skipped. Every block's position and length are
+    /// checked before any is stored, and each copy is checked ([`PulledBlocks::check`]) before it is registered:
+    /// all or nothing. Returns the held device blocks.
     pub(super) fn import_pinned(
         &mut self,
         s: &mut Seq,
-        blocks: &[(usize, &[u8])],
+        blocks: &dyn PulledBlocks,
     ) -> Result<Vec<BlockId>, EngineError> {
         let bt = self.config.block_tokens;
         let tokens = &s.tokens;
@@ -98,7 +142,7 @@ impl Engine {
         let len = tokens.len();
         let hashes = s.hashes(full, self.block_size()).clone();
         let want = self.block_bytes();
-        for &(i, bytes) in blocks {
+        for (i, bytes) in (0..blocks.count()).map(|k| blocks.block(k)) {
             if i >= full {
                 return Err(EngineError::Config(format!("block {i} is not a full block of a {len}-token prompt")));
             }
@@ -136,35 +180,50 @@ impl Engine {
         Ok(acquired.slots.into_iter().map(BlockId).collect())
     }
 
-    /// Writes each block the pool does not hold yet into a fresh device block and registers it; the slots stay
-    /// referenced and are listed in `stored`. The fresh blocks are allocated in one call, so that the evictions
-    /// making room for them are logged as runs.
+    /// Writes each block the pool does not hold yet into a fresh device block and checks the copy there; when every
+    /// copy passes, registers them (the slots stay referenced and are listed in `stored`), else frees them all.
+    /// The fresh blocks are allocated in one call, so that the evictions making room for them are logged as runs.
     fn store_blocks(
         &mut self,
         hashes: &kv_cache::BlockHashes,
-        blocks: &[(usize, &[u8])],
+        blocks: &dyn PulledBlocks,
         stored: &mut Vec<u32>,
     ) -> Result<(), EngineError> {
-        let mut fresh: Vec<(BlockMeta, &[u8])> = Vec::with_capacity(blocks.len());
-        for (k, &(i, bytes)) in blocks.iter().enumerate() {
-            if let Some(&(ahead, _)) = blocks.get(k + LOOK_AHEAD) {
-                self.pool.prefetch(hashes.seq[ahead]);
+        let mut fresh: Vec<(BlockMeta, usize)> = Vec::with_capacity(blocks.count());
+        for k in 0..blocks.count() {
+            if k + LOOK_AHEAD < blocks.count() {
+                self.pool.prefetch(hashes.seq[blocks.block(k + LOOK_AHEAD).0]);
             }
+            let i = blocks.block(k).0;
             let meta = BlockMeta {
                 seq: hashes.seq[i],
                 local: hashes.local[i],
                 parent: i.checked_sub(1).map(|p| hashes.seq[p]),
             };
             if self.pool.find(meta.seq).is_none() {
-                fresh.push((meta, bytes));
+                fresh.push((meta, k));
             }
         }
         let (mut actions, mut slots) = (Vec::new(), Vec::new());
         let allocated = self.pool.allocate_many(fresh.len(), &mut slots, &mut actions);
         let copied = self.execute(&actions);
-        for (&slot, &(meta, bytes)) in slots.iter().zip(&fresh) {
+        // Every copy is checked before any block is registered: a failed check leaves nothing findable.
+        let mut checked = Ok(());
+        for (&slot, &(_, k)) in slots.iter().zip(&fresh) {
             let dst: &mut [u8] = bytemuck::cast_slice_mut(self.stores.device.block_mut(BlockId(slot)));
+            let (i, bytes) = blocks.block(k);
             dst.copy_from_slice(bytes);
+            if let Err(why) = blocks.check(k, dst) {
+                checked = Err(EngineError::Import(format!("pulled block {i}: {why}")));
+                break;
+            }
+        }
+        for (&slot, &(meta, _)) in slots.iter().zip(&fresh) {
+            if checked.is_err() {
+                // Never registered, so never visible: the slot goes back free.
+                self.pool.release(slot).map_err(EngineError::Pool)?;
+                continue;
+            }
             match (&copied, self.pool.register(slot, meta)) {
                 (Ok(()), Ok(Registered::New)) => stored.push(slot),
                 (_, registered) => {
@@ -174,6 +233,7 @@ impl Engine {
             }
         }
         copied?;
+        checked?;
         match allocated {
             Ok(()) => Ok(()),
             Err(PoolError::OutOfBlocks) => Err(self.out_of_capacity()),

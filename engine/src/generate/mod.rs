@@ -21,7 +21,7 @@ pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, StepHold, Submi
 use kv_cache::CacheNamespace;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};
-pub use kv_io::ExportedKv;
+pub use kv_io::{ExportedKv, PulledBlocks};
 use sequence::Seq;
 pub use stepper::{Output, Stepped, Stepper};
 pub use text::TextStream;
@@ -133,6 +133,9 @@ pub enum EngineError {
     Tier(TierError),
     #[error("block pool: {0}")]
     Pool(PoolError),
+    /// A block pulled from another worker failed its check in the engine's KV: nothing of the import was kept.
+    #[error("KV import: {0}")]
+    Import(String),
     /// One sequence failed (the others went on).
     #[error("{0}")]
     Sequence(String),
@@ -474,10 +477,10 @@ impl Engine {
         request: &Request,
         index: usize,
         export: bool,
-        blocks: &[(usize, &[u8])],
+        blocks: &dyn PulledBlocks,
     ) -> Result<Seq, EngineError> {
         let mut seq = self.new_seq(request, index)?;
-        if !blocks.is_empty() {
+        if blocks.count() > 0 {
             seq.pinned = match self.import_pinned(&mut seq, blocks) {
                 Ok(pinned) => pinned,
                 // Every device block is held by running sequences: the request waits and computes what it

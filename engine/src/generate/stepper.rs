@@ -72,7 +72,7 @@ impl Stepper {
         export: bool,
         blocks: &[(usize, &[u8])],
     ) -> Result<(), EngineError> {
-        let seq = self.engine.prepare(request, self.next_index, export, blocks);
+        let seq = self.engine.prepare(request, self.next_index, export, &blocks);
         self.next_index += 1;
         self.seqs.push(seq?);
         self.tags.push((id, export));

@@ -77,13 +77,69 @@ fn an_import_that_finds_no_free_device_block_queues_the_request_to_compute_inste
     let held: Vec<BlockId> = (0..8).map(|_| BlockId(e.pool.allocate(&mut Vec::new()).expect("a block"))).collect();
     let bytes = vec![0u8; e.block_bytes()];
     let request = greedy((100..140).collect(), 3);
-    let seq = e.prepare(&request, 0, false, &[(0, &bytes), (1, &bytes)]).expect("queued, not refused");
+    let blocks: &[(usize, &[u8])] = &[(0, &bytes), (1, &bytes)];
+    let seq = e.prepare(&request, 0, false, &blocks).expect("queued, not refused");
     assert!(seq.pinned.is_empty(), "nothing held for it");
     assert_eq!((e.counters().import_fallbacks, e.counters().imported_blocks), (1, 0));
     for b in held {
         e.pool.release(b.0).expect("released");
     }
     assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "no block leaked");
+}
+
+/// Blocks by position, with their bytes.
+type Owned = Vec<(usize, Vec<u8>)>;
+
+/// Pulled blocks whose check fails for one of them, recording every copy it was shown.
+struct Checked {
+    blocks: Owned,
+    bad: usize,
+    seen: std::sync::Arc<std::sync::Mutex<Owned>>,
+}
+
+impl super::PulledBlocks for Checked {
+    fn count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn block(&self, k: usize) -> (usize, &[u8]) {
+        (self.blocks[k].0, &self.blocks[k].1)
+    }
+
+    fn check(&self, k: usize, copy: &[u8]) -> Result<(), String> {
+        self.seen.lock().expect("not poisoned").push((k, copy.to_vec()));
+        if k == self.bad { Err("checksum mismatch".into()) } else { Ok(()) }
+    }
+}
+
+#[test]
+fn pulled_blocks_are_checked_in_the_device_block_and_a_failed_check_keeps_none() {
+    let mut e = engine(EngineConfig { kv_blocks: 16, max_model_len: Some(128), ..EngineConfig::default() });
+    let prompt: Vec<u32> = (100..160).collect();
+    let hashes = kv_cache::block_hashes(&prompt, e.block_size(), None).seq;
+    let block_bytes = e.block_bytes();
+    let block = |fill: u8| vec![fill; block_bytes];
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let pulled = |bad| Checked {
+        blocks: vec![(0, block(1)), (1, block(2)), (2, block(3))],
+        bad,
+        seen: std::sync::Arc::clone(&seen),
+    };
+    let refused = e.prepare(&greedy(prompt.clone(), 3), 0, false, &pulled(1));
+    assert!(matches!(refused, Err(super::EngineError::Import(ref why)) if why.contains("block 1")), "{refused:?}");
+    assert_eq!(e.lookup(&hashes).device, 0, "no block of the failed import is findable");
+    assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "none leaked");
+    assert!(e.take_kv_events().expect("events").is_empty(), "nothing announced");
+    // Each check saw the block's copy, and none was shown after the failure.
+    let shown = std::mem::take(&mut *seen.lock().expect("not poisoned"));
+    assert_eq!(shown, vec![(0, block(1)), (1, block(2))]);
+
+    let seq = e.prepare(&greedy(prompt, 3), 1, false, &pulled(usize::MAX)).expect("imported");
+    assert_eq!(seq.pinned.len(), 3, "the three blocks held for the sequence");
+    assert_eq!(e.lookup(&hashes).device, 3);
+    for (k, &b) in seq.pinned.iter().enumerate() {
+        assert_eq!(bytemuck::cast_slice::<_, u8>(e.stores.device.block(b)), &block(k as u8 + 1)[..]);
+    }
 }
 
 #[test]

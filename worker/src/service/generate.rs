@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use engine::generate::{Request, SeqEvent};
+use engine::generate::{Request, SeqEvent, SubmitError};
 use kv_cache::CacheNamespace;
 use proto::worker as pb;
 use tokio::sync::mpsc;
@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use super::{Streamed, WorkerService, stopped, submit_status};
 use crate::convert;
+use crate::pull::Pulled;
 
 /// A finished sequence as the decode stream reports it.
 fn finished(c: &engine::generate::Completion) -> pb::GenerateResponse {
@@ -37,16 +38,21 @@ impl WorkerService {
         let deadline = convert::deadline(r.deadline_unix_ms, std::time::SystemTime::now(), Instant::now())?;
         let namespace = r.cache_namespace.map(CacheNamespace::new);
         let (ticket, mut cancelled) = self.in_flight.enter(&r.request_id);
-        let pulled = match r.handle {
+        let (pulled, timing) = match r.handle {
             Some(h) => {
                 let handle = convert::handle_from_pb(h)?;
                 self.puller.pull_missing(&self.engine, &r.tokens, namespace.as_ref(), handle, traceparent).await?
             }
-            None => Vec::new(),
+            None => (Pulled::Received(Vec::new()), None),
         };
         let capacity = sampling.max_tokens() as usize + 2;
         let request = Request { namespace, prompt: r.tokens, sampling, deadline };
-        let mut stream = self.engine.submit_with_blocks(request, pulled).await.map_err(submit_status)?;
+        let submitted = self.engine.submit_with_blocks(request, pulled).await;
+        // A block that failed its check in the engine makes the pull a failed one, as one failing on receipt is.
+        if let Some(t) = timing.filter(|_| !matches!(submitted, Err(SubmitError::Transfer(_)))) {
+            self.puller.imported(t);
+        }
+        let mut stream = submitted.map_err(submit_status)?;
         ticket.submitted();
         let (tx, rx) = mpsc::channel(capacity);
         let metrics = Arc::clone(&self.metrics);

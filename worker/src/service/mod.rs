@@ -68,6 +68,8 @@ fn submit_status(e: SubmitError) -> Status {
     match e {
         SubmitError::Invalid(e) => Status::invalid_argument(e.to_string()),
         SubmitError::Exhausted(e) => Status::resource_exhausted(e.to_string()),
+        // As a pull whose block fails its check on receipt: another decode worker may succeed.
+        SubmitError::Transfer(e) => Status::unavailable(format!("KV transfer failed: {e}")),
         SubmitError::Closed => Status::unavailable("the worker is shutting down"),
     }
 }
