@@ -86,3 +86,28 @@ fn the_router_benchmark_measures_both_paths_at_each_level() {
         assert!(l["direct_p50_ms"].as_f64() <= l["direct_p99_ms"].as_f64(), "{l}");
     }
 }
+
+/// `tandem bench transfer` reports every transport, the decode worker's shared-memory path through a real engine
+/// included (the engine checks the import's block count itself), with its ratio to the plain socket.
+#[test]
+fn the_transfer_benchmark_measures_the_import_into_a_real_engine() {
+    let tandem = tandem_tests::binary("tandem", "tandem");
+    let _ = tandem_tests::model();
+    let out = std::process::Command::new(&tandem)
+        .args(["bench", "transfer", "--mib", "2", "--runs", "1", "--json"])
+        .output()
+        .expect("tandem runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let names: Vec<&str> = v["transports"]
+        .as_array()
+        .expect("transports")
+        .iter()
+        .map(|t| t["transport"].as_str().expect("name"))
+        .collect();
+    assert_eq!(names, ["quic", "shm", "shm_fresh_buffers", "tcp", "shm_into_engine", "shm_copied_then_engine"]);
+    for t in v["transports"].as_array().expect("transports") {
+        assert!(t["gb_per_s"].as_f64().is_some_and(|x| x > 0.0), "{t}");
+    }
+    assert!(v["shm_into_engine_vs_tcp"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+}

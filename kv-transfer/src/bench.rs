@@ -38,6 +38,9 @@ pub struct TransferReport {
     pub quic_vs_tcp: f64,
     /// Shared memory's throughput (into a reused buffer, as TCP's reader) as a fraction of raw TCP's.
     pub shm_vs_tcp: f64,
+    /// The decode worker's whole shared-memory path into a real engine (`shm_into_engine`, measured by the
+    /// caller, which has an engine) as a fraction of raw TCP's.
+    pub shm_into_engine_vs_tcp: Option<f64>,
 }
 
 struct Blocks(Vec<Bytes>);
@@ -49,7 +52,8 @@ impl BlockSource for Blocks {
     }
 }
 
-fn figure(transport: &'static str, bytes: usize, best: Duration) -> TransportFigure {
+/// `bytes` moved in `best`.
+pub fn figure(transport: &'static str, bytes: usize, best: Duration) -> TransportFigure {
     TransportFigure { transport, gb_per_s: bytes as f64 / best.as_secs_f64() / 1e9, best_ms: best.as_secs_f64() * 1e3 }
 }
 
@@ -173,6 +177,7 @@ pub async fn run(
         runs,
         quic_vs_tcp: quic.gb_per_s / tcp.gb_per_s,
         shm_vs_tcp: shm.gb_per_s / tcp.gb_per_s,
+        shm_into_engine_vs_tcp: None,
         transports: vec![quic, shm, shm_fresh, tcp],
     })
 }

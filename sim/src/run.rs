@@ -535,7 +535,7 @@ impl<'a> Sim<'a> {
 
     fn submit(&mut self, now: f64, w: usize, i: usize, request: &Request, export: bool, blocks: &[(usize, &[u8])]) {
         *self.out.per_worker.entry(self.workers[w].name.clone()).or_default() += 1;
-        match self.workers[w].engine.submit(i as u64, request, export, blocks) {
+        match self.workers[w].engine.submit(i as u64, request, export, &blocks) {
             Ok(()) => {
                 self.publish(now, w);
                 self.kick(now, w);

@@ -10,7 +10,7 @@ pub mod grpc_tls;
 pub mod host;
 pub mod leases;
 pub mod metrics;
-mod pull;
+pub mod pull;
 pub mod register;
 pub mod requests;
 mod service;

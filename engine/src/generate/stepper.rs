@@ -10,7 +10,7 @@ use kv_cache::pool::PrefixMatch;
 
 use super::handle::EngineStats;
 use super::sequence::{Seq, take_finished};
-use super::{Completion, Engine, EngineError, Event, ExportedKv, FinishReason, Request};
+use super::{Completion, Engine, EngineError, Event, ExportedKv, FinishReason, PulledBlocks, Request};
 
 /// What one sequence did in a step; `id` is the caller's.
 #[derive(Clone, Debug, PartialEq)]
@@ -64,15 +64,16 @@ impl Stepper {
     }
 
     /// Queues `request` under the caller's `id`; `blocks` are leading full blocks of its prompt pulled from
-    /// another worker (by position), held for it until it runs. Refused requests leave nothing behind.
+    /// another worker (by position; `&[(usize, &[u8])]` for bytes at hand), checked and held for it until it runs.
+    /// Refused requests leave nothing behind.
     pub fn submit(
         &mut self,
         id: u64,
         request: &Request,
         export: bool,
-        blocks: &[(usize, &[u8])],
+        blocks: &dyn PulledBlocks,
     ) -> Result<(), EngineError> {
-        let seq = self.engine.prepare(request, self.next_index, export, &blocks);
+        let seq = self.engine.prepare(request, self.next_index, export, blocks);
         self.next_index += 1;
         self.seqs.push(seq?);
         self.tags.push((id, export));

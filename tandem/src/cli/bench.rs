@@ -235,15 +235,28 @@ pub struct TransferArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// The model whose engine imports the blocks in the last measurement (the embedded one when absent, fetched
+    /// when missing).
+    #[arg(long, value_name = "PATH")]
+    model: Option<PathBuf>,
 }
 
-/// Moves the same bytes over each transport on loopback.
+/// Moves the same bytes over each transport on loopback, then through the decode worker's shared-memory path
+/// into a real engine.
 pub fn run_transfer(args: TransferArgs) -> Result<ExitCode, String> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let total = args.mib << 20;
-    let report = runtime
+    let mut report = runtime
         .block_on(kv_transfer::bench::run(total, args.block_bytes.max(1), args.streams.max(1), args.runs))
         .map_err(|e| e.to_string())?;
+    let model = match args.model {
+        Some(p) => p,
+        None => super::fetch_default()?,
+    };
+    let imports = super::bench_import::measure(&model, total, args.runs)?;
+    let tcp = report.transports.iter().find(|t| t.transport == "tcp").map_or(f64::NAN, |t| t.gb_per_s);
+    report.shm_into_engine_vs_tcp = imports.first().map(|f| f.gb_per_s / tcp);
+    report.transports.extend(imports);
     if args.json {
         println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
     } else {
@@ -255,9 +268,14 @@ pub fn run_transfer(args: TransferArgs) -> Result<ExitCode, String> {
             report.runs
         );
         for t in &report.transports {
-            println!("{:<6} {:7.3} GB/s  ({:.1} ms)", t.transport, t.gb_per_s, t.best_ms);
+            println!("{:<22} {:7.3} GB/s  ({:.1} ms)", t.transport, t.gb_per_s, t.best_ms);
         }
-        println!("quic / tcp = {:.2}, shm / tcp = {:.2}", report.quic_vs_tcp, report.shm_vs_tcp);
+        println!(
+            "quic / tcp = {:.2}, shm / tcp = {:.2}, shm into the engine / tcp = {:.2}",
+            report.quic_vs_tcp,
+            report.shm_vs_tcp,
+            report.shm_into_engine_vs_tcp.unwrap_or(f64::NAN)
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,6 +1,7 @@
 //! Command-line parsing and dispatch.
 
 mod bench;
+mod bench_import;
 mod bench_router;
 mod certs;
 mod chart;
