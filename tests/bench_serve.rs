@@ -111,3 +111,25 @@ fn the_transfer_benchmark_measures_the_import_into_a_real_engine() {
     }
     assert!(v["shm_into_engine_vs_tcp"].as_f64().is_some_and(|x| x > 0.0), "{v}");
 }
+
+/// `tandem bench leases` times prefills at each level of live leases it is given, the leases piling up (what the
+/// times are is not checked: it depends on the machine).
+#[test]
+fn the_lease_benchmark_times_prefills_as_leases_pile_up() {
+    let tandem = tandem_tests::binary("tandem", "tandem");
+    let _ = tandem_tests::model();
+    let out = std::process::Command::new(&tandem)
+        .args(["bench", "leases", "--leases", "1,4", "--samples", "2", "--prompt-tokens", "20", "--json"])
+        .output()
+        .expect("tandem runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let levels = v["levels"].as_array().expect("levels");
+    // 1 (the warm-up's), then 4 once three more piled up; the two timed at 1 stay live too.
+    let leases: Vec<u64> = levels.iter().map(|l| l["leases"].as_u64().expect("leases")).collect();
+    assert_eq!(leases, [1, 4]);
+    for l in levels {
+        assert!(l["leased_bytes"].as_u64().is_some_and(|b| b > 0), "{l}");
+        assert!(l["p50_ms"].as_f64().is_some_and(|x| x > 0.0) && l["p50_ms"].as_f64() <= l["max_ms"].as_f64(), "{l}");
+    }
+}

@@ -349,6 +349,11 @@ impl RunningWorker {
         self.service.leases.len()
     }
 
+    /// Bytes held under leases (heap and shared memory).
+    pub fn leased_bytes(&self) -> u64 {
+        self.service.leases.bytes()
+    }
+
     /// Stops accepting requests, ends event and load streams, lets in-flight generations finish for up to
     /// `grace`, then stops everything and closes the transfer endpoint.
     pub async fn shutdown(self, grace: Duration) {

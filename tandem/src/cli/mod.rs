@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_import;
+mod bench_leases;
 mod bench_router;
 mod certs;
 mod chart;
@@ -94,6 +95,8 @@ enum BenchCommand {
     Serve(Box<serve::Args>),
     /// What the router adds to the time to the first token: a zero-time mock worker, directly and through a router.
     Router(bench_router::Args),
+    /// Whether a prefill's latency grows with the KV leases its worker holds: one CPU prefill worker, leases piling up.
+    Leases(bench_leases::Args),
 }
 
 /// Options shared by the commands that run the model.
@@ -157,6 +160,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Transfer(args) } => bench::run_transfer(args),
         Command::Bench { command: BenchCommand::Serve(args) } => serve::run(*args),
         Command::Bench { command: BenchCommand::Router(args) } => bench_router::run(args),
+        Command::Bench { command: BenchCommand::Leases(args) } => bench_leases::run(args),
         Command::Probe(args) => probe::run(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(*args),
