@@ -48,25 +48,59 @@ impl ModelledTransfer {
 }
 
 /// Blocks pulled for a prompt, ready to import: received over QUIC into buffers (checked on receipt), or still in
-/// the owner's shared-memory region, mapped (the engine copies each into its KV block and checks it there).
+/// the owner's shared-memory region, mapped (the engine copies each into its KV block and checks it there, timed by
+/// the [`CopyClock`]).
 #[derive(Debug)]
 pub enum Pulled {
     Received(Vec<(usize, Bytes)>),
-    Mapped(kv_transfer::shm::MappedBlocks),
+    Mapped(kv_transfer::shm::MappedBlocks, Arc<CopyClock>),
+}
+
+impl Pulled {
+    /// Mapped blocks with a clock of their own.
+    pub fn mapped(blocks: kv_transfer::shm::MappedBlocks) -> Pulled {
+        Pulled::Mapped(blocks, Arc::default())
+    }
+}
+
+/// How long the engine took over a mapped pull's blocks: from its first read of one to its latest check (the copy
+/// is the pull's last leg, and the engine's queue before it is not part of the transfer).
+#[derive(Debug, Default)]
+pub struct CopyClock {
+    first: std::sync::OnceLock<Instant>,
+    nanos: std::sync::atomic::AtomicU64,
+}
+
+impl CopyClock {
+    fn read(&self) {
+        self.first.get_or_init(Instant::now);
+    }
+
+    fn checked(&self) {
+        if let Some(first) = self.first.get() {
+            let nanos = u64::try_from(first.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.nanos.store(nanos, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn took(&self) -> Duration {
+        Duration::from_nanos(self.nanos.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 impl engine::generate::PulledBlocks for Pulled {
     fn count(&self) -> usize {
         match self {
             Pulled::Received(v) => v.len(),
-            Pulled::Mapped(m) => m.len(),
+            Pulled::Mapped(m, _) => m.len(),
         }
     }
 
     fn block(&self, k: usize) -> (usize, &[u8]) {
         match self {
             Pulled::Received(v) => (v[k].0, &v[k].1),
-            Pulled::Mapped(m) => {
+            Pulled::Mapped(m, clock) => {
+                clock.read();
                 let (index, bytes) = m.block(k);
                 (index as usize, bytes)
             }
@@ -76,19 +110,24 @@ impl engine::generate::PulledBlocks for Pulled {
     fn check(&self, k: usize, copy: &[u8]) -> Result<(), String> {
         match self {
             Pulled::Received(_) => Ok(()),
-            Pulled::Mapped(m) => m.check(k, copy).map_err(|e| e.to_string()),
+            Pulled::Mapped(m, clock) => {
+                let checked = m.check(k, copy).map_err(|e| e.to_string());
+                clock.checked();
+                checked
+            }
         }
     }
 }
 
-/// A pull whose blocks are not imported yet: its figures are recorded once they are (a shared-memory pull's copy
-/// happens in the import), by [`Puller::imported`].
+/// A shared-memory pull whose blocks are not imported yet: its figures are recorded once they are (the engine's
+/// copy is its last leg), by [`Puller::imported`].
 #[derive(Debug)]
 pub struct PullTiming {
-    transport: Transport,
     blocks: usize,
     bytes: u64,
-    started: Instant,
+    /// From the pull's start to the mapping handed over.
+    handed_over: Duration,
+    copy: Arc<CopyClock>,
     span: tracing::Span,
 }
 
@@ -100,6 +139,19 @@ pub(crate) fn transfer_status(e: TransferError) -> Status {
         TransferError::Timeout(d) => Status::deadline_exceeded(format!("KV transfer: no answer within {d:?}")),
         other => Status::unavailable(format!("KV transfer failed: {other}")),
     }
+}
+
+/// A pull's figures: the worker's transfer metrics and its span's throughput.
+fn record(
+    metrics: &WorkerMetrics,
+    span: &tracing::Span,
+    transport: Transport,
+    blocks: usize,
+    bytes: u64,
+    took: Duration,
+) {
+    metrics.pulled(transport, blocks, bytes, took);
+    span.record("throughput_bytes_per_s", (bytes as f64 / took.as_secs_f64().max(1e-9)) as u64);
 }
 
 impl Puller {
@@ -183,7 +235,7 @@ impl Puller {
                 let mapped = tokio::task::spawn_blocking(move || kv_transfer::shm::MappedBlocks::open(&path, &blocks))
                     .await
                     .map_err(|e| Status::internal(format!("shared-memory mapping: {e}")))?;
-                (Transport::Shm, Pulled::Mapped(mapped.map_err(transfer_status)?))
+                (Transport::Shm, Pulled::mapped(mapped.map_err(transfer_status)?))
             }
             None => {
                 let received = self.client.pull(req).await.map_err(transfer_status)?;
@@ -193,7 +245,7 @@ impl Puller {
         let blocks = engine::generate::PulledBlocks::count(&pulled);
         let bytes: u64 = match (&self.modelled, &pulled) {
             (None, Pulled::Received(v)) => v.iter().map(|(_, b)| b.len() as u64).sum(),
-            (None, Pulled::Mapped(m)) => m.bytes(),
+            (None, Pulled::Mapped(m, _)) => m.bytes(),
             (Some(m), _) => {
                 let target = m.duration(blocks as u64);
                 tokio::time::sleep(target.saturating_sub(started.elapsed())).await;
@@ -204,21 +256,64 @@ impl Puller {
         span.record("transport", transport.as_str());
         span.record("blocks", blocks);
         span.record("bytes", bytes);
+        let timing = match &pulled {
+            Pulled::Received(_) => {
+                record(&self.metrics, &span, transport, blocks, bytes, started.elapsed());
+                None
+            }
+            Pulled::Mapped(_, copy) => {
+                let copy = Arc::clone(copy);
+                Some(PullTiming { blocks, bytes, handed_over: started.elapsed(), copy, span: span.clone() })
+            }
+        };
         // A mapping stays readable once the owner unlinks its file: the lease can go before the copy.
         self.release(addr, &server_name, handle.lease).await;
-        Ok((pulled, Some(PullTiming { transport, blocks, bytes, started, span })))
+        Ok((pulled, timing))
     }
 
-    /// Records a pull's figures once its blocks are in the engine (imported, or refused): its time runs from the
-    /// pull's start to here, so a shared-memory pull counts its copy into the KV blocks.
-    pub fn imported(&self, timing: PullTiming) {
-        let took = timing.started.elapsed();
-        self.metrics.pulled(timing.transport, timing.blocks, timing.bytes, took);
-        timing.span.record("throughput_bytes_per_s", (timing.bytes as f64 / took.as_secs_f64().max(1e-9)) as u64);
+    /// Records a shared-memory pull's figures once the engine has its blocks: the time to hand the mapping over
+    /// plus the engine's copy.
+    pub fn imported(&self, t: PullTiming) {
+        record(&self.metrics, &t.span, Transport::Shm, t.blocks, t.bytes, t.handed_over + t.copy.took());
     }
 
     /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.
     async fn release(&self, addr: std::net::SocketAddr, server_name: &str, lease: LeaseId) {
         let _ = self.client.release(addr, server_name, lease, self.timeout).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use engine::generate::PulledBlocks;
+    use kv_transfer::descriptor::RegionKey;
+
+    use super::*;
+
+    /// A mapped pull's time is the engine's copy, from its first read of a block to its latest check: the queue
+    /// before the engine takes it up is not counted.
+    #[test]
+    fn a_mapped_pull_times_the_engines_copy_alone() {
+        let path = std::env::temp_dir().join(format!("tandem-copy-clock-{}", std::process::id()));
+        let block = vec![5u8; 4096];
+        std::fs::write(&path, &block).expect("region");
+        let d = BlockDescriptor {
+            seq_hash: None,
+            region: RegionKey(0),
+            offset: 0,
+            len: 4096,
+            checksum: kv_transfer::checksum(&block),
+        };
+        let pulled = Pulled::mapped(kv_transfer::shm::MappedBlocks::open(&path, &[(0, d)]).expect("maps"));
+        let _ = std::fs::remove_file(&path);
+        let Pulled::Mapped(_, clock) = &pulled else { unreachable!("mapped") };
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(clock.took(), Duration::ZERO, "nothing read yet: waiting for the engine is not the copy");
+        let reading = Instant::now();
+        let copy = pulled.block(0).1.to_vec();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(pulled.check(0, &copy).is_ok());
+        let (took, since_read) = (clock.took(), reading.elapsed());
+        assert!(took >= Duration::from_millis(5) && took <= since_read, "{took:?} of {since_read:?}");
     }
 }

@@ -50,7 +50,7 @@ pub fn measure(model: &Path, total: usize, runs: usize) -> Result<Vec<TransportF
         let mapped = (run % 2 == 0) == (run / 2 % 2 == 0);
         let started = Instant::now();
         let pulled = if mapped {
-            Pulled::Mapped(kv_transfer::shm::MappedBlocks::open(region.path(), &descs).map_err(display)?)
+            Pulled::mapped(kv_transfer::shm::MappedBlocks::open(region.path(), &descs).map_err(display)?)
         } else {
             let copied = kv_transfer::shm::pull(region.path(), &descs).map_err(display)?;
             Pulled::Received(copied.into_iter().map(|(i, b)| (i as usize, b)).collect())
