@@ -427,6 +427,12 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     // The decided decode worker's overlap, for its own prefill (aggregated, or after every prefill attempt failed).
     let mut overlap = decision.decode.chosen().map(|c| [c.device_blocks, c.host_blocks, c.disk_blocks]);
     let mut tried = Vec::new();
+    if state.cluster.member(worker).is_none_or(|m| !m.up) {
+        // The decided decode worker left while the prompt prefilled (a drain began, its streams ended): nothing
+        // ran there, so another takes the request as its first decode attempt, not as a resumption.
+        worker = next_decoder(&state, &job, &tried, worker);
+        overlap = None;
+    }
     for attempt in 0..state.limits.max_decode_attempts {
         if attempt > 0 {
             if !state.try_retry() {

@@ -31,6 +31,8 @@ use tokio::sync::oneshot;
 
 /// How long a prefill worker keeps a prompt's KV for a decode worker: long enough to choose one and pull.
 pub const DEFAULT_LEASE_TTL: Duration = kv_transfer::lease::DEFAULT_LEASE;
+/// How long a stopping worker still takes new calls after it has told routers it is going (its streams ended).
+pub const DRAIN_NOTICE: Duration = Duration::from_millis(500);
 /// How long shutdown waits for in-flight requests before it stops them.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// A pull that takes longer than this is abandoned (the router then re-prefills elsewhere).
@@ -354,13 +356,19 @@ impl RunningWorker {
         self.service.leases.bytes()
     }
 
-    /// Stops accepting requests, ends event and load streams, lets in-flight generations finish for up to
-    /// `grace`, then stops everything and closes the transfer endpoint.
+    /// Ends event and load streams (routers drop the worker), takes new calls for [`DRAIN_NOTICE`] more, then
+    /// stops accepting them, lets in-flight generations finish within what is left of `grace`, then stops
+    /// everything and closes the transfer endpoint.
     pub async fn shutdown(self, grace: Duration) {
         let _ = self.stopping.send(true);
+        // Routers drop this worker as soon as its event and load streams end (now), but a call they routed here a
+        // moment before still arrives: for a short notice it is taken (and drained) rather than refused and
+        // counted as a failed attempt elsewhere. The notice comes out of the grace.
+        let notice = DRAIN_NOTICE.min(grace);
+        tokio::time::sleep(notice).await;
         let _ = self.stop.send(());
         let mut served = self.served;
-        if tokio::time::timeout(grace, &mut served).await.is_err() {
+        if tokio::time::timeout(grace - notice, &mut served).await.is_err() {
             // Connections run on their own tasks: end their streams, which cancels the sequences behind them.
             let _ = self.aborting.send(true);
             served.abort();
