@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use engine::generate::EngineHandle;
+use engine::generate::{EngineHandle, PulledBlocks};
 use kv_cache::{BlockSize, CacheNamespace, block_hashes};
 use kv_transfer::descriptor::{BlockDescriptor, KvHandle, KvLayoutDesc};
 use kv_transfer::frame::ErrorCode;
@@ -88,17 +88,18 @@ impl CopyClock {
     }
 }
 
-impl engine::generate::PulledBlocks for Pulled {
+/// Received blocks answer as the engine's own buffer source does; mapped ones are read and checked in place.
+impl PulledBlocks for Pulled {
     fn count(&self) -> usize {
         match self {
-            Pulled::Received(v) => v.len(),
+            Pulled::Received(v) => v.count(),
             Pulled::Mapped(m, _) => m.len(),
         }
     }
 
     fn block(&self, k: usize) -> (usize, &[u8]) {
         match self {
-            Pulled::Received(v) => (v[k].0, &v[k].1),
+            Pulled::Received(v) => v.block(k),
             Pulled::Mapped(m, clock) => {
                 clock.read();
                 let (index, bytes) = m.block(k);
@@ -109,7 +110,7 @@ impl engine::generate::PulledBlocks for Pulled {
 
     fn check(&self, k: usize, copy: &[u8]) -> Result<(), String> {
         match self {
-            Pulled::Received(_) => Ok(()),
+            Pulled::Received(v) => v.check(k, copy),
             Pulled::Mapped(m, clock) => {
                 let checked = m.check(k, copy).map_err(|e| e.to_string());
                 clock.checked();
@@ -242,7 +243,7 @@ impl Puller {
                 (Transport::Quic, Pulled::Received(received.into_iter().map(|(i, b)| (i as usize, b)).collect()))
             }
         };
-        let blocks = engine::generate::PulledBlocks::count(&pulled);
+        let blocks = pulled.count();
         let bytes: u64 = match (&self.modelled, &pulled) {
             (None, Pulled::Received(v)) => v.iter().map(|(_, b)| b.len() as u64).sum(),
             (None, Pulled::Mapped(m, _)) => m.bytes(),
@@ -285,7 +286,6 @@ impl Puller {
 
 #[cfg(test)]
 mod tests {
-    use engine::generate::PulledBlocks;
     use kv_transfer::descriptor::RegionKey;
 
     use super::*;
