@@ -8,7 +8,9 @@ arrivals. Prints, for TTFT, TPOT and E2E, the simulated and measured p50 and p90
 a two-sample Kolmogorov-Smirnov test, the cached token fraction of both, and the share of requests prefilled on the
 same worker in both (the real router records its decisions with --record-trace; workers are matched one to one,
 the pairing that agrees most, since which of two idle workers gets the first request is a coin toss in both). The
-real run's validity (schedule lag, mock step overrun) is printed too: an invalid real run is no reference.
+real run's validity (schedule lag, mock step overrun) is printed too: an invalid real run is no reference. With
+`--repeat K` (K real runs) it also prints how often each pair of real runs prefilled a request on the same worker:
+the real cluster's agreement with itself, against which the simulator's is read.
 
 With `--engine cpu` the real side is `tandem up` on the embedded model on this machine's CPU (`--prefill 2
 --decode 2`, one compute thread per worker), the simulator uses `--sim-profile` (default `cpu-smollm2-1t`, fitted on
@@ -139,6 +141,25 @@ def agreement(recording, placements, sim_records, names=None):
     return agreed, len(pairs), len(real), clear_agreed, len(clear)
 
 
+def run_to_run(recording_a, names_a, recording_b, names_b):
+    """Share of requests prefilled on the same worker (by name) in two real runs of the same command: the real
+    cluster's own spread, the yardstick for a simulator's agreement from the trace alone (if every run strayed from
+    one routing independently, a simulator following that routing would agree with a run about as often as the
+    square root of this share; a stray decision changes the caches and so later decisions too). Requests are matched as `agreement` matches them: in the router's arrival order, by prompt length."""
+    def placed(recording, names):
+        lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines()[1:] if line.strip()]
+        return [(l["input_length"], names.get(prefilled_on(l["tandem"]["decision"]), "?")) for l in lines
+                if "refused" not in l["tandem"]["decision"]]
+    a, b = placed(recording_a, names_a), placed(recording_b, names_b)
+    agreed = matched = 0
+    for length, worker in a:
+        k = next((k for k, (other, _) in enumerate(b) if other == length), None)
+        if k is not None:
+            matched += 1
+            agreed += b.pop(k)[1] == worker
+    return agreed, matched
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=200)
@@ -246,6 +267,15 @@ def main():
             recording, again / args.policy / "placements.jsonl", records(again / args.policy / "records.jsonl"), names)
         print(f"{d.name}: same prefill worker given the real router's arrival order and times (its recording): "
               f"{agreed} of {matched} ({100 * agreed / max(matched, 1):.1f}%); not a tie: {clear_agreed} of {clear}")
+
+    # How far the real cluster agrees with itself.
+    for i in range(len(runs)):
+        for j in range(i + 1, len(runs)):
+            (da, _), (db, _) = runs[i], runs[j]
+            agreed, matched = run_to_run(da / "recording.jsonl", worker_names(da / "up.log"),
+                                         db / "recording.jsonl", worker_names(db / "up.log"))
+            print(f"{da.name} vs {db.name}: same prefill worker in both real runs: {agreed} of {matched} "
+                  f"({100 * agreed / max(matched, 1):.1f}%)")
 
 
 if __name__ == "__main__":
