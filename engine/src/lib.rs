@@ -20,6 +20,7 @@ pub mod kv;
 pub mod model;
 pub mod q8;
 pub mod sampling;
+pub mod synth;
 pub mod text;
 pub mod tiers;
 pub mod tokenizer;

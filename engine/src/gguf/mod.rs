@@ -5,6 +5,7 @@
 
 mod parse;
 mod value;
+mod write;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -13,6 +14,7 @@ use std::sync::Arc;
 
 pub use parse::parse_layout;
 pub use value::{MetaArray, MetaValue};
+pub use write::{GgufWriter, WriteError};
 
 /// The tensor element types the engine can compute with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

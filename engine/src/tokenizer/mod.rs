@@ -6,7 +6,7 @@
 //! emitting half a UTF-8 character.
 
 mod bpe;
-mod bytes;
+pub(crate) mod bytes;
 mod decode;
 pub mod export;
 mod pretokenize;

@@ -83,6 +83,17 @@ enum ModelCommand {
         #[arg(long, value_name = "PATH")]
         model: Option<PathBuf>,
     },
+    /// Write a synthetic model: the embedded model's shapes, tensor types and tokenizer layout with
+    /// deterministic pseudo-random weights, the same bytes on every machine for a seed. For checking kernels
+    /// where the real model cannot travel (the GPU check script makes its own); its outputs mean nothing.
+    Synth {
+        /// The weights' seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// File to write.
+        #[arg(long, value_name = "PATH", default_value = "synth.gguf")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -149,6 +160,13 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
                 std::fs::write(&out, value.to_string()).map_err(|e| format!("{}: {e}", display(&out)))?;
             }
             println!("{}", dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Model { command: ModelCommand::Synth { seed, out } } => {
+            let shape = engine::synth::SynthShape::SMOLLM2_135M;
+            engine::synth::write(&out, &shape, seed).map_err(|e| e.to_string())?;
+            let file = engine::gguf::GgufFile::open(&out).map_err(|e| e.to_string())?;
+            println!("{} {}", out.display(), file.fingerprint());
             Ok(ExitCode::SUCCESS)
         }
         Command::Model { command: ModelCommand::Path } => {

@@ -1,0 +1,98 @@
+//! Synthetic models (`tandem model synth`): the real model's shapes and types, the same bytes for the same seed,
+//! and a file the engine loads and runs like any model.
+
+mod common;
+
+use std::sync::atomic::AtomicBool;
+
+use engine::forward::SeqChunk;
+use engine::generate::{Engine, EngineConfig};
+use engine::gguf::GgufFile;
+use engine::kv::{BlockId, KvLayout, KvStore};
+use engine::model::Model;
+use engine::synth::{self, SynthShape};
+
+#[test]
+fn the_synthetic_model_has_the_real_models_shapes_types_and_config() {
+    let path = temp_file("synth.gguf");
+    synth::write(&path, &SynthShape::SMOLLM2_135M, 1).expect("written");
+    let (real, made) = (common::model_file(), GgufFile::open(&path).expect("opens"));
+    // The same tensors (the real file orders layers by name: 0, 1, 10, ...).
+    let layout = |f: &GgufFile| {
+        let mut l: Vec<_> = f.tensors().iter().map(|t| (t.name.clone(), t.dims.clone(), t.ty)).collect();
+        l.sort_by(|a, b| a.0.cmp(&b.0));
+        l
+    };
+    let (made_layout, real_layout) = (layout(&made), layout(&real));
+    assert_eq!(made_layout.len(), real_layout.len());
+    for (m, r) in made_layout.iter().zip(&real_layout) {
+        assert_eq!(m, r);
+    }
+    assert_eq!(
+        made.tensors().iter().map(|t| t.len).sum::<usize>(),
+        real.tensors().iter().map(|t| t.len).sum::<usize>()
+    );
+    let model = Model::load(&made).expect("loads");
+    assert_eq!(model.config, Model::load(&real).expect("loads").config);
+    // Thirty layers of its weights keep the logits finite and of a few units: kernels compared on it see
+    // realistic magnitudes, not overflow or a flat line.
+    let layout = KvLayout::for_model(&model.config, 16);
+    let mut kv = KvStore::new(layout, 2);
+    let tokens: Vec<u32> = (0..20).map(|i| 300 + 37 * i).collect();
+    let chunk = SeqChunk { tokens: &tokens, start: 0, blocks: &[BlockId(0), BlockId(1)], logits: true };
+    let logits = model.forward(&mut kv, &[chunk]).expect("forward").remove(0);
+    let mean = logits.iter().sum::<f32>() / logits.len() as f32;
+    let sd = (logits.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / logits.len() as f32).sqrt();
+    assert!(logits.iter().all(|x| x.is_finite()) && (0.3..10.0).contains(&sd), "logit sd {sd}");
+    for key in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.pre"] {
+        assert_eq!(made.metadata().get(key), real.metadata().get(key), "{key}");
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_bytes_and_another_seed_other_weights() {
+    let shape = small();
+    let a = synth::model(&shape, 42).expect("built").to_bytes();
+    assert_eq!(a, synth::model(&shape, 42).expect("built").to_bytes());
+    let b = synth::model(&shape, 43).expect("built").to_bytes();
+    assert_eq!(a.len(), b.len());
+    assert_ne!(a, b);
+    // A pinned digest: the generator and the quantizers must not drift, or a GPU machine's copy would differ
+    // from the one its reference logits were computed on.
+    assert_eq!(format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&a)), PINNED_SMALL_SEED_42);
+}
+
+const PINNED_SMALL_SEED_42: &str = "1241ef90258fa321";
+
+#[test]
+fn the_engine_runs_a_synthetic_model_reproducibly() {
+    let path = temp_file("small.gguf");
+    synth::write(&path, &small(), 7).expect("written");
+    let mut engine = Engine::open(&path, EngineConfig::default()).expect("opens");
+    let t = engine.tokenizer();
+    // Its vocabulary is byte-level BPE with the lowercase pairs merged, and the ChatML specials.
+    let ids = t.encode("ab cd<|im_end|>");
+    assert_eq!(ids.len(), 4, "{ids:?}");
+    assert_eq!(t.decode(&ids), "ab cd<|im_end|>");
+    assert!(t.is_end_of_generation(2));
+    let prompt = t.encode("the quick brown fox jumps over the lazy dog");
+    let run = |e: &mut Engine| {
+        let done = e.run(&[common::greedy(prompt.clone(), 8)], &AtomicBool::new(false), |_| {}).expect("runs");
+        done[0].token_ids.clone()
+    };
+    let first = run(&mut engine);
+    assert!(!first.is_empty() && first.iter().all(|&id| (id as usize) < small().n_vocab), "{first:?}");
+    assert_eq!(run(&mut Engine::open(&path, EngineConfig::default()).expect("opens")), first);
+}
+
+/// A fresh path under the temporary directory, unique to this process and test.
+fn temp_file(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-synth-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+/// A small model of the same structure, for fast tests.
+fn small() -> SynthShape {
+    SynthShape { n_layers: 2, n_embd: 64, n_ff: 128, n_heads: 4, n_kv_heads: 2, n_vocab: 1024, context_len: 256 }
+}
