@@ -4,6 +4,8 @@
 //! workers for routing experiments.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fit;
 pub mod mock;
 pub mod profile;
@@ -90,5 +92,89 @@ impl Pacing {
         let ratio = if modelled > 0.0 { actual / modelled } else { 1.0 };
         let b = OVERRUN_BOUNDS.iter().position(|&u| ratio <= u).unwrap_or(OVERRUN_BOUNDS.len());
         self.overrun_buckets[b] += 1;
+    }
+}
+
+/// Where the model computes: `cpu`, or `cuda` / `cuda:N` (device N; 0 when not given).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(n)) => Ok(Device::Cuda(n)),
+                _ => Err(format!("unknown device {s:?}: expected cpu, cuda or cuda:N")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl Device {
+    /// Checks that this machine and build can compute on the device, before anything is loaded: `Err` is one
+    /// sentence for the user. The CUDA backend's forward pass is not built yet (docs/cuda.md), so a CUDA device
+    /// that opens is refused too, naming what was found.
+    pub fn check(self) -> Result<(), String> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(n) => cuda_check(n),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_check(ordinal: usize) -> Result<(), String> {
+    let (_, info) = cuda::open(ordinal).map_err(|e| e.to_string())?;
+    Err(format!(
+        "{} (device {ordinal}, compute capability {}.{}) is there, but this version computes on the CPU only: the \
+         CUDA backend's forward pass is not built yet (docs/cuda.md); use --device cpu",
+        info.name, info.compute_capability.0, info.compute_capability.1
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_check(_ordinal: usize) -> Result<(), String> {
+    Err("this build has no CUDA support: build with `cargo build --release -p tandem --features cuda`, or use --device \
+         cpu"
+        .to_string())
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::Device;
+
+    #[test]
+    fn devices_parse_and_print_back() {
+        for (text, device) in [("cpu", Device::Cpu), ("cuda", Device::Cuda(0)), ("cuda:3", Device::Cuda(3))] {
+            assert_eq!(text.parse::<Device>(), Ok(device));
+        }
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+            assert!(bad.parse::<Device>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_cuda_device_is_refused_with_one_sentence_where_it_cannot_run() {
+        assert_eq!(Device::Cpu.check(), Ok(()));
+        let why = Device::Cuda(0).check().expect_err("no CUDA forward pass here");
+        assert!(!why.contains('\n') && why.contains("--device cpu"), "{why}");
     }
 }

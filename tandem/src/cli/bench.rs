@@ -44,6 +44,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
+    args.model.device.check()?;
     if !args.concurrency.is_empty() {
         return run_concurrency(&args);
     }

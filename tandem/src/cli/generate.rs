@@ -69,6 +69,7 @@ struct JsonLogprobs {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
+    args.model.device.check()?;
     let sampling = SamplingParams::new(RawSampling {
         temperature: args.temperature,
         top_p: args.top_p,

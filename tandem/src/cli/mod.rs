@@ -123,6 +123,10 @@ struct ModelArgs {
     /// `fast` (8-bit activations and integer dot products, as llama.cpp; slightly less exact).
     #[arg(long, default_value = "reference", value_name = "fast|reference")]
     precision: engine::forward::Precision,
+    /// Where the model computes: `cpu`, or `cuda[:N]` (the CUDA backend, in a build with `--features cuda`;
+    /// its forward pass is not built yet, see docs/cuda.md).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
+    device: engine::backend::Device,
 }
 
 impl ModelArgs {

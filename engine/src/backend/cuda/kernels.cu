@@ -1,0 +1,189 @@
+// The CUDA backend's kernels, compiled by NVRTC at start-up for the device's compute capability (no headers:
+// f16 values travel as their bits, converted with PTX instructions). Each mirrors a step of the CPU forward pass
+// (engine/src/forward.rs) in the same order of operations where it can, so that the two can be compared on the
+// same weights. The KV cache has the CPU engine's block layout: per block, [layer][K, V][kv head][token][dim],
+// f16.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u16 load_u16(const u8* p) {
+    return (u16)p[0] | ((u16)p[1] << 8);
+}
+
+// Sum of `v` over the thread block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+    v = lane < warps ? partial[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    return v;
+}
+
+// Q8_0 (34 bytes: f16 scale, 32 int8) to f16, `blocks` quantization blocks.
+extern "C" __global__ void dequant_q8_0_f16(const u8* src, u16* dst, long blocks) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= blocks * 32) return;
+    long b = i / 32;
+    int j = (int)(i % 32);
+    const u8* q = src + b * 34;
+    float d = h2f(load_u16(q));
+    dst[i] = f2h(d * (float)(signed char)q[2 + j]);
+}
+
+// Q4_1 (20 bytes: f16 scale, f16 minimum, 16 bytes of nibbles: element j low, j + 16 high) to f16.
+extern "C" __global__ void dequant_q4_1_f16(const u8* src, u16* dst, long blocks) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= blocks * 32) return;
+    long b = i / 32;
+    int j = (int)(i % 32);
+    const u8* q = src + b * 20;
+    float d = h2f(load_u16(q)), m = h2f(load_u16(q + 2));
+    u8 byte = q[4 + (j & 15)];
+    int nibble = j < 16 ? (byte & 15) : (byte >> 4);
+    dst[i] = f2h(d * (float)nibble + m);
+}
+
+// One token's embedding row per thread block, from an f16 table: out[t][i] = table[tokens[t]][i].
+extern "C" __global__ void embed_f16(const u16* table, const unsigned* tokens, float* out, int n_embd) {
+    int t = blockIdx.x;
+    const u16* row = table + (long)tokens[t] * n_embd;
+    for (int i = threadIdx.x; i < n_embd; i += blockDim.x) out[(long)t * n_embd + i] = h2f(row[i]);
+}
+
+// RMSNorm of each row (one thread block per row): out = x / sqrt(mean(x^2) + eps) * w; also writes the result as
+// f16 for the next matmul when `out_f16` is not null.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, u16* out_f16, int d, float eps) {
+    const float* xr = x + (long)blockIdx.x * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float scale = rsqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = xr[i] * scale * w[i];
+        out[(long)blockIdx.x * d + i] = v;
+        if (out_f16) out_f16[(long)blockIdx.x * d + i] = f2h(v);
+    }
+}
+
+// Rotary embedding on adjacent pairs of every head of each row (one thread block per row), with the CPU engine's
+// table: rope[pos][pair] = (cos, sin).
+extern "C" __global__ void rope(float* x, const int* positions, const float* table, int heads, int head_dim) {
+    int row = blockIdx.x, pairs = head_dim / 2;
+    const float* t = table + (long)positions[row] * pairs * 2;
+    float* xr = x + (long)row * heads * head_dim;
+    for (int i = threadIdx.x; i < heads * pairs; i += blockDim.x) {
+        int head = i / pairs, pair = i % pairs;
+        float* p = xr + head * head_dim + 2 * pair;
+        float c = t[2 * pair], s = t[2 * pair + 1];
+        float a = p[0], b = p[1];
+        p[0] = a * c - b * s;
+        p[1] = a * s + b * c;
+    }
+}
+
+// Writes each row's K and V (kv_dim = kv_heads * head_dim values each) into its slot of the paged cache:
+// block slot_block[row], token slot_pos[row] of that block, at `layer`.
+extern "C" __global__ void store_kv(const float* k, const float* v, u16* cache, const int* slot_block,
+                                    const int* slot_pos, int layer, int layers, int kv_heads, int head_dim,
+                                    int block_tokens) {
+    int row = blockIdx.x, kv_dim = kv_heads * head_dim;
+    long head_elems = (long)block_tokens * head_dim;
+    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    u16* block = cache + (long)slot_block[row] * block_elems;
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+        int head = i / head_dim, dim = i % head_dim;
+        long at = slot_pos[row] * head_dim + dim;
+        block[((long)(layer * 2 + 0) * kv_heads + head) * head_elems + at] = f2h(k[(long)row * kv_dim + i]);
+        block[((long)(layer * 2 + 1) * kv_heads + head) * head_elems + at] = f2h(v[(long)row * kv_dim + i]);
+    }
+}
+
+// Causal attention over the paged cache, one thread block per (query row, head). Row `r` is at position
+// positions[r] of the sequence whose block table starts at tables + table_of[r] (max_blocks entries per
+// sequence); it attends to positions 0..=positions[r], whose K/V are already stored. Dynamic shared memory:
+// (positions + 1) floats of scores, so the longest context is bounded by the device's shared memory per block.
+extern "C" __global__ void attention(const float* q, const u16* cache, const int* tables, const int* table_of,
+                                     const int* positions, float* out, int layer, int layers, int n_heads,
+                                     int kv_heads, int head_dim, int block_tokens, float scale) {
+    extern __shared__ float scores[];
+    int row = blockIdx.x, head = blockIdx.y;
+    int kv_head = head / (n_heads / kv_heads);
+    int n = positions[row] + 1;
+    const int* table = tables + table_of[row];
+    const float* qr = q + ((long)row * n_heads + head) * head_dim;
+    long head_elems = (long)block_tokens * head_dim;
+    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
+    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    float local_max = -3.0e38f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const u16* kr = cache + (long)table[j / block_tokens] * block_elems + k_off + (j % block_tokens) * head_dim;
+        float s = 0.0f;
+        for (int d = 0; d < head_dim; d++) s += qr[d] * h2f(kr[d]);
+        s *= scale;
+        scores[j] = s;
+        local_max = fmaxf(local_max, s);
+    }
+    // Block-wide maximum, through the same reduction as the sum (max of negated is -min: use a second pass).
+    __shared__ float maxes[32];
+    for (int o = 16; o > 0; o >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, o));
+    if ((threadIdx.x & 31) == 0) maxes[threadIdx.x >> 5] = local_max;
+    __syncthreads();
+    float m = -3.0e38f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, maxes[w]);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = __expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum);
+    __syncthreads();
+    float inv = 1.0f / sum;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) {
+            const u16* vr = cache + (long)table[j / block_tokens] * block_elems + v_off + (j % block_tokens) * head_dim;
+            acc += scores[j] * h2f(vr[d]);
+        }
+        out[((long)row * n_heads + head) * head_dim + d] = acc * inv;
+    }
+}
+
+// out = silu(gate) * up, also as f16 for the down projection.
+extern "C" __global__ void silu_mul(const float* gate, const float* up, u16* out_f16, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i];
+    out_f16[i] = f2h(g / (1.0f + __expf(-g)) * up[i]);
+}
+
+// x += y (the residual stream).
+extern "C" __global__ void add(float* x, const float* y, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// f32 to f16 (activations into a matmul).
+extern "C" __global__ void to_f16(const float* x, u16* out, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f2h(x[i]);
+}

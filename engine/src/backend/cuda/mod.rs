@@ -1,0 +1,128 @@
+//! The CUDA backend (feature `cuda`), first part: finding the device and compiling the kernels.
+//!
+//! Nothing CUDA is linked at build time (cudarc loads `libcuda`, `libnvrtc` and `libcublas` when first used), so
+//! the engine builds and lints with this feature on machines without a GPU. Each library's presence is checked
+//! before its first call: cudarc panics when a library it needs cannot be loaded, and a missing driver must be
+//! one clear sentence at start-up instead. Kernels are the `.cu` source next to this file, compiled by NVRTC for
+//! the device's own compute capability (PTX from a toolkit newer than the driver would not load), once per
+//! process.
+//!
+//! Not built yet: the forward pass over these kernels and cuBLAS, the device-memory KV tier, and the parity and
+//! speed checks of `scripts/device/` (docs/cuda.md).
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaContext;
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+
+/// The kernels' source.
+pub const KERNELS: &str = include_str!("kernels.cu");
+
+/// Every kernel the source defines, by name (each is looked up after loading; a missing one is an error).
+pub const KERNEL_NAMES: [&str; 10] = [
+    "dequant_q8_0_f16",
+    "dequant_q4_1_f16",
+    "embed_f16",
+    "rms_norm",
+    "rope",
+    "store_kv",
+    "attention",
+    "silu_mul",
+    "add",
+    "to_f16",
+];
+
+/// Why the CUDA backend cannot start, as a sentence for whoever started it.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "no NVIDIA driver on this machine (libcuda.so could not be loaded): --device cuda needs an NVIDIA GPU \
+         and its driver; use --device cpu"
+    )]
+    NoDriver,
+    #[error("CUDA device {ordinal}: {why}")]
+    Device { ordinal: usize, why: String },
+    #[error(
+        "the CUDA runtime compiler (libnvrtc.so.13) could not be loaded: install CUDA 13's NVRTC (e.g. `pip \
+         install nvidia-cuda-nvrtc==13.0.*`) and put its lib directory on LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    #[error("the CUDA kernels did not compile for {arch}: {log}")]
+    Compile { arch: String, log: String },
+}
+
+/// The device a backend runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// (major, minor).
+    pub compute_capability: (i32, i32),
+    pub memory_bytes: usize,
+}
+
+/// Whether the NVIDIA driver library can be loaded here.
+#[allow(unsafe_code)]
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library by its known names; no CUDA call is made.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether NVRTC can be loaded here.
+#[allow(unsafe_code)]
+pub fn nvrtc_present() -> bool {
+    // SAFETY: as `driver_present`.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Opens device `ordinal`: its context and what it is.
+pub fn open(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceInfo), CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let device = |why: String| CudaError::Device { ordinal, why };
+    let count = CudaContext::device_count().map_err(|e| device(format!("cannot count devices: {e}")))?;
+    if ordinal >= count.max(0) as usize {
+        return Err(device(format!("this machine has {count} CUDA device(s)")));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| device(format!("cannot create a context: {e}")))?;
+    let info = DeviceInfo {
+        ordinal,
+        name: ctx.name().map_err(|e| device(e.to_string()))?,
+        compute_capability: ctx.compute_capability().map_err(|e| device(e.to_string()))?,
+        memory_bytes: ctx.total_mem().map_err(|e| device(e.to_string()))?,
+    };
+    Ok((ctx, info))
+}
+
+/// NVRTC's name for the virtual architecture of compute capability `cc`.
+pub fn arch(cc: (i32, i32)) -> String {
+    format!("compute_{}{}", cc.0, cc.1)
+}
+
+/// The kernels compiled for `arch` (e.g. `compute_90`), compiled once per process and architecture.
+pub fn compile(arch: &str) -> Result<Ptx, CudaError> {
+    static DONE: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+    if !nvrtc_present() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let mut done = DONE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, ptx)) = done.iter().find(|(a, _)| a == arch) {
+        return Ok(Ptx::from_src(ptx.clone()));
+    }
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("tandem_kernels.cu".into()),
+        ..CompileOptions::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| CudaError::Compile {
+        arch: arch.to_string(),
+        log: match e {
+            CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => format!("{other:?}"),
+        },
+    })?;
+    let src = ptx.to_src();
+    done.push((arch.to_string(), src.clone()));
+    Ok(Ptx::from_src(src))
+}
