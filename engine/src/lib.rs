@@ -15,6 +15,7 @@ pub mod forward;
 pub mod generate;
 pub mod gguf;
 pub mod grammar;
+pub mod hf;
 pub mod kernels;
 pub mod kv;
 pub mod model;

@@ -85,6 +85,54 @@ fn the_engine_runs_a_synthetic_model_reproducibly() {
     assert_eq!(run(&mut Engine::open(&path, EngineConfig::default()).expect("opens")), first);
 }
 
+#[test]
+fn the_hugging_face_export_holds_the_same_weights_in_hugging_faces_order() {
+    let shape = small();
+    let path = temp_file("export.gguf");
+    synth::write(&path, &shape, 3).expect("written");
+    let file = GgufFile::open(&path).expect("opens");
+    let dir = path.with_extension("hf");
+    engine::hf::export(&file, &dir).expect("exported");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
+    assert_eq!(config["num_key_value_heads"], 2);
+    assert_eq!(config["tie_word_embeddings"], true);
+    assert!(dir.join("tokenizer.json").exists());
+    // safetensors: header length, JSON header, then the f16 bytes.
+    let bytes = std::fs::read(dir.join("model.safetensors")).expect("safetensors");
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    assert_eq!((8 + n) % 8, 0);
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).expect("header");
+    let data = &bytes[8 + n..];
+    assert_eq!(header.as_object().expect("map").len(), 1 + 1 + 9 * shape.n_layers + 1);
+    let row = |name: &str, r: usize| -> Vec<f32> {
+        let t = &header[name];
+        assert_eq!(t["dtype"], "F16", "{name}");
+        let cols = t["shape"][1].as_u64().expect("2-d") as usize;
+        let start = t["data_offsets"][0].as_u64().expect("offset") as usize + r * cols * 2;
+        data[start..start + cols * 2].chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+    };
+    let gguf_row = |name: &str, r: usize| -> Vec<f32> {
+        let t = file.tensor(name).expect("tensor");
+        let cols = t.dims[0] as usize;
+        let row_bytes = t.len / t.dims[1] as usize;
+        let mut out = vec![0f32; cols];
+        engine::kernels::dequantize_row_portable(t.ty, &file.bytes(t)[r * row_bytes..(r + 1) * row_bytes], &mut out);
+        out.into_iter().map(|v| half::f16::from_f32(v).to_f32()).collect()
+    };
+    assert_eq!(header["model.embed_tokens.weight"]["shape"], serde_json::json!([shape.n_vocab, shape.n_embd]));
+    assert_eq!(row("model.embed_tokens.weight", 700), gguf_row("token_embd.weight", 700));
+    assert_eq!(row("model.layers.1.mlp.down_proj.weight", 5), gguf_row("blk.1.ffn_down.weight", 5));
+    // Q and K: within each head, Hugging Face row half * head_dim / 2 + i is GGUF row 2i + half.
+    let head_dim = shape.n_embd / shape.n_heads;
+    for (h, i, half) in [(0, 0, 0), (0, 0, 1), (1, 3, 1), (3, 7, 0)] {
+        let (hf_r, gguf_r) = (h * head_dim + half * head_dim / 2 + i, h * head_dim + 2 * i + half);
+        assert_eq!(row("model.layers.0.self_attn.q_proj.weight", hf_r), gguf_row("blk.0.attn_q.weight", gguf_r));
+    }
+    // K heads alike: Hugging Face row 9 of a 16-row head is its second half's second row, GGUF's row 2 * 1 + 1.
+    assert_eq!(row("model.layers.1.self_attn.k_proj.weight", 9), gguf_row("blk.1.attn_k.weight", 3));
+}
+
 /// A fresh path under the temporary directory, unique to this process and test.
 fn temp_file(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("tandem-synth-test-{}", std::process::id()));

@@ -83,6 +83,16 @@ enum ModelCommand {
         #[arg(long, value_name = "PATH")]
         model: Option<PathBuf>,
     },
+    /// Write a GGUF model as a Hugging Face model directory (config.json, model.safetensors in f16, tokenizer
+    /// files), for transformers and PyTorch to run the same weights (the GPU check's PyTorch baseline).
+    Export {
+        /// Directory to write (made if missing).
+        #[arg(long, value_name = "DIR")]
+        safetensors: PathBuf,
+        /// A GGUF model file; the embedded model when absent.
+        #[arg(long, value_name = "PATH")]
+        model: Option<PathBuf>,
+    },
     /// Write a synthetic model: the embedded model's shapes, tensor types and tokenizer layout with
     /// deterministic pseudo-random weights, the same bytes on every machine for a seed. For checking kernels
     /// where the real model cannot travel (the GPU check script makes its own); its outputs mean nothing.
@@ -164,6 +174,16 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
                 std::fs::write(&out, value.to_string()).map_err(|e| format!("{}: {e}", display(&out)))?;
             }
             println!("{}", dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Model { command: ModelCommand::Export { safetensors, model } } => {
+            let path = match model {
+                Some(p) => p,
+                None => fetch_default()?,
+            };
+            let file = engine::gguf::GgufFile::open(&path).map_err(|e| format!("{}: {e}", display(&path)))?;
+            engine::hf::export(&file, &safetensors).map_err(|e| e.to_string())?;
+            println!("{}", safetensors.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Model { command: ModelCommand::Synth { seed, out } } => {
