@@ -66,6 +66,9 @@ pub enum ForwardError {
     BlockTableShort { have: usize, need: usize },
     #[error("block {0} is outside the KV store")]
     BlockOutOfRange(u32),
+    /// The device computing the step failed (a GPU backend's driver or library error).
+    #[error("{0}")]
+    Device(String),
 }
 
 /// What a step checks of one chunk before any compute, whatever computes it: token ids in the vocabulary,

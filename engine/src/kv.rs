@@ -65,6 +65,9 @@ pub struct KvStore {
     data: Vec<f16>,
     /// Blocks, kept apart from `data`: a layout of empty blocks (the simulator's) holds no data at all.
     capacity: usize,
+    /// Per block, how many times it was handed out whole to be overwritten ([`KvStore::block_mut`]: imports,
+    /// onboards): a device backend mirroring the store re-uploads a block whose generation moved.
+    generations: Vec<u64>,
 }
 
 impl KvStore {
@@ -79,7 +82,7 @@ impl KvStore {
         // which is the point here.
         let mut bits: Vec<u16> = Vec::with_capacity(len);
         bits.resize(len, 0);
-        KvStore { layout, data: bits.reinterpret_into(), capacity }
+        KvStore { layout, data: bits.reinterpret_into(), capacity, generations: vec![0; capacity] }
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -107,11 +110,17 @@ impl KvStore {
         &self.data[s..s + self.layout.block_elems()]
     }
 
-    /// One whole block, to overwrite.
+    /// One whole block, to overwrite (its generation moves on).
     pub fn block_mut(&mut self, block: BlockId) -> &mut [f16] {
+        self.generations[block.0 as usize] += 1;
         let s = self.base(block);
         let n = self.layout.block_elems();
         &mut self.data[s..s + n]
+    }
+
+    /// How many times `block` was handed out by [`KvStore::block_mut`]; [`KvStore::write`] leaves it alone.
+    pub fn generation(&self, block: BlockId) -> u64 {
+        self.generations[block.0 as usize]
     }
 
     /// Stores one token's K or V for one head.

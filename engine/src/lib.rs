@@ -19,6 +19,7 @@ pub mod hf;
 pub mod kernels;
 pub mod kv;
 pub mod model;
+pub mod parity;
 pub mod q8;
 pub mod sampling;
 pub mod synth;

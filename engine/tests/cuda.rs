@@ -41,3 +41,24 @@ fn opening_a_device_is_a_clear_error_where_there_is_none() {
     let e = cuda::open(1024).expect_err("no such device");
     assert!(e.to_string().contains("CUDA device(s)"), "{e}");
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with CUDA 13's driver, NVRTC and cuBLAS: run with --run-ignored on one \
+            (scripts/device/check.sh makes the same comparison on the GPU machine with the release binary)"]
+fn the_cuda_backends_logits_match_the_cpu_reference_on_a_synthetic_model() {
+    use engine::model::Model;
+    use engine::synth::{self, SynthShape};
+    let shape =
+        SynthShape { n_layers: 4, n_embd: 256, n_ff: 512, n_heads: 4, n_kv_heads: 2, n_vocab: 4096, context_len: 1024 };
+    let path = std::env::temp_dir().join(format!("tandem-cuda-parity-{}.gguf", std::process::id()));
+    synth::write(&path, &shape, 11).expect("written");
+    let threads = rayon::ThreadPoolBuilder::new().build().expect("pool");
+    let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), threads);
+    let want = engine::parity::run(&mut cpu).expect("cpu runs");
+    let mut gpu = cuda::CudaBackend::new(&Model::open(&path).expect("loads"), 0).unwrap_or_else(|e| panic!("{e}"));
+    let got = engine::parity::run(&mut gpu).expect("cuda runs");
+    for c in engine::parity::compare(&want, &got).expect("same steps") {
+        assert!(c.passes(0.02), "{c:?}");
+    }
+    std::fs::remove_file(path).ok();
+}

@@ -231,7 +231,7 @@ impl RunningWorker {
                 BackendChoice::Mock(m) => {
                     Some(pull::ModelledTransfer { profile: m.profile.clone(), speedup: m.speedup })
                 }
-                BackendChoice::Cpu => None,
+                BackendChoice::Cpu | BackendChoice::Cuda(_) => None,
             },
         };
         let service = Arc::new(WorkerService {

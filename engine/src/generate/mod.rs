@@ -59,6 +59,8 @@ pub enum BackendChoice {
     Cpu,
     /// No compute: each step takes the time a timing profile gives (see [`crate::backend::mock`]).
     Mock(Box<MockSettings>),
+    /// The model's forward pass on CUDA device N (a build with the `cuda` feature; docs/cuda.md).
+    Cuda(usize),
 }
 
 /// How an engine runs.
@@ -265,6 +267,11 @@ impl Engine {
             BackendChoice::Mock(_) => {
                 let words = text.tokenizer().plain_words();
                 return Engine::open_mock(text, &words, config);
+            }
+            BackendChoice::Cuda(ordinal) => {
+                let model = Model::load(&file)?;
+                check_config(&config, model.config.context_len)?;
+                crate::backend::open_cuda(&model, *ordinal).map_err(EngineError::Config)?
             }
         };
         Engine::with_backend(backend, text, config)

@@ -44,7 +44,12 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    args.model.device.check()?;
+    if args.model.device != engine::backend::Device::Cpu {
+        args.model.device.check()?;
+        return Err("tandem bench engine measures the CPU backend only so far; the GPU's figures come from \
+                    `tandem model parity` and scripts/device/check.sh (docs/cuda.md)"
+            .into());
+    }
     if !args.concurrency.is_empty() {
         return run_concurrency(&args);
     }

@@ -85,6 +85,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     .map_err(|e| e.to_string())?;
     let path = args.model.path()?;
     let config = EngineConfig {
+        backend: args.model.backend(),
         threads: args.model.threads,
         precision: args.model.precision,
         prefill_chunk: args.prefill_chunk,

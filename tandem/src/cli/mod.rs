@@ -7,6 +7,7 @@ mod bench_router;
 mod certs;
 mod chart;
 mod generate;
+mod parity;
 mod probe;
 mod serve;
 mod sim;
@@ -93,6 +94,27 @@ enum ModelCommand {
         #[arg(long, value_name = "PATH")]
         model: Option<PathBuf>,
     },
+    /// Compare a backend's logits with the CPU engine's reference mode on fixed steps (whole and chunked
+    /// prefills, batched decodes, a mixed batch): `--write FILE` computes the reference here (CPU), `--check FILE`
+    /// recomputes on `--device` and prints each step's largest absolute and relative logit error and whether the
+    /// top token agrees; it fails when an error passes `--max-rel` or a top token differs.
+    Parity {
+        /// A GGUF model file (a synthetic one on a machine without the real model).
+        #[arg(long, value_name = "PATH")]
+        model: PathBuf,
+        /// Write the CPU reference logits to this file.
+        #[arg(long, value_name = "FILE", conflicts_with = "check")]
+        write: Option<PathBuf>,
+        /// Compare with the reference logits in this file.
+        #[arg(long, value_name = "FILE")]
+        check: Option<PathBuf>,
+        /// Where the compared logits are computed.
+        #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
+        device: engine::backend::Device,
+        /// Largest logit error allowed, relative to the step's largest reference logit.
+        #[arg(long, default_value_t = 0.02)]
+        max_rel: f32,
+    },
     /// Write a synthetic model: the embedded model's shapes, tensor types and tokenizer layout with
     /// deterministic pseudo-random weights, the same bytes on every machine for a seed. For checking kernels
     /// where the real model cannot travel (the GPU check script makes its own); its outputs mean nothing.
@@ -134,12 +156,20 @@ struct ModelArgs {
     #[arg(long, default_value = "reference", value_name = "fast|reference")]
     precision: engine::forward::Precision,
     /// Where the model computes: `cpu`, or `cuda[:N]` (the CUDA backend, in a build with `--features cuda`;
-    /// its forward pass is not built yet, see docs/cuda.md).
+    /// not yet verified on a GPU, see docs/cuda.md).
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
     device: engine::backend::Device,
 }
 
 impl ModelArgs {
+    /// The engine backend `--device` names.
+    fn backend(&self) -> engine::generate::BackendChoice {
+        match self.device {
+            engine::backend::Device::Cpu => engine::generate::BackendChoice::Cpu,
+            engine::backend::Device::Cuda(n) => engine::generate::BackendChoice::Cuda(n),
+        }
+    }
+
     fn path(&self) -> Result<PathBuf, String> {
         match &self.model {
             Some(p) => Ok(p.clone()),
@@ -185,6 +215,9 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
             engine::hf::export(&file, &safetensors).map_err(|e| e.to_string())?;
             println!("{}", safetensors.display());
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Model { command: ModelCommand::Parity { model, write, check, device, max_rel } } => {
+            parity::run(&model, write.as_deref(), check.as_deref(), device, max_rel)
         }
         Command::Model { command: ModelCommand::Synth { seed, out } } => {
             let shape = engine::synth::SynthShape::SMOLLM2_135M;

@@ -166,7 +166,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         // The router accepts what the workers do (the model's context unless set; the mock's own).
         let max_model_len = match &engine.backend {
             BackendChoice::Mock(m) => Some(m.context_len),
-            BackendChoice::Cpu => engine.max_model_len,
+            BackendChoice::Cpu | BackendChoice::Cuda(_) => engine.max_model_len,
         };
         for ((role, name), identity) in roles.into_iter().zip(ids) {
             let engine = EngineConfig { disk_dir: engine.disk_dir.as_ref().map(|d| d.join(&name)), ..engine.clone() };

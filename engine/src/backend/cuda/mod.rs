@@ -1,4 +1,4 @@
-//! The CUDA backend (feature `cuda`), first part: finding the device and compiling the kernels.
+//! The CUDA backend (feature `cuda`): finding the device, compiling the kernels, the forward pass.
 //!
 //! Nothing CUDA is linked at build time (cudarc loads `libcuda`, `libnvrtc` and `libcublas` when first used), so
 //! the engine builds and lints with this feature on machines without a GPU. Each library's presence is checked
@@ -7,13 +7,16 @@
 //! the device's own compute capability (PTX from a toolkit newer than the driver would not load), once per
 //! process.
 //!
-//! Not built yet: the forward pass over these kernels and cuBLAS, the device-memory KV tier, and the parity and
-//! speed checks of `scripts/device/` (docs/cuda.md).
+//! [`CudaBackend`] is the forward pass over these kernels and cuBLAS. Not verified on a GPU yet (docs/cuda.md).
+
+mod forward;
 
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+
+pub use forward::CudaBackend;
 
 /// The kernels' source.
 pub const KERNELS: &str = include_str!("kernels.cu");
@@ -49,6 +52,13 @@ pub enum CudaError {
     NoNvrtc,
     #[error("the CUDA kernels did not compile for {arch}: {log}")]
     Compile { arch: String, log: String },
+    #[error(
+        "cuBLAS (libcublas.so.13) could not be loaded: install CUDA 13's cuBLAS (e.g. `pip install \
+         nvidia-cublas==13.0.*`) and put its lib directory on LD_LIBRARY_PATH"
+    )]
+    NoCublas,
+    #[error("CUDA: {0}")]
+    Runtime(String),
 }
 
 /// The device a backend runs on.
@@ -73,6 +83,13 @@ pub fn driver_present() -> bool {
 pub fn nvrtc_present() -> bool {
     // SAFETY: as `driver_present`.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Whether cuBLAS can be loaded here.
+#[allow(unsafe_code)]
+pub fn cublas_present() -> bool {
+    // SAFETY: as `driver_present`.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
 }
 
 /// Opens device `ordinal`: its context and what it is.
