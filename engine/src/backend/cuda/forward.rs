@@ -360,6 +360,8 @@ impl CudaBackend {
         // The step's K/V rows into the host store (f32 to f16 rounds to nearest even there as on the device),
         // without marking the blocks changed: the mirror has them already.
         let (ks, vs) = (s.clone_dtoh(&step_k).map_err(fail)?, s.clone_dtoh(&step_v).map_err(fail)?);
+        // Copies into pageable memory return when done, but the rows are read only after the stream is.
+        s.synchronize().map_err(fail)?;
         for layer in 0..c.n_layers {
             for (part, rows) in [(KvPart::K, &ks), (KvPart::V, &vs)] {
                 let base = layer * n * kv_dim;
