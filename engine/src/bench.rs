@@ -53,21 +53,61 @@ fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
 
 /// Runs the measurements on the current rayon pool.
 pub fn run(model: &Model, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
-    let vocab = model.config.n_vocab;
+    let layout = KvLayout::for_model(&model.config, 16);
+    let (prefill_tokens_per_s, decode) =
+        measure(layout, model.config.n_vocab, spec, &mut |kv, chunks| model.forward(kv, chunks))?;
+    Ok(BenchReport {
+        threads: rayon::current_num_threads(),
+        prefill_tokens: spec.prompt_tokens,
+        prefill_tokens_per_s,
+        decode,
+    })
+}
+
+/// The same measurements through any backend (the CUDA one: each step ends with its logits on the host, so a
+/// step's time is its whole time).
+pub fn run_backend(backend: &mut dyn crate::backend::Backend, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
+    let layout = backend.kv_layout(16);
+    let vocab = backend.vocab();
+    let threads = backend.threads();
+    let mut forward = |kv: &mut KvStore, chunks: &[SeqChunk<'_>]| -> Result<Vec<Vec<f32>>, ForwardError> {
+        let context = crate::backend::StepContext { started: Instant::now(), onboarded: [0, 0] };
+        let next = backend.forward(kv, chunks, context)?;
+        Ok(next
+            .into_iter()
+            .map(|n| match n {
+                crate::backend::Next::Logits(l) => l,
+                crate::backend::Next::Draw(_) => Vec::new(),
+            })
+            .collect())
+    };
+    let (prefill_tokens_per_s, decode) = measure(layout, vocab, spec, &mut forward)?;
+    Ok(BenchReport { threads, prefill_tokens: spec.prompt_tokens, prefill_tokens_per_s, decode })
+}
+
+/// One forward step: logits per chunk that asked for them.
+type Forward<'a> = dyn FnMut(&mut KvStore, &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> + 'a;
+
+/// Prefill tokens/s and the decode figures, stepping with `forward`.
+fn measure(
+    layout: KvLayout,
+    vocab: usize,
+    spec: &BenchSpec,
+    forward: &mut Forward<'_>,
+) -> Result<(f64, Vec<DecodeFigure>), ForwardError> {
     let max_batch = spec.batches.iter().copied().max().unwrap_or(1);
     let per_seq = (spec.decode_prompt_tokens + spec.decode_tokens).max(spec.prompt_tokens).div_ceil(16) + 1;
-    let layout = KvLayout::for_model(&model.config, 16);
     let mut kv = KvStore::new(layout, per_seq * max_batch);
     let tables: Vec<Vec<BlockId>> =
         (0..max_batch).map(|s| (0..per_seq).map(|b| BlockId((s * per_seq + b) as u32)).collect()).collect();
 
     // Warm-up touches the weights and the KV pages once.
     let warm = prompt(spec.prompt_tokens.min(64), 0, vocab);
-    model.forward(&mut kv, &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true }])?;
+    forward(&mut kv, &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true }])?;
 
     let long = prompt(spec.prompt_tokens, 1, vocab);
     let t = Instant::now();
-    model.forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true }])?;
+    forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true }])?;
     let prefill_tokens_per_s = spec.prompt_tokens as f64 / t.elapsed().as_secs_f64();
 
     let mut decode = Vec::new();
@@ -78,7 +118,7 @@ pub fn run(model: &Model, spec: &BenchSpec) -> Result<BenchReport, ForwardError>
             .zip(&tables)
             .map(|(p, blocks)| SeqChunk { tokens: p, start: 0, blocks, logits: true })
             .collect();
-        let mut next: Vec<u32> = model.forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
+        let mut next: Vec<u32> = forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
         let t = Instant::now();
         for step in 0..spec.decode_tokens {
             let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
@@ -92,17 +132,12 @@ pub fn run(model: &Model, spec: &BenchSpec) -> Result<BenchReport, ForwardError>
                     logits: true,
                 })
                 .collect();
-            next = model.forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
+            next = forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
         }
         let secs = t.elapsed().as_secs_f64();
         decode.push(DecodeFigure { batch, tokens_per_s: (batch * spec.decode_tokens) as f64 / secs });
     }
-    Ok(BenchReport {
-        threads: rayon::current_num_threads(),
-        prefill_tokens: spec.prompt_tokens,
-        prefill_tokens_per_s,
-        decode,
-    })
+    Ok((prefill_tokens_per_s, decode))
 }
 
 /// Decode throughput of `sequences` requests run together through the engine's scheduler.

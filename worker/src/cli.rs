@@ -63,8 +63,9 @@ pub struct Settings {
     /// Compute threads (default: all cores).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<NonZeroUsize>,
-    /// What computes steps: `cpu` (the model's forward pass) or `mock` (no compute; each step takes the time its
-    /// timing profile gives).
+    /// What computes steps: `cpu` (the model's forward pass), `mock` (no compute; each step takes the time its
+    /// timing profile gives), or `cuda[:N]` (the forward pass on CUDA device N, in a build with `--features cuda`;
+    /// not yet verified on a GPU, docs/cuda.md).
     #[arg(long, env = "TANDEM_ENGINE")]
     pub engine: Option<String>,
     /// How the cpu engine computes matmuls over quantized weights: `reference` (f32 activations, what the golden
@@ -354,10 +355,21 @@ fn backend(s: &Settings, problems: &mut Vec<String>) -> (BackendChoice, usize) {
             let device = mock.profile.device_blocks.unwrap_or(engine::generate::DEFAULT_KV_BLOCKS);
             (BackendChoice::Mock(Box::new(mock)), device)
         }
-        Some(other) => {
-            problems.push(format!("engine {other:?} is not one of cpu, mock"));
-            cpu
-        }
+        Some(other) => match other.parse::<engine::backend::Device>() {
+            Ok(engine::backend::Device::Cuda(n)) => {
+                for (name, _) in mock_only.iter().filter(|(_, set)| *set) {
+                    problems.push(format!("{name} applies to the mock engine only (--engine mock)"));
+                }
+                if let Err(e) = engine::backend::Device::Cuda(n).check() {
+                    problems.push(e);
+                }
+                (BackendChoice::Cuda(n), engine::generate::DEFAULT_KV_BLOCKS)
+            }
+            _ => {
+                problems.push(format!("engine {other:?} is not one of cpu, mock, cuda[:N]"));
+                cpu
+            }
+        },
     }
 }
 
@@ -454,5 +466,20 @@ mod tests {
         let mock = Settings { engine: Some("mock".into()), precision: Some("fast".into()), ..Settings::default() };
         engine_config(&mock, "w", &mut problems);
         assert!(problems.iter().any(|p| p.contains("cpu engine only")), "{problems:?}");
+    }
+
+    #[test]
+    fn a_cuda_engine_is_named_by_device_and_checked_at_start() {
+        let mut problems = Vec::new();
+        let cuda = Settings { engine: Some("cuda:1".into()), ..Settings::default() };
+        assert_eq!(engine_config(&cuda, "w", &mut problems).backend, BackendChoice::Cuda(1));
+        // Here (no CUDA build, or no driver) the start is refused with the reason; a GPU machine has no problem.
+        if !engine::backend::cuda_driver_present() {
+            assert!(problems.iter().any(|p| p.contains("--device cpu")), "{problems:?}");
+        }
+        problems.clear();
+        let unknown = Settings { engine: Some("gpu".into()), ..Settings::default() };
+        engine_config(&unknown, "w", &mut problems);
+        assert!(problems.iter().any(|p| p.contains("cpu, mock, cuda[:N]")), "{problems:?}");
     }
 }

@@ -44,11 +44,10 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    if args.model.device != engine::backend::Device::Cpu {
-        args.model.device.check()?;
-        return Err("tandem bench engine measures the CPU backend only so far; the GPU's figures come from \
-                    `tandem model parity` and scripts/device/check.sh (docs/cuda.md)"
-            .into());
+    args.model.device.check()?;
+    let on_cpu = args.model.device == engine::backend::Device::Cpu;
+    if !on_cpu && (!args.concurrency.is_empty() || args.fit_profile.is_some()) {
+        return Err("--concurrency and --fit-profile measure the CPU backend only so far (docs/cuda.md)".into());
     }
     if !args.concurrency.is_empty() {
         return run_concurrency(&args);
@@ -67,10 +66,18 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         decode_tokens: args.decode_tokens,
         batches: args.batches.iter().map(|b| b.get()).collect(),
     };
-    let report = pool.install(|| bench::run(&model, &spec)).map_err(|e| format!("{e} (model {})", display(&path)))?;
+    let report = match args.model.device {
+        engine::backend::Device::Cpu => pool.install(|| bench::run(&model, &spec)),
+        engine::backend::Device::Cuda(n) => {
+            let mut backend = engine::backend::open_cuda(&model, n)?;
+            bench::run_backend(&mut *backend, &spec)
+        }
+    }
+    .map_err(|e| format!("{e} (model {})", display(&path)))?;
     if args.json {
         println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
     } else {
+        println!("device             {}", args.model.device);
         println!("threads            {}", report.threads);
         println!("prefill pp{:<6}    {:8.1} tokens/s", report.prefill_tokens, report.prefill_tokens_per_s);
         for d in &report.decode {
