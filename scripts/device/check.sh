@@ -3,7 +3,7 @@
 # target/device): the synthetic model made here from the same seed (its fingerprint must match), the parity of the
 # CUDA backend's logits with the CPU reference's on fixed steps (the exit status), then speed: the CUDA backend's
 # prefill and decode figures and PyTorch's on the same weights (scripts/device/torch_speed.py). Results under $OUT
-# (the device tool's folder) or DIR/out; about 8 minutes at most. docs/cuda.md.
+# (the device tool's folder) or DIR/out; at most 8 minutes (the timeouts add to 480 s). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
@@ -29,16 +29,16 @@ export LD_LIBRARY_PATH
     fi
     echo "same bytes as the reference's model: $got"
     echo "== parity with the CPU reference"
-    timeout 180 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
+    timeout 120 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
     status=$?
     echo "== speed: the CUDA backend on the synthetic model (SmolLM2-135M's shapes)"
-    timeout 90 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
+    timeout 60 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
         --decode-tokens 16 --json | tee "$RESULTS/speed-4096.json"
-    timeout 150 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
+    timeout 120 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
         --batches 1,16,64,256 --json | tee "$RESULTS/speed-512.json"
     echo "== speed: PyTorch on the same weights (eager; torch.compile with a static cache)"
     "$T" model export --safetensors "$RESULTS/hf" --model "$RESULTS/synth.gguf" >/dev/null &&
-        timeout 240 python3 "$(dirname "$0")/torch_speed.py" "$RESULTS/hf" | tee "$RESULTS/torch.json"
+        timeout 180 python3 "$(dirname "$0")/torch_speed.py" "$RESULTS/hf" | tee "$RESULTS/torch.json"
     rm -rf "$RESULTS/synth.gguf" "$RESULTS/hf"
     exit $status
 } 2>&1 | tee "$RESULTS/check.txt"
