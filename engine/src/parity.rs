@@ -109,19 +109,25 @@ pub fn read(path: &Path) -> std::io::Result<Vec<Logits>> {
     let mut bytes = Vec::new();
     std::fs::File::open(path)?.read_to_end(&mut bytes)?;
     let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "truncated parity file");
-    let mut at = 0usize;
+    let mut rest: &[u8] = &bytes;
     let mut take = |n: usize| -> std::io::Result<&[u8]> {
-        let s = bytes.get(at..at + n).ok_or_else(bad)?;
-        at += n;
-        Ok(s)
+        if rest.len() < n {
+            return Err(bad());
+        }
+        let (head, tail) = rest.split_at(n);
+        rest = tail;
+        Ok(head)
     };
     let mut out = Vec::new();
-    while let Ok(len) = take(4) {
-        let len = u32::from_le_bytes(len.try_into().map_err(|_| bad())?) as usize;
+    // Entries until the bytes end exactly: a partial entry, however short, is an error.
+    let mut left = bytes.len();
+    while left > 0 {
+        let len = u32::from_le_bytes(take(4)?.try_into().map_err(|_| bad())?) as usize;
         let name = String::from_utf8_lossy(take(len)?).into_owned();
         let count = u32::from_le_bytes(take(4)?.try_into().map_err(|_| bad())?) as usize;
         let values = take(count * 4)?.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         out.push(Logits { name, values });
+        left -= 8 + len + count * 4;
     }
     Ok(out)
 }
@@ -189,6 +195,12 @@ mod tests {
         ];
         write(&path, &a).expect("written");
         assert_eq!(read(&path).expect("read"), a);
+        // Any cut is an error, however few bytes the last entry lost or kept.
+        let bytes = std::fs::read(&path).expect("bytes");
+        for cut in [1, 2, 3, 5, bytes.len() - 4, bytes.len() - 1] {
+            std::fs::write(&path, &bytes[..cut]).expect("cut");
+            assert!(read(&path).is_err(), "{cut} of {} bytes read as whole", bytes.len());
+        }
         let mut b = a.clone();
         b[1].values[0] = 3.5;
         let c = compare(&a, &b).expect("comparable");

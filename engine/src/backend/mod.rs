@@ -149,8 +149,8 @@ fn cuda_check(_ordinal: usize) -> Result<(), String> {
 }
 
 #[cfg(not(feature = "cuda"))]
-const NO_CUDA: &str =
-    "this build has no CUDA support: build with `cargo build --release -p tandem --features cuda`, or use --device cpu";
+const NO_CUDA: &str = "this build has no CUDA support: build with `cargo build --release -p tandem --features cuda`, or compute on \
+     the CPU (--device cpu; --engine cpu for workers)";
 
 /// The CUDA backend for `model` on device `ordinal`; `Err` is one sentence.
 #[cfg(feature = "cuda")]

@@ -39,8 +39,8 @@ pub const KERNEL_NAMES: [&str; 10] = [
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
     #[error(
-        "no NVIDIA driver on this machine (libcuda.so could not be loaded): --device cuda needs an NVIDIA GPU \
-         and its driver; use --device cpu"
+        "no NVIDIA driver on this machine (libcuda.so could not be loaded): CUDA needs an NVIDIA GPU and its \
+         driver; compute on the CPU instead (--device cpu; --engine cpu for workers)"
     )]
     NoDriver,
     #[error("CUDA device {ordinal}: {why}")]
