@@ -48,7 +48,12 @@ pub struct BenchReport {
 
 /// Deterministic prompt ids spread over the vocabulary (past the special tokens).
 fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
-    (0..len).map(|i| (100 + (i * 7919 + salt * 104_729) % (vocab - 100)) as u32).collect()
+    (0..len).map(|i| prompt_token(i, salt, vocab)).collect()
+}
+
+/// Token `i` of [`prompt`]`(_, salt, vocab)` (the parity steps use the same ids).
+pub(crate) fn prompt_token(i: usize, salt: usize, vocab: usize) -> u32 {
+    (100 + (i * 7919 + salt * 104_729) % (vocab - 100)) as u32
 }
 
 /// Runs the measurements on the current rayon pool.
@@ -73,13 +78,12 @@ pub fn run_backend(backend: &mut dyn crate::backend::Backend, spec: &BenchSpec) 
     let mut forward = |kv: &mut KvStore, chunks: &[SeqChunk<'_>]| -> Result<Vec<Vec<f32>>, ForwardError> {
         let context = crate::backend::StepContext { started: Instant::now(), onboarded: [0, 0] };
         let next = backend.forward(kv, chunks, context)?;
-        Ok(next
-            .into_iter()
+        next.into_iter()
             .map(|n| match n {
-                crate::backend::Next::Logits(l) => l,
-                crate::backend::Next::Draw(_) => Vec::new(),
+                crate::backend::Next::Logits(l) => Ok(l),
+                crate::backend::Next::Draw(_) => Err(ForwardError::Device("this backend computes no logits".into())),
             })
-            .collect())
+            .collect()
     };
     let (prefill_tokens_per_s, decode) = measure(layout, vocab, spec, &mut forward)?;
     Ok(BenchReport { threads, prefill_tokens: spec.prompt_tokens, prefill_tokens_per_s, decode })

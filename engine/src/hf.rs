@@ -114,12 +114,9 @@ fn hf_tensors(file: &GgufFile, c: &ModelConfig) -> Result<Vec<HfTensor>, ExportE
 }
 
 fn dequantize(file: &GgufFile, t: &TensorInfo, rows: usize, cols: usize) -> Vec<f32> {
-    let bytes = file.bytes(t);
-    let row_bytes = bytes.len() / rows;
+    // Rows are whole quantization blocks laid end to end, so the tensor decodes as one long row.
     let mut out = vec![0f32; rows * cols];
-    for (r, dst) in out.chunks_exact_mut(cols).enumerate() {
-        crate::kernels::dequantize_row_portable(t.ty, &bytes[r * row_bytes..(r + 1) * row_bytes], dst);
-    }
+    crate::kernels::dequantize_row(t.ty, file.bytes(t), &mut out);
     out
 }
 

@@ -95,6 +95,16 @@ impl Matrix {
         let s = self.start + r * self.row_bytes;
         &self.map[s..s + self.row_bytes]
     }
+
+    /// All rows' encoded bytes, in order.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map[self.start..self.start + self.rows * self.row_bytes]
+    }
+
+    /// Whether `other` is this same tensor of the same file (a model whose output is tied to its embedding).
+    pub fn same_tensor(&self, other: &Matrix) -> bool {
+        Arc::ptr_eq(&self.map, &other.map) && self.start == other.start
+    }
 }
 
 /// One transformer block's weights.

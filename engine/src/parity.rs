@@ -28,9 +28,9 @@ pub struct Logits {
     pub values: Vec<f32>,
 }
 
-/// A deterministic token id for position `i` of sequence `seq` (spread over the vocabulary, no specials).
+/// A deterministic token id for position `i` of sequence `seq` (the benchmark's prompts: no specials).
 fn token(seq: usize, i: usize, vocab: usize) -> u32 {
-    (1000 + (seq * 7919 + i * 104_729) % (vocab - 1000)) as u32
+    crate::bench::prompt_token(i, seq, vocab)
 }
 
 /// Runs every parity step through `backend` and returns the logits in order. Sequence `s` owns blocks

@@ -271,12 +271,12 @@ impl SamplingParams {
     }
 }
 
-/// SplitMix64: small, fast, and reproducible from a seed.
+/// SplitMix64: small, fast, and reproducible from a seed (also the synthetic models' weights, `crate::synth`).
 #[derive(Clone, Debug)]
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -10,6 +10,7 @@ use std::path::Path;
 use half::f16;
 
 use crate::gguf::{GgufWriter, MetaArray, MetaValue, TensorType, WriteError};
+use crate::sampling::Rng;
 use crate::tokenizer::bytes::byte_to_char;
 
 /// The hyper-parameters of a synthetic Llama model.
@@ -196,27 +197,19 @@ fn vocabulary(w: &mut GgufWriter, n: usize) {
         .meta("tokenizer.chat_template", MetaValue::String(CHAT_TEMPLATE.into()));
 }
 
-/// SplitMix64 (Steele, Lea and Flood), one stream per tensor: integer arithmetic only.
-struct SplitMix(u64);
+/// The sampler's SplitMix64, one stream per tensor: integer arithmetic only.
+struct SplitMix(Rng);
 
 impl SplitMix {
     fn new(seed: u64, stream: u64) -> SplitMix {
-        let mut s = SplitMix(seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03));
-        s.next();
+        let mut s = SplitMix(Rng(seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03)));
+        s.0.next_u64();
         s
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
     }
 
     /// Uniform in [-1, 1), exactly: 24 random bits scaled by a power of two.
     fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 * (2.0 / 16_777_216.0) - 1.0
+        (self.0.next_u64() >> 40) as f32 * (2.0 / 16_777_216.0) - 1.0
     }
 }
 

@@ -356,14 +356,14 @@ fn backend(s: &Settings, problems: &mut Vec<String>) -> (BackendChoice, usize) {
             (BackendChoice::Mock(Box::new(mock)), device)
         }
         Some(other) => match other.parse::<engine::backend::Device>() {
-            Ok(engine::backend::Device::Cuda(n)) => {
+            Ok(device @ engine::backend::Device::Cuda(_)) => {
                 for (name, _) in mock_only.iter().filter(|(_, set)| *set) {
                     problems.push(format!("{name} applies to the mock engine only (--engine mock)"));
                 }
-                if let Err(e) = engine::backend::Device::Cuda(n).check() {
+                if let Err(e) = device.check() {
                     problems.push(e);
                 }
-                (BackendChoice::Cuda(n), engine::generate::DEFAULT_KV_BLOCKS)
+                (device.into(), engine::generate::DEFAULT_KV_BLOCKS)
             }
             _ => {
                 problems.push(format!("engine {other:?} is not one of cpu, mock, cuda[:N]"));

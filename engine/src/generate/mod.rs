@@ -63,6 +63,15 @@ pub enum BackendChoice {
     Cuda(usize),
 }
 
+impl From<crate::backend::Device> for BackendChoice {
+    fn from(device: crate::backend::Device) -> BackendChoice {
+        match device {
+            crate::backend::Device::Cpu => BackendChoice::Cpu,
+            crate::backend::Device::Cuda(n) => BackendChoice::Cuda(n),
+        }
+    }
+}
+
 /// How an engine runs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
@@ -129,6 +138,9 @@ pub enum EngineError {
     Config(String),
     #[error("could not start compute threads: {0}")]
     Threads(String),
+    /// The compute device could not be opened (a sentence saying why and what to do).
+    #[error("{0}")]
+    Device(String),
     #[error(transparent)]
     Forward(#[from] ForwardError),
     #[error(transparent)]
@@ -271,7 +283,7 @@ impl Engine {
             BackendChoice::Cuda(ordinal) => {
                 let model = Model::load(&file)?;
                 check_config(&config, model.config.context_len)?;
-                crate::backend::open_cuda(&model, *ordinal).map_err(EngineError::Config)?
+                crate::backend::open_cuda(&model, *ordinal).map_err(EngineError::Device)?
             }
         };
         Engine::with_backend(backend, text, config)

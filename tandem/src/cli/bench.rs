@@ -44,7 +44,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    args.model.device.check()?;
     let on_cpu = args.model.device == engine::backend::Device::Cpu;
     if !on_cpu && (!args.concurrency.is_empty() || args.fit_profile.is_some()) {
         return Err("--concurrency and --fit-profile measure the CPU backend only so far (docs/cuda.md)".into());

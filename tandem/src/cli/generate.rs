@@ -69,7 +69,6 @@ struct JsonLogprobs {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    args.model.device.check()?;
     let sampling = SamplingParams::new(RawSampling {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -85,7 +84,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     .map_err(|e| e.to_string())?;
     let path = args.model.path()?;
     let config = EngineConfig {
-        backend: args.model.backend(),
+        backend: args.model.device.into(),
         threads: args.model.threads,
         precision: args.model.precision,
         prefill_chunk: args.prefill_chunk,

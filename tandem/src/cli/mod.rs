@@ -162,24 +162,18 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// The engine backend `--device` names.
-    fn backend(&self) -> engine::generate::BackendChoice {
-        match self.device {
-            engine::backend::Device::Cpu => engine::generate::BackendChoice::Cpu,
-            engine::backend::Device::Cuda(n) => engine::generate::BackendChoice::Cuda(n),
-        }
-    }
-
     fn path(&self) -> Result<PathBuf, String> {
-        match &self.model {
-            Some(p) => Ok(p.clone()),
-            None => fetch_default(),
-        }
+        model_or_default(self.model.clone())
     }
 }
 
 fn fetch_default() -> Result<PathBuf, String> {
     engine::fetch::ensure_default_model(&crate::progress::Bar::new()).map_err(|e| e.to_string())
+}
+
+/// `model` when given, else the embedded model (fetched when missing).
+fn model_or_default(model: Option<PathBuf>) -> Result<PathBuf, String> {
+    model.map_or_else(fetch_default, Ok)
 }
 
 /// Runs a parsed command line.
@@ -191,10 +185,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Model { command: ModelCommand::Tokenizer { dir, model } } => {
-            let path = match model {
-                Some(p) => p,
-                None => fetch_default()?,
-            };
+            let path = model_or_default(model)?;
             let file = engine::gguf::GgufFile::open(&path).map_err(|e| format!("{}: {e}", display(&path)))?;
             let (tokenizer, config) =
                 engine::tokenizer::export::hugging_face_files(&file).map_err(|e| e.to_string())?;
@@ -207,10 +198,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Model { command: ModelCommand::Export { safetensors, model } } => {
-            let path = match model {
-                Some(p) => p,
-                None => fetch_default()?,
-            };
+            let path = model_or_default(model)?;
             let file = engine::gguf::GgufFile::open(&path).map_err(|e| format!("{}: {e}", display(&path)))?;
             engine::hf::export(&file, &safetensors).map_err(|e| e.to_string())?;
             println!("{}", safetensors.display());

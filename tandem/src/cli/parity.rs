@@ -29,7 +29,6 @@ pub fn run(
         }
         (None, Some(reference)) => {
             let want = engine::parity::read(reference).map_err(|e| format!("{}: {e}", reference.display()))?;
-            device.check()?;
             let started = std::time::Instant::now();
             let got = engine::parity::run(&mut *backend(loaded, device)?).map_err(|e| e.to_string())?;
             let compared = engine::parity::compare(&want, &got)?;

@@ -165,10 +165,7 @@ impl CudaBackend {
             });
         }
         let embedding = up.matrix(&model.token_embd)?;
-        let tied = model.output.rows == model.token_embd.rows
-            && model.output.ty == model.token_embd.ty
-            && std::ptr::eq(model.output.row(0).as_ptr(), model.token_embd.row(0).as_ptr());
-        let output = if tied { None } else { Some(up.matrix(&model.output)?) };
+        let output = if model.output.same_tensor(&model.token_embd) { None } else { Some(up.matrix(&model.output)?) };
         let table: Vec<f32> = model.rope.iter().flat_map(|&[c, s]| [c, s]).collect();
         let backend = CudaBackend {
             config: model.config.clone(),
@@ -392,23 +389,19 @@ impl Uploader<'_> {
     fn matrix(&self, m: &Matrix) -> Result<DeviceMatrix, CudaError> {
         let elems = m.rows * m.cols;
         let mut data = self.stream.alloc_zeros::<u16>(elems).map_err(runtime)?;
-        let raw: Vec<u8> = (0..m.rows).flat_map(|r| m.row(r).iter().copied()).collect();
         let f = match m.ty {
             TensorType::Q8_0 => &self.kernels.dequant_q8_0,
             TensorType::Q4_1 => &self.kernels.dequant_q4_1,
             other => {
                 // Other encodings are converted on the host (rare in the files the engine loads).
-                let mut row = vec![0f32; m.cols];
-                let mut host = Vec::with_capacity(elems);
-                for r in 0..m.rows {
-                    crate::kernels::dequantize_row(other, m.row(r), &mut row);
-                    host.extend(row.iter().map(|&v| half::f16::from_f32(v).to_bits()));
-                }
+                let mut values = vec![0f32; elems];
+                crate::kernels::dequantize_row(other, m.bytes(), &mut values);
+                let host: Vec<u16> = values.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
                 self.stream.memcpy_htod(&host, &mut data).map_err(runtime)?;
                 return Ok(DeviceMatrix { rows: m.rows, cols: m.cols, data });
             }
         };
-        let src = self.stream.clone_htod(&raw).map_err(runtime)?;
+        let src = self.stream.clone_htod(m.bytes()).map_err(runtime)?;
         let blocks = (elems / 32) as i64;
         let cfg = LaunchConfig::for_num_elems(elems as u32);
         let mut b = self.stream.launch_builder(f);
