@@ -70,21 +70,19 @@ pub fn local_hash(tokens: &[u32]) -> LocalHash {
 }
 
 fn local_hash_seeded(tokens: &[u32], seed: u64) -> LocalHash {
-    // Blocks of up to 256 tokens are laid out on the stack: a heap buffer per block was a tenth of the
-    // simulator's allocations.
-    const ON_STACK: usize = 256;
-    let mut stack = [0u8; 4 * ON_STACK];
-    let mut heap = Vec::new();
-    let bytes = if tokens.len() <= ON_STACK {
-        &mut stack[..4 * tokens.len()]
-    } else {
-        heap.resize(4 * tokens.len(), 0);
-        &mut heap[..]
-    };
-    for (chunk, t) in bytes.chunks_exact_mut(4).zip(tokens) {
-        chunk.copy_from_slice(&t.to_le_bytes());
-    }
-    LocalHash(xxh3_64_with_seed(bytes, seed))
+    LocalHash(xxh3_64_with_seed(bytemuck::cast_slice(&le_tokens(tokens)), seed))
+}
+
+/// The tokens as the hash reads them, little-endian: on a little-endian machine the slice itself (a copy per
+/// block was a tenth of the simulator's allocations, then, on the stack, a zeroing and a copy per block).
+#[cfg(target_endian = "little")]
+fn le_tokens(tokens: &[u32]) -> std::borrow::Cow<'_, [u32]> {
+    std::borrow::Cow::Borrowed(tokens)
+}
+
+#[cfg(not(target_endian = "little"))]
+fn le_tokens(tokens: &[u32]) -> std::borrow::Cow<'_, [u32]> {
+    std::borrow::Cow::Owned(tokens.iter().map(|t| t.to_le()).collect())
 }
 
 /// The chained hash of a block with local hash `local` after the block `parent` (`None`: the first block, whose
@@ -119,6 +117,9 @@ impl BlockHashes {
     pub fn extend(&mut self, tokens: &[u32], block_size: BlockSize, namespace: Option<&CacheNamespace>) {
         let first_seed = namespace.map_or(HASH_SEED, CacheNamespace::seed);
         let done = self.seq.len();
+        let more = (tokens.len() / block_size.tokens()).saturating_sub(done);
+        self.local.reserve(more);
+        self.seq.reserve(more);
         for (i, block) in tokens.chunks_exact(block_size.tokens()).enumerate().skip(done) {
             let seed = if i == 0 { first_seed } else { HASH_SEED };
             let local = local_hash_seeded(block, seed);
