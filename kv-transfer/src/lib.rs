@@ -13,6 +13,7 @@ pub mod descriptor;
 pub mod fault;
 pub mod frame;
 pub mod lease;
+pub mod paths;
 pub mod quic;
 pub mod shm;
 pub mod tls;

@@ -21,6 +21,7 @@ use crate::frame::{
     encode_read, encode_release,
 };
 use crate::lease::LeaseId;
+use crate::paths::{self, PathKind};
 use crate::tls::{Identity, TlsError};
 
 /// Largest `Read` frame a server accepts: 16,384 block positions, more than an 8k-token prompt has.
@@ -62,6 +63,50 @@ pub enum TransferError {
     Timeout(Duration),
 }
 
+/// A QUIC endpoint on a UDP socket bound to `addr`, advertising large datagrams ([`paths`]), a server with the
+/// configurations `server` makes for the flow-control window its socket buffer allows. Must be called inside a
+/// tokio runtime.
+fn endpoint<C>(
+    addr: SocketAddr,
+    configs: impl FnOnce(u32) -> Result<PerPath<C>, TlsError>,
+    server: impl FnOnce(&PerPath<C>) -> Option<quinn::ServerConfig>,
+) -> Result<(quinn::Endpoint, PerPath<C>, u32), TransferError> {
+    let (socket, recv_buffer) = paths::bind(addr)?;
+    let window = paths::window_for(recv_buffer);
+    let configs = configs(window)?;
+    let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime"))?;
+    let endpoint = quinn::Endpoint::new(paths::endpoint_config(), server(&configs), socket, runtime)?;
+    Ok((endpoint, configs, window))
+}
+
+/// One configuration per path kind ([`PathKind`]), made from one identity.
+#[derive(Debug)]
+struct PerPath<C> {
+    loopback: Arc<C>,
+    network: Arc<C>,
+}
+
+impl<C> PerPath<C> {
+    fn new(mut make: impl FnMut(PathKind) -> Result<C, TlsError>) -> Result<PerPath<C>, TlsError> {
+        Ok(PerPath { loopback: Arc::new(make(PathKind::Loopback)?), network: Arc::new(make(PathKind::Network)?) })
+    }
+
+    fn to(&self, peer: SocketAddr) -> Arc<C> {
+        match PathKind::of(peer) {
+            PathKind::Loopback => Arc::clone(&self.loopback),
+            PathKind::Network => Arc::clone(&self.network),
+        }
+    }
+}
+
+fn server_configs(identity: &Identity, window: u32) -> Result<PerPath<quinn::ServerConfig>, TlsError> {
+    PerPath::new(|path| identity.quic_server(paths::transport(path, window)))
+}
+
+fn client_configs(identity: &Identity, window: u32) -> Result<PerPath<quinn::ClientConfig>, TlsError> {
+    PerPath::new(|path| identity.quic_client(paths::transport(path, window)))
+}
+
 fn stream_err(e: impl std::fmt::Display) -> TransferError {
     TransferError::Stream(e.to_string())
 }
@@ -71,6 +116,9 @@ fn stream_err(e: impl std::fmt::Display) -> TransferError {
 pub struct QuicServer {
     endpoint: quinn::Endpoint,
     accept: tokio::task::JoinHandle<()>,
+    /// What a new connection gets, by the path it came over (replaced when the certificates rotate).
+    configs: Arc<std::sync::RwLock<PerPath<quinn::ServerConfig>>>,
+    window: u32,
 }
 
 impl QuicServer {
@@ -80,21 +128,29 @@ impl QuicServer {
         identity: &Identity,
         source: Arc<dyn BlockSource>,
     ) -> Result<QuicServer, TransferError> {
-        let endpoint = quinn::Endpoint::server(identity.quic_server()?, addr)?;
-        let ep = endpoint.clone();
+        // Connections are accepted with the configuration for their path; the endpoint's own is the network one.
+        let (endpoint, configs, window) = endpoint(
+            addr,
+            |window| server_configs(identity, window),
+            |c| Some(quinn::ServerConfig::clone(&c.network)),
+        )?;
+        let configs = Arc::new(std::sync::RwLock::new(configs));
+        let (ep, chosen) = (endpoint.clone(), Arc::clone(&configs));
         let accept = tokio::spawn(async move {
             while let Some(incoming) = ep.accept().await {
                 let source = Arc::clone(&source);
+                let config = chosen.read().unwrap_or_else(|p| p.into_inner()).to(incoming.remote_address());
                 tokio::spawn(async move {
                     // A peer without a certificate from the cluster CA fails here and never sends a request.
-                    let Ok(conn) = incoming.await else { return };
+                    let Ok(connecting) = incoming.accept_with(config) else { return };
+                    let Ok(conn) = connecting.await else { return };
                     while let Ok((send, recv)) = conn.accept_bi().await {
                         tokio::spawn(serve_stream(send, recv, Arc::clone(&source)));
                     }
                 });
             }
         });
-        Ok(QuicServer { endpoint, accept })
+        Ok(QuicServer { endpoint, accept, configs, window })
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -103,7 +159,7 @@ impl QuicServer {
 
     /// What changes the identity this server presents while it runs.
     pub fn handle(&self) -> QuicServerHandle {
-        QuicServerHandle(self.endpoint.clone())
+        QuicServerHandle { configs: Arc::clone(&self.configs), window: self.window }
     }
 
     /// Closes every connection and stops listening.
@@ -116,12 +172,16 @@ impl QuicServer {
 
 /// Changes a running [`QuicServer`]'s identity.
 #[derive(Clone, Debug)]
-pub struct QuicServerHandle(quinn::Endpoint);
+pub struct QuicServerHandle {
+    configs: Arc<std::sync::RwLock<PerPath<quinn::ServerConfig>>>,
+    window: u32,
+}
 
 impl QuicServerHandle {
     /// Presents `identity` (and trusts its CA) from the next connection on; open connections keep theirs.
     pub fn set_identity(&self, identity: &Identity) -> Result<(), TransferError> {
-        self.0.set_server_config(Some(identity.quic_server()?));
+        let configs = server_configs(identity, self.window)?;
+        *self.configs.write().unwrap_or_else(|p| p.into_inner()) = configs;
         Ok(())
     }
 }
@@ -240,7 +300,8 @@ struct Cached {
 pub struct QuicClient {
     endpoint: quinn::Endpoint,
     /// What new connections present and trust (replaced when the certificates rotate).
-    config: std::sync::RwLock<quinn::ClientConfig>,
+    config: std::sync::RwLock<PerPath<quinn::ClientConfig>>,
+    window: u32,
     connections: std::sync::Mutex<HashMap<(SocketAddr, String), Cached>>,
 }
 
@@ -248,14 +309,15 @@ impl QuicClient {
     /// A client presenting `identity`, bound to an ephemeral port on `bind` (use an unspecified or loopback
     /// address). Must be called inside a tokio runtime.
     pub fn new(identity: &Identity, bind: SocketAddr) -> Result<QuicClient, TransferError> {
-        let endpoint = quinn::Endpoint::client(bind)?;
-        let config = std::sync::RwLock::new(identity.quic_client()?);
-        Ok(QuicClient { endpoint, config, connections: std::sync::Mutex::new(HashMap::new()) })
+        let (endpoint, configs, window) = endpoint(bind, |window| client_configs(identity, window), |_| None)?;
+        let config = std::sync::RwLock::new(configs);
+        let connections = std::sync::Mutex::new(HashMap::new());
+        Ok(QuicClient { endpoint, config, window, connections })
     }
 
     /// Presents `identity` (and trusts its CA) on the next new connection; reused ones keep theirs.
     pub fn set_identity(&self, identity: &Identity) -> Result<(), TransferError> {
-        let config = identity.quic_client()?;
+        let config = client_configs(identity, self.window)?;
         *self.config.write().unwrap_or_else(|p| p.into_inner()) = config;
         Ok(())
     }
@@ -263,6 +325,13 @@ impl QuicClient {
     /// Connections kept for reuse now (open or not yet noticed closed).
     pub fn cached_connections(&self) -> usize {
         self.connections.lock().map_or(0, |m| m.len())
+    }
+
+    /// UDP datagrams and bytes received so far on the connections kept now.
+    pub fn received(&self) -> (u64, u64) {
+        self.connections.lock().map_or((0, 0), |m| {
+            m.values().map(|c| c.conn.stats().udp_rx).fold((0, 0), |(d, b), rx| (d + rx.datagrams, b + rx.bytes))
+        })
     }
 
     /// A live connection to `addr`, reused when one is open.
@@ -281,9 +350,9 @@ impl QuicClient {
         // request's span (quinn instruments it with the current one): that would keep the request's trace open
         // for good. A fresh task has no current span.
         let (endpoint, name) = (self.endpoint.clone(), server_name.to_string());
-        let config = self.config.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let config = self.config.read().unwrap_or_else(|p| p.into_inner()).to(addr);
         let conn = tokio::spawn(async move {
-            match endpoint.connect_with(config, addr, &name) {
+            match endpoint.connect_with(quinn::ClientConfig::clone(&config), addr, &name) {
                 Ok(c) => c.await.map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             }

@@ -11,25 +11,6 @@ use rustls::RootCertStore;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-/// Largest UDP payload MTU discovery may probe for: on loopback and jumbo-frame networks bigger datagrams mean
-/// far fewer packets per block (quinn's default stops at 1452 bytes).
-const MTU_UPPER_BOUND: u16 = 65_000;
-/// Flow-control windows sized for bulk block transfer (a 2,048-token SmolLM2 prompt is 47 MB).
-const STREAM_WINDOW: u32 = 16 << 20;
-const CONNECTION_WINDOW: u32 = 64 << 20;
-
-/// Transport settings shared by both ends.
-fn transport() -> Arc<quinn::TransportConfig> {
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(MTU_UPPER_BOUND);
-    let mut t = quinn::TransportConfig::default();
-    t.mtu_discovery_config(Some(mtu));
-    t.stream_receive_window(quinn::VarInt::from_u32(STREAM_WINDOW));
-    t.receive_window(quinn::VarInt::from_u32(CONNECTION_WINDOW));
-    t.send_window(u64::from(CONNECTION_WINDOW));
-    Arc::new(t)
-}
-
 /// ALPN of Tandem's KV transfer protocol.
 pub const ALPN: &[u8] = b"tandem-kv/1";
 const CA_NAME: &str = "Tandem development CA";
@@ -206,18 +187,20 @@ impl Identity {
         Ok(tls)
     }
 
-    /// A QUIC server configuration that requires a client certificate from the cluster CA.
-    pub fn quic_server(&self) -> Result<quinn::ServerConfig, TlsError> {
+    /// A QUIC server configuration with `transport` ([`crate::paths`]) that requires a client certificate from the
+    /// cluster CA.
+    pub fn quic_server(&self, transport: Arc<quinn::TransportConfig>) -> Result<quinn::ServerConfig, TlsError> {
         let tls = self.tls_server(ALPN)?;
         let crypto =
             quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| TlsError::Config(e.to_string()))?;
         let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-        config.transport_config(transport());
+        config.transport_config(transport);
         Ok(config)
     }
 
-    /// A QUIC client configuration that presents this identity and trusts only the cluster CA.
-    pub fn quic_client(&self) -> Result<quinn::ClientConfig, TlsError> {
+    /// A QUIC client configuration with `transport` ([`crate::paths`]) that presents this identity and trusts only
+    /// the cluster CA.
+    pub fn quic_client(&self, transport: Arc<quinn::TransportConfig>) -> Result<quinn::ClientConfig, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
@@ -229,7 +212,7 @@ impl Identity {
         let crypto =
             quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| TlsError::Config(e.to_string()))?;
         let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-        config.transport_config(transport());
+        config.transport_config(transport);
         Ok(config)
     }
 }

@@ -115,6 +115,31 @@ async fn blocks_arrive_intact_over_parallel_streams() {
     c.server.close().await;
 }
 
+/// Bulk blocks on loopback travel in large datagrams. Before, every datagram was at most 1,200 bytes: peers
+/// advertised quinn's 1,472-byte payload limit, and once that was raised, offload batches of large datagrams were
+/// refused by the kernel, taken for a black hole, and MTU discovery fell back to the minimum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_transfers_use_large_datagrams() {
+    let ca = DevCa::generate().expect("ca");
+    let data = blocks(32);
+    let source = Arc::new(Source::default());
+    source.leases.lock().expect("lock").insert(LeaseId(42), data.clone());
+    let id = ca.issue("prefill-0", &[]).expect("cert");
+    let server = QuicServer::bind(loopback(), &id, Arc::clone(&source) as Arc<dyn BlockSource>).expect("binds");
+    let client = QuicClient::new(&ca.issue("decode-0", &[]).expect("cert"), loopback()).expect("client");
+    let c = Cluster { server, source, client, data };
+    let want = descriptors(&c.data);
+    for _ in 0..2 {
+        let got = c.client.pull(request(&c, &want, 42)).await.expect("pulls");
+        assert!(got.iter().all(|(i, b)| *b == c.data[*i as usize]));
+    }
+    let (datagrams, bytes) = c.client.received();
+    assert!(bytes >= 2 * (32 * BLOCK) as u64, "{bytes} bytes");
+    let mean = bytes / datagrams.max(1);
+    assert!(mean > 8_000, "{datagrams} datagrams of {mean} bytes on average");
+    c.server.close().await;
+}
+
 #[tokio::test]
 async fn a_peer_from_another_ca_can_neither_pull_nor_serve() {
     let ours = DevCa::generate().expect("ca");
