@@ -88,6 +88,10 @@ pub fn transport(path: PathKind, window: u32) -> Arc<quinn::TransportConfig> {
 /// A UDP socket bound to `addr` with [`SOCKET_BUFFER`] asked for, and the receive buffer it got.
 pub fn bind(addr: SocketAddr) -> std::io::Result<(std::net::UdpSocket, usize)> {
     let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::DGRAM, None)?;
+    if addr.is_ipv6() {
+        // Dual-stack, as quinn's own client endpoints are: an IPv6 wildcard also reaches IPv4 owners.
+        let _ = socket.set_only_v6(false);
+    }
     // Best effort: a smaller buffer than asked for still works, with a smaller window.
     let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
     let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
