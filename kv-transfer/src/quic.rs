@@ -159,7 +159,7 @@ impl QuicServer {
 
     /// What changes the identity this server presents while it runs.
     pub fn handle(&self) -> QuicServerHandle {
-        QuicServerHandle { configs: Arc::clone(&self.configs), window: self.window }
+        QuicServerHandle { endpoint: self.endpoint.clone(), configs: Arc::clone(&self.configs), window: self.window }
     }
 
     /// Closes every connection and stops listening.
@@ -173,6 +173,7 @@ impl QuicServer {
 /// Changes a running [`QuicServer`]'s identity.
 #[derive(Clone, Debug)]
 pub struct QuicServerHandle {
+    endpoint: quinn::Endpoint,
     configs: Arc<std::sync::RwLock<PerPath<quinn::ServerConfig>>>,
     window: u32,
 }
@@ -181,6 +182,8 @@ impl QuicServerHandle {
     /// Presents `identity` (and trusts its CA) from the next connection on; open connections keep theirs.
     pub fn set_identity(&self, identity: &Identity) -> Result<(), TransferError> {
         let configs = server_configs(identity, self.window)?;
+        // The endpoint's own configuration too, so that nothing it does on its own keeps the old identity.
+        self.endpoint.set_server_config(Some(quinn::ServerConfig::clone(&configs.network)));
         *self.configs.write().unwrap_or_else(|p| p.into_inner()) = configs;
         Ok(())
     }
