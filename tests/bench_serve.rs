@@ -105,11 +105,24 @@ fn the_transfer_benchmark_measures_the_import_into_a_real_engine() {
         .iter()
         .map(|t| t["transport"].as_str().expect("name"))
         .collect();
-    assert_eq!(names, ["quic", "shm", "shm_fresh_buffers", "tcp", "shm_into_engine", "shm_copied_then_engine"]);
+    assert_eq!(
+        names,
+        [
+            "quic",
+            "shm",
+            "shm_fresh_buffers",
+            "tcp",
+            "shm_into_engine",
+            "shm_copied_then_engine",
+            "quic_into_engine",
+            "quic_gathered_then_engine"
+        ]
+    );
     for t in v["transports"].as_array().expect("transports") {
         assert!(t["gb_per_s"].as_f64().is_some_and(|x| x > 0.0), "{t}");
     }
     assert!(v["shm_into_engine_vs_tcp"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    assert!(v["quic_into_engine_vs_tcp"].as_f64().is_some_and(|x| x > 0.0), "{v}");
 }
 
 /// `tandem bench leases` times prefills at each level of live leases it is given, the leases piling up (what the

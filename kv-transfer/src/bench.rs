@@ -41,12 +41,35 @@ pub struct TransferReport {
     /// The decode worker's whole shared-memory path into a real engine (`shm_into_engine`, measured by the
     /// caller, which has an engine) as a fraction of raw TCP's.
     pub shm_into_engine_vs_tcp: Option<f64>,
+    /// The decode worker's whole QUIC path into a real engine (`quic_into_engine`), the same way.
+    pub quic_into_engine_vs_tcp: Option<f64>,
 }
 
-/// Blocks with their checksums, taken once when they were leased, as a worker's leases keep them.
-struct Blocks(Vec<(u64, Bytes)>);
+/// Blocks with their checksums, taken once when they were leased, as a worker's leases keep them: what the
+/// benchmarks' QUIC servers serve.
+pub struct LeasedBlocks(Vec<(u64, Bytes)>);
 
-impl BlockSource for Blocks {
+impl LeasedBlocks {
+    pub fn new(blocks: &[Bytes]) -> LeasedBlocks {
+        LeasedBlocks(blocks.iter().map(|b| (checksum(b), b.clone())).collect())
+    }
+
+    /// Descriptors of every block, by position (`offset` as if laid out back to back).
+    pub fn descriptors(&self) -> Vec<(u32, BlockDescriptor)> {
+        let mut offset = 0;
+        (0u32..)
+            .zip(&self.0)
+            .map(|(i, (sum, b))| {
+                let len = b.len() as u64;
+                let d = BlockDescriptor { seq_hash: None, region: RegionKey(0), offset, len, checksum: *sum };
+                offset += len;
+                (i, d)
+            })
+            .collect()
+    }
+}
+
+impl BlockSource for LeasedBlocks {
     fn read(&self, _lease: LeaseId, index: u32) -> Result<(u64, Bytes), (ErrorCode, String)> {
         self.0.get(index as usize).cloned().ok_or((ErrorCode::BadRequest, "no such block".to_string()))
     }
@@ -76,23 +99,10 @@ pub async fn run(
     let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
 
     let ca = DevCa::generate()?;
-    let sums: Vec<u64> = data.iter().map(|b| checksum(b)).collect();
-    // Served as a worker serves a lease: the checksums were taken when the blocks were leased, not per read.
-    let leased = Blocks(sums.iter().copied().zip(data.iter().cloned()).collect());
+    let leased = LeasedBlocks::new(&data);
+    let descriptors = leased.descriptors();
     let server = QuicServer::bind(loopback, &ca.issue("owner", &[])?, Arc::new(leased))?;
     let client = QuicClient::new(&ca.issue("reader", &[])?, loopback)?;
-    let descriptors: Vec<(u32, BlockDescriptor)> = (0..n)
-        .map(|i| {
-            let d = BlockDescriptor {
-                seq_hash: None,
-                region: RegionKey(0),
-                offset: (i * block_bytes) as u64,
-                len: block_bytes as u64,
-                checksum: sums[i],
-            };
-            (i as u32, d)
-        })
-        .collect();
     let mut quic_best = Duration::MAX;
     for _ in 0..runs.max(1) {
         let req = PullRequest {
@@ -179,6 +189,7 @@ pub async fn run(
         quic_vs_tcp: quic.gb_per_s / tcp.gb_per_s,
         shm_vs_tcp: shm.gb_per_s / tcp.gb_per_s,
         shm_into_engine_vs_tcp: None,
+        quic_into_engine_vs_tcp: None,
         transports: vec![quic, shm, shm_fresh, tcp],
     })
 }

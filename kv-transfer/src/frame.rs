@@ -11,7 +11,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use crate::lease::LeaseId;
 
 const KIND_READ: u8 = 1;
-const KIND_BLOCK: u8 = 2;
+pub(crate) const KIND_BLOCK: u8 = 2;
 const KIND_ERROR: u8 = 3;
 const KIND_DONE: u8 = 4;
 const KIND_RELEASE: u8 = 5;

@@ -12,6 +12,7 @@ pub mod bench;
 pub mod descriptor;
 pub mod fault;
 pub mod frame;
+pub mod incoming;
 pub mod lease;
 pub mod paths;
 pub mod quic;

@@ -20,6 +20,7 @@ use crate::frame::{
     ErrorCode, Frame, FrameDecoder, FrameError, ReadRequest, encode_block_header, encode_done, encode_error,
     encode_read, encode_release,
 };
+use crate::incoming::{Arrived, Item, Reader};
 use crate::lease::LeaseId;
 use crate::paths::{self, PathKind};
 use crate::tls::{Identity, TlsError};
@@ -28,8 +29,6 @@ use crate::tls::{Identity, TlsError};
 const MAX_READ_FRAME: usize = 64 << 10;
 /// Frame bytes beyond a block's payload (kind, index, checksum).
 const BLOCK_FRAME_OVERHEAD: usize = 13;
-/// The length prefix in front of every frame.
-const FRAME_HEADER: usize = 4;
 
 /// What the owner serves: block bytes by lease and position.
 pub trait BlockSource: Send + Sync + 'static {
@@ -400,15 +399,29 @@ impl QuicClient {
         tokio::time::timeout(timeout, work).await.unwrap_or(Err(TransferError::Timeout(timeout)))
     }
 
-    /// Pulls and verifies every requested block; all or nothing.
+    /// Pulls and verifies every requested block, each in one piece; all or nothing.
     pub async fn pull(&self, req: PullRequest<'_>) -> Result<Vec<(u32, Bytes)>, TransferError> {
-        match tokio::time::timeout(req.timeout, self.pull_inner(&req)).await {
+        let gathered = self.pull_within(&req, Gather::Checked).await?;
+        // Each block is one piece now: no copy.
+        Ok(gathered.into_iter().map(|b| (b.index, b.contiguous(&mut BytesMut::new()))).collect())
+    }
+
+    /// Pulls every requested block and leaves each where it arrived (the decrypted packets it came in), checked
+    /// against its descriptor (position, length, the owner's checksum) but not yet its content: the caller copies
+    /// it to where it goes and checks it there ([`Arrived::copy_into`]), as the decode engine does into its KV
+    /// blocks. All or nothing, in the order requested.
+    pub async fn pull_in_place(&self, req: PullRequest<'_>) -> Result<Vec<Arrived>, TransferError> {
+        self.pull_within(&req, Gather::InPlace).await
+    }
+
+    async fn pull_within(&self, req: &PullRequest<'_>, gather: Gather) -> Result<Vec<Arrived>, TransferError> {
+        match tokio::time::timeout(req.timeout, self.pull_inner(req, gather)).await {
             Ok(r) => r,
             Err(_) => Err(TransferError::Timeout(req.timeout)),
         }
     }
 
-    async fn pull_inner(&self, req: &PullRequest<'_>) -> Result<Vec<(u32, Bytes)>, TransferError> {
+    async fn pull_inner(&self, req: &PullRequest<'_>, gather: Gather) -> Result<Vec<Arrived>, TransferError> {
         let conn = self.connection(req.addr, req.server_name).await?;
         let streams = req.streams.clamp(1, req.blocks.len().max(1));
         let mut tasks = JoinSet::new();
@@ -421,53 +434,86 @@ impl QuicClient {
                 blocks: group.keys().copied().collect(),
             };
             let conn = conn.clone();
-            tasks.spawn(async move { pull_stream(conn, read, group).await });
+            tasks.spawn(async move { pull_stream(conn, read, group, gather).await });
         }
         let mut out = Vec::with_capacity(req.blocks.len());
         while let Some(joined) = tasks.join_next().await {
             out.extend(joined.map_err(stream_err)??);
         }
-        out.sort_by_key(|(i, _)| *i);
+        let order: HashMap<u32, usize> = req.blocks.iter().enumerate().map(|(k, &(i, _))| (i, k)).collect();
+        out.sort_by_key(|b| order.get(&b.index).copied());
         Ok(out)
     }
 }
 
+/// What a stream does with its blocks' bytes.
+#[derive(Clone, Copy, Debug)]
+enum Gather {
+    /// Leaves them in the packets they arrived in, unchecked.
+    InPlace,
+    /// Gathers each block into one piece (of one buffer per stream) and checks its content there.
+    Checked,
+}
+
+/// One stream of a pull: its blocks as they arrive, each checked against its descriptor (and gathered and checked
+/// when asked).
 async fn pull_stream(
     conn: quinn::Connection,
     read: ReadRequest,
     mut want: HashMap<u32, BlockDescriptor>,
-) -> Result<Vec<(u32, Bytes)>, TransferError> {
+    gather: Gather,
+) -> Result<Vec<Arrived>, TransferError> {
     let (mut send, mut recv) = conn.open_bi().await.map_err(stream_err)?;
     let mut out = BytesMut::new();
     encode_read(&read, &mut out);
     send.write_all(&out).await.map_err(stream_err)?;
     send.finish().map_err(stream_err)?;
     let largest = want.values().map(|d| d.len as usize).max().unwrap_or(0);
-    let dec = FrameDecoder::new(largest + BLOCK_FRAME_OVERHEAD);
+    let mut reader = Reader::new(largest + BLOCK_FRAME_OVERHEAD);
     let total = want.len();
-    // One buffer sized for every frame this stream will carry: each block's payload is split off it without a
-    // copy or an allocation of its own.
-    let expected: usize = want.values().map(|d| d.len as usize + BLOCK_FRAME_OVERHEAD + FRAME_HEADER).sum();
-    let mut buf = BytesMut::with_capacity(expected + 2 * FRAME_HEADER);
+    let mut buf = match gather {
+        Gather::InPlace => BytesMut::new(),
+        Gather::Checked => BytesMut::with_capacity(want.values().map(|d| d.len as usize).sum()),
+    };
     let mut got = Vec::with_capacity(total);
-    loop {
-        match read_frame(&mut recv, &dec, &mut buf).await? {
-            Some(Frame::Block { index, checksum: sum, payload }) => {
-                let desc = want
-                    .remove(&index)
-                    .ok_or(TransferError::Integrity { index, what: "not requested, or sent twice" })?;
-                if payload.len() as u64 != desc.len {
-                    return Err(TransferError::Integrity { index, what: "wrong length" });
-                }
-                if sum != desc.checksum || checksum(&payload) != desc.checksum {
-                    return Err(TransferError::Integrity { index, what: "checksum mismatch" });
-                }
-                got.push((index, payload));
+    let mut items = Vec::new();
+    'stream: loop {
+        let Some(chunk) = recv.read_chunk(usize::MAX, true).await.map_err(stream_err)? else {
+            if !reader.at_boundary() {
+                return Err(TransferError::Stream("the stream ended inside a frame".into()));
             }
-            Some(Frame::Error { code, message }) => return Err(TransferError::Remote { code, message }),
-            Some(Frame::Done) | None => break,
-            Some(Frame::Read(_) | Frame::Release(_)) => {
-                return Err(TransferError::Stream("the owner sent a reader's frame".into()));
+            break;
+        };
+        reader.feed(chunk.bytes, &mut items)?;
+        for item in items.drain(..) {
+            match item {
+                Item::Block(b) => {
+                    let index = b.index;
+                    let desc = want
+                        .remove(&index)
+                        .ok_or(TransferError::Integrity { index, what: "not requested, or sent twice" })?;
+                    if b.len() as u64 != desc.len {
+                        return Err(TransferError::Integrity { index, what: "wrong length" });
+                    }
+                    if b.checksum != desc.checksum {
+                        return Err(TransferError::Integrity { index, what: "checksum mismatch" });
+                    }
+                    got.push(match gather {
+                        Gather::InPlace => b,
+                        Gather::Checked => {
+                            let bytes = b.contiguous(&mut buf);
+                            if checksum(&bytes) != desc.checksum {
+                                return Err(TransferError::Integrity { index, what: "checksum mismatch" });
+                            }
+                            Arrived::whole(index, desc.checksum, bytes)
+                        }
+                    });
+                }
+                Item::Frame(Frame::Error { code, message }) => return Err(TransferError::Remote { code, message }),
+                Item::Frame(Frame::Done) => break 'stream,
+                Item::Frame(Frame::Block { .. } | Frame::Read(_) | Frame::Release(_)) => {
+                    return Err(TransferError::Stream("the owner sent a reader's frame".into()));
+                }
             }
         }
     }

@@ -181,6 +181,35 @@ async fn unknown_leases_and_damaged_blocks_are_errors_that_yield_nothing() {
     c.server.close().await;
 }
 
+/// Blocks left where they arrived are checked in the caller's copy: a damaged one fails there, the rest pass, and
+/// the order is the request's.
+#[tokio::test]
+async fn blocks_pulled_in_place_are_checked_in_the_copy() {
+    let ca = DevCa::generate().expect("ca");
+    let c = cluster(&ca.issue("prefill-0", &[]).expect("cert"), &ca.issue("decode-0", &[]).expect("cert"));
+    let mut want = descriptors(&c.data);
+    want.reverse();
+    *c.source.corrupt.lock().expect("lock") = Some(5);
+    let arrived = c.client.pull_in_place(request(&c, &want, 42)).await.expect("arrives: the content is unchecked");
+    assert_eq!(arrived.iter().map(|b| b.index).collect::<Vec<_>>(), want.iter().map(|(i, _)| *i).collect::<Vec<_>>());
+    for b in &arrived {
+        let mut copy = vec![0u8; BLOCK];
+        match b.index {
+            5 => assert_eq!(b.copy_into(&mut copy), Err("checksum mismatch")),
+            i => {
+                assert_eq!(b.copy_into(&mut copy), Ok(()));
+                assert_eq!(copy, c.data[i as usize]);
+            }
+        }
+    }
+    // A block shorter than its descriptor never arrives.
+    *c.source.corrupt.lock().expect("lock") = None;
+    *c.source.truncate.lock().expect("lock") = Some(2);
+    let err = c.client.pull_in_place(request(&c, &want, 42)).await.expect_err("truncated");
+    assert!(matches!(err, TransferError::Integrity { index: 2, what: "wrong length" }), "{err}");
+    c.server.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn injected_faults_are_caught_through_the_transport_trait() {
     use kv_transfer::Transport;

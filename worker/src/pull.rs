@@ -47,12 +47,14 @@ impl ModelledTransfer {
     }
 }
 
-/// Blocks pulled for a prompt, ready to import: received over QUIC into buffers (checked on receipt), or still in
-/// the owner's shared-memory region, mapped (the engine copies each into its KV block and checks it there, timed by
-/// the [`CopyClock`]).
+/// Blocks pulled for a prompt, ready to import: received into buffers of their own (checked on receipt), arrived
+/// over QUIC and still in the packets they came in, or still in the owner's shared-memory region, mapped. The
+/// engine copies each of the last two straight into its KV block and checks it there, timed by the
+/// [`CopyClock`].
 #[derive(Debug)]
 pub enum Pulled {
     Received(Vec<(usize, Bytes)>),
+    Arrived(Vec<kv_transfer::incoming::Arrived>, Arc<CopyClock>),
     Mapped(kv_transfer::shm::MappedBlocks, Arc<CopyClock>),
 }
 
@@ -88,31 +90,45 @@ impl CopyClock {
     }
 }
 
-/// Received blocks answer as the engine's own buffer source does; mapped ones are read and checked in place.
+/// Received blocks answer as the engine's own buffer source does; arrived and mapped ones are copied from where
+/// they lie and checked in the copy.
 impl PulledBlocks for Pulled {
     fn count(&self) -> usize {
         match self {
             Pulled::Received(v) => v.count(),
+            Pulled::Arrived(v, _) => v.len(),
             Pulled::Mapped(m, _) => m.len(),
         }
     }
 
-    fn block(&self, k: usize) -> (usize, &[u8]) {
+    fn block(&self, k: usize) -> (usize, usize) {
         match self {
             Pulled::Received(v) => v.block(k),
-            Pulled::Mapped(m, clock) => {
-                clock.read();
+            Pulled::Arrived(v, _) => (v[k].index as usize, v[k].len()),
+            Pulled::Mapped(m, _) => {
                 let (index, bytes) = m.block(k);
-                (index as usize, bytes)
+                (index as usize, bytes.len())
             }
         }
     }
 
-    fn check(&self, k: usize, copy: &[u8]) -> Result<(), String> {
+    fn copy_into(&self, k: usize, dst: &mut [u8]) -> Result<(), String> {
         match self {
-            Pulled::Received(v) => v.check(k, copy),
+            Pulled::Received(v) => v.copy_into(k, dst),
+            Pulled::Arrived(v, clock) => {
+                clock.read();
+                let checked = v[k].copy_into(dst).map_err(str::to_string);
+                clock.checked();
+                checked
+            }
             Pulled::Mapped(m, clock) => {
-                let checked = m.check(k, copy).map_err(|e| e.to_string());
+                clock.read();
+                let (_, bytes) = m.block(k);
+                if bytes.len() != dst.len() {
+                    return Err("wrong length".into());
+                }
+                dst.copy_from_slice(bytes);
+                let checked = m.check(k, dst).map_err(|e| e.to_string());
                 clock.checked();
                 checked
             }
@@ -120,13 +136,14 @@ impl PulledBlocks for Pulled {
     }
 }
 
-/// A shared-memory pull whose blocks are not imported yet: its figures are recorded once they are (the engine's
-/// copy is its last leg), by [`Puller::imported`].
+/// A pull whose blocks are not imported yet: its figures are recorded once they are (the engine's copy is its last
+/// leg), by [`Puller::imported`].
 #[derive(Debug)]
 pub struct PullTiming {
+    transport: Transport,
     blocks: usize,
     bytes: u64,
-    /// From the pull's start to the mapping handed over.
+    /// From the pull's start to the blocks handed over (arrived, or mapped).
     handed_over: Duration,
     copy: Arc<CopyClock>,
     span: tracing::Span,
@@ -239,13 +256,14 @@ impl Puller {
                 (Transport::Shm, Pulled::mapped(mapped.map_err(transfer_status)?))
             }
             None => {
-                let received = self.client.pull(req).await.map_err(transfer_status)?;
-                (Transport::Quic, Pulled::Received(received.into_iter().map(|(i, b)| (i as usize, b)).collect()))
+                let arrived = self.client.pull_in_place(req).await.map_err(transfer_status)?;
+                (Transport::Quic, Pulled::Arrived(arrived, Arc::default()))
             }
         };
         let blocks = pulled.count();
         let bytes: u64 = match (&self.modelled, &pulled) {
             (None, Pulled::Received(v)) => v.iter().map(|(_, b)| b.len() as u64).sum(),
+            (None, Pulled::Arrived(v, _)) => v.iter().map(|b| b.len() as u64).sum(),
             (None, Pulled::Mapped(m, _)) => m.bytes(),
             (Some(m), _) => {
                 let target = m.duration(blocks as u64);
@@ -262,20 +280,20 @@ impl Puller {
                 record(&self.metrics, &span, transport, blocks, bytes, started.elapsed());
                 None
             }
-            Pulled::Mapped(_, copy) => {
+            Pulled::Arrived(_, copy) | Pulled::Mapped(_, copy) => {
                 let copy = Arc::clone(copy);
-                Some(PullTiming { blocks, bytes, handed_over: started.elapsed(), copy, span: span.clone() })
+                Some(PullTiming { transport, blocks, bytes, handed_over: started.elapsed(), copy, span: span.clone() })
             }
         };
-        // A mapping stays readable once the owner unlinks its file: the lease can go before the copy.
+        // A mapping stays readable once the owner unlinks its file, and arrived blocks are this worker's memory: the
+        // lease can go before the copy.
         self.release(addr, &server_name, handle.lease).await;
         Ok((pulled, timing))
     }
 
-    /// Records a shared-memory pull's figures once the engine has its blocks: the time to hand the mapping over
-    /// plus the engine's copy.
+    /// Records a pull's figures once the engine has its blocks: the time to hand them over plus the engine's copy.
     pub fn imported(&self, t: PullTiming) {
-        record(&self.metrics, &t.span, Transport::Shm, t.blocks, t.bytes, t.handed_over + t.copy.took());
+        record(&self.metrics, &t.span, t.transport, t.blocks, t.bytes, t.handed_over + t.copy.took());
     }
 
     /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.
@@ -291,7 +309,7 @@ mod tests {
     use super::*;
 
     /// A mapped pull's time is the engine's copy, from its first read of a block to its latest check: the queue
-    /// before the engine takes it up is not counted.
+    /// before the engine takes it up is not counted. (An arrived QUIC pull's copy is timed the same way.)
     #[test]
     fn a_mapped_pull_times_the_engines_copy_alone() {
         let path = std::env::temp_dir().join(format!("tandem-copy-clock-{}", std::process::id()));
@@ -309,10 +327,13 @@ mod tests {
         let Pulled::Mapped(_, clock) = &pulled else { unreachable!("mapped") };
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(clock.took(), Duration::ZERO, "nothing read yet: waiting for the engine is not the copy");
+        // Two copies 5 ms apart: the clock runs from the first read to the latest check.
         let reading = Instant::now();
-        let copy = pulled.block(0).1.to_vec();
+        let mut copy = vec![0u8; 4096];
+        assert!(pulled.copy_into(0, &mut copy).is_ok());
         std::thread::sleep(Duration::from_millis(5));
-        assert!(pulled.check(0, &copy).is_ok());
+        assert!(pulled.copy_into(0, &mut copy).is_ok());
+        assert_eq!(copy, block);
         let (took, since_read) = (clock.took(), reading.elapsed());
         assert!(took >= Duration::from_millis(5) && took <= since_read, "{took:?} of {since_read:?}");
     }

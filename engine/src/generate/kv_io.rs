@@ -45,23 +45,25 @@ impl ExportedKv {
 pub trait PulledBlocks: Send {
     /// How many blocks.
     fn count(&self) -> usize;
-    /// The `k`-th block: its position in the prompt and its bytes.
-    fn block(&self, k: usize) -> (usize, &[u8]);
-    /// Checks the copy of the `k`-th block in its device block; the error says why it is not that block.
-    fn check(&self, k: usize, copy: &[u8]) -> Result<(), String>;
+    /// The `k`-th block's position in the prompt and its length in bytes.
+    fn block(&self, k: usize) -> (usize, usize);
+    /// Copies the `k`-th block into `dst` (its device block, as long as the block) and checks the copy there; the
+    /// error says why it is not that block.
+    fn copy_into(&self, k: usize, dst: &mut [u8]) -> Result<(), String>;
 }
 
-/// Blocks received into buffers of their own and checked on receipt (the QUIC client checks every block).
+/// Blocks received into buffers of their own and checked on receipt.
 impl PulledBlocks for Vec<(usize, bytes::Bytes)> {
     fn count(&self) -> usize {
         self.len()
     }
 
-    fn block(&self, k: usize) -> (usize, &[u8]) {
-        (self[k].0, &self[k].1)
+    fn block(&self, k: usize) -> (usize, usize) {
+        (self[k].0, self[k].1.len())
     }
 
-    fn check(&self, _: usize, _: &[u8]) -> Result<(), String> {
+    fn copy_into(&self, k: usize, dst: &mut [u8]) -> Result<(), String> {
+        dst.copy_from_slice(&self[k].1);
         Ok(())
     }
 }
@@ -72,11 +74,12 @@ impl PulledBlocks for &[(usize, &[u8])] {
         self.len()
     }
 
-    fn block(&self, k: usize) -> (usize, &[u8]) {
-        self[k]
+    fn block(&self, k: usize) -> (usize, usize) {
+        (self[k].0, self[k].1.len())
     }
 
-    fn check(&self, _: usize, _: &[u8]) -> Result<(), String> {
+    fn copy_into(&self, k: usize, dst: &mut [u8]) -> Result<(), String> {
+        dst.copy_from_slice(self[k].1);
         Ok(())
     }
 }
@@ -129,7 +132,7 @@ impl Engine {
     /// that has not started yet, so that nothing evicts those blocks before it runs (the sequence releases the
     /// hold when it is admitted). `tokens` is the prompt (its full blocks name the imported ones); `blocks` gives
     /// bytes by block position; blocks already held anywhere are skipped. Every block's position and length are
-    /// checked before any is stored, and each copy is checked ([`PulledBlocks::check`]) before it is registered:
+    /// checked before any is stored, and each copy is checked ([`PulledBlocks::copy_into`]) before it is registered:
     /// all or nothing. Returns the held device blocks.
     pub(super) fn import_pinned(
         &mut self,
@@ -146,10 +149,9 @@ impl Engine {
             if i >= full {
                 return Err(EngineError::Config(format!("block {i} is not a full block of a {len}-token prompt")));
             }
-            if bytes.len() != want {
+            if bytes != want {
                 return Err(EngineError::Config(format!(
-                    "block {i} has {} bytes; this engine's blocks have {want}",
-                    bytes.len()
+                    "block {i} has {bytes} bytes; this engine's blocks have {want}"
                 )));
             }
         }
@@ -211,9 +213,8 @@ impl Engine {
         let mut checked = Ok(());
         for (&slot, &(_, k)) in slots.iter().zip(&fresh) {
             let dst: &mut [u8] = bytemuck::cast_slice_mut(self.stores.device.block_mut(BlockId(slot)));
-            let (i, bytes) = blocks.block(k);
-            dst.copy_from_slice(bytes);
-            if let Err(why) = blocks.check(k, dst) {
+            let i = blocks.block(k).0;
+            if let Err(why) = blocks.copy_into(k, dst) {
                 checked = Err(EngineError::Import(format!("pulled block {i}: {why}")));
                 break;
             }

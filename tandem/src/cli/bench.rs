@@ -265,9 +265,11 @@ pub fn run_transfer(args: TransferArgs) -> Result<ExitCode, String> {
         Some(p) => p,
         None => super::fetch_default()?,
     };
-    let imports = super::bench_import::measure(&model, total, args.runs)?;
+    let imports = super::bench_import::measure(&runtime, &model, total, args.runs)?;
     let tcp = report.transports.iter().find(|t| t.transport == "tcp").map_or(f64::NAN, |t| t.gb_per_s);
-    report.shm_into_engine_vs_tcp = imports.first().map(|f| f.gb_per_s / tcp);
+    let vs_tcp = |name: &str| imports.iter().find(|f| f.transport == name).map(|f| f.gb_per_s / tcp);
+    report.shm_into_engine_vs_tcp = vs_tcp("shm_into_engine");
+    report.quic_into_engine_vs_tcp = vs_tcp("quic_into_engine");
     report.transports.extend(imports);
     if args.json {
         println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
@@ -283,10 +285,11 @@ pub fn run_transfer(args: TransferArgs) -> Result<ExitCode, String> {
             println!("{:<22} {:7.3} GB/s  ({:.1} ms)", t.transport, t.gb_per_s, t.best_ms);
         }
         println!(
-            "quic / tcp = {:.2}, shm / tcp = {:.2}, shm into the engine / tcp = {:.2}",
+            "quic / tcp = {:.2}, shm / tcp = {:.2}, shm into the engine / tcp = {:.2}, quic into the engine / tcp = {:.2}",
             report.quic_vs_tcp,
             report.shm_vs_tcp,
-            report.shm_into_engine_vs_tcp.unwrap_or(f64::NAN)
+            report.shm_into_engine_vs_tcp.unwrap_or(f64::NAN),
+            report.quic_into_engine_vs_tcp.unwrap_or(f64::NAN)
         );
     }
     Ok(ExitCode::SUCCESS)

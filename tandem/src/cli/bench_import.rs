@@ -1,23 +1,36 @@
-//! `tandem bench transfer`'s last part: the decode worker's whole shared-memory path, into a real engine. The same
-//! prompt-sized run of blocks is imported by the engine the way the worker hands them over: straight from the
-//! owner's mapped region (each block copied into a fresh KV block and checked there, what the worker does), and
-//! copied out into fresh buffers and checked first, then imported (what it did before). Both include the block
-//! pool's work (allocation, eviction, registration), so they are comparable with each other and, as throughput,
-//! with the plain socket of the same run.
+//! `tandem bench transfer`'s last part: the decode worker's whole paths, into a real engine. The same prompt-sized
+//! run of blocks is imported by the engine the way the worker hands them over: straight from the owner's mapped
+//! region (each block copied into a fresh KV block and checked there, what the worker does on one host), copied
+//! out into fresh buffers and checked first, then imported (what it did before); pulled over QUIC on loopback and
+//! copied by the engine from the packets they arrived in (what the worker does across hosts), and gathered into
+//! buffers and checked first, then imported (before). All include the block pool's work (allocation, eviction,
+//! registration), so they are comparable with each other and, as throughput, with the plain socket of the same
+//! run.
 
+use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use engine::generate::{Engine, EngineConfig, Request, Stepper};
-use kv_transfer::bench::TransportFigure;
+use kv_transfer::bench::{LeasedBlocks, TransportFigure};
 use kv_transfer::descriptor::{BlockDescriptor, RegionKey};
 use kv_transfer::lease::LeaseId;
+use kv_transfer::quic::{PullRequest, QuicClient, QuicServer};
 use worker::pull::Pulled;
 
-/// Imports about `total` bytes of blocks `runs` times each way; the best of each.
-pub fn measure(model: &Path, total: usize, runs: usize) -> Result<Vec<TransportFigure>, String> {
+/// The ways blocks reach the engine, in the order of the figures.
+const WAYS: [&str; 4] = ["shm_into_engine", "shm_copied_then_engine", "quic_into_engine", "quic_gathered_then_engine"];
+
+/// Imports about `total` bytes of blocks `runs` times each way, the QUIC pulls on `runtime`; the best of each.
+pub fn measure(
+    runtime: &tokio::runtime::Runtime,
+    model: &Path,
+    total: usize,
+    runs: usize,
+) -> Result<Vec<TransportFigure>, String> {
     let bt = EngineConfig::default().block_tokens;
     let small = EngineConfig { kv_blocks: 1, max_model_len: Some(bt), ..EngineConfig::default() };
     let block_bytes = Engine::open(model, small).map_err(display)?.block_bytes();
@@ -41,36 +54,61 @@ pub fn measure(model: &Path, total: usize, runs: usize) -> Result<Vec<TransportF
         })
         .collect();
 
-    let (mut mapped_best, mut copied_best) = (Duration::MAX, Duration::MAX);
-    for run in 0..2 * runs.max(1) {
+    let _entered = runtime.enter();
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let ca = kv_transfer::tls::DevCa::generate().map_err(display)?;
+    let leased = LeasedBlocks::new(&data);
+    let quic_descs = leased.descriptors();
+    let server =
+        QuicServer::bind(loopback, &ca.issue("owner", &[]).map_err(display)?, Arc::new(leased)).map_err(display)?;
+    let client = QuicClient::new(&ca.issue("reader", &[]).map_err(display)?, loopback).map_err(display)?;
+    let request = |addr| PullRequest {
+        addr,
+        server_name: "localhost",
+        lease: LeaseId(0x1a9),
+        blocks: &quic_descs,
+        streams: 4,
+        timeout: Duration::from_secs(120),
+        traceparent: None,
+    };
+    let addr = server.local_addr().map_err(display)?;
+
+    let mut best = [Duration::MAX; WAYS.len()];
+    for run in 0..WAYS.len() * runs.max(1) {
         // A prompt of its own per import (its blocks are new to the engine), one token past its full blocks.
         let prompt: Vec<u32> = (0..n * bt + 1).map(|t| 1000 + ((t * 7 + run * 131) % 30_000) as u32).collect();
-        let request = Request::greedy(prompt, NonZeroU32::MIN);
-        // Alternate which way goes first.
-        let mapped = (run % 2 == 0) == (run / 2 % 2 == 0);
+        let request_tokens = Request::greedy(prompt, NonZeroU32::MIN);
+        // Each round takes the ways in another order.
+        let way = (run + run / WAYS.len()) % WAYS.len();
         let started = Instant::now();
-        let pulled = if mapped {
-            Pulled::mapped(kv_transfer::shm::MappedBlocks::open(region.path(), &descs).map_err(display)?)
-        } else {
-            let copied = kv_transfer::shm::pull(region.path(), &descs).map_err(display)?;
-            Pulled::Received(copied.into_iter().map(|(i, b)| (i as usize, b)).collect())
+        let pulled = match way {
+            0 => Pulled::mapped(kv_transfer::shm::MappedBlocks::open(region.path(), &descs).map_err(display)?),
+            1 => {
+                let copied = kv_transfer::shm::pull(region.path(), &descs).map_err(display)?;
+                Pulled::Received(copied.into_iter().map(|(i, b)| (i as usize, b)).collect())
+            }
+            2 => {
+                Pulled::Arrived(runtime.block_on(client.pull_in_place(request(addr))).map_err(display)?, Arc::default())
+            }
+            _ => {
+                let gathered = runtime.block_on(client.pull(request(addr))).map_err(display)?;
+                Pulled::Received(gathered.into_iter().map(|(i, b)| (i as usize, b)).collect())
+            }
         };
-        stepper.submit(run as u64, &request, false, &pulled).map_err(display)?;
+        stepper.submit(run as u64, &request_tokens, false, &pulled).map_err(display)?;
         let took = started.elapsed();
+        drop(pulled);
         let imported = stepper.engine().counters().imported_blocks;
         stepper.cancel(run as u64);
         if imported != ((run + 1) * n) as u64 {
             return Err(format!("import {run}: {imported} blocks imported in all, expected {}", (run + 1) * n));
         }
-        let best = if mapped { &mut mapped_best } else { &mut copied_best };
-        *best = (*best).min(took);
+        best[way] = best[way].min(took);
     }
     drop(region);
+    runtime.block_on(server.close());
     let bytes = n * block_bytes;
-    Ok(vec![
-        kv_transfer::bench::figure("shm_into_engine", bytes, mapped_best),
-        kv_transfer::bench::figure("shm_copied_then_engine", bytes, copied_best),
-    ])
+    Ok(WAYS.iter().zip(best).map(|(way, best)| kv_transfer::bench::figure(way, bytes, best)).collect())
 }
 
 fn display(e: impl std::fmt::Display) -> String {
