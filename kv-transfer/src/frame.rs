@@ -106,9 +106,12 @@ pub fn encode_read(r: &ReadRequest, out: &mut BytesMut) {
     }
 }
 
+/// Body bytes of a `Block` frame before its payload: kind, index, checksum.
+pub const BLOCK_HEADER: usize = 1 + 4 + 8;
+
 /// Appends the header of a `Block` frame whose `len` payload bytes the caller sends next (no copy of the block).
 pub fn encode_block_header(index: u32, checksum: u64, len: usize, out: &mut BytesMut) {
-    out.put_u32_le((1 + 4 + 8 + len) as u32);
+    out.put_u32_le((BLOCK_HEADER + len) as u32);
     out.put_u8(KIND_BLOCK);
     out.put_u32_le(index);
     out.put_u64_le(checksum);
@@ -154,18 +157,23 @@ impl FrameDecoder {
         FrameDecoder { max_body }
     }
 
-    /// The next whole frame at the front of `buf` (removed from it), `None` when more bytes are needed.
-    pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
-        if buf.len() < 4 {
-            return Ok(None);
-        }
-        let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    /// The body length of the frame at the front of `buf`, refused when empty or over the limit; `None` until its
+    /// length prefix is there.
+    pub fn body_len(&self, buf: &[u8]) -> Result<Option<usize>, FrameError> {
+        let Some(prefix) = buf.first_chunk::<4>() else { return Ok(None) };
+        let len = u32::from_le_bytes(*prefix) as usize;
         if len == 0 {
             return Err(FrameError::Empty);
         }
         if len > self.max_body {
             return Err(FrameError::Oversize { len, max: self.max_body });
         }
+        Ok(Some(len))
+    }
+
+    /// The next whole frame at the front of `buf` (removed from it), `None` when more bytes are needed.
+    pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        let Some(len) = self.body_len(buf)? else { return Ok(None) };
         if buf.len() < 4 + len {
             return Ok(None);
         }
@@ -202,7 +210,7 @@ fn parse(kind: u8, mut body: Bytes) -> Result<Frame, FrameError> {
             Ok(Frame::Read(ReadRequest { lease, traceparent, blocks }))
         }
         KIND_BLOCK => {
-            if body.remaining() < 12 {
+            if body.remaining() < BLOCK_HEADER - 1 {
                 return Err(bad("block", "too short"));
             }
             let index = body.get_u32_le();

@@ -8,10 +8,7 @@
 use bytes::{Bytes, BytesMut};
 
 use crate::checksum;
-use crate::frame::{Frame, FrameDecoder, FrameError, KIND_BLOCK};
-
-/// A block's frame header after its length: kind, index, checksum.
-const BLOCK_HEADER: usize = 1 + 4 + 8;
+use crate::frame::{BLOCK_HEADER, Frame, FrameDecoder, FrameError, KIND_BLOCK};
 
 /// A block as it arrived: its position, the checksum its owner sent (checked against the descriptor by the
 /// transport), and its bytes in pieces, not yet checked.
@@ -89,7 +86,6 @@ struct Partial {
 #[derive(Debug)]
 pub struct Reader {
     decoder: FrameDecoder,
-    max_body: usize,
     /// The start of a frame not yet whole enough to act on (a header, or a small frame).
     pending: BytesMut,
     current: Option<Partial>,
@@ -98,7 +94,7 @@ pub struct Reader {
 impl Reader {
     /// A reader refusing frames with bodies over `max_body` bytes.
     pub fn new(max_body: usize) -> Reader {
-        Reader { decoder: FrameDecoder::new(max_body), max_body, pending: BytesMut::new(), current: None }
+        Reader { decoder: FrameDecoder::new(max_body), pending: BytesMut::new(), current: None }
     }
 
     /// True between frames: where a stream may end.
@@ -143,13 +139,7 @@ impl Reader {
         if self.pending.len() < 5 {
             return Ok(());
         }
-        let len = u32::from_le_bytes([self.pending[0], self.pending[1], self.pending[2], self.pending[3]]) as usize;
-        if len == 0 {
-            return Err(FrameError::Empty);
-        }
-        if len > self.max_body {
-            return Err(FrameError::Oversize { len, max: self.max_body });
-        }
+        let Some(len) = self.decoder.body_len(&self.pending)? else { return Ok(()) };
         if self.pending[4] != KIND_BLOCK {
             if let Some(frame) = self.decoder.decode(&mut self.pending)? {
                 out.push(Item::Frame(frame));

@@ -17,8 +17,8 @@ use tracing::Instrument;
 use crate::checksum;
 use crate::descriptor::BlockDescriptor;
 use crate::frame::{
-    ErrorCode, Frame, FrameDecoder, FrameError, ReadRequest, encode_block_header, encode_done, encode_error,
-    encode_read, encode_release,
+    BLOCK_HEADER, ErrorCode, Frame, FrameDecoder, FrameError, ReadRequest, encode_block_header, encode_done,
+    encode_error, encode_read, encode_release,
 };
 use crate::incoming::{Arrived, Item, Reader};
 use crate::lease::LeaseId;
@@ -27,8 +27,6 @@ use crate::tls::{Identity, TlsError};
 
 /// Largest `Read` frame a server accepts: 16,384 block positions, more than an 8k-token prompt has.
 const MAX_READ_FRAME: usize = 64 << 10;
-/// Frame bytes beyond a block's payload (kind, index, checksum).
-const BLOCK_FRAME_OVERHEAD: usize = 13;
 
 /// What the owner serves: block bytes by lease and position.
 pub trait BlockSource: Send + Sync + 'static {
@@ -469,7 +467,7 @@ async fn pull_stream(
     send.write_all(&out).await.map_err(stream_err)?;
     send.finish().map_err(stream_err)?;
     let largest = want.values().map(|d| d.len as usize).max().unwrap_or(0);
-    let mut reader = Reader::new(largest + BLOCK_FRAME_OVERHEAD);
+    let mut reader = Reader::new(largest + BLOCK_HEADER);
     let total = want.len();
     let mut buf = match gather {
         Gather::InPlace => BytesMut::new(),
