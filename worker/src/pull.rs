@@ -59,6 +59,11 @@ pub enum Pulled {
 }
 
 impl Pulled {
+    /// Blocks gathered and checked by the transport (`QuicClient::pull`, `shm::pull`), by position.
+    pub fn received(blocks: Vec<(u32, Bytes)>) -> Pulled {
+        Pulled::Received(blocks.into_iter().map(|(i, b)| (i as usize, b)).collect())
+    }
+
     /// Mapped blocks with a clock of their own.
     pub fn mapped(blocks: kv_transfer::shm::MappedBlocks) -> Pulled {
         Pulled::Mapped(blocks, Arc::default())

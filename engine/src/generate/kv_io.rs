@@ -38,10 +38,10 @@ impl ExportedKv {
     }
 }
 
-/// Blocks of a prompt pulled from another worker, read where they lie (a buffer they were received into, or the
-/// owner's shared-memory region, mapped): the engine copies each into a fresh device block and checks the copy
-/// there before registering it, so a block needs no buffer of its own on the way in and none becomes visible
-/// unchecked.
+/// Blocks of a prompt pulled from another worker, read where they lie (the packets they arrived in, the owner's
+/// shared-memory region, mapped, or a buffer they were gathered into): the engine copies each into a fresh device
+/// block and checks the copy there before registering it, so a block needs no buffer of its own on the way in and
+/// none becomes visible unchecked.
 pub trait PulledBlocks: Send {
     /// How many blocks.
     fn count(&self) -> usize;

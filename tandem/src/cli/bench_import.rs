@@ -83,17 +83,11 @@ pub fn measure(
         let started = Instant::now();
         let pulled = match way {
             0 => Pulled::mapped(kv_transfer::shm::MappedBlocks::open(region.path(), &descs).map_err(display)?),
-            1 => {
-                let copied = kv_transfer::shm::pull(region.path(), &descs).map_err(display)?;
-                Pulled::Received(copied.into_iter().map(|(i, b)| (i as usize, b)).collect())
-            }
+            1 => Pulled::received(kv_transfer::shm::pull(region.path(), &descs).map_err(display)?),
             2 => {
                 Pulled::Arrived(runtime.block_on(client.pull_in_place(request(addr))).map_err(display)?, Arc::default())
             }
-            _ => {
-                let gathered = runtime.block_on(client.pull(request(addr))).map_err(display)?;
-                Pulled::Received(gathered.into_iter().map(|(i, b)| (i as usize, b)).collect())
-            }
+            _ => Pulled::received(runtime.block_on(client.pull(request(addr))).map_err(display)?),
         };
         stepper.submit(run as u64, &request_tokens, false, &pulled).map_err(display)?;
         let took = started.elapsed();
