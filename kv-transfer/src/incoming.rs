@@ -129,7 +129,8 @@ impl Reader {
         if have < 5 {
             return 5 - have;
         }
-        let len = u32::from_le_bytes([self.pending[0], self.pending[1], self.pending[2], self.pending[3]]) as usize;
+        // A bad length was refused by `advance` before this is asked.
+        let len = self.decoder.body_len(&self.pending).ok().flatten().unwrap_or(0);
         let whole = if self.pending[4] == KIND_BLOCK { 4 + BLOCK_HEADER } else { 4 + len };
         whole.saturating_sub(have).max(1)
     }
