@@ -3,8 +3,12 @@
 //! Layout of one block (published as part of a worker's identity, so a receiver can refuse another):
 //! `[layer][k, v][kv_head][token_in_block][dim]`, f16, little-endian.
 
+use std::sync::Arc;
+
 use half::f16;
 
+use crate::kv_memory::Values;
+pub use crate::kv_memory::{Pinned, PinnedBlock, Unpinned};
 use crate::model::ModelConfig;
 
 /// Index of a block in a [`KvStore`].
@@ -58,11 +62,11 @@ pub enum KvPart {
     V = 1,
 }
 
-/// Storage for `capacity` blocks.
+/// Storage for `capacity` blocks. Its blocks can be pinned ([`KvStore::pin`]) for readers on other threads.
 #[derive(Debug)]
 pub struct KvStore {
     layout: KvLayout,
-    data: Vec<f16>,
+    data: Values,
     /// Blocks, kept apart from `data`: a layout of empty blocks (the simulator's) holds no data at all.
     capacity: usize,
     /// Per block, how many times it was handed out whole to be overwritten ([`KvStore::block_mut`]: imports,
@@ -74,15 +78,9 @@ impl KvStore {
     /// Zeroed storage for `capacity` blocks, committed now: every page is written once here (as vLLM claims its
     /// KV cache at start), so a machine without the memory fails at start-up rather than mid-run, and the worker's
     /// resident memory does not creep up as blocks are first used (which would hide a real leak).
-    #[allow(clippy::slow_vector_initialization)]
     pub fn new(layout: KvLayout, capacity: usize) -> KvStore {
-        use half::vec::HalfBitsVecExt;
-        let len = layout.block_elems() * capacity;
-        // `vec![0; n]` would be a lazily mapped zeroed allocation; filling an uninitialised one writes every page,
-        // which is the point here.
-        let mut bits: Vec<u16> = Vec::with_capacity(len);
-        bits.resize(len, 0);
-        KvStore { layout, data: bits.reinterpret_into(), capacity, generations: vec![0; capacity] }
+        let data = Values::zeroed(capacity, layout.block_elems());
+        KvStore { layout, data, capacity, generations: vec![0; capacity] }
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -101,21 +99,31 @@ impl KvStore {
     /// All tokens of one head's K or V in a block: `block_tokens × head_dim` values.
     pub fn head(&self, block: BlockId, layer: usize, part: KvPart, head: usize) -> &[f16] {
         let s = self.base(block) + self.layout.head_offset(layer, part as usize, head);
-        &self.data[s..s + self.layout.head_elems()]
+        self.data.read(s, self.layout.head_elems())
     }
 
     /// One whole block.
     pub fn block(&self, block: BlockId) -> &[f16] {
-        let s = self.base(block);
-        &self.data[s..s + self.layout.block_elems()]
+        self.data.read(self.base(block), self.layout.block_elems())
     }
 
-    /// One whole block, to overwrite (its generation moves on).
+    /// One whole block, to overwrite (its generation moves on). Panics when the block is pinned.
     pub fn block_mut(&mut self, block: BlockId) -> &mut [f16] {
         self.generations[block.0 as usize] += 1;
         let s = self.base(block);
-        let n = self.layout.block_elems();
-        &mut self.data[s..s + n]
+        self.data.write(block.0 as usize, s, self.layout.block_elems())
+    }
+
+    /// Holds `blocks` for readers on any thread (a lease serving them): none is written until the pin is dropped,
+    /// which hands the blocks to `unpinned`. The caller gives the pin one pool reference to each block, so the
+    /// pool neither frees nor evicts them meanwhile; the engine drops those references when it takes them back.
+    pub fn pin(&self, blocks: Vec<u32>, unpinned: Arc<Unpinned>) -> Pinned {
+        self.data.pin(blocks, unpinned)
+    }
+
+    /// Whether a pin holds `block`.
+    pub fn pinned(&self, block: BlockId) -> bool {
+        self.data.pinned(block.0 as usize)
     }
 
     /// How many times `block` was handed out by [`KvStore::block_mut`]; [`KvStore::write`] leaves it alone.
@@ -127,7 +135,7 @@ impl KvStore {
     pub fn write(&mut self, block: BlockId, layer: usize, part: KvPart, head: usize, slot: usize, values: &[f32]) {
         let hd = self.layout.head_dim;
         let s = self.base(block) + self.layout.head_offset(layer, part as usize, head) + slot * hd;
-        crate::kernels::f32_to_f16(&values[..hd], &mut self.data[s..s + hd]);
+        crate::kernels::f32_to_f16(&values[..hd], self.data.write(block.0 as usize, s, hd));
     }
 }
 

@@ -18,6 +18,7 @@ pub mod grammar;
 pub mod hf;
 pub mod kernels;
 pub mod kv;
+mod kv_memory;
 pub mod model;
 pub mod parity;
 pub mod q8;

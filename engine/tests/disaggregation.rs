@@ -81,3 +81,36 @@ async fn prefill_here_decode_there_gives_the_same_tokens() {
     p.shutdown(true).await;
     d.shutdown(true).await;
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_export_holds_its_blocks_in_the_prefill_engine_until_its_last_reader_drops_it() {
+    let p = EngineHandle::start(common::engine(EngineConfig::default())).expect("prefill engine");
+    let prompt: Vec<u32> = (300..370).collect();
+    let (_, kv) = prefill(&p, &prompt).await;
+    let used = |p: &EngineHandle| p.stats().usage[0].used;
+    assert_eq!(used(&p), 5, "the sequence ended, its five blocks stay pinned for readers");
+    // Read from another thread while the engine computes another prompt.
+    let slice = kv.shared_block(4);
+    let reader = std::thread::spawn({
+        let kv = kv.clone();
+        move || (0..kv.len()).map(|i| kv.block(i).to_vec()).collect::<Vec<_>>()
+    });
+    let (_, again) = prefill(&p, &prompt[..40]).await;
+    let read = reader.join().expect("read");
+    assert!((0..kv.len()).all(|i| read[i] == kv.block(i)));
+    assert_eq!(again.block(0), kv.block(0), "the shared prefix block, found cached");
+    drop((kv, again));
+    // The slice keeps its export's blocks pinned after every export is gone (the second prompt's own partial
+    // block goes back); dropping it wakes the idle engine to take them back.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while used(&p) != 5 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(used(&p), 5);
+    drop(slice);
+    while used(&p) != 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(used(&p), 0, "every block back: none leaked");
+    p.shutdown(false).await;
+}

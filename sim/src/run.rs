@@ -618,7 +618,11 @@ impl<'a> Sim<'a> {
                     self.live[i].cached = completion.cached_tokens;
                     match exported {
                         Some(kv) if self.live[i].max_tokens > 1 => self.transfer(now, i, w, kv),
-                        _ => self.finish(now, i, 200, None, Some("length")),
+                        unread => {
+                            drop(unread);
+                            self.unpinned(now, w);
+                            self.finish(now, i, 200, None, Some("length"));
+                        }
                     }
                 } else {
                     if self.live[i].prefill.is_none() {
@@ -655,10 +659,21 @@ impl<'a> Sim<'a> {
         self.workers[d].pulled_bytes += bytes;
         self.workers[d].pulled_nanos += (secs * 1e9) as u64;
         self.out.transfer_bytes += bytes;
-        self.live[i].pull = Some((kv, held..hashes.len())).filter(|_| pulled > 0);
+        if pulled > 0 {
+            self.live[i].pull = Some((kv, held..hashes.len()));
+        } else {
+            drop(kv);
+            self.unpinned(now, p);
+        }
         // The router calls the decode worker as soon as the prefill answers; the pull happens inside that call.
         self.send(d, i, 0);
         self.queue.at(end, Ev::Pulled(i));
+    }
+
+    /// Prefill worker `p` takes back the blocks of exports that nobody reads any more (its lease ended).
+    fn unpinned(&mut self, now: f64, p: usize) {
+        self.workers[p].engine.reclaim_pinned();
+        self.publish(now, p);
     }
 
     fn pulled(&mut self, now: f64, i: usize) {
@@ -672,6 +687,10 @@ impl<'a> Sim<'a> {
             None => Vec::new(),
         };
         self.submit(now, d, i, &request, false, &blocks);
+        // The pull is done: the lease ends and the prefill worker's blocks are its own again.
+        if let (Some(_), Some(p)) = (pull, self.live[i].prefill) {
+            self.unpinned(now, p);
+        }
     }
 
     /// Request `i` ended: its record, and the session turns that wait for it.

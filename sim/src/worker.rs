@@ -77,7 +77,8 @@ impl SimWorker {
             running: stats.running as u64,
             waiting: stats.waiting as u64,
             active_prefill_tokens: stats.prefill_tokens_pending as u64,
-            device_used: device.used as u64,
+            // As a worker reports it: blocks held only for a lease are not load.
+            device_used: device.used.saturating_sub(stats.leased_blocks) as u64,
             device_total: (device.used + device.cached + device.free) as u64,
             covered: self.engine.ids().map(|id| id.to_string()).collect(),
             computed_tokens_total: stats.counters.prefill_tokens,

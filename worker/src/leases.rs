@@ -1,10 +1,11 @@
-//! Prompts whose KV a prefill worker holds for decode workers to pull: the blocks' bytes (copied out of the
-//! engine when the prefill finished) under a lease that expires unless released first, with their shared-memory
-//! copy when one was made.
+//! Prompts whose KV a prefill worker holds for decode workers to pull: the engine's own KV blocks, pinned where
+//! they lie (neither written, freed nor evicted while a lease or a read in flight holds them), under a lease that
+//! expires unless released first, with their shared-memory copy when one was made.
 //!
-//! Leased KV is capped in bytes (heap and shared memory together): a prefill reserves what its prompt's KV will
-//! take before it computes anything, and is refused when the reservation does not fit, so a burst of prefills
-//! cannot grow the worker's memory without bound; the router then tries another worker.
+//! Leased KV is capped in bytes (pinned blocks and shared memory together): a prefill reserves what its prompt's
+//! KV will take before it computes anything, and is refused when the reservation does not fit, so a burst of
+//! prefills can neither pin the whole device tier nor grow the worker's memory without bound; the router then
+//! tries another worker.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -95,8 +96,8 @@ impl Leases {
         now: Instant,
         ttl: Duration,
     ) -> Result<(), LeaseError> {
-        let heap: u64 = blocks.iter().map(|(_, b)| b.len() as u64).sum();
-        let bytes = if region.is_some() { heap * 2 } else { heap };
+        let pinned: u64 = blocks.iter().map(|(_, b)| b.len() as u64).sum();
+        let bytes = if region.is_some() { pinned * 2 } else { pinned };
         let mut inner = self.lock();
         inner.table.grant(id, (0..blocks.len() as u32).collect(), now, ttl)?;
         // The reservation's bytes now belong to the lease (the reservation, emptied, gives nothing back).
@@ -175,10 +176,18 @@ impl BlockSource for Leases {
     }
 }
 
-/// The default cap on leased KV: an eighth of the machine's memory (a prefill worker's leases are short-lived
-/// copies; the rest is the engine's, the host tier's and the OS's), or 1 GiB when the machine does not say.
+/// The default cap on leased KV: an eighth of the machine's memory (a lease's shared-memory copy is memory of its
+/// own; the rest is the engine's, the host tier's and the OS's), or 1 GiB when the machine does not say. The worker
+/// also keeps it within [`pool_cap`].
 pub fn default_cap() -> u64 {
     cap_from_meminfo(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default())
+}
+
+/// The most leased bytes that pin no more than half of a device tier of `blocks` blocks of `block_bytes` each
+/// (`copies`: 2 when every lease also has a shared-memory copy, counted in the same bytes), so prefills always
+/// find blocks to compute in however many leases wait to be pulled.
+pub fn pool_cap(blocks: usize, block_bytes: u64, copies: u64) -> u64 {
+    (blocks as u64 / 2) * block_bytes * copies
 }
 
 /// An eighth of `MemTotal` in a `/proc/meminfo` text, or 1 GiB when it does not say.

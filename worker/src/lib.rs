@@ -64,8 +64,9 @@ pub struct WorkerConfig {
     pub pull_timeout: Duration,
     /// Directory for shared-memory copies of leased blocks (`/dev/shm`); `None`: QUIC only.
     pub shm_dir: Option<PathBuf>,
-    /// Most bytes of KV held under leases at once (heap and shared memory); a prefill past it is refused with
-    /// RESOURCE_EXHAUSTED (the router tries another worker).
+    /// Most bytes of KV held under leases at once (pinned device blocks and shared memory; never more than half
+    /// the device tier pinned, whatever this says); a prefill past it is refused with RESOURCE_EXHAUSTED (the
+    /// router tries another worker).
     pub max_leased_bytes: u64,
     /// What the router calls this worker (a pod or container name); empty: its address.
     pub name: String,
@@ -174,9 +175,27 @@ impl RunningWorker {
         .into_iter()
         .map(|(t, n)| pb::TierCapacity { tier: t as i32, blocks: n as u64 })
         .collect();
+        let instance = instance_id();
+        // Shared memory only where this worker holds its place in the directory (and so sweeps what crashed
+        // workers left there).
+        let shm = config.shm_dir.as_deref().and_then(|dir| match kv_transfer::shm::ShmDir::open(dir, &instance) {
+            Ok(d) => {
+                if d.swept() > 0 {
+                    tracing::info!(dir = %dir.display(), files = d.swept(), "removed stale shared-memory files");
+                }
+                Some(Arc::new(d))
+            }
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "no shared-memory path; KV moves over QUIC");
+                None
+            }
+        });
+        // Leases pin the engine's device blocks: at most half of them, however large the cap.
+        let copies = if shm.is_some() { 2 } else { 1 };
+        let pinnable = leases::pool_cap(config.engine.kv_blocks, engine.block_bytes() as u64, copies);
         let handle =
             Arc::new(EngineHandle::start(engine).map_err(|source| StartError::Io { what: "engine thread", source })?);
-        let leases = Arc::new(leases::Leases::new(config.max_leased_bytes));
+        let leases = Arc::new(leases::Leases::new(config.max_leased_bytes.min(pinnable)));
         let transfer_server = QuicServer::bind(config.transfer, &config.identity, Arc::clone(&leases) as _)?;
         let transfer =
             transfer_server.local_addr().map_err(|source| StartError::Io { what: "transfer address", source })?;
@@ -195,28 +214,13 @@ impl RunningWorker {
             layout: Some(convert::layout_to_pb(&layout)),
             tiers,
             transfer_endpoint: transfer.to_string(),
-            instance_id: instance_id(),
+            instance_id: instance,
             max_model_len,
             max_num_batched_tokens: config.engine.max_batched_tokens as u32,
             host_id: host::host_id(config.shm_dir.as_deref()),
             protocol_version: PROTOCOL_VERSION,
             name: config.name.clone(),
         };
-        // Shared memory only where this worker holds its place in the directory (and so sweeps what crashed
-        // workers left there).
-        let shm =
-            config.shm_dir.as_deref().and_then(|dir| match kv_transfer::shm::ShmDir::open(dir, &info.instance_id) {
-                Ok(d) => {
-                    if d.swept() > 0 {
-                        tracing::info!(dir = %dir.display(), files = d.swept(), "removed stale shared-memory files");
-                    }
-                    Some(Arc::new(d))
-                }
-                Err(e) => {
-                    tracing::warn!(dir = %dir.display(), error = %e, "no shared-memory path; KV moves over QUIC");
-                    None
-                }
-            });
         let (stopping, stopping_rx) = tokio::sync::watch::channel(false);
         let (aborting, aborting_rx) = tokio::sync::watch::channel(false);
         let metrics = Arc::new(metrics::WorkerMetrics::default());

@@ -36,6 +36,15 @@ fn generate_request(id: &str, tokens: Vec<u32>, max_tokens: u32) -> pb::Generate
     pb::GenerateRequest { request_id: id.into(), tokens, sampling: Some(sampling), ..Default::default() }
 }
 
+fn prefill(id: &str, tokens: Vec<u32>) -> pb::PrefillRequest {
+    pb::PrefillRequest {
+        request_id: id.into(),
+        tokens,
+        sampling: Some(pb::Sampling { top_p: 1.0, max_tokens: 8, ..pb::Sampling::default() }),
+        ..Default::default()
+    }
+}
+
 /// Reads a Generate stream to its end: the tokens, and whether it ended with `Finished`.
 async fn drain(mut s: tonic::Streaming<pb::GenerateResponse>) -> (usize, bool) {
     let mut tokens = 0;
@@ -118,12 +127,6 @@ async fn a_prefill_past_the_lease_cap_is_refused_before_any_compute() {
     let (w, mut c) =
         start(|c| WorkerConfig { role: Role::Prefill, max_leased_bytes: cap, lease_ttl: Duration::from_secs(30), ..c })
             .await;
-    let prefill = |id: &str, tokens: Vec<u32>| pb::PrefillRequest {
-        request_id: id.into(),
-        tokens,
-        sampling: Some(pb::Sampling { top_p: 1.0, max_tokens: 8, ..pb::Sampling::default() }),
-        ..Default::default()
-    };
     let first = c.prefill(prefill("a", (100..140).collect())).await.expect("the first fits").into_inner();
     assert!(first.handle.is_some());
     let computed = w.stats().counters.prefill_tokens;
@@ -131,6 +134,34 @@ async fn a_prefill_past_the_lease_cap_is_refused_before_any_compute() {
     assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
     assert_eq!(w.stats().counters.prefill_tokens, computed, "nothing was computed for it");
     assert_eq!(w.live_leases(), 1);
+    w.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_pins_its_blocks_in_the_engine_and_they_come_back_when_it_expires() {
+    // Eight device blocks: leases may pin four of them, however large the cap on leased bytes.
+    let (w, mut c) = start(|c| WorkerConfig {
+        role: Role::Prefill,
+        max_leased_bytes: u64::MAX,
+        lease_ttl: Duration::from_millis(300),
+        engine: EngineConfig { kv_blocks: 8, max_model_len: Some(128), ..c.engine.clone() },
+        ..c
+    })
+    .await;
+    c.prefill(prefill("a", (100..140).collect())).await.expect("three blocks fit");
+    let s = w.stats();
+    assert_eq!((s.usage[0].used, s.leased_blocks), (3, 3), "the lease holds the prompt's own blocks");
+    assert_eq!(w.leased_bytes(), 3 * 368_640);
+    let refused = c.prefill(prefill("b", (200..240).collect())).await.expect_err("six blocks would pass four");
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+    // The lease expires (checked every second) and the engine takes its blocks back, cached for the next prompt.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while (w.live_leases() > 0 || w.stats().usage[0].used > 0) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let s = w.stats();
+    assert_eq!((w.live_leases(), s.usage[0].used, s.leased_blocks, s.usage[0].cached), (0, 0, 0, 2));
+    c.prefill(prefill("c", (200..240).collect())).await.expect("room again");
     w.shutdown(Duration::from_secs(5)).await;
 }
 

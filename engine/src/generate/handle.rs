@@ -43,6 +43,8 @@ pub struct EngineStats {
     pub counters: Counters,
     /// Blocks per state, by tier.
     pub usage: [TierUsage; 3],
+    /// Device blocks counted as used that only exports hold (leased to readers), not any sequence: not load.
+    pub leased_blocks: usize,
     /// Sequences holding blocks and taking part in steps.
     pub running: usize,
     /// Sequences waiting to be admitted (new or preempted).
@@ -118,6 +120,8 @@ enum Command {
     Shutdown {
         finish_in_flight: bool,
     },
+    /// Exported blocks' pins ended: release them (sent by whoever dropped the last pin).
+    Reclaim,
 }
 
 /// Holds the engine between steps while any [`StepHold`] lives (tests and diagnostics: a long step, on demand).
@@ -163,6 +167,14 @@ impl EngineHandle {
     /// Moves `engine` onto a thread of its own.
     pub fn start(engine: Engine) -> std::io::Result<EngineHandle> {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+        // A weak sender: pins outliving every handle do not keep the engine thread alive. A full queue needs no
+        // wake-up (the loop drains the queue and reclaims at every step).
+        let wake = tx.downgrade();
+        engine.unpinned.on_return(move || {
+            if let Some(tx) = wake.upgrade() {
+                let _ = tx.try_send(Command::Reclaim);
+            }
+        });
         let (publish, state) = watch::channel(EngineStats::default());
         let gate = Arc::new(StepGate::default());
         let looped = Loop::new(engine, rx, publish, Arc::clone(&gate));
@@ -366,6 +378,7 @@ impl Loop {
                     }
                 }
             }
+            Command::Reclaim => self.engine.reclaim_pinned(),
             Command::Shutdown { finish_in_flight } => {
                 self.accepting = false;
                 if !finish_in_flight {

@@ -6,20 +6,22 @@ use kv_cache::SeqHash;
 use kv_cache::events::BlockMeta;
 use kv_cache::pool::{LOOK_AHEAD, PoolError, PrefixMatch, Registered};
 
+use std::sync::Arc;
+
 use super::sequence::Seq;
 use super::{Engine, EngineError};
-use crate::kv::BlockId;
+use crate::kv::{BlockId, Pinned, PinnedBlock};
 
-/// The KV of a prompt: every block covering its tokens, in position order, in one buffer (one allocation per
-/// prompt, not per block; a reader slices it).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The KV of a prompt: every block covering its tokens, in position order, **pinned** where it lies in the
+/// exporting engine's KV store (no copy): the blocks stay held (neither written, freed nor evicted) until the last
+/// clone of this, and the last slice made by [`ExportedKv::shared_block`], is dropped; then the engine takes them
+/// back. Readable from any thread.
+#[derive(Clone, Debug)]
 pub struct ExportedKv {
     pub tokens: usize,
     /// Each block's identity; `None` for the trailing partial block.
     pub metas: Vec<Option<BlockMeta>>,
-    /// The blocks' bytes (the engine's KV layout), `block_bytes` each, one after the other.
-    pub bytes: Vec<u8>,
-    pub block_bytes: usize,
+    blocks: Arc<Pinned>,
 }
 
 impl ExportedKv {
@@ -34,9 +36,26 @@ impl ExportedKv {
 
     /// The bytes of block `i`.
     pub fn block(&self, i: usize) -> &[u8] {
-        &self.bytes[i * self.block_bytes..(i + 1) * self.block_bytes]
+        self.blocks.block(i)
+    }
+
+    /// Block `i` as shared bytes that keep the pin for as long as they live (what a lease serves).
+    pub fn shared_block(&self, i: usize) -> bytes::Bytes {
+        assert!(i < self.blocks.len(), "block {i} of {}", self.blocks.len());
+        bytes::Bytes::from_owner(PinnedBlock { pinned: Arc::clone(&self.blocks), k: i })
     }
 }
+
+/// Two exports are equal when they cover the same tokens with the same blocks, byte for byte.
+impl PartialEq for ExportedKv {
+    fn eq(&self, other: &ExportedKv) -> bool {
+        self.tokens == other.tokens
+            && self.metas == other.metas
+            && (0..self.len()).all(|i| self.block(i) == other.block(i))
+    }
+}
+
+impl Eq for ExportedKv {}
 
 /// Blocks of a prompt pulled from another worker, read where they lie (the packets they arrived in, the owner's
 /// shared-memory region, mapped, or a buffer they were gathered into): the engine copies each into a fresh device
@@ -85,8 +104,9 @@ impl PulledBlocks for &[(usize, &[u8])] {
 }
 
 impl Engine {
-    /// Copies the KV of `s`'s prompt out of its blocks (call before they are released).
-    pub(super) fn export(&self, s: &mut Seq) -> ExportedKv {
+    /// Pins the blocks of `s`'s prompt for readers: the sequence's references to them pass to the pin (call
+    /// before the rest are released), and come back through [`Engine::reclaim_pinned`] when it ends.
+    pub(super) fn export(&mut self, s: &mut Seq) -> ExportedKv {
         let bt = self.config.block_tokens;
         let tokens = s.prompt_len.min(s.computed);
         let full = tokens / bt;
@@ -101,13 +121,31 @@ impl Engine {
                 })
             })
             .collect();
-        let block_bytes = self.block_bytes();
-        let blocks = &s.blocks[..count];
-        let mut bytes = Vec::with_capacity(count * block_bytes);
-        for &b in blocks {
-            bytes.extend_from_slice(bytemuck::cast_slice(self.stores.device.block(b)));
+        let blocks: Vec<u32> = s.blocks.drain(..count).map(|b| b.0).collect();
+        for &b in &blocks {
+            *self.pins.entry(b).or_default() += 1;
         }
-        ExportedKv { tokens, metas, bytes, block_bytes }
+        let pinned = self.stores.device.pin(blocks, Arc::clone(&self.unpinned));
+        ExportedKv { tokens, metas, blocks: Arc::new(pinned) }
+    }
+
+    /// Drops the pool's references held by pins that have ended: those blocks become cached (or free) again.
+    pub fn reclaim_pinned(&mut self) {
+        for slot in self.unpinned.take() {
+            // Only references a pin took over come back here, each once.
+            let _ = self.pool.release(slot);
+            if let Some(n) = self.pins.get_mut(&slot) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pins.remove(&slot);
+                }
+            }
+        }
+    }
+
+    /// Device blocks in use only because pins hold them (a lease's, waiting to be read), not by any sequence.
+    pub fn leased_blocks(&self) -> usize {
+        self.pins.iter().filter(|&(&slot, &pins)| self.pool.references(slot) == pins).count()
     }
 
     /// How many of `hashes`' leading blocks this engine holds, per tier.

@@ -256,6 +256,10 @@ pub struct Engine {
     config: EngineConfig,
     counters: Counters,
     tick: u64,
+    /// Exported blocks whose pins ended, waiting to be released here ([`Engine::reclaim_pinned`]).
+    unpinned: Arc<crate::kv::Unpinned>,
+    /// Device slots pins hold (a pool reference each) and how many pins hold each, until reclaimed.
+    pins: kv_cache::fastmap::FastMap<u32, u32>,
 }
 
 impl Engine {
@@ -324,7 +328,19 @@ impl Engine {
         let sizes = TierSizes { device: config.kv_blocks, host: config.host_blocks, disk: config.disk_blocks };
         let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
         let grammars = crate::grammar::Grammars::new(Arc::clone(&text));
-        Ok(Engine { backend, text, grammars, stores, pool, config, counters: Counters::default(), tick: 0 })
+        let unpinned = Arc::default();
+        Ok(Engine {
+            backend,
+            text,
+            grammars,
+            stores,
+            pool,
+            config,
+            counters: Counters::default(),
+            tick: 0,
+            unpinned,
+            pins: Default::default(),
+        })
     }
 
     /// What computes the steps: `cpu` or `mock`.
@@ -498,6 +514,7 @@ impl Engine {
         export: bool,
         blocks: &dyn PulledBlocks,
     ) -> Result<Seq, EngineError> {
+        self.reclaim_pinned();
         let mut seq = self.new_seq(request, index)?;
         if blocks.count() > 0 {
             seq.pinned = match self.import_pinned(&mut seq, blocks) {

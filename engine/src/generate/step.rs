@@ -132,6 +132,8 @@ impl Engine {
     pub(super) fn step(&mut self, seqs: &mut [Seq], on_event: &mut impl FnMut(Event<'_>)) -> Result<bool, EngineError> {
         let started = std::time::Instant::now();
         let onboards_before = self.counters.onboards;
+        // Blocks whose exports ended are room for this step.
+        self.reclaim_pinned();
         self.admit(seqs);
         let bt = self.config.block_tokens;
         let chunk_cap = self.config.prefill_chunk.map_or(usize::MAX, std::num::NonZeroUsize::get);
@@ -347,6 +349,7 @@ impl Engine {
         super::EngineStats {
             counters: self.counters(),
             usage: Tier::ALL.map(|t| self.kv_usage(t)),
+            leased_blocks: self.leased_blocks(),
             running: seqs.iter().filter(|s| s.running && s.active()).count(),
             waiting: seqs.iter().filter(|s| !s.running && s.active()).count(),
             prefill_tokens_pending: seqs.iter().filter(|s| s.active()).map(Seq::pending_prefill).sum(),

@@ -80,6 +80,11 @@ impl Stepper {
         Ok(())
     }
 
+    /// Releases the blocks of exports whose pins have ended (a step or a submission does it too).
+    pub fn reclaim_pinned(&mut self) {
+        self.engine.reclaim_pinned();
+    }
+
     /// Whether any sequence is waiting or running.
     pub fn busy(&self) -> bool {
         !self.seqs.is_empty()

@@ -163,3 +163,47 @@ fn a_finished_sequence_leaves_the_device_last_block_first_so_its_prefix_stays_fi
     }
     assert_eq!(e.lookup(&hashes).device, 2);
 }
+
+#[test]
+fn an_export_reads_the_engines_own_blocks_and_holds_them_against_eviction_until_dropped() {
+    let config = EngineConfig { kv_blocks: 8, host_blocks: 0, max_model_len: Some(128), ..EngineConfig::default() };
+    let mut e = engine(config);
+    let prompt: Vec<u32> = (100..150).collect();
+    let mut seqs = vec![e.new_seq(&greedy(prompt.clone(), 1), 0).expect("valid")];
+    seqs[0].keep_blocks = true;
+    while seqs[0].active() {
+        e.step(&mut seqs, &mut |_| {}).expect("steps");
+    }
+    let blocks = seqs[0].blocks[..4].to_vec();
+    let (kv, end) = e.retire(seqs.remove(0), true, std::time::Instant::now());
+    end.expect("finished");
+    let kv = kv.expect("exported");
+    assert_eq!(kv.len(), 4, "three full blocks and the partial one");
+    for (k, &b) in blocks.iter().enumerate() {
+        // The very bytes of the engine's store: nothing was copied out.
+        let own: &[u8] = bytemuck::cast_slice(e.stores.device.block(b));
+        assert_eq!(kv.block(k).as_ptr(), own.as_ptr());
+        assert!(e.stores.device.pinned(b));
+    }
+    let usage = |e: &Engine| e.kv_usage(kv_cache::events::Tier::Device);
+    assert_eq!(usage(&e).used, 4, "the export holds the prompt's blocks");
+    // Taking every other block cannot evict them: they are not cached, they are in use.
+    let hashes = kv_cache::block_hashes(&prompt, e.block_size(), None).seq;
+    let mut taken = Vec::new();
+    while let Ok(b) = e.pool.allocate(&mut Vec::new()) {
+        taken.push(b);
+    }
+    assert_eq!((taken.len(), e.lookup(&hashes).device), (4, 3));
+    for b in taken {
+        e.pool.release(b).expect("in use");
+    }
+    // One slice outliving the export keeps the pin; when it goes too, the engine takes the blocks back.
+    let slice = kv.shared_block(0);
+    drop(kv);
+    e.reclaim_pinned();
+    assert_eq!(usage(&e).used, 4);
+    drop(slice);
+    e.reclaim_pinned();
+    assert_eq!((usage(&e).used, usage(&e).cached, e.lookup(&hashes).device), (0, 3, 3));
+    assert!(blocks.iter().all(|&b| !e.stores.device.pinned(b)));
+}

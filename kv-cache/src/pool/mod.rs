@@ -156,6 +156,11 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         self.table(tier).capacity()
     }
 
+    /// References to device slot `slot` (0: not in use).
+    pub fn references(&self, slot: u32) -> u32 {
+        self.table(Tier::Device).ref_count(slot).map_or(0, std::num::NonZeroU32::get)
+    }
+
     /// The identity of the block in device slot `slot`, if it is registered.
     pub fn meta(&self, slot: u32) -> Option<BlockMeta> {
         self.table(Tier::Device).meta(slot)

@@ -1,7 +1,8 @@
 //! `tandem bench leases`: whether a prefill's latency grows with the KV leases a prefill worker holds. One real
 //! prefill worker (the CPU engine) answers `Prefill` calls for distinct prompts of the same length; none of their
 //! leases is released, so they pile up, and at each level of live leases a few prefills are timed from the call to
-//! its answer (compute, export, checksums, the lease's grant: everything a router waits for).
+//! its answer (compute, export, checksums, the lease's grant: everything a router waits for). Leases pin their
+//! blocks in the engine's device tier, so the tier is sized to hold every lease the bench makes.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -33,6 +34,9 @@ struct Level {
     leases: usize,
     /// Leased bytes then.
     leased_bytes: u64,
+    /// The process's resident memory then (MB; bench, worker and engine together): leases that copied their KV
+    /// would grow it by their bytes.
+    rss_mb: Option<f64>,
     p50_ms: f64,
     max_ms: f64,
 }
@@ -53,12 +57,16 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let (worker_id, client_id) = (worker_id.map_err(|e| e.to_string())?, client_id.map_err(|e| e.to_string())?);
     let process = telemetry::Process::start("tandem")?;
     process.block_on(async move {
-        let config = WorkerConfig {
+        let mut config = WorkerConfig {
             // No lease expires or is refused while the bench runs.
             lease_ttl: Duration::from_secs(3600),
             max_leased_bytes: u64::MAX,
             ..WorkerConfig::local(Role::Prefill, model, worker_id)
         };
+        // Leases pin their blocks in the device tier, at most half of it: room for every lease the bench makes.
+        let per_prompt = args.prompt_tokens.div_ceil(config.engine.block_tokens);
+        let leases = args.leases.last().copied().unwrap_or(0) + args.samples + 1;
+        config.engine.kv_blocks = config.engine.kv_blocks.max(2 * leases * per_prompt + 2 * per_prompt);
         let worker = RunningWorker::start(config).await.map_err(|e| format!("worker: {e}"))?;
         let mut client = worker::grpc_tls::connect(worker.grpc, &client_id).await.map_err(|e| e.to_string())?;
         let mut made = 0usize;
@@ -85,14 +93,15 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                 prefill(made).await?;
                 made += 1;
             }
-            let (leases, leased_bytes) = (worker.live_leases(), worker.leased_bytes());
+            let (leases, leased_bytes, rss_mb) = (worker.live_leases(), worker.leased_bytes(), resident_mb());
             let mut times = Vec::with_capacity(args.samples);
             for _ in 0..args.samples {
                 times.push(prefill(made).await?);
                 made += 1;
             }
             times.sort_by(f64::total_cmp);
-            levels.push(Level { leases, leased_bytes, p50_ms: times[times.len() / 2], max_ms: times[times.len() - 1] });
+            let (p50_ms, max_ms) = (times[times.len() / 2], times[times.len() - 1]);
+            levels.push(Level { leases, leased_bytes, rss_mb, p50_ms, max_ms });
         }
         let report = Report { prompt_tokens: args.prompt_tokens, levels };
         if args.json {
@@ -101,9 +110,10 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             println!("prefill of {} tokens, {} timed per level", report.prompt_tokens, args.samples);
             for l in &report.levels {
                 println!(
-                    "{:>5} live leases ({:>7.1} MB)   p50 {:8.2} ms   max {:8.2} ms",
+                    "{:>5} live leases ({:>7.1} MB)   resident {:>7.1} MB   p50 {:8.2} ms   max {:8.2} ms",
                     l.leases,
                     l.leased_bytes as f64 / 1e6,
+                    l.rss_mb.unwrap_or(f64::NAN),
                     l.p50_ms,
                     l.max_ms
                 );
@@ -112,4 +122,11 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         worker.shutdown(Duration::from_secs(5)).await;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// This process's resident memory in MB (`VmRSS`), where the system says.
+fn resident_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: f64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.split_whitespace().next()?.parse().ok()?;
+    Some(kib * 1024.0 / 1e6)
 }

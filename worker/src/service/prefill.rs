@@ -38,15 +38,15 @@ struct Prepared {
     region: Option<ShmRegion>,
 }
 
-/// Checksums every block and writes the shared-memory copy: CPU and file work, run off the async runtime.
+/// Checksums every block and writes the shared-memory copy: CPU and file work, run off the async runtime. The
+/// blocks served are the engine's own, pinned (the lease keeps them).
 fn prepare(kv: ExportedKv, lease: LeaseId, shm: Option<&ShmDir>) -> Prepared {
     let mut held = Vec::with_capacity(kv.len());
     let mut descriptors = Vec::with_capacity(kv.len());
-    // Each block is a slice of the one exported buffer (no copy).
-    let all = Bytes::from(kv.bytes);
-    let step = kv.block_bytes;
     for (i, meta) in kv.metas.iter().enumerate() {
-        let bytes = all.slice(i * step..(i + 1) * step);
+        // The block where it lies in the engine's KV store, pinned there while these bytes live (no copy).
+        let bytes = kv.shared_block(i);
+        let step = bytes.len();
         let sum = checksum(&bytes);
         descriptors.push(BlockDescriptor {
             seq_hash: meta.map(|m| m.seq),

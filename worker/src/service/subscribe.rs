@@ -29,11 +29,17 @@ const LARGE_BLOCK_CHANGE: f64 = 0.10;
 /// Whether the load moved enough since the last report to tell the router now rather than at the next period:
 /// a sequence started, finished or queued, or device block use moved by a tenth of capacity.
 fn large_change(prev: &EngineStats, now: &EngineStats) -> bool {
-    let device = |s: &EngineStats| s.usage[0].used as f64;
+    let device = |s: &EngineStats| sequence_blocks(s) as f64;
     let capacity = (now.usage[0].used + now.usage[0].cached + now.usage[0].free).max(1) as f64;
     prev.running != now.running
         || prev.waiting != now.waiting
         || (device(prev) - device(now)).abs() / capacity >= LARGE_BLOCK_CHANGE
+}
+
+/// Device blocks the engine's sequences use: what routers count as load (blocks held only for a lease, waiting
+/// for a decode worker to read them, are not).
+fn sequence_blocks(stats: &EngineStats) -> usize {
+    stats.usage[0].used.saturating_sub(stats.leased_blocks)
 }
 
 fn load_report(stats: &EngineStats, request_ids: Vec<String>, metrics: &WorkerMetrics) -> pb::LoadReport {
@@ -41,9 +47,10 @@ fn load_report(stats: &EngineStats, request_ids: Vec<String>, metrics: &WorkerMe
         .iter()
         .map(|&t| {
             let u = stats.usage[t.index()];
+            let used = if t == kv_cache::events::Tier::Device { sequence_blocks(stats) } else { u.used };
             pb::TierUsage {
                 tier: convert::tier_to_pb(t) as i32,
-                used: u.used as u64,
+                used: used as u64,
                 cached: u.cached as u64,
                 total: (u.used + u.cached + u.free) as u64,
             }
