@@ -83,6 +83,20 @@ impl KvStore {
         KvStore { layout, data, capacity, generations: vec![0; capacity] }
     }
 
+    /// [`KvStore::new`] in a new file at `path` (owner-only, meant for shared memory such as `/dev/shm`), mapped
+    /// shared, so that other processes of the user on this host can map it and read pinned blocks where they lie.
+    /// The file's pages are allocated now: a filesystem without the room refuses here. Removed when the store's
+    /// memory goes (its last pin included).
+    pub fn in_file(layout: KvLayout, capacity: usize, path: &std::path::Path) -> std::io::Result<KvStore> {
+        let data = Values::in_file(path, capacity, layout.block_elems())?;
+        Ok(KvStore { layout, data, capacity, generations: vec![0; capacity] })
+    }
+
+    /// The file the store lives in, when it was made with [`KvStore::in_file`].
+    pub fn file(&self) -> Option<&std::path::Path> {
+        self.data.file()
+    }
+
     pub fn layout(&self) -> &KvLayout {
         &self.layout
     }

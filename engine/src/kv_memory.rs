@@ -10,28 +10,58 @@
 #![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use half::f16;
 
-/// The values of every block, and how many pins hold each.
-struct Memory {
-    cells: Box<[UnsafeCell<f16>]>,
-    block_elems: usize,
-    pins: Box<[AtomicU32]>,
+/// Where the values live.
+enum Backing {
+    Heap(#[allow(dead_code)] Box<[UnsafeCell<f16>]>),
+    /// A file in shared memory, mapped: other processes on the host map it too, to read pinned blocks. The file
+    /// goes when the memory does (mappings outlive its name).
+    File {
+        _map: memmap2::MmapRaw,
+        path: PathBuf,
+    },
 }
 
-// SAFETY: values are written only through `&mut Values` (one writer) and only in blocks no pin holds (checked in
-// `Values::write`); other threads read only pinned blocks, so no value is read and written at once.
+impl Drop for Backing {
+    fn drop(&mut self) {
+        if let Backing::File { path, .. } = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// The values of every block, and how many pins hold each.
+struct Memory {
+    values: *mut f16,
+    len: usize,
+    block_elems: usize,
+    pins: Box<[AtomicU32]>,
+    _backing: Backing,
+}
+
+// SAFETY: `values` points into `_backing`, which lives and stays put as long as this does. Values are written only
+// through `&mut Values` (one writer) and only in blocks no pin holds (checked in `Values::write`); other threads
+// read only pinned blocks, so no value is read and written at once.
+unsafe impl Send for Memory {}
 unsafe impl Sync for Memory {}
 
 impl Memory {
+    fn new(values: *mut f16, blocks: usize, block_elems: usize, backing: Backing) -> Memory {
+        let len = blocks * block_elems;
+        let pins = (0..blocks).map(|_| AtomicU32::new(0)).collect();
+        Memory { values, len, block_elems, pins, _backing: backing }
+    }
+
     /// `len` values from `start`, to read.
     fn read(&self, start: usize, len: usize) -> &[f16] {
-        let cells = &self.cells[start..start + len];
-        // SAFETY: in bounds (the slice above); no write to these values overlaps this borrow (the module's rule).
-        unsafe { std::slice::from_raw_parts(UnsafeCell::raw_get(cells.as_ptr()), len) }
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "a read stays within the store");
+        // SAFETY: in bounds; no write to these values overlaps this borrow (the module's rule).
+        unsafe { std::slice::from_raw_parts(self.values.add(start), len) }
     }
 }
 
@@ -43,7 +73,7 @@ pub(crate) struct Values {
 impl std::fmt::Debug for Values {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let m = &self.memory;
-        f.debug_struct("Values").field("values", &m.cells.len()).field("block_elems", &m.block_elems).finish()
+        f.debug_struct("Values").field("values", &m.len).field("block_elems", &m.block_elems).finish()
     }
 }
 
@@ -59,8 +89,48 @@ impl Values {
         // SAFETY: `UnsafeCell<f16>` has the layout of `f16`, a transparent `u16` for which every bit pattern is
         // valid; the length carries over with the slice pointer cast, and the allocation is the same.
         let cells = unsafe { Box::from_raw(raw) };
-        let pins = (0..blocks).map(|_| AtomicU32::new(0)).collect();
-        Values { memory: Arc::new(Memory { cells, block_elems, pins }) }
+        let values = UnsafeCell::raw_get(cells.as_ptr());
+        Values { memory: Arc::new(Memory::new(values, blocks, block_elems, Backing::Heap(cells))) }
+    }
+
+    /// Zeroed values for `blocks` blocks of `block_elems` in a new file at `path` (owner-only), mapped shared so
+    /// that other processes of the same user can map it to read pinned blocks. The file's pages are allocated
+    /// now (a filesystem without the room refuses here, not with a fault mid-run) and written once, as
+    /// [`Values::zeroed`]'s are. The file is removed when the values go.
+    pub fn in_file(path: &Path, blocks: usize, block_elems: usize) -> std::io::Result<Values> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let len = blocks * block_elems;
+        let bytes = (len * 2) as u64;
+        let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)?;
+        let backing_path = path.to_path_buf();
+        let made = (|| {
+            if bytes > 0 {
+                rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, bytes)?;
+            }
+            memmap2::MmapOptions::new().len(len * 2).map_raw(&file)
+        })();
+        let map = match made {
+            Ok(map) => map,
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                return Err(e);
+            }
+        };
+        let values = map.as_mut_ptr().cast::<f16>();
+        if len > 0 {
+            // SAFETY: the mapping is `len` f16 long, page-aligned, and ours alone until this returns.
+            unsafe { std::ptr::write_bytes(values, 0, len) };
+        }
+        let backing = Backing::File { _map: map, path: backing_path };
+        Ok(Values { memory: Arc::new(Memory::new(values, blocks, block_elems, backing)) })
+    }
+
+    /// The file the values live in, when they live in one.
+    pub fn file(&self) -> Option<&Path> {
+        match &self.memory._backing {
+            Backing::File { path, .. } => Some(path),
+            Backing::Heap(_) => None,
+        }
     }
 
     /// `len` values from `start`, to read (on the writer's thread, where no write races it).
@@ -74,10 +144,9 @@ impl Values {
         let first = block * m.block_elems;
         assert!(start >= first && start + len <= first + m.block_elems, "a write stays within its block");
         assert_eq!(m.pins[block].load(Ordering::Acquire), 0, "block {block} is pinned: it must not be written");
-        let cells = &m.cells[start..start + len];
-        // SAFETY: in bounds; `&mut self` makes this the only writable borrow for its lifetime, and no other thread
-        // reads an unpinned block.
-        unsafe { std::slice::from_raw_parts_mut(UnsafeCell::raw_get(cells.as_ptr()), len) }
+        // SAFETY: in bounds (within a block of the store); `&mut self` makes this the only writable borrow for its
+        // lifetime, and no other thread reads an unpinned block.
+        unsafe { std::slice::from_raw_parts_mut(m.values.add(start), len) }
     }
 
     /// Whether a pin holds `block`.
@@ -151,6 +220,11 @@ impl Pinned {
         self.blocks.is_empty()
     }
 
+    /// Where the `k`-th block starts in its store, in bytes (in the store's file, when it has one).
+    pub fn offset(&self, k: usize) -> u64 {
+        (self.blocks[k] as usize * self.memory.block_elems * 2) as u64
+    }
+
     /// The bytes of the `k`-th block.
     pub fn block(&self, k: usize) -> &[u8] {
         let n = self.memory.block_elems;
@@ -196,6 +270,30 @@ mod tests {
         assert_eq!(unpinned.take(), vec![1]);
         assert!(!values.pinned(1));
         values.write(1, 4, 4).fill(f16::ZERO);
+    }
+
+    #[test]
+    fn values_in_a_file_are_the_files_bytes_and_the_file_goes_with_the_last_pin() {
+        let path = std::env::temp_dir().join(format!("tandem-kv-values-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let mut values = Values::in_file(&path, 4, 8).expect("made");
+        assert_eq!(values.file(), Some(path.as_path()));
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).expect("meta").permissions().mode() & 0o077, 0, "owner-only");
+        assert!(Values::in_file(&path, 4, 8).is_err(), "never another's file");
+        values.write(2, 16, 8).copy_from_slice(&[f16::from_f32(-2.0); 8]);
+        let pinned = values.pin(vec![2], Arc::new(Unpinned::default()));
+        // Another reader of the file (a decode worker on this host) finds the block at the pin's offset.
+        let file = std::fs::read(&path).expect("read");
+        let at = pinned.offset(0) as usize;
+        assert_eq!((at, &file[at..at + 16]), (32, pinned.block(0)));
+        assert_eq!(pinned.block(0), bytemuck::cast_slice::<f16, u8>(&[f16::from_f32(-2.0); 8]));
+        drop(values);
+        assert!(path.exists(), "a pin keeps the store");
+        drop(pinned);
+        assert!(!path.exists());
+        let missing = std::env::temp_dir().join("tandem-no-such-dir").join("store");
+        assert!(Values::in_file(&missing, 4, 8).is_err());
     }
 
     #[test]

@@ -65,6 +65,12 @@ impl ShmDir {
         Ok(ShmDir { dir: dir.to_path_buf(), owner: owner.to_string(), lock, _held: held, swept })
     }
 
+    /// Where this owner's engine keeps its device KV store, when it keeps it here (a new file; same-host readers map
+    /// the leased blocks out of it). Named after the owner, so a crashed owner's store is swept like its regions.
+    pub fn store_path(&self) -> PathBuf {
+        self.dir.join(format!("{PREFIX}{}-store", self.owner))
+    }
+
     /// Stale files removed when this owner arrived.
     pub fn swept(&self) -> usize {
         self.swept
@@ -155,33 +161,54 @@ impl Drop for ShmRegion {
     }
 }
 
-/// Blocks of another owner's region, mapped and bounds-checked, to be read where they lie: the decode worker's
-/// engine copies each straight into one of its KV blocks and checks the copy there ([`MappedBlocks::check`]), so a
-/// pull needs no buffer of its own. The mapping stays valid after the owner unlinks the file (its lease released).
+/// Blocks of another owner's region (a lease's region file, or the owner's whole KV store), mapped and
+/// bounds-checked, to be read where they lie: the decode worker's engine copies each straight into one of its KV
+/// blocks and checks the copy there ([`MappedBlocks::check`]), so a pull needs no buffer of its own. Only the
+/// blocks asked for are mapped (each run of adjacent ones once, populated in one call rather than faulted page by
+/// page): a store is far larger than one prompt.
 #[derive(Debug)]
 pub struct MappedBlocks {
-    map: memmap2::Mmap,
-    /// Per block: its position, its bytes' range in the mapping, and the owner's checksum.
-    blocks: Vec<(u32, std::ops::Range<usize>, u64)>,
+    maps: Vec<memmap2::Mmap>,
+    /// Per block: its position, which mapping holds it and its bytes' range there, and the owner's checksum.
+    blocks: Vec<(u32, usize, std::ops::Range<usize>, u64)>,
 }
 
 impl MappedBlocks {
-    /// Maps the region at `path` (populated in one call rather than faulted page by page) and checks that every
-    /// block of `blocks` (position, descriptor) lies inside it.
+    /// Maps the blocks of `blocks` (position, descriptor) from the file at `path`, checking that each lies
+    /// inside it. A lease's region stays readable once its owner unlinks it; the blocks of a store stay as they
+    /// are only while the lease pins them, so a reader of a store releases the lease after its copies are checked.
     pub fn open(path: &Path, blocks: &[(u32, BlockDescriptor)]) -> Result<MappedBlocks, TransferError> {
         let file = fs::File::open(path)?;
-        let map = map(&file)?;
-        let mut ranges = Vec::with_capacity(blocks.len());
+        let size = file.metadata()?.len();
+        let mut spans: Vec<(u32, u64, u64, u64)> = Vec::with_capacity(blocks.len());
         for &(index, d) in blocks {
-            let range = usize::try_from(d.offset)
-                .ok()
-                .zip(usize::try_from(d.len).ok())
-                .and_then(|(o, l)| o.checked_add(l).map(|end| o..end))
-                .filter(|r| r.end <= map.len())
-                .ok_or(TransferError::Integrity { index, what: "outside the shared region" })?;
-            ranges.push((index, range, d.checksum));
+            let end = d.offset.checked_add(d.len).filter(|&e| e <= size);
+            let end = end.ok_or(TransferError::Integrity { index, what: "outside the shared region" })?;
+            spans.push((index, d.offset, end, d.checksum));
         }
-        Ok(MappedBlocks { map, blocks: ranges })
+        // Runs of blocks that follow one another in the file, in the order asked: one mapping each.
+        let mut maps = Vec::new();
+        let mut out = Vec::with_capacity(spans.len());
+        let mut k = 0;
+        while k < spans.len() {
+            let mut last = k;
+            while last + 1 < spans.len() && spans[last + 1].1 == spans[last].2 {
+                last += 1;
+            }
+            let (start, end) = (spans[k].1, spans[last].2);
+            // memmap2 starts the mapping on the page holding `start` and hands out the bytes from `start` on. Empty
+            // blocks (a modelled engine's) need no mapping.
+            let at = maps.len();
+            if end > start {
+                maps.push(map(&file, start, usize::try_from(end - start).map_err(std::io::Error::other)?)?);
+            }
+            for &(index, offset, block_end, sum) in &spans[k..=last] {
+                let from = (offset - start) as usize;
+                out.push((index, at, from..from + (block_end - offset) as usize, sum));
+            }
+            k = last + 1;
+        }
+        Ok(MappedBlocks { maps, blocks: out })
     }
 
     /// How many blocks.
@@ -195,14 +222,14 @@ impl MappedBlocks {
 
     /// The `k`-th block: its position and its bytes in the mapping (not yet checked).
     pub fn block(&self, k: usize) -> (u32, &[u8]) {
-        let (index, range, _) = &self.blocks[k];
-        (*index, &self.map[range.clone()])
+        let (index, map, range, _) = &self.blocks[k];
+        (*index, if range.is_empty() { &[] } else { &self.maps[*map][range.clone()] })
     }
 
     /// Checks a copy of the `k`-th block against the owner's checksum: check the copy, not the mapping, so that
     /// what is checked is what is used.
     pub fn check(&self, k: usize, copy: &[u8]) -> Result<(), TransferError> {
-        let (index, range, sum) = &self.blocks[k];
+        let (index, _, range, sum) = &self.blocks[k];
         if copy.len() != range.len() {
             return Err(TransferError::Integrity { index: *index, what: "wrong length" });
         }
@@ -214,7 +241,7 @@ impl MappedBlocks {
 
     /// Bytes over all blocks.
     pub fn bytes(&self) -> u64 {
-        self.blocks.iter().map(|(_, r, _)| r.len() as u64).sum()
+        self.blocks.iter().map(|(_, _, r, _)| r.len() as u64).sum()
     }
 }
 
@@ -249,10 +276,12 @@ pub fn pull_into(
 }
 
 #[allow(unsafe_code)]
-fn map(file: &fs::File) -> std::io::Result<memmap2::Mmap> {
-    // SAFETY: the owner writes a region once, before any handle naming it exists, and afterwards only unlinks
-    // it (never truncates or rewrites), so the mapped bytes stay valid and unchanged while we read them.
-    unsafe { memmap2::MmapOptions::new().populate().map(file) }
+fn map(file: &fs::File, offset: u64, len: usize) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the owner writes a lease's region once, before any handle naming it exists, and afterwards only
+    // unlinks it (never truncates or rewrites); it writes a block of its store only when no lease pins it, and a
+    // reader holds the lease until its copies are checked. So the bytes read stay unchanged while they are read;
+    // were a lease to expire mid-copy regardless, the copy's checksum would fail, not pass a changed block.
+    unsafe { memmap2::MmapOptions::new().offset(offset).len(len).populate().map(file) }
 }
 
 #[cfg(test)]
@@ -340,6 +369,44 @@ mod tests {
             Err(TransferError::Integrity { what: "wrong length", .. })
         ));
         drop((mapped, owner));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn blocks_scattered_through_a_store_map_only_their_runs_at_any_offset() {
+        let dir = scratch("store");
+        let owner = ShmDir::open(&dir, "s1").expect("owner");
+        // A store of 64 blocks of 5,000 bytes (not a page multiple), block k filled with k.
+        let len = 5_000u64;
+        let store: Vec<u8> = (0..64u8).flat_map(|k| vec![k; len as usize]).collect();
+        fs::write(owner.store_path(), &store).expect("store");
+        let block = |k: u8| Bytes::from(vec![k; len as usize]);
+        let picked = [9u8, 10, 11, 40, 3];
+        let descs: Vec<(u32, BlockDescriptor)> = picked
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| (i as u32, described(&[u64::from(k) * len], &[block(k)], i as u32)[0].1))
+            .collect();
+        let mapped = MappedBlocks::open(&owner.store_path(), &descs).expect("maps");
+        assert_eq!(mapped.maps.len(), 3, "9-11 is one run; 40 and 3 one each");
+        for (i, &k) in picked.iter().enumerate() {
+            let (index, bytes) = mapped.block(i);
+            assert_eq!((index, bytes), (i as u32, &block(k)[..]));
+            assert!(mapped.check(i, bytes).is_ok());
+        }
+        let mut past = descs[3];
+        past.1.offset = 63 * len + 1;
+        assert!(matches!(
+            MappedBlocks::open(&owner.store_path(), &[past]),
+            Err(TransferError::Integrity { what: "outside the shared region", .. })
+        ));
+        // A store is the owner's like its regions: swept once the owner is gone.
+        let path = owner.store_path();
+        drop((mapped, owner));
+        assert!(path.exists());
+        let next = ShmDir::open(&dir, "s2").expect("owner");
+        assert_eq!((next.swept(), path.exists()), (1, false));
+        drop(next);
         let _ = fs::remove_dir_all(&dir);
     }
 

@@ -2,7 +2,8 @@
 clients leaving at random moments (before the first token too), then checks that nothing was left behind.
 
 At the end every worker must report zero running and waiting sequences, zero calls in flight and zero leases; no
-`tandem-kv-*` region file may remain in the shared-memory directory; the router's in-flight and queue gauges must
+`tandem-kv-*` region file may remain in the shared-memory directory (a running worker's own `-store` file, its
+KV store, and its `.lock` stay); the router's in-flight and queue gauges must
 read zero; and the cluster process's resident memory must be within 10% of what it was after the warm-up.
 
 Usage: python3 scripts/soak/soak.py [--tandem target/release/tandem] [--minutes 10] [--warmup 60] [--clients 6]
@@ -48,7 +49,11 @@ def metrics(url):
 
 def shm_regions():
     try:
-        return [f for f in os.listdir(SHM_DIR) if f.startswith("tandem-kv-") and not f.endswith(".lock")]
+        return [
+            f
+            for f in os.listdir(SHM_DIR)
+            if f.startswith("tandem-kv-") and not f.endswith(".lock") and not f.endswith("-store")
+        ]
     except FileNotFoundError:
         return []
 

@@ -100,7 +100,7 @@ pub struct Settings {
     pub max_batched_tokens: Option<usize>,
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
-    /// Directory for shared-memory copies of leased KV (same-host readers); "off" to use QUIC only.
+    /// Shared-memory directory for the KV store that same-host decode workers read leased KV from; "off": QUIC only.
     #[arg(long, env = "TANDEM_SHM_DIR")]
     pub shm_dir: Option<String>,
     /// How long a prefilled prompt's KV is held for a decode worker, in milliseconds.

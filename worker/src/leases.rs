@@ -1,11 +1,11 @@
 //! Prompts whose KV a prefill worker holds for decode workers to pull: the engine's own KV blocks, pinned where
-//! they lie (neither written, freed nor evicted while a lease or a read in flight holds them), under a lease that
-//! expires unless released first, with their shared-memory copy when one was made.
+//! they lie (neither written, freed nor evicted while a lease or a read in flight holds them; a same-host reader
+//! maps them out of the engine's store when it is a shared-memory file), under a lease that expires unless
+//! released first.
 //!
-//! Leased KV is capped in bytes (pinned blocks and shared memory together): a prefill reserves what its prompt's
-//! KV will take before it computes anything, and is refused when the reservation does not fit, so a burst of
-//! prefills can neither pin the whole device tier nor grow the worker's memory without bound; the router then
-//! tries another worker.
+//! Leased KV is capped in bytes: a prefill reserves what its prompt's KV will take before it computes anything,
+//! and is refused when the reservation does not fit, so a burst of prefills cannot pin the whole device tier; the
+//! router then tries another worker.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -15,7 +15,6 @@ use bytes::Bytes;
 use kv_transfer::frame::ErrorCode;
 use kv_transfer::lease::{LeaseError, LeaseId, LeaseTable};
 use kv_transfer::quic::BlockSource;
-use kv_transfer::shm::ShmRegion;
 
 /// Leased prompt KV, served to the transfer transport.
 #[derive(Debug)]
@@ -36,8 +35,6 @@ struct Inner {
 #[derive(Debug)]
 struct Leased {
     blocks: Vec<(u64, Bytes)>,
-    /// The shared-memory copy; its file goes when the entry does.
-    _region: Option<ShmRegion>,
     bytes: u64,
 }
 
@@ -85,25 +82,23 @@ impl Leases {
         Ok(Reservation { leases: Arc::clone(self), bytes })
     }
 
-    /// Holds `blocks` (checksum, bytes) under `id` for `ttl`, with their shared-memory copy if one was made, in the
-    /// room `reserved` set aside (what the blocks take beyond it is counted too).
+    /// Holds `blocks` (checksum, bytes) under `id` for `ttl`, in the room `reserved` set aside (what the blocks
+    /// take beyond it is counted too).
     pub fn grant(
         &self,
         id: LeaseId,
         blocks: Vec<(u64, Bytes)>,
-        region: Option<ShmRegion>,
         mut reserved: Reservation,
         now: Instant,
         ttl: Duration,
     ) -> Result<(), LeaseError> {
-        let pinned: u64 = blocks.iter().map(|(_, b)| b.len() as u64).sum();
-        let bytes = if region.is_some() { pinned * 2 } else { pinned };
+        let bytes: u64 = blocks.iter().map(|(_, b)| b.len() as u64).sum();
         let mut inner = self.lock();
         inner.table.grant(id, (0..blocks.len() as u32).collect(), now, ttl)?;
         // The reservation's bytes now belong to the lease (the reservation, emptied, gives nothing back).
         let set_aside = std::mem::take(&mut reserved.bytes);
         inner.bytes = inner.bytes.saturating_sub(set_aside) + bytes;
-        inner.leased.insert(id, Leased { blocks, _region: region, bytes });
+        inner.leased.insert(id, Leased { blocks, bytes });
         drop(inner);
         drop(reserved);
         Ok(())
@@ -176,18 +171,16 @@ impl BlockSource for Leases {
     }
 }
 
-/// The default cap on leased KV: an eighth of the machine's memory (a lease's shared-memory copy is memory of its
-/// own; the rest is the engine's, the host tier's and the OS's), or 1 GiB when the machine does not say. The worker
-/// also keeps it within [`pool_cap`].
+/// The default cap on leased KV: an eighth of the machine's memory, or 1 GiB when the machine does not say. The
+/// worker also keeps it within [`pool_cap`], which is what binds on most machines.
 pub fn default_cap() -> u64 {
     cap_from_meminfo(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default())
 }
 
-/// The most leased bytes that pin no more than half of a device tier of `blocks` blocks of `block_bytes` each
-/// (`copies`: 2 when every lease also has a shared-memory copy, counted in the same bytes), so prefills always
-/// find blocks to compute in however many leases wait to be pulled.
-pub fn pool_cap(blocks: usize, block_bytes: u64, copies: u64) -> u64 {
-    (blocks as u64 / 2) * block_bytes * copies
+/// The most leased bytes that pin no more than half of a device tier of `blocks` blocks of `block_bytes` each, so
+/// prefills always find blocks to compute in however many leases wait to be pulled.
+pub fn pool_cap(blocks: usize, block_bytes: u64) -> u64 {
+    (blocks as u64 / 2) * block_bytes
 }
 
 /// An eighth of `MemTotal` in a `/proc/meminfo` text, or 1 GiB when it does not say.
@@ -215,13 +208,13 @@ mod tests {
         assert_eq!(leases.bytes(), 4_000);
         let refused = leases.reserve(7_000).expect_err("past the cap");
         assert_eq!(refused, LeaseCapExceeded { held: 4_000, want: 7_000, cap: 10_000 });
-        leases.grant(LeaseId(1), blocks(4, 1_000), None, r, now, Duration::from_secs(30)).expect("granted");
+        leases.grant(LeaseId(1), blocks(4, 1_000), r, now, Duration::from_secs(30)).expect("granted");
         assert_eq!(leases.bytes(), 4_000);
         // A reservation given up (the prefill failed) gives its room back.
         drop(leases.reserve(6_000).expect("fits exactly"));
         assert_eq!(leases.bytes(), 4_000);
         let r = leases.reserve(2_000).expect("fits");
-        leases.grant(LeaseId(2), blocks(2, 1_000), None, r, now, Duration::from_secs(1)).expect("granted");
+        leases.grant(LeaseId(2), blocks(2, 1_000), r, now, Duration::from_secs(1)).expect("granted");
         assert_eq!((leases.len(), leases.bytes()), (2, 6_000));
         leases.release(LeaseId(1)).expect("released");
         assert_eq!(leases.bytes(), 2_000);

@@ -62,9 +62,10 @@ pub struct WorkerConfig {
     pub identity: Identity,
     pub lease_ttl: Duration,
     pub pull_timeout: Duration,
-    /// Directory for shared-memory copies of leased blocks (`/dev/shm`); `None`: QUIC only.
+    /// Shared-memory directory (`/dev/shm`) for the engine's device KV store, which same-host decode workers map
+    /// to read leased blocks; `None`: QUIC only.
     pub shm_dir: Option<PathBuf>,
-    /// Most bytes of KV held under leases at once (pinned device blocks and shared memory; never more than half
+    /// Most bytes of KV held under leases at once (pinned device blocks; never more than half
     /// the device tier pinned, whatever this says); a prefill past it is refused with RESOURCE_EXHAUSTED (the
     /// router tries another worker).
     pub max_leased_bytes: u64,
@@ -163,18 +164,6 @@ fn instance_id() -> String {
 impl RunningWorker {
     /// Loads the model and starts serving. Must be called inside a multi-threaded tokio runtime.
     pub async fn start(config: WorkerConfig) -> Result<RunningWorker, StartError> {
-        let engine = Engine::open(&config.model, config.engine.clone())?;
-        let layout = convert::layout_desc(&engine.kv_layout());
-        let fingerprint = engine.fingerprint().to_string();
-        let max_model_len = engine.max_model_len() as u32;
-        let tiers = [
-            (pb::Tier::Device, config.engine.kv_blocks),
-            (pb::Tier::Host, config.engine.host_blocks),
-            (pb::Tier::Disk, config.engine.disk_blocks),
-        ]
-        .into_iter()
-        .map(|(t, n)| pb::TierCapacity { tier: t as i32, blocks: n as u64 })
-        .collect();
         let instance = instance_id();
         // Shared memory only where this worker holds its place in the directory (and so sweeps what crashed
         // workers left there).
@@ -190,9 +179,31 @@ impl RunningWorker {
                 None
             }
         });
+        // With a place in a shared-memory directory, the device KV store lives there: same-host decode workers map
+        // leased blocks straight out of it (no copy per lease).
+        let mut engine_config = config.engine.clone();
+        engine_config.device_file = shm.as_ref().map(|d| d.store_path());
+        let engine = Engine::open(&config.model, engine_config)?;
+        if let (Some(asked), None) = (shm.as_ref().map(|d| d.store_path()), engine.device_file()) {
+            tracing::warn!(
+                path = %asked.display(),
+                "the KV store could not be made in shared memory (too little room?); KV leaves over QUIC"
+            );
+        }
+        let store = engine.device_file().map(std::path::Path::to_path_buf);
+        let layout = convert::layout_desc(&engine.kv_layout());
+        let fingerprint = engine.fingerprint().to_string();
+        let max_model_len = engine.max_model_len() as u32;
+        let tiers = [
+            (pb::Tier::Device, config.engine.kv_blocks),
+            (pb::Tier::Host, config.engine.host_blocks),
+            (pb::Tier::Disk, config.engine.disk_blocks),
+        ]
+        .into_iter()
+        .map(|(t, n)| pb::TierCapacity { tier: t as i32, blocks: n as u64 })
+        .collect();
         // Leases pin the engine's device blocks: at most half of them, however large the cap.
-        let copies = if shm.is_some() { 2 } else { 1 };
-        let pinnable = leases::pool_cap(config.engine.kv_blocks, engine.block_bytes() as u64, copies);
+        let pinnable = leases::pool_cap(config.engine.kv_blocks, engine.block_bytes() as u64);
         let handle =
             Arc::new(EngineHandle::start(engine).map_err(|source| StartError::Io { what: "engine thread", source })?);
         let leases = Arc::new(leases::Leases::new(config.max_leased_bytes.min(pinnable)));
@@ -247,7 +258,8 @@ impl RunningWorker {
             lease_ttl: config.lease_ttl,
             in_flight: Default::default(),
             metrics,
-            shm,
+            _shm: shm,
+            store,
             tls_name: config.tls_name.clone(),
             stopping: stopping_rx,
             aborting: aborting_rx,
@@ -355,7 +367,7 @@ impl RunningWorker {
         self.service.leases.len()
     }
 
-    /// Bytes held under leases (heap and shared memory).
+    /// Bytes held under leases (pinned in the engine's device tier).
     pub fn leased_bytes(&self) -> u64 {
         self.service.leases.bytes()
     }

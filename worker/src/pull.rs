@@ -152,6 +152,32 @@ pub struct PullTiming {
     handed_over: Duration,
     copy: Arc<CopyClock>,
     span: tracing::Span,
+    /// The owner's lease, when it must outlast the engine's copy: mapped blocks of the owner's KV store stay as
+    /// they are only while the lease pins them.
+    _release: Option<ReleaseLater>,
+}
+
+/// A lease to release once its blocks are copied: released when dropped, however the pull ends (a caller that
+/// goes away mid-import included), in the background; if that fails the lease simply expires.
+#[derive(Debug)]
+struct ReleaseLater {
+    client: Arc<QuicClient>,
+    addr: std::net::SocketAddr,
+    server_name: String,
+    lease: LeaseId,
+    timeout: Duration,
+}
+
+impl Drop for ReleaseLater {
+    fn drop(&mut self) {
+        let (client, addr, lease, timeout) = (Arc::clone(&self.client), self.addr, self.lease, self.timeout);
+        let server_name = std::mem::take(&mut self.server_name);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = client.release(addr, &server_name, lease, timeout).await;
+            });
+        }
+    }
 }
 
 pub(crate) fn transfer_status(e: TransferError) -> Status {
@@ -287,18 +313,32 @@ impl Puller {
             }
             Pulled::Arrived(_, copy) | Pulled::Mapped(_, copy) => {
                 let copy = Arc::clone(copy);
-                Some(PullTiming { transport, blocks, bytes, handed_over: started.elapsed(), copy, span: span.clone() })
+                let handed_over = started.elapsed();
+                // Mapped blocks are read where the owner's engine keeps them: its lease goes after the copy.
+                let release = matches!(pulled, Pulled::Mapped(..)).then(|| ReleaseLater {
+                    client: Arc::clone(&self.client),
+                    addr,
+                    server_name: server_name.clone(),
+                    lease: handle.lease,
+                    timeout: self.timeout,
+                });
+                Some(PullTiming { transport, blocks, bytes, handed_over, copy, span: span.clone(), _release: release })
             }
         };
-        // A mapping stays readable once the owner unlinks its file, and arrived blocks are this worker's memory: the
-        // lease can go before the copy.
-        self.release(addr, &server_name, handle.lease).await;
+        if !matches!(pulled, Pulled::Mapped(..)) {
+            // Arrived or received blocks are this worker's memory: the lease can go before the copy.
+            self.release(addr, &server_name, handle.lease).await;
+        }
         Ok((pulled, timing))
     }
 
-    /// Records a pull's figures once the engine has its blocks: the time to hand them over plus the engine's copy.
-    pub fn imported(&self, t: PullTiming) {
-        record(&self.metrics, &t.span, t.transport, t.blocks, t.bytes, t.handed_over + t.copy.took());
+    /// Ends a pull once the engine has taken its blocks (or refused them): its figures are recorded when the import
+    /// succeeded (the time to hand them over plus the engine's copy), and a lease still held for the copy is
+    /// released (in the background: the caller's stream need not wait for the owner's answer).
+    pub fn finish(&self, t: PullTiming, imported: bool) {
+        if imported {
+            record(&self.metrics, &t.span, t.transport, t.blocks, t.bytes, t.handed_over + t.copy.took());
+        }
     }
 
     /// Tells the owner its lease is no longer needed; if that fails the lease simply expires.

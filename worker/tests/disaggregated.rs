@@ -232,14 +232,24 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
     let want = single.run(&[greedy], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).token_ids;
     let pre = prefill(&mut pc, "s", &prompt, 6).await;
     let handle = pre.handle.expect("handle");
-    let region = handle.shm_region.clone().expect("a shared-memory region in the handle");
-    assert!(std::path::Path::new(&region).exists());
+    // The handle names P's KV store itself: the lease wrote no file of its own.
+    let store = handle.shm_region.clone().expect("P's KV store in the handle");
+    assert!(store.ends_with("-store") && std::path::Path::new(&store).exists(), "{store}");
+    let files: Vec<String> =
+        std::fs::read_dir(&shm).expect("dir").filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    assert!(files.iter().all(|n| n.ends_with("-store") || n.ends_with(".lock")), "{files:?}");
     let rest = generate(&mut dc, [prompt, vec![pre.first_token]].concat(), Some(handle), 5).await.expect("generate");
     assert_eq!([vec![pre.first_token], rest].concat(), want);
     assert_eq!((d.pulled_blocks(), d.shm_blocks()), (4, 4), "all four blocks came through shared memory");
-    assert!(!std::path::Path::new(&region).exists(), "the region went with the released lease");
+    // D releases the lease once its engine has copied the blocks, and P takes them back.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while (p.live_leases() > 0 || p.stats().usage[0].used > 0) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!((p.live_leases(), p.stats().usage[0].used), (0, 0));
     drop((pc, dc));
     stop(p, d).await;
+    assert!(!std::path::Path::new(&store).exists(), "the store went with its worker");
     let _ = std::fs::remove_dir_all(&shm);
 }
 
@@ -454,7 +464,7 @@ async fn another_shared_memory_domain_pulls_over_quic() {
     let prompt: Vec<u32> = (0..70).map(|i| 700 + i * 13).collect();
     let pre = prefill(&mut pc, "x", &prompt, 3).await;
     let handle = pre.handle.expect("handle");
-    let region = handle.shm_region.clone().expect("P made a region in its own directory");
+    let region = handle.shm_region.clone().expect("P keeps its KV store in its own directory");
     assert!(std::path::Path::new(&region).exists(), "readable from here, all the same");
     generate(&mut dc, [prompt, vec![pre.first_token]].concat(), Some(handle), 2).await.expect("generate");
     assert_eq!((d.pulled_blocks(), d.shm_blocks()), (4, 0), "every block came over QUIC");

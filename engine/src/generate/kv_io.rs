@@ -39,6 +39,12 @@ impl ExportedKv {
         self.blocks.block(i)
     }
 
+    /// Where block `i` starts in the exporting engine's device store, in bytes: its offset in the store's file when
+    /// the store lives in one ([`Engine::device_file`]).
+    pub fn offset(&self, i: usize) -> u64 {
+        self.blocks.offset(i)
+    }
+
     /// Block `i` as shared bytes that keep the pin for as long as they live (what a lease serves).
     pub fn shared_block(&self, i: usize) -> bytes::Bytes {
         assert!(i < self.blocks.len(), "block {i} of {}", self.blocks.len());

@@ -87,6 +87,10 @@ pub struct EngineConfig {
     /// Disk tier size in blocks (0: no disk tier); needs `disk_dir`.
     pub disk_blocks: usize,
     pub disk_dir: Option<PathBuf>,
+    /// Put the device tier's KV store in a new file here (in shared memory, e.g. `/dev/shm`), which other
+    /// processes on the host may map to read exported blocks where they lie. When the file cannot be made (no
+    /// room, say) the store stays in the process's own memory: [`Engine::device_file`] says which.
+    pub device_file: Option<PathBuf>,
     pub block_tokens: usize,
     /// Prompt and decode tokens computed per step over the whole batch.
     pub max_batched_tokens: usize,
@@ -109,6 +113,7 @@ impl Default for EngineConfig {
             host_blocks: 0,
             disk_blocks: 0,
             disk_dir: None,
+            device_file: None,
             block_tokens: DEFAULT_BLOCK_TOKENS,
             max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             prefill_chunk: None,
@@ -324,7 +329,13 @@ impl Engine {
             _ => None,
         };
         let host = (config.host_blocks > 0).then(|| KvStore::new(layout, config.host_blocks));
-        let stores = TierStores::new(KvStore::new(layout, config.kv_blocks), host, disk);
+        // A store in a shared file when asked and the file can be made; else the process's own memory.
+        let device = config
+            .device_file
+            .as_deref()
+            .and_then(|path| KvStore::in_file(layout, config.kv_blocks, path).ok())
+            .unwrap_or_else(|| KvStore::new(layout, config.kv_blocks));
+        let stores = TierStores::new(device, host, disk);
         let sizes = TierSizes { device: config.kv_blocks, host: config.host_blocks, disk: config.disk_blocks };
         let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
         let grammars = crate::grammar::Grammars::new(Arc::clone(&text));
@@ -374,6 +385,11 @@ impl Engine {
     /// The model file's content fingerprint: workers exchange KV only when theirs are equal.
     pub fn fingerprint(&self) -> &str {
         self.text.fingerprint()
+    }
+
+    /// The file the device tier's KV store lives in, when it lives in one (`EngineConfig::device_file`).
+    pub fn device_file(&self) -> Option<&std::path::Path> {
+        self.stores.device.file()
     }
 
     /// The KV block shape.

@@ -49,8 +49,8 @@ impl WorkerService {
         let request = Request { namespace, prompt: r.tokens, sampling, deadline };
         let submitted = self.engine.submit_with_blocks(request, pulled).await;
         // A block that failed its check in the engine makes the pull a failed one, as one failing on receipt is.
-        if let Some(t) = timing.filter(|_| !matches!(submitted, Err(SubmitError::Transfer(_)))) {
-            self.puller.imported(t);
+        if let Some(t) = timing {
+            self.puller.finish(t, !matches!(submitted, Err(SubmitError::Transfer(_))));
         }
         let mut stream = submitted.map_err(submit_status)?;
         ticket.submitted();

@@ -38,8 +38,11 @@ pub struct WorkerService {
     /// Calls in flight by request id (cancellation, and what load reports cover).
     pub(crate) in_flight: Arc<InFlight>,
     pub(crate) metrics: Arc<WorkerMetrics>,
-    /// Where shared-memory copies of leased blocks go; `None`: no shared-memory path.
-    pub(crate) shm: Option<Arc<kv_transfer::shm::ShmDir>>,
+    /// This worker's place in the shared-memory directory (held while it runs); `None`: no shared-memory path.
+    pub(crate) _shm: Option<Arc<kv_transfer::shm::ShmDir>>,
+    /// The engine's device KV store, when it lives in a shared-memory file: handles name it, and same-host readers
+    /// map leased blocks out of it.
+    pub(crate) store: Option<std::path::PathBuf>,
     /// The name this worker's certificate carries, which pullers verify (`KvHandle.server_name`).
     pub(crate) tls_name: String,
     /// Becomes `true` when the worker stops: every stream this service feeds ends.

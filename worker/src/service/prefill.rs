@@ -9,7 +9,6 @@ use kv_cache::CacheNamespace;
 use kv_transfer::checksum;
 use kv_transfer::descriptor::{BlockDescriptor, KvHandle, RegionKey};
 use kv_transfer::lease::LeaseId;
-use kv_transfer::shm::{ShmDir, ShmRegion};
 use proto::worker as pb;
 use tonic::{Response, Status};
 
@@ -31,44 +30,31 @@ fn lease_id() -> LeaseId {
     LeaseId(u128::from(half(1)) << 64 | u128::from(half(2)))
 }
 
-/// The prompt's blocks ready to lease: their descriptors, (checksum, bytes) to serve, and the shared-memory copy.
+/// The prompt's blocks ready to lease: their descriptors, and (checksum, bytes) to serve.
 struct Prepared {
     descriptors: Vec<BlockDescriptor>,
     held: Vec<(u64, Bytes)>,
-    region: Option<ShmRegion>,
 }
 
-/// Checksums every block and writes the shared-memory copy: CPU and file work, run off the async runtime. The
-/// blocks served are the engine's own, pinned (the lease keeps them).
-fn prepare(kv: ExportedKv, lease: LeaseId, shm: Option<&ShmDir>) -> Prepared {
+/// Checksums every block (CPU work, run off the async runtime). The blocks served are the engine's own, pinned
+/// where they lie (the lease keeps them); each descriptor gives the block's offset in the engine's store, which a
+/// same-host reader maps when the store is a shared-memory file.
+fn prepare(kv: &ExportedKv) -> Prepared {
     let mut held = Vec::with_capacity(kv.len());
     let mut descriptors = Vec::with_capacity(kv.len());
     for (i, meta) in kv.metas.iter().enumerate() {
-        // The block where it lies in the engine's KV store, pinned there while these bytes live (no copy).
         let bytes = kv.shared_block(i);
-        let step = bytes.len();
         let sum = checksum(&bytes);
         descriptors.push(BlockDescriptor {
             seq_hash: meta.map(|m| m.seq),
             region: RegionKey(0),
-            offset: (i * step) as u64,
-            len: step as u64,
+            offset: kv.offset(i),
+            len: bytes.len() as u64,
             checksum: sum,
         });
         held.push((sum, bytes));
     }
-    // Same-host readers can copy the blocks straight out of shared memory; failing to make it only costs that.
-    let region = shm.and_then(|dir| {
-        let bytes: Vec<Bytes> = held.iter().map(|(_, b)| b.clone()).collect();
-        match dir.create_region(lease, &bytes) {
-            Ok((r, _)) => Some(r),
-            Err(e) => {
-                tracing::debug!(error = %e, "no shared-memory copy; readers pull over QUIC");
-                None
-            }
-        }
-    });
-    Prepared { descriptors, held, region }
+    Prepared { descriptors, held }
 }
 
 impl WorkerService {
@@ -82,10 +68,9 @@ impl WorkerService {
         let deadline = convert::deadline(r.deadline_unix_ms, std::time::SystemTime::now(), Instant::now())?;
         // Room for the prompt's KV under the lease cap, before any compute: past it, another worker should do this.
         let blocks = r.tokens.len().div_ceil(self.layout.block_tokens.max(1) as usize) as u64;
-        let copies = if self.shm.is_some() { 2 } else { 1 };
         let reserved = self
             .leases
-            .reserve(blocks * self.layout.block_bytes() * copies)
+            .reserve(blocks * self.layout.block_bytes())
             .map_err(|e| Status::resource_exhausted(e.to_string()))?;
         let (ticket, mut cancelled) = self.in_flight.enter(&r.request_id);
         let mut stream = self
@@ -134,13 +119,12 @@ impl WorkerService {
         span.record("computed_tokens", kv.tokens - done.cached_tokens);
         let tokens = kv.tokens;
         let lease = lease_id();
-        let shm = self.shm.clone();
-        let prepared = tokio::task::spawn_blocking(move || prepare(kv, lease, shm.as_deref()))
+        let prepared = tokio::task::spawn_blocking(move || prepare(&kv))
             .await
             .map_err(|e| Status::internal(format!("preparing the lease failed: {e}")))?;
-        let shm_region = prepared.region.as_ref().map(|r| r.path().display().to_string());
+        let shm_region = self.store.as_ref().map(|p| p.display().to_string());
         self.leases
-            .grant(lease, prepared.held, prepared.region, reserved, Instant::now(), self.lease_ttl)
+            .grant(lease, prepared.held, reserved, Instant::now(), self.lease_ttl)
             .map_err(|e| Status::internal(e.to_string()))?;
         let handle = KvHandle {
             endpoint,
