@@ -362,6 +362,11 @@ impl RunningWorker {
         self.service.metrics.pulled_blocks(metrics::Transport::Shm)
     }
 
+    /// Whether the engine's KV store lives in a shared-memory file (same-host readers map leased blocks from it).
+    pub fn shared_store(&self) -> bool {
+        self.service.store.is_some()
+    }
+
     /// Leases currently held for readers.
     pub fn live_leases(&self) -> usize {
         self.service.leases.len()

@@ -23,6 +23,10 @@ pub struct Args {
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 64)]
     prompt_tokens: usize,
+    /// A shared-memory directory for the worker (as `tandem worker --shm-dir`): its KV store lives there, where
+    /// same-host readers map leased blocks.
+    #[arg(long)]
+    shm_dir: Option<std::path::PathBuf>,
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
@@ -44,6 +48,8 @@ struct Level {
 #[derive(Debug, Serialize)]
 struct Report {
     prompt_tokens: usize,
+    /// Whether the worker's KV store lived in shared memory.
+    shared_store: bool,
     levels: Vec<Level>,
 }
 
@@ -61,6 +67,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             // No lease expires or is refused while the bench runs.
             lease_ttl: Duration::from_secs(3600),
             max_leased_bytes: u64::MAX,
+            shm_dir: args.shm_dir.clone(),
             ..WorkerConfig::local(Role::Prefill, model, worker_id)
         };
         // Leases pin their blocks in the device tier, at most half of it: room for every lease the bench makes.
@@ -103,11 +110,12 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             let (p50_ms, max_ms) = (times[times.len() / 2], times[times.len() - 1]);
             levels.push(Level { leases, leased_bytes, rss_mb, p50_ms, max_ms });
         }
-        let report = Report { prompt_tokens: args.prompt_tokens, levels };
+        let report = Report { prompt_tokens: args.prompt_tokens, shared_store: worker.shared_store(), levels };
         if args.json {
             println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
         } else {
-            println!("prefill of {} tokens, {} timed per level", report.prompt_tokens, args.samples);
+            let store = if report.shared_store { "in shared memory" } else { "in the process's memory" };
+            println!("prefill of {} tokens, {} timed per level, KV store {store}", report.prompt_tokens, args.samples);
             for l in &report.levels {
                 println!(
                     "{:>5} live leases ({:>7.1} MB)   resident {:>7.1} MB   p50 {:8.2} ms   max {:8.2} ms",
