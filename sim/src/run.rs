@@ -452,8 +452,8 @@ impl<'a> Sim<'a> {
             .workers
             .iter()
             .map(|w| {
-                let s = w.engine.stats();
-                (s.running + s.waiting) as u32
+                let (running, waiting) = w.engine.held();
+                (running + waiting) as u32
             })
             .collect();
         let pool = |role: WorkerRole| -> Vec<f64> {

@@ -2,11 +2,11 @@
 //! disaggregation) and importing blocks pulled from another worker (the decode side), which then count as cached
 //! prefix like any other.
 
+use std::sync::Arc;
+
 use kv_cache::SeqHash;
 use kv_cache::events::BlockMeta;
 use kv_cache::pool::{LOOK_AHEAD, PoolError, PrefixMatch, Registered};
-
-use std::sync::Arc;
 
 use super::sequence::Seq;
 use super::{Engine, EngineError};
@@ -129,7 +129,7 @@ impl Engine {
             .collect();
         let blocks: Vec<u32> = s.blocks.drain(..count).map(|b| b.0).collect();
         for &b in &blocks {
-            *self.pins.entry(b).or_default() += 1;
+            self.pins.add(b);
         }
         let pinned = self.stores.device.pin(blocks, Arc::clone(&self.unpinned));
         ExportedKv { tokens, metas, blocks: Arc::new(pinned) }
@@ -140,18 +140,13 @@ impl Engine {
         for slot in self.unpinned.take() {
             // Only references a pin took over come back here, each once.
             let _ = self.pool.release(slot);
-            if let Some(n) = self.pins.get_mut(&slot) {
-                *n -= 1;
-                if *n == 0 {
-                    self.pins.remove(&slot);
-                }
-            }
+            self.pins.remove(slot);
         }
     }
 
     /// Device blocks in use only because pins hold them (a lease's, waiting to be read), not by any sequence.
     pub fn leased_blocks(&self) -> usize {
-        self.pins.iter().filter(|&(&slot, &pins)| self.pool.references(slot) == pins).count()
+        self.pins.iter().filter(|&(slot, pins)| self.pool.references(slot) == pins).count()
     }
 
     /// How many of `hashes`' leading blocks this engine holds, per tier.
@@ -284,5 +279,79 @@ impl Engine {
             Err(PoolError::OutOfBlocks) => Err(self.out_of_capacity()),
             Err(e) => Err(EngineError::Pool(e)),
         }
+    }
+}
+
+/// How many pins hold each device slot, and which slots any pin holds (a sparse set over the slots: adding,
+/// removing and listing cost nothing per slot not pinned).
+#[derive(Debug, Default)]
+pub(super) struct PinCounts {
+    /// Per slot: its pins, and its place in `held`.
+    count: Vec<u32>,
+    at: Vec<u32>,
+    held: Vec<u32>,
+}
+
+impl PinCounts {
+    pub fn new(slots: usize) -> PinCounts {
+        PinCounts { count: vec![0; slots], at: vec![0; slots], held: Vec::new() }
+    }
+
+    fn add(&mut self, slot: u32) {
+        let s = slot as usize;
+        if self.count[s] == 0 {
+            self.at[s] = self.held.len() as u32;
+            self.held.push(slot);
+        }
+        self.count[s] += 1;
+    }
+
+    fn remove(&mut self, slot: u32) {
+        let s = slot as usize;
+        match self.count.get(s) {
+            Some(0) | None => {}
+            Some(1) => {
+                self.count[s] = 0;
+                let at = self.at[s] as usize;
+                self.held.swap_remove(at);
+                if let Some(&moved) = self.held.get(at) {
+                    self.at[moved as usize] = at as u32;
+                }
+            }
+            Some(_) => self.count[s] -= 1,
+        }
+    }
+
+    /// Every pinned slot with its pins.
+    fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.held.iter().map(|&s| (s, self.count[s as usize]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PinCounts;
+
+    #[test]
+    fn pin_counts_list_exactly_the_pinned_slots_with_their_pins() {
+        let mut p = PinCounts::new(10);
+        for s in [3, 5, 7, 5] {
+            p.add(s);
+        }
+        let listed = |p: &PinCounts| {
+            let mut v: Vec<(u32, u32)> = p.iter().collect();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(listed(&p), vec![(3, 1), (5, 2), (7, 1)]);
+        p.remove(3);
+        assert_eq!(listed(&p), vec![(5, 2), (7, 1)]);
+        p.remove(5);
+        p.remove(9);
+        assert_eq!(listed(&p), vec![(5, 1), (7, 1)]);
+        p.remove(7);
+        p.remove(5);
+        p.add(7);
+        assert_eq!(listed(&p), vec![(7, 1)]);
     }
 }

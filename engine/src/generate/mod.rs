@@ -264,7 +264,7 @@ pub struct Engine {
     /// Exported blocks whose pins ended, waiting to be released here ([`Engine::reclaim_pinned`]).
     unpinned: Arc<crate::kv::Unpinned>,
     /// Device slots pins hold (a pool reference each) and how many pins hold each, until reclaimed.
-    pins: kv_cache::fastmap::FastMap<u32, u32>,
+    pins: kv_io::PinCounts,
 }
 
 impl Engine {
@@ -340,6 +340,7 @@ impl Engine {
         let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
         let grammars = crate::grammar::Grammars::new(Arc::clone(&text));
         let unpinned = Arc::default();
+        let pins = kv_io::PinCounts::new(config.kv_blocks);
         Ok(Engine {
             backend,
             text,
@@ -350,7 +351,7 @@ impl Engine {
             counters: Counters::default(),
             tick: 0,
             unpinned,
-            pins: Default::default(),
+            pins,
         })
     }
 

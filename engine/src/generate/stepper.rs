@@ -129,6 +129,12 @@ impl Stepper {
         self.engine.stats_of(&self.seqs)
     }
 
+    /// Sequences running and waiting: [`Stepper::stats`]'s counts without the rest of its figures.
+    pub fn held(&self) -> (usize, usize) {
+        let running = self.seqs.iter().filter(|s| s.running && s.active()).count();
+        (running, self.seqs.iter().filter(|s| s.active()).count() - running)
+    }
+
     /// The caller's ids of the sequences queued or running.
     pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
         self.tags.iter().map(|t| t.0)
