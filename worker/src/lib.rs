@@ -184,11 +184,8 @@ impl RunningWorker {
         let mut engine_config = config.engine.clone();
         engine_config.device_file = shm.as_ref().map(|d| d.store_path());
         let engine = Engine::open(&config.model, engine_config)?;
-        if let (Some(asked), None) = (shm.as_ref().map(|d| d.store_path()), engine.device_file()) {
-            tracing::warn!(
-                path = %asked.display(),
-                "the KV store could not be made in shared memory (too little room?); KV leaves over QUIC"
-            );
+        if let Some(why) = engine.device_file_refused() {
+            tracing::warn!(error = %why, "the KV store could not be made in shared memory; KV leaves over QUIC");
         }
         let store = engine.device_file().map(std::path::Path::to_path_buf);
         let layout = convert::layout_desc(&engine.kv_layout());

@@ -263,6 +263,8 @@ pub struct Engine {
     tick: u64,
     /// Exported blocks whose pins ended, waiting to be released here ([`Engine::reclaim_pinned`]).
     unpinned: Arc<crate::kv::Unpinned>,
+    /// Why the device store is not in the file `EngineConfig::device_file` named, when it is not.
+    device_file_refused: Option<String>,
     /// Device slots pins hold (a pool reference each) and how many pins hold each, until reclaimed.
     pins: kv_io::PinCounts,
 }
@@ -330,11 +332,14 @@ impl Engine {
         };
         let host = (config.host_blocks > 0).then(|| KvStore::new(layout, config.host_blocks));
         // A store in a shared file when asked and the file can be made; else the process's own memory.
-        let device = config
-            .device_file
-            .as_deref()
-            .and_then(|path| KvStore::in_file(layout, config.kv_blocks, path).ok())
-            .unwrap_or_else(|| KvStore::new(layout, config.kv_blocks));
+        let shared = config.device_file.as_deref().map(|path| {
+            KvStore::in_file(layout, config.kv_blocks, path).map_err(|e| format!("{}: {e}", path.display()))
+        });
+        let (device, device_file_refused) = match shared {
+            Some(Ok(store)) => (store, None),
+            Some(Err(why)) => (KvStore::new(layout, config.kv_blocks), Some(why)),
+            None => (KvStore::new(layout, config.kv_blocks), None),
+        };
         let stores = TierStores::new(device, host, disk);
         let sizes = TierSizes { device: config.kv_blocks, host: config.host_blocks, disk: config.disk_blocks };
         let pool = BlockPool::new(sizes, config.replay_events).map_err(EngineError::Pool)?;
@@ -351,6 +356,7 @@ impl Engine {
             counters: Counters::default(),
             tick: 0,
             unpinned,
+            device_file_refused,
             pins,
         })
     }
@@ -391,6 +397,12 @@ impl Engine {
     /// The file the device tier's KV store lives in, when it lives in one (`EngineConfig::device_file`).
     pub fn device_file(&self) -> Option<&std::path::Path> {
         self.stores.device.file()
+    }
+
+    /// Why the device KV store could not be put in the file `EngineConfig::device_file` named (it is in the
+    /// process's own memory instead).
+    pub fn device_file_refused(&self) -> Option<&str> {
+        self.device_file_refused.as_deref()
     }
 
     /// The KV block shape.

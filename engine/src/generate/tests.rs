@@ -207,3 +207,24 @@ fn an_export_reads_the_engines_own_blocks_and_holds_them_against_eviction_until_
     assert_eq!((usage(&e).used, usage(&e).cached, e.lookup(&hashes).device), (0, 3, 3));
     assert!(blocks.iter().all(|&b| !e.stores.device.pinned(b)));
 }
+
+#[test]
+fn the_device_store_lives_in_the_file_asked_for_or_says_why_not() {
+    let path = std::env::temp_dir().join(format!("tandem-engine-store-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let config = EngineConfig { kv_blocks: 8, max_model_len: Some(128), ..EngineConfig::default() };
+    let e = engine(EngineConfig { device_file: Some(path.clone()), ..config.clone() });
+    assert_eq!((e.device_file(), e.device_file_refused()), (Some(path.as_path()), None));
+    let bytes = std::fs::metadata(&path).expect("the store's file").len();
+    assert_eq!(bytes, 8 * e.block_bytes() as u64);
+    drop(e);
+    assert!(!path.exists(), "the file goes with the engine");
+    let nowhere = std::env::temp_dir().join("tandem-no-such-dir").join("store");
+    let e = engine(EngineConfig { device_file: Some(nowhere), ..config });
+    assert_eq!(e.device_file(), None);
+    assert!(
+        e.device_file_refused().is_some_and(|why| why.contains("tandem-no-such-dir")),
+        "{:?}",
+        e.device_file_refused()
+    );
+}
