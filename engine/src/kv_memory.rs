@@ -38,7 +38,6 @@ impl Drop for Backing {
 /// The values of every block, and how many pins hold each.
 struct Memory {
     values: *mut f16,
-    len: usize,
     block_elems: usize,
     pins: Box<[AtomicU32]>,
     _backing: Backing,
@@ -52,14 +51,18 @@ unsafe impl Sync for Memory {}
 
 impl Memory {
     fn new(values: *mut f16, blocks: usize, block_elems: usize, backing: Backing) -> Memory {
-        let len = blocks * block_elems;
         let pins = (0..blocks).map(|_| AtomicU32::new(0)).collect();
-        Memory { values, len, block_elems, pins, _backing: backing }
+        Memory { values, block_elems, pins, _backing: backing }
+    }
+
+    /// Values in the store (one pin count per block).
+    fn len(&self) -> usize {
+        self.pins.len() * self.block_elems
     }
 
     /// `len` values from `start`, to read.
     fn read(&self, start: usize, len: usize) -> &[f16] {
-        assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "a read stays within the store");
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.len()), "a read stays within the store");
         // SAFETY: in bounds; no write to these values overlaps this borrow (the module's rule).
         unsafe { std::slice::from_raw_parts(self.values.add(start), len) }
     }
@@ -73,7 +76,7 @@ pub(crate) struct Values {
 impl std::fmt::Debug for Values {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let m = &self.memory;
-        f.debug_struct("Values").field("values", &m.len).field("block_elems", &m.block_elems).finish()
+        f.debug_struct("Values").field("values", &m.len()).field("block_elems", &m.block_elems).finish()
     }
 }
 

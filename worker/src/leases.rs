@@ -172,7 +172,7 @@ impl BlockSource for Leases {
 }
 
 /// The default cap on leased KV: an eighth of the machine's memory, or 1 GiB when the machine does not say. The
-/// worker also keeps it within [`pool_cap`], which is what binds on most machines.
+/// worker also keeps it within [`pool_cap`] (half the device tier: 188.7 MB for SmolLM2's default 1,024 blocks).
 pub fn default_cap() -> u64 {
     cap_from_meminfo(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default())
 }

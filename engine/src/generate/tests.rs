@@ -15,6 +15,21 @@ fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
     Request::greedy(prompt, NonZeroU32::new(max_tokens).expect("positive"))
 }
 
+/// Eight device blocks, no host tier.
+fn small() -> EngineConfig {
+    EngineConfig { kv_blocks: 8, host_blocks: 0, max_model_len: Some(128), ..EngineConfig::default() }
+}
+
+/// Runs `prompt` for `max_tokens` alone, stepped to its end; its blocks kept for export when `keep_blocks`.
+fn ran(e: &mut Engine, prompt: &[u32], max_tokens: u32, keep_blocks: bool) -> super::sequence::Seq {
+    let mut seqs = vec![e.new_seq(&greedy(prompt.to_vec(), max_tokens), 0).expect("valid")];
+    seqs[0].keep_blocks = keep_blocks;
+    while seqs[0].active() {
+        e.step(&mut seqs, &mut |_| {}).expect("steps");
+    }
+    seqs.remove(0)
+}
+
 #[test]
 fn a_sequence_the_forward_pass_refuses_fails_alone_and_the_batch_goes_on() {
     let mut e = engine(EngineConfig::default());
@@ -145,14 +160,10 @@ fn pulled_blocks_are_checked_in_the_device_block_and_a_failed_check_keeps_none()
 
 #[test]
 fn a_finished_sequence_leaves_the_device_last_block_first_so_its_prefix_stays_findable() {
-    let config = EngineConfig { kv_blocks: 8, host_blocks: 0, max_model_len: Some(128), ..EngineConfig::default() };
-    let mut e = engine(config);
+    let mut e = engine(small());
     let prompt: Vec<u32> = (100..150).collect();
-    let mut seqs = vec![e.new_seq(&greedy(prompt.clone(), 2), 0).expect("valid")];
-    while seqs[0].active() {
-        e.step(&mut seqs, &mut |_| {}).expect("steps");
-    }
-    e.release_blocks(&mut seqs[0]).expect("released");
+    let mut seq = ran(&mut e, &prompt, 2, false);
+    e.release_blocks(&mut seq).expect("released");
     let hashes = kv_cache::block_hashes(&prompt, e.block_size(), None).seq;
     assert_eq!(e.lookup(&hashes).device, 3, "the prompt's three full blocks are cached");
     // Taking every free block, then one more, evicts one cached block: the chain's last, not its first (which
@@ -166,16 +177,11 @@ fn a_finished_sequence_leaves_the_device_last_block_first_so_its_prefix_stays_fi
 
 #[test]
 fn an_export_reads_the_engines_own_blocks_and_holds_them_against_eviction_until_dropped() {
-    let config = EngineConfig { kv_blocks: 8, host_blocks: 0, max_model_len: Some(128), ..EngineConfig::default() };
-    let mut e = engine(config);
+    let mut e = engine(small());
     let prompt: Vec<u32> = (100..150).collect();
-    let mut seqs = vec![e.new_seq(&greedy(prompt.clone(), 1), 0).expect("valid")];
-    seqs[0].keep_blocks = true;
-    while seqs[0].active() {
-        e.step(&mut seqs, &mut |_| {}).expect("steps");
-    }
-    let blocks = seqs[0].blocks[..4].to_vec();
-    let (kv, end) = e.retire(seqs.remove(0), true, std::time::Instant::now());
+    let seq = ran(&mut e, &prompt, 1, true);
+    let blocks = seq.blocks[..4].to_vec();
+    let (kv, end) = e.retire(seq, true, std::time::Instant::now());
     end.expect("finished");
     let kv = kv.expect("exported");
     assert_eq!(kv.len(), 4, "three full blocks and the partial one");
@@ -212,7 +218,7 @@ fn an_export_reads_the_engines_own_blocks_and_holds_them_against_eviction_until_
 fn the_device_store_lives_in_the_file_asked_for_or_says_why_not() {
     let path = std::env::temp_dir().join(format!("tandem-engine-store-{}", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    let config = EngineConfig { kv_blocks: 8, max_model_len: Some(128), ..EngineConfig::default() };
+    let config = small();
     let e = engine(EngineConfig { device_file: Some(path.clone()), ..config.clone() });
     assert_eq!((e.device_file(), e.device_file_refused()), (Some(path.as_path()), None));
     let bytes = std::fs::metadata(&path).expect("the store's file").len();
