@@ -73,7 +73,8 @@ pub struct KvHandle {
     pub tokens: u32,
     /// One per block, in position order: every full block, then the partial one if any.
     pub blocks: Vec<BlockDescriptor>,
-    /// A shared-memory region holding the same blocks at the descriptors' offsets (same-host readers).
+    /// The owner's KV store in shared memory, holding the blocks at the descriptors' offsets (same-host readers
+    /// take only its file name and open it in their own directory: `shm::store_in`).
     pub shm_region: Option<String>,
     /// The owner's host and shared-memory domain: a reader uses `shm_region` only when its own is the same.
     pub host_id: String,

@@ -51,6 +51,16 @@ fn owner_of(name: &str) -> Option<&str> {
     owner.split('-').next().filter(|o| !o.is_empty())
 }
 
+/// The store a handle names (`named`, the owner's path to it), as a file of `dir`, this reader's own shared-memory
+/// directory, or `None` when the name is not a store's (`tandem-kv-<owner>-store`, the owner letters and digits).
+/// Only the file name is taken: readers with the same host id share the directory (same device and inode), so a
+/// store is found in the reader's own, and a handle cannot make a reader map any other file it can open.
+pub fn store_in(dir: &Path, named: &str) -> Option<PathBuf> {
+    let name = Path::new(named).file_name()?.to_str()?;
+    let owner = name.strip_prefix(PREFIX)?.strip_suffix("-store")?;
+    (!owner.is_empty() && owner.chars().all(|c| c.is_ascii_alphanumeric())).then(|| dir.join(name))
+}
+
 impl ShmDir {
     /// Takes `owner`'s place in `dir` (an owner is one running process: pass a fresh id per start) and removes
     /// the files of owners that are gone.
@@ -69,6 +79,11 @@ impl ShmDir {
     /// the leased blocks out of it). Named after the owner, so a crashed owner's store is swept like its regions.
     pub fn store_path(&self) -> PathBuf {
         self.dir.join(format!("{PREFIX}{}-store", self.owner))
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Stale files removed when this owner arrived.
@@ -462,6 +477,29 @@ mod tests {
         assert!(owner.create_region(LeaseId(5), &[Bytes::from_static(b"two")]).is_err());
         assert_eq!(fs::read(first.path()).expect("still there"), b"one");
         drop((first, owner));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_handle_names_a_store_only_and_only_in_the_readers_own_directory() {
+        let dir = scratch("named");
+        let owner = ShmDir::open(&dir, "ab12").expect("owner");
+        let store = owner.store_path();
+        assert_eq!(store_in(owner.dir(), &store.display().to_string()), Some(store.clone()));
+        // The owner's directory as the handle spells it does not matter: the reader's own is the one.
+        assert_eq!(store_in(&dir, "/somewhere/else/tandem-kv-ab12-store"), Some(store));
+        for named in [
+            "/etc/passwd",
+            "/dev/shm/tandem-kv-ab12.lock",
+            "/dev/shm/tandem-kv-ab12-00000000000000000000000000000005",
+            "/dev/shm/tandem-kv--store",
+            "/dev/shm/tandem-kv-a.b-store",
+            "/dev/shm/tandem-kv-ab12-store/..",
+            "",
+        ] {
+            assert_eq!(store_in(&dir, named), None, "{named}");
+        }
+        drop(owner);
         let _ = fs::remove_dir_all(&dir);
     }
 }

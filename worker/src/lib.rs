@@ -237,7 +237,9 @@ impl RunningWorker {
             timeout: config.pull_timeout,
             fingerprint: info.model_fingerprint.clone(),
             layout,
-            host_id: shm.is_some().then(|| info.host_id.clone()),
+            same_host: shm
+                .as_ref()
+                .map(|d| pull::SameHost { host_id: info.host_id.clone(), dir: d.dir().to_path_buf() }),
             metrics: Arc::clone(&metrics),
             modelled: match &config.engine.backend {
                 BackendChoice::Mock(m) => {

@@ -26,11 +26,19 @@ pub struct Puller {
     pub(crate) timeout: Duration,
     pub(crate) fingerprint: String,
     pub(crate) layout: KvLayoutDesc,
-    /// This worker's host id when it may read other workers' shared-memory regions (those with the same id).
-    pub(crate) host_id: Option<String>,
+    /// Where this worker may read other workers' KV stores: only with a shared-memory directory of its own.
+    pub(crate) same_host: Option<SameHost>,
     pub(crate) metrics: Arc<WorkerMetrics>,
     /// A mock worker's transfers take (and report) the time and bytes of the modelled model's blocks.
     pub(crate) modelled: Option<ModelledTransfer>,
+}
+
+/// This worker's shared-memory domain: a handle from a worker with the same host id names a store that lies in
+/// this worker's own directory (`kv_transfer::shm::store_in`).
+#[derive(Clone, Debug)]
+pub struct SameHost {
+    pub host_id: String,
+    pub dir: std::path::PathBuf,
 }
 
 /// Transfer timing for a mock worker: the profile's link, sped up as its steps are.
@@ -269,13 +277,14 @@ impl Puller {
             // The owner's serve span becomes a child of this pull.
             traceparent: telemetry::trace::traceparent(&tracing::Span::current()).or(traceparent),
         };
-        // On the same host (equal host ids) the owner's shared-memory region is readable: copy from it
-        // (one-sided, off the async runtime); else QUIC.
-        let local = handle
-            .shm_region
-            .as_deref()
-            .filter(|_| self.host_id.as_deref() == Some(handle.host_id.as_str()))
-            .map(std::path::PathBuf::from)
+        // On the same host (equal host ids) the owner's KV store is readable in this worker's own shared-memory
+        // directory: copy from it (one-sided, off the async runtime); else QUIC. Any other file the handle names
+        // is not opened.
+        let local = self
+            .same_host
+            .as_ref()
+            .filter(|own| own.host_id == handle.host_id)
+            .and_then(|own| kv_transfer::shm::store_in(&own.dir, handle.shm_region.as_deref()?))
             .filter(|p| p.exists());
         let started = Instant::now();
         let (transport, pulled) = match local {

@@ -254,6 +254,40 @@ async fn on_one_host_the_blocks_come_through_shared_memory() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handle_makes_the_decode_worker_read_only_a_store_in_its_own_directory() {
+    let shm = std::env::temp_dir().join(format!("tandem-shm-named-{}", std::process::id()));
+    let elsewhere = std::env::temp_dir().join(format!("tandem-shm-elsewhere-{}", std::process::id()));
+    std::fs::create_dir_all(&shm).expect("dir");
+    std::fs::create_dir_all(&elsewhere).expect("dir");
+    let Pair { p, d, mut pc, mut dc } = pair(Some(shm.clone())).await;
+    // A file outside D's directory holding P's blocks at the handle's offsets (a link to P's store): reading it
+    // would even work, but a handle must not choose which of D's files D opens.
+    let prompt: Vec<u32> = (0..70).map(|i| 900 + i * 5).collect();
+    let pre = prefill(&mut pc, "a", &prompt, 3).await;
+    let mut handle = pre.handle.expect("handle");
+    let decoy = elsewhere.join("kv");
+    std::os::unix::fs::symlink(handle.shm_region.as_deref().expect("P's store"), &decoy).expect("link");
+    handle.shm_region = Some(decoy.display().to_string());
+    let rest = generate(&mut dc, [prompt, vec![pre.first_token]].concat(), Some(handle), 2).await.expect("generate");
+    assert_eq!(rest.len(), 2);
+    assert_eq!((d.pulled_blocks(), d.shm_blocks()), (4, 0), "pulled over QUIC, the named file left unread");
+    // A store's name in another directory: the store of that name in D's own directory is the one read.
+    let prompt: Vec<u32> = (0..70).map(|i| 1900 + i * 5).collect();
+    let pre = prefill(&mut pc, "b", &prompt, 3).await;
+    let mut handle = pre.handle.expect("handle");
+    let store = handle.shm_region.clone().expect("P's store");
+    let name = std::path::Path::new(&store).file_name().and_then(|n| n.to_str()).expect("name").to_string();
+    handle.shm_region = Some(format!("/no/such/directory/{name}"));
+    let rest = generate(&mut dc, [prompt, vec![pre.first_token]].concat(), Some(handle), 2).await.expect("generate");
+    assert_eq!(rest.len(), 2);
+    assert_eq!((d.pulled_blocks(), d.shm_blocks()), (8, 4), "the second pull came through shared memory");
+    drop((pc, dc));
+    stop(p, d).await;
+    let _ = std::fs::remove_dir_all(&shm);
+    let _ = std::fs::remove_dir_all(&elsewhere);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_damaged_in_shared_memory_is_caught_in_the_decode_engine_and_nothing_of_it_is_kept() {
     let shm = std::env::temp_dir().join(format!("tandem-shm-damage-{}", std::process::id()));
     std::fs::create_dir_all(&shm).expect("dir");
