@@ -336,17 +336,19 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratc
     if *precision == Precision::Fast && n > FAST_MAX_ROWS && q8::vnni::supported(w.ty, cols) && q8::vnni::available() {
         xq.quantize(&x[..n * cols], cols);
         let xq = &*xq;
-        columns::par_rows(out, n, rows, per_task, |part| q8::vnni::matmul_rows(|r| w.row(r), part, xq, n));
+        columns::par_rows(out, n, rows, per_task, |part| q8::vnni::matmul_rows(w.ty, |r| w.row(r), part, xq, n));
         return;
     }
     if *precision == Precision::Fast && n <= FAST_MAX_ROWS && q8::supported(w.ty, cols) {
         xq.quantize(&x[..n * cols], cols);
         let xq = &*xq;
+        // The activation rows' views, made once rather than per weight row.
+        let four = (n == 4).then(|| [0, 1, 2, 3].map(|t| xq.row(t)));
         columns::par_rows(out, n, rows, per_task, |part| {
             for r in 0..part.len() {
                 let row = w.row(part.first() + r);
-                if n == 4 {
-                    let tile = q8::dot_tile(w.ty, row, [0, 1, 2, 3].map(|t| xq.row(t)));
+                if let Some(four) = four {
+                    let tile = q8::dot_tile(w.ty, row, four);
                     tile.iter().enumerate().for_each(|(t, &v)| part.set(r, t, v));
                     continue;
                 }

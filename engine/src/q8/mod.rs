@@ -111,6 +111,7 @@ pub fn supported(ty: TensorType, cols: usize) -> bool {
 }
 
 /// Weight row `w` (of a [`supported`] type, as many blocks as `x`) against activation row `x`.
+#[inline]
 pub fn dot(ty: TensorType, w: &[u8], x: Q8Row<'_>) -> f32 {
     dot_tile(ty, w, [x; 1])[0]
 }
@@ -119,6 +120,7 @@ pub fn dot(ty: TensorType, w: &[u8], x: Q8Row<'_>) -> f32 {
 /// weight block unpacked once for all of them (with AVX-512 VNNI where the CPU has it and the rows have their
 /// paired copy, else AVX2, else portable code: each sums in its own order). `ty` must be [`supported`] (any
 /// other is read as Q8_0).
+#[inline]
 pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [Q8Row<'_>; N]) -> [f32; N] {
     debug_assert!(matches!(ty, TensorType::Q4_1 | TensorType::Q8_0), "no integer dot for {ty:?}");
     #[cfg(target_arch = "x86_64")]
@@ -398,23 +400,26 @@ mod tests {
             eprintln!("this CPU has no AVX-512 VNNI: the tiles are never used here");
             return;
         }
-        for (nr, n, cols) in [(1, 1, 64), (4, 4, 576), (7, 5, 576), (37, 9, 1536), (64, 16, 128)] {
-            let rows: Vec<Vec<u8>> = (0..nr).map(|r| weights(TensorType::Q4_1, cols / BLOCK, r as u64)).collect();
+        let shapes = [(1, 1, 64), (4, 4, 576), (7, 5, 576), (37, 9, 1536), (64, 16, 128)];
+        for (ty, (nr, n, cols)) in
+            [TensorType::Q4_1, TensorType::Q8_0].into_iter().flat_map(|ty| shapes.map(|s| (ty, s)))
+        {
+            let rows: Vec<Vec<u8>> = (0..nr).map(|r| weights(ty, cols / BLOCK, r as u64)).collect();
             let x = activations(n * cols, 99 + n as u64);
             let mut q = Q8Rows::default();
             q.quantize(&x, cols);
             for per_task in [32, 5] {
                 let mut out = vec![f32::NAN; nr * n];
                 crate::columns::par_rows(&mut out, n, nr, per_task, |part| {
-                    vnni::matmul_rows(|r| rows[r].as_slice(), part, &q, n)
+                    vnni::matmul_rows(ty, |r| rows[r].as_slice(), part, &q, n)
                 });
                 for r in 0..nr {
                     for t in 0..n {
-                        let single = dot(TensorType::Q4_1, &rows[r], q.row(t));
+                        let single = dot(ty, &rows[r], q.row(t));
                         let tiled = out[t * nr + r];
                         assert!(
                             (tiled - single).abs() <= 1e-5 * single.abs().max(1.0),
-                            "{nr}x{n}x{cols}: row {r}, activation row {t}: {tiled} vs {single}"
+                            "{ty:?} {nr}x{n}x{cols}: row {r}, activation row {t}: {tiled} vs {single}"
                         );
                     }
                 }

@@ -1,11 +1,11 @@
 //! The fast precision's integer dots on CPUs with 512-bit integer dot products (AVX-512 VNNI). Prompt-sized
-//! matmuls ([`matmul_rows`]): Q4_1 weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles of four
-//! weight rows by four activation rows. Decode-sized ones ([`dot_tile`]): one weight row, Q4_1 or Q8_0, against
+//! matmuls ([`matmul_rows`]): Q4_1 or Q8_0 weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles
+//! of four weight rows by four activation rows. Decode-sized ones ([`dot_tile`]): one weight row, Q4_1 or Q8_0, against
 //! up to four activation rows, unpacked in registers.
 //!
 //! A group of weight rows is unpacked once per matmul into one byte per value (a Q4_1 nibble is already
-//! unsigned, which is what `vpdpbusd` takes against signed activation bytes), with its block scales and minimums
-//! in f32. One 512-bit register then holds two blocks, `vpdpbusd` sums their 64 products into sixteen lanes of four,
+//! unsigned, which is what `vpdpbusd` takes against signed activation bytes; a Q8_0 byte is taken plus 128 and
+//! the shift taken back from each block's integer sum, exactly), with its block scales and minimums in f32. One 512-bit register then holds two blocks, `vpdpbusd` sums their 64 products into sixteen lanes of four,
 //! and each lane is scaled by its block's weight scale times activation scale and added to a float accumulator:
 //! three instructions and a multiply for 64 products, where the f32 tiles take eight fused multiply-adds. The
 //! minimums' term `Σ m·s` is a short f32 dot over blocks at the end. The summation order differs from
@@ -33,9 +33,10 @@ pub fn available() -> bool {
     })
 }
 
-/// Whether rows of `ty` with `cols` columns go through the tiles: Q4_1, whole pairs of blocks.
+/// Whether rows of `ty` with `cols` columns go through the tiles: Q4_1 or Q8_0 (the output projection), whole
+/// pairs of blocks.
 pub fn supported(ty: TensorType, cols: usize) -> bool {
-    ty == TensorType::Q4_1 && cols > 0 && cols.is_multiple_of(2 * BLOCK)
+    matches!(ty, TensorType::Q4_1 | TensorType::Q8_0) && cols > 0 && cols.is_multiple_of(2 * BLOCK)
 }
 
 /// Weight rows unpacked for the tiles; reused across groups.
@@ -59,8 +60,8 @@ impl Unpacked {
         self.blocks().next_multiple_of(16)
     }
 
-    /// Unpacks Q4_1 rows (`cols` values each). [`available`] must hold.
-    fn unpack<'a>(&mut self, rows: impl ExactSizeIterator<Item = &'a [u8]>, cols: usize) {
+    /// Unpacks rows of `ty` (Q4_1 or Q8_0, `cols` values each). [`available`] must hold.
+    fn unpack<'a>(&mut self, ty: TensorType, rows: impl ExactSizeIterator<Item = &'a [u8]>, cols: usize) {
         self.cols = cols;
         let (blocks, padded, n) = (self.blocks(), self.padded(), rows.len());
         self.u.resize(n * cols, 0);
@@ -68,12 +69,14 @@ impl Unpacked {
         self.m.clear();
         self.m.resize(n * padded, 0.0);
         for (r, row) in rows.enumerate() {
-            let row = &row[..blocks * 20];
             let u = &mut self.u[r * cols..(r + 1) * cols];
             let (d, m) = (&mut self.d[r * blocks..(r + 1) * blocks], &mut self.m[r * padded..r * padded + blocks]);
-            // SAFETY: `available()` holds (the caller's contract); the slices have the lengths `unpack_row` reads
-            // and writes.
-            unsafe { unpack_row(row, u, d, m) };
+            // SAFETY: `available()` holds (the caller's contract); the slices have the lengths the unpacking
+            // functions read and write.
+            match ty {
+                TensorType::Q8_0 => unsafe { unpack_q8_0_row(&row[..blocks * 34], u, d, m) },
+                _ => unsafe { unpack_row(&row[..blocks * 20], u, d, m) },
+            }
         }
     }
 }
@@ -97,9 +100,28 @@ unsafe fn unpack_row(row: &[u8], u: &mut [u8], d: &mut [f32], m: &mut [f32]) {
     }
 }
 
-/// The weight rows of `part` (`w(r)` is row `r`; Q4_1, [`supported`]) against every row of `x` (`n` rows),
-/// written into `part`. [`available`] must hold.
-pub(crate) fn matmul_rows<'a>(w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x: &Q8Rows, n: usize) {
+/// One Q8_0 row: `u` gets each signed byte plus 128 (its top bit flipped), `d` the block's scale and `m` zero;
+/// the tiles take 128·Σx back from each block's integer sum (`SHIFTED`).
+///
+/// # Safety
+/// AVX2 and F16C are there; `u.len() == 32 * d.len()`, `m.len() == d.len()`, `row.len() == 34 * d.len()`.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn unpack_q8_0_row(row: &[u8], u: &mut [u8], d: &mut [f32], m: &mut [f32]) {
+    let flip = _mm256_set1_epi8(-128);
+    for (b, blk) in row.chunks_exact(34).enumerate() {
+        let scale = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(u16::from_le_bytes([blk[0], blk[1]])))));
+        (d[b], m[b]) = (scale, 0.0);
+        // SAFETY: bytes 2..34 are in the block; bytes 32b..32b + 32 are in `u`.
+        unsafe {
+            let v = _mm256_loadu_si256(blk.as_ptr().add(2).cast());
+            _mm256_storeu_si256(u.as_mut_ptr().add(32 * b).cast(), _mm256_xor_si256(v, flip));
+        }
+    }
+}
+
+/// The weight rows of `part` (`w(r)` is row `r`, of type `ty`: [`supported`]) against every row of `x` (`n`
+/// rows), written into `part`. [`available`] must hold.
+pub(crate) fn matmul_rows<'a>(ty: TensorType, w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x: &Q8Rows, n: usize) {
     /// Weight rows unpacked at a time (18 KiB at the model's width of 576: they stay in L1 while four activation
     /// rows pass over them, and the activation rows stay there while the group's tiles use them).
     const GROUP: usize = 32;
@@ -107,10 +129,11 @@ pub(crate) fn matmul_rows<'a>(w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x:
     assert!(x.d.len() >= n * x.blocks_per_row, "vnni::matmul_rows: {n} rows wanted");
     let cols = x.blocks_per_row * BLOCK;
     let (first, nr) = (part.first(), part.len());
+    let shifted = ty == TensorType::Q8_0;
     let mut scratch = Unpacked::default();
     for g0 in (0..nr).step_by(GROUP) {
         let gn = GROUP.min(nr - g0);
-        scratch.unpack((first + g0..first + g0 + gn).map(&w), cols);
+        scratch.unpack(ty, (first + g0..first + g0 + gn).map(&w), cols);
         let u = &scratch;
         let (full_r, full_t) = (gn / 4 * 4, n / 4 * 4);
         for t0 in (0..n).step_by(4) {
@@ -118,7 +141,9 @@ pub(crate) fn matmul_rows<'a>(w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x:
                 // SAFETY: `available()` holds; the tiles stay inside `u`'s `gn` rows and `x`'s `n` rows.
                 unsafe {
                     if r0 < full_r && t0 < full_t {
-                        for (r, row) in tile::<4, 4>(u, r0, x, t0).iter().enumerate() {
+                        let tile =
+                            if shifted { tile::<4, 4, true>(u, r0, x, t0) } else { tile::<4, 4, false>(u, r0, x, t0) };
+                        for (r, row) in tile.iter().enumerate() {
                             row.iter().enumerate().for_each(|(t, &v)| part.set(g0 + r0 + r, t0 + t, v));
                         }
                         continue;
@@ -126,7 +151,9 @@ pub(crate) fn matmul_rows<'a>(w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x:
                     // The edges: one weight row against one activation row at a time.
                     for r in r0..gn.min(r0 + 4) {
                         for t in t0..n.min(t0 + 4) {
-                            part.set(g0 + r, t, tile::<1, 1>(u, r, x, t)[0][0]);
+                            let one =
+                                if shifted { tile::<1, 1, true>(u, r, x, t) } else { tile::<1, 1, false>(u, r, x, t) };
+                            part.set(g0 + r, t, one[0][0]);
                         }
                     }
                 }
@@ -153,11 +180,17 @@ unsafe fn spread_pair(at: *const f32, lanes: __m512i) -> __m512 {
 /// # Safety
 /// The CPU has what [`available`] checks; the rows exist in `u` and `x`, and `x` has `u`'s width.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const T: usize>(u: &Unpacked, r0: usize, x: &Q8Rows, t0: usize) -> [[f32; T]; R] {
+unsafe fn tile<const R: usize, const T: usize, const SHIFTED: bool>(
+    u: &Unpacked,
+    r0: usize,
+    x: &Q8Rows,
+    t0: usize,
+) -> [[f32; T]; R] {
     let (cols, blocks, padded) = (u.cols, u.blocks(), u.padded());
     // Lanes 0–7 take the first float of a pair, lanes 8–15 the second.
     let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let zero = _mm512_setzero_si512();
+    let by128 = _mm512_set1_epi8(-128);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     // SAFETY (every load below): pair `p` covers bytes `64p..64p + 64` and blocks `2p, 2p + 1` of a row, inside
     // the row since `cols` is a multiple of 64; rows `r0 + r` and `t0 + t` exist (the caller's contract).
@@ -167,21 +200,28 @@ unsafe fn tile<const R: usize, const T: usize>(u: &Unpacked, r0: usize, x: &Q8Ro
             let xv: [__m512i; T] =
                 std::array::from_fn(|t| _mm512_loadu_si512(x.q.as_ptr().add((t0 + t) * cols + 64 * p).cast()));
             let xs: [__m512; T] = std::array::from_fn(|t| pair(&x.d, t0 + t));
+            // Shifted weights (Q8_0's, plus 128): 128·Σx per lane, taken back from every weight row's sums.
+            let shift: [__m512i; T] =
+                std::array::from_fn(|t| if SHIFTED { _mm512_dpbusd_epi32(zero, by128, xv[t]) } else { zero });
             for (r, acc) in acc.iter_mut().enumerate() {
                 let wv = _mm512_loadu_si512(u.u.as_ptr().add((r0 + r) * cols + 64 * p).cast());
                 let ws = pair(&u.d, r0 + r);
-                for ((a, &xv), &xs) in acc.iter_mut().zip(&xv).zip(&xs) {
-                    let sums = _mm512_dpbusd_epi32(zero, wv, xv);
+                for (((a, &xv), &xs), &shift) in acc.iter_mut().zip(&xv).zip(&xs).zip(&shift) {
+                    let mut sums = _mm512_dpbusd_epi32(zero, wv, xv);
+                    if SHIFTED {
+                        sums = _mm512_sub_epi32(sums, shift);
+                    }
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(ws, xs), *a);
                 }
             }
         }
-        // The minimums: Σ over blocks of m·s, sixteen blocks at a time (the weights' side is zero-padded).
+        // The minimums: Σ over blocks of m·s, sixteen blocks at a time (the weights' side is zero-padded); Q8_0
+        // has none.
         let mut out = [[0f32; T]; R];
         for (r, row) in out.iter_mut().enumerate() {
             for (t, v) in row.iter_mut().enumerate() {
                 let mut mins = _mm512_setzero_ps();
-                for b in (0..padded).step_by(16) {
+                for b in (0..if SHIFTED { 0 } else { padded }).step_by(16) {
                     let left = blocks - b;
                     let keep: __mmask16 = if left >= 16 { 0xFFFF } else { (1 << left) - 1 };
                     let s = _mm512_maskz_loadu_ps(keep, x.s.as_ptr().add((t0 + t) * blocks + b));
@@ -216,6 +256,7 @@ pub(super) fn interleave(q: &[i8], out: &mut [i8]) {
 
 /// Weight row `w` (Q4_1 or Q8_0) against `N` activation rows with their `paired` bytes: a pair (weight row,
 /// activation row) takes the same operations in the same order whatever `N` is, so tiles equal single dots.
+#[inline]
 pub fn dot_tile<const N: usize>(ty: TensorType, w: &[u8], x: [super::Q8Row<'_>; N]) -> [f32; N] {
     let pairs = x.iter().map(|r| r.d.len().min(r.s.len()).min(r.paired.len() / BLOCK).min(r.q.len() / BLOCK)).min();
     let pairs = pairs.unwrap_or(0).min(w.len() / ty.block_bytes()) / 2;
