@@ -183,8 +183,15 @@ pub fn weighted_rows(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f32]) {
     }
 }
 
-/// f16 storage to f32.
+/// f16 storage to f32 (exact either way: every f16 is an f32). With F16C, sixteen values per loop step in one
+/// inlined loop: `half`'s slice conversion called a function per eight values, 9% of a batch-16 decode step
+/// reading the KV cache.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd_available() {
+        simd::f16_to_f32(src, dst);
+        return;
+    }
     use half::slice::HalfFloatSliceExt;
     src.convert_to_f32_slice(dst);
 }
@@ -499,6 +506,32 @@ pub(crate) mod simd {
         })
     }
 
+    /// [`super::f16_to_f32`] with F16C. Panics unless the lengths are equal; callers check `available()` first.
+    pub fn f16_to_f32(src: &[half::f16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "f16_to_f32: lengths differ");
+        // SAFETY: the CPU has F16C and AVX (callers check `available()`); the lengths are equal.
+        unsafe { f16_to_f32_f16c(src, dst) }
+    }
+
+    /// # Safety
+    /// F16C and AVX are there; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    unsafe fn f16_to_f32_f16c(src: &[half::f16], dst: &mut [f32]) {
+        let n = src.len() / 16 * 16;
+        for i in (0..n).step_by(16) {
+            // SAFETY: `i + 16 <= n <= len` for both slices; unaligned loads and stores.
+            unsafe {
+                let a = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                let b = _mm_loadu_si128(src.as_ptr().add(i + 8).cast());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(a));
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i + 8), _mm256_cvtph_ps(b));
+            }
+        }
+        for (d, s) in dst[n..].iter_mut().zip(&src[n..]) {
+            *d = s.to_f32();
+        }
+    }
+
     #[inline]
     pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: callers check `available()` first, so the CPU has AVX2 and FMA.
@@ -671,6 +704,20 @@ mod tests {
                 assert_eq!(fused.to_bits(), dot(&w, &x).to_bits(), "{ty:?}");
             }
         }
+    }
+
+    #[test]
+    fn f16_conversion_equals_halfs_for_every_value() {
+        use half::slice::HalfFloatSliceExt;
+        // Every f16 bit pattern, and a length that leaves a remainder after the sixteen-wide steps.
+        let src: Vec<f16> = (0..=u16::MAX).chain(0..5).map(f16::from_bits).collect();
+        let (mut ours, mut theirs) = (vec![0f32; src.len()], vec![0f32; src.len()]);
+        f16_to_f32(&src, &mut ours);
+        src.convert_to_f32_slice(&mut theirs);
+        for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{:#06x}: {a} vs {b}", src[i].to_bits());
+        }
+        assert!(ours.iter().zip(&src).all(|(a, s)| a.is_nan() || *a == s.to_f32()));
     }
 
     #[test]
