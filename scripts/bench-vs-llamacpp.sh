@@ -43,8 +43,10 @@ trap 'rm -rf "$out"' EXIT
 ours() {
   echo "tandem: bench engine, $threads threads, $precision precision (round $1)" >&2
   "$tandem" bench engine --model "$model" --threads "$threads" --precision "$precision" --json > "$out/ours.$1"
-  echo "tandem: bench engine --concurrency 4,16 (through the scheduler), $threads threads, $precision precision (round $1)" >&2
-  "$tandem" bench engine --model "$model" --threads "$threads" --precision "$precision" --concurrency 4,16 --json > "$out/conc.$1"
+  echo "tandem: bench engine --concurrency 4,16 (through the scheduler), $threads threads, $precision precision" \
+    "(round $1)" >&2
+  "$tandem" bench engine --model "$model" --threads "$threads" --precision "$precision" --concurrency 4,16 --json \
+    > "$out/conc.$1"
 }
 theirs() {
   echo "llama.cpp: llama-bench -p 512 -n 128, $threads threads (round $1)" >&2

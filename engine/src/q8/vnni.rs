@@ -1,14 +1,15 @@
 //! The fast precision's integer dots on CPUs with 512-bit integer dot products (AVX-512 VNNI). Prompt-sized
-//! matmuls ([`matmul_rows`]): Q4_1 or Q8_0 weight rows against 8-bit activation rows ([`super::Q8Rows`]) in tiles
-//! of four weight rows by four activation rows. Decode-sized ones ([`dot_tile`]): one weight row, Q4_1 or Q8_0, against
-//! up to four activation rows, unpacked in registers.
+//! matmuls and batches over four rows ([`matmul_rows`]): Q4_1 or Q8_0 weight rows against 8-bit activation rows
+//! ([`super::Q8Rows`]) in tiles of four weight rows by four activation rows. Decode-sized ones ([`dot_tile`]): one
+//! weight row, Q4_1 or Q8_0, against up to four activation rows, unpacked in registers.
 //!
 //! A group of weight rows is unpacked once per matmul into one byte per value (a Q4_1 nibble is already
-//! unsigned, which is what `vpdpbusd` takes against signed activation bytes; a Q8_0 byte is taken plus 128 and
-//! the shift taken back from each block's integer sum, exactly), with its block scales and minimums in f32. One 512-bit register then holds two blocks, `vpdpbusd` sums their 64 products into sixteen lanes of four,
-//! and each lane is scaled by its block's weight scale times activation scale and added to a float accumulator:
-//! three instructions and a multiply for 64 products, where the f32 tiles take eight fused multiply-adds. The
-//! minimums' term `Σ m·s` is a short f32 dot over blocks at the end. The summation order differs from
+//! unsigned, which is what `vpdpbusd` takes against signed activation bytes; a Q8_0 byte is taken plus 128, and
+//! 128·Σx taken back from each block's integer sum, exactly), with its block scales and minimums in f32. One
+//! 512-bit register then holds two blocks, `vpdpbusd` sums their 64 products into sixteen lanes of four, and each
+//! lane is scaled by its block's weight scale times activation scale and added to a float accumulator: three
+//! instructions and a multiply for 64 products, where the f32 tiles take eight fused multiply-adds. The minimums'
+//! term `Σ m·s` (Q4_1's) is a short f32 dot over blocks at the end. The summation order differs from
 //! [`super::dot`]'s, so results are not bit-identical to the single-row path: the fast precision is not
 //! batch-invariant, and its tests hold it to tolerances instead.
 
