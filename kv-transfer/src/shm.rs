@@ -24,6 +24,8 @@ use crate::quic::TransferError;
 pub const DEFAULT_DIR: &str = "/dev/shm";
 /// Every file this transport makes starts so.
 const PREFIX: &str = "tandem-kv-";
+/// An owner's KV store is `{PREFIX}<owner>{STORE}`.
+const STORE: &str = "-store";
 /// Room left free beside a new region, for everything else that uses the filesystem.
 const HEADROOM: u64 = 4 << 20;
 
@@ -57,15 +59,20 @@ fn owner_of(name: &str) -> Option<&str> {
 /// store is found in the reader's own, and a handle cannot make a reader map any other file it can open.
 pub fn store_in(dir: &Path, named: &str) -> Option<PathBuf> {
     let name = Path::new(named).file_name()?.to_str()?;
-    let owner = name.strip_prefix(PREFIX)?.strip_suffix("-store")?;
-    (!owner.is_empty() && owner.chars().all(|c| c.is_ascii_alphanumeric())).then(|| dir.join(name))
+    let owner = name.strip_prefix(PREFIX)?.strip_suffix(STORE)?;
+    valid_owner(owner).then(|| dir.join(name))
+}
+
+/// Owners are named by letters and digits only, so that their files' names parse back.
+fn valid_owner(owner: &str) -> bool {
+    !owner.is_empty() && owner.chars().all(|c| c.is_ascii_alphanumeric())
 }
 
 impl ShmDir {
     /// Takes `owner`'s place in `dir` (an owner is one running process: pass a fresh id per start) and removes
     /// the files of owners that are gone.
     pub fn open(dir: &Path, owner: &str) -> Result<ShmDir, TransferError> {
-        if owner.is_empty() || !owner.chars().all(|c| c.is_ascii_alphanumeric()) {
+        if !valid_owner(owner) {
             return Err(TransferError::Stream(format!("shared-memory owner {owner:?} must be letters and digits")));
         }
         let lock = dir.join(format!("{PREFIX}{owner}.lock"));
@@ -78,7 +85,7 @@ impl ShmDir {
     /// Where this owner's engine keeps its device KV store, when it keeps it here (a new file; same-host readers map
     /// the leased blocks out of it). Named after the owner, so a crashed owner's store is swept like its regions.
     pub fn store_path(&self) -> PathBuf {
-        self.dir.join(format!("{PREFIX}{}-store", self.owner))
+        self.dir.join(format!("{PREFIX}{}{STORE}", self.owner))
     }
 
     /// The directory.

@@ -123,6 +123,20 @@ unsafe fn unpack_q8_0_row(row: &[u8], u: &mut [u8], d: &mut [f32], m: &mut [f32]
 /// The weight rows of `part` (`w(r)` is row `r`, of type `ty`: [`supported`]) against every row of `x` (`n`
 /// rows), written into `part`. [`available`] must hold.
 pub(crate) fn matmul_rows<'a>(ty: TensorType, w: impl Fn(usize) -> &'a [u8], part: &Part<'_>, x: &Q8Rows, n: usize) {
+    match ty {
+        TensorType::Q8_0 => matmul_rows_of::<true>(ty, w, part, x, n),
+        _ => matmul_rows_of::<false>(ty, w, part, x, n),
+    }
+}
+
+/// [`matmul_rows`] for weights whose bytes are unpacked plus 128 (`SHIFTED`: Q8_0) or as they are (Q4_1).
+fn matmul_rows_of<'a, const SHIFTED: bool>(
+    ty: TensorType,
+    w: impl Fn(usize) -> &'a [u8],
+    part: &Part<'_>,
+    x: &Q8Rows,
+    n: usize,
+) {
     /// Weight rows unpacked at a time (18 KiB at the model's width of 576: they stay in L1 while four activation
     /// rows pass over them, and the activation rows stay there while the group's tiles use them).
     const GROUP: usize = 32;
@@ -130,7 +144,6 @@ pub(crate) fn matmul_rows<'a>(ty: TensorType, w: impl Fn(usize) -> &'a [u8], par
     assert!(x.d.len() >= n * x.blocks_per_row, "vnni::matmul_rows: {n} rows wanted");
     let cols = x.blocks_per_row * BLOCK;
     let (first, nr) = (part.first(), part.len());
-    let shifted = ty == TensorType::Q8_0;
     let mut scratch = Unpacked::default();
     for g0 in (0..nr).step_by(GROUP) {
         let gn = GROUP.min(nr - g0);
@@ -142,9 +155,7 @@ pub(crate) fn matmul_rows<'a>(ty: TensorType, w: impl Fn(usize) -> &'a [u8], par
                 // SAFETY: `available()` holds; the tiles stay inside `u`'s `gn` rows and `x`'s `n` rows.
                 unsafe {
                     if r0 < full_r && t0 < full_t {
-                        let tile =
-                            if shifted { tile::<4, 4, true>(u, r0, x, t0) } else { tile::<4, 4, false>(u, r0, x, t0) };
-                        for (r, row) in tile.iter().enumerate() {
+                        for (r, row) in tile::<4, 4, SHIFTED>(u, r0, x, t0).iter().enumerate() {
                             row.iter().enumerate().for_each(|(t, &v)| part.set(g0 + r0 + r, t0 + t, v));
                         }
                         continue;
@@ -152,9 +163,7 @@ pub(crate) fn matmul_rows<'a>(ty: TensorType, w: impl Fn(usize) -> &'a [u8], par
                     // The edges: one weight row against one activation row at a time.
                     for r in r0..gn.min(r0 + 4) {
                         for t in t0..n.min(t0 + 4) {
-                            let one =
-                                if shifted { tile::<1, 1, true>(u, r, x, t) } else { tile::<1, 1, false>(u, r, x, t) };
-                            part.set(g0 + r, t, one[0][0]);
+                            part.set(g0 + r, t, tile::<1, 1, SHIFTED>(u, r, x, t)[0][0]);
                         }
                     }
                 }
