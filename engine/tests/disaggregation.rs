@@ -114,3 +114,67 @@ async fn an_export_holds_its_blocks_in_the_prefill_engine_until_its_last_reader_
     assert_eq!(used(&p), 0, "every block back: none leaked");
     p.shutdown(false).await;
 }
+
+/// The full blocks of an export, by position, as a puller hands them over.
+fn full_blocks(kv: &ExportedKv, from: usize) -> Vec<(usize, bytes::Bytes)> {
+    (from..kv.len())
+        .filter(|&i| kv.metas[i].is_some())
+        .map(|i| (i, bytes::Bytes::copy_from_slice(kv.block(i))))
+        .collect()
+}
+
+/// Streaming a prompt's KV: its leading piece is prefilled and imported into the decode engine's cache ahead of
+/// the request, the whole prompt then prefilled (computing only what follows the piece); the decode engine takes
+/// only the blocks it lacks and answers as a single engine does.
+#[tokio::test(flavor = "current_thread")]
+async fn a_leading_piece_imported_ahead_is_cached_and_the_answer_is_unchanged() {
+    let mut single = common::engine(EngineConfig::default());
+    let text = "Streaming the cache while the prompt is still being computed hides the transfer. Say why in a word";
+    let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
+    prompt.truncate(70);
+    let want = single
+        .run(&[common::greedy(prompt.clone(), 8)], &AtomicBool::new(false), |_| {})
+        .expect("runs")
+        .remove(0)
+        .token_ids;
+    let p = EngineHandle::start(common::engine(EngineConfig::default())).expect("prefill engine");
+    let d = EngineHandle::start(common::engine(EngineConfig::default())).expect("decode engine");
+    let hashes = block_hashes(&prompt, BlockSize::DEFAULT, None).seq;
+
+    // The piece: the first two blocks.
+    let (_, piece) = prefill(&p, &prompt[..32]).await;
+    assert_eq!((piece.tokens, piece.len()), (32, 2));
+    // A block past the piece's full blocks, or of the wrong size, is refused and nothing is kept.
+    let beyond = vec![(2, bytes::Bytes::copy_from_slice(piece.block(0)))];
+    assert!(d.import(None, prompt[..32].to_vec(), beyond).await.is_err());
+    let short = vec![(0, bytes::Bytes::from_static(b"short"))];
+    assert!(d.import(None, prompt[..32].to_vec(), short).await.is_err());
+    assert_eq!(d.lookup(hashes.clone()).await.expect("lookup").device, 0);
+    let stored = d.import(None, prompt[..32].to_vec(), full_blocks(&piece, 0)).await.expect("imported");
+    assert_eq!(stored, 2);
+    assert_eq!(d.lookup(hashes.clone()).await.expect("lookup").device, 2, "cached ahead of any request");
+    let usage = d.stats().usage[0];
+    assert_eq!((usage.used, usage.cached), (0, 2), "cached, held by nothing: evictable as any cached block");
+    // Again: already held, nothing stored.
+    assert_eq!(d.import(None, prompt[..32].to_vec(), full_blocks(&piece, 0)).await.expect("imported"), 0);
+    drop(piece);
+
+    // The whole prompt: the prefill engine finds the piece cached.
+    let before_p = p.stats().counters;
+    let (first, kv) = prefill(&p, &prompt).await;
+    assert_eq!(first, want[0]);
+    assert_eq!(
+        p.stats().counters.prefill_tokens - before_p.prefill_tokens,
+        70 - 32,
+        "the piece was not computed again"
+    );
+    // The decode engine is handed only the blocks it lacks.
+    let before = d.stats().counters;
+    let rest = decode(&d, [prompt.clone(), vec![first]].concat(), 7, full_blocks(&kv, 2)).await;
+    let after = d.stats().counters;
+    assert_eq!([vec![first], rest].concat(), want, "the streamed prompt answers as a single engine does");
+    assert_eq!(after.imported_blocks - before.imported_blocks, 2);
+    assert_eq!(after.cached_tokens[0] - before.cached_tokens[0], 64, "the piece imported ahead was used");
+    p.shutdown(true).await;
+    d.shutdown(true).await;
+}

@@ -11,9 +11,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
-use kv_cache::SeqHash;
 use kv_cache::events::{EventId, KvEvent, Snapshot, TooOld};
 use kv_cache::pool::{PrefixMatch, TierUsage};
+use kv_cache::{CacheNamespace, SeqHash};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::sequence::{Failure, Seq, take_finished};
@@ -107,6 +107,13 @@ enum Command {
         /// sequence until it is admitted, so nothing can evict them in between.
         blocks: Box<dyn PulledBlocks>,
         reply: oneshot::Sender<Result<SeqStream, EngineError>>,
+    },
+    /// Blocks pulled ahead of a request (full blocks of `tokens`, by position): stored as cached blocks.
+    Import {
+        namespace: Option<CacheNamespace>,
+        tokens: Vec<u32>,
+        blocks: Box<dyn PulledBlocks>,
+        reply: oneshot::Sender<Result<usize, EngineError>>,
     },
     Lookup {
         hashes: Vec<SeqHash>,
@@ -217,6 +224,23 @@ impl EngineHandle {
             .send(Command::Submit { request: Box::new(request), export, blocks, reply })
             .await
             .map_err(|_| SubmitError::Closed)?;
+        answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::from_engine)
+    }
+
+    /// Stores blocks of a prompt pulled from another worker ahead of its request (full blocks, by position; blocks
+    /// already held are skipped) as cached blocks, each copied into a device block and checked there: a request
+    /// for the prompt soon after finds them as any cached prefix. Nothing holds them meanwhile. Returns how many
+    /// were stored; [`SubmitError::Exhausted`] when the device tier has no room, [`SubmitError::Transfer`] (and
+    /// none kept) when one fails its check.
+    pub async fn import(
+        &self,
+        namespace: Option<CacheNamespace>,
+        tokens: Vec<u32>,
+        blocks: impl PulledBlocks + 'static,
+    ) -> Result<usize, SubmitError> {
+        let (reply, answer) = oneshot::channel();
+        let blocks = Box::new(blocks);
+        self.tx.send(Command::Import { namespace, tokens, blocks, reply }).await.map_err(|_| SubmitError::Closed)?;
         answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::from_engine)
     }
 
@@ -348,6 +372,13 @@ impl Loop {
             }
             Command::EventsAfter { after, reply } => {
                 let _ = reply.send(self.engine.kv_events_after(after));
+            }
+            Command::Import { namespace, tokens, blocks, reply } => {
+                let stored = self.engine.import_cached(namespace.as_ref(), &tokens, blocks.as_ref());
+                if stored.as_ref().is_ok_and(|&n| n > 0) {
+                    self.publish();
+                }
+                let _ = reply.send(stored);
             }
             Command::Lookup { hashes, reply } => {
                 let _ = reply.send(self.engine.lookup(&hashes));

@@ -179,21 +179,10 @@ impl Engine {
         blocks: &dyn PulledBlocks,
     ) -> Result<Vec<BlockId>, EngineError> {
         let bt = self.config.block_tokens;
-        let tokens = &s.tokens;
-        let full = tokens.len() / bt;
-        let len = tokens.len();
+        let len = s.tokens.len();
+        let full = len / bt;
         let hashes = s.hashes(full, self.block_size()).clone();
-        let want = self.block_bytes();
-        for (i, bytes) in (0..blocks.count()).map(|k| blocks.block(k)) {
-            if i >= full {
-                return Err(EngineError::Config(format!("block {i} is not a full block of a {len}-token prompt")));
-            }
-            if bytes != want {
-                return Err(EngineError::Config(format!(
-                    "block {i} has {bytes} bytes; this engine's blocks have {want}"
-                )));
-            }
-        }
+        self.check_pulled(len, blocks)?;
         // Blocks stored here stay referenced (not evictable) until the prefix is held; then their own reference goes.
         let mut stored: Vec<u32> = Vec::new();
         let held = self.store_blocks(&hashes, blocks, &mut stored).and_then(|()| {
@@ -206,6 +195,46 @@ impl Engine {
         }
         self.counters.imported_blocks += stored.len() as u64;
         held
+    }
+
+    /// Stores full blocks of `tokens` pulled from another worker as cached blocks, for a request that is yet to
+    /// come (blocks already held anywhere are skipped): nothing holds them afterwards, so they are evicted as any
+    /// cached block would be. Checked as [`Engine::import_pinned`] checks, all or nothing. Returns how many blocks
+    /// were stored.
+    pub fn import_cached(
+        &mut self,
+        namespace: Option<&kv_cache::CacheNamespace>,
+        tokens: &[u32],
+        blocks: &dyn PulledBlocks,
+    ) -> Result<usize, EngineError> {
+        self.reclaim_pinned();
+        self.check_pulled(tokens.len(), blocks)?;
+        let full = tokens.len() / self.config.block_tokens;
+        let hashes = kv_cache::block_hashes(&tokens[..full * self.config.block_tokens], self.block_size(), namespace);
+        let mut stored: Vec<u32> = Vec::new();
+        let result = self.store_blocks(&hashes, blocks, &mut stored);
+        for &slot in stored.iter().rev() {
+            self.pool.release(slot).map_err(EngineError::Pool)?;
+        }
+        self.counters.imported_blocks += stored.len() as u64;
+        result.map(|()| stored.len())
+    }
+
+    /// Every pulled block is a full block of a `len`-token prompt, of this engine's block size.
+    fn check_pulled(&self, len: usize, blocks: &dyn PulledBlocks) -> Result<(), EngineError> {
+        let full = len / self.config.block_tokens;
+        let want = self.block_bytes();
+        for (i, bytes) in (0..blocks.count()).map(|k| blocks.block(k)) {
+            if i >= full {
+                return Err(EngineError::Config(format!("block {i} is not a full block of a {len}-token prompt")));
+            }
+            if bytes != want {
+                return Err(EngineError::Config(format!(
+                    "block {i} has {bytes} bytes; this engine's blocks have {want}"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// References the device blocks of the cached prefix `seq` (onboarding host and disk ones), for a sequence that
