@@ -215,6 +215,57 @@ async fn a_worker_with_another_block_size_is_refused() {
     d.shutdown(Duration::from_secs(5)).await;
 }
 
+/// The value of an unlabelled series in a metrics text.
+fn series(metrics: &str, name: &str) -> f64 {
+    let line = metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} ")));
+    line.and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{name}: {metrics}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_streams_its_kv_piece_by_piece_and_answers_as_one_engine() {
+    let ca = DevCa::generate().expect("ca");
+    // 64-token chunks: a prompt of a few hundred tokens computes in several steps, so it streams in pieces.
+    let chunked = |c: worker::WorkerConfig| worker::WorkerConfig {
+        engine: EngineConfig { max_batched_tokens: 64, ..c.engine },
+        ..c
+    };
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], chunked, |r| r).await;
+    let (p, d) = (&workers[0], &workers[1]);
+    let system = "You answer questions about geography briefly and precisely, in plain words. ".repeat(30);
+    let question = "Which river flows through Paris?";
+    let messages = [ChatMessage::new("system", &system), ChatMessage::new("user", question)];
+    let (want, _) = greedy_reply(&messages, 8);
+    let body = serde_json::json!({
+        "model": MODEL, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    })
+    .to_string();
+    let reply = http(router.addr, "POST", "/v1/chat/completions", &body, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let v = reply.json();
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "streamed P + D = one engine");
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+    assert!(prompt_tokens > 4 * 64, "{prompt_tokens} tokens: several chunks");
+    // The pieces were computed for this request: none of the prompt was served from cache.
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}");
+
+    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    let pieces = series(&metrics, "tandem_router_kv_stream_pieces_total");
+    assert!(pieces >= 3.0, "the leading pieces were prefilled and pulled ahead: {pieces}");
+    assert_eq!(series(&metrics, "tandem_router_kv_stream_piece_failures_total"), 0.0);
+    // Every full block came over once: the pieces ahead, the rest with the request.
+    assert_eq!(d.pulled_blocks(), prompt_tokens / 16, "no block pulled twice");
+    // Each piece's lease and the whole prompt's were released by their pulls.
+    for _ in 0..40 {
+        if p.live_leases() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(p.live_leases(), 0, "no lease left behind");
+    stop(router, workers).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_no_decode_worker_needs_is_released_at_once() {
     let ca = DevCa::generate().expect("ca");

@@ -155,8 +155,8 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
         up.into_iter().find(|(_, m)| m.addr == addr).map(|(_, m)| m.name).expect("up")
     };
     let current_name = name_of(current.grpc);
-    // Sampling rules came with the older version: both take them. Log-probabilities came with ours: only the
-    // current worker may be asked (the older one would answer without them).
+    // Sampling rules came with version 3, before the older worker's: both take them. Log-probabilities came with
+    // version 4: only workers that speak it may be asked (an older one would answer without them).
     for rules in [
         serde_json::json!({"frequency_penalty": 0.5}),
         serde_json::json!({"logit_bias": {"5": 1}}),
@@ -164,7 +164,12 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
     ] {
         assert_eq!(candidates(rules.clone()).await.len(), 2, "{rules}");
     }
-    assert_eq!(candidates(serde_json::json!({"logprobs": 1})).await, vec![current_name.clone()]);
+    let logprobs = candidates(serde_json::json!({"logprobs": 1})).await;
+    if ours > worker::LOGPROBS_PROTOCOL {
+        assert_eq!(logprobs.len(), 2, "both speak version 4 or later: {logprobs:?}");
+    } else {
+        assert_eq!(logprobs, vec![current_name.clone()]);
+    }
     router.shutdown(Duration::from_secs(5)).await;
 }
 

@@ -36,6 +36,10 @@ impl Worker for Fake {
         Err(Status::unimplemented("not in this test"))
     }
 
+    async fn prefetch(&self, _: Request<PrefetchRequest>) -> Result<Response<PrefetchResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+
     async fn cancel(&self, _: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
         Ok(Response::new(CancelResponse { found: false }))
     }

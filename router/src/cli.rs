@@ -102,6 +102,10 @@ pub struct Settings {
     /// milliseconds (default 60 s).
     #[arg(long, env = "TANDEM_DECODE_IDLE_TIMEOUT_MS")]
     pub decode_idle_timeout_ms: Option<u64>,
+    /// Stream a long disaggregated prompt's KV to its decode worker while the prompt computes, piece by piece
+    /// (default true).
+    #[arg(long, env = "TANDEM_STREAM_KV", value_name = "BOOL")]
+    pub stream_kv: Option<bool>,
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
     /// Record every request (arrival, lengths, tenant, re-keyed block hashes, decision; no text) to this new file,
@@ -266,6 +270,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             .decode_idle_timeout_ms
             .or(file.decode_idle_timeout_ms)
             .map_or(d.decode_idle_timeout, Duration::from_millis),
+        stream_kv: s.stream_kv.or(file.stream_kv).unwrap_or(d.stream_kv),
         ..d
     };
     let tenant_keys = crate::tenants::parse(&s.tenant_keys.or(file.tenant_keys).unwrap_or_default())

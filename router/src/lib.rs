@@ -17,4 +17,5 @@ pub mod run;
 pub mod scheduler;
 pub mod serve;
 pub mod state;
+pub mod stream_kv;
 pub mod tenants;

@@ -40,6 +40,9 @@ pub struct RouterMetrics {
     pub prefill_retries: AtomicU64,
     pub decode_resumptions: AtomicU64,
     pub local_prefill_fallbacks: AtomicU64,
+    /// Leading pieces of prompts prefilled for streaming their KV, and those the decode worker failed to pull.
+    pub streamed_pieces: AtomicU64,
+    pub streamed_piece_failures: AtomicU64,
     /// Retries and failovers the retry budget refused.
     pub retries_denied: AtomicU64,
     /// Workers ejected by their circuit breaker.
@@ -231,6 +234,16 @@ pub fn render(state: &RouterState) -> String {
         "tandem_router_local_prefill_fallbacks_total",
         "Requests prefilled on their decode worker after every prefill attempt failed.",
         &one(m.local_prefill_fallbacks.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_kv_stream_pieces_total",
+        "Leading pieces of long prompts prefilled so that their decode worker pulls them while the rest computes.",
+        &one(m.streamed_pieces.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_kv_stream_piece_failures_total",
+        "Streamed pieces their decode worker did not pull (it pulls those blocks with the rest).",
+        &one(m.streamed_piece_failures.load(Ordering::Relaxed) as f64),
     );
     e.counter(
         "tandem_router_decode_resumptions_total",

@@ -42,6 +42,8 @@ pub mod defaults {
     pub const MAX_DECODE_ATTEMPTS: usize = 3;
     /// Output budget when a request names none.
     pub const DEFAULT_MAX_TOKENS: u32 = 512;
+    /// Long disaggregated prompts stream their KV to the decode worker while they compute (docs/performance.md).
+    pub const STREAM_KV: bool = true;
     /// The engine's and `routing.md`'s block size.
     pub const BLOCK_SIZE: u32 = 16;
 }
@@ -58,6 +60,7 @@ impl Default for Limits {
             max_decode_attempts: defaults::MAX_DECODE_ATTEMPTS,
             default_max_tokens: defaults::DEFAULT_MAX_TOKENS,
             retry_budget: Default::default(),
+            stream_kv: defaults::STREAM_KV,
         }
     }
 }

@@ -69,7 +69,7 @@ pub enum Piece {
 pub type Pieces = mpsc::Receiver<Result<Piece, ApiError>>;
 
 /// `msg` with the trace context of `span` (or, when spans are not recorded, the client's) in its metadata.
-fn with_trace<T>(msg: T, span: &tracing::Span, client: &Option<String>) -> tonic::Request<T> {
+pub(crate) fn with_trace<T>(msg: T, span: &tracing::Span, client: &Option<String>) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
     if let Some(tp) = telemetry::trace::traceparent(span).or_else(|| client.clone())
         && let Ok(v) = tp.parse()
@@ -95,6 +95,8 @@ struct Prefilled {
     first_logprobs: Option<pb::TokenLogprobs>,
     handle: Option<pb::KvHandle>,
     cached_tokens: u32,
+    /// The decode worker's pulls of the prompt's leading pieces, when its KV was streamed.
+    prefetches: crate::stream_kv::Prefetches,
 }
 
 /// How the prefill step ended.
@@ -115,7 +117,7 @@ fn outcome(state: &RouterState, worker: WorkerId, name: &str, result: Result<(),
 }
 
 async fn prefill(
-    state: &RouterState,
+    state: &Arc<RouterState>,
     job: &Job,
     decision: &Decision,
     tx: &mpsc::Sender<Result<Piece, ApiError>>,
@@ -129,7 +131,7 @@ async fn prefill(
     for cand in order.into_iter().take(state.limits.max_prefill_attempts) {
         let Some(member) = state.cluster.member(cand.id).filter(|m| m.up) else { continue };
         // An external engine serves whole requests only: it cannot hand its KV to another worker.
-        let Transport::Tandem(mut client) = member.transport else { continue };
+        let Transport::Tandem(mut client) = member.transport.clone() else { continue };
         // A second worker for the same prompt is a retry: only within the budget.
         if attempts > 0 && !state.try_retry() {
             return PrefillOutcome::Failed;
@@ -141,6 +143,7 @@ async fn prefill(
             sampling: Some(prefill_sampling.clone()),
             cache_namespace: job.namespace.clone(),
             deadline_unix_ms: Some(job.deadline_unix_ms),
+            piece: false,
         };
         let uncached = job.uncached(job.tokens.len(), cand.device_blocks + cand.host_blocks + cand.disk_blocks);
         state.cluster.sent(cand.id, job.seq, &job.request_id, uncached, job.request_blocks, &job.hashes);
@@ -150,6 +153,23 @@ async fn prefill(
             worker = %member.name,
             cached_tokens = tracing::field::Empty
         );
+        // The first attempt streams a long prompt's KV to the decided decode worker while it computes.
+        let pieces = async {
+            match (attempts, stream_kv_to(state, job, decision, &member, cand)) {
+                (1, Some((ends, decode))) => {
+                    let route = crate::stream_kv::Route { prefill: &mut client, decode, span: &span };
+                    crate::stream_kv::prefill_pieces(state, job, &ends, route).await
+                }
+                _ => crate::stream_kv::Prefetches::default(),
+            }
+        };
+        let prefetches = tokio::select! {
+            p = tracing::Instrument::instrument(pieces, span.clone()) => p,
+            _ = tx.closed() => {
+                state.cluster.done(cand.id, job.seq);
+                return PrefillOutcome::ClientGone;
+            }
+        };
         let call = tracing::Instrument::instrument(
             tokio::time::timeout(
                 state.limits.prefill_timeout,
@@ -167,7 +187,9 @@ async fn prefill(
         state.cluster.done(cand.id, job.seq);
         match result {
             Ok(Ok(resp)) => {
-                let r = resp.into_inner();
+                let mut r = resp.into_inner();
+                // A streamed prompt's last piece finds the earlier ones cached: they were computed for it.
+                r.cached_tokens = prefetches.cached_tokens.unwrap_or(r.cached_tokens);
                 span.record("cached_tokens", r.cached_tokens);
                 outcome(state, cand.id, &member.name, Ok(()));
                 state.metrics.prefilled_with_overlap([cand.device_blocks, cand.host_blocks, cand.disk_blocks]);
@@ -176,6 +198,7 @@ async fn prefill(
                     first_logprobs: r.first_logprobs,
                     handle: r.handle,
                     cached_tokens: r.cached_tokens,
+                    prefetches,
                 }));
             }
             Ok(Err(status)) => {
@@ -192,12 +215,38 @@ async fn prefill(
     PrefillOutcome::Failed
 }
 
+/// Where to cut the prompt and which decode worker pulls the pieces, when the router streams this prompt's KV
+/// (`Limits::stream_kv`) from worker `prefill` (candidate `cand`) to the decided decode worker: both Tandem workers
+/// that know streaming, an answer longer than one token, and a prompt of more than one of the prefill worker's
+/// chunks past what it holds.
+fn stream_kv_to(
+    state: &RouterState,
+    job: &Job,
+    decision: &Decision,
+    prefill: &crate::cluster::Member,
+    cand: &crate::scheduler::Scored,
+) -> Option<(Vec<usize>, proto::worker::worker_client::WorkerClient<tonic::transport::Channel>)> {
+    // An answer of one token ends at the prefill worker: nothing is pulled.
+    if !state.limits.stream_kv || job.sampling.max_tokens <= 1 || prefill.protocol < worker::STREAM_KV_PROTOCOL {
+        return None;
+    }
+    let decode = state.cluster.member(decision.decode.id).filter(|m| m.up && m.protocol >= worker::STREAM_KV_PROTOCOL);
+    let Transport::Tandem(decode) = decode?.transport else {
+        return None;
+    };
+    let chunk = prefill.max_num_batched_tokens;
+    let block = job.block_size as usize;
+    let cached = (cand.device_blocks + cand.host_blocks + cand.disk_blocks) * block;
+    let ends = crate::stream_kv::piece_ends(job.tokens.len(), cached, block, chunk as usize);
+    (!ends.is_empty()).then_some((ends, decode))
+}
+
 /// How long a lease release may take before it is left to expire.
 const RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Frees a prefill worker's lease that no decode worker will pull (the answer ended at the first token, or the
 /// client left), so its KV copy goes now rather than at expiry.
-fn release_unused(state: &RouterState, handle: Option<pb::KvHandle>) {
+pub(crate) fn release_unused(state: &RouterState, handle: Option<pb::KvHandle>) {
     let (Some(client), Some(h)) = (state.leases.clone(), handle) else { return };
     let Ok(h) = worker::convert::handle_from_pb(h) else { return };
     let Ok(addr) = h.endpoint.parse::<std::net::SocketAddr>() else { return };
@@ -391,6 +440,7 @@ fn next_decoder(state: &RouterState, job: &Job, tried: &[WorkerId], fallback: Wo
 async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Sender<Result<Piece, ApiError>>) {
     let mut progress = Progress::default();
     let mut handle = None;
+    let mut prefetches = crate::stream_kv::Prefetches::default();
     state.request_started();
     if decision.disaggregate {
         match prefill(&state, &job, &decision, &tx).await {
@@ -402,6 +452,7 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                 progress.generated.push(p.first);
                 progress.cached = Some(p.cached_tokens);
                 handle = p.handle;
+                prefetches = p.prefetches;
                 let eos = job.sampling.stop_token_ids.contains(&p.first)
                     || (state.text.tokenizer().is_end_of_generation(p.first) && !job.sampling.ignore_eos);
                 if eos || job.sampling.max_tokens <= 1 {
@@ -427,6 +478,8 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     // The decided decode worker's overlap, for its own prefill (aggregated, or after every prefill attempt failed).
     let mut overlap = decision.decode.chosen().map(|c| [c.device_blocks, c.host_blocks, c.disk_blocks]);
     let mut tried = Vec::new();
+    // The decode worker's pulls of a streamed prompt's pieces end before it is asked for the rest.
+    prefetches.settle(crate::stream_kv::SETTLE_LIMIT).await;
     if state.cluster.member(worker).is_none_or(|m| !m.up) {
         // The decided decode worker left while the prompt prefilled (a drain began, its streams ended): nothing
         // ran there, so another takes the request as its first decode attempt, not as a resumption.

@@ -34,6 +34,9 @@ pub struct Limits {
     pub default_max_tokens: u32,
     /// How many retries and failovers the router may add to the load.
     pub retry_budget: RetryBudgetSettings,
+    /// Stream a long disaggregated prompt's KV: prefill it in pieces of about a chunk, the decode worker pulling
+    /// each finished piece while the next computes (`crate::stream_kv`).
+    pub stream_kv: bool,
 }
 
 /// Requests in flight and waiting: past `max_in_flight` they queue, past `max_queue` they are refused.

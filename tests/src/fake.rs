@@ -93,6 +93,15 @@ impl Worker for Fake {
         )))
     }
 
+    async fn prefetch(&self, _: Request<pb::PrefetchRequest>) -> Result<Response<pb::PrefetchResponse>, Status> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        match self.behaviour {
+            Behaviour::Hang => std::future::pending().await,
+            Behaviour::Fail => Err(Status::internal("this worker is unwell")),
+            Behaviour::Refuse => Err(Status::invalid_argument("not this worker's prompt")),
+        }
+    }
+
     async fn cancel(&self, _: Request<pb::CancelRequest>) -> Result<Response<pb::CancelResponse>, Status> {
         Ok(Response::new(pb::CancelResponse { found: false }))
     }

@@ -5,7 +5,9 @@
 //!
 //! Leased KV is capped in bytes: a prefill reserves what its prompt's KV will take before it computes anything,
 //! and is refused when the reservation does not fit, so a burst of prefills cannot pin the whole device tier; the
-//! router then tries another worker.
+//! router then tries another worker. A prompt streamed in pieces (the router's `stream_kv`) leases each leading
+//! piece under the same request id before the whole prompt: the whole prompt's reservation is credited with those
+//! leases, whose blocks (each piece a prefix of the next) it pins again rather than adds to.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,6 +38,8 @@ struct Inner {
 struct Leased {
     blocks: Vec<(u64, Bytes)>,
     bytes: u64,
+    /// The router's request id the lease was granted for.
+    request: String,
 }
 
 /// Bytes set aside for one prefill's KV until it is leased or given up (dropping it gives them back).
@@ -72,9 +76,13 @@ impl Leases {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sets `bytes` aside for a prompt's KV, or says why not.
-    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, LeaseCapExceeded> {
+    /// Sets `bytes` aside for request `request`'s prompt KV, or says why not. Live leases of the same request (a
+    /// streamed prompt's leading pieces, whose blocks this prompt's lease pins again) are taken off what is set
+    /// aside. An empty id names no request.
+    pub fn reserve(self: &Arc<Self>, bytes: u64, request: &str) -> Result<Reservation, LeaseCapExceeded> {
         let mut inner = self.lock();
+        let pieces = inner.leased.values().filter(|l| !request.is_empty() && l.request == request);
+        let bytes = bytes.saturating_sub(pieces.map(|l| l.bytes).sum());
         if inner.bytes.saturating_add(bytes) > self.cap {
             return Err(LeaseCapExceeded { held: inner.bytes, want: bytes, cap: self.cap });
         }
@@ -82,11 +90,12 @@ impl Leases {
         Ok(Reservation { leases: Arc::clone(self), bytes })
     }
 
-    /// Holds `blocks` (checksum, bytes) under `id` for `ttl`, in the room `reserved` set aside (what the blocks
-    /// take beyond it is counted too).
+    /// Holds `blocks` (checksum, bytes) under `id` for request `request` for `ttl`, in the room `reserved` set
+    /// aside (what the blocks take beyond it is counted too).
     pub fn grant(
         &self,
         id: LeaseId,
+        request: &str,
         blocks: Vec<(u64, Bytes)>,
         mut reserved: Reservation,
         now: Instant,
@@ -98,7 +107,7 @@ impl Leases {
         // The reservation's bytes now belong to the lease (the reservation, emptied, gives nothing back).
         let set_aside = std::mem::take(&mut reserved.bytes);
         inner.bytes = inner.bytes.saturating_sub(set_aside) + bytes;
-        inner.leased.insert(id, Leased { blocks, bytes });
+        inner.leased.insert(id, Leased { blocks, bytes, request: request.to_string() });
         drop(inner);
         drop(reserved);
         Ok(())
@@ -204,22 +213,50 @@ mod tests {
     fn leased_bytes_stay_under_the_cap_and_come_back() {
         let leases = Arc::new(Leases::new(10_000));
         let now = Instant::now();
-        let r = leases.reserve(4_000).expect("fits");
+        let r = leases.reserve(4_000, "r1").expect("fits");
         assert_eq!(leases.bytes(), 4_000);
-        let refused = leases.reserve(7_000).expect_err("past the cap");
+        let refused = leases.reserve(7_000, "r2").expect_err("past the cap");
         assert_eq!(refused, LeaseCapExceeded { held: 4_000, want: 7_000, cap: 10_000 });
-        leases.grant(LeaseId(1), blocks(4, 1_000), r, now, Duration::from_secs(30)).expect("granted");
+        leases.grant(LeaseId(1), "r1", blocks(4, 1_000), r, now, Duration::from_secs(30)).expect("granted");
         assert_eq!(leases.bytes(), 4_000);
         // A reservation given up (the prefill failed) gives its room back.
-        drop(leases.reserve(6_000).expect("fits exactly"));
+        drop(leases.reserve(6_000, "r2").expect("fits exactly"));
         assert_eq!(leases.bytes(), 4_000);
-        let r = leases.reserve(2_000).expect("fits");
-        leases.grant(LeaseId(2), blocks(2, 1_000), r, now, Duration::from_secs(1)).expect("granted");
+        let r = leases.reserve(2_000, "r2").expect("fits");
+        leases.grant(LeaseId(2), "r2", blocks(2, 1_000), r, now, Duration::from_secs(1)).expect("granted");
         assert_eq!((leases.len(), leases.bytes()), (2, 6_000));
         leases.release(LeaseId(1)).expect("released");
         assert_eq!(leases.bytes(), 2_000);
         assert_eq!(leases.expire(now + Duration::from_secs(2)), 1);
         assert_eq!((leases.len(), leases.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn a_streamed_prompt_is_credited_with_its_own_pieces_leases() {
+        let leases = Arc::new(Leases::new(10_000));
+        let now = Instant::now();
+        let ttl = Duration::from_secs(30);
+        // Two leading pieces of request "r1" leased: 3,000 and 6,000 bytes, 9,000 counted.
+        for (id, n) in [(1, 3), (2, 6)] {
+            let r = leases.reserve(n * 1_000, "r1").expect("fits");
+            leases.grant(LeaseId(id), "r1", blocks(n as usize, 1_000), r, now, ttl).expect("granted");
+        }
+        assert_eq!(leases.bytes(), 9_000);
+        // Another request's 2,000 bytes do not fit; the whole prompt of "r1" pins the pieces' blocks again, so it
+        // sets aside only what passes its pieces' leases.
+        assert!(leases.reserve(2_000, "r2").is_err());
+        assert!(leases.reserve(2_000, "").is_err(), "an empty id names no request");
+        drop(leases.reserve(10_000, "r1").expect("credited with the pieces' 9,000 bytes"));
+        assert!(leases.reserve(11_000, "r1").is_err(), "past the cap even so");
+        let whole = leases.reserve(8_000, "r1").expect("credited");
+        assert_eq!(leases.bytes(), 9_000);
+        leases.grant(LeaseId(3), "r1", blocks(8, 1_000), whole, now, ttl).expect("granted");
+        // Once the pieces are pulled and released, only the whole prompt's lease is counted.
+        leases.release(LeaseId(1)).expect("released");
+        leases.release(LeaseId(2)).expect("released");
+        assert_eq!(leases.bytes(), 8_000);
+        leases.release(LeaseId(3)).expect("released");
+        assert_eq!(leases.bytes(), 0);
     }
 
     #[test]

@@ -109,15 +109,20 @@ impl WorkerConfig {
 /// `KvHandle.server_name` (peers verified by role identity, not address). 3: `Sampling`'s logits rules (penalties,
 /// `logit_bias`, `min_tokens`, `stop_token_ids`, `prior_generated`), which a version-2 worker would ignore. 4:
 /// `Sampling.logprobs` (log-probabilities on `Token` and `PrefillResponse`) and `Sampling.grammar` (structured
-/// outputs). A router accepts this and the one
-/// before, and sends requests that use something newer only to workers that know it.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// outputs). 5: `Prefetch`, and a prefill's lease reservation credited with the live leases of its own request
+/// (a streamed prompt's pieces). A router accepts this and the one before, and sends requests that use something
+/// newer only to workers that know it.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The first protocol whose workers apply `Sampling`'s logits rules.
 pub const LOGITS_RULES_PROTOCOL: u32 = 3;
 
 /// The first protocol whose workers report log-probabilities and apply grammars.
 pub const LOGPROBS_PROTOCOL: u32 = 4;
+
+/// The first protocol whose workers take a streamed prompt's pieces (`Prefetch` on the decode side, the lease
+/// credit on the prefill side).
+pub const STREAM_KV_PROTOCOL: u32 = 5;
 
 /// What a worker calls its model when nothing else is said (the embedded one).
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";

@@ -70,6 +70,7 @@ async fn prefill(
         sampling: Some(sampling(max)),
         cache_namespace: None,
         deadline_unix_ms: None,
+        piece: false,
     })
     .await
     .expect("prefill")
@@ -195,6 +196,41 @@ async fn prefill_on_p_and_decode_on_d_match_a_single_engine() {
     assert!(text.contains("tandem_kv_imported_blocks_total 5\n"), "{text}");
     assert!(http_get(p.metrics.expect("metrics served"), "/metrics").await.contains("tandem_kv_leases "));
     drop((pc, dc));
+    stop(p, d).await;
+}
+
+fn prefetch(tokens: &[u32], handle: Option<pb::KvHandle>) -> pb::PrefetchRequest {
+    pb::PrefetchRequest { request_id: "r".into(), tokens: tokens.to_vec(), handle, cache_namespace: None }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetched_piece_is_cached_on_d_and_the_whole_prompt_pulls_only_the_rest() {
+    let Pair { p, d, mut pc, mut dc } = pair(None).await;
+    let prompt: Vec<u32> = (500..600).collect();
+    // The leading piece: 64 tokens, four blocks.
+    let piece = prefill(&mut pc, "r", &prompt[..64], 1).await;
+    let handle = piece.handle.expect("a handle");
+    // Bad requests are refused and store nothing: no handle, a handle for other tokens.
+    let none = dc.prefetch(prefetch(&prompt[..64], None)).await.expect_err("no handle");
+    assert_eq!(none.code(), tonic::Code::InvalidArgument);
+    let other: Vec<u32> = (700..764).collect();
+    let wrong = dc.prefetch(prefetch(&other, Some(handle.clone()))).await.expect_err("another prompt");
+    assert_eq!(wrong.code(), tonic::Code::InvalidArgument, "{wrong}");
+    assert_eq!(d.pulled_blocks(), 0);
+    let stored = dc.prefetch(prefetch(&prompt[..64], Some(handle.clone()))).await.expect("prefetched");
+    assert_eq!(stored.into_inner().stored_blocks, 4);
+    assert_eq!(d.pulled_blocks(), 4);
+    // The pull released the piece's lease: asking again finds it gone.
+    let gone = dc.prefetch(prefetch(&prompt[..64], Some(handle))).await;
+    assert!(gone.as_ref().is_ok_and(|r| r.get_ref().stored_blocks == 0), "held already: nothing pulled: {gone:?}");
+
+    // The whole prompt: P finds the piece cached, D pulls only the two blocks past it.
+    let whole = prefill(&mut pc, "r", &prompt, 3).await;
+    assert_eq!(whole.cached_tokens, 64);
+    let tokens = [prompt.clone(), vec![whole.first_token]].concat();
+    generate(&mut dc, tokens, whole.handle, 2).await.expect("decodes");
+    assert_eq!(d.pulled_blocks(), 6, "four ahead, then the two it lacked");
+    assert_eq!(p.live_leases(), 0);
     stop(p, d).await;
 }
 
@@ -363,6 +399,7 @@ async fn trace_context_rides_from_grpc_metadata_into_the_transfer_request() {
         sampling: Some(sampling(3)),
         cache_namespace: None,
         deadline_unix_ms: None,
+        piece: false,
     });
     req.metadata_mut().insert("traceparent", tp.parse().expect("ascii"));
     let pre = pc.prefill(req).await.expect("prefill").into_inner();

@@ -88,6 +88,9 @@ pub struct Args {
     /// Seed the router's random choices (tie-breaks, sampling policies) for reproducible runs.
     #[arg(long)]
     seed: Option<u64>,
+    /// Stream a long disaggregated prompt's KV to its decode worker while the prompt computes, piece by piece.
+    #[arg(long, value_name = "BOOL", default_value_t = defaults::STREAM_KV, action = clap::ArgAction::Set)]
+    stream_kv: bool,
     /// Record the router's traffic to this new file (a trace `tandem sim` replays; no text, re-keyed hashes).
     #[arg(long)]
     record_trace: Option<std::path::PathBuf>,
@@ -194,7 +197,12 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             identity: router_id,
             // tandem up made these certificates itself and keeps them for its life.
             certs: None,
-            limits: Limits { max_in_flight: args.max_in_flight, max_queue: args.max_queue, ..Limits::default() },
+            limits: Limits {
+                max_in_flight: args.max_in_flight,
+                max_queue: args.max_queue,
+                stream_kv: args.stream_kv,
+                ..Limits::default()
+            },
             scheduler,
             tenants: router::tenants::Tenants::open(args.api_key.into_iter().collect()),
             admin_key: args.admin_key,

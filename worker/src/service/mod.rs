@@ -3,6 +3,7 @@
 //! client side (pulling a prefill worker's blocks) is `crate::pull`; leased KV is `crate::leases`.
 
 mod generate;
+mod prefetch;
 mod prefill;
 mod subscribe;
 
@@ -119,6 +120,19 @@ impl Worker for WorkerService {
         );
         telemetry::trace::set_parent(&span, traceparent.as_deref());
         self.generate_inner(req.into_inner(), traceparent, arrived).instrument(span).await
+    }
+
+    async fn prefetch(&self, req: GrpcRequest<pb::PrefetchRequest>) -> Result<Response<pb::PrefetchResponse>, Status> {
+        let traceparent = traceparent(&req);
+        let span = tracing::info_span!(
+            "prefetch",
+            otel.kind = "server",
+            traceparent = traceparent.as_deref(),
+            request_id = %req.get_ref().request_id,
+            prompt_tokens = req.get_ref().tokens.len(),
+        );
+        telemetry::trace::set_parent(&span, traceparent.as_deref());
+        self.prefetch_inner(req.into_inner(), traceparent).instrument(span).await
     }
 
     async fn cancel(&self, req: GrpcRequest<pb::CancelRequest>) -> Result<Response<pb::CancelResponse>, Status> {

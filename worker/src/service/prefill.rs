@@ -70,9 +70,10 @@ impl WorkerService {
         let blocks = r.tokens.len().div_ceil(self.layout.block_tokens.max(1) as usize) as u64;
         let reserved = self
             .leases
-            .reserve(blocks * self.layout.block_bytes())
+            .reserve(blocks * self.layout.block_bytes(), &r.request_id)
             .map_err(|e| Status::resource_exhausted(e.to_string()))?;
         let (ticket, mut cancelled) = self.in_flight.enter(&r.request_id);
+        let (request_id, piece) = (r.request_id.clone(), r.piece);
         let mut stream = self
             .engine
             .submit_exporting(Request {
@@ -97,7 +98,9 @@ impl WorkerService {
             let Some(ev) = ev else { break };
             match ev {
                 SeqEvent::Token { token, logprobs, .. } => {
-                    self.metrics.time_to_first_token.observe(arrived.elapsed());
+                    if !piece {
+                        self.metrics.time_to_first_token.observe(arrived.elapsed());
+                    }
                     first = Some(token);
                     first_logprobs = logprobs.as_ref().map(convert::logprobs_to_pb);
                 }
@@ -124,7 +127,7 @@ impl WorkerService {
             .map_err(|e| Status::internal(format!("preparing the lease failed: {e}")))?;
         let shm_region = self.store.as_ref().map(|p| p.display().to_string());
         self.leases
-            .grant(lease, prepared.held, reserved, Instant::now(), self.lease_ttl)
+            .grant(lease, &request_id, prepared.held, reserved, Instant::now(), self.lease_ttl)
             .map_err(|e| Status::internal(e.to_string()))?;
         let handle = KvHandle {
             endpoint,
