@@ -62,6 +62,9 @@ pub struct Settings {
     /// machine runs them): while `k` workers compute, each step advances at `min(1, cores / k)` of its modelled
     /// speed (processor sharing, `cores`). 0: each worker has its own hardware (a GPU each).
     pub host_cores: usize,
+    /// The router streams a long prompt's KV while it computes (`router::stream_kv`): the decode worker pulls the
+    /// prompt's leading pieces during the prefill, and only the last piece's blocks after it.
+    pub stream_kv: bool,
     pub seed: u64,
 }
 
@@ -647,17 +650,29 @@ impl<'a> Sim<'a> {
         let held = (m.device + m.host + m.disk).min(hashes.len());
         let pulled = hashes.len() - held;
         let bytes = pulled as u64 * self.settings.transfer_block_bytes;
-        let secs = if pulled == 0 {
-            0.0
-        } else {
-            self.settings.transfer_latency + bytes as f64 / self.settings.transfer_bandwidth
+        // Streamed: the leading pieces' blocks came over while the later pieces computed (each piece a pull of
+        // its own), so what is left after the prefill is what the last piece added. The modelled simplification:
+        // the pieces' pulls are taken to have ended by now, whatever else held the links meanwhile.
+        let ends = self.piece_ends(i);
+        let streamed = ends.last().map_or(0, |end| end / self.block_size.tokens()).min(hashes.len());
+        let ahead = streamed.saturating_sub(held).min(pulled);
+        let pull_secs = |blocks: usize| match blocks {
+            0 => 0.0,
+            n => {
+                let bytes = n as u64 * self.settings.transfer_block_bytes;
+                self.settings.transfer_latency + bytes as f64 / self.settings.transfer_bandwidth
+            }
         };
+        let secs = pull_secs(pulled - ahead);
+        // Every pull the decode worker made, for its measured link speed: one per leading piece, then the rest.
+        let piece_latencies = if ahead > 0 { ends.len() - 1 } else { 0 };
+        let total_secs = secs + pull_secs(ahead) + self.settings.transfer_latency * piece_latencies as f64;
         let begin = now.max(self.workers[p].link_free).max(self.workers[d].link_free);
         let end = begin + secs;
         self.workers[p].link_free = end;
         self.workers[d].link_free = end;
         self.workers[d].pulled_bytes += bytes;
-        self.workers[d].pulled_nanos += (secs * 1e9) as u64;
+        self.workers[d].pulled_nanos += (total_secs * 1e9) as u64;
         self.out.transfer_bytes += bytes;
         if pulled > 0 {
             self.live[i].pull = Some((kv, held..hashes.len()));
@@ -668,6 +683,17 @@ impl<'a> Sim<'a> {
         // The router calls the decode worker as soon as the prefill answers; the pull happens inside that call.
         self.send(d, i, 0);
         self.queue.at(end, Ev::Pulled(i));
+    }
+
+    /// Where the router cuts request `i`'s prompt when it streams its KV (`router::stream_kv::piece_ends`, from
+    /// what its prefill worker held of it); empty when it does not.
+    fn piece_ends(&self, i: usize) -> Vec<usize> {
+        let live = &self.live[i];
+        if !self.settings.stream_kv || live.max_tokens <= 1 {
+            return Vec::new();
+        }
+        let bt = self.block_size.tokens();
+        router::stream_kv::piece_ends(live.prompt.len(), live.cached, bt, self.settings.engine.max_batched_tokens)
     }
 
     /// Prefill worker `p` takes back the blocks of exports that nobody reads any more (its lease ended).

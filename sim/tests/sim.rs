@@ -36,6 +36,30 @@ fn three_requests_on_two_workers_take_the_times_worked_out_by_hand() {
 }
 
 #[test]
+fn a_streamed_prompt_leaves_only_its_last_pieces_blocks_to_pull_after_the_prefill() {
+    // Prefill: 10 ms + 0.01 ms per token; a pull: 0.5 ms + 1 ms per block.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 0.01\n[decode]\nbase_ms = 5.0\n";
+    let mut s = settings(profile, 1, 1, Policy::Kv);
+    s.scheduler.disaggregation = router::scheduler::config::DisaggregationRule::Always;
+    s.engine.max_batched_tokens = 256;
+    s.transfer_bandwidth = s.transfer_block_bytes as f64 * 1000.0;
+    // 960 tokens in chunks of 256: pieces end at 256, 512 and 768 tokens; the last piece adds 12 of the 60 blocks.
+    let trace = [request(0.0, 960, 2, 1)];
+    let run = |stream_kv| {
+        let s = Settings { stream_kv, ..s.clone() };
+        let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+        let r = &out.records[0];
+        (r.time_to_first_token_ms.expect("a first token"), r.inter_chunk_ms[0], out.transfer_bytes)
+    };
+    let (ttft_off, gap_off, bytes_off) = run(false);
+    let (ttft_on, gap_on, bytes_on) = run(true);
+    assert!((ttft_on - ttft_off).abs() < 1e-9, "the prefill is the same: {ttft_on} vs {ttft_off}");
+    // After the prefill: a pull of 60 blocks, or of the last piece's 12, then the decode step.
+    assert!((gap_off - gap_on - 48.0).abs() < 1e-6, "{gap_off} ms against {gap_on} ms");
+    assert_eq!(bytes_on, bytes_off, "the same blocks move, most of them earlier");
+}
+
+#[test]
 fn a_modelled_router_tokenizer_delays_routing_by_the_prompt_and_queues_on_its_slots() {
     // As above, with the router tokenizing 1,000 tokens per second on one slot: A (100 tokens) is routed at 100 ms
     // and B (100 tokens, arriving at 1 ms) waits for the slot until 200 ms; each then prefills alone (110 ms) on

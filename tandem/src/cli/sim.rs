@@ -133,6 +133,10 @@ pub struct ClusterArgs {
     /// own hardware.
     #[arg(long, default_value_t = 0)]
     host_cores: usize,
+    /// The router streams a long prompt's KV while it computes (as the router's `--stream-kv`, on by default): the
+    /// decode worker pulls the leading pieces during the prefill, only the last piece after it.
+    #[arg(long, value_name = "BOOL", default_value_t = router::run::defaults::STREAM_KV, action = clap::ArgAction::Set)]
+    stream_kv: bool,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -175,6 +179,7 @@ impl ClusterArgs {
             router_tokens_per_s: self.router_tokens_per_s,
             router_slots: self.router_slots,
             host_cores: self.host_cores,
+            stream_kv: self.stream_kv,
             seed,
         })
     }
