@@ -267,6 +267,42 @@ async fn a_long_prompt_streams_its_kv_piece_by_piece_and_answers_as_one_engine()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pull() {
+    use tandem_tests::fake::{Behaviour, FakeWorker};
+    let ca = DevCa::generate().expect("ca");
+    let chunked = |c: worker::WorkerConfig| worker::WorkerConfig {
+        engine: EngineConfig { max_batched_tokens: 64, ..c.engine },
+        ..c
+    };
+    let p = worker_with(&ca, Role::Prefill, "prefill-0", chunked).await;
+    // A decode worker whose every Prefetch fails; it answers Generate without pulling.
+    let d = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![]).await;
+    let router = RunningRouter::start(router_config(&ca, vec![p.grpc, d.grpc])).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let prompt = "Streaming pieces of a prompt to a worker that cannot take them. ".repeat(30);
+    let body = serde_json::json!({"model": MODEL, "max_tokens": 4, "temperature": 0, "prompt": prompt}).to_string();
+    let reply = http(router.addr, "POST", "/v1/completions", &body, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 2, "P's first token, then the fake decode worker's");
+    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    let pieces = series(&metrics, "tandem_router_kv_stream_pieces_total");
+    assert!(pieces >= 3.0, "{pieces}");
+    assert_eq!(series(&metrics, "tandem_router_kv_stream_piece_failures_total"), pieces, "every piece's pull failed");
+    // The router released each piece's lease when its pull failed; only the whole prompt's, which the fake never
+    // pulls, waits for its expiry.
+    for _ in 0..40 {
+        if p.live_leases() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(p.live_leases(), 1, "the pieces' leases went at once");
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_no_decode_worker_needs_is_released_at_once() {
     let ca = DevCa::generate().expect("ca");
     let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;

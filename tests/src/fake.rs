@@ -1,7 +1,8 @@
 //! A worker that answers `Info` like a real one (the real model's fingerprint, over mutual TLS) and then
 //! misbehaves, as [`Behaviour`] says: it hangs (its event and load streams send their first message and go silent
 //! without closing, `Generate` streams one token and stalls, `Prefill` and `Health` never answer: a hung process or
-//! a wedged engine), or it fails every `Prefill` and `Generate` at once (a sick worker). It counts those calls.
+//! a wedged engine), or it fails every `Prefill` and `Generate` at once (a sick worker), or it decodes without ever
+//! pulling KV (`Prefetch` fails). It counts those calls.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -29,6 +30,9 @@ pub enum Behaviour {
     /// Streams like a live worker but refuses every `Prefill` and `Generate` as invalid (INVALID_ARGUMENT), as an
     /// engine refuses a request it cannot take.
     Refuse,
+    /// A decode worker that pulls nothing: `Prefetch` fails (UNAVAILABLE), `Generate` answers one token and
+    /// finishes without reading the handle, `Prefill` fails.
+    NoPulls,
 }
 
 #[derive(Clone)]
@@ -70,7 +74,7 @@ impl Worker for Fake {
         self.calls.fetch_add(1, Ordering::Relaxed);
         match self.behaviour {
             Behaviour::Hang => std::future::pending().await,
-            Behaviour::Fail => Err(Status::internal("this worker is unwell")),
+            Behaviour::Fail | Behaviour::NoPulls => Err(Status::internal("this worker is unwell")),
             Behaviour::Refuse => Err(Status::invalid_argument("the prompt is longer than this worker's context")),
         }
     }
@@ -85,6 +89,22 @@ impl Worker for Fake {
                 return Err(Status::invalid_argument("the prompt is longer than this worker's context"));
             }
             Behaviour::Hang => {}
+            Behaviour::NoPulls => {
+                let token = pb::GenerateResponse {
+                    event: Some(pb::generate_response::Event::Token(pb::Token {
+                        id: 504,
+                        text: "The".into(),
+                        logprobs: None,
+                    })),
+                };
+                let finished = pb::GenerateResponse {
+                    event: Some(pb::generate_response::Event::Finished(pb::Finished {
+                        reason: pb::FinishReason::Length as i32,
+                        ..Default::default()
+                    })),
+                };
+                return Ok(Response::new(Box::pin(tokio_stream::iter([Ok(token), Ok(finished)]))));
+            }
         }
         let token = pb::Token { id: 504, text: "The".into(), logprobs: None };
         Ok(Response::new(stream(
@@ -98,6 +118,7 @@ impl Worker for Fake {
         match self.behaviour {
             Behaviour::Hang => std::future::pending().await,
             Behaviour::Fail => Err(Status::internal("this worker is unwell")),
+            Behaviour::NoPulls => Err(Status::unavailable("this worker pulls nothing")),
             Behaviour::Refuse => Err(Status::invalid_argument("not this worker's prompt")),
         }
     }
