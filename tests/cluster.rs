@@ -215,6 +215,11 @@ async fn a_worker_with_another_block_size_is_refused() {
     d.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A worker computing 64-token chunks: a prompt of a few hundred tokens takes several steps, so it streams in pieces.
+fn chunked(c: worker::WorkerConfig) -> worker::WorkerConfig {
+    worker::WorkerConfig { engine: EngineConfig { max_batched_tokens: 64, ..c.engine }, ..c }
+}
+
 /// The value of an unlabelled series in a metrics text.
 fn series(metrics: &str, name: &str) -> f64 {
     let line = metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} ")));
@@ -224,11 +229,6 @@ fn series(metrics: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_prompt_streams_its_kv_piece_by_piece_and_answers_as_one_engine() {
     let ca = DevCa::generate().expect("ca");
-    // 64-token chunks: a prompt of a few hundred tokens computes in several steps, so it streams in pieces.
-    let chunked = |c: worker::WorkerConfig| worker::WorkerConfig {
-        engine: EngineConfig { max_batched_tokens: 64, ..c.engine },
-        ..c
-    };
     let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], chunked, |r| r).await;
     let (p, d) = (&workers[0], &workers[1]);
     let system = "You answer questions about geography briefly and precisely, in plain words. ".repeat(30);
@@ -270,10 +270,6 @@ async fn a_long_prompt_streams_its_kv_piece_by_piece_and_answers_as_one_engine()
 async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pull() {
     use tandem_tests::fake::{Behaviour, FakeWorker};
     let ca = DevCa::generate().expect("ca");
-    let chunked = |c: worker::WorkerConfig| worker::WorkerConfig {
-        engine: EngineConfig { max_batched_tokens: 64, ..c.engine },
-        ..c
-    };
     let p = worker_with(&ca, Role::Prefill, "prefill-0", chunked).await;
     // A decode worker whose every Prefetch fails; it answers Generate without pulling.
     let d = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![]).await;
