@@ -220,6 +220,11 @@ fn chunked(c: worker::WorkerConfig) -> worker::WorkerConfig {
     worker::WorkerConfig { engine: EngineConfig { max_batched_tokens: 64, ..c.engine }, ..c }
 }
 
+/// A router that streams long prompts' KV (off by default).
+fn streaming(r: router::run::RouterConfig) -> router::run::RouterConfig {
+    router::run::RouterConfig { limits: router::state::Limits { stream_kv: true, ..r.limits }, ..r }
+}
+
 /// The value of an unlabelled series in a metrics text.
 fn series(metrics: &str, name: &str) -> f64 {
     let line = metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} ")));
@@ -229,7 +234,7 @@ fn series(metrics: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_prompt_streams_its_kv_piece_by_piece_and_answers_as_one_engine() {
     let ca = DevCa::generate().expect("ca");
-    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], chunked, |r| r).await;
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], chunked, streaming).await;
     let (p, d) = (&workers[0], &workers[1]);
     let system = "You answer questions about geography briefly and precisely, in plain words. ".repeat(30);
     let question = "Which river flows through Paris?";
@@ -273,7 +278,7 @@ async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pu
     let p = worker_with(&ca, Role::Prefill, "prefill-0", chunked).await;
     // A decode worker whose every Prefetch fails; it answers Generate without pulling.
     let d = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![]).await;
-    let router = RunningRouter::start(router_config(&ca, vec![p.grpc, d.grpc])).await.expect("router");
+    let router = RunningRouter::start(streaming(router_config(&ca, vec![p.grpc, d.grpc]))).await.expect("router");
     wait_for_workers(&router, 2).await;
     let prompt = "Streaming pieces of a prompt to a worker that cannot take them. ".repeat(30);
     let body = serde_json::json!({"model": MODEL, "max_tokens": 4, "temperature": 0, "prompt": prompt}).to_string();

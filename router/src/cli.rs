@@ -103,7 +103,7 @@ pub struct Settings {
     #[arg(long, env = "TANDEM_DECODE_IDLE_TIMEOUT_MS")]
     pub decode_idle_timeout_ms: Option<u64>,
     /// Stream a long disaggregated prompt's KV to its decode worker while the prompt computes, piece by piece
-    /// (default true).
+    /// (default false: it pays on idle prefill workers and costs busy ones; docs/performance.md).
     #[arg(long, env = "TANDEM_STREAM_KV", value_name = "BOOL")]
     pub stream_kv: Option<bool>,
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]

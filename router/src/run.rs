@@ -42,8 +42,9 @@ pub mod defaults {
     pub const MAX_DECODE_ATTEMPTS: usize = 3;
     /// Output budget when a request names none.
     pub const DEFAULT_MAX_TOKENS: u32 = 512;
-    /// Long disaggregated prompts stream their KV to the decode worker while they compute (docs/performance.md).
-    pub const STREAM_KV: bool = true;
+    /// Off: streaming a long prompt's KV while it computes cuts the time to decoding on an idle prefill worker,
+    /// but each piece boundary costs a busy one a step, which raised TTFT p90 on a real trace (docs/performance.md).
+    pub const STREAM_KV: bool = false;
     /// The engine's and `routing.md`'s block size.
     pub const BLOCK_SIZE: u32 = 16;
 }

@@ -164,6 +164,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--policy", default="kv")
+    p.add_argument("--stream-kv", default="false", choices=["true", "false"],
+                   help="the routers stream long prompts' KV while they compute (the real one and the simulated one)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--engine", choices=["mock", "cpu"], default="mock")
     p.add_argument("--rate", default="0.5", help="requests/s of the synthetic workload (--engine cpu)")
@@ -190,7 +192,7 @@ def main():
     workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "512", "--suffix-len", "512",
                  "--output-len", "16"] if cpu else ["--trace", str(TRACE)]) + ["--max-requests", str(args.requests)]
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
-             "--seed", str(args.seed), *tiers]
+             "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers]
     runs = []  # (directory, bench serve's summary) per real run
     for k in range(args.repeat):
         d = out / ("cluster" if k == 0 else f"cluster-{k}")
@@ -209,7 +211,7 @@ def main():
     sim = subprocess.run([args.tandem, "sim", *workload, *profile,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
-                          "--slo", SLO, "--config", str(config),
+                          "--slo", SLO, "--config", str(config), "--stream-kv", args.stream_kv,
                           "--router-tokens-per-s", args.router_tokens_per_s,
                           "--out", str(out / "sim"), "--json"], capture_output=True, text=True)
     if sim.returncode != 0:
@@ -260,7 +262,8 @@ def main():
         done = subprocess.run([args.tandem, "sim", "--trace", str(again / "trace.jsonl"),
                                "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                                "--seed", str(args.seed), *tiers[:4], "--config", str(config),
-                               "--out", str(again), "--json"], capture_output=True, text=True)
+                               "--stream-kv", args.stream_kv, "--out", str(again), "--json"],
+                              capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"tandem sim failed: {done.stderr}")
         agreed, matched, _, clear_agreed, clear = agreement(

@@ -63,7 +63,8 @@ pub struct Settings {
     /// speed (processor sharing, `cores`). 0: each worker has its own hardware (a GPU each).
     pub host_cores: usize,
     /// The router streams a long prompt's KV while it computes (`router::stream_kv`): the decode worker pulls the
-    /// prompt's leading pieces during the prefill, and only the last piece's blocks after it.
+    /// prompt's leading pieces during the prefill, and only the last piece's blocks after it. (The round trips
+    /// between pieces, and the step a busy prefill worker runs in each, are not modelled.)
     pub stream_kv: bool,
     pub seed: u64,
 }

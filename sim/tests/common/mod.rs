@@ -40,7 +40,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         router_tokens_per_s: 0.0,
         host_cores: 0,
         router_slots: 1,
-        stream_kv: true,
+        stream_kv: false,
         seed: 7,
     }
 }

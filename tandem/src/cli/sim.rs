@@ -133,7 +133,7 @@ pub struct ClusterArgs {
     /// own hardware.
     #[arg(long, default_value_t = 0)]
     host_cores: usize,
-    /// The router streams a long prompt's KV while it computes (as the router's `--stream-kv`, on by default): the
+    /// The router streams a long prompt's KV while it computes (as the router's `--stream-kv`, off by default): the
     /// decode worker pulls the leading pieces during the prefill, only the last piece after it.
     #[arg(long, value_name = "BOOL", default_value_t = router::run::defaults::STREAM_KV, action = clap::ArgAction::Set)]
     stream_kv: bool,
