@@ -304,6 +304,27 @@ async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_of_the_protocol_before_streaming_is_sent_the_whole_prompt_at_once() {
+    use tandem_tests::fake::{Behaviour, FakeWorker};
+    let ca = DevCa::generate().expect("ca");
+    let p = worker_with(&ca, Role::Prefill, "prefill-0", chunked).await;
+    let older = worker::STREAM_KV_PROTOCOL - 1;
+    let d = FakeWorker::speaking(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![], older).await;
+    let router = RunningRouter::start(streaming(router_config(&ca, vec![p.grpc, d.grpc]))).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let prompt = "A worker one protocol version behind knows no Prefetch. ".repeat(30);
+    let body = serde_json::json!({"model": MODEL, "max_tokens": 4, "temperature": 0, "prompt": prompt}).to_string();
+    let reply = http(router.addr, "POST", "/v1/completions", &body, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert_eq!(series(&metrics, "tandem_router_kv_stream_pieces_total"), 0.0, "nothing streamed to it");
+    assert_eq!(d.calls(), 1, "one Generate, no Prefetch");
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_no_decode_worker_needs_is_released_at_once() {
     let ca = DevCa::generate().expect("ca");
     let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
