@@ -78,3 +78,30 @@ fn a_mock_refuses_bad_settings_at_start() {
     let e = engine::generate::Engine::open(&common::model_path(), config).expect_err("refused");
     assert!(e.to_string().contains("block bytes"), "{e}");
 }
+
+/// Prompts are computed in the order they arrived, also after an earlier sequence has finished and left: the
+/// scheduler plans prompt chunks in its sequences' order, which retiring one must not reshuffle.
+#[test]
+fn prompts_waiting_for_the_token_budget_are_computed_in_arrival_order() {
+    use engine::generate::{Output, Stepper};
+    // 64 tokens a step: one prompt chunk at a time.
+    let config = EngineConfig { max_batched_tokens: 64, ..mock("", 1.0, 256) };
+    let mut stepper = Stepper::new(common::engine(config));
+    let none: &[(usize, &[u8])] = &[];
+    // A: a short prompt that ends with its first token; B and C: four chunks each, B first.
+    for (id, len, max) in [(0u64, 16u32, 1u32), (1, 256, 2), (2, 256, 2)] {
+        let prompt: Vec<u32> = (0..len).map(|i| 1000 + id as u32 * 300 + i).collect();
+        stepper.submit(id, &request(prompt, max, id), false, &none).expect("queued");
+    }
+    let mut first_tokens = Vec::new();
+    while stepper.busy() {
+        for out in stepper.step().outputs {
+            if let Output::Token { id, .. } = out
+                && !first_tokens.contains(&id)
+            {
+                first_tokens.push(id);
+            }
+        }
+    }
+    assert_eq!(first_tokens, vec![0, 1, 2], "B arrived before C, so its prompt is done first");
+}

@@ -177,16 +177,15 @@ impl Seq {
 }
 
 /// Removes the finished sequences from `seqs` together with their entries in `tags` (kept index for index), and
-/// returns them.
+/// returns them. The others keep their order, which is the order they arrived in: prompt chunks are planned in it.
 pub(super) fn take_finished<T>(seqs: &mut Vec<Seq>, tags: &mut Vec<T>) -> Vec<(Seq, T)> {
-    let mut done = Vec::new();
-    let mut i = 0;
-    while i < seqs.len() {
+    let mut kept = 0;
+    for i in 0..seqs.len() {
         if seqs[i].active() {
-            i += 1;
-        } else {
-            done.push((seqs.swap_remove(i), tags.swap_remove(i)));
+            seqs.swap(kept, i);
+            tags.swap(kept, i);
+            kept += 1;
         }
     }
-    done
+    seqs.drain(kept..).zip(tags.drain(kept..)).collect()
 }
