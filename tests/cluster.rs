@@ -271,21 +271,35 @@ async fn a_long_prompt_streams_its_kv_piece_by_piece_and_answers_as_one_engine()
     stop(router, workers).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pull() {
+/// A real prefill worker in 64-token chunks and a fake decode worker of protocol `version` that never pulls KV
+/// (`Prefetch` fails, `Generate` answers one token), behind a router that streams.
+async fn behind_a_decode_worker_that_pulls_nothing(
+    version: u32,
+) -> (worker::RunningWorker, tandem_tests::fake::FakeWorker, RunningRouter) {
     use tandem_tests::fake::{Behaviour, FakeWorker};
     let ca = DevCa::generate().expect("ca");
     let p = worker_with(&ca, Role::Prefill, "prefill-0", chunked).await;
-    // A decode worker whose every Prefetch fails; it answers Generate without pulling.
-    let d = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![]).await;
+    let d = FakeWorker::speaking(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![], version).await;
     let router = RunningRouter::start(streaming(router_config(&ca, vec![p.grpc, d.grpc]))).await.expect("router");
     wait_for_workers(&router, 2).await;
-    let prompt = "Streaming pieces of a prompt to a worker that cannot take them. ".repeat(30);
+    (p, d, router)
+}
+
+/// Completes `prompt` with four tokens through `router` (expecting 200): the reply and the router's metrics after.
+async fn complete_long(router: &RunningRouter, prompt: &str) -> (serde_json::Value, String) {
     let body = serde_json::json!({"model": MODEL, "max_tokens": 4, "temperature": 0, "prompt": prompt}).to_string();
     let reply = http(router.addr, "POST", "/v1/completions", &body, &[]).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.json()["usage"]["completion_tokens"], 2, "P's first token, then the fake decode worker's");
-    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    (reply.json(), http(router.addr, "GET", "/metrics", "", &[]).await.body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pull() {
+    // A decode worker whose every Prefetch fails.
+    let (p, d, router) = behind_a_decode_worker_that_pulls_nothing(worker::PROTOCOL_VERSION).await;
+    let prompt = "Streaming pieces of a prompt to a worker that cannot take them. ".repeat(30);
+    let (reply, metrics) = complete_long(&router, &prompt).await;
+    assert_eq!(reply["usage"]["completion_tokens"], 2, "P's first token, then the fake decode worker's");
     let pieces = series(&metrics, "tandem_router_kv_stream_pieces_total");
     assert!(pieces >= 3.0, "{pieces}");
     assert_eq!(series(&metrics, "tandem_router_kv_stream_piece_failures_total"), pieces, "every piece's pull failed");
@@ -305,18 +319,9 @@ async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_of_the_protocol_before_streaming_is_sent_the_whole_prompt_at_once() {
-    use tandem_tests::fake::{Behaviour, FakeWorker};
-    let ca = DevCa::generate().expect("ca");
-    let p = worker_with(&ca, Role::Prefill, "prefill-0", chunked).await;
-    let older = worker::STREAM_KV_PROTOCOL - 1;
-    let d = FakeWorker::speaking(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![], older).await;
-    let router = RunningRouter::start(streaming(router_config(&ca, vec![p.grpc, d.grpc]))).await.expect("router");
-    wait_for_workers(&router, 2).await;
+    let (p, d, router) = behind_a_decode_worker_that_pulls_nothing(worker::STREAM_KV_PROTOCOL - 1).await;
     let prompt = "A worker one protocol version behind knows no Prefetch. ".repeat(30);
-    let body = serde_json::json!({"model": MODEL, "max_tokens": 4, "temperature": 0, "prompt": prompt}).to_string();
-    let reply = http(router.addr, "POST", "/v1/completions", &body, &[]).await;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    let (_, metrics) = complete_long(&router, &prompt).await;
     assert_eq!(series(&metrics, "tandem_router_kv_stream_pieces_total"), 0.0, "nothing streamed to it");
     assert_eq!(d.calls(), 1, "one Generate, no Prefetch");
     router.shutdown(Duration::from_secs(5)).await;

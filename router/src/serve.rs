@@ -154,13 +154,14 @@ async fn prefill(
             cached_tokens = tracing::field::Empty
         );
         // The first attempt streams a long prompt's KV to the decided decode worker while it computes.
+        let streamed = if attempts == 1 { stream_kv_to(state, job, decision, &member, cand) } else { None };
         let pieces = async {
-            match (attempts, stream_kv_to(state, job, decision, &member, cand)) {
-                (1, Some((ends, decode))) => {
-                    let route = crate::stream_kv::Route { prefill: &mut client, decode, span: &span };
+            match streamed {
+                Some((ends, decode)) => {
+                    let route = crate::stream_kv::Route { prefill: &mut client, decode, whole: &msg, span: &span };
                     crate::stream_kv::prefill_pieces(state, job, &ends, route).await
                 }
-                _ => crate::stream_kv::Prefetches::default(),
+                None => crate::stream_kv::Prefetches::default(),
             }
         };
         let prefetches = tokio::select! {

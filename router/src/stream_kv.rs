@@ -70,10 +70,12 @@ impl Prefetches {
     }
 }
 
-/// Where the pieces go: the prefill worker that computes them and the decode worker that pulls them.
+/// Where the pieces go: the prefill worker that computes them and the decode worker that pulls them; `whole` is the
+/// whole prompt's prefill, which each piece's request is cut from.
 pub struct Route<'a> {
     pub prefill: &'a mut WorkerClient<Channel>,
     pub decode: WorkerClient<Channel>,
+    pub whole: &'a pb::PrefillRequest,
     pub span: &'a tracing::Span,
 }
 
@@ -81,18 +83,18 @@ pub struct Route<'a> {
 /// its blocks in the background. Stops at the first piece that fails or times out (the caller then prefills the
 /// whole prompt as usual).
 pub async fn prefill_pieces(state: &Arc<RouterState>, job: &Job, ends: &[usize], route: Route<'_>) -> Prefetches {
-    let Route { prefill, decode, span } = route;
+    let Route { prefill, decode, whole, span } = route;
     // A piece's first token is thrown away: it needs no log-probabilities or grammar.
-    let sampling = pb::Sampling { max_tokens: 1, logprobs: None, grammar: None, ..job.sampling.clone() };
+    let sampling = whole.sampling.clone().map(|s| pb::Sampling { logprobs: None, grammar: None, ..s });
     let mut prefetches = Prefetches::default();
     for &end in ends {
-        let tokens = job.tokens[..end].to_vec();
+        let tokens = whole.tokens[..end].to_vec();
         let msg = pb::PrefillRequest {
-            request_id: job.request_id.clone(),
+            request_id: whole.request_id.clone(),
             tokens: tokens.clone(),
-            sampling: Some(sampling.clone()),
-            cache_namespace: job.namespace.clone(),
-            deadline_unix_ms: Some(job.deadline_unix_ms),
+            sampling: sampling.clone(),
+            cache_namespace: whole.cache_namespace.clone(),
+            deadline_unix_ms: whole.deadline_unix_ms,
             piece: true,
         };
         let call = prefill.prefill(with_trace(msg, span, &job.traceparent));
@@ -111,10 +113,10 @@ pub async fn prefill_pieces(state: &Arc<RouterState>, job: &Job, ends: &[usize],
         let Some(handle) = handle else { break };
         state.metrics.streamed_pieces.fetch_add(1, Ordering::Relaxed);
         let request = pb::PrefetchRequest {
-            request_id: job.request_id.clone(),
+            request_id: whole.request_id.clone(),
             tokens,
             handle: Some(handle.clone()),
-            cache_namespace: job.namespace.clone(),
+            cache_namespace: whole.cache_namespace.clone(),
         };
         let (mut client, state, span) = (decode.clone(), Arc::clone(state), span.clone());
         let traceparent = job.traceparent.clone();
