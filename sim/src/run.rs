@@ -706,8 +706,11 @@ impl<'a> Sim<'a> {
     fn pulled(&mut self, now: f64, i: usize) {
         let d = self.live[i].decode;
         let pull = std::mem::take(&mut self.live[i].pull);
-        let mut prompt = self.live[i].prompt.clone();
-        prompt.extend(self.live[i].first_token);
+        let live = &self.live[i];
+        // Room for the first token from the start: extending a full copy moved the whole prompt again.
+        let mut prompt = Vec::with_capacity(live.prompt.len() + 1);
+        prompt.extend_from_slice(&live.prompt);
+        prompt.extend(live.first_token);
         let request = self.request(i, prompt, self.live[i].max_tokens - 1);
         let blocks: Vec<(usize, &[u8])> = match &pull {
             Some((kv, range)) => range.clone().map(|k| (k, kv.block(k))).collect(),

@@ -163,6 +163,11 @@ impl Engine {
     pub(super) fn cached_prefix_tokens(&self, s: &mut Seq) -> usize {
         let bt = self.config.block_tokens;
         let reusable = (s.tokens.len().saturating_sub(1)) / bt;
+        if reusable > 0 && s.pinned.len() == reusable {
+            // A pulled prompt whose whole reusable prefix is held for it (the common case): the lookup would find
+            // just these blocks on the device.
+            return reusable * bt;
+        }
         let m = self.pool.lookup(&s.hashes(reusable, self.block_size()).seq[..reusable]);
         (m.device + m.host + m.disk) * bt
     }
@@ -287,7 +292,11 @@ impl Engine {
                 break;
             }
         }
-        for (&slot, &(meta, _)) in slots.iter().zip(&fresh) {
+        for (j, (&slot, &(meta, _))) in slots.iter().zip(&fresh).enumerate() {
+            // The evictions that made room went through other lines: ask again for the lookups ahead.
+            if let Some(&(ahead, _)) = fresh.get(j + LOOK_AHEAD) {
+                self.pool.prefetch(ahead.seq);
+            }
             if checked.is_err() {
                 // Never registered, so never visible: the slot goes back free.
                 self.pool.release(slot).map_err(EngineError::Pool)?;

@@ -474,7 +474,7 @@ impl Engine {
             }
         }
         result?;
-        Ok(seqs.into_iter().map(|s| s.completion(start)).collect())
+        Ok(seqs.into_iter().map(|s| s.into_completion(start)).collect())
     }
 
     /// A sequence for `request`, checked before any compute: an empty prompt or one that leaves no room to
@@ -488,7 +488,8 @@ impl Engine {
         if r.prompt.len() >= context {
             return Err(EngineError::PromptTooLong { prompt: r.prompt.len(), context });
         }
-        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.backend.vocab()) {
+        let vocab = self.backend.vocab();
+        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Forward(ForwardError::TokenOutOfRange(t)));
         }
         let max_new = (r.sampling.max_tokens() as usize).min(context - r.prompt.len());

@@ -118,18 +118,21 @@ impl Seq {
         }
     }
 
-    /// The finished sequence as a caller sees it; `start` is when its request arrived.
-    pub fn completion(&self, start: Instant) -> Completion {
+    /// The finished sequence as a caller sees it; `start` is when its request arrived. Consumes the sequence: its
+    /// tokens become the prompt's ids without a copy (a long prompt's were copied once per request before).
+    pub fn into_completion(self, start: Instant) -> Completion {
         let first = self.first_token.unwrap_or(start);
+        let mut prompt_ids = self.tokens;
+        let token_ids = prompt_ids.split_off(self.prompt_len);
         Completion {
-            prompt_ids: self.tokens[..self.prompt_len].to_vec(),
-            token_ids: self.tokens[self.prompt_len..].to_vec(),
-            text: self.out.clone(),
+            prompt_ids,
+            token_ids,
+            text: self.out,
             finish_reason: self.finish.unwrap_or(FinishReason::Cancelled),
             cached_tokens: self.cached_tokens,
             time_to_first_token: first.saturating_duration_since(start),
             decode_time: self.last_token.unwrap_or(first).saturating_duration_since(first),
-            logprobs: self.logprobs.clone(),
+            logprobs: self.logprobs,
         }
     }
 
@@ -179,8 +182,11 @@ impl Seq {
 /// Removes the finished sequences from `seqs` together with their entries in `tags` (kept index for index), and
 /// returns them. The others keep their order, which is the order they arrived in: prompt chunks are planned in it.
 pub(super) fn take_finished<T>(seqs: &mut Vec<Seq>, tags: &mut Vec<T>) -> Vec<(Seq, T)> {
-    let mut kept = 0;
-    for i in 0..seqs.len() {
+    // Most steps finish nobody: nothing moves before the first finished sequence (a sequence is large, and
+    // swapping each with itself copied every one of them at every step).
+    let Some(first) = seqs.iter().position(|s| !s.active()) else { return Vec::new() };
+    let mut kept = first;
+    for i in first + 1..seqs.len() {
         if seqs[i].active() {
             seqs.swap(kept, i);
             tags.swap(kept, i);

@@ -30,12 +30,19 @@ impl Engine {
         for s in seqs.iter_mut().filter(|s| s.active() && !s.running).take(room) {
             // Reuse whole blocks, but always leave at least one token to compute (its logits are needed).
             let reusable = (s.tokens.len() - 1) / bt;
+            // The blocks held for the sequence since it arrived (a pulled prompt's) lead its prefix: their
+            // references pass to it as they are, and only the rest of the prefix is looked up and acquired (a
+            // lookup and a reference more, then one fewer, per block before).
+            let pinned = std::mem::take(&mut s.pinned);
             let hashes = &s.hashes(reusable, self.block_size()).seq[..reusable];
             self.stage_disk_hits(hashes);
-            let acquired = self.pool.acquire(hashes);
-            s.blocks = acquired.slots.iter().copied().map(BlockId).collect();
-            // The sequence now references its prefix itself: the hold taken for it on arrival goes.
-            for b in std::mem::take(&mut s.pinned) {
+            let held = pinned.iter().zip(hashes).take_while(|(b, h)| self.pool.meta(b.0).is_some_and(|m| m.seq == **h));
+            let held = held.count();
+            let mut acquired = self.pool.acquire(&hashes[held..]);
+            acquired.from_tier[Tier::Device.index()] += held;
+            s.blocks = pinned[..held].iter().copied().chain(acquired.slots.iter().copied().map(BlockId)).collect();
+            // The sequence now references its prefix itself: the rest of the hold taken for it on arrival goes.
+            for b in &pinned[held..] {
                 let _ = self.pool.release(b.0);
             }
             if let Err(e) = self.execute(&acquired.actions) {
@@ -45,7 +52,7 @@ impl Engine {
             for tier in Tier::ALL {
                 self.counters.cached_tokens[tier.index()] += (acquired.from_tier[tier.index()] * bt) as u64;
             }
-            s.registered = acquired.slots.len();
+            s.registered = s.blocks.len();
             s.computed = s.registered * bt;
             s.running = true;
             if s.admissions == 0 {
@@ -338,7 +345,7 @@ impl Engine {
         let released = self.release_blocks(&mut s);
         let end = match (released, s.failure.take()) {
             (_, Some(failure)) => Err(failure),
-            (Ok(()), None) => Ok(s.completion(start)),
+            (Ok(()), None) => Ok(s.into_completion(start)),
             (Err(e), None) => Err(Failure::Error(e.to_string())),
         };
         (exported, end)
@@ -346,13 +353,23 @@ impl Engine {
 
     /// The engine's state with `seqs` as its sequences, for load reports and metrics.
     pub(super) fn stats_of(&self, seqs: &[Seq]) -> super::EngineStats {
+        // One pass over the sequences (read at every step of a simulated worker).
+        let (mut running, mut waiting, mut prefill_tokens_pending) = (0, 0, 0);
+        for s in seqs.iter().filter(|s| s.active()) {
+            if s.running {
+                running += 1;
+            } else {
+                waiting += 1;
+            }
+            prefill_tokens_pending += s.pending_prefill();
+        }
         super::EngineStats {
             counters: self.counters(),
             usage: Tier::ALL.map(|t| self.kv_usage(t)),
             leased_blocks: self.leased_blocks(),
-            running: seqs.iter().filter(|s| s.running && s.active()).count(),
-            waiting: seqs.iter().filter(|s| !s.running && s.active()).count(),
-            prefill_tokens_pending: seqs.iter().filter(|s| s.active()).map(Seq::pending_prefill).sum(),
+            running,
+            waiting,
+            prefill_tokens_pending,
             pacing: self.pacing(),
         }
     }

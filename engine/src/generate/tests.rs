@@ -159,6 +159,35 @@ fn pulled_blocks_are_checked_in_the_device_block_and_a_failed_check_keeps_none()
 }
 
 #[test]
+fn an_admitted_pulled_prompt_takes_over_the_blocks_held_for_it() {
+    let mut e = engine(EngineConfig { kv_blocks: 16, max_model_len: Some(128), ..EngineConfig::default() });
+    let prompt: Vec<u32> = (100..160).collect();
+    let bt = e.config.block_tokens;
+    let block_bytes = e.block_bytes();
+    let pulled = Checked {
+        blocks: (0..3).map(|k| (k, vec![k as u8; block_bytes])).collect(),
+        bad: usize::MAX,
+        seen: std::sync::Arc::default(),
+    };
+    let seq = e.prepare(&greedy(prompt, 3), 0, false, &pulled).expect("imported");
+    let held = seq.pinned.clone();
+    assert_eq!(held.len(), 3);
+    assert_eq!(seq.cached_hint, 3 * bt, "the whole reusable prefix is held, so cached");
+    let mut seqs = vec![seq];
+    e.admit(&mut seqs);
+    let s = &seqs[0];
+    assert!(s.running && s.pinned.is_empty());
+    assert_eq!(&s.blocks[..], &held[..], "the held blocks became the prefix, in order");
+    for b in &held {
+        assert_eq!(e.pool.references(b.0), 1, "one reference each: the hold passed to the sequence");
+    }
+    assert_eq!((s.computed, s.cached_tokens), (3 * bt, 3 * bt));
+    assert_eq!(e.counters().cached_tokens[0], (3 * bt) as u64, "counted as device hits");
+    e.release_blocks(&mut seqs[0]).expect("released");
+    assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "no block leaked");
+}
+
+#[test]
 fn a_finished_sequence_leaves_the_device_last_block_first_so_its_prefix_stays_findable() {
     let mut e = engine(small());
     let prompt: Vec<u32> = (100..150).collect();
