@@ -145,6 +145,17 @@ pub enum Input {
     Tokens(Vec<u32>),
 }
 
+impl Input {
+    /// Bytes of text to tokenize (token ids need none).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Input::Chat(messages) => messages.iter().map(|m| m.role.len() + m.content.len()).sum(),
+            Input::Text(t) => t.len(),
+            Input::Tokens(_) => 0,
+        }
+    }
+}
+
 /// What changes the logits before sampling, as the request asks (OpenAI's and vLLM's meanings).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Logits {
