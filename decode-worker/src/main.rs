@@ -2,6 +2,10 @@
 
 use clap::Parser;
 
+/// As `tandem`'s: tokio frees across threads, which glibc's allocator serializes on arena locks.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "decode-worker", version, about = "A Tandem worker in the decode role")]
 struct Cli {

@@ -2,6 +2,10 @@
 
 use clap::Parser;
 
+/// As `tandem`'s: tokio frees across threads, which glibc's allocator serializes on arena locks.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "prefill-worker", version, about = "A Tandem worker in the prefill role")]
 struct Cli {
