@@ -8,6 +8,7 @@ use engine::chat::ChatMessage;
 use engine::generate::{Engine, EngineConfig, Request};
 use kv_transfer::tls::DevCa;
 use router::run::RunningRouter;
+use tandem_tests::fake::Behaviour::{NoPulls, StalledPulls};
 use tandem_tests::*;
 use worker::Role;
 
@@ -225,6 +226,16 @@ fn streaming(r: router::run::RouterConfig) -> router::run::RouterConfig {
     router::run::RouterConfig { limits: router::state::Limits { stream_kv: true, ..r.limits }, ..r }
 }
 
+/// Waits (at most 2 s) for `done`: a release or cancellation that the request's answer does not wait for.
+async fn settled(done: impl Fn() -> bool) {
+    for _ in 0..40 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The value of an unlabelled series in a metrics text.
 fn series(metrics: &str, name: &str) -> f64 {
     let line = metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} ")));
@@ -261,25 +272,22 @@ async fn a_long_prompt_streams_its_kv_piece_by_piece_and_answers_as_one_engine()
     // Every full block came over once: the pieces ahead, the rest with the request.
     assert_eq!(d.pulled_blocks(), prompt_tokens / 16, "no block pulled twice");
     // Each piece's lease and the whole prompt's were released by their pulls.
-    for _ in 0..40 {
-        if p.live_leases() == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    settled(|| p.live_leases() == 0).await;
     assert_eq!(p.live_leases(), 0, "no lease left behind");
     stop(router, workers).await;
 }
 
 /// A real prefill worker in 64-token chunks and a fake decode worker of protocol `version` that never pulls KV
-/// (`Prefetch` fails, `Generate` answers one token), behind a router that streams.
+/// (`Prefetch` fails with `NoPulls`, never ends with `StalledPulls`; `Generate` answers one token), behind a
+/// router that streams.
 async fn behind_a_decode_worker_that_pulls_nothing(
+    behaviour: tandem_tests::fake::Behaviour,
     version: u32,
 ) -> (worker::RunningWorker, tandem_tests::fake::FakeWorker, RunningRouter) {
-    use tandem_tests::fake::{Behaviour, FakeWorker};
+    use tandem_tests::fake::FakeWorker;
     let ca = DevCa::generate().expect("ca");
     let p = worker_with(&ca, Role::Prefill, "prefill-0", chunked).await;
-    let d = FakeWorker::speaking(&ca, proto::worker::Role::Decode, Behaviour::NoPulls, vec![], version).await;
+    let d = FakeWorker::speaking(&ca, proto::worker::Role::Decode, behaviour, vec![], version).await;
     let router = RunningRouter::start(streaming(router_config(&ca, vec![p.grpc, d.grpc]))).await.expect("router");
     wait_for_workers(&router, 2).await;
     (p, d, router)
@@ -293,24 +301,29 @@ async fn complete_long(router: &RunningRouter, prompt: &str) -> (serde_json::Val
     (reply.json(), http(router.addr, "GET", "/metrics", "", &[]).await.body)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pull() {
-    // A decode worker whose every Prefetch fails.
-    let (p, d, router) = behind_a_decode_worker_that_pulls_nothing(worker::PROTOCOL_VERSION).await;
-    let prompt = "Streaming pieces of a prompt to a worker that cannot take them. ".repeat(30);
-    let (reply, metrics) = complete_long(&router, &prompt).await;
+/// Completes `prompt` through a router streaming to a fake decode worker of this build's protocol that behaves as
+/// `behaviour`: the parties, the router's metrics after, and how many pieces it streamed (at least three).
+async fn streamed_to_a_fake(
+    behaviour: tandem_tests::fake::Behaviour,
+    prompt: &str,
+) -> (worker::RunningWorker, tandem_tests::fake::FakeWorker, RunningRouter, String, f64) {
+    let (p, d, router) = behind_a_decode_worker_that_pulls_nothing(behaviour, worker::PROTOCOL_VERSION).await;
+    let (reply, metrics) = complete_long(&router, prompt).await;
     assert_eq!(reply["usage"]["completion_tokens"], 2, "P's first token, then the fake decode worker's");
     let pieces = series(&metrics, "tandem_router_kv_stream_pieces_total");
     assert!(pieces >= 3.0, "{pieces}");
+    (p, d, router, metrics, pieces)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pull() {
+    // A decode worker whose every Prefetch fails.
+    let prompt = "Streaming pieces of a prompt to a worker that cannot take them. ".repeat(30);
+    let (p, d, router, metrics, pieces) = streamed_to_a_fake(NoPulls, &prompt).await;
     assert_eq!(series(&metrics, "tandem_router_kv_stream_piece_failures_total"), pieces, "every piece's pull failed");
     // The router released each piece's lease when its pull failed; only the whole prompt's, which the fake never
     // pulls, waits for its expiry.
-    for _ in 0..40 {
-        if p.live_leases() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    settled(|| p.live_leases() == 1).await;
     assert_eq!(p.live_leases(), 1, "the pieces' leases went at once");
     router.shutdown(Duration::from_secs(5)).await;
     p.shutdown(Duration::from_secs(5)).await;
@@ -318,8 +331,23 @@ async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulls_still_going_when_the_router_stops_waiting_are_cancelled_and_their_leases_released() {
+    // A decode worker whose Prefetch never ends: the router waits its settle limit, then asks for the answer.
+    let prompt = "Pieces of a prompt for a worker whose pulls never end. ".repeat(30);
+    let (p, d, router, _, _) = streamed_to_a_fake(StalledPulls, &prompt).await;
+    // The pull under way was cancelled (the decode worker saw its caller go), not left to run to its timeout, and
+    // the pieces' leases went with it: only the whole prompt's, which the fake never pulls, waits for its expiry.
+    settled(|| p.live_leases() == 1 && d.abandoned() == 1).await;
+    assert_eq!(d.abandoned(), 1, "the stalled pull was cancelled; the ones queued behind it never started");
+    assert_eq!(p.live_leases(), 1, "the pieces' leases went when the router stopped waiting");
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_of_the_protocol_before_streaming_is_sent_the_whole_prompt_at_once() {
-    let (p, d, router) = behind_a_decode_worker_that_pulls_nothing(worker::STREAM_KV_PROTOCOL - 1).await;
+    let (p, d, router) = behind_a_decode_worker_that_pulls_nothing(NoPulls, worker::STREAM_KV_PROTOCOL - 1).await;
     let prompt = "A worker one protocol version behind knows no Prefetch. ".repeat(30);
     let (_, metrics) = complete_long(&router, &prompt).await;
     assert_eq!(series(&metrics, "tandem_router_kv_stream_pieces_total"), 0.0, "nothing streamed to it");

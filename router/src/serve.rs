@@ -251,7 +251,9 @@ pub(crate) fn release_unused(state: &RouterState, handle: Option<pb::KvHandle>) 
     let (Some(client), Some(h)) = (state.leases.clone(), handle) else { return };
     let Ok(h) = worker::convert::handle_from_pb(h) else { return };
     let Ok(addr) = h.endpoint.parse::<std::net::SocketAddr>() else { return };
-    tokio::spawn(async move {
+    // Called from drops too: outside a runtime (one shutting down), the lease is left to expire.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    runtime.spawn(async move {
         let _ = client.release(addr, &addr.ip().to_string(), h.lease, RELEASE_TIMEOUT).await;
     });
 }

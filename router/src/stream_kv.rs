@@ -51,10 +51,17 @@ pub fn piece_ends(len: usize, cached: usize, block: usize, chunk: usize) -> Vec<
 }
 
 /// The decode worker's pulls of earlier pieces, running while the prompt's last piece computes: one after another
-/// (each finds the pieces before it held and pulls only its own part), so one task ends them all.
+/// (each finds the pieces before it held and pulls only its own part), so one task ends them all. They belong to
+/// the request: dropped (the client left, or [`settle`](Self::settle) stopped waiting), the pulls still going are
+/// cancelled and the leases of the pieces not pulled are released, rather than pulling blocks nobody will read and
+/// pinning the prefill worker's copies until the leases expire.
 #[derive(Debug, Default)]
 pub struct Prefetches {
     last: Option<tokio::task::JoinHandle<()>>,
+    /// Every pull's task (each waits for the one before it), so that a drop cancels them all.
+    tasks: Vec<tokio::task::AbortHandle>,
+    /// The handles of the pieces whose pull has not ended, and the state to release them with.
+    unpulled: Option<(Arc<RouterState>, Arc<Unpulled>)>,
     /// Prompt tokens the prefill worker held before the first piece: what the request was served from cache (the
     /// whole prompt's prefill finds the earlier pieces cached, which were computed for it).
     pub cached_tokens: Option<u32>,
@@ -63,11 +70,35 @@ pub struct Prefetches {
 impl Prefetches {
     /// Waits (at most `limit`) for the pulls to end, so that the decode worker's `Generate` finds their blocks held
     /// rather than pulling them a second time. A pull that fails or is late costs nothing but that.
-    pub async fn settle(self, limit: Duration) {
-        if let Some(last) = self.last {
+    pub async fn settle(mut self, limit: Duration) {
+        if let Some(last) = self.last.as_mut() {
             let _ = tokio::time::timeout(limit, last).await;
         }
     }
+}
+
+impl Drop for Prefetches {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        if let Some((state, unpulled)) = self.unpulled.take() {
+            let handles = std::mem::take(&mut *unpulled.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            for handle in handles {
+                crate::serve::release_unused(&state, Some(handle));
+            }
+        }
+    }
+}
+
+/// The handles of the pieces whose pull has not ended.
+type Unpulled = std::sync::Mutex<Vec<pb::KvHandle>>;
+
+/// Takes `handle` off the list of pieces not pulled; whether it was there (not released yet by a drop).
+fn pulled(unpulled: &Unpulled, handle: &pb::KvHandle) -> bool {
+    let mut list = unpulled.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let at = list.iter().position(|h| h == handle);
+    at.map(|i| list.swap_remove(i)).is_some()
 }
 
 /// Where the pieces go: the prefill worker that computes them and the decode worker that pulls them; `whole` is the
@@ -86,7 +117,13 @@ pub async fn prefill_pieces(state: &Arc<RouterState>, job: &Job, ends: &[usize],
     let Route { prefill, decode, whole, span } = route;
     // A piece's first token is thrown away: it needs no log-probabilities or grammar.
     let sampling = whole.sampling.clone().map(|s| pb::Sampling { logprobs: None, grammar: None, ..s });
-    let mut prefetches = Prefetches::default();
+    let unpulled: Arc<Unpulled> = Arc::default();
+    let mut prefetches = Prefetches {
+        last: None,
+        tasks: Vec::new(),
+        unpulled: Some((Arc::clone(state), Arc::clone(&unpulled))),
+        cached_tokens: None,
+    };
     for &end in ends {
         let tokens = whole.tokens[..end].to_vec();
         let msg = pb::PrefillRequest {
@@ -118,20 +155,25 @@ pub async fn prefill_pieces(state: &Arc<RouterState>, job: &Job, ends: &[usize],
             handle: Some(handle.clone()),
             cache_namespace: whole.cache_namespace.clone(),
         };
+        unpulled.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(handle.clone());
         let (mut client, state, span) = (decode.clone(), Arc::clone(state), span.clone());
-        let traceparent = job.traceparent.clone();
+        let (traceparent, unpulled) = (job.traceparent.clone(), Arc::clone(&unpulled));
         let before = prefetches.last.take();
-        prefetches.last = Some(tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             if let Some(before) = before {
                 let _ = before.await;
             }
             let call = client.prefetch(with_trace(request, &span, &traceparent));
-            if !matches!(tokio::time::timeout(state.limits.prefill_timeout, call).await, Ok(Ok(_))) {
+            let done = matches!(tokio::time::timeout(state.limits.prefill_timeout, call).await, Ok(Ok(_)));
+            // A pull that worked released the piece's lease itself.
+            if pulled(&unpulled, &handle) && !done {
                 // The decode worker pulls these blocks with the rest; the piece's lease goes now, not at expiry.
                 state.metrics.streamed_piece_failures.fetch_add(1, Ordering::Relaxed);
                 crate::serve::release_unused(&state, Some(handle));
             }
-        }));
+        });
+        prefetches.tasks.push(task.abort_handle());
+        prefetches.last = Some(task);
     }
     prefetches
 }

@@ -33,6 +33,18 @@ pub enum Behaviour {
     /// A decode worker that pulls nothing: `Prefetch` fails (UNAVAILABLE), `Generate` answers one token and
     /// finishes without reading the handle, `Prefill` fails.
     NoPulls,
+    /// A decode worker whose pulls never end: `Prefetch` waits until its caller gives up (counted by
+    /// [`FakeWorker::abandoned`]), `Generate` answers as [`Behaviour::NoPulls`].
+    StalledPulls,
+}
+
+/// Counts a call whose caller gave up before it ended (its future dropped).
+struct CountOnDrop(Arc<AtomicUsize>);
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 #[derive(Clone)]
@@ -42,6 +54,7 @@ struct Fake {
     /// The blocks its first snapshot claims.
     blocks: Vec<u64>,
     calls: Arc<AtomicUsize>,
+    abandoned: Arc<AtomicUsize>,
 }
 
 /// A stream that sends `first`, then `then` every period (a live worker) or nothing at all (a hung one), never
@@ -74,7 +87,9 @@ impl Worker for Fake {
         self.calls.fetch_add(1, Ordering::Relaxed);
         match self.behaviour {
             Behaviour::Hang => std::future::pending().await,
-            Behaviour::Fail | Behaviour::NoPulls => Err(Status::internal("this worker is unwell")),
+            Behaviour::Fail | Behaviour::NoPulls | Behaviour::StalledPulls => {
+                Err(Status::internal("this worker is unwell"))
+            }
             Behaviour::Refuse => Err(Status::invalid_argument("the prompt is longer than this worker's context")),
         }
     }
@@ -89,7 +104,7 @@ impl Worker for Fake {
                 return Err(Status::invalid_argument("the prompt is longer than this worker's context"));
             }
             Behaviour::Hang => {}
-            Behaviour::NoPulls => {
+            Behaviour::NoPulls | Behaviour::StalledPulls => {
                 let token = pb::GenerateResponse {
                     event: Some(pb::generate_response::Event::Token(pb::Token {
                         id: 504,
@@ -119,6 +134,10 @@ impl Worker for Fake {
             Behaviour::Hang => std::future::pending().await,
             Behaviour::Fail => Err(Status::internal("this worker is unwell")),
             Behaviour::NoPulls => Err(Status::unavailable("this worker pulls nothing")),
+            Behaviour::StalledPulls => {
+                let _abandoned = CountOnDrop(Arc::clone(&self.abandoned));
+                std::future::pending().await
+            }
             Behaviour::Refuse => Err(Status::invalid_argument("not this worker's prompt")),
         }
     }
@@ -167,6 +186,7 @@ impl Worker for Fake {
 pub struct FakeWorker {
     pub grpc: SocketAddr,
     calls: Arc<AtomicUsize>,
+    abandoned: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -216,17 +236,23 @@ impl FakeWorker {
         let tls = worker::grpc_tls::server_config(&identity).expect("tls");
         let incoming = worker::grpc_tls::incoming(listener, tokio::sync::watch::channel(tls).1);
         let mut server = tonic::transport::Server::builder();
-        let calls = Arc::new(AtomicUsize::new(0));
-        let svc = WorkerServer::new(Fake { info, behaviour, blocks, calls: Arc::clone(&calls) });
+        let (calls, abandoned) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let fake = Fake { info, behaviour, blocks, calls: Arc::clone(&calls), abandoned: Arc::clone(&abandoned) };
+        let svc = WorkerServer::new(fake);
         let task = tokio::spawn(async move {
             let _ = server.add_service(svc).serve_with_incoming(incoming).await;
         });
-        FakeWorker { grpc, calls, task }
+        FakeWorker { grpc, calls, abandoned, task }
     }
 
     /// `Prefill` and `Generate` calls so far.
     pub fn calls(&self) -> usize {
         self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Calls whose caller gave up before they ended ([`Behaviour::StalledPulls`]'s `Prefetch`).
+    pub fn abandoned(&self) -> usize {
+        self.abandoned.load(Ordering::Relaxed)
     }
 }
 
