@@ -346,6 +346,27 @@ async fn pulls_still_going_when_the_router_stops_waiting_are_cancelled_and_their
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_of_the_protocol_before_streaming_is_sent_the_whole_prompt_at_once() {
+    use tandem_tests::fake::{Behaviour, FakeWorker};
+    // A prefill worker one protocol version behind, computing 64-token chunks (so a long prompt would stream),
+    // whose prefills fail: the decode worker then computes the prompt itself.
+    let ca = DevCa::generate().expect("ca");
+    let version = worker::STREAM_KV_PROTOCOL - 1;
+    let p = FakeWorker::chunked(&ca, proto::worker::Role::Prefill, Behaviour::Fail, version, 64).await;
+    let d = worker_with(&ca, Role::Decode, "decode-0", |c| c).await;
+    let router = RunningRouter::start(streaming(router_config(&ca, vec![p.grpc, d.grpc]))).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let prompt = "A prefill worker one protocol version behind knows no pieces. ".repeat(30);
+    let (reply, metrics) = complete_long(&router, &prompt).await;
+    assert_eq!(reply["usage"]["completion_tokens"], 4, "answered by the decode worker: {reply}");
+    assert_eq!(series(&metrics, "tandem_router_kv_stream_pieces_total"), 0.0, "nothing streamed from it");
+    assert_eq!(p.calls(), 1, "the whole prompt's Prefill, no piece before it");
+    router.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+    drop(p);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_of_the_protocol_before_streaming_is_sent_the_whole_prompt_at_once() {
     let (p, d, router) = behind_a_decode_worker_that_pulls_nothing(NoPulls, worker::STREAM_KV_PROTOCOL - 1).await;
     let prompt = "A worker one protocol version behind knows no Prefetch. ".repeat(30);

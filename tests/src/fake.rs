@@ -205,6 +205,23 @@ impl FakeWorker {
         blocks: Vec<u64>,
         version: u32,
     ) -> FakeWorker {
+        FakeWorker::serving(ca, role, behaviour, blocks, version, 2048).await
+    }
+
+    /// [`FakeWorker::speaking`] with no blocks, computing prompts in chunks of `chunk` tokens (`Info`'s
+    /// `max_num_batched_tokens`).
+    pub async fn chunked(ca: &DevCa, role: pb::Role, behaviour: Behaviour, version: u32, chunk: u32) -> FakeWorker {
+        FakeWorker::serving(ca, role, behaviour, Vec::new(), version, chunk).await
+    }
+
+    async fn serving(
+        ca: &DevCa,
+        role: pb::Role,
+        behaviour: Behaviour,
+        blocks: Vec<u64>,
+        version: u32,
+        chunk: u32,
+    ) -> FakeWorker {
         let text = engine::text::TextModel::open(&crate::model()).expect("the model's text side");
         let layout = pb::KvLayout {
             dtype: pb::KvDtype::F16 as i32,
@@ -224,7 +241,7 @@ impl FakeWorker {
             transfer_endpoint: "127.0.0.1:9".into(),
             instance_id: "fake".into(),
             max_model_len: 8192,
-            max_num_batched_tokens: 2048,
+            max_num_batched_tokens: chunk,
             host_id: "elsewhere".into(),
             protocol_version: version,
             name: String::new(),
