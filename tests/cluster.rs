@@ -319,15 +319,13 @@ async fn streamed_to_a_fake(
 async fn a_streamed_piece_its_decode_worker_cannot_pull_costs_nothing_but_the_pull() {
     // A decode worker whose every Prefetch fails.
     let prompt = "Streaming pieces of a prompt to a worker that cannot take them. ".repeat(30);
-    let (p, d, router, metrics, pieces) = streamed_to_a_fake(NoPulls, &prompt).await;
+    let (p, _d, router, metrics, pieces) = streamed_to_a_fake(NoPulls, &prompt).await;
     assert_eq!(series(&metrics, "tandem_router_kv_stream_piece_failures_total"), pieces, "every piece's pull failed");
     // The router released each piece's lease when its pull failed; only the whole prompt's, which the fake never
     // pulls, waits for its expiry.
     settled(|| p.live_leases() == 1).await;
     assert_eq!(p.live_leases(), 1, "the pieces' leases went at once");
-    router.shutdown(Duration::from_secs(5)).await;
-    p.shutdown(Duration::from_secs(5)).await;
-    drop(d);
+    stop(router, vec![p]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,9 +338,7 @@ async fn pulls_still_going_when_the_router_stops_waiting_are_cancelled_and_their
     settled(|| p.live_leases() == 1 && d.abandoned() == 1).await;
     assert_eq!(d.abandoned(), 1, "the stalled pull was cancelled; the ones queued behind it never started");
     assert_eq!(p.live_leases(), 1, "the pieces' leases went when the router stopped waiting");
-    router.shutdown(Duration::from_secs(5)).await;
-    p.shutdown(Duration::from_secs(5)).await;
-    drop(d);
+    stop(router, vec![p]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -361,9 +357,7 @@ async fn a_prefill_worker_of_the_protocol_before_streaming_is_sent_the_whole_pro
     assert_eq!(reply["usage"]["completion_tokens"], 4, "answered by the decode worker: {reply}");
     assert_eq!(series(&metrics, "tandem_router_kv_stream_pieces_total"), 0.0, "nothing streamed from it");
     assert_eq!(p.calls(), 1, "the whole prompt's Prefill, no piece before it");
-    router.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
-    drop(p);
+    stop(router, vec![d]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -373,9 +367,7 @@ async fn a_decode_worker_of_the_protocol_before_streaming_is_sent_the_whole_prom
     let (_, metrics) = complete_long(&router, &prompt).await;
     assert_eq!(series(&metrics, "tandem_router_kv_stream_pieces_total"), 0.0, "nothing streamed to it");
     assert_eq!(d.calls(), 1, "one Generate, no Prefetch");
-    router.shutdown(Duration::from_secs(5)).await;
-    p.shutdown(Duration::from_secs(5)).await;
-    drop(d);
+    stop(router, vec![p]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

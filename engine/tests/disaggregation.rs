@@ -36,18 +36,25 @@ async fn decode(d: &EngineHandle, tokens: Vec<u32>, max_tokens: u32, blocks: Vec
     out
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn prefill_here_decode_there_gives_the_same_tokens() {
+/// A 70-token prompt (four full blocks and a partial one) made of `text`, and the `max_tokens` a single engine
+/// answers it with: what the disaggregated runs must reproduce.
+fn single_engine(text: &str, max_tokens: u32) -> (Vec<u32>, Vec<u32>) {
     let mut single = common::engine(EngineConfig::default());
-    let text = "Disaggregated serving runs the prompt on one machine and the answer on another. In one sentence, why";
     let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
     prompt.truncate(70);
     assert_eq!(prompt.len(), 70, "four full blocks and a partial one");
     let want = single
-        .run(&[common::greedy(prompt.clone(), 12)], &AtomicBool::new(false), |_| {})
+        .run(&[common::greedy(prompt.clone(), max_tokens)], &AtomicBool::new(false), |_| {})
         .expect("runs")
         .remove(0)
         .token_ids;
+    (prompt, want)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn prefill_here_decode_there_gives_the_same_tokens() {
+    let text = "Disaggregated serving runs the prompt on one machine and the answer on another. In one sentence, why";
+    let (prompt, want) = single_engine(text, 12);
 
     let p = EngineHandle::start(common::engine(EngineConfig::default())).expect("prefill engine");
     let d = EngineHandle::start(common::engine(EngineConfig::default())).expect("decode engine");
@@ -128,15 +135,8 @@ fn full_blocks(kv: &ExportedKv, from: usize) -> Vec<(usize, bytes::Bytes)> {
 /// only the blocks it lacks and answers as a single engine does.
 #[tokio::test(flavor = "current_thread")]
 async fn a_leading_piece_imported_ahead_is_cached_and_the_answer_is_unchanged() {
-    let mut single = common::engine(EngineConfig::default());
     let text = "Streaming the cache while the prompt is still being computed hides the transfer. Say why in a word";
-    let mut prompt = single.tokenizer().encode(&[text; 4].join(" "));
-    prompt.truncate(70);
-    let want = single
-        .run(&[common::greedy(prompt.clone(), 8)], &AtomicBool::new(false), |_| {})
-        .expect("runs")
-        .remove(0)
-        .token_ids;
+    let (prompt, want) = single_engine(text, 8);
     let p = EngineHandle::start(common::engine(EngineConfig::default())).expect("prefill engine");
     let d = EngineHandle::start(common::engine(EngineConfig::default())).expect("decode engine");
     let hashes = block_hashes(&prompt, BlockSize::DEFAULT, None).seq;

@@ -163,13 +163,22 @@ impl Engine {
     pub(super) fn cached_prefix_tokens(&self, s: &mut Seq) -> usize {
         let bt = self.config.block_tokens;
         let reusable = (s.tokens.len().saturating_sub(1)) / bt;
-        if reusable > 0 && s.pinned.len() == reusable {
+        s.hashes(reusable, self.block_size());
+        let hashes = &s.hashes.seq[..reusable];
+        if reusable > 0 && self.held_prefix(&s.pinned, hashes) == reusable {
             // A pulled prompt whose whole reusable prefix is held for it (the common case): the lookup would find
             // just these blocks on the device.
             return reusable * bt;
         }
-        let m = self.pool.lookup(&s.hashes(reusable, self.block_size()).seq[..reusable]);
+        let m = self.pool.lookup(hashes);
         (m.device + m.host + m.disk) * bt
+    }
+
+    /// How many of `hashes`' leading blocks are the device blocks `pinned` holds, in order (a pulled prompt's
+    /// blocks held for its sequence): read from the blocks' own slots, no lookup.
+    pub(super) fn held_prefix(&self, pinned: &[BlockId], hashes: &[SeqHash]) -> usize {
+        let held = |(b, h): &(&BlockId, &SeqHash)| self.pool.meta(b.0).is_some_and(|m| m.seq == **h);
+        pinned.iter().zip(hashes).take_while(held).count()
     }
 
     /// Stores full blocks pulled from another worker, then holds the prompt's whole cached prefix for a sequence

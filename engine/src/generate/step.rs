@@ -36,8 +36,7 @@ impl Engine {
             let pinned = std::mem::take(&mut s.pinned);
             let hashes = &s.hashes(reusable, self.block_size()).seq[..reusable];
             self.stage_disk_hits(hashes);
-            let held = pinned.iter().zip(hashes).take_while(|(b, h)| self.pool.meta(b.0).is_some_and(|m| m.seq == **h));
-            let held = held.count();
+            let held = self.held_prefix(&pinned, hashes);
             let mut acquired = self.pool.acquire(&hashes[held..]);
             acquired.from_tier[Tier::Device.index()] += held;
             s.blocks = pinned[..held].iter().copied().chain(acquired.slots.iter().copied().map(BlockId)).collect();
