@@ -34,17 +34,34 @@ pub struct Args {
     json: bool,
 }
 
-/// Latencies to the first token of one path at one concurrency, in milliseconds, sorted.
-struct Sample(Vec<f64>);
+/// One path at one concurrency: latencies to the first token in milliseconds, sorted, and the processor time the
+/// whole process (client, router and worker alike) spent meanwhile.
+struct Sample {
+    latencies: Vec<f64>,
+    cpu_seconds: f64,
+}
 
 impl Sample {
+    /// Processor microseconds per request.
+    fn cpu_us(&self) -> f64 {
+        self.cpu_seconds * 1e6 / self.latencies.len().max(1) as f64
+    }
+
     fn quantile(&self, q: f64) -> f64 {
-        let v = &self.0;
+        let v = &self.latencies;
         if v.is_empty() {
             return f64::NAN;
         }
         v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)]
     }
+}
+
+/// The benchmark's prompt: `tokens` plain words (one token each, spread over the vocabulary), as ids and as text.
+pub fn bench_prompt(tokenizer: &engine::tokenizer::Tokenizer, tokens: usize) -> (Vec<u32>, String) {
+    let words = tokenizer.plain_words();
+    let ids: Vec<u32> = (0..tokens).map(|i| words[(i * 7919) % words.len()]).collect();
+    let text = tokenizer.decode(&ids);
+    (ids, text)
 }
 
 fn identity(ca: &DevCa, name: &str) -> Result<Identity, String> {
@@ -57,9 +74,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     }
     let model = engine::fetch::ensure_default_model(&crate::progress::Bar::new()).map_err(|e| e.to_string())?;
     let text = engine::text::TextModel::open(&model).map_err(|e| e.to_string())?;
-    let words = text.tokenizer().plain_words();
-    let ids: Vec<u32> = (0..args.prompt_tokens).map(|i| words[(i * 7919) % words.len()]).collect();
-    let prompt = text.tokenizer().decode(&ids);
+    let (ids, prompt) = bench_prompt(text.tokenizer(), args.prompt_tokens);
     let ca = DevCa::generate().map_err(|e| e.to_string())?;
     let (worker_id, router_id, client_id) =
         (identity(&ca, "worker")?, identity(&ca, "router")?, identity(&ca, "bench")?);
@@ -139,6 +154,7 @@ where
     Fut: std::future::Future<Output = Result<f64, String>> + Send,
 {
     let left = Arc::new(AtomicUsize::new(requests));
+    let cpu_before = process_cpu();
     let tasks: Vec<_> = (0..streams)
         .map(|_| {
             let (left, ask) = (Arc::clone(&left), ask.clone());
@@ -151,20 +167,29 @@ where
             })
         })
         .collect();
-    gather(tasks, requests).await
+    gather(tasks, requests, cpu_before).await
 }
 
-/// Every stream's latencies, sorted.
+/// Every stream's latencies, sorted, and the process's processor time since `cpu_before` ([`process_cpu`], read
+/// before the tasks were spawned).
 async fn gather(
     tasks: Vec<tokio::task::JoinHandle<Result<Vec<f64>, String>>>,
     requests: usize,
+    cpu_before: f64,
 ) -> Result<Sample, String> {
     let mut all = Vec::with_capacity(requests);
     for t in tasks {
         all.extend(t.await.map_err(|e| e.to_string())??);
     }
+    let cpu_seconds = process_cpu() - cpu_before;
     all.sort_by(f64::total_cmp);
-    Ok(Sample(all))
+    Ok(Sample { latencies: all, cpu_seconds })
+}
+
+/// Processor seconds this process has used, all threads together.
+fn process_cpu() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
 }
 
 /// Straight to the worker: `Generate` with the token ids, timed to the first token message.
@@ -211,13 +236,14 @@ async fn through(authority: &str, prompt: &str, streams: usize, requests: usize)
                                   "ignore_eos": true, "stream": true})
     .to_string();
     let left = Arc::new(AtomicUsize::new(requests));
+    let cpu_before = process_cpu();
     let tasks: Vec<_> = (0..streams)
         .map(|_| {
             let (left, authority, body) = (Arc::clone(&left), authority.to_string(), body.clone());
             tokio::spawn(async move { one_connection(&authority, &body, &left).await })
         })
         .collect();
-    gather(tasks, requests).await
+    gather(tasks, requests, cpu_before).await
 }
 
 /// One stream's requests on one connection, until `left` runs out; each one's milliseconds to its first chunk.
@@ -256,20 +282,33 @@ async fn one_connection(authority: &str, body: &str, left: &AtomicUsize) -> Resu
     Ok(out)
 }
 
+/// Processor time per request the router adds (the path through it against the direct one), and what that alone
+/// makes the added latency at `streams` closed-loop streams when the machine's `cores` are all busy: each request
+/// then waits for the work of the requests ahead of it, `streams × added CPU / cores`.
+fn added_cpu(d: &Sample, r: &Sample, streams: usize, cores: usize) -> (f64, f64) {
+    let added_us = r.cpu_us() - d.cpu_us();
+    (added_us, streams as f64 * added_us / cores.max(1) as f64 / 1000.0)
+}
+
 fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if args.json {
         let levels: Vec<serde_json::Value> = rows
             .iter()
             .map(|(c, d, r)| {
+                let (added_us, floor_ms) = added_cpu(d, r, *c, cores);
                 serde_json::json!({
                     "concurrency": c,
                     "direct_p50_ms": d.quantile(0.5), "direct_p99_ms": d.quantile(0.99),
                     "router_p50_ms": r.quantile(0.5), "router_p99_ms": r.quantile(0.99),
                     "added_p50_ms": r.quantile(0.5) - d.quantile(0.5), "added_p99_ms": r.quantile(0.99) - d.quantile(0.99),
+                    "direct_cpu_us_per_request": d.cpu_us(), "router_cpu_us_per_request": r.cpu_us(),
+                    "added_cpu_us_per_request": added_us, "added_cpu_queue_ms": floor_ms,
                 })
             })
             .collect();
-        let out = serde_json::json!({"requests": args.requests, "prompt_tokens": args.prompt_tokens, "levels": levels});
+        let out = serde_json::json!({"requests": args.requests, "prompt_tokens": args.prompt_tokens, "cores": cores,
+                                     "levels": levels});
         println!("{out}");
         return;
     }
@@ -284,5 +323,14 @@ fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
     for (c, d, r) in rows {
         let (d50, d99, r50, r99) = (d.quantile(0.5), d.quantile(0.99), r.quantile(0.5), r.quantile(0.99));
         println!("{c:>11} {d50:>10.3} {d99:>10.3} {r50:>10.3} {r99:>10.3} {:>10.3} {:>10.3}", r50 - d50, r99 - d99);
+    }
+    println!(
+        "processor time per request, us (the whole process: client, router and worker; {cores} cores), and the queue \
+         the router's share alone makes at each level once every core is busy (streams x added / cores), ms"
+    );
+    println!("{:>11} {:>10} {:>10} {:>10} {:>10}", "streams", "direct", "router", "added", "queue ms");
+    for (c, d, r) in rows {
+        let (added_us, floor_ms) = added_cpu(d, r, *c, cores);
+        println!("{c:>11} {:>10.1} {:>10.1} {added_us:>10.1} {floor_ms:>10.3}", d.cpu_us(), r.cpu_us());
     }
 }

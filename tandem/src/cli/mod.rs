@@ -4,6 +4,7 @@ mod bench;
 mod bench_import;
 mod bench_leases;
 mod bench_router;
+mod bench_tokenize;
 mod certs;
 mod chart;
 mod generate;
@@ -140,6 +141,8 @@ enum BenchCommand {
     Router(bench_router::Args),
     /// Whether a prefill's latency grows with the KV leases its worker holds: one CPU prefill worker, leases piling up.
     Leases(bench_leases::Args),
+    /// How long the embedded tokenizer takes to encode a text, on one thread and on several at once.
+    Tokenize(bench_tokenize::Args),
 }
 
 /// Options shared by the commands that run the model.
@@ -224,6 +227,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
         Command::Bench { command: BenchCommand::Serve(args) } => serve::run(*args),
         Command::Bench { command: BenchCommand::Router(args) } => bench_router::run(args),
         Command::Bench { command: BenchCommand::Leases(args) } => bench_leases::run(args),
+        Command::Bench { command: BenchCommand::Tokenize(args) } => bench_tokenize::run(args),
         Command::Probe(args) => probe::run(args),
         Command::Certs { command: CertsCommand::Init(args) } => certs::run(args),
         Command::Up(args) => up::run(*args),
