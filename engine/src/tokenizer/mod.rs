@@ -72,6 +72,8 @@ pub struct Tokenizer {
     byte_ids: [Option<u32>; 256],
     /// Control and user-defined tokens that are matched literally in text, longest first.
     specials: Vec<(String, u32)>,
+    /// Whether a special token starts with each byte: where [`Tokenizer::next_special`] looks.
+    special_first: [bool; 256],
     special: SpecialTokens,
     add_bos: bool,
     /// Ids of pre-token pieces already merged: text repeats its words, and BPE merging is most of encoding's
@@ -84,35 +86,53 @@ const CACHED_PIECE_BYTES: usize = 64;
 /// Pieces remembered before the cache starts over.
 const CACHED_PIECES: usize = 1 << 16;
 
+/// Read by every encoding at once, one read lock per stretch of text between special tokens (with a lock per
+/// piece, two threads encoding together each took longer than one alone). The pieces a text adds go in afterwards,
+/// and only if no other encoding is reading then: caching is a shortcut, not worth a wait, and a writer waiting
+/// behind a long encoding would hold up every encoding that starts meanwhile.
 #[derive(Default)]
-struct WordCache(std::sync::Mutex<std::collections::HashMap<Box<str>, Box<[u32]>>>);
+struct WordCache(std::sync::RwLock<std::collections::HashMap<Box<str>, Box<[u32]>>>);
 
 impl std::fmt::Debug for WordCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.0.lock().map_or(0, |m| m.len());
+        let n = self.0.read().map_or(0, |m| m.len());
         write!(f, "WordCache({n} pieces)")
     }
 }
 
 impl WordCache {
-    fn get_or(&self, piece: &str, merge: impl FnOnce() -> Vec<u32>, out: &mut Vec<u32>) {
-        if piece.len() > CACHED_PIECE_BYTES {
-            out.extend(merge());
+    /// Calls `each` with a lookup that gives every piece's ids: cached ones from the cache, others from `merge`
+    /// (remembered afterwards, when short enough to repeat and the cache is free).
+    fn with(&self, merge: impl Fn(&str) -> Vec<u32>, each: impl FnOnce(&mut dyn FnMut(&str, &mut Vec<u32>))) {
+        let mut new: Vec<(Box<str>, Box<[u32]>)> = Vec::new();
+        {
+            let map = self.0.read().unwrap_or_else(|p| p.into_inner());
+            each(&mut |piece, out| {
+                if let Some(ids) = map.get(piece) {
+                    out.extend_from_slice(ids);
+                    return;
+                }
+                let ids = merge(piece);
+                out.extend_from_slice(&ids);
+                if piece.len() <= CACHED_PIECE_BYTES {
+                    new.push((piece.into(), ids.into()));
+                }
+            });
+        }
+        if new.is_empty() {
             return;
         }
-        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ids) = map.get(piece) {
-            out.extend_from_slice(ids);
-            return;
+        let mut map = match self.0.try_write() {
+            Ok(map) => map,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        for (piece, ids) in new {
+            if map.len() >= CACHED_PIECES {
+                map.clear();
+            }
+            map.insert(piece, ids);
         }
-        drop(map);
-        let ids = merge();
-        out.extend_from_slice(&ids);
-        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= CACHED_PIECES {
-            map.clear();
-        }
-        map.insert(piece.into(), ids.into());
     }
 }
 
@@ -190,6 +210,10 @@ impl Tokenizer {
             .map(|i| (tokens[i].clone(), i as u32))
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut special_first = [false; 256];
+        for (s, _) in &specials {
+            special_first[s.as_bytes()[0] as usize] = true;
+        }
         let token_bytes = (0..tokens.len())
             .map(|i| if is_special(i) { tokens[i].as_bytes().to_vec() } else { bytes::token_to_bytes(&tokens[i]) })
             .collect();
@@ -200,7 +224,17 @@ impl Tokenizer {
         end_of_generation.extend(eos.filter(|e| !end_of_generation.contains(e)));
         end_of_generation.sort_unstable();
         let special = SpecialTokens { bos, eos, end_of_generation };
-        Ok(Tokenizer { tokens, token_bytes, merges, byte_ids, specials, special, add_bos, words: WordCache::default() })
+        Ok(Tokenizer {
+            tokens,
+            token_bytes,
+            merges,
+            byte_ids,
+            specials,
+            special_first,
+            special,
+            add_bos,
+            words: WordCache::default(),
+        })
     }
 
     /// Number of tokens in the vocabulary.
@@ -272,30 +306,28 @@ impl Tokenizer {
     }
 
     /// Position of the earliest special token in `text` (longest at that position) with its length and id.
+    /// One pass over the text: only where a special token could start are the tokens (longest first) compared;
+    /// a search of the whole text per special token cost more than the rest of encoding a short prompt.
     fn next_special(&self, text: &str) -> (usize, Option<(usize, u32)>) {
-        let mut best: Option<(usize, usize, u32)> = None;
-        for (s, id) in &self.specials {
-            if let Some(pos) = text.find(s.as_str())
-                && best.is_none_or(|(p, l, _)| pos < p || (pos == p && s.len() > l))
-            {
-                best = Some((pos, s.len(), *id));
+        let bytes = text.as_bytes();
+        for (pos, &b) in bytes.iter().enumerate() {
+            if !self.special_first[b as usize] {
+                continue;
+            }
+            if let Some((s, id)) = self.specials.iter().find(|(s, _)| bytes[pos..].starts_with(s.as_bytes())) {
+                return (pos, Some((s.len(), *id)));
             }
         }
-        match best {
-            Some((pos, len, id)) => (pos, Some((len, id))),
-            None => (text.len(), None),
-        }
+        (text.len(), None)
     }
 
     fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
-        pretokenize::split(text, |piece| {
-            let merge = || {
-                let mut symbols: Vec<u32> = piece.bytes().filter_map(|b| self.byte_ids[b as usize]).collect();
-                self.merges.apply(&mut symbols);
-                symbols
-            };
-            self.words.get_or(piece, merge, out);
-        });
+        let merge = |piece: &str| {
+            let mut symbols: Vec<u32> = piece.bytes().filter_map(|b| self.byte_ids[b as usize]).collect();
+            self.merges.apply(&mut symbols);
+            symbols
+        };
+        self.words.with(merge, |ids_of| pretokenize::split(text, |piece| ids_of(piece, out)));
     }
 
     /// The bytes a token stands for (empty for an id outside the vocabulary).
