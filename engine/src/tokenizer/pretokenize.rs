@@ -50,10 +50,7 @@ pub fn split(text: &str, mut piece: impl FnMut(&str)) {
 
 fn split_gpt2(text: &str, piece: &mut impl FnMut(&str)) {
     if text.is_ascii() {
-        return split_gpt2_ascii(text.as_bytes(), &mut |p| {
-            // Cuts fall between ASCII bytes, so every piece is valid UTF-8.
-            piece(std::str::from_utf8(p).unwrap_or_default())
-        });
+        return split_gpt2_ascii(text, piece);
     }
     split_gpt2_regex(text, piece);
 }
@@ -83,7 +80,7 @@ fn split_gpt2_regex(text: &str, piece: &mut impl FnMut(&str)) {
 /// pattern's alternatives tried in its order at each position (the first that matches wins, each taking all it
 /// can). On ASCII, `\p{L}` is `[A-Za-z]`, `\p{N}` is `[0-9]` and `\s` is `[\t\n\x0B\x0C\r ]`. A router
 /// tokenizes every prompt: the regex's forward and reverse searches per piece were most of that time.
-fn split_gpt2_ascii(text: &[u8], piece: &mut impl FnMut(&[u8])) {
+fn split_gpt2_ascii(text: &str, piece: &mut impl FnMut(&str)) {
     #[derive(PartialEq)]
     enum Class {
         Letter,
@@ -97,16 +94,17 @@ fn split_gpt2_ascii(text: &[u8], piece: &mut impl FnMut(&[u8])) {
         b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ' => Class::Space,
         _ => Class::Other,
     };
+    let bytes = text.as_bytes();
     // The end of the run of `c` from `i` on.
     let run = |mut i: usize, c: Class| {
-        while i < text.len() && class(text[i]) == c {
+        while i < bytes.len() && class(bytes[i]) == c {
             i += 1;
         }
         i
     };
     let mut pos = 0;
-    while pos < text.len() {
-        let rest = &text[pos..];
+    while pos < bytes.len() {
+        let rest = &bytes[pos..];
         let contraction =
             [&b"'s"[..], b"'t", b"'re", b"'ve", b"'m", b"'ll", b"'d"].into_iter().find(|c| rest.starts_with(c));
         // ` ?` takes a leading space only when the run it starts follows it.
@@ -116,7 +114,7 @@ fn split_gpt2_ascii(text: &[u8], piece: &mut impl FnMut(&[u8])) {
             (None, Class::Space) => {
                 let end = run(pos, Class::Space);
                 // `\s+(?!\S)`: a run of two or more followed by more text leaves its last character to the next piece.
-                if end < text.len() && end - pos > 1 { end - 1 } else { end }
+                if end < bytes.len() && end - pos > 1 { end - 1 } else { end }
             }
             (None, c) => run(pos + spaced, c),
         };
@@ -151,7 +149,7 @@ mod tests {
         #[test]
         fn the_ascii_splitter_cuts_where_the_pattern_does(text in r"([ 'srtevmld\t\n\r\x0B\x0CAZaz09?(_\x00\x1C\x7F]|'s|'t|'re|'ve|'m|'ll|'d| '|  ){0,40}") {
             let (mut fast, mut reference) = (Vec::new(), Vec::new());
-            split_gpt2_ascii(text.as_bytes(), &mut |p| fast.push(String::from_utf8_lossy(p).into_owned()));
+            split_gpt2_ascii(&text, &mut |p| fast.push(p.to_string()));
             split_gpt2_regex(&text, &mut |p| reference.push(p.to_string()));
             proptest::prop_assert_eq!(fast, reference);
         }
