@@ -1,9 +1,9 @@
 //! `tandem bench router`: what the router adds to the time to the first token. One mock worker whose steps take no
-//! time (the profile's durations divided by a large speed-up) serves the same one-token requests two ways, side
-//! by side at each concurrency: straight to its gRPC `Generate` (token ids, mutual TLS, one HTTP/2 channel), and
-//! through a router (`POST /v1/completions` with the prompt as text on a kept-alive HTTP/1.1 connection per stream:
-//! parse, tokenize, route, the router's own gRPC call, SSE back). The difference of the two is
-//! the router's overhead.
+//! time (the profile's durations divided by a large speed-up) serves the same requests (one token each unless
+//! `--max-tokens`) two ways, side by side at each concurrency: straight to its gRPC `Generate` (token ids, mutual
+//! TLS, one HTTP/2 channel), and through a router (`POST /v1/completions` with the prompt as text on a kept-alive
+//! HTTP/1.1 connection per stream: parse, tokenize, route, the router's own gRPC call, SSE back). The difference of
+//! the two is the router's overhead.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -29,6 +29,10 @@ pub struct Args {
     /// Prompt length in tokens (plain words, one token each).
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
+    /// Tokens each request generates (the latency is to the first; the processor time covers them all, so a
+    /// longer answer shows what the router spends per streamed token).
+    #[arg(long, default_value_t = 1)]
+    max_tokens: u32,
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
@@ -69,8 +73,8 @@ fn identity(ca: &DevCa, name: &str) -> Result<Identity, String> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    if args.concurrency.contains(&0) || args.requests == 0 || args.prompt_tokens == 0 {
-        return Err("--concurrency, --requests and --prompt-tokens must be at least 1".into());
+    if args.concurrency.contains(&0) || args.requests == 0 || args.prompt_tokens == 0 || args.max_tokens == 0 {
+        return Err("--concurrency, --requests, --prompt-tokens and --max-tokens must be at least 1".into());
     }
     let model = engine::fetch::ensure_default_model(&crate::progress::Bar::new()).map_err(|e| e.to_string())?;
     let text = engine::text::TextModel::open(&model).map_err(|e| e.to_string())?;
@@ -132,12 +136,12 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         let client = worker::grpc_tls::connect(worker.grpc, &client_id).await.map_err(|e| e.to_string())?;
         let target = router.addr.to_string();
         // Warm both paths (the first request pays for connections, caches and the worker's first step).
-        direct(&client, &ids, 1, 16).await?;
-        through(&target, &prompt, 1, 16).await?;
+        direct(&client, &ids, args.max_tokens, 1, 16).await?;
+        through(&target, &prompt, args.max_tokens, 1, 16).await?;
         let mut rows = Vec::new();
         for &c in &args.concurrency {
-            let d = direct(&client, &ids, c, args.requests).await?;
-            let r = through(&target, &prompt, c, args.requests).await?;
+            let d = direct(&client, &ids, args.max_tokens, c, args.requests).await?;
+            let r = through(&target, &prompt, args.max_tokens, c, args.requests).await?;
             rows.push((c, d, r));
         }
         report(&args, &rows);
@@ -147,7 +151,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     })
 }
 
-/// `requests` one-token requests over `streams` concurrent loops; each loop's latencies as `ask` measures them.
+/// `requests` requests over `streams` concurrent loops; each loop's latencies as `ask` measures them.
 async fn spread<F, Fut>(streams: usize, requests: usize, ask: F) -> Result<Sample, String>
 where
     F: Fn() -> Fut + Clone + Send + 'static,
@@ -196,6 +200,7 @@ fn process_cpu() -> f64 {
 async fn direct(
     client: &pb::worker_client::WorkerClient<tonic::transport::Channel>,
     ids: &[u32],
+    max_tokens: u32,
     streams: usize,
     requests: usize,
 ) -> Result<Sample, String> {
@@ -207,7 +212,7 @@ async fn direct(
             let req = pb::GenerateRequest {
                 request_id: format!("bench-{n}"),
                 tokens: ids,
-                sampling: Some(pb::Sampling { max_tokens: 1, top_p: 1.0, ignore_eos: true, ..Default::default() }),
+                sampling: Some(pb::Sampling { max_tokens, top_p: 1.0, ignore_eos: true, ..Default::default() }),
                 ..Default::default()
             };
             let started = Instant::now();
@@ -231,8 +236,14 @@ async fn direct(
 
 /// Through the router: a streamed completion of the prompt's text, timed to its first content chunk. Each stream
 /// keeps one HTTP/1.1 connection for its requests, as a client's connection pool does.
-async fn through(authority: &str, prompt: &str, streams: usize, requests: usize) -> Result<Sample, String> {
-    let body = serde_json::json!({"model": defaults::SERVED_MODEL, "prompt": prompt, "max_tokens": 1,
+async fn through(
+    authority: &str,
+    prompt: &str,
+    max_tokens: u32,
+    streams: usize,
+    requests: usize,
+) -> Result<Sample, String> {
+    let body = serde_json::json!({"model": defaults::SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
                                   "ignore_eos": true, "stream": true})
     .to_string();
     let left = Arc::new(AtomicUsize::new(requests));
@@ -307,14 +318,16 @@ fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
                 })
             })
             .collect();
-        let out = serde_json::json!({"requests": args.requests, "prompt_tokens": args.prompt_tokens, "cores": cores,
+        let out = serde_json::json!({"requests": args.requests, "prompt_tokens": args.prompt_tokens,
+                                     "max_tokens": args.max_tokens, "cores": cores,
                                      "levels": levels});
         println!("{out}");
         return;
     }
     println!(
-        "time to first token, ms ({} one-token requests per path and level, {}-token prompts; mock worker, no step time)",
-        args.requests, args.prompt_tokens
+        "time to first token, ms ({} requests of {} tokens per path and level, {}-token prompts; mock worker, no step \
+         time)",
+        args.requests, args.max_tokens, args.prompt_tokens
     );
     println!(
         "{:>11} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
