@@ -362,31 +362,68 @@ struct Head<'a> {
 }
 
 impl Head<'_> {
-    /// One SSE chunk in the endpoint's shape, with the log-probabilities of its tokens.
-    fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool, logprobs: Value) -> Value {
+    /// One SSE chunk in the endpoint's shape, with the log-probabilities of its tokens, as its JSON text: written
+    /// straight from borrowed fields (a chunk per token built as a `Value` tree first allocated for every key).
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool, logprobs: &Value) -> String {
         let Head { endpoint, id, model, index } = *self;
-        match endpoint {
+        let (object, delta, text) = match endpoint {
             Endpoint::Chat => {
-                let mut delta = serde_json::Map::new();
-                if role {
-                    delta.insert("role".into(), json!("assistant"));
-                }
-                if let Some(t) = text {
-                    delta.insert("content".into(), json!(t));
-                }
-                json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model,
-                       "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+                ("chat.completion.chunk", Some(Delta { role: role.then_some("assistant"), content: text }), None)
             }
-            Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created(), "model": model,
-                       "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]}),
-        }
+            Endpoint::Completion => ("text_completion", None, Some(text.unwrap_or(""))),
+        };
+        let chunk = Chunk {
+            id,
+            object,
+            created: created(),
+            model,
+            choices: [ChunkChoice { index, delta, text, logprobs, finish_reason: finish }],
+        };
+        // Serializing borrowed strings and numbers cannot fail.
+        serde_json::to_string(&chunk).unwrap_or_default()
     }
+}
+
+/// A streamed chunk, its fields in the order OpenAI's chunks have them (and the `json!` form it replaces printed).
+#[derive(serde::Serialize)]
+struct Chunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [ChunkChoice<'a>; 1],
+}
+
+#[derive(serde::Serialize)]
+struct ChunkChoice<'a> {
+    index: usize,
+    /// Chat chunks only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<Delta<'a>>,
+    /// Completion chunks only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    logprobs: &'a Value,
+    finish_reason: Option<&'a str>,
+}
+
+#[derive(serde::Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
 }
 
 type Sink = mpsc::Sender<Result<Event, Infallible>>;
 
 async fn send(tx: &Sink, v: Value) -> bool {
-    tx.send(Ok(Event::default().data(v.to_string()))).await.is_ok()
+    send_text(tx, v.to_string()).await
+}
+
+/// Sends one event whose data is `json`, already serialized.
+async fn send_text(tx: &Sink, json: String) -> bool {
+    tx.send(Ok(Event::default().data(json))).await.is_ok()
 }
 
 /// Runs every choice and streams them as server-sent events, interleaved as their tokens come.
@@ -455,7 +492,7 @@ async fn stream_choice(
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index };
     let mut first = true;
     if let Some(echo) = run.echo.take() {
-        if !send(tx, head.chunk(Some(&echo), None, true, Value::Null)).await {
+        if !send_text(tx, head.chunk(Some(&echo), None, true, &Value::Null)).await {
             return Err(499);
         }
         first = false;
@@ -477,7 +514,7 @@ async fn stream_choice(
                 };
                 // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
                 let due = !s.is_empty() || first || !lps.is_null();
-                if due && !send(tx, head.chunk(Some(&s), None, first, lps)).await {
+                if due && !send_text(tx, head.chunk(Some(&s), None, first, &lps)).await {
                     return Err(499);
                 }
                 first = false;
@@ -499,13 +536,66 @@ async fn stream_choice(
         }
     };
     let rest = run.text.stream.finish(run.text.stopped);
-    if !rest.is_empty() && !send(tx, head.chunk(Some(&rest), None, false, Value::Null)).await {
+    if !rest.is_empty() && !send_text(tx, head.chunk(Some(&rest), None, false, &Value::Null)).await {
         return Err(499);
     }
     let finish = finish_reason(reason, run.text.stopped);
-    if !send(tx, head.chunk(None, Some(finish), false, Value::Null)).await {
+    if !send_text(tx, head.chunk(None, Some(finish), false, &Value::Null)).await {
         return Err(499);
     }
     tracing::Span::current().record("gen_ai.response.finish_reasons", finish);
     Ok((run.prompt, run.prompt_len, run.text.tokens, cached))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunk as a `serde_json::Value` tree printed it, before chunks were written straight: clients see the
+    /// same bytes.
+    fn as_value_printed(
+        h: &Head<'_>,
+        text: Option<&str>,
+        finish: Option<&str>,
+        role: bool,
+        lp: &Value,
+        created: u64,
+    ) -> String {
+        let Head { endpoint, id, model, index } = *h;
+        match endpoint {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
+            }
+            Endpoint::Completion => json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish}]}),
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn chunks_are_written_as_the_value_tree_printed_them() {
+        let lp = json!({"content": [{"token": "a\"b", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]});
+        for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+            let head = Head { endpoint, id: "cmpl-\u{e9}\"1", model: "smol\\lm", index: 3 };
+            for (text, finish, role, logprobs) in [
+                (Some("hi \"there\"\n"), None, true, Value::Null),
+                (Some(""), None, false, lp.clone()),
+                (None, Some("length"), false, Value::Null),
+                (Some("\u{1F600}"), Some("stop"), true, lp.clone()),
+            ] {
+                let written = head.chunk(text, finish, role, &logprobs);
+                let created =
+                    serde_json::from_str::<Value>(&written).expect("JSON")["created"].as_u64().expect("created");
+                assert_eq!(written, as_value_printed(&head, text, finish, role, &logprobs, created));
+            }
+        }
+    }
 }
