@@ -76,7 +76,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     if args.concurrency.contains(&0) || args.requests == 0 || args.prompt_tokens == 0 || args.max_tokens == 0 {
         return Err("--concurrency, --requests, --prompt-tokens and --max-tokens must be at least 1".into());
     }
-    let model = engine::fetch::ensure_default_model(&crate::progress::Bar::new()).map_err(|e| e.to_string())?;
+    let model = super::fetch_default()?;
     let text = engine::text::TextModel::open(&model).map_err(|e| e.to_string())?;
     let (ids, prompt) = bench_prompt(text.tokenizer(), args.prompt_tokens);
     let ca = DevCa::generate().map_err(|e| e.to_string())?;
