@@ -12,6 +12,6 @@ pub mod events;
 pub mod fastmap;
 mod hash;
 pub mod pool;
-mod prefetch;
+pub mod prefetch;
 
 pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, chained, local_hash};

@@ -6,12 +6,16 @@
 //! out of order gets shorter runs, not wrong answers). The holders are looked at once per run. Changing some
 //! blocks' holders splits their run where the change starts and ends.
 
-use kv_cache::fastmap::FastMap;
 use kv_cache::{LocalHash, SeqHash, chained};
 
 use crate::WorkerId;
+use crate::blockmap::BlockMap;
 use crate::holders::Holders;
 use crate::overlaps::{Overlaps, Walk};
+
+/// How many blocks ahead a walk over known hashes asks for their map entries: enough for the misses to overlap,
+/// few enough that the lines are still there when the walk reaches them.
+const LOOK_AHEAD: usize = 8;
 
 #[derive(Debug, Default)]
 struct Run {
@@ -41,7 +45,7 @@ pub(crate) struct Runs {
     /// Ids of emptied runs, for reuse.
     free: Vec<u32>,
     /// Where each block is: its run and its position.
-    at: FastMap<SeqHash, (u32, u32)>,
+    at: BlockMap,
     /// Per slot, how many blocks it holds on each tier.
     held: Vec<[u64; 3]>,
 }
@@ -58,7 +62,7 @@ impl Runs {
     }
 
     pub fn holders(&self, h: &SeqHash) -> Option<&Holders> {
-        self.at.get(h).map(|&(r, _)| &self.runs[r as usize].holders)
+        self.at.get(h).map(|(r, _)| &self.runs[r as usize].holders)
     }
 
     /// Sets `slot` on `tier` for `blocks` (a worker's stored blocks: chained and local hashes, in chain order
@@ -69,7 +73,7 @@ impl Runs {
         let mut single = Holders::default();
         single.set(slot, tier, true);
         while i < blocks.len() {
-            if let Some(&(r, p)) = self.at.get(&blocks[i].0) {
+            if let Some((r, p)) = self.at.get(&blocks[i].0) {
                 let run = &self.runs[r as usize];
                 let rest = &run.live()[(p - run.base) as usize..];
                 let len = rest.iter().zip(&blocks[i..]).take_while(|(a, b)| **a == b.0).count();
@@ -83,13 +87,15 @@ impl Runs {
             // per block: the insert says whether the block was there after all.
             let mut open: Option<(u32, u32)> = None;
             while let Some(&(h, local)) = blocks.get(i) {
+                if let Some(ahead) = blocks.get(i + LOOK_AHEAD) {
+                    self.at.prefetch(&ahead.0);
+                }
                 let follows = prev.is_some_and(|p| chained(Some(p), local) == h);
                 let (r, pos) = match open.filter(|_| follows) {
                     Some(at) => at,
                     None => self.open(prev.filter(|_| follows), single.clone()),
                 };
-                if let Some(was) = self.at.insert(h, (r, pos)) {
-                    self.at.insert(h, was);
+                if self.at.insert_new(h, (r, pos)).is_err() {
                     if self.runs[r as usize].live().is_empty() {
                         self.runs[r as usize] = Run::default();
                         self.free.push(r);
@@ -109,7 +115,7 @@ impl Runs {
     pub fn remove(&mut self, slot: u32, tier: usize, seqs: &[SeqHash]) {
         let mut i = 0;
         while i < seqs.len() {
-            let Some(&(r, p)) = self.at.get(&seqs[i]) else {
+            let Some((r, p)) = self.at.get(&seqs[i]) else {
                 i += 1;
                 continue;
             };
@@ -143,7 +149,7 @@ impl Runs {
 
     /// The overlap of `query` (a prompt's chained hashes) with every slot; `worker` names the slots.
     pub fn overlap(&self, query: &[SeqHash], worker: impl Fn(u32) -> Option<WorkerId>) -> Overlaps {
-        let Some(&(r0, p0)) = query.first().and_then(|h| self.at.get(h)) else { return Overlaps::default() };
+        let Some((r0, p0)) = query.first().and_then(|h| self.at.get(h)) else { return Overlaps::default() };
         let mut walk = Walk::start(&self.runs[r0 as usize].holders);
         let (mut i, mut cur) = (0, Some((r0, p0)));
         while i < query.len() {
@@ -155,7 +161,7 @@ impl Runs {
                 break;
             }
             i += self.matching(r, p, &query[i..]);
-            cur = query.get(i).and_then(|h| self.at.get(h)).copied();
+            cur = query.get(i).and_then(|h| self.at.get(h));
         }
         walk.finish(i.min(query.len()), worker)
     }
@@ -227,9 +233,7 @@ impl Runs {
     fn trim(&mut self, r: u32, from: u32, end: u32) {
         let run = &mut self.runs[r as usize];
         let (rel, rel_end) = ((from - run.base) as usize, (end - run.base) as usize);
-        for h in &run.hashes[run.off as usize + rel..run.off as usize + rel_end] {
-            self.at.remove(h);
-        }
+        forget(&mut self.at, &run.hashes[run.off as usize + rel..run.off as usize + rel_end]);
         if rel == 0 {
             run.off += (rel_end - rel) as u32;
             run.base = end;
@@ -262,10 +266,11 @@ impl Runs {
             Run { base: at, off: 0, hashes: tail, holders: old.holders.clone() }
         };
         let head_moved = moved.base < at;
-        for h in &moved.hashes {
-            if let Some(e) = self.at.get_mut(h) {
-                e.0 = new;
+        for (k, h) in moved.hashes.iter().enumerate() {
+            if let Some(ahead) = moved.hashes.get(k + LOOK_AHEAD) {
+                self.at.prefetch(ahead);
             }
+            self.at.set_run(h, new);
         }
         self.runs[new as usize] = moved;
         if head_moved { (new, r) } else { (r, new) }
@@ -274,7 +279,7 @@ impl Runs {
     /// Where new blocks held by `holders` go after `prev`: the end of `prev`'s run when `prev` ends a run with the
     /// same holders, else a run of their own. Returns the run and the position of the next block.
     fn open(&mut self, prev: Option<SeqHash>, holders: Holders) -> (u32, u32) {
-        let extend = prev.and_then(|p| self.at.get(&p)).copied().filter(|&(r, p)| {
+        let extend = prev.and_then(|p| self.at.get(&p)).filter(|&(r, p)| {
             let run = &self.runs[r as usize];
             run.holders == holders && p + 1 == run.end()
         });
@@ -301,10 +306,18 @@ impl Runs {
     /// Forgets run `r`'s blocks.
     fn delete(&mut self, r: u32) {
         let run = std::mem::take(&mut self.runs[r as usize]);
-        for h in run.live() {
-            self.at.remove(h);
-        }
+        forget(&mut self.at, run.live());
         self.free.push(r);
+    }
+}
+
+/// Removes `hashes` from the map, asking for the lines of the ones a few ahead while it goes.
+fn forget(at: &mut BlockMap, hashes: &[SeqHash]) {
+    for (k, h) in hashes.iter().enumerate() {
+        if let Some(ahead) = hashes.get(k + LOOK_AHEAD) {
+            at.prefetch(ahead);
+        }
+        at.remove(h);
     }
 }
 
