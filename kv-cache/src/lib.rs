@@ -12,6 +12,7 @@ pub mod events;
 pub mod fastmap;
 mod hash;
 pub mod pool;
-pub mod prefetch;
+mod prefetch;
+pub mod probemap;
 
 pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, chained, local_hash};

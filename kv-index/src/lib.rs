@@ -12,7 +12,6 @@
 //! Pure and synchronous: the router's subscription tasks own the sockets and hand events to its one owner, and the
 //! simulator and the benchmarks call it directly.
 
-mod blockmap;
 mod holders;
 mod overlaps;
 mod runs;

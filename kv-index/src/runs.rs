@@ -6,16 +6,13 @@
 //! out of order gets shorter runs, not wrong answers). The holders are looked at once per run. Changing some
 //! blocks' holders splits their run where the change starts and ends.
 
+use kv_cache::pool::LOOK_AHEAD;
+use kv_cache::probemap::ProbeMap;
 use kv_cache::{LocalHash, SeqHash, chained};
 
 use crate::WorkerId;
-use crate::blockmap::BlockMap;
 use crate::holders::Holders;
 use crate::overlaps::{Overlaps, Walk};
-
-/// How many blocks ahead a walk over known hashes asks for their map entries: enough for the misses to overlap,
-/// few enough that the lines are still there when the walk reaches them.
-const LOOK_AHEAD: usize = 8;
 
 #[derive(Debug, Default)]
 struct Run {
@@ -44,8 +41,8 @@ pub(crate) struct Runs {
     runs: Vec<Run>,
     /// Ids of emptied runs, for reuse.
     free: Vec<u32>,
-    /// Where each block is: its run and its position.
-    at: BlockMap,
+    /// Where each block is: its run and its position ([`place`]).
+    at: ProbeMap,
     /// Per slot, how many blocks it holds on each tier.
     held: Vec<[u64; 3]>,
 }
@@ -62,7 +59,7 @@ impl Runs {
     }
 
     pub fn holders(&self, h: &SeqHash) -> Option<&Holders> {
-        self.at.get(h).map(|(r, _)| &self.runs[r as usize].holders)
+        self.at.get(h).map(unpack).map(|(r, _)| &self.runs[r as usize].holders)
     }
 
     /// Sets `slot` on `tier` for `blocks` (a worker's stored blocks: chained and local hashes, in chain order
@@ -73,7 +70,7 @@ impl Runs {
         let mut single = Holders::default();
         single.set(slot, tier, true);
         while i < blocks.len() {
-            if let Some((r, p)) = self.at.get(&blocks[i].0) {
+            if let Some((r, p)) = self.at.get(&blocks[i].0).map(unpack) {
                 let run = &self.runs[r as usize];
                 let rest = &run.live()[(p - run.base) as usize..];
                 let len = rest.iter().zip(&blocks[i..]).take_while(|(a, b)| **a == b.0).count();
@@ -95,7 +92,7 @@ impl Runs {
                     Some(at) => at,
                     None => self.open(prev.filter(|_| follows), single.clone()),
                 };
-                if self.at.insert_new(h, (r, pos)).is_err() {
+                if self.at.insert_new(h, place(r, pos)).is_err() {
                     if self.runs[r as usize].live().is_empty() {
                         self.runs[r as usize] = Run::default();
                         self.free.push(r);
@@ -115,7 +112,7 @@ impl Runs {
     pub fn remove(&mut self, slot: u32, tier: usize, seqs: &[SeqHash]) {
         let mut i = 0;
         while i < seqs.len() {
-            let Some((r, p)) = self.at.get(&seqs[i]) else {
+            let Some((r, p)) = self.at.get(&seqs[i]).map(unpack) else {
                 i += 1;
                 continue;
             };
@@ -149,7 +146,7 @@ impl Runs {
 
     /// The overlap of `query` (a prompt's chained hashes) with every slot; `worker` names the slots.
     pub fn overlap(&self, query: &[SeqHash], worker: impl Fn(u32) -> Option<WorkerId>) -> Overlaps {
-        let Some((r0, p0)) = query.first().and_then(|h| self.at.get(h)) else { return Overlaps::default() };
+        let Some((r0, p0)) = query.first().and_then(|h| self.at.get(h)).map(unpack) else { return Overlaps::default() };
         let mut walk = Walk::start(&self.runs[r0 as usize].holders);
         let (mut i, mut cur) = (0, Some((r0, p0)));
         while i < query.len() {
@@ -161,7 +158,7 @@ impl Runs {
                 break;
             }
             i += self.matching(r, p, &query[i..]);
-            cur = query.get(i).and_then(|h| self.at.get(h));
+            cur = query.get(i).and_then(|h| self.at.get(h)).map(unpack);
         }
         walk.finish(i.min(query.len()), worker)
     }
@@ -270,7 +267,9 @@ impl Runs {
             if let Some(ahead) = moved.hashes.get(k + LOOK_AHEAD) {
                 self.at.prefetch(ahead);
             }
-            self.at.set_run(h, new);
+            if let Some(v) = self.at.get_mut(h) {
+                *v = place(new, unpack(*v).1);
+            }
         }
         self.runs[new as usize] = moved;
         if head_moved { (new, r) } else { (r, new) }
@@ -279,7 +278,7 @@ impl Runs {
     /// Where new blocks held by `holders` go after `prev`: the end of `prev`'s run when `prev` ends a run with the
     /// same holders, else a run of their own. Returns the run and the position of the next block.
     fn open(&mut self, prev: Option<SeqHash>, holders: Holders) -> (u32, u32) {
-        let extend = prev.and_then(|p| self.at.get(&p)).filter(|&(r, p)| {
+        let extend = prev.and_then(|p| self.at.get(&p)).map(unpack).filter(|&(r, p)| {
             let run = &self.runs[r as usize];
             run.holders == holders && p + 1 == run.end()
         });
@@ -312,13 +311,23 @@ impl Runs {
 }
 
 /// Removes `hashes` from the map, asking for the lines of the ones a few ahead while it goes.
-fn forget(at: &mut BlockMap, hashes: &[SeqHash]) {
+fn forget(at: &mut ProbeMap, hashes: &[SeqHash]) {
     for (k, h) in hashes.iter().enumerate() {
         if let Some(ahead) = hashes.get(k + LOOK_AHEAD) {
             at.prefetch(ahead);
         }
         at.remove(h);
     }
+}
+
+/// A block's place in the map's value: its run above its position (a run number below `u32::MAX`, so the value is
+/// never the map's empty mark).
+fn place(run: u32, pos: u32) -> u64 {
+    (u64::from(run) << 32) | u64::from(pos)
+}
+
+fn unpack(value: u64) -> (u32, u32) {
+    ((value >> 32) as u32, value as u32)
 }
 
 /// `slot`'s counts, growing the table for a new slot.

@@ -1,32 +1,31 @@
-//! Where each indexed block is: chained hash → (run, position), in a table made for the index's access pattern.
-//! A simulated cluster's index holds millions of blocks, so nearly every insertion, removal and run change misses
-//! the cache; the index knows ahead which hashes it will touch next (a stored stretch, a trimmed or deleted run, the
-//! moved side of a split), so it asks for their lines a few blocks ahead ([`BlockMap::prefetch`]), which std's map
-//! cannot be asked for. An entry is 16 bytes, key and value together, so a lookup is one miss; collisions go to the
-//! next entries (linear probing), a removal shifts the later entries of its probe run back (no tombstones), and at
-//! most half the entries are in use. The home of a key comes from the keyed hasher of [`kv_cache::fastmap`], so
-//! hashes an adversary picks (they follow from public tokens and a public seed) do not pile into one probe run.
+//! A map from block hash to a 64-bit value for walks over many blocks whose hashes are known ahead, such as the router
+//! index's block map (hash → run and position). With millions of blocks nearly every lookup misses the cache, and std's
+//! map keeps its control bytes apart from its entries, so each misses twice, one block after another. Here an entry is
+//! 16 bytes, key and value together, so a lookup is one miss, and a walk asks for the entries of the blocks a few ahead
+//! ([`ProbeMap::prefetch`]), which std's map cannot be asked for, so that the misses overlap. Collisions go to the next
+//! entries (linear probing), a removal shifts the later entries of its probe run back (no tombstones), and at most half
+//! the entries are in use. A key's home comes from the keyed hasher of [`crate::fastmap`], so hashes an adversary picks
+//! (they follow from public tokens and a public seed) do not pile into one probe run.
 
 use std::hash::BuildHasher;
 
-use kv_cache::SeqHash;
-use kv_cache::fastmap::KeyedState;
+use crate::fastmap::KeyedState;
+use crate::hash::SeqHash;
 
-/// A run number no run has: the entry is empty.
-const EMPTY: u32 = u32::MAX;
+/// The value no entry may hold: the entry is empty.
+const EMPTY: u64 = u64::MAX;
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     key: u64,
-    run: u32,
-    pos: u32,
+    value: u64,
 }
 
-const VACANT: Entry = Entry { key: 0, run: EMPTY, pos: 0 };
+const VACANT: Entry = Entry { key: 0, value: EMPTY };
 
-/// Chained hash → (run, position in the run's numbering).
+/// Block hash → a value other than `u64::MAX`.
 #[derive(Debug)]
-pub(crate) struct BlockMap {
+pub struct ProbeMap {
     entries: Vec<Entry>,
     /// `entries.len() - 1` (a power of two minus one).
     mask: usize,
@@ -36,9 +35,9 @@ pub(crate) struct BlockMap {
     hasher: KeyedState,
 }
 
-impl Default for BlockMap {
-    fn default() -> BlockMap {
-        BlockMap::with_size(16)
+impl Default for ProbeMap {
+    fn default() -> ProbeMap {
+        ProbeMap::with_capacity(0)
     }
 }
 
@@ -48,10 +47,15 @@ enum Probe {
     Vacant(usize),
 }
 
-impl BlockMap {
-    fn with_size(size: usize) -> BlockMap {
+impl ProbeMap {
+    /// A map that holds `n` entries without growing.
+    pub fn with_capacity(n: usize) -> ProbeMap {
+        ProbeMap::with_size((2 * n).next_power_of_two().max(16))
+    }
+
+    fn with_size(size: usize) -> ProbeMap {
         debug_assert!(size.is_power_of_two());
-        BlockMap {
+        ProbeMap {
             entries: vec![VACANT; size],
             mask: size - 1,
             shift: 64 - size.trailing_zeros(),
@@ -64,6 +68,10 @@ impl BlockMap {
         self.len
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     fn home(&self, key: u64) -> usize {
         (self.hasher.hash_one(key) >> self.shift) as usize & self.mask
     }
@@ -72,7 +80,7 @@ impl BlockMap {
         let mut i = self.home(key);
         loop {
             let e = &self.entries[i];
-            if e.run == EMPTY {
+            if e.value == EMPTY {
                 return Probe::Vacant(i);
             }
             if e.key == key {
@@ -84,34 +92,35 @@ impl BlockMap {
 
     /// Asks for the line where `h`'s probe starts, ahead of a lookup or change.
     pub fn prefetch(&self, h: &SeqHash) {
-        kv_cache::prefetch::prefetch(&self.entries[self.home(h.0)]);
+        crate::prefetch::prefetch(&self.entries[self.home(h.0)]);
     }
 
-    pub fn get(&self, h: &SeqHash) -> Option<(u32, u32)> {
+    pub fn get(&self, h: &SeqHash) -> Option<u64> {
         match self.probe(h.0) {
-            Probe::Found(i) => Some((self.entries[i].run, self.entries[i].pos)),
+            Probe::Found(i) => Some(self.entries[i].value),
             Probe::Vacant(_) => None,
         }
     }
 
-    /// Puts `h` at `at` if it is absent; if it is there, leaves it and returns where it is.
-    pub fn insert_new(&mut self, h: SeqHash, at: (u32, u32)) -> Result<(), (u32, u32)> {
-        debug_assert!(at.0 != EMPTY);
-        self.reserve_one();
+    /// The value of `h`, to change in place (not to `u64::MAX`).
+    pub fn get_mut(&mut self, h: &SeqHash) -> Option<&mut u64> {
         match self.probe(h.0) {
-            Probe::Found(i) => Err((self.entries[i].run, self.entries[i].pos)),
-            Probe::Vacant(i) => {
-                self.entries[i] = Entry { key: h.0, run: at.0, pos: at.1 };
-                self.len += 1;
-                Ok(())
-            }
+            Probe::Found(i) => Some(&mut self.entries[i].value),
+            Probe::Vacant(_) => None,
         }
     }
 
-    /// Moves `h`, if present, to run `run` (same position).
-    pub fn set_run(&mut self, h: &SeqHash, run: u32) {
-        if let Probe::Found(i) = self.probe(h.0) {
-            self.entries[i].run = run;
+    /// Puts `value` (not `u64::MAX`) under `h` if `h` is absent; if it is there, leaves it and returns its value.
+    pub fn insert_new(&mut self, h: SeqHash, value: u64) -> Result<(), u64> {
+        debug_assert!(value != EMPTY);
+        self.reserve_one();
+        match self.probe(h.0) {
+            Probe::Found(i) => Err(self.entries[i].value),
+            Probe::Vacant(i) => {
+                self.entries[i] = Entry { key: h.0, value };
+                self.len += 1;
+                Ok(())
+            }
         }
     }
 
@@ -123,7 +132,7 @@ impl BlockMap {
         loop {
             i = (i + 1) & self.mask;
             let e = self.entries[i];
-            if e.run == EMPTY {
+            if e.value == EMPTY {
                 break;
             }
             let home = self.home(e.key);
@@ -140,11 +149,11 @@ impl BlockMap {
         if 2 * (self.len + 1) <= self.entries.len() {
             return;
         }
-        let mut grown = BlockMap::with_size(self.entries.len() * 2);
+        let mut grown = ProbeMap::with_size(self.entries.len() * 2);
         grown.hasher = self.hasher;
-        for e in self.entries.iter().filter(|e| e.run != EMPTY) {
+        for e in self.entries.iter().filter(|e| e.value != EMPTY) {
             let mut i = grown.home(e.key);
-            while grown.entries[i].run != EMPTY {
+            while grown.entries[i].value != EMPTY {
                 i = (i + 1) & grown.mask;
             }
             grown.entries[i] = *e;
@@ -163,30 +172,32 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
 
-        /// Insertions, run changes and removals agree with std's map, over keys few enough to collide often and
-        /// through several growths.
+        /// Insertions, changes in place and removals agree with std's map, over keys few enough to collide often
+        /// and through several growths.
         #[test]
-        fn the_table_agrees_with_a_map(ops in proptest::collection::vec((0u8..4, 0u64..300, 0u32..50), 1..3_000)) {
-            let mut table = BlockMap::default();
-            let mut model: HashMap<u64, (u32, u32)> = HashMap::new();
+        fn the_table_agrees_with_a_map(ops in proptest::collection::vec((0u8..4, 0u64..300, 0u64..50), 1..3_000)) {
+            let mut table = ProbeMap::default();
+            let mut model: HashMap<u64, u64> = HashMap::new();
             for (op, key, value) in ops {
                 let h = SeqHash(key.wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 match op {
                     0 => {
-                        let got = table.insert_new(h, (value, key as u32));
+                        let got = table.insert_new(h, value);
                         let want = match model.get(&h.0) {
                             Some(&was) => Err(was),
                             None => {
-                                model.insert(h.0, (value, key as u32));
+                                model.insert(h.0, value);
                                 Ok(())
                             }
                         };
                         proptest::prop_assert_eq!(got, want);
                     }
                     1 => {
-                        table.set_run(&h, value);
-                        if let Some(e) = model.get_mut(&h.0) {
-                            e.0 = value;
+                        if let Some(v) = table.get_mut(&h) {
+                            *v += value;
+                        }
+                        if let Some(v) = model.get_mut(&h.0) {
+                            *v += value;
                         }
                     }
                     2 => {
