@@ -237,6 +237,17 @@ async fn a_streaming_client_that_leaves_during_prefill_cancels_it() {
     for w in &workers {
         assert_eq!(w.stats().usage[0].used, 0, "no KV block is held anywhere");
     }
+    // Counted once, as a client that left (its work is dropped with the response's body).
+    let counted = "tandem_router_requests_total{route=\"/v1/completions\",status=\"499\"} 1\n";
+    let mut m = String::new();
+    for _ in 0..100 {
+        m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+        if m.contains(counted) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(m.contains(counted), "{m}");
     stop(router, workers).await;
 }
 
