@@ -66,5 +66,10 @@ async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "clean exit after SIGTERM: {status}");
+    // Its log, written to a pipe (as under Docker or Kubernetes), is plain text: no terminal colour codes.
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut log).expect("the log");
+    assert!(log.contains("INFO"), "the worker logged: {log:?}");
+    assert!(!log.contains('\u{1b}'), "no escape codes in a piped log: {log:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -96,13 +96,20 @@ fn provider(service: &str, export: &TraceExport) -> Option<SdkTracerProvider> {
     Some(SdkTracerProvider::builder().with_span_processor(gate).with_resource(resource.build()).build())
 }
 
+/// Whether log lines get terminal colours: only on a terminal, and not when `NO_COLOR` is set (no-color.org). A log
+/// read from a pipe or a file (Docker, Kubernetes, a collector) would otherwise carry escape codes in every line.
+fn colour() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 /// [`init`] with an explicit export target (tests, embedding programs).
 pub fn init_with(service: &str, export: TraceExport) -> Guard {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
     let json = std::env::var("TANDEM_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
     let provider = provider(service, &export);
     let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("tandem")));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(colour());
     let registry = tracing_subscriber::registry().with(otel).with(filter);
     let installed = if json { registry.with(fmt.json()).try_init() } else { registry.with(fmt).try_init() };
     if installed.is_err() {
