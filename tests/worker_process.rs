@@ -24,6 +24,9 @@ fn certs(names: &[&str]) -> (std::path::PathBuf, DevCa) {
 async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
     let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("model");
     let (dir, ca) = certs(&["prefill-0"]);
+    // Its own shared-memory directory, where it keeps its KV store while it runs.
+    let shm = dir.join("shm");
+    std::fs::create_dir_all(&shm).expect("shm dir");
     let mut child = Command::new(tandem_tests::binary("prefill-worker", "prefill-worker"))
         .args([
             "--grpc-addr",
@@ -39,6 +42,10 @@ async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
         .arg(&dir)
         .arg("--model")
         .arg(&model)
+        .arg("--shm-dir")
+        .arg(&shm)
+        // Debug lines too, so that the log has lines whatever the machine (the libraries log the TLS connection).
+        .env("RUST_LOG", "debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -69,7 +76,11 @@ async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
     // Its log, written to a pipe (as under Docker or Kubernetes), is plain text: no terminal colour codes.
     let mut log = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut log).expect("the log");
-    assert!(log.contains("INFO"), "the worker logged: {log:?}");
+    assert!(log.contains("DEBUG"), "the worker logged: {log:?}");
     assert!(!log.contains('\u{1b}'), "no escape codes in a piped log: {log:?}");
+    // Stopped cleanly, it leaves nothing in shared memory (a KV store there is host memory until removed).
+    let left: Vec<_> =
+        std::fs::read_dir(&shm).expect("shm dir").filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "left in shared memory: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

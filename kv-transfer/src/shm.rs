@@ -123,7 +123,10 @@ impl ShmDir {
 }
 
 impl Drop for ShmDir {
+    /// The owner's KV store goes with it (the memory of a file in `/dev/shm` is the host's until the file is
+    /// removed; a process still mapping it keeps its mapping), then its lock.
     fn drop(&mut self) {
+        let _ = fs::remove_file(self.store_path());
         let _ = fs::remove_file(&self.lock);
     }
 }
@@ -422,13 +425,31 @@ mod tests {
             MappedBlocks::open(&owner.store_path(), &[past]),
             Err(TransferError::Integrity { what: "outside the shared region", .. })
         ));
-        // A store is the owner's like its regions: swept once the owner is gone.
+        // A store is the owner's like its regions: removed when the owner stops, and swept when it crashed (as
+        // one whose lock file is gone: the store written again after the stop).
         let path = owner.store_path();
         drop((mapped, owner));
-        assert!(path.exists());
+        assert!(!path.exists());
+        fs::write(&path, b"left by a crash").expect("store");
         let next = ShmDir::open(&dir, "s2").expect("owner");
         assert_eq!((next.swept(), path.exists()), (1, false));
         drop(next);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_owner_that_stops_takes_its_store_and_lock_with_it() {
+        let dir = scratch("stop");
+        let owner = ShmDir::open(&dir, "stops").expect("owner");
+        // As the engine makes it: the device KV store, mapped while the owner runs.
+        fs::write(owner.store_path(), vec![7u8; 4096]).expect("store");
+        let mapped = map(&fs::File::open(owner.store_path()).expect("open"), 0, 4096).expect("mapped");
+        drop(owner);
+        let left: Vec<String> =
+            fs::read_dir(&dir).expect("dir").filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+        assert!(left.is_empty(), "nothing left behind: {left:?}");
+        // A mapping made before still reads the store.
+        assert!(mapped.iter().all(|&b| b == 7));
         let _ = fs::remove_dir_all(&dir);
     }
 
