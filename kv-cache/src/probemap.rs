@@ -11,6 +11,7 @@ use std::hash::BuildHasher;
 
 use crate::fastmap::KeyedState;
 use crate::hash::SeqHash;
+use crate::pool::LOOK_AHEAD;
 
 /// The value no entry may hold: the entry is empty.
 const EMPTY: u64 = u64::MAX;
@@ -50,18 +51,12 @@ enum Probe {
 impl ProbeMap {
     /// A map that holds `n` entries without growing.
     pub fn with_capacity(n: usize) -> ProbeMap {
-        ProbeMap::with_size((2 * n).next_power_of_two().max(16))
+        ProbeMap::with_size((2 * n).next_power_of_two().max(16), KeyedState::default())
     }
 
-    fn with_size(size: usize) -> ProbeMap {
+    fn with_size(size: usize, hasher: KeyedState) -> ProbeMap {
         debug_assert!(size.is_power_of_two());
-        ProbeMap {
-            entries: vec![VACANT; size],
-            mask: size - 1,
-            shift: 64 - size.trailing_zeros(),
-            len: 0,
-            hasher: KeyedState::default(),
-        }
+        ProbeMap { entries: vec![VACANT; size], mask: size - 1, shift: 64 - size.trailing_zeros(), len: 0, hasher }
     }
 
     pub fn len(&self) -> usize {
@@ -93,6 +88,13 @@ impl ProbeMap {
     /// Asks for the line where `h`'s probe starts, ahead of a lookup or change.
     pub fn prefetch(&self, h: &SeqHash) {
         crate::prefetch::prefetch(&self.entries[self.home(h.0)]);
+    }
+
+    /// For a walk over `hashes` now at `i`: asks for the entry of the hash [`LOOK_AHEAD`] further on.
+    pub fn prefetch_ahead(&self, hashes: &[SeqHash], i: usize) {
+        if let Some(ahead) = hashes.get(i + LOOK_AHEAD) {
+            self.prefetch(ahead);
+        }
     }
 
     pub fn get(&self, h: &SeqHash) -> Option<u64> {
@@ -149,8 +151,8 @@ impl ProbeMap {
         if 2 * (self.len + 1) <= self.entries.len() {
             return;
         }
-        let mut grown = ProbeMap::with_size(self.entries.len() * 2);
-        grown.hasher = self.hasher;
+        // The same key: homes in the grown table follow from the same hashes.
+        let mut grown = ProbeMap::with_size(self.entries.len() * 2, self.hasher);
         for e in self.entries.iter().filter(|e| e.value != EMPTY) {
             let mut i = grown.home(e.key);
             while grown.entries[i].value != EMPTY {

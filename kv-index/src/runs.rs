@@ -264,9 +264,7 @@ impl Runs {
         };
         let head_moved = moved.base < at;
         for (k, h) in moved.hashes.iter().enumerate() {
-            if let Some(ahead) = moved.hashes.get(k + LOOK_AHEAD) {
-                self.at.prefetch(ahead);
-            }
+            self.at.prefetch_ahead(&moved.hashes, k);
             if let Some(v) = self.at.get_mut(h) {
                 *v = place(new, unpack(*v).1);
             }
@@ -313,9 +311,7 @@ impl Runs {
 /// Removes `hashes` from the map, asking for the lines of the ones a few ahead while it goes.
 fn forget(at: &mut ProbeMap, hashes: &[SeqHash]) {
     for (k, h) in hashes.iter().enumerate() {
-        if let Some(ahead) = hashes.get(k + LOOK_AHEAD) {
-            at.prefetch(ahead);
-        }
+        at.prefetch_ahead(hashes, k);
         at.remove(h);
     }
 }
