@@ -53,20 +53,7 @@ async fn a_full_router_says_429_with_retry_after_and_a_slow_request_504() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_queued_wait_limit_requests_are_shed_with_429_and_retry_after() {
     let ca = DevCa::generate().expect("ca");
-    // Mock workers whose prefill takes 1 ms per prompt token: a known speed, and no compute on this machine.
-    let profile = TimingProfile::parse("test", "[prefill]\nper_token_ms = 1.0\n").expect("profile");
-    let mock = |w: WorkerConfig| WorkerConfig {
-        engine: EngineConfig {
-            backend: BackendChoice::Mock(Box::new(MockSettings {
-                profile: profile.clone(),
-                context_len: 8192,
-                ..MockSettings::gpu_default()
-            })),
-            ..w.engine
-        },
-        ..w
-    };
-    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], mock, |r| r).await;
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], paced, |r| r).await;
     let addr = router.addr;
     let prompt = |i: usize| -> String { (0..200).map(|k| format!("r{i} w{k} ")).collect() };
     let body = |i: usize| {
@@ -289,4 +276,43 @@ async fn a_huge_prompt_is_tokenized_off_the_runtime_and_health_answers_meanwhile
     assert_eq!(big.await.expect("joins"), 413, "the prompt was then refused as too long");
     assert!(answered_meanwhile > 0, "no health check was answered while the prompt was tokenized");
     router.shutdown(Duration::from_secs(5)).await;
+}
+
+/// A mock worker whose prefill takes 1 ms per prompt token: a known speed, and no compute on this machine.
+fn paced(w: WorkerConfig) -> WorkerConfig {
+    let profile = TimingProfile::parse("test", "[prefill]\nper_token_ms = 1.0\n").expect("profile");
+    let mock = MockSettings { profile, context_len: 8192, ..MockSettings::gpu_default() };
+    WorkerConfig { engine: EngineConfig { backend: BackendChoice::Mock(Box::new(mock)), ..w.engine }, ..w }
+}
+
+/// Sends a streamed completion of `words` prompt words and returns what the first read brought, and when.
+async fn first_read(addr: std::net::SocketAddr, words: usize) -> (String, Duration) {
+    use tokio::io::AsyncReadExt as _;
+    let prompt: String = (0..words).map(|k| format!("w{k} ")).collect();
+    let body = serde_json::json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 2,
+                                  "stream": true})
+    .to_string();
+    let started = std::time::Instant::now();
+    let mut s = Streaming::open(addr, "/v1/completions", &body).await;
+    let mut buf = vec![0u8; 16384];
+    let n = s.socket().read(&mut buf).await.expect("reads");
+    (String::from_utf8_lossy(&buf[..n]).into_owned(), started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_head_leaves_with_its_first_event_and_a_slow_one_goes_ahead_alone() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster_with(&ca, &[Role::Both], paced, |r| r).await;
+    // Tens of milliseconds of prefill: the head waits for the first token, and both arrive in one read (before, the
+    // head went out at once and the client woke twice).
+    let (read, _) = first_read(router.addr, 10).await;
+    assert!(read.starts_with("HTTP/1.1 200"), "{read}");
+    assert!(read.contains("text/event-stream"), "{read}");
+    assert!(read.contains("data: {"), "the first event came with the head: {read}");
+    // About 1.5 s of prefill: the head does not wait for it (a proxy in front would be left without headers).
+    let (read, after) = first_read(router.addr, 1500).await;
+    assert!(read.starts_with("HTTP/1.1 200"), "{read}");
+    assert!(!read.contains("data: "), "the head went ahead alone: {read}");
+    assert!(after < Duration::from_millis(1200), "the head came before the first token: {after:?}");
+    stop(router, workers).await;
 }

@@ -229,6 +229,11 @@ impl Streaming {
         Streaming { sock, buf: String::new() }
     }
 
+    /// The connection, for a test that reads it its own way.
+    pub fn socket(&mut self) -> &mut tokio::net::TcpStream {
+        &mut self.sock
+    }
+
     /// `data:` payloads seen so far (the chunk framing is skipped: each event is on its own lines).
     pub fn events(&self) -> Vec<String> {
         self.buf.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()

@@ -11,6 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use engine::generate::text::TextStream;
+use futures_util::StreamExt;
 use futures_util::future::try_join_all;
 use proto::worker as pb;
 use serde_json::{Value, json};
@@ -426,15 +427,20 @@ async fn send_text(tx: &Sink, json: String) -> bool {
     tx.send(Ok(Event::default().data(json))).await.is_ok()
 }
 
+/// How long the response's head waits for the first event, so that both leave in one write (one wake-up of the
+/// client instead of two). Past this the head goes alone and keep-alive comments follow, so a slow prefill never
+/// leaves a proxy in front of the router waiting for headers.
+const HEAD_WAITS_FOR_FIRST_EVENT: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Runs every choice and streams them as server-sent events, interleaved as their tokens come.
-pub fn streamed(
+pub async fn streamed(
     state: Arc<RouterState>,
     planned: Vec<Planned>,
     arrived: Instant,
     route: &'static str,
     permit: OwnedSemaphorePermit,
 ) -> Response {
-    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+    let (tx, mut rx) = mpsc::channel::<Result<Event, Infallible>>(64);
     let span = tracing::Span::current();
     tokio::spawn(tracing::Instrument::instrument(
         async move {
@@ -445,7 +451,9 @@ pub fn streamed(
         },
         span,
     ));
-    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
+    let first = tokio::time::timeout(HEAD_WAITS_FOR_FIRST_EVENT, rx.recv()).await.ok().flatten();
+    let events = futures_util::stream::iter(first).chain(ReceiverStream::new(rx));
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }
 
 /// Streams every choice, then the usage and `[DONE]`; returns the status to count.

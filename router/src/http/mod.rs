@@ -184,7 +184,7 @@ async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, e
     .await;
     match prepared {
         Err(e) => fail(&state, route, e),
-        Ok((permit, planned, true)) => streamed(state, planned, arrived, route, permit),
+        Ok((permit, planned, true)) => streamed(state, planned, arrived, route, permit).await,
         Ok((permit, planned, false)) => {
             let response = whole(Arc::clone(&state), planned, arrived, route).await;
             drop(permit);
