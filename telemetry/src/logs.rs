@@ -9,6 +9,7 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -103,14 +104,29 @@ fn colour() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
+/// The level filter for `spec` (`RUST_LOG`; the default when unset, empty or invalid): one of the two. A plain list
+/// of `target=level` directives (the default, and the usual `RUST_LOG`) is a [`Targets`], which decides from the
+/// callsite alone; directives on spans or fields (`[...]`, `{...}`) need an [`EnvFilter`], which also looks up every
+/// span in a table behind a lock at each entry, exit and recorded field (on a router at 64 streams, a few percent
+/// of its processor time).
+fn level_filter(spec: Option<&str>) -> (Option<Targets>, Option<EnvFilter>) {
+    let spec = spec.map(str::trim).filter(|s| !s.is_empty()).unwrap_or(DEFAULT_FILTER);
+    if !spec.contains(['[', '{'])
+        && let Ok(targets) = spec.parse::<Targets>()
+    {
+        return (Some(targets), None);
+    }
+    (None, Some(EnvFilter::try_new(spec).unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER))))
+}
+
 /// [`init`] with an explicit export target (tests, embedding programs).
 pub fn init_with(service: &str, export: TraceExport) -> Guard {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
+    let (targets, filter) = level_filter(std::env::var("RUST_LOG").ok().as_deref());
     let json = std::env::var("TANDEM_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
     let provider = provider(service, &export);
     let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("tandem")));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(colour());
-    let registry = tracing_subscriber::registry().with(otel).with(filter);
+    let registry = tracing_subscriber::registry().with(otel).with(targets).with(filter);
     let installed = if json { registry.with(fmt.json()).try_init() } else { registry.with(fmt).try_init() };
     if installed.is_err() {
         // Someone else installed a subscriber first; ours would export nothing.
@@ -120,4 +136,36 @@ pub fn init_with(service: &str, export: TraceExport) -> Guard {
         return Guard { provider: None };
     }
     Guard { provider }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracing::Level;
+
+    use super::*;
+
+    #[test]
+    fn plain_level_lists_take_the_lock_free_filter_and_span_directives_the_full_one() {
+        for unset in [None, Some(""), Some("  ")] {
+            let (targets, env) = level_filter(unset);
+            let t = targets.expect("the default is a plain list");
+            assert!(env.is_none());
+            assert!(t.would_enable("router::http", &Level::INFO));
+            assert!(!t.would_enable("router::http", &Level::DEBUG));
+            assert!(!t.would_enable("hyper::proto", &Level::INFO), "others only from warn");
+            assert!(t.would_enable("hyper::proto", &Level::WARN));
+        }
+        let (targets, env) = level_filter(Some("debug,h2=off"));
+        let t = targets.expect("a plain list");
+        assert!(env.is_none());
+        assert!(t.would_enable("worker", &Level::DEBUG) && !t.would_enable("h2::codec", &Level::ERROR));
+        for dynamic in ["router[request]=debug", "router[{request_id}]=trace", "[request{user=x}]=debug"] {
+            let (targets, env) = level_filter(Some(dynamic));
+            assert!(targets.is_none() && env.is_some(), "{dynamic}");
+        }
+        // Not a filter at all: the default, as before.
+        let (targets, env) = level_filter(Some("router=loud"));
+        assert!(targets.is_none());
+        assert_eq!(env.expect("the default").to_string(), EnvFilter::new(DEFAULT_FILTER).to_string());
+    }
 }
