@@ -309,7 +309,8 @@ async fn a_streams_head_leaves_with_its_first_event_and_a_slow_one_goes_ahead_al
     assert!(read.starts_with("HTTP/1.1 200"), "{read}");
     assert!(read.contains("text/event-stream"), "{read}");
     assert!(read.contains("data: {"), "the first event came with the head: {read}");
-    // About 1.5 s of prefill: the head does not wait for it (a proxy in front would be left without headers).
+    // Seconds of prefill (1,500 words, more tokens than that at 1 ms each): the head does not wait for it (a proxy in
+    // front would be left without headers).
     let (read, after) = first_read(router.addr, 1500).await;
     assert!(read.starts_with("HTTP/1.1 200"), "{read}");
     assert!(!read.contains("data: "), "the head went ahead alone: {read}");

@@ -50,6 +50,13 @@ async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawns");
+    // The log is read while the worker runs: a pipe nobody drains fills up and stalls the writer.
+    let mut stderr = child.stderr.take().expect("stderr");
+    let log = std::thread::spawn(move || {
+        let mut log = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+        log
+    });
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("a line");
     let grpc: SocketAddr = line
@@ -74,8 +81,7 @@ async fn a_prefill_worker_process_serves_and_stops_on_sigterm() {
     };
     assert!(status.success(), "clean exit after SIGTERM: {status}");
     // Its log, written to a pipe (as under Docker or Kubernetes), is plain text: no terminal colour codes.
-    let mut log = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut log).expect("the log");
+    let log = log.join().expect("the log");
     assert!(log.contains("DEBUG"), "the worker logged: {log:?}");
     assert!(!log.contains('\u{1b}'), "no escape codes in a piped log: {log:?}");
     // Stopped cleanly, it leaves nothing in shared memory (a KV store there is host memory until removed).
