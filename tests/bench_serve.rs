@@ -84,6 +84,13 @@ fn the_router_benchmark_measures_both_paths_at_each_level() {
             assert!(l[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {l}");
         }
         assert!(l["direct_p50_ms"].as_f64() <= l["direct_p99_ms"].as_f64(), "{l}");
+        // The router runs on threads of its own, whose processor time is read apart from the client's and the
+        // worker's: the path through it keeps them busier than the direct one does (their background work).
+        let cpu = |k: &str| l[k].as_f64().unwrap_or_else(|| panic!("{k}: {l}"));
+        let (through, beside) =
+            (cpu("router_router_threads_cpu_us_per_request"), cpu("direct_router_threads_cpu_us_per_request"));
+        assert!(through > beside && beside >= 0.0, "{l}");
+        assert!((cpu("router_own_cpu_us_per_request") - (through - beside)).abs() < 1e-6, "{l}");
     }
 }
 

@@ -3,12 +3,14 @@
 //! `--max-tokens`) two ways, side by side at each concurrency: straight to its gRPC `Generate` (token ids, mutual
 //! TLS, one HTTP/2 channel), and through a router (`POST /v1/completions` with the prompt as text on a kept-alive
 //! HTTP/1.1 connection per stream: parse, tokenize, route, the router's own gRPC call, SSE back). The difference of
-//! the two is the router's overhead.
+//! the two is the router's overhead. The router runs on a runtime of its own, whose threads' processor time is read
+//! apart from the client's and the worker's: what a router on cores of its own would spend per request.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_transfer::tls::{DevCa, Identity};
@@ -39,16 +41,25 @@ pub struct Args {
 }
 
 /// One path at one concurrency: latencies to the first token in milliseconds, sorted, and the processor time the
-/// whole process (client, router and worker alike) spent meanwhile.
+/// whole process (client, router and worker alike) spent meanwhile, and the router's threads alone.
 struct Sample {
     latencies: Vec<f64>,
-    cpu_seconds: f64,
+    cpu: Cpu,
 }
 
 impl Sample {
-    /// Processor microseconds per request.
+    /// Processor microseconds per request, the whole process.
     fn cpu_us(&self) -> f64 {
-        self.cpu_seconds * 1e6 / self.latencies.len().max(1) as f64
+        self.per_request_us(self.cpu.process)
+    }
+
+    /// Processor microseconds per request on the router's threads (`None` where they cannot be read).
+    fn router_threads_us(&self) -> Option<f64> {
+        self.cpu.router.map(|s| self.per_request_us(s))
+    }
+
+    fn per_request_us(&self, seconds: f64) -> f64 {
+        seconds * 1e6 / self.latencies.len().max(1) as f64
     }
 
     fn quantile(&self, q: f64) -> f64 {
@@ -83,7 +94,10 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let (worker_id, router_id, client_id) =
         (identity(&ca, "worker")?, identity(&ca, "router")?, identity(&ca, "bench")?);
     let process = telemetry::Process::start("tandem")?;
-    process.block_on(async move {
+    let clocks = Clocks::default();
+    let router_runtime = clocks.router_runtime().map_err(|e| format!("cannot start the router's runtime: {e}"))?;
+    let on_router = router_runtime.handle().clone();
+    let result = process.block_on(async move {
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         let settings = worker::cli::Settings {
             engine: Some("mock".into()),
@@ -101,7 +115,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                 .await
                 .map_err(|e| format!("worker: {e}"))?;
         let most = args.concurrency.iter().copied().max().unwrap_or(1);
-        let router = RunningRouter::start(RouterConfig {
+        let config = RouterConfig {
             listen: loopback,
             model,
             served_model: defaults::SERVED_MODEL.into(),
@@ -124,9 +138,9 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             max_model_len: None,
             seed: Some(1),
             record_trace: None,
-        })
-        .await
-        .map_err(|e| e.to_string())?;
+        };
+        let router = on_router.spawn(RunningRouter::start(config)).await.map_err(|e| e.to_string())?;
+        let router = router.map_err(|e| e.to_string())?;
         for _ in 0..200 {
             if !router.state.cluster.up_members().is_empty() {
                 break;
@@ -136,29 +150,83 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         let client = worker::grpc_tls::connect(worker.grpc, &client_id).await.map_err(|e| e.to_string())?;
         let target = router.addr.to_string();
         // Warm both paths (the first request pays for connections, caches and the worker's first step).
-        direct(&client, &ids, args.max_tokens, 1, 16).await?;
-        through(&target, &prompt, args.max_tokens, 1, 16).await?;
+        direct(&clocks, &client, &ids, args.max_tokens, 1, 16).await?;
+        through(&clocks, &target, &prompt, args.max_tokens, 1, 16).await?;
         let mut rows = Vec::new();
         for &c in &args.concurrency {
-            let d = direct(&client, &ids, args.max_tokens, c, args.requests).await?;
-            let r = through(&target, &prompt, args.max_tokens, c, args.requests).await?;
+            let d = direct(&clocks, &client, &ids, args.max_tokens, c, args.requests).await?;
+            let r = through(&clocks, &target, &prompt, args.max_tokens, c, args.requests).await?;
             rows.push((c, d, r));
         }
         report(&args, &rows);
-        router.shutdown(Duration::from_secs(5)).await;
+        let _ = on_router.spawn(async move { router.shutdown(Duration::from_secs(5)).await }).await;
         worker.shutdown(Duration::from_secs(5)).await;
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    router_runtime.shutdown_timeout(Duration::from_secs(5));
+    result
+}
+
+/// Where processor time is read: the whole process, and the router's runtime threads (each thread's entry under
+/// `/proc`, recorded as it starts).
+#[derive(Clone, Default)]
+struct Clocks {
+    router_threads: Arc<Mutex<Vec<PathBuf>>>,
+}
+
+/// Processor seconds: the whole process's, and the router's threads' where they can be read.
+#[derive(Clone, Copy)]
+struct Cpu {
+    process: f64,
+    router: Option<f64>,
+}
+
+impl Clocks {
+    /// The router's runtime: as many threads as a router started alone would have, which record themselves. Idle
+    /// blocking threads are kept, so that the time they spent can still be read.
+    fn router_runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        let seen = Arc::clone(&self.router_threads);
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("bench-router")
+            .thread_keep_alive(Duration::from_secs(24 * 3600))
+            .on_thread_start(move || {
+                if let Ok(entry) = std::fs::canonicalize("/proc/thread-self") {
+                    seen.lock().unwrap_or_else(|p| p.into_inner()).push(entry);
+                }
+            })
+            .build()
+    }
+
+    fn read(&self) -> Cpu {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+        let threads = self.router_threads.lock().unwrap_or_else(|p| p.into_inner());
+        // A thread's `schedstat` starts with its nanoseconds on a processor (Linux).
+        let router = threads.iter().try_fold(0u64, |sum, entry| {
+            let stat = std::fs::read_to_string(entry.join("schedstat")).ok()?;
+            Some(sum + stat.split_whitespace().next()?.parse::<u64>().ok()?)
+        });
+        Cpu {
+            process: t.tv_sec as f64 + t.tv_nsec as f64 / 1e9,
+            router: router.filter(|_| !threads.is_empty()).map(|ns| ns as f64 / 1e9),
+        }
+    }
+
+    /// Processor seconds since `before`.
+    fn since(&self, before: Cpu) -> Cpu {
+        let now = self.read();
+        Cpu { process: now.process - before.process, router: now.router.zip(before.router).map(|(a, b)| a - b) }
+    }
 }
 
 /// `requests` requests over `streams` concurrent loops; each loop's latencies as `ask` measures them.
-async fn spread<F, Fut>(streams: usize, requests: usize, ask: F) -> Result<Sample, String>
+async fn spread<F, Fut>(clocks: &Clocks, streams: usize, requests: usize, ask: F) -> Result<Sample, String>
 where
     F: Fn() -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = Result<f64, String>> + Send,
 {
     let left = Arc::new(AtomicUsize::new(requests));
-    let cpu_before = process_cpu();
+    let cpu_before = clocks.read();
     let tasks: Vec<_> = (0..streams)
         .map(|_| {
             let (left, ask) = (Arc::clone(&left), ask.clone());
@@ -171,33 +239,29 @@ where
             })
         })
         .collect();
-    gather(tasks, requests, cpu_before).await
+    gather(clocks, tasks, requests, cpu_before).await
 }
 
-/// Every stream's latencies, sorted, and the process's processor time since `cpu_before` ([`process_cpu`], read
-/// before the tasks were spawned).
+/// Every stream's latencies, sorted, and the processor time since `cpu_before` (read before the tasks were
+/// spawned).
 async fn gather(
+    clocks: &Clocks,
     tasks: Vec<tokio::task::JoinHandle<Result<Vec<f64>, String>>>,
     requests: usize,
-    cpu_before: f64,
+    cpu_before: Cpu,
 ) -> Result<Sample, String> {
     let mut all = Vec::with_capacity(requests);
     for t in tasks {
         all.extend(t.await.map_err(|e| e.to_string())??);
     }
-    let cpu_seconds = process_cpu() - cpu_before;
+    let cpu = clocks.since(cpu_before);
     all.sort_by(f64::total_cmp);
-    Ok(Sample { latencies: all, cpu_seconds })
-}
-
-/// Processor seconds this process has used, all threads together.
-fn process_cpu() -> f64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+    Ok(Sample { latencies: all, cpu })
 }
 
 /// Straight to the worker: `Generate` with the token ids, timed to the first token message.
 async fn direct(
+    clocks: &Clocks,
     client: &pb::worker_client::WorkerClient<tonic::transport::Channel>,
     ids: &[u32],
     max_tokens: u32,
@@ -206,7 +270,7 @@ async fn direct(
 ) -> Result<Sample, String> {
     let next = Arc::new(AtomicUsize::new(0));
     let (client, ids) = (client.clone(), ids.to_vec());
-    spread(streams, requests, move || {
+    spread(clocks, streams, requests, move || {
         let (mut client, ids, n) = (client.clone(), ids.clone(), next.fetch_add(1, Ordering::Relaxed));
         async move {
             let req = pb::GenerateRequest {
@@ -237,6 +301,7 @@ async fn direct(
 /// Through the router: a streamed completion of the prompt's text, timed to its first content chunk. Each stream
 /// keeps one HTTP/1.1 connection for its requests, as a client's connection pool does.
 async fn through(
+    clocks: &Clocks,
     authority: &str,
     prompt: &str,
     max_tokens: u32,
@@ -247,14 +312,14 @@ async fn through(
                                   "ignore_eos": true, "stream": true})
     .to_string();
     let left = Arc::new(AtomicUsize::new(requests));
-    let cpu_before = process_cpu();
+    let cpu_before = clocks.read();
     let tasks: Vec<_> = (0..streams)
         .map(|_| {
             let (left, authority, body) = (Arc::clone(&left), authority.to_string(), body.clone());
             tokio::spawn(async move { one_connection(&authority, &body, &left).await })
         })
         .collect();
-    gather(tasks, requests, cpu_before).await
+    gather(clocks, tasks, requests, cpu_before).await
 }
 
 /// One stream's requests on one connection, until `left` runs out; each one's milliseconds to its first chunk.
@@ -301,6 +366,14 @@ fn added_cpu(d: &Sample, r: &Sample, streams: usize, cores: usize) -> (f64, f64)
     (added_us, streams as f64 * added_us / cores.max(1) as f64 / 1000.0)
 }
 
+/// Processor time per request on the router's own threads that the path through it adds (what they spend during the
+/// direct path is their background work: the worker's events and load reports), and the queue that makes on one
+/// core at `streams` closed-loop streams, ms.
+fn router_own(d: &Sample, r: &Sample, streams: usize) -> Option<(f64, f64)> {
+    let own = r.router_threads_us()? - d.router_threads_us()?;
+    Some((own, streams as f64 * own / 1000.0))
+}
+
 fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if args.json {
@@ -315,6 +388,9 @@ fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
                     "added_p50_ms": r.quantile(0.5) - d.quantile(0.5), "added_p99_ms": r.quantile(0.99) - d.quantile(0.99),
                     "direct_cpu_us_per_request": d.cpu_us(), "router_cpu_us_per_request": r.cpu_us(),
                     "added_cpu_us_per_request": added_us, "added_cpu_queue_ms": floor_ms,
+                    "direct_router_threads_cpu_us_per_request": d.router_threads_us(),
+                    "router_router_threads_cpu_us_per_request": r.router_threads_us(),
+                    "router_own_cpu_us_per_request": router_own(d, r, *c).map(|o| o.0),
                 })
             })
             .collect();
@@ -345,5 +421,21 @@ fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
     for (c, d, r) in rows {
         let (added_us, floor_ms) = added_cpu(d, r, *c, cores);
         println!("{c:>11} {:>10.1} {:>10.1} {added_us:>10.1} {floor_ms:>10.3}", d.cpu_us(), r.cpu_us());
+    }
+    if rows.iter().any(|(c, d, r)| router_own(d, r, *c).is_none()) {
+        println!("(the router's threads' processor time could not be read: no /proc/thread-self/schedstat)");
+        return;
+    }
+    println!(
+        "processor time per request on the router's own threads, us (during each path; through it less direct: what \
+         it spends per request), and the queue that alone makes on one core (streams x own), ms"
+    );
+    println!("{:>11} {:>10} {:>10} {:>10} {:>10}", "streams", "direct", "router", "own", "queue ms");
+    for (c, d, r) in rows {
+        if let (Some((own, queue)), Some(dt), Some(rt)) =
+            (router_own(d, r, *c), d.router_threads_us(), r.router_threads_us())
+        {
+            println!("{c:>11} {dt:>10.1} {rt:>10.1} {own:>10.1} {queue:>10.3}");
+        }
     }
 }
