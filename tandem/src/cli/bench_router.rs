@@ -169,7 +169,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 
 /// Where processor time is read: the whole process, and the router's runtime threads (each thread's entry under
 /// `/proc`, recorded as it starts).
-#[derive(Clone, Default)]
+#[derive(Default)]
 struct Clocks {
     router_threads: Arc<Mutex<Vec<PathBuf>>>,
 }
@@ -422,20 +422,21 @@ fn report(args: &Args, rows: &[(usize, Sample, Sample)]) {
         let (added_us, floor_ms) = added_cpu(d, r, *c, cores);
         println!("{c:>11} {:>10.1} {:>10.1} {added_us:>10.1} {floor_ms:>10.3}", d.cpu_us(), r.cpu_us());
     }
-    if rows.iter().any(|(c, d, r)| router_own(d, r, *c).is_none()) {
+    // Each level's router threads during each path, and what the path through it adds; none where unreadable.
+    let threads: Option<Vec<_>> = rows
+        .iter()
+        .map(|(c, d, r)| Some((c, d.router_threads_us()?, r.router_threads_us()?, router_own(d, r, *c)?)))
+        .collect();
+    let Some(threads) = threads else {
         println!("(the router's threads' processor time could not be read: no /proc/thread-self/schedstat)");
         return;
-    }
+    };
     println!(
         "processor time per request on the router's own threads, us (during each path; through it less direct: what \
          it spends per request), and the queue that alone makes on one core (streams x own), ms"
     );
     println!("{:>11} {:>10} {:>10} {:>10} {:>10}", "streams", "direct", "router", "own", "queue ms");
-    for (c, d, r) in rows {
-        if let (Some((own, queue)), Some(dt), Some(rt)) =
-            (router_own(d, r, *c), d.router_threads_us(), r.router_threads_us())
-        {
-            println!("{c:>11} {dt:>10.1} {rt:>10.1} {own:>10.1} {queue:>10.3}");
-        }
+    for (c, dt, rt, (own, queue)) in threads {
+        println!("{c:>11} {dt:>10.1} {rt:>10.1} {own:>10.1} {queue:>10.3}");
     }
 }
