@@ -244,13 +244,15 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
         return Err(SimError::Settings("one start per request".into()));
     }
     let mut sim = Sim::new(settings, workload)?;
+    let mut arrivals = Vec::new();
     for (i, s) in starts.iter().enumerate() {
         match *s {
-            Start::At(ms) => sim.queue.at(ms / 1000.0, Ev::Arrive(i)),
+            Start::At(ms) => arrivals.push((ms / 1000.0, Ev::Arrive(i))),
             Start::After { prev, delay_ms } => sim.followers[prev].push((i, delay_ms / 1000.0)),
             Start::Slot => return Err(SimError::Settings("closed-loop schedules are not simulated".into())),
         }
     }
+    sim.queue.up_front(arrivals);
     let mut now = 0.0;
     while let Some((at, ev)) = sim.queue.pop() {
         now = at;
@@ -285,6 +287,7 @@ impl<'a> Sim<'a> {
         // A disk tier is real files, as on a worker: each worker gets a directory of this run's own.
         let disk = (settings.engine.disk_blocks > 0).then(ScratchDir::new).transpose()?;
         let words = text.tokenizer().plain_words();
+        let shared_words: std::sync::Arc<[u32]> = words.as_slice().into();
         for (i, role) in roles.enumerate() {
             let mut config = settings.engine.clone();
             config.disk_dir = disk.as_ref().map(|d| d.0.join(format!("worker-{i}")));
@@ -296,7 +299,7 @@ impl<'a> Sim<'a> {
             {
                 mock.speedup *= settings.prefill_speedups[i % settings.prefill_speedups.len()];
             }
-            let engine = Engine::open_mock(std::sync::Arc::clone(&text), &words, config)?;
+            let engine = Engine::open_mock(std::sync::Arc::clone(&text), std::sync::Arc::clone(&shared_words), config)?;
             let name = match role {
                 WorkerRole::Prefill => format!("prefill-{i}"),
                 _ => format!("decode-{}", i - settings.prefill),

@@ -83,7 +83,12 @@ pub struct MockBackend {
 impl MockBackend {
     /// A mock over a vocabulary of `vocab` tokens drawing output from `words`, with a device tier of
     /// `capacity_tokens` tokens.
-    pub fn new(settings: MockSettings, vocab: usize, words: Vec<u32>, capacity_tokens: usize) -> MockBackend {
+    pub fn new(
+        settings: MockSettings,
+        vocab: usize,
+        words: impl Into<Arc<[u32]>>,
+        capacity_tokens: usize,
+    ) -> MockBackend {
         MockBackend { settings, vocab, words: words.into(), capacity_tokens, pacing: Pacing::default(), last_step: 0.0 }
     }
 

@@ -267,6 +267,9 @@ pub struct Engine {
     device_file_refused: Option<String>,
     /// Device slots pins hold (a pool reference each) and how many pins hold each, until reclaimed.
     pins: kv_io::PinCounts,
+    /// For a backend in virtual time, the one instant every step reads: its steps take no real time, and whoever
+    /// drives it keeps the clock (three clock reads a step were a few percent of a simulation).
+    frozen_clock: Option<std::time::Instant>,
 }
 
 impl Engine {
@@ -289,7 +292,7 @@ impl Engine {
             }
             BackendChoice::Mock(_) => {
                 let words = text.tokenizer().plain_words();
-                return Engine::open_mock(text, &words, config);
+                return Engine::open_mock(text, words.into(), config);
             }
             BackendChoice::Cuda(ordinal) => {
                 let model = Model::load(&file)?;
@@ -301,8 +304,9 @@ impl Engine {
     }
 
     /// A mock engine over a text model already read, drawing output from `words` (`Tokenizer::plain_words`):
-    /// many engines share one model's vocabulary without each reading the file (the simulator's workers).
-    pub fn open_mock(text: Arc<TextModel>, words: &[u32], config: EngineConfig) -> Result<Engine, EngineError> {
+    /// many engines share one model's vocabulary without each reading the file, and one copy of the words (the
+    /// simulator's workers: every token drawn reads the table at random, and one copy stays in cache).
+    pub fn open_mock(text: Arc<TextModel>, words: Arc<[u32]>, config: EngineConfig) -> Result<Engine, EngineError> {
         let BackendChoice::Mock(mock) = &config.backend else {
             return Err(EngineError::Config("open_mock needs the mock backend".into()));
         };
@@ -316,7 +320,7 @@ impl Engine {
         }
         let capacity = config.kv_blocks * config.block_tokens;
         let vocab = text.tokenizer().vocab_size();
-        let backend = Box::new(MockBackend::new((**mock).clone(), vocab, words.to_vec(), capacity));
+        let backend = Box::new(MockBackend::new((**mock).clone(), vocab, words, capacity));
         Engine::with_backend(backend, text, config)
     }
 
@@ -346,6 +350,7 @@ impl Engine {
         let grammars = crate::grammar::Grammars::new(Arc::clone(&text));
         let unpinned = Arc::default();
         let pins = kv_io::PinCounts::new(config.kv_blocks);
+        let frozen_clock = backend.virtual_step_secs().map(|_| std::time::Instant::now());
         Ok(Engine {
             backend,
             text,
@@ -358,7 +363,13 @@ impl Engine {
             unpinned,
             device_file_refused,
             pins,
+            frozen_clock,
         })
+    }
+
+    /// The time now, as the engine's steps see it (the same instant throughout for a backend in virtual time).
+    pub(crate) fn now(&self) -> std::time::Instant {
+        self.frozen_clock.unwrap_or_else(std::time::Instant::now)
     }
 
     /// What computes the steps: `cpu` or `mock`.

@@ -136,7 +136,7 @@ impl Engine {
     /// Plans and runs one step. Returns `Ok(false)` when nothing could run; sequences that failed alone are marked
     /// (see [`Engine::fail`]) and the step goes on without them.
     pub(super) fn step(&mut self, seqs: &mut [Seq], on_event: &mut impl FnMut(Event<'_>)) -> Result<bool, EngineError> {
-        let started = std::time::Instant::now();
+        let started = self.now();
         let onboards_before = self.counters.onboards;
         // Blocks whose exports ended are room for this step.
         self.reclaim_pinned();
@@ -257,7 +257,7 @@ impl Engine {
         };
         let mut logits = logits.into_iter();
         // Every token of the step is produced by the same pass: one clock read for all of them.
-        let produced = std::time::Instant::now();
+        let produced = self.now();
         for &(i, n) in &plan {
             let s = &mut seqs[i];
             s.computed += n;

@@ -100,7 +100,7 @@ impl Stepper {
         if self.seqs.is_empty() {
             return Stepped::default();
         }
-        let started = Instant::now();
+        let started = self.engine.now();
         let compute_before = self.engine.counters().compute_nanos;
         let mut outputs = Vec::new();
         let tags = &self.tags;
@@ -120,7 +120,7 @@ impl Stepper {
         if let Some(i) = self.tags.iter().position(|t| t.0 == id) {
             self.seqs[i].finish = Some(FinishReason::Cancelled);
             let mut dropped = Vec::new();
-            self.retire(&mut dropped, Instant::now());
+            self.retire(&mut dropped, self.engine.now());
         }
     }
 
