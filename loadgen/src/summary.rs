@@ -90,7 +90,8 @@ impl Dist {
         if v.is_empty() {
             return Dist::default();
         }
-        v.sort_by(f64::total_cmp);
+        // Equal under `total_cmp` is the same bits, so an unstable sort orders them as a stable one would.
+        v.sort_unstable_by(f64::total_cmp);
         let q = |p: f64| {
             let pos = p * (v.len() - 1) as f64;
             let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
