@@ -16,6 +16,9 @@ use crate::pool::LOOK_AHEAD;
 /// The value no entry may hold: the entry is empty.
 const EMPTY: u64 = u64::MAX;
 
+/// The fewest entries a table has.
+const MIN_SIZE: usize = 16;
+
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     key: u64,
@@ -51,7 +54,7 @@ enum Probe {
 impl ProbeMap {
     /// A map that holds `n` entries without growing.
     pub fn with_capacity(n: usize) -> ProbeMap {
-        ProbeMap::with_size((2 * n).next_power_of_two().max(16), KeyedState::default())
+        ProbeMap::with_size((2 * n).next_power_of_two().max(MIN_SIZE), KeyedState::default())
     }
 
     fn with_size(size: usize, hasher: KeyedState) -> ProbeMap {
@@ -145,23 +148,34 @@ impl ProbeMap {
         }
         self.entries[hole] = VACANT;
         self.len -= 1;
+        // Less than an eighth full: a table that once held many blocks (a worker with a large tier, since gone)
+        // gives the memory back, to a quarter full at most, so that growing again takes as many inserts as the
+        // shrink took removals.
+        if self.entries.len() > MIN_SIZE && 8 * self.len < self.entries.len() {
+            self.rebuild((4 * self.len).next_power_of_two().max(MIN_SIZE));
+        }
     }
 
     fn reserve_one(&mut self) {
         if 2 * (self.len + 1) <= self.entries.len() {
             return;
         }
-        // The same key: homes in the grown table follow from the same hashes.
-        let mut grown = ProbeMap::with_size(self.entries.len() * 2, self.hasher);
+        self.rebuild(self.entries.len() * 2);
+    }
+
+    /// Moves every entry into a table of `size` entries.
+    fn rebuild(&mut self, size: usize) {
+        // The same key: homes in the new table follow from the same hashes.
+        let mut table = ProbeMap::with_size(size, self.hasher);
         for e in self.entries.iter().filter(|e| e.value != EMPTY) {
-            let mut i = grown.home(e.key);
-            while grown.entries[i].value != EMPTY {
-                i = (i + 1) & grown.mask;
+            let mut i = table.home(e.key);
+            while table.entries[i].value != EMPTY {
+                i = (i + 1) & table.mask;
             }
-            grown.entries[i] = *e;
+            table.entries[i] = *e;
         }
-        grown.len = self.len;
-        *self = grown;
+        table.len = self.len;
+        *self = table;
     }
 }
 
@@ -215,5 +229,31 @@ mod tests {
                 proptest::prop_assert_eq!(table.get(&h), model.get(&h.0).copied());
             }
         }
+    }
+
+    #[test]
+    fn a_table_emptied_gives_its_memory_back_and_keeps_what_is_left() {
+        let h = |k: u64| SeqHash(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5555);
+        let mut table = ProbeMap::default();
+        for k in 0..100_000 {
+            assert_eq!(table.insert_new(h(k), k), Ok(()));
+        }
+        let full = table.entries.len();
+        assert!(full >= 200_000);
+        for k in 100..100_000 {
+            table.remove(&h(k));
+        }
+        assert_eq!(table.len(), 100);
+        assert!(table.entries.len() <= 512, "{} entries for 100 keys (was {full})", table.entries.len());
+        for k in 0..100_000 {
+            assert_eq!(table.get(&h(k)), (k < 100).then_some(k));
+        }
+        // Emptied, it stays usable at its smallest.
+        for k in 0..100 {
+            table.remove(&h(k));
+        }
+        assert_eq!((table.len(), table.entries.len()), (0, MIN_SIZE));
+        assert_eq!(table.insert_new(h(7), 7), Ok(()));
+        assert_eq!(table.get(&h(7)), Some(7));
     }
 }
