@@ -53,15 +53,21 @@ impl<E> Queue<E> {
         Queue { heap: BinaryHeap::new(), lane: VecDeque::new(), scheduled: 0, events: Vec::new(), free: Vec::new() }
     }
 
-    /// Schedules `events` (each at its time) before anything else is: they come out exactly as if each were
-    /// scheduled with [`Queue::at`] in this order.
+    /// Schedules many `events` (each at its time) at once, to wait in the lane: they come out exactly as if each
+    /// were scheduled with [`Queue::at`] in this order. While an earlier lane still waits they go to the heap.
     pub fn up_front(&mut self, events: impl IntoIterator<Item = (f64, E)>) {
-        assert!(self.scheduled == 0, "events up front go in before any other");
+        if !self.lane.is_empty() {
+            for (at, e) in events {
+                self.at(at, e);
+            }
+            return;
+        }
+        let first = self.scheduled;
         let mut lane: Vec<(f64, u64, E)> =
-            events.into_iter().enumerate().map(|(k, (at, e))| (at, k as u64, e)).collect();
+            events.into_iter().enumerate().map(|(k, (at, e))| (at, first + k as u64, e)).collect();
         // Stable: equal times keep their scheduling order.
         lane.sort_by(|a, b| a.0.total_cmp(&b.0));
-        self.scheduled = lane.len() as u64;
+        self.scheduled += lane.len() as u64;
         self.lane = lane.into();
     }
 
@@ -83,7 +89,7 @@ impl<E> Queue<E> {
 
     /// The next event and its time.
     pub fn pop(&mut self) -> Option<(f64, E)> {
-        // The lane's events were scheduled before all of the heap's: on a tie in time the lane's goes first.
+        // The earlier of the lane's first and the heap's top, ties to the one scheduled first.
         let lane_first = match (self.lane.front(), self.heap.peek()) {
             (Some(l), Some(h)) => l.0.total_cmp(&h.at).then(l.1.cmp(&h.order)).is_le(),
             (Some(_), None) => true,
@@ -132,5 +138,25 @@ mod tests {
         let (a, b) = (drain(&mut lane), drain(&mut heap));
         assert_eq!(a, b);
         assert_eq!(a.iter().map(|(_, e)| *e).collect::<Vec<_>>(), ["early", "y", "z", "late-1", "w", "x", "late-3"]);
+    }
+
+    #[test]
+    fn a_lane_given_after_other_events_keeps_the_scheduling_order() {
+        let (mut lane, mut heap) = (Queue::new(), Queue::new());
+        for q in [&mut lane, &mut heap] {
+            q.at(1.0, "a");
+            q.at(2.0, "b");
+        }
+        let later = [(2.0, "c"), (1.0, "d"), (0.5, "e")];
+        lane.up_front(later);
+        // A second batch while the first still waits: into the heap, in order all the same.
+        lane.up_front([(1.0, "f")]);
+        for (at, e) in later.into_iter().chain([(1.0, "f")]) {
+            heap.at(at, e);
+        }
+        let drain = |q: &mut Queue<&'static str>| -> Vec<(f64, &str)> { std::iter::from_fn(|| q.pop()).collect() };
+        let (a, b) = (drain(&mut lane), drain(&mut heap));
+        assert_eq!(a, b);
+        assert_eq!(a.iter().map(|(_, e)| *e).collect::<Vec<_>>(), ["e", "a", "d", "f", "b", "c"]);
     }
 }
