@@ -61,7 +61,7 @@ impl Blocks {
         let mut ids = Vec::with_capacity(total);
         let mut starts = Vec::with_capacity(prompts.len() + 1);
         // Sized for half the blocks distinct up front: growing it a step at a time rehashed every block several
-        // times, a sixth of the references' time on a whole trace.
+        // times, about a quarter of the references' time on a whole trace.
         let mut number: FastMap<SeqHash, u32> = FastMap::with_capacity_and_hasher(total / 2, Default::default());
         for p in prompts {
             starts.push(ids.len());

@@ -44,8 +44,13 @@ impl PartialOrd for Entry {
 impl Ord for Entry {
     // Reversed: the heap's top is the earliest event, the first scheduled among equals.
     fn cmp(&self, other: &Self) -> Ordering {
-        other.at.total_cmp(&self.at).then(other.order.cmp(&self.order))
+        sooner((other.at, other.order), (self.at, self.order))
     }
+}
+
+/// How two events, each (time, scheduling order), come out: the earlier first, ties to the one scheduled first.
+fn sooner(a: (f64, u64), b: (f64, u64)) -> Ordering {
+    a.0.total_cmp(&b.0).then(a.1.cmp(&b.1))
 }
 
 impl<E> Queue<E> {
@@ -89,9 +94,9 @@ impl<E> Queue<E> {
 
     /// The next event and its time.
     pub fn pop(&mut self) -> Option<(f64, E)> {
-        // The earlier of the lane's first and the heap's top, ties to the one scheduled first.
+        // The lane's first or the heap's top, whichever comes out first.
         let lane_first = match (self.lane.front(), self.heap.peek()) {
-            (Some(l), Some(h)) => l.0.total_cmp(&h.at).then(l.1.cmp(&h.order)).is_le(),
+            (Some(l), Some(h)) => sooner((l.0, l.1), (h.at, h.order)).is_lt(),
             (Some(_), None) => true,
             (None, _) => false,
         };
