@@ -105,3 +105,38 @@ fn prompts_waiting_for_the_token_budget_are_computed_in_arrival_order() {
     }
     assert_eq!(first_tokens, vec![0, 1, 2], "B arrived before C, so its prompt is done first");
 }
+
+/// A caller that keeps one output buffer from step to step (the simulator) sees what `step` returns: the buffer is
+/// appended to, never cleared or reordered by the step.
+#[test]
+fn stepping_into_a_kept_buffer_gives_what_step_returns() {
+    use engine::generate::Stepper;
+    let run = |into: bool| {
+        let mut config = EngineConfig { max_batched_tokens: 64, ..mock("[decode]\nbase_ms = 3\n", 1.0, 256) };
+        // Modelled seconds, so that both runs' steps take the same time.
+        if let BackendChoice::Mock(m) = &mut config.backend {
+            m.virtual_time = true;
+        }
+        let mut stepper = Stepper::new(common::engine(config));
+        let none: &[(usize, &[u8])] = &[];
+        for id in 0..3u64 {
+            let prompt: Vec<u32> = (0..40 + 30 * id as u32).map(|i| 1000 + i).collect();
+            stepper.submit(id, &request(prompt, 4, id), false, &none).expect("queued");
+        }
+        let (mut steps, mut buffer) = (Vec::new(), vec![]);
+        while stepper.busy() {
+            if into {
+                let secs = stepper.step_into(&mut buffer);
+                steps.push((secs, buffer.clone()));
+                buffer.clear();
+            } else {
+                let s = stepper.step();
+                steps.push((s.secs, s.outputs));
+            }
+        }
+        steps
+    };
+    let (kept, fresh) = (run(true), run(false));
+    assert!(kept.len() > 3, "several steps: {}", kept.len());
+    assert_eq!(kept, fresh);
+}

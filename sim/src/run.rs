@@ -560,13 +560,13 @@ impl<'a> Sim<'a> {
         if worker.stepping || !worker.engine.busy() {
             return;
         }
-        let stepped = worker.engine.step();
-        worker.pending = stepped.outputs;
+        // The step's outputs go into the buffer the last step's were read from.
+        let secs = worker.engine.step_into(&mut worker.pending);
         worker.stepping = true;
         match &mut self.cores {
-            None => self.queue.at(now + stepped.secs, Ev::StepEnd { w, turn: 0 }),
+            None => self.queue.at(now + secs, Ev::StepEnd { w, turn: 0 }),
             Some(cores) => {
-                for e in cores.start(now, w, stepped.secs) {
+                for e in cores.start(now, w, secs) {
                     self.queue.at(e.at, Ev::StepEnd { w: e.worker, turn: e.turn });
                 }
             }
@@ -593,8 +593,13 @@ impl<'a> Sim<'a> {
             }
         }
         self.workers[w].stepping = false;
-        for out in std::mem::take(&mut self.workers[w].pending) {
+        let mut pending = std::mem::take(&mut self.workers[w].pending);
+        for out in pending.drain(..) {
             self.output(now, w, out);
+        }
+        // The emptied buffer goes back for the next step, unless one already started and filled a new one.
+        if self.workers[w].pending.is_empty() {
+            self.workers[w].pending = pending;
         }
         self.publish(now, w);
         self.kick(now, w);

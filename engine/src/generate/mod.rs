@@ -270,6 +270,9 @@ pub struct Engine {
     /// For a backend in virtual time, the one instant every step reads: its steps take no real time, and whoever
     /// drives it keeps the clock (three clock reads a step were a few percent of a simulation).
     frozen_clock: Option<std::time::Instant>,
+    /// The step's plan (sequence, tokens), kept between steps for its memory: a simulated worker steps millions
+    /// of times.
+    plan: Vec<(usize, usize)>,
 }
 
 impl Engine {
@@ -364,6 +367,7 @@ impl Engine {
             device_file_refused,
             pins,
             frozen_clock,
+            plan: Vec::new(),
         })
     }
 

@@ -136,6 +136,20 @@ impl Engine {
     /// Plans and runs one step. Returns `Ok(false)` when nothing could run; sequences that failed alone are marked
     /// (see [`Engine::fail`]) and the step goes on without them.
     pub(super) fn step(&mut self, seqs: &mut [Seq], on_event: &mut impl FnMut(Event<'_>)) -> Result<bool, EngineError> {
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        let stepped = self.step_with(seqs, &mut plan, on_event);
+        self.plan = plan;
+        stepped
+    }
+
+    /// [`Engine::step`] with `plan` empty to fill.
+    fn step_with(
+        &mut self,
+        seqs: &mut [Seq],
+        plan: &mut Vec<(usize, usize)>,
+        on_event: &mut impl FnMut(Event<'_>),
+    ) -> Result<bool, EngineError> {
         let started = self.now();
         let onboards_before = self.counters.onboards;
         // Blocks whose exports ended are room for this step.
@@ -145,7 +159,6 @@ impl Engine {
         let chunk_cap = self.config.prefill_chunk.map_or(usize::MAX, std::num::NonZeroUsize::get);
         // Decodes first (one token each), then prompt chunks while the budget lasts.
         let mut budget = self.config.max_batched_tokens;
-        let mut plan: Vec<(usize, usize)> = Vec::new();
         let runnable = |s: &Seq| s.active() && s.running;
         for (i, _) in seqs.iter().enumerate().filter(|(_, s)| runnable(s) && s.remaining() == 1) {
             if budget == 0 {
@@ -249,7 +262,7 @@ impl Engine {
             Ok(l) => l,
             Err(e) => {
                 // Not one sequence's fault: the sequences of this batch end; the waiting ones stay.
-                for &(i, _) in &plan {
+                for &(i, _) in plan.iter() {
                     self.fail(&mut seqs[i], e.to_string());
                 }
                 return Ok(true);
@@ -258,7 +271,7 @@ impl Engine {
         let mut logits = logits.into_iter();
         // Every token of the step is produced by the same pass: one clock read for all of them.
         let produced = self.now();
-        for &(i, n) in &plan {
+        for &(i, n) in plan.iter() {
             let s = &mut seqs[i];
             s.computed += n;
             self.counters.prefill_tokens += n as u64;

@@ -97,22 +97,28 @@ impl Stepper {
 
     /// Runs one step (nothing when no sequence is queued).
     pub fn step(&mut self) -> Stepped {
+        let mut outputs = Vec::new();
+        let secs = self.step_into(&mut outputs);
+        Stepped { secs, outputs }
+    }
+
+    /// [`Stepper::step`] appending what the step produced to `outputs` (a buffer the caller keeps from step to
+    /// step), returning the step's seconds.
+    pub fn step_into(&mut self, outputs: &mut Vec<Output>) -> f64 {
         if self.seqs.is_empty() {
-            return Stepped::default();
+            return 0.0;
         }
         let started = self.engine.now();
         let compute_before = self.engine.counters().compute_nanos;
-        let mut outputs = Vec::new();
         let tags = &self.tags;
         self.engine.step_or_fail(&mut self.seqs, &mut |Event::Token { seq, token, .. }| {
             outputs.push(Output::Token { id: tags[seq].0, token });
         });
-        self.retire(&mut outputs, started);
-        let secs = match self.engine.backend.virtual_step_secs() {
+        self.retire(outputs, started);
+        match self.engine.backend.virtual_step_secs() {
             Some(_) => (self.engine.counters().compute_nanos - compute_before) as f64 / 1e9,
             None => started.elapsed().as_secs_f64(),
-        };
-        Stepped { secs, outputs }
+        }
     }
 
     /// Ends sequence `id` at once (the caller gave up on it); its blocks go back.
