@@ -14,6 +14,7 @@
 use std::collections::BinaryHeap;
 
 use kv_cache::SeqHash;
+use kv_cache::probemap::ProbeMap;
 
 /// One request as the references see it: its prompt length and the hashes of its full blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,8 +58,8 @@ struct Blocks {
 impl Blocks {
     /// Numbers the blocks without one table over all of them: a whole trace holds millions of distinct blocks, and
     /// looking each up in a map that size missed the cache about twice per block (1.1 s of a 12.5 s run on a 32 MiB
-    /// cache; 0.44 s this way). The hashes, with where they stand, are first spread into groups by their top bits,
-    /// each group small enough that a table of its own stays in cache.
+    /// cache; about 0.4 s this way). The hashes, with where they stand, are first spread into groups by their top bits,
+    /// each group small enough that a [`ProbeMap`] of its own stays in cache.
     fn number(prompts: &[Prompt]) -> Blocks {
         let total: usize = prompts.iter().map(|p| p.blocks.len()).sum();
         let mut starts = Vec::with_capacity(prompts.len() + 1);
@@ -88,29 +89,18 @@ impl Blocks {
         // Each group in turn: a hash's first place in the trace (a group holds its hashes in trace order), marked
         // in a bit per place, and every pair pointed at its hash's first place.
         let mut firsts = vec![0u64; total.div_ceil(64)];
-        let mut table: Vec<(u64, u32)> = Vec::new();
         for g in 0..1 << bits {
             let pairs = &mut pairs[ends[g]..ends[g + 1]];
-            let size = (pairs.len() * 2).next_power_of_two().max(2);
-            table.clear();
-            table.resize(size, (0, u32::MAX));
-            let mask = size - 1;
+            let mut seen = ProbeMap::with_capacity(pairs.len());
             for pair in pairs.iter_mut() {
                 let (h, k) = *pair;
-                let mut at = ((h as usize).wrapping_mul(0x9E37_79B9) >> 7) & mask;
-                let first = loop {
-                    let slot = &mut table[at];
-                    if slot.1 == u32::MAX {
-                        *slot = (h, k);
+                pair.0 = match seen.insert_new(SeqHash(h), u64::from(k)) {
+                    Ok(()) => {
                         firsts[k as usize / 64] |= 1 << (k % 64);
-                        break k;
+                        u64::from(k)
                     }
-                    if slot.0 == h {
-                        break slot.1;
-                    }
-                    at = (at + 1) & mask;
+                    Err(first) => first,
                 };
-                pair.0 = u64::from(first);
             }
         }
         // A block's number is how many first places come before its hash's: numbers in order of first appearance,
