@@ -2,11 +2,13 @@
 # Measures Tandem's engine and llama.cpp side by side on the same model and thread count, and prints one JSON
 # object with both sides and the ratios (Tandem / llama.cpp; above 1 means Tandem is faster).
 #
-#   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH] [--precision fast|reference] [--rounds N]
+#   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH] [--precision fast|reference] [--rounds N] [--cpu avx2]
 #
 # --rounds N measures both sides N times, alternating which goes first, and reports each figure's best (default 1).
 # --precision is Tandem's (`reference` by default: f32 activations; `fast`: 8-bit activations in matmuls over
-# quantized weights, as llama.cpp computes them: every step where the CPU has AVX-512 VNNI, decode steps elsewhere).
+# quantized weights, as llama.cpp computes them).
+# --cpu avx2 runs both sides as on a CPU without AVX-512: Tandem with `TANDEM_CPU=avx2` (its AVX2 kernels), llama.cpp
+# built for AVX2 + FMA + F16C only (`LLAMA_CPP_CPU=avx2 scripts/llama-cpp.sh`, a build of its own).
 #
 # llama.cpp is built once by scripts/llama-cpp.sh (from the source package of llama-cpp-python on PyPI, cached
 # under $TANDEM_HOME/llama.cpp).
@@ -17,16 +19,24 @@ threads=$(nproc)
 model=""
 precision=reference
 rounds=1
+cpu=native
 while [ $# -gt 0 ]; do
   case "$1" in
     --threads) threads=$2; shift 2 ;;
     --model) model=$2; shift 2 ;;
     --precision) precision=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
-    *) echo "usage: $0 [--threads N] [--model PATH] [--precision fast|reference] [--rounds N]" >&2; exit 2 ;;
+    --cpu) cpu=$2; shift 2 ;;
+    *) echo "usage: $0 [--threads N] [--model PATH] [--precision fast|reference] [--rounds N] [--cpu avx2]" >&2
+      exit 2 ;;
   esac
 done
 
+case "$cpu" in
+  native) ;;
+  avx2) export TANDEM_CPU=avx2 LLAMA_CPP_CPU=avx2 ;;
+  *) echo "--cpu is native or avx2, not $cpu" >&2; exit 2 ;;
+esac
 bin=$(scripts/llama-cpp.sh llama-bench llama-batched-bench)
 
 cargo build --release --quiet -p tandem >&2
@@ -59,7 +69,7 @@ for round in $(seq 1 "$rounds"); do
   if [ $((round % 2)) -eq 1 ]; then ours "$round"; theirs "$round"; else theirs "$round"; ours "$round"; fi
 done
 
-OUT="$out" ROUNDS="$rounds" THREADS="$threads" PRECISION="$precision" python3 - <<'PY'
+OUT="$out" CPU="$cpu" ROUNDS="$rounds" THREADS="$threads" PRECISION="$precision" python3 - <<'PY'
 import json, os
 out, rounds = os.environ["OUT"], range(1, int(os.environ["ROUNDS"]) + 1)
 read = lambda name, r: open(f"{out}/{name}.{r}").read()
@@ -94,5 +104,5 @@ for d in ours["decode"]:
 for c in ours["scheduler"]:
     if c["sequences"] in batched:
         ratios[f"scheduler_concurrency_{c['sequences']}"] = c["decode_tokens_per_s"] / batched[c["sequences"]]
-print(json.dumps({"threads": int(os.environ["THREADS"]), "precision": os.environ["PRECISION"], "rounds": len(rounds), "tandem": ours, "llama_cpp": theirs, "ratios": ratios}, indent=1))
+print(json.dumps({"threads": int(os.environ["THREADS"]), "cpu": os.environ["CPU"], "precision": os.environ["PRECISION"], "rounds": len(rounds), "tandem": ours, "llama_cpp": theirs, "ratios": ratios}, indent=1))
 PY

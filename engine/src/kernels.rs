@@ -274,7 +274,15 @@ pub(crate) mod simd {
     /// Whether the CPU has AVX-512F, for the fused dots' wide forms (bit-identical to the AVX2 ones).
     fn avx512() -> bool {
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
-        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"))
+        *AVAILABLE.get_or_init(|| avx512_allowed() && is_x86_feature_detected!("avx512f"))
+    }
+
+    /// Whether the kernels may use AVX-512 where the CPU has it: not when `TANDEM_CPU=avx2` is set, which runs
+    /// the AVX2 kernels (and the fast precision's choices for a CPU without VNNI) on any x86-64 CPU, to measure
+    /// and test what a CPU without AVX-512 runs. Read once per process.
+    pub(crate) fn avx512_allowed() -> bool {
+        static ALLOWED: OnceLock<bool> = OnceLock::new();
+        *ALLOWED.get_or_init(|| std::env::var("TANDEM_CPU").map_or(true, |v| !v.eq_ignore_ascii_case("avx2")))
     }
 
     /// Lanes 8..16 of `v`.

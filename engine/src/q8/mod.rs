@@ -377,7 +377,7 @@ mod tests {
     #[test]
     fn tiles_equal_single_dots_bit_for_bit() {
         for (ty, cols) in
-            [(TensorType::Q4_1, 96), (TensorType::Q8_0, 96), (TensorType::Q4_1, 128), (TensorType::Q8_0, 128)]
+            [96, 128, 576].into_iter().flat_map(|cols| [(TensorType::Q4_1, cols), (TensorType::Q8_0, cols)])
         {
             let w = weights(ty, cols / BLOCK, 7);
             let x = activations(4 * cols, 8);

@@ -27,7 +27,8 @@ use crate::kernels::simd::{prefetch_weights, scales};
 pub fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
+        crate::kernels::simd::avx512_allowed()
+            && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni")
             && is_x86_feature_detected!("f16c")
