@@ -23,8 +23,9 @@ pub enum Precision {
     Reference,
     /// Matmuls over Q4_1/Q8_0 weights quantize the activations to 8 bits per 32-value block and dot them with the
     /// weights in integers ([`crate::q8`], as llama.cpp computes quantized matmuls): up to four activation rows
-    /// (decode) with AVX2 or AVX-512 VNNI, more (prompts, large batches) in 4 × 4 tiles on CPUs with AVX-512 VNNI, elsewhere as in
-    /// the reference. Faster in docs/performance.md's runs, within a measured tolerance of the reference
+    /// (decode) with AVX2 or AVX-512 VNNI; more (prompts, large batches) in VNNI's 4 × 4 tiles where the CPU has
+    /// AVX-512 VNNI, in AVX2 tiles of one weight row by four activation rows where it has AVX2 alone, and as in
+    /// the reference without either. Faster in docs/performance.md's runs, within a measured tolerance of the reference
     /// (`tests/precision.rs`); a sequence's logits depend on how many share its step, as in llama.cpp and vLLM:
     /// the batch-invariance guarantees are the reference precision's.
     Fast,
@@ -103,8 +104,13 @@ pub const LOGIT_TOLERANCE: f32 = 0.05;
 /// Up to this many activation rows, matmuls dequantize weights in registers instead of through a buffer.
 const FUSED_MAX_ROWS: usize = 2;
 
-/// Up to this many activation rows, the fast precision computes in 8 bits ([`crate::q8`]).
+/// Up to this many activation rows, the fast precision computes in 8 bits ([`crate::q8`]) on every CPU with a
+/// kernel for it; more where [`q8::tiles_any_rows`] (AVX2 without VNNI) or VNNI's tiles take them.
 const FAST_MAX_ROWS: usize = q8::PAIRED_MAX_ROWS;
+
+/// Activation rows in 8 bits taken together against a part's weight rows (about 20 KiB at the model's width of
+/// 576, kept in L1 while the part's rows pass over them).
+const Q8_TOKEN_BLOCK: usize = 32;
 
 /// Rows of weights dequantized together (72 KiB of f32 at the model's width of 576: they stay in L2), so each
 /// activation row is read from memory once per group rather than once per row.
@@ -339,21 +345,26 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratc
         columns::par_rows(out, n, rows, per_task, |part| q8::vnni::matmul_rows(w.ty, |r| w.row(r), part, xq, n));
         return;
     }
-    if *precision == Precision::Fast && n <= FAST_MAX_ROWS && q8::supported(w.ty, cols) {
+    if *precision == Precision::Fast && q8::supported(w.ty, cols) && (n <= FAST_MAX_ROWS || q8::tiles_any_rows()) {
         xq.quantize(&x[..n * cols], cols);
-        let xq = &*xq;
         // The activation rows' views, made once rather than per weight row.
-        let four = (n == 4).then(|| [0, 1, 2, 3].map(|t| xq.row(t)));
+        let xs: Vec<q8::Q8Row<'_>> = (0..n).map(|t| xq.row(t)).collect();
         columns::par_rows(out, n, rows, per_task, |part| {
-            for r in 0..part.len() {
-                let row = w.row(part.first() + r);
-                if let Some(four) = four {
-                    let tile = q8::dot_tile(w.ty, row, four);
-                    tile.iter().enumerate().for_each(|(t, &v)| part.set(r, t, v));
-                    continue;
-                }
-                for t in 0..n {
-                    part.set(r, t, q8::dot(w.ty, row, xq.row(t)));
+            // Activation rows in blocks that stay in L1 while every weight row of the part passes over them.
+            for (b, block) in xs.chunks(Q8_TOKEN_BLOCK).enumerate() {
+                for r in 0..part.len() {
+                    let row = w.row(part.first() + r);
+                    for (c, chunk) in block.chunks(4).enumerate() {
+                        let t0 = b * Q8_TOKEN_BLOCK + c * 4;
+                        if let Ok(&four) = <&[q8::Q8Row<'_>; 4]>::try_from(chunk) {
+                            let tile = q8::dot_tile(w.ty, row, four);
+                            tile.iter().enumerate().for_each(|(t, &v)| part.set(r, t0 + t, v));
+                            continue;
+                        }
+                        for (t, &xt) in chunk.iter().enumerate() {
+                            part.set(r, t0 + t, q8::dot(w.ty, row, xt));
+                        }
+                    }
                 }
             }
         });

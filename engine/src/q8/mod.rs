@@ -9,9 +9,14 @@
 //!
 //! Within this module the result for a (weight row, activation row) pair does not depend on its company:
 //! quantizing a row reads that row only, and the pair goes through the same operations in the same order alone
-//! ([`dot`]) or in a tile ([`dot_tile`]). The fast precision as a whole is still not batch-invariant: steps of more
-//! than four activation rows go through [`vnni`]'s tiles (another summation order) where the CPU has them, and
-//! through the reference's f32 tiles elsewhere (`forward::Precision::Fast`).
+//! ([`dot`]) or in a tile ([`dot_tile`]). Where the CPU has AVX-512 VNNI the fast precision as a whole is still not
+//! batch-invariant: steps of more than four activation rows go through [`vnni`]'s tiles (another summation order).
+//! With AVX2 alone every step goes through [`dot_tile`], in tiles of four activation rows ([`tiles_any_rows`]), so
+//! a row's results there do not depend on how many rows share its matmul; without SIMD, large steps take the reference's f32 tiles.
+//!
+//! The AVX2 tiles sum each block's products exactly in integers, then gather eight blocks' sums into the eight lanes
+//! of one register and scale them at once by the eight blocks' scale products, instead of a broadcast and a
+//! multiply-add per block (llama.cpp's AVX2 dots scale block by block).
 
 #[cfg(target_arch = "x86_64")]
 pub mod vnni;
@@ -105,6 +110,20 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     (d, d * sum as f32)
 }
 
+/// Whether steps of any number of activation rows go through [`dot_tile`] (in tiles of four) because VNNI's own
+/// tiles are missing: on CPUs with AVX2 but not AVX-512 VNNI. Elsewhere steps of more than [`PAIRED_MAX_ROWS`]
+/// take VNNI's tiles or, without SIMD, the reference's f32 tiles.
+pub fn tiles_any_rows() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::kernels::simd_available() && !vnni::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Whether rows of `ty` with `cols` columns have an integer dot here.
 pub fn supported(ty: TensorType, cols: usize) -> bool {
     matches!(ty, TensorType::Q4_1 | TensorType::Q8_0) && cols.is_multiple_of(BLOCK) && cols > 0
@@ -192,51 +211,141 @@ mod simd {
         }
     }
 
+    /// Blocks whose integer sums are gathered into one register before they are scaled: eight, one per lane.
+    const GROUP: usize = 8;
+
+    /// The f16 words at bytes `0, stride, …, 7·stride` of `at` (the scales of eight blocks; for Q4_1 the minimums
+    /// are the words after them): lanes 0..8 the words at those places, 8..16 the words 2 bytes after.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `at` holds at least `7·stride + 4` bytes.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_q4_1<const N: usize>(w: &[u8], x: [Q8Row<'_>; N], blocks: usize) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut mins = [0f32; N];
-        let mask = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        for (b, blk) in w.chunks_exact(20).take(blocks).enumerate() {
-            let (dw, mw) = scales(blk);
-            prefetch_weights(blk);
-            // SAFETY: bytes 4..20 are in the block; each row's bytes `32b..32b + 32` are inside its `blocks`.
-            unsafe {
-                let qs = _mm_loadu_si128(blk.as_ptr().add(4).cast());
-                // Low nibbles are values 0..16, high nibbles 16..32: one byte per value, in order.
-                let wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs), mask);
+    unsafe fn group_scales<const STRIDE: i32>(at: &[u8]) -> (__m256, __m256) {
+        debug_assert!(at.len() >= 7 * STRIDE as usize + 4);
+        let offsets =
+            _mm256_setr_epi32(0, STRIDE, 2 * STRIDE, 3 * STRIDE, 4 * STRIDE, 5 * STRIDE, 6 * STRIDE, 7 * STRIDE);
+        // SAFETY: the eight 4-byte reads are inside `at` (the caller's contract).
+        let words = unsafe { _mm256_i32gather_epi32::<1>(at.as_ptr().cast(), offsets) };
+        // Per 128-bit lane: the low halves of its four words, then the high halves; then the low halves of both
+        // lanes side by side.
+        let split = _mm256_shuffle_epi8(
+            words,
+            _mm256_setr_epi8(
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14,
+                15,
+            ),
+        );
+        let halves = _mm256_permute4x64_epi64::<0b11_01_10_00>(split);
+        (_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves)))
+    }
+
+    /// The eight blocks' 32-bit integer sums `v[0..8]` (eight lanes each) as one register of eight totals, block
+    /// `j` in lane `j`: exact.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn totals(v: [__m256i; GROUP]) -> __m256i {
+        // After two rounds of pairwise sums: the four 128-bit halves' sums of blocks 0..4, then of 4..8.
+        let low = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        let high = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+        _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(low, high), _mm256_permute2x128_si256::<0x31>(low, high))
+    }
+
+    /// Per group of eight blocks, each block's exact integer sum for each row, gathered into one register and
+    /// multiplied by the eight blocks' scale products at once (instead of a broadcast and a multiply-add per
+    /// block); the blocks after the last whole group one by one. `sums(b, k)` is block `b`'s integer sums for
+    /// activation row `k` (eight lanes), `unpack(b)` the weight block as the sums read it.
+    #[inline(always)]
+    unsafe fn tile<const N: usize, W: Copy>(
+        x: &[Q8Row<'_>; N],
+        blocks: usize,
+        unpack: impl Fn(usize) -> W,
+        sums: impl Fn(W, usize, usize) -> __m256i,
+        scales_of: impl Fn(usize) -> (__m256, __m256),
+        one: impl Fn(usize) -> (f32, f32),
+        with_mins: bool,
+    ) -> [f32; N] {
+        // SAFETY: the callers have AVX2, FMA and F16C (this function is inlined into them); every row holds at
+        // least `blocks` scales and sums.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut mins = [_mm256_setzero_ps(); N];
+            let groups = blocks / GROUP;
+            for g in 0..groups {
+                let b0 = g * GROUP;
+                let mut v = [[_mm256_setzero_si256(); GROUP]; N];
+                for j in 0..GROUP {
+                    let wv = unpack(b0 + j);
+                    for (k, vk) in v.iter_mut().enumerate() {
+                        vk[j] = sums(wv, b0 + j, k);
+                    }
+                }
+                let (dw, mw) = scales_of(b0);
                 for k in 0..N {
-                    let xv = _mm256_loadu_si256(x[k].q.as_ptr().add(b * 32).cast());
-                    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw * x[k].d[b]), acc[k]);
-                    mins[k] += mw * x[k].s[b];
+                    let dx = _mm256_loadu_ps(x[k].d.as_ptr().add(b0));
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals(v[k])), _mm256_mul_ps(dw, dx), acc[k]);
+                    if with_mins {
+                        mins[k] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x[k].s.as_ptr().add(b0)), mins[k]);
+                    }
                 }
             }
+            let mut tail = [0f32; N];
+            for b in groups * GROUP..blocks {
+                let wv = unpack(b);
+                let (dw, mw) = one(b);
+                for k in 0..N {
+                    let s = sums(wv, b, k);
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * x[k].d[b]), acc[k]);
+                    tail[k] += mw * x[k].s[b];
+                }
+            }
+            std::array::from_fn(|k| hsum(acc[k]) + (hsum(mins[k]) + tail[k]))
         }
-        std::array::from_fn(|k| hsum(acc[k]) + mins[k])
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q4_1<const N: usize>(w: &[u8], x: [Q8Row<'_>; N], blocks: usize) -> [f32; N] {
+        let mask = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let unpack = |b: usize| {
+            let blk = &w[20 * b..20 * b + 20];
+            prefetch_weights(blk);
+            // SAFETY: bytes 4..20 are in the block.
+            let qs = unsafe { _mm_loadu_si128(blk.as_ptr().add(4).cast()) };
+            // Low nibbles are values 0..16, high nibbles 16..32: one byte per value, in order.
+            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs), mask)
+        };
+        let sums = |wv: __m256i, b: usize, k: usize| {
+            // SAFETY: each row's bytes `32b..32b + 32` are inside its `blocks`.
+            let xv = unsafe { _mm256_loadu_si256(x[k].q.as_ptr().add(b * 32).cast()) };
+            _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones)
+        };
+        // SAFETY: a whole group's 160 bytes are in `w`.
+        let group = |b0: usize| unsafe { group_scales::<20>(&w[20 * b0..20 * b0 + 160]) };
+        // SAFETY: AVX2, FMA and F16C are there (this function's features); every block read is in `w` and the rows.
+        unsafe { tile(&x, blocks, unpack, sums, group, |b| scales(&w[20 * b..]), true) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile_q8_0<const N: usize>(w: &[u8], x: [Q8Row<'_>; N], blocks: usize) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
         let ones = _mm256_set1_epi16(1);
-        for (b, blk) in w.chunks_exact(34).take(blocks).enumerate() {
-            let dw = scales(blk).0;
+        let unpack = |b: usize| {
+            let blk = &w[34 * b..34 * b + 34];
             prefetch_weights(blk);
-            // SAFETY: bytes 2..34 are in the block; each row's bytes `32b..32b + 32` are inside its `blocks`.
-            unsafe {
-                let wv = _mm256_loadu_si256(blk.as_ptr().add(2).cast());
-                // `maddubs` takes unsigned × signed bytes: |w| against x carrying w's sign.
-                let wabs = _mm256_sign_epi8(wv, wv);
-                for k in 0..N {
-                    let xv = _mm256_loadu_si256(x[k].q.as_ptr().add(b * 32).cast());
-                    let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones);
-                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw * x[k].d[b]), acc[k]);
-                }
-            }
-        }
-        std::array::from_fn(|k| hsum(acc[k]))
+            // SAFETY: bytes 2..34 are in the block.
+            let wv = unsafe { _mm256_loadu_si256(blk.as_ptr().add(2).cast()) };
+            // `maddubs` takes unsigned × signed bytes: |w| against x carrying w's sign.
+            (_mm256_sign_epi8(wv, wv), wv)
+        };
+        let sums = |(wabs, wv): (__m256i, __m256i), b: usize, k: usize| {
+            // SAFETY: each row's bytes `32b..32b + 32` are inside its `blocks`.
+            let xv = unsafe { _mm256_loadu_si256(x[k].q.as_ptr().add(b * 32).cast()) };
+            _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones)
+        };
+        // SAFETY: a whole group's 272 bytes are in `w`.
+        let group = |b0: usize| unsafe { group_scales::<34>(&w[34 * b0..34 * b0 + 272]) };
+        // SAFETY: as in `tile_q4_1`.
+        unsafe { tile(&x, blocks, unpack, sums, group, |b| (scales(&w[34 * b..]).0, 0.0), false) }
     }
 
     /// [`super::quantize_block`] for one block of 32, bit for bit. The caller checked AVX2 and FMA.
@@ -377,7 +486,10 @@ mod tests {
     #[test]
     fn tiles_equal_single_dots_bit_for_bit() {
         for (ty, cols) in
-            [96, 128, 576].into_iter().flat_map(|cols| [(TensorType::Q4_1, cols), (TensorType::Q8_0, cols)])
+            // Widths below one group of eight blocks, one group, and groups plus a remainder (the model's 576).
+            [96, 128, 256, 576]
+                .into_iter()
+                .flat_map(|cols| [(TensorType::Q4_1, cols), (TensorType::Q8_0, cols)])
         {
             let w = weights(ty, cols / BLOCK, 7);
             let x = activations(4 * cols, 8);
