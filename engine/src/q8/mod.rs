@@ -12,7 +12,8 @@
 //! ([`dot`]) or in a tile ([`dot_tile`]). Where the CPU has AVX-512 VNNI the fast precision as a whole is still not
 //! batch-invariant: steps of more than four activation rows go through [`vnni`]'s tiles (another summation order).
 //! With AVX2 alone every step goes through [`dot_tile`], in tiles of four activation rows ([`tiles_any_rows`]), so
-//! a row's results there do not depend on how many rows share its matmul; without SIMD, large steps take the reference's f32 tiles.
+//! a row's results there do not depend on how many rows share its matmul; without SIMD, large steps take the
+//! reference's f32 tiles.
 //!
 //! The AVX2 tiles sum each block's products exactly in integers, then gather eight blocks' sums into the eight lanes
 //! of one register and scale them at once by the eight blocks' scale products, instead of a broadcast and a
@@ -253,8 +254,10 @@ mod simd {
 
     /// Per group of eight blocks, each block's exact integer sum for each row, gathered into one register and
     /// multiplied by the eight blocks' scale products at once (instead of a broadcast and a multiply-add per
-    /// block); the blocks after the last whole group one by one. `sums(b, k)` is block `b`'s integer sums for
-    /// activation row `k` (eight lanes), `unpack(b)` the weight block as the sums read it.
+    /// block); the blocks after the last whole group one by one. `unpack(b)` is weight block `b` as the sums read
+    /// it, `sums(w, b, k)` that block's integer sums against activation row `k` (eight lanes), `scales_of(b0)` the
+    /// scales and minimums of the group starting at `b0` ([`group_scales`]), `one(b)` block `b`'s alone;
+    /// `with_mins` adds the minimums' term (Q4_1's).
     #[inline(always)]
     unsafe fn tile<const N: usize, W: Copy>(
         x: &[Q8Row<'_>; N],
