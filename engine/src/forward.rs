@@ -72,11 +72,21 @@ pub enum ForwardError {
     Device(String),
 }
 
+/// The first of `tokens` that is not an id of a `vocab`-token vocabulary. The common answer, none, takes one pass
+/// that vectorizes (the largest id); only a list holding a bad id is searched for the first.
+pub fn first_out_of_vocab(tokens: &[u32], vocab: usize) -> Option<u32> {
+    let largest = tokens.iter().copied().max()?;
+    if (largest as usize) < vocab {
+        return None;
+    }
+    tokens.iter().copied().find(|&t| t as usize >= vocab)
+}
+
 /// What a step checks of one chunk before any compute, whatever computes it: token ids in the vocabulary,
 /// positions within the context, a block table covering them, blocks inside the store.
 pub fn check_chunk(kv: &KvStore, s: &SeqChunk<'_>, vocab: usize, context: usize) -> Result<(), ForwardError> {
     let bt = kv.layout().block_tokens;
-    if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+    if let Some(t) = first_out_of_vocab(s.tokens, vocab) {
         return Err(ForwardError::TokenOutOfRange(t));
     }
     let end = s.start + s.tokens.len();

@@ -91,7 +91,7 @@ fn prompts_waiting_for_the_token_budget_are_computed_in_arrival_order() {
     // A: a short prompt that ends with its first token; B and C: four chunks each, B first.
     for (id, len, max) in [(0u64, 16u32, 1u32), (1, 256, 2), (2, 256, 2)] {
         let prompt: Vec<u32> = (0..len).map(|i| 1000 + id as u32 * 300 + i).collect();
-        stepper.submit(id, &request(prompt, max, id), false, &none).expect("queued");
+        stepper.submit(id, request(prompt, max, id), false, &none).expect("queued");
     }
     let mut first_tokens = Vec::new();
     while stepper.busy() {
@@ -121,7 +121,7 @@ fn stepping_into_a_kept_buffer_gives_what_step_returns() {
         let none: &[(usize, &[u8])] = &[];
         for id in 0..3u64 {
             let prompt: Vec<u32> = (0..40 + 30 * id as u32).map(|i| 1000 + i).collect();
-            stepper.submit(id, &request(prompt, 4, id), false, &none).expect("queued");
+            stepper.submit(id, request(prompt, 4, id), false, &none).expect("queued");
         }
         let (mut steps, mut buffer) = (Vec::new(), vec![]);
         while stepper.busy() {
@@ -139,4 +139,53 @@ fn stepping_into_a_kept_buffer_gives_what_step_returns() {
     let (kept, fresh) = (run(true), run(false));
     assert!(kept.len() > 3, "several steps: {}", kept.len());
     assert_eq!(kept, fresh);
+}
+
+/// A prompt handed over with its hashes (the simulator hashes it once, for its router and its engines) runs as the
+/// same prompt submitted bare: the same tokens, the same blocks cached and the same events; hashes made in another
+/// block size are not used.
+#[test]
+fn a_prompt_submitted_with_its_hashes_runs_as_one_submitted_bare() {
+    use engine::generate::{Output, Stepper};
+    use kv_cache::{BlockSize, CacheNamespace, HashedTokens};
+    let run = |hashed: Option<u32>| {
+        let mut stepper = Stepper::new(common::engine(EngineConfig { max_batched_tokens: 64, ..mock("", 1.0, 256) }));
+        let none: &[(usize, &[u8])] = &[];
+        let mut outputs = Vec::new();
+        // The second prompt shares the first one's leading 48 tokens; each is in a namespace of its own but the last.
+        let prompts: [(Vec<u32>, Option<&str>); 3] = [
+            ((1000..1100).collect(), None),
+            ((1000..1048).chain(2000..2030).collect(), None),
+            ((1000..1100).collect(), Some("tenant")),
+        ];
+        for (id, (prompt, ns)) in prompts.into_iter().enumerate() {
+            let id = id as u64;
+            let ns = ns.map(CacheNamespace::new);
+            let mut bare = request(prompt.clone(), 3, id);
+            match hashed {
+                Some(size) => {
+                    let tokens = HashedTokens::new(prompt, BlockSize::new(size).expect("non-zero"), ns);
+                    stepper.submit_hashed(id, tokens, bare.sampling, false, &none).expect("queued");
+                }
+                None => {
+                    bare.namespace = ns;
+                    stepper.submit(id, bare, false, &none).expect("queued");
+                }
+            }
+            while stepper.busy() {
+                for out in stepper.step().outputs {
+                    outputs.push(match out {
+                        Output::Token { id, token } => (id, token, None),
+                        Output::Finished { id, completion, .. } => (id, 0, Some(completion.cached_tokens)),
+                        Output::Failed { why, .. } => panic!("{why}"),
+                    });
+                }
+            }
+        }
+        (outputs, stepper.take_kv_events().expect("every event kept"))
+    };
+    let bare = run(None);
+    assert!(!bare.1.is_empty());
+    assert_eq!(run(Some(16)), bare, "hashed in the engine's block size");
+    assert_eq!(run(Some(8)), bare, "hashed in another block size: hashed again");
 }

@@ -142,6 +142,51 @@ pub fn block_hashes(tokens: &[u32], block_size: BlockSize, namespace: Option<&Ca
     out
 }
 
+/// Tokens and the hashes of their full blocks, made together so that they always agree: a caller that hashed a
+/// prompt for routing (the simulator's router) hands both to the engine, which then does not hash it again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HashedTokens {
+    tokens: Vec<u32>,
+    hashes: BlockHashes,
+    block_size: BlockSize,
+    namespace: Option<CacheNamespace>,
+}
+
+impl HashedTokens {
+    /// Hashes the full blocks of `tokens` in `block_size` under `namespace`.
+    pub fn new(tokens: Vec<u32>, block_size: BlockSize, namespace: Option<CacheNamespace>) -> HashedTokens {
+        let hashes = block_hashes(&tokens, block_size, namespace.as_ref());
+        HashedTokens { tokens, hashes, block_size, namespace }
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn hashes(&self) -> &BlockHashes {
+        &self.hashes
+    }
+
+    pub fn block_size(&self) -> BlockSize {
+        self.block_size
+    }
+
+    pub fn namespace(&self) -> Option<&CacheNamespace> {
+        self.namespace.as_ref()
+    }
+
+    /// Appends `tokens`, hashing the blocks they complete.
+    pub fn extend(&mut self, tokens: impl IntoIterator<Item = u32>) {
+        self.tokens.extend(tokens);
+        self.hashes.extend(&self.tokens, self.block_size, self.namespace.as_ref());
+    }
+
+    /// The tokens, their namespace, and their hashes.
+    pub fn into_parts(self) -> (Vec<u32>, Option<CacheNamespace>, BlockHashes) {
+        (self.tokens, self.namespace, self.hashes)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +204,17 @@ mod tests {
         assert_eq!(h.seq[0], SeqHash(14643705804678351452));
         assert_eq!(h.seq[1], SeqHash(4945711292740353085));
         assert_eq!(h.local[1], LocalHash(16777012769546811212));
+    }
+
+    #[test]
+    fn hashed_tokens_keep_their_hashes_those_of_their_tokens() {
+        let ns = CacheNamespace::new("tenant");
+        let mut t = HashedTokens::new(vec![1, 2, 3, 4, 5, 6], bs(4), Some(ns.clone()));
+        assert_eq!(t.hashes(), &block_hashes(&[1, 2, 3, 4, 5, 6], bs(4), Some(&ns)));
+        t.extend([7, 8, 9]);
+        assert_eq!(t.tokens(), &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(t.hashes(), &block_hashes(t.tokens(), bs(4), Some(&ns)));
+        assert_eq!(t.hashes().seq.len(), 2);
     }
 
     #[test]

@@ -15,4 +15,6 @@ pub mod pool;
 mod prefetch;
 pub mod probemap;
 
-pub use hash::{BlockHashes, BlockSize, CacheNamespace, LocalHash, SeqHash, block_hashes, chained, local_hash};
+pub use hash::{
+    BlockHashes, BlockSize, CacheNamespace, HashedTokens, LocalHash, SeqHash, block_hashes, chained, local_hash,
+};

@@ -40,8 +40,13 @@ impl PromptBuilder {
     /// The prompt of request number `index`: its blocks' tokens, then tokens of its own up to `input_length`, cut
     /// to `max_isl` tokens when longer.
     pub fn prompt(&self, r: &TraceRequest, index: usize, max_isl: Option<usize>) -> Prompt {
+        self.prompt_with_room(r, index, max_isl, 0)
+    }
+
+    /// [`prompt`](Self::prompt) in a vector with room for `room` more tokens (the output a caller appends).
+    pub fn prompt_with_room(&self, r: &TraceRequest, index: usize, max_isl: Option<usize>, room: usize) -> Prompt {
         let want = r.input_length;
-        let mut tokens: Vec<u32> = Vec::with_capacity(want);
+        let mut tokens: Vec<u32> = Vec::with_capacity(want.min(max_isl.unwrap_or(usize::MAX)).max(1) + room);
         for &id in &r.hash_ids {
             if tokens.len() >= want {
                 break;

@@ -5,10 +5,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
-use engine::generate::{Engine, EngineConfig, Output, Request, Stepper};
+use engine::generate::{Engine, EngineConfig, Output, Stepper};
 use engine::sampling::{RawSampling, SamplingParams};
 use kv_cache::events::{EventId, KvEvent, Snapshot};
-use kv_cache::{BlockSize, SeqHash, block_hashes};
+use kv_cache::{BlockSize, HashedTokens, SeqHash};
 use loadgen::prompt::PromptBuilder;
 use loadgen::schedule::Start;
 use loadgen::summary::Record;
@@ -165,8 +165,10 @@ enum Ev {
 struct Live {
     /// The router replica that took it.
     router: usize,
-    prompt: Vec<u32>,
-    hashes: Vec<SeqHash>,
+    /// Prompt tokens.
+    isl: usize,
+    /// The prompt, hashed once for the router and the engines alike; it moves to the engine that runs it last.
+    prompt: Option<HashedTokens>,
     clipped: bool,
     max_tokens: u32,
     arrival: f64,
@@ -182,6 +184,15 @@ struct Live {
     /// While the transfer runs: the prompt's KV from its prefill worker, and the positions of the blocks its
     /// decode worker pulls (the full blocks it does not hold).
     pull: Option<(engine::generate::ExportedKv, std::ops::Range<usize>)>,
+}
+
+/// What a worker is asked to run for a request: its prompt (`None` when it was lost, which fails the request), how
+/// many tokens to make, whether to keep the prompt's KV for export, and its blocks pulled from another worker.
+struct Job<'a> {
+    prompt: Option<HashedTokens>,
+    max_tokens: u32,
+    export: bool,
+    blocks: &'a [(usize, &'a [u8])],
 }
 
 /// One router replica's own state.
@@ -380,23 +391,25 @@ impl<'a> Sim<'a> {
     fn arrive(&mut self, now: f64, i: usize) {
         let r = &self.workload[i];
         let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
-        let prompt = self.prompts.prompt(r, i, Some(max_isl));
-        let hashes = block_hashes(&prompt.tokens, self.block_size, None).seq;
+        // Room for the output: the engine's sequence takes this vector over.
+        let room = r.output_length.clamp(1, 2048);
+        let prompt = self.prompts.prompt_with_room(r, i, Some(max_isl), room);
+        let hashed = HashedTokens::new(prompt.tokens, self.block_size, None);
         let router = i % self.routers.len();
         let live = &mut self.live[i];
         live.router = router;
         live.max_tokens = r.output_length.max(1) as u32;
         live.arrival = now;
         live.clipped = prompt.clipped;
-        live.prompt = prompt.tokens;
-        live.hashes = hashes;
-        self.out.arrivals.push(crate::oracle::Prompt { tokens: live.prompt.len(), blocks: live.hashes.clone() });
+        live.isl = hashed.tokens().len();
+        self.out.arrivals.push(crate::oracle::Prompt { tokens: live.isl, blocks: hashed.hashes().seq.clone() });
+        live.prompt = Some(hashed);
         let rate = self.settings.router_tokens_per_s;
         if rate > 0.0 {
             // The replica's first free tokenizer slot takes it.
             let slots = &mut self.routers[router].tokenizers;
             let slot = (0..slots.len()).min_by(|&a, &b| slots[a].total_cmp(&slots[b])).unwrap_or(0);
-            let done = now.max(slots[slot]) + self.live[i].prompt.len() as f64 / rate;
+            let done = now.max(slots[slot]) + self.live[i].isl as f64 / rate;
             slots[slot] = done;
             self.queue.at(done, Ev::Route(i));
         } else {
@@ -409,9 +422,9 @@ impl<'a> Sim<'a> {
         let router = self.live[i].router;
         let cfg = &self.settings.scheduler;
         let bs = self.block_size.tokens() as u64;
-        let req = RouteRequest::new(self.live[i].prompt.len() as u64, bs, &self.live[i].hashes, cfg.prefix_hash_blocks);
+        let req = RouteRequest::new(self.live[i].isl as u64, bs, self.hashes(i), cfg.prefix_hash_blocks);
         self.sample_balance(now);
-        let views = self.view(router, &self.live[i].hashes);
+        let views = self.view(router, self.hashes(i));
         let placed = if self.settings.replay {
             self.replayed(i)
         } else {
@@ -502,7 +515,7 @@ impl<'a> Sim<'a> {
         let target = d.prefill.unwrap_or(decode);
         let v = &views[target];
         let held = (v.overlap.device + v.overlap.host + v.overlap.disk) as u64;
-        let isl = self.live[i].prompt.len() as u64;
+        let isl = self.live[i].isl as u64;
         let uncached = isl.saturating_sub(held * self.block_size.tokens() as u64);
         let export = target != decode;
         let max_tokens = if export { 1 } else { self.live[i].max_tokens };
@@ -513,19 +526,26 @@ impl<'a> Sim<'a> {
         if export && self.settings.scheduler.reserve_decode {
             self.send(decode, i, 0);
         }
-        let request = self.request(i, self.live[i].prompt.clone(), max_tokens);
-        self.submit(now, target, i, &request, export, &[]);
+        // After a disaggregated prefill the decode worker needs the prompt again.
+        let prompt = if export { self.live[i].prompt.clone() } else { self.live[i].prompt.take() };
+        self.submit(now, target, i, Job { prompt, max_tokens, export, blocks: &[] });
     }
 
     /// The router's own accounting of work it sent `w` for request `i`.
     fn send(&mut self, w: usize, i: usize, uncached: u64) {
         let live = &self.live[i];
-        let blocks = (live.prompt.len() as u64).div_ceil(self.block_size.tokens() as u64);
+        let blocks = (live.isl as u64).div_ceil(self.block_size.tokens() as u64);
         let load = &mut self.routers[live.router].load;
-        load.sent(WorkerId(w as u32), i as u64, &i.to_string(), uncached, blocks, &live.hashes);
+        let hashes = live.prompt.as_ref().map_or(&[][..], |p| &p.hashes().seq);
+        load.sent(WorkerId(w as u32), i as u64, &i.to_string(), uncached, blocks, hashes);
     }
 
-    fn request(&self, i: usize, prompt: Vec<u32>, max_tokens: u32) -> Request {
+    /// Request `i`'s prompt's block hashes (none once the prompt has moved to its last engine).
+    fn hashes(&self, i: usize) -> &[SeqHash] {
+        self.live[i].prompt.as_ref().map_or(&[], |p| &p.hashes().seq)
+    }
+
+    fn sampling(&self, i: usize, max_tokens: u32) -> SamplingParams {
         let raw = RawSampling {
             max_tokens,
             ignore_eos: true,
@@ -534,22 +554,31 @@ impl<'a> Sim<'a> {
             seed: Some(self.settings.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
             ..RawSampling::default()
         };
-        let sampling = SamplingParams::new(raw).unwrap_or_else(|_| {
+        SamplingParams::new(raw).unwrap_or_else(|_| {
             SamplingParams::greedy(std::num::NonZeroU32::new(max_tokens.max(1)).unwrap_or(std::num::NonZeroU32::MIN))
-        });
-        Request { prompt, sampling, namespace: None, deadline: None }
+        })
     }
 
-    fn submit(&mut self, now: f64, w: usize, i: usize, request: &Request, export: bool, blocks: &[(usize, &[u8])]) {
+    /// Queues request `i`'s `job` on worker `w`.
+    fn submit(&mut self, now: f64, w: usize, i: usize, job: Job<'_>) {
         *self.out.per_worker.entry(self.workers[w].name.clone()).or_default() += 1;
-        match self.workers[w].engine.submit(i as u64, request, export, &blocks) {
+        let (sampling, export, blocks) = (self.sampling(i, job.max_tokens), job.export, job.blocks);
+        let submitted = match job.prompt {
+            Some(prompt) => self.workers[w]
+                .engine
+                .submit_hashed(i as u64, prompt, sampling, export, &blocks)
+                .map_err(|e| e.to_string()),
+            // Not reached: each request's prompt moves to an engine once, at its last submission.
+            None => Err("the request's prompt had already gone to its last worker".to_string()),
+        };
+        match submitted {
             Ok(()) => {
                 self.publish(now, w);
                 self.kick(now, w);
             }
             Err(e) => {
                 self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
-                self.finish(now, i, 500, Some(e.to_string()), None);
+                self.finish(now, i, 500, Some(e), None);
             }
         }
     }
@@ -702,7 +731,7 @@ impl<'a> Sim<'a> {
             return Vec::new();
         }
         let bt = self.block_size.tokens();
-        router::stream_kv::piece_ends(live.prompt.len(), live.cached, bt, self.settings.engine.max_batched_tokens)
+        router::stream_kv::piece_ends(live.isl, live.cached, bt, self.settings.engine.max_batched_tokens)
     }
 
     /// Prefill worker `p` takes back the blocks of exports that nobody reads any more (its lease ended).
@@ -714,17 +743,17 @@ impl<'a> Sim<'a> {
     fn pulled(&mut self, now: f64, i: usize) {
         let d = self.live[i].decode;
         let pull = std::mem::take(&mut self.live[i].pull);
-        let live = &self.live[i];
-        // Room for the first token from the start: extending a full copy moved the whole prompt again.
-        let mut prompt = Vec::with_capacity(live.prompt.len() + 1);
-        prompt.extend_from_slice(&live.prompt);
-        prompt.extend(live.first_token);
-        let request = self.request(i, prompt, self.live[i].max_tokens - 1);
+        // The last submission: the prompt (made with room for the output) moves to the engine.
+        let mut prompt = self.live[i].prompt.take();
+        if let Some(p) = &mut prompt {
+            p.extend(self.live[i].first_token);
+        }
+        let max_tokens = self.live[i].max_tokens - 1;
         let blocks: Vec<(usize, &[u8])> = match &pull {
             Some((kv, range)) => range.clone().map(|k| (k, kv.block(k))).collect(),
             None => Vec::new(),
         };
-        self.submit(now, d, i, &request, false, &blocks);
+        self.submit(now, d, i, Job { prompt, max_tokens, export: false, blocks: &blocks });
         // The pull is done: the lease ends and the prefill worker's blocks are its own again.
         if let (Some(_), Some(p)) = (pull, self.live[i].prefill) {
             self.unpinned(now, p);
@@ -758,7 +787,7 @@ impl<'a> Sim<'a> {
             request_latency_ms: latency,
             time_per_output_token_ms: tpot,
             output_tokens: live.produced,
-            prompt_tokens: live.prompt.len() as u64,
+            prompt_tokens: live.isl as u64,
             cached_tokens: live.cached as u64,
             input_length: r.input_length,
             clipped: live.clipped,
@@ -766,7 +795,7 @@ impl<'a> Sim<'a> {
             inter_chunk_ms: gaps,
         });
         let live = &mut self.live[i];
-        (live.prompt, live.hashes) = (Vec::new(), Vec::new());
+        live.prompt = None;
         for (next, delay) in std::mem::take(&mut self.followers[i]) {
             self.queue.at(now + delay, Ev::Arrive(next));
         }

@@ -385,7 +385,7 @@ impl Loop {
             }
             Command::Submit { request, export, blocks, reply } => {
                 let made = if self.accepting {
-                    self.engine.prepare(&request, self.next_index, export, blocks.as_ref())
+                    self.engine.prepare(*request, self.next_index, export, blocks.as_ref())
                 } else {
                     Err(EngineError::Config("the engine is shutting down".into()))
                 };

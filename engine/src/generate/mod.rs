@@ -480,7 +480,7 @@ impl Engine {
     ) -> Result<Vec<Completion>, EngineError> {
         let start = Instant::now();
         let mut seqs: Vec<Seq> =
-            requests.iter().enumerate().map(|(i, r)| self.new_seq(r, i)).collect::<Result<_, _>>()?;
+            requests.iter().enumerate().map(|(i, r)| self.new_seq(r.clone(), i)).collect::<Result<_, _>>()?;
         let result = self.drive(&mut seqs, cancel, &mut on_event);
         for s in &mut seqs {
             let released = self.release_blocks(s);
@@ -493,8 +493,8 @@ impl Engine {
     }
 
     /// A sequence for `request`, checked before any compute: an empty prompt or one that leaves no room to
-    /// generate within `max_model_len` is refused.
-    fn new_seq(&self, request: &Request, index: usize) -> Result<Seq, EngineError> {
+    /// generate within `max_model_len` is refused. The prompt's vector becomes the sequence's tokens.
+    fn new_seq(&self, request: Request, index: usize) -> Result<Seq, EngineError> {
         let context = self.max_model_len();
         let r = request;
         if r.prompt.is_empty() {
@@ -504,7 +504,7 @@ impl Engine {
             return Err(EngineError::PromptTooLong { prompt: r.prompt.len(), context });
         }
         let vocab = self.backend.vocab();
-        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
+        if let Some(t) = crate::forward::first_out_of_vocab(&r.prompt, vocab) {
             return Err(EngineError::Forward(ForwardError::TokenOutOfRange(t)));
         }
         let max_new = (r.sampling.max_tokens() as usize).min(context - r.prompt.len());
@@ -516,14 +516,19 @@ impl Engine {
                 Some(self.grammars.matcher(g, &r.prompt[r.prompt.len() - prior..])?)
             }
         };
-        // Room for the output too (up to a bound), so the first token does not copy the whole prompt.
-        let mut tokens = Vec::with_capacity(r.prompt.len() + max_new.min(2048));
-        tokens.extend_from_slice(&r.prompt);
+        let prompt_len = r.prompt.len();
+        let (ignore_eos, detokenize) = (r.sampling.ignore_eos(), r.sampling.detokenize());
+        let text = TextStream::new(r.sampling.stop().to_vec());
+        let sampler = Sampler::new(r.sampling, random_seed(index));
+        // Room for the output too (up to a bound), so the first token does not copy the whole prompt; a caller
+        // that made the prompt with that room saves copying it at all.
+        let mut tokens = r.prompt;
+        tokens.reserve(max_new.min(2048));
         Ok(Seq {
             tokens,
-            namespace: r.namespace.clone(),
+            namespace: r.namespace,
             hashes: kv_cache::BlockHashes::default(),
-            prompt_len: r.prompt.len(),
+            prompt_len,
             computed: 0,
             blocks: Vec::new(),
             registered: 0,
@@ -531,12 +536,12 @@ impl Engine {
             admitted_at: 0,
             admissions: 0,
             cached_tokens: 0,
-            sampler: Sampler::new(r.sampling.clone(), random_seed(index)),
-            text: TextStream::new(r.sampling.stop().to_vec()),
+            sampler,
+            text,
             out: String::new(),
             max_new,
-            ignore_eos: r.sampling.ignore_eos(),
-            detokenize: r.sampling.detokenize(),
+            ignore_eos,
+            detokenize,
             keep_blocks: false,
             deadline: r.deadline,
             pinned: Vec::new(),
@@ -554,13 +559,30 @@ impl Engine {
     /// position) stored and held for it, its KV kept for export when `export`, and how much of it is cached.
     fn prepare(
         &mut self,
-        request: &Request,
+        request: Request,
+        index: usize,
+        export: bool,
+        blocks: &dyn PulledBlocks,
+    ) -> Result<Seq, EngineError> {
+        self.prepare_hashed(request, None, index, export, blocks)
+    }
+
+    /// [`prepare`](Self::prepare), given the hashes of the prompt's full blocks in this engine's block size and
+    /// the request's namespace (from a [`kv_cache::HashedTokens`], so they are the prompt's own), which the
+    /// sequence then keeps instead of hashing its prompt again.
+    fn prepare_hashed(
+        &mut self,
+        request: Request,
+        hashes: Option<kv_cache::BlockHashes>,
         index: usize,
         export: bool,
         blocks: &dyn PulledBlocks,
     ) -> Result<Seq, EngineError> {
         self.reclaim_pinned();
         let mut seq = self.new_seq(request, index)?;
+        if let Some(hashes) = hashes {
+            seq.hashes = hashes;
+        }
         if blocks.count() > 0 {
             seq.pinned = match self.import_pinned(&mut seq, blocks) {
                 Ok(pinned) => pinned,

@@ -11,6 +11,7 @@ use kv_cache::pool::PrefixMatch;
 use super::handle::EngineStats;
 use super::sequence::{Seq, take_finished};
 use super::{Completion, Engine, EngineError, Event, ExportedKv, FinishReason, PulledBlocks, Request};
+use crate::sampling::SamplingParams;
 
 /// What one sequence did in a step; `id` is the caller's.
 #[derive(Clone, Debug, PartialEq)]
@@ -69,11 +70,39 @@ impl Stepper {
     pub fn submit(
         &mut self,
         id: u64,
-        request: &Request,
+        request: Request,
         export: bool,
         blocks: &dyn PulledBlocks,
     ) -> Result<(), EngineError> {
-        let seq = self.engine.prepare(request, self.next_index, export, blocks);
+        self.queue(id, request, None, export, blocks)
+    }
+
+    /// [`submit`](Self::submit) for a prompt hashed already (for routing, say): the request runs `prompt` with
+    /// `sampling`, in the prompt's namespace, and when the prompt was hashed in this engine's block size the
+    /// sequence keeps those hashes instead of hashing the prompt again.
+    pub fn submit_hashed(
+        &mut self,
+        id: u64,
+        prompt: kv_cache::HashedTokens,
+        sampling: SamplingParams,
+        export: bool,
+        blocks: &dyn PulledBlocks,
+    ) -> Result<(), EngineError> {
+        let ours = prompt.block_size() == self.engine.block_size();
+        let (tokens, namespace, hashes) = prompt.into_parts();
+        let request = Request { prompt: tokens, sampling, namespace, deadline: None };
+        self.queue(id, request, ours.then_some(hashes), export, blocks)
+    }
+
+    fn queue(
+        &mut self,
+        id: u64,
+        request: Request,
+        hashes: Option<kv_cache::BlockHashes>,
+        export: bool,
+        blocks: &dyn PulledBlocks,
+    ) -> Result<(), EngineError> {
+        let seq = self.engine.prepare_hashed(request, hashes, self.next_index, export, blocks);
         self.next_index += 1;
         self.seqs.push(seq?);
         self.tags.push((id, export));

@@ -22,7 +22,7 @@ fn small() -> EngineConfig {
 
 /// Runs `prompt` for `max_tokens` alone, stepped to its end; its blocks kept for export when `keep_blocks`.
 fn ran(e: &mut Engine, prompt: &[u32], max_tokens: u32, keep_blocks: bool) -> super::sequence::Seq {
-    let mut seqs = vec![e.new_seq(&greedy(prompt.to_vec(), max_tokens), 0).expect("valid")];
+    let mut seqs = vec![e.new_seq(greedy(prompt.to_vec(), max_tokens), 0).expect("valid")];
     seqs[0].keep_blocks = keep_blocks;
     while seqs[0].active() {
         e.step(&mut seqs, &mut |_| {}).expect("steps");
@@ -33,8 +33,8 @@ fn ran(e: &mut Engine, prompt: &[u32], max_tokens: u32, keep_blocks: bool) -> su
 #[test]
 fn a_sequence_the_forward_pass_refuses_fails_alone_and_the_batch_goes_on() {
     let mut e = engine(EngineConfig::default());
-    let good = e.new_seq(&greedy((100..140).collect(), 5), 0).expect("valid");
-    let mut bad = e.new_seq(&greedy((200..240).collect(), 5), 1).expect("valid");
+    let good = e.new_seq(greedy((100..140).collect(), 5), 0).expect("valid");
+    let mut bad = e.new_seq(greedy((200..240).collect(), 5), 1).expect("valid");
     // A token id outside the vocabulary, as a damaged import would leave behind.
     bad.tokens[7] = u32::MAX;
     let mut seqs = vec![good, bad];
@@ -60,8 +60,8 @@ fn a_sequence_that_cannot_get_a_block_even_alone_fails_alone() {
     // 8 blocks (one whole 128-token sequence, as the configuration check demands), one sequence at a time.
     let config = EngineConfig { kv_blocks: 8, max_model_len: Some(128), max_num_seqs: 1, ..EngineConfig::default() };
     let mut e = engine(config);
-    let long = e.new_seq(&greedy((100..200).collect(), 20), 0).expect("valid");
-    let mut holder = e.new_seq(&greedy((300..310).collect(), 3), 1).expect("valid");
+    let long = e.new_seq(greedy((100..200).collect(), 20), 0).expect("valid");
+    let mut holder = e.new_seq(greedy((300..310).collect(), 3), 1).expect("valid");
     // The second sequence waits behind the first while holding 7 of the 8 blocks (as blocks handed in with a
     // request are held until it runs): the first cannot get its blocks even with nothing else running.
     for _ in 0..7 {
@@ -93,7 +93,7 @@ fn an_import_that_finds_no_free_device_block_queues_the_request_to_compute_inste
     let bytes = vec![0u8; e.block_bytes()];
     let request = greedy((100..140).collect(), 3);
     let blocks: &[(usize, &[u8])] = &[(0, &bytes), (1, &bytes)];
-    let seq = e.prepare(&request, 0, false, &blocks).expect("queued, not refused");
+    let seq = e.prepare(request, 0, false, &blocks).expect("queued, not refused");
     assert!(seq.pinned.is_empty(), "nothing held for it");
     assert_eq!((e.counters().import_fallbacks, e.counters().imported_blocks), (1, 0));
     for b in held {
@@ -141,7 +141,7 @@ fn pulled_blocks_are_checked_in_the_device_block_and_a_failed_check_keeps_none()
         bad,
         seen: std::sync::Arc::clone(&seen),
     };
-    let refused = e.prepare(&greedy(prompt.clone(), 3), 0, false, &pulled(1));
+    let refused = e.prepare(greedy(prompt.clone(), 3), 0, false, &pulled(1));
     assert!(matches!(refused, Err(super::EngineError::Import(ref why)) if why.contains("block 1")), "{refused:?}");
     assert_eq!(e.lookup(&hashes).device, 0, "no block of the failed import is findable");
     assert_eq!(e.kv_usage(kv_cache::events::Tier::Device).used, 0, "none leaked");
@@ -150,7 +150,7 @@ fn pulled_blocks_are_checked_in_the_device_block_and_a_failed_check_keeps_none()
     let shown = std::mem::take(&mut *seen.lock().expect("not poisoned"));
     assert_eq!(shown, vec![(0, block(1)), (1, block(2))]);
 
-    let seq = e.prepare(&greedy(prompt, 3), 1, false, &pulled(usize::MAX)).expect("imported");
+    let seq = e.prepare(greedy(prompt, 3), 1, false, &pulled(usize::MAX)).expect("imported");
     assert_eq!(seq.pinned.len(), 3, "the three blocks held for the sequence");
     assert_eq!(e.lookup(&hashes).device, 3);
     for (k, &b) in seq.pinned.iter().enumerate() {
@@ -169,7 +169,7 @@ fn an_admitted_pulled_prompt_takes_over_the_blocks_held_for_it() {
         bad: usize::MAX,
         seen: std::sync::Arc::default(),
     };
-    let seq = e.prepare(&greedy(prompt, 3), 0, false, &pulled).expect("imported");
+    let seq = e.prepare(greedy(prompt, 3), 0, false, &pulled).expect("imported");
     let held = seq.pinned.clone();
     assert_eq!(held.len(), 3);
     assert_eq!(seq.cached_hint, 3 * bt, "the whole reusable prefix is held, so cached");
@@ -262,4 +262,18 @@ fn the_device_store_lives_in_the_file_asked_for_or_says_why_not() {
         "{:?}",
         e.device_file_refused()
     );
+}
+
+#[test]
+fn a_prompt_with_ids_outside_the_vocabulary_is_refused_naming_the_first() {
+    let e = engine(small());
+    let vocab = e.backend.vocab() as u32;
+    let prompt = vec![1, vocab + 5, 2, u32::MAX, vocab];
+    let Err(refused) = e.new_seq(greedy(prompt, 3), 0) else { panic!("refused before any compute") };
+    assert!(
+        matches!(refused, super::EngineError::Forward(crate::forward::ForwardError::TokenOutOfRange(t)) if t == vocab + 5)
+    );
+    assert!(e.new_seq(greedy(vec![0, vocab - 1], 3), 0).is_ok(), "the last id is in the vocabulary");
+    assert_eq!(crate::forward::first_out_of_vocab(&[], 10), None);
+    assert_eq!(crate::forward::first_out_of_vocab(&[3, 9, 12, 4, 15], 10), Some(12));
 }

@@ -89,7 +89,7 @@ pub fn measure(
             }
             _ => Pulled::received(runtime.block_on(client.pull(request(addr))).map_err(display)?),
         };
-        stepper.submit(run as u64, &request_tokens, false, &pulled).map_err(display)?;
+        stepper.submit(run as u64, request_tokens, false, &pulled).map_err(display)?;
         let took = started.elapsed();
         drop(pulled);
         let imported = stepper.engine().counters().imported_blocks;
