@@ -363,18 +363,8 @@ fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratc
             // Activation rows in blocks that stay in L1 while every weight row of the part passes over them.
             for (b, block) in xs.chunks(Q8_TOKEN_BLOCK).enumerate() {
                 for r in 0..part.len() {
-                    let row = w.row(part.first() + r);
-                    for (c, chunk) in block.chunks(4).enumerate() {
-                        let t0 = b * Q8_TOKEN_BLOCK + c * 4;
-                        if let Ok(&four) = <&[q8::Q8Row<'_>; 4]>::try_from(chunk) {
-                            let tile = q8::dot_tile(w.ty, row, four);
-                            tile.iter().enumerate().for_each(|(t, &v)| part.set(r, t0 + t, v));
-                            continue;
-                        }
-                        for (t, &xt) in chunk.iter().enumerate() {
-                            part.set(r, t0 + t, q8::dot(w.ty, row, xt));
-                        }
-                    }
+                    let t0 = b * Q8_TOKEN_BLOCK;
+                    q8::dot_rows(w.ty, w.row(part.first() + r), block, |t, v| part.set(r, t0 + t, v));
                 }
             }
         });
