@@ -11,9 +11,9 @@
 //! quantizing a row reads that row only, and the pair goes through the same operations in the same order alone
 //! ([`dot`]) or in a tile ([`dot_tile`]). Where the CPU has AVX-512 VNNI the fast precision as a whole is still not
 //! batch-invariant: steps of more than four activation rows go through [`vnni`]'s tiles (another summation order).
-//! With AVX2 alone every step goes through [`dot_tile`], in tiles of four activation rows ([`tiles_any_rows`]), so
-//! a row's results there do not depend on how many rows share its matmul; without SIMD, large steps take the
-//! reference's f32 tiles.
+//! With AVX2 alone every step goes through [`dot_rows`]: tiles of four activation rows ([`tiles_any_rows`]), the
+//! weight row unpacked once for all of them, so a row's results there do not depend on how many rows share its
+//! matmul; without SIMD, large steps take the reference's f32 tiles.
 //!
 //! The AVX2 tiles sum each block's products exactly in integers, then gather eight blocks' sums into the eight lanes
 //! of one register and scale them at once by the eight blocks' scale products, instead of a broadcast and a
