@@ -2,7 +2,7 @@
 //! virtual time, plus what the worker process around it does that routing sees: KV events and load reports.
 
 use engine::generate::{EngineStats, Output, Stepper};
-use kv_cache::events::{EventId, KvEvent};
+use kv_cache::events::{EventId, KvEvent, Tier};
 use router::load::Report;
 use router::scheduler::view::{WorkerId, WorkerRole};
 
@@ -20,8 +20,9 @@ pub struct SimWorker {
     pub stepping: bool,
     /// What the step under way produced, delivered at its end.
     pub pending: Vec<Output>,
-    /// Per router replica (each follows its own load stream): the last report's state and when it was sent.
-    reported: Vec<Option<(EngineStats, f64)>>,
+    /// Per router replica (each follows its own load stream): the load the last report carried and when it was
+    /// sent.
+    reported: Vec<Option<(Load, f64)>>,
     /// When the worker's network link is next free (transfers queue on it).
     pub link_free: f64,
     /// Modelled KV bytes pulled and the seconds it took (what a mock worker reports).
@@ -53,22 +54,27 @@ impl SimWorker {
     }
 
     /// The load reports due at `now`, by router replica (the period passed on that stream, or the load changed a
-    /// lot since the report that stream last carried).
+    /// lot since the report that stream last carried). Whether any is due is told from the few figures that
+    /// decide it; the engine's whole state is read only for a report that goes out (this runs after every step).
     pub fn reports_due(&mut self, now: f64) -> Vec<(usize, Report)> {
-        let stats = self.engine.stats();
-        let due: Vec<usize> = (0..self.reported.len())
-            .filter(|&r| {
-                self.reported[r].as_ref().is_none_or(|(prev, at)| now - at >= REPORT_PERIOD || large(prev, &stats))
-            })
-            .collect();
-        if due.is_empty() {
+        let (running, waiting) = self.engine.held();
+        let device = self.engine.engine().kv_usage(Tier::Device);
+        let load = Load { running, waiting, used: device.used, capacity: device.used + device.cached + device.free };
+        let is_due = |r: &Option<(Load, f64)>| {
+            r.as_ref().is_none_or(|(prev, at)| now - at >= REPORT_PERIOD || large(prev, &load))
+        };
+        if !self.reported.iter().any(is_due) {
             return Vec::new();
         }
-        let report = self.report(&stats);
-        for &r in &due {
-            self.reported[r] = Some((stats.clone(), now));
+        let report = self.report(&self.engine.stats());
+        let mut due = Vec::new();
+        for (r, reported) in self.reported.iter_mut().enumerate() {
+            if is_due(reported) {
+                *reported = Some((load, now));
+                due.push((r, report.clone()));
+            }
         }
-        due.into_iter().map(|r| (r, report.clone())).collect()
+        due
     }
 
     fn report(&self, stats: &EngineStats) -> Report {
@@ -90,9 +96,19 @@ impl SimWorker {
     }
 }
 
-fn large(prev: &EngineStats, now: &EngineStats) -> bool {
-    let capacity = (now.usage[0].used + now.usage[0].cached + now.usage[0].free).max(1) as f64;
+/// What decides whether a load report is due.
+#[derive(Clone, Copy, Debug)]
+struct Load {
+    running: usize,
+    waiting: usize,
+    /// Device blocks in use, of `capacity`.
+    used: usize,
+    capacity: usize,
+}
+
+fn large(prev: &Load, now: &Load) -> bool {
+    let capacity = now.capacity.max(1) as f64;
     prev.running != now.running
         || prev.waiting != now.waiting
-        || (prev.usage[0].used as f64 - now.usage[0].used as f64).abs() / capacity >= LARGE_BLOCK_CHANGE
+        || (prev.used as f64 - now.used as f64).abs() / capacity >= LARGE_BLOCK_CHANGE
 }
