@@ -14,6 +14,7 @@ mod hash;
 pub mod pool;
 mod prefetch;
 pub mod probemap;
+pub mod table;
 
 pub use hash::{
     BlockHashes, BlockSize, CacheNamespace, HashedTokens, LocalHash, SeqHash, block_hashes, chained, local_hash,

@@ -12,6 +12,7 @@ use std::hash::BuildHasher;
 use crate::fastmap::KeyedState;
 use crate::hash::SeqHash;
 use crate::pool::LOOK_AHEAD;
+use crate::table::Table;
 
 /// The value no entry may hold: the entry is empty.
 const EMPTY: u64 = u64::MAX;
@@ -30,7 +31,7 @@ const VACANT: Entry = Entry { key: 0, value: EMPTY };
 /// Block hash → a value other than `u64::MAX`.
 #[derive(Debug)]
 pub struct ProbeMap {
-    entries: Vec<Entry>,
+    entries: Table<Entry>,
     /// `entries.len() - 1` (a power of two minus one).
     mask: usize,
     /// 64 − log2(`entries.len()`): a key's home is its hash's top bits, the best mixed.
@@ -59,7 +60,13 @@ impl ProbeMap {
 
     fn with_size(size: usize, hasher: KeyedState) -> ProbeMap {
         debug_assert!(size.is_power_of_two());
-        ProbeMap { entries: vec![VACANT; size], mask: size - 1, shift: 64 - size.trailing_zeros(), len: 0, hasher }
+        ProbeMap {
+            entries: Table::filled(size, VACANT),
+            mask: size - 1,
+            shift: 64 - size.trailing_zeros(),
+            len: 0,
+            hasher,
+        }
     }
 
     pub fn len(&self) -> usize {

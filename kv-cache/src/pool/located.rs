@@ -14,6 +14,7 @@ use super::Location;
 use crate::events::Tier;
 use crate::fastmap::KeyedState;
 use crate::hash::SeqHash;
+use crate::table::Table;
 
 /// An entry's `at` when the entry is empty (tier bits 3: no tier).
 const EMPTY: u32 = u32::MAX;
@@ -54,7 +55,7 @@ impl Entry {
 /// a location holds (the pool's slot states), or the location the block is known to be at.
 #[derive(Debug)]
 pub struct Located {
-    entries: Vec<Entry>,
+    entries: Table<Entry>,
     /// `entries.len() - 1` (a power of two minus one).
     mask: usize,
     len: usize,
@@ -71,7 +72,7 @@ impl Located {
     /// A table that holds `n` entries without growing.
     pub fn with_capacity(n: usize) -> Located {
         let size = (2 * n).next_power_of_two().max(16);
-        Located { entries: vec![VACANT; size], mask: size - 1, len: 0, hasher: KeyedState::default() }
+        Located { entries: Table::filled(size, VACANT), mask: size - 1, len: 0, hasher: KeyedState::default() }
     }
 
     #[cfg(test)]
@@ -216,10 +217,10 @@ impl Located {
         if 2 * (self.len + 1) > self.entries.len() {
             let old = std::mem::take(&mut self.entries);
             let size = (old.len() * 2).max(16);
-            self.entries = vec![VACANT; size];
+            self.entries = Table::filled(size, VACANT);
             self.mask = size - 1;
             self.len = 0;
-            for e in old.into_iter().filter(|e| !e.is_empty()) {
+            for e in old.iter().copied().filter(|e| !e.is_empty()) {
                 self.place(e);
             }
         }

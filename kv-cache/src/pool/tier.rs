@@ -8,6 +8,7 @@ use std::num::NonZeroU32;
 use super::{EvictionPolicy, TierUsage};
 use crate::events::BlockMeta;
 use crate::hash::SeqHash;
+use crate::table::Table;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
@@ -29,7 +30,7 @@ enum State {
 
 #[derive(Debug)]
 pub struct TierTable<E> {
-    states: Vec<State>,
+    states: Table<State>,
     free: Vec<u32>,
     policy: E,
     /// Slots per state, kept as states change: usage is read at every engine step, and scanning every slot of
@@ -49,7 +50,7 @@ fn count_of(counts: &mut TierUsage, state: State) -> &mut usize {
 impl<E: EvictionPolicy + Default> TierTable<E> {
     pub fn new(capacity: usize) -> TierTable<E> {
         TierTable {
-            states: vec![State::Free; capacity],
+            states: Table::filled(capacity, State::Free),
             // Lowest slot first, so slot numbers are predictable in tests and logs.
             free: (0..capacity as u32).rev().collect(),
             policy: E::default(),
