@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod cli;
+mod hugepages;
 mod progress;
 
 use std::process::ExitCode;
@@ -17,6 +18,7 @@ use clap::Parser;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    hugepages::allow_advised();
     let args = cli::Cli::parse();
     match cli::run(args) {
         Ok(code) => code,
