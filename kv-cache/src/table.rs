@@ -26,16 +26,16 @@ pub struct Table<T: Copy> {
 }
 
 /// Where a table's values live.
-#[derive(Clone, Copy)]
 enum Memory {
     /// Nothing allocated: no values, or values of size 0 (the pointer dangles, well aligned).
     None,
     /// The global allocator's, with this layout.
     Heap(Layout),
-    /// A private anonymous mapping of this many bytes, 2 MiB aligned, advised for huge pages. Its own mapping,
-    /// because memory an allocator hands out may already be backed by small pages, which advice does not change.
+    /// A private anonymous mapping, the values at its first 2 MiB boundary, advised for huge pages from there. Its
+    /// own mapping, because memory an allocator hands out may already be backed by small pages, which advice does
+    /// not change. Unmapped when dropped.
     #[cfg(target_os = "linux")]
-    Mapped(usize),
+    Mapped(#[allow(dead_code)] memmap2::MmapMut),
 }
 
 // SAFETY: a `Table<T>` owns its values as a `Box<[T]>` would; sending or sharing it is sending or sharing them.
@@ -79,17 +79,12 @@ impl<T: Copy> Table<T> {
 
 impl<T: Copy> Drop for Table<T> {
     fn drop(&mut self) {
-        match self.memory {
-            Memory::None => {}
+        if let Memory::Heap(layout) = self.memory {
             #[allow(unsafe_code)]
             // SAFETY: allocated in `filled` with this layout; `T: Copy` values need no drop.
-            Memory::Heap(layout) => unsafe { dealloc(self.ptr.as_ptr().cast::<u8>(), layout) },
-            #[cfg(target_os = "linux")]
-            #[allow(unsafe_code)]
-            // SAFETY: mapped in `map_huge` with this length, and unmapped only here.
-            Memory::Mapped(size) => unsafe {
-                libc::munmap(self.ptr.as_ptr().cast(), size);
-            },
+            unsafe {
+                dealloc(self.ptr.as_ptr().cast::<u8>(), layout)
+            }
         }
     }
 }
@@ -138,48 +133,23 @@ impl<T: Copy + fmt::Debug> fmt::Debug for Table<T> {
     }
 }
 
-/// A fresh mapping of at least `bytes` (from [`HUGE_FROM`] on), 2 MiB aligned and advised for huge pages; `None`
-/// for a smaller table, or if the system refuses the mapping (the caller then takes heap memory).
+/// A fresh mapping holding at least `bytes` (from [`HUGE_FROM`] on) at a 2 MiB boundary, advised for huge pages;
+/// `None` for a smaller table, or if the system refuses the mapping (the caller then takes heap memory).
 #[cfg(target_os = "linux")]
 fn map_huge(bytes: usize) -> Option<(NonNull<u8>, Memory)> {
     if bytes < HUGE_FROM {
         return None;
     }
     let size = bytes.checked_next_multiple_of(HUGE_PAGE)?;
-    let span = size.checked_add(HUGE_PAGE)?;
-    #[allow(unsafe_code)]
-    // SAFETY: a new private anonymous mapping at an address the kernel picks; nothing else refers to it.
-    let raw = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            span,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if raw == libc::MAP_FAILED {
-        return None;
-    }
-    // The mapping is page aligned; keep the 2 MiB-aligned `size` bytes inside it and give the ends back.
-    let base = raw as usize;
-    let start = base.next_multiple_of(HUGE_PAGE);
-    let (head, tail) = (start - base, base + span - (start + size));
-    #[allow(unsafe_code)]
-    // SAFETY: the head and tail are page-aligned parts of the mapping just made, outside the kept range, and
-    // nothing refers to them. `madvise` with `MADV_HUGEPAGE` changes how the kernel backs the kept pages, never
-    // their contents or mapping; if it fails, the table works the same on small pages.
-    unsafe {
-        if head > 0 {
-            libc::munmap(raw, head);
-        }
-        if tail > 0 {
-            libc::munmap((start + size) as *mut libc::c_void, tail);
-        }
-        libc::madvise(start as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
-    }
-    Some((NonNull::new(start as *mut u8)?, Memory::Mapped(size)))
+    // One huge page more than the table, so that a 2 MiB boundary with room after it lies inside; the part before
+    // it is never touched, so it takes no memory.
+    let map = memmap2::MmapMut::map_anon(size.checked_add(HUGE_PAGE)?).ok()?;
+    let base = map.as_ptr() as usize;
+    let offset = base.next_multiple_of(HUGE_PAGE) - base;
+    // A hint: if it is refused, the table works the same on small pages.
+    let _ = map.advise_range(memmap2::Advice::HugePage, offset, size);
+    let start = NonNull::new(map.as_ptr().wrapping_add(offset).cast_mut())?;
+    Some((start, Memory::Mapped(map)))
 }
 
 #[cfg(not(target_os = "linux"))]
