@@ -11,7 +11,7 @@
 
 use std::cell::UnsafeCell;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use half::f16;
@@ -172,6 +172,9 @@ impl Values {
 #[derive(Default)]
 pub struct Unpinned {
     blocks: Mutex<Vec<u32>>,
+    /// Whether `blocks` may hold any: the engine asks at every step, and nearly always none came back, which this
+    /// tells without taking the lock.
+    any: AtomicBool,
     wake: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
 }
 
@@ -182,9 +185,15 @@ impl std::fmt::Debug for Unpinned {
 }
 
 impl Unpinned {
-    /// Moves out every block given back so far.
+    /// Moves out every block given back so far. (A block given back while this runs is taken now or next time;
+    /// either way its giver wakes the engine after.)
     pub fn take(&self) -> Vec<u32> {
-        std::mem::take(&mut *self.blocks.lock().unwrap_or_else(|p| p.into_inner()))
+        if !self.any.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut blocks = self.blocks.lock().unwrap_or_else(|p| p.into_inner());
+        self.any.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *blocks)
     }
 
     /// Calls `wake` whenever blocks are given back (the engine's thread waits for commands when idle).
@@ -193,7 +202,11 @@ impl Unpinned {
     }
 
     fn give_back(&self, blocks: &[u32]) {
-        self.blocks.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(blocks);
+        {
+            let mut held = self.blocks.lock().unwrap_or_else(|p| p.into_inner());
+            held.extend_from_slice(blocks);
+            self.any.store(true, Ordering::Release);
+        }
         if let Some(wake) = &*self.wake.lock().unwrap_or_else(|p| p.into_inner()) {
             wake();
         }
