@@ -39,9 +39,16 @@ impl Backend for CpuBackend {
         self.threads.current_num_threads()
     }
 
-    fn forward(&mut self, kv: &mut KvStore, batch: &[SeqChunk<'_>], _: StepContext) -> Result<Vec<Next>, ForwardError> {
+    fn forward_into(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        _: StepContext,
+        next: &mut Vec<Next>,
+    ) -> Result<(), ForwardError> {
         let model = &self.model;
         let logits = self.threads.install(|| model.forward(kv, batch))?;
-        Ok(logits.into_iter().map(Next::Logits).collect())
+        next.extend(logits.into_iter().map(Next::Logits));
+        Ok(())
     }
 }

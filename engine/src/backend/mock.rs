@@ -133,12 +133,13 @@ impl Backend for MockBackend {
         1
     }
 
-    fn forward(
+    fn forward_into(
         &mut self,
         _: &mut KvStore,
         batch: &[SeqChunk<'_>],
         ctx: StepContext,
-    ) -> Result<Vec<Next>, ForwardError> {
+        next: &mut Vec<Next>,
+    ) -> Result<(), ForwardError> {
         let shape = MockBackend::shape(batch, ctx.onboarded, self.capacity_tokens);
         let modelled = self.settings.profile.step_ms(&shape) / 1000.0 / self.settings.speedup;
         self.last_step = modelled;
@@ -152,7 +153,8 @@ impl Backend for MockBackend {
             }
             self.pacing.record(modelled, ctx.started.elapsed().as_secs_f64());
         }
-        Ok(batch.iter().filter(|c| c.logits).map(|_| Next::Draw(Arc::clone(&self.words))).collect())
+        next.extend(batch.iter().filter(|c| c.logits).map(|_| Next::Draw(Arc::clone(&self.words))));
+        Ok(())
     }
 
     fn pacing(&self) -> Option<Pacing> {

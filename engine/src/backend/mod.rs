@@ -53,13 +53,27 @@ pub trait Backend: Send + std::fmt::Debug {
     fn check_chunk(&self, kv: &KvStore, chunk: &SeqChunk<'_>) -> Result<(), ForwardError> {
         crate::forward::check_chunk(kv, chunk, self.vocab(), self.context_len())
     }
-    /// Runs one step: fills the chunks' KV and returns one [`Next`] per chunk that asked for it, in batch order.
+    /// Runs one step: fills the chunks' KV and appends to `next` one [`Next`] per chunk that asked for it, in batch
+    /// order. (The engine keeps `next` from step to step: a step of a modelled backend costs less than an
+    /// allocation.)
+    fn forward_into(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        context: StepContext,
+        next: &mut Vec<Next>,
+    ) -> Result<(), ForwardError>;
+    /// [`forward_into`](Self::forward_into) a vector of its own.
     fn forward(
         &mut self,
         kv: &mut KvStore,
         batch: &[SeqChunk<'_>],
         context: StepContext,
-    ) -> Result<Vec<Next>, ForwardError>;
+    ) -> Result<Vec<Next>, ForwardError> {
+        let mut next = Vec::new();
+        self.forward_into(kv, batch, context, &mut next)?;
+        Ok(next)
+    }
     /// Step timing against the profile, for a modelled backend.
     fn pacing(&self) -> Option<Pacing> {
         None

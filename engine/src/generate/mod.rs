@@ -273,6 +273,8 @@ pub struct Engine {
     /// The step's plan (sequence, tokens), kept between steps for its memory: a simulated worker steps millions
     /// of times.
     plan: Vec<(usize, usize)>,
+    /// The step's outputs from the backend, kept likewise.
+    next: Vec<crate::backend::Next>,
 }
 
 impl Engine {
@@ -368,6 +370,7 @@ impl Engine {
             pins,
             frozen_clock,
             plan: Vec::new(),
+            next: Vec::new(),
         })
     }
 

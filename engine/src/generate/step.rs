@@ -251,24 +251,23 @@ impl Engine {
                 self.counters.onboards[Tier::Disk.index()] - onboards_before[Tier::Disk.index()],
             ],
         };
-        let logits = self.backend.forward(&mut self.stores.device, &chunks, context);
+        let mut logits = std::mem::take(&mut self.next);
+        logits.clear();
+        let forwarded = self.backend.forward_into(&mut self.stores.device, &chunks, context, &mut logits);
         let took = match self.backend.virtual_step_secs() {
             Some(secs) => (secs * 1e9) as u64,
             None => u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
         };
         self.counters.compute_nanos += took;
         drop(chunks);
-        let logits = match logits {
-            Ok(l) => l,
-            Err(e) => {
-                // Not one sequence's fault: the sequences of this batch end; the waiting ones stay.
-                for &(i, _) in plan.iter() {
-                    self.fail(&mut seqs[i], e.to_string());
-                }
-                return Ok(true);
+        if let Err(e) = forwarded {
+            // Not one sequence's fault: the sequences of this batch end; the waiting ones stay.
+            for &(i, _) in plan.iter() {
+                self.fail(&mut seqs[i], e.to_string());
             }
-        };
-        let mut logits = logits.into_iter();
+            return Ok(true);
+        }
+        let mut drained = logits.drain(..);
         // Every token of the step is produced by the same pass: one clock read for all of them.
         let produced = self.now();
         for &(i, n) in plan.iter() {
@@ -282,7 +281,7 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let Some(next) = logits.next() else { continue };
+            let Some(next) = drained.next() else { continue };
             let top = s.sampler.params().logprobs().map(|n| n as usize);
             let (token, logprobs) = match next {
                 Next::Logits(l) => {
@@ -326,6 +325,8 @@ impl Engine {
                 s.running = false;
             }
         }
+        drop(drained);
+        self.next = logits;
         Ok(true)
     }
 

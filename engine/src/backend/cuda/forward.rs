@@ -433,7 +433,14 @@ impl Backend for CudaBackend {
         1
     }
 
-    fn forward(&mut self, kv: &mut KvStore, batch: &[SeqChunk<'_>], _: StepContext) -> Result<Vec<Next>, ForwardError> {
-        self.step(kv, batch)
+    fn forward_into(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        _: StepContext,
+        next: &mut Vec<Next>,
+    ) -> Result<(), ForwardError> {
+        next.extend(self.step(kv, batch)?);
+        Ok(())
     }
 }
