@@ -7,9 +7,9 @@
 //! already active there are not counted twice) and its measured prefill and transfer speeds. Pure: no clock, no
 //! I/O.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
-use kv_cache::fastmap::FastMap;
+use kv_cache::fastmap::{FastMap, FastSet};
 
 use kv_cache::SeqHash;
 
@@ -25,8 +25,9 @@ pub struct Report {
     pub active_prefill_tokens: u64,
     pub device_used: u64,
     pub device_total: u64,
-    /// The request ids whose work these figures include.
-    pub covered: HashSet<String>,
+    /// The request ids whose work these figures include (with the keyed fast hasher: every view of a worker's
+    /// load asks it about each request the router sent there).
+    pub covered: FastSet<String>,
     /// Totals since the worker started (speeds are learned from their growth).
     pub computed_tokens_total: u64,
     pub compute_nanos_total: u64,

@@ -646,6 +646,11 @@ impl<'a> Sim<'a> {
                     self.routers[live.router].load.first_token(worker, id);
                 }
                 if let Some(last) = live.last_at {
+                    if live.gaps.capacity() == 0 {
+                        // Room for every gap of the output at once (the trace's lengths are budgets the engine
+                        // keeps to): growing it by doubling copied millions of gaps over a whole trace.
+                        live.gaps.reserve_exact(live.max_tokens.saturating_sub(1) as usize);
+                    }
                     live.gaps.push((now - last) * 1000.0);
                 }
                 live.first_at.get_or_insert(now);
