@@ -100,8 +100,12 @@ impl ProbeMap {
         crate::prefetch::prefetch(&self.entries[self.home(h.0)]);
     }
 
-    /// For a walk over `hashes` now at `i`: asks for the entry of the hash [`LOOK_AHEAD`] further on.
+    /// For a walk over `hashes` now at `i`: asks for the entry of the hash [`LOOK_AHEAD`] further on, and at the
+    /// walk's start for those before it too (most walks are a few blocks long, and waited on each miss in turn).
     pub fn prefetch_ahead(&self, hashes: &[SeqHash], i: usize) {
+        if i == 0 {
+            hashes.iter().take(LOOK_AHEAD).skip(1).for_each(|h| self.prefetch(h));
+        }
         if let Some(ahead) = hashes.get(i + LOOK_AHEAD) {
             self.prefetch(ahead);
         }

@@ -83,6 +83,8 @@ impl Runs {
             // extending the run of the block before it while it provably follows that block. One map operation
             // per block: the insert says whether the block was there after all.
             let mut open: Option<(u32, u32)> = None;
+            // Asked for ahead, the first few at once (most stores are a few blocks).
+            blocks[i..].iter().take(LOOK_AHEAD).skip(1).for_each(|b| self.at.prefetch(&b.0));
             while let Some(&(h, local)) = blocks.get(i) {
                 if let Some(ahead) = blocks.get(i + LOOK_AHEAD) {
                     self.at.prefetch(&ahead.0);

@@ -397,7 +397,7 @@ impl Engine {
         s.hashes(full, self.block_size());
         let hashes = &s.hashes;
         for b in s.registered..full {
-            self.pool.prefetch_ahead(&hashes.seq[..full], b);
+            self.pool.prefetch_ahead(&hashes.seq[s.registered..full], b - s.registered);
             let meta = BlockMeta {
                 seq: hashes.seq[b],
                 local: hashes.local[b],

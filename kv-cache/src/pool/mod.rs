@@ -178,8 +178,12 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         self.located.prefetch(seq);
     }
 
-    /// For a walk over `hashes` now at block `i`: asks for the lookup line of the block [`LOOK_AHEAD`] further on.
+    /// For a walk over `hashes` now at block `i`: asks for the lookup line of the block [`LOOK_AHEAD`] further on,
+    /// and at the walk's start for those before it too (a walk of a few blocks would wait on each miss in turn).
     pub fn prefetch_ahead(&self, hashes: &[SeqHash], i: usize) {
+        if i == 0 {
+            hashes.iter().take(LOOK_AHEAD).skip(1).for_each(|&h| self.prefetch(h));
+        }
         if let Some(&ahead) = hashes.get(i + LOOK_AHEAD) {
             self.prefetch(ahead);
         }
