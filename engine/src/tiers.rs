@@ -147,20 +147,26 @@ impl TierStores {
 
     /// Performs the pool's copies in order.
     pub fn execute(&mut self, actions: &[Action]) -> Result<(), TierError> {
+        // Blocks that hold nothing (the simulator's) have nothing to copy in memory: only disk files are written.
+        let empty = self.device.layout().block_elems() == 0;
         for &Action::Copy { from, to, block } in actions {
-            let unsupported = TierError::Unsupported { from, to };
+            let unsupported = || TierError::Unsupported { from, to };
             match (from.tier, to.tier) {
                 (Tier::Device, Tier::Host) => {
-                    let host = self.host.as_mut().ok_or(unsupported)?;
-                    host.block_mut(BlockId(to.slot)).copy_from_slice(self.device.block(BlockId(from.slot)));
+                    let host = self.host.as_mut().ok_or_else(unsupported)?;
+                    if !empty {
+                        host.block_mut(BlockId(to.slot)).copy_from_slice(self.device.block(BlockId(from.slot)));
+                    }
                 }
                 (Tier::Host, Tier::Device) => {
-                    let host = self.host.as_ref().ok_or(unsupported)?;
-                    self.device.block_mut(BlockId(to.slot)).copy_from_slice(host.block(BlockId(from.slot)));
+                    let host = self.host.as_ref().ok_or_else(unsupported)?;
+                    if !empty {
+                        self.device.block_mut(BlockId(to.slot)).copy_from_slice(host.block(BlockId(from.slot)));
+                    }
                 }
                 (Tier::Host, Tier::Disk) => {
                     let (host, disk) = (self.host.as_ref(), self.disk.as_ref());
-                    let (Some(host), Some(disk)) = (host, disk) else { return Err(unsupported) };
+                    let (Some(host), Some(disk)) = (host, disk) else { return Err(unsupported()) };
                     disk.write(to.slot, block, host.block(BlockId(from.slot)))?;
                 }
                 (Tier::Disk, Tier::Device) => {
@@ -171,12 +177,12 @@ impl TierStores {
                             self.device.block_mut(BlockId(to.slot)).copy_from_slice(&buf);
                         }
                         None => {
-                            let disk = self.disk.as_ref().ok_or(unsupported)?;
+                            let disk = self.disk.as_ref().ok_or_else(unsupported)?;
                             disk.read(from.slot, block, self.device.block_mut(BlockId(to.slot)))?;
                         }
                     }
                 }
-                _ => return Err(unsupported),
+                _ => return Err(unsupported()),
             }
         }
         self.staged.clear();
