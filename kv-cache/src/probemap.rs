@@ -37,6 +37,8 @@ pub struct ProbeMap {
     /// 64 − log2(`entries.len()`): a key's home is its hash's top bits, the best mixed.
     shift: u32,
     len: usize,
+    /// The fewest entries the table keeps when it shrinks: the size it was made with.
+    floor: usize,
     hasher: KeyedState,
 }
 
@@ -53,18 +55,21 @@ enum Probe {
 }
 
 impl ProbeMap {
-    /// A map that holds `n` entries without growing.
+    /// A map that holds `n` entries without growing, and keeps room for them when emptied (one whose size is
+    /// known, as a simulated cluster's index is, is never rebuilt).
     pub fn with_capacity(n: usize) -> ProbeMap {
-        ProbeMap::with_size((2 * n).next_power_of_two().max(MIN_SIZE), KeyedState::default())
+        let size = (2 * n).next_power_of_two().max(MIN_SIZE);
+        ProbeMap::with_size(size, size, KeyedState::default())
     }
 
-    fn with_size(size: usize, hasher: KeyedState) -> ProbeMap {
+    fn with_size(size: usize, floor: usize, hasher: KeyedState) -> ProbeMap {
         debug_assert!(size.is_power_of_two());
         ProbeMap {
             entries: Table::filled(size, VACANT),
             mask: size - 1,
             shift: 64 - size.trailing_zeros(),
             len: 0,
+            floor,
             hasher,
         }
     }
@@ -162,8 +167,8 @@ impl ProbeMap {
         // Less than an eighth full: a table that once held many blocks (a worker with a large tier, since gone)
         // gives the memory back, to a quarter full at most, so that growing again takes as many inserts as the
         // shrink took removals.
-        if self.entries.len() > MIN_SIZE && 8 * self.len < self.entries.len() {
-            self.rebuild((4 * self.len).next_power_of_two().max(MIN_SIZE));
+        if self.entries.len() > self.floor && 8 * self.len < self.entries.len() {
+            self.rebuild((4 * self.len).next_power_of_two().max(self.floor));
         }
     }
 
@@ -177,7 +182,7 @@ impl ProbeMap {
     /// Moves every entry into a table of `size` entries.
     fn rebuild(&mut self, size: usize) {
         // The same key: homes in the new table follow from the same hashes.
-        let mut table = ProbeMap::with_size(size, self.hasher);
+        let mut table = ProbeMap::with_size(size, self.floor, self.hasher);
         for e in self.entries.iter().filter(|e| e.value != EMPTY) {
             let mut i = table.home(e.key);
             while table.entries[i].value != EMPTY {
@@ -266,5 +271,28 @@ mod tests {
         assert_eq!((table.len(), table.entries.len()), (0, MIN_SIZE));
         assert_eq!(table.insert_new(h(7), 7), Ok(()));
         assert_eq!(table.get(&h(7)), Some(7));
+    }
+
+    #[test]
+    fn a_table_made_for_many_keeps_its_size_when_emptied_and_still_grows() {
+        let h = |k: u64| SeqHash(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5555);
+        let mut table = ProbeMap::with_capacity(1_000);
+        let made = table.entries.len();
+        assert!(made >= 2_000);
+        for k in 0..10 {
+            assert_eq!(table.insert_new(h(k), k), Ok(()));
+        }
+        for k in 0..10 {
+            table.remove(&h(k));
+        }
+        assert_eq!((table.len(), table.entries.len()), (0, made), "no rebuild below the size it was made with");
+        for k in 0..5_000 {
+            assert_eq!(table.insert_new(h(k), k), Ok(()));
+        }
+        assert!(table.entries.len() > made);
+        for k in 0..5_000 {
+            table.remove(&h(k));
+        }
+        assert_eq!((table.len(), table.entries.len()), (0, made), "back to its first size, not below");
     }
 }

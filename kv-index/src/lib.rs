@@ -86,6 +86,12 @@ impl PrefixIndex {
         PrefixIndex::default()
     }
 
+    /// An index with room for `blocks` distinct blocks (the sum of its workers' tiers, when known) that neither
+    /// grows nor shrinks while it holds fewer.
+    pub fn with_capacity(blocks: usize) -> PrefixIndex {
+        PrefixIndex { blocks: Runs::with_capacity(blocks), ..PrefixIndex::default() }
+    }
+
     pub fn stats(&self) -> IndexStats {
         self.stats
     }

@@ -48,6 +48,11 @@ pub(crate) struct Runs {
 }
 
 impl Runs {
+    /// Room for `blocks` distinct blocks without growing.
+    pub fn with_capacity(blocks: usize) -> Runs {
+        Runs { at: ProbeMap::with_capacity(blocks), ..Runs::default() }
+    }
+
     /// Distinct blocks held by anyone.
     pub fn len(&self) -> usize {
         self.at.len()

@@ -320,7 +320,10 @@ impl<'a> Sim<'a> {
         let recorded = if settings.replay { recorded_names(settings, workload)? } else { HashMap::new() };
         let routers = (0..replicas)
             .map(|r| {
-                let mut index = PrefixIndex::new();
+                // Sized for every block the workers can hold at once: never rebuilt as the run fills it.
+                let e = &settings.engine;
+                let mut index =
+                    PrefixIndex::with_capacity(workers.len() * (e.kv_blocks + e.host_blocks + e.disk_blocks));
                 for w in &workers {
                     index.replace(w.id, &Snapshot { as_of: None, tiers: Default::default() });
                 }
