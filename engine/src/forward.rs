@@ -85,10 +85,16 @@ pub fn first_out_of_vocab(tokens: &[u32], vocab: usize) -> Option<u32> {
 /// What a step checks of one chunk before any compute, whatever computes it: token ids in the vocabulary,
 /// positions within the context, a block table covering them, blocks inside the store.
 pub fn check_chunk(kv: &KvStore, s: &SeqChunk<'_>, vocab: usize, context: usize) -> Result<(), ForwardError> {
-    let bt = kv.layout().block_tokens;
     if let Some(t) = first_out_of_vocab(s.tokens, vocab) {
         return Err(ForwardError::TokenOutOfRange(t));
     }
+    check_placement(kv, s, context)
+}
+
+/// [`check_chunk`] but for the token ids: where the chunk goes (positions within the context, a block table
+/// covering them, blocks inside the store), for a chunk whose ids are known to be in the vocabulary.
+pub fn check_placement(kv: &KvStore, s: &SeqChunk<'_>, context: usize) -> Result<(), ForwardError> {
+    let bt = kv.layout().block_tokens;
     let end = s.start + s.tokens.len();
     if end > context {
         return Err(ForwardError::PastContext(end - 1, context));
