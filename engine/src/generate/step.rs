@@ -182,8 +182,10 @@ impl Engine {
             let need = (seqs[i].computed + n).div_ceil(bt);
             let mut preempted_self = false;
             while seqs[i].blocks.len() < need {
-                let (mut actions, mut slots) = (Vec::new(), Vec::new());
-                let allocated = self.pool.allocate_many(need - seqs[i].blocks.len(), &mut slots, &mut actions);
+                // Each block may evict one down each tier below the device: its copy to make.
+                let more = need - seqs[i].blocks.len();
+                let (mut actions, mut slots) = (Vec::with_capacity(more), Vec::with_capacity(more));
+                let allocated = self.pool.allocate_many(more, &mut slots, &mut actions);
                 seqs[i].blocks.extend(slots.into_iter().map(BlockId));
                 if let Err(e) = self.execute(&actions) {
                     self.fail(&mut seqs[i], format!("making room for a block failed: {e}"));
