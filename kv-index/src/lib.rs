@@ -19,6 +19,7 @@ mod runs;
 use std::collections::HashMap;
 
 use kv_cache::events::{BlockMeta, EventId, KvEvent, Snapshot, Tier};
+use kv_cache::fastmap::FastMap;
 use kv_cache::{LocalHash, SeqHash};
 use serde::Serialize;
 
@@ -75,7 +76,8 @@ const ALL_TIERS: u8 = 0b111;
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
     blocks: Runs,
-    workers: HashMap<WorkerId, Indexed>,
+    /// Looked up for every event applied: the keyed fast hasher, not SipHash.
+    workers: FastMap<WorkerId, Indexed>,
     /// Which worker has each slot (`None`: free for the next worker).
     slots: Vec<Option<WorkerId>>,
     stats: IndexStats,

@@ -7,8 +7,6 @@
 //! already active there are not counted twice) and its measured prefill and transfer speeds. Pure: no clock, no
 //! I/O.
 
-use std::collections::HashMap;
-
 use kv_cache::fastmap::{FastMap, FastSet};
 
 use kv_cache::SeqHash;
@@ -94,7 +92,8 @@ impl Tracked {
 /// Load per worker.
 #[derive(Debug, Default)]
 pub struct LoadTracker {
-    workers: HashMap<WorkerId, Tracked>,
+    /// Looked up for every worker of every decision: the keyed fast hasher, not SipHash.
+    workers: FastMap<WorkerId, Tracked>,
 }
 
 impl LoadTracker {

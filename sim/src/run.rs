@@ -320,10 +320,7 @@ impl<'a> Sim<'a> {
         let recorded = if settings.replay { recorded_names(settings, workload)? } else { HashMap::new() };
         let routers = (0..replicas)
             .map(|r| {
-                // Sized for every block the workers can hold at once: never rebuilt as the run fills it.
-                let e = &settings.engine;
-                let mut index =
-                    PrefixIndex::with_capacity(workers.len() * (e.kv_blocks + e.host_blocks + e.disk_blocks));
+                let mut index = PrefixIndex::with_capacity(index_capacity(settings, workload, workers.len()));
                 for w in &workers {
                     index.replace(w.id, &Snapshot { as_of: None, tiers: Default::default() });
                 }
@@ -808,6 +805,16 @@ impl<'a> Sim<'a> {
             self.queue.at(now + delay, Ev::Arrive(next));
         }
     }
+}
+
+/// Blocks the router index may hold at once: every block the workers can hold, or every block the workload can
+/// make when that is fewer. Sized so, the index is never rebuilt as the run fills it, and a short run does not
+/// take (and the kernel clear) a table for a whole cluster.
+fn index_capacity(settings: &Settings, workload: &[TraceRequest], workers: usize) -> usize {
+    let e = &settings.engine;
+    let held = workers * (e.kv_blocks + e.host_blocks + e.disk_blocks);
+    let made: usize = workload.iter().map(|r| (r.input_length + r.output_length) / e.block_tokens.max(1)).sum();
+    held.min(made)
 }
 
 /// The simulated worker for each worker a recording names: names of the simulator's own form (`prefill-K`,
