@@ -86,7 +86,22 @@ pub struct Dist {
 impl Dist {
     /// Percentiles by linear interpolation between order statistics (numpy's default).
     pub fn of(values: &[f64]) -> Dist {
-        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        Dist::of_iter(values.iter().copied())
+    }
+
+    /// [`Dist::of`] the values an iterator yields (a whole trace's inter-token gaps need no copy of their own).
+    pub fn of_iter(values: impl IntoIterator<Item = f64>) -> Dist {
+        // The values as integers in the same order (`order_key`): selection compares millions of them.
+        let mut sum = 0.0;
+        let mut v: Vec<u64> = values
+            .into_iter()
+            .filter(|x| x.is_finite())
+            .map(|x| {
+                // Summed in the order the values came, before the selection below moves them.
+                sum += x;
+                order_key(x)
+            })
+            .collect();
         if v.is_empty() {
             return Dist::default();
         }
@@ -96,20 +111,20 @@ impl Dist {
             (pos.floor() as usize, pos.ceil() as usize, pos)
         };
         let quantiles = [0.5, 0.9, 0.95, 0.99].map(place);
-        // Summed in the order the values came, before the selection below moves them.
-        let mean = v.iter().sum::<f64>() / n as f64;
+        let mean = sum / n as f64;
         // Only the order statistics the figures read are put in place: a whole trace's inter-token gaps are
         // millions of values, which a selection of these few ranks visits a few times and a sort many.
         let mut ranks: Vec<usize> = quantiles.iter().flat_map(|&(lo, hi, _)| [lo, hi]).chain([0, n - 1]).collect();
         ranks.sort_unstable();
         ranks.dedup();
         select_ranks(&mut v, &ranks, 0);
-        let q = |(lo, hi, pos): (usize, usize, f64)| v[lo] + (v[hi] - v[lo]) * (pos - lo as f64);
+        let at = |k: usize| from_order_key(v[k]);
+        let q = |(lo, hi, pos): (usize, usize, f64)| at(lo) + (at(hi) - at(lo)) * (pos - lo as f64);
         Dist {
             count: n,
             mean,
-            min: v[0],
-            max: v[n - 1],
+            min: at(0),
+            max: at(n - 1),
             p50: q(quantiles[0]),
             p90: q(quantiles[1]),
             p95: q(quantiles[2]),
@@ -118,12 +133,23 @@ impl Dist {
     }
 }
 
+/// `x`'s bits as an integer that orders as [`f64::total_cmp`] orders the floats (the sign bit flipped for
+/// positives, every bit for negatives).
+fn order_key(x: f64) -> u64 {
+    let b = x.to_bits();
+    if b >> 63 == 1 { !b } else { b | 1 << 63 }
+}
+
+fn from_order_key(k: u64) -> f64 {
+    f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
+}
+
 /// Puts at each of `ranks` (ascending, each at least `offset`, counted in the whole slice `v` is part of, which
-/// starts at `offset`) the value a sort would put there. Equal under `total_cmp` is the same bits, so the values
-/// are exactly a sort's.
-fn select_ranks(v: &mut [f64], ranks: &[usize], offset: usize) {
+/// starts at `offset`) the value a sort would put there. Equal keys are the same bits, so the values are exactly a
+/// sort's.
+fn select_ranks(v: &mut [u64], ranks: &[usize], offset: usize) {
     let Some(&mid) = ranks.get(ranks.len() / 2) else { return };
-    let (below, _, above) = v.select_nth_unstable_by(mid - offset, f64::total_cmp);
+    let (below, _, above) = v.select_nth_unstable(mid - offset);
     select_ranks(below, &ranks[..ranks.len() / 2], offset);
     select_ranks(above, &ranks[ranks.len() / 2 + 1..], mid + 1);
 }
@@ -213,7 +239,6 @@ pub fn summarize(records: &[Record], slo: Slo, facts: &RunFacts) -> Summary {
         *errors_by_status.entry(key).or_default() += 1;
     }
     let of = |f: &dyn Fn(&Record) -> Option<f64>| Dist::of(&ok.iter().filter_map(|r| f(r)).collect::<Vec<_>>());
-    let itl: Vec<f64> = ok.iter().flat_map(|r| r.inter_chunk_ms.iter().copied()).collect();
     let output_tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
     let prompt_tokens: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|r| r.cached_tokens).sum();
@@ -239,7 +264,7 @@ pub fn summarize(records: &[Record], slo: Slo, facts: &RunFacts) -> Summary {
         errors_by_status,
         time_to_first_token_ms: of(&|r| r.time_to_first_token_ms),
         time_per_output_token_ms: of(&|r| r.time_per_output_token_ms),
-        inter_token_latency_ms: Dist::of(&itl),
+        inter_token_latency_ms: Dist::of_iter(ok.iter().flat_map(|r| r.inter_chunk_ms.iter().copied())),
         request_latency_ms: of(&|r| Some(r.request_latency_ms)),
         schedule_lag_ms: lag,
         output_tokens_per_s: output_tokens as f64 / duration,
@@ -286,6 +311,17 @@ mod tests {
         assert_eq!((d.p50, d.min, d.max, d.mean), (2.5, 1.0, 4.0, 2.5));
         assert!((d.p90 - 3.7).abs() < 1e-12);
         assert_eq!(Dist::of(&[]).count, 0);
+    }
+
+    #[test]
+    fn order_keys_order_as_total_cmp_and_give_the_value_back() {
+        let xs = [f64::MIN, -1e300, -2.5, -1e-300, -0.0, 0.0, 1e-300, 2.5, 1e300, f64::MAX];
+        for a in xs {
+            assert_eq!(from_order_key(order_key(a)).to_bits(), a.to_bits());
+            for b in xs {
+                assert_eq!(order_key(a).cmp(&order_key(b)), a.total_cmp(&b), "{a} {b}");
+            }
+        }
     }
 
     /// The figures read from the order statistics put in place are those of a whole sort, on values with ties,
