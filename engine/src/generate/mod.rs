@@ -275,6 +275,8 @@ pub struct Engine {
     plan: Vec<(usize, usize)>,
     /// The step's outputs from the backend, kept likewise.
     next: Vec<crate::backend::Next>,
+    /// The memory of the step's batch, kept likewise (empty between steps: see `step::recycle`).
+    chunks: Vec<crate::forward::SeqChunk<'static>>,
 }
 
 impl Engine {
@@ -371,6 +373,7 @@ impl Engine {
             frozen_clock,
             plan: Vec::new(),
             next: Vec::new(),
+            chunks: Vec::new(),
         })
     }
 

@@ -245,7 +245,8 @@ impl Engine {
         if plan.is_empty() {
             return Ok(false);
         }
-        let chunks: Vec<SeqChunk<'_>> = plan.iter().map(|&(i, n)| seqs[i].chunk(n)).collect();
+        let mut chunks = recycle(std::mem::take(&mut self.chunks));
+        chunks.extend(plan.iter().map(|&(i, n)| seqs[i].chunk(n)));
         let context = StepContext {
             started,
             onboarded: [
@@ -261,7 +262,7 @@ impl Engine {
             None => u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
         };
         self.counters.compute_nanos += took;
-        drop(chunks);
+        self.chunks = recycle(chunks);
         if let Err(e) = forwarded {
             // Not one sequence's fault: the sequences of this batch end; the waiting ones stay.
             for &(i, _) in plan.iter() {
@@ -415,4 +416,12 @@ impl Engine {
         let u = self.pool.usage(Tier::Device);
         EngineError::OutOfKvCapacity { used: u.used, total: self.pool.capacity(Tier::Device) }
     }
+}
+
+/// `v` emptied, as a vector of chunks borrowing for another lifetime, in the same memory: an empty vector's memory
+/// does not depend on what its elements would borrow, and collecting a vector's own iterator into a vector of the
+/// same layout reuses it. So each step builds its batch where the last one's was instead of allocating.
+fn recycle<'b>(mut v: Vec<SeqChunk<'_>>) -> Vec<SeqChunk<'b>> {
+    v.clear();
+    v.into_iter().map(|_| unreachable!("the vector is empty")).collect()
 }
