@@ -67,13 +67,17 @@ impl SimWorker {
             return Vec::new();
         }
         let report = self.report(&self.engine.stats());
-        let mut due = Vec::new();
+        let mut streams = Vec::new();
         for (r, reported) in self.reported.iter_mut().enumerate() {
             if is_due(reported) {
                 *reported = Some((load, now));
-                due.push((r, report.clone()));
+                streams.push(r);
             }
         }
+        // Copies to every stream but the last, which takes the report itself.
+        let Some((&last, others)) = streams.split_last() else { return Vec::new() };
+        let mut due: Vec<(usize, Report)> = others.iter().map(|&r| (r, report.clone())).collect();
+        due.push((last, report));
         due
     }
 
