@@ -25,7 +25,10 @@ pub enum TextError {
 pub struct TextModel {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
-    fingerprint: String,
+    /// The file's bytes, mapped, for the fingerprint: hashed the first time it is asked for (reading the whole
+    /// file was most of opening it, and a simulator never asks).
+    mapping: std::sync::Arc<memmap2::Mmap>,
+    fingerprint: std::sync::OnceLock<String>,
     context_len: Option<usize>,
 }
 
@@ -48,7 +51,7 @@ impl TextModel {
         let meta = file.metadata();
         let arch = meta.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("llama");
         let context_len = meta.get(&format!("{arch}.context_length")).and_then(|v| v.as_u64()).map(|n| n as usize);
-        Ok(TextModel { tokenizer, template, fingerprint: file.fingerprint(), context_len })
+        Ok(TextModel { tokenizer, template, mapping: file.mapping(), fingerprint: Default::default(), context_len })
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -57,7 +60,7 @@ impl TextModel {
 
     /// The model file's content fingerprint: KV is exchanged only between holders of equal ones.
     pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
+        self.fingerprint.get_or_init(|| crate::gguf::fingerprint(&self.mapping))
     }
 
     /// The context length the model was trained for, when the file states it.

@@ -151,7 +151,7 @@ impl GgufFile {
 
     /// An identity for the file's exact contents: `xxh3:` and the 64-bit xxh3 of every byte, in hex.
     pub fn fingerprint(&self) -> String {
-        format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&self.data))
+        fingerprint(&self.data)
     }
 
     /// A shared handle on the mapped bytes, for weights that outlive this reader.
@@ -163,6 +163,11 @@ impl GgufFile {
     pub fn malformed(&self, what: impl Into<String>) -> GgufError {
         GgufError::Malformed { path: self.path.clone(), what: what.into() }
     }
+}
+
+/// [`GgufFile::fingerprint`] of a file's bytes.
+pub fn fingerprint(bytes: &[u8]) -> String {
+    format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
 #[allow(unsafe_code)]
