@@ -181,6 +181,22 @@ impl PrefixIndex {
         Ok(())
     }
 
+    /// Applies `events` from `worker` in order (as [`apply`](Self::apply) each), first asking for the lines where
+    /// each event's blocks are found: an event of one block (a decode step's) otherwise waits on two misses in
+    /// turn, its parent's and its own, and a batch's events on each other's. Stops at the first that fails.
+    pub fn apply_all(&mut self, worker: WorkerId, events: &[(EventId, KvEvent)]) -> Result<(), ApplyError> {
+        for (_, e) in events {
+            match e {
+                KvEvent::Stored { parent, blocks, .. } => {
+                    parent.iter().chain(blocks.first().map(|b| &b.0)).for_each(|h| self.blocks.prefetch(h));
+                }
+                KvEvent::Removed { seqs, .. } => seqs.first().iter().for_each(|h| self.blocks.prefetch(h)),
+                KvEvent::Cleared { .. } => {}
+            }
+        }
+        events.iter().try_for_each(|(id, e)| self.apply(worker, *id, e))
+    }
+
     /// Forgets `worker` and all its blocks (it vanished, or restarted under a new instance id).
     pub fn remove_worker(&mut self, worker: WorkerId) {
         if let Some(w) = self.workers.remove(&worker) {

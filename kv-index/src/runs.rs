@@ -63,6 +63,11 @@ impl Runs {
         self.held.get(slot as usize).copied().unwrap_or_default()
     }
 
+    /// Asks for the line where `h` is looked up.
+    pub fn prefetch(&self, h: &SeqHash) {
+        self.at.prefetch(h);
+    }
+
     pub fn holders(&self, h: &SeqHash) -> Option<&Holders> {
         self.at.get(h).map(unpack).map(|(r, _)| &self.runs[r as usize].holders)
     }

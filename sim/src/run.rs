@@ -353,10 +353,8 @@ impl<'a> Sim<'a> {
             Ev::StepEnd { w, turn } => self.step_end(now, w, turn),
             Ev::Events(w, events) => {
                 for replica in &mut self.routers {
-                    for (id, e) in &events {
-                        // In order and gapless by construction: nothing to resync.
-                        let _ = replica.index.apply(WorkerId(w as u32), *id, e);
-                    }
+                    // In order and gapless by construction: nothing to resync.
+                    let _ = replica.index.apply_all(WorkerId(w as u32), &events);
                 }
             }
             Ev::Report { w, r, report } => self.routers[r].load.report(WorkerId(w as u32), report),
