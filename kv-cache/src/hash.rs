@@ -136,7 +136,18 @@ impl BlockHashes {
 /// Hashes of every full block of `tokens`; a trailing partial block is never hashed. With a namespace, its seed
 /// replaces the default for the first block, so the whole chain differs from every other namespace's.
 pub fn block_hashes(tokens: &[u32], block_size: BlockSize, namespace: Option<&CacheNamespace>) -> BlockHashes {
-    let n = tokens.len() / block_size.tokens();
+    block_hashes_with_room(tokens, tokens.len(), block_size, namespace)
+}
+
+/// [`block_hashes`] with room for the blocks of `room` tokens in all (the sequence the tokens start, grown to its
+/// end without moving its hashes).
+fn block_hashes_with_room(
+    tokens: &[u32],
+    room: usize,
+    block_size: BlockSize,
+    namespace: Option<&CacheNamespace>,
+) -> BlockHashes {
+    let n = room.max(tokens.len()) / block_size.tokens();
     let mut out = BlockHashes { local: Vec::with_capacity(n), seq: Vec::with_capacity(n) };
     out.extend(tokens, block_size, namespace);
     out
@@ -153,9 +164,11 @@ pub struct HashedTokens {
 }
 
 impl HashedTokens {
-    /// Hashes the full blocks of `tokens` in `block_size` under `namespace`.
+    /// Hashes the full blocks of `tokens` in `block_size` under `namespace`, with room for the hashes of as many
+    /// tokens as the vector has room for (a prompt made with room for its output keeps its hashes in place as the
+    /// output's blocks complete).
     pub fn new(tokens: Vec<u32>, block_size: BlockSize, namespace: Option<CacheNamespace>) -> HashedTokens {
-        let hashes = block_hashes(&tokens, block_size, namespace.as_ref());
+        let hashes = block_hashes_with_room(&tokens, tokens.capacity(), block_size, namespace.as_ref());
         HashedTokens { tokens, hashes, block_size, namespace }
     }
 
