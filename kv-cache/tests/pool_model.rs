@@ -39,6 +39,12 @@ enum Op {
         c: u64,
         i: u64,
     },
+    /// Register held, unregistered blocks (the lowest slots first) as blocks `i..i + n` of chain `c`, in one call.
+    RegisterRun {
+        c: u64,
+        i: u64,
+        n: usize,
+    },
     Release {
         pick: usize,
     },
@@ -62,6 +68,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (2usize..6).prop_map(|n| Op::AllocateMany { n }),
         1 => Just(Op::Read),
         3 => (any::<usize>(), 0..CHAINS, 0..CHAIN_LEN).prop_map(|(pick, c, i)| Op::Register { pick, c, i }),
+        2 => (0..CHAINS, 0..CHAIN_LEN, 1usize..5).prop_map(|(c, i, n)| Op::RegisterRun { c, i, n }),
         3 => any::<usize>().prop_map(|pick| Op::Release { pick }),
         3 => (0..CHAINS, 1..=CHAIN_LEN).prop_map(|(c, len)| Op::Acquire { c, len }),
         1 => any::<bool>().prop_map(|disk| Op::Clear { disk }),
@@ -232,6 +239,33 @@ fn run(sizes: TierSizes, ops: Vec<Op>, snapshot_at: usize) -> Result<(), TestCas
                         data.insert((Tier::Device, slot), m.seq);
                     }
                     Registered::Duplicate { .. } => prop_assert!(dup),
+                }
+            }
+            Op::RegisterRun { c, i, n } => {
+                let slots: Vec<u32> = model
+                    .used
+                    .iter()
+                    .filter(|(_, (_, m))| m.is_none())
+                    .map(|(s, _)| *s)
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .collect();
+                let run: Vec<(u32, BlockMeta)> =
+                    slots.into_iter().zip(i..CHAIN_LEN).take(n).map(|(slot, k)| (slot, meta(c, k))).collect();
+                pool.register_run(&run).expect("held, unregistered blocks register");
+                for (slot, m) in run {
+                    // As `register` each: a block already on the device stays where it is; a new one replaces its
+                    // copies on lower tiers.
+                    if model.on(Tier::Device, m.seq) {
+                        continue;
+                    }
+                    for t in [Tier::Host, Tier::Disk] {
+                        model.lru[t.index()].retain(|x| x.seq != m.seq);
+                    }
+                    if let Some(e) = model.used.get_mut(&slot) {
+                        e.1 = Some(m);
+                    }
+                    data.insert((Tier::Device, slot), m.seq);
                 }
             }
             Op::Release { pick } => {

@@ -399,15 +399,13 @@ impl Engine {
         }
         s.hashes(full, self.block_size());
         let hashes = &s.hashes;
-        for b in s.registered..full {
-            self.pool.prefetch_ahead(&hashes.seq[s.registered..full], b - s.registered);
-            let meta = BlockMeta {
-                seq: hashes.seq[b],
-                local: hashes.local[b],
-                parent: b.checked_sub(1).map(|p| hashes.seq[p]),
-            };
-            self.pool.register(s.blocks[b].0, meta).map_err(EngineError::Pool)?;
-        }
+        let run: Vec<(u32, BlockMeta)> = (s.registered..full)
+            .map(|b| {
+                let parent = b.checked_sub(1).map(|p| hashes.seq[p]);
+                (s.blocks[b].0, BlockMeta { seq: hashes.seq[b], local: hashes.local[b], parent })
+            })
+            .collect();
+        self.pool.register_run(&run).map_err(EngineError::Pool)?;
         s.registered = full;
         Ok(())
     }

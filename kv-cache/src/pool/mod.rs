@@ -18,7 +18,7 @@ use located::Located;
 use tier::TierTable;
 
 use crate::events::{BlockMeta, EventId, EventLog, KvEvent, Snapshot, Tier, TooOld};
-use crate::hash::SeqHash;
+use crate::hash::{LocalHash, SeqHash};
 
 /// How many blocks ahead a walk over a prompt's hashes asks for the lines of their lookups
 /// ([`BlockPool::prefetch`]): enough for the misses to overlap, few enough that the lines are still there.
@@ -334,6 +334,70 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// Marks the block in `slot` complete under `meta`, making it findable. A copy of the same block on a lower
     /// tier is dropped (the device copy is the one that counts).
     pub fn register(&mut self, slot: u32, meta: BlockMeta) -> Result<Registered, PoolError> {
+        let (registered, lower) = self.register_unlogged(slot, meta)?;
+        if registered == Registered::New {
+            self.log.push_stored(Tier::Device, meta);
+        }
+        if let Some(at) = lower {
+            self.log.push_removed(at.tier, meta.seq);
+        }
+        Ok(registered)
+    }
+
+    /// Registers a sequence's newly completed blocks, `(slot, block)` in chain order, as [`register`](Self::register)
+    /// each, and logs the new ones as stretches of the chain (one event per stretch, where a block registered
+    /// elsewhere breaks it) rather than joining them into an event block by block. Blocks before a refused one stay
+    /// registered (and logged).
+    pub fn register_run(&mut self, run: &[(u32, BlockMeta)]) -> Result<(), PoolError> {
+        let mut stretch: Vec<(SeqHash, LocalHash)> = Vec::with_capacity(run.len());
+        let mut parent = run.first().and_then(|(_, m)| m.parent);
+        // Copies of these blocks dropped from lower tiers: logged after the stretch, whose store came first.
+        let mut lower: Vec<(Tier, SeqHash)> = Vec::new();
+        let mut result = Ok(());
+        for (i, &(slot, meta)) in run.iter().enumerate() {
+            if i == 0 {
+                run.iter().take(LOOK_AHEAD).skip(1).for_each(|(_, m)| self.prefetch(m.seq));
+            }
+            if let Some((_, ahead)) = run.get(i + LOOK_AHEAD) {
+                self.prefetch(ahead.seq);
+            }
+            match self.register_unlogged(slot, meta) {
+                Ok((Registered::New, dropped)) => {
+                    stretch.push((meta.seq, meta.local));
+                    lower.extend(dropped.map(|at| (at.tier, meta.seq)));
+                }
+                Ok((Registered::Duplicate { .. }, _)) => {
+                    self.log_stretch(parent, &mut stretch, &mut lower);
+                    parent = Some(meta.seq);
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        self.log_stretch(parent, &mut stretch, &mut lower);
+        result
+    }
+
+    /// Logs a stretch of registered blocks after `parent`, then the removals of their lower-tier copies.
+    fn log_stretch(
+        &mut self,
+        parent: Option<SeqHash>,
+        stretch: &mut Vec<(SeqHash, LocalHash)>,
+        lower: &mut Vec<(Tier, SeqHash)>,
+    ) {
+        if !stretch.is_empty() {
+            self.log.push(KvEvent::Stored { tier: Tier::Device, parent, blocks: std::mem::take(stretch) });
+        }
+        for (tier, seq) in lower.drain(..) {
+            self.log.push_removed(tier, seq);
+        }
+    }
+
+    /// [`register`](Self::register) without logging: whether the block is new, and the lower-tier location its
+    /// copy was dropped from.
+    fn register_unlogged(&mut self, slot: u32, meta: BlockMeta) -> Result<(Registered, Option<Location>), PoolError> {
         let dev = self.table(Tier::Device);
         match dev.ref_count(slot) {
             None => return Err(PoolError::NotInUse(slot)),
@@ -349,16 +413,14 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
             Some(at) if at.tier == Tier::Device => None,
             _ => Some(here),
         }) {
-            Some(at) if at.tier == Tier::Device => return Ok(Registered::Duplicate { existing: at.slot }),
+            Some(at) if at.tier == Tier::Device => return Ok((Registered::Duplicate { existing: at.slot }, None)),
             lower => lower,
         };
         self.table_mut(Tier::Device).register(slot, meta);
-        self.log.push_stored(Tier::Device, meta);
         if let Some(at) = lower {
             self.table_mut(at.tier).take_cached(at.slot);
-            self.log.push_removed(at.tier, meta.seq);
         }
-        Ok(Registered::New)
+        Ok((Registered::New, lower))
     }
 
     /// Drops one reference to `slot`. At zero a registered block becomes cached (evictable), another is freed.
