@@ -92,6 +92,23 @@ impl Model {
         used + self.lru[tier.index()].len()
     }
 
+    /// Held device slots no block is registered in, lowest first.
+    fn unregistered(&self) -> Vec<u32> {
+        let free: BTreeSet<u32> = self.used.iter().filter(|(_, (_, m))| m.is_none()).map(|(s, _)| *s).collect();
+        free.into_iter().collect()
+    }
+
+    /// Block `m` registered in held slot `slot` as new: its copies on lower tiers go.
+    fn register(&mut self, slot: u32, m: BlockMeta, data: &mut HashMap<(Tier, u32), SeqHash>) {
+        for t in [Tier::Host, Tier::Disk] {
+            self.lru[t.index()].retain(|x| x.seq != m.seq);
+        }
+        if let Some(e) = self.used.get_mut(&slot) {
+            e.1 = Some(m);
+        }
+        data.insert((Tier::Device, slot), m.seq);
+    }
+
     fn on(&self, tier: Tier, seq: SeqHash) -> bool {
         self.lru[tier.index()].iter().any(|m| m.seq == seq)
             || (tier == Tier::Device && self.used.values().any(|(_, m)| m.is_some_and(|m| m.seq == seq)))
@@ -213,14 +230,7 @@ fn run(sizes: TierSizes, ops: Vec<Op>, snapshot_at: usize) -> Result<(), TestCas
                 }
             }
             Op::Register { pick, c, i } => {
-                let candidates: Vec<u32> = model
-                    .used
-                    .iter()
-                    .filter(|(_, (_, m))| m.is_none())
-                    .map(|(s, _)| *s)
-                    .collect::<BTreeSet<_>>()
-                    .into_iter()
-                    .collect();
+                let candidates = model.unregistered();
                 if candidates.is_empty() {
                     continue;
                 }
@@ -230,42 +240,25 @@ fn run(sizes: TierSizes, ops: Vec<Op>, snapshot_at: usize) -> Result<(), TestCas
                 match pool.register(slot, m).expect("a held, unregistered block registers") {
                     Registered::New => {
                         prop_assert!(!dup);
-                        for t in [Tier::Host, Tier::Disk] {
-                            model.lru[t.index()].retain(|x| x.seq != m.seq);
-                        }
-                        if let Some(e) = model.used.get_mut(&slot) {
-                            e.1 = Some(m);
-                        }
-                        data.insert((Tier::Device, slot), m.seq);
+                        model.register(slot, m, &mut data);
                     }
                     Registered::Duplicate { .. } => prop_assert!(dup),
                 }
             }
             Op::RegisterRun { c, i, n } => {
-                let slots: Vec<u32> = model
-                    .used
-                    .iter()
-                    .filter(|(_, (_, m))| m.is_none())
-                    .map(|(s, _)| *s)
-                    .collect::<BTreeSet<_>>()
+                let run: Vec<(u32, BlockMeta)> = model
+                    .unregistered()
                     .into_iter()
+                    .zip(i..CHAIN_LEN)
+                    .take(n)
+                    .map(|(slot, k)| (slot, meta(c, k)))
                     .collect();
-                let run: Vec<(u32, BlockMeta)> =
-                    slots.into_iter().zip(i..CHAIN_LEN).take(n).map(|(slot, k)| (slot, meta(c, k))).collect();
                 pool.register_run(&run).expect("held, unregistered blocks register");
+                // As `register` each: a block already on the device stays where it is.
                 for (slot, m) in run {
-                    // As `register` each: a block already on the device stays where it is; a new one replaces its
-                    // copies on lower tiers.
-                    if model.on(Tier::Device, m.seq) {
-                        continue;
+                    if !model.on(Tier::Device, m.seq) {
+                        model.register(slot, m, &mut data);
                     }
-                    for t in [Tier::Host, Tier::Disk] {
-                        model.lru[t.index()].retain(|x| x.seq != m.seq);
-                    }
-                    if let Some(e) = model.used.get_mut(&slot) {
-                        e.1 = Some(m);
-                    }
-                    data.insert((Tier::Device, slot), m.seq);
                 }
             }
             Op::Release { pick } => {
