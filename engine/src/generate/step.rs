@@ -182,7 +182,7 @@ impl Engine {
             let need = (seqs[i].computed + n).div_ceil(bt);
             let mut preempted_self = false;
             while seqs[i].blocks.len() < need {
-                // Each block may evict one down each tier below the device: its copy to make.
+                // Room for the slots and for a copy per slot (each may evict a block to the host tier).
                 let more = need - seqs[i].blocks.len();
                 let (mut actions, mut slots) = (Vec::with_capacity(more), Vec::with_capacity(more));
                 let allocated = self.pool.allocate_many(more, &mut slots, &mut actions);
