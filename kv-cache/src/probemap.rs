@@ -11,7 +11,7 @@ use std::hash::BuildHasher;
 
 use crate::fastmap::KeyedState;
 use crate::hash::SeqHash;
-use crate::pool::LOOK_AHEAD;
+use crate::pool::ahead;
 use crate::table::Table;
 
 /// The value no entry may hold: the entry is empty.
@@ -105,15 +105,9 @@ impl ProbeMap {
         crate::prefetch::prefetch(&self.entries[self.home(h.0)]);
     }
 
-    /// For a walk over `hashes` now at `i`: asks for the entry of the hash [`LOOK_AHEAD`] further on, and at the
-    /// walk's start for those before it too (most walks are a few blocks long, and waited on each miss in turn).
+    /// For a walk over `hashes` now at `i`: asks for the entries of the hashes [`ahead`].
     pub fn prefetch_ahead(&self, hashes: &[SeqHash], i: usize) {
-        if i == 0 {
-            hashes.iter().take(LOOK_AHEAD).skip(1).for_each(|h| self.prefetch(h));
-        }
-        if let Some(ahead) = hashes.get(i + LOOK_AHEAD) {
-            self.prefetch(ahead);
-        }
+        ahead(hashes, i).iter().for_each(|h| self.prefetch(h));
     }
 
     pub fn get(&self, h: &SeqHash) -> Option<u64> {

@@ -6,7 +6,7 @@
 //! out of order gets shorter runs, not wrong answers). The holders are looked at once per run. Changing some
 //! blocks' holders splits their run where the change starts and ends.
 
-use kv_cache::pool::LOOK_AHEAD;
+use kv_cache::pool::ahead;
 use kv_cache::probemap::ProbeMap;
 use kv_cache::{LocalHash, SeqHash, chained};
 
@@ -93,12 +93,9 @@ impl Runs {
             // extending the run of the block before it while it provably follows that block. One map operation
             // per block: the insert says whether the block was there after all.
             let mut open: Option<(u32, u32)> = None;
-            // Asked for ahead, the first few at once (most stores are a few blocks).
-            blocks[i..].iter().take(LOOK_AHEAD).skip(1).for_each(|b| self.at.prefetch(&b.0));
+            let (new, start) = (&blocks[i..], i);
             while let Some(&(h, local)) = blocks.get(i) {
-                if let Some(ahead) = blocks.get(i + LOOK_AHEAD) {
-                    self.at.prefetch(&ahead.0);
-                }
+                ahead(new, i - start).iter().for_each(|b| self.at.prefetch(&b.0));
                 let follows = prev.is_some_and(|p| chained(Some(p), local) == h);
                 let (r, pos) = match open.filter(|_| follows) {
                     Some(at) => at,

@@ -24,6 +24,13 @@ use crate::hash::{LocalHash, SeqHash};
 /// ([`BlockPool::prefetch`]): enough for the misses to overlap, few enough that the lines are still there.
 pub const LOOK_AHEAD: usize = 8;
 
+/// For a walk over `items` now at `i`, the ones to ask for now: the one [`LOOK_AHEAD`] further on, and at the
+/// walk's start those before it too (most walks are a few blocks long, and would wait on each miss in turn).
+pub fn ahead<T>(items: &[T], i: usize) -> &[T] {
+    let (from, to) = if i == 0 { (1, LOOK_AHEAD + 1) } else { (i + LOOK_AHEAD, i + LOOK_AHEAD + 1) };
+    &items[from.min(items.len())..to.min(items.len())]
+}
+
 /// Number of blocks of each tier. Host and disk may be 0 (tier absent); the device tier may not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TierSizes {
@@ -178,15 +185,9 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         self.located.prefetch(seq);
     }
 
-    /// For a walk over `hashes` now at block `i`: asks for the lookup line of the block [`LOOK_AHEAD`] further on,
-    /// and at the walk's start for those before it too (a walk of a few blocks would wait on each miss in turn).
+    /// For a walk over `hashes` now at block `i`: asks for the lookup lines of the blocks [`ahead`].
     pub fn prefetch_ahead(&self, hashes: &[SeqHash], i: usize) {
-        if i == 0 {
-            hashes.iter().take(LOOK_AHEAD).skip(1).for_each(|&h| self.prefetch(h));
-        }
-        if let Some(&ahead) = hashes.get(i + LOOK_AHEAD) {
-            self.prefetch(ahead);
-        }
+        ahead(hashes, i).iter().for_each(|&h| self.prefetch(h));
     }
 
     /// How many of `hashes`' leading blocks are on each tier, device first: a run on the device, then one on
@@ -355,12 +356,7 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
         let mut lower: Vec<(Tier, SeqHash)> = Vec::new();
         let mut result = Ok(());
         for (i, &(slot, meta)) in run.iter().enumerate() {
-            if i == 0 {
-                run.iter().take(LOOK_AHEAD).skip(1).for_each(|(_, m)| self.prefetch(m.seq));
-            }
-            if let Some((_, ahead)) = run.get(i + LOOK_AHEAD) {
-                self.prefetch(ahead.seq);
-            }
+            ahead(run, i).iter().for_each(|(_, m)| self.prefetch(m.seq));
             match self.register_unlogged(slot, meta) {
                 Ok((Registered::New, dropped)) => {
                     stretch.push((meta.seq, meta.local));
@@ -511,5 +507,20 @@ impl<E: EvictionPolicy + Default> BlockPool<E> {
     /// The id of the newest event.
     pub fn last_event(&self) -> Option<EventId> {
         self.log.last()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_walk_asks_for_its_first_blocks_at_once_then_one_ahead() {
+        let items: Vec<usize> = (0..20).collect();
+        assert_eq!(ahead(&items, 0), &items[1..=LOOK_AHEAD]);
+        assert_eq!(ahead(&items, 3), &[3 + LOOK_AHEAD]);
+        assert!(ahead(&items, 20 - LOOK_AHEAD).is_empty());
+        assert_eq!(ahead(&items[..3], 0), &[1, 2]);
+        assert!(ahead::<usize>(&[], 0).is_empty());
     }
 }
