@@ -86,16 +86,16 @@ pub struct Dist {
 impl Dist {
     /// Percentiles by linear interpolation between order statistics (numpy's default).
     pub fn of(values: &[f64]) -> Dist {
-        Dist::of_iter(values.iter().copied())
+        Dist::of_slices(std::iter::once(values))
     }
 
-    /// [`Dist::of`] the values an iterator yields (a whole trace's inter-token gaps need no copy of their own).
-    pub fn of_iter(values: impl IntoIterator<Item = f64>) -> Dist {
+    /// [`Dist::of`] the values of several slices together (a whole trace's inter-token gaps, one slice a request,
+    /// need no copy of their own): room for all of them is taken at once.
+    pub fn of_slices<'a>(parts: impl Iterator<Item = &'a [f64]> + Clone) -> Dist {
         // The values as integers in the same order (`order_key`): selection compares millions of them.
-        let values = values.into_iter();
-        let mut v: Vec<u64> = Vec::with_capacity(values.size_hint().0);
+        let mut v: Vec<u64> = Vec::with_capacity(parts.clone().map(<[f64]>::len).sum());
         let mut sum = 0.0;
-        v.extend(values.filter(|x| x.is_finite()).map(|x| {
+        v.extend(parts.flatten().copied().filter(|x| x.is_finite()).map(|x| {
             // Summed in the order the values came, before the selection below moves them.
             sum += x;
             order_key(x)
@@ -128,27 +128,6 @@ impl Dist {
             p95: q(quantiles[2]),
             p99: q(quantiles[3]),
         }
-    }
-}
-
-/// Values whose number is known ahead (each record's inter-token gaps, together): the distribution takes room for
-/// them at once instead of growing through copies of millions.
-struct Counted<I> {
-    left: usize,
-    values: I,
-}
-
-impl<I: Iterator<Item = f64>> Iterator for Counted<I> {
-    type Item = f64;
-
-    fn next(&mut self) -> Option<f64> {
-        let x = self.values.next()?;
-        self.left = self.left.saturating_sub(1);
-        Some(x)
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        (self.left, Some(self.left))
     }
 }
 
@@ -283,10 +262,7 @@ pub fn summarize(records: &[Record], slo: Slo, facts: &RunFacts) -> Summary {
         errors_by_status,
         time_to_first_token_ms: of(&|r| r.time_to_first_token_ms),
         time_per_output_token_ms: of(&|r| r.time_per_output_token_ms),
-        inter_token_latency_ms: Dist::of_iter(Counted {
-            left: ok.iter().map(|r| r.inter_chunk_ms.len()).sum(),
-            values: ok.iter().flat_map(|r| r.inter_chunk_ms.iter().copied()),
-        }),
+        inter_token_latency_ms: Dist::of_slices(ok.iter().map(|r| r.inter_chunk_ms.as_slice())),
         request_latency_ms: of(&|r| Some(r.request_latency_ms)),
         schedule_lag_ms: lag,
         output_tokens_per_s: output_tokens as f64 / duration,
