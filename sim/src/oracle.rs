@@ -68,7 +68,7 @@ impl Blocks {
         let total: usize = prompts.iter().map(|p| p.blocks.len()).sum();
         let mut ids: Vec<u32> = Vec::with_capacity(total);
         let mut starts = Vec::with_capacity(prompts.len() + 1);
-        let mut trie = Prefixes::default();
+        let mut trie = Prefixes::new();
         let mut distinct = 0u32;
         for r in 0..prompts.len() {
             starts.push(ids.len());
@@ -91,7 +91,6 @@ impl Blocks {
 /// A compressed trie of the prompts' block chains, each edge a stretch of one prompt's blocks: where a new prompt
 /// leaves it is its longest prefix shared with any earlier prompt. Branches are few (a trace's prompts share a few
 /// system prompts and conversations), so a walk takes a handful of lookups and compares blocks in memory order.
-#[derive(Default)]
 struct Prefixes {
     /// Node 0 is the root (the empty prefix); every other node ends an edge.
     edges: Vec<Edge>,
@@ -107,12 +106,13 @@ struct Edge {
 }
 
 impl Prefixes {
+    fn new() -> Prefixes {
+        Prefixes { edges: vec![Edge { prompt: 0, end: 0 }], children: FastMap::default() }
+    }
+
     /// Adds prompt `r` (after every earlier one): how many of its leading blocks an earlier prompt has, and a
     /// prompt that has them (`r` itself when none).
     fn insert(&mut self, prompts: &[Prompt], r: usize) -> (usize, usize) {
-        if self.edges.is_empty() {
-            self.edges.push(Edge { prompt: 0, end: 0 });
-        }
         let blocks = &prompts[r].blocks;
         let (mut node, mut at, mut from) = (0u32, 0usize, r);
         while let Some(&child) = blocks.get(at).and_then(|h| self.children.get(&(node, h.0))) {
