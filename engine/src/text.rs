@@ -26,7 +26,7 @@ pub struct TextModel {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     /// The file's bytes, mapped, for the fingerprint: hashed the first time it is asked for (reading the whole
-    /// file was most of opening it, and a simulator never asks).
+    /// file was half the time of opening it, and a simulator never asks).
     mapping: std::sync::Arc<memmap2::Mmap>,
     fingerprint: std::sync::OnceLock<String>,
     context_len: Option<usize>,
