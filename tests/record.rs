@@ -40,9 +40,11 @@ async fn the_router_records_a_replayable_trace_without_text() {
     let stopped = http(addr, "DELETE", "/admin/recording", "", &[]).await.json();
     assert_eq!(stopped["stopped"], true);
 
-    // Started again through the admin API, to a new file only.
+    // Started again through the admin API, to a new file only, this time with each decision's candidates.
     let second = dir.join("second.jsonl");
-    let body = format!(r#"{{"file":"{}"}}"#, second.display());
+    let bad = format!(r#"{{"file":"{}","candidates":"yes"}}"#, second.display());
+    assert_eq!(http(addr, "POST", "/admin/recording", &bad, &[]).await.status, 400, "candidates is a boolean");
+    let body = format!(r#"{{"file":"{}","candidates":true}}"#, second.display());
     assert_eq!(http(addr, "POST", "/admin/recording", &body, &[]).await.status, 200);
     assert_eq!(http(addr, "POST", "/admin/recording", &body, &[]).await.status, 400, "one recording at a time");
     assert_eq!(http(addr, "POST", "/v1/completions", &completion(4), &[]).await.status, 200);
@@ -64,21 +66,31 @@ async fn the_router_records_a_replayable_trace_without_text() {
         let decode = l["tandem"]["decision"]["decode"].as_str().expect("the decode worker");
         assert_eq!(decode, decode_addr, "workers are named by the address the router knows");
     }
+    assert!(lines[1]["tandem"]["decision"].get("candidates").is_none(), "candidates only when asked for");
+    let explained: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&second).expect("second").lines().nth(1).expect("a request"))
+            .expect("JSON");
+    let candidates = &explained["tandem"]["decision"]["candidates"];
+    assert_eq!(candidates["decode"][0]["worker"], decode_addr.as_str(), "{explained}");
+    assert!(candidates["decode"][0]["cost"].is_number(), "{explained}");
+    assert_eq!(candidates["prefill"].as_array().map(Vec::len), Some(1), "{explained}");
     // The two equal prompts have equal ids, and the longer one shares their start.
     assert_eq!(lines[1]["hash_ids"], lines[2]["hash_ids"]);
     assert_eq!(lines[3]["hash_ids"][0], lines[1]["hash_ids"][0]);
 
-    // Replayed: the recorded decisions as a row of their own, next to a policy.
-    let out = Command::new(binary("tandem", "tandem"))
-        .args(["sim", "--prefill", "1", "--decode", "1", "--policies", "kv", "--json", "--trace"])
-        .arg(&boot)
-        .output()
-        .expect("tandem sim runs");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let sim: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json");
-    for row in ["recorded", "kv"] {
-        assert_eq!(sim["policies"][row]["requests"], 3, "{row}: {sim}");
-        assert_eq!(sim["policies"][row]["failed"], 0, "{row}: {sim}");
+    // Replayed: the recorded decisions as a row of their own, next to a policy (a recording with candidates too).
+    for (file, requests) in [(&boot, 3), (&second, 1)] {
+        let out = Command::new(binary("tandem", "tandem"))
+            .args(["sim", "--prefill", "1", "--decode", "1", "--policies", "kv", "--json", "--trace"])
+            .arg(file)
+            .output()
+            .expect("tandem sim runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let sim: serde_json::Value = serde_json::from_slice(&out.stdout).expect("--json");
+        for row in ["recorded", "kv"] {
+            assert_eq!(sim["policies"][row]["requests"], requests, "{row}: {sim}");
+            assert_eq!(sim["policies"][row]["failed"], 0, "{row}: {sim}");
+        }
     }
     // Too few workers for the names it recorded: a clear error.
     let out = Command::new(binary("tandem", "tandem"))

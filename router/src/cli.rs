@@ -112,6 +112,10 @@ pub struct Settings {
     /// a trace `tandem sim` replays.
     #[arg(long, env = "TANDEM_RECORD_TRACE")]
     pub record_trace: Option<PathBuf>,
+    /// With `--record-trace`: each decision with its candidates as scored (larger lines; for comparing a
+    /// simulator's decisions with the router's, `docs/simulation.md`).
+    #[arg(long, env = "TANDEM_RECORD_CANDIDATES", value_name = "BOOL")]
+    pub record_candidates: Option<bool>,
     /// Scheduler weights (the file's `[scheduler]` table; also `PUT /admin/router-config`).
     #[arg(skip)]
     pub scheduler: Option<SchedulerConfig>,
@@ -304,6 +308,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             max_model_len: s.max_model_len.or(file.max_model_len),
             seed: None,
             record_trace: s.record_trace.or(file.record_trace),
+            record_candidates: s.record_candidates.or(file.record_candidates).unwrap_or(false),
         }),
         (_, listen, ..) => {
             problems.extend(listen.err().map(|e| format!("listen address: {e}")));

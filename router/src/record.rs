@@ -50,6 +50,9 @@ pub struct Recording {
     key: hmac::Key,
     started: Instant,
     requests: u64,
+    /// Each decision's candidates as scored are written too (`Decision::candidates`): larger lines, for finding
+    /// where a simulator's decisions part from the router's.
+    candidates: bool,
 }
 
 impl std::fmt::Debug for Recording {
@@ -61,8 +64,8 @@ impl std::fmt::Debug for Recording {
 
 impl Recording {
     /// Creates `path` (never overwriting a file) and writes the header: the block size the hashes are of, and when
-    /// the recording started.
-    pub fn start(path: &Path, block_size: u32) -> Result<Recording, RecordError> {
+    /// the recording started. `candidates`: each decision with its candidates as scored.
+    pub fn start(path: &Path, block_size: u32, candidates: bool) -> Result<Recording, RecordError> {
         let file_error = |source| RecordError::File { path: path.to_path_buf(), source };
         let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(file_error)?;
         let key = hmac::Key::generate(hmac::HMAC_SHA256, &ring::rand::SystemRandom::new())
@@ -73,6 +76,7 @@ impl Recording {
             key,
             started: Instant::now(),
             requests: 0,
+            candidates,
         };
         let started_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         let header = json!({ HEADER: { "version": 1, "block_size": block_size, "started_unix_ms": started_unix_ms,
@@ -93,7 +97,7 @@ impl Recording {
     /// Appends one request, `arrived` being when it reached the router.
     pub fn push(&mut self, arrived: Instant, a: &Arrival<'_>, outcome: Outcome<'_>) -> Result<(), RecordError> {
         let ms = arrived.saturating_duration_since(self.started).as_secs_f64() * 1000.0;
-        let line = line(ms, a, outcome, |h| rekey(&self.key, h));
+        let line = line(ms, a, outcome, self.candidates, |h| rekey(&self.key, h));
         self.write(&line)?;
         self.requests += 1;
         Ok(())
@@ -117,16 +121,22 @@ fn rekey(key: &hmac::Key, h: SeqHash) -> u64 {
 }
 
 /// One request's line: the Mooncake fields, and Tandem's own under `tandem`.
-fn line(ms: f64, a: &Arrival<'_>, outcome: Outcome<'_>, rekey: impl Fn(SeqHash) -> u64) -> Value {
+fn line(ms: f64, a: &Arrival<'_>, outcome: Outcome<'_>, candidates: bool, rekey: impl Fn(SeqHash) -> u64) -> Value {
     let decision = match outcome {
-        Outcome::Routed(d) => json!({
-            "policy": d.policy.as_str(),
-            "prefill": d.prefill.as_ref().filter(|_| d.disaggregate).map(|c| c.worker.as_str()),
-            "decode": d.decode.worker.as_str(),
-            "disaggregate": d.disaggregate,
-            "reason": d.reason.as_str(),
-            "margin": d.prefill_margin().map(|m| (m * 1000.0).round() / 1000.0),
-        }),
+        Outcome::Routed(d) => {
+            let mut v = json!({
+                "policy": d.policy.as_str(),
+                "prefill": d.prefill.as_ref().filter(|_| d.disaggregate).map(|c| c.worker.as_str()),
+                "decode": d.decode.worker.as_str(),
+                "disaggregate": d.disaggregate,
+                "reason": d.reason.as_str(),
+                "margin": d.prefill_margin().map(|m| (m * 1000.0).round() / 1000.0),
+            });
+            if let (true, Value::Object(m)) = (candidates, &mut v) {
+                m.insert("candidates".into(), json!(d.candidates()));
+            }
+            v
+        }
         Outcome::Refused(kind) => json!({ "refused": kind }),
     };
     json!({
@@ -141,6 +151,9 @@ fn line(ms: f64, a: &Arrival<'_>, outcome: Outcome<'_>, rekey: impl Fn(SeqHash) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::config::Policy;
+    use crate::scheduler::view::WorkerId;
+    use crate::scheduler::{Choice, Reason, Scored};
 
     #[test]
     fn rekeying_keeps_equality_and_hides_the_public_hashes() {
@@ -169,7 +182,7 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("dir");
         let path = dir.join("traffic.jsonl");
         let _ = std::fs::remove_file(&path);
-        let mut r = Recording::start(&path, 16).expect("starts");
+        let mut r = Recording::start(&path, 16, false).expect("starts");
         let hashes = kv_cache::block_hashes(&(0..40).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None).seq;
         let a = Arrival { input_length: 40, max_tokens: 7, namespace: Some("tenant-a"), hashes: &hashes };
         r.push(Instant::now(), &a, Outcome::Refused("all_busy")).expect("written");
@@ -183,7 +196,62 @@ mod tests {
         assert_eq!(lines[1]["tandem"]["namespace"], "tenant-a");
         assert_eq!(lines[1]["tandem"]["decision"]["refused"], "all_busy");
         assert!(!text.contains(&hashes[0].0.to_string()), "no public hash in the file");
-        assert!(Recording::start(&path, 16).is_err(), "an existing file is not overwritten");
+        assert!(Recording::start(&path, 16, false).is_err(), "an existing file is not overwritten");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn scored(worker: &str, id: u32, cost: f64, active_prefill_tokens: u64) -> Scored {
+        Scored {
+            worker: worker.into(),
+            id: WorkerId(id),
+            device_blocks: 2,
+            host_blocks: 0,
+            disk_blocks: 0,
+            active_prefill_tokens,
+            active_blocks: 10,
+            active_overlap_blocks: 1,
+            potential_decode_blocks: 12,
+            capacity_blocks: 100,
+            active_requests: 1,
+            speed_factor: 1.0,
+            affinity_credit: 0.0,
+            cost,
+            predicted: false,
+        }
+    }
+
+    #[test]
+    fn candidates_are_written_only_when_asked_for() {
+        let prefill = Choice {
+            worker: "p0".into(),
+            id: WorkerId(0),
+            candidates: vec![scored("p0", 0, 40.0, 512), scored("p1", 1, 72.0, 1024)],
+        };
+        let decode = Choice { worker: "d0".into(), id: WorkerId(2), candidates: vec![scored("d0", 2, 0.1, 0)] };
+        let d = Decision {
+            policy: Policy::Kv,
+            prefill: Some(prefill),
+            decode,
+            disaggregate: true,
+            reason: Reason::PrefillRemote,
+            request_blocks: 4,
+            isl: 64,
+        };
+        let hashes = kv_cache::block_hashes(&(0..64).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None).seq;
+        let a = Arrival { input_length: 64, max_tokens: 8, namespace: None, hashes: &hashes };
+        let plain = line(0.0, &a, Outcome::Routed(&d), false, |h| h.0 >> 11);
+        assert_eq!(plain["tandem"]["decision"]["prefill"], "p0");
+        assert_eq!(plain["tandem"]["decision"]["margin"], 32.0);
+        assert!(plain["tandem"]["decision"].get("candidates").is_none());
+        let explained = line(0.0, &a, Outcome::Routed(&d), true, |h| h.0 >> 11);
+        let c = &explained["tandem"]["decision"]["candidates"];
+        assert_eq!(c["prefill"][1]["worker"], "p1");
+        assert_eq!(c["prefill"][1]["active_prefill_tokens"], 1024);
+        assert_eq!(c["prefill"][1]["cost"], 72.0);
+        assert_eq!(c["decode"][0]["worker"], "d0");
+        // The rest of the line is the plain one.
+        let mut without = explained.clone();
+        without["tandem"]["decision"].as_object_mut().expect("object").remove("candidates");
+        assert_eq!(without, plain);
     }
 }

@@ -98,6 +98,8 @@ pub struct RouterConfig {
     pub seed: Option<u64>,
     /// Record the traffic to this new file from the start (`crate::record`); also `POST /admin/recording`.
     pub record_trace: Option<PathBuf>,
+    /// The recording started with `record_trace` writes each decision's candidates as scored.
+    pub record_candidates: bool,
 }
 
 /// Why a router could not start.
@@ -183,9 +185,10 @@ impl RunningRouter {
             });
         }
         let recording = match &config.record_trace {
-            Some(path) => {
-                Some(Recording::start(path, config.block_size).map_err(|e| StartError::Record(e.to_string()))?)
-            }
+            Some(path) => Some(
+                Recording::start(path, config.block_size, config.record_candidates)
+                    .map_err(|e| StartError::Record(e.to_string()))?,
+            ),
             None => None,
         };
         let state = Arc::new(RouterState {

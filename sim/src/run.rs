@@ -17,7 +17,7 @@ use router::indexer::PrefixIndex;
 use router::load::{LoadTracker, Report};
 use router::scheduler::config::SchedulerConfig;
 use router::scheduler::view::{RouteRequest, WorkerId, WorkerRole, WorkerView};
-use router::scheduler::{RouteError, RouteState, route};
+use router::scheduler::{Candidates, RouteError, RouteState, route};
 
 use crate::cores::Cores;
 use crate::queue::Queue;
@@ -66,6 +66,9 @@ pub struct Settings {
     /// prompt's leading pieces during the prefill, and only the last piece's blocks after it. (The round trips
     /// between pieces, and the step a busy prefill worker runs in each, are not modelled.)
     pub stream_kv: bool,
+    /// Each placement keeps its decision's candidates as scored ([`Placed::candidates`]): to compare the
+    /// simulated router's inputs with a real router's recording of them.
+    pub record_candidates: bool,
     pub seed: u64,
 }
 
@@ -106,6 +109,9 @@ pub struct Placed {
     /// How much cheaper the worker that computed the prompt was than the next best (0: a tie broken at random;
     /// `None` in a replay, or without a rival).
     pub margin: Option<f64>,
+    /// The decision's candidates as scored, with [`Settings::record_candidates`] (never in a replay).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub candidates: Option<Candidates>,
 }
 
 /// Where a request goes, as indices of the simulated workers.
@@ -115,6 +121,7 @@ struct Placement {
     decode: usize,
     reason: String,
     margin: Option<f64>,
+    candidates: Option<Candidates>,
 }
 
 /// How evenly the work was spread, sampled at every arrival (what herding shows in).
@@ -426,14 +433,16 @@ impl<'a> Sim<'a> {
         let placed = if self.settings.replay {
             self.replayed(i)
         } else {
+            let explain = self.settings.record_candidates;
             route(&req, &views, cfg, &mut self.routers[router].state).map(|d| Placement {
                 margin: d.prefill_margin(),
+                candidates: explain.then(|| d.candidates()),
                 prefill: d.prefill.filter(|_| d.disaggregate).map(|c| c.id.0 as usize),
                 decode: d.decode.id.0 as usize,
                 reason: d.reason.as_str().to_string(),
             })
         };
-        let placed = match placed {
+        let mut placed = match placed {
             Ok(p) => p,
             Err(e) => return self.refuse(now, i, e),
         };
@@ -442,6 +451,7 @@ impl<'a> Sim<'a> {
             prefill: placed.prefill.map(|p| self.workers[p].name.clone()),
             decode: self.workers[placed.decode].name.clone(),
             margin: placed.margin,
+            candidates: placed.candidates.take(),
         });
         self.start(now, i, &placed, &views);
     }
@@ -459,6 +469,7 @@ impl<'a> Sim<'a> {
                 decode: named(&d.decode).ok_or(RouteError::NoDecodeWorkers)?,
                 reason: format!("recorded {}", d.reason.as_deref().unwrap_or("decision")),
                 margin: None,
+                candidates: None,
             }),
             None => Err(RouteError::NoDecodeWorkers),
         }

@@ -177,6 +177,26 @@ fn replaying_a_runs_own_decisions_gives_back_the_same_run() {
 }
 
 #[test]
+fn placements_explain_their_decisions_only_when_asked_and_change_nothing() {
+    let (trace, starts) = shared_prefixes(40, 3, 30.0, 9);
+    let s = settings_gpu();
+    let plain = simulate(&s, &trace, &starts).expect("runs");
+    let explained = simulate(&Settings { record_candidates: true, ..s.clone() }, &trace, &starts).expect("runs");
+    assert_eq!(explained.records, plain.records);
+    assert!(plain.placements.iter().flatten().all(|p| p.candidates.is_none()));
+    for (p, q) in explained.placements.iter().flatten().zip(plain.placements.iter().flatten()) {
+        let c = p.candidates.as_ref().expect("candidates");
+        assert_eq!((c.prefill.len(), c.decode.len()), (s.prefill, s.decode), "every worker a candidate");
+        // The chosen worker is the cheapest, and its margin is the runner-up's extra cost.
+        let chosen = p.prefill.as_ref().map_or(&c.decode, |_| &c.prefill);
+        let name = p.prefill.as_ref().unwrap_or(&p.decode);
+        let best = chosen.iter().map(|x| x.cost).fold(f64::INFINITY, f64::min);
+        assert!(chosen.iter().any(|x| &x.worker == name && x.cost == best), "{name}: {chosen:?}");
+        assert_eq!((&p.prefill, &p.decode, p.margin), (&q.prefill, &q.decode, q.margin));
+    }
+}
+
+#[test]
 fn a_disk_tier_serves_what_the_upper_tiers_lost_and_its_files_go_with_the_run() {
     // 2 + 2 workers with 256 device and 32 host blocks each: 48 system prompts of 16 blocks (plus 4 of each
     // request's own) do not fit in them, and come back from disk.

@@ -134,6 +134,7 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         max_model_len: None,
         seed: Some(1),
         record_trace: None,
+        record_candidates: false,
     }
 }
 

@@ -317,20 +317,25 @@ async fn recording(state: Shared, peer: Peer, headers: HeaderMap) -> Response {
     axum::Json(recording_json(guard.as_ref())).into_response()
 }
 
-/// Starts recording the traffic to a new file on the router's machine: `{"file": "/path/traffic.jsonl"}`.
+/// Starts recording the traffic to a new file on the router's machine: `{"file": "/path/traffic.jsonl"}`, with
+/// `"candidates": true` for each decision's candidates as scored.
 async fn start_recording(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes) -> Response {
     let started = (|| {
         admin(&state, &headers, &peer)?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         let file = v.get("file").and_then(Value::as_str).filter(|f| !f.is_empty());
         let file = file.ok_or_else(|| ApiError::bad("name the new file to record to: {\"file\": \"...\"}", "file"))?;
+        let candidates = match v.get("candidates") {
+            None | Some(Value::Null) => false,
+            Some(c) => c.as_bool().ok_or_else(|| ApiError::bad("\"candidates\" is true or false", "candidates"))?,
+        };
         let mut guard = state.recording.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = guard.as_ref() {
             let why = format!("already recording to {}; DELETE /admin/recording first", r.path().display());
             return Err(ApiError::bad(why, "file"));
         }
         let block_size = state.cluster.model().block_size;
-        let r = crate::record::Recording::start(std::path::Path::new(file), block_size)
+        let r = crate::record::Recording::start(std::path::Path::new(file), block_size, candidates)
             .map_err(|e| ApiError::bad(e.to_string(), "file"))?;
         tracing::info!(file, "traffic recording started");
         let answer = recording_json(Some(&r));

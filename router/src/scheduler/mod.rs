@@ -106,7 +106,24 @@ pub struct Decision {
     pub isl: u64,
 }
 
+/// Every candidate of a decision as the scheduler scored it: what a recording or the simulator's placements
+/// write when asked to explain decisions (to find where two routers' inputs part).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Candidates {
+    /// The prefill choice's candidates (empty when there was none).
+    pub prefill: Vec<Scored>,
+    pub decode: Vec<Scored>,
+}
+
 impl Decision {
+    /// Its candidates, prefill and decode.
+    pub fn candidates(&self) -> Candidates {
+        Candidates {
+            prefill: self.prefill.as_ref().map(|c| c.candidates.clone()).unwrap_or_default(),
+            decode: self.decode.candidates.clone(),
+        }
+    }
+
     /// The margin of the choice that decided where the prompt is computed: the prefill worker's when
     /// disaggregated, else the decode worker's.
     pub fn prefill_margin(&self) -> Option<f64> {

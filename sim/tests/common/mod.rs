@@ -37,6 +37,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         routers: 1,
         prefill_speedups: Vec::new(),
         replay: false,
+        record_candidates: false,
         router_tokens_per_s: 0.0,
         host_cores: 0,
         router_slots: 1,

@@ -138,6 +138,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             max_model_len: None,
             seed: Some(1),
             record_trace: None,
+            record_candidates: false,
         };
         let router = on_router.spawn(RunningRouter::start(config)).await.map_err(|e| e.to_string())?;
         let router = router.map_err(|e| e.to_string())?;

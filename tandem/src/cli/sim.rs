@@ -176,6 +176,7 @@ impl ClusterArgs {
             routers: self.routers,
             prefill_speedups: self.prefill_speedups.clone(),
             replay: false,
+            record_candidates: false,
             router_tokens_per_s: self.router_tokens_per_s,
             router_slots: self.router_slots,
             host_cores: self.host_cores,
@@ -226,6 +227,10 @@ pub struct Args {
     /// `ttft_cdf.svg` and `cache_by_tier.svg`, here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// With `--out`: each line of `placements.jsonl` also has its decision's candidates as scored, as a router's
+    /// `--record-candidates` recording has them (to find where the two routers' inputs part).
+    #[arg(long)]
+    record_candidates: bool,
     /// Print the result as JSON on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -237,7 +242,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let (requests, arrivals) = args.workload.load(args.seed)?;
     let starts = loadgen::schedule::plan(&requests, &arrivals);
     let policies = parse_policies(&args.policies)?;
-    let base = args.cluster.settings(&args.workload, args.seed)?;
+    let base =
+        Settings { record_candidates: args.record_candidates, ..args.cluster.settings(&args.workload, args.seed)? };
     let mut results: BTreeMap<String, serde_json::Value> = BTreeMap::new();
     let mut rows: Vec<(String, Outcome, Summary)> = Vec::new();
     // A router recording's own decisions go first, replayed on the same arrivals as every policy.

@@ -94,6 +94,10 @@ pub struct Args {
     /// Record the router's traffic to this new file (a trace `tandem sim` replays; no text, re-keyed hashes).
     #[arg(long)]
     record_trace: Option<std::path::PathBuf>,
+    /// With `--record-trace`: each decision with its candidates as scored (for comparing `tandem sim`'s decisions
+    /// with the router's).
+    #[arg(long)]
+    record_candidates: bool,
 }
 
 /// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
@@ -211,6 +215,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             max_model_len,
             seed: args.seed,
             record_trace: args.record_trace,
+            record_candidates: args.record_candidates,
         })
         .await
         .map_err(|e| e.to_string())?;
