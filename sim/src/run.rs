@@ -188,18 +188,20 @@ struct Live {
     gaps: Vec<f64>,
     produced: u64,
     cached: usize,
-    /// While the transfer runs: the prompt's KV from its prefill worker, and the positions of the blocks its
-    /// decode worker pulls (the full blocks it does not hold).
+    /// From the transfer's start until the decode worker's engine takes them: the prompt's KV from its prefill
+    /// worker, and the positions of the blocks its decode worker pulls (the full blocks it does not hold).
     pull: Option<(engine::generate::ExportedKv, std::ops::Range<usize>)>,
 }
 
 /// What a worker is asked to run for a request: its prompt (`None` when it was lost, which fails the request), how
-/// many tokens to make, whether to keep the prompt's KV for export, and its blocks pulled from another worker.
-struct Job<'a> {
+/// many tokens to make, whether to keep the prompt's KV for export, and whether it comes with the blocks its
+/// decode worker pulled (the request's `pull`, which the engine copies in as it takes the request).
+pub(crate) struct Job {
+    pub(crate) i: usize,
     prompt: Option<HashedTokens>,
     max_tokens: u32,
     export: bool,
-    blocks: &'a [(usize, &'a [u8])],
+    pulled: bool,
 }
 
 /// One router replica's own state.
@@ -481,8 +483,9 @@ impl<'a> Sim<'a> {
             .workers
             .iter()
             .map(|w| {
+                // Those sent during a step are the worker's too, waiting for its end.
                 let (running, waiting) = w.engine.held();
-                (running + waiting) as u32
+                (running + waiting + w.sent.len()) as u32
             })
             .collect();
         let pool = |role: WorkerRole| -> Vec<f64> {
@@ -537,7 +540,7 @@ impl<'a> Sim<'a> {
         }
         // After a disaggregated prefill the decode worker needs the prompt again.
         let prompt = if export { self.live[i].prompt.clone() } else { self.live[i].prompt.take() };
-        self.submit(now, target, i, Job { prompt, max_tokens, export, blocks: &[] });
+        self.submit(now, target, Job { i, prompt, max_tokens, export, pulled: false });
     }
 
     /// The router's own accounting of work it sent `w` for request `i`.
@@ -569,26 +572,46 @@ impl<'a> Sim<'a> {
     }
 
     /// Queues request `i`'s `job` on worker `w`.
-    fn submit(&mut self, now: f64, w: usize, i: usize, job: Job<'_>) {
+    /// Sends worker `w` a request. Its engine takes it between steps, as a worker's engine thread takes its
+    /// commands: while a step runs, the request waits for its end, out of the worker's load reports (a long CPU
+    /// step kept a newly sent prompt out of the real workers' reports for seconds; the router counts it by its own
+    /// figures meanwhile).
+    fn submit(&mut self, now: f64, w: usize, job: Job) {
         *self.out.per_worker.entry(self.workers[w].name.clone()).or_default() += 1;
-        let (sampling, export, blocks) = (self.sampling(i, job.max_tokens), job.export, job.blocks);
+        if self.workers[w].stepping {
+            self.workers[w].sent.push(job);
+            return;
+        }
+        self.admit(now, w, job);
+        self.publish(now, w);
+        self.kick(now, w);
+    }
+
+    /// Worker `w`'s engine takes a request; with the blocks its pull brought, whose lease then ends.
+    fn admit(&mut self, now: f64, w: usize, job: Job) {
+        let i = job.i;
+        let sampling = self.sampling(i, job.max_tokens);
+        let pull = if job.pulled { self.live[i].pull.take() } else { None };
+        let blocks: Vec<(usize, &[u8])> = match &pull {
+            Some((kv, range)) => range.clone().map(|k| (k, kv.block(k))).collect(),
+            None => Vec::new(),
+        };
         let submitted = match job.prompt {
             Some(prompt) => self.workers[w]
                 .engine
-                .submit_hashed(i as u64, prompt, sampling, export, &blocks)
+                .submit_hashed(i as u64, prompt, sampling, job.export, &blocks.as_slice())
                 .map_err(|e| e.to_string()),
             // Not reached: each request's prompt moves to an engine once, at its last submission.
             None => Err("the request's prompt had already gone to its last worker".to_string()),
         };
-        match submitted {
-            Ok(()) => {
-                self.publish(now, w);
-                self.kick(now, w);
-            }
-            Err(e) => {
-                self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
-                self.finish(now, i, 500, Some(e), None);
-            }
+        drop(blocks);
+        // The pulled blocks are in the engine: the lease ends and the prefill worker's blocks are its own again.
+        if let (Some(_), Some(p)) = (pull, self.live[i].prefill) {
+            self.unpinned(now, p);
+        }
+        if let Err(e) = submitted {
+            self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
+            self.finish(now, i, 500, Some(e), None);
         }
     }
 
@@ -638,6 +661,15 @@ impl<'a> Sim<'a> {
         // The emptied buffer goes back for the next step, unless one already started and filled a new one.
         if self.workers[w].pending.is_empty() {
             self.workers[w].pending = pending;
+        }
+        // What came during the step, in the order it came (unless a step already started and took it).
+        if !self.workers[w].stepping {
+            if std::mem::take(&mut self.workers[w].reclaim) {
+                self.workers[w].engine.reclaim_pinned();
+            }
+            for job in std::mem::take(&mut self.workers[w].sent) {
+                self.admit(now, w, job);
+            }
         }
         self.publish(now, w);
         self.kick(now, w);
@@ -748,30 +780,27 @@ impl<'a> Sim<'a> {
         router::stream_kv::piece_ends(live.isl, live.cached, bt, self.settings.engine.max_batched_tokens)
     }
 
-    /// Prefill worker `p` takes back the blocks of exports that nobody reads any more (its lease ended).
+    /// Prefill worker `p` takes back the blocks of exports that nobody reads any more (its lease ended): its
+    /// engine does between steps, so one under way first ends (and until then nothing of the step's own effects,
+    /// which the simulated engine has already applied, may reach the router).
     fn unpinned(&mut self, now: f64, p: usize) {
+        if self.workers[p].stepping {
+            self.workers[p].reclaim = true;
+            return;
+        }
         self.workers[p].engine.reclaim_pinned();
         self.publish(now, p);
     }
 
     fn pulled(&mut self, now: f64, i: usize) {
         let d = self.live[i].decode;
-        let pull = std::mem::take(&mut self.live[i].pull);
         // The last submission: the prompt (made with room for the output) moves to the engine.
         let mut prompt = self.live[i].prompt.take();
         if let Some(p) = &mut prompt {
             p.extend(self.live[i].first_token);
         }
         let max_tokens = self.live[i].max_tokens - 1;
-        let blocks: Vec<(usize, &[u8])> = match &pull {
-            Some((kv, range)) => range.clone().map(|k| (k, kv.block(k))).collect(),
-            None => Vec::new(),
-        };
-        self.submit(now, d, i, Job { prompt, max_tokens, export: false, blocks: &blocks });
-        // The pull is done: the lease ends and the prefill worker's blocks are its own again.
-        if let (Some(_), Some(p)) = (pull, self.live[i].prefill) {
-            self.unpinned(now, p);
-        }
+        self.submit(now, d, Job { i, prompt, max_tokens, export: false, pulled: true });
     }
 
     /// Request `i` ended: its record, and the session turns that wait for it.

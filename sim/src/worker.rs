@@ -20,6 +20,10 @@ pub struct SimWorker {
     pub stepping: bool,
     /// What the step under way produced, delivered at its end.
     pub pending: Vec<Output>,
+    /// Requests sent while a step ran: the engine takes them when it ends (`crate::run`).
+    pub(crate) sent: Vec<crate::run::Job>,
+    /// A lease ended while a step ran: the engine takes its blocks back when it ends.
+    pub(crate) reclaim: bool,
     /// Per router replica (each follows its own load stream): the load the last report carried and when it was
     /// sent.
     reported: Vec<Option<(Load, f64)>>,
@@ -39,6 +43,8 @@ impl SimWorker {
             engine,
             stepping: false,
             pending: Vec::new(),
+            sent: Vec::new(),
+            reclaim: false,
             reported: vec![None; routers],
             link_free: 0.0,
             pulled_bytes: 0,

@@ -36,6 +36,31 @@ fn three_requests_on_two_workers_take_the_times_worked_out_by_hand() {
 }
 
 #[test]
+fn a_request_sent_during_a_step_is_taken_and_reported_when_the_step_ends() {
+    // One worker; a prompt step costs 10 ms + 1 ms a token, a decode 5 ms more. A (256 tokens, 3 out) starts its
+    // step at 0 (until 266 ms);
+    // B (512 tokens, A's 256 first) is sent at 50 ms, C at 100 ms. A worker's engine takes B only when A's step
+    // ends, so at C the last report is the one from A's admission (A's 256 tokens to compute) and B counts by
+    // the router's own figure (all 512: nothing of A was stored yet): 768. Taken at once, B was reported with A's
+    // blocks as its cache and A's prompt as done (256), which no real worker can say before the step's end.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let s = Settings { trace_block: 256, record_candidates: true, ..settings(profile, 0, 1, Policy::RoundRobin) };
+    let b = loadgen::trace::TraceRequest { hash_ids: vec![1, 2], ..request(50.0, 512, 1, 1) };
+    let trace = [request(0.0, 256, 3, 1), b, request(100.0, 256, 1, 3)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let seen = |k: usize| {
+        let p = out.placements[k].as_ref().expect("placed");
+        p.candidates.as_ref().expect("candidates").decode[0].active_prefill_tokens
+    };
+    assert_eq!((seen(1), seen(2)), (256, 768));
+    // B and C wait for A's step, then share one with A's first decode: B's 256 tokens A did not store and C's
+    // 256, 10 + 512 + 5 ms from 266 ms.
+    let ttft: Vec<f64> = out.records.iter().map(|r| r.time_to_first_token_ms.expect("a first token")).collect();
+    let want = [266.0, 793.0 - 50.0, 793.0 - 100.0];
+    assert!(ttft.iter().zip(want).all(|(t, w)| (t - w).abs() < 1e-6), "TTFTs {ttft:?}, want {want:?}");
+}
+
+#[test]
 fn a_streamed_prompt_leaves_only_its_last_pieces_blocks_to_pull_after_the_prefill() {
     // Prefill: 10 ms + 0.01 ms per token; a pull: 0.5 ms + 1 ms per block.
     let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 0.01\n[decode]\nbase_ms = 5.0\n";
