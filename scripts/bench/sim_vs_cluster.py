@@ -106,27 +106,59 @@ def retimed(recording, trace, n, path):
                 f.write(json.dumps({**requests[unmatched.pop(k)], "timestamp": l["timestamp"]}) + "\n")
 
 
-def agreement(recording, placements, sim_records, names=None):
-    """Share of requests prefilled on the same worker in the real cluster and the simulator: workers matched by
-    name when `names` (address → name) is known, else under the one-to-one pairing of real and simulated workers
-    that agrees most (greedy on the largest counts).
-
-    The recording is in the router's arrival order, where requests sent in the same instant may have swapped places:
-    each recorded request is matched to the earliest unmatched simulated request of the same prompt length."""
+def matched_decisions(recording, placements, sim_records):
+    """The real router's routed requests, and each matched to the simulator's placement of the same request: in the
+    router's arrival order, where requests sent in the same instant may have swapped places, each recorded request
+    goes with the earliest unmatched simulated request of the same prompt length."""
     lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines() if line.strip()]
     real = [l for l in lines[1:] if "refused" not in l["tandem"]["decision"]]
     sim_by_index = {r["index"]: r for r in sim_records}
     placed = [json.loads(line) for line in pathlib.Path(placements).read_text().splitlines()]
     unmatched = [i for i, p in enumerate(placed) if p is not None and i in sim_by_index]
-    pairs = []
-    decided = []  # whether the real router's choice was clear (margin over the runner-up) rather than a tie
+    matched = []
     for l in real:
-        for k, i in enumerate(unmatched):
-            if sim_by_index[i]["prompt_tokens"] == l["input_length"]:
-                pairs.append((prefilled_on(l["tandem"]["decision"]), prefilled_on(placed[i])))
-                decided.append((l["tandem"]["decision"].get("margin") or 0) > 1e-9)
-                del unmatched[k]
-                break
+        k = next((k for k, i in enumerate(unmatched) if sim_by_index[i]["prompt_tokens"] == l["input_length"]), None)
+        if k is not None:
+            matched.append((l, placed[unmatched.pop(k)]))
+    return real, matched
+
+
+TERMS = ["device_blocks", "host_blocks", "active_prefill_tokens", "active_blocks", "active_overlap_blocks",
+         "active_requests", "cost"]
+
+
+def parted(recording, placements, sim_records, names, limit):
+    """The first `limit` requests the two routers prefilled on different workers, with what each router saw of
+    every candidate (both record their candidates as scored): where their inputs part."""
+    _, matched = matched_decisions(recording, placements, sim_records)
+    shown = 0
+    for n, (l, p) in enumerate(matched):
+        d = l["tandem"]["decision"]
+        real_worker, sim_worker = names.get(prefilled_on(d), prefilled_on(d)), prefilled_on(p)
+        if real_worker == sim_worker or shown == limit:
+            continue
+        shown += 1
+        pool = "prefill" if d.get("disaggregate") or p.get("prefill") else "decode"
+        print(f"  request {n} (arrived {l['timestamp']:.0f} ms, {l['input_length']} tokens): real {real_worker} "
+              f"({d.get('reason')}), simulated {sim_worker}; {pool} candidates, real / simulated:")
+        print("    " + " ".join(f"{t:>24}" for t in ["worker"] + TERMS))
+        sim_by_name = {c["worker"]: c for c in (p.get("candidates") or {}).get(pool, [])}
+        for c in (d.get("candidates") or {}).get(pool, []):
+            name = names.get(c["worker"], c["worker"])
+            other = sim_by_name.get(name, {})
+            print("    " + f"{name:>24} " + " ".join(f"{str(c.get(t)) + ' / ' + str(other.get(t)):>24}" for t in TERMS))
+
+
+def agreement(recording, placements, sim_records, names=None):
+    """Share of requests prefilled on the same worker in the real cluster and the simulator: workers matched by
+    name when `names` (address → name) is known, else under the one-to-one pairing of real and simulated workers
+    that agrees most (greedy on the largest counts).
+
+    Requests are matched as `matched_decisions` matches them."""
+    real, matched = matched_decisions(recording, placements, sim_records)
+    pairs = [(prefilled_on(l["tandem"]["decision"]), prefilled_on(p)) for l, p in matched]
+    # Whether the real router's choice was clear (margin over the runner-up) rather than a tie.
+    decided = [(l["tandem"]["decision"].get("margin") or 0) > 1e-9 for l, _ in matched]
     counts = {}
     for pair in pairs:
         counts[pair] = counts.get(pair, 0) + 1
@@ -181,6 +213,9 @@ def main():
                         "printed (one real run differs from the next by 10-20% at TTFT p90 on a 2-core machine)")
     p.add_argument("--ties", choices=["random", "hashed"], default="hashed",
                    help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
+    p.add_argument("--parted", type=int, default=3,
+                   help="print this many of the first requests the two routers prefilled on different workers, with "
+                        "every candidate's terms as each router saw them")
     add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
     args = p.parse_args()
     out = pathlib.Path(args.out)
@@ -198,8 +233,8 @@ def main():
         d = out / ("cluster" if k == 0 else f"cluster-{k}")
         d.mkdir(parents=True, exist_ok=True)
         (d / "recording.jsonl").unlink(missing_ok=True)
-        with mock_cluster(args.tandem, [*flags, "--record-trace", str(d / "recording.jsonl")], engine=args.engine,
-                          log=d / "up.log") as url:
+        with mock_cluster(args.tandem, [*flags, "--record-trace", str(d / "recording.jsonl"), "--record-candidates"],
+                          engine=args.engine, log=d / "up.log") as url:
             # The simulator's workers start warm: no slow start for the real ones either.
             set_router_config(url, {"ties": args.ties, "slow_start_secs": 0})
             runs.append((d, bench_serve(args.tandem, url, [
@@ -213,7 +248,7 @@ def main():
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
                           "--slo", SLO, "--config", str(config), "--stream-kv", args.stream_kv,
                           "--router-tokens-per-s", args.router_tokens_per_s,
-                          "--out", str(out / "sim"), "--json"], capture_output=True, text=True)
+                          "--out", str(out / "sim"), "--record-candidates", "--json"], capture_output=True, text=True)
     if sim.returncode != 0:
         sys.exit(f"tandem sim failed: {sim.stderr}")
     simulated = json.loads(sim.stdout)["policies"][args.policy]
@@ -253,6 +288,8 @@ def main():
               f"{recorded} recorded, {matched} matched to a simulated request by prompt length; workers matched by "
               f"name); where the real router's choice was not a tie: {clear_agreed} of {clear} "
               f"({100 * clear_agreed / max(clear, 1):.1f}%)")
+        parted(recording, out / "sim" / args.policy / "placements.jsonl",
+               records(out / "sim" / args.policy / "records.jsonl"), names, args.parted)
         if cpu:
             continue
         # The routing alone: the simulator given the real router's own arrival order and routing times.
