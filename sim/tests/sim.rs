@@ -61,6 +61,26 @@ fn a_request_sent_during_a_step_is_taken_and_reported_when_the_step_ends() {
 }
 
 #[test]
+fn a_lease_that_ends_during_its_prefill_workers_step_shows_nothing_of_that_step() {
+    // One prefill and one decode worker, every request disaggregated; a prompt step costs 10 ms + 1 ms a token.
+    // A (256 tokens) is prefilled 0-266 ms; B (256 other tokens), sent at 100 ms, is computed 266-532 ms. A's
+    // pull ends at about 268 ms, in B's step, and with it A's lease. The prefill worker takes the lease's end when
+    // B's step ends, so C (B's prompt again) at 300 ms sees none of B's blocks there yet: they are stored only
+    // when the step that computes them ends. (Taking the lease's end at once sent the router a report and B's
+    // blocks from mid-step.)
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let mut s = Settings { trace_block: 256, record_candidates: true, ..settings(profile, 1, 1, Policy::Kv) };
+    s.scheduler.disaggregation = router::scheduler::config::DisaggregationRule::Always;
+    let trace = [request(0.0, 256, 2, 1), request(100.0, 256, 2, 2), request(300.0, 256, 2, 2)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    assert!(out.placements.iter().flatten().all(|p| p.prefill.is_some()), "every request disaggregated");
+    let c = out.placements[2].as_ref().and_then(|p| p.candidates.as_ref()).expect("C's candidates");
+    assert_eq!(c.prefill[0].device_blocks, 0, "{:?}", c.prefill[0]);
+    // C then finds B's blocks cached when it runs, after B's step.
+    assert_eq!(out.records[2].cached_tokens, 240);
+}
+
+#[test]
 fn a_streamed_prompt_leaves_only_its_last_pieces_blocks_to_pull_after_the_prefill() {
     // Prefill: 10 ms + 0.01 ms per token; a pull: 0.5 ms + 1 ms per block.
     let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 0.01\n[decode]\nbase_ms = 5.0\n";
