@@ -89,6 +89,14 @@ async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
         "{metrics}"
     );
     assert!(metrics.contains("reason=\"prefill_remote\""), "{metrics}");
+    // The tokenizer's work: at least both chat requests' prompts (`/debug/route` tokenizes its own), in some time.
+    let value = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name}: {metrics}"));
+        line[name.len()..].trim().parse().expect("a number")
+    };
+    let prompt_tokens = usage["prompt_tokens"].as_f64().expect("prompt tokens");
+    assert!(value("tandem_router_tokenized_tokens_total ") >= 2.0 * prompt_tokens, "{metrics}");
+    assert!(value("tandem_router_tokenize_seconds_total ") > 0.0, "{metrics}");
     // How stale the router's view of each worker may be: both signals are flowing, so both ages are fresh.
     for worker in [p.grpc.to_string(), d.grpc.to_string()] {
         for signal in ["load", "events"] {

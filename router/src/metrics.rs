@@ -47,6 +47,9 @@ pub struct RouterMetrics {
     pub retries_denied: AtomicU64,
     /// Workers ejected by their circuit breaker.
     pub ejections: AtomicU64,
+    /// Prompt tokens the router made from text (templates and tokenizer), and the time it spent on it.
+    tokenized_tokens: AtomicU64,
+    tokenize_nanos: AtomicU64,
 }
 
 impl RouterMetrics {
@@ -58,6 +61,13 @@ impl RouterMetrics {
     /// A routing decision.
     pub fn decision(&self, policy: &'static str, reason: &'static str) {
         self.decisions.inc(vec![("policy", policy.to_string()), ("reason", reason.to_string())]);
+    }
+
+    /// A prompt's text became `tokens` tokens in `spent` (on whichever thread did it, so the figure includes
+    /// waiting for a core when the machine is busy: what a request actually pays before it is routed).
+    pub fn tokenized(&self, tokens: usize, spent: std::time::Duration) {
+        self.tokenized_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+        self.tokenize_nanos.fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// A prompt was prefilled on a worker that held this many of its leading blocks per tier (device, host,
@@ -254,6 +264,16 @@ pub fn render(state: &RouterState) -> String {
         "tandem_router_retries_denied_total",
         "Retries and failovers refused because the retry budget was spent.",
         &one(m.retries_denied.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_tokenized_tokens_total",
+        "Prompt tokens the router made from text (chat template and tokenizer).",
+        &one(m.tokenized_tokens.load(Ordering::Relaxed) as f64),
+    );
+    e.counter(
+        "tandem_router_tokenize_seconds_total",
+        "Seconds the router spent making prompt tokens from text, summed over requests (the tokens over this: its speed).",
+        &one(m.tokenize_nanos.load(Ordering::Relaxed) as f64 / 1e9),
     );
     e.counter(
         "tandem_router_worker_ejections_total",

@@ -54,6 +54,7 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
     if let Some((g, param)) = &checked.grammar {
         state.grammars.matcher(g, &[]).map_err(|e| ApiError::bad(e.to_string(), param))?;
     }
+    let started = std::time::Instant::now();
     let text = match &checked.input {
         Input::Chat(messages) => state
             .text
@@ -66,6 +67,7 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
         }
     };
     let tokens = state.text.tokenizer().encode(&text);
+    state.metrics.tokenized(tokens.len(), started.elapsed());
     if tokens.is_empty() {
         return Err(ApiError::bad("the prompt is empty after tokenization", "messages"));
     }
