@@ -19,7 +19,7 @@ both): this measures the timing model itself, which the mock shares with the sim
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
-      [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6] [--ties random|hashed]
+      [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K]
       [--out runs/sim-vs-cluster]
 """
@@ -67,6 +67,19 @@ def ks_test(a, b):
     lam = (en + 0.12 + 0.11 / en) * d
     p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
     return d, min(max(p, 0.0), 1.0)
+
+
+def tokenizer_rate(url):
+    """The router's tokens per second of tokenizing, from its metrics (`None` when it made no tokens)."""
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    value = {}
+    for name in ("tandem_router_tokenized_tokens_total", "tandem_router_tokenize_seconds_total"):
+        m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        value[name] = float(m.group(1)) if m else 0.0
+    seconds = value["tandem_router_tokenize_seconds_total"]
+    return value["tandem_router_tokenized_tokens_total"] / seconds if seconds > 0 else None
 
 
 def records(path):
@@ -202,7 +215,9 @@ def main():
     p.add_argument("--engine", choices=["mock", "cpu"], default="mock")
     p.add_argument("--rate", default="0.5", help="requests/s of the synthetic workload (--engine cpu)")
     p.add_argument("--router-tokens-per-s", default="0",
-                   help="the simulated router's tokenizer speed per slot (0: routing is instant; docs/simulation.md)")
+                   help="the simulated router's tokenizer speed per slot (0: routing is instant; `measured`: the real "
+                        "routers' own, tokens over time spent from their metrics, mean over the real runs; "
+                        "docs/simulation.md)")
     p.add_argument("--sim-profile", default="cpu-smollm2-1t",
                    help="the simulator's profile with --engine cpu (cpu-smollm2-1t: fitted on one thread, as each "
                         "worker of tandem up runs on a machine with no more cores than workers)")
@@ -229,6 +244,7 @@ def main():
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
              "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers]
     runs = []  # (directory, bench serve's summary) per real run
+    rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     for k in range(args.repeat):
         d = out / ("cluster" if k == 0 else f"cluster-{k}")
         d.mkdir(parents=True, exist_ok=True)
@@ -239,6 +255,14 @@ def main():
             set_router_config(url, {"ties": args.ties, "slow_start_secs": 0})
             runs.append((d, bench_serve(args.tandem, url, [
                 *workload, "--seed", str(args.seed), "--slo", SLO, "--ignore-eos", "--out", str(d)])))
+            rates.append(tokenizer_rate(url))
+    print("the real routers' tokenizer, tokens/s as requests met it: "
+          + ", ".join(f"{r:.3g}" if r else "unknown" for r in rates))
+    measured = [r for r in rates if r]
+    if args.router_tokens_per_s == "measured":
+        if not measured:
+            sys.exit("no real run reported its tokenizer's speed")
+        args.router_tokens_per_s = f"{sum(measured) / len(measured):.6g}"
     profile = ["--profile", args.sim_profile, "--max-model-len", "8192", "--host-cores", args.host_cores] if cpu else []
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
@@ -259,7 +283,8 @@ def main():
     per_run = [metrics(records(d / "records.jsonl")) for d, _ in (valid or runs)]
     b = {name: [v for m in per_run for v in m[name]] for name in a}
     print(f"{args.engine}: {args.requests} requests, {args.prefill}+{args.decode} workers, policy {args.policy}, "
-          f"ties {args.ties}, seed {args.seed}; real runs valid: "
+          f"ties {args.ties}, seed {args.seed}, simulated tokenizer {args.router_tokens_per_s} tokens/s a slot; "
+          "real runs valid: "
           + ", ".join(f"{r['valid']} {r.get('invalid_reasons') or ''}".strip() for _, r in runs))
     pooled = (f" (the {len(per_run)} {'valid ' if valid else ''}real runs pooled)" if len(per_run) > 1
               else "" if valid else " (no real run was valid)")
