@@ -653,23 +653,21 @@ impl<'a> Sim<'a> {
                 self.queue.at(e.at, Ev::StepEnd { w: e.worker, turn: e.turn });
             }
         }
-        self.workers[w].stepping = false;
+        // The step's outputs go out while the worker still counts as stepping: what they cause on this worker
+        // (a request sent back to it, a lease ended) queues behind what came during the step.
         let mut pending = std::mem::take(&mut self.workers[w].pending);
         for out in pending.drain(..) {
             self.output(now, w, out);
         }
-        // The emptied buffer goes back for the next step, unless one already started and filled a new one.
-        if self.workers[w].pending.is_empty() {
-            self.workers[w].pending = pending;
+        // The emptied buffer goes back for the next step.
+        self.workers[w].pending = pending;
+        self.workers[w].stepping = false;
+        // Then the engine takes what came, in the order it came, and plans its next step.
+        if std::mem::take(&mut self.workers[w].reclaim) {
+            self.workers[w].engine.reclaim_pinned();
         }
-        // What came during the step, in the order it came (unless a step already started and took it).
-        if !self.workers[w].stepping {
-            if std::mem::take(&mut self.workers[w].reclaim) {
-                self.workers[w].engine.reclaim_pinned();
-            }
-            for job in std::mem::take(&mut self.workers[w].sent) {
-                self.admit(now, w, job);
-            }
+        for job in std::mem::take(&mut self.workers[w].sent) {
+            self.admit(now, w, job);
         }
         self.publish(now, w);
         self.kick(now, w);
