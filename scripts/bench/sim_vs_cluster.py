@@ -228,6 +228,8 @@ def main():
                         "printed (one real run differs from the next by 10-20% at TTFT p90 on a 2-core machine)")
     p.add_argument("--ties", choices=["random", "hashed"], default="hashed",
                    help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
+    p.add_argument("--max-batched-tokens", type=int,
+                   help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
                    help="print this many of the first requests the two routers prefilled on different workers, with "
                         "every candidate's terms as each router saw them")
@@ -241,8 +243,9 @@ def main():
     # the mock cluster the trace sample.
     workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "512", "--suffix-len", "512",
                  "--output-len", "16"] if cpu else ["--trace", str(TRACE)]) + ["--max-requests", str(args.requests)]
+    budget = ["--max-batched-tokens", str(args.max_batched_tokens)] if args.max_batched_tokens else []
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
-             "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers]
+             "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers, *budget]
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     for k in range(args.repeat):
@@ -267,7 +270,7 @@ def main():
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
-    sim = subprocess.run([args.tandem, "sim", *workload, *profile,
+    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
                           "--slo", SLO, "--config", str(config), "--stream-kv", args.stream_kv,
@@ -323,7 +326,7 @@ def main():
         retimed(recording, TRACE, args.requests, again / "trace.jsonl")
         done = subprocess.run([args.tandem, "sim", "--trace", str(again / "trace.jsonl"),
                                "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
-                               "--seed", str(args.seed), *tiers[:4], "--config", str(config),
+                               "--seed", str(args.seed), *tiers[:4], *budget, "--config", str(config),
                                "--stream-kv", args.stream_kv, "--out", str(again), "--json"],
                               capture_output=True, text=True)
         if done.returncode != 0:

@@ -67,6 +67,10 @@ pub struct Args {
     /// Disk tier blocks per worker (0: none; default: four times the device tier).
     #[arg(long)]
     disk_blocks: Option<usize>,
+    /// Prompt and decode tokens one step of each worker computes (the engine's default when absent): a smaller
+    /// budget cuts a long prompt into more chunks, so decodes on the same worker wait less for each step.
+    #[arg(long)]
+    max_batched_tokens: Option<usize>,
     /// Directory under which each worker keeps its disk tier (default: $TANDEM_HOME/kv/up).
     #[arg(long)]
     disk_dir: Option<PathBuf>,
@@ -137,6 +141,7 @@ fn engine_config(args: &Args, home: &Path, threads: Option<NonZeroUsize>) -> Res
         kv_blocks: args.kv_blocks,
         host_blocks: args.host_blocks,
         disk_blocks: args.disk_blocks,
+        max_batched_tokens: args.max_batched_tokens,
         disk_dir: Some(args.disk_dir.clone().unwrap_or_else(|| home.join("kv").join("up"))),
         ..worker::cli::Settings::default()
     };
@@ -239,4 +244,29 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         }
         Ok(ExitCode::SUCCESS)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: Args,
+    }
+
+    fn args(extra: &[&str]) -> Args {
+        Cli::try_parse_from(["up", "--engine", "mock"].iter().chain(extra)).expect("parses").up
+    }
+
+    #[test]
+    fn the_step_budget_reaches_every_workers_engine() {
+        let home = std::env::temp_dir();
+        let set = engine_config(&args(&["--max-batched-tokens", "256"]), &home, None).expect("config");
+        assert_eq!(set.max_batched_tokens, 256);
+        let default = engine_config(&args(&[]), &home, None).expect("config");
+        assert_eq!(default.max_batched_tokens, engine::generate::DEFAULT_MAX_BATCHED_TOKENS);
+    }
 }
