@@ -571,7 +571,6 @@ impl<'a> Sim<'a> {
         })
     }
 
-    /// Queues request `i`'s `job` on worker `w`.
     /// Sends worker `w` a request. Its engine takes it between steps, as a worker's engine thread takes its
     /// commands: while a step runs, the request waits for its end, out of the worker's load reports (a long CPU
     /// step kept a newly sent prompt out of the real workers' reports for seconds; the router counts it by its own
@@ -604,7 +603,6 @@ impl<'a> Sim<'a> {
             // Not reached: each request's prompt moves to an engine once, at its last submission.
             None => Err("the request's prompt had already gone to its last worker".to_string()),
         };
-        drop(blocks);
         // The pulled blocks are in the engine: the lease ends and the prefill worker's blocks are its own again.
         if let (Some(_), Some(p)) = (pull, self.live[i].prefill) {
             self.unpinned(now, p);

@@ -68,7 +68,8 @@ pub struct Args {
     #[arg(long)]
     disk_blocks: Option<usize>,
     /// Prompt and decode tokens one step of each worker computes (the engine's default when absent): a smaller
-    /// budget cuts a long prompt into more chunks, so decodes on the same worker wait less for each step.
+    /// budget makes each step shorter (decodes wait less behind a prompt) but a prompt takes more steps
+    /// (docs/simulation.md measures both on CPU workers).
     #[arg(long)]
     max_batched_tokens: Option<usize>,
     /// Directory under which each worker keeps its disk tier (default: $TANDEM_HOME/kv/up).
