@@ -89,11 +89,12 @@ async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
         "{metrics}"
     );
     assert!(metrics.contains("reason=\"prefill_remote\""), "{metrics}");
-    // The tokenizer's work: at least both chat requests' prompts (`/debug/route` tokenizes its own), in some time.
+    // The value of the series `name` (its labels and the space after them included).
     let value = |name: &str| -> f64 {
-        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name}: {metrics}"));
-        line[name.len()..].trim().parse().expect("a number")
+        let v = metrics.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_else(|| panic!("{name}: {metrics}"));
+        v.parse().unwrap_or_else(|_| panic!("{name}: {v} is not a number"))
     };
+    // The tokenizer's work: at least both chat requests' prompts (`/debug/route` tokenizes its own), in some time.
     let prompt_tokens = usage["prompt_tokens"].as_f64().expect("prompt tokens");
     assert!(value("tandem_router_tokenized_tokens_total ") >= 2.0 * prompt_tokens, "{metrics}");
     assert!(value("tandem_router_tokenize_seconds_total ") > 0.0, "{metrics}");
@@ -101,19 +102,13 @@ async fn chat_through_the_router_matches_the_engine_and_reuses_the_prefix() {
     for worker in [p.grpc.to_string(), d.grpc.to_string()] {
         for signal in ["load", "events"] {
             let series = format!("tandem_router_worker_signal_age_seconds{{worker=\"{worker}\",signal=\"{signal}\"}} ");
-            let line =
-                metrics.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("{series}: {metrics}"));
-            let age: f64 = line[series.len()..].parse().expect("a number");
-            assert!((0.0..30.0).contains(&age), "{line}");
+            let age = value(&series);
+            assert!((0.0..30.0).contains(&age), "{series}{age}");
         }
     }
     // What the index holds per worker and tier: at least the prompt's blocks on P's device tier.
     let series = format!("tandem_router_worker_indexed_blocks{{worker=\"{}\",tier=\"device\"}} ", p.grpc);
-    let held: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{series}: {metrics}"));
+    let held = value(&series);
     assert!(held >= device_blocks as f64, "{held} < {device_blocks}");
     stop(router, workers).await;
 }
