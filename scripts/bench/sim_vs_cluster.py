@@ -20,7 +20,7 @@ both): this measures the timing model itself, which the mock shares with the sim
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
-      [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K]
+      [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--parted 3]
       [--out runs/sim-vs-cluster]
 """
 import argparse
@@ -140,15 +140,16 @@ TERMS = ["device_blocks", "host_blocks", "active_prefill_tokens", "active_blocks
          "active_requests", "cost"]
 
 
-def parted(recording, placements, sim_records, names, limit):
-    """The first `limit` requests the two routers prefilled on different workers, with what each router saw of
-    every candidate (both record their candidates as scored): where their inputs part."""
-    _, matched = matched_decisions(recording, placements, sim_records)
+def parted(matched, names, limit):
+    """The first `limit` of the `matched_decisions` the two routers prefilled on different workers, with what each
+    router saw of every candidate (both record their candidates as scored): where their inputs part."""
     shown = 0
     for n, (l, p) in enumerate(matched):
+        if shown == limit:
+            break
         d = l["tandem"]["decision"]
         real_worker, sim_worker = names.get(prefilled_on(d), prefilled_on(d)), prefilled_on(p)
-        if real_worker == sim_worker or shown == limit:
+        if real_worker == sim_worker:
             continue
         shown += 1
         pool = "prefill" if d.get("disaggregate") or p.get("prefill") else "decode"
@@ -162,13 +163,10 @@ def parted(recording, placements, sim_records, names, limit):
             print("    " + f"{name:>24} " + " ".join(f"{str(c.get(t)) + ' / ' + str(other.get(t)):>24}" for t in TERMS))
 
 
-def agreement(recording, placements, sim_records, names=None):
-    """Share of requests prefilled on the same worker in the real cluster and the simulator: workers matched by
-    name when `names` (address → name) is known, else under the one-to-one pairing of real and simulated workers
-    that agrees most (greedy on the largest counts).
-
-    Requests are matched as `matched_decisions` matches them."""
-    real, matched = matched_decisions(recording, placements, sim_records)
+def agreement(real, matched, names=None):
+    """Share of requests prefilled on the same worker in the real cluster and the simulator, given
+    `matched_decisions`' answer: workers matched by name when `names` (address → name) is known, else under the
+    one-to-one pairing of real and simulated workers that agrees most (greedy on the largest counts)."""
     pairs = [(prefilled_on(l["tandem"]["decision"]), prefilled_on(p)) for l, p in matched]
     # Whether the real router's choice was clear (margin over the runner-up) rather than a tie.
     decided = [(l["tandem"]["decision"].get("margin") or 0) > 1e-9 for l, _ in matched]
@@ -306,18 +304,18 @@ def main():
             print(f"  {name} of each real run: p50 {min(p50s):.1f}-{max(p50s):.1f}, p90 {min(p90s):.1f}-{max(p90s):.1f}")
     print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, real "
           + ", ".join(f"{100 * r['cached_token_fraction']:.1f}%" for _, r in runs))
+    sim_placements, sim_records = out / "sim" / args.policy / "placements.jsonl", records(
+        out / "sim" / args.policy / "records.jsonl")
     for d, _ in runs:
         recording = d / "recording.jsonl"
         names = worker_names(d / "up.log")
-        agreed, matched, recorded, clear_agreed, clear = agreement(
-            recording, out / "sim" / args.policy / "placements.jsonl",
-            records(out / "sim" / args.policy / "records.jsonl"), names)
+        real, decisions = matched_decisions(recording, sim_placements, sim_records)
+        agreed, matched, recorded, clear_agreed, clear = agreement(real, decisions, names)
         print(f"{d.name}: same prefill worker: {agreed} of {matched} requests ({100 * agreed / max(matched, 1):.1f}%; "
               f"{recorded} recorded, {matched} matched to a simulated request by prompt length; workers matched by "
               f"name); where the real router's choice was not a tie: {clear_agreed} of {clear} "
               f"({100 * clear_agreed / max(clear, 1):.1f}%)")
-        parted(recording, out / "sim" / args.policy / "placements.jsonl",
-               records(out / "sim" / args.policy / "records.jsonl"), names, args.parted)
+        parted(decisions, names, args.parted)
         if cpu:
             continue
         # The routing alone: the simulator given the real router's own arrival order and routing times.
@@ -331,8 +329,9 @@ def main():
                               capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"tandem sim failed: {done.stderr}")
-        agreed, matched, _, clear_agreed, clear = agreement(
-            recording, again / args.policy / "placements.jsonl", records(again / args.policy / "records.jsonl"), names)
+        real, decisions = matched_decisions(
+            recording, again / args.policy / "placements.jsonl", records(again / args.policy / "records.jsonl"))
+        agreed, matched, _, clear_agreed, clear = agreement(real, decisions, names)
         print(f"{d.name}: same prefill worker given the real router's arrival order and times (its recording): "
               f"{agreed} of {matched} ({100 * agreed / max(matched, 1):.1f}%); not a tie: {clear_agreed} of {clear}")
 
