@@ -244,27 +244,24 @@ mod simd {
     /// The f16 words at bytes `0, stride, …, 7·stride` of `at` (the scales of eight blocks; for Q4_1 the minimums
     /// are the words after them): lanes 0..8 the words at those places, 8..16 the words 2 bytes after.
     ///
+    /// Eight scalar loads into two 128-bit registers and in-lane shuffles, not a gather and cross-lane permutes: on
+    /// Zen 1 (`vpgatherdd` microcoded, 256-bit permutes split in two) the gather alone took a fifth of the Q4_1
+    /// tile's time at batch 1 (docs/performance.md).
+    ///
     /// # Safety
     /// AVX2 and F16C; `at` holds at least `7·stride + 4` bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group_scales<const STRIDE: i32>(at: &[u8]) -> (__m256, __m256) {
-        debug_assert!(at.len() >= 7 * STRIDE as usize + 4);
-        let offsets =
-            _mm256_setr_epi32(0, STRIDE, 2 * STRIDE, 3 * STRIDE, 4 * STRIDE, 5 * STRIDE, 6 * STRIDE, 7 * STRIDE);
-        // SAFETY: the eight 4-byte reads are inside `at` (the caller's contract).
-        let words = unsafe { _mm256_i32gather_epi32::<1>(at.as_ptr().cast(), offsets) };
-        // Per 128-bit lane: the low halves of its four words, then the high halves; then the low halves of both
-        // lanes side by side.
-        let split = _mm256_shuffle_epi8(
-            words,
-            _mm256_setr_epi8(
-                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14,
-                15,
-            ),
-        );
-        let halves = _mm256_permute4x64_epi64::<0b11_01_10_00>(split);
-        (_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves)))
+    unsafe fn group_scales<const STRIDE: usize>(at: &[u8]) -> (__m256, __m256) {
+        assert!(at.len() >= 7 * STRIDE + 4);
+        // SAFETY: the eight 4-byte reads are inside `at` (checked above).
+        let word = |j: usize| unsafe { at.as_ptr().add(j * STRIDE).cast::<i32>().read_unaligned() };
+        let low = _mm_setr_epi32(word(0), word(1), word(2), word(3));
+        let high = _mm_setr_epi32(word(4), word(5), word(6), word(7));
+        // Per register: the low halves of its four words, then the high halves.
+        let split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        let (low, high) = (_mm_shuffle_epi8(low, split), _mm_shuffle_epi8(high, split));
+        (_mm256_cvtph_ps(_mm_unpacklo_epi64(low, high)), _mm256_cvtph_ps(_mm_unpackhi_epi64(low, high)))
     }
 
     /// The eight blocks' 32-bit integer sums `v[0..8]` (eight lanes each) as one register of eight totals, block
