@@ -49,13 +49,37 @@ impl Part<'_> {
 
 /// Runs `task` in parallel over the parts of `per_task` weight rows (the last one shorter) of `out`, which holds
 /// `n` activation rows of `rows` values.
+#[cfg(test)]
 pub fn par_rows(out: &mut [f32], n: usize, rows: usize, per_task: usize, task: impl Fn(&Part<'_>) + Sync) {
-    assert!(out.len() >= n * rows, "the output holds {} values, not {n} × {rows}", out.len());
-    let per_task = per_task.max(1);
-    let cols = Columns { ptr: out.as_mut_ptr(), rows, n, _out: PhantomData };
-    (0..rows.div_ceil(per_task)).into_par_iter().for_each(|k| {
-        let first = k * per_task;
-        task(&Part { cols: &cols, first, len: per_task.min(rows - first) });
+    par_rows_each(&mut [Output { out, rows, per_task }], n, |_, part| task(part));
+}
+
+/// One of several outputs [`par_rows_each`] fills at once: `n` activation rows of `rows` values, handed out in
+/// parts of `per_task` weight rows.
+pub struct Output<'a> {
+    pub out: &'a mut [f32],
+    pub rows: usize,
+    pub per_task: usize,
+}
+
+/// [`par_rows`] over several outputs in one parallel region: `task(i, part)` for every part of every output `i`.
+/// Matmuls that read the same activations (a layer's Q, K and V; its gate and up projections) then cost one
+/// fork and join instead of one each: at decode a join is a large share of a small matmul.
+pub fn par_rows_each(outs: &mut [Output<'_>], n: usize, task: impl Fn(usize, &Part<'_>) + Sync) {
+    let mut parts = Vec::new();
+    let cols: Vec<(Columns<'_>, usize)> = outs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, o)| {
+            assert!(o.out.len() >= n * o.rows, "the output holds {} values, not {n} × {}", o.out.len(), o.rows);
+            let per_task = o.per_task.max(1);
+            parts.extend((0..o.rows.div_ceil(per_task)).map(|k| (i, k * per_task)));
+            (Columns { ptr: o.out.as_mut_ptr(), rows: o.rows, n, _out: PhantomData }, per_task)
+        })
+        .collect();
+    parts.into_par_iter().for_each(|(i, first)| {
+        let (cols, per_task) = &cols[i];
+        task(i, &Part { cols, first, len: (*per_task).min(cols.rows - first) });
     });
 }
 
@@ -76,6 +100,25 @@ mod tests {
         });
         for (i, v) in out.iter().enumerate() {
             assert_eq!(*v, ((i / rows) * 1000 + i % rows) as f32);
+        }
+    }
+
+    #[test]
+    fn several_outputs_each_get_every_element_once() {
+        let n = 2;
+        let (mut a, mut b) = (vec![f32::NAN; n * 70], vec![f32::NAN; n * 5]);
+        let mut outs = [Output { out: &mut a, rows: 70, per_task: 32 }, Output { out: &mut b, rows: 5, per_task: 2 }];
+        par_rows_each(&mut outs, n, |i, part| {
+            for r in 0..part.len() {
+                for t in 0..n {
+                    part.set(r, t, (i * 10_000 + t * 1000 + part.first() + r) as f32);
+                }
+            }
+        });
+        for (i, (out, rows)) in [(&a, 70), (&b, 5)].into_iter().enumerate() {
+            for (at, v) in out.iter().enumerate() {
+                assert_eq!(*v, (i * 10_000 + (at / rows) * 1000 + at % rows) as f32);
+            }
         }
     }
 

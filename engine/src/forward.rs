@@ -157,9 +157,7 @@ impl Model {
         let scratch = &mut scratch;
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            matmul(&layer.wq, &h, n, &mut q, scratch);
-            matmul(&layer.wk, &h, n, &mut k, scratch);
-            matmul(&layer.wv, &h, n, &mut v, scratch);
+            matmuls(&mut [(&layer.wq, &mut q), (&layer.wk, &mut k), (&layer.wv, &mut v)], &h, n, scratch);
             self.rope(&mut q, &positions, c.n_heads);
             self.rope(&mut k, &positions, c.n_kv_heads);
             write_kv(kv, batch, l, &k, &v, c.n_kv_heads, c.head_dim);
@@ -167,8 +165,7 @@ impl Model {
             matmul(&layer.wo, &attn, n, &mut tmp, scratch);
             add(&mut x, &tmp);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-            matmul(&layer.w_gate, &h, n, &mut gate, scratch);
-            matmul(&layer.w_up, &h, n, &mut up, scratch);
+            matmuls(&mut [(&layer.w_gate, &mut gate), (&layer.w_up, &mut up)], &h, n, scratch);
             for (g, u) in gate.iter_mut().zip(&up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
@@ -347,78 +344,136 @@ struct Scratch {
 /// values in place ([`columns`]); every element is one [`dot`] of a dequantized row and an activation row, whatever
 /// `n` is (in [`Precision::Fast`], one integer dot of the weight row and the quantized activation row).
 fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratch) {
-    let (rows, cols) = (w.rows, w.cols);
-    if n == 0 {
+    matmuls(&mut [(w, out)], x, n, scratch);
+}
+
+/// [`matmul`] of every `(w, out)` pair over the same `x`, in one parallel region (and, in the fast precision, one
+/// quantization of `x`) where they compute the same way; each element as [`matmul`] computes it.
+fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mut Scratch) {
+    if n == 0 || jobs.is_empty() {
         return;
     }
+    let cols = jobs[0].0.cols;
+    let kind = |w: &Matrix| Kernel::of(w, n, scratch.precision);
+    if jobs.iter().any(|(w, _)| w.cols != cols || kind(w) != kind(jobs[0].0)) {
+        for (w, out) in jobs.iter_mut() {
+            matmuls(&mut [(*w, &mut **out)], x, n, scratch);
+        }
+        return;
+    }
+    let kernel = kind(jobs[0].0);
     let tasks = rayon::current_num_threads() * 4;
-    let per_task = rows.div_ceil(tasks).next_multiple_of(ROW_GROUP).max(ROW_GROUP);
-    let Scratch { precision, q8: xq } = scratch;
+    let ws: Vec<&Matrix> = jobs.iter().map(|(w, _)| *w).collect();
+    let mut outs: Vec<columns::Output<'_>> = jobs
+        .iter_mut()
+        .map(|(w, out)| columns::Output {
+            out: &mut **out,
+            rows: w.rows,
+            per_task: w.rows.div_ceil(tasks).next_multiple_of(ROW_GROUP).max(ROW_GROUP),
+        })
+        .collect();
+    let xq = &mut scratch.q8;
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Vnni => {
+            xq.quantize(&x[..n * cols], cols);
+            let xq = &*xq;
+            columns::par_rows_each(&mut outs, n, |i, part| {
+                q8::vnni::matmul_rows(ws[i].ty, |r| ws[i].row(r), part, xq, n)
+            });
+        }
+        Kernel::Q8 => {
+            xq.quantize(&x[..n * cols], cols);
+            // The activation rows' views, made once rather than per weight row.
+            let xs: Vec<q8::Q8Row<'_>> = (0..n).map(|t| xq.row(t)).collect();
+            columns::par_rows_each(&mut outs, n, |i, part| {
+                let w = ws[i];
+                // Activation rows in blocks that stay in L1 while every weight row of the part passes over them.
+                for (b, block) in xs.chunks(Q8_TOKEN_BLOCK).enumerate() {
+                    for r in 0..part.len() {
+                        let t0 = b * Q8_TOKEN_BLOCK;
+                        q8::dot_rows(w.ty, w.row(part.first() + r), block, |t, v| part.set(r, t0 + t, v));
+                    }
+                }
+            });
+        }
+        Kernel::F32 => columns::par_rows_each(&mut outs, n, |i, part| f32_part(ws[i], x, n, part)),
+    }
+}
+
+/// How a matmul computes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// [`Precision::Fast`] over AVX-512 VNNI's tiles (more than [`FAST_MAX_ROWS`] rows).
     #[cfg(target_arch = "x86_64")]
-    if *precision == Precision::Fast && n > FAST_MAX_ROWS && q8::vnni::supported(w.ty, cols) && q8::vnni::available() {
-        xq.quantize(&x[..n * cols], cols);
-        let xq = &*xq;
-        columns::par_rows(out, n, rows, per_task, |part| q8::vnni::matmul_rows(w.ty, |r| w.row(r), part, xq, n));
-        return;
-    }
-    if *precision == Precision::Fast && q8::supported(w.ty, cols) && (n <= FAST_MAX_ROWS || q8::tiles_any_rows()) {
-        xq.quantize(&x[..n * cols], cols);
-        // The activation rows' views, made once rather than per weight row.
-        let xs: Vec<q8::Q8Row<'_>> = (0..n).map(|t| xq.row(t)).collect();
-        columns::par_rows(out, n, rows, per_task, |part| {
-            // Activation rows in blocks that stay in L1 while every weight row of the part passes over them.
-            for (b, block) in xs.chunks(Q8_TOKEN_BLOCK).enumerate() {
-                for r in 0..part.len() {
-                    let t0 = b * Q8_TOKEN_BLOCK;
-                    q8::dot_rows(w.ty, w.row(part.first() + r), block, |t, v| part.set(r, t0 + t, v));
-                }
-            }
-        });
-        return;
-    }
-    columns::par_rows(out, n, rows, per_task, |part| {
-        let (r0, nr) = (part.first(), part.len());
-        // Few activation rows: dequantize in registers (bit-identical to the buffered path below).
-        if n <= FUSED_MAX_ROWS && dot_quantized(w.ty, w.row(r0), &x[..cols]).is_some() {
-            for r in 0..nr {
-                let row = w.row(r0 + r);
-                for (t, xt) in x.chunks_exact(cols).take(n).enumerate() {
-                    part.set(r, t, dot_quantized(w.ty, row, xt).unwrap_or_default());
-                }
-            }
-            return;
+    Vnni,
+    /// [`Precision::Fast`] through [`q8::dot_rows`].
+    Q8,
+    /// f32 activations against dequantized weights (the reference precision, and types without an integer dot).
+    F32,
+}
+
+impl Kernel {
+    fn of(w: &Matrix, n: usize, precision: Precision) -> Kernel {
+        let cols = w.cols;
+        if precision != Precision::Fast {
+            return Kernel::F32;
         }
-        let mut wbuf = vec![0f32; ROW_GROUP * cols];
-        for g0 in (0..nr).step_by(ROW_GROUP) {
-            let gn = ROW_GROUP.min(nr - g0);
+        #[cfg(target_arch = "x86_64")]
+        if n > FAST_MAX_ROWS && q8::vnni::supported(w.ty, cols) && q8::vnni::available() {
+            return Kernel::Vnni;
+        }
+        if q8::supported(w.ty, cols) && (n <= FAST_MAX_ROWS || q8::tiles_any_rows()) {
+            return Kernel::Q8;
+        }
+        Kernel::F32
+    }
+}
+
+/// One part of an f32 matmul ([`Kernel::F32`]).
+fn f32_part(w: &Matrix, x: &[f32], n: usize, part: &columns::Part<'_>) {
+    let cols = w.cols;
+    let (r0, nr) = (part.first(), part.len());
+    // Few activation rows: dequantize in registers (bit-identical to the buffered path below).
+    if n <= FUSED_MAX_ROWS && dot_quantized(w.ty, w.row(r0), &x[..cols]).is_some() {
+        for r in 0..nr {
+            let row = w.row(r0 + r);
+            for (t, xt) in x.chunks_exact(cols).take(n).enumerate() {
+                part.set(r, t, dot_quantized(w.ty, row, xt).unwrap_or_default());
+            }
+        }
+        return;
+    }
+    let mut wbuf = vec![0f32; ROW_GROUP * cols];
+    for g0 in (0..nr).step_by(ROW_GROUP) {
+        let gn = ROW_GROUP.min(nr - g0);
+        for k in 0..gn {
+            dequantize_row(w.ty, w.row(r0 + g0 + k), &mut wbuf[k * cols..(k + 1) * cols]);
+        }
+        let w = |k: usize| &wbuf[k * cols..(k + 1) * cols];
+        let xt = |t: usize| &x[t * cols..(t + 1) * cols];
+        for t0 in (0..n).step_by(TOKEN_BLOCK) {
+            let tn = TOKEN_BLOCK.min(n - t0);
+            // Tiles of rows × activation rows where they fit, single dots for the rest: either way every element
+            // is the same `dot`, bit for bit.
+            let (tiled_rows, tiled_end) = (gn / TILE_ROWS * TILE_ROWS, t0 + tn / TILE_COLS * TILE_COLS);
+            for k in (0..tiled_rows).step_by(TILE_ROWS) {
+                for t in (t0..tiled_end).step_by(TILE_COLS) {
+                    let tile = dot_tile([w(k), w(k + 1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
+                    for (r, row) in tile.iter().enumerate() {
+                        for (c, &v) in row.iter().enumerate() {
+                            part.set(g0 + k + r, t + c, v);
+                        }
+                    }
+                }
+            }
             for k in 0..gn {
-                dequantize_row(w.ty, w.row(r0 + g0 + k), &mut wbuf[k * cols..(k + 1) * cols]);
-            }
-            let w = |k: usize| &wbuf[k * cols..(k + 1) * cols];
-            let xt = |t: usize| &x[t * cols..(t + 1) * cols];
-            for t0 in (0..n).step_by(TOKEN_BLOCK) {
-                let tn = TOKEN_BLOCK.min(n - t0);
-                // Tiles of rows × activation rows where they fit, single dots for the rest: either way every element
-                // is the same `dot`, bit for bit.
-                let (tiled_rows, tiled_end) = (gn / TILE_ROWS * TILE_ROWS, t0 + tn / TILE_COLS * TILE_COLS);
-                for k in (0..tiled_rows).step_by(TILE_ROWS) {
-                    for t in (t0..tiled_end).step_by(TILE_COLS) {
-                        let tile = dot_tile([w(k), w(k + 1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
-                        for (r, row) in tile.iter().enumerate() {
-                            for (c, &v) in row.iter().enumerate() {
-                                part.set(g0 + k + r, t + c, v);
-                            }
-                        }
-                    }
-                }
-                for k in 0..gn {
-                    for t in t0..t0 + tn {
-                        if k >= tiled_rows || t >= tiled_end {
-                            part.set(g0 + k, t, dot(w(k), xt(t)));
-                        }
+                for t in t0..t0 + tn {
+                    if k >= tiled_rows || t >= tiled_end {
+                        part.set(g0 + k, t, dot(w(k), xt(t)));
                     }
                 }
             }
         }
-    });
+    }
 }
