@@ -367,7 +367,7 @@ fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mu
     let mut outs: Vec<columns::Output<'_>> = jobs
         .iter_mut()
         .map(|(w, out)| columns::Output {
-            out: &mut **out,
+            out,
             rows: w.rows,
             per_task: w.rows.div_ceil(tasks).next_multiple_of(ROW_GROUP).max(ROW_GROUP),
         })
