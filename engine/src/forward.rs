@@ -354,14 +354,13 @@ fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mu
         return;
     }
     let cols = jobs[0].0.cols;
-    let kind = |w: &Matrix| Kernel::of(w, n, scratch.precision);
-    if jobs.iter().any(|(w, _)| w.cols != cols || kind(w) != kind(jobs[0].0)) {
+    let kernel = Kernel::of(jobs[0].0, n, scratch.precision);
+    if jobs.iter().any(|(w, _)| w.cols != cols || Kernel::of(w, n, scratch.precision) != kernel) {
         for (w, out) in jobs.iter_mut() {
             matmuls(&mut [(*w, &mut **out)], x, n, scratch);
         }
         return;
     }
-    let kernel = kind(jobs[0].0);
     let tasks = rayon::current_num_threads() * 4;
     let ws: Vec<&Matrix> = jobs.iter().map(|(w, _)| *w).collect();
     let mut outs: Vec<columns::Output<'_>> = jobs
