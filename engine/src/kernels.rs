@@ -183,6 +183,41 @@ pub fn weighted_rows(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f32]) {
     }
 }
 
+/// [`scaled_dots`] over rows of f16 (the KV cache's keys, read where they are stored), each value converted exactly
+/// as it is read: the same scores, bit for bit, as [`scaled_dots`] over the rows converted to f32 first.
+pub fn scaled_dots_f16(q: &[f32], rows: &[f16], width: usize, scale: f32, out: &mut [f32]) {
+    assert!(q.len() == width && rows.len() >= out.len() * width, "scaled_dots_f16: {} rows of {width}", out.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::available() {
+            return simd::scaled_dots_f16(q, rows, width, scale, out);
+        }
+    }
+    let mut row32 = vec![0f32; width];
+    for (o, row) in out.iter_mut().zip(rows.chunks_exact(width)) {
+        f16_to_f32(row, &mut row32);
+        *o = dot(q, &row32) * scale;
+    }
+}
+
+/// [`weighted_rows`] over rows of f16 (the KV cache's values), each value converted exactly as it is read: the
+/// same sums, bit for bit, as [`weighted_rows`] over the rows converted to f32 first.
+pub fn weighted_rows_f16(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f16]) {
+    let width = out.len();
+    assert!(rows.len() >= weights.len() * width, "weighted_rows_f16: {} rows of {width}", weights.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::available() {
+            return simd::weighted_rows_f16(out, weights, sum, rows);
+        }
+    }
+    let mut row32 = vec![0f32; width];
+    for (&w, row) in weights.iter().zip(rows.chunks_exact(width)) {
+        f16_to_f32(row, &mut row32);
+        axpy(out, w / sum, &row32);
+    }
+}
+
 /// f16 storage to f32 (exact either way: every f16 is an f32). With F16C, sixteen values per loop step in one
 /// inlined loop: `half`'s slice conversion called a function per eight values, 9% of a batch-16 decode step
 /// reading the KV cache.
@@ -551,6 +586,11 @@ pub(crate) mod simd {
         unsafe { scaled_dots_avx2(q, rows, width, scale, out) }
     }
 
+    pub fn scaled_dots_f16(q: &[f32], rows: &[half::f16], width: usize, scale: f32, out: &mut [f32]) {
+        // SAFETY: callers check `available()` first (AVX2, FMA and F16C).
+        unsafe { scaled_dots_f16_avx2(q, rows, width, scale, out) }
+    }
+
     /// `dot_avx2` per row, inlined here (same target features), so each score is the same `dot` bit for bit.
     #[target_feature(enable = "avx2,fma")]
     fn scaled_dots_avx2(q: &[f32], rows: &[f32], width: usize, scale: f32, out: &mut [f32]) {
@@ -560,69 +600,118 @@ pub(crate) mod simd {
         }
     }
 
+    /// `scaled_dots_avx2` over f16 rows, each converted as it is loaded.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn scaled_dots_f16_avx2(q: &[f32], rows: &[half::f16], width: usize, scale: f32, out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(width)) {
+            // SAFETY: AVX2, FMA and F16C are enabled here.
+            *o = unsafe { dot_f16_avx2(q, row) } * scale;
+        }
+    }
+
     pub fn weighted_rows(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f32]) {
         // SAFETY: callers check `available()` first (AVX2).
         unsafe { weighted_rows_avx2(out, weights, sum, rows) }
+    }
+
+    pub fn weighted_rows_f16(out: &mut [f32], weights: &[f32], sum: f32, rows: &[half::f16]) {
+        // SAFETY: callers check `available()` first (AVX2 and F16C).
+        unsafe { weighted_rows_f16_avx2(out, weights, sum, rows) }
+    }
+
+    /// `weighted_rows`'s loop with the rows' eight floats at `p` given by `$load(p)` and one float at `i` by
+    /// `$at(i)`: written once for the f32 rows and the f16 ones, so that both compute the same, element for element.
+    macro_rules! weighted_rows_body {
+        ($out:expr, $weights:expr, $sum:expr, $rows:expr, |$p:ident| $load:expr, |$i:ident| $at:expr) => {{
+            let (out, weights, sum, rows) = ($out, $weights, $sum, $rows);
+            let width = out.len();
+            let whole = width / 64 * 64;
+            for c in (0..whole).step_by(64) {
+                // SAFETY: floats `c..c + 64` are inside `out` and inside every row (`c + 64 <= width`).
+                unsafe {
+                    let mut acc: [__m256; 8] =
+                        std::array::from_fn(|k| _mm256_loadu_ps(out.as_ptr().add(c + 8 * k)));
+                    for (j, &w) in weights.iter().enumerate() {
+                        let p = _mm256_set1_ps(w / sum);
+                        let row = rows.as_ptr().add(j * width + c);
+                        for (k, a) in acc.iter_mut().enumerate() {
+                            let $p = row.add(8 * k);
+                            *a = _mm256_add_ps(*a, _mm256_mul_ps(p, $load));
+                        }
+                    }
+                    for (k, a) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * k), *a);
+                    }
+                }
+            }
+            for (j, &w) in weights.iter().enumerate() {
+                let p = w / sum;
+                for (o, $i) in out[whole..].iter_mut().zip(j * width + whole..(j + 1) * width) {
+                    *o += p * $at;
+                }
+            }
+        }};
     }
 
     /// Sixty-four output floats at a time stay in registers while every row adds its share to them, each lane a
     /// multiply then an add, rows in order: `axpy`'s arithmetic, element for element.
     #[target_feature(enable = "avx2")]
     fn weighted_rows_avx2(out: &mut [f32], weights: &[f32], sum: f32, rows: &[f32]) {
-        let width = out.len();
-        let whole = width / 64 * 64;
-        for c in (0..whole).step_by(64) {
-            // SAFETY: floats `c..c + 64` are inside `out` and inside every row (`c + 64 <= width`).
+        weighted_rows_body!(out, weights, sum, rows, |p| _mm256_loadu_ps(p), |i| rows[i])
+    }
+
+    /// `weighted_rows_avx2` over f16 rows, each converted as it is loaded.
+    #[target_feature(enable = "avx2,f16c")]
+    fn weighted_rows_f16_avx2(out: &mut [f32], weights: &[f32], sum: f32, rows: &[half::f16]) {
+        weighted_rows_body!(out, weights, sum, rows, |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())), |i| rows[i]
+            .to_f32())
+    }
+
+    /// `dot_avx2`'s loop over `a` and a second operand whose eight floats at `p` are `$load(p)` and float `i`
+    /// is `$at(i)`: written once for f32 and f16 operands, so that both sum the same products in the same order.
+    macro_rules! dot_body {
+        ($a:expr, $b:expr, |$p:ident| $load:expr, |$i:ident| $at:expr) => {{
+            let (a, b) = ($a, $b);
+            let n = a.len().min(b.len());
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            // SAFETY: every load reads 8 floats at `i + 8k < n`, inside both slices.
             unsafe {
-                let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(out.as_ptr().add(c + 8 * k)));
-                for (j, &w) in weights.iter().enumerate() {
-                    let p = _mm256_set1_ps(w / sum);
-                    let row = rows.as_ptr().add(j * width + c);
-                    for (k, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_add_ps(*a, _mm256_mul_ps(p, _mm256_loadu_ps(row.add(8 * k))));
+                while i + 32 <= n {
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        let x = _mm256_loadu_ps(a.as_ptr().add(i + 8 * k));
+                        let $p = b.as_ptr().add(i + 8 * k);
+                        *acc = _mm256_fmadd_ps(x, $load, *acc);
                     }
+                    i += 32;
                 }
-                for (k, a) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * k), *a);
+                while i + 8 <= n {
+                    let x = _mm256_loadu_ps(a.as_ptr().add(i));
+                    let $p = b.as_ptr().add(i);
+                    acc[0] = _mm256_fmadd_ps(x, $load, acc[0]);
+                    i += 8;
                 }
             }
-        }
-        for (j, &w) in weights.iter().enumerate() {
-            let p = w / sum;
-            for (o, v) in out[whole..].iter_mut().zip(&rows[j * width + whole..(j + 1) * width]) {
-                *o += p * v;
+            let mut total = reduce(acc);
+            while i < n {
+                let $i = i;
+                total += a[i] * $at;
+                i += 1;
             }
-        }
+            total
+        }};
     }
 
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        // SAFETY: every load reads 8 floats at `i + 8k < n`, inside both slices.
-        unsafe {
-            while i + 32 <= n {
-                for (k, acc) in acc.iter_mut().enumerate() {
-                    let x = _mm256_loadu_ps(a.as_ptr().add(i + 8 * k));
-                    let y = _mm256_loadu_ps(b.as_ptr().add(i + 8 * k));
-                    *acc = _mm256_fmadd_ps(x, y, *acc);
-                }
-                i += 32;
-            }
-            while i + 8 <= n {
-                let x = _mm256_loadu_ps(a.as_ptr().add(i));
-                let y = _mm256_loadu_ps(b.as_ptr().add(i));
-                acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
-                i += 8;
-            }
-        }
-        let mut total = reduce(acc);
-        while i < n {
-            total += a[i] * b[i];
-            i += 1;
-        }
-        total
+        dot_body!(a, b, |p| _mm256_loadu_ps(p), |i| b[i])
+    }
+
+    /// `dot_avx2` with `b` in f16, each lane converted exactly as it is loaded: the same value, bit for bit, as
+    /// `dot_avx2` over `b` converted first.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_f16_avx2(a: &[f32], b: &[half::f16]) -> f32 {
+        dot_body!(a, b, |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())), |i| b[i].to_f32())
     }
 }
 
@@ -663,6 +752,36 @@ mod tests {
                 }
             }
             assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "width {width}");
+        }
+    }
+
+    /// Over f16 rows, read in place block by block (as attention reads the KV cache), the kernels give what they
+    /// give over the same rows converted to f32 first, in one call, bit for bit.
+    #[test]
+    fn attention_kernels_over_f16_equal_them_over_converted_rows() {
+        for width in [64, 72, 8, 3] {
+            let f = |i: usize, s: f32| ((i as f32) * s).sin();
+            let q: Vec<f32> = (0..width).map(|i| f(i, 0.37)).collect();
+            let rows16: Vec<f16> = (0..9 * width).map(|i| f16::from_f32(f(i, 0.11) * 3.0)).collect();
+            let mut rows = vec![0f32; rows16.len()];
+            f16_to_f32(&rows16, &mut rows);
+            let (mut want, mut got) = (vec![0f32; 9], vec![0f32; 9]);
+            scaled_dots(&q, &rows, width, 0.125, &mut want);
+            // In blocks of four rows, the last one short.
+            for (b, block) in rows16.chunks(4 * width).enumerate() {
+                scaled_dots_f16(&q, block, width, 0.125, &mut got[b * 4..b * 4 + block.len() / width]);
+            }
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "scores, width {width}");
+            let start: Vec<f32> = (0..width).map(|i| f(i, 0.7)).collect();
+            let (mut want, mut got) = (start.clone(), start);
+            weighted_rows(&mut want, &weights(), 1.7, &rows);
+            for (b, block) in rows16.chunks(4 * width).enumerate() {
+                weighted_rows_f16(&mut got, &weights()[b * 4..b * 4 + block.len() / width], 1.7, block);
+            }
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "sums, width {width}");
+        }
+        fn weights() -> Vec<f32> {
+            (0..9).map(|j| 0.1 + j as f32 * 0.13).collect()
         }
     }
 
