@@ -12,6 +12,7 @@ use crate::forward::{ForwardError, SeqChunk};
 use crate::kv::{BlockId, KvLayout, KvStore};
 use crate::model::Model;
 use crate::sampling::argmax;
+use crate::team::Team;
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -56,17 +57,12 @@ pub(crate) fn prompt_token(i: usize, salt: usize, vocab: usize) -> u32 {
     (100 + (i * 7919 + salt * 104_729) % (vocab - 100)) as u32
 }
 
-/// Runs the measurements on the current rayon pool.
-pub fn run(model: &Model, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
+/// Runs the measurements on `team`'s threads.
+pub fn run(model: &Model, team: &Team, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
     let layout = KvLayout::for_model(&model.config, 16);
     let (prefill_tokens_per_s, decode) =
-        measure(layout, model.config.n_vocab, spec, &mut |kv, chunks| model.forward(kv, chunks))?;
-    Ok(BenchReport {
-        threads: rayon::current_num_threads(),
-        prefill_tokens: spec.prompt_tokens,
-        prefill_tokens_per_s,
-        decode,
-    })
+        measure(layout, model.config.n_vocab, spec, &mut |kv, chunks| model.forward(team, kv, chunks))?;
+    Ok(BenchReport { threads: team.threads(), prefill_tokens: spec.prompt_tokens, prefill_tokens_per_s, decode })
 }
 
 /// The same measurements through any backend (the CUDA one: each step ends with its logits on the host, so a
@@ -224,9 +220,13 @@ impl Default for ShapeGrid {
     }
 }
 
-/// Times one forward step per shape of `grid` (after untimed steps that fill the cached context), on the current
-/// rayon pool.
-pub fn measure_steps(model: &Model, grid: &ShapeGrid) -> Result<Vec<crate::backend::fit::Sample>, ForwardError> {
+/// Times one forward step per shape of `grid` (after untimed steps that fill the cached context), on `team`'s
+/// threads.
+pub fn measure_steps(
+    model: &Model,
+    team: &Team,
+    grid: &ShapeGrid,
+) -> Result<Vec<crate::backend::fit::Sample>, ForwardError> {
     use crate::backend::fit::Sample;
     use crate::backend::mock::MockBackend;
     let vocab = model.config.n_vocab;
@@ -245,7 +245,7 @@ pub fn measure_steps(model: &Model, grid: &ShapeGrid) -> Result<Vec<crate::backe
     let fill = |kv: &mut KvStore, s: usize, len: usize| -> Result<(), ForwardError> {
         let p = prompt(len, s + 11, vocab);
         for (i, c) in p.chunks(512).enumerate() {
-            model.forward(kv, &[SeqChunk { tokens: c, start: i * 512, blocks: &tables[s], logits: false }])?;
+            model.forward(team, kv, &[SeqChunk { tokens: c, start: i * 512, blocks: &tables[s], logits: false }])?;
         }
         Ok(())
     };
@@ -265,7 +265,7 @@ pub fn measure_steps(model: &Model, grid: &ShapeGrid) -> Result<Vec<crate::backe
             }
             shape = MockBackend::shape(&batch, [0, 0], 0);
             let t = Instant::now();
-            model.forward(kv, &batch)?;
+            model.forward(team, kv, &batch)?;
             times.push(t.elapsed().as_secs_f64() * 1000.0);
         }
         times.sort_by(f64::total_cmp);

@@ -6,7 +6,7 @@
 
 use std::marker::PhantomData;
 
-use rayon::prelude::*;
+use crate::team::Team;
 
 struct Columns<'a> {
     ptr: *mut f32,
@@ -50,8 +50,8 @@ impl Part<'_> {
 /// Runs `task` in parallel over the parts of `per_task` weight rows (the last one shorter) of `out`, which holds
 /// `n` activation rows of `rows` values.
 #[cfg(test)]
-pub fn par_rows(out: &mut [f32], n: usize, rows: usize, per_task: usize, task: impl Fn(&Part<'_>) + Sync) {
-    par_rows_each(&mut [Output { out, rows, per_task }], n, |_, part| task(part));
+pub fn par_rows(team: &Team, out: &mut [f32], n: usize, rows: usize, per_task: usize, task: impl Fn(&Part<'_>) + Sync) {
+    par_rows_each(team, &mut [Output { out, rows, per_task }], n, |_, part| task(part));
 }
 
 /// One of several outputs [`par_rows_each`] fills at once: `n` activation rows of `rows` values, handed out in
@@ -62,10 +62,10 @@ pub struct Output<'a> {
     pub per_task: usize,
 }
 
-/// [`par_rows`] over several outputs in one parallel region: `task(i, part)` for every part of every output `i`.
+/// Runs `task(i, part)` on `team` for every part of every output `i`, in one parallel loop.
 /// Matmuls that read the same activations (a layer's Q, K and V; its gate and up projections) then cost one
 /// fork and join instead of one each: at decode a join is a large share of a small matmul.
-pub fn par_rows_each(outs: &mut [Output<'_>], n: usize, task: impl Fn(usize, &Part<'_>) + Sync) {
+pub fn par_rows_each(team: &Team, outs: &mut [Output<'_>], n: usize, task: impl Fn(usize, &Part<'_>) + Sync) {
     let mut parts = Vec::new();
     let cols: Vec<(Columns<'_>, usize)> = outs
         .iter_mut()
@@ -77,7 +77,8 @@ pub fn par_rows_each(outs: &mut [Output<'_>], n: usize, task: impl Fn(usize, &Pa
             (Columns { ptr: o.out.as_mut_ptr(), rows: o.rows, n, _out: PhantomData }, per_task)
         })
         .collect();
-    parts.into_par_iter().for_each(|(i, first)| {
+    team.for_each(parts.len(), |p| {
+        let (i, first) = parts[p];
         let (cols, per_task) = &cols[i];
         task(i, &Part { cols, first, len: (*per_task).min(cols.rows - first) });
     });
@@ -91,7 +92,7 @@ mod tests {
     fn every_element_is_written_once_in_token_order() {
         let (n, rows) = (3, 70);
         let mut out = vec![f32::NAN; n * rows];
-        par_rows(&mut out, n, rows, 32, |part| {
+        par_rows(&Team::new(2, "test").expect("team"), &mut out, n, rows, 32, |part| {
             for r in 0..part.len() {
                 for t in 0..n {
                     part.set(r, t, (t * 1000 + part.first() + r) as f32);
@@ -108,7 +109,7 @@ mod tests {
         let n = 2;
         let (mut a, mut b) = (vec![f32::NAN; n * 70], vec![f32::NAN; n * 5]);
         let mut outs = [Output { out: &mut a, rows: 70, per_task: 32 }, Output { out: &mut b, rows: 5, per_task: 2 }];
-        par_rows_each(&mut outs, n, |i, part| {
+        par_rows_each(&Team::new(3, "test").expect("team"), &mut outs, n, |i, part| {
             for r in 0..part.len() {
                 for t in 0..n {
                     part.set(r, t, (i * 10_000 + t * 1000 + part.first() + r) as f32);
@@ -126,6 +127,6 @@ mod tests {
     #[should_panic(expected = "row 32 of 32")]
     fn a_part_cannot_write_past_its_rows() {
         let mut out = vec![0f32; 64];
-        par_rows(&mut out, 1, 64, 32, |part| part.set(32, 0, 1.0));
+        par_rows(&Team::serial(), &mut out, 1, 64, 32, |part| part.set(32, 0, 1.0));
     }
 }

@@ -5,15 +5,15 @@
 //! always reads K and V back from the cache in their storage dtype, so a token's result does not depend on what
 //! shares its batch or how its prompt was chunked.
 
-use rayon::prelude::*;
-
 use crate::columns;
 use crate::kernels::{
-    TILE_COLS, TILE_ROWS, dequantize_row, dot, dot_quantized, dot_tile, f16_to_f32, scaled_dots, weighted_rows,
+    TILE_COLS, TILE_ROWS, dequantize_row, dot, dot_quantized, dot_tile, f16_to_f32, scaled_dots, scaled_dots_f16,
+    weighted_rows, weighted_rows_f16,
 };
 use crate::kv::{BlockId, KvPart, KvStore};
 use crate::model::{Matrix, Model};
 use crate::q8::{self, Q8Rows};
+use crate::team::Team;
 
 /// How matmuls over quantized weights compute.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -137,9 +137,14 @@ const ROW_GROUP: usize = 32;
 const TOKEN_BLOCK: usize = 8;
 
 impl Model {
-    /// Runs one step: writes the chunks' K and V into `kv` and returns the last-token logits of every chunk that
-    /// asked for them, in batch order.
-    pub fn forward(&self, kv: &mut KvStore, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> {
+    /// Runs one step on `team`'s threads: writes the chunks' K and V into `kv` and returns the last-token logits of
+    /// every chunk that asked for them, in batch order. The results do not depend on the team's size.
+    pub fn forward(
+        &self,
+        team: &Team,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
         self.check(kv, batch)?;
         let c = &self.config;
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -153,7 +158,7 @@ impl Model {
             (vec![0f32; n * d], vec![0f32; n * d], vec![0f32; n * kvd], vec![0f32; n * kvd]);
         let (mut attn, mut tmp) = (vec![0f32; n * d], vec![0f32; n * d]);
         let (mut gate, mut up) = (vec![0f32; n * c.n_ff], vec![0f32; n * c.n_ff]);
-        let mut scratch = Scratch { precision: self.precision, ..Scratch::default() };
+        let mut scratch = Scratch { team, precision: self.precision, q8: Q8Rows::default() };
         let scratch = &mut scratch;
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
@@ -161,7 +166,7 @@ impl Model {
             self.rope(&mut q, &positions, c.n_heads);
             self.rope(&mut k, &positions, c.n_kv_heads);
             write_kv(kv, batch, l, &k, &v, c.n_kv_heads, c.head_dim);
-            self.attention(kv, batch, l, &q, &mut attn);
+            self.attention(team, kv, batch, l, &q, &mut attn);
             matmul(&layer.wo, &attn, n, &mut tmp, scratch);
             add(&mut x, &tmp);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
@@ -216,7 +221,7 @@ impl Model {
     }
 
     /// Causal attention of every chunk token over its sequence's cached K/V; `out` is `n × n_embd`.
-    fn attention(&self, kv: &KvStore, batch: &[SeqChunk<'_>], layer: usize, q: &[f32], out: &mut [f32]) {
+    fn attention(&self, team: &Team, kv: &KvStore, batch: &[SeqChunk<'_>], layer: usize, q: &[f32], out: &mut [f32]) {
         let c = &self.config;
         let (hd, d) = (c.head_dim, c.n_embd);
         let group = c.n_heads / c.n_kv_heads;
@@ -226,75 +231,122 @@ impl Model {
             offsets.push(off);
             off += s.tokens.len();
         }
-        // One task per sequence and KV head: its K and V are converted from f16 once for the query heads that
-        // share them (grouped-query attention).
-        let tasks: Vec<(usize, usize)> =
-            (0..batch.len()).flat_map(|s| (0..c.n_kv_heads).map(move |g| (s, g))).collect();
-        let results: Vec<Vec<Vec<f32>>> = tasks
-            .par_iter()
-            .map(|&(s, g)| {
-                let chunk = &batch[s];
-                let heads = g * group..(g + 1) * group;
-                let base = offsets[s];
-                let queries = move |h: usize| (0..chunk.tokens.len()).map(move |t| &q[(base + t) * d + h * hd..][..hd]);
-                attend_group(kv, chunk, layer, g, heads.map(queries))
-            })
-            .collect();
-        for (&(s, g), per_head) in tasks.iter().zip(results) {
-            for (h, res) in (g * group..).zip(per_head) {
-                for (t, o) in res.chunks_exact(hd).enumerate() {
-                    out[(offsets[s] + t) * d + h * hd..][..hd].copy_from_slice(o);
+        // Decode chunks: a task per KV head and sequence, or per query head where that would leave the team too few
+        // tasks to share evenly (a single sequence's three KV heads on two threads).
+        let per_task = if batch.len() * c.n_kv_heads < 4 * team.threads() { 1 } else { group };
+        let mut tasks = Vec::new();
+        for (seq, chunk) in batch.iter().enumerate() {
+            let n = chunk.tokens.len();
+            if n <= DIRECT_MAX_TOKENS {
+                tasks.extend((0..c.n_heads).step_by(per_task).map(|h| AttentionTask {
+                    seq,
+                    heads: h..h + per_task,
+                    tokens: 0..n,
+                }));
+                continue;
+            }
+            // The last query tokens see the most keys: their tasks come first, and the short ones fill in at the end.
+            for t0 in (0..n).step_by(ATTENTION_TOKENS).rev() {
+                let tokens = t0..(t0 + ATTENTION_TOKENS).min(n);
+                tasks.extend((0..c.n_kv_heads).map(|g| AttentionTask {
+                    seq,
+                    heads: g * group..(g + 1) * group,
+                    tokens: tokens.clone(),
+                }));
+            }
+        }
+        let results = team.map(tasks.len(), |i| {
+            let task = &tasks[i];
+            let base = offsets[task.seq];
+            attend(kv, &batch[task.seq], layer, task, group, |h, t| &q[(base + t) * d + h * hd..][..hd])
+        });
+        for (task, res) in tasks.iter().zip(results) {
+            for (h, per_head) in task.heads.clone().zip(res.chunks_exact(task.tokens.len() * hd)) {
+                for (t, o) in task.tokens.clone().zip(per_head.chunks_exact(hd)) {
+                    out[(offsets[task.seq] + t) * d + h * hd..][..hd].copy_from_slice(o);
                 }
             }
         }
     }
 }
 
-/// The query heads of one KV head over one sequence: per head, `chunk.tokens.len() × head_dim` outputs.
-fn attend_group<'q, Q: Iterator<Item = &'q [f32]>>(
+/// Chunks of up to this many tokens (decode) read K and V where the cache stores them, in f16; longer ones (prompts) convert their K and V to f32 once per task for the query heads that share them
+/// (grouped-query attention), in tasks of up to [`ATTENTION_TOKENS`] query tokens. Every score and every sum is the
+/// same either way, bit for bit.
+const DIRECT_MAX_TOKENS: usize = 4;
+
+/// Query tokens of a prompt in one attention task.
+const ATTENTION_TOKENS: usize = 64;
+
+/// Some query heads of one KV head, for some of a chunk's tokens.
+struct AttentionTask {
+    seq: usize,
+    heads: std::ops::Range<usize>,
+    tokens: std::ops::Range<usize>,
+}
+
+/// A task's outputs, `heads × tokens × head_dim`: each of its query heads for each of its tokens, over the
+/// sequence's cached K and V up to that token. `query(h, t)` is head `h`'s query for chunk token `t`.
+fn attend<'q>(
     kv: &KvStore,
     chunk: &SeqChunk<'_>,
     layer: usize,
-    kv_head: usize,
-    heads: impl Iterator<Item = Q>,
-) -> Vec<Vec<f32>> {
+    task: &AttentionTask,
+    group: usize,
+    query: impl Fn(usize, usize) -> &'q [f32],
+) -> Vec<f32> {
     let layout = kv.layout();
     let (hd, bt) = (layout.head_dim, layout.block_tokens);
-    let len = chunk.start + chunk.tokens.len();
-    let n_blocks = len.div_ceil(bt);
-    let mut keys = vec![0f32; n_blocks * bt * hd];
-    let mut values = vec![0f32; n_blocks * bt * hd];
-    for (i, &b) in chunk.blocks[..n_blocks].iter().enumerate() {
+    let kv_head = task.heads.start / group;
+    let len = chunk.start + task.tokens.end;
+    let blocks = &chunk.blocks[..len.div_ceil(bt)];
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = vec![0f32; len];
+    let mut out = vec![0f32; task.heads.len() * task.tokens.len() * hd];
+    let mut outs = out.chunks_exact_mut(hd);
+    let queries = task.heads.clone().flat_map(|h| task.tokens.clone().map(move |t| (h, t)));
+    if task.tokens.len() <= DIRECT_MAX_TOKENS {
+        let head = |b: BlockId, part| kv.head(b, layer, part, kv_head);
+        for ((h, t), o) in queries.zip(&mut outs) {
+            let visible = chunk.start + t + 1;
+            // Block `i` holds positions `i * bt..`; the last one visible may be partly written.
+            let parts = blocks.iter().enumerate().map(|(i, &b)| (b, i * bt)).take_while(|&(_, first)| first < visible);
+            for (b, first) in parts.clone() {
+                let rows = bt.min(visible - first);
+                scaled_dots_f16(query(h, t), &head(b, KvPart::K)[..rows * hd], hd, scale, &mut scores[first..][..rows]);
+            }
+            let sum = softmax_weights(&mut scores[..visible]);
+            for (b, first) in parts {
+                let rows = bt.min(visible - first);
+                weighted_rows_f16(o, &scores[first..][..rows], sum, &head(b, KvPart::V)[..rows * hd]);
+            }
+        }
+        return out;
+    }
+    let mut keys = vec![0f32; blocks.len() * bt * hd];
+    let mut values = vec![0f32; blocks.len() * bt * hd];
+    for (i, &b) in blocks.iter().enumerate() {
         f16_to_f32(kv.head(b, layer, KvPart::K, kv_head), &mut keys[i * bt * hd..(i + 1) * bt * hd]);
         f16_to_f32(kv.head(b, layer, KvPart::V, kv_head), &mut values[i * bt * hd..(i + 1) * bt * hd]);
     }
-    let mut scores = vec![0f32; len];
-    heads.map(|queries| attend_head(chunk, hd, &keys, &values, &mut scores, queries)).collect()
-}
-
-/// One query head over one sequence's K and V (in f32): returns `chunk.tokens.len() × head_dim` outputs.
-fn attend_head<'q>(
-    chunk: &SeqChunk<'_>,
-    hd: usize,
-    keys: &[f32],
-    values: &[f32],
-    scores: &mut [f32],
-    queries: impl Iterator<Item = &'q [f32]>,
-) -> Vec<f32> {
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut out = vec![0f32; chunk.tokens.len() * hd];
-    for (t, query) in queries.enumerate() {
+    for ((h, t), o) in queries.zip(&mut outs) {
         let visible = chunk.start + t + 1;
-        scaled_dots(query, &keys[..visible * hd], hd, scale, &mut scores[..visible]);
-        let max = scores[..visible].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        let mut sum = 0f32;
-        for s in &mut scores[..visible] {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        weighted_rows(&mut out[t * hd..(t + 1) * hd], &scores[..visible], sum, &values[..visible * hd]);
+        scaled_dots(query(h, t), &keys[..visible * hd], hd, scale, &mut scores[..visible]);
+        let sum = softmax_weights(&mut scores[..visible]);
+        weighted_rows(o, &scores[..visible], sum, &values[..visible * hd]);
     }
     out
+}
+
+/// Attention's weights from its scores, in place: `exp(score - max)`, unnormalized; returns their sum.
+fn softmax_weights(scores: &mut [f32]) -> f32 {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut sum = 0f32;
+    for s in scores {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    sum
 }
 
 /// Stores every chunk token's K and V (all KV heads) at its position.
@@ -332,9 +384,9 @@ fn add(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// A forward pass's buffers reused across its matmuls, and the precision they compute in.
-#[derive(Default)]
-struct Scratch {
+/// A forward pass's threads, the precision its matmuls compute in, and buffers reused across them.
+struct Scratch<'t> {
+    team: &'t Team,
     precision: Precision,
     /// The activation rows in 8 bits ([`Precision::Fast`]).
     q8: Q8Rows,
@@ -343,13 +395,13 @@ struct Scratch {
 /// `out[t][r] = w[r] · x[t]` for `n` activation rows. Parallel over weight rows, each task writing its rows'
 /// values in place ([`columns`]); every element is one [`dot`] of a dequantized row and an activation row, whatever
 /// `n` is (in [`Precision::Fast`], one integer dot of the weight row and the quantized activation row).
-fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratch) {
+fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratch<'_>) {
     matmuls(&mut [(w, out)], x, n, scratch);
 }
 
 /// [`matmul`] of every `(w, out)` pair over the same `x`, in one parallel region (and, in the fast precision, one
 /// quantization of `x`) where they compute the same way; each element as [`matmul`] computes it.
-fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mut Scratch) {
+fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mut Scratch<'_>) {
     if n == 0 || jobs.is_empty() {
         return;
     }
@@ -361,7 +413,8 @@ fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mu
         }
         return;
     }
-    let tasks = rayon::current_num_threads() * 4;
+    let team = scratch.team;
+    let tasks = team.threads() * 4;
     let ws: Vec<&Matrix> = jobs.iter().map(|(w, _)| *w).collect();
     let mut outs: Vec<columns::Output<'_>> = jobs
         .iter_mut()
@@ -377,7 +430,7 @@ fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mu
         Kernel::Vnni => {
             xq.quantize(&x[..n * cols], cols);
             let xq = &*xq;
-            columns::par_rows_each(&mut outs, n, |i, part| {
+            columns::par_rows_each(team, &mut outs, n, |i, part| {
                 q8::vnni::matmul_rows(ws[i].ty, |r| ws[i].row(r), part, xq, n)
             });
         }
@@ -385,7 +438,7 @@ fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mu
             xq.quantize(&x[..n * cols], cols);
             // The activation rows' views, made once rather than per weight row.
             let xs: Vec<q8::Q8Row<'_>> = (0..n).map(|t| xq.row(t)).collect();
-            columns::par_rows_each(&mut outs, n, |i, part| {
+            columns::par_rows_each(team, &mut outs, n, |i, part| {
                 let w = ws[i];
                 // Activation rows in blocks that stay in L1 while every weight row of the part passes over them.
                 for (b, block) in xs.chunks(Q8_TOKEN_BLOCK).enumerate() {
@@ -396,7 +449,7 @@ fn matmuls(jobs: &mut [(&Matrix, &mut [f32])], x: &[f32], n: usize, scratch: &mu
                 }
             });
         }
-        Kernel::F32 => columns::par_rows_each(&mut outs, n, |i, part| f32_part(ws[i], x, n, part)),
+        Kernel::F32 => columns::par_rows_each(team, &mut outs, n, |i, part| f32_part(ws[i], x, n, part)),
     }
 }
 

@@ -24,6 +24,7 @@ pub mod parity;
 pub mod q8;
 pub mod sampling;
 pub mod synth;
+pub mod team;
 pub mod text;
 pub mod tiers;
 pub mod tokenizer;

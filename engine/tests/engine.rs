@@ -11,6 +11,7 @@ use engine::generate::{Engine, EngineConfig, EngineError, FinishReason, Request}
 use engine::kv::{BlockId, KvLayout, KvStore};
 use engine::model::Model;
 use engine::sampling::{RawSampling, SamplingParams};
+use engine::team::Team;
 
 fn run(engine: &mut Engine, requests: &[Request]) -> Vec<Vec<u32>> {
     let done = engine.run(requests, &AtomicBool::new(false), |_| {}).expect("runs");
@@ -27,12 +28,16 @@ fn prefill_chunking_is_bit_identical() {
     assert!(prompt.len() > 16, "the prompt spans blocks");
     let layout = KvLayout::for_model(&model.config, 16);
     let blocks: Vec<BlockId> = (0..8).map(BlockId).collect();
+    // The whole prompt on three threads, the chunks on one: the threads take a step's parts in any order, and no
+    // element depends on which thread computes it.
+    let (three, one) = (Team::new(3, "test").expect("team"), Team::serial());
     let logits_with_chunk = |chunk: usize| {
+        let team = if chunk == prompt.len() { &three } else { &one };
         let mut kv = KvStore::new(layout, 8);
         let mut last = Vec::new();
         for (i, piece) in prompt.chunks(chunk).enumerate() {
             let step = SeqChunk { tokens: piece, start: i * chunk, blocks: &blocks, logits: true };
-            last = model.forward(&mut kv, &[step]).expect("forward").remove(0);
+            last = model.forward(team, &mut kv, &[step]).expect("forward").remove(0);
         }
         last
     };

@@ -11,6 +11,7 @@ use engine::forward::{LOGIT_TOLERANCE, SeqChunk};
 use engine::generate::{Engine, EngineConfig, Request};
 use engine::kv::{BlockId, KvLayout, KvStore};
 use engine::model::Model;
+use engine::team::Team;
 
 #[test]
 fn matches_the_oracle() {
@@ -18,6 +19,7 @@ fn matches_the_oracle() {
     let prompts = golden["prompts"].as_array().expect("prompts");
     assert!(prompts.len() >= 5);
     let model = Model::open(&common::model_path()).expect("model");
+    let team = Team::new(2, "test").expect("team");
     let mut engine = Engine::open(&common::model_path(), EngineConfig::default()).expect("engine");
     let mut worst = 0f32;
     let mut compared = 0;
@@ -29,7 +31,7 @@ fn matches_the_oracle() {
         let blocks: Vec<BlockId> = (0..layout.blocks_for(prompt.len()) as u32).map(BlockId).collect();
         let mut kv = KvStore::new(layout, blocks.len());
         let step = SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: true };
-        let logits = model.forward(&mut kv, &[step]).expect("forward").remove(0);
+        let logits = model.forward(&team, &mut kv, &[step]).expect("forward").remove(0);
         for pair in p["first_logits"].as_array().expect("logits") {
             let (id, want) = (pair[0].as_u64().expect("id") as usize, pair[1].as_f64().expect("logit") as f32);
             let diff = (logits[id] - want).abs();

@@ -13,6 +13,7 @@ use engine::generate::{Engine, EngineConfig, Request};
 use engine::kv::{BlockId, KvLayout, KvStore};
 use engine::model::Model;
 use engine::sampling::{RawSampling, SamplingParams};
+use engine::team::Team;
 
 /// Bounds measured on the golden prompts (138 decode steps). When the fast precision computed only decode steps
 /// in 8 bits (2026-12-02): the reference's top token's logit moved by 0.48 at worst, KL(reference ‖ fast) 0.0024 on
@@ -57,6 +58,7 @@ fn kl(p: &[f32], q: &[f32]) -> f64 {
 fn fast_decode_stays_near_the_reference() {
     let golden = common::data("golden.json");
     let reference = Model::open(&common::model_path()).expect("model");
+    let team = Team::new(2, "test").expect("team");
     let mut fast = Model::open(&common::model_path()).expect("model");
     fast.precision = Precision::Fast;
     let models = [&reference, &fast];
@@ -70,14 +72,14 @@ fn fast_decode_stays_near_the_reference() {
         let mut kvs = [KvStore::new(layout, blocks.len()), KvStore::new(layout, blocks.len())];
         for (model, kv) in models.iter().zip(&mut kvs) {
             model
-                .forward(kv, &[SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: false }])
+                .forward(&team, kv, &[SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: false }])
                 .expect("prefill");
         }
         // Each generated token but the last is the input of a decode step.
         for (i, &token) in generated.iter().enumerate().take(generated.len().saturating_sub(1)) {
             let tokens = [token];
             let step = SeqChunk { tokens: &tokens, start: prompt.len() + i, blocks: &blocks, logits: true };
-            let [r, f] = [0, 1].map(|m| models[m].forward(&mut kvs[m], &[step]).expect("decode").remove(0));
+            let [r, f] = [0, 1].map(|m| models[m].forward(&team, &mut kvs[m], &[step]).expect("decode").remove(0));
             let ((rt, margin), (ft, _)) = (argmax_and_margin(&r), argmax_and_margin(&f));
             let top = (r[rt] - f[rt]).abs();
             assert!(top <= FAST_TOP_LOGIT_TOLERANCE, "{name}, step {i}: the top logit moved by {top}");

@@ -11,6 +11,7 @@ use engine::gguf::GgufFile;
 use engine::kv::{BlockId, KvLayout, KvStore};
 use engine::model::Model;
 use engine::synth::{self, SynthShape};
+use engine::team::Team;
 
 #[test]
 fn the_synthetic_model_has_the_real_models_shapes_types_and_config() {
@@ -40,7 +41,7 @@ fn the_synthetic_model_has_the_real_models_shapes_types_and_config() {
     let mut kv = KvStore::new(layout, 2);
     let tokens: Vec<u32> = (0..20).map(|i| 300 + 37 * i).collect();
     let chunk = SeqChunk { tokens: &tokens, start: 0, blocks: &[BlockId(0), BlockId(1)], logits: true };
-    let logits = model.forward(&mut kv, &[chunk]).expect("forward").remove(0);
+    let logits = model.forward(&Team::serial(), &mut kv, &[chunk]).expect("forward").remove(0);
     let mean = logits.iter().sum::<f32>() / logits.len() as f32;
     let sd = (logits.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / logits.len() as f32).sqrt();
     assert!(logits.iter().all(|x| x.is_finite()) && (0.3..10.0).contains(&sd), "logit sd {sd}");
@@ -139,7 +140,7 @@ fn the_parity_steps_on_the_cpu_reference_agree_with_themselves_and_tell_steps_ap
     synth::write(&path, &small(), 5).expect("written");
     let model = || Model::open(&path).expect("loads");
     let cpu = |m: Model| {
-        let threads = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+        let threads = engine::team::Team::serial();
         engine::backend::cpu::CpuBackend::new(m, threads)
     };
     let first = engine::parity::run(&mut cpu(model())).expect("runs");

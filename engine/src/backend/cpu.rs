@@ -4,16 +4,17 @@ use super::{Backend, Next, StepContext};
 use crate::forward::{ForwardError, SeqChunk};
 use crate::kv::{KvLayout, KvStore};
 use crate::model::Model;
+use crate::team::Team;
 
 /// Computes steps with the real model on CPU.
 #[derive(Debug)]
 pub struct CpuBackend {
     model: Model,
-    threads: rayon::ThreadPool,
+    threads: Team,
 }
 
 impl CpuBackend {
-    pub fn new(model: Model, threads: rayon::ThreadPool) -> CpuBackend {
+    pub fn new(model: Model, threads: Team) -> CpuBackend {
         CpuBackend { model, threads }
     }
 }
@@ -36,7 +37,7 @@ impl Backend for CpuBackend {
     }
 
     fn threads(&self) -> usize {
-        self.threads.current_num_threads()
+        self.threads.threads()
     }
 
     fn forward_into(
@@ -46,8 +47,7 @@ impl Backend for CpuBackend {
         _: StepContext,
         next: &mut Vec<Next>,
     ) -> Result<(), ForwardError> {
-        let model = &self.model;
-        let logits = self.threads.install(|| model.forward(kv, batch))?;
+        let logits = self.model.forward(&self.threads, kv, batch)?;
         next.extend(logits.into_iter().map(Next::Logits));
         Ok(())
     }

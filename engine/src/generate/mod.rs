@@ -35,6 +35,7 @@ use crate::gguf::{GgufError, GgufFile};
 use crate::kv::{KvLayout, KvStore};
 use crate::model::Model;
 use crate::sampling::{Sampler, SamplingParams};
+use crate::team::Team;
 use crate::text::{TextError, TextModel};
 use crate::tiers::{DiskTier, TierError, TierStores};
 use crate::tokenizer::Tokenizer;
@@ -290,11 +291,8 @@ impl Engine {
                 model.precision = config.precision;
                 check_config(&config, model.config.context_len)?;
                 let threads = config.threads.map_or(0, NonZeroUsize::get);
-                let pool_threads = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(|i| format!("tandem-compute-{i}"))
-                    .build()
-                    .map_err(|e| EngineError::Threads(e.to_string()))?;
+                let pool_threads =
+                    Team::new(threads, "tandem-compute").map_err(|e| EngineError::Threads(e.to_string()))?;
                 Box::new(CpuBackend::new(model, pool_threads))
             }
             BackendChoice::Mock(_) => {

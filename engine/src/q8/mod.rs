@@ -664,6 +664,7 @@ mod tests {
             return;
         }
         let shapes = [(1, 1, 64), (4, 4, 576), (7, 5, 576), (37, 9, 1536), (64, 16, 128)];
+        let team = crate::team::Team::new(2, "test").expect("team");
         for (ty, (nr, n, cols)) in
             [TensorType::Q4_1, TensorType::Q8_0].into_iter().flat_map(|ty| shapes.map(|s| (ty, s)))
         {
@@ -673,7 +674,7 @@ mod tests {
             q.quantize(&x, cols);
             for per_task in [32, 5] {
                 let mut out = vec![f32::NAN; nr * n];
-                crate::columns::par_rows(&mut out, n, nr, per_task, |part| {
+                crate::columns::par_rows(&team, &mut out, n, nr, per_task, |part| {
                     vnni::matmul_rows(ty, |r| rows[r].as_slice(), part, &q, n)
                 });
                 for r in 0..nr {

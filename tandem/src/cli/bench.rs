@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use engine::bench::{self, BenchSpec};
 use engine::generate::{Engine, EngineConfig};
 use engine::model::Model;
+use engine::team::Team;
 
 use super::{ModelArgs, display};
 
@@ -58,7 +59,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let mut model = Model::open(&path).map_err(|e| e.to_string())?;
     model.precision = args.model.precision;
     let threads = args.model.threads.map_or(0, NonZeroUsize::get);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| e.to_string())?;
+    let team = Team::new(threads, "tandem-compute").map_err(|e| e.to_string())?;
     let spec = BenchSpec {
         prompt_tokens: args.prompt_tokens,
         decode_prompt_tokens: args.decode_prompt_tokens,
@@ -66,7 +67,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         batches: args.batches.iter().map(|b| b.get()).collect(),
     };
     let report = match args.model.device {
-        engine::backend::Device::Cpu => pool.install(|| bench::run(&model, &spec)),
+        engine::backend::Device::Cpu => bench::run(&model, &team, &spec),
         engine::backend::Device::Cuda(n) => {
             let mut backend = engine::backend::open_cuda(&model, n)?;
             bench::run_backend(&mut *backend, &spec)
@@ -95,7 +96,7 @@ fn run_fit(args: &Args, out: &Path) -> Result<ExitCode, String> {
     use engine::backend::fit::{self, Kind};
     let path = args.model.path()?;
     let threads = args.model.threads.map_or(0, NonZeroUsize::get);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| e.to_string())?;
+    let team = Team::new(threads, "tandem-compute").map_err(|e| e.to_string())?;
     let samples_file = out.with_extension("samples.json");
     let samples: Vec<fit::Sample> = match &args.samples {
         Some(file) => {
@@ -105,9 +106,8 @@ fn run_fit(args: &Args, out: &Path) -> Result<ExitCode, String> {
         None => {
             let mut model = Model::open(&path).map_err(|e| e.to_string())?;
             model.precision = args.model.precision;
-            eprintln!("timing forward steps on {} threads (a few minutes)…", pool.current_num_threads());
-            let measured = pool
-                .install(|| bench::measure_steps(&model, &bench::ShapeGrid::default()))
+            eprintln!("timing forward steps on {} threads (a few minutes)…", team.threads());
+            let measured = bench::measure_steps(&model, &team, &bench::ShapeGrid::default())
                 .map_err(|e| format!("{e} (model {})", display(&path)))?;
             let json = serde_json::to_string_pretty(&measured).map_err(|e| e.to_string())?;
             std::fs::write(&samples_file, json).map_err(|e| format!("{}: {e}", samples_file.display()))?;
@@ -126,7 +126,7 @@ fn run_fit(args: &Args, out: &Path) -> Result<ExitCode, String> {
     let errors = fit::relative_errors(&profile, &held);
     let p90 = fit::quantile(&errors, 0.9);
     let command =
-        format!("tandem bench engine --fit-profile {} --threads {}", out.display(), pool.current_num_threads());
+        format!("tandem bench engine --fit-profile {} --threads {}", out.display(), team.threads());
     let refit = format!("tandem bench engine --fit-profile {} --samples {}", out.display(), samples_file.display());
     profile.description = format!("{} on this engine's CPU forward pass", model_name(&path));
     profile.source = format!(
