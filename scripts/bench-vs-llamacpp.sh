@@ -3,12 +3,14 @@
 # object with both sides and the ratios (Tandem / llama.cpp; above 1 means Tandem is faster).
 #
 #   scripts/bench-vs-llamacpp.sh [--threads N] [--model PATH] [--precision fast|reference] [--rounds N] [--cpu avx2]
+#                                [--tandem BIN]
 #
 # --rounds N measures both sides N times, alternating which goes first, and reports each figure's best (default 1).
 # --precision is Tandem's (`reference` by default: f32 activations; `fast`: 8-bit activations in matmuls over
 # quantized weights, as llama.cpp computes them).
 # --cpu avx2 runs both sides as on a CPU without AVX-512: Tandem with `TANDEM_CPU=avx2` (its AVX2 kernels), llama.cpp
 # built for AVX2 + FMA + F16C only (`LLAMA_CPP_CPU=avx2 scripts/llama-cpp.sh`, a build of its own).
+# --tandem BIN measures that tandem binary (an earlier build kept aside, say) instead of building this checkout's.
 #
 # llama.cpp is built once by scripts/llama-cpp.sh (from the source package of llama-cpp-python on PyPI, cached
 # under $TANDEM_HOME/llama.cpp).
@@ -20,6 +22,7 @@ model=""
 precision=reference
 rounds=1
 cpu=native
+tandem=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --threads) threads=$2; shift 2 ;;
@@ -27,7 +30,9 @@ while [ $# -gt 0 ]; do
     --precision) precision=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --cpu) cpu=$2; shift 2 ;;
-    *) echo "usage: $0 [--threads N] [--model PATH] [--precision fast|reference] [--rounds N] [--cpu avx2]" >&2
+    --tandem) tandem=$2; shift 2 ;;
+    *) echo "usage: $0 [--threads N] [--model PATH] [--precision fast|reference] [--rounds N] [--cpu avx2]" \
+      "[--tandem BIN]" >&2
       exit 2 ;;
   esac
 done
@@ -39,8 +44,10 @@ case "$cpu" in
 esac
 bin=$(scripts/llama-cpp.sh llama-bench llama-batched-bench)
 
-cargo build --release --quiet -p tandem >&2
-tandem=target/release/tandem
+if [ -z "$tandem" ]; then
+  cargo build --release --quiet -p tandem >&2
+  tandem=target/release/tandem
+fi
 if [ -z "$model" ]; then
   model=$("$tandem" model path)
 fi
