@@ -237,6 +237,9 @@ impl Model {
         let mut tasks = Vec::new();
         for (seq, chunk) in batch.iter().enumerate() {
             let n = chunk.tokens.len();
+            if n == 0 {
+                continue;
+            }
             if n <= DIRECT_MAX_TOKENS {
                 tasks.extend((0..c.n_heads).step_by(per_task).map(|h| AttentionTask {
                     seq,
@@ -270,9 +273,9 @@ impl Model {
     }
 }
 
-/// Chunks of up to this many tokens (decode) read K and V where the cache stores them, in f16; longer ones (prompts) convert their K and V to f32 once per task for the query heads that share them
-/// (grouped-query attention), in tasks of up to [`ATTENTION_TOKENS`] query tokens. Every score and every sum is the
-/// same either way, bit for bit.
+/// Chunks of up to this many tokens (decode) read K and V where the cache stores them, in f16; longer ones (prompts)
+/// convert their K and V to f32 once per task for the query heads that share them (grouped-query attention), in
+/// tasks of up to [`ATTENTION_TOKENS`] query tokens. Every score and every sum is the same either way, bit for bit.
 const DIRECT_MAX_TOKENS: usize = 4;
 
 /// Query tokens of a prompt in one attention task.

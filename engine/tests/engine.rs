@@ -54,6 +54,23 @@ fn prefill_chunking_is_bit_identical() {
     }
 }
 
+/// A chunk without tokens in a step computes nothing for its sequence and leaves the rest of the step as it would be
+/// without it.
+#[test]
+fn a_chunk_without_tokens_leaves_the_step_unchanged() {
+    let model = Model::open(&common::model_path()).expect("model");
+    let layout = KvLayout::for_model(&model.config, 16);
+    let tokens: Vec<u32> = (0..20).map(|i| 300 + 37 * i).collect();
+    let (a, b) = ([BlockId(0), BlockId(1)], [BlockId(2)]);
+    let step = SeqChunk { tokens: &tokens, start: 0, blocks: &a, logits: true };
+    let empty = SeqChunk { tokens: &[], start: 0, blocks: &b, logits: false };
+    let team = Team::new(2, "test").expect("team");
+    let alone = model.forward(&team, &mut KvStore::new(layout, 3), &[step]).expect("forward");
+    let with_empty = model.forward(&team, &mut KvStore::new(layout, 3), &[empty, step]).expect("forward");
+    assert_eq!(alone.len(), 1);
+    assert!(alone[0].iter().zip(&with_empty[0]).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
 #[test]
 fn batched_sequences_match_each_alone() {
     let mut e = common::engine(EngineConfig::default());
