@@ -125,8 +125,7 @@ fn run_fit(args: &Args, out: &Path) -> Result<ExitCode, String> {
     let mut profile = f.apply(&base);
     let errors = fit::relative_errors(&profile, &held);
     let p90 = fit::quantile(&errors, 0.9);
-    let command =
-        format!("tandem bench engine --fit-profile {} --threads {}", out.display(), team.threads());
+    let command = format!("tandem bench engine --fit-profile {} --threads {}", out.display(), team.threads());
     let refit = format!("tandem bench engine --fit-profile {} --samples {}", out.display(), samples_file.display());
     profile.description = format!("{} on this engine's CPU forward pass", model_name(&path));
     profile.source = format!(
