@@ -1,6 +1,6 @@
-//! Recording a real router's traffic: the file is a trace with the router's decisions and re-keyed block hashes
-//! (no text, no public hashes), started from the configuration or the admin API, and `tandem sim` replays it,
-//! the recorded decisions next to each policy.
+//! Recording a real router's traffic: the file is a trace with the router's decisions, re-keyed block hashes (no
+//! text, no public hashes) and each request's actual output, started from the configuration or the admin API, and
+//! `tandem sim` replays it, the recorded decisions next to each policy.
 
 use std::process::Command;
 
@@ -14,6 +14,20 @@ const WORD: &str = "lighthouse";
 fn completion(words: usize) -> String {
     let prompt = format!("{WORD} keepers log the weather every hour. ").repeat(words);
     format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":3}}"#)
+}
+
+/// The request lines and the output lines of a recording, after its header.
+fn split(lines: &[serde_json::Value]) -> (Vec<&serde_json::Value>, Vec<&serde_json::Value>) {
+    lines[1..].iter().partition(|l| l.get("tandem_output").is_none())
+}
+
+/// An output line says what its request generated: at most its budget of 3, all of it when the budget ended it.
+fn check_output(o: &serde_json::Value, requests: u64) {
+    let out = &o["tandem_output"];
+    assert!(out["request"].as_u64().is_some_and(|r| r < requests), "{o}");
+    let (tokens, finish) = (out["output_tokens"].as_u64().expect("tokens"), out["finish_reason"].as_str());
+    assert!((1..=3).contains(&tokens) && matches!(finish, Some("stop" | "length")), "{o}");
+    assert!(finish != Some("length") || tokens == 3, "{o}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,7 +61,8 @@ async fn the_router_records_a_replayable_trace_without_text() {
     let body = format!(r#"{{"file":"{}","candidates":true}}"#, second.display());
     assert_eq!(http(addr, "POST", "/admin/recording", &body, &[]).await.status, 200);
     assert_eq!(http(addr, "POST", "/admin/recording", &body, &[]).await.status, 400, "one recording at a time");
-    assert_eq!(http(addr, "POST", "/v1/completions", &completion(4), &[]).await.status, 200);
+    let streamed = completion(4).replace(r#""max_tokens":3"#, r#""max_tokens":3,"stream":true"#);
+    assert_eq!(http(addr, "POST", "/v1/completions", &streamed, &[]).await.status, 200);
     assert_eq!(http(addr, "DELETE", "/admin/recording", "", &[]).await.json()["requests"], 1);
     let again = format!(r#"{{"file":"{}"}}"#, boot.display());
     assert_eq!(http(addr, "POST", "/admin/recording", &again, &[]).await.status, 400, "an existing file is kept");
@@ -56,27 +71,39 @@ async fn the_router_records_a_replayable_trace_without_text() {
 
     let text = std::fs::read_to_string(&boot).expect("the recording");
     assert!(!text.contains(WORD), "no prompt text in the recording");
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("JSON lines")).collect();
-    assert_eq!(lines.len(), 4, "a header and three requests");
-    assert_eq!(lines[0]["tandem_recording"]["block_size"], 16);
-    for l in &lines[1..] {
+    let all: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("JSON lines")).collect();
+    assert_eq!(all[0]["tandem_recording"]["block_size"], 16);
+    let (lines, outputs) = split(&all);
+    assert_eq!((lines.len(), outputs.len()), (3, 3), "three requests, each with its output: {text}");
+    let mut ended: Vec<u64> =
+        outputs.iter().map(|o| o["tandem_output"]["request"].as_u64().expect("a number")).collect();
+    ended.sort_unstable();
+    assert_eq!(ended, [0, 1, 2]);
+    outputs.iter().for_each(|o| check_output(o, 3));
+    for l in &lines {
         let input = l["input_length"].as_u64().expect("a length");
         assert_eq!(l["hash_ids"].as_array().map(Vec::len), Some(input as usize / 16), "{l}");
         assert_eq!(l["output_length"], 3);
         let decode = l["tandem"]["decision"]["decode"].as_str().expect("the decode worker");
         assert_eq!(decode, decode_addr, "workers are named by the address the router knows");
     }
-    assert!(lines[1]["tandem"]["decision"].get("candidates").is_none(), "candidates only when asked for");
-    let explained: serde_json::Value =
-        serde_json::from_str(std::fs::read_to_string(&second).expect("second").lines().nth(1).expect("a request"))
-            .expect("JSON");
+    assert!(lines[0]["tandem"]["decision"].get("candidates").is_none(), "candidates only when asked for");
+    let second_lines: Vec<serde_json::Value> = std::fs::read_to_string(&second)
+        .expect("second")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON lines"))
+        .collect();
+    let (requests, outputs) = split(&second_lines);
+    assert_eq!((requests.len(), outputs.len()), (1, 1), "the streamed request and its output");
+    check_output(outputs[0], 1);
+    let explained = requests[0];
     let candidates = &explained["tandem"]["decision"]["candidates"];
     assert_eq!(candidates["decode"][0]["worker"], decode_addr.as_str(), "{explained}");
     assert!(candidates["decode"][0]["cost"].is_number(), "{explained}");
     assert_eq!(candidates["prefill"].as_array().map(Vec::len), Some(1), "{explained}");
     // The two equal prompts have equal ids, and the longer one shares their start.
-    assert_eq!(lines[1]["hash_ids"], lines[2]["hash_ids"]);
-    assert_eq!(lines[3]["hash_ids"][0], lines[1]["hash_ids"][0]);
+    assert_eq!(lines[0]["hash_ids"], lines[1]["hash_ids"]);
+    assert_eq!(lines[2]["hash_ids"][0], lines[0]["hash_ids"][0]);
 
     // Replayed: the recorded decisions as a row of their own, next to a policy (a recording with candidates too).
     for (file, requests) in [(&boot, 3), (&second, 1)] {

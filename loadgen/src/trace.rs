@@ -10,6 +10,8 @@ pub struct TraceRequest {
     /// previous turn to finish (then `delay_ms` after it).
     pub arrival_ms: Option<f64>,
     pub input_length: usize,
+    /// Output tokens to generate: in a router recording, what the request actually generated where its output line
+    /// says (else its token budget).
     pub output_length: usize,
     /// Prefix-block ids (512-token blocks in Mooncake traces): equal leading ids mean equal leading tokens.
     pub hash_ids: Vec<u64>,
@@ -20,11 +22,22 @@ pub struct TraceRequest {
     pub recorded: Option<Recorded>,
 }
 
-/// A recorded request's tenant and the router's decision.
+/// A recorded request's tenant and the router's decision, and how it ended.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct Recorded {
     pub namespace: Option<String>,
     pub decision: RecordedDecision,
+    /// Its output line's figures: the token budget it had (the request line's `output_length`), and its finish
+    /// reason (`incomplete` when it ended without one); `None` without an output line.
+    #[serde(skip)]
+    pub ended: Option<RecordedEnd>,
+}
+
+/// How a recorded request ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedEnd {
+    pub max_tokens: usize,
+    pub finish_reason: String,
 }
 
 /// The router's decision as recorded: the workers by name, or the refusal's kind.
@@ -84,6 +97,22 @@ struct MooncakeLine {
     tandem: Option<Recorded>,
 }
 
+/// A router recording's line with a request's actual output (`tandem_output`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputLine {
+    tandem_output: Output,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Output {
+    /// The request, counting the recording's request lines from 0.
+    request: usize,
+    output_tokens: usize,
+    finish_reason: String,
+}
+
 /// Reads a workload file: an Azure LLM trace CSV (it starts with `TIMESTAMP,`) or `mooncake_trace` JSONL.
 pub fn read(path: &std::path::Path) -> Result<Vec<TraceRequest>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -99,6 +128,15 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
     let lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()).skip(usize::from(header));
     for (i, line) in lines {
         let bad = |why: String| TraceError::Line { line: i + 1, why };
+        if header && line.contains("\"tandem_output\"") {
+            let o = serde_json::from_str::<OutputLine>(line).map_err(|e| bad(e.to_string()))?.tandem_output;
+            let r: &mut TraceRequest =
+                out.get_mut(o.request).ok_or_else(|| bad(format!("no request {} before this line", o.request)))?;
+            let max_tokens = r.output_length;
+            r.output_length = o.output_tokens.max(1);
+            r.recorded.get_or_insert_default().ended = Some(RecordedEnd { max_tokens, finish_reason: o.finish_reason });
+            continue;
+        }
         let l: MooncakeLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
         if l.input_length == 0 {
             return Err(bad("input_length must be at least 1".into()));
@@ -211,7 +249,28 @@ mod tests {
         );
         assert_eq!(r[0].recorded.as_ref().and_then(|x| x.namespace.as_deref()), Some("t1"));
         assert_eq!(r[1].recorded.as_ref().and_then(|x| x.decision.refused.as_deref()), Some("all_busy"));
+        assert_eq!(r[0].output_length, 7, "the budget, without an output line");
         assert_eq!(recording_header("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}"), None);
+    }
+
+    #[test]
+    fn a_recordings_output_lines_give_the_tokens_generated() {
+        let text = r#"{"tandem_recording": {"version": 1, "block_size": 16, "started_unix_ms": 5}}
+{"timestamp": 0, "input_length": 40, "output_length": 64, "hash_ids": [1], "tandem": {"namespace": null, "decision": {"decode": "d0"}}}
+{"timestamp": 1, "input_length": 40, "output_length": 32, "hash_ids": [1], "tandem": {"namespace": null, "decision": {"decode": "d0"}}}
+{"tandem_output": {"request": 1, "output_tokens": 5, "finish_reason": "stop"}}
+{"timestamp": 2, "input_length": 40, "output_length": 16, "hash_ids": [1], "tandem": {"namespace": null, "decision": {"decode": "d0"}}}
+{"tandem_output": {"request": 0, "output_tokens": 0, "finish_reason": "incomplete"}}
+"#;
+        let r = parse_mooncake(text).expect("parses");
+        assert_eq!(r.iter().map(|x| x.output_length).collect::<Vec<_>>(), [1, 5, 16]);
+        let ended = |i: usize| r[i].recorded.as_ref().and_then(|x| x.ended.clone());
+        assert_eq!(ended(1), Some(RecordedEnd { max_tokens: 32, finish_reason: "stop".into() }));
+        assert_eq!(ended(0).map(|e| e.finish_reason), Some("incomplete".into()));
+        assert_eq!(ended(2), None);
+        let early = text.replace(r#""request": 1,"#, r#""request": 2,"#);
+        let e = parse_mooncake(&early).expect_err("an output before its request");
+        assert!(e.to_string().starts_with("line 4: no request 2"), "{e}");
     }
 
     #[test]

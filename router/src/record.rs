@@ -1,11 +1,13 @@
 //! Recording the router's traffic as a trace `tandem sim` replays: per request the arrival time, the prompt's
 //! length, its token budget, its tenant namespace, its block hashes and what the router decided, in the Mooncake
-//! JSONL format with a header line. No text and no token ids are written, and the block hashes are re-keyed with
+//! JSONL format with a header line; and, once the request has ended, a line of its own with the tokens it actually
+//! generated (a replay decodes those, not the budget). No text and no token ids are written, and the block hashes are re-keyed with
 //! a secret drawn for each recording (HMAC-SHA256): equal blocks stay equal, so the prefix structure survives, but
 //! nobody can test a guessed prompt against the file by hashing it with the public seed.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use kv_cache::SeqHash;
@@ -16,6 +18,22 @@ use crate::scheduler::Decision;
 
 /// The header line's key: what marks a file as a Tandem recording.
 pub const HEADER: &str = "tandem_recording";
+
+/// The key of a line giving a recorded request's actual output: `{"tandem_output": {"request": N, "output_tokens":
+/// K, "finish_reason": F}}`, `N` counting the request lines from 0, written once the request has ended (after its
+/// own line, not necessarily in its order). `F` is the choice's finish reason, or `incomplete` when it ended
+/// without one (a failure, a client gone).
+pub const OUTPUT: &str = "tandem_output";
+
+/// Recordings started by this process, for telling them apart.
+static RECORDINGS: AtomicU64 = AtomicU64::new(0);
+
+/// Where a request went in a recording: which recording, and its request number there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    recording: u64,
+    request: u64,
+}
 
 /// Why a recording could not start or go on.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +63,8 @@ pub enum Outcome<'a> {
 
 /// A recording in progress: the file, its key, and its clock.
 pub struct Recording {
+    /// This recording among the process's (`Entry::recording`).
+    id: u64,
     path: PathBuf,
     file: std::io::BufWriter<std::fs::File>,
     key: hmac::Key,
@@ -71,6 +91,7 @@ impl Recording {
         let key = hmac::Key::generate(hmac::HMAC_SHA256, &ring::rand::SystemRandom::new())
             .map_err(|_| RecordError::Random)?;
         let mut r = Recording {
+            id: RECORDINGS.fetch_add(1, Ordering::Relaxed),
             path: path.to_path_buf(),
             file: std::io::BufWriter::new(file),
             key,
@@ -94,13 +115,22 @@ impl Recording {
         self.requests
     }
 
-    /// Appends one request, `arrived` being when it reached the router.
-    pub fn push(&mut self, arrived: Instant, a: &Arrival<'_>, outcome: Outcome<'_>) -> Result<(), RecordError> {
+    /// Appends one request, `arrived` being when it reached the router; returns where it went.
+    pub fn push(&mut self, arrived: Instant, a: &Arrival<'_>, outcome: Outcome<'_>) -> Result<Entry, RecordError> {
         let ms = arrived.saturating_duration_since(self.started).as_secs_f64() * 1000.0;
         let line = line(ms, a, outcome, self.candidates, |h| rekey(&self.key, h));
         self.write(&line)?;
         self.requests += 1;
-        Ok(())
+        Ok(Entry { recording: self.id, request: self.requests - 1 })
+    }
+
+    /// Appends what request `entry` generated, once it has ended: `tokens` output tokens, `finish` its finish reason
+    /// (or `incomplete`). Nothing when the request was recorded by another recording (this one started after it).
+    pub fn push_output(&mut self, entry: Entry, tokens: usize, finish: &str) -> Result<(), RecordError> {
+        if entry.recording != self.id {
+            return Ok(());
+        }
+        self.write(&json!({ OUTPUT: { "request": entry.request, "output_tokens": tokens, "finish_reason": finish } }))
     }
 
     /// One line, flushed at once: a recording read while it runs (or after a crash) is whole up to its last line.
@@ -186,7 +216,15 @@ mod tests {
         let hashes = kv_cache::block_hashes(&(0..40).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None).seq;
         let a = Arrival { input_length: 40, max_tokens: 7, namespace: Some("tenant-a"), hashes: &hashes };
         r.push(Instant::now(), &a, Outcome::Refused("all_busy")).expect("written");
-        assert_eq!(r.requests(), 1);
+        let second = r.push(Instant::now(), &a, Outcome::Refused("all_busy")).expect("written");
+        r.push_output(second, 3, "stop").expect("written");
+        // A request recorded by another recording is not this one's.
+        let other = dir.join("other.jsonl");
+        let _ = std::fs::remove_file(&other);
+        let mut o = Recording::start(&other, 16, false).expect("starts");
+        let elsewhere = o.push(Instant::now(), &a, Outcome::Refused("all_busy")).expect("written");
+        r.push_output(elsewhere, 9, "length").expect("nothing to write");
+        assert_eq!(r.requests(), 2);
         let text = std::fs::read_to_string(&path).expect("readable while recording");
         let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
         assert_eq!(lines[0][HEADER]["block_size"], 16);
@@ -195,6 +233,8 @@ mod tests {
         assert_eq!(lines[1]["hash_ids"].as_array().map(Vec::len), Some(2));
         assert_eq!(lines[1]["tandem"]["namespace"], "tenant-a");
         assert_eq!(lines[1]["tandem"]["decision"]["refused"], "all_busy");
+        assert_eq!(lines.len(), 4, "the header, two requests, one output");
+        assert_eq!(lines[3][OUTPUT], json!({"request": 1, "output_tokens": 3, "finish_reason": "stop"}));
         assert!(!text.contains(&hashes[0].0.to_string()), "no public hash in the file");
         assert!(Recording::start(&path, 16, false).is_err(), "an existing file is not overwritten");
         let _ = std::fs::remove_dir_all(&dir);

@@ -173,14 +173,35 @@ impl RouterState {
         *self.scheduler.write().unwrap_or_else(|p| p.into_inner()) = c;
     }
 
-    /// Adds a request to the recording, if one runs; a failed write ends the recording (the traffic goes on).
-    pub fn record(&self, arrived: Instant, a: &crate::record::Arrival<'_>, outcome: crate::record::Outcome<'_>) {
+    /// Adds a request to the recording, if one runs, and says where; a failed write ends the recording (the traffic
+    /// goes on).
+    pub fn record(
+        &self,
+        arrived: Instant,
+        a: &crate::record::Arrival<'_>,
+        outcome: crate::record::Outcome<'_>,
+    ) -> Option<crate::record::Entry> {
+        self.recording_write(|r| r.push(arrived, a, outcome))
+    }
+
+    /// Adds what a recorded request generated, once it has ended (`Recording::push_output`).
+    pub fn record_output(&self, entry: crate::record::Entry, tokens: usize, finish: &str) {
+        self.recording_write(|r| r.push_output(entry, tokens, finish));
+    }
+
+    /// `write` on the recording, if one runs; a failed write ends it.
+    fn recording_write<T>(
+        &self,
+        write: impl FnOnce(&mut crate::record::Recording) -> Result<T, crate::record::RecordError>,
+    ) -> Option<T> {
         let mut guard = self.recording.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = guard.as_mut()
-            && let Err(e) = r.push(arrived, a, outcome)
-        {
-            tracing::error!(error = %e, "traffic recording stopped");
-            *guard = None;
+        match write(guard.as_mut()?) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                tracing::error!(error = %e, "traffic recording stopped");
+                *guard = None;
+                None
+            }
         }
     }
 

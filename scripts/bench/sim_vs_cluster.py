@@ -106,11 +106,17 @@ def worker_names(log):
     return {addr: name for name, addr in found}
 
 
+def request_lines(recording):
+    """A recording's request lines: past its header, without the lines giving requests' actual outputs."""
+    lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines()[1:] if line.strip()]
+    return [l for l in lines if "tandem_output" not in l]
+
+
 def retimed(recording, trace, n, path):
     """The first `n` requests of `trace` at the times and in the order the real router routed them (its recording,
     matched by prompt length): the simulator's input when only the routing is compared."""
     requests = [json.loads(line) for line in pathlib.Path(trace).read_text().splitlines()[:n]]
-    lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines()[1:] if line.strip()]
+    lines = request_lines(recording)
     unmatched = list(range(len(requests)))
     with open(path, "w") as f:
         for l in lines:
@@ -123,8 +129,7 @@ def matched_decisions(recording, placements, sim_records):
     """The real router's routed requests, and each matched to the simulator's placement of the same request: in the
     router's arrival order, where requests sent in the same instant may have swapped places, each recorded request
     goes with the earliest unmatched simulated request of the same prompt length."""
-    lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines() if line.strip()]
-    real = [l for l in lines[1:] if "refused" not in l["tandem"]["decision"]]
+    real = [l for l in request_lines(recording) if "refused" not in l["tandem"]["decision"]]
     sim_by_index = {r["index"]: r for r in sim_records}
     placed = [json.loads(line) for line in pathlib.Path(placements).read_text().splitlines()]
     unmatched = [i for i, p in enumerate(placed) if p is not None and i in sim_by_index]
@@ -190,7 +195,7 @@ def run_to_run(recording_a, names_a, recording_b, names_b):
     one routing independently, a simulator following that routing would agree with a run about as often as the
     square root of this share; a stray decision changes the caches and so later decisions too). Requests are matched as `agreement` matches them: in the router's arrival order, by prompt length."""
     def placed(recording, names):
-        lines = [json.loads(line) for line in pathlib.Path(recording).read_text().splitlines()[1:] if line.strip()]
+        lines = request_lines(recording)
         return [(l["input_length"], names.get(prefilled_on(l["tandem"]["decision"]), "?")) for l in lines
                 if "refused" not in l["tandem"]["decision"]]
     a, b = placed(recording_a, names_a), placed(recording_b, names_b)

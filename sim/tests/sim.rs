@@ -207,7 +207,7 @@ fn replaying_a_runs_own_decisions_gives_back_the_same_run() {
                 ..Default::default()
             };
             loadgen::trace::TraceRequest {
-                recorded: Some(loadgen::trace::Recorded { namespace: None, decision }),
+                recorded: Some(loadgen::trace::Recorded { namespace: None, decision, ended: None }),
                 ..r.clone()
             }
         })

@@ -119,7 +119,8 @@ fn fork(state: &RouterState, first: &Routed, ident: Ident, j: u64) -> Routed {
         deadline_unix_ms: job.deadline_unix_ms,
         reserved,
     };
-    Routed { checked: first.checked.clone(), job, decision }
+    // A sample beyond the first is not a request of its own in a recording.
+    Routed { checked: first.checked.clone(), job, decision, recorded: None }
 }
 
 fn finish_reason(r: pb::FinishReason, stopped_by_text: bool) -> &'static str {
@@ -221,6 +222,20 @@ struct Run {
     text: Text,
     logprobs: Option<Logprobs>,
     clock: Clock,
+    /// Where the traffic recording put this choice's request: its output is added there when the run ends.
+    recorded: Option<(Arc<RouterState>, crate::record::Entry)>,
+    /// The finish reason, once the choice has one.
+    finish: Option<&'static str>,
+}
+
+impl Drop for Run {
+    /// However the run ends (finished, failed, its client gone), a recorded request's output goes into the
+    /// recording: the tokens it generated, and its finish reason or `incomplete`.
+    fn drop(&mut self) {
+        if let Some((state, entry)) = self.recorded.take() {
+            state.record_output(entry, self.text.tokens, self.finish.unwrap_or("incomplete"));
+        }
+    }
 }
 
 impl Run {
@@ -229,7 +244,7 @@ impl Run {
             // A first sample that ended without a token drops the sender: the fork then computes the prompt.
             let _ = after.wait_for(|ready| *ready).await;
         }
-        let Routed { checked, job, decision } = p.routed;
+        let Routed { checked, job, decision, recorded } = p.routed;
         let prompt_len = job.tokens.len();
         let pieces = crate::serve::start(Arc::clone(state), job, decision);
         Run {
@@ -243,6 +258,8 @@ impl Run {
             pieces,
             ready: p.ready,
             echo: p.echo,
+            recorded: recorded.map(|entry| (Arc::clone(state), entry)),
+            finish: None,
         }
     }
 
@@ -341,13 +358,15 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
         }
     };
     out.push_str(&run.text.stream.finish(run.text.stopped));
+    let finish = finish_reason(reason, run.text.stopped);
+    run.finish = Some(finish);
     Ok(Done {
         index: run.index,
         prompt: run.prompt,
         prompt_len: run.prompt_len,
         text: out,
         logprobs: run.logprobs.as_mut().map_or(Value::Null, Logprobs::take),
-        finish: finish_reason(reason, run.text.stopped),
+        finish,
         tokens: run.text.tokens,
         cached,
     })
@@ -548,6 +567,7 @@ async fn stream_choice(
         return Err(499);
     }
     let finish = finish_reason(reason, run.text.stopped);
+    run.finish = Some(finish);
     if !send_text(tx, head.chunk(None, Some(finish), false, &Value::Null)).await {
         return Err(499);
     }

@@ -22,6 +22,8 @@ pub struct Routed {
     pub checked: Checked,
     pub job: Job,
     pub decision: Decision,
+    /// Where the traffic recording put this request, for the line with its actual output.
+    pub recorded: Option<crate::record::Entry>,
 }
 
 /// Prompts of at most this many bytes of text (and no grammar to compile) are tokenized on the runtime thread that
@@ -190,6 +192,7 @@ pub async fn plan(
         }
         (views, decision, reserved, others_only)
     };
+    let mut recorded = None;
     if count {
         let a = Arrival {
             input_length: tokens.len(),
@@ -201,7 +204,7 @@ pub async fn plan(
             Ok(d) => Outcome::Routed(d),
             Err(e) => Outcome::Refused(e.kind()),
         };
-        state.record(arrived, &a, outcome);
+        recorded = state.record(arrived, &a, outcome);
     }
     let decision = decision.map_err(|e| {
         // Refusals for load are decisions too: operators see how much was shed and why.
@@ -241,7 +244,7 @@ pub async fn plan(
         deadline_unix_ms: unix_ms(SystemTime::now() + state.limits.request_timeout),
         reserved,
     };
-    Ok(Routed { checked, job, decision })
+    Ok(Routed { checked, job, decision, recorded })
 }
 
 /// The affinity key of a `prompt_cache_key` within its cache namespace (tenants' keys never meet).
