@@ -1,13 +1,14 @@
 //! The engine's compute threads: a fixed team that a forward step hands its parallel loops to.
 //!
 //! A decode step of the embedded model runs about 150 parallel loops (a layer's matmuls and its attention) of a few
-//! tens of microseconds each. A general-purpose pool parks a thread that finds no work within microseconds, and
-//! waking it goes through the kernel: on a VM that is tens of microseconds per loop, a large share of a small
-//! matmul. This team's helpers wait for the next loop by spinning for a while (a loop then starts and ends in well
-//! under a microsecond), then by yielding, and only then sleep, so that between steps they cost nothing.
+//! tens of microseconds each. This team's helpers wait for the next loop by yielding their core (a loop published
+//! is seen within a system call's time), and sleep only after a while without one, so that between steps they cost
+//! nothing.
 //!
 //! A loop's parts are taken from a shared counter by every thread, the caller included, so a thread slowed by the
-//! VM takes fewer parts. What a part computes does not depend on which thread takes it.
+//! VM takes fewer parts, and a helper that is not running (its core given to another process) takes none: a loop
+//! ends when its parts are done, not when every helper has looked at it. What a part computes does not depend on
+//! which thread takes it.
 
 #![allow(unsafe_code)]
 
@@ -18,8 +19,10 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long a helper spins for the next loop before it starts yielding its core.
-const SPIN: Duration = Duration::from_micros(50);
+/// How long a waiting thread spins before it starts yielding its core: short, because a spinning thread keeps its
+/// core from any other process's threads (two engines of two threads each on two cores ran batch-1 decode at 40–55
+/// tokens/s each with 50 us of spinning and helpers that every loop waited for, 107–110 with rayon's pool).
+const SPIN: Duration = Duration::from_micros(2);
 
 /// How long a helper waits for the next loop, spinning then yielding, before it sleeps.
 const YIELD: Duration = Duration::from_micros(300);
@@ -40,11 +43,15 @@ impl std::fmt::Debug for Team {
 
 /// What the caller and the helpers share.
 struct Shared {
-    /// Bumped for every loop (and once more to stop): a helper runs the job published with each new value.
+    /// Bumped for every loop (and once more to stop): a helper that sees a new value joins the job published then,
+    /// if it is still there.
     generation: AtomicU64,
-    /// The current loop, on its caller's stack; valid from the bump of `generation` until every helper has counted
-    /// itself in its `done`.
+    /// The current loop, on its caller's stack, or null once its caller has taken it back.
     job: AtomicPtr<Job<'static>>,
+    /// Helpers that may be reading `job`: counted before they read the pointer, uncounted when done with the job.
+    /// A caller takes its job back (null) and then waits for this to reach 0, so no helper reads a job whose loop
+    /// has returned.
+    joined: AtomicUsize,
     /// Helpers asleep on `wake` (or about to be): the caller takes `lock` to wake them only when there are some.
     sleepers: AtomicUsize,
     lock: Mutex<()>,
@@ -57,8 +64,6 @@ struct Job<'a> {
     task: &'a (dyn Fn(usize) + Sync),
     parts: usize,
     next: AtomicUsize,
-    /// Helpers done with this job: once a helper has counted itself it no longer touches it.
-    done: AtomicUsize,
     /// The first panic of a part run by a helper, raised again on the caller.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
@@ -95,6 +100,7 @@ impl Team {
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
+            joined: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -126,14 +132,12 @@ impl Team {
             (0..parts).for_each(task);
             return;
         }
-        let job =
-            Job { task: &task, parts, next: AtomicUsize::new(0), done: AtomicUsize::new(0), panic: Mutex::new(None) };
+        let job = Job { task: &task, parts, next: AtomicUsize::new(0), panic: Mutex::new(None) };
         let running = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let shared = &*self.shared;
-        // SAFETY: only the lifetime is erased. The job outlives every helper's use of it: this function returns
-        // (or unwinds) only after every helper has counted itself in `done` below.
+        // Only the lifetime is erased: no helper reads the job once this function has taken it back below.
         let ptr: *mut Job<'static> = (&raw const job).cast_mut().cast();
-        shared.job.store(ptr, Ordering::Relaxed);
+        shared.job.store(ptr, Ordering::SeqCst);
         shared.generation.fetch_add(1, Ordering::SeqCst);
         if shared.sleepers.load(Ordering::SeqCst) > 0 {
             let _lock = shared.lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -142,11 +146,14 @@ impl Team {
         IN_PART.set(true);
         let mine = job.work();
         IN_PART.set(false);
-        let helpers = self.helpers.len();
-        let started = Instant::now();
-        let mut spins = 0u32;
-        while job.done.load(Ordering::Acquire) < helpers {
-            pause(&mut spins, started, Duration::MAX);
+        // Every part is taken. Take the job back, then wait for the helpers that joined it (those still running a
+        // part among them); a helper that looks later finds none. All four accesses are SeqCst: a helper counts
+        // itself in `joined` before it reads `job`, the caller nulls `job` before it reads `joined`, so either the
+        // helper reads null or the caller sees it counted.
+        shared.job.store(std::ptr::null_mut(), Ordering::SeqCst);
+        let mut wait = Wait::new();
+        while shared.joined.load(Ordering::SeqCst) > 0 {
+            wait.round(Duration::MAX);
         }
         drop(running);
         if let Err(payload) = mine {
@@ -181,7 +188,7 @@ impl Drop for Team {
     }
 }
 
-/// A helper's life: wait for the next loop, take its parts, count itself done; until the team is dropped.
+/// A helper's life: wait for the next loop, join it if it is still there and take parts; until the team is dropped.
 fn helper(shared: &Shared) {
     IN_PART.set(true);
     let mut seen = 0;
@@ -190,27 +197,29 @@ fn helper(shared: &Shared) {
         if shared.stop.load(Ordering::SeqCst) {
             return;
         }
-        // SAFETY: the caller published this job before bumping the generation we saw (SeqCst), and keeps it alive
-        // until we count ourselves in `done`, our last use of it.
-        let job = unsafe { &*shared.job.load(Ordering::Relaxed) };
-        if let Err(payload) = job.work() {
+        shared.joined.fetch_add(1, Ordering::SeqCst);
+        let ptr = shared.job.load(Ordering::SeqCst);
+        // SAFETY: we are counted in `joined` and read a job its caller had not taken back: the caller waits for
+        // `joined` to reach 0 before its loop returns, so the job lives until we uncount ourselves below.
+        if let Some(job) = unsafe { ptr.as_ref() }
+            && let Err(payload) = job.work()
+        {
             let mut first = job.panic.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             first.get_or_insert(payload);
         }
-        job.done.fetch_add(1, Ordering::Release);
+        shared.joined.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// Waits until the generation moves past `seen`, and returns the new one: spinning, then yielding, then asleep.
 fn wait_for_next(shared: &Shared, seen: u64) -> u64 {
-    let started = Instant::now();
-    let mut spins = 0u32;
+    let mut wait = Wait::new();
     loop {
         let now = shared.generation.load(Ordering::SeqCst);
         if now != seen {
             return now;
         }
-        if !pause(&mut spins, started, YIELD) {
+        if !wait.round(YIELD) {
             break;
         }
     }
@@ -225,23 +234,35 @@ fn wait_for_next(shared: &Shared, seen: u64) -> u64 {
     shared.generation.load(Ordering::SeqCst)
 }
 
-/// One round of waiting that began at `started`: a spin-loop hint for the first [`SPIN`], then a yield of the core;
-/// false once `limit` has passed (the clock is read every 64 rounds).
-fn pause(spins: &mut u32, started: Instant, limit: Duration) -> bool {
-    *spins = spins.wrapping_add(1);
-    if !spins.is_multiple_of(64) {
-        std::hint::spin_loop();
-        return true;
+/// A thread waiting for another: spin-loop hints for the first [`SPIN`] (the clock read every 64 rounds), then a
+/// yield of its core every round.
+struct Wait {
+    started: Instant,
+    spinning: bool,
+    rounds: u32,
+}
+
+impl Wait {
+    fn new() -> Wait {
+        Wait { started: Instant::now(), spinning: true, rounds: 0 }
     }
-    let waited = started.elapsed();
-    if waited < SPIN {
-        std::hint::spin_loop();
-    } else if waited < limit {
+
+    /// One round of waiting; false once `limit` has passed since the wait began.
+    fn round(&mut self, limit: Duration) -> bool {
+        if self.spinning {
+            self.rounds = self.rounds.wrapping_add(1);
+            if self.rounds.is_multiple_of(64) {
+                self.spinning = self.started.elapsed() < SPIN;
+            }
+            std::hint::spin_loop();
+            return true;
+        }
+        if self.started.elapsed() >= limit {
+            return false;
+        }
         std::thread::yield_now();
-    } else {
-        return false;
+        true
     }
-    true
 }
 
 #[cfg(test)]
