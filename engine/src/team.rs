@@ -284,6 +284,23 @@ mod tests {
         }
     }
 
+    /// Loops in quick succession: helpers join late, find a loop already taken back, or join the next one; every
+    /// part of every loop still runs once, and no loop returns before its parts are done.
+    #[test]
+    fn many_short_loops_in_a_row_each_run_every_part_once() {
+        let team = Team::new(3, "test").expect("team");
+        let counts: Vec<AtomicUsize> = (0..5).map(|_| AtomicUsize::new(0)).collect();
+        for round in 0..20_000 {
+            let parts = 2 + round % 4;
+            team.for_each(parts, |i| {
+                counts[i].fetch_add(1, Ordering::Relaxed);
+            });
+            for (i, c) in counts.iter().enumerate().take(parts) {
+                assert_eq!(c.swap(0, Ordering::Relaxed), 1, "round {round}, part {i}");
+            }
+        }
+    }
+
     #[test]
     fn helpers_take_parts_and_a_loop_inside_a_part_runs_inline() {
         let team = Team::new(2, "test").expect("team");
