@@ -16,6 +16,25 @@ fn completion(words: usize) -> String {
     format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":3}}"#)
 }
 
+/// Sends a streamed request and closes the connection once its first event has arrived.
+async fn leave_after_first_event(addr: std::net::SocketAddr, body: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.expect("writes");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data:") {
+        let n = sock.read(&mut buf).await.expect("reads");
+        assert!(n > 0, "the stream ended before its first event: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(sock);
+}
+
 /// The request lines and the output lines of a recording, after its header.
 fn split(lines: &[serde_json::Value]) -> (Vec<&serde_json::Value>, Vec<&serde_json::Value>) {
     lines[1..].iter().partition(|l| l.get("tandem_output").is_none())
@@ -63,7 +82,21 @@ async fn the_router_records_a_replayable_trace_without_text() {
     assert_eq!(http(addr, "POST", "/admin/recording", &body, &[]).await.status, 400, "one recording at a time");
     let streamed = completion(4).replace(r#""max_tokens":3"#, r#""max_tokens":3,"stream":true"#);
     assert_eq!(http(addr, "POST", "/v1/completions", &streamed, &[]).await.status, 200);
-    assert_eq!(http(addr, "DELETE", "/admin/recording", "", &[]).await.json()["requests"], 1);
+    // A streamed request whose client leaves after its first event: recorded with the tokens it had.
+    leave_after_first_event(
+        addr,
+        &completion(4).replace(r#""max_tokens":3"#, r#""max_tokens":200,"ignore_eos":true,"stream":true"#),
+    )
+    .await;
+    let outputs_written =
+        || std::fs::read_to_string(&second).map_or(0, |t| t.lines().filter(|l| l.contains("tandem_output")).count());
+    for _ in 0..100 {
+        if outputs_written() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(http(addr, "DELETE", "/admin/recording", "", &[]).await.json()["requests"], 2);
     let again = format!(r#"{{"file":"{}"}}"#, boot.display());
     assert_eq!(http(addr, "POST", "/admin/recording", &again, &[]).await.status, 400, "an existing file is kept");
     let decode_addr = workers[1].grpc.to_string();
@@ -94,8 +127,11 @@ async fn the_router_records_a_replayable_trace_without_text() {
         .map(|l| serde_json::from_str(l).expect("JSON lines"))
         .collect();
     let (requests, outputs) = split(&second_lines);
-    assert_eq!((requests.len(), outputs.len()), (1, 1), "the streamed request and its output");
-    check_output(outputs[0], 1);
+    assert_eq!((requests.len(), outputs.len()), (2, 2), "the streamed requests and their outputs");
+    check_output(outputs[0], 2);
+    let left = &outputs[1]["tandem_output"];
+    assert_eq!((left["request"].as_u64(), left["finish_reason"].as_str()), (Some(1), Some("incomplete")), "{left}");
+    assert!(left["output_tokens"].as_u64().is_some_and(|t| (1..200).contains(&t)), "{left}");
     let explained = requests[0];
     let candidates = &explained["tandem"]["decision"]["candidates"];
     assert_eq!(candidates["decode"][0]["worker"], decode_addr.as_str(), "{explained}");
@@ -106,7 +142,7 @@ async fn the_router_records_a_replayable_trace_without_text() {
     assert_eq!(lines[2]["hash_ids"][0], lines[0]["hash_ids"][0]);
 
     // Replayed: the recorded decisions as a row of their own, next to a policy (a recording with candidates too).
-    for (file, requests) in [(&boot, 3), (&second, 1)] {
+    for (file, requests) in [(&boot, 3), (&second, 2)] {
         let out = Command::new(binary("tandem", "tandem"))
             .args(["sim", "--prefill", "1", "--decode", "1", "--policies", "kv", "--json", "--trace"])
             .arg(file)
