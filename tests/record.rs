@@ -5,7 +5,7 @@
 use std::process::Command;
 
 use kv_transfer::tls::DevCa;
-use tandem_tests::{binary, cluster_with, http, stop};
+use tandem_tests::{Streaming, binary, cluster_with, http, stop};
 use worker::Role;
 
 const MODEL: &str = "smollm2-135m-instruct";
@@ -14,25 +14,6 @@ const WORD: &str = "lighthouse";
 fn completion(words: usize) -> String {
     let prompt = format!("{WORD} keepers log the weather every hour. ").repeat(words);
     format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":3}}"#)
-}
-
-/// Sends a streamed request and closes the connection once its first event has arrived.
-async fn leave_after_first_event(addr: std::net::SocketAddr, body: &str) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connects");
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    sock.write_all(req.as_bytes()).await.expect("writes");
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data:") {
-        let n = sock.read(&mut buf).await.expect("reads");
-        assert!(n > 0, "the stream ended before its first event: {}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
-    drop(sock);
 }
 
 /// The request lines and the output lines of a recording, after its header.
@@ -83,11 +64,11 @@ async fn the_router_records_a_replayable_trace_without_text() {
     let streamed = completion(4).replace(r#""max_tokens":3"#, r#""max_tokens":3,"stream":true"#);
     assert_eq!(http(addr, "POST", "/v1/completions", &streamed, &[]).await.status, 200);
     // A streamed request whose client leaves after its first event: recorded with the tokens it had.
-    leave_after_first_event(
-        addr,
-        &completion(4).replace(r#""max_tokens":3"#, r#""max_tokens":200,"ignore_eos":true,"stream":true"#),
-    )
-    .await;
+    let leaving = completion(4).replace(r#""max_tokens":3"#, r#""max_tokens":200,"ignore_eos":true,"stream":true"#);
+    let mut client = Streaming::open(addr, "/v1/completions", &leaving).await;
+    client.until(1).await;
+    assert!(!client.events().is_empty(), "the stream ended before its first event");
+    drop(client);
     let outputs_written =
         || std::fs::read_to_string(&second).map_or(0, |t| t.lines().filter(|l| l.contains("tandem_output")).count());
     for _ in 0..100 {
