@@ -64,7 +64,7 @@ pub struct Output<'a> {
 
 /// Runs `task(i, part)` on `team` for every part of every output `i`, in one parallel loop.
 /// Matmuls that read the same activations (a layer's Q, K and V; its gate and up projections) then cost one
-/// fork and join instead of one each: at decode a join is a large share of a small matmul.
+/// loop's start and end instead of one each: at decode that is a large share of a small matmul.
 pub fn par_rows_each(team: &Team, outs: &mut [Output<'_>], n: usize, task: impl Fn(usize, &Part<'_>) + Sync) {
     let mut parts = Vec::new();
     let cols: Vec<(Columns<'_>, usize)> = outs

@@ -52,8 +52,8 @@ fn the_cuda_backends_logits_match_the_cpu_reference_on_a_synthetic_model() {
         SynthShape { n_layers: 4, n_embd: 256, n_ff: 512, n_heads: 4, n_kv_heads: 2, n_vocab: 4096, context_len: 1024 };
     let path = std::env::temp_dir().join(format!("tandem-cuda-parity-{}.gguf", std::process::id()));
     synth::write(&path, &shape, 11).expect("written");
-    let threads = engine::team::Team::new(0, "test").expect("team");
-    let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), threads);
+    let team = engine::team::Team::new(0, "test").expect("team");
+    let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
     let want = engine::parity::run(&mut cpu).expect("cpu runs");
     let mut gpu = cuda::CudaBackend::new(&Model::open(&path).expect("loads"), 0).unwrap_or_else(|e| panic!("{e}"));
     let got = engine::parity::run(&mut gpu).expect("cuda runs");

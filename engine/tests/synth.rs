@@ -140,8 +140,8 @@ fn the_parity_steps_on_the_cpu_reference_agree_with_themselves_and_tell_steps_ap
     synth::write(&path, &small(), 5).expect("written");
     let model = || Model::open(&path).expect("loads");
     let cpu = |m: Model| {
-        let threads = engine::team::Team::serial();
-        engine::backend::cpu::CpuBackend::new(m, threads)
+        let team = Team::serial();
+        engine::backend::cpu::CpuBackend::new(m, team)
     };
     let first = engine::parity::run(&mut cpu(model())).expect("runs");
     let names: Vec<&str> = first.iter().map(|l| l.name.as_str()).collect();

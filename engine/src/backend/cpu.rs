@@ -10,12 +10,12 @@ use crate::team::Team;
 #[derive(Debug)]
 pub struct CpuBackend {
     model: Model,
-    threads: Team,
+    team: Team,
 }
 
 impl CpuBackend {
-    pub fn new(model: Model, threads: Team) -> CpuBackend {
-        CpuBackend { model, threads }
+    pub fn new(model: Model, team: Team) -> CpuBackend {
+        CpuBackend { model, team }
     }
 }
 
@@ -37,7 +37,7 @@ impl Backend for CpuBackend {
     }
 
     fn threads(&self) -> usize {
-        self.threads.threads()
+        self.team.threads()
     }
 
     fn forward_into(
@@ -47,7 +47,7 @@ impl Backend for CpuBackend {
         _: StepContext,
         next: &mut Vec<Next>,
     ) -> Result<(), ForwardError> {
-        let logits = self.model.forward(&self.threads, kv, batch)?;
+        let logits = self.model.forward(&self.team, kv, batch)?;
         next.extend(logits.into_iter().map(Next::Logits));
         Ok(())
     }

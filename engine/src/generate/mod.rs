@@ -291,9 +291,8 @@ impl Engine {
                 model.precision = config.precision;
                 check_config(&config, model.config.context_len)?;
                 let threads = config.threads.map_or(0, NonZeroUsize::get);
-                let pool_threads =
-                    Team::new(threads, "tandem-compute").map_err(|e| EngineError::Threads(e.to_string()))?;
-                Box::new(CpuBackend::new(model, pool_threads))
+                let team = Team::new(threads, "tandem-compute").map_err(|e| EngineError::Threads(e.to_string()))?;
+                Box::new(CpuBackend::new(model, team))
             }
             BackendChoice::Mock(_) => {
                 let words = text.tokenizer().plain_words();

@@ -64,8 +64,8 @@ pub fn run(
 fn backend(model: Model, device: Device) -> Result<Box<dyn Backend>, String> {
     match device {
         Device::Cpu => {
-            let threads = engine::team::Team::new(0, "tandem-compute").map_err(|e| e.to_string())?;
-            Ok(Box::new(engine::backend::cpu::CpuBackend::new(model, threads)))
+            let team = engine::team::Team::new(0, "tandem-compute").map_err(|e| e.to_string())?;
+            Ok(Box::new(engine::backend::cpu::CpuBackend::new(model, team)))
         }
         Device::Cuda(n) => engine::backend::open_cuda(&model, n),
     }
