@@ -20,8 +20,8 @@ both): this measures the timing model itself, which the mock shares with the sim
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
-      [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--parted 3]
-      [--out runs/sim-vs-cluster]
+      [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
+      [--parted 3] [--out runs/sim-vs-cluster]
 """
 import argparse
 import os
@@ -231,6 +231,9 @@ def main():
                         "printed (one real run differs from the next by 10-20% at TTFT p90 on a 2-core machine)")
     p.add_argument("--ties", choices=["random", "hashed"], default="hashed",
                    help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
+    p.add_argument("--max-in-flight", type=int,
+                   help="requests the router holds at once, in both clusters (default: the router's); past it "
+                        "arrivals wait in its queue")
     p.add_argument("--max-batched-tokens", type=int,
                    help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
@@ -247,8 +250,9 @@ def main():
     workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "512", "--suffix-len", "512",
                  "--output-len", "16"] if cpu else ["--trace", str(TRACE)]) + ["--max-requests", str(args.requests)]
     budget = ["--max-batched-tokens", str(args.max_batched_tokens)] if args.max_batched_tokens else []
+    admission = ["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
-             "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers, *budget]
+             "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers, *budget, *admission]
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     for k in range(args.repeat):
@@ -273,7 +277,7 @@ def main():
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
-    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget,
+    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
                           "--slo", SLO, "--config", str(config), "--stream-kv", args.stream_kv,

@@ -5,10 +5,12 @@
 //! after modelled delays. Requests come out as `tandem bench serve` records, so the same summary applies.
 
 mod cores;
+mod gate;
 pub mod oracle;
 mod queue;
 mod run;
 pub mod tune;
 mod worker;
 
+pub use gate::Limits;
 pub use run::{Balance, Outcome, Placed, Settings, SimError, simulate};

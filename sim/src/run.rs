@@ -20,6 +20,7 @@ use router::scheduler::view::{RouteRequest, WorkerId, WorkerRole, WorkerView};
 use router::scheduler::{Candidates, RouteError, RouteState, route};
 
 use crate::cores::Cores;
+use crate::gate::{Arrival, Gate, Limits};
 use crate::queue::Queue;
 use crate::worker::SimWorker;
 
@@ -66,6 +67,8 @@ pub struct Settings {
     /// prompt's leading pieces during the prefill, and only the last piece's blocks after it. (The round trips
     /// between pieces, and the step a busy prefill worker runs in each, are not modelled.)
     pub stream_kv: bool,
+    /// Each router replica's admission control (the router's `max_in_flight`, `max_queue` and request timeout).
+    pub admission: Limits,
     /// Each placement keeps its decision's candidates as scored ([`Placed::candidates`]): to compare the
     /// simulated router's inputs with a real router's recording of them.
     pub record_candidates: bool,
@@ -150,6 +153,10 @@ pub enum SimError {
 
 enum Ev {
     Arrive(usize),
+    /// Request `i` was given a router slot it waited for.
+    Admitted(usize),
+    /// Request `i`'s wait for a router slot runs out.
+    WaitEnds(usize),
     /// The router has tokenized request `i`.
     Route(usize),
     /// Worker `w`'s step ends, if `turn` is still its current end (shared cores move ends).
@@ -172,6 +179,10 @@ enum Ev {
 struct Live {
     /// The router replica that took it.
     router: usize,
+    /// It holds one of its router's slots, until it finishes.
+    slot: bool,
+    /// It waits for one.
+    waiting: bool,
     /// Prompt tokens.
     isl: usize,
     /// The prompt, hashed once for the router and the engines alike; it moves to the engine that runs it last.
@@ -211,6 +222,7 @@ struct Replica {
     state: RouteState,
     /// When each tokenizer slot is free.
     tokenizers: Vec<f64>,
+    gate: Gate,
 }
 
 /// The workers, the routers' state, and the requests in flight.
@@ -228,6 +240,8 @@ struct Sim<'a> {
     cores: Option<Cores>,
     live: Vec<Live>,
     out: Outcome,
+    /// When the latest response ended.
+    last_response: f64,
     /// In a replay, the simulated worker for each worker the recording names.
     recorded: HashMap<String, usize>,
     /// The workers' disk tiers live here for the run (removed at its end).
@@ -273,13 +287,17 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
         }
     }
     sim.queue.up_front(arrivals);
-    let mut now = 0.0;
     while let Some((at, ev)) = sim.queue.pop() {
-        now = at;
-        sim.handle(now, ev);
+        // The end of a wait that ended with a slot: nothing happens then (and the run does not last until it).
+        if let Ev::WaitEnds(i) = ev
+            && !sim.live[i].waiting
+        {
+            continue;
+        }
+        sim.handle(at, ev);
     }
     let first = sim.live.iter().map(|l| l.arrival).fold(f64::INFINITY, f64::min);
-    sim.out.duration_s = if first.is_finite() { now - first } else { 0.0 };
+    sim.out.duration_s = if first.is_finite() { sim.last_response - first } else { 0.0 };
     for w in &sim.workers {
         let c = w.engine.engine().counters();
         sim.out.prefill_tokens_computed += c.prefill_tokens;
@@ -334,7 +352,13 @@ impl<'a> Sim<'a> {
                     index.replace(w.id, &Snapshot { as_of: None, tiers: Default::default() });
                 }
                 let state = RouteState::seeded(settings.seed.wrapping_add(r as u64));
-                Replica { index, load: LoadTracker::new(), state, tokenizers: vec![0.0; settings.router_slots.max(1)] }
+                Replica {
+                    index,
+                    load: LoadTracker::new(),
+                    state,
+                    tokenizers: vec![0.0; settings.router_slots.max(1)],
+                    gate: Gate::new(settings.admission),
+                }
             })
             .collect();
         Ok(Sim {
@@ -350,6 +374,7 @@ impl<'a> Sim<'a> {
                 .then(|| Cores::new(settings.host_cores, settings.prefill + settings.decode)),
             live: (0..workload.len()).map(|_| Live::default()).collect(),
             out: Outcome { placements: vec![None; workload.len()], ..Outcome::default() },
+            last_response: 0.0,
             recorded,
             _disk: disk,
         })
@@ -358,6 +383,14 @@ impl<'a> Sim<'a> {
     fn handle(&mut self, now: f64, ev: Ev) {
         match ev {
             Ev::Arrive(i) => self.arrive(now, i),
+            Ev::Admitted(i) => self.tokenize(now, i),
+            Ev::WaitEnds(i) => {
+                self.live[i].waiting = false;
+                self.routers[self.live[i].router].gate.expire(i);
+                *self.out.decisions.entry("deadline".into()).or_default() += 1;
+                let error = "the request waited for a router slot until its deadline".to_string();
+                self.finish(now, i, 504, Some(error), None);
+            }
             Ev::Route(i) => self.route(now, i),
             Ev::StepEnd { w, turn } => self.step_end(now, w, turn),
             Ev::Events(w, events) => {
@@ -393,8 +426,8 @@ impl<'a> Sim<'a> {
             .collect()
     }
 
-    /// Request `i` reaches its router replica: routed once the router has tokenized it (at once when the
-    /// tokenizer is not modelled).
+    /// Request `i` reaches its router replica: past the replica's admission control (at once, after a wait for a
+    /// slot, or refused), then routed once the router has tokenized it.
     fn arrive(&mut self, now: f64, i: usize) {
         let r = &self.workload[i];
         let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
@@ -411,6 +444,27 @@ impl<'a> Sim<'a> {
         live.isl = hashed.tokens().len();
         self.out.arrivals.push(crate::oracle::Prompt { tokens: live.isl, blocks: hashed.hashes().seq.clone() });
         live.prompt = Some(hashed);
+        match self.routers[router].gate.arrive(i) {
+            Arrival::Admitted => {
+                self.live[i].slot = true;
+                self.tokenize(now, i);
+            }
+            Arrival::Queued => {
+                self.live[i].waiting = true;
+                let timeout = self.routers[router].gate.timeout();
+                self.queue.at(now + timeout, Ev::WaitEnds(i));
+            }
+            Arrival::Refused => {
+                *self.out.decisions.entry("overloaded".into()).or_default() += 1;
+                self.finish(now, i, 429, Some("the router's queue is full".into()), None);
+            }
+        }
+    }
+
+    /// Request `i`, holding a router slot, is routed once the router has tokenized it (at once when the tokenizer
+    /// is not modelled).
+    fn tokenize(&mut self, now: f64, i: usize) {
+        let router = self.live[i].router;
         let rate = self.settings.router_tokens_per_s;
         if rate > 0.0 {
             // The replica's first free tokenizer slot takes it.
@@ -816,6 +870,7 @@ impl<'a> Sim<'a> {
             _ => None,
         };
         let at_ms = live.arrival * 1000.0;
+        self.last_response = self.last_response.max(now);
         self.out.records.push(Record {
             index: i,
             scheduled_ms: at_ms,
@@ -835,6 +890,14 @@ impl<'a> Sim<'a> {
         });
         let live = &mut self.live[i];
         live.prompt = None;
+        // Its router slot goes to the request waiting longest, which goes on as an event of its own (a chain of
+        // refusals would otherwise recurse).
+        if std::mem::take(&mut live.slot)
+            && let Some(next) = self.routers[router].gate.leave()
+        {
+            (self.live[next].slot, self.live[next].waiting) = (true, false);
+            self.queue.at(now, Ev::Admitted(next));
+        }
         for (next, delay) in std::mem::take(&mut self.followers[i]) {
             self.queue.at(now + delay, Ev::Arrive(next));
         }

@@ -33,6 +33,8 @@ fn three_requests_on_two_workers_take_the_times_worked_out_by_hand() {
     assert!((r[0].inter_chunk_ms[0] - 65.0).abs() < 1e-6 && (r[0].inter_chunk_ms[1] - 5.0).abs() < 1e-6);
     assert_eq!(out.prefill_tokens_computed, 250);
     assert_eq!(out.decisions.get("no_prefill_workers"), Some(&3));
+    // From the first arrival to the last response (not to the KV events published after it).
+    assert!((out.duration_s - 0.180).abs() < 1e-9, "{}", out.duration_s);
 }
 
 #[test]
@@ -119,6 +121,41 @@ fn a_modelled_router_tokenizer_delays_routing_by_the_prompt_and_queues_on_its_sl
     let two = Settings { router_slots: 2, ..s };
     let out = simulate(&two, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
     assert!((out.records[1].time_to_first_token_ms.expect("a first token") - 210.0).abs() < 1e-6);
+}
+
+#[test]
+fn past_the_routers_slots_requests_wait_in_order_and_past_its_queue_they_are_refused() {
+    // One worker, prompts of 10 ms + 1 ms a token; the router holds one request at a time and lets one wait.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let limits = sim::Limits { max_in_flight: 1, max_queue: 1, request_timeout: 1.0 };
+    let s = Settings { admission: limits, ..settings(profile, 0, 1, Policy::RoundRobin) };
+    // A (100 tokens) at 0 runs 0 → 110 ms. B (100) at 1 ms waits for A's slot and runs 110 → 220 ms. C at 2 ms
+    // finds the queue full: 429 at once. D (50) at 150 ms waits for B's slot and runs 220 → 280 ms.
+    let trace = [request(0.0, 100, 1, 1), request(1.0, 100, 1, 2), request(2.0, 50, 1, 3), request(150.0, 50, 1, 4)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    let status: Vec<u16> = r.iter().map(|r| r.status).collect();
+    assert_eq!(status, [200, 200, 429, 200]);
+    let ttft: Vec<Option<f64>> = r.iter().map(|r| r.time_to_first_token_ms).collect();
+    for (k, want) in [(0, 110.0), (1, 219.0), (3, 130.0)] {
+        let got = ttft[k].expect("a first token");
+        assert!((got - want).abs() < 1e-6, "TTFT of request {k}: {got} (want {want})");
+    }
+    assert_eq!((ttft[2], r[2].request_latency_ms), (None, 0.0));
+    assert_eq!(out.decisions.get("overloaded"), Some(&1));
+    assert!((out.duration_s - 0.280).abs() < 1e-9, "the run ends with D's response: {}", out.duration_s);
+
+    // A wait longer than the request timeout (50 ms) ends in 504 and frees its place: B gives up at 51 ms, and C
+    // (50 tokens, at 60 ms) waits in its place for A's slot, running 110 → 170 ms.
+    let limits = sim::Limits { request_timeout: 0.05, ..limits };
+    let s = Settings { admission: limits, ..s };
+    let trace = [request(0.0, 100, 1, 1), request(1.0, 100, 1, 2), request(60.0, 50, 1, 3)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    assert_eq!(r.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 504, 200]);
+    assert!((r[1].request_latency_ms - 50.0).abs() < 1e-6, "{}", r[1].request_latency_ms);
+    assert!((r[2].time_to_first_token_ms.expect("a first token") - 110.0).abs() < 1e-6);
+    assert_eq!(out.decisions.get("deadline"), Some(&1));
 }
 
 #[test]

@@ -42,6 +42,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         host_cores: 0,
         router_slots: 1,
         stream_kv: false,
+        admission: sim::Limits::default(),
         seed: 7,
     }
 }

@@ -137,6 +137,17 @@ pub struct ClusterArgs {
     /// decode worker pulls the leading pieces during the prefill, only the last piece after it.
     #[arg(long, value_name = "BOOL", default_value_t = router::run::defaults::STREAM_KV, action = clap::ArgAction::Set)]
     stream_kv: bool,
+    /// Requests each router replica holds at once, from admission to the end of their response (as the router's
+    /// `--max-in-flight`; default: the router file's `max_in_flight`, else the router's default); later arrivals
+    /// wait for a slot in order.
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+    /// Requests waiting for a slot at most (as the router's `--max-queue`); past it arrivals are refused with 429.
+    #[arg(long)]
+    max_queue: Option<usize>,
+    /// Longest wait for a slot, in milliseconds (as the router's `--request-timeout-ms`); past it, 504.
+    #[arg(long)]
+    request_timeout_ms: Option<u64>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -181,7 +192,36 @@ impl ClusterArgs {
             router_slots: self.router_slots,
             host_cores: self.host_cores,
             stream_kv: self.stream_kv,
+            admission: self.admission()?,
             seed,
+        })
+    }
+
+    /// The router's admission limits: the flags, else the `--config` file's top-level keys of the same names,
+    /// else the router's defaults.
+    fn admission(&self) -> Result<sim::Limits, String> {
+        let (file, path) = match self.config.as_deref() {
+            Some(path) => (read_table(path)?, path.display().to_string()),
+            None => (toml::Table::new(), String::new()),
+        };
+        let key = |name: &str| -> Result<Option<u64>, String> {
+            match file.get(name) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_integer()
+                    .and_then(|n| u64::try_from(n).ok())
+                    .map(Some)
+                    .ok_or_else(|| format!("{path}: {name} must be a whole number >= 0")),
+            }
+        };
+        let d = sim::Limits::default();
+        Ok(sim::Limits {
+            max_in_flight: self.max_in_flight.or(key("max_in_flight")?.map(|n| n as usize)).unwrap_or(d.max_in_flight),
+            max_queue: self.max_queue.or(key("max_queue")?.map(|n| n as usize)).unwrap_or(d.max_queue),
+            request_timeout: self
+                .request_timeout_ms
+                .or(key("request_timeout_ms")?)
+                .map_or(d.request_timeout, |ms| ms as f64 / 1000.0),
         })
     }
 
@@ -291,9 +331,10 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 }
 
 /// What to say when simulated engines failed requests (a 5xx): in a simulation that is a misconfigured cluster
-/// or a bug, never load, and the figures around it mean little. Refusals for load (429) are not failures.
+/// or a bug, never load, and the figures around it mean little. Refusals for load (429) and waits for a router
+/// slot that ran out (504) are not failures.
 fn engine_failures(records: &[loadgen::summary::Record]) -> Option<String> {
-    let mut failed = records.iter().filter(|r| r.status >= 500);
+    let mut failed = records.iter().filter(|r| r.status >= 500 && r.status != 504);
     let first = failed.next()?;
     Some(format!(
         "{} of {} requests failed in the engine (first, request {}: {})",
@@ -316,14 +357,19 @@ fn parse_policies(list: &str) -> Result<Vec<Policy>, String> {
 /// The `[scheduler]` table of a router TOML file (the defaults without a file).
 pub fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfig, String> {
     let Some(path) = path else { return Ok(SchedulerConfig::default()) };
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let file: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let file = read_table(path)?;
     let config: SchedulerConfig = match file.get("scheduler") {
         Some(t) => t.clone().try_into().map_err(|e| format!("{}: [scheduler]: {e}", path.display()))?,
         None => SchedulerConfig::default(),
     };
     config.validate().map_err(|e| format!("{}: [scheduler]: {}", path.display(), e.join("; ")))?;
     Ok(config)
+}
+
+/// A router TOML file, read as a table.
+fn read_table(path: &std::path::Path) -> Result<toml::Table, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 fn policy_json(o: &Outcome, s: &Summary) -> serde_json::Value {
@@ -434,11 +480,49 @@ mod tests {
             error: error.map(str::to_string),
             ..Record::default()
         };
-        let mut records = vec![rec(0, 200, None), rec(1, 429, Some("every decode worker is busy"))];
+        let mut records = vec![
+            rec(0, 200, None),
+            rec(1, 429, Some("every decode worker is busy")),
+            rec(4, 504, Some("the request waited for a router slot until its deadline")),
+        ];
         assert_eq!(engine_failures(&records), None);
         records.push(rec(2, 500, Some("block 0 is outside the KV store")));
         records.push(rec(3, 500, None));
         let why = engine_failures(&records).expect("named");
-        assert_eq!(why, "2 of 4 requests failed in the engine (first, request 2: block 0 is outside the KV store)");
+        assert_eq!(why, "2 of 5 requests failed in the engine (first, request 2: block 0 is outside the KV store)");
+    }
+
+    #[derive(clap::Parser)]
+    struct Cluster {
+        #[command(flatten)]
+        cluster: ClusterArgs,
+    }
+
+    fn admission(args: &[&str]) -> Result<sim::Limits, String> {
+        use clap::Parser;
+        let parsed =
+            Cluster::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).map_err(|e| e.to_string())?;
+        parsed.cluster.admission()
+    }
+
+    #[test]
+    fn admission_limits_come_from_the_flags_then_the_router_file_then_the_routers_defaults() {
+        let d = sim::Limits::default();
+        assert_eq!(admission(&[]), Ok(d));
+        let dir = std::env::temp_dir().join(format!("tandem-sim-admission-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let file = dir.join("router.toml");
+        std::fs::write(&file, "max_in_flight = 5\nrequest_timeout_ms = 2500\n[scheduler]\n").expect("written");
+        let path = file.to_str().expect("a UTF-8 path");
+        let from_file = sim::Limits { max_in_flight: 5, request_timeout: 2.5, ..d };
+        assert_eq!(admission(&["--config", path]), Ok(from_file));
+        assert_eq!(
+            admission(&["--config", path, "--max-in-flight", "7", "--max-queue", "3"]),
+            Ok(sim::Limits { max_in_flight: 7, max_queue: 3, ..from_file })
+        );
+        std::fs::write(&file, "max_queue = -1\n").expect("written");
+        let err = admission(&["--config", path]).expect_err("a negative queue");
+        assert!(err.contains("max_queue must be a whole number"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
