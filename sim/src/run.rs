@@ -24,6 +24,8 @@ use crate::gate::{Arrival, Gate, Limits};
 use crate::queue::Queue;
 use crate::worker::SimWorker;
 
+mod failover;
+
 /// What the simulator models beyond the engine's own steps.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Settings {
@@ -69,10 +71,22 @@ pub struct Settings {
     pub stream_kv: bool,
     /// Each router replica's admission control (the router's `max_in_flight`, `max_queue` and request timeout).
     pub admission: Limits,
+    /// Workers that fail, by name, and when (virtual seconds): from then on a worker computes and reports nothing,
+    /// and the routers fail its requests over as the real one does ([`failover`]).
+    pub failures: Vec<Failure>,
     /// Each placement keeps its decision's candidates as scored ([`Placed::candidates`]): to compare the
     /// simulated router's inputs with a real router's recording of them.
     pub record_candidates: bool,
     pub seed: u64,
+}
+
+/// A worker that fails during the run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Failure {
+    /// Its name (`prefill-K` or `decode-K`).
+    pub worker: String,
+    /// Virtual seconds, on the workload's clock.
+    pub at: f64,
 }
 
 /// What a run produced.
@@ -125,6 +139,9 @@ struct Placement {
     reason: String,
     margin: Option<f64>,
     candidates: Option<Candidates>,
+    /// With failures: the prefill candidates in the order the router tries them, each with the blocks it held, and
+    /// the decode worker's held blocks ([`failover::Retries`]).
+    retry_order: Option<(Vec<(usize, u64)>, u64)>,
 }
 
 /// How evenly the work was spread, sampled at every arrival (what herding shows in).
@@ -173,6 +190,8 @@ enum Ev {
     },
     /// Request `r`'s KV has reached its decode worker.
     Pulled(usize),
+    /// Worker `w` fails.
+    Fail(usize),
 }
 
 #[derive(Default)]
@@ -183,6 +202,15 @@ struct Live {
     slot: bool,
     /// It waits for one.
     waiting: bool,
+    /// The worker its current attempt runs on (its prefill worker while prefilling, then its decode worker);
+    /// `None` before it is routed and after it ends.
+    on: Option<usize>,
+    /// Its decode attempt starts with a pull (`Ev::Pulled` to come).
+    pulling: bool,
+    /// Tokens its current decode attempt made (the router's accounting learns of the first).
+    attempt_tokens: u32,
+    /// In runs with failures, what its failover needs.
+    retries: Option<Box<failover::Retries>>,
     /// Prompt tokens.
     isl: usize,
     /// The prompt, hashed once for the router and the engines alike; it moves to the engine that runs it last.
@@ -223,6 +251,8 @@ struct Replica {
     /// When each tokenizer slot is free.
     tokenizers: Vec<f64>,
     gate: Gate,
+    /// Retries and failovers allowed (the real router's budget, on the virtual clock).
+    budget: router::resilience::RetryBudget,
 }
 
 /// The workers, the routers' state, and the requests in flight.
@@ -242,6 +272,10 @@ struct Sim<'a> {
     out: Outcome,
     /// When the latest response ended.
     last_response: f64,
+    /// The failures to come, resolved to workers (queued when the run starts).
+    failures: Vec<(f64, Ev)>,
+    /// What virtual time 0 stands for in the retry budget, which only compares instants with each other.
+    origin: std::time::Instant,
     /// In a replay, the simulated worker for each worker the recording names.
     recorded: HashMap<String, usize>,
     /// The workers' disk tiers live here for the run (removed at its end).
@@ -286,6 +320,7 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
             Start::Slot => return Err(SimError::Settings("closed-loop schedules are not simulated".into())),
         }
     }
+    arrivals.append(&mut sim.failures);
     sim.queue.up_front(arrivals);
     while let Some((at, ev)) = sim.queue.pop() {
         // The end of a wait that ended with a slot: nothing happens then (and the run does not last until it).
@@ -345,6 +380,16 @@ impl<'a> Sim<'a> {
             workers.push(SimWorker::new(WorkerId(i as u32), name, role, Stepper::new(engine), replicas));
         }
         let recorded = if settings.replay { recorded_names(settings, workload)? } else { HashMap::new() };
+        let mut failures = Vec::new();
+        for f in &settings.failures {
+            let w = workers.iter().position(|w| w.name == f.worker).ok_or_else(|| {
+                SimError::Settings(format!("no worker {} to fail (the workers are prefill-K and decode-K)", f.worker))
+            })?;
+            if !(f.at.is_finite() && f.at >= 0.0) {
+                return Err(SimError::Settings(format!("{}: a failure's time must be >= 0 s", f.worker)));
+            }
+            failures.push((f.at, Ev::Fail(w)));
+        }
         let routers = (0..replicas)
             .map(|r| {
                 let mut index = PrefixIndex::with_capacity(index_capacity(settings, workload, workers.len()));
@@ -358,6 +403,7 @@ impl<'a> Sim<'a> {
                     state,
                     tokenizers: vec![0.0; settings.router_slots.max(1)],
                     gate: Gate::new(settings.admission),
+                    budget: Default::default(),
                 }
             })
             .collect();
@@ -375,6 +421,8 @@ impl<'a> Sim<'a> {
             live: (0..workload.len()).map(|_| Live::default()).collect(),
             out: Outcome { placements: vec![None; workload.len()], ..Outcome::default() },
             last_response: 0.0,
+            failures,
+            origin: std::time::Instant::now(),
             recorded,
             _disk: disk,
         })
@@ -393,6 +441,8 @@ impl<'a> Sim<'a> {
             }
             Ev::Route(i) => self.route(now, i),
             Ev::StepEnd { w, turn } => self.step_end(now, w, turn),
+            // A failed worker's messages on their way stop with it.
+            Ev::Events(w, _) | Ev::Report { w, .. } if self.workers[w].down => {}
             Ev::Events(w, events) => {
                 for replica in &mut self.routers {
                     // In order and gapless by construction: nothing to resync.
@@ -401,6 +451,7 @@ impl<'a> Sim<'a> {
             }
             Ev::Report { w, r, report } => self.routers[r].load.report(WorkerId(w as u32), report),
             Ev::Pulled(i) => self.pulled(now, i),
+            Ev::Fail(w) => self.fail_worker(now, w),
         }
     }
 
@@ -410,6 +461,7 @@ impl<'a> Sim<'a> {
         let capacity = self.settings.engine.kv_blocks as u64;
         self.workers
             .iter()
+            .filter(|w| !w.down)
             .map(|w| WorkerView {
                 id: w.id,
                 name: w.name.clone(),
@@ -490,9 +542,11 @@ impl<'a> Sim<'a> {
             self.replayed(i)
         } else {
             let explain = self.settings.record_candidates;
+            let failures = !self.settings.failures.is_empty();
             route(&req, &views, cfg, &mut self.routers[router].state).map(|d| Placement {
                 margin: d.prefill_margin(),
                 candidates: explain.then(|| d.candidates()),
+                retry_order: failures.then(|| failover::retry_order(&d)),
                 prefill: d.prefill.filter(|_| d.disaggregate).map(|c| c.id.0 as usize),
                 decode: d.decode.id.0 as usize,
                 reason: d.reason.as_str().to_string(),
@@ -526,6 +580,7 @@ impl<'a> Sim<'a> {
                 reason: format!("recorded {}", d.reason.as_deref().unwrap_or("decision")),
                 margin: None,
                 candidates: None,
+                retry_order: None,
             }),
             None => Err(RouteError::NoDecodeWorkers),
         }
@@ -579,8 +634,16 @@ impl<'a> Sim<'a> {
         let decode = d.decode;
         self.live[i].decode = decode;
         let target = d.prefill.unwrap_or(decode);
-        let v = &views[target];
-        let held = (v.overlap.device + v.overlap.host + v.overlap.disk) as u64;
+        let held = views
+            .iter()
+            .find(|v| v.id.0 as usize == target)
+            .map_or(0, |v| (v.overlap.device + v.overlap.host + v.overlap.disk) as u64);
+        if !self.settings.failures.is_empty() {
+            self.live[i].retries = Some(Box::new(failover::Retries::new(d.retry_order.clone(), target != decode)));
+            let at = self.instant(now);
+            self.routers[self.live[i].router].budget.request(at, &failover::budget_settings());
+        }
+        (self.live[i].on, self.live[i].attempt_tokens) = (Some(target), 0);
         let isl = self.live[i].isl as u64;
         let uncached = isl.saturating_sub(held * self.block_size.tokens() as u64);
         let export = target != decode;
@@ -630,6 +693,10 @@ impl<'a> Sim<'a> {
     /// step kept a newly sent prompt out of the real workers' reports for seconds; the router counts it by its own
     /// figures meanwhile).
     fn submit(&mut self, now: f64, w: usize, job: Job) {
+        if self.workers[w].down {
+            // A call to a worker that is gone fails at once.
+            return self.attempt_failed(now, job.i, w);
+        }
         *self.out.per_worker.entry(self.workers[w].name.clone()).or_default() += 1;
         if self.workers[w].stepping {
             self.workers[w].sent.push(job);
@@ -688,6 +755,9 @@ impl<'a> Sim<'a> {
 
     /// Sends what worker `w`'s state change tells the router: new KV events and, when due, a load report.
     fn publish(&mut self, now: f64, w: usize) {
+        if self.workers[w].down {
+            return;
+        }
         let events = self.workers[w].new_events();
         if !events.is_empty() {
             self.queue.at(now + self.settings.event_delay, Ev::Events(w, events));
@@ -704,6 +774,12 @@ impl<'a> Sim<'a> {
             for e in ends {
                 self.queue.at(e.at, Ev::StepEnd { w: e.worker, turn: e.turn });
             }
+        }
+        if self.workers[w].down {
+            // It failed during the step: nothing of it comes out, and nothing more runs there.
+            self.workers[w].pending.clear();
+            self.workers[w].stepping = false;
+            return;
         }
         // The step's outputs go out while the worker still counts as stepping: what they cause on this worker
         // (a request sent back to it, a lease ended) queues behind what came during the step.
@@ -732,9 +808,15 @@ impl<'a> Sim<'a> {
                 let live = &mut self.live[id as usize];
                 if live.prefill == Some(w) {
                     live.first_token = Some(token);
-                } else if live.produced == u64::from(live.prefill.is_some()) {
-                    // The decode worker's first token (after the prefill worker's, when there was one).
-                    self.routers[live.router].load.first_token(worker, id);
+                } else {
+                    if live.attempt_tokens == 0 {
+                        // The decode attempt's first token (after the prefill worker's, when there was one).
+                        self.routers[live.router].load.first_token(worker, id);
+                    }
+                    live.attempt_tokens += 1;
+                }
+                if let Some(r) = &mut live.retries {
+                    r.generated.push(token);
                 }
                 if let Some(last) = live.last_at {
                     if live.gaps.capacity() == 0 {
@@ -778,7 +860,14 @@ impl<'a> Sim<'a> {
     /// Moves request `i`'s prompt KV from prefill worker `p` to its decode worker: only the leading full blocks
     /// the decode worker does not hold, over both workers' links, charged at the modelled block size.
     fn transfer(&mut self, now: f64, i: usize, p: usize, kv: engine::generate::ExportedKv) {
+        if self.workers[self.live[i].decode].down {
+            // The decided decode worker failed while the prompt prefilled: nothing ran there, so another takes the
+            // request as its first decode attempt (not a resumption), as the real router does.
+            let tried = self.live[i].retries.as_ref().map(|r| r.tried.clone()).unwrap_or_default();
+            self.live[i].decode = self.next_decoder(i, &tried);
+        }
         let d = self.live[i].decode;
+        (self.live[i].on, self.live[i].pulling, self.live[i].attempt_tokens) = (Some(d), true, 0);
         let hashes: Vec<SeqHash> = kv.metas.iter().map_while(|b| b.map(|m| m.seq)).collect();
         let m = self.workers[d].engine.lookup(&hashes);
         let held = (m.device + m.host + m.disk).min(hashes.len());
@@ -843,6 +932,10 @@ impl<'a> Sim<'a> {
     }
 
     fn pulled(&mut self, now: f64, i: usize) {
+        if !std::mem::take(&mut self.live[i].pulling) {
+            // The attempt it was for failed meanwhile.
+            return;
+        }
         let d = self.live[i].decode;
         // The last submission: the prompt (made with room for the output) moves to the engine.
         let mut prompt = self.live[i].prompt.take();
@@ -890,6 +983,7 @@ impl<'a> Sim<'a> {
         });
         let live = &mut self.live[i];
         live.prompt = None;
+        (live.on, live.pulling, live.retries) = (None, false, None);
         // Its router slot goes to the request waiting longest, which goes on as an event of its own (a chain of
         // refusals would otherwise recurse).
         if std::mem::take(&mut live.slot)

@@ -18,6 +18,8 @@ pub struct SimWorker {
     pub engine: Stepper,
     /// Whether a step is under way (its end is scheduled).
     pub stepping: bool,
+    /// It failed: it computes and reports nothing more (`crate::run`'s failover).
+    pub down: bool,
     /// What the step under way produced, delivered at its end.
     pub pending: Vec<Output>,
     /// Requests sent while a step ran: the engine takes them when it ends (`crate::run`).
@@ -42,6 +44,7 @@ impl SimWorker {
             role,
             engine,
             stepping: false,
+            down: false,
             pending: Vec::new(),
             sent: Vec::new(),
             reclaim: false,

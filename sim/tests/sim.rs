@@ -158,6 +158,84 @@ fn past_the_routers_slots_requests_wait_in_order_and_past_its_queue_they_are_ref
     assert_eq!(out.decisions.get("deadline"), Some(&1));
 }
 
+fn failing(s: Settings, failures: &[(&str, f64)]) -> Settings {
+    let failures = failures.iter().map(|&(w, at)| sim::Failure { worker: w.to_string(), at }).collect();
+    Settings { failures, ..s }
+}
+
+#[test]
+fn a_lost_decode_resumes_on_the_least_loaded_decode_worker_with_the_tokens_sent_so_far() {
+    // Prompts 10 ms + 1 ms a token, decode steps 5 ms. A (100 tokens, 10 out) on decode-0: its first token at
+    // 110 ms, its second at 115; decode-0 fails at 117 ms, during the step that would have made the third. The
+    // router resumes A on decode-1 with the prompt and the two tokens sent (102 tokens: 117 → 229 ms, the third
+    // token), then the seven left, 5 ms each: done at 264 ms. Later arrivals go to decode-1 only.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let s = failing(settings(profile, 0, 2, Policy::RoundRobin), &[("decode-0", 0.117)]);
+    let trace = [request(0.0, 100, 10, 1), request(300.0, 50, 1, 2), request(310.0, 50, 1, 3)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let a = &out.records[0];
+    assert_eq!((a.status, a.output_tokens), (200, 10));
+    assert!((a.time_to_first_token_ms.expect("a first token") - 110.0).abs() < 1e-6);
+    assert!((a.request_latency_ms - 264.0).abs() < 1e-6, "{}", a.request_latency_ms);
+    let want_gaps = [5.0, 114.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0];
+    assert_eq!(a.inter_chunk_ms.len(), want_gaps.len());
+    for (got, want) in a.inter_chunk_ms.iter().zip(want_gaps) {
+        assert!((got - want).abs() < 1e-6, "gaps {:?}", a.inter_chunk_ms);
+    }
+    for k in [1, 2] {
+        assert_eq!(out.placements[k].as_ref().map(|p| p.decode.as_str()), Some("decode-1"), "request {k}");
+        assert_eq!(out.records[k].status, 200);
+    }
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&1));
+    assert_eq!(out.decisions.get("worker_failed"), Some(&1));
+}
+
+#[test]
+fn a_lost_prefill_goes_to_the_next_candidate_then_to_the_decode_worker_itself() {
+    // Two prefill workers, one decode worker; A (100 tokens, 3 out) is prefilled on one of them (a tie: the
+    // decision's). It fails at 50 ms: A is prefilled again on the other, 50 → 160 ms.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let base = settings(profile, 2, 1, Policy::Kv);
+    let trace = [request(0.0, 100, 3, 1)];
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let calm = simulate(&base, &trace, &starts).expect("runs");
+    let chosen = calm.placements[0].as_ref().and_then(|p| p.prefill.clone()).expect("disaggregated");
+    let out = simulate(&failing(base.clone(), &[(&chosen, 0.05)]), &trace, &starts).expect("runs");
+    let a = &out.records[0];
+    assert_eq!((a.status, a.output_tokens), (200, 3));
+    assert!((a.time_to_first_token_ms.expect("a first token") - 160.0).abs() < 1e-6);
+    assert_eq!(out.decisions.get("prefill_retried"), Some(&1));
+    // Both fail at 50 ms: after the second attempt is lost too, the decode worker prefills A itself (50 → 160 ms)
+    // and makes the other two tokens (165, 170 ms).
+    let out = simulate(&failing(base, &[("prefill-0", 0.05), ("prefill-1", 0.05)]), &trace, &starts).expect("runs");
+    let a = &out.records[0];
+    assert_eq!((a.status, a.output_tokens), (200, 3));
+    assert!((a.time_to_first_token_ms.expect("a first token") - 160.0).abs() < 1e-6);
+    assert!((a.request_latency_ms - 170.0).abs() < 1e-6, "{}", a.request_latency_ms);
+    assert_eq!(out.decisions.get("local_prefill_after_failure"), Some(&1));
+}
+
+#[test]
+fn with_no_decode_worker_left_a_request_fails_after_its_attempts_and_later_ones_are_refused() {
+    // As above with one decode worker, which fails at 117 ms: each resumption finds no other worker and fails at
+    // once, and after three attempts (the router's limit) A fails with the two tokens it had. B, at 200 ms, finds
+    // no decode worker.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let s = failing(settings(profile, 0, 1, Policy::RoundRobin), &[("decode-0", 0.117)]);
+    let trace = [request(0.0, 100, 10, 1), request(200.0, 50, 1, 2)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let (a, b) = (&out.records[0], &out.records[1]);
+    assert_eq!((a.status, a.output_tokens), (502, 2));
+    assert_eq!(a.error.as_deref(), Some("no decode worker finished the request after 3 attempts"));
+    assert!((a.request_latency_ms - 117.0).abs() < 1e-6);
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&2));
+    assert_eq!(b.status, 503);
+    // A name that is no worker's is refused before the run.
+    let unknown = failing(s, &[("decode-7", 1.0)]);
+    let err = simulate(&unknown, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect_err("no such worker");
+    assert!(err.to_string().contains("decode-7"), "{err}");
+}
+
 #[test]
 fn workers_sharing_one_core_slow_each_other_down() {
     // The first scenario on one shared core. A's prefill (110 ms of work) runs alone for 1 ms; from B's start both

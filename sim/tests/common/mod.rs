@@ -43,6 +43,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         router_slots: 1,
         stream_kv: false,
         admission: sim::Limits::default(),
+        failures: Vec::new(),
         seed: 7,
     }
 }

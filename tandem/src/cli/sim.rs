@@ -148,6 +148,11 @@ pub struct ClusterArgs {
     /// Longest wait for a slot, in milliseconds (as the router's `--request-timeout-ms`); past it, 504.
     #[arg(long)]
     request_timeout_ms: Option<u64>,
+    /// Workers that fail during the run, as NAME@SECONDS on the workload's clock (e.g. `decode-3@120`), comma
+    /// separated: from then on the worker computes and reports nothing, and the router fails its requests over as
+    /// the real one does (docs/simulation.md, "Failures").
+    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS")]
+    fail: Vec<String>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -193,6 +198,7 @@ impl ClusterArgs {
             host_cores: self.host_cores,
             stream_kv: self.stream_kv,
             admission: self.admission()?,
+            failures: self.fail.iter().map(|f| parse_failure(f)).collect::<Result<_, _>>()?,
             seed,
         })
     }
@@ -330,11 +336,12 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What to say when simulated engines failed requests (a 5xx): in a simulation that is a misconfigured cluster
-/// or a bug, never load, and the figures around it mean little. Refusals for load (429) and waits for a router
-/// slot that ran out (504) are not failures.
+/// What to say when simulated engines failed requests (500): in a simulation that is a misconfigured cluster or a
+/// bug, never load, and the figures around it mean little. Refusals for load (429), requests no worker could
+/// finish after failures (502, 503) and waits for a router slot that ran out (504) are the cluster's answers, not
+/// engine failures.
 fn engine_failures(records: &[loadgen::summary::Record]) -> Option<String> {
-    let mut failed = records.iter().filter(|r| r.status >= 500 && r.status != 504);
+    let mut failed = records.iter().filter(|r| r.status == 500);
     let first = failed.next()?;
     Some(format!(
         "{} of {} requests failed in the engine (first, request {}: {})",
@@ -364,6 +371,17 @@ pub fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfi
     };
     config.validate().map_err(|e| format!("{}: [scheduler]: {}", path.display(), e.join("; ")))?;
     Ok(config)
+}
+
+/// `NAME@SECONDS`: a worker's failure.
+fn parse_failure(text: &str) -> Result<sim::Failure, String> {
+    let bad = || format!("--fail {text}: NAME@SECONDS, e.g. decode-3@120");
+    let (worker, at) = text.split_once('@').ok_or_else(bad)?;
+    let at: f64 = at.trim().parse().map_err(|_| bad())?;
+    if worker.trim().is_empty() || !at.is_finite() || at < 0.0 {
+        return Err(bad());
+    }
+    Ok(sim::Failure { worker: worker.trim().to_string(), at })
 }
 
 /// A router TOML file, read as a table.
@@ -484,12 +502,22 @@ mod tests {
             rec(0, 200, None),
             rec(1, 429, Some("every decode worker is busy")),
             rec(4, 504, Some("the request waited for a router slot until its deadline")),
+            rec(5, 502, Some("no decode worker finished the request after 3 attempts")),
         ];
         assert_eq!(engine_failures(&records), None);
         records.push(rec(2, 500, Some("block 0 is outside the KV store")));
         records.push(rec(3, 500, None));
         let why = engine_failures(&records).expect("named");
-        assert_eq!(why, "2 of 5 requests failed in the engine (first, request 2: block 0 is outside the KV store)");
+        assert_eq!(why, "2 of 6 requests failed in the engine (first, request 2: block 0 is outside the KV store)");
+    }
+
+    #[test]
+    fn a_failure_is_a_name_and_seconds() {
+        assert_eq!(parse_failure("decode-3@120"), Ok(sim::Failure { worker: "decode-3".into(), at: 120.0 }));
+        assert_eq!(parse_failure("prefill-0@0.5").map(|f| f.at), Ok(0.5));
+        for bad in ["decode-3", "decode-3@", "@5", "decode-3@-1", "decode-3@soon", "decode-3@inf"] {
+            assert!(parse_failure(bad).is_err(), "{bad}");
+        }
     }
 
     #[derive(clap::Parser)]

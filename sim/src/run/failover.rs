@@ -1,0 +1,211 @@
+//! Worker failures, and the router's failover as `router::serve` does it: a lost prefill goes to the decision's
+//! next prefill candidate (the chosen one first, then by cost, at most `max_prefill_attempts` of them), and after
+//! the last one the decode worker prefills the prompt itself; a lost decode (or the pull its attempt started with)
+//! resumes on the least loaded decode worker not yet tried, which computes the prompt and the tokens already sent
+//! and makes the rest, at most `max_decode_attempts` attempts in all. Every retry after the first attempt and
+//! the local prefill after a lost one come out of the router's retry budget (the real `RetryBudget`, on the
+//! virtual clock). A failed worker computes and reports nothing more: the step it was running produces nothing,
+//! its messages on their way to the router are lost, and the routers leave it out of every later decision.
+
+use std::time::{Duration, Instant};
+
+use kv_cache::HashedTokens;
+use router::resilience::RetryBudgetSettings;
+use router::run::defaults::{MAX_DECODE_ATTEMPTS, MAX_PREFILL_ATTEMPTS};
+use router::scheduler::Decision;
+use router::scheduler::view::{WorkerId, WorkerRole};
+
+use super::{Job, Sim};
+
+/// What a request's failover needs, kept from its decision on (only in runs with failures).
+#[derive(Debug, Default)]
+pub(super) struct Retries {
+    /// The decision's prefill candidates in the order the router tries them, each with the blocks it held.
+    prefill_order: Vec<(usize, u64)>,
+    /// Prefill candidates taken so far.
+    prefill_next: usize,
+    /// The blocks the decided decode worker held (its own prefill, after the last prefill attempt failed).
+    decode_held: u64,
+    /// Decode workers whose attempt failed.
+    pub(super) tried: Vec<usize>,
+    /// Tokens sent to the client so far (a resumption computes them after the prompt).
+    pub(super) generated: Vec<u32>,
+}
+
+impl Retries {
+    /// For a decision whose retry order is `order` (none in a replay); `disaggregated` when its first attempt is a
+    /// prefill.
+    pub(super) fn new(order: Option<(Vec<(usize, u64)>, u64)>, disaggregated: bool) -> Retries {
+        let (prefill_order, decode_held) = order.unwrap_or_default();
+        Retries { prefill_order, prefill_next: usize::from(disaggregated), decode_held, ..Retries::default() }
+    }
+
+    /// The next prefill candidate to try, among the first `max_prefill_attempts` (the router takes no more, failed
+    /// or not), with the blocks it held.
+    fn next_prefill(&mut self) -> Option<(usize, u64)> {
+        let next = *self.prefill_order.get(self.prefill_next).filter(|_| self.prefill_next < MAX_PREFILL_ATTEMPTS)?;
+        self.prefill_next += 1;
+        Some(next)
+    }
+}
+
+/// The prefill candidates of `d` in the order `router::serve::prefill` tries them (the chosen one first, then by
+/// cost), each with the blocks it held, and the blocks the decided decode worker held.
+pub(super) fn retry_order(d: &Decision) -> (Vec<(usize, u64)>, u64) {
+    let held = |c: &router::scheduler::Scored| (c.device_blocks + c.host_blocks + c.disk_blocks) as u64;
+    let prefill = match &d.prefill {
+        Some(choice) if d.disaggregate => {
+            let mut order: Vec<_> = choice.candidates.iter().collect();
+            order.sort_by(|a, b| (a.id != choice.id).cmp(&(b.id != choice.id)).then(a.cost.total_cmp(&b.cost)));
+            order.into_iter().map(|c| (c.id.0 as usize, held(c))).collect()
+        }
+        _ => Vec::new(),
+    };
+    (prefill, d.decode.chosen().map_or(0, held))
+}
+
+/// The router's default retry budget.
+pub(super) fn budget_settings() -> RetryBudgetSettings {
+    RetryBudgetSettings::default()
+}
+
+impl Sim<'_> {
+    /// Virtual time `now` as an instant for the retry budget, which only ever compares two of them.
+    pub(super) fn instant(&self, now: f64) -> Instant {
+        self.origin + Duration::from_secs_f64(now.max(0.0))
+    }
+
+    /// Worker `w` fails: every attempt running there (or pulling from it) fails over.
+    pub(super) fn fail_worker(&mut self, now: f64, w: usize) {
+        if std::mem::replace(&mut self.workers[w].down, true) {
+            return;
+        }
+        *self.out.decisions.entry("worker_failed".into()).or_default() += 1;
+        self.workers[w].sent.clear();
+        for replica in &mut self.routers {
+            replica.load.forget(WorkerId(w as u32));
+        }
+        let hit: Vec<usize> = (0..self.live.len())
+            .filter(|&i| {
+                let l = &self.live[i];
+                l.on == Some(w) || (l.pulling && l.prefill == Some(w))
+            })
+            .collect();
+        for i in hit {
+            let on = self.live[i].on.unwrap_or(w);
+            self.attempt_failed(now, i, on);
+        }
+    }
+
+    /// Request `i`'s attempt on worker `w` failed (the worker is gone, or the pull its decode started with).
+    pub(super) fn attempt_failed(&mut self, now: f64, i: usize, w: usize) {
+        self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
+        if self.live[i].prefill == Some(w) && self.live[i].on == Some(w) {
+            self.prefill_failed(now, i);
+        } else {
+            self.decode_failed(now, i, w);
+        }
+    }
+
+    fn prefill_failed(&mut self, now: f64, i: usize) {
+        let router = self.live[i].router;
+        let at = self.instant(now);
+        while let Some((p, held)) = self.live[i].retries.as_mut().and_then(|r| r.next_prefill()) {
+            if self.workers[p].down {
+                continue;
+            }
+            if !self.routers[router].budget.try_retry(at, &budget_settings()) {
+                break;
+            }
+            *self.out.decisions.entry("prefill_retried".into()).or_default() += 1;
+            let bt = self.block_size.tokens() as u64;
+            let uncached = (self.live[i].isl as u64).saturating_sub(held * bt);
+            (self.live[i].prefill, self.live[i].on) = (Some(p), Some(p));
+            self.send(p, i, uncached);
+            let prompt = Some(self.prompt_of(i));
+            return self.submit(now, p, Job { i, prompt, max_tokens: 1, export: true, pulled: false });
+        }
+        // Every prefill attempt failed: the decode worker prefills the prompt itself, within the budget.
+        if !self.routers[router].budget.try_retry(at, &budget_settings()) {
+            let why = "the prefill failed and the retry budget is spent".to_string();
+            return self.finish(now, i, 503, Some(why), None);
+        }
+        *self.out.decisions.entry("local_prefill_after_failure".into()).or_default() += 1;
+        let mut d = self.live[i].decode;
+        let mut held = self.live[i].retries.as_ref().map_or(0, |r| r.decode_held);
+        if self.workers[d].down {
+            d = self.next_decoder(i, &[]);
+            held = 0;
+        }
+        let bt = self.block_size.tokens() as u64;
+        let uncached = (self.live[i].isl as u64).saturating_sub(held * bt);
+        let live = &mut self.live[i];
+        (live.prefill, live.decode, live.on, live.attempt_tokens) = (None, d, Some(d), 0);
+        let max_tokens = live.max_tokens;
+        self.send(d, i, uncached);
+        let prompt = Some(self.prompt_of(i));
+        self.submit(now, d, Job { i, prompt, max_tokens, export: false, pulled: false });
+    }
+
+    fn decode_failed(&mut self, now: f64, i: usize, w: usize) {
+        let live = &mut self.live[i];
+        let pulling = std::mem::take(&mut live.pulling);
+        let lease = live.pull.take();
+        // A pull that will not finish ends its prefill worker's lease.
+        if let (true, Some(p), Some(_)) = (pulling, live.prefill, lease)
+            && !self.workers[p].down
+        {
+            self.unpinned(now, p);
+        }
+        let Some(r) = self.live[i].retries.as_mut() else {
+            return self.finish(now, i, 502, Some("the decode worker failed".into()), None);
+        };
+        r.tried.push(w);
+        let tried = r.tried.clone();
+        let at = self.instant(now);
+        let router = self.live[i].router;
+        if tried.len() >= MAX_DECODE_ATTEMPTS || !self.routers[router].budget.try_retry(at, &budget_settings()) {
+            let why = format!("no decode worker finished the request after {} attempts", tried.len());
+            return self.finish(now, i, 502, Some(why), None);
+        }
+        *self.out.decisions.entry("decode_resumed".into()).or_default() += 1;
+        let d = self.next_decoder(i, &tried);
+        // The prompt and every token sent so far, computed there; the rest of the output made there.
+        let generated = self.live[i].retries.as_ref().map_or(&[][..], |r| &r.generated[..]);
+        let mut tokens = self.prompt_of(i).tokens().to_vec();
+        tokens.extend_from_slice(generated);
+        let max_tokens = self.live[i].max_tokens.saturating_sub(generated.len() as u32).max(1);
+        let prompt = HashedTokens::new(tokens, self.block_size, None);
+        let uncached = prompt.tokens().len() as u64;
+        let live = &mut self.live[i];
+        (live.prefill, live.decode, live.on, live.attempt_tokens) = (None, d, Some(d), 0);
+        self.send(d, i, uncached);
+        self.submit(now, d, Job { i, prompt: Some(prompt), max_tokens, export: false, pulled: false });
+    }
+
+    /// The decode worker a failed-over request goes to, as `router::serve::next_decoder` picks it: the one with the
+    /// fewest requests in flight from request `i`'s router among those up and not in `tried` (the lowest number
+    /// among equals); a worker of `tried` when there is no other (its attempt then fails at once).
+    pub(super) fn next_decoder(&self, i: usize, tried: &[usize]) -> usize {
+        let load = &self.routers[self.live[i].router].load;
+        let fallback = tried.last().copied().unwrap_or(self.live[i].decode);
+        (0..self.workers.len())
+            .filter(|&w| {
+                let worker = &self.workers[w];
+                worker.role == WorkerRole::Decode && !worker.down && !tried.contains(&w)
+            })
+            .min_by_key(|&w| (load.own_requests(WorkerId(w as u32)), w))
+            .unwrap_or(fallback)
+    }
+
+    /// Request `i`'s prompt: the one it holds, or (once that moved to an engine) the same tokens made again.
+    fn prompt_of(&self, i: usize) -> HashedTokens {
+        if let Some(p) = &self.live[i].prompt {
+            return p.clone();
+        }
+        let r = &self.workload[i];
+        let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
+        let prompt = self.prompts.prompt_with_room(r, i, Some(max_isl), 0);
+        HashedTokens::new(prompt.tokens, self.block_size, None)
+    }
+}
