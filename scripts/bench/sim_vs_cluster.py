@@ -17,11 +17,15 @@ With `--engine cpu` the real side is `tandem up` on the embedded model on this m
 one thread) with `--host-cores` (the cores the workers share, default this machine's; 0: none shared), and the workload is the synthetic shared-prefix one at `--rate` (the same prompts for
 both): this measures the timing model itself, which the mock shares with the simulator.
 
+With `--fail decode-0@40` the real cluster runs as separate processes (`tandem worker` each, then `tandem router`)
+and the named worker is killed 40 s after the router recorded its first request; the simulator fails the same
+worker at the same time on the workload's clock: this checks the simulated failover against the router's own.
+
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
-      [--parted 3] [--out runs/sim-vs-cluster]
+      [--fail NAME@SECONDS,...] [--parted 3] [--out runs/sim-vs-cluster]
 """
 import argparse
 import os
@@ -31,10 +35,30 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
+import time
 
-from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster, set_router_config
+from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster, process_cluster, set_router_config
 
 SLO = "ttft_ms=2000,tpot_ms=25"
+
+
+def kill_later(proc, seconds, recording):
+    """A thread that kills `proc` (SIGKILL: a crash, no goodbye) `seconds` after the router recorded its first
+    request (the workload's time 0, as the simulator counts it)."""
+    def run():
+        while True:
+            try:
+                if len(pathlib.Path(recording).read_text().splitlines()) > 1:
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.002)
+        time.sleep(seconds)
+        proc.kill()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
 
 
 def quantile(values, q):
@@ -234,6 +258,10 @@ def main():
     p.add_argument("--max-in-flight", type=int,
                    help="requests the router holds at once, in both clusters (default: the router's); past it "
                         "arrivals wait in its queue")
+    p.add_argument("--fail", metavar="NAME@SECONDS",
+                   help="workers that fail, comma-separated (e.g. decode-0@40): the real cluster runs as separate "
+                        "processes and the named one is killed (SIGKILL) that long after the router saw the first "
+                        "request; the simulator gets the same --fail (mock engine only)")
     p.add_argument("--max-batched-tokens", type=int,
                    help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
@@ -253,18 +281,31 @@ def main():
     admission = ["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
              "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers, *budget, *admission]
+    failures = [f.split("@") for f in args.fail.split(",")] if args.fail else []
+    if failures and cpu:
+        sys.exit("--fail runs the mock cluster only")
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     for k in range(args.repeat):
         d = out / ("cluster" if k == 0 else f"cluster-{k}")
         d.mkdir(parents=True, exist_ok=True)
         (d / "recording.jsonl").unlink(missing_ok=True)
-        with mock_cluster(args.tandem, [*flags, "--record-trace", str(d / "recording.jsonl"), "--record-candidates"],
-                          engine=args.engine, log=d / "up.log") as url:
+        recording = ["--record-trace", str(d / "recording.jsonl"), "--record-candidates", "true"]
+        if failures:
+            worker_flags = [*tiers, *budget]
+            router_flags = [*recording, "--stream-kv", args.stream_kv, *admission]
+            cluster = process_cluster(args.tandem, args.prefill, args.decode, worker_flags, router_flags, d / "up.log")
+        else:
+            cluster = mock_cluster(args.tandem, [*flags, *recording[:3]], engine=args.engine, log=d / "up.log")
+        with cluster as up:
+            url, procs = up if failures else (up, {})
             # The simulator's workers start warm: no slow start for the real ones either.
-            set_router_config(url, {"ties": args.ties, "slow_start_secs": 0})
+            set_router_config(url, {"ties": args.ties, "slow_start_secs": 0, "policy": args.policy})
+            killers = [kill_later(procs[name], float(at), d / "recording.jsonl") for name, at in failures]
             runs.append((d, bench_serve(args.tandem, url, [
                 *workload, "--seed", str(args.seed), "--slo", SLO, "--ignore-eos", "--out", str(d)])))
+            for k in killers:
+                k.join()
             rates.append(tokenizer_rate(url))
     print("the real routers' tokenizer, tokens/s as requests met it: "
           + ", ".join(f"{r:.3g}" if r else "unknown" for r in rates))
@@ -277,7 +318,8 @@ def main():
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
-    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission,
+    fail = ["--fail", args.fail] if args.fail else []
+    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
                           "--slo", SLO, "--config", str(config), "--stream-kv", args.stream_kv,
@@ -333,7 +375,7 @@ def main():
         retimed(recording, TRACE, args.requests, again / "trace.jsonl")
         done = subprocess.run([args.tandem, "sim", "--trace", str(again / "trace.jsonl"),
                                "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
-                               "--seed", str(args.seed), *tiers[:4], *budget, "--config", str(config),
+                               "--seed", str(args.seed), *tiers[:4], *budget, *fail, "--config", str(config),
                                "--stream-kv", args.stream_kv, "--out", str(again), "--json"],
                               capture_output=True, text=True)
         if done.returncode != 0:

@@ -216,6 +216,24 @@ fn a_lost_prefill_goes_to_the_next_candidate_then_to_the_decode_worker_itself() 
 }
 
 #[test]
+fn a_resumed_request_keeps_the_cached_tokens_its_prefill_worker_reported() {
+    // A leaves its prompt on the prefill worker; B (the same 100 tokens, 10 out) finds 96 of them cached there and
+    // is decoded on one of the two decode workers, which fails mid-decode: B resumes on the other, which computes
+    // the whole prompt again, but the client was told of 96 cached tokens, and its record says so.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let base = settings(profile, 1, 2, Policy::Kv);
+    let trace = [request(0.0, 100, 1, 1), request(200.0, 100, 10, 1)];
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let calm = simulate(&base, &trace, &starts).expect("runs");
+    assert_eq!(calm.records[1].cached_tokens, 96);
+    let decoder = calm.placements[1].as_ref().map(|p| p.decode.clone()).expect("placed");
+    let out = simulate(&failing(base, &[(&decoder, 0.25)]), &trace, &starts).expect("runs");
+    let b = &out.records[1];
+    assert_eq!((b.status, b.output_tokens, b.cached_tokens), (200, 10, 96));
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&1));
+}
+
+#[test]
 fn with_no_decode_worker_left_a_request_fails_after_its_attempts_and_later_ones_are_refused() {
     // As above with one decode worker, which fails at 117 ms: each resumption finds no other worker and fails at
     // once, and after three attempts (the router's limit) A fails with the two tokens it had. B, at 200 ms, finds

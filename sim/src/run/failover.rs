@@ -177,8 +177,9 @@ impl Sim<'_> {
         let max_tokens = self.live[i].max_tokens.saturating_sub(generated.len() as u32).max(1);
         let prompt = HashedTokens::new(tokens, self.block_size, None);
         let uncached = prompt.tokens().len() as u64;
+        // Its prefill worker, if it had one, stays its own: the cached tokens reported are still that one's.
         let live = &mut self.live[i];
-        (live.prefill, live.decode, live.on, live.attempt_tokens) = (None, d, Some(d), 0);
+        (live.decode, live.on, live.attempt_tokens) = (d, Some(d), 0);
         self.send(d, i, uncached);
         self.submit(now, d, Job { i, prompt: Some(prompt), max_tokens, export: false, pulled: false });
     }
