@@ -106,6 +106,23 @@ def tokenizer_rate(url):
     return value["tandem_router_tokenized_tokens_total"] / seconds if seconds > 0 else None
 
 
+FAILOVER = {"decode_resumed": "tandem_router_decode_resumptions_total",
+            "prefill_retried": "tandem_router_prefill_retries_total",
+            "local_prefill_after_failure": "tandem_router_local_prefill_fallbacks_total"}
+
+
+def failovers(url):
+    """The router's failover counters from its metrics, under the simulator's decision names."""
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = {}
+    for key, name in FAILOVER.items():
+        m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        found[key] = int(float(m.group(1))) if m else 0
+    return found
+
+
 def records(path):
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
@@ -125,9 +142,11 @@ def prefilled_on(decision):
 
 
 def worker_names(log):
-    """`tandem up`'s workers by address, from the lines it prints at start (`  prefill-0  grpc 127.0.0.1:…, …`)."""
+    """The workers' names by address, from the lines `tandem up` prints at start (`  prefill-0  grpc 127.0.0.1:…,
+    …`; `process_cluster` writes the same), and by name too: a router names a worker by its address, unless the
+    worker was started with a name (`tandem worker --name`)."""
     found = re.findall(r"^\s*(\S+-\d+)\s+grpc (\S+?),", pathlib.Path(log).read_text(), re.MULTILINE)
-    return {addr: name for name, addr in found}
+    return {**{addr: name for name, addr in found}, **{name: name for name, _ in found}}
 
 
 def request_lines(recording):
@@ -286,14 +305,18 @@ def main():
         sys.exit("--fail runs the mock cluster only")
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
+    real_failovers = []  # per real run with --fail, its router's failover counters
     for k in range(args.repeat):
         d = out / ("cluster" if k == 0 else f"cluster-{k}")
         d.mkdir(parents=True, exist_ok=True)
         (d / "recording.jsonl").unlink(missing_ok=True)
         recording = ["--record-trace", str(d / "recording.jsonl"), "--record-candidates", "true"]
         if failures:
-            worker_flags = [*tiers, *budget]
-            router_flags = [*recording, "--stream-kv", args.stream_kv, *admission]
+            # The mock's context (`engine::backend::mock::DEFAULT_MOCK_CONTEXT`), which `tandem up` gives its router
+            # too: a router left at the embedded model's context would cut the trace's long prompts.
+            context = ["--max-model-len", "131072"]
+            worker_flags = [*tiers, *budget, *context]
+            router_flags = [*recording, "--stream-kv", args.stream_kv, *admission, *context]
             cluster = process_cluster(args.tandem, args.prefill, args.decode, worker_flags, router_flags, d / "up.log")
         else:
             cluster = mock_cluster(args.tandem, [*flags, *recording[:3]], engine=args.engine, log=d / "up.log")
@@ -307,6 +330,8 @@ def main():
             for k in killers:
                 k.join()
             rates.append(tokenizer_rate(url))
+            if failures:
+                real_failovers.append(failovers(url))
     print("the real routers' tokenizer, tokens/s as requests met it: "
           + ", ".join(f"{r:.3g}" if r else "unknown" for r in rates))
     measured = [r for r in rates if r]
@@ -353,6 +378,9 @@ def main():
             p50s = [quantile(m[name], 0.5) for m in per_run]
             p90s = [quantile(m[name], 0.9) for m in per_run]
             print(f"  {name} of each real run: p50 {min(p50s):.1f}-{max(p50s):.1f}, p90 {min(p90s):.1f}-{max(p90s):.1f}")
+    if failures:
+        print("failover: sim " + ", ".join(f"{k} {simulated['decisions'].get(k, 0)}" for k in FAILOVER) + "; real "
+              + "; ".join(", ".join(f"{k} {v}" for k, v in f.items()) for f in real_failovers))
     print(f"cached token fraction: sim {100 * simulated['cached_token_fraction']:.1f}%, real "
           + ", ".join(f"{100 * r['cached_token_fraction']:.1f}%" for _, r in runs))
     sim_placements, sim_records = out / "sim" / args.policy / "placements.jsonl", records(
