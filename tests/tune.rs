@@ -63,3 +63,32 @@ async fn tuned_settings_are_written_read_back_and_applied_with_the_admin_key() {
     router.shutdown(Duration::from_secs(5)).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn tune_refuses_failures_and_sim_names_a_worker_it_cannot_fail() {
+    let dir = std::env::temp_dir().join(format!("tandem-tune-fail-test-{}", std::process::id()));
+    let refused = tune(&["--fail", "decode-0@5"], &dir);
+    assert!(!refused.status.success(), "tune does not take --fail");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--fail is for tandem sim"), "{stderr}");
+    let sim = |fail: &str| {
+        Command::new(binary("tandem", "tandem"))
+            .args(["sim", "--trace", TRACE, "--max-requests", "20", "--prefill", "1", "--decode", "2"])
+            .args(["--policies", "kv", "--json", "--fail", fail])
+            .output()
+            .expect("tandem sim runs")
+    };
+    let unknown = sim("decode-2@1");
+    assert!(!unknown.status.success());
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert!(stderr.contains("no worker decode-2"), "{stderr}");
+    let bad = sim("decode-1");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("NAME@SECONDS"), "{}", String::from_utf8_lossy(&bad.stderr));
+    let ok = sim("decode-1@10");
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&ok.stdout).expect("--json");
+    let kv = &report["policies"]["kv"];
+    assert_eq!(kv["decisions"]["worker_failed"], 1, "{kv}");
+    assert_eq!(kv["requests"], 20, "every request answered: {kv}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
