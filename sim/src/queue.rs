@@ -13,6 +13,9 @@ pub struct Queue<E> {
     heap: BinaryHeap<Entry>,
     /// The events scheduled up front, earliest first (ties in scheduling order).
     lane: VecDeque<(f64, u64, E)>,
+    /// Events scheduled in time order as the run goes ([`Queue::at_in_order`]: timeouts, each a constant delay
+    /// after the moment it is set), earliest first.
+    timeouts: VecDeque<(f64, u64, E)>,
     scheduled: u64,
     events: Vec<Option<E>>,
     /// Slab entries free for reuse.
@@ -55,7 +58,14 @@ fn sooner(a: (f64, u64), b: (f64, u64)) -> Ordering {
 
 impl<E> Queue<E> {
     pub fn new() -> Queue<E> {
-        Queue { heap: BinaryHeap::new(), lane: VecDeque::new(), scheduled: 0, events: Vec::new(), free: Vec::new() }
+        Queue {
+            heap: BinaryHeap::new(),
+            lane: VecDeque::new(),
+            timeouts: VecDeque::new(),
+            scheduled: 0,
+            events: Vec::new(),
+            free: Vec::new(),
+        }
     }
 
     /// Schedules many `events` (each at its time) at once, to wait in the lane: they come out exactly as if each
@@ -92,16 +102,31 @@ impl<E> Queue<E> {
         self.scheduled += 1;
     }
 
+    /// Schedules `event` at `at` seconds, no earlier than every event scheduled this way before it (a constant
+    /// delay after the current time, as a timeout is): it waits in a lane of its own instead of the heap, and
+    /// comes out exactly where [`Queue::at`] would have put it.
+    pub fn at_in_order(&mut self, at: f64, event: E) {
+        debug_assert!(self.timeouts.back().is_none_or(|b| b.0 <= at), "at_in_order out of order");
+        self.timeouts.push_back((at, self.scheduled, event));
+        self.scheduled += 1;
+    }
+
     /// The next event and its time.
     pub fn pop(&mut self) -> Option<(f64, E)> {
-        // The lane's first or the heap's top, whichever comes out first.
-        let lane_first = match (self.lane.front(), self.heap.peek()) {
-            (Some(l), Some(h)) => sooner((l.0, l.1), (h.at, h.order)).is_lt(),
+        // Whichever comes out first of the two lanes' fronts and the heap's top.
+        let lane = self.lane.front().map(|f| (f.0, f.1));
+        let timeout = self.timeouts.front().map(|f| (f.0, f.1));
+        let heap = self.heap.peek().map(|h| (h.at, h.order));
+        let before = |a: Option<(f64, u64)>, b: Option<(f64, u64)>| match (a, b) {
+            (Some(a), Some(b)) => sooner(a, b).is_lt(),
             (Some(_), None) => true,
             (None, _) => false,
         };
-        if lane_first {
+        if before(lane, timeout) && before(lane, heap) {
             return self.lane.pop_front().map(|(at, _, e)| (at, e));
+        }
+        if before(timeout, heap) {
+            return self.timeouts.pop_front().map(|(at, _, e)| (at, e));
         }
         let e = self.heap.pop()?;
         self.free.push(e.slot);
@@ -143,6 +168,30 @@ mod tests {
         let (a, b) = (drain(&mut lane), drain(&mut heap));
         assert_eq!(a, b);
         assert_eq!(a.iter().map(|(_, e)| *e).collect::<Vec<_>>(), ["early", "y", "z", "late-1", "w", "x", "late-3"]);
+    }
+
+    #[test]
+    fn events_in_order_come_out_where_the_heap_would_put_them() {
+        let (mut fifo, mut heap) = (Queue::new(), Queue::new());
+        for q in [&mut fifo, &mut heap] {
+            q.up_front([(1.0, "a"), (3.0, "b")]);
+            q.at(2.0, "c");
+        }
+        // Interleaved with the heap's events, ties included: each in its place by time, then by scheduling order.
+        let steps: [(f64, &str, bool); 5] =
+            [(2.0, "d", true), (2.5, "e", false), (2.0, "f", false), (3.0, "g", true), (3.0, "h", true)];
+        for (at, e, timeout) in steps {
+            if timeout {
+                fifo.at_in_order(at, e);
+            } else {
+                fifo.at(at, e);
+            }
+            heap.at(at, e);
+        }
+        let drain = |q: &mut Queue<&'static str>| std::iter::from_fn(|| q.pop().map(|(_, e)| e)).collect::<Vec<_>>();
+        let order = drain(&mut fifo);
+        assert_eq!(order, drain(&mut heap));
+        assert_eq!(order, ["a", "c", "d", "f", "e", "b", "g", "h"]);
     }
 
     #[test]

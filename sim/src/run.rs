@@ -192,6 +192,8 @@ enum Ev {
     Pulled(usize),
     /// Worker `w` fails.
     Fail(usize),
+    /// Request `i`'s deadline: the request timeout since it was routed.
+    Deadline(usize),
 }
 
 #[derive(Default)]
@@ -323,11 +325,11 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
     arrivals.append(&mut sim.failures);
     sim.queue.up_front(arrivals);
     while let Some((at, ev)) = sim.queue.pop() {
-        // The end of a wait that ended with a slot: nothing happens then (and the run does not last until it).
-        if let Ev::WaitEnds(i) = ev
-            && !sim.live[i].waiting
-        {
-            continue;
+        // The end of a wait that ended with a slot, the deadline of a request that ended: nothing happens then.
+        match ev {
+            Ev::WaitEnds(i) if !sim.live[i].waiting => continue,
+            Ev::Deadline(i) if sim.live[i].on.is_none() => continue,
+            _ => {}
         }
         sim.handle(at, ev);
     }
@@ -452,6 +454,7 @@ impl<'a> Sim<'a> {
             Ev::Report { w, r, report } => self.routers[r].load.report(WorkerId(w as u32), report),
             Ev::Pulled(i) => self.pulled(now, i),
             Ev::Fail(w) => self.fail_worker(now, w),
+            Ev::Deadline(i) => self.deadline(now, i),
         }
     }
 
@@ -504,7 +507,7 @@ impl<'a> Sim<'a> {
             Arrival::Queued => {
                 self.live[i].waiting = true;
                 let timeout = self.routers[router].gate.timeout();
-                self.queue.at(now + timeout, Ev::WaitEnds(i));
+                self.queue.at_in_order(now + timeout, Ev::WaitEnds(i));
             }
             Arrival::Refused => {
                 *self.out.decisions.entry("overloaded".into()).or_default() += 1;
@@ -644,6 +647,9 @@ impl<'a> Sim<'a> {
             self.routers[self.live[i].router].budget.request(at, &failover::budget_settings());
         }
         (self.live[i].on, self.live[i].attempt_tokens) = (Some(target), 0);
+        // As the router's: the whole request, from here, within the request timeout.
+        let timeout = self.routers[self.live[i].router].gate.timeout();
+        self.queue.at_in_order(now + timeout, Ev::Deadline(i));
         let isl = self.live[i].isl as u64;
         let uncached = isl.saturating_sub(held * self.block_size.tokens() as u64);
         let export = target != decode;
@@ -794,6 +800,9 @@ impl<'a> Sim<'a> {
         if std::mem::take(&mut self.workers[w].reclaim) {
             self.workers[w].engine.reclaim_pinned();
         }
+        for id in std::mem::take(&mut self.workers[w].cancels) {
+            self.workers[w].engine.cancel(id);
+        }
         for job in std::mem::take(&mut self.workers[w].sent) {
             self.admit(now, w, job);
         }
@@ -803,6 +812,17 @@ impl<'a> Sim<'a> {
 
     fn output(&mut self, now: f64, w: usize, out: Output) {
         let worker = WorkerId(w as u32);
+        let id = match &out {
+            Output::Token { id, .. } | Output::Finished { id, .. } | Output::Failed { id, .. } => *id as usize,
+        };
+        if self.live[id].on != Some(w) {
+            // The request ended (its deadline passed) while the step ran: what the step made for it goes nowhere,
+            // and a prompt it exported is nobody's to pull.
+            if let Output::Finished { exported: Some(_), .. } = out {
+                self.unpinned(now, w);
+            }
+            return;
+        }
         match out {
             Output::Token { id, token } => {
                 let live = &mut self.live[id as usize];
@@ -944,6 +964,33 @@ impl<'a> Sim<'a> {
         }
         let max_tokens = self.live[i].max_tokens - 1;
         self.submit(now, d, Job { i, prompt, max_tokens, export: false, pulled: true });
+    }
+
+    /// Request `i`'s deadline passed: the router answers 504 and gives up its work, which its worker's engine drops
+    /// between steps (a request sent during the step never reaches it); a pull under way ends its prefill worker's
+    /// lease.
+    fn deadline(&mut self, now: f64, i: usize) {
+        let Some(w) = self.live[i].on else { return };
+        self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
+        let worker = &mut self.workers[w];
+        let sent = worker.sent.len();
+        worker.sent.retain(|job| job.i != i);
+        if worker.sent.len() == sent {
+            if worker.stepping {
+                worker.cancels.push(i as u64);
+            } else {
+                worker.engine.cancel(i as u64);
+                self.publish(now, w);
+            }
+        }
+        let live = &mut self.live[i];
+        let lease = live.pull.take();
+        if let (true, Some(p), Some(_)) = (std::mem::take(&mut live.pulling), live.prefill, lease) {
+            self.unpinned(now, p);
+        }
+        *self.out.decisions.entry("deadline".into()).or_default() += 1;
+        let timeout = self.routers[self.live[i].router].gate.timeout();
+        self.finish(now, i, 504, Some(format!("the request ran past its deadline ({timeout} s)")), None);
     }
 
     /// Request `i` ended: its record, and the session turns that wait for it.

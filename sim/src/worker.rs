@@ -26,6 +26,8 @@ pub struct SimWorker {
     pub(crate) sent: Vec<crate::run::Job>,
     /// A lease ended while a step ran: the engine takes its blocks back when it ends.
     pub(crate) reclaim: bool,
+    /// Requests the router gave up on while a step ran: the engine drops them when it ends.
+    pub(crate) cancels: Vec<u64>,
     /// Per router replica (each follows its own load stream): the load the last report carried and when it was
     /// sent.
     reported: Vec<Option<(Load, f64)>>,
@@ -48,6 +50,7 @@ impl SimWorker {
             pending: Vec::new(),
             sent: Vec::new(),
             reclaim: false,
+            cancels: Vec::new(),
             reported: vec![None; routers],
             link_free: 0.0,
             pulled_bytes: 0,

@@ -145,17 +145,54 @@ fn past_the_routers_slots_requests_wait_in_order_and_past_its_queue_they_are_ref
     assert_eq!(out.decisions.get("overloaded"), Some(&1));
     assert!((out.duration_s - 0.280).abs() < 1e-9, "the run ends with D's response: {}", out.duration_s);
 
-    // A wait longer than the request timeout (50 ms) ends in 504 and frees its place: B gives up at 51 ms, and C
-    // (50 tokens, at 60 ms) waits in its place for A's slot, running 110 → 170 ms.
-    let limits = sim::Limits { request_timeout: 0.05, ..limits };
-    let s = Settings { admission: limits, ..s };
-    let trace = [request(0.0, 100, 1, 1), request(1.0, 100, 1, 2), request(60.0, 50, 1, 3)];
+    // A wait longer than the request timeout (80 ms) ends in 504 and frees its place. The router tokenizes 1,000
+    // tokens a second, and a request's own deadline runs from its routing: A (50 tokens) holds the slot from 0,
+    // is routed at 50 ms and runs 50 → 110 ms, within its deadline (130 ms). B gives up waiting at 81 ms; C (50
+    // tokens, at 90 ms) waits in its place for A's slot, is tokenized 110 → 160 ms and runs 160 → 220 ms.
+    let limits = sim::Limits { request_timeout: 0.08, ..limits };
+    let s = Settings { admission: limits, router_tokens_per_s: 1000.0, ..s };
+    let trace = [request(0.0, 50, 1, 1), request(1.0, 50, 1, 2), request(90.0, 50, 1, 3)];
     let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
     let r = &out.records;
     assert_eq!(r.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 504, 200]);
-    assert!((r[1].request_latency_ms - 50.0).abs() < 1e-6, "{}", r[1].request_latency_ms);
-    assert!((r[2].time_to_first_token_ms.expect("a first token") - 110.0).abs() < 1e-6);
+    assert!((r[0].time_to_first_token_ms.expect("a first token") - 110.0).abs() < 1e-6);
+    assert!((r[1].request_latency_ms - 80.0).abs() < 1e-6, "{}", r[1].request_latency_ms);
+    assert!((r[2].time_to_first_token_ms.expect("a first token") - 130.0).abs() < 1e-6);
     assert_eq!(out.decisions.get("deadline"), Some(&1));
+}
+
+#[test]
+fn a_request_past_its_deadline_is_answered_504_and_its_work_dropped() {
+    // One worker, prompts 10 ms + 1 ms a token, decode steps 5 ms, a request timeout of 200 ms. A (100 tokens, 100
+    // out) makes its first token at 110 ms and one every 5 ms after: 18 by 195 ms. At 200 ms its deadline passes
+    // while the step that would make the 19th runs: 504, with 18 tokens. The engine drops A when that step ends,
+    // so B (50 tokens) at 300 ms prefills alone: 300 → 360 ms (A still decoding would add 5 ms to that step).
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let limits = sim::Limits { request_timeout: 0.2, ..sim::Limits::default() };
+    let s = Settings { admission: limits, ..settings(profile, 0, 1, Policy::RoundRobin) };
+    let trace = [request(0.0, 100, 100, 1), request(300.0, 50, 1, 2)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let (a, b) = (&out.records[0], &out.records[1]);
+    assert_eq!((a.status, a.output_tokens), (504, 18));
+    assert!((a.request_latency_ms - 200.0).abs() < 1e-6, "{}", a.request_latency_ms);
+    assert_eq!(b.status, 200);
+    assert!((b.time_to_first_token_ms.expect("a first token") - 60.0).abs() < 1e-6, "{b:?}");
+    assert_eq!(out.decisions.get("deadline"), Some(&1));
+
+    // Disaggregated, the deadline (80 ms) passes during A's prefill (0 → 110 ms). The prompt it exported at the
+    // step's end is nobody's to pull: its 7 blocks must go back, or B (50 tokens, 4 blocks) would not fit in the
+    // prefill worker's 8.
+    let limits = sim::Limits { request_timeout: 0.08, ..sim::Limits::default() };
+    let mut s = Settings { admission: limits, ..settings(profile, 1, 1, Policy::Kv) };
+    (s.engine.kv_blocks, s.engine.host_blocks, s.engine.max_model_len, s.max_isl) = (8, 0, Some(128), 128);
+    let trace = [request(0.0, 100, 3, 1), request(300.0, 50, 2, 2)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let (a, b) = (&out.records[0], &out.records[1]);
+    assert_eq!((a.status, a.output_tokens), (504, 0));
+    assert!((a.request_latency_ms - 80.0).abs() < 1e-6);
+    assert_eq!(out.placements[1].as_ref().and_then(|p| p.prefill.as_deref()), Some("prefill-0"));
+    assert_eq!((b.status, b.output_tokens), (200, 2), "{b:?}");
+    assert!((b.time_to_first_token_ms.expect("a first token") - 60.0).abs() < 1e-6, "{b:?}");
 }
 
 fn failing(s: Settings, failures: &[(&str, f64)]) -> Settings {

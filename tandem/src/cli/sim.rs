@@ -145,7 +145,8 @@ pub struct ClusterArgs {
     /// Requests waiting for a slot at most (as the router's `--max-queue`); past it arrivals are refused with 429.
     #[arg(long)]
     max_queue: Option<usize>,
-    /// Longest wait for a slot, in milliseconds (as the router's `--request-timeout-ms`); past it, 504.
+    /// Longest wait for a slot, and then longest run once routed, in milliseconds (as the router's
+    /// `--request-timeout-ms`); past either, 504.
     #[arg(long)]
     request_timeout_ms: Option<u64>,
     /// Workers that fail during the run, as NAME@SECONDS on the workload's clock (e.g. `decode-3@120`), comma
