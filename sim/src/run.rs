@@ -967,8 +967,7 @@ impl<'a> Sim<'a> {
     }
 
     /// Request `i`'s deadline passed: the router answers 504 and gives up its work, which its worker's engine drops
-    /// between steps (a request sent during the step never reaches it); a pull under way ends its prefill worker's
-    /// lease.
+    /// between steps (a request sent during the step never reaches it); a lease on its prompt's KV ends.
     fn deadline(&mut self, now: f64, i: usize) {
         let Some(w) = self.live[i].on else { return };
         self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
@@ -983,9 +982,10 @@ impl<'a> Sim<'a> {
                 self.publish(now, w);
             }
         }
+        // The prompt's KV on its way (pulling, or pulled and waiting for the engine): the lease ends.
         let live = &mut self.live[i];
-        let lease = live.pull.take();
-        if let (true, Some(p), Some(_)) = (std::mem::take(&mut live.pulling), live.prefill, lease) {
+        live.pulling = false;
+        if let (Some(p), Some(_)) = (live.prefill, live.pull.take()) {
             self.unpinned(now, p);
         }
         *self.out.decisions.entry("deadline".into()).or_default() += 1;

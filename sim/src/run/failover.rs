@@ -148,11 +148,11 @@ impl Sim<'_> {
     }
 
     fn decode_failed(&mut self, now: f64, i: usize, w: usize) {
+        // The prompt's KV on its way to the failed attempt (pulling, or pulled and waiting for the engine): the
+        // lease ends.
         let live = &mut self.live[i];
-        let pulling = std::mem::take(&mut live.pulling);
-        let lease = live.pull.take();
-        // A pull that will not finish ends its prefill worker's lease.
-        if let (true, Some(p), Some(_)) = (pulling, live.prefill, lease)
+        live.pulling = false;
+        if let (Some(p), Some(_)) = (live.prefill, live.pull.take())
             && !self.workers[p].down
         {
             self.unpinned(now, p);
