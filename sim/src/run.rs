@@ -80,13 +80,16 @@ pub struct Settings {
     pub seed: u64,
 }
 
-/// A worker that fails during the run.
+/// A worker that fails during the run, and may come back.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Failure {
     /// Its name (`prefill-K` or `decode-K`).
     pub worker: String,
     /// Virtual seconds, on the workload's clock.
     pub at: f64,
+    /// When it comes back (a new process: an empty cache, its share of requests ramped up over the scheduler's
+    /// `slow_start_secs`).
+    pub back: Option<f64>,
 }
 
 /// What a run produced.
@@ -192,6 +195,8 @@ enum Ev {
     Pulled(usize),
     /// Worker `w` fails.
     Fail(usize),
+    /// Worker `w` comes back.
+    Back(usize),
     /// Request `i`'s deadline: the request timeout since it was routed.
     Deadline(usize),
 }
@@ -278,6 +283,11 @@ struct Sim<'a> {
     failures: Vec<(f64, Ev)>,
     /// What virtual time 0 stands for in the retry budget, which only compares instants with each other.
     origin: std::time::Instant,
+    /// The model and its vocabulary, for a worker that comes back.
+    text: std::sync::Arc<engine::text::TextModel>,
+    words: std::sync::Arc<[u32]>,
+    /// What the engines of workers that came back computed before they failed: prompt tokens, cached tokens by tier.
+    retired: (u64, [u64; 3]),
     /// In a replay, the simulated worker for each worker the recording names.
     recorded: HashMap<String, usize>,
     /// The workers' disk tiers live here for the run (removed at its end).
@@ -335,6 +345,7 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
     }
     let first = sim.live.iter().map(|l| l.arrival).fold(f64::INFINITY, f64::min);
     sim.out.duration_s = if first.is_finite() { sim.last_response - first } else { 0.0 };
+    (sim.out.prefill_tokens_computed, sim.out.cached_tokens_by_tier) = sim.retired;
     for w in &sim.workers {
         let c = w.engine.engine().counters();
         sim.out.prefill_tokens_computed += c.prefill_tokens;
@@ -374,12 +385,13 @@ impl<'a> Sim<'a> {
             {
                 mock.speedup *= settings.prefill_speedups[i % settings.prefill_speedups.len()];
             }
-            let engine = Engine::open_mock(std::sync::Arc::clone(&text), std::sync::Arc::clone(&shared_words), config)?;
+            let engine =
+                Engine::open_mock(std::sync::Arc::clone(&text), std::sync::Arc::clone(&shared_words), config.clone())?;
             let name = match role {
                 WorkerRole::Prefill => format!("prefill-{i}"),
                 _ => format!("decode-{}", i - settings.prefill),
             };
-            workers.push(SimWorker::new(WorkerId(i as u32), name, role, Stepper::new(engine), replicas));
+            workers.push(SimWorker::new(WorkerId(i as u32), name, role, Stepper::new(engine), replicas, config));
         }
         let recorded = if settings.replay { recorded_names(settings, workload)? } else { HashMap::new() };
         let mut failures = Vec::new();
@@ -391,6 +403,15 @@ impl<'a> Sim<'a> {
                 return Err(SimError::Settings(format!("{}: a failure's time must be >= 0 s", f.worker)));
             }
             failures.push((f.at, Ev::Fail(w)));
+            if let Some(back) = f.back {
+                // Its messages from before the failure have all landed by then.
+                let landed = f.at + settings.event_delay.max(settings.report_delay);
+                if !(back.is_finite() && back > landed) {
+                    let why = format!("{}: it comes back at {back} s, not after it fails at {} s", f.worker, f.at);
+                    return Err(SimError::Settings(why));
+                }
+                failures.push((back, Ev::Back(w)));
+            }
         }
         let routers = (0..replicas)
             .map(|r| {
@@ -424,6 +445,9 @@ impl<'a> Sim<'a> {
             out: Outcome { placements: vec![None; workload.len()], ..Outcome::default() },
             last_response: 0.0,
             failures,
+            text,
+            words: shared_words,
+            retired: (0, [0; 3]),
             origin: std::time::Instant::now(),
             recorded,
             _disk: disk,
@@ -454,11 +478,13 @@ impl<'a> Sim<'a> {
             Ev::Report { w, r, report } => self.routers[r].load.report(WorkerId(w as u32), report),
             Ev::Pulled(i) => self.pulled(now, i),
             Ev::Fail(w) => self.fail_worker(now, w),
+            Ev::Back(w) => self.worker_back(now, w),
             Ev::Deadline(i) => self.deadline(now, i),
         }
     }
 
-    fn view(&self, r: usize, hashes: &[SeqHash]) -> Vec<WorkerView> {
+    fn view(&self, r: usize, hashes: &[SeqHash], now: f64) -> Vec<WorkerView> {
+        let slow_start = self.settings.scheduler.slow_start_secs;
         let Replica { index, load, .. } = &self.routers[r];
         let overlap = index.overlap(hashes);
         let capacity = self.settings.engine.kv_blocks as u64;
@@ -472,7 +498,9 @@ impl<'a> Sim<'a> {
                 overlap: overlap.get(&w.id).copied().unwrap_or_default(),
                 active_overlap: load.active_overlap(w.id, hashes),
                 load: load.load(w.id, capacity),
-                ramp: 1.0,
+                // As the router ramps a worker that joined: one that came back after a failure (the others have
+                // been up since before the run).
+                ramp: if slow_start > 0.0 { ((now - w.joined) / slow_start).clamp(0.05, 1.0) } else { 1.0 },
                 max_num_batched_tokens: self.settings.engine.max_batched_tokens as u64,
                 block_bytes: self.settings.transfer_block_bytes,
                 speed: load.speed(w.id),
@@ -540,7 +568,7 @@ impl<'a> Sim<'a> {
         let bs = self.block_size.tokens() as u64;
         let req = RouteRequest::new(self.live[i].isl as u64, bs, self.hashes(i), cfg.prefix_hash_blocks);
         self.sample_balance(now);
-        let views = self.view(router, self.hashes(i));
+        let views = self.view(router, self.hashes(i), now);
         let placed = if self.settings.replay {
             self.replayed(i)
         } else {
@@ -782,9 +810,13 @@ impl<'a> Sim<'a> {
             }
         }
         if self.workers[w].down {
-            // It failed during the step: nothing of it comes out, and nothing more runs there.
+            // It failed during the step: nothing of it comes out, and nothing more runs there (until it comes back,
+            // which waited for this).
             self.workers[w].pending.clear();
             self.workers[w].stepping = false;
+            if std::mem::take(&mut self.workers[w].back) {
+                self.worker_back(now, w);
+            }
             return;
         }
         // The step's outputs go out while the worker still counts as stepping: what they cause on this worker

@@ -1,7 +1,7 @@
 //! One simulated worker: the real engine (scheduler, block pool, export and import) over a mock backend in
 //! virtual time, plus what the worker process around it does that routing sees: KV events and load reports.
 
-use engine::generate::{EngineStats, Output, Stepper};
+use engine::generate::{EngineConfig, EngineStats, Output, Stepper};
 use kv_cache::events::{EventId, KvEvent, Tier};
 use router::load::Report;
 use router::scheduler::view::{WorkerId, WorkerRole};
@@ -18,8 +18,14 @@ pub struct SimWorker {
     pub engine: Stepper,
     /// Whether a step is under way (its end is scheduled).
     pub stepping: bool,
-    /// It failed: it computes and reports nothing more (`crate::run`'s failover).
+    /// It failed: it computes and reports nothing more (`crate::run`'s failover)…
     pub down: bool,
+    /// …until it comes back, which waits for the step it failed in to end.
+    pub back: bool,
+    /// When it joined the cluster (before the run, unless it came back).
+    pub joined: f64,
+    /// Its engine's configuration, for a fresh engine when it comes back.
+    pub config: EngineConfig,
     /// What the step under way produced, delivered at its end.
     pub pending: Vec<Output>,
     /// Requests sent while a step ran: the engine takes them when it ends (`crate::run`).
@@ -39,7 +45,14 @@ pub struct SimWorker {
 }
 
 impl SimWorker {
-    pub fn new(id: WorkerId, name: String, role: WorkerRole, engine: Stepper, routers: usize) -> SimWorker {
+    pub fn new(
+        id: WorkerId,
+        name: String,
+        role: WorkerRole,
+        engine: Stepper,
+        routers: usize,
+        config: EngineConfig,
+    ) -> SimWorker {
         SimWorker {
             id,
             name,
@@ -47,6 +60,9 @@ impl SimWorker {
             engine,
             stepping: false,
             down: false,
+            back: false,
+            joined: f64::NEG_INFINITY,
+            config,
             pending: Vec::new(),
             sent: Vec::new(),
             reclaim: false,

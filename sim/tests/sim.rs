@@ -196,7 +196,7 @@ fn a_request_past_its_deadline_is_answered_504_and_its_work_dropped() {
 }
 
 fn failing(s: Settings, failures: &[(&str, f64)]) -> Settings {
-    let failures = failures.iter().map(|&(w, at)| sim::Failure { worker: w.to_string(), at }).collect();
+    let failures = failures.iter().map(|&(w, at)| sim::Failure { worker: w.to_string(), at, back: None }).collect();
     Settings { failures, ..s }
 }
 
@@ -268,6 +268,41 @@ fn a_resumed_request_keeps_the_cached_tokens_its_prefill_worker_reported() {
     let b = &out.records[1];
     assert_eq!((b.status, b.output_tokens, b.cached_tokens), (200, 10, 96));
     assert_eq!(out.decisions.get("decode_resumed"), Some(&1));
+}
+
+#[test]
+fn a_worker_that_comes_back_starts_empty_and_takes_a_ramped_share() {
+    // One decode worker holding A's prompt fails at 200 ms and comes back at 1 s: B, between, finds no decode
+    // worker; C, A's prompt again, finds nothing cached on the new process and computes it all (110 ms, not 14).
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let back = |s: Settings, at: f64, back: f64| Settings {
+        failures: vec![sim::Failure { worker: "decode-0".into(), at, back: Some(back) }],
+        ..s
+    };
+    let s = back(settings(profile, 0, 1, Policy::RoundRobin), 0.2, 1.0);
+    let trace = [request(0.0, 100, 1, 1), request(500.0, 50, 1, 2), request(1500.0, 100, 1, 1)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    assert_eq!(r.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 503, 200]);
+    assert_eq!(r[2].cached_tokens, 0);
+    assert!((r[2].time_to_first_token_ms.expect("a first token") - 110.0).abs() < 1e-6);
+    assert_eq!((out.decisions.get("worker_failed"), out.decisions.get("worker_back")), (Some(&1), Some(&1)));
+    assert_eq!(out.prefill_tokens_computed, 200, "the failed engine's work counts too");
+
+    // Two decode workers, decode-0 down from 100 ms and back at 1 s; from 2 s, forty requests 10 ms apart (after
+    // one at 0 that starts the clock). The router keeps a worker that joined 1 s ago among the candidates a tenth
+    // of the time (slow start over 10 s): it takes far fewer of the forty than with slow start off.
+    let first = std::iter::once(request(0.0, 10, 1, 99));
+    let trace: Vec<_> = first.chain((0..40).map(|k| request(2000.0 + 10.0 * k as f64, 50, 1, 100 + k))).collect();
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let on_back = |slow_start_secs: f64| {
+        let scheduler = SchedulerConfig { slow_start_secs, ..SchedulerConfig::default() };
+        let s = back(Settings { scheduler, ..settings(profile, 0, 2, Policy::Kv) }, 0.1, 1.0);
+        let out = simulate(&s, &trace, &starts).expect("runs");
+        out.placements.iter().skip(1).flatten().filter(|p| p.decode == "decode-0").count()
+    };
+    let (ramped, even) = (on_back(10.0), on_back(0.0));
+    assert!(2 * ramped < even && even >= 15, "decode-0 took {ramped} ramped, {even} without slow start");
 }
 
 #[test]

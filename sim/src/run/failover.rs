@@ -9,13 +9,16 @@
 
 use std::time::{Duration, Instant};
 
+use engine::generate::{Engine, Stepper};
 use kv_cache::HashedTokens;
+use kv_cache::events::Snapshot;
 use router::resilience::RetryBudgetSettings;
 use router::run::defaults::{MAX_DECODE_ATTEMPTS, MAX_PREFILL_ATTEMPTS};
 use router::scheduler::Decision;
 use router::scheduler::view::{WorkerId, WorkerRole};
 
 use super::{Job, Sim};
+use crate::worker::SimWorker;
 
 /// What a request's failover needs, kept from its decision on (only in runs with failures).
 #[derive(Debug, Default)]
@@ -82,8 +85,10 @@ impl Sim<'_> {
         }
         *self.out.decisions.entry("worker_failed".into()).or_default() += 1;
         self.workers[w].sent.clear();
+        // The router drops what its streams told it of the worker.
         for replica in &mut self.routers {
             replica.load.forget(WorkerId(w as u32));
+            replica.index.replace(WorkerId(w as u32), &Snapshot { as_of: None, tiers: Default::default() });
         }
         let hit: Vec<usize> = (0..self.live.len())
             .filter(|&i| {
@@ -95,6 +100,46 @@ impl Sim<'_> {
             let on = self.live[i].on.unwrap_or(w);
             self.attempt_failed(now, i, on);
         }
+    }
+
+    /// Failed worker `w` comes back as a new process: a fresh engine (an empty cache; a disk tier in a directory of
+    /// its own), which the routers learn of from scratch and ramp up over `slow_start_secs`. When it failed during
+    /// a step, that step's end comes first.
+    pub(super) fn worker_back(&mut self, now: f64, w: usize) {
+        if !self.workers[w].down {
+            return;
+        }
+        if self.workers[w].stepping {
+            self.workers[w].back = true;
+            return;
+        }
+        let old = &self.workers[w];
+        let mut config = old.config.clone();
+        config.disk_dir = config.disk_dir.map(|d| d.with_extension(format!("back-{now}")));
+        let text = std::sync::Arc::clone(&self.text);
+        let engine = match Engine::open_mock(text, std::sync::Arc::clone(&self.words), config.clone()) {
+            Ok(engine) => engine,
+            Err(_) => {
+                // It stays down.
+                *self.out.decisions.entry("worker_not_back".into()).or_default() += 1;
+                return;
+            }
+        };
+        let c = old.engine.engine().counters();
+        self.retired.0 += c.prefill_tokens;
+        for t in 0..3 {
+            self.retired.1[t] += c.cached_tokens[t];
+        }
+        let (id, name, role) = (old.id, old.name.clone(), old.role);
+        let mut fresh = SimWorker::new(id, name, role, Stepper::new(engine), self.routers.len(), config);
+        fresh.joined = now;
+        self.workers[w] = fresh;
+        for replica in &mut self.routers {
+            replica.load.forget(id);
+            replica.index.replace(id, &Snapshot { as_of: None, tiers: Default::default() });
+        }
+        *self.out.decisions.entry("worker_back".into()).or_default() += 1;
+        self.publish(now, w);
     }
 
     /// Request `i`'s attempt on worker `w` failed (the worker is gone, or the pull its decode started with).

@@ -149,10 +149,12 @@ pub struct ClusterArgs {
     /// `--request-timeout-ms`); past either, 504.
     #[arg(long)]
     request_timeout_ms: Option<u64>,
-    /// Workers that fail during the run, as NAME@SECONDS on the workload's clock (e.g. `decode-3@120`), comma
+    /// Workers that fail during the run, as NAME@SECONDS on the workload's clock (0: the first arrival; e.g.
+    /// `decode-3@120`), comma
     /// separated: from then on the worker computes and reports nothing, and the router fails its requests over as
-    /// the real one does (docs/simulation.md, "Failures").
-    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS")]
+    /// the real one does (docs/simulation.md, "Failures"). NAME@SECONDS..SECONDS: it comes back then, as a new
+    /// process (an empty cache, its share ramped up over the scheduler's `slow_start_secs`).
+    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS[..SECONDS]")]
     fail: Vec<String>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
@@ -374,15 +376,20 @@ pub fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfi
     Ok(config)
 }
 
-/// `NAME@SECONDS`: a worker's failure.
+/// `NAME@SECONDS` or `NAME@SECONDS..SECONDS`: a worker's failure, and when it comes back.
 fn parse_failure(text: &str) -> Result<sim::Failure, String> {
-    let bad = || format!("--fail {text}: NAME@SECONDS, e.g. decode-3@120");
-    let (worker, at) = text.split_once('@').ok_or_else(bad)?;
-    let at: f64 = at.trim().parse().map_err(|_| bad())?;
-    if worker.trim().is_empty() || !at.is_finite() || at < 0.0 {
+    let bad =
+        || format!("--fail {text}: NAME@SECONDS or NAME@SECONDS..SECONDS, e.g. decode-3@120 or decode-3@120..180");
+    let (worker, times) = text.split_once('@').ok_or_else(bad)?;
+    let time = |t: &str| t.trim().parse::<f64>().ok().filter(|t| t.is_finite() && *t >= 0.0).ok_or_else(bad);
+    let (at, back) = match times.split_once("..") {
+        Some((at, back)) => (time(at)?, Some(time(back)?)),
+        None => (time(times)?, None),
+    };
+    if worker.trim().is_empty() || back.is_some_and(|b| b <= at) {
         return Err(bad());
     }
-    Ok(sim::Failure { worker: worker.trim().to_string(), at })
+    Ok(sim::Failure { worker: worker.trim().to_string(), at, back })
 }
 
 /// A router TOML file, read as a table.
@@ -514,9 +521,12 @@ mod tests {
 
     #[test]
     fn a_failure_is_a_name_and_seconds() {
-        assert_eq!(parse_failure("decode-3@120"), Ok(sim::Failure { worker: "decode-3".into(), at: 120.0 }));
+        let failure = |at, back| sim::Failure { worker: "decode-3".into(), at, back };
+        assert_eq!(parse_failure("decode-3@120"), Ok(failure(120.0, None)));
+        assert_eq!(parse_failure("decode-3@120..180"), Ok(failure(120.0, Some(180.0))));
         assert_eq!(parse_failure("prefill-0@0.5").map(|f| f.at), Ok(0.5));
-        for bad in ["decode-3", "decode-3@", "@5", "decode-3@-1", "decode-3@soon", "decode-3@inf"] {
+        let bad = ["decode-3", "decode-3@", "@5", "decode-3@-1", "decode-3@soon", "decode-3@inf", "decode-3@120..90"];
+        for bad in bad {
             assert!(parse_failure(bad).is_err(), "{bad}");
         }
     }
