@@ -303,6 +303,8 @@ def main():
     failures = [f.split("@") for f in args.fail.split(",")] if args.fail else []
     if failures and cpu:
         sys.exit("--fail runs the mock cluster only")
+    if any(len(f) != 2 or ".." in f[1] for f in failures):
+        sys.exit("--fail takes NAME@SECONDS here: a killed worker is not started again")
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     real_failovers = []  # per real run with --fail, its router's failover counters
