@@ -124,8 +124,7 @@ async fn prefill(
 ) -> PrefillOutcome {
     let Some(choice) = decision.prefill.as_ref() else { return PrefillOutcome::Failed };
     // The chosen worker first, then the others by cost.
-    let mut order: Vec<_> = choice.candidates.iter().collect();
-    order.sort_by(|a, b| (a.id != choice.id).cmp(&(b.id != choice.id)).then(a.cost.total_cmp(&b.cost)));
+    let order = choice.by_preference();
     let prefill_sampling = pb::Sampling { max_tokens: 1, ..job.sampling.clone() };
     let mut attempts = 0;
     for cand in order.into_iter().take(state.limits.max_prefill_attempts) {

@@ -82,6 +82,14 @@ impl Choice {
         self.candidates.iter().find(|c| c.id == self.id)
     }
 
+    /// The candidates in the order a failed attempt moves on through them: the chosen one first, then by cost
+    /// (`crate::serve`'s prefill retries, and the simulator's).
+    pub fn by_preference(&self) -> Vec<&Scored> {
+        let mut order: Vec<&Scored> = self.candidates.iter().collect();
+        order.sort_by(|a, b| (a.id != self.id).cmp(&(b.id != self.id)).then(a.cost.total_cmp(&b.cost)));
+        order
+    }
+
     /// The best cost among the candidates not chosen.
     pub fn runner_up_cost(&self) -> Option<f64> {
         self.candidates.iter().filter(|c| c.id != self.id).map(|c| c.cost).min_by(f64::total_cmp)

@@ -43,6 +43,24 @@ fn prefill_goes_where_the_prefix_is_and_decode_where_the_load_is_least() {
 }
 
 #[test]
+fn a_failed_prefill_moves_on_to_the_next_cheapest_candidate() {
+    // w1 holds the prefix and is chosen; w3's load makes it the dearest; the rest follow by cost.
+    let workers = [
+        w(0, Prefill, 0, 0, 0),
+        w(1, Prefill, 6, 0, 0),
+        w(2, Prefill, 3, 0, 0),
+        w(3, Prefill, 0, 9000, 0),
+        w(4, Decode, 0, 0, 0),
+    ];
+    let d = decide(&req(160), &workers, &SchedulerConfig::default());
+    let prefill = d.prefill.as_ref().expect("a prefill choice");
+    let order: Vec<u32> = prefill.by_preference().iter().map(|c| c.id.0).collect();
+    assert_eq!(order, [1, 2, 0, 3], "{prefill:?}");
+    let costs: Vec<f64> = prefill.by_preference().iter().map(|c| c.cost).collect();
+    assert!(costs.windows(2).all(|p| p[0] <= p[1]), "{costs:?}");
+}
+
+#[test]
 fn with_random_ties_equal_candidates_share_the_work_even_for_one_prompt() {
     let workers = [w(0, Prefill, 0, 0, 0), w(1, Prefill, 0, 0, 0), w(2, Decode, 0, 0, 0)];
     let mut rng = RouteState::seeded(11);

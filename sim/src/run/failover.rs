@@ -58,9 +58,7 @@ pub(super) fn retry_order(d: &Decision) -> (Vec<(usize, u64)>, u64) {
     let held = |c: &router::scheduler::Scored| (c.device_blocks + c.host_blocks + c.disk_blocks) as u64;
     let prefill = match &d.prefill {
         Some(choice) if d.disaggregate => {
-            let mut order: Vec<_> = choice.candidates.iter().collect();
-            order.sort_by(|a, b| (a.id != choice.id).cmp(&(b.id != choice.id)).then(a.cost.total_cmp(&b.cost)));
-            order.into_iter().map(|c| (c.id.0 as usize, held(c))).collect()
+            choice.by_preference().into_iter().map(|c| (c.id.0 as usize, held(c))).collect()
         }
         _ => Vec::new(),
     };
