@@ -472,6 +472,14 @@ fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, 
             );
         }
     }
+    let events: Vec<(&String, String)> =
+        rows.iter().filter_map(|(p, o, _)| Some((p, events_line(&o.decisions)?))).collect();
+    if !events.is_empty() {
+        println!("failures, failovers and the router's queue:");
+        for (p, line) in events {
+            println!("  {p:<17} {line}");
+        }
+    }
     if let Some((_, _, rec)) = rows.iter().find(|(p, _, _)| p == "recorded") {
         println!("counterfactual: each policy against the recorded decisions on the same arrivals (negative: better)");
         for (p, _, s) in rows.iter().filter(|(p, _, _)| p != "recorded") {
@@ -493,9 +501,34 @@ fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, 
     );
 }
 
+/// What befell a run besides routing, from its decisions (failures and failovers, the router's queue), in one line;
+/// `None` when nothing did.
+fn events_line(decisions: &BTreeMap<String, u64>) -> Option<String> {
+    const EVENTS: [&str; 7] = [
+        "worker_failed",
+        "worker_back",
+        "prefill_retried",
+        "local_prefill_after_failure",
+        "decode_resumed",
+        "overloaded",
+        "deadline",
+    ];
+    let seen: Vec<String> =
+        EVENTS.iter().filter_map(|&e| decisions.get(e).filter(|&&n| n > 0).map(|n| format!("{e} {n}"))).collect();
+    (!seen.is_empty()).then(|| seen.join(", "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failures_and_the_routers_queue_get_a_line_of_their_own() {
+        let mut d: BTreeMap<String, u64> = [("prefill_remote".to_string(), 40), ("all_busy".to_string(), 3)].into();
+        assert_eq!(events_line(&d), None, "routing decisions and refusals are in the table already");
+        d.extend([("decode_resumed".to_string(), 11), ("worker_failed".to_string(), 1), ("deadline".to_string(), 0)]);
+        assert_eq!(events_line(&d).as_deref(), Some("worker_failed 1, decode_resumed 11"));
+    }
     use loadgen::summary::Record;
 
     #[test]
