@@ -173,6 +173,7 @@ impl ClusterArgs {
     /// The simulator's settings for this cluster and workload.
     pub fn settings(&self, workload: &WorkloadArgs, seed: u64) -> Result<Settings, String> {
         let profile = TimingProfile::load(&self.profile).map_err(|e| e.to_string())?;
+        let router = self.router_file()?;
         if !(self.router_tokens_per_s.is_finite() && self.router_tokens_per_s >= 0.0) {
             return Err("--router-tokens-per-s must be a number >= 0".into());
         }
@@ -184,7 +185,7 @@ impl ClusterArgs {
             prefill: self.prefill,
             decode: self.decode,
             engine: self.engine_config(profile.clone()),
-            scheduler: scheduler_config(self.config.as_deref())?,
+            scheduler: scheduler_config(&router)?,
             event_delay: self.event_delay_ms / 1000.0,
             report_delay: self.report_delay_ms / 1000.0,
             transfer_latency: profile.transfer.latency_ms / 1000.0,
@@ -200,19 +201,24 @@ impl ClusterArgs {
             router_slots: self.router_slots,
             host_cores: self.host_cores,
             stream_kv: self.stream_kv,
-            admission: self.admission()?,
+            admission: self.admission(&router)?,
             failures: self.fail.iter().map(|f| parse_failure(f)).collect::<Result<_, _>>()?,
             seed,
         })
     }
 
-    /// The router's admission limits: the flags, else the `--config` file's top-level keys of the same names,
-    /// else the router's defaults.
-    fn admission(&self) -> Result<sim::Limits, String> {
-        let (file, path) = match self.config.as_deref() {
-            Some(path) => (read_table(path)?, path.display().to_string()),
-            None => (toml::Table::new(), String::new()),
-        };
+    /// The `--config` router file, read once (empty without one).
+    fn router_file(&self) -> Result<RouterFile, String> {
+        match self.config.as_deref() {
+            Some(path) => Ok(RouterFile { table: read_table(path)?, name: path.display().to_string() }),
+            None => Ok(RouterFile { table: toml::Table::new(), name: String::new() }),
+        }
+    }
+
+    /// The router's admission limits: the flags, else the router file's top-level keys of the same names, else
+    /// the router's defaults.
+    fn admission(&self, router: &RouterFile) -> Result<sim::Limits, String> {
+        let (file, path) = (&router.table, &router.name);
         let key = |name: &str| -> Result<Option<u64>, String> {
             match file.get(name) {
                 None => Ok(None),
@@ -364,15 +370,20 @@ fn parse_policies(list: &str) -> Result<Vec<Policy>, String> {
         .collect()
 }
 
-/// The `[scheduler]` table of a router TOML file (the defaults without a file).
-pub fn scheduler_config(path: Option<&std::path::Path>) -> Result<SchedulerConfig, String> {
-    let Some(path) = path else { return Ok(SchedulerConfig::default()) };
-    let file = read_table(path)?;
-    let config: SchedulerConfig = match file.get("scheduler") {
-        Some(t) => t.clone().try_into().map_err(|e| format!("{}: [scheduler]: {e}", path.display()))?,
+/// A router TOML file as a table, and its name for messages.
+struct RouterFile {
+    table: toml::Table,
+    name: String,
+}
+
+/// The router file's `[scheduler]` table (the defaults without one).
+fn scheduler_config(router: &RouterFile) -> Result<SchedulerConfig, String> {
+    let path = &router.name;
+    let config: SchedulerConfig = match router.table.get("scheduler") {
+        Some(t) => t.clone().try_into().map_err(|e| format!("{path}: [scheduler]: {e}"))?,
         None => SchedulerConfig::default(),
     };
-    config.validate().map_err(|e| format!("{}: [scheduler]: {}", path.display(), e.join("; ")))?;
+    config.validate().map_err(|e| format!("{path}: [scheduler]: {}", e.join("; ")))?;
     Ok(config)
 }
 
@@ -574,7 +585,7 @@ mod tests {
         use clap::Parser;
         let parsed =
             Cluster::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).map_err(|e| e.to_string())?;
-        parsed.cluster.admission()
+        parsed.cluster.admission(&parsed.cluster.router_file()?)
     }
 
     #[test]
