@@ -513,10 +513,8 @@ impl<'a> Sim<'a> {
     /// slot, or refused), then routed once the router has tokenized it.
     fn arrive(&mut self, now: f64, i: usize) {
         let r = &self.workload[i];
-        let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
         // Room for the output: the engine's sequence takes this vector over.
-        let room = r.output_length.clamp(1, 2048);
-        let prompt = self.prompts.prompt_with_room(r, i, Some(max_isl), room);
+        let prompt = self.prompt(i, r.output_length.clamp(1, 2048));
         let hashed = HashedTokens::new(prompt.tokens, self.block_size, None);
         let router = i % self.routers.len();
         let live = &mut self.live[i];
@@ -542,6 +540,14 @@ impl<'a> Sim<'a> {
                 self.finish(now, i, 429, Some("the router's queue is full".into()), None);
             }
         }
+    }
+
+    /// Request `i`'s prompt, cut to leave room for its output within `max_isl`, in a vector with room for `room`
+    /// more tokens.
+    fn prompt(&self, i: usize, room: usize) -> loadgen::prompt::Prompt {
+        let r = &self.workload[i];
+        let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
+        self.prompts.prompt_with_room(r, i, Some(max_isl), room)
     }
 
     /// Request `i`, holding a router slot, is routed once the router has tokenized it (at once when the tokenizer

@@ -247,9 +247,6 @@ impl Sim<'_> {
         if let Some(p) = &self.live[i].prompt {
             return p.clone();
         }
-        let r = &self.workload[i];
-        let max_isl = self.settings.max_isl.saturating_sub(r.output_length.max(1)).max(1);
-        let prompt = self.prompts.prompt_with_room(r, i, Some(max_isl), 0);
-        HashedTokens::new(prompt.tokens, self.block_size, None)
+        HashedTokens::new(self.prompt(i, 0).tokens, self.block_size, None)
     }
 }
