@@ -288,6 +288,7 @@ async fn a_worker_that_fails_again_and_again_is_ejected() {
     let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
     assert!(m.contains("tandem_router_worker_ejections_total 1\n"), "{m}");
     assert!(m.contains("tandem_router_workers_ejected 1\n"), "{m}");
+    assert!(m.contains("tandem_router_prefill_retries_total 2\n"), "each failure moved to the other worker: {m}");
     router.shutdown(Duration::from_secs(5)).await;
     p.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
@@ -330,6 +331,10 @@ async fn failovers_stop_when_the_retry_budget_is_spent() {
     assert!(statuses.iter().all(|&s| s == 200 || s == 503), "{statuses:?}");
     let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
     assert!(m.contains("tandem_router_retries_denied_total 9\n"), "{m}");
+    // No prompt moved to another prefill worker (there is none): every failover here is the decode worker's own
+    // prefill. The counter once took each failed attempt, the last one too.
+    assert!(m.contains("tandem_router_prefill_retries_total 0\n"), "{m}");
+    assert!(m.contains("tandem_router_local_prefill_fallbacks_total 1\n"), "{m}");
     router.shutdown(Duration::from_secs(5)).await;
     d.shutdown(Duration::from_secs(5)).await;
 }

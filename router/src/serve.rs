@@ -132,8 +132,11 @@ async fn prefill(
         // An external engine serves whole requests only: it cannot hand its KV to another worker.
         let Transport::Tandem(mut client) = member.transport.clone() else { continue };
         // A second worker for the same prompt is a retry: only within the budget.
-        if attempts > 0 && !state.try_retry() {
-            return PrefillOutcome::Failed;
+        if attempts > 0 {
+            if !state.try_retry() {
+                return PrefillOutcome::Failed;
+            }
+            state.metrics.prefill_retries.fetch_add(1, Ordering::Relaxed);
         }
         attempts += 1;
         let msg = pb::PrefillRequest {
@@ -210,7 +213,6 @@ async fn prefill(
                 outcome(state, cand.id, &member.name, Err(tonic::Code::DeadlineExceeded));
             }
         }
-        state.metrics.prefill_retries.fetch_add(1, Ordering::Relaxed);
     }
     PrefillOutcome::Failed
 }
