@@ -40,9 +40,10 @@ def fresh_home():
 
 
 def stop(procs):
-    """SIGINT to every process still running, then a wait (SIGKILL past 30 s)."""
+    """SIGINT to every process still running (continued first, if it was stopped), then a wait (SIGKILL past 30 s)."""
     for p in procs:
         if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
             p.send_signal(signal.SIGINT)
     for p in procs:
         try:

@@ -20,12 +20,14 @@ both): this measures the timing model itself, which the mock shares with the sim
 With `--fail decode-0@40` the real cluster runs as separate processes (`tandem worker` each, then `tandem router`)
 and the named worker is killed 40 s after the router recorded its first request; the simulator fails the same
 worker at the same time on the workload's clock: this checks the simulated failover against the router's own.
+`--hang decode-0@40` stops the worker instead (SIGSTOP: its connections stay open, so the router finds out through
+its watchdog and HTTP/2 keepalive), and the simulator gets the same `--hang`.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
-      [--fail NAME@SECONDS,...] [--parted 3] [--out runs/sim-vs-cluster]
+      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--parted 3] [--out runs/sim-vs-cluster]
 """
 import argparse
 import os
@@ -33,6 +35,7 @@ import json
 import math
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -43,9 +46,10 @@ from mock_cluster import TRACE, add_cluster_args, bench_serve, mock_cluster, pro
 SLO = "ttft_ms=2000,tpot_ms=25"
 
 
-def kill_later(proc, seconds, recording):
-    """A thread that kills `proc` (SIGKILL: a crash, no goodbye) `seconds` after the router recorded its first
-    request (the workload's time 0, as the simulator counts it)."""
+def signal_later(proc, seconds, recording, sig):
+    """A thread that sends `proc` the signal `sig` (SIGKILL: a crash, no goodbye; SIGSTOP: a hang, its connections
+    left open) `seconds` after the router recorded its first request (the workload's time 0, as the simulator counts
+    it)."""
     def run():
         while True:
             try:
@@ -55,7 +59,7 @@ def kill_later(proc, seconds, recording):
                 pass
             time.sleep(0.002)
         time.sleep(seconds)
-        proc.kill()
+        proc.send_signal(sig)
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -281,6 +285,9 @@ def main():
                    help="workers that fail, comma-separated (e.g. decode-0@40): the real cluster runs as separate "
                         "processes and the named one is killed (SIGKILL) that long after the router saw the first "
                         "request; the simulator gets the same --fail (mock engine only)")
+    p.add_argument("--hang", metavar="NAME@SECONDS",
+                   help="workers that hang, comma-separated, as --fail but stopped (SIGSTOP) instead of killed; the "
+                        "simulator gets the same --hang (mock engine only)")
     p.add_argument("--max-batched-tokens", type=int,
                    help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
@@ -300,11 +307,12 @@ def main():
     admission = ["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
              "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers, *budget, *admission]
-    failures = [f.split("@") for f in args.fail.split(",")] if args.fail else []
+    failures = [(*f.split("@"), signal.SIGKILL) for f in args.fail.split(",")] if args.fail else []
+    failures += [(*f.split("@"), signal.SIGSTOP) for f in args.hang.split(",")] if args.hang else []
     if failures and cpu:
-        sys.exit("--fail runs the mock cluster only")
-    if any(len(f) != 2 or ".." in f[1] for f in failures):
-        sys.exit("--fail takes NAME@SECONDS here: a killed worker is not started again")
+        sys.exit("--fail and --hang run the mock cluster only")
+    if any(len(f) != 3 or ".." in f[1] for f in failures):
+        sys.exit("--fail and --hang take NAME@SECONDS here: a failed worker is not started again")
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     real_failovers = []  # per real run with --fail, its router's failover counters
@@ -326,7 +334,7 @@ def main():
             url, procs = up if failures else (up, {})
             # The simulator's workers start warm: no slow start for the real ones either.
             set_router_config(url, {"ties": args.ties, "slow_start_secs": 0, "policy": args.policy})
-            killers = [kill_later(procs[name], float(at), d / "recording.jsonl") for name, at in failures]
+            killers = [signal_later(procs[name], float(at), d / "recording.jsonl", sig) for name, at, sig in failures]
             runs.append((d, bench_serve(args.tandem, url, [
                 *workload, "--seed", str(args.seed), "--slo", SLO, "--ignore-eos", "--out", str(d)])))
             for k in killers:
@@ -345,7 +353,7 @@ def main():
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
-    fail = ["--fail", args.fail] if args.fail else []
+    fail = (["--fail", args.fail] if args.fail else []) + (["--hang", args.hang] if args.hang else [])
     sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),

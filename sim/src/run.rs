@@ -90,6 +90,10 @@ pub struct Failure {
     /// When it comes back (a new process: an empty cache, its share of requests ramped up over the scheduler's
     /// `slow_start_secs`).
     pub back: Option<f64>,
+    /// It hangs rather than dies: its process stops (a frozen host, a paused VM, a partition) with its
+    /// connections open, so the routers learn of it only through their timeouts ([`failover`]). Such a worker
+    /// does not come back here.
+    pub hang: bool,
 }
 
 /// What a run produced.
@@ -195,6 +199,13 @@ enum Ev {
     Pulled(usize),
     /// Worker `w` fails.
     Fail(usize),
+    /// Worker `w` hangs; the routers' watchdogs notice its silence later (`Silent`), and its connections close
+    /// later still (`Cut`), failing what was sent there.
+    Hang(usize),
+    Silent(usize),
+    Cut(usize),
+    /// Request `i`'s pull from a prefill worker that hung runs out of time.
+    PullTimeout(usize),
     /// Worker `w` comes back.
     Back(usize),
     /// Request `i`'s deadline: the request timeout since it was routed.
@@ -214,6 +225,8 @@ struct Live {
     on: Option<usize>,
     /// Its decode attempt starts with a pull (`Ev::Pulled` to come).
     pulling: bool,
+    /// When the decode worker started that pull.
+    pull_since: f64,
     /// Tokens its current decode attempt made (the router's accounting learns of the first).
     attempt_tokens: u32,
     /// In runs with failures, what its failover needs.
@@ -402,7 +415,10 @@ impl<'a> Sim<'a> {
             if !(f.at.is_finite() && f.at >= 0.0) {
                 return Err(SimError::Settings(format!("{}: a failure's time must be >= 0 s", f.worker)));
             }
-            failures.push((f.at, Ev::Fail(w)));
+            failures.push((f.at, if f.hang { Ev::Hang(w) } else { Ev::Fail(w) }));
+            if f.hang && f.back.is_some() {
+                return Err(SimError::Settings(format!("{}: a worker that hangs does not come back", f.worker)));
+            }
             if let Some(back) = f.back {
                 // Its messages from before the failure have all landed by then.
                 let landed = f.at + settings.event_delay.max(settings.report_delay);
@@ -478,6 +494,10 @@ impl<'a> Sim<'a> {
             Ev::Report { w, r, report } => self.routers[r].load.report(WorkerId(w as u32), report),
             Ev::Pulled(i) => self.pulled(now, i),
             Ev::Fail(w) => self.fail_worker(now, w),
+            Ev::Hang(w) => self.hang_worker(now, w),
+            Ev::Silent(w) => self.worker_silent(w),
+            Ev::Cut(w) => self.connection_cut(now, w),
+            Ev::PullTimeout(i) => self.pull_timed_out(now, i),
             Ev::Back(w) => self.worker_back(now, w),
             Ev::Deadline(i) => self.deadline(now, i),
         }
@@ -738,6 +758,10 @@ impl<'a> Sim<'a> {
             return self.attempt_failed(now, job.i, w);
         }
         *self.out.per_worker.entry(self.workers[w].name.clone()).or_default() += 1;
+        if self.workers[w].hung {
+            // A call to a worker that hangs but is not known to: it waits, unanswered, until the connection closes.
+            return;
+        }
         if self.workers[w].stepping {
             self.workers[w].sent.push(job);
             return;
@@ -795,7 +819,7 @@ impl<'a> Sim<'a> {
 
     /// Sends what worker `w`'s state change tells the router: new KV events and, when due, a load report.
     fn publish(&mut self, now: f64, w: usize) {
-        if self.workers[w].down {
+        if self.workers[w].down || self.workers[w].hung {
             return;
         }
         let events = self.workers[w].new_events();
@@ -815,7 +839,7 @@ impl<'a> Sim<'a> {
                 self.queue.at(e.at, Ev::StepEnd { w: e.worker, turn: e.turn });
             }
         }
-        if self.workers[w].down {
+        if self.workers[w].down || self.workers[w].hung {
             // It failed during the step: nothing of it comes out, and nothing more runs there (until it comes back,
             // which waited for this).
             self.workers[w].pending.clear();
@@ -926,6 +950,7 @@ impl<'a> Sim<'a> {
         }
         let d = self.live[i].decode;
         (self.live[i].on, self.live[i].pulling, self.live[i].attempt_tokens) = (Some(d), true, 0);
+        self.live[i].pull_since = now;
         let hashes: Vec<SeqHash> = kv.metas.iter().map_while(|b| b.map(|m| m.seq)).collect();
         let m = self.workers[d].engine.lookup(&hashes);
         let held = (m.device + m.host + m.disk).min(hashes.len());
@@ -990,6 +1015,10 @@ impl<'a> Sim<'a> {
     }
 
     fn pulled(&mut self, now: f64, i: usize) {
+        if self.live[i].pulling && self.live[i].prefill.is_some_and(|p| self.workers[p].hung) {
+            // Its prefill worker hung before the pull ended: it stalls until the pull times out.
+            return;
+        }
         if !std::mem::take(&mut self.live[i].pulling) {
             // The attempt it was for failed meanwhile.
             return;

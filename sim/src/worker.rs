@@ -22,6 +22,9 @@ pub struct SimWorker {
     pub down: bool,
     /// …until it comes back, which waits for the step it failed in to end.
     pub back: bool,
+    /// It hangs: it computes and sends nothing, and the calls it gets go unanswered, but the routers learn of it
+    /// only when their watchdogs and connections time out (then it is also `down`).
+    pub hung: bool,
     /// When it joined the cluster (before the run, unless it came back).
     pub joined: f64,
     /// Its engine's configuration, for a fresh engine when it comes back.
@@ -61,6 +64,7 @@ impl SimWorker {
             stepping: false,
             down: false,
             back: false,
+            hung: false,
             joined: f64::NEG_INFINITY,
             config,
             pending: Vec::new(),

@@ -196,7 +196,8 @@ fn a_request_past_its_deadline_is_answered_504_and_its_work_dropped() {
 }
 
 fn failing(s: Settings, failures: &[(&str, f64)]) -> Settings {
-    let failures = failures.iter().map(|&(w, at)| sim::Failure { worker: w.to_string(), at, back: None }).collect();
+    let failures =
+        failures.iter().map(|&(w, at)| sim::Failure { worker: w.to_string(), at, back: None, hang: false }).collect();
     Settings { failures, ..s }
 }
 
@@ -225,6 +226,81 @@ fn a_lost_decode_resumes_on_the_least_loaded_decode_worker_with_the_tokens_sent_
     }
     assert_eq!(out.decisions.get("decode_resumed"), Some(&1));
     assert_eq!(out.decisions.get("worker_failed"), Some(&1));
+}
+
+fn hanging(s: Settings, worker: &str, at: f64) -> Settings {
+    let failures = vec![sim::Failure { worker: worker.to_string(), at, back: None, hang: true }];
+    Settings { failures, ..s }
+}
+
+fn assert_gaps(got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "gaps {got:?}");
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-6, "gaps {got:?}, want {want:?}");
+    }
+}
+
+#[test]
+fn a_hung_decode_worker_keeps_its_requests_until_keepalive_closes_the_connection() {
+    // Prompts 10 ms + 1 ms a token, decode steps 5 ms; three decode workers in turn. A (100 tokens, 10 out) on
+    // decode-0: tokens at 110 and 115 ms; decode-0 hangs at 117 ms. B and C go to decode-1 and decode-2; D (50
+    // tokens, 2 out) at 500 ms goes to decode-0, which the router does not know is hung. The watchdog drops it at
+    // 10.117 s (E, at 11 s, goes elsewhere); the connection closes at 20.117 s (keepalive: a ping 10 s after the
+    // last frame, unanswered for 10 s). A resumes on decode-1 (102 tokens: its third token at 20.229 s, then seven
+    // more, 5 ms each), D on decode-2 (50 tokens: its first token at 20.177 s, its second at 20.182 s).
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
+    let trace = [
+        request(0.0, 100, 10, 1),
+        request(300.0, 50, 1, 2),
+        request(400.0, 50, 1, 3),
+        request(500.0, 50, 2, 4),
+        request(11_000.0, 50, 1, 5),
+    ];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    assert!(r.iter().all(|r| r.status == 200), "{r:?}");
+    let placed = |k: usize| out.placements[k].as_ref().map(|p| p.decode.clone()).expect("placed");
+    assert_eq!([placed(1), placed(2), placed(3)], ["decode-1", "decode-2", "decode-0"]);
+    assert_ne!(placed(4), "decode-0", "the watchdog dropped the hung worker");
+    assert!((r[0].request_latency_ms - 20_264.0).abs() < 1e-6, "{}", r[0].request_latency_ms);
+    assert_gaps(&r[0].inter_chunk_ms, &[5.0, 20_114.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0]);
+    assert!((r[3].time_to_first_token_ms.expect("a first token") - 19_677.0).abs() < 1e-6, "{:?}", r[3]);
+    assert!((r[3].request_latency_ms - 19_682.0).abs() < 1e-6, "{:?}", r[3]);
+    assert_eq!(out.decisions.get("worker_hung"), Some(&1));
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&2));
+    assert_eq!(out.decisions.get("worker_failed"), None);
+}
+
+#[test]
+fn a_hung_prefill_worker_stalls_its_pulls_until_they_time_out_and_its_prefills_until_the_connection_closes() {
+    // One prefill worker, two decode workers. A (100 tokens, 3 out) is prefilled by 110 ms; its six full blocks
+    // take about 1 ms to pull (0.5 ms latency, 12.6 MB at 25 GB/s), and the prefill worker hangs at 110.2 ms, in
+    // the middle. The pull gives up 10 s after it began (110 ms + 10 s): A resumes on the other decode worker,
+    // which computes the prompt and the first token (101 tokens, 111 ms): its second token at 10.221 s, its third
+    // at 10.226 s.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let base = settings(profile, 1, 2, Policy::Kv);
+    let trace = [request(0.0, 100, 3, 1)];
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let calm = simulate(&base, &trace, &starts).expect("runs");
+    assert_eq!(calm.placements[0].as_ref().and_then(|p| p.prefill.as_deref()), Some("prefill-0"));
+    let out = simulate(&hanging(base.clone(), "prefill-0", 0.1102), &trace, &starts).expect("runs");
+    let a = &out.records[0];
+    assert_eq!((a.status, a.output_tokens), (200, 3), "{a:?}");
+    assert!((a.time_to_first_token_ms.expect("a first token") - 110.0).abs() < 1e-6);
+    assert_gaps(&a.inter_chunk_ms, &[10_111.0, 5.0]);
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&1));
+
+    // It hangs during A's prefill instead (at 50 ms): the prefill call waits for the connection to close (20.05
+    // s), and with no other prefill candidate the decode worker prefills A itself (110 ms): first token at
+    // 20.16 s, then two more, 5 ms each.
+    let out = simulate(&hanging(base, "prefill-0", 0.05), &trace, &starts).expect("runs");
+    let a = &out.records[0];
+    assert_eq!((a.status, a.output_tokens), (200, 3), "{a:?}");
+    assert!((a.time_to_first_token_ms.expect("a first token") - 20_160.0).abs() < 1e-6, "{a:?}");
+    assert!((a.request_latency_ms - 20_170.0).abs() < 1e-6, "{a:?}");
+    assert_eq!(out.decisions.get("local_prefill_after_failure"), Some(&1));
 }
 
 #[test]
@@ -276,7 +352,7 @@ fn a_worker_that_comes_back_starts_empty_and_takes_a_ramped_share() {
     // worker; C, A's prompt again, finds nothing cached on the new process and computes it all (110 ms, not 14).
     let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
     let back = |s: Settings, at: f64, back: f64| Settings {
-        failures: vec![sim::Failure { worker: "decode-0".into(), at, back: Some(back) }],
+        failures: vec![sim::Failure { worker: "decode-0".into(), at, back: Some(back), hang: false }],
         ..s
     };
     let s = back(settings(profile, 0, 1, Policy::RoundRobin), 0.2, 1.0);

@@ -17,7 +17,11 @@ use router::run::defaults::{MAX_DECODE_ATTEMPTS, MAX_PREFILL_ATTEMPTS};
 use router::scheduler::Decision;
 use router::scheduler::view::{WorkerId, WorkerRole};
 
-use super::{Job, Sim};
+use router::cluster::defaults::SILENCE;
+use worker::DEFAULT_PULL_TIMEOUT;
+use worker::grpc_tls::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+
+use super::{Ev, Job, Sim};
 use crate::worker::SimWorker;
 
 /// What a request's failover needs, kept from its decision on (only in runs with failures).
@@ -82,12 +86,7 @@ impl Sim<'_> {
             return;
         }
         *self.out.decisions.entry("worker_failed".into()).or_default() += 1;
-        self.workers[w].sent.clear();
-        // The router drops what its streams told it of the worker.
-        for replica in &mut self.routers {
-            replica.load.forget(WorkerId(w as u32));
-            replica.index.replace(WorkerId(w as u32), &Snapshot { as_of: None, tiers: Default::default() });
-        }
+        self.forget(w);
         let hit: Vec<usize> = (0..self.live.len())
             .filter(|&i| {
                 let l = &self.live[i];
@@ -97,6 +96,62 @@ impl Sim<'_> {
         for i in hit {
             let on = self.live[i].on.unwrap_or(w);
             self.attempt_failed(now, i, on);
+        }
+    }
+
+    /// The routers drop what worker `w`'s streams told them, and route nothing more there.
+    fn forget(&mut self, w: usize) {
+        self.workers[w].sent.clear();
+        for replica in &mut self.routers {
+            replica.load.forget(WorkerId(w as u32));
+            replica.index.replace(WorkerId(w as u32), &Snapshot { as_of: None, tiers: Default::default() });
+        }
+    }
+
+    /// Worker `w` hangs: from now on it computes, sends and answers nothing, but its connections stay open. The
+    /// routers keep routing to it until their watchdog finds its streams silent ([`SILENCE`] after the last report,
+    /// which came at most one report period ago: `Ev::Silent`); what they sent it waits until HTTP/2 keepalive
+    /// closes the connection (a ping [`KEEPALIVE_INTERVAL`] after the last frame read, unanswered for
+    /// [`KEEPALIVE_TIMEOUT`]: `Ev::Cut`), and fails over then. A decode worker pulling from it gives up
+    /// [`DEFAULT_PULL_TIMEOUT`] after the pull began (`Ev::PullTimeout`).
+    pub(super) fn hang_worker(&mut self, now: f64, w: usize) {
+        if self.workers[w].down || std::mem::replace(&mut self.workers[w].hung, true) {
+            return;
+        }
+        *self.out.decisions.entry("worker_hung".into()).or_default() += 1;
+        self.queue.at(now + SILENCE.as_secs_f64(), Ev::Silent(w));
+        self.queue.at(now + (KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT).as_secs_f64(), Ev::Cut(w));
+        let pull_timeout = DEFAULT_PULL_TIMEOUT.as_secs_f64();
+        for i in 0..self.live.len() {
+            let l = &self.live[i];
+            if l.pulling && l.prefill == Some(w) {
+                self.queue.at((l.pull_since + pull_timeout).max(now), Ev::PullTimeout(i));
+            }
+        }
+    }
+
+    /// The routers' watchdog drops hung worker `w`: out of every later decision, its blocks out of the index.
+    pub(super) fn worker_silent(&mut self, w: usize) {
+        if std::mem::replace(&mut self.workers[w].down, true) {
+            return;
+        }
+        self.forget(w);
+    }
+
+    /// Hung worker `w`'s connections close: every attempt still waiting on it fails over.
+    pub(super) fn connection_cut(&mut self, now: f64, w: usize) {
+        let hit: Vec<usize> = (0..self.live.len()).filter(|&i| self.live[i].on == Some(w)).collect();
+        for i in hit {
+            self.attempt_failed(now, i, w);
+        }
+    }
+
+    /// Request `i`'s pull from a prefill worker that hung runs out of time: its decode attempt fails.
+    pub(super) fn pull_timed_out(&mut self, now: f64, i: usize) {
+        let l = &self.live[i];
+        if l.pulling && l.prefill.is_some_and(|p| self.workers[p].hung) {
+            let d = l.decode;
+            self.attempt_failed(now, i, d);
         }
     }
 

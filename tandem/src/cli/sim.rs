@@ -156,6 +156,11 @@ pub struct ClusterArgs {
     /// process (an empty cache, its share ramped up over the scheduler's `slow_start_secs`).
     #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS[..SECONDS]")]
     fail: Vec<String>,
+    /// Workers that hang during the run, as NAME@SECONDS, comma separated: the process stops with its connections
+    /// open, so the router keeps routing to it until its watchdog finds the worker silent (10 s), and what it sent
+    /// there fails over only when HTTP/2 keepalive closes the connection (20 s; docs/simulation.md, "Failures").
+    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS")]
+    hang: Vec<String>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -202,9 +207,22 @@ impl ClusterArgs {
             host_cores: self.host_cores,
             stream_kv: self.stream_kv,
             admission: self.admission(&router)?,
-            failures: self.fail.iter().map(|f| parse_failure(f)).collect::<Result<_, _>>()?,
+            failures: self.failures()?,
             seed,
         })
+    }
+
+    /// `--fail`'s workers, then `--hang`'s.
+    fn failures(&self) -> Result<Vec<sim::Failure>, String> {
+        let mut failures: Vec<sim::Failure> = self.fail.iter().map(|f| parse_failure(f)).collect::<Result<_, _>>()?;
+        for text in &self.hang {
+            let failure = parse_failure(text).map_err(|_| format!("--hang {text}: NAME@SECONDS, e.g. decode-3@120"))?;
+            if failure.back.is_some() {
+                return Err(format!("--hang {text}: a worker that hangs does not come back in the simulator"));
+            }
+            failures.push(sim::Failure { hang: true, ..failure });
+        }
+        Ok(failures)
     }
 
     /// The `--config` router file, read once (empty without one).
@@ -400,7 +418,7 @@ fn parse_failure(text: &str) -> Result<sim::Failure, String> {
     if worker.trim().is_empty() || back.is_some_and(|b| b <= at) {
         return Err(bad());
     }
-    Ok(sim::Failure { worker: worker.trim().to_string(), at, back })
+    Ok(sim::Failure { worker: worker.trim().to_string(), at, back, hang: false })
 }
 
 /// A router TOML file, read as a table.
@@ -515,8 +533,9 @@ fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, 
 /// What befell a run besides routing, from its decisions (failures and failovers, the router's queue), in one line;
 /// `None` when nothing did.
 fn events_line(decisions: &BTreeMap<String, u64>) -> Option<String> {
-    const EVENTS: [&str; 7] = [
+    const EVENTS: [&str; 8] = [
         "worker_failed",
+        "worker_hung",
         "worker_back",
         "prefill_retried",
         "local_prefill_after_failure",
@@ -565,7 +584,7 @@ mod tests {
 
     #[test]
     fn a_failure_is_a_name_and_seconds() {
-        let failure = |at, back| sim::Failure { worker: "decode-3".into(), at, back };
+        let failure = |at, back| sim::Failure { worker: "decode-3".into(), at, back, hang: false };
         assert_eq!(parse_failure("decode-3@120"), Ok(failure(120.0, None)));
         assert_eq!(parse_failure("decode-3@120..180"), Ok(failure(120.0, Some(180.0))));
         assert_eq!(parse_failure("prefill-0@0.5").map(|f| f.at), Ok(0.5));
@@ -586,6 +605,24 @@ mod tests {
         let parsed =
             Cluster::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).map_err(|e| e.to_string())?;
         parsed.cluster.admission(&parsed.cluster.router_file()?)
+    }
+
+    fn failures(args: &[&str]) -> Result<Vec<sim::Failure>, String> {
+        use clap::Parser;
+        let parsed =
+            Cluster::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).map_err(|e| e.to_string())?;
+        parsed.cluster.failures()
+    }
+
+    #[test]
+    fn a_hang_is_a_failure_that_hangs_and_does_not_come_back() {
+        let got = failures(&["--fail", "decode-1@3", "--hang", "decode-0@5,prefill-2@7.5"]).expect("parsed");
+        let f = |worker: &str, at, hang| sim::Failure { worker: worker.into(), at, back: None, hang };
+        assert_eq!(got, [f("decode-1", 3.0, false), f("decode-0", 5.0, true), f("prefill-2", 7.5, true)]);
+        let back = failures(&["--hang", "decode-0@5..9"]).expect_err("refused");
+        assert!(back.contains("does not come back"), "{back}");
+        let bad = failures(&["--hang", "decode-0"]).expect_err("refused");
+        assert!(bad.contains("--hang decode-0: NAME@SECONDS"), "{bad}");
     }
 
     #[test]

@@ -87,7 +87,9 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let mut base = args.cluster.settings(&args.workload, args.seed)?;
     if !base.failures.is_empty() {
         // A failure is a time on one trace's clock; the search runs windows of the trace, each from its own start.
-        return Err("--fail is for tandem sim: tune searches windows of the trace, each on its own clock".into());
+        return Err(
+            "--fail and --hang are for tandem sim: tune searches windows of the trace, each on its own clock".into()
+        );
     }
     let (requests, arrivals) = args.workload.load(args.seed)?;
     if let Some(n) = args.workers {
