@@ -70,7 +70,7 @@ fn tune_refuses_failures_and_sim_names_a_worker_it_cannot_fail() {
     let refused = tune(&["--fail", "decode-0@5"], &dir);
     assert!(!refused.status.success(), "tune does not take --fail");
     let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(stderr.contains("--fail and --hang are for tandem sim"), "{stderr}");
+    assert!(stderr.contains("--fail, --hang and --errors are for tandem sim"), "{stderr}");
     let refused = tune(&["--hang", "decode-0@5"], &dir);
     assert!(!refused.status.success(), "tune does not take --hang");
     let sim = |fail: &str| {

@@ -90,10 +90,21 @@ pub struct Failure {
     /// When it comes back (a new process: an empty cache, its share of requests ramped up over the scheduler's
     /// `slow_start_secs`).
     pub back: Option<f64>,
-    /// It hangs rather than dies: its process stops (a frozen host, a paused VM, a partition) with its
-    /// connections open, so the routers learn of it only through their timeouts ([`failover`]). Such a worker
-    /// does not come back here.
-    pub hang: bool,
+    pub fault: Fault,
+}
+
+/// How a worker fails ([`failover`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fault {
+    /// Its process dies: its connections break, and the routers know at once.
+    #[default]
+    Crash,
+    /// Its process stops (a frozen host, a paused VM, a partition) with its connections open, so the routers learn
+    /// of it only through their timeouts. Such a worker does not come back here.
+    Hang,
+    /// It answers every call at once with an error (a broken device), while its streams go on: the routers still
+    /// see it up, idle, holding its cache, and only their circuit breakers keep requests away.
+    Errors,
 }
 
 /// What a run produced.
@@ -206,6 +217,9 @@ enum Ev {
     Cut(usize),
     /// Request `i`'s pull from a prefill worker that hung runs out of time.
     PullTimeout(usize),
+    /// Worker `w` starts failing every call, and later stops.
+    Errors(usize),
+    Healed(usize),
     /// Worker `w` comes back.
     Back(usize),
     /// Request `i`'s deadline: the request timeout since it was routed.
@@ -273,6 +287,8 @@ struct Replica {
     gate: Gate,
     /// Retries and failovers allowed (the real router's budget, on the virtual clock).
     budget: router::resilience::RetryBudget,
+    /// Each worker's circuit breaker (the real router's, on the virtual clock): ejected workers are left out.
+    breakers: Vec<router::resilience::Breaker>,
 }
 
 /// The workers, the routers' state, and the requests in flight.
@@ -415,8 +431,15 @@ impl<'a> Sim<'a> {
             if !(f.at.is_finite() && f.at >= 0.0) {
                 return Err(SimError::Settings(format!("{}: a failure's time must be >= 0 s", f.worker)));
             }
-            failures.push((f.at, if f.hang { Ev::Hang(w) } else { Ev::Fail(w) }));
-            if f.hang && f.back.is_some() {
+            failures.push((
+                f.at,
+                match f.fault {
+                    Fault::Crash => Ev::Fail(w),
+                    Fault::Hang => Ev::Hang(w),
+                    Fault::Errors => Ev::Errors(w),
+                },
+            ));
+            if f.fault == Fault::Hang && f.back.is_some() {
                 return Err(SimError::Settings(format!("{}: a worker that hangs does not come back", f.worker)));
             }
             if let Some(back) = f.back {
@@ -426,7 +449,7 @@ impl<'a> Sim<'a> {
                     let why = format!("{}: it comes back at {back} s, not after it fails at {} s", f.worker, f.at);
                     return Err(SimError::Settings(why));
                 }
-                failures.push((back, Ev::Back(w)));
+                failures.push((back, if f.fault == Fault::Errors { Ev::Healed(w) } else { Ev::Back(w) }));
             }
         }
         let routers = (0..replicas)
@@ -443,6 +466,7 @@ impl<'a> Sim<'a> {
                     tokenizers: vec![0.0; settings.router_slots.max(1)],
                     gate: Gate::new(settings.admission),
                     budget: Default::default(),
+                    breakers: vec![Default::default(); workers.len()],
                 }
             })
             .collect();
@@ -495,9 +519,11 @@ impl<'a> Sim<'a> {
             Ev::Pulled(i) => self.pulled(now, i),
             Ev::Fail(w) => self.fail_worker(now, w),
             Ev::Hang(w) => self.hang_worker(now, w),
-            Ev::Silent(w) => self.worker_silent(w),
+            Ev::Silent(w) => self.worker_silent(now, w),
             Ev::Cut(w) => self.connection_cut(now, w),
             Ev::PullTimeout(i) => self.pull_timed_out(now, i),
+            Ev::Errors(w) => self.worker_errs(now, w),
+            Ev::Healed(w) => self.workers[w].erring = false,
             Ev::Back(w) => self.worker_back(now, w),
             Ev::Deadline(i) => self.deadline(now, i),
         }
@@ -505,12 +531,15 @@ impl<'a> Sim<'a> {
 
     fn view(&self, r: usize, hashes: &[SeqHash], now: f64) -> Vec<WorkerView> {
         let slow_start = self.settings.scheduler.slow_start_secs;
-        let Replica { index, load, .. } = &self.routers[r];
+        let Replica { index, load, breakers, .. } = &self.routers[r];
         let overlap = index.overlap(hashes);
         let capacity = self.settings.engine.kv_blocks as u64;
+        let at = self.instant(now);
         self.workers
             .iter()
-            .filter(|w| !w.down)
+            .zip(breakers)
+            .filter(|(w, breaker)| !w.down && breaker.admits(at))
+            .map(|(w, _)| w)
             .map(|w| WorkerView {
                 id: w.id,
                 name: w.name.clone(),
@@ -758,6 +787,10 @@ impl<'a> Sim<'a> {
             return self.attempt_failed(now, job.i, w);
         }
         *self.out.per_worker.entry(self.workers[w].name.clone()).or_default() += 1;
+        if self.workers[w].erring {
+            // It answers at once with an error.
+            return self.attempt_failed(now, job.i, w);
+        }
         if self.workers[w].hung {
             // A call to a worker that hangs but is not known to: it waits, unanswered, until the connection closes.
             return;
@@ -915,6 +948,7 @@ impl<'a> Sim<'a> {
             Output::Finished { id, completion, exported } => {
                 let i = id as usize;
                 self.routers[self.live[i].router].load.done(worker, id);
+                self.call_succeeded(i, w);
                 if self.live[i].prefill == Some(w) {
                     self.live[i].cached = completion.cached_tokens;
                     match exported {
@@ -946,7 +980,7 @@ impl<'a> Sim<'a> {
             // The decided decode worker failed while the prompt prefilled: nothing ran there, so another takes the
             // request as its first decode attempt (not a resumption), as the real router does.
             let tried = self.live[i].retries.as_ref().map(|r| r.tried.clone()).unwrap_or_default();
-            self.live[i].decode = self.next_decoder(i, &tried);
+            self.live[i].decode = self.next_decoder(now, i, &tried);
         }
         let d = self.live[i].decode;
         (self.live[i].on, self.live[i].pulling, self.live[i].attempt_tokens) = (Some(d), true, 0);
@@ -1038,6 +1072,20 @@ impl<'a> Sim<'a> {
     fn deadline(&mut self, now: f64, i: usize) {
         let Some(w) = self.live[i].on else { return };
         self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
+        self.drop_from(now, w, i);
+        // The prompt's KV on its way (pulling, or pulled and waiting for the engine): the lease ends.
+        let live = &mut self.live[i];
+        live.pulling = false;
+        if let (Some(p), Some(_)) = (live.prefill, live.pull.take()) {
+            self.unpinned(now, p);
+        }
+        *self.out.decisions.entry("deadline".into()).or_default() += 1;
+        let timeout = self.routers[self.live[i].router].gate.timeout();
+        self.finish(now, i, 504, Some(format!("the request ran past its deadline ({timeout} s)")), None);
+    }
+
+    /// Worker `w`'s engine drops request `i` between steps (one sent during the step never reaches it).
+    fn drop_from(&mut self, now: f64, w: usize, i: usize) {
         let worker = &mut self.workers[w];
         let sent = worker.sent.len();
         worker.sent.retain(|job| job.i != i);
@@ -1049,15 +1097,6 @@ impl<'a> Sim<'a> {
                 self.publish(now, w);
             }
         }
-        // The prompt's KV on its way (pulling, or pulled and waiting for the engine): the lease ends.
-        let live = &mut self.live[i];
-        live.pulling = false;
-        if let (Some(p), Some(_)) = (live.prefill, live.pull.take()) {
-            self.unpinned(now, p);
-        }
-        *self.out.decisions.entry("deadline".into()).or_default() += 1;
-        let timeout = self.routers[self.live[i].router].gate.timeout();
-        self.finish(now, i, 504, Some(format!("the request ran past its deadline ({timeout} s)")), None);
     }
 
     /// Request `i` ended: its record, and the session turns that wait for it.

@@ -25,6 +25,8 @@ pub struct SimWorker {
     /// It hangs: it computes and sends nothing, and the calls it gets go unanswered, but the routers learn of it
     /// only when their watchdogs and connections time out (then it is also `down`).
     pub hung: bool,
+    /// It answers every call at once with an error, while its streams go on (`crate::run::Fault::Errors`).
+    pub erring: bool,
     /// When it joined the cluster (before the run, unless it came back).
     pub joined: f64,
     /// Its engine's configuration, for a fresh engine when it comes back.
@@ -65,6 +67,7 @@ impl SimWorker {
             down: false,
             back: false,
             hung: false,
+            erring: false,
             joined: f64::NEG_INFINITY,
             config,
             pending: Vec::new(),

@@ -196,8 +196,10 @@ fn a_request_past_its_deadline_is_answered_504_and_its_work_dropped() {
 }
 
 fn failing(s: Settings, failures: &[(&str, f64)]) -> Settings {
-    let failures =
-        failures.iter().map(|&(w, at)| sim::Failure { worker: w.to_string(), at, back: None, hang: false }).collect();
+    let failures = failures
+        .iter()
+        .map(|&(w, at)| sim::Failure { worker: w.to_string(), at, back: None, fault: sim::Fault::Crash })
+        .collect();
     Settings { failures, ..s }
 }
 
@@ -229,7 +231,7 @@ fn a_lost_decode_resumes_on_the_least_loaded_decode_worker_with_the_tokens_sent_
 }
 
 fn hanging(s: Settings, worker: &str, at: f64) -> Settings {
-    let failures = vec![sim::Failure { worker: worker.to_string(), at, back: None, hang: true }];
+    let failures = vec![sim::Failure { worker: worker.to_string(), at, back: None, fault: sim::Fault::Hang }];
     Settings { failures, ..s }
 }
 
@@ -304,6 +306,48 @@ fn a_hung_prefill_worker_stalls_its_pulls_until_they_time_out_and_its_prefills_u
 }
 
 #[test]
+fn a_worker_that_answers_with_errors_is_ejected_by_the_breaker_and_taken_back_once_it_answers() {
+    // Two decode workers in turn; every 100 ms a request of 50 tokens and 1 out (60 ms). decode-0 breaks at 10 ms,
+    // during request 0, which resumes on decode-1 (10 -> 70 ms). From then on each request the router sends
+    // decode-0 fails at once and resumes on decode-1 (60 ms: decode-1 is idle at each arrival). The fifth failure
+    // in a row ejects decode-0 for 5 s: nothing goes there until then; the first request after it fails again and
+    // ejects it for 10 s, past the run's end.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let trace: Vec<_> = (0..80).map(|k| request(100.0 * k as f64, 50, 1, k + 1)).collect();
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let erring = |back: Option<f64>| {
+        let failures = vec![sim::Failure { worker: "decode-0".into(), at: 0.01, back, fault: sim::Fault::Errors }];
+        let s = Settings { failures, ..settings(profile, 0, 2, Policy::RoundRobin) };
+        simulate(&s, &trace, &starts).expect("runs")
+    };
+    let on_decode_0 = |out: &sim::Outcome| -> Vec<usize> {
+        (0..trace.len()).filter(|&k| out.placements[k].as_ref().is_some_and(|p| p.decode == "decode-0")).collect()
+    };
+    let out = erring(None);
+    assert!(out.records.iter().all(|r| r.status == 200), "every request answered");
+    let latency = |k: usize| out.records.iter().find(|r| r.index == k).expect("a record").request_latency_ms;
+    assert!((latency(0) - 70.0).abs() < 1e-6, "{}", latency(0));
+    assert!((1..trace.len()).all(|k| (latency(k) - 60.0).abs() < 1e-6), "every other request took 60 ms");
+    let sent = on_decode_0(&out);
+    assert_eq!(sent.len(), 6, "five failures, then one after the ejection: {sent:?}");
+    let at = |k: usize| 0.1 * k as f64;
+    assert!(at(sent[5]) >= at(sent[4]) + 5.0 - 1e-9, "ejected for 5 s: {sent:?}");
+    assert!(at(sent[5]) < at(sent[4]) + 5.0 + 0.2 + 1e-9, "then taken back at once: {sent:?}");
+    assert_eq!(out.decisions.get("worker_ejected"), Some(&2));
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&6));
+
+    // Healed at 3 s, during the ejection: the request after it succeeds there, the breaker closes, and decode-0
+    // takes its turns again.
+    let out = erring(Some(3.0));
+    assert!(out.records.iter().all(|r| r.status == 200));
+    let sent = on_decode_0(&out);
+    assert!(at(sent[5]) >= at(sent[4]) + 5.0 - 1e-9, "{sent:?}");
+    assert!(sent.len() > 5 + 8, "decode-0 takes about every other request after {}: {sent:?}", sent[5]);
+    assert_eq!(out.decisions.get("worker_ejected"), Some(&1));
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&5));
+}
+
+#[test]
 fn a_lost_prefill_goes_to_the_next_candidate_then_to_the_decode_worker_itself() {
     // Two prefill workers, one decode worker; A (100 tokens, 3 out) is prefilled on one of them (a tie: the
     // decision's). It fails at 50 ms: A is prefilled again on the other, 50 → 160 ms.
@@ -352,7 +396,7 @@ fn a_worker_that_comes_back_starts_empty_and_takes_a_ramped_share() {
     // worker; C, A's prompt again, finds nothing cached on the new process and computes it all (110 ms, not 14).
     let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
     let back = |s: Settings, at: f64, back: f64| Settings {
-        failures: vec![sim::Failure { worker: "decode-0".into(), at, back: Some(back), hang: false }],
+        failures: vec![sim::Failure { worker: "decode-0".into(), at, back: Some(back), fault: sim::Fault::Crash }],
         ..s
     };
     let s = back(settings(profile, 0, 1, Policy::RoundRobin), 0.2, 1.0);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use engine::generate::{Engine, Stepper};
 use kv_cache::HashedTokens;
 use kv_cache::events::Snapshot;
-use router::resilience::RetryBudgetSettings;
+use router::resilience::{BreakerSettings, RetryBudgetSettings};
 use router::run::defaults::{MAX_DECODE_ATTEMPTS, MAX_PREFILL_ATTEMPTS};
 use router::scheduler::Decision;
 use router::scheduler::view::{WorkerId, WorkerRole};
@@ -21,7 +21,7 @@ use router::cluster::defaults::SILENCE;
 use worker::DEFAULT_PULL_TIMEOUT;
 use worker::grpc_tls::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 
-use super::{Ev, Job, Sim};
+use super::{Ev, Job, Replica, Sim};
 use crate::worker::SimWorker;
 
 /// What a request's failover needs, kept from its decision on (only in runs with failures).
@@ -86,25 +86,66 @@ impl Sim<'_> {
             return;
         }
         *self.out.decisions.entry("worker_failed".into()).or_default() += 1;
-        self.forget(w);
-        let hit: Vec<usize> = (0..self.live.len())
-            .filter(|&i| {
-                let l = &self.live[i];
-                l.on == Some(w) || (l.pulling && l.prefill == Some(w))
-            })
-            .collect();
+        self.forget(now, w);
+        let hit = self.on_or_pulling_from(w);
         for i in hit {
             let on = self.live[i].on.unwrap_or(w);
             self.attempt_failed(now, i, on);
         }
     }
 
-    /// The routers drop what worker `w`'s streams told them, and route nothing more there.
-    fn forget(&mut self, w: usize) {
+    /// The requests whose attempt runs on worker `w` or pulls from it.
+    fn on_or_pulling_from(&self, w: usize) -> Vec<usize> {
+        (0..self.live.len())
+            .filter(|&i| {
+                let l = &self.live[i];
+                l.on == Some(w) || (l.pulling && l.prefill == Some(w))
+            })
+            .collect()
+    }
+
+    /// The routers drop what worker `w`'s streams told them, and route nothing more there; each counts the loss of
+    /// its streams against the worker's breaker, as the real one does.
+    fn forget(&mut self, now: f64, w: usize) {
         self.workers[w].sent.clear();
-        for replica in &mut self.routers {
+        for r in 0..self.routers.len() {
+            let replica = &mut self.routers[r];
             replica.load.forget(WorkerId(w as u32));
             replica.index.replace(WorkerId(w as u32), &Snapshot { as_of: None, tiers: Default::default() });
+            self.call_failed(now, r, w);
+        }
+    }
+
+    /// Worker `w` starts answering every call with an error (its device broke): what it was running fails over and
+    /// leaves its engine, and so do pulls from it; its streams go on, so the routers see it up, idle, and holding
+    /// its cache, until their breakers eject it.
+    pub(super) fn worker_errs(&mut self, now: f64, w: usize) {
+        if self.workers[w].down || std::mem::replace(&mut self.workers[w].erring, true) {
+            return;
+        }
+        *self.out.decisions.entry("worker_erring".into()).or_default() += 1;
+        let hit = self.on_or_pulling_from(w);
+        for i in hit {
+            let on = self.live[i].on.unwrap_or(w);
+            if on == w {
+                self.drop_from(now, w, i);
+            }
+            self.attempt_failed(now, i, on);
+        }
+    }
+
+    /// A call to worker `w` for request `i` succeeded: the worker's breaker on `i`'s router closes.
+    pub(super) fn call_succeeded(&mut self, i: usize, w: usize) {
+        let r = self.live[i].router;
+        self.routers[r].breakers[w].success();
+    }
+
+    /// A call from router replica `r` to worker `w` failed in a way that counts against the worker: after
+    /// `BreakerSettings`' consecutive failures, the replica ejects it for a while.
+    fn call_failed(&mut self, now: f64, r: usize, w: usize) {
+        let at = self.instant(now);
+        if self.routers[r].breakers[w].failure(at, &BreakerSettings::default()).is_some() {
+            *self.out.decisions.entry("worker_ejected".into()).or_default() += 1;
         }
     }
 
@@ -131,11 +172,11 @@ impl Sim<'_> {
     }
 
     /// The routers' watchdog drops hung worker `w`: out of every later decision, its blocks out of the index.
-    pub(super) fn worker_silent(&mut self, w: usize) {
+    pub(super) fn worker_silent(&mut self, now: f64, w: usize) {
         if std::mem::replace(&mut self.workers[w].down, true) {
             return;
         }
-        self.forget(w);
+        self.forget(now, w);
     }
 
     /// Hung worker `w`'s connections close: every attempt still waiting on it fails over.
@@ -198,6 +239,7 @@ impl Sim<'_> {
     /// Request `i`'s attempt on worker `w` failed (the worker is gone, or the pull its decode started with).
     pub(super) fn attempt_failed(&mut self, now: f64, i: usize, w: usize) {
         self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
+        self.call_failed(now, self.live[i].router, w);
         if self.live[i].prefill == Some(w) && self.live[i].on == Some(w) {
             self.prefill_failed(now, i);
         } else {
@@ -232,7 +274,7 @@ impl Sim<'_> {
         let mut d = self.live[i].decode;
         let mut held = self.live[i].retries.as_ref().map_or(0, |r| r.decode_held);
         if self.workers[d].down {
-            d = self.next_decoder(i, &[]);
+            d = self.next_decoder(now, i, &[]);
             held = 0;
         }
         let bt = self.block_size.tokens() as u64;
@@ -267,7 +309,7 @@ impl Sim<'_> {
             return self.finish(now, i, 502, Some(why), None);
         }
         *self.out.decisions.entry("decode_resumed".into()).or_default() += 1;
-        let d = self.next_decoder(i, &tried);
+        let d = self.next_decoder(now, i, &tried);
         // The prompt and every token sent so far, computed there; the rest of the output made there.
         let generated = self.live[i].retries.as_ref().map_or(&[][..], |r| &r.generated[..]);
         let mut tokens = self.prompt_of(i).tokens().to_vec();
@@ -283,15 +325,17 @@ impl Sim<'_> {
     }
 
     /// The decode worker a failed-over request goes to, as `router::serve::next_decoder` picks it: the one with the
-    /// fewest requests in flight from request `i`'s router among those up and not in `tried` (the lowest number
-    /// among equals); a worker of `tried` when there is no other (its attempt then fails at once).
-    pub(super) fn next_decoder(&self, i: usize, tried: &[usize]) -> usize {
-        let load = &self.routers[self.live[i].router].load;
+    /// fewest requests in flight from request `i`'s router among those up, not ejected by its breaker, and not in
+    /// `tried` (the lowest number among equals); a worker of `tried` when there is no other (its attempt then fails
+    /// at once).
+    pub(super) fn next_decoder(&self, now: f64, i: usize, tried: &[usize]) -> usize {
+        let Replica { load, breakers, .. } = &self.routers[self.live[i].router];
         let fallback = tried.last().copied().unwrap_or(self.live[i].decode);
+        let at = self.instant(now);
         (0..self.workers.len())
             .filter(|&w| {
                 let worker = &self.workers[w];
-                worker.role == WorkerRole::Decode && !worker.down && !tried.contains(&w)
+                worker.role == WorkerRole::Decode && !worker.down && breakers[w].admits(at) && !tried.contains(&w)
             })
             .min_by_key(|&w| (load.own_requests(WorkerId(w as u32)), w))
             .unwrap_or(fallback)

@@ -161,6 +161,12 @@ pub struct ClusterArgs {
     /// there fails over only when HTTP/2 keepalive closes the connection (20 s; docs/simulation.md, "Failures").
     #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS")]
     hang: Vec<String>,
+    /// Workers that answer every call with an error during the run (a broken device), as NAME@SECONDS[..SECONDS]
+    /// (healed then), comma separated: their streams go on, so the router sees them up, idle and holding their
+    /// cache, and only its circuit breaker (5 failures in a row eject a worker for 5 s, doubled each time) keeps
+    /// requests away; what reaches them fails over at once (docs/simulation.md, "A worker that answers with errors").
+    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS[..SECONDS]")]
+    errors: Vec<String>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -212,7 +218,7 @@ impl ClusterArgs {
         })
     }
 
-    /// `--fail`'s workers, then `--hang`'s.
+    /// `--fail`'s workers, then `--hang`'s, then `--errors`'.
     fn failures(&self) -> Result<Vec<sim::Failure>, String> {
         let mut failures: Vec<sim::Failure> = self.fail.iter().map(|f| parse_failure(f)).collect::<Result<_, _>>()?;
         for text in &self.hang {
@@ -220,7 +226,11 @@ impl ClusterArgs {
             if failure.back.is_some() {
                 return Err(format!("--hang {text}: a worker that hangs does not come back in the simulator"));
             }
-            failures.push(sim::Failure { hang: true, ..failure });
+            failures.push(sim::Failure { fault: sim::Fault::Hang, ..failure });
+        }
+        for text in &self.errors {
+            let failure = parse_failure(text).map_err(|e| e.replacen("--fail", "--errors", 1))?;
+            failures.push(sim::Failure { fault: sim::Fault::Errors, ..failure });
         }
         Ok(failures)
     }
@@ -418,7 +428,7 @@ fn parse_failure(text: &str) -> Result<sim::Failure, String> {
     if worker.trim().is_empty() || back.is_some_and(|b| b <= at) {
         return Err(bad());
     }
-    Ok(sim::Failure { worker: worker.trim().to_string(), at, back, hang: false })
+    Ok(sim::Failure { worker: worker.trim().to_string(), at, back, fault: sim::Fault::Crash })
 }
 
 /// A router TOML file, read as a table.
@@ -533,9 +543,11 @@ fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, 
 /// What befell a run besides routing, from its decisions (failures and failovers, the router's queue), in one line;
 /// `None` when nothing did.
 fn events_line(decisions: &BTreeMap<String, u64>) -> Option<String> {
-    const EVENTS: [&str; 8] = [
+    const EVENTS: [&str; 10] = [
         "worker_failed",
         "worker_hung",
+        "worker_erring",
+        "worker_ejected",
         "worker_back",
         "prefill_retried",
         "local_prefill_after_failure",
@@ -584,7 +596,7 @@ mod tests {
 
     #[test]
     fn a_failure_is_a_name_and_seconds() {
-        let failure = |at, back| sim::Failure { worker: "decode-3".into(), at, back, hang: false };
+        let failure = |at, back| sim::Failure { worker: "decode-3".into(), at, back, fault: sim::Fault::Crash };
         assert_eq!(parse_failure("decode-3@120"), Ok(failure(120.0, None)));
         assert_eq!(parse_failure("decode-3@120..180"), Ok(failure(120.0, Some(180.0))));
         assert_eq!(parse_failure("prefill-0@0.5").map(|f| f.at), Ok(0.5));
@@ -615,10 +627,21 @@ mod tests {
     }
 
     #[test]
-    fn a_hang_is_a_failure_that_hangs_and_does_not_come_back() {
-        let got = failures(&["--fail", "decode-1@3", "--hang", "decode-0@5,prefill-2@7.5"]).expect("parsed");
-        let f = |worker: &str, at, hang| sim::Failure { worker: worker.into(), at, back: None, hang };
-        assert_eq!(got, [f("decode-1", 3.0, false), f("decode-0", 5.0, true), f("prefill-2", 7.5, true)]);
+    fn hangs_and_errors_are_failures_of_their_own_kind_and_a_hang_does_not_come_back() {
+        use sim::Fault::*;
+        let got =
+            failures(&["--fail", "decode-1@3", "--hang", "decode-0@5,prefill-2@7.5", "--errors", "decode-2@1..4"])
+                .expect("parsed");
+        let f = |worker: &str, at, back, fault| sim::Failure { worker: worker.into(), at, back, fault };
+        let want = [
+            f("decode-1", 3.0, None, Crash),
+            f("decode-0", 5.0, None, Hang),
+            f("prefill-2", 7.5, None, Hang),
+            f("decode-2", 1.0, Some(4.0), Errors),
+        ];
+        assert_eq!(got, want);
+        let bad = failures(&["--errors", "decode-0@x"]).expect_err("refused");
+        assert!(bad.starts_with("--errors decode-0@x: NAME@SECONDS"), "{bad}");
         let back = failures(&["--hang", "decode-0@5..9"]).expect_err("refused");
         assert!(back.contains("does not come back"), "{back}");
         let bad = failures(&["--hang", "decode-0"]).expect_err("refused");

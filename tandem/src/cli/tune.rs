@@ -88,7 +88,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     if !base.failures.is_empty() {
         // A failure is a time on one trace's clock; the search runs windows of the trace, each from its own start.
         return Err(
-            "--fail and --hang are for tandem sim: tune searches windows of the trace, each on its own clock".into()
+            "--fail, --hang and --errors are for tandem sim: tune searches windows of the trace, each on its own clock"
+                .into(),
         );
     }
     let (requests, arrivals) = args.workload.load(args.seed)?;
