@@ -53,6 +53,39 @@ pub struct RecordedDecision {
     pub refused: Option<String>,
     /// How much cheaper the worker that computed the prompt was than the next best (0: a tie).
     pub margin: Option<f64>,
+    /// Its candidates as the router scored them, in a recording made with `--record-candidates`.
+    #[serde(default)]
+    pub candidates: Option<RecordedCandidates>,
+}
+
+/// A decision's candidates as recorded: what a replay needs to move a failed prefill on as the router would have.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct RecordedCandidates {
+    #[serde(default)]
+    pub prefill: Vec<RecordedCandidate>,
+    #[serde(default)]
+    pub decode: Vec<RecordedCandidate>,
+}
+
+/// One candidate of a recorded decision: its name, the blocks it held of the prompt by tier, and its cost.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct RecordedCandidate {
+    pub worker: String,
+    #[serde(default)]
+    pub device_blocks: usize,
+    #[serde(default)]
+    pub host_blocks: usize,
+    #[serde(default)]
+    pub disk_blocks: usize,
+    #[serde(default)]
+    pub cost: f64,
+}
+
+impl RecordedCandidate {
+    /// The prompt's blocks it held, over every tier.
+    pub fn held(&self) -> usize {
+        self.device_blocks + self.host_blocks + self.disk_blocks
+    }
 }
 
 /// The header line of a router recording.

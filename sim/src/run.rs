@@ -666,7 +666,9 @@ impl<'a> Sim<'a> {
                 reason: format!("recorded {}", d.reason.as_deref().unwrap_or("decision")),
                 margin: None,
                 candidates: None,
-                retry_order: None,
+                retry_order: (!self.settings.failures.is_empty())
+                    .then(|| failover::recorded_retry_order(d, &self.recorded))
+                    .flatten(),
             }),
             None => Err(RouteError::NoDecodeWorkers),
         }
@@ -1193,13 +1195,28 @@ fn recorded_names(settings: &Settings, workload: &[TraceRequest]) -> Result<Hash
         |n: &str, prefix: &str, pool: usize| n.strip_prefix(prefix)?.parse::<usize>().ok().filter(|&k| k < pool);
     let by_number = prefill.iter().all(|n| numbered(n, "prefill-", settings.prefill).is_some())
         && decode.iter().all(|n| numbered(n, "decode-", settings.decode).is_some());
+    // Then the workers that were only candidates (in a recording with them), where the pools have room: a replay
+    // moves a failed prefill on through them.
+    for d in workload.iter().filter_map(|r| r.recorded.as_ref()).filter_map(|r| r.decision.candidates.as_ref()) {
+        for (candidates, seen) in [(&d.prefill, &mut prefill), (&d.decode, &mut decode)] {
+            for c in candidates {
+                if !seen.contains(&c.worker) {
+                    seen.push(c.worker.clone());
+                }
+            }
+        }
+    }
     for (k, n) in prefill.into_iter().enumerate() {
-        let at = if by_number { numbered(&n, "prefill-", settings.prefill).unwrap_or(k) } else { k };
-        map.insert(n, at);
+        let at = if by_number { numbered(&n, "prefill-", settings.prefill) } else { Some(k) };
+        if let Some(at) = at.filter(|&at| at < settings.prefill) {
+            map.insert(n, at);
+        }
     }
     for (k, n) in decode.into_iter().enumerate() {
-        let at = if by_number { numbered(&n, "decode-", settings.decode).unwrap_or(k) } else { k };
-        map.insert(n, settings.prefill + at);
+        let at = if by_number { numbered(&n, "decode-", settings.decode) } else { Some(k) };
+        if let Some(at) = at.filter(|&at| at < settings.decode) {
+            map.insert(n, settings.prefill + at);
+        }
     }
     Ok(map)
 }

@@ -547,6 +547,44 @@ fn replaying_a_runs_own_decisions_gives_back_the_same_run() {
 }
 
 #[test]
+fn a_replayed_prefill_that_fails_moves_on_through_its_recorded_candidates() {
+    // A (100 tokens, 3 out) on one of two prefill workers, which fails at 50 ms. Replayed from a recording with
+    // the decision's candidates, A moves on to the other prefill worker, as the router would have; from one
+    // without them, the replay knows no other candidate and the decode worker prefills A itself.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let base = Settings { record_candidates: true, ..settings(profile, 2, 1, Policy::Kv) };
+    let trace = [request(0.0, 100, 3, 1)];
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let calm = simulate(&base, &trace, &starts).expect("runs");
+    let placed = calm.placements[0].clone().expect("placed");
+    let chosen = placed.prefill.clone().expect("disaggregated");
+    // The candidates as a recording writes them (`router::record`), read back as a replay reads them.
+    let candidates = placed.candidates.as_ref().map(|c| serde_json::to_value(c).expect("serializes"));
+    let replay = |candidates: Option<serde_json::Value>| {
+        let decision = loadgen::trace::RecordedDecision {
+            disaggregate: true,
+            prefill: Some(chosen.clone()),
+            decode: Some(placed.decode.clone()),
+            candidates: candidates.map(|c| serde_json::from_value(c).expect("a recording's candidates parse")),
+            ..Default::default()
+        };
+        let recorded = loadgen::trace::Recorded { namespace: None, decision, ended: None };
+        let trace = [loadgen::trace::TraceRequest { recorded: Some(recorded), ..trace[0].clone() }];
+        let s = failing(Settings { replay: true, record_candidates: false, ..base.clone() }, &[(&chosen, 0.05)]);
+        simulate(&s, &trace, &starts).expect("replays")
+    };
+    let out = replay(candidates);
+    let a = &out.records[0];
+    assert_eq!((a.status, a.output_tokens), (200, 3));
+    assert!((a.time_to_first_token_ms.expect("a first token") - 160.0).abs() < 1e-6);
+    assert_eq!(out.decisions.get("prefill_retried"), Some(&1));
+    let out = replay(None);
+    assert_eq!(out.records[0].status, 200);
+    assert_eq!(out.decisions.get("prefill_retried"), None);
+    assert_eq!(out.decisions.get("local_prefill_after_failure"), Some(&1));
+}
+
+#[test]
 fn placements_explain_their_decisions_only_when_asked_and_change_nothing() {
     let (trace, starts) = shared_prefixes(40, 3, 30.0, 9);
     let s = settings_gpu();
