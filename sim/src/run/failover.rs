@@ -4,20 +4,21 @@
 //! resumes on the least loaded decode worker not yet tried, which computes the prompt and the tokens already sent
 //! and makes the rest, at most `max_decode_attempts` attempts in all. Every retry after the first attempt and
 //! the local prefill after a lost one come out of the router's retry budget (the real `RetryBudget`, on the
-//! virtual clock). A failed worker computes and reports nothing more: the step it was running produces nothing,
-//! its messages on their way to the router are lost, and the routers leave it out of every later decision.
+//! virtual clock). A crashed worker computes and reports nothing more: the step it was running produces nothing,
+//! its messages on their way to the router are lost, and the routers leave it out of every later decision. A hung
+//! one is found out only by the router's watchdog and HTTP/2 keepalive; one that answers with errors only by the
+//! circuit breakers (the real `Breaker`, one per worker on each router replica), which every failed call feeds.
 
 use std::time::{Duration, Instant};
 
 use engine::generate::{Engine, Stepper};
 use kv_cache::HashedTokens;
 use kv_cache::events::Snapshot;
+use router::cluster::defaults::SILENCE;
 use router::resilience::{BreakerSettings, RetryBudgetSettings};
 use router::run::defaults::{MAX_DECODE_ATTEMPTS, MAX_PREFILL_ATTEMPTS};
 use router::scheduler::Decision;
 use router::scheduler::view::{WorkerId, WorkerRole};
-
-use router::cluster::defaults::SILENCE;
 use worker::DEFAULT_PULL_TIMEOUT;
 use worker::grpc_tls::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 
