@@ -189,3 +189,21 @@ fn a_prompt_submitted_with_its_hashes_runs_as_one_submitted_bare() {
     assert_eq!(run(Some(16)), bare, "hashed in the engine's block size");
     assert_eq!(run(Some(8)), bare, "hashed in another block size: hashed again");
 }
+
+#[test]
+fn a_broken_device_fails_every_sequence_until_mended_and_keeps_no_block() {
+    let mut config = mock("", 1.0, 64);
+    let BackendChoice::Mock(settings) = &config.backend else { unreachable!("a mock config") };
+    let fault = settings.fault.clone();
+    config.kv_blocks = 64;
+    let mut engine = common::engine(config);
+    let free = engine.free_blocks();
+    fault.set_broken(true);
+    let broken = engine.run(&[request(vec![1000; 100], 5, 1)], &AtomicBool::new(false), |_| {});
+    let why = broken.expect_err("a broken device fails the request").to_string();
+    assert!(why.contains("the mock device is broken"), "{why}");
+    assert_eq!(engine.free_blocks(), free, "the failed sequence's blocks are back");
+    fault.set_broken(false);
+    let out = engine.run(&[request(vec![1000; 100], 5, 1)], &AtomicBool::new(false), |_| {}).expect("mended");
+    assert_eq!(out[0].token_ids.len(), 5);
+}

@@ -6,6 +6,7 @@
 //! their transfers are charged for the modelled size.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{Backend, Next, Pacing, StepContext, StepShape, TimingProfile};
@@ -31,6 +32,32 @@ pub struct MockSettings {
     /// Keep no real time: a step returns at once and its modelled duration is read back by whoever keeps the clock
     /// (the simulator). Off for workers, whose steps sleep.
     pub virtual_time: bool,
+    /// A switch that breaks the stand-in device: while set, every chunk fails as a broken GPU's would.
+    pub fault: DeviceFault,
+}
+
+/// A shared switch that breaks a mock backend's device (a mock worker flips it on SIGUSR1 and back on SIGUSR2):
+/// while broken, every sequence the engine would step fails with a device error, so the worker answers every call
+/// with an error while its process and streams go on, as one on a failed GPU does. For testing routers against
+/// that failure. Clones share the switch.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceFault(Arc<AtomicBool>);
+
+impl DeviceFault {
+    pub fn set_broken(&self, broken: bool) {
+        self.0.store(broken, Ordering::Relaxed);
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Settings compare by value; every switch is alike.
+impl PartialEq for DeviceFault {
+    fn eq(&self, _: &DeviceFault) -> bool {
+        true
+    }
 }
 
 impl MockSettings {
@@ -42,6 +69,7 @@ impl MockSettings {
             block_bytes: DEFAULT_MOCK_BLOCK_BYTES,
             context_len: DEFAULT_MOCK_CONTEXT,
             virtual_time: false,
+            fault: DeviceFault::default(),
         }
     }
 
@@ -137,6 +165,9 @@ impl Backend for MockBackend {
     /// vocabulary by construction). Reading every prompt once more from memory, for nothing, was 2% of a
     /// simulation.
     fn check_chunk(&self, kv: &KvStore, chunk: &SeqChunk<'_>) -> Result<(), ForwardError> {
+        if self.settings.fault.is_broken() {
+            return Err(ForwardError::Device("the mock device is broken (SIGUSR2 mends it)".into()));
+        }
         crate::forward::check_placement(kv, chunk, self.settings.context_len)
     }
 
@@ -198,7 +229,8 @@ mod tests {
     #[test]
     fn a_step_takes_its_modelled_time_divided_by_the_speedup() {
         let profile = TimingProfile::parse("t", "[prefill]\nbase_ms = 40\n").expect("parses");
-        let settings = MockSettings { profile, speedup: 2.0, block_bytes: 64, context_len: 100, virtual_time: false };
+        let settings =
+            MockSettings { profile, speedup: 2.0, block_bytes: 64, context_len: 100, ..MockSettings::gpu_default() };
         let mut mock = MockBackend::new(settings, 10, vec![5, 6], 100);
         let layout = mock.kv_layout(16);
         assert_eq!(layout.block_bytes(), 64);

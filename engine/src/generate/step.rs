@@ -175,7 +175,9 @@ impl Engine {
             plan.push((i, n));
             budget -= n;
         }
-        // Device blocks for the plan, preempting the newest running sequence when the pool runs dry.
+        // Device blocks for the plan, preempting the newest running sequence when the pool runs dry. A sequence ended
+        // here (`ended`) is progress even when nothing is left to compute.
+        let mut ended = false;
         let mut k = 0;
         while k < plan.len() {
             let (i, n) = plan[k];
@@ -189,6 +191,7 @@ impl Engine {
                 seqs[i].blocks.extend(slots.into_iter().map(BlockId));
                 if let Err(e) = self.execute(&actions) {
                     self.fail(&mut seqs[i], format!("making room for a block failed: {e}"));
+                    ended = true;
                     plan.remove(k);
                     preempted_self = true;
                     break;
@@ -207,6 +210,7 @@ impl Engine {
                             // It cannot get a block even with nothing else running: it can never run here.
                             let why = self.out_of_capacity().to_string();
                             self.fail(&mut seqs[i], why);
+                            ended = true;
                             plan.remove(k);
                             preempted_self = true;
                             break;
@@ -238,12 +242,15 @@ impl Engine {
                 Ok(()) => k += 1,
                 Err(e) => {
                     self.fail(&mut seqs[i], e.to_string());
+                    ended = true;
                     plan.remove(k);
                 }
             }
         }
         if plan.is_empty() {
-            return Ok(false);
+            // Nothing to compute: a step that ended sequences goes on (the others are not out of room); one that
+            // could plan nothing at all could not run.
+            return Ok(ended);
         }
         let mut chunks = recycle(std::mem::take(&mut self.chunks));
         chunks.extend(plan.iter().map(|&(i, n)| seqs[i].chunk(n)));

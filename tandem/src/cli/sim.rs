@@ -277,6 +277,7 @@ impl ClusterArgs {
             block_bytes: SIM_BLOCK_BYTES,
             context_len: self.max_model_len,
             virtual_time: true,
+            fault: Default::default(),
         };
         EngineConfig {
             backend: BackendChoice::Mock(Box::new(mock)),
