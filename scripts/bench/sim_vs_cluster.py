@@ -21,13 +21,15 @@ With `--fail decode-0@40` the real cluster runs as separate processes (`tandem w
 and the named worker is killed 40 s after the router recorded its first request; the simulator fails the same
 worker at the same time on the workload's clock: this checks the simulated failover against the router's own.
 `--hang decode-0@40` stops the worker instead (SIGSTOP: its connections stay open, so the router finds out through
-its watchdog and HTTP/2 keepalive), and the simulator gets the same `--hang`.
+its watchdog and HTTP/2 keepalive), and the simulator gets the same `--hang`. `--errors decode-0@40..70` breaks the
+mock worker's stand-in device (SIGUSR1; SIGUSR2 mends it at 70 s): it answers every call with an error while its
+streams go on, so only the router's circuit breaker keeps requests away; the simulator gets the same `--errors`.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
-      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--parted 3] [--out runs/sim-vs-cluster]
+      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--errors NAME@SECONDS[..SECONDS],...] [--parted 3] [--out runs/sim-vs-cluster]
 """
 import argparse
 import os
@@ -112,7 +114,8 @@ def tokenizer_rate(url):
 
 FAILOVER = {"decode_resumed": "tandem_router_decode_resumptions_total",
             "prefill_retried": "tandem_router_prefill_retries_total",
-            "local_prefill_after_failure": "tandem_router_local_prefill_fallbacks_total"}
+            "local_prefill_after_failure": "tandem_router_local_prefill_fallbacks_total",
+            "worker_ejected": "tandem_router_worker_ejections_total"}
 
 
 def failovers(url):
@@ -288,6 +291,9 @@ def main():
     p.add_argument("--hang", metavar="NAME@SECONDS",
                    help="workers that hang, comma-separated, as --fail but stopped (SIGSTOP) instead of killed; the "
                         "simulator gets the same --hang (mock engine only)")
+    p.add_argument("--errors", metavar="NAME@SECONDS[..SECONDS]",
+                   help="workers whose mock device breaks, comma-separated: SIGUSR1 at the first time, SIGUSR2 (mended) "
+                        "at the second if given; the simulator gets the same --errors (mock engine only)")
     p.add_argument("--max-batched-tokens", type=int,
                    help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
@@ -309,10 +315,16 @@ def main():
              "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers, *budget, *admission]
     failures = [(*f.split("@"), signal.SIGKILL) for f in args.fail.split(",")] if args.fail else []
     failures += [(*f.split("@"), signal.SIGSTOP) for f in args.hang.split(",")] if args.hang else []
-    if failures and cpu:
-        sys.exit("--fail and --hang run the mock cluster only")
     if any(len(f) != 3 or ".." in f[1] for f in failures):
         sys.exit("--fail and --hang take NAME@SECONDS here: a failed worker is not started again")
+    for f in args.errors.split(",") if args.errors else []:
+        name, _, times = f.partition("@")
+        at, _, mended = times.partition("..")
+        failures.append((name, at, signal.SIGUSR1))
+        if mended:
+            failures.append((name, mended, signal.SIGUSR2))
+    if failures and cpu:
+        sys.exit("--fail, --hang and --errors run the mock cluster only")
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     real_failovers = []  # per real run with --fail, its router's failover counters
@@ -353,7 +365,8 @@ def main():
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
-    fail = (["--fail", args.fail] if args.fail else []) + (["--hang", args.hang] if args.hang else [])
+    fail = [arg for flag in ("fail", "hang", "errors") if getattr(args, flag)
+            for arg in (f"--{flag}", getattr(args, flag))]
     sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),

@@ -400,7 +400,14 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let fault = match &config.engine.backend {
+        BackendChoice::Mock(mock) => Some(mock.fault.clone()),
+        _ => None,
+    };
     process.block_on(async move {
+        if let Some(fault) = fault {
+            tokio::spawn(follow_fault_signals(fault));
+        }
         let worker = match RunningWorker::start(config).await {
             Ok(w) => w,
             Err(e) => {
@@ -428,6 +435,25 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
         worker.shutdown(grace).await;
         ExitCode::SUCCESS
     })
+}
+
+/// A mock worker's device breaks on SIGUSR1 and is mended on SIGUSR2 (`engine::backend::mock::DeviceFault`): for
+/// testing a router, and the simulator's `--errors`, against a worker that answers every call with an error.
+async fn follow_fault_signals(fault: engine::backend::mock::DeviceFault) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut break_it), Ok(mut mend)) = (signal(SignalKind::user_defined1()), signal(SignalKind::user_defined2()))
+    else {
+        return;
+    };
+    loop {
+        let broken = tokio::select! {
+            Some(()) = break_it.recv() => true,
+            Some(()) = mend.recv() => false,
+            else => return,
+        };
+        fault.set_broken(broken);
+        eprintln!("the mock device is {}", if broken { "broken (SIGUSR1)" } else { "mended (SIGUSR2)" });
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.
