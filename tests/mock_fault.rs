@@ -85,43 +85,29 @@ async fn a_mock_worker_broken_by_a_signal_fails_every_request_until_mended() {
             .stderr(Stdio::null()),
     );
     let addr: SocketAddr = router.word("http://").trim_end_matches('/').parse().expect("the router's address");
-    let status = || async { http(addr, "POST", "/v1/completions", &completion(), &[]).await };
-
-    // Served once the router has the worker.
-    let waiting = Instant::now();
-    loop {
-        let r = status().await;
-        if r.status == 200 {
-            break;
+    // The first answer that `done` accepts, asking again every 50 ms for up to 30 s.
+    let answer_until = |done: fn(u16) -> bool, what: &'static str| async move {
+        let waiting = Instant::now();
+        loop {
+            let r = http(addr, "POST", "/v1/completions", &completion(), &[]).await;
+            if done(r.status) {
+                return r;
+            }
+            assert!(waiting.elapsed() < Duration::from_secs(30), "{what}: {} {}", r.status, r.body);
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert!(waiting.elapsed() < Duration::from_secs(30), "never served: {} {}", r.status, r.body);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    };
+    // Served once the router has the worker.
+    answer_until(|s| s == 200, "never served").await;
 
     worker.signal("USR1");
-    let waiting = Instant::now();
-    let broken = loop {
-        let r = status().await;
-        if r.status != 200 {
-            break r;
-        }
-        assert!(waiting.elapsed() < Duration::from_secs(10), "the signal broke nothing");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let broken = answer_until(|s| s != 200, "the signal broke nothing").await;
     assert_eq!(broken.status, 502, "the only decode worker failed every attempt: {}", broken.body);
     let log = std::fs::read_to_string(dir.join("worker.log")).expect("the worker's log");
     assert!(log.contains("the mock device is broken (SIGUSR1)"), "{log}");
 
     worker.signal("USR2");
-    let waiting = Instant::now();
-    loop {
-        let r = status().await;
-        if r.status == 200 {
-            break;
-        }
-        assert!(waiting.elapsed() < Duration::from_secs(10), "never mended: {} {}", r.status, r.body);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    answer_until(|s| s == 200, "never mended").await;
     drop((router, worker));
     let _ = std::fs::remove_dir_all(&dir);
 }
