@@ -76,10 +76,7 @@ impl Q8Rows {
         self.paired.clear();
         // Only decode-sized steps read the paired copy (prompt-sized ones go through `vnni`'s tiles, which read `q`).
         #[cfg(target_arch = "x86_64")]
-        if x.len() <= PAIRED_MAX_ROWS * cols
-            && vnni::for_decode(x.len() / cols.max(1))
-            && self.blocks_per_row.is_multiple_of(2)
-        {
+        if x.len() <= PAIRED_MAX_ROWS * cols && vnni::for_decode() && self.blocks_per_row.is_multiple_of(2) {
             self.paired.resize(self.q.len(), 0);
             vnni::interleave(&self.q, &mut self.paired);
         }
