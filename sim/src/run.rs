@@ -25,6 +25,7 @@ use crate::queue::Queue;
 use crate::worker::SimWorker;
 
 mod failover;
+mod replay;
 
 /// What the simulator models beyond the engine's own steps.
 #[derive(Clone, Debug, PartialEq)]
@@ -422,7 +423,7 @@ impl<'a> Sim<'a> {
             };
             workers.push(SimWorker::new(WorkerId(i as u32), name, role, Stepper::new(engine), replicas, config));
         }
-        let recorded = if settings.replay { recorded_names(settings, workload)? } else { HashMap::new() };
+        let recorded = if settings.replay { replay::recorded_names(settings, workload)? } else { HashMap::new() };
         let mut failures = Vec::new();
         for f in &settings.failures {
             let w = workers.iter().position(|w| w.name == f.worker).ok_or_else(|| {
@@ -650,28 +651,6 @@ impl<'a> Sim<'a> {
             candidates: placed.candidates.take(),
         });
         self.start(now, i, &placed, &views);
-    }
-
-    /// Request `i`'s recorded decision, its workers found by name (checked to exist when the run started).
-    fn replayed(&self, i: usize) -> Result<Placement, RouteError> {
-        let recorded = self.workload[i].recorded.as_ref().map(|r| &r.decision);
-        let named = |name: &Option<String>| name.as_ref().and_then(|n| self.recorded.get(n)).copied();
-        match recorded {
-            Some(d) if d.refused.is_some() => {
-                Err(d.refused.as_deref().and_then(RouteError::from_kind).unwrap_or(RouteError::AllBusy))
-            }
-            Some(d) => Ok(Placement {
-                prefill: named(&d.prefill).filter(|_| d.disaggregate),
-                decode: named(&d.decode).ok_or(RouteError::NoDecodeWorkers)?,
-                reason: format!("recorded {}", d.reason.as_deref().unwrap_or("decision")),
-                margin: None,
-                candidates: None,
-                retry_order: (!self.settings.failures.is_empty())
-                    .then(|| failover::recorded_retry_order(d, &self.recorded))
-                    .flatten(),
-            }),
-            None => Err(RouteError::NoDecodeWorkers),
-        }
     }
 
     /// Adds the current spread of work over each pool's workers to the balance figures.
@@ -1161,62 +1140,4 @@ fn index_capacity(settings: &Settings, workload: &[TraceRequest], workers: usize
     let held = workers * (e.kv_blocks + e.host_blocks + e.disk_blocks);
     let made: usize = workload.iter().map(|r| (r.input_length + r.output_length) / e.block_tokens.max(1)).sum();
     held.min(made)
-}
-
-/// The simulated worker for each worker a recording names: names of the simulator's own form (`prefill-K`,
-/// `decode-K`) keep their number; otherwise (a router recording names workers by the address it knows them by)
-/// prefill workers in the order they first appear become `prefill-0`, `prefill-1`, …, and decode workers
-/// `decode-0`, …. Too many names for the simulated pools is an error.
-fn recorded_names(settings: &Settings, workload: &[TraceRequest]) -> Result<HashMap<String, usize>, SimError> {
-    let mut map = HashMap::new();
-    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for d in workload.iter().filter_map(|r| r.recorded.as_ref()).map(|r| &r.decision) {
-        for (name, seen) in [(&d.prefill, &mut prefill), (&d.decode, &mut decode)] {
-            if let Some(n) = name.as_ref().filter(|n| !seen.contains(*n)) {
-                seen.push(n.clone());
-            }
-        }
-    }
-    if prefill.is_empty() && decode.is_empty() {
-        return Err(SimError::Settings(
-            "the trace records no decisions to replay (record one with --record-trace)".into(),
-        ));
-    }
-    if prefill.len() > settings.prefill || decode.len() > settings.decode {
-        return Err(SimError::Settings(format!(
-            "the recording names {} prefill and {} decode workers: give --prefill and --decode at least that",
-            prefill.len(),
-            decode.len()
-        )));
-    }
-    // Names the simulator itself gives (`prefill-K`, `decode-K`, as `tandem up` and `tandem sim` name workers)
-    // keep their number.
-    let numbered =
-        |n: &str, prefix: &str, pool: usize| n.strip_prefix(prefix)?.parse::<usize>().ok().filter(|&k| k < pool);
-    let by_number = prefill.iter().all(|n| numbered(n, "prefill-", settings.prefill).is_some())
-        && decode.iter().all(|n| numbered(n, "decode-", settings.decode).is_some());
-    // Then the workers that were only candidates (in a recording with them), where the pools have room: a replay
-    // moves a failed prefill on through them.
-    for d in workload.iter().filter_map(|r| r.recorded.as_ref()).filter_map(|r| r.decision.candidates.as_ref()) {
-        for (candidates, seen) in [(&d.prefill, &mut prefill), (&d.decode, &mut decode)] {
-            for c in candidates {
-                if !seen.contains(&c.worker) {
-                    seen.push(c.worker.clone());
-                }
-            }
-        }
-    }
-    for (k, n) in prefill.into_iter().enumerate() {
-        let at = if by_number { numbered(&n, "prefill-", settings.prefill) } else { Some(k) };
-        if let Some(at) = at.filter(|&at| at < settings.prefill) {
-            map.insert(n, at);
-        }
-    }
-    for (k, n) in decode.into_iter().enumerate() {
-        let at = if by_number { numbered(&n, "decode-", settings.decode) } else { Some(k) };
-        if let Some(at) = at.filter(|&at| at < settings.decode) {
-            map.insert(n, settings.prefill + at);
-        }
-    }
-    Ok(map)
 }

@@ -70,24 +70,6 @@ pub(super) fn retry_order(d: &Decision) -> (Vec<(usize, u64)>, u64) {
     (prefill, d.decode.chosen().map_or(0, held))
 }
 
-/// [`retry_order`] for a recorded decision, from its recorded candidates (`None` when it has none), with the
-/// workers found by their recorded names (`names`; one the simulation lacks is left out).
-pub(super) fn recorded_retry_order(
-    d: &loadgen::trace::RecordedDecision,
-    names: &std::collections::HashMap<String, usize>,
-) -> Option<(Vec<(usize, u64)>, u64)> {
-    let c = d.candidates.as_ref()?;
-    let mut prefill: Vec<_> = if d.disaggregate { c.prefill.iter().collect() } else { Vec::new() };
-    // As `Choice::by_preference`: the chosen one first, then by cost (a stable sort keeps the router's order).
-    let chosen = d.prefill.as_deref();
-    prefill.sort_by(|a, b| {
-        (Some(a.worker.as_str()) != chosen).cmp(&(Some(b.worker.as_str()) != chosen)).then(a.cost.total_cmp(&b.cost))
-    });
-    let order = prefill.iter().filter_map(|c| Some((*names.get(&c.worker)?, c.held() as u64))).collect();
-    let decode = c.decode.iter().find(|c| Some(c.worker.as_str()) == d.decode.as_deref());
-    Some((order, decode.map_or(0, |c| c.held() as u64)))
-}
-
 /// The router's default retry budget.
 pub(super) fn budget_settings() -> RetryBudgetSettings {
     RetryBudgetSettings::default()
