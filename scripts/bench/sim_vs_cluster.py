@@ -29,7 +29,8 @@ Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
-      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--errors NAME@SECONDS[..SECONDS],...] [--parted 3] [--out runs/sim-vs-cluster]
+      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--errors NAME@SECONDS[..SECONDS],...] [--parted 3]
+      [--out runs/sim-vs-cluster]
 """
 import argparse
 import os
@@ -292,8 +293,8 @@ def main():
                    help="workers that hang, comma-separated, as --fail but stopped (SIGSTOP) instead of killed; the "
                         "simulator gets the same --hang (mock engine only)")
     p.add_argument("--errors", metavar="NAME@SECONDS[..SECONDS]",
-                   help="workers whose mock device breaks, comma-separated: SIGUSR1 at the first time, SIGUSR2 (mended) "
-                        "at the second if given; the simulator gets the same --errors (mock engine only)")
+                   help="workers whose mock device breaks, comma-separated: SIGUSR1 at the first time, SIGUSR2 "
+                        "(mended) at the second if given; the simulator gets the same --errors (mock engine only)")
     p.add_argument("--max-batched-tokens", type=int,
                    help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
@@ -327,7 +328,7 @@ def main():
         sys.exit("--fail, --hang and --errors run the mock cluster only")
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
-    real_failovers = []  # per real run with --fail, its router's failover counters
+    real_failovers = []  # per real run with failures, its router's failover counters
     for k in range(args.repeat):
         d = out / ("cluster" if k == 0 else f"cluster-{k}")
         d.mkdir(parents=True, exist_ok=True)
@@ -346,11 +347,12 @@ def main():
             url, procs = up if failures else (up, {})
             # The simulator's workers start warm: no slow start for the real ones either.
             set_router_config(url, {"ties": args.ties, "slow_start_secs": 0, "policy": args.policy})
-            killers = [signal_later(procs[name], float(at), d / "recording.jsonl", sig) for name, at, sig in failures]
+            signallers = [signal_later(procs[name], float(at), d / "recording.jsonl", sig)
+                          for name, at, sig in failures]
             runs.append((d, bench_serve(args.tandem, url, [
                 *workload, "--seed", str(args.seed), "--slo", SLO, "--ignore-eos", "--out", str(d)])))
-            for k in killers:
-                k.join()
+            for signaller in signallers:
+                signaller.join()
             rates.append(tokenizer_rate(url))
             if failures:
                 real_failovers.append(failovers(url))

@@ -1054,15 +1054,22 @@ impl<'a> Sim<'a> {
         let Some(w) = self.live[i].on else { return };
         self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
         self.drop_from(now, w, i);
-        // The prompt's KV on its way (pulling, or pulled and waiting for the engine): the lease ends.
-        let live = &mut self.live[i];
-        live.pulling = false;
-        if let (Some(p), Some(_)) = (live.prefill, live.pull.take()) {
-            self.unpinned(now, p);
-        }
+        self.end_pull(now, i);
         *self.out.decisions.entry("deadline".into()).or_default() += 1;
         let timeout = self.routers[self.live[i].router].gate.timeout();
         self.finish(now, i, 504, Some(format!("the request ran past its deadline ({timeout} s)")), None);
+    }
+
+    /// The prompt's KV on its way to request `i`'s decode attempt (pulling, or pulled and waiting for the engine) is
+    /// not wanted any more: the lease ends, and its prefill worker takes the blocks back (unless it is gone).
+    fn end_pull(&mut self, now: f64, i: usize) {
+        let live = &mut self.live[i];
+        live.pulling = false;
+        if let (Some(p), Some(_)) = (live.prefill, live.pull.take())
+            && !self.workers[p].down
+        {
+            self.unpinned(now, p);
+        }
     }
 
     /// Worker `w`'s engine drops request `i` between steps (one sent during the step never reaches it).

@@ -272,6 +272,11 @@ fn a_hung_decode_worker_keeps_its_requests_until_keepalive_closes_the_connection
     assert_eq!(out.decisions.get("worker_hung"), Some(&1));
     assert_eq!(out.decisions.get("decode_resumed"), Some(&2));
     assert_eq!(out.decisions.get("worker_failed"), None);
+    // A hung worker does not come back here.
+    let mut back = s.clone();
+    back.failures[0].back = Some(30.0);
+    let refused = simulate(&back, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect_err("refused");
+    assert!(refused.to_string().contains("a worker that hangs does not come back"), "{refused}");
 }
 
 #[test]

@@ -109,11 +109,18 @@ impl Sim<'_> {
     /// its streams against the worker's breaker, as the real one does.
     fn forget(&mut self, now: f64, w: usize) {
         self.workers[w].sent.clear();
+        self.clear_views(w);
         for r in 0..self.routers.len() {
-            let replica = &mut self.routers[r];
-            replica.load.forget(WorkerId(w as u32));
-            replica.index.replace(WorkerId(w as u32), &Snapshot { as_of: None, tiers: Default::default() });
             self.call_failed(now, r, w);
+        }
+    }
+
+    /// Every router replica forgets worker `w`'s load and blocks.
+    fn clear_views(&mut self, w: usize) {
+        let id = WorkerId(w as u32);
+        for replica in &mut self.routers {
+            replica.load.forget(id);
+            replica.index.replace(id, &Snapshot { as_of: None, tiers: Default::default() });
         }
     }
 
@@ -229,10 +236,7 @@ impl Sim<'_> {
         let mut fresh = SimWorker::new(id, name, role, Stepper::new(engine), self.routers.len(), config);
         fresh.joined = now;
         self.workers[w] = fresh;
-        for replica in &mut self.routers {
-            replica.load.forget(id);
-            replica.index.replace(id, &Snapshot { as_of: None, tiers: Default::default() });
-        }
+        self.clear_views(w);
         *self.out.decisions.entry("worker_back".into()).or_default() += 1;
         self.publish(now, w);
     }
@@ -289,15 +293,7 @@ impl Sim<'_> {
     }
 
     fn decode_failed(&mut self, now: f64, i: usize, w: usize) {
-        // The prompt's KV on its way to the failed attempt (pulling, or pulled and waiting for the engine): the
-        // lease ends.
-        let live = &mut self.live[i];
-        live.pulling = false;
-        if let (Some(p), Some(_)) = (live.prefill, live.pull.take())
-            && !self.workers[p].down
-        {
-            self.unpinned(now, p);
-        }
+        self.end_pull(now, i);
         let Some(r) = self.live[i].retries.as_mut() else {
             return self.finish(now, i, 502, Some("the decode worker failed".into()), None);
         };

@@ -218,21 +218,17 @@ impl ClusterArgs {
         })
     }
 
-    /// `--fail`'s workers, then `--hang`'s, then `--errors`'.
+    /// `--fail`'s workers, then `--hang`'s, then `--errors`'. (The simulator itself refuses a hang that comes back.)
     fn failures(&self) -> Result<Vec<sim::Failure>, String> {
-        let mut failures: Vec<sim::Failure> = self.fail.iter().map(|f| parse_failure(f)).collect::<Result<_, _>>()?;
-        for text in &self.hang {
-            let failure = parse_failure(text).map_err(|_| format!("--hang {text}: NAME@SECONDS, e.g. decode-3@120"))?;
-            if failure.back.is_some() {
-                return Err(format!("--hang {text}: a worker that hangs does not come back in the simulator"));
-            }
-            failures.push(sim::Failure { fault: sim::Fault::Hang, ..failure });
-        }
-        for text in &self.errors {
-            let failure = parse_failure(text).map_err(|e| e.replacen("--fail", "--errors", 1))?;
-            failures.push(sim::Failure { fault: sim::Fault::Errors, ..failure });
-        }
-        Ok(failures)
+        let kinds = [
+            ("fail", &self.fail, sim::Fault::Crash),
+            ("hang", &self.hang, sim::Fault::Hang),
+            ("errors", &self.errors, sim::Fault::Errors),
+        ];
+        kinds
+            .into_iter()
+            .flat_map(|(flag, texts, fault)| texts.iter().map(move |text| parse_failure(flag, text, fault)))
+            .collect()
     }
 
     /// The `--config` router file, read once (empty without one).
@@ -416,10 +412,11 @@ fn scheduler_config(router: &RouterFile) -> Result<SchedulerConfig, String> {
     Ok(config)
 }
 
-/// `NAME@SECONDS` or `NAME@SECONDS..SECONDS`: a worker's failure, and when it comes back.
-fn parse_failure(text: &str) -> Result<sim::Failure, String> {
+/// `NAME@SECONDS` or `NAME@SECONDS..SECONDS` (given to `--flag`): a worker's failure of kind `fault`, and when
+/// it comes back.
+fn parse_failure(flag: &str, text: &str, fault: sim::Fault) -> Result<sim::Failure, String> {
     let bad =
-        || format!("--fail {text}: NAME@SECONDS or NAME@SECONDS..SECONDS, e.g. decode-3@120 or decode-3@120..180");
+        || format!("--{flag} {text}: NAME@SECONDS or NAME@SECONDS..SECONDS, e.g. decode-3@120 or decode-3@120..180");
     let (worker, times) = text.split_once('@').ok_or_else(bad)?;
     let time = |t: &str| t.trim().parse::<f64>().ok().filter(|t| t.is_finite() && *t >= 0.0).ok_or_else(bad);
     let (at, back) = match times.split_once("..") {
@@ -429,7 +426,7 @@ fn parse_failure(text: &str) -> Result<sim::Failure, String> {
     if worker.trim().is_empty() || back.is_some_and(|b| b <= at) {
         return Err(bad());
     }
-    Ok(sim::Failure { worker: worker.trim().to_string(), at, back, fault: sim::Fault::Crash })
+    Ok(sim::Failure { worker: worker.trim().to_string(), at, back, fault })
 }
 
 /// A router TOML file, read as a table.
@@ -564,6 +561,7 @@ fn events_line(decisions: &BTreeMap<String, u64>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use loadgen::summary::Record;
 
     #[test]
     fn failures_and_the_routers_queue_get_a_line_of_their_own() {
@@ -572,7 +570,6 @@ mod tests {
         d.extend([("decode_resumed".to_string(), 11), ("worker_failed".to_string(), 1), ("deadline".to_string(), 0)]);
         assert_eq!(events_line(&d).as_deref(), Some("worker_failed 1, decode_resumed 11"));
     }
-    use loadgen::summary::Record;
 
     #[test]
     fn engine_failures_are_named_and_load_refusals_are_not() {
@@ -598,12 +595,13 @@ mod tests {
     #[test]
     fn a_failure_is_a_name_and_seconds() {
         let failure = |at, back| sim::Failure { worker: "decode-3".into(), at, back, fault: sim::Fault::Crash };
-        assert_eq!(parse_failure("decode-3@120"), Ok(failure(120.0, None)));
-        assert_eq!(parse_failure("decode-3@120..180"), Ok(failure(120.0, Some(180.0))));
-        assert_eq!(parse_failure("prefill-0@0.5").map(|f| f.at), Ok(0.5));
+        let parse = |text| parse_failure("fail", text, sim::Fault::Crash);
+        assert_eq!(parse("decode-3@120"), Ok(failure(120.0, None)));
+        assert_eq!(parse("decode-3@120..180"), Ok(failure(120.0, Some(180.0))));
+        assert_eq!(parse("prefill-0@0.5").map(|f| f.at), Ok(0.5));
         let bad = ["decode-3", "decode-3@", "@5", "decode-3@-1", "decode-3@soon", "decode-3@inf", "decode-3@120..90"];
         for bad in bad {
-            assert!(parse_failure(bad).is_err(), "{bad}");
+            assert!(parse(bad).is_err(), "{bad}");
         }
     }
 
@@ -628,7 +626,7 @@ mod tests {
     }
 
     #[test]
-    fn hangs_and_errors_are_failures_of_their_own_kind_and_a_hang_does_not_come_back() {
+    fn hangs_and_errors_are_failures_of_their_own_kind() {
         use sim::Fault::*;
         let got =
             failures(&["--fail", "decode-1@3", "--hang", "decode-0@5,prefill-2@7.5", "--errors", "decode-2@1..4"])
@@ -643,8 +641,6 @@ mod tests {
         assert_eq!(got, want);
         let bad = failures(&["--errors", "decode-0@x"]).expect_err("refused");
         assert!(bad.starts_with("--errors decode-0@x: NAME@SECONDS"), "{bad}");
-        let back = failures(&["--hang", "decode-0@5..9"]).expect_err("refused");
-        assert!(back.contains("does not come back"), "{back}");
         let bad = failures(&["--hang", "decode-0"]).expect_err("refused");
         assert!(bad.contains("--hang decode-0: NAME@SECONDS"), "{bad}");
     }
