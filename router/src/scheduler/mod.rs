@@ -86,7 +86,7 @@ impl Choice {
     /// (`crate::serve`'s prefill retries, and the simulator's).
     pub fn by_preference(&self) -> Vec<&Scored> {
         let mut order: Vec<&Scored> = self.candidates.iter().collect();
-        order.sort_by(|a, b| (a.id != self.id).cmp(&(b.id != self.id)).then(a.cost.total_cmp(&b.cost)));
+        order.sort_by(|a, b| preference((a.id == self.id, a.cost), (b.id == self.id, b.cost)));
         order
     }
 
@@ -140,6 +140,12 @@ impl Decision {
             _ => self.decode.margin(),
         }
     }
+}
+
+/// The order of [`Choice::by_preference`] between two candidates, each given as (whether it is the chosen one, its
+/// cost): the chosen one first, then the cheaper; a stable sort keeps equals in their order.
+pub fn preference(a: (bool, f64), b: (bool, f64)) -> std::cmp::Ordering {
+    b.0.cmp(&a.0).then(a.1.total_cmp(&b.1))
 }
 
 /// Why no worker can take the request.

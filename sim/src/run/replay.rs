@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use loadgen::trace::{RecordedDecision, TraceRequest};
+use loadgen::trace::{RecordedCandidate, RecordedDecision, TraceRequest};
 use router::scheduler::RouteError;
 
 use super::{Placement, Settings, Sim, SimError};
@@ -40,9 +40,8 @@ fn recorded_retry_order(d: &RecordedDecision, names: &HashMap<String, usize>) ->
     let mut prefill: Vec<_> = if d.disaggregate { c.prefill.iter().collect() } else { Vec::new() };
     // As `Choice::by_preference`: the chosen one first, then by cost (a stable sort keeps the router's order).
     let chosen = d.prefill.as_deref();
-    prefill.sort_by(|a, b| {
-        (Some(a.worker.as_str()) != chosen).cmp(&(Some(b.worker.as_str()) != chosen)).then(a.cost.total_cmp(&b.cost))
-    });
+    let key = |c: &RecordedCandidate| (Some(c.worker.as_str()) == chosen, c.cost);
+    prefill.sort_by(|a, b| router::scheduler::preference(key(a), key(b)));
     let order = prefill.iter().filter_map(|c| Some((*names.get(&c.worker)?, c.held() as u64))).collect();
     let decode = c.decode.iter().find(|c| Some(c.worker.as_str()) == d.decode.as_deref());
     Some((order, decode.map_or(0, |c| c.held() as u64)))
