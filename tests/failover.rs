@@ -294,6 +294,60 @@ async fn a_worker_that_fails_again_and_again_is_ejected() {
     d.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A decode worker ejected by its breaker while a prompt prefills for it is not tried: another decode worker takes
+/// the request as its first attempt, pulling the prefilled KV, rather than the ejected one failing it and another
+/// resuming it (computing the prompt again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_ejected_while_the_prompt_prefills_is_passed_over() {
+    use router::http::completions::{Ident, plan};
+    use router::http::openai::{Endpoint, check_completion};
+    use router::scheduler::config::{DisaggregationRule, Ties};
+    let ca = DevCa::generate().expect("ca");
+    let sick = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Fail, vec![]).await;
+    let p = worker(&ca, Role::Prefill, "prefill-0").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let mut config = router_config(&ca, vec![sick.grpc, p.grpc, d.grpc]);
+    config.scheduler.disaggregation = DisaggregationRule::Always;
+    config.scheduler.ties = Ties::Hashed;
+    config.follow.breaker = router::resilience::BreakerSettings { failures: 1, ..Default::default() };
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 3).await;
+    let state = &router.state;
+    let members = state.cluster.up_members();
+    let sick_id = members.iter().find(|(_, m)| m.addr == sick.grpc).expect("followed").0;
+    // A prompt whose decode goes to the sick worker: the idle decode workers tie, and hashed ties pick by the
+    // prompt's blocks (so the prompts differ within their first block).
+    let mut routed = None;
+    for i in 0..64 {
+        let prompt = format!("Prompt {i}: the river runs past the mill and the bridge, then on to the sea.");
+        let checked = check_completion(completion(&prompt, 4, false).as_bytes()).expect("valid");
+        let r = plan(state, checked, Ident::new(state, Endpoint::Completion), None, true).await.expect("routed");
+        if r.decision.decode.id == sick_id {
+            routed = Some(r);
+            break;
+        }
+    }
+    let routed = routed.expect("some prompt's decode goes to the sick worker");
+    assert!(routed.decision.disaggregate, "{:?}", routed.decision);
+    // While the prompt prefills, the sick worker fails another request's call and is ejected.
+    assert!(state.cluster.outcome(sick_id, Err(tonic::Code::Internal)).is_some(), "ejected");
+    let mut pieces = router::serve::start(std::sync::Arc::clone(state), routed.job, routed.decision);
+    let mut tokens = 0;
+    while let Some(piece) = tokio::time::timeout(Duration::from_secs(60), pieces.recv()).await.expect("no hang") {
+        match piece.expect("served") {
+            router::serve::Piece::Token(..) => tokens += 1,
+            router::serve::Piece::Finished { .. } => break,
+        }
+    }
+    assert_eq!(tokens, 4);
+    assert_eq!(sick.calls(), 0, "the ejected worker was not tried");
+    let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_decode_resumptions_total 0\n"), "{m}");
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_a_worker_refuses_as_invalid_is_answered_400_at_once_not_retried() {
     let ca = DevCa::generate().expect("ca");

@@ -658,6 +658,12 @@ impl Cluster {
         s.members.iter().filter(|(id, m)| s.routable(**id, m, now)).map(|(id, m)| (*id, m.clone())).collect()
     }
 
+    /// Whether `worker` is a member that is up and not ejected by its breaker: one requests may go to.
+    pub fn is_routable(&self, worker: WorkerId, now: Instant) -> bool {
+        let s = self.lock();
+        s.members.get(&worker).is_some_and(|m| s.routable(worker, m, now))
+    }
+
     /// How a request to `worker` went (`Err` with the gRPC code when it failed); a worker failing again and again
     /// is ejected for a while. Returns the ejection when this outcome caused one.
     pub fn outcome(&self, worker: WorkerId, result: Result<(), tonic::Code>) -> Option<Duration> {

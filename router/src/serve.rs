@@ -484,9 +484,10 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     let mut tried = Vec::new();
     // The decode worker's pulls of a streamed prompt's pieces end before it is asked for the rest.
     prefetches.settle(crate::stream_kv::SETTLE_LIMIT).await;
-    if state.cluster.member(worker).is_none_or(|m| !m.up) {
-        // The decided decode worker left while the prompt prefilled (a drain began, its streams ended): nothing
-        // ran there, so another takes the request as its first decode attempt, not as a resumption.
+    if !state.cluster.is_routable(worker, std::time::Instant::now()) {
+        // The decided decode worker left while the prompt prefilled (a drain began, its streams ended), or its
+        // breaker ejected it meanwhile (it answers with errors): nothing ran there, so another takes the request
+        // as its first decode attempt, pulling the prefilled KV, not as a resumption after a failure.
         worker = next_decoder(&state, &job, &tried, worker);
         overlap = None;
     }

@@ -957,9 +957,10 @@ impl<'a> Sim<'a> {
     /// Moves request `i`'s prompt KV from prefill worker `p` to its decode worker: only the leading full blocks
     /// the decode worker does not hold, over both workers' links, charged at the modelled block size.
     fn transfer(&mut self, now: f64, i: usize, p: usize, kv: engine::generate::ExportedKv) {
-        if self.workers[self.live[i].decode].down {
-            // The decided decode worker failed while the prompt prefilled: nothing ran there, so another takes the
-            // request as its first decode attempt (not a resumption), as the real router does.
+        if !self.routable(now, self.live[i].router, self.live[i].decode) {
+            // The decided decode worker failed, or its breaker ejected it, while the prompt prefilled: nothing ran
+            // there, so another takes the request as its first decode attempt (not a resumption), as the real
+            // router does.
             let tried = self.live[i].retries.as_ref().map(|r| r.tried.clone()).unwrap_or_default();
             self.live[i].decode = self.next_decoder(now, i, &tried);
         }

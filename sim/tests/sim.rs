@@ -353,6 +353,32 @@ fn a_worker_that_answers_with_errors_is_ejected_by_the_breaker_and_taken_back_on
 }
 
 #[test]
+fn a_decode_worker_ejected_while_a_prompt_prefills_for_it_is_passed_over() {
+    // One prefill worker, busy past 500 prompt tokens; two decode workers in turn. X (1,000 tokens, 2 out) at 0 is
+    // sent to prefill-0 (idle) and decided to decode-0; its prefill runs 0 -> 1,010 ms. decode-0 breaks at 1 ms.
+    // B1..B10 (10 tokens) arrive every 50 ms while prefill-0 is busy, so each is prefilled on its decode worker:
+    // the even ones on decode-0, which fails each at once, and they resume on decode-1. The fifth failure (B10, at
+    // 500 ms) ejects decode-0 while X still prefills, so X goes to decode-1 as its first attempt, pulling its KV:
+    // five resumptions, not six.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let failures = vec![sim::Failure { worker: "decode-0".into(), at: 0.001, back: None, fault: sim::Fault::Errors }];
+    let mut s = Settings { failures, ..settings(profile, 1, 2, Policy::RoundRobin) };
+    s.scheduler.busy_prefill_tokens = Some(500);
+    let mut trace = vec![request(0.0, 1000, 2, 1)];
+    trace.extend((1..=10).map(|k| request(50.0 * k as f64, 10, 1, k as u64 + 1)));
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    assert!(out.records.iter().all(|r| r.status == 200), "every request answered");
+    let x = out.placements[0].as_ref().expect("placed");
+    assert_eq!((x.prefill.as_deref(), x.decode.as_str()), (Some("prefill-0"), "decode-0"), "{x:?}");
+    let b_on_decode_0 = (1..=10).filter(|&k| out.placements[k].as_ref().is_some_and(|p| p.decode == "decode-0"));
+    assert_eq!(b_on_decode_0.collect::<Vec<_>>(), [2, 4, 6, 8, 10]);
+    let x_first = out.records.iter().find(|r| r.index == 0).and_then(|r| r.time_to_first_token_ms);
+    assert!(x_first.is_some_and(|t| t > 1000.0), "X prefills past the ejection: {x_first:?}");
+    assert_eq!(out.decisions.get("worker_ejected"), Some(&1));
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&5), "{:?}", out.decisions);
+}
+
+#[test]
 fn a_lost_prefill_goes_to_the_next_candidate_then_to_the_decode_worker_itself() {
     // Two prefill workers, one decode worker; A (100 tokens, 3 out) is prefilled on one of them (a tie: the
     // decision's). It fails at 50 ms: A is prefilled again on the other, 50 → 160 ms.

@@ -22,7 +22,7 @@ use router::scheduler::view::{WorkerId, WorkerRole};
 use worker::DEFAULT_PULL_TIMEOUT;
 use worker::grpc_tls::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 
-use super::{Ev, Job, Replica, Sim};
+use super::{Ev, Job, Sim};
 use crate::worker::SimWorker;
 
 /// What a request's failover needs, kept from its decision on (only in runs with failures).
@@ -326,16 +326,18 @@ impl Sim<'_> {
     /// `tried` (the lowest number among equals); a worker of `tried` when there is no other (its attempt then fails
     /// at once).
     pub(super) fn next_decoder(&self, now: f64, i: usize, tried: &[usize]) -> usize {
-        let Replica { load, breakers, .. } = &self.routers[self.live[i].router];
+        let r = self.live[i].router;
         let fallback = tried.last().copied().unwrap_or(self.live[i].decode);
-        let at = self.instant(now);
         (0..self.workers.len())
-            .filter(|&w| {
-                let worker = &self.workers[w];
-                worker.role == WorkerRole::Decode && !worker.down && breakers[w].admits(at) && !tried.contains(&w)
-            })
-            .min_by_key(|&w| (load.own_requests(WorkerId(w as u32)), w))
+            .filter(|&w| self.workers[w].role == WorkerRole::Decode && self.routable(now, r, w) && !tried.contains(&w))
+            .min_by_key(|&w| (self.routers[r].load.own_requests(WorkerId(w as u32)), w))
             .unwrap_or(fallback)
+    }
+
+    /// Whether router replica `r` may send requests to worker `w`: it has not dropped it and its breaker there has
+    /// not ejected it (`router::cluster::Cluster::is_routable`).
+    pub(super) fn routable(&self, now: f64, r: usize, w: usize) -> bool {
+        !self.workers[w].down && self.routers[r].breakers[w].admits(self.instant(now))
     }
 
     /// Request `i`'s prompt: the one it holds, or (once that moved to an engine) the same tokens made again.
