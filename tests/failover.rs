@@ -348,6 +348,45 @@ async fn a_decode_worker_ejected_while_the_prompt_prefills_is_passed_over() {
     d.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A worker whose engine is stuck while its process still answers (a hung device): its reports go on, so neither the
+/// silence watchdog nor keepalive notices, but they show no tokens computed while it holds the router's request.
+/// After the stall limit the router gives that call up and resumes it elsewhere, and sends the worker nothing more
+/// (the request used to wait out the prefill timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_engine_stalls_is_given_up_and_left_alone() {
+    let ca = DevCa::generate().expect("ca");
+    let stuck = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Stalled, vec![]).await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    // Round robin sends the first prompt to the stuck worker (it is followed first).
+    let mut config = router_config(&ca, vec![stuck.grpc, d.grpc]);
+    config.scheduler.policy = router::scheduler::config::Policy::RoundRobin;
+    config.limits.prefill_timeout = Duration::from_secs(120);
+    config.follow.stall = router::resilience::StallSettings { after: Duration::from_secs(1) };
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 2).await;
+    let started = Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(30),
+        http(router.addr, "POST", "/v1/completions", &completion("Prompt 0:", 2, false), &[]),
+    )
+    .await
+    .expect("answered well before the prefill timeout");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(stuck.calls(), 1);
+    assert!(started.elapsed() >= Duration::from_secs(1), "given up after the stall limit, not before");
+    for i in 1..5 {
+        let r = http(router.addr, "POST", "/v1/completions", &completion(&format!("Prompt {i}:"), 2, false), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert_eq!(stuck.calls(), 1, "a stalled worker gets no new requests");
+    let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    assert!(m.contains("tandem_router_worker_stalls_total 1\n"), "{m}");
+    assert!(m.contains("tandem_router_workers_stalled 1\n"), "{m}");
+    assert!(m.contains("tandem_router_decode_resumptions_total 1\n"), "{m}");
+    router.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_a_worker_refuses_as_invalid_is_answered_400_at_once_not_retried() {
     let ca = DevCa::generate().expect("ca");

@@ -102,6 +102,11 @@ pub struct Settings {
     /// milliseconds (default 60 s).
     #[arg(long, env = "TANDEM_DECODE_IDLE_TIMEOUT_MS")]
     pub decode_idle_timeout_ms: Option<u64>,
+    /// How long a worker may hold work while its engine computes nothing (a hung device, its process still
+    /// answering) before it gets no new requests and its calls move to other workers, in milliseconds (default 30
+    /// s; 0: never). Keep it above the longest engine step.
+    #[arg(long, env = "TANDEM_STALL_AFTER_MS")]
+    pub stall_after_ms: Option<u64>,
     /// Stream a long disaggregated prompt's KV to its decode worker while the prompt computes, piece by piece
     /// (default false: it pays on idle prefill workers and costs busy ones; docs/performance.md).
     #[arg(long, env = "TANDEM_STREAM_KV", value_name = "BOOL")]
@@ -302,6 +307,12 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             admin_key: s.admin_key.or(file.admin_key).filter(|k| !k.is_empty()),
             follow: crate::cluster::FollowSettings {
                 max_workers: s.max_workers.or(file.max_workers).unwrap_or(crate::cluster::DEFAULT_MAX_WORKERS),
+                stall: crate::resilience::StallSettings {
+                    after: s
+                        .stall_after_ms
+                        .or(file.stall_after_ms)
+                        .map_or(crate::resilience::stall_defaults::AFTER, Duration::from_millis),
+                },
                 ..Default::default()
             },
             block_size: defaults::BLOCK_SIZE,

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -19,7 +19,7 @@ use crate::external::predicted::Predicted;
 use crate::external::{Engine, ExternalSettings};
 use crate::indexer::{ApplyError, IndexStats, PrefixIndex};
 use crate::load::{LoadTracker, Report};
-use crate::resilience::{Breaker, BreakerSettings, counts_against_worker};
+use crate::resilience::{Breaker, BreakerSettings, StallChange, StallSettings, StallWatch, counts_against_worker};
 use crate::scheduler::view::{WorkerId, WorkerRole, WorkerView};
 
 /// How long a follower waits before reconnecting to a worker that went away.
@@ -44,6 +44,8 @@ pub struct FollowSettings {
     pub ready_timeout: Duration,
     /// When a failing worker is ejected, and for how long.
     pub breaker: BreakerSettings,
+    /// When a worker holding work whose engine computes nothing counts as stalled.
+    pub stall: StallSettings,
 }
 
 /// Named defaults of [`FollowSettings`].
@@ -69,6 +71,7 @@ impl Default for FollowSettings {
             info_timeout: defaults::INFO_TIMEOUT,
             ready_timeout: defaults::READY_TIMEOUT,
             breaker: BreakerSettings::default(),
+            stall: StallSettings::default(),
         }
     }
 }
@@ -146,12 +149,23 @@ struct State {
     heard: HashMap<WorkerId, (Option<Instant>, Option<Instant>)>,
     /// What each external worker is predicted to hold.
     predicted: HashMap<WorkerId, Predicted>,
+    /// Each Tandem worker's engine progress, from its load reports.
+    stalls: HashMap<WorkerId, StallWatch>,
+    /// Told `true` when a worker stalls, so that the calls waiting on it give up (`Cluster::stalls`).
+    stall_signals: HashMap<WorkerId, watch::Sender<bool>>,
+    /// Calls waiting on each worker now (each watching for its stall): work it holds, whatever its reports say.
+    open_calls: HashMap<WorkerId, usize>,
 }
 
 impl State {
-    /// Up, and not ejected by its breaker.
+    /// Up, not ejected by its breaker, and not stalled.
     fn routable(&self, id: WorkerId, m: &Member, now: Instant) -> bool {
         m.up && self.breakers.get(&id).is_none_or(|b| b.admits(now))
+            && !self.stalls.get(&id).is_some_and(|w| w.stalled())
+    }
+
+    fn stall_signal(&mut self, id: WorkerId) -> &watch::Sender<bool> {
+        self.stall_signals.entry(id).or_insert_with(|| watch::channel(false).0)
     }
 }
 
@@ -165,6 +179,8 @@ pub struct Cluster {
     /// One follower task per worker address.
     followers: Mutex<HashMap<SocketAddr, (WorkerId, tokio::task::AbortHandle)>>,
     next_id: AtomicU32,
+    /// Stalls seen (`tandem_router_worker_stalls_total`).
+    stalls_total: AtomicU64,
     started: Instant,
     settings: FollowSettings,
     stop: watch::Receiver<bool>,
@@ -216,6 +232,7 @@ impl Cluster {
             state: Mutex::default(),
             followers: Mutex::default(),
             next_id: AtomicU32::new(0),
+            stalls_total: AtomicU64::new(0),
             started: Instant::now(),
             settings,
             stop,
@@ -382,6 +399,8 @@ impl Cluster {
         let mut s = self.lock();
         s.members.remove(&id);
         s.breakers.remove(&id);
+        s.stalls.remove(&id);
+        s.stall_signals.remove(&id);
         s.index.remove_worker(id);
         s.load.forget(id);
         s.heard.remove(&id);
@@ -581,10 +600,49 @@ impl Cluster {
                 transfer_nanos_total: r.transfer_nanos_total,
                 step_overrun_steps: r.step_overrun_steps,
             };
+            let now = Instant::now();
+            let (total, engine_work) = (report.computed_tokens_total, report.running + report.waiting > 0);
             let mut s = self.lock();
             s.load.report(id, report);
-            s.heard.entry(id).or_default().0 = Some(Instant::now());
+            s.heard.entry(id).or_default().0 = Some(now);
+            // Requests only reserved there (a decode waiting for its prompt's prefill elsewhere) are not its work.
+            let holds_work = engine_work || s.open_calls.get(&id).is_some_and(|&n| n > 0);
+            let change = s.stalls.entry(id).or_default().report(now, total, holds_work, &self.settings.stall);
+            if change == StallChange::None {
+                continue;
+            }
+            let name = s.members.get(&id).map_or_else(String::new, |m| m.name.clone());
+            let stalled = change == StallChange::Stalled;
+            if stalled {
+                tracing::warn!(worker = %name, after = ?self.settings.stall.after,
+                    "worker stalled: it holds work and its engine computed nothing; its calls move elsewhere");
+                self.stalls_total.fetch_add(1, Ordering::Relaxed);
+            } else {
+                tracing::info!(worker = %name, "stalled worker computes again");
+            }
+            s.stall_signal(id).send_replace(stalled);
         }
+    }
+
+    /// Resolves once `worker` is found stalled (at once if it is now): what a call waiting on it gives up on.
+    /// While polled and not dropped it counts as a call open on the worker (work it holds). Pending forever for a
+    /// worker the router no longer follows.
+    pub async fn stalls(&self, worker: WorkerId) {
+        let mut rx = {
+            let mut s = self.lock();
+            *s.open_calls.entry(worker).or_default() += 1;
+            s.stall_signal(worker).subscribe()
+        };
+        let _open = OpenCall { cluster: self, worker };
+        if rx.wait_for(|stalled| *stalled).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Workers stalled now, and stalls seen since the router started.
+    pub fn stalled(&self) -> (usize, u64) {
+        let now = self.lock().stalls.values().filter(|w| w.stalled()).count();
+        (now, self.stalls_total.load(Ordering::Relaxed))
     }
 
     /// Every routable worker speaking at least protocol `min_protocol` as a scheduling candidate for a request with
@@ -766,6 +824,21 @@ pub struct Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.cluster.done(self.worker, self.request);
+    }
+}
+
+/// A call open on a worker, counted until dropped (`Cluster::stalls`).
+struct OpenCall<'a> {
+    cluster: &'a Cluster,
+    worker: WorkerId,
+}
+
+impl Drop for OpenCall<'_> {
+    fn drop(&mut self) {
+        let mut s = self.cluster.lock();
+        if let Some(n) = s.open_calls.get_mut(&self.worker) {
+            *n = n.saturating_sub(1);
+        }
     }
 }
 

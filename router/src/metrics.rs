@@ -275,6 +275,17 @@ pub fn render(state: &RouterState) -> String {
         "Seconds the router spent making prompt tokens from text, summed over requests (the tokens over this: its speed).",
         &one(m.tokenize_nanos.load(Ordering::Relaxed) as f64 / 1e9),
     );
+    let (stalled, stalls) = state.cluster.stalled();
+    e.counter(
+        "tandem_router_worker_stalls_total",
+        "Times a worker was found stalled: holding work while its engine computed nothing for the stall limit.",
+        &one(stalls as f64),
+    );
+    e.gauge(
+        "tandem_router_workers_stalled",
+        "Workers stalled now (no new requests; their calls moved elsewhere).",
+        &one(stalled as f64),
+    );
     e.counter(
         "tandem_router_worker_ejections_total",
         "Times a worker was ejected by its circuit breaker after failing again and again.",

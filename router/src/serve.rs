@@ -182,6 +182,9 @@ async fn prefill(
         );
         let result = tokio::select! {
             r = call => r,
+            // Its engine computes nothing: the next candidate (or the decode worker) takes the prompt now rather
+            // than after the prefill timeout.
+            () = state.cluster.stalls(cand.id) => Ok(Err(Status::unavailable("the prefill worker's engine stalled"))),
             _ = tx.closed() => {
                 state.cluster.done(cand.id, job.seq);
                 return PrefillOutcome::ClientGone;
@@ -370,8 +373,13 @@ async fn stream_tokens(
     tx: &mpsc::Sender<Result<Piece, ApiError>>,
 ) -> Attempt {
     let limits = &state.limits;
+    // A worker found stalled is given up at once, whatever the timeouts say.
+    let stalled = state.cluster.stalls(worker);
+    tokio::pin!(stalled);
+    let gave_up = || Attempt::Failed(Status::unavailable("the decode worker's engine stalled"));
     let opened = tokio::select! {
         r = tokio::time::timeout(limits.prefill_timeout, call) => r,
+        () = &mut stalled => return gave_up(),
         _ = tx.closed() => return Attempt::ClientGone,
     };
     let mut stream = match opened {
@@ -387,6 +395,7 @@ async fn stream_tokens(
                 Ok(m) => m,
                 Err(_) => return Attempt::Failed(Status::deadline_exceeded(format!("no token for {wait:?}"))),
             },
+            () = &mut stalled => return gave_up(),
             _ = tx.closed() => return Attempt::ClientGone,
         };
         match msg {

@@ -25,6 +25,9 @@ type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 pub enum Behaviour {
     /// Answers `Info`, then nothing more.
     Hang,
+    /// Its process answers but its engine is stuck: it streams like a live worker (its reports never showing any
+    /// tokens computed) and never answers `Prefill`, `Generate` or `Prefetch`.
+    Stalled,
     /// Streams like a live worker but fails every `Prefill` and `Generate` with INTERNAL.
     Fail,
     /// Streams like a live worker but refuses every `Prefill` and `Generate` as invalid (INVALID_ARGUMENT), as an
@@ -86,7 +89,7 @@ impl Worker for Fake {
     async fn prefill(&self, _: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         match self.behaviour {
-            Behaviour::Hang => std::future::pending().await,
+            Behaviour::Hang | Behaviour::Stalled => std::future::pending().await,
             Behaviour::Fail | Behaviour::NoPulls | Behaviour::StalledPulls => {
                 Err(Status::internal("this worker is unwell"))
             }
@@ -104,6 +107,7 @@ impl Worker for Fake {
                 return Err(Status::invalid_argument("the prompt is longer than this worker's context"));
             }
             Behaviour::Hang => {}
+            Behaviour::Stalled => std::future::pending().await,
             Behaviour::NoPulls | Behaviour::StalledPulls => {
                 let token = pb::GenerateResponse {
                     event: Some(pb::generate_response::Event::Token(pb::Token {
@@ -131,7 +135,7 @@ impl Worker for Fake {
     async fn prefetch(&self, _: Request<pb::PrefetchRequest>) -> Result<Response<pb::PrefetchResponse>, Status> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         match self.behaviour {
-            Behaviour::Hang => std::future::pending().await,
+            Behaviour::Hang | Behaviour::Stalled => std::future::pending().await,
             Behaviour::Fail => Err(Status::internal("this worker is unwell")),
             Behaviour::NoPulls => Err(Status::unavailable("this worker pulls nothing")),
             Behaviour::StalledPulls => {

@@ -4,9 +4,11 @@
 
 mod breaker;
 mod budget;
+mod stall;
 
 pub use breaker::{Breaker, BreakerSettings};
 pub use budget::{RetryBudget, RetryBudgetSettings};
+pub use stall::{Change as StallChange, StallSettings, StallWatch, defaults as stall_defaults};
 
 /// Whether a worker's answer says something about the worker's health (as opposed to the request's).
 pub fn counts_against_worker(code: tonic::Code) -> bool {
