@@ -207,3 +207,23 @@ fn a_broken_device_fails_every_sequence_until_mended_and_keeps_no_block() {
     let out = engine.run(&[request(vec![1000; 100], 5, 1)], &AtomicBool::new(false), |_| {}).expect("mended");
     assert_eq!(out[0].token_ids.len(), 5);
 }
+
+#[test]
+fn a_stuck_device_holds_its_step_until_unstuck() {
+    let mut config = mock("", 1.0, 64);
+    let BackendChoice::Mock(settings) = &config.backend else { unreachable!("a mock config") };
+    let fault = settings.fault.clone();
+    config.kv_blocks = 64;
+    let mut engine = common::engine(config);
+    fault.set_stuck(true);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let out = engine.run(&[request(vec![1000; 100], 5, 1)], &AtomicBool::new(false), |_| {});
+        tx.send(out.map(|o| o[0].token_ids.len()).map_err(|e| e.to_string())).expect("sent");
+    });
+    assert!(rx.recv_timeout(std::time::Duration::from_millis(300)).is_err(), "no step ends while stuck");
+    fault.set_stuck(false);
+    let tokens = rx.recv_timeout(std::time::Duration::from_secs(30)).expect("unstuck, it ends");
+    assert_eq!(tokens, Ok(5), "and nothing was lost");
+    worker.join().expect("joined");
+}

@@ -82,6 +82,10 @@ pub struct Settings {
     /// Bytes of one stand-in KV block of the mock (transfers are charged for the profile's size).
     #[arg(long, env = "TANDEM_MOCK_BLOCK_BYTES")]
     pub mock_block_bytes: Option<usize>,
+    /// What SIGUSR1 does to the mock's stand-in device until SIGUSR2: `errors` (every call fails at once) or
+    /// `stall` (its steps hang while the process answers) (default: errors).
+    #[arg(long, env = "TANDEM_MOCK_FAULT")]
+    pub mock_fault: Option<String>,
     /// Device tier size in blocks (default: 1024 for cpu, the profile's for mock).
     #[arg(long, env = "TANDEM_KV_BLOCKS")]
     pub kv_blocks: Option<usize>,
@@ -161,6 +165,7 @@ impl Settings {
             profile,
             speedup,
             mock_block_bytes,
+            mock_fault,
             kv_blocks,
             host_blocks,
             disk_blocks,
@@ -183,6 +188,8 @@ impl Settings {
 #[derive(Debug)]
 pub struct Resolved {
     pub config: WorkerConfig,
+    /// What SIGUSR1 does to a mock worker's device.
+    pub mock_fault: MockFault,
     pub grace: Duration,
     /// Where to register, with the advertised address still to be settled against the bound one.
     pub register: Option<(String, Option<SocketAddr>, Option<String>)>,
@@ -243,6 +250,14 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
             }
         },
     };
+    let mock_fault = match s.mock_fault.as_deref() {
+        None | Some("errors") => MockFault::Errors,
+        Some("stall") => MockFault::Stall,
+        Some(other) => {
+            problems.push(format!("mock_fault {other:?} is not one of errors, stall"));
+            MockFault::Errors
+        }
+    };
     let parse_addr = |a: &str| a.parse::<SocketAddr>().map_err(|e| e.to_string());
     let grpc = s.grpc_addr.map_or_else(|| parse_addr(DEFAULT_GRPC), Ok);
     let transfer = s.transfer_addr.map_or_else(|| parse_addr(DEFAULT_TRANSFER), Ok);
@@ -250,6 +265,7 @@ pub fn resolve(args: Args, default_role: Option<Role>) -> Result<Resolved, Strin
     match (problems.is_empty(), identity, model, grpc, transfer, metrics) {
         (true, Some(identity), Some(model), Ok(grpc), Ok(transfer), Ok(metrics)) => Ok(Resolved {
             register: s.register_with.map(|r| (r, s.advertise_addr, s.register_key)),
+            mock_fault,
             config: WorkerConfig {
                 role,
                 model,
@@ -335,6 +351,7 @@ fn backend(s: &Settings, problems: &mut Vec<String>) -> (BackendChoice, usize) {
         ("profile", s.profile.is_some()),
         ("speedup", s.speedup.is_some()),
         ("mock_block_bytes", s.mock_block_bytes.is_some()),
+        ("mock_fault", s.mock_fault.is_some()),
     ];
     match s.engine.as_deref() {
         None | Some("cpu") => {
@@ -381,7 +398,7 @@ pub fn load_identity(dir: &Path, name: &str) -> Result<Identity, String> {
 
 /// Runs a worker until SIGINT or SIGTERM, then shuts it down gracefully.
 pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
-    let Resolved { config, grace, register } = match resolve(args, default_role) {
+    let Resolved { config, grace, register, mock_fault } = match resolve(args, default_role) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -406,7 +423,7 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
     };
     process.block_on(async move {
         if let Some(fault) = fault {
-            tokio::spawn(follow_fault_signals(fault));
+            tokio::spawn(follow_fault_signals(fault, mock_fault));
         }
         let worker = match RunningWorker::start(config).await {
             Ok(w) => w,
@@ -437,9 +454,18 @@ pub fn run(args: Args, default_role: Option<Role>) -> ExitCode {
     })
 }
 
-/// A mock worker's device breaks on SIGUSR1 and is mended on SIGUSR2 (`engine::backend::mock::DeviceFault`): for
-/// testing a router, and the simulator's `--errors`, against a worker that answers every call with an error.
-async fn follow_fault_signals(fault: engine::backend::mock::DeviceFault) {
+/// What a mock worker's device does between SIGUSR1 and SIGUSR2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MockFault {
+    /// Every call fails at once (the simulator's `--errors`).
+    Errors,
+    /// Its steps hang: the worker computes nothing while its process answers.
+    Stall,
+}
+
+/// A mock worker's device breaks on SIGUSR1 and is mended on SIGUSR2 (`engine::backend::mock::DeviceFault`), as
+/// `mode` says: for testing a router, and the simulator's failure models, against a failed GPU.
+async fn follow_fault_signals(fault: engine::backend::mock::DeviceFault, mode: MockFault) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut break_it), Ok(mut mend)) = (signal(SignalKind::user_defined1()), signal(SignalKind::user_defined2()))
     else {
@@ -451,7 +477,10 @@ async fn follow_fault_signals(fault: engine::backend::mock::DeviceFault) {
             Some(()) = mend.recv() => false,
             else => return,
         };
-        fault.set_broken(broken);
+        match mode {
+            MockFault::Errors => fault.set_broken(broken),
+            MockFault::Stall => fault.set_stuck(broken),
+        }
         eprintln!("the mock device is {}", if broken { "broken (SIGUSR1)" } else { "mended (SIGUSR2)" });
     }
 }

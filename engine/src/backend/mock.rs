@@ -32,26 +32,41 @@ pub struct MockSettings {
     /// Keep no real time: a step returns at once and its modelled duration is read back by whoever keeps the clock
     /// (the simulator). Off for workers, whose steps sleep.
     pub virtual_time: bool,
-    /// A switch that breaks the stand-in device: while set, every chunk fails as a broken GPU's would.
+    /// Switches that break the stand-in device: every chunk fails as a broken GPU's would, or the step hangs.
     pub fault: DeviceFault,
 }
 
-/// A shared switch that breaks a mock backend's device (a mock worker flips it on SIGUSR1 and back on SIGUSR2):
-/// while broken, every sequence the engine would step fails with a device error, so the worker answers every call
-/// with an error while its process and streams go on, as one on a failed GPU does. For testing routers against
-/// that failure. Clones share the switch.
+/// Shared switches that break a mock backend's device (a mock worker flips one on SIGUSR1 and back on SIGUSR2), for
+/// testing routers against a failed GPU whose process and streams go on. Broken: every sequence the engine would
+/// step fails with a device error, so the worker answers every call with an error. Stuck: a step in real time does
+/// not end until unstuck (a hung device), so the worker computes nothing while it still answers and reports.
+/// Clones share the switches.
 #[derive(Clone, Debug, Default)]
-pub struct DeviceFault(Arc<AtomicBool>);
+pub struct DeviceFault {
+    broken: Arc<AtomicBool>,
+    stuck: Arc<AtomicBool>,
+}
 
 impl DeviceFault {
     pub fn set_broken(&self, broken: bool) {
-        self.0.store(broken, Ordering::Relaxed);
+        self.broken.store(broken, Ordering::Relaxed);
     }
 
     pub fn is_broken(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.broken.load(Ordering::Relaxed)
+    }
+
+    pub fn set_stuck(&self, stuck: bool) {
+        self.stuck.store(stuck, Ordering::Relaxed);
+    }
+
+    pub fn is_stuck(&self) -> bool {
+        self.stuck.load(Ordering::Relaxed)
     }
 }
+
+/// How often a stuck step looks whether it may end.
+const STUCK_POLL: Duration = Duration::from_millis(10);
 
 /// Settings compare by value; every switch is alike.
 impl PartialEq for DeviceFault {
@@ -189,7 +204,14 @@ impl Backend for MockBackend {
             if until > now {
                 std::thread::sleep(until - now);
             }
-            self.pacing.record(modelled, ctx.started.elapsed().as_secs_f64());
+            let mut stuck = false;
+            while self.settings.fault.is_stuck() {
+                stuck = true;
+                std::thread::sleep(STUCK_POLL);
+            }
+            // A hang says nothing about the machine's speed: the step counts as on time.
+            let actual = if stuck { modelled } else { ctx.started.elapsed().as_secs_f64() };
+            self.pacing.record(modelled, actual);
         }
         next.extend(batch.iter().filter(|c| c.logits).map(|_| Next::Draw(Arc::clone(&self.words))));
         Ok(())
