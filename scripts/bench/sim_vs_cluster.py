@@ -24,12 +24,16 @@ worker at the same time on the workload's clock: this checks the simulated failo
 its watchdog and HTTP/2 keepalive), and the simulator gets the same `--hang`. `--errors decode-0@40..70` breaks the
 mock worker's stand-in device (SIGUSR1; SIGUSR2 mends it at 70 s): it answers every call with an error while its
 streams go on, so only the router's circuit breaker keeps requests away; the simulator gets the same `--errors`.
+`--stall decode-0@30..70` runs every worker with `--mock-fault stall`, so that SIGUSR1 makes the worker's steps hang
+(its process answering and reporting) until SIGUSR2; the router finds it stalled after `--stall-after-ms`, and the
+simulator gets the same `--stall`.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
-      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--errors NAME@SECONDS[..SECONDS],...] [--parted 3]
+      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--errors NAME@SECONDS[..SECONDS],...]
+      [--stall NAME@SECONDS[..SECONDS],...] [--stall-after-ms MS] [--parted 3]
       [--out runs/sim-vs-cluster]
 """
 import argparse
@@ -116,7 +120,8 @@ def tokenizer_rate(url):
 FAILOVER = {"decode_resumed": "tandem_router_decode_resumptions_total",
             "prefill_retried": "tandem_router_prefill_retries_total",
             "local_prefill_after_failure": "tandem_router_local_prefill_fallbacks_total",
-            "worker_ejected": "tandem_router_worker_ejections_total"}
+            "worker_ejected": "tandem_router_worker_ejections_total",
+            "stall_detected": "tandem_router_worker_stalls_total"}
 
 
 def failovers(url):
@@ -295,6 +300,11 @@ def main():
     p.add_argument("--errors", metavar="NAME@SECONDS[..SECONDS]",
                    help="workers whose mock device breaks, comma-separated: SIGUSR1 at the first time, SIGUSR2 "
                         "(mended) at the second if given; the simulator gets the same --errors (mock engine only)")
+    p.add_argument("--stall", metavar="NAME@SECONDS[..SECONDS]",
+                   help="workers whose mock device hangs, as --errors but every worker runs with --mock-fault stall "
+                        "(so not with --errors); the simulator gets the same --stall (mock engine only)")
+    p.add_argument("--stall-after-ms", type=int,
+                   help="the stall limit, in both routers (default: the router's, 30 s)")
     p.add_argument("--max-batched-tokens", type=int,
                    help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
@@ -318,14 +328,17 @@ def main():
     failures += [(*f.split("@"), signal.SIGSTOP) for f in args.hang.split(",")] if args.hang else []
     if any(len(f) != 3 or ".." in f[1] for f in failures):
         sys.exit("--fail and --hang take NAME@SECONDS here: a failed worker is not started again")
-    for f in args.errors.split(",") if args.errors else []:
+    if args.errors and args.stall:
+        sys.exit("--errors and --stall both use SIGUSR1: one of them at a time")
+    for f in (args.errors or args.stall or "").split(",") if (args.errors or args.stall) else []:
         name, _, times = f.partition("@")
         at, _, mended = times.partition("..")
         failures.append((name, at, signal.SIGUSR1))
         if mended:
             failures.append((name, mended, signal.SIGUSR2))
     if failures and cpu:
-        sys.exit("--fail, --hang and --errors run the mock cluster only")
+        sys.exit("--fail, --hang, --errors and --stall run the mock cluster only")
+    stall_after = ["--stall-after-ms", str(args.stall_after_ms)] if args.stall_after_ms is not None else []
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     real_failovers = []  # per real run with failures, its router's failover counters
@@ -338,8 +351,8 @@ def main():
             # The mock's context (`engine::backend::mock::DEFAULT_MOCK_CONTEXT`), which `tandem up` gives its router
             # too: a router left at the embedded model's context would cut the trace's long prompts.
             context = ["--max-model-len", "131072"]
-            worker_flags = [*tiers, *budget, *context]
-            router_flags = [*recording, "--stream-kv", args.stream_kv, *admission, *context]
+            worker_flags = [*tiers, *budget, *context, *(["--mock-fault", "stall"] if args.stall else [])]
+            router_flags = [*recording, "--stream-kv", args.stream_kv, *admission, *context, *stall_after]
             cluster = process_cluster(args.tandem, args.prefill, args.decode, worker_flags, router_flags, d / "up.log")
         else:
             cluster = mock_cluster(args.tandem, [*flags, *recording[:3]], engine=args.engine, log=d / "up.log")
@@ -367,9 +380,9 @@ def main():
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
-    fail = [arg for flag in ("fail", "hang", "errors") if getattr(args, flag)
+    fail = [arg for flag in ("fail", "hang", "errors", "stall") if getattr(args, flag)
             for arg in (f"--{flag}", getattr(args, flag))]
-    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail,
+    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail, *stall_after,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
                           "--slo", SLO, "--config", str(config), "--stream-kv", args.stream_kv,

@@ -75,6 +75,9 @@ pub struct Settings {
     /// Workers that fail, by name, and when (virtual seconds): from then on a worker computes and reports nothing,
     /// and the routers fail its requests over as the real one does ([`failover`]).
     pub failures: Vec<Failure>,
+    /// Seconds a worker may hold work without computing before the routers count it stalled (the router's
+    /// `stall_after_ms`; 0: never).
+    pub stall_after: f64,
     /// Each placement keeps its decision's candidates as scored ([`Placed::candidates`]): to compare the
     /// simulated router's inputs with a real router's recording of them.
     pub record_candidates: bool,
@@ -106,6 +109,9 @@ pub enum Fault {
     /// It answers every call at once with an error (a broken device), while its streams go on: the routers still
     /// see it up, idle, holding its cache, and only their circuit breakers keep requests away.
     Errors,
+    /// Its engine hangs (a hung device) while its process answers and reports: no step ends until it is unstuck.
+    /// The routers find it stalled once it has held work for `stall_after` without computing anything.
+    Stall,
 }
 
 /// What a run produced.
@@ -221,6 +227,21 @@ enum Ev {
     /// Worker `w` starts failing every call, and later stops.
     Errors(usize),
     Healed(usize),
+    /// Worker `w`'s engine gets stuck, and later computes again.
+    Stall(usize),
+    Unstall(usize),
+    /// Router replica `r` looks whether worker `w`, stuck (`epoch`), has held work without progress for
+    /// `stall_after`.
+    StallCheck {
+        w: usize,
+        r: usize,
+        epoch: u64,
+    },
+    /// Router replica `r` sees worker `w` compute again.
+    StallCleared {
+        w: usize,
+        r: usize,
+    },
     /// Worker `w` comes back.
     Back(usize),
     /// Request `i`'s deadline: the request timeout since it was routed.
@@ -290,6 +311,8 @@ struct Replica {
     budget: router::resilience::RetryBudget,
     /// Each worker's circuit breaker (the real router's, on the virtual clock): ejected workers are left out.
     breakers: Vec<router::resilience::Breaker>,
+    /// Each worker found stalled (its engine computed nothing while it held work), until it computes again.
+    stalled: Vec<bool>,
 }
 
 /// The workers, the routers' state, and the requests in flight.
@@ -438,10 +461,20 @@ impl<'a> Sim<'a> {
                     Fault::Crash => Ev::Fail(w),
                     Fault::Hang => Ev::Hang(w),
                     Fault::Errors => Ev::Errors(w),
+                    Fault::Stall => Ev::Stall(w),
                 },
             ));
             if f.fault == Fault::Hang && f.back.is_some() {
                 return Err(SimError::Settings(format!("{}: a worker that hangs does not come back", f.worker)));
+            }
+            if f.fault == Fault::Stall && (settings.stall_after.is_nan() || settings.stall_after <= 0.0) {
+                // Only the router's prefill and decode idle timeouts would catch it then, which are not modelled.
+                let why = format!(
+                    "{}: a stalled engine needs a stall limit above 0 (the router's timeouts that would \
+                                   catch it without one are not modelled)",
+                    f.worker
+                );
+                return Err(SimError::Settings(why));
             }
             if let Some(back) = f.back {
                 // Its messages from before the failure have all landed by then.
@@ -450,7 +483,12 @@ impl<'a> Sim<'a> {
                     let why = format!("{}: it comes back at {back} s, not after it fails at {} s", f.worker, f.at);
                     return Err(SimError::Settings(why));
                 }
-                failures.push((back, if f.fault == Fault::Errors { Ev::Healed(w) } else { Ev::Back(w) }));
+                let back_event = match f.fault {
+                    Fault::Errors => Ev::Healed(w),
+                    Fault::Stall => Ev::Unstall(w),
+                    Fault::Crash | Fault::Hang => Ev::Back(w),
+                };
+                failures.push((back, back_event));
             }
         }
         let routers = (0..replicas)
@@ -468,6 +506,7 @@ impl<'a> Sim<'a> {
                     gate: Gate::new(settings.admission),
                     budget: Default::default(),
                     breakers: vec![Default::default(); workers.len()],
+                    stalled: vec![false; workers.len()],
                 }
             })
             .collect();
@@ -525,6 +564,10 @@ impl<'a> Sim<'a> {
             Ev::PullTimeout(i) => self.pull_timed_out(now, i),
             Ev::Errors(w) => self.worker_errs(now, w),
             Ev::Healed(w) => self.workers[w].erring = false,
+            Ev::Stall(w) => self.worker_stuck(now, w),
+            Ev::Unstall(w) => self.worker_unstuck(now, w),
+            Ev::StallCheck { w, r, epoch } => self.stall_check(now, w, r, epoch),
+            Ev::StallCleared { w, r } => self.routers[r].stalled[w] = false,
             Ev::Back(w) => self.worker_back(now, w),
             Ev::Deadline(i) => self.deadline(now, i),
         }
@@ -532,15 +575,14 @@ impl<'a> Sim<'a> {
 
     fn view(&self, r: usize, hashes: &[SeqHash], now: f64) -> Vec<WorkerView> {
         let slow_start = self.settings.scheduler.slow_start_secs;
-        let Replica { index, load, breakers, .. } = &self.routers[r];
+        let Replica { index, load, .. } = &self.routers[r];
         let overlap = index.overlap(hashes);
         let capacity = self.settings.engine.kv_blocks as u64;
-        let at = self.instant(now);
         self.workers
             .iter()
-            .zip(breakers)
-            .filter(|(w, breaker)| !w.down && breaker.admits(at))
-            .map(|(w, _)| w)
+            .enumerate()
+            .filter(|&(k, _)| self.routable(now, r, k))
+            .map(|(_, w)| w)
             .map(|w| WorkerView {
                 id: w.id,
                 name: w.name.clone(),
@@ -821,6 +863,11 @@ impl<'a> Sim<'a> {
         // The step's outputs go into the buffer the last step's were read from.
         let secs = worker.engine.step_into(&mut worker.pending);
         worker.stepping = true;
+        worker.step_started = now;
+        if worker.stuck {
+            // It will not end: the routers' stall checks count from here, its last progress.
+            self.check_stall_after(now, now, w);
+        }
         match &mut self.cores {
             None => self.queue.at(now + secs, Ev::StepEnd { w, turn: 0 }),
             Some(cores) => {
@@ -863,6 +910,16 @@ impl<'a> Sim<'a> {
             }
             return;
         }
+        if self.workers[w].stuck {
+            // Its device hangs: the step ends only when it is unstuck.
+            self.workers[w].held = true;
+            return;
+        }
+        self.step_done(now, w);
+    }
+
+    /// Worker `w`'s step is over: its outputs go out, and the engine takes what came meanwhile and plans the next.
+    pub(super) fn step_done(&mut self, now: f64, w: usize) {
         // The step's outputs go out while the worker still counts as stepping: what they cause on this worker
         // (a request sent back to it, a lease ended) queues behind what came during the step.
         let mut pending = std::mem::take(&mut self.workers[w].pending);

@@ -27,6 +27,15 @@ pub struct SimWorker {
     pub hung: bool,
     /// It answers every call at once with an error, while its streams go on (`crate::run::Fault::Errors`).
     pub erring: bool,
+    /// Its engine is stuck: no step ends while set, though its process answers and reports
+    /// (`crate::run::Fault::Stall`)…
+    pub stuck: bool,
+    /// …and a step's end waits for it to be unstuck.
+    pub held: bool,
+    /// Times it got stuck: a stall check from an earlier time is stale.
+    pub stuck_epoch: u64,
+    /// When the step under way began (its engine's last progress).
+    pub step_started: f64,
     /// When it joined the cluster (before the run, unless it came back).
     pub joined: f64,
     /// Its engine's configuration, for a fresh engine when it comes back.
@@ -68,6 +77,10 @@ impl SimWorker {
             back: false,
             hung: false,
             erring: false,
+            stuck: false,
+            held: false,
+            stuck_epoch: 0,
+            step_started: 0.0,
             joined: f64::NEG_INFINITY,
             config,
             pending: Vec::new(),

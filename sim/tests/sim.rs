@@ -379,6 +379,50 @@ fn a_decode_worker_ejected_while_a_prompt_prefills_for_it_is_passed_over() {
 }
 
 #[test]
+fn a_worker_whose_engine_stalls_is_given_up_after_the_limit_and_taken_back_once_it_computes() {
+    // Two decode workers in turn; a prompt step costs 10 ms + 1 ms a token, a decode 5 ms; reports take 1 ms to
+    // arrive; a worker holding work for 1 s without computing is stalled. decode-0 gets stuck at 1 ms, while it
+    // computes A's prompt (100 tokens, 3 out; the step began at 0 and does not end). B (at 500 ms) runs on
+    // decode-1; C (at 600 ms) goes to decode-0, which is not yet known stuck, and waits there. At 1.001 s (the
+    // report of its last progress, at 0, plus 1 s) the router finds it stalled: A and C resume on decode-1, A
+    // first (1.001 -> 1.111 s: TTFT 1,111 ms), and D (at 1.5 s) goes to decode-1 as well.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let trace: Vec<_> = [0.0, 500.0, 600.0, 1500.0, 4000.0, 4100.0]
+        .iter()
+        .enumerate()
+        .map(|(k, &at)| request(at, 100, 3, k as u64 + 1))
+        .collect();
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let stalling = |back: Option<f64>| {
+        let failures = vec![sim::Failure { worker: "decode-0".into(), at: 0.001, back, fault: sim::Fault::Stall }];
+        let s = Settings { failures, stall_after: 1.0, ..settings(profile, 0, 2, Policy::RoundRobin) };
+        simulate(&s, &trace, &starts).expect("runs")
+    };
+    let out = stalling(None);
+    assert!(out.records.iter().all(|r| r.status == 200), "every request answered");
+    let record = |k: usize| out.records.iter().find(|r| r.index == k).expect("a record");
+    let a_first = record(0).time_to_first_token_ms.expect("a first token");
+    assert!((a_first - 1111.0).abs() < 1e-6, "{a_first}");
+    let decode = |out: &sim::Outcome, k: usize| out.placements[k].as_ref().expect("placed").decode.clone();
+    assert_eq!((decode(&out, 0), decode(&out, 2)), ("decode-0".into(), "decode-0".into()), "decided before");
+    assert!((3..6).all(|k| decode(&out, k) == "decode-1"), "nothing more goes to a stalled worker");
+    assert_eq!(out.decisions.get("stall_detected"), Some(&1));
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&2), "{:?}", out.decisions);
+
+    // It computes again at 3 s: the step that hung ends (what it made for A goes nowhere), the router sees the
+    // progress in the next report, and decode-0 takes its turns again.
+    let out = stalling(Some(3.0));
+    assert!(out.records.iter().all(|r| r.status == 200));
+    assert!((4..6).any(|k| decode(&out, k) == "decode-0"), "taken back");
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&2));
+
+    // Without a stall limit only the router's timeouts would catch it, which the simulator does not model.
+    let failures = vec![sim::Failure { worker: "decode-0".into(), at: 0.001, back: None, fault: sim::Fault::Stall }];
+    let off = Settings { failures, stall_after: 0.0, ..settings(profile, 0, 2, Policy::RoundRobin) };
+    assert!(simulate(&off, &trace, &starts).is_err());
+}
+
+#[test]
 fn a_lost_prefill_goes_to_the_next_candidate_then_to_the_decode_worker_itself() {
     // Two prefill workers, one decode worker; A (100 tokens, 3 out) is prefilled on one of them (a tie: the
     // decision's). It fails at 50 ms: A is prefilled again on the other, 50 → 160 ms.

@@ -334,10 +334,76 @@ impl Sim<'_> {
             .unwrap_or(fallback)
     }
 
-    /// Whether router replica `r` may send requests to worker `w`: it has not dropped it and its breaker there has
-    /// not ejected it (`router::cluster::Cluster::is_routable`).
+    /// Whether router replica `r` may send requests to worker `w`: it has not dropped it, its breaker there has
+    /// not ejected it, and it has not found it stalled (`router::cluster::Cluster::is_routable`).
     pub(super) fn routable(&self, now: f64, r: usize, w: usize) -> bool {
-        !self.workers[w].down && self.routers[r].breakers[w].admits(self.instant(now))
+        let replica = &self.routers[r];
+        !self.workers[w].down && replica.breakers[w].admits(self.instant(now)) && !replica.stalled[w]
+    }
+
+    /// Worker `w`'s engine gets stuck (a hung device): no step ends until it is unstuck, while its process answers
+    /// and reports. Its reports show no progress, so each router replica finds it stalled once it has held work
+    /// for `stall_after` since its last progress (`router::resilience::StallWatch`): the start of the step that
+    /// hangs, whether under way now or started later.
+    pub(super) fn worker_stuck(&mut self, now: f64, w: usize) {
+        let worker = &mut self.workers[w];
+        if worker.down || std::mem::replace(&mut worker.stuck, true) {
+            return;
+        }
+        *self.out.decisions.entry("worker_stuck".into()).or_default() += 1;
+        if worker.stepping {
+            let since = worker.step_started;
+            self.check_stall_after(now, since, w);
+        }
+    }
+
+    /// Schedules each replica's look at stuck worker `w`, whose last progress was at `since`: `stall_after` after
+    /// the report of it reached the replica (reports come every 100 ms; the look is at most that early).
+    pub(super) fn check_stall_after(&mut self, now: f64, since: f64, w: usize) {
+        let after = self.settings.stall_after;
+        if after <= 0.0 {
+            return;
+        }
+        let epoch = self.workers[w].stuck_epoch;
+        let at = (since + self.settings.report_delay + after).max(now);
+        for r in 0..self.routers.len() {
+            self.queue.at(at, Ev::StallCheck { w, r, epoch });
+        }
+    }
+
+    /// Replica `r` finds worker `w` stalled, if it still is and `r` still waits on it: every call `r` has open on it
+    /// gives up and fails over (the worker drops those requests when its step ends), and `r` sends it nothing
+    /// more until its reports show progress.
+    pub(super) fn stall_check(&mut self, now: f64, w: usize, r: usize, epoch: u64) {
+        let worker = &self.workers[w];
+        if !worker.stuck || worker.stuck_epoch != epoch || !worker.stepping || self.routers[r].stalled[w] {
+            return;
+        }
+        let open: Vec<usize> =
+            (0..self.live.len()).filter(|&i| self.live[i].router == r && self.live[i].on == Some(w)).collect();
+        // Its frozen report still counts the sequences of the step that hangs: it holds work either way.
+        self.routers[r].stalled[w] = true;
+        *self.out.decisions.entry("stall_detected".into()).or_default() += 1;
+        for i in open {
+            self.drop_from(now, w, i);
+            self.attempt_failed(now, i, w);
+        }
+    }
+
+    /// Worker `w` computes again: the step that hung ends now, and each replica sees the progress in the next
+    /// report.
+    pub(super) fn worker_unstuck(&mut self, now: f64, w: usize) {
+        let worker = &mut self.workers[w];
+        if !std::mem::take(&mut worker.stuck) {
+            return;
+        }
+        worker.stuck_epoch += 1;
+        if std::mem::take(&mut worker.held) {
+            self.step_done(now, w);
+        }
+        for r in 0..self.routers.len() {
+            self.queue.at(now + self.settings.report_delay, Ev::StallCleared { w, r });
+        }
     }
 
     /// Request `i`'s prompt: the one it holds, or (once that moved to an engine) the same tokens made again.

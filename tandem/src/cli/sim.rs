@@ -167,6 +167,17 @@ pub struct ClusterArgs {
     /// requests away; what reaches them fails over at once (docs/simulation.md, "A worker that answers with errors").
     #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS[..SECONDS]")]
     errors: Vec<String>,
+    /// Workers whose engine hangs during the run (a hung device) while the process answers and reports, as
+    /// NAME@SECONDS[..SECONDS] (computing again then), comma separated: the router finds a worker stalled once it
+    /// has held work that long without computing (`--stall-after-ms`), gives up its calls (they fail over) and
+    /// sends it nothing more until it computes again (docs/simulation.md, "A worker whose engine stalls").
+    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS[..SECONDS]")]
+    stall: Vec<String>,
+    /// How long a worker may hold work without computing before the router counts it stalled, in milliseconds (as
+    /// the router's `--stall-after-ms`; default: the router file's `stall_after_ms`, else the router's 30 s; 0:
+    /// never).
+    #[arg(long)]
+    stall_after_ms: Option<u64>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -208,6 +219,10 @@ impl ClusterArgs {
             prefill_speedups: self.prefill_speedups.clone(),
             replay: false,
             record_candidates: false,
+            stall_after: self
+                .stall_after_ms
+                .or(whole_number(&router, "stall_after_ms")?)
+                .map_or(router::resilience::stall_defaults::AFTER.as_secs_f64(), |ms| ms as f64 / 1000.0),
             router_tokens_per_s: self.router_tokens_per_s,
             router_slots: self.router_slots,
             host_cores: self.host_cores,
@@ -218,12 +233,14 @@ impl ClusterArgs {
         })
     }
 
-    /// `--fail`'s workers, then `--hang`'s, then `--errors`'. (The simulator itself refuses a hang that comes back.)
+    /// `--fail`'s workers, then `--hang`'s, `--errors`' and `--stall`'s. (The simulator itself refuses a hang that
+    /// comes back.)
     fn failures(&self) -> Result<Vec<sim::Failure>, String> {
         let kinds = [
             ("fail", &self.fail, sim::Fault::Crash),
             ("hang", &self.hang, sim::Fault::Hang),
             ("errors", &self.errors, sim::Fault::Errors),
+            ("stall", &self.stall, sim::Fault::Stall),
         ];
         kinds
             .into_iter()
@@ -242,17 +259,7 @@ impl ClusterArgs {
     /// The router's admission limits: the flags, else the router file's top-level keys of the same names, else
     /// the router's defaults.
     fn admission(&self, router: &RouterFile) -> Result<sim::Limits, String> {
-        let (file, path) = (&router.table, &router.name);
-        let key = |name: &str| -> Result<Option<u64>, String> {
-            match file.get(name) {
-                None => Ok(None),
-                Some(v) => v
-                    .as_integer()
-                    .and_then(|n| u64::try_from(n).ok())
-                    .map(Some)
-                    .ok_or_else(|| format!("{path}: {name} must be a whole number >= 0")),
-            }
-        };
+        let key = |name: &str| whole_number(router, name);
         let d = sim::Limits::default();
         Ok(sim::Limits {
             max_in_flight: self.max_in_flight.or(key("max_in_flight")?.map(|n| n as usize)).unwrap_or(d.max_in_flight),
@@ -368,6 +375,18 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         print_table(&rows, oracle, requests.len(), started.elapsed().as_secs_f64());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The router file's top-level key `name`, a whole number >= 0, if it has one.
+fn whole_number(router: &RouterFile, name: &str) -> Result<Option<u64>, String> {
+    match router.table.get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .as_integer()
+            .and_then(|n| u64::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| format!("{}: {name} must be a whole number >= 0", router.name)),
+    }
 }
 
 /// What to say when simulated engines failed requests (500): in a simulation that is a misconfigured cluster or a
