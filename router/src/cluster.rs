@@ -716,7 +716,7 @@ impl Cluster {
         s.members.iter().filter(|(id, m)| s.routable(**id, m, now)).map(|(id, m)| (*id, m.clone())).collect()
     }
 
-    /// Whether `worker` is a member that is up and not ejected by its breaker: one requests may go to.
+    /// Whether `worker` is a member that is up, not ejected by its breaker and not stalled: one requests may go to.
     pub fn is_routable(&self, worker: WorkerId, now: Instant) -> bool {
         let s = self.lock();
         s.members.get(&worker).is_some_and(|m| s.routable(worker, m, now))
