@@ -387,6 +387,36 @@ async fn a_worker_whose_engine_stalls_is_given_up_and_left_alone() {
     d.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A decode attempt that fails before pulling its prompt's KV gives the prefill worker's lease back at once: the
+/// resumption computes the prompt itself, and nobody else will pull it (it used to wait for its expiry, 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_decode_attempt_releases_its_prompts_lease_at_once() {
+    use router::scheduler::config::{DisaggregationRule, Policy};
+    let ca = DevCa::generate().expect("ca");
+    let sick = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Fail, vec![]).await;
+    let p = worker(&ca, Role::Prefill, "prefill-0").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let mut config = router_config(&ca, vec![sick.grpc, p.grpc, d.grpc]);
+    config.scheduler.policy = Policy::RoundRobin;
+    config.scheduler.disaggregation = DisaggregationRule::Always;
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 3).await;
+    // Round robin gives the failing worker one of the first two decodes.
+    for i in 0..2 {
+        let r = http(router.addr, "POST", "/v1/completions", &completion(&format!("Prompt {i}:"), 4, false), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert_eq!(sick.calls(), 1, "one decode attempt went to the failing worker");
+    let waiting = Instant::now();
+    while p.live_leases() > 0 {
+        assert!(waiting.elapsed() < Duration::from_secs(5), "{} leases still live", p.live_leases());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    router.shutdown(Duration::from_secs(5)).await;
+    p.shutdown(Duration::from_secs(5)).await;
+    d.shutdown(Duration::from_secs(5)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_a_worker_refuses_as_invalid_is_answered_400_at_once_not_retried() {
     let ca = DevCa::generate().expect("ca");

@@ -299,6 +299,7 @@ async fn decode_once(
 ) -> Attempt {
     let Target { worker, mut handle, overlap } = target;
     let Some(member) = state.cluster.member(worker) else {
+        release_unused(state, handle);
         return Attempt::Failed(Status::unavailable("the decode worker left"));
     };
     if member.predicted() {
@@ -317,6 +318,7 @@ async fn decode_once(
             job.uncached(tokens.len(), overlap.map_or(0, |[d, h, k]| d + h + k))
         }
     };
+    let lease = handle.clone();
     let msg = pb::GenerateRequest {
         request_id: job.request_id.clone(),
         tokens,
@@ -359,6 +361,12 @@ async fn decode_once(
         tracing::Instrument::instrument(stream_tokens(state, job, worker, call, progress, tx), span.clone()).await;
     span.record("output_tokens", progress.produced);
     state.cluster.done(worker, job.seq);
+    if !matches!(outcome, Attempt::Finished) {
+        // The attempt given up may not have pulled the prompt's KV (a worker failing at once, or stalled): its lease
+        // goes now rather than holding the prefill worker's lease room until it expires. One already pulled has
+        // ended, and releasing it again does nothing.
+        release_unused(state, lease);
+    }
     outcome
 }
 
