@@ -294,6 +294,23 @@ async fn a_worker_that_fails_again_and_again_is_ejected() {
     d.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A fake decode worker failing every call (followed first), a prefill and a decode worker, and a router over them
+/// that disaggregates every prompt, its config set by `tweak`.
+async fn behind_a_failing_decode_worker(
+    tweak: impl FnOnce(&mut router::run::RouterConfig),
+) -> (FakeWorker, Vec<RunningWorker>, RunningRouter) {
+    let ca = DevCa::generate().expect("ca");
+    let sick = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Fail, vec![]).await;
+    let p = worker(&ca, Role::Prefill, "prefill-0").await;
+    let d = worker(&ca, Role::Decode, "decode-0").await;
+    let mut config = router_config(&ca, vec![sick.grpc, p.grpc, d.grpc]);
+    config.scheduler.disaggregation = router::scheduler::config::DisaggregationRule::Always;
+    tweak(&mut config);
+    let router = RunningRouter::start(config).await.expect("router");
+    wait_for_workers(&router, 3).await;
+    (sick, vec![p, d], router)
+}
+
 /// A decode worker ejected by its breaker while a prompt prefills for it is not tried: another decode worker takes
 /// the request as its first attempt, pulling the prefilled KV, rather than the ejected one failing it and another
 /// resuming it (computing the prompt again).
@@ -301,17 +318,11 @@ async fn a_worker_that_fails_again_and_again_is_ejected() {
 async fn a_decode_worker_ejected_while_the_prompt_prefills_is_passed_over() {
     use router::http::completions::{Ident, plan};
     use router::http::openai::{Endpoint, check_completion};
-    use router::scheduler::config::{DisaggregationRule, Ties};
-    let ca = DevCa::generate().expect("ca");
-    let sick = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Fail, vec![]).await;
-    let p = worker(&ca, Role::Prefill, "prefill-0").await;
-    let d = worker(&ca, Role::Decode, "decode-0").await;
-    let mut config = router_config(&ca, vec![sick.grpc, p.grpc, d.grpc]);
-    config.scheduler.disaggregation = DisaggregationRule::Always;
-    config.scheduler.ties = Ties::Hashed;
-    config.follow.breaker = router::resilience::BreakerSettings { failures: 1, ..Default::default() };
-    let router = RunningRouter::start(config).await.expect("router");
-    wait_for_workers(&router, 3).await;
+    let (sick, workers, router) = behind_a_failing_decode_worker(|c| {
+        c.scheduler.ties = router::scheduler::config::Ties::Hashed;
+        c.follow.breaker = router::resilience::BreakerSettings { failures: 1, ..Default::default() };
+    })
+    .await;
     let state = &router.state;
     let members = state.cluster.up_members();
     let sick_id = members.iter().find(|(_, m)| m.addr == sick.grpc).expect("followed").0;
@@ -343,9 +354,7 @@ async fn a_decode_worker_ejected_while_the_prompt_prefills_is_passed_over() {
     assert_eq!(sick.calls(), 0, "the ejected worker was not tried");
     let m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
     assert!(m.contains("tandem_router_decode_resumptions_total 0\n"), "{m}");
-    router.shutdown(Duration::from_secs(5)).await;
-    p.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(router, workers).await;
 }
 
 /// A worker whose engine is stuck while its process still answers (a hung device): its reports go on, so neither the
@@ -383,24 +392,16 @@ async fn a_worker_whose_engine_stalls_is_given_up_and_left_alone() {
     assert!(m.contains("tandem_router_worker_stalls_total 1\n"), "{m}");
     assert!(m.contains("tandem_router_workers_stalled 1\n"), "{m}");
     assert!(m.contains("tandem_router_decode_resumptions_total 1\n"), "{m}");
-    router.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(router, vec![d]).await;
 }
 
 /// A decode attempt that fails before pulling its prompt's KV gives the prefill worker's lease back at once: the
 /// resumption computes the prompt itself, and nobody else will pull it (it used to wait for its expiry, 30 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_decode_attempt_releases_its_prompts_lease_at_once() {
-    use router::scheduler::config::{DisaggregationRule, Policy};
-    let ca = DevCa::generate().expect("ca");
-    let sick = FakeWorker::start(&ca, proto::worker::Role::Decode, Behaviour::Fail, vec![]).await;
-    let p = worker(&ca, Role::Prefill, "prefill-0").await;
-    let d = worker(&ca, Role::Decode, "decode-0").await;
-    let mut config = router_config(&ca, vec![sick.grpc, p.grpc, d.grpc]);
-    config.scheduler.policy = Policy::RoundRobin;
-    config.scheduler.disaggregation = DisaggregationRule::Always;
-    let router = RunningRouter::start(config).await.expect("router");
-    wait_for_workers(&router, 3).await;
+    let (sick, workers, router) =
+        behind_a_failing_decode_worker(|c| c.scheduler.policy = router::scheduler::config::Policy::RoundRobin).await;
+    let prefill = &workers[0];
     // Round robin gives the failing worker one of the first two decodes.
     for i in 0..2 {
         let r = http(router.addr, "POST", "/v1/completions", &completion(&format!("Prompt {i}:"), 4, false), &[]).await;
@@ -408,13 +409,11 @@ async fn a_failed_decode_attempt_releases_its_prompts_lease_at_once() {
     }
     assert_eq!(sick.calls(), 1, "one decode attempt went to the failing worker");
     let waiting = Instant::now();
-    while p.live_leases() > 0 {
-        assert!(waiting.elapsed() < Duration::from_secs(5), "{} leases still live", p.live_leases());
+    while prefill.live_leases() > 0 {
+        assert!(waiting.elapsed() < Duration::from_secs(5), "{} leases still live", prefill.live_leases());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    router.shutdown(Duration::from_secs(5)).await;
-    p.shutdown(Duration::from_secs(5)).await;
-    d.shutdown(Duration::from_secs(5)).await;
+    stop(router, workers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

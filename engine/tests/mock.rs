@@ -190,13 +190,17 @@ fn a_prompt_submitted_with_its_hashes_runs_as_one_submitted_bare() {
     assert_eq!(run(Some(8)), bare, "hashed in another block size: hashed again");
 }
 
-#[test]
-fn a_broken_device_fails_every_sequence_until_mended_and_keeps_no_block() {
-    let mut config = mock("", 1.0, 64);
+/// A mock engine of 64 blocks, and the switches that break its stand-in device.
+fn faulty_engine() -> (engine::generate::Engine, engine::backend::mock::DeviceFault) {
+    let config = mock("", 1.0, 64);
     let BackendChoice::Mock(settings) = &config.backend else { unreachable!("a mock config") };
     let fault = settings.fault.clone();
-    config.kv_blocks = 64;
-    let mut engine = common::engine(config);
+    (common::engine(config), fault)
+}
+
+#[test]
+fn a_broken_device_fails_every_sequence_until_mended_and_keeps_no_block() {
+    let (mut engine, fault) = faulty_engine();
     let free = engine.free_blocks();
     fault.set_broken(true);
     let broken = engine.run(&[request(vec![1000; 100], 5, 1)], &AtomicBool::new(false), |_| {});
@@ -210,11 +214,7 @@ fn a_broken_device_fails_every_sequence_until_mended_and_keeps_no_block() {
 
 #[test]
 fn a_stuck_device_holds_its_step_until_unstuck() {
-    let mut config = mock("", 1.0, 64);
-    let BackendChoice::Mock(settings) = &config.backend else { unreachable!("a mock config") };
-    let fault = settings.fault.clone();
-    config.kv_blocks = 64;
-    let mut engine = common::engine(config);
+    let (mut engine, fault) = faulty_engine();
     fault.set_stuck(true);
     let (tx, rx) = std::sync::mpsc::channel();
     let worker = std::thread::spawn(move || {

@@ -330,7 +330,8 @@ def main():
         sys.exit("--fail and --hang take NAME@SECONDS here: a failed worker is not started again")
     if args.errors and args.stall:
         sys.exit("--errors and --stall both use SIGUSR1: one of them at a time")
-    for f in (args.errors or args.stall or "").split(",") if (args.errors or args.stall) else []:
+    signalled = args.errors or args.stall
+    for f in signalled.split(",") if signalled else []:
         name, _, times = f.partition("@")
         at, _, mended = times.partition("..")
         failures.append((name, at, signal.SIGUSR1))

@@ -38,8 +38,8 @@ pub enum Change {
     Recovered,
 }
 
-/// One worker's progress, as its reports tell it.
-#[derive(Clone, Copy, Debug)]
+/// One worker's progress, as its reports tell it (`Default`: nothing reported yet).
+#[derive(Clone, Copy, Debug, Default)]
 pub struct StallWatch {
     /// The tokens its engine had run through at the last report.
     total: u64,
@@ -49,10 +49,6 @@ pub struct StallWatch {
 }
 
 impl StallWatch {
-    pub fn new() -> StallWatch {
-        StallWatch { total: 0, since: None, stalled: false }
-    }
-
     /// A report at `now`: the engine's running total of tokens computed, and whether the worker holds work (its
     /// engine's sequences, or requests the router sent it and has not heard the end of). Only progress ends a
     /// stall: once its calls are given up a stalled worker may hold nothing, and it is no better for that.
@@ -84,12 +80,6 @@ impl StallWatch {
     }
 }
 
-impl Default for StallWatch {
-    fn default() -> StallWatch {
-        StallWatch::new()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,7 +89,7 @@ mod tests {
         let settings = StallSettings { after: Duration::from_secs(30) };
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let mut w = StallWatch::new();
+        let mut w = StallWatch::default();
         assert_eq!(w.report(at(0), 100, true, &settings), Change::None);
         // Progress restarts the clock.
         assert_eq!(w.report(at(20), 200, true, &settings), Change::None);
@@ -118,7 +108,7 @@ mod tests {
     #[test]
     fn an_idle_worker_never_stalls_and_a_zero_limit_turns_the_watch_off() {
         let t0 = Instant::now();
-        let mut w = StallWatch::new();
+        let mut w = StallWatch::default();
         let settings = StallSettings::default();
         for s in 0..10 {
             assert_eq!(w.report(t0 + Duration::from_secs(60 * s), 7, false, &settings), Change::None);
@@ -128,7 +118,7 @@ mod tests {
         assert_eq!(w.report(t0 + Duration::from_secs(569), 7, true, &settings), Change::None);
         assert_eq!(w.report(t0 + Duration::from_secs(570), 7, true, &settings), Change::Stalled);
         let off = StallSettings { after: Duration::ZERO };
-        let mut w = StallWatch::new();
+        let mut w = StallWatch::default();
         for s in 0..10 {
             assert_eq!(w.report(t0 + Duration::from_secs(60 * s), 7, true, &off), Change::None);
         }
