@@ -19,13 +19,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRACE = ROOT / "data/traces/mooncake_conversation_1k.jsonl"
 
 
-def add_cluster_args(p, workers, out):
+def add_cluster_args(p, workers, out, mock_speedup=True):
     """The flags every mock-cluster benchmark takes: the binary, `workers` prefill and decode workers each, the
-    mock's speed-up, the output directory, and `--table` to reprint an earlier run."""
+    mock's speed-up (unless `mock_speedup` is false: the caller gives `--speedup` a meaning of its own), the output
+    directory, and `--table` to reprint an earlier run."""
     p.add_argument("--tandem", default=str(ROOT / "target/release/tandem"))
     p.add_argument("--prefill", type=int, default=workers)
     p.add_argument("--decode", type=int, default=workers)
-    p.add_argument("--speedup", type=float, default=1.0)
+    if mock_speedup:
+        p.add_argument("--speedup", type=float, default=1.0,
+                       help="the mock divides every modelled duration by this, and the trace's arrivals come this "
+                            "much faster")
     p.add_argument("--out", default=out)
     p.add_argument("--table", metavar="DIR", help="print the table of an earlier run and stop")
 

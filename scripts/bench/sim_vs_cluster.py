@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The simulator against a real mock cluster on the same trace sample (docs/simulation.md).
 
-Runs the first N requests of the committed Mooncake sample once through `tandem sim` and once through a fresh
-`tandem up --engine mock` driven by `tandem bench serve`, with the same profile (gpu-default), worker counts, tiers
-(device and host; no disk tier, to keep both fast), policy and seed, on the trace's own
-arrivals. Prints, for TTFT, TPOT and E2E, the simulated and measured p50 and p90 with their relative difference and
+Runs the first N requests of a Mooncake trace (`--trace`, by default the committed sample) once through `tandem
+sim` and once through a fresh `tandem up --engine mock` driven by `tandem bench serve`, with the same profile
+(gpu-default), worker counts, tiers (device and host; no disk tier, to keep both fast), policy and seed, on the
+trace's own arrivals (`--speedup S`: S times faster in both). Prints, for TTFT, TPOT and E2E, the simulated and measured p50 and p90 with their relative difference and
 a two-sample Kolmogorov-Smirnov test, the cached token fraction of both, and the share of requests prefilled on the
 same worker in both (the real router records its decisions with --record-trace; workers are matched one to one,
 the pairing that agrees most, since which of two idle workers gets the first request is a coin toss in both). The
@@ -30,7 +30,7 @@ simulator gets the same `--stall`.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
-      [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
+      [--trace FILE] [--speedup 1] [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
       [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--errors NAME@SECONDS[..SECONDS],...]
       [--stall NAME@SECONDS[..SECONDS],...] [--stall-after-ms MS] [--parted 3]
@@ -284,7 +284,7 @@ def main():
                    help="the cores the simulated CPU workers share (default: this machine's; 0: a machine each)")
     p.add_argument("--repeat", type=int, default=1,
                    help="real runs of the same command: latencies compared with the runs pooled, each run's range "
-                        "printed (one real run differs from the next by 10-20% at TTFT p90 on a 2-core machine)")
+                        "printed (one real run differs from the next by 10-20%% at TTFT p90 on a 2-core machine)")
     p.add_argument("--ties", choices=["random", "hashed"], default="hashed",
                    help="how both routers break ties (the scheduler's `ties`; docs/simulation.md)")
     p.add_argument("--max-in-flight", type=int,
@@ -310,7 +310,13 @@ def main():
     p.add_argument("--parted", type=int, default=3,
                    help="print this many of the first requests the two routers prefilled on different workers, with "
                         "every candidate's terms as each router saw them")
-    add_cluster_args(p, workers=8, out="runs/sim-vs-cluster")
+    p.add_argument("--trace", default=str(TRACE),
+                   help="the trace both clusters replay (Mooncake JSONL, as `tandem sim --trace` reads it; default "
+                        "the committed sample): its first --requests requests, the first arrival at time 0")
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="the trace's arrivals come this much faster in both clusters (more load; the mock's steps "
+                        "keep their modelled durations)")
+    add_cluster_args(p, workers=8, out="runs/sim-vs-cluster", mock_speedup=False)
     args = p.parse_args()
     out = pathlib.Path(args.out)
     cpu = args.engine == "cpu"
@@ -319,7 +325,8 @@ def main():
     # The CPU cluster gets a small synthetic workload (4 system prompts of 512 tokens, 512 of its own, 16 out);
     # the mock cluster the trace sample.
     workload = (["--rate", args.rate, "--prefixes", "4", "--prefix-len", "512", "--suffix-len", "512",
-                 "--output-len", "16"] if cpu else ["--trace", str(TRACE)]) + ["--max-requests", str(args.requests)]
+                 "--output-len", "16"] if cpu else ["--trace", args.trace, "--speedup", str(args.speedup)]) + [
+                    "--max-requests", str(args.requests)]
     budget = ["--max-batched-tokens", str(args.max_batched_tokens)] if args.max_batched_tokens else []
     admission = ["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
@@ -339,6 +346,9 @@ def main():
             failures.append((name, mended, signal.SIGUSR2))
     if failures and cpu:
         sys.exit("--fail, --hang, --errors and --stall run the mock cluster only")
+    if cpu and (args.trace != str(TRACE) or args.speedup != 1.0):
+        sys.exit("--trace and --speedup replay a trace on the mock cluster; --engine cpu runs the synthetic workload "
+                 "at --rate")
     stall_after = ["--stall-after-ms", str(args.stall_after_ms)] if args.stall_after_ms is not None else []
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
@@ -439,7 +449,7 @@ def main():
         # The routing alone: the simulator given the real router's own arrival order and routing times.
         again = out / f"sim-retimed-{d.name}"
         again.mkdir(parents=True, exist_ok=True)
-        retimed(recording, TRACE, args.requests, again / "trace.jsonl")
+        retimed(recording, args.trace, args.requests, again / "trace.jsonl")
         done = subprocess.run([args.tandem, "sim", "--trace", str(again / "trace.jsonl"),
                                "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                                "--seed", str(args.seed), *tiers[:4], *budget, *fail, "--config", str(config),
