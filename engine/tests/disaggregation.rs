@@ -10,7 +10,7 @@ use engine::generate::{EngineConfig, EngineHandle, ExportedKv, SeqEvent};
 use kv_cache::{BlockSize, block_hashes};
 
 async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
-    let mut s = p.submit_exporting(common::greedy(prompt.to_vec(), 1)).await.expect("accepted");
+    let mut s = p.submit_exporting(common::greedy(prompt.to_vec(), 1), None).await.expect("accepted");
     let (mut first, mut kv) = (None, None);
     while let Some(ev) = s.next().await {
         match ev {
@@ -24,7 +24,7 @@ async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
 }
 
 async fn decode(d: &EngineHandle, tokens: Vec<u32>, max_tokens: u32, blocks: Vec<(usize, bytes::Bytes)>) -> Vec<u32> {
-    let mut s = d.submit_with_blocks(common::greedy(tokens, max_tokens), blocks).await.expect("accepted");
+    let mut s = d.submit_with_blocks(common::greedy(tokens, max_tokens), blocks, None).await.expect("accepted");
     let mut out = Vec::new();
     while let Some(ev) = s.next().await {
         match ev {
@@ -84,7 +84,7 @@ async fn prefill_here_decode_there_gives_the_same_tokens() {
     decode(&d, [prompt.clone(), vec![first]].concat(), 2, full).await;
     assert_eq!(d.stats().counters.imported_blocks, after.imported_blocks);
     let short = vec![(0, bytes::Bytes::from_static(b"short"))];
-    assert!(d.submit_with_blocks(common::greedy(prompt.clone(), 2), short).await.is_err());
+    assert!(d.submit_with_blocks(common::greedy(prompt.clone(), 2), short, None).await.is_err());
     p.shutdown(true).await;
     d.shutdown(true).await;
 }

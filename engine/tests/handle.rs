@@ -1,5 +1,6 @@
 //! The engine driven from async code: concurrent submissions stream the same tokens as a direct run, a dropped
-//! stream cancels its sequence and frees its blocks, and shutdown either finishes or cancels in-flight work.
+//! stream cancels its sequence and frees its blocks, shutdown either finishes or cancels in-flight work, and the
+//! published state names the tagged sequences its figures count.
 
 mod common;
 
@@ -109,4 +110,30 @@ async fn the_state_is_readable_while_a_step_runs_long() {
     assert_eq!((state.running, state.waiting, state.prefill_tokens_pending), (0, 0, 0));
     assert_eq!(state.counters.prefill_tokens, 40 + 4);
     handle.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_published_state_names_the_tagged_sequences_it_counts() {
+    let handle = EngineHandle::start(common::engine(EngineConfig::default())).expect("starts");
+    let none = Vec::<(usize, bytes::Bytes)>::new;
+    let a = handle.submit_with_blocks(common::greedy(vec![100; 40], 2000), none(), Some(7)).await.expect("accepted");
+    let b = handle.submit(common::greedy(vec![200; 20], 2000)).await.expect("accepted");
+    let c = handle.submit_with_blocks(common::greedy(vec![300; 24], 2000), none(), Some(3)).await.expect("accepted");
+    // One copy holds the figures and the tags of what they count (the untagged one counted, not named).
+    let state = handle.stats();
+    assert_eq!((state.running + state.waiting, state.tags.as_slice()), (3, [3, 7].as_slice()));
+    drop(a);
+    let mut left = false;
+    for _ in 0..200 {
+        let now = handle.stats();
+        if now.running + now.waiting == 2 {
+            assert_eq!(now.tags, vec![3], "a cancelled sequence leaves the tags with its figures");
+            left = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(left, "the cancelled sequence ended");
+    drop((b, c));
+    handle.shutdown(false).await;
 }

@@ -1,24 +1,24 @@
 //! Requests in flight on this worker, by the router's request id: what `Cancel` reaches, and which requests a load
-//! report covers. One entry per call, removed when the call ends for any reason (its [`Ticket`] is dropped), so
-//! the table never outgrows the work in flight. Two calls may carry the same id (a misbehaving client, a restarted
+//! report covers (each call's key is the [`Tag`] its engine work carries, so a report names the ids of exactly the
+//! sequences its figures count). One entry per call, removed when the call ends for any reason (its [`Ticket`] is
+//! dropped), so the table never outgrows the work in flight. Two calls may carry the same id (a misbehaving client, a restarted
 //! router): each has an entry of its own, and neither can end the other.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use engine::generate::Tag;
 use tokio::sync::oneshot;
 
 #[derive(Debug)]
 struct Entry {
-    key: u64,
+    key: Tag,
     cancel: Option<oneshot::Sender<()>>,
-    /// The engine has the request's work: load reports taken from now on count it.
-    submitted: bool,
 }
 
 #[derive(Debug, Default)]
 struct Table {
-    next: u64,
+    next: Tag,
     by_id: HashMap<String, Vec<Entry>>,
 }
 
@@ -33,7 +33,7 @@ pub struct InFlight {
 pub struct Ticket {
     table: Arc<InFlight>,
     id: String,
-    key: u64,
+    key: Tag,
 }
 
 impl InFlight {
@@ -48,7 +48,7 @@ impl InFlight {
         let mut t = self.lock();
         let key = t.next;
         t.next += 1;
-        t.by_id.entry(id.to_string()).or_default().push(Entry { key, cancel: Some(tx), submitted: false });
+        t.by_id.entry(id.to_string()).or_default().push(Entry { key, cancel: Some(tx) });
         (Ticket { table: Arc::clone(self), id: id.to_string(), key }, rx)
     }
 
@@ -75,24 +75,20 @@ impl InFlight {
         self.len() == 0
     }
 
-    /// The ids of the calls whose work the engine has (each once), for a load report.
-    pub fn submitted(&self) -> Vec<String> {
+    /// The ids of the calls whose tags are among `tags` (sorted: the engine's published [`EngineStats::tags`]),
+    /// each once, for a load report whose figures are the ones published with those tags.
+    ///
+    /// [`EngineStats::tags`]: engine::generate::EngineStats::tags
+    pub fn ids_of(&self, tags: &[Tag]) -> Vec<String> {
         let t = self.lock();
         t.by_id
             .iter()
-            .filter(|(id, entries)| !id.is_empty() && entries.iter().any(|e| e.submitted))
+            .filter(|(id, entries)| !id.is_empty() && entries.iter().any(|e| tags.binary_search(&e.key).is_ok()))
             .map(|(id, _)| id.clone())
             .collect()
     }
 
-    fn mark_submitted(&self, id: &str, key: u64) {
-        let mut t = self.lock();
-        if let Some(e) = t.by_id.get_mut(id).and_then(|es| es.iter_mut().find(|e| e.key == key)) {
-            e.submitted = true;
-        }
-    }
-
-    fn remove(&self, id: &str, key: u64) {
+    fn remove(&self, id: &str, key: Tag) {
         let mut t = self.lock();
         if let Some(entries) = t.by_id.get_mut(id) {
             entries.retain(|e| e.key != key);
@@ -104,10 +100,10 @@ impl InFlight {
 }
 
 impl Ticket {
-    /// The engine has taken the call's work (call after the engine accepted it, so that every load report taken
-    /// afterwards includes it).
-    pub fn submitted(&self) {
-        self.table.mark_submitted(&self.id, self.key);
+    /// What the call's engine work is submitted with, so that load reports name the call while the engine counts
+    /// its work.
+    pub fn tag(&self) -> Tag {
+        self.key
     }
 }
 
@@ -132,9 +128,8 @@ mod tests {
         drop(b);
         assert!(b_cancel.try_recv().is_err_and(|e| e == oneshot::error::TryRecvError::Closed));
         assert!(a_cancel.try_recv().is_err_and(|e| e == oneshot::error::TryRecvError::Empty));
-        assert!(t.submitted().is_empty());
-        a.submitted();
-        assert_eq!(t.submitted(), vec!["r1".to_string()]);
+        assert!(t.ids_of(&[]).is_empty());
+        assert_eq!(t.ids_of(&[a.tag()]), vec!["r1".to_string()]);
         assert!(t.cancel("r1"));
         assert_eq!(a_cancel.try_recv(), Ok(()));
         assert!(!t.cancel("r1"), "a cancel reaches a call once");

@@ -90,6 +90,30 @@ async fn health_metrics_and_load_reports_answer_while_a_step_runs_long() {
     w.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A report that counts a request's work names the request, so that a router adds its own record of it on top
+/// only while no report counts it. The engine publishes a new request's state before the call hears it was taken:
+/// a report read then counted the request without naming it, and the router counted it twice until the next
+/// period (100 ms), in every burst.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_report_that_counts_a_request_names_it() {
+    let (w, mut c) = start(|c| c).await;
+    // A period longer than the test: past the first report, only a change of the load makes one.
+    let mut load = c.watch_load(pb::WatchLoadRequest { interval_ms: 600_000 }).await.expect("watch").into_inner();
+    within("the first load report", load.message()).await.expect("stream").expect("a report");
+    let hold = w.hold_engine_steps();
+    let stream = c.generate(generate_request("counted", (100..400).collect(), 4)).await.expect("accepted").into_inner();
+    let report = loop {
+        let r = within("a report counting the request", load.message()).await.expect("stream").expect("a report");
+        if r.waiting + r.running > 0 {
+            break r;
+        }
+    };
+    assert_eq!(report.request_ids, vec!["counted".to_string()], "{report:?}");
+    drop(hold);
+    assert_eq!(drain(stream).await, (4, true));
+    w.shutdown(Duration::from_secs(5)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_request_id_never_ends_another_stream_and_ended_calls_leave_no_entry() {
     let (w, mut c) = start(|c| c).await;

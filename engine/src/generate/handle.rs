@@ -53,7 +53,14 @@ pub struct EngineStats {
     pub prefill_tokens_pending: usize,
     /// How closely a mock backend keeps to its timing profile (`None` for a computing backend).
     pub pacing: Option<crate::backend::Pacing>,
+    /// The [`Tag`]s of the sequences these figures include (those submitted with one), in ascending order: read
+    /// with the figures in one copy, they say exactly which requests the figures count.
+    pub tags: Vec<Tag>,
 }
+
+/// What a caller names a request by when it submits it, to find it again in [`EngineStats::tags`] (a worker tags
+/// each call, so that a load report names exactly the requests its figures count).
+pub type Tag = u64;
 
 /// Why a request was not taken.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +113,7 @@ enum Command {
         /// Blocks pulled from another worker for this prompt (full blocks, by position): stored and held for the
         /// sequence until it is admitted, so nothing can evict them in between.
         blocks: Box<dyn PulledBlocks>,
+        tag: Option<Tag>,
         reply: oneshot::Sender<Result<SeqStream, EngineError>>,
     },
     /// Blocks pulled ahead of a request (full blocks of `tokens`, by position): stored as cached blocks.
@@ -191,26 +199,27 @@ impl EngineHandle {
 
     /// Queues a request; validation errors come back before any compute.
     pub async fn submit(&self, request: Request) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, false, no_blocks()).await
+        self.submit_with(request, false, no_blocks(), None).await
     }
 
     /// Queues a request whose stream ends with the prompt's KV ([`SeqEvent::Exported`]) before `Finished`:
-    /// the prefill side of disaggregation (run it with `max_tokens` 1).
-    pub async fn submit_exporting(&self, request: Request) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, true, no_blocks()).await
+    /// the prefill side of disaggregation (run it with `max_tokens` 1). `tag` names it in [`EngineStats::tags`].
+    pub async fn submit_exporting(&self, request: Request, tag: Option<Tag>) -> Result<SeqStream, SubmitError> {
+        self.submit_with(request, true, no_blocks(), tag).await
     }
 
     /// Queues a request together with blocks of its prompt pulled from another worker (full blocks, by position;
     /// blocks already held are skipped), read where they lie: each is copied into a device block and checked
     /// there, then stored and held for the sequence until it runs, so they cannot be evicted before use;
     /// [`SubmitError::Exhausted`] when the device tier has no room for them, [`SubmitError::Transfer`] (and none
-    /// kept) when one fails its check.
+    /// kept) when one fails its check. `tag` names it in [`EngineStats::tags`].
     pub async fn submit_with_blocks(
         &self,
         request: Request,
         blocks: impl PulledBlocks + 'static,
+        tag: Option<Tag>,
     ) -> Result<SeqStream, SubmitError> {
-        self.submit_with(request, false, Box::new(blocks)).await
+        self.submit_with(request, false, Box::new(blocks), tag).await
     }
 
     async fn submit_with(
@@ -218,10 +227,11 @@ impl EngineHandle {
         request: Request,
         export: bool,
         blocks: Box<dyn PulledBlocks>,
+        tag: Option<Tag>,
     ) -> Result<SeqStream, SubmitError> {
         let (reply, answer) = oneshot::channel();
         self.tx
-            .send(Command::Submit { request: Box::new(request), export, blocks, reply })
+            .send(Command::Submit { request: Box::new(request), export, blocks, tag, reply })
             .await
             .map_err(|_| SubmitError::Closed)?;
         answer.await.map_err(|_| SubmitError::Closed)?.map_err(SubmitError::from_engine)
@@ -307,6 +317,7 @@ struct Live {
     out: mpsc::Sender<SeqEvent>,
     start: Instant,
     export: bool,
+    tag: Option<Tag>,
 }
 
 struct Loop {
@@ -383,7 +394,7 @@ impl Loop {
             Command::Lookup { hashes, reply } => {
                 let _ = reply.send(self.engine.lookup(&hashes));
             }
-            Command::Submit { request, export, blocks, reply } => {
+            Command::Submit { request, export, blocks, tag, reply } => {
                 let made = if self.accepting {
                     self.engine.prepare(*request, self.next_index, export, blocks.as_ref())
                 } else {
@@ -395,7 +406,7 @@ impl Loop {
                         // Every token, the export, and the last message.
                         let (out, rx) = mpsc::channel(seq.max_new + 2);
                         self.seqs.push(seq);
-                        self.live.push(Live { out, start: Instant::now(), export });
+                        self.live.push(Live { out, start: Instant::now(), export, tag });
                         // Published before the caller hears of it: every state it reads from now on includes it.
                         self.publish();
                         if reply.send(Ok(SeqStream { rx })).is_err()
@@ -423,7 +434,10 @@ impl Loop {
     }
 
     fn stats(&self) -> EngineStats {
-        self.engine.stats_of(&self.seqs)
+        let mut stats = self.engine.stats_of(&self.seqs);
+        stats.tags = self.seqs.iter().zip(&self.live).filter(|(s, _)| s.active()).filter_map(|(_, l)| l.tag).collect();
+        stats.tags.sort_unstable();
+        stats
     }
 
     /// Sequences whose reader is gone are cancelled, and those past their deadline dropped; their blocks are freed

@@ -394,6 +394,7 @@ impl Engine {
             waiting,
             prefill_tokens_pending,
             pacing: self.pacing(),
+            tags: Vec::new(),
         }
     }
 

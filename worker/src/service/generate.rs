@@ -47,13 +47,12 @@ impl WorkerService {
         };
         let capacity = sampling.max_tokens() as usize + 2;
         let request = Request { namespace, prompt: r.tokens, sampling, deadline };
-        let submitted = self.engine.submit_with_blocks(request, pulled).await;
+        let submitted = self.engine.submit_with_blocks(request, pulled, Some(ticket.tag())).await;
         // A block that failed its check in the engine makes the pull a failed one, as one failing on receipt is.
         if let Some(t) = timing {
             self.puller.finish(t, !matches!(submitted, Err(SubmitError::Transfer(_))));
         }
         let mut stream = submitted.map_err(submit_status)?;
-        ticket.submitted();
         let (tx, rx) = mpsc::channel(capacity);
         let metrics = Arc::clone(&self.metrics);
         let abort = self.aborting.clone();

@@ -76,15 +76,12 @@ impl WorkerService {
         let (request_id, piece) = (r.request_id.clone(), r.piece);
         let mut stream = self
             .engine
-            .submit_exporting(Request {
-                namespace: r.cache_namespace.map(CacheNamespace::new),
-                prompt: r.tokens,
-                sampling,
-                deadline,
-            })
+            .submit_exporting(
+                Request { namespace: r.cache_namespace.map(CacheNamespace::new), prompt: r.tokens, sampling, deadline },
+                Some(ticket.tag()),
+            )
             .await
             .map_err(submit_status)?;
-        ticket.submitted();
         let (mut first, mut first_logprobs, mut kv, mut done) = (None, None, None, None);
         let mut abort = self.aborting.clone();
         loop {

@@ -82,9 +82,10 @@ async fn report_load(
     let mut state = engine.watch_stats();
     let mut last: Option<(EngineStats, Instant)> = None;
     loop {
-        // The ids first, then the state: every call marked submitted by now is in the state read after.
-        let ids = in_flight.submitted();
+        // The calls the figures count, told by the tags published with them: a report never counts a request's
+        // work without naming it (a router would add its own record of it on top), nor names one it does not count.
         let stats = state.borrow_and_update().clone();
+        let ids = in_flight.ids_of(&stats.tags);
         let due = last.as_ref().is_none_or(|(prev, at)| at.elapsed() >= period || large_change(prev, &stats));
         if due {
             if tx.send(Ok(load_report(&stats, ids, &metrics))).await.is_err() {
