@@ -25,6 +25,7 @@ use crate::queue::Queue;
 use crate::worker::SimWorker;
 
 mod failover;
+mod leases;
 mod replay;
 
 /// What the simulator models beyond the engine's own steps.
@@ -164,8 +165,8 @@ struct Placement {
     reason: String,
     margin: Option<f64>,
     candidates: Option<Candidates>,
-    /// With failures: the prefill candidates in the order the router tries them, each with the blocks it held, and
-    /// the decode worker's held blocks ([`failover::Retries`]).
+    /// The prefill candidates in the order the router tries them, each with the blocks it held, and the decode
+    /// worker's held blocks ([`failover::Retries`]); `None` for a recorded decision without its candidates.
     retry_order: Option<(Vec<(usize, u64)>, u64)>,
 }
 
@@ -265,8 +266,11 @@ struct Live {
     pull_since: f64,
     /// Tokens its current decode attempt made (the router's accounting learns of the first).
     attempt_tokens: u32,
-    /// In runs with failures, what its failover needs.
+    /// What its failover needs (outside a replay): a prefill refused for want of lease room goes to the next
+    /// candidate in any run.
     retries: Option<Box<failover::Retries>>,
+    /// The prefill worker holding room for its prompt's KV, and how many blocks (`leases`).
+    lease: Option<(usize, u64)>,
     /// Prompt tokens.
     isl: usize,
     /// The prompt, hashed once for the router and the engines alike; it moves to the engine that runs it last.
@@ -671,11 +675,10 @@ impl<'a> Sim<'a> {
             self.replayed(i)
         } else {
             let explain = self.settings.record_candidates;
-            let failures = !self.settings.failures.is_empty();
             route(&req, &views, cfg, &mut self.routers[router].state).map(|d| Placement {
                 margin: d.prefill_margin(),
                 candidates: explain.then(|| d.candidates()),
-                retry_order: failures.then(|| failover::retry_order(&d)),
+                retry_order: Some(failover::retry_order(&d)),
                 prefill: d.prefill.filter(|_| d.disaggregate).map(|c| c.id.0 as usize),
                 decode: d.decode.id.0 as usize,
                 reason: d.reason.as_str().to_string(),
@@ -747,11 +750,11 @@ impl<'a> Sim<'a> {
             .iter()
             .find(|v| v.id.0 as usize == target)
             .map_or(0, |v| (v.overlap.device + v.overlap.host + v.overlap.disk) as u64);
-        if !self.settings.failures.is_empty() {
-            self.live[i].retries = Some(Box::new(failover::Retries::new(d.retry_order.clone(), target != decode)));
-            let at = self.instant(now);
-            self.routers[self.live[i].router].budget.request(at, &failover::budget_settings());
-        }
+        let resumable = !self.settings.failures.is_empty();
+        self.live[i].retries =
+            Some(Box::new(failover::Retries::new(d.retry_order.clone(), target != decode, resumable)));
+        let at = self.instant(now);
+        self.routers[self.live[i].router].budget.request(at, &failover::budget_settings());
         (self.live[i].on, self.live[i].attempt_tokens) = (Some(target), 0);
         // As the router's: the whole request, from here, within the request timeout.
         let timeout = self.routers[self.live[i].router].gate.timeout();
@@ -818,6 +821,10 @@ impl<'a> Sim<'a> {
             // A call to a worker that hangs but is not known to: it waits, unanswered, until the connection closes.
             return;
         }
+        if job.export && !self.reserve_lease(job.i, w) {
+            // Refused before its engine sees it: the worker's `ResourceExhausted`.
+            return self.prefill_refused(now, job.i, w);
+        }
         if self.workers[w].stepping {
             self.workers[w].sent.push(job);
             return;
@@ -846,6 +853,7 @@ impl<'a> Sim<'a> {
         };
         // The pulled blocks are in the engine: the lease ends and the prefill worker's blocks are its own again.
         if let (Some(_), Some(p)) = (pull, self.live[i].prefill) {
+            self.release_lease(i);
             self.unpinned(now, p);
         }
         if let Err(e) = submitted {
@@ -968,7 +976,7 @@ impl<'a> Sim<'a> {
                     }
                     live.attempt_tokens += 1;
                 }
-                if let Some(r) = &mut live.retries {
+                if let Some(r) = live.retries.as_mut().filter(|r| r.resumable) {
                     r.generated.push(token);
                 }
                 if let Some(last) = live.last_at {
@@ -1057,6 +1065,7 @@ impl<'a> Sim<'a> {
             self.live[i].pull = Some((kv, held..hashes.len()));
         } else {
             drop(kv);
+            self.release_lease(i);
             self.unpinned(now, p);
         }
         // The router calls the decode worker as soon as the prefill answers; the pull happens inside that call.
@@ -1121,6 +1130,7 @@ impl<'a> Sim<'a> {
     /// The prompt's KV on its way to request `i`'s decode attempt (pulling, or pulled and waiting for the engine) is
     /// not wanted any more: the lease ends, and its prefill worker takes the blocks back (unless it is gone).
     fn end_pull(&mut self, now: f64, i: usize) {
+        self.release_lease(i);
         let live = &mut self.live[i];
         live.pulling = false;
         if let (Some(p), Some(_)) = (live.prefill, live.pull.take())
@@ -1150,6 +1160,8 @@ impl<'a> Sim<'a> {
         // However it ended, the router forgets it on its decode worker (reserved there at the decision, or sent).
         let (router, decode) = (self.live[i].router, self.live[i].decode);
         self.routers[router].load.done(WorkerId(decode as u32), i as u64);
+        // A lease nobody will pull (the answer ended at the first token, or the request failed) ends with it.
+        self.release_lease(i);
         // What a finished request no longer needs goes (a whole trace's prompts would not fit in memory); its
         // gaps move into the record.
         let gaps = std::mem::take(&mut self.live[i].gaps);

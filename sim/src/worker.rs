@@ -56,6 +56,11 @@ pub struct SimWorker {
     /// Modelled KV bytes pulled and the seconds it took (what a mock worker reports).
     pub pulled_bytes: u64,
     pub pulled_nanos: u64,
+    /// Blocks of prompt KV it may hold for decode workers at once, reserved or leased (`worker::leases`: half its
+    /// device tier)…
+    pub lease_room: u64,
+    /// …and the blocks reserved for prefills under way or leased until their decode worker's engine takes them.
+    pub leased: u64,
 }
 
 impl SimWorker {
@@ -67,6 +72,8 @@ impl SimWorker {
         routers: usize,
         config: EngineConfig,
     ) -> SimWorker {
+        // In blocks: the bytes of a block of one byte.
+        let lease_room = worker::leases::pool_cap(config.kv_blocks, 1);
         SimWorker {
             id,
             name,
@@ -91,6 +98,8 @@ impl SimWorker {
             link_free: 0.0,
             pulled_bytes: 0,
             pulled_nanos: 0,
+            lease_room,
+            leased: 0,
         }
     }
 

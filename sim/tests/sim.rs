@@ -709,3 +709,26 @@ fn tandem_sim_dirs() -> Vec<std::path::PathBuf> {
     dirs.sort();
     dirs
 }
+
+#[test]
+fn a_prefill_past_its_workers_lease_room_is_refused_and_computed_elsewhere() {
+    // Prefill: 10 ms + 1 ms per token; decode: 5 ms per step. A worker's device tier has 256 blocks, so 128 of
+    // them may be reserved or leased: two 1,000-token prompts (63 blocks each). A, B and C (1,000 tokens each, 2
+    // out) arrive together and the router sends all three to the only prefill worker, which takes A and B and
+    // refuses C: with no other prefill candidate, the decode worker computes C itself, idle until then (0 → 1,010
+    // ms, then one decode step), while B waits for A's step (1,010 → 2,020 ms). D, at 3 s, finds the room back:
+    // A's and B's leases ended when the decode worker's engine took their pulled blocks.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let s = settings(profile, 1, 1, Policy::Kv);
+    let at_once = |id| request(0.0, 1000, 2, id);
+    let trace = [at_once(1), at_once(2), at_once(3), request(3000.0, 1000, 2, 4)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    assert_eq!(out.decisions.get("prefill_refused"), Some(&1), "{:?}", out.decisions);
+    assert_eq!(out.decisions.get("local_prefill_after_failure"), Some(&1));
+    let ttft: Vec<f64> = out.records.iter().map(|r| r.time_to_first_token_ms.expect("a first token")).collect();
+    for (k, want) in [1010.0, 2020.0, 1010.0, 1010.0].into_iter().enumerate() {
+        assert!((ttft[k] - want).abs() < 1e-6, "TTFT of request {k}: {} (want {want})", ttft[k]);
+    }
+    assert!((out.records[2].request_latency_ms - 1015.0).abs() < 1e-6, "{}", out.records[2].request_latency_ms);
+    assert!(out.records.iter().all(|r| r.status == 200 && r.output_tokens == 2));
+}

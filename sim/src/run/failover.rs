@@ -25,7 +25,7 @@ use worker::grpc_tls::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 use super::{Ev, Job, Sim};
 use crate::worker::SimWorker;
 
-/// What a request's failover needs, kept from its decision on (only in runs with failures).
+/// What a request's failover needs, kept from its decision on.
 #[derive(Debug, Default)]
 pub(super) struct Retries {
     /// The decision's prefill candidates in the order the router tries them, each with the blocks it held.
@@ -36,16 +36,24 @@ pub(super) struct Retries {
     decode_held: u64,
     /// Decode workers whose attempt failed.
     pub(super) tried: Vec<usize>,
-    /// Tokens sent to the client so far (a resumption computes them after the prompt).
+    /// Tokens sent to the client so far (a resumption computes them after the prompt)…
     pub(super) generated: Vec<u32>,
+    /// …kept only in runs with failures (nothing else resumes a decode).
+    pub(super) resumable: bool,
 }
 
 impl Retries {
     /// For a decision whose retry order is `order` (none in a replay); `disaggregated` when its first attempt is a
-    /// prefill.
-    pub(super) fn new(order: Option<(Vec<(usize, u64)>, u64)>, disaggregated: bool) -> Retries {
+    /// prefill; `resumable` in runs with failures.
+    pub(super) fn new(order: Option<(Vec<(usize, u64)>, u64)>, disaggregated: bool, resumable: bool) -> Retries {
         let (prefill_order, decode_held) = order.unwrap_or_default();
-        Retries { prefill_order, prefill_next: usize::from(disaggregated), decode_held, ..Retries::default() }
+        Retries {
+            prefill_order,
+            prefill_next: usize::from(disaggregated),
+            decode_held,
+            resumable,
+            ..Retries::default()
+        }
     }
 
     /// The next prefill candidate to try, among the first `max_prefill_attempts` (the router takes no more, failed
@@ -246,13 +254,14 @@ impl Sim<'_> {
         self.routers[self.live[i].router].load.done(WorkerId(w as u32), i as u64);
         self.call_failed(now, self.live[i].router, w);
         if self.live[i].prefill == Some(w) && self.live[i].on == Some(w) {
+            self.release_lease(i);
             self.prefill_failed(now, i);
         } else {
             self.decode_failed(now, i, w);
         }
     }
 
-    fn prefill_failed(&mut self, now: f64, i: usize) {
+    pub(super) fn prefill_failed(&mut self, now: f64, i: usize) {
         let router = self.live[i].router;
         let at = self.instant(now);
         while let Some((p, held)) = self.live[i].retries.as_mut().and_then(|r| r.next_prefill()) {

@@ -24,9 +24,7 @@ impl Sim<'_> {
                 reason: format!("recorded {}", d.reason.as_deref().unwrap_or("decision")),
                 margin: None,
                 candidates: None,
-                retry_order: (!self.settings.failures.is_empty())
-                    .then(|| recorded_retry_order(d, &self.recorded))
-                    .flatten(),
+                retry_order: recorded_retry_order(d, &self.recorded),
             }),
             None => Err(RouteError::NoDecodeWorkers),
         }

@@ -560,12 +560,13 @@ fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, 
 /// What befell a run besides routing, from its decisions (failures and failovers, the router's queue), in one line;
 /// `None` when nothing did.
 fn events_line(decisions: &BTreeMap<String, u64>) -> Option<String> {
-    const EVENTS: [&str; 10] = [
+    const EVENTS: [&str; 11] = [
         "worker_failed",
         "worker_hung",
         "worker_erring",
         "worker_ejected",
         "worker_back",
+        "prefill_refused",
         "prefill_retried",
         "local_prefill_after_failure",
         "decode_resumed",
