@@ -30,10 +30,6 @@ fn sources() -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("binds").local_addr().expect("addr").port()
-}
-
 /// An engine's publisher in a Python process, killed when dropped.
 struct Publisher {
     child: Child,
@@ -52,29 +48,27 @@ impl Drop for Publisher {
 }
 
 impl Publisher {
+    /// The publisher binds its ports itself, each one the system picks, and says which: ports found free here
+    /// beforehand were sometimes taken by a test running alongside before the publisher bound them.
     fn start(engine: &str) -> Publisher {
-        let (pub_port, replay_port, health_port) = (free_port(), free_port(), free_port());
         let mut child = Command::new("python3")
             .arg(root().join("scripts/e2e/engine_kv_publisher.py"))
             .args(["--engine", engine, "--source", &sources()])
-            .args(["--pub-port", &pub_port.to_string(), "--replay-port", &replay_port.to_string()])
-            .args(["--health-port", &health_port.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .expect("python3 starts");
         let stdin = child.stdin.take().expect("stdin");
-        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut p = Publisher {
-            child,
-            stdin,
-            stdout,
-            health: SocketAddr::from(([127, 0, 0, 1], health_port)),
-            events: format!("tcp://127.0.0.1:{pub_port}"),
-            replay: format!("tcp://127.0.0.1:{replay_port}"),
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut ready = String::new();
+        stdout.read_line(&mut ready).expect("reads");
+        let said: Vec<&str> = ready.split_whitespace().collect();
+        let [_, events, replay, health] = said[..] else {
+            panic!("the publisher starts (pyzmq and msgspec from scripts/e2e/requirements.txt); it said {ready:?}")
         };
-        assert_eq!(p.line(), "ready", "the publisher starts (pyzmq and msgspec from scripts/e2e/requirements.txt)");
-        p
+        assert_eq!(said[0], "ready", "{ready}");
+        let health = SocketAddr::from(([127, 0, 0, 1], health.parse().expect("the health port")));
+        Publisher { events: events.to_string(), replay: replay.to_string(), child, stdin, stdout, health }
     }
 
     fn line(&mut self) -> String {

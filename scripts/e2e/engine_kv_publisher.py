@@ -4,10 +4,12 @@ the engine does. The engines themselves are not installed: the few names each fi
 package (a logger, a config holder, address helpers the publisher does not call here) are supplied as stand-ins
 before the file is loaded; nothing that touches the wire is replaced.
 
-    python3 engine_kv_publisher.py --engine vllm --source DIR --pub-port P --replay-port R --health-port H
+    python3 engine_kv_publisher.py --engine vllm --source DIR [--pub-port P --replay-port R --health-port H]
 
-Serves `GET /health` on 127.0.0.1:H (so a router sees a live server) and reads one JSON command per line on stdin,
-answering each with a line once the publisher has sent it:
+Binds the publisher's two sockets and serves `GET /health` (so a router sees a live server) on 127.0.0.1, on the
+ports given or, for each left at 0, on one the system picks as it binds (a port found free beforehand may be taken
+by another process before it is bound); then prints `ready PUB REPLAY H` (the two endpoints bound and the health
+port) and reads one JSON command per line on stdin, answering each with a line once the publisher has sent it:
     {"op": "store", "hashes": [...], "parent": null, "tokens": [...], "block_size": 16, "medium": "GPU"}
         (a hash is an integer, or {"bytes": n} for n as 32 bytes, like vLLM's SHA-256 hashes)
     {"op": "remove", "hashes": [...], "medium": "GPU"}
@@ -24,6 +26,8 @@ import threading
 import time
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import zmq
 
 
 def stand_ins(engine):
@@ -64,15 +68,27 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--engine", choices=["vllm", "sglang"], required=True)
     p.add_argument("--source", required=True)
-    p.add_argument("--pub-port", type=int, required=True)
-    p.add_argument("--replay-port", type=int, required=True)
-    p.add_argument("--health-port", type=int, required=True)
+    p.add_argument("--pub-port", type=int, default=0)
+    p.add_argument("--replay-port", type=int, default=0)
+    p.add_argument("--health-port", type=int, default=0)
     p.add_argument("--topic", default="")
     args = p.parse_args()
     kv = load(args.engine, args.source)
 
-    pub_endpoint = f"tcp://127.0.0.1:{args.pub_port}"
-    replay_endpoint = f"tcp://127.0.0.1:{args.replay_port}"
+    # ZeroMQ's wildcard port: bound to one the system picks.
+    pub_endpoint = f"tcp://127.0.0.1:{args.pub_port or '*'}"
+    replay_endpoint = f"tcp://127.0.0.1:{args.replay_port or '*'}"
+    # The endpoints the publisher's sockets were bound to, read as it sets them up (before its thread starts, which
+    # alone uses the sockets afterwards).
+    bound = {}
+    setup = kv.ZmqEventPublisher._socket_setup
+
+    def recording_setup(self):
+        setup(self)
+        bound["pub"] = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound["replay"] = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    kv.ZmqEventPublisher._socket_setup = recording_setup
     if args.engine == "vllm":
         # vLLM binds wildcard endpoints and connects to concrete ones; bind this one on loopback.
         kv.ZmqEventPublisher._is_bind_endpoint = staticmethod(lambda endpoint: True)
@@ -92,7 +108,7 @@ def main():
 
     server = ThreadingHTTPServer(("127.0.0.1", args.health_port), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    print("ready", flush=True)
+    print(f"ready {bound['pub']} {bound['replay']} {server.server_address[1]}", flush=True)
 
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -266,8 +266,8 @@ struct Live {
     pull_since: f64,
     /// Tokens its current decode attempt made (the router's accounting learns of the first).
     attempt_tokens: u32,
-    /// What its failover needs (outside a replay): a prefill refused for want of lease room goes to the next
-    /// candidate in any run.
+    /// What its failover needs, in every run: a prefill refused for want of lease room goes to the next candidate
+    /// whether or not the run has failures.
     retries: Option<Box<failover::Retries>>,
     /// The prefill worker holding room for its prompt's KV, and how many blocks (`leases`).
     lease: Option<(usize, u64)>,
