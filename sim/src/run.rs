@@ -750,9 +750,7 @@ impl<'a> Sim<'a> {
             .iter()
             .find(|v| v.id.0 as usize == target)
             .map_or(0, |v| (v.overlap.device + v.overlap.host + v.overlap.disk) as u64);
-        let resumable = !self.settings.failures.is_empty();
-        self.live[i].retries =
-            Some(Box::new(failover::Retries::new(d.retry_order.clone(), target != decode, resumable)));
+        self.live[i].retries = Some(Box::new(failover::Retries::new(d.retry_order.clone(), target != decode)));
         let at = self.instant(now);
         self.routers[self.live[i].router].budget.request(at, &failover::budget_settings());
         (self.live[i].on, self.live[i].attempt_tokens) = (Some(target), 0);
@@ -777,11 +775,16 @@ impl<'a> Sim<'a> {
 
     /// The router's own accounting of work it sent `w` for request `i`.
     fn send(&mut self, w: usize, i: usize, uncached: u64) {
+        let blocks = self.prompt_blocks(i);
         let live = &self.live[i];
-        let blocks = (live.isl as u64).div_ceil(self.block_size.tokens() as u64);
         let load = &mut self.routers[live.router].load;
         let hashes = live.prompt.as_ref().map_or(&[][..], |p| &p.hashes().seq);
         load.sent(WorkerId(w as u32), i as u64, &i.to_string(), uncached, blocks, hashes);
+    }
+
+    /// The blocks request `i`'s whole prompt takes.
+    fn prompt_blocks(&self, i: usize) -> u64 {
+        (self.live[i].isl as u64).div_ceil(self.block_size.tokens() as u64)
     }
 
     /// Request `i`'s prompt's block hashes (none once the prompt has moved to its last engine).
@@ -966,6 +969,8 @@ impl<'a> Sim<'a> {
         }
         match out {
             Output::Token { id, token } => {
+                // The tokens sent so far matter to a resumption, which only a run with failures has.
+                let resumable = !self.settings.failures.is_empty();
                 let live = &mut self.live[id as usize];
                 if live.prefill == Some(w) {
                     live.first_token = Some(token);
@@ -976,7 +981,7 @@ impl<'a> Sim<'a> {
                     }
                     live.attempt_tokens += 1;
                 }
-                if let Some(r) = live.retries.as_mut().filter(|r| r.resumable) {
+                if let Some(r) = live.retries.as_mut().filter(|_| resumable) {
                     r.generated.push(token);
                 }
                 if let Some(last) = live.last_at {

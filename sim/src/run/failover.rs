@@ -36,24 +36,17 @@ pub(super) struct Retries {
     decode_held: u64,
     /// Decode workers whose attempt failed.
     pub(super) tried: Vec<usize>,
-    /// Tokens sent to the client so far (a resumption computes them after the prompt)…
+    /// Tokens sent to the client so far (a resumption computes them after the prompt), kept only in runs with
+    /// failures (nothing else resumes a decode).
     pub(super) generated: Vec<u32>,
-    /// …kept only in runs with failures (nothing else resumes a decode).
-    pub(super) resumable: bool,
 }
 
 impl Retries {
     /// For a decision whose retry order is `order` (none in a replay); `disaggregated` when its first attempt is a
-    /// prefill; `resumable` in runs with failures.
-    pub(super) fn new(order: Option<(Vec<(usize, u64)>, u64)>, disaggregated: bool, resumable: bool) -> Retries {
+    /// prefill.
+    pub(super) fn new(order: Option<(Vec<(usize, u64)>, u64)>, disaggregated: bool) -> Retries {
         let (prefill_order, decode_held) = order.unwrap_or_default();
-        Retries {
-            prefill_order,
-            prefill_next: usize::from(disaggregated),
-            decode_held,
-            resumable,
-            ..Retries::default()
-        }
+        Retries { prefill_order, prefill_next: usize::from(disaggregated), decode_held, ..Retries::default() }
     }
 
     /// The next prefill candidate to try, among the first `max_prefill_attempts` (the router takes no more, failed

@@ -14,7 +14,7 @@ impl Sim<'_> {
     /// worker reserves them); false when it does not fit.
     pub(super) fn reserve_lease(&mut self, i: usize, p: usize) -> bool {
         self.release_lease(i);
-        let blocks = (self.live[i].isl as u64).div_ceil(self.block_size.tokens() as u64);
+        let blocks = self.prompt_blocks(i);
         let w = &mut self.workers[p];
         if w.leased + blocks > w.lease_room {
             return false;
