@@ -593,6 +593,7 @@ impl Cluster {
                 active_prefill_tokens: r.active_prefill_tokens,
                 device_used: device.map_or(0, |u| u.used),
                 device_total: device.map_or(0, |u| u.total),
+                blocks_to_come: r.blocks_to_come,
                 covered: r.request_ids.into_iter().collect(),
                 computed_tokens_total: r.computed_tokens_total,
                 compute_nanos_total: r.compute_nanos_total,

@@ -23,6 +23,9 @@ pub struct Report {
     pub active_prefill_tokens: u64,
     pub device_used: u64,
     pub device_total: u64,
+    /// Device blocks the covered requests' prompts will hold that they do not hold yet (waiting, or part way
+    /// through a prefill in chunks): load, as the router counted them before the report covered the requests.
+    pub blocks_to_come: u64,
     /// The request ids whose work these figures include (with the keyed fast hasher: every view of a worker's
     /// load asks it about each request the router sent there).
     pub covered: FastSet<String>,
@@ -215,7 +218,7 @@ impl LoadTracker {
         let r = &t.report;
         let mut load = Load {
             active_prefill_tokens: r.active_prefill_tokens + tokens,
-            active_blocks: r.device_used + blocks,
+            active_blocks: r.device_used + r.blocks_to_come + blocks,
             capacity_blocks: if r.device_total > 0 { r.device_total } else { capacity },
             active_requests: r.running + r.waiting + requests,
         };
@@ -271,6 +274,20 @@ mod tests {
         l.done(w, 1);
         l.report(w, report(0, 0, 0, &[]));
         assert_eq!(l.load(w, 100), Load { capacity_blocks: 128, ..Load::default() });
+    }
+
+    #[test]
+    fn a_report_covering_a_request_still_waiting_keeps_its_blocks() {
+        let w = WorkerId(0);
+        let mut l = LoadTracker::new();
+        l.sent(w, 1, "a", 300, 20, &[]);
+        assert_eq!(l.load(w, 100).active_blocks, 20);
+        // The worker took it but has not admitted it: no block in use yet, all twenty to come.
+        l.report(w, Report { waiting: 1, blocks_to_come: 20, ..report(0, 300, 0, &["a"]) });
+        assert_eq!(l.load(w, 100).active_blocks, 20);
+        // Half way through its prefill in chunks: ten in use, ten to come.
+        l.report(w, Report { blocks_to_come: 10, ..report(1, 150, 10, &["a"]) });
+        assert_eq!(l.load(w, 100).active_blocks, 20);
     }
 
     #[test]
@@ -399,25 +416,30 @@ mod tests {
         }
 
         /// Whatever the interleaving of sends, arrivals, work, reports and completions, the router never
-        /// believes the worker has fewer requests or fewer prompt tokens to compute than it really has.
+        /// believes the worker has fewer requests, fewer prompt tokens to compute or fewer prompt blocks than it
+        /// really has. The worker holds the blocks of the tokens computed so far (it computes prompts in chunks)
+        /// and reports those its prompts will still take as `blocks_to_come`.
         #[test]
         fn reconciliation_never_under_counts(ops in proptest::collection::vec(op(), 1..120)) {
             let w = WorkerId(0);
             let mut l = LoadTracker::new();
             let mut next = 0u64;
-            // On their way: (seq, tokens). At the worker: (seq, tokens left). Finished, not yet heard of.
+            // On their way: (seq, tokens). At the worker: (seq, tokens left, prompt tokens). Finished, not yet
+            // heard of.
             let mut travelling: VecDeque<(u64, u64)> = VecDeque::new();
-            let mut at_worker: Vec<(u64, u64)> = Vec::new();
+            let mut at_worker: Vec<(u64, u64, u64)> = Vec::new();
+            let blocks = |tokens: u64| tokens.div_ceil(16);
+            let held = |r: &(u64, u64, u64)| blocks(r.2 - r.1);
             let mut finished: Vec<u64> = Vec::new();
             let mut reports: VecDeque<Report> = VecDeque::new();
             for op in ops {
                 match op {
                     Op::Send(tokens) => {
-                        l.sent(w, next, &format!("r{next}"), tokens, tokens.div_ceil(16), &[]);
+                        l.sent(w, next, &format!("r{next}"), tokens, blocks(tokens), &[]);
                         travelling.push_back((next, tokens));
                         next += 1;
                     }
-                    Op::Arrive => at_worker.extend(travelling.pop_front()),
+                    Op::Arrive => at_worker.extend(travelling.pop_front().map(|(seq, n)| (seq, n, n))),
                     Op::Compute(i, tokens) => {
                         let len = at_worker.len().max(1);
                         if let Some(r) = at_worker.get_mut(i % len) {
@@ -431,6 +453,8 @@ mod tests {
                     Op::Snapshot => reports.push_back(Report {
                         running: at_worker.len() as u64,
                         active_prefill_tokens: at_worker.iter().map(|r| r.1).sum(),
+                        device_used: at_worker.iter().map(held).sum(),
+                        blocks_to_come: at_worker.iter().map(|r| blocks(r.2) - held(r)).sum(),
                         covered: at_worker.iter().map(|r| format!("r{}", r.0)).collect(),
                         ..Report::default()
                     }),
@@ -450,6 +474,8 @@ mod tests {
                 let seen = l.load(w, 100);
                 let tokens: u64 = at_worker.iter().map(|r| r.1).sum();
                 prop_assert!(seen.active_prefill_tokens >= tokens, "{} < {tokens}", seen.active_prefill_tokens);
+                let prompt_blocks: u64 = at_worker.iter().map(|r| blocks(r.2)).sum();
+                prop_assert!(seen.active_blocks >= prompt_blocks, "{} < {prompt_blocks}", seen.active_blocks);
                 prop_assert!(seen.active_requests >= at_worker.len() as u64);
             }
         }

@@ -147,6 +147,7 @@ impl SimWorker {
             // As a worker reports it: blocks held only for a lease are not load.
             device_used: device.used.saturating_sub(stats.leased_blocks) as u64,
             device_total: (device.used + device.cached + device.free) as u64,
+            blocks_to_come: stats.blocks_to_come as u64,
             covered: self.engine.ids().map(|id| id.to_string()).collect(),
             computed_tokens_total: stats.counters.prefill_tokens,
             compute_nanos_total: stats.counters.compute_nanos,

@@ -109,6 +109,9 @@ async fn a_load_report_that_counts_a_request_names_it() {
         }
     };
     assert_eq!(report.request_ids, vec!["counted".to_string()], "{report:?}");
+    // Its 300 tokens' 19 blocks count from the report that names it on, before the engine holds them.
+    let used = report.usage.iter().find(|u| u.tier == pb::Tier::Device as i32).map_or(0, |u| u.used);
+    assert_eq!(used + report.blocks_to_come, 19, "{report:?}");
     drop(hold);
     assert_eq!(drain(stream).await, (4, true));
     w.shutdown(Duration::from_secs(5)).await;

@@ -51,6 +51,9 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Prompt tokens still to compute, over sequences that are not yet decoding (the router's prefill load).
     pub prefill_tokens_pending: usize,
+    /// Device blocks the sequences' prompts will hold that they do not hold yet (waiting sequences' whole
+    /// prompts, the rest of those in prefill): load a router counts on top of the blocks in use.
+    pub blocks_to_come: usize,
     /// How closely a mock backend keeps to its timing profile (`None` for a computing backend).
     pub pacing: Option<crate::backend::Pacing>,
     /// The [`Tag`]s of the sequences these figures include (those submitted with one), in ascending order: read

@@ -118,6 +118,17 @@ impl Seq {
         }
     }
 
+    /// Device blocks its prompt will hold that it does not hold yet: the whole prompt of one waiting to be
+    /// admitted (less blocks pinned for it), the rest of one in prefill, nothing once it decodes (a decoding
+    /// sequence's growth is not reserved ahead). With the blocks it holds, this is what a router counts for a
+    /// request it sent, so a load report covering the request keeps counting its blocks.
+    pub fn blocks_to_come(&self, block_tokens: usize) -> usize {
+        if self.running && self.remaining() <= 1 {
+            return 0;
+        }
+        self.tokens.len().div_ceil(block_tokens.max(1)).saturating_sub(self.blocks.len() + self.pinned.len())
+    }
+
     /// The finished sequence as a caller sees it; `start` is when its request arrived. Consumes the sequence: its
     /// tokens become the prompt's ids without a copy (a long prompt's were copied once per request before).
     pub fn into_completion(self, start: Instant) -> Completion {

@@ -377,7 +377,8 @@ impl Engine {
     /// The engine's state with `seqs` as its sequences, for load reports and metrics.
     pub(super) fn stats_of(&self, seqs: &[Seq]) -> super::EngineStats {
         // One pass over the sequences (read at every step of a simulated worker).
-        let (mut running, mut waiting, mut prefill_tokens_pending) = (0, 0, 0);
+        let bt = self.config.block_tokens;
+        let (mut running, mut waiting, mut prefill_tokens_pending, mut blocks_to_come) = (0, 0, 0, 0);
         for s in seqs.iter().filter(|s| s.active()) {
             if s.running {
                 running += 1;
@@ -385,6 +386,7 @@ impl Engine {
                 waiting += 1;
             }
             prefill_tokens_pending += s.pending_prefill();
+            blocks_to_come += s.blocks_to_come(bt);
         }
         super::EngineStats {
             counters: self.counters(),
@@ -393,6 +395,7 @@ impl Engine {
             running,
             waiting,
             prefill_tokens_pending,
+            blocks_to_come,
             pacing: self.pacing(),
             tags: Vec::new(),
         }

@@ -277,3 +277,34 @@ fn a_prompt_with_ids_outside_the_vocabulary_is_refused_naming_the_first() {
     assert_eq!(crate::forward::first_out_of_vocab(&[], 10), None);
     assert_eq!(crate::forward::first_out_of_vocab(&[3, 9, 12, 4, 15], 10), Some(12));
 }
+
+#[test]
+fn the_published_state_counts_the_blocks_prompts_will_still_take() {
+    // One sequence at a time, prompts computed 16 tokens a step: B waits while A is in prefill.
+    let config = EngineConfig {
+        prefill_chunk: std::num::NonZeroUsize::new(16),
+        max_num_seqs: 1,
+        ..EngineConfig { kv_blocks: 16, ..small() }
+    };
+    let mut e = engine(config);
+    let mut seqs = vec![
+        e.new_seq(greedy((100..140).collect(), 2), 0).expect("valid"),
+        e.new_seq(greedy((200..220).collect(), 2), 1).expect("valid"),
+    ];
+    let state = |e: &Engine, seqs: &[super::sequence::Seq]| {
+        let s = e.stats_of(seqs);
+        (s.usage[0].used, s.blocks_to_come)
+    };
+    // Nothing held yet: A's 40 tokens take 3 blocks, B's 20 take 2.
+    assert_eq!(state(&e, &seqs), (0, 5));
+    e.step(&mut seqs, &mut |_| {}).expect("steps");
+    assert_eq!(state(&e, &seqs), (1, 4), "A's first chunk holds a block, two more to come");
+    e.step(&mut seqs, &mut |_| {}).expect("steps");
+    e.step(&mut seqs, &mut |_| {}).expect("steps");
+    assert_eq!(seqs[0].remaining(), 1, "A decodes");
+    assert_eq!(state(&e, &seqs), (3, 2), "A holds its prompt; its growth while decoding is not counted ahead");
+    while seqs.iter().any(|s| s.active()) {
+        e.step(&mut seqs, &mut |_| {}).expect("steps");
+    }
+    assert_eq!(state(&e, &seqs), (0, 0));
+}

@@ -61,6 +61,7 @@ fn load_report(stats: &EngineStats, request_ids: Vec<String>, metrics: &WorkerMe
         running: stats.running as u32,
         waiting: stats.waiting as u32,
         active_prefill_tokens: stats.prefill_tokens_pending as u64,
+        blocks_to_come: stats.blocks_to_come as u64,
         usage,
         request_ids,
         computed_tokens_total: stats.counters.prefill_tokens,
