@@ -21,7 +21,8 @@ With `--fail decode-0@40` the real cluster runs as separate processes (`tandem w
 and the named worker is killed 40 s after the router recorded its first request; the simulator fails the same
 worker at the same time on the workload's clock: this checks the simulated failover against the router's own.
 `--hang decode-0@40` stops the worker instead (SIGSTOP: its connections stay open, so the router finds out through
-its watchdog and HTTP/2 keepalive), and the simulator gets the same `--hang`. `--errors decode-0@40..70` breaks the
+its watchdog and HTTP/2 keepalive; `--hang decode-0@40..70` continues it at 70 s, SIGCONT), and the simulator
+gets the same `--hang`. `--errors decode-0@40..70` breaks the
 mock worker's stand-in device (SIGUSR1; SIGUSR2 mends it at 70 s): it answers every call with an error while its
 streams go on, so only the router's circuit breaker keeps requests away; the simulator gets the same `--errors`.
 `--stall decode-0@30..70` runs every worker with `--mock-fault stall`, so that SIGUSR1 makes the worker's steps hang
@@ -32,7 +33,7 @@ Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--trace FILE] [--speedup 1] [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
-      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS,...] [--errors NAME@SECONDS[..SECONDS],...]
+      [--fail NAME@SECONDS,...] [--hang NAME@SECONDS[..SECONDS],...] [--errors NAME@SECONDS[..SECONDS],...]
       [--stall NAME@SECONDS[..SECONDS],...] [--stall-after-ms MS] [--parted 3]
       [--out runs/sim-vs-cluster]
 """
@@ -294,9 +295,10 @@ def main():
                    help="workers that fail, comma-separated (e.g. decode-0@40): the real cluster runs as separate "
                         "processes and the named one is killed (SIGKILL) that long after the router saw the first "
                         "request; the simulator gets the same --fail (mock engine only)")
-    p.add_argument("--hang", metavar="NAME@SECONDS",
-                   help="workers that hang, comma-separated, as --fail but stopped (SIGSTOP) instead of killed; the "
-                        "simulator gets the same --hang (mock engine only)")
+    p.add_argument("--hang", metavar="NAME@SECONDS[..SECONDS]",
+                   help="workers that hang, comma-separated, as --fail but stopped (SIGSTOP) instead of killed, and "
+                        "continued (SIGCONT) at the second time if given; the simulator gets the same --hang (mock "
+                        "engine only)")
     p.add_argument("--errors", metavar="NAME@SECONDS[..SECONDS]",
                    help="workers whose mock device breaks, comma-separated: SIGUSR1 at the first time, SIGUSR2 "
                         "(mended) at the second if given; the simulator gets the same --errors (mock engine only)")
@@ -332,9 +334,15 @@ def main():
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--policy", args.policy,
              "--seed", str(args.seed), "--stream-kv", args.stream_kv, *tiers, *budget, *admission]
     failures = [(*f.split("@"), signal.SIGKILL) for f in args.fail.split(",")] if args.fail else []
-    failures += [(*f.split("@"), signal.SIGSTOP) for f in args.hang.split(",")] if args.hang else []
     if any(len(f) != 3 or ".." in f[1] for f in failures):
-        sys.exit("--fail and --hang take NAME@SECONDS here: a failed worker is not started again")
+        sys.exit("--fail takes NAME@SECONDS here: a failed worker is not started again")
+    for f in args.hang.split(",") if args.hang else []:
+        # A hung worker goes on (SIGCONT) at the second time, if given.
+        name, _, times = f.partition("@")
+        at, _, back = times.partition("..")
+        failures.append((name, at, signal.SIGSTOP))
+        if back:
+            failures.append((name, back, signal.SIGCONT))
     if args.errors and args.stall:
         sys.exit("--errors and --stall both use SIGUSR1: one of them at a time")
     signalled = args.errors or args.stall

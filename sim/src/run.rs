@@ -72,10 +72,18 @@ enum Ev {
     /// Worker `w` fails.
     Fail(usize),
     /// Worker `w` hangs; the routers' watchdogs notice its silence later (`Silent`), and its connections close
-    /// later still (`Cut`), failing what was sent there.
+    /// later still (`Cut`), failing what was sent there, unless it goes on (`Resume`) before; `epoch` names the
+    /// hang they follow.
     Hang(usize),
-    Silent(usize),
-    Cut(usize),
+    Silent {
+        w: usize,
+        epoch: u64,
+    },
+    Cut {
+        w: usize,
+        epoch: u64,
+    },
+    Resume(usize),
     /// Request `i`'s pull from a prefill worker that hung runs out of time.
     PullTimeout(usize),
     /// Worker `w` starts failing every call, and later stops.
@@ -117,6 +125,8 @@ struct Live {
     pulling: bool,
     /// When the decode worker started that pull.
     pull_since: f64,
+    /// That pull's data came while its prefill worker hung: it ends when the worker goes on (or times out).
+    pull_stalled: bool,
     /// Tokens its current decode attempt made (the router's accounting learns of the first).
     attempt_tokens: u32,
     /// What its failover needs, in every run: a prefill refused for want of lease room goes to the next candidate
@@ -321,9 +331,6 @@ impl<'a> Sim<'a> {
                     Fault::Stall => Ev::Stall(w),
                 },
             ));
-            if f.fault == Fault::Hang && f.back.is_some() {
-                return Err(SimError::Settings(format!("{}: a worker that hangs does not come back", f.worker)));
-            }
             if f.fault == Fault::Stall && (settings.stall_after.is_nan() || settings.stall_after <= 0.0) {
                 // Only the router's prefill and decode idle timeouts would catch it then, which are not modelled.
                 let why = format!(
@@ -343,7 +350,8 @@ impl<'a> Sim<'a> {
                 let back_event = match f.fault {
                     Fault::Errors => Ev::Healed(w),
                     Fault::Stall => Ev::Unstall(w),
-                    Fault::Crash | Fault::Hang => Ev::Back(w),
+                    Fault::Hang => Ev::Resume(w),
+                    Fault::Crash => Ev::Back(w),
                 };
                 failures.push((back, back_event));
             }
@@ -416,8 +424,9 @@ impl<'a> Sim<'a> {
             Ev::Pulled(i) => self.pulled(now, i),
             Ev::Fail(w) => self.fail_worker(now, w),
             Ev::Hang(w) => self.hang_worker(now, w),
-            Ev::Silent(w) => self.worker_silent(now, w),
-            Ev::Cut(w) => self.connection_cut(now, w),
+            Ev::Silent { w, epoch } => self.worker_silent(now, w, epoch),
+            Ev::Cut { w, epoch } => self.connection_cut(now, w, epoch),
+            Ev::Resume(w) => self.worker_resumed(now, w),
             Ev::PullTimeout(i) => self.pull_timed_out(now, i),
             Ev::Errors(w) => self.worker_errs(now, w),
             Ev::Healed(w) => self.workers[w].erring = false,

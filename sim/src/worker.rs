@@ -22,9 +22,11 @@ pub struct SimWorker {
     pub down: bool,
     /// …until it comes back, which waits for the step it failed in to end.
     pub back: bool,
-    /// It hangs: it computes and sends nothing, and the calls it gets go unanswered, but the routers learn of it
-    /// only when their watchdogs and connections time out (then it is also `down`).
+    /// It hangs: it computes and sends nothing, and the calls it gets wait unanswered, but the routers learn of it
+    /// only when their watchdogs and connections time out (then it is also `down`)…
     pub hung: bool,
+    /// …and how many times it has hung (a timeout from an earlier hang is stale).
+    pub hangs: u64,
     /// It answers every call at once with an error, while its streams go on (`crate::run::Fault::Errors`).
     pub erring: bool,
     /// Its engine is stuck: no step ends while set, though its process answers and reports
@@ -44,6 +46,8 @@ pub struct SimWorker {
     pub pending: Vec<Output>,
     /// Requests sent while a step ran: the engine takes them when it ends (`crate::run`).
     pub(crate) sent: Vec<crate::run::Job>,
+    /// Calls that reached it while it hung: it reads them when it goes on, if their connection is still open.
+    pub(crate) frozen: Vec<crate::run::Job>,
     /// A lease ended while a step ran: the engine takes its blocks back when it ends.
     pub(crate) reclaim: bool,
     /// Requests the router gave up on while a step ran: the engine drops them when it ends.
@@ -83,6 +87,7 @@ impl SimWorker {
             down: false,
             back: false,
             hung: false,
+            hangs: 0,
             erring: false,
             stuck: false,
             held: false,
@@ -92,6 +97,7 @@ impl SimWorker {
             config,
             pending: Vec::new(),
             sent: Vec::new(),
+            frozen: Vec::new(),
             reclaim: false,
             cancels: Vec::new(),
             reported: vec![None; routers],
@@ -101,6 +107,12 @@ impl SimWorker {
             lease_room,
             leased: 0,
         }
+    }
+
+    /// The routers joined it again (after their watchdog had dropped it): a report goes out on every stream at
+    /// its next state change.
+    pub fn rejoined(&mut self) {
+        self.reported.iter_mut().for_each(|r| *r = None);
     }
 
     /// KV events not yet sent to the router.

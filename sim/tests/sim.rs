@@ -272,11 +272,70 @@ fn a_hung_decode_worker_keeps_its_requests_until_keepalive_closes_the_connection
     assert_eq!(out.decisions.get("worker_hung"), Some(&1));
     assert_eq!(out.decisions.get("decode_resumed"), Some(&2));
     assert_eq!(out.decisions.get("worker_failed"), None);
-    // A hung worker does not come back here.
-    let mut back = s.clone();
-    back.failures[0].back = Some(30.0);
-    let refused = simulate(&back, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect_err("refused");
-    assert!(refused.to_string().contains("a worker that hangs does not come back"), "{refused}");
+}
+
+#[test]
+fn a_hung_worker_that_goes_on_before_the_watchdog_ends_its_step_and_reads_the_calls_that_waited() {
+    // As above, but A makes 3 tokens (at 110 and 115 ms; the third's step, 115 -> 120 ms, is under way when
+    // decode-0 hangs at 117 ms) and decode-0 goes on at 2 s, before the watchdog (10.117 s). Its step ends then:
+    // A's third token at 2 s (gaps 5 and 1,885 ms). D, sent to it at 500 ms, waited unread; its engine takes it
+    // after the step: 60 ms, first token at 2.06 s (TTFT 1,560 ms). The watchdog and keepalive of that hang do
+    // nothing later: E, F and G (11 s on) go round decode-1, decode-2 and decode-0.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let mut s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
+    s.failures[0].back = Some(2.0);
+    let trace = [
+        request(0.0, 100, 3, 1),
+        request(300.0, 50, 1, 2),
+        request(400.0, 50, 1, 3),
+        request(500.0, 50, 1, 4),
+        request(11_000.0, 50, 1, 5),
+        request(11_100.0, 50, 1, 6),
+        request(11_200.0, 50, 1, 7),
+    ];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    assert!(r.iter().all(|r| r.status == 200), "{r:?}");
+    let placed = |k: usize| out.placements[k].as_ref().map(|p| p.decode.clone()).expect("placed");
+    assert_eq!((3..7).map(placed).collect::<Vec<_>>(), ["decode-0", "decode-1", "decode-2", "decode-0"]);
+    assert!((r[0].request_latency_ms - 2_000.0).abs() < 1e-6, "{}", r[0].request_latency_ms);
+    assert_gaps(&r[0].inter_chunk_ms, &[5.0, 1_885.0]);
+    assert!((r[3].time_to_first_token_ms.expect("a first token") - 1_560.0).abs() < 1e-6, "{:?}", r[3]);
+    assert_eq!(out.decisions.get("worker_hung"), Some(&1));
+    assert_eq!(out.decisions.get("worker_resumed"), Some(&1));
+    assert_eq!(out.decisions.get("worker_rejoined"), None);
+    assert_eq!(out.decisions.get("decode_resumed"), None, "nothing failed over");
+}
+
+#[test]
+fn a_hung_worker_that_goes_on_after_its_connections_closed_drops_their_work_and_is_joined_again_with_its_blocks() {
+    // The first test's hang, A making 3 tokens: the connection closes at 20.117 s and A resumes on decode-1 (102
+    // tokens: its third token at 20.229 s), D on decode-2 (its first token at 20.177 s). decode-0 goes on at 30 s:
+    // its step's token for A and D's call go nowhere, A leaves its engine, and the routers join it again with a
+    // snapshot, and ramp its share up again over slow start (10 s): H (45 s), A's prompt again, sees A's six full
+    // blocks cached there.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let mut s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
+    s.failures[0].back = Some(30.0);
+    s.record_candidates = true;
+    let trace = [
+        request(0.0, 100, 3, 1),
+        request(300.0, 50, 1, 2),
+        request(400.0, 50, 1, 3),
+        request(500.0, 50, 1, 4),
+        request(45_000.0, 100, 1, 1),
+    ];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    assert!(r.iter().all(|r| r.status == 200), "{r:?}");
+    assert!((r[0].request_latency_ms - 20_229.0).abs() < 1e-6, "{}", r[0].request_latency_ms);
+    assert!((r[3].time_to_first_token_ms.expect("a first token") - 19_677.0).abs() < 1e-6, "{:?}", r[3]);
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&2));
+    assert_eq!(out.decisions.get("worker_resumed"), Some(&1));
+    assert_eq!(out.decisions.get("worker_rejoined"), Some(&1));
+    let h = out.placements[4].as_ref().and_then(|p| p.candidates.as_ref()).expect("H's candidates");
+    let blocks = |name: &str| h.decode.iter().find(|c| c.worker == name).map(|c| c.device_blocks);
+    assert_eq!(blocks("decode-0"), Some(6), "{h:?}");
 }
 
 #[test]
@@ -298,6 +357,16 @@ fn a_hung_prefill_worker_stalls_its_pulls_until_they_time_out_and_its_prefills_u
     assert!((a.time_to_first_token_ms.expect("a first token") - 110.0).abs() < 1e-6);
     assert_gaps(&a.inter_chunk_ms, &[10_111.0, 5.0]);
     assert_eq!(out.decisions.get("decode_resumed"), Some(&1));
+    // The same hang, over at 1 s: the pull ends then, and the decode worker computes the 5 tokens it did not pull
+    // (15 ms, as in the calm run after its pull of about 1 ms): the second token at 1.015 s, the third 5 ms later.
+    let mut resumed = hanging(base.clone(), "prefill-0", 0.1102);
+    resumed.failures[0].back = Some(1.0);
+    let out = simulate(&resumed, &trace, &starts).expect("runs");
+    let a = &out.records[0];
+    assert_eq!((a.status, a.output_tokens), (200, 3), "{a:?}");
+    assert!((calm.records[0].inter_chunk_ms[0] - 16.0).abs() < 0.01, "{:?}", calm.records[0]);
+    assert_gaps(&a.inter_chunk_ms, &[905.0, 5.0]);
+    assert_eq!(out.decisions.get("decode_resumed"), None);
 
     // It hangs during A's prefill instead (at 50 ms): the prefill call waits for the connection to close (20.05
     // s), and with no other prefill candidate the decode worker prefills A itself (110 ms): first token at

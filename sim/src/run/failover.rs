@@ -88,6 +88,8 @@ impl Sim<'_> {
             return;
         }
         *self.out.decisions.entry("worker_failed".into()).or_default() += 1;
+        // What reached it during the step it died in dies with it.
+        self.workers[w].sent.clear();
         self.forget(now, w);
         let hit = self.on_or_pulling_from(w);
         for i in hit {
@@ -109,7 +111,6 @@ impl Sim<'_> {
     /// The routers drop what worker `w`'s streams told them, and route nothing more there; each counts the loss of
     /// its streams against the worker's breaker, as the real one does.
     fn forget(&mut self, now: f64, w: usize) {
-        self.workers[w].sent.clear();
         self.clear_views(w);
         for r in 0..self.routers.len() {
             self.call_failed(now, r, w);
@@ -169,8 +170,10 @@ impl Sim<'_> {
             return;
         }
         *self.out.decisions.entry("worker_hung".into()).or_default() += 1;
-        self.queue.at(now + SILENCE.as_secs_f64(), Ev::Silent(w));
-        self.queue.at(now + (KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT).as_secs_f64(), Ev::Cut(w));
+        self.workers[w].hangs += 1;
+        let epoch = self.workers[w].hangs;
+        self.queue.at(now + SILENCE.as_secs_f64(), Ev::Silent { w, epoch });
+        self.queue.at(now + (KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT).as_secs_f64(), Ev::Cut { w, epoch });
         let pull_timeout = DEFAULT_PULL_TIMEOUT.as_secs_f64();
         for i in 0..self.live.len() {
             let l = &self.live[i];
@@ -180,20 +183,87 @@ impl Sim<'_> {
         }
     }
 
-    /// The routers' watchdog drops hung worker `w`: out of every later decision, its blocks out of the index.
-    pub(super) fn worker_silent(&mut self, now: f64, w: usize) {
-        if std::mem::replace(&mut self.workers[w].down, true) {
+    /// Whether worker `w` still hangs in its hang number `epoch`.
+    fn still_hung(&self, w: usize, epoch: u64) -> bool {
+        self.workers[w].hung && self.workers[w].hangs == epoch
+    }
+
+    /// The routers' watchdog drops hung worker `w` (still in hang `epoch`): out of every later decision, its blocks
+    /// out of the index. The calls they have open on it stay open until the connection closes.
+    pub(super) fn worker_silent(&mut self, now: f64, w: usize, epoch: u64) {
+        if !self.still_hung(w, epoch) || std::mem::replace(&mut self.workers[w].down, true) {
             return;
         }
         self.forget(now, w);
     }
 
-    /// Hung worker `w`'s connections close: every attempt still waiting on it fails over.
-    pub(super) fn connection_cut(&mut self, now: f64, w: usize) {
+    /// Hung worker `w`'s connections close (it still hangs, in hang `epoch`): every attempt still waiting on it
+    /// fails over.
+    pub(super) fn connection_cut(&mut self, now: f64, w: usize, epoch: u64) {
+        if !self.still_hung(w, epoch) {
+            return;
+        }
         let hit: Vec<usize> = (0..self.live.len()).filter(|&i| self.live[i].on == Some(w)).collect();
         for i in hit {
             self.attempt_failed(now, i, w);
         }
+    }
+
+    /// Hung worker `w` goes on (its process continued): the step it hung in ends now (what was left of it is not
+    /// added), the calls whose connection closed meanwhile leave its engine, those still open reach it, and pulls
+    /// from it that stalled end. If the routers' watchdog had dropped it, they join it again first.
+    pub(super) fn worker_resumed(&mut self, now: f64, w: usize) {
+        if !std::mem::take(&mut self.workers[w].hung) {
+            return;
+        }
+        *self.out.decisions.entry("worker_resumed".into()).or_default() += 1;
+        let live = &self.live;
+        let worker = &mut self.workers[w];
+        let gone: Vec<u64> = worker.engine.ids().filter(|&id| live[id as usize].on != Some(w)).collect();
+        worker.cancels.extend(gone);
+        worker.sent.retain(|job| live[job.i].on == Some(w));
+        let frozen = std::mem::take(&mut worker.frozen);
+        if worker.down {
+            self.rejoin(now, w);
+        }
+        for job in frozen {
+            if self.live[job.i].on != Some(w) {
+                continue;
+            }
+            if job.export && !self.reserve_lease(job.i, w) {
+                self.prefill_refused(now, job.i, w);
+                continue;
+            }
+            self.workers[w].sent.push(job);
+        }
+        let stalled: Vec<usize> =
+            (0..self.live.len()).filter(|&i| self.live[i].pull_stalled && self.live[i].prefill == Some(w)).collect();
+        if std::mem::take(&mut self.workers[w].held) {
+            self.step_done(now, w);
+        } else if !self.workers[w].stepping {
+            self.settle(now, w);
+        }
+        // (A step still under way takes all that at its end.)
+        for i in stalled {
+            self.pulled(now, i);
+        }
+    }
+
+    /// The routers join worker `w` again after their watchdog dropped it, as `router::cluster` does a worker that
+    /// answers again (the same process: no restart): each replica applies a snapshot of its blocks (which covers
+    /// its events so far), hears its load afresh, and ramps its share up over slow start from now.
+    fn rejoin(&mut self, now: f64, w: usize) {
+        let worker = &mut self.workers[w];
+        worker.down = false;
+        worker.joined = now;
+        worker.rejoined();
+        let _covered = worker.new_events();
+        let snapshot = worker.engine.engine().kv_snapshot();
+        let id = worker.id;
+        for replica in &mut self.routers {
+            replica.index.replace(id, &snapshot);
+        }
+        *self.out.decisions.entry("worker_rejoined".into()).or_default() += 1;
     }
 
     /// Request `i`'s pull from a prefill worker that hung runs out of time: its decode attempt fails.

@@ -71,8 +71,8 @@ pub struct Failure {
     pub worker: String,
     /// Virtual seconds, on the workload's clock.
     pub at: f64,
-    /// When it comes back (a new process: an empty cache, its share of requests ramped up over the scheduler's
-    /// `slow_start_secs`).
+    /// When it comes back: a crashed worker as a new process (an empty cache, its share of requests ramped up over
+    /// the scheduler's `slow_start_secs`); a hung one goes on as it was; erring and stalled ones heal.
     pub back: Option<f64>,
     pub fault: Fault,
 }
@@ -84,7 +84,8 @@ pub enum Fault {
     #[default]
     Crash,
     /// Its process stops (a frozen host, a paused VM, a partition) with its connections open, so the routers learn
-    /// of it only through their timeouts. Such a worker does not come back here.
+    /// of it only through their timeouts. When it goes on, its cache is intact: it reads the calls whose connection
+    /// is still open, and routers whose watchdog had dropped it join it again.
     Hang,
     /// It answers every call at once with an error (a broken device), while its streams go on: the routers still
     /// see it up, idle, holding its cache, and only their circuit breakers keep requests away.

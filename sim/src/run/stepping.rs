@@ -23,7 +23,9 @@ impl Sim<'_> {
             return self.attempt_failed(now, job.i, w);
         }
         if self.workers[w].hung {
-            // A call to a worker that hangs but is not known to: it waits, unanswered, until the connection closes.
+            // A call to a worker that hangs but is not known to: it waits, unanswered, until the connection closes
+            // or the worker goes on.
+            self.workers[w].frozen.push(job);
             return;
         }
         if job.export && !self.reserve_lease(job.i, w) {
@@ -113,7 +115,12 @@ impl Sim<'_> {
                 self.queue.at(e.at, Ev::StepEnd { w: e.worker, turn: e.turn });
             }
         }
-        if self.workers[w].down || self.workers[w].hung {
+        if self.workers[w].hung {
+            // It hung during the step: the step ends when the worker goes on, if it does.
+            self.workers[w].held = true;
+            return;
+        }
+        if self.workers[w].down {
             // It failed during the step: nothing of it comes out, and nothing more runs there (until it comes back,
             // which waited for this).
             self.workers[w].pending.clear();
@@ -142,7 +149,11 @@ impl Sim<'_> {
         // The emptied buffer goes back for the next step.
         self.workers[w].pending = pending;
         self.workers[w].stepping = false;
-        // Then the engine takes what came, in the order it came, and plans its next step.
+        self.settle(now, w);
+    }
+
+    /// Worker `w`'s engine, between steps, takes what came (in the order it came) and plans its next step.
+    pub(super) fn settle(&mut self, now: f64, w: usize) {
         if std::mem::take(&mut self.workers[w].reclaim) {
             self.workers[w].engine.reclaim_pinned();
         }
@@ -231,8 +242,9 @@ impl Sim<'_> {
         let worker = &mut self.workers[w];
         let sent = worker.sent.len();
         worker.sent.retain(|job| job.i != i);
+        worker.frozen.retain(|job| job.i != i);
         if worker.sent.len() == sent {
-            if worker.stepping {
+            if worker.stepping || worker.hung {
                 worker.cancels.push(i as u64);
             } else {
                 worker.engine.cancel(i as u64);

@@ -76,7 +76,7 @@ impl Sim<'_> {
     /// engine does between steps, so one under way first ends (and until then nothing of the step's own effects,
     /// which the simulated engine has already applied, may reach the router).
     pub(super) fn unpinned(&mut self, now: f64, p: usize) {
-        if self.workers[p].stepping {
+        if self.workers[p].stepping || self.workers[p].hung {
             self.workers[p].reclaim = true;
             return;
         }
@@ -86,9 +86,12 @@ impl Sim<'_> {
 
     pub(super) fn pulled(&mut self, now: f64, i: usize) {
         if self.live[i].pulling && self.live[i].prefill.is_some_and(|p| self.workers[p].hung) {
-            // Its prefill worker hung before the pull ended: it stalls until the pull times out.
+            // Its prefill worker hung before the pull ended: it stalls until the worker goes on or the pull times
+            // out.
+            self.live[i].pull_stalled = true;
             return;
         }
+        self.live[i].pull_stalled = false;
         if !std::mem::take(&mut self.live[i].pulling) {
             // The attempt it was for failed meanwhile.
             return;

@@ -156,10 +156,12 @@ pub struct ClusterArgs {
     /// process (an empty cache, its share ramped up over the scheduler's `slow_start_secs`).
     #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS[..SECONDS]")]
     fail: Vec<String>,
-    /// Workers that hang during the run, as NAME@SECONDS, comma separated: the process stops with its connections
-    /// open, so the router keeps routing to it until its watchdog finds the worker silent (10 s), and what it sent
-    /// there fails over only when HTTP/2 keepalive closes the connection (20 s; docs/simulation.md, "Failures").
-    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS")]
+    /// Workers that hang during the run, as NAME@SECONDS[..SECONDS], comma separated: the process stops with its
+    /// connections open, so the router keeps routing to it until its watchdog finds the worker silent (10 s), and
+    /// what it sent there fails over only when HTTP/2 keepalive closes the connection (20 s). With ..SECONDS the
+    /// process goes on then, its cache intact: it reads the calls still open, and the router joins it again if
+    /// it had dropped it (docs/simulation.md, "A worker that hangs").
+    #[arg(long, value_delimiter = ',', value_name = "NAME@SECONDS[..SECONDS]")]
     hang: Vec<String>,
     /// Workers that answer every call with an error during the run (a broken device), as NAME@SECONDS[..SECONDS]
     /// (healed then), comma separated: their streams go on, so the router sees them up, idle and holding their
@@ -233,8 +235,7 @@ impl ClusterArgs {
         })
     }
 
-    /// `--fail`'s workers, then `--hang`'s, `--errors`' and `--stall`'s. (The simulator itself refuses a hang that
-    /// comes back.)
+    /// `--fail`'s workers, then `--hang`'s, `--errors`' and `--stall`'s.
     fn failures(&self) -> Result<Vec<sim::Failure>, String> {
         let kinds = [
             ("fail", &self.fail, sim::Fault::Crash),
@@ -649,13 +650,13 @@ mod tests {
     fn hangs_and_errors_are_failures_of_their_own_kind() {
         use sim::Fault::*;
         let got =
-            failures(&["--fail", "decode-1@3", "--hang", "decode-0@5,prefill-2@7.5", "--errors", "decode-2@1..4"])
+            failures(&["--fail", "decode-1@3", "--hang", "decode-0@5,prefill-2@7.5..9", "--errors", "decode-2@1..4"])
                 .expect("parsed");
         let f = |worker: &str, at, back, fault| sim::Failure { worker: worker.into(), at, back, fault };
         let want = [
             f("decode-1", 3.0, None, Crash),
             f("decode-0", 5.0, None, Hang),
-            f("prefill-2", 7.5, None, Hang),
+            f("prefill-2", 7.5, Some(9.0), Hang),
             f("decode-2", 1.0, Some(4.0), Errors),
         ];
         assert_eq!(got, want);
