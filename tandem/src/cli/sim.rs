@@ -561,12 +561,16 @@ fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, 
 /// What befell a run besides routing, from its decisions (failures and failovers, the router's queue), in one line;
 /// `None` when nothing did.
 fn events_line(decisions: &BTreeMap<String, u64>) -> Option<String> {
-    const EVENTS: [&str; 11] = [
+    const EVENTS: [&str; 15] = [
         "worker_failed",
         "worker_hung",
         "worker_erring",
+        "worker_stuck",
+        "stall_detected",
         "worker_ejected",
         "worker_back",
+        "worker_resumed",
+        "worker_rejoined",
         "prefill_refused",
         "prefill_retried",
         "local_prefill_after_failure",
