@@ -88,8 +88,17 @@ impl Sim<'_> {
             return;
         }
         *self.out.decisions.entry("worker_failed".into()).or_default() += 1;
-        // What reached it during the step it died in dies with it.
-        self.workers[w].sent.clear();
+        // What reached it during the step it died in, or while it hung, dies with it; a dead process does not go
+        // on.
+        let worker = &mut self.workers[w];
+        worker.sent.clear();
+        worker.frozen.clear();
+        worker.hung = false;
+        if std::mem::take(&mut worker.held) {
+            // The step it was held in (hung, or stuck) is over with it, so that a return need not wait for it.
+            worker.pending.clear();
+            worker.stepping = false;
+        }
         self.forget(now, w);
         let hit = self.on_or_pulling_from(w);
         for i in hit {

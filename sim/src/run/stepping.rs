@@ -240,10 +240,10 @@ impl Sim<'_> {
     /// Worker `w`'s engine drops request `i` between steps (one sent during the step never reaches it).
     pub(super) fn drop_from(&mut self, now: f64, w: usize, i: usize) {
         let worker = &mut self.workers[w];
-        let sent = worker.sent.len();
+        let waiting = worker.sent.len() + worker.frozen.len();
         worker.sent.retain(|job| job.i != i);
         worker.frozen.retain(|job| job.i != i);
-        if worker.sent.len() == sent {
+        if worker.sent.len() + worker.frozen.len() == waiting {
             if worker.stepping || worker.hung {
                 worker.cancels.push(i as u64);
             } else {
