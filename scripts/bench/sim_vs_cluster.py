@@ -398,7 +398,8 @@ def main():
     profile = ["--profile", args.sim_profile, "--max-model-len", "8192", "--host-cores", args.host_cores] if cpu else []
     config = out / "sim" / "router.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(f'[scheduler]\nties = "{args.ties}"\n')
+    # As the real routers are set (slow start off: a worker that joins again mid-run ramps in neither).
+    config.write_text(f'[scheduler]\nties = "{args.ties}"\nslow_start_secs = 0\n')
     fail = [arg for flag in ("fail", "hang", "errors", "stall") if getattr(args, flag)
             for arg in (f"--{flag}", getattr(args, flag))]
     sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail, *stall_after,
