@@ -339,6 +339,23 @@ fn a_hung_worker_that_goes_on_after_its_connections_closed_drops_their_work_and_
 }
 
 #[test]
+fn a_hung_worker_that_crashes_does_not_go_on_and_comes_back_as_a_new_process() {
+    // decode-0 hangs at 117 ms (A's step under way) and would go on at 30 s, but its process dies at 5 s and a
+    // new one starts at 40 s: the dead process does not go on, and the new one does not wait for the step the old
+    // one hung in.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let mut s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
+    s.failures[0].back = Some(30.0);
+    s.failures.push(sim::Failure { worker: "decode-0".into(), at: 5.0, back: Some(40.0), fault: sim::Fault::Crash });
+    let trace = [request(0.0, 100, 3, 1), request(300.0, 50, 1, 2), request(400.0, 50, 1, 3)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    assert!(out.records.iter().all(|r| r.status == 200), "{:?}", out.records);
+    assert_eq!(out.decisions.get("worker_failed"), Some(&1));
+    assert_eq!(out.decisions.get("worker_resumed"), None);
+    assert_eq!(out.decisions.get("worker_back"), Some(&1));
+}
+
+#[test]
 fn a_hung_prefill_worker_stalls_its_pulls_until_they_time_out_and_its_prefills_until_the_connection_closes() {
     // One prefill worker, two decode workers. A (100 tokens, 3 out) is prefilled by 110 ms; its six full blocks
     // take about 1 ms to pull (0.5 ms latency, 12.6 MB at 25 GB/s), and the prefill worker hangs at 110.2 ms, in
