@@ -122,6 +122,12 @@ pub fn render(stats: &EngineStats, worker: &WorkerMetrics, held: Held) -> String
         "Prompt tokens still to compute.",
         &one(stats.prefill_tokens_pending as f64),
     );
+    e.gauge(
+        "tandem_worker_kv_blocks_to_come",
+        "Device KV blocks the sequences' prompts will still take (waiting prompts, the rest of those computed in \
+         chunks): load reports carry them, and routers count them on top of the blocks in use.",
+        &one(stats.blocks_to_come as f64),
+    );
     let mut blocks = Vec::new();
     for t in Tier::ALL {
         let u = stats.usage[t.index()];
@@ -229,7 +235,8 @@ mod tests {
         let mut pacing = engine::backend::Pacing::default();
         pacing.record(0.010, 0.0101);
         pacing.record(0.010, 0.030);
-        let mut stats = EngineStats { running: 2, waiting: 1, pacing: Some(pacing), ..EngineStats::default() };
+        let mut stats =
+            EngineStats { running: 2, waiting: 1, blocks_to_come: 7, pacing: Some(pacing), ..EngineStats::default() };
         stats.counters.cached_tokens = [32, 16, 0];
         stats.usage[0].used = 5;
         let worker = WorkerMetrics::default();
@@ -238,6 +245,7 @@ mod tests {
         let text = render(&stats, &worker, Held { leases: 1, leased_bytes: 100, leased_bytes_cap: 1000, calls: 2 });
         assert!(text.contains("tandem_kv_leased_bytes 100\n") && text.contains("tandem_worker_calls_in_flight 2\n"));
         assert!(text.contains("tandem_worker_running_sequences 2\n"));
+        assert!(text.contains("tandem_worker_kv_blocks_to_come 7\n"), "{text}");
         assert!(text.contains("tandem_prefix_cache_hit_tokens_total{tier=\"host\"} 16\n"));
         assert!(text.contains("tandem_kv_blocks{tier=\"device\",state=\"used\"} 5\n"));
         assert!(text.contains("tandem_kv_transfer_pulled_blocks_total{transport=\"quic\"} 4\n"));
