@@ -235,6 +235,15 @@ fn hanging(s: Settings, worker: &str, at: f64) -> Settings {
     Settings { failures, ..s }
 }
 
+/// Three decode workers taken in turn (prompts 10 ms + 1 ms a token, decode steps 5 ms); decode-0 hangs at 117 ms
+/// and goes on at `back`, if given.
+fn decode_0_hangs(back: Option<f64>) -> Settings {
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let mut s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
+    s.failures[0].back = back;
+    s
+}
+
 fn assert_gaps(got: &[f64], want: &[f64]) {
     assert_eq!(got.len(), want.len(), "gaps {got:?}");
     for (g, w) in got.iter().zip(want) {
@@ -250,8 +259,7 @@ fn a_hung_decode_worker_keeps_its_requests_until_keepalive_closes_the_connection
     // 10.117 s (E, at 11 s, goes elsewhere); the connection closes at 20.117 s (keepalive: a ping 10 s after the
     // last frame, unanswered for 10 s). A resumes on decode-1 (102 tokens: its third token at 20.229 s, then seven
     // more, 5 ms each), D on decode-2 (50 tokens: its first token at 20.177 s, its second at 20.182 s).
-    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
-    let s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
+    let s = decode_0_hangs(None);
     let trace = [
         request(0.0, 100, 10, 1),
         request(300.0, 50, 1, 2),
@@ -281,9 +289,7 @@ fn a_hung_worker_that_goes_on_before_the_watchdog_ends_its_step_and_reads_the_ca
     // A's third token at 2 s (gaps 5 and 1,885 ms). D, sent to it at 500 ms, waited unread; its engine takes it
     // after the step: 60 ms, first token at 2.06 s (TTFT 1,560 ms). The watchdog and keepalive of that hang do
     // nothing later: E, F and G (11 s on) go round decode-1, decode-2 and decode-0.
-    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
-    let mut s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
-    s.failures[0].back = Some(2.0);
+    let s = decode_0_hangs(Some(2.0));
     let trace = [
         request(0.0, 100, 3, 1),
         request(300.0, 50, 1, 2),
@@ -314,9 +320,7 @@ fn a_hung_worker_that_goes_on_after_its_connections_closed_drops_their_work_and_
     // its step's token for A and D's call go nowhere, A leaves its engine, and the routers join it again with a
     // snapshot, and ramp its share up again over slow start (10 s): H (45 s), A's prompt again, sees A's six full
     // blocks cached there.
-    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
-    let mut s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
-    s.failures[0].back = Some(30.0);
+    let mut s = decode_0_hangs(Some(30.0));
     s.record_candidates = true;
     let trace = [
         request(0.0, 100, 3, 1),
@@ -343,9 +347,7 @@ fn a_hung_worker_that_crashes_does_not_go_on_and_comes_back_as_a_new_process() {
     // decode-0 hangs at 117 ms (A's step under way) and would go on at 30 s, but its process dies at 5 s and a
     // new one starts at 40 s: the dead process does not go on, and the new one does not wait for the step the old
     // one hung in.
-    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
-    let mut s = hanging(settings(profile, 0, 3, Policy::RoundRobin), "decode-0", 0.117);
-    s.failures[0].back = Some(30.0);
+    let mut s = decode_0_hangs(Some(30.0));
     s.failures.push(sim::Failure { worker: "decode-0".into(), at: 5.0, back: Some(40.0), fault: sim::Fault::Crash });
     let trace = [request(0.0, 100, 3, 1), request(300.0, 50, 1, 2), request(400.0, 50, 1, 3)];
     let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");

@@ -236,14 +236,9 @@ impl Sim<'_> {
             self.rejoin(now, w);
         }
         for job in frozen {
-            if self.live[job.i].on != Some(w) {
-                continue;
+            if self.live[job.i].on == Some(w) && self.lease_for(now, w, &job) {
+                self.workers[w].sent.push(job);
             }
-            if job.export && !self.reserve_lease(job.i, w) {
-                self.prefill_refused(now, job.i, w);
-                continue;
-            }
-            self.workers[w].sent.push(job);
         }
         let stalled: Vec<usize> =
             (0..self.live.len()).filter(|&i| self.live[i].pull_stalled && self.live[i].prefill == Some(w)).collect();

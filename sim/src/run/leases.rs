@@ -12,7 +12,7 @@ use super::Sim;
 impl Sim<'_> {
     /// Prefill worker `p` sets aside room for request `i`'s prompt KV (all its blocks, cached ones too, as the
     /// worker reserves them); false when it does not fit.
-    pub(super) fn reserve_lease(&mut self, i: usize, p: usize) -> bool {
+    fn reserve_lease(&mut self, i: usize, p: usize) -> bool {
         self.release_lease(i);
         let blocks = self.prompt_blocks(i);
         let w = &mut self.workers[p];
@@ -31,6 +31,16 @@ impl Sim<'_> {
             let w = &mut self.workers[p];
             w.leased = w.leased.saturating_sub(blocks);
         }
+    }
+
+    /// Worker `w` reads call `job`: a prefill call sets its prompt's room aside, or is refused for want of it (and
+    /// fails over); false when refused.
+    pub(super) fn lease_for(&mut self, now: f64, w: usize, job: &super::Job) -> bool {
+        if job.export && !self.reserve_lease(job.i, w) {
+            self.prefill_refused(now, job.i, w);
+            return false;
+        }
+        true
     }
 
     /// Prefill worker `p` refused request `i`'s prefill for want of lease room.

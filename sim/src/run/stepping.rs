@@ -28,9 +28,9 @@ impl Sim<'_> {
             self.workers[w].frozen.push(job);
             return;
         }
-        if job.export && !self.reserve_lease(job.i, w) {
+        if !self.lease_for(now, w, &job) {
             // Refused before its engine sees it: the worker's `ResourceExhausted`.
-            return self.prefill_refused(now, job.i, w);
+            return;
         }
         if self.workers[w].stepping {
             self.workers[w].sent.push(job);
