@@ -192,7 +192,8 @@ pub async fn run(config: RunConfig, text: Text) -> Result<(Vec<Record>, Summary)
 /// The mean gap between timed starts, when there are at least two.
 fn mean_gap(starts: &[Start]) -> Option<f64> {
     let times: Vec<f64> = starts.iter().filter_map(|s| if let Start::At(t) = s { Some(*t) } else { None }).collect();
-    let (first, last) = (times.first()?, times.last()?);
+    let first = times.iter().copied().reduce(f64::min)?;
+    let last = times.iter().copied().reduce(f64::max)?;
     (times.len() > 1).then(|| (last - first) / (times.len() - 1) as f64)
 }
 

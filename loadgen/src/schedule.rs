@@ -46,7 +46,9 @@ pub fn plan(requests: &[TraceRequest], arrivals: &Arrivals) -> Vec<Start> {
         _ => Rng::new(0),
     };
     let mut clock = 0.0;
-    let mut first_at: Option<f64> = None;
+    // The trace's clock starts at its earliest arrival (not its first line's: a request listed out of order would
+    // otherwise be sent at once instead of when it came).
+    let zero = requests.iter().filter_map(|r| r.arrival_ms).fold(f64::INFINITY, f64::min);
     requests
         .iter()
         .enumerate()
@@ -57,8 +59,7 @@ pub fn plan(requests: &[TraceRequest], arrivals: &Arrivals) -> Vec<Start> {
             }
             match arrivals {
                 Arrivals::Trace { speedup } => {
-                    let at = r.arrival_ms.unwrap_or(0.0);
-                    let zero = *first_at.get_or_insert(at);
+                    let at = r.arrival_ms.unwrap_or(zero);
                     Start::At((at - zero).max(0.0) / speedup)
                 }
                 Arrivals::Rate { rate, burstiness, .. } => {
@@ -82,9 +83,11 @@ mod tests {
     }
 
     #[test]
-    fn trace_times_are_sped_up_from_the_first() {
+    fn trace_times_are_sped_up_from_the_earliest() {
         let p = plan(&[at(1000.0), at(1500.0), at(3000.0)], &Arrivals::Trace { speedup: 2.0 });
         assert_eq!(p, [Start::At(0.0), Start::At(250.0), Start::At(1000.0)]);
+        let p = plan(&[at(1500.0), at(1000.0), at(3000.0)], &Arrivals::Trace { speedup: 1.0 });
+        assert_eq!(p, [Start::At(500.0), Start::At(0.0), Start::At(2000.0)], "from the earliest, not the first");
     }
 
     #[test]

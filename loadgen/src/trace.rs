@@ -18,8 +18,9 @@ pub struct TraceRequest {
     pub session_id: Option<String>,
     /// For a session's later turn: milliseconds after the previous turn finished.
     pub delay_ms: Option<f64>,
-    /// What a router recording says about the request (`tandem router --record-trace`).
-    pub recorded: Option<Recorded>,
+    /// What a router recording says about the request (`tandem router --record-trace`); boxed, so that a trace of
+    /// millions of requests without it takes a third of the memory.
+    pub recorded: Option<Box<Recorded>>,
 }
 
 /// A recorded request's tenant and the router's decision, and how it ended.
@@ -128,6 +129,9 @@ struct MooncakeLine {
     text_input: Option<String>,
     /// A router recording's own fields.
     tandem: Option<Recorded>,
+    /// aiperf's dataset type, which a file may spell out: only `mooncake_trace` is this format.
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
 }
 
 /// A router recording's line with a request's actual output (`tandem_output`).
@@ -146,10 +150,73 @@ struct Output {
     finish_reason: String,
 }
 
-/// Reads a workload file: an Azure LLM trace CSV (it starts with `TIMESTAMP,`) or `mooncake_trace` JSONL.
+/// The kinds of workload file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// Mooncake/aiperf `mooncake_trace` JSONL (and router recordings, which extend it).
+    Mooncake,
+    /// Alibaba's Qwen Bailian usage traces: JSONL with `chat_id`, arrivals in seconds, 16-token block ids.
+    Bailian,
+    /// The Azure LLM inference trace CSVs (2023 and 2024): arrivals and lengths.
+    Azure,
+}
+
+/// Tokens per block id in the Bailian traces (`qwen_trace*_blksz_16.jsonl`).
+pub const BAILIAN_BLOCK: usize = 16;
+
+impl Format {
+    /// The format of a workload file, from its first non-empty line.
+    pub fn of(text: &str) -> Format {
+        let first = text.trim_start_matches('\u{feff}').lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+        if !first.trim_start().starts_with('{') && first.to_ascii_lowercase().contains("contexttokens") {
+            Format::Azure
+        } else if first.contains("\"chat_id\"") {
+            Format::Bailian
+        } else {
+            Format::Mooncake
+        }
+    }
+}
+
+/// Tokens per block id that a workload file states by its format, from its first line: a router recording's
+/// header, or a Bailian trace's 16; `None` where the reader decides (Mooncake's 512 by convention).
+pub fn stated_block_size(first_line: &str) -> Option<usize> {
+    match Format::of(first_line) {
+        Format::Bailian => Some(BAILIAN_BLOCK),
+        _ => recording_header(first_line).map(|h| h.block_size),
+    }
+}
+
+/// Tokens per block id for the workload file at `path` (none: a synthetic workload): what the file states
+/// ([`stated_block_size`]), else `given` (`--trace-block-size`), else Mooncake's 512. A `given` size the file
+/// states otherwise is refused rather than ignored.
+pub fn block_size(path: Option<&std::path::Path>, given: Option<usize>) -> Result<usize, String> {
+    use std::io::BufRead;
+    // Only the first line is read: the rest of a large trace is not needed for it.
+    let mut first = String::new();
+    if let Some(p) = path {
+        let f = std::fs::File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        std::io::BufReader::new(f).read_line(&mut first).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    match (stated_block_size(first.trim_start_matches('\u{feff}')), given) {
+        (Some(stated), Some(g)) if g != stated => {
+            Err(format!("the trace's block ids stand for {stated} tokens each, not the {g} of --trace-block-size"))
+        }
+        (Some(stated), _) => Ok(stated),
+        (None, g) => Ok(g.unwrap_or(crate::prompt::DEFAULT_TRACE_BLOCK)),
+    }
+}
+
+/// Reads a workload file: `mooncake_trace` JSONL, a Bailian JSONL trace or an Azure LLM trace CSV
+/// ([`Format::of`]). Azure and Bailian requests come in arrival order whatever the file's order.
 pub fn read(path: &std::path::Path) -> Result<Vec<TraceRequest>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let parsed = if text.starts_with("TIMESTAMP,") { parse_azure(&text) } else { parse_mooncake(&text) };
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    let parsed = match Format::of(text) {
+        Format::Azure => parse_azure(text),
+        Format::Bailian => parse_bailian(text),
+        Format::Mooncake => parse_mooncake(text),
+    };
     parsed.map_err(|e| format!("{}: {e}", path.display()))
 }
 
@@ -174,6 +241,9 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
         if l.input_length == 0 {
             return Err(bad("input_length must be at least 1".into()));
         }
+        if let Some(kind) = l.kind.filter(|k| k != "mooncake_trace") {
+            return Err(bad(format!("type {kind:?} is not a mooncake_trace line")));
+        }
         if l.timestamp.is_none() && (l.session_id.is_none() || out.is_empty()) {
             return Err(bad("a request without a timestamp must continue an earlier turn of its session".into()));
         }
@@ -189,7 +259,7 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
             hash_ids: l.hash_ids,
             session_id: l.session_id,
             delay_ms: l.delay,
-            recorded: l.tandem,
+            recorded: l.tandem.map(Box::new),
         });
     }
     if out.is_empty() {
@@ -198,43 +268,142 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
     Ok(out)
 }
 
-/// Reads an Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`): arrivals and lengths, no
-/// prefix information (every prompt is its own).
-pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+/// A line of a Bailian trace. Every request carries its own arrival and its whole prompt (a later turn's history
+/// included), so the session links (`chat_id`, `parent_chat_id`, `turn`) and the request's `type` change nothing a
+/// replay sends; they are read so that a line with a field of another meaning is refused, not half read.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+struct BailianLine {
+    chat_id: i64,
+    #[serde(default)]
+    parent_chat_id: Option<i64>,
+    /// Seconds from the trace's start.
+    timestamp: f64,
+    input_length: usize,
+    output_length: usize,
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    turn: Option<u64>,
+    #[serde(default)]
+    hash_ids: Vec<u64>,
+}
+
+/// Reads a Qwen Bailian usage trace (JSONL: `chat_id`, `parent_chat_id`, `timestamp` in seconds, `input_length`,
+/// `output_length`, `type`, `turn`, `hash_ids` of [`BAILIAN_BLOCK`]-token blocks), in arrival order.
+pub fn parse_bailian(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = Vec::new();
-    let mut first: Option<f64> = None;
-    for (i, line) in text.lines().enumerate().skip(1).filter(|(_, l)| !l.trim().is_empty()) {
-        let bad = |why: &str| TraceError::Line { line: i + 1, why: why.to_string() };
-        let mut cols = line.split(',');
-        let (Some(ts), Some(ctx), Some(gen_)) = (cols.next(), cols.next(), cols.next()) else {
-            return Err(bad("expected TIMESTAMP,ContextTokens,GeneratedTokens"));
-        };
-        let at = azure_timestamp_ms(ts.trim()).ok_or_else(|| bad("TIMESTAMP is not `YYYY-MM-DD HH:MM:SS.fffffff`"))?;
-        let input: usize = ctx.trim().parse().map_err(|_| bad("ContextTokens is not a count"))?;
-        let output: usize = gen_.trim().parse().map_err(|_| bad("GeneratedTokens is not a count"))?;
-        let start = *first.get_or_insert(at);
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let bad = |why: String| TraceError::Line { line: i + 1, why };
+        let l: BailianLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        if l.input_length == 0 {
+            return Err(bad("input_length must be at least 1".into()));
+        }
+        if !(l.timestamp.is_finite() && l.timestamp >= 0.0) {
+            return Err(bad("timestamp must be non-negative seconds".into()));
+        }
         out.push(TraceRequest {
-            arrival_ms: Some((at - start).max(0.0)),
+            arrival_ms: Some(l.timestamp * 1000.0),
+            input_length: l.input_length,
+            output_length: l.output_length.max(1),
+            hash_ids: l.hash_ids,
+            ..TraceRequest::default()
+        });
+    }
+    in_arrival_order(out)
+}
+
+/// Reads an Azure LLM inference trace CSV: a header naming `TIMESTAMP`, `ContextTokens` and `GeneratedTokens` (in
+/// any order, among other columns), then one row per request; arrivals from the earliest row, in arrival order.
+/// Lengths only: every prompt is its own.
+pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    let header = lines.next().map_or("", |(_, l)| l);
+    let names: Vec<String> = header.split(',').map(|c| unquote(c).to_ascii_lowercase()).collect();
+    let column = |name: &str| {
+        names.iter().position(|c| c == name).ok_or_else(|| TraceError::Line {
+            line: 1,
+            why: format!("the header names no {name:?} column (expected TIMESTAMP,ContextTokens,GeneratedTokens)"),
+        })
+    };
+    let (ts, ctx, gen_) = (column("timestamp")?, column("contexttokens")?, column("generatedtokens")?);
+    let mut out = Vec::new();
+    for (i, line) in lines {
+        let bad = |why: &str| TraceError::Line { line: i + 1, why: why.to_string() };
+        let cols: Vec<&str> = line.split(',').map(unquote).collect();
+        let cell = |k: usize| cols.get(k).copied().ok_or_else(|| bad("fewer columns than the header"));
+        let at = azure_timestamp_ms(cell(ts)?)
+            .ok_or_else(|| bad("TIMESTAMP is not `YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]`"))?;
+        let input: usize = cell(ctx)?.parse().map_err(|_| bad("ContextTokens is not a count"))?;
+        let output: usize = cell(gen_)?.parse().map_err(|_| bad("GeneratedTokens is not a count"))?;
+        out.push(TraceRequest {
+            arrival_ms: Some(at),
             input_length: input.max(1),
             output_length: output.max(1),
             ..TraceRequest::default()
         });
     }
+    let start = out.iter().filter_map(|r| r.arrival_ms).fold(f64::INFINITY, f64::min);
+    for r in &mut out {
+        r.arrival_ms = r.arrival_ms.map(|at| at - start);
+    }
+    in_arrival_order(out)
+}
+
+/// Requests that each carry their arrival (and nothing that names another by its place), sorted by it; the order
+/// of equal arrivals is kept.
+fn in_arrival_order(mut out: Vec<TraceRequest>) -> Result<Vec<TraceRequest>, TraceError> {
     if out.is_empty() {
         return Err(TraceError::Empty);
     }
+    out.sort_by(|a, b| a.arrival_ms.unwrap_or(0.0).total_cmp(&b.arrival_ms.unwrap_or(0.0)));
     Ok(out)
 }
 
-/// Milliseconds since 1970 of `2023-11-16 18:15:46.6805900` (UTC assumed; only differences are used).
+/// A CSV cell without its surrounding blanks and quotes.
+fn unquote(cell: &str) -> &str {
+    let t = cell.trim();
+    t.strip_prefix('"').and_then(|t| t.strip_suffix('"')).unwrap_or(t)
+}
+
+/// Milliseconds since 1970 (UTC) of an Azure `TIMESTAMP`: `2023-11-16 18:15:46.6805900` (2023, UTC) or
+/// `2024-05-10 00:00:00.009930+00:00` (2024, with its offset); a `T` between date and time and a `Z` are read too.
 fn azure_timestamp_ms(s: &str) -> Option<f64> {
-    let (date, time) = s.split_once(' ')?;
+    let (date, time) = s.split_once([' ', 'T'])?;
     let mut d = date.split('-').map(str::parse::<i64>);
     let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
-    let mut t = time.split(':');
+    let (clock, offset_min) = match time.strip_suffix('Z') {
+        Some(clock) => (clock, 0.0),
+        None => match time.find(['+', '-']) {
+            Some(k) => (&time[..k], utc_offset_minutes(&time[k..])?),
+            None => (time, 0.0),
+        },
+    };
+    let mut t = clock.split(':');
     let (h, min, sec) =
         (t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?);
-    Some(days_from_civil(y, m, day) as f64 * 86_400_000.0 + (h * 3600.0 + min * 60.0 + sec) * 1000.0)
+    if t.next().is_some() || !(1..=12).contains(&m) || !(1..=31).contains(&day) {
+        return None;
+    }
+    let local = days_from_civil(y, m, day) as f64 * 86_400_000.0 + (h * 3600.0 + min * 60.0 + sec) * 1000.0;
+    Some(local - offset_min * 60_000.0)
+}
+
+/// `+HH:MM`, `+HHMM` or `+HH` (or with `-`) in minutes east of UTC.
+fn utc_offset_minutes(s: &str) -> Option<f64> {
+    let (sign, rest) = match s.as_bytes().first()? {
+        b'+' => (1.0, &s[1..]),
+        b'-' => (-1.0, &s[1..]),
+        _ => return None,
+    };
+    let digits: String = rest.chars().filter(|c| *c != ':').collect();
+    if !(digits.len() == 2 || digits.len() == 4) || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let hours: f64 = digits[..2].parse().ok()?;
+    let minutes: f64 = if digits.len() == 4 { digits[2..].parse().ok()? } else { 0.0 };
+    Some(sign * (hours * 60.0 + minutes))
 }
 
 /// Days from 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
@@ -314,6 +483,10 @@ mod tests {
         let e = parse_mooncake("{\"input_length\": 5, \"output_length\": 1}\n").expect_err("refused");
         assert!(e.to_string().contains("timestamp"), "{e}");
         assert!(matches!(parse_mooncake("\n"), Err(TraceError::Empty)));
+        let typed = r#"{"type": "mooncake_trace", "timestamp": 0, "input_length": 5, "output_length": 1}"#;
+        assert_eq!(parse_mooncake(typed).expect("aiperf's own type").len(), 1);
+        let e = parse_mooncake(&typed.replace("mooncake_trace", "single_turn")).expect_err("another type");
+        assert!(e.to_string().contains("\"single_turn\""), "{e}");
     }
 
     #[test]
@@ -327,5 +500,78 @@ mod tests {
         assert_eq!((r[1].input_length, r[1].output_length), (396, 109));
         assert!(r[1].hash_ids.is_empty());
         assert!(parse_azure("TIMESTAMP,ContextTokens,GeneratedTokens\nx,1,2\n").is_err());
+    }
+
+    #[test]
+    fn azure_2024_rows_read_with_their_utc_offsets_in_any_order() {
+        // The 2024 week-long traces write the offset and six digits; a file may also come with CRLF line ends,
+        // quoted cells and the columns in another order among others (the multimodal trace adds `NumImages`).
+        let text = "\u{feff}TIMESTAMP,NumImages,GeneratedTokens,ContextTokens\r\n\
+                    2024-05-10 00:00:01.500000+00:00,0,10,4808\r\n\
+                    \"2024-05-10 00:00:00.009930+00:00\",2,8,3180\r\n\
+                    2024-05-10T05:30:02.000000+05:30,1,3,77\r\n";
+        assert_eq!(Format::of(text), Format::Azure);
+        let r = parse_azure(text.trim_start_matches('\u{feff}')).expect("parses");
+        let at: Vec<f64> = r.iter().map(|x| (x.arrival_ms.expect("timed") * 1000.0).round() / 1000.0).collect();
+        assert_eq!(at, [0.0, 1490.07, 1990.07], "from the earliest row, in arrival order");
+        let lens: Vec<(usize, usize)> = r.iter().map(|x| (x.input_length, x.output_length)).collect();
+        assert_eq!(lens, [(3180, 8), (4808, 10), (77, 3)], "columns found by name");
+        let z = parse_azure(
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00Z,1,1\n2024-05-09 23:00:00-01:00,1,1\n",
+        );
+        assert_eq!(z.expect("parses").iter().map(|x| x.arrival_ms).collect::<Vec<_>>(), [Some(0.0), Some(0.0)]);
+    }
+
+    #[test]
+    fn azure_files_that_do_not_fit_are_refused_with_the_reason() {
+        let e = parse_azure("TIMESTAMP,Tokens,GeneratedTokens\n2024-05-10 00:00:00,1,1\n").expect_err("no context");
+        assert!(e.to_string().contains("\"contexttokens\""), "{e}");
+        let e = parse_azure("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00+0x:00,1,1\n")
+            .expect_err("a bad offset");
+        assert!(e.to_string().starts_with("line 2: TIMESTAMP"), "{e}");
+        let e = parse_azure("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00,1\n").expect_err("short");
+        assert!(e.to_string().contains("fewer columns"), "{e}");
+        assert!(matches!(parse_azure("TIMESTAMP,ContextTokens,GeneratedTokens\n"), Err(TraceError::Empty)));
+    }
+
+    #[test]
+    fn the_block_size_is_the_files_own_else_the_flags_else_512() {
+        let dir = std::env::temp_dir().join(format!("tandem-trace-block-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let file = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).expect("written");
+            p
+        };
+        let mooncake = file("m.jsonl", "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}\n");
+        let bailian =
+            file("b.jsonl", "{\"chat_id\": 1, \"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}\n");
+        let recording = file("r.jsonl", "{\"tandem_recording\": {\"version\": 1, \"block_size\": 32}}\n");
+        assert_eq!(block_size(Some(&mooncake), None), Ok(512));
+        assert_eq!(block_size(Some(&mooncake), Some(64)), Ok(64));
+        assert_eq!(block_size(None, Some(64)), Ok(64));
+        assert_eq!(block_size(Some(&bailian), None), Ok(16));
+        assert_eq!(block_size(Some(&recording), Some(32)), Ok(32));
+        let e = block_size(Some(&recording), Some(512)).expect_err("the flag contradicts the recording");
+        assert!(e.contains("32 tokens") && e.contains("512"), "{e}");
+        assert!(block_size(Some(&dir.join("absent.jsonl")), None).is_err());
+        std::fs::remove_dir_all(&dir).expect("removed");
+    }
+
+    #[test]
+    fn bailian_lines_read_in_seconds_with_their_block_size() {
+        let text = r#"{"chat_id": 160, "parent_chat_id": 159, "timestamp": 62.5, "input_length": 40, "output_length": 80, "type": "text", "turn": 2, "hash_ids": [1, 2, 3]}
+{"chat_id": 159, "parent_chat_id": -1, "timestamp": 61.114, "input_length": 20, "output_length": 0, "type": "search", "turn": 1, "hash_ids": [1, 2]}
+"#;
+        assert_eq!(Format::of(text), Format::Bailian);
+        assert_eq!(stated_block_size(text.lines().next().expect("a line")), Some(BAILIAN_BLOCK));
+        let r = parse_bailian(text).expect("parses");
+        assert_eq!(r.iter().map(|x| x.arrival_ms).collect::<Vec<_>>(), [Some(61_114.0), Some(62_500.0)]);
+        assert_eq!((r[0].input_length, r[0].output_length, r[0].hash_ids.clone()), (20, 1, vec![1, 2]));
+        let e = parse_bailian(r#"{"chat_id": 1, "timestamp": 0, "input_length": 4, "output_length": 1, "user": "u"}"#)
+            .expect_err("a field of another meaning");
+        assert!(e.to_string().contains("unknown field `user`"), "{e}");
+        assert_eq!(Format::of(r#"{"timestamp": 0, "input_length": 1, "output_length": 1}"#), Format::Mooncake);
+        assert_eq!(stated_block_size(r#"{"timestamp": 0, "input_length": 1, "output_length": 1}"#), None);
     }
 }

@@ -695,7 +695,7 @@ fn replaying_a_runs_own_decisions_gives_back_the_same_run() {
                 ..Default::default()
             };
             loadgen::trace::TraceRequest {
-                recorded: Some(loadgen::trace::Recorded { namespace: None, decision, ended: None }),
+                recorded: Some(Box::new(loadgen::trace::Recorded { namespace: None, decision, ended: None })),
                 ..r.clone()
             }
         })
@@ -732,7 +732,7 @@ fn a_replayed_prefill_that_fails_moves_on_through_its_recorded_candidates() {
             ..Default::default()
         };
         let recorded = loadgen::trace::Recorded { namespace: None, decision, ended: None };
-        let trace = [loadgen::trace::TraceRequest { recorded: Some(recorded), ..trace[0].clone() }];
+        let trace = [loadgen::trace::TraceRequest { recorded: Some(Box::new(recorded)), ..trace[0].clone() }];
         let s = failing(Settings { replay: true, record_candidates: false, ..base.clone() }, &[(&chosen, 0.05)]);
         simulate(&s, &trace, &starts).expect("replays")
     };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use loadgen::client::{Endpoint, Target};
-use loadgen::prompt::{DEFAULT_TRACE_BLOCK, PromptBuilder};
+use loadgen::prompt::PromptBuilder;
 use loadgen::run::{RunConfig, Text};
 use loadgen::schedule::Arrivals;
 use loadgen::summary::{Record, Slo, Summary};
@@ -33,7 +33,8 @@ pub struct Args {
     /// `completions` (exact prompt lengths) or `chat`.
     #[arg(long, default_value = "completions")]
     endpoint: String,
-    /// A Mooncake/aiperf `mooncake_trace` JSONL file, or an Azure LLM trace CSV.
+    /// A Mooncake/aiperf `mooncake_trace` JSONL file, a Qwen Bailian JSONL trace, or an Azure LLM trace CSV (2023
+    /// or 2024).
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Divide the trace's timestamps by this (fixed schedule).
@@ -63,9 +64,9 @@ pub struct Args {
     /// Ask for exactly the trace's output lengths (no early end of text).
     #[arg(long)]
     ignore_eos: bool,
-    /// Tokens per trace block id (Mooncake: 512).
-    #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK)]
-    trace_block_size: usize,
+    /// Tokens per trace block id (default: Mooncake's 512; a router recording and a Bailian trace state their own).
+    #[arg(long)]
+    trace_block_size: Option<usize>,
     /// Cut longer prompts to this many tokens (counted in the report; default: what fits the server's context
     /// from `/v1/models` `max_model_len`).
     #[arg(long)]
@@ -138,7 +139,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     if !(args.speedup > 0.0 && args.burstiness > 0.0) || args.rate.is_some_and(|r| r <= 0.0) {
         return Err("--speedup, --burstiness and --rate must be positive".into());
     }
-    let requests = workload(&args)?;
+    let block = loadgen::trace::block_size(args.trace.as_deref(), args.trace_block_size)?;
+    let requests = read_workload(args.trace.as_deref(), &args.synthetic, args.max_requests, args.seed, block)?;
     let (authority, base_path) = Target::parse_url(&args.url)?;
     let path = match &args.tokenizer_model {
         Some(p) => p.clone(),
@@ -148,10 +150,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         &engine::gguf::GgufFile::open(&path).map_err(|e| format!("{}: {e}", path.display()))?,
     )
     .map_err(|e| e.to_string())?;
-    let text = Text {
-        builder: PromptBuilder::new(tokenizer.plain_words(), args.trace_block_size),
-        tokenizer: Arc::new(tokenizer),
-    };
+    let text = Text { builder: PromptBuilder::new(tokenizer.plain_words(), block), tokenizer: Arc::new(tokenizer) };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     runtime.block_on(async move {
         let mut target = Target {
@@ -192,12 +191,6 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             }
         }
     })
-}
-
-/// The requests to send: the trace's, or a synthetic workload's; the first `--max-requests` of them.
-fn workload(args: &Args) -> Result<Vec<TraceRequest>, String> {
-    let trace = args.trace.as_deref();
-    read_workload(trace, &args.synthetic, args.max_requests, args.seed, args.trace_block_size)
 }
 
 /// The requests of `trace`, or of the synthetic workload `synthetic` describes when there is none (seeded by

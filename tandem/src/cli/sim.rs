@@ -10,7 +10,6 @@ use std::time::Instant;
 use engine::backend::TimingProfile;
 use engine::backend::mock::MockSettings;
 use engine::generate::{BackendChoice, EngineConfig};
-use loadgen::prompt::DEFAULT_TRACE_BLOCK;
 use loadgen::schedule::Arrivals;
 use loadgen::summary::{RunFacts, Slo, Summary};
 use loadgen::trace::TraceRequest;
@@ -27,8 +26,9 @@ const SIM_BLOCK_BYTES: usize = 0;
 /// Which requests, and when they arrive.
 #[derive(Debug, clap::Args)]
 pub struct WorkloadArgs {
-    /// A Mooncake/aiperf `mooncake_trace` JSONL file, or an Azure LLM trace CSV; without it, the synthetic
-    /// shared-prefix workload of the `--prefixes` … flags (as `tandem bench serve`), which needs `--rate`.
+    /// A Mooncake/aiperf `mooncake_trace` JSONL file, a Qwen Bailian JSONL trace, or an Azure LLM trace CSV (2023
+    /// or 2024); without it, the synthetic shared-prefix workload of the `--prefixes` … flags (as `tandem bench
+    /// serve`), which needs `--rate`.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Divide the trace's timestamps by this.
@@ -45,21 +45,15 @@ pub struct WorkloadArgs {
     /// Only the trace's first N requests.
     #[arg(long)]
     max_requests: Option<usize>,
-    /// Tokens per trace block id (Mooncake: 512; a router recording states its own).
-    #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK)]
-    trace_block_size: usize,
+    /// Tokens per trace block id (default: Mooncake's 512; a router recording and a Bailian trace state their own).
+    #[arg(long)]
+    trace_block_size: Option<usize>,
 }
 
 impl WorkloadArgs {
-    /// Tokens per trace block id: a router recording's own block size, else `--trace-block-size`.
-    pub fn trace_block(&self) -> usize {
-        use std::io::BufRead;
-        // The header is the first line: the rest of a large trace is not read for it.
-        let mut first = String::new();
-        if let Some(f) = self.trace.as_deref().and_then(|p| std::fs::File::open(p).ok()) {
-            let _ = std::io::BufReader::new(f).read_line(&mut first);
-        }
-        loadgen::trace::recording_header(&first).map_or(self.trace_block_size, |h| h.block_size)
+    /// Tokens per trace block id ([`loadgen::trace::block_size`]).
+    pub fn trace_block(&self) -> Result<usize, String> {
+        loadgen::trace::block_size(self.trace.as_deref(), self.trace_block_size)
     }
 
     /// The requests and their arrival schedule (`seed` draws the synthetic workload and open-loop gaps).
@@ -78,7 +72,7 @@ impl WorkloadArgs {
             &self.synthetic,
             self.max_requests,
             seed,
-            self.trace_block(),
+            self.trace_block()?,
         )?;
         Ok((requests, arrivals))
     }
@@ -215,7 +209,7 @@ impl ClusterArgs {
             transfer_latency: profile.transfer.latency_ms / 1000.0,
             transfer_bandwidth: profile.transfer.bandwidth_bytes_per_s,
             transfer_block_bytes: profile.transfer.block_bytes,
-            trace_block: workload.trace_block(),
+            trace_block: workload.trace_block()?,
             max_isl: self.max_model_len,
             routers: self.routers,
             prefill_speedups: self.prefill_speedups.clone(),
