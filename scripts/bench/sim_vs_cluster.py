@@ -27,14 +27,16 @@ mock worker's stand-in device (SIGUSR1; SIGUSR2 mends it at 70 s): it answers ev
 streams go on, so only the router's circuit breaker keeps requests away; the simulator gets the same `--errors`.
 `--stall decode-0@30..70` runs every worker with `--mock-fault stall`, so that SIGUSR1 makes the worker's steps hang
 (its process answering and reporting) until SIGUSR2; the router finds it stalled after `--stall-after-ms`, and the
-simulator gets the same `--stall`.
+simulator gets the same `--stall`. With `--stall-after-ms 0` only the routers' call timeouts (`--prefill-timeout-ms`,
+`--decode-idle-timeout-ms`, given to both) give up on the stalled worker.
 
 Usage:
   python3 scripts/bench/sim_vs_cluster.py --tandem target/release/tandem [--engine mock|cpu] [--requests 200] [--policy kv]
       [--trace FILE] [--speedup 1] [--prefill 8] [--decode 8] [--seed 1] [--router-tokens-per-s 1e6|measured] [--ties random|hashed]
       [--sim-profile cpu-smollm2-1t] [--host-cores N] [--repeat K] [--max-batched-tokens N] [--max-in-flight N]
       [--fail NAME@SECONDS,...] [--hang NAME@SECONDS[..SECONDS],...] [--errors NAME@SECONDS[..SECONDS],...]
-      [--stall NAME@SECONDS[..SECONDS],...] [--stall-after-ms MS] [--parted 3]
+      [--stall NAME@SECONDS[..SECONDS],...] [--stall-after-ms MS] [--prefill-timeout-ms MS] [--decode-idle-timeout-ms MS]
+      [--parted 3]
       [--out runs/sim-vs-cluster]
 """
 import argparse
@@ -306,7 +308,12 @@ def main():
                    help="workers whose mock device hangs, as --errors but every worker runs with --mock-fault stall "
                         "(so not with --errors); the simulator gets the same --stall (mock engine only)")
     p.add_argument("--stall-after-ms", type=int,
-                   help="the stall limit, in both routers (default: the router's, 30 s)")
+                   help="the stall limit, in both routers (default: the router's, 30 s; 0: off)")
+    p.add_argument("--prefill-timeout-ms", type=int,
+                   help="the router's limit on a prefill call and a decode stream's first token, in both routers "
+                        "(default: the router's, 180 s)")
+    p.add_argument("--decode-idle-timeout-ms", type=int,
+                   help="the router's limit on a decode stream's silence, in both routers (default: the router's, 60 s)")
     p.add_argument("--max-batched-tokens", type=int,
                    help="tokens one step of each worker computes, in both clusters (default: the engine's)")
     p.add_argument("--parted", type=int, default=3,
@@ -357,7 +364,11 @@ def main():
     if cpu and (args.trace != str(TRACE) or args.speedup != 1.0):
         sys.exit("--trace and --speedup replay a trace on the mock cluster; --engine cpu runs the synthetic workload "
                  "at --rate")
-    stall_after = ["--stall-after-ms", str(args.stall_after_ms)] if args.stall_after_ms is not None else []
+    # The router's limits on its calls, the same in both routers.
+    stall_after = [flag for name, value in (("--stall-after-ms", args.stall_after_ms),
+                                            ("--prefill-timeout-ms", args.prefill_timeout_ms),
+                                            ("--decode-idle-timeout-ms", args.decode_idle_timeout_ms))
+                   if value is not None for flag in (name, str(value))]
     runs = []  # (directory, bench serve's summary) per real run
     rates = []  # per real run, its router's tokenizer speed (tokens/s), when it reported one
     real_failovers = []  # per real run with failures, its router's failover counters

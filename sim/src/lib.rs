@@ -13,4 +13,4 @@ pub mod tune;
 mod worker;
 
 pub use gate::Limits;
-pub use run::{Balance, Failure, Fault, Outcome, Placed, Settings, SimError, simulate};
+pub use run::{Balance, CallTimeouts, Failure, Fault, Outcome, Placed, Settings, SimError, simulate};

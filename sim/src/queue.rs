@@ -14,8 +14,8 @@ pub struct Queue<E> {
     /// The events scheduled up front, earliest first (ties in scheduling order).
     lane: VecDeque<(f64, u64, E)>,
     /// Events scheduled in time order as the run goes ([`Queue::at_in_order`]: timeouts, each a constant delay
-    /// after the moment it is set), earliest first.
-    timeouts: VecDeque<(f64, u64, E)>,
+    /// after the moment it is set), earliest first: a lane per kind of timeout (each its own delay).
+    timeouts: Vec<VecDeque<(f64, u64, E)>>,
     scheduled: u64,
     events: Vec<Option<E>>,
     /// Slab entries free for reuse.
@@ -61,7 +61,7 @@ impl<E> Queue<E> {
         Queue {
             heap: BinaryHeap::new(),
             lane: VecDeque::new(),
-            timeouts: VecDeque::new(),
+            timeouts: Vec::new(),
             scheduled: 0,
             events: Vec::new(),
             free: Vec::new(),
@@ -102,12 +102,18 @@ impl<E> Queue<E> {
         self.scheduled += 1;
     }
 
-    /// Schedules `event` at `at` seconds, no earlier than every event scheduled this way before it (a constant
-    /// delay after the current time, as a timeout is): it waits in a lane of its own instead of the heap, and
-    /// comes out exactly where [`Queue::at`] would have put it.
-    pub fn at_in_order(&mut self, at: f64, event: E) {
-        debug_assert!(self.timeouts.back().is_none_or(|b| b.0 <= at), "at_in_order out of order");
-        self.timeouts.push_back((at, self.scheduled, event));
+    /// Schedules `event` at `at` seconds on timeout lane `lane` (one per kind of timeout), normally no earlier than
+    /// every event scheduled on that lane before it (a constant delay after the current time, as a timeout is): it
+    /// waits in the lane instead of the heap, and comes out exactly where [`Queue::at`] would have put it. One out of
+    /// order goes to the heap.
+    pub fn at_in_order(&mut self, lane: usize, at: f64, event: E) {
+        if self.timeouts.len() <= lane {
+            self.timeouts.resize_with(lane + 1, VecDeque::new);
+        }
+        if self.timeouts[lane].back().is_some_and(|b| b.0 > at) {
+            return self.at(at, event);
+        }
+        self.timeouts[lane].push_back((at, self.scheduled, event));
         self.scheduled += 1;
     }
 
@@ -115,18 +121,26 @@ impl<E> Queue<E> {
     pub fn pop(&mut self) -> Option<(f64, E)> {
         // Whichever comes out first of the two lanes' fronts and the heap's top.
         let lane = self.lane.front().map(|f| (f.0, f.1));
-        let timeout = self.timeouts.front().map(|f| (f.0, f.1));
         let heap = self.heap.peek().map(|h| (h.at, h.order));
         let before = |a: Option<(f64, u64)>, b: Option<(f64, u64)>| match (a, b) {
             (Some(a), Some(b)) => sooner(a, b).is_lt(),
             (Some(_), None) => true,
             (None, _) => false,
         };
-        if before(lane, timeout) && before(lane, heap) {
+        // The earliest of the timeout lanes' fronts.
+        let mut timeout: Option<(usize, (f64, u64))> = None;
+        for (k, t) in self.timeouts.iter().enumerate() {
+            let front = t.front().map(|f| (f.0, f.1));
+            if before(front, timeout.map(|(_, f)| f)) {
+                timeout = front.map(|f| (k, f));
+            }
+        }
+        let first_timeout = timeout.map(|(_, f)| f);
+        if before(lane, first_timeout) && before(lane, heap) {
             return self.lane.pop_front().map(|(at, _, e)| (at, e));
         }
-        if before(timeout, heap) {
-            return self.timeouts.pop_front().map(|(at, _, e)| (at, e));
+        if let Some((k, _)) = timeout.filter(|(_, f)| before(Some(*f), heap)) {
+            return self.timeouts[k].pop_front().map(|(at, _, e)| (at, e));
         }
         let e = self.heap.pop()?;
         self.free.push(e.slot);
@@ -182,7 +196,7 @@ mod tests {
             [(2.0, "d", true), (2.5, "e", false), (2.0, "f", false), (3.0, "g", true), (3.0, "h", true)];
         for (at, e, timeout) in steps {
             if timeout {
-                fifo.at_in_order(at, e);
+                fifo.at_in_order(0, at, e);
             } else {
                 fifo.at(at, e);
             }
@@ -192,6 +206,33 @@ mod tests {
         let order = drain(&mut fifo);
         assert_eq!(order, drain(&mut heap));
         assert_eq!(order, ["a", "c", "d", "f", "e", "b", "g", "h"]);
+    }
+
+    #[test]
+    fn timeouts_of_several_delays_each_in_a_lane_come_out_where_the_heap_would_put_them() {
+        let (mut lanes, mut heap) = (Queue::new(), Queue::new());
+        // Three kinds of timeout (delays 5, 2 and 1 after their moment), set at moments 0, 1, 2, 3, with other
+        // events between; then one out of its lane's order (to the heap).
+        let mut scheduled = Vec::new();
+        for now in 0..4 {
+            let now = now as f64;
+            for (lane, delay) in [(0, 5.0), (1, 2.0), (2, 1.0)] {
+                scheduled.push((Some(lane), now + delay));
+            }
+            scheduled.push((None, now + 1.5));
+        }
+        scheduled.push((Some(1), 2.5));
+        for (k, (lane, at)) in scheduled.iter().enumerate() {
+            match lane {
+                Some(l) => lanes.at_in_order(*l, *at, k),
+                None => lanes.at(*at, k),
+            }
+            heap.at(*at, k);
+        }
+        let drain = |q: &mut Queue<usize>| -> Vec<(f64, usize)> { std::iter::from_fn(|| q.pop()).collect() };
+        let order = drain(&mut lanes);
+        assert_eq!(order, drain(&mut heap));
+        assert_eq!(order.len(), scheduled.len());
     }
 
     #[test]

@@ -30,11 +30,12 @@ mod replay;
 mod routing;
 mod settings;
 mod stepping;
+mod timeouts;
 mod transfer;
 
 pub use outcome::{Balance, Outcome, Placed};
 use routing::Placement;
-pub use settings::{Failure, Fault, Settings};
+pub use settings::{CallTimeouts, Failure, Fault, Settings};
 
 /// Why a run could not start.
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +109,13 @@ enum Ev {
     Back(usize),
     /// Request `i`'s deadline: the request timeout since it was routed.
     Deadline(usize),
+    /// Request `i`'s call number `call` may have waited too long: for its first answer, or (`idle`) for its
+    /// stream's next token (`timeouts`).
+    CallTimer {
+        i: usize,
+        call: u32,
+        idle: bool,
+    },
 }
 
 #[derive(Default)]
@@ -129,6 +137,8 @@ struct Live {
     pull_stalled: bool,
     /// Tokens its current decode attempt made (the router's accounting learns of the first).
     attempt_tokens: u32,
+    /// The calls the router made for it so far (its timers name the call they were set for).
+    call: u32,
     /// What its failover needs, in every run: a prefill refused for want of lease room goes to the next candidate
     /// whether or not the run has failures.
     retries: Option<Box<failover::Retries>>,
@@ -240,6 +250,10 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
     if settings.decode == 0 {
         return Err(SimError::Settings("the cluster needs at least one decode worker".into()));
     }
+    let t = settings.timeouts;
+    if !(t.prefill > 0.0 && t.decode_idle > 0.0 && t.prefill.is_finite() && t.decode_idle.is_finite()) {
+        return Err(SimError::Settings("the router's prefill and decode idle timeouts must be above 0 s".into()));
+    }
     if workload.len() != starts.len() {
         return Err(SimError::Settings("one start per request".into()));
     }
@@ -259,6 +273,7 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
         match ev {
             Ev::WaitEnds(i) if !sim.live[i].waiting => continue,
             Ev::Deadline(i) if sim.live[i].on.is_none() => continue,
+            Ev::CallTimer { i, call, .. } if sim.live[i].call != call || sim.live[i].on.is_none() => continue,
             _ => {}
         }
         sim.handle(at, ev);
@@ -331,15 +346,6 @@ impl<'a> Sim<'a> {
                     Fault::Stall => Ev::Stall(w),
                 },
             ));
-            if f.fault == Fault::Stall && (settings.stall_after.is_nan() || settings.stall_after <= 0.0) {
-                // Only the router's prefill and decode idle timeouts would catch it then, which are not modelled.
-                let why = format!(
-                    "{}: a stalled engine needs a stall limit above 0 (the router's timeouts that would \
-                                   catch it without one are not modelled)",
-                    f.worker
-                );
-                return Err(SimError::Settings(why));
-            }
             if let Some(back) = f.back {
                 // Its messages from before the failure have all landed by then.
                 let landed = f.at + settings.event_delay.max(settings.report_delay);
@@ -436,6 +442,7 @@ impl<'a> Sim<'a> {
             Ev::StallCleared { w, r } => self.routers[r].stalled[w] = false,
             Ev::Back(w) => self.worker_back(now, w),
             Ev::Deadline(i) => self.deadline(now, i),
+            Ev::CallTimer { i, call, idle } => self.call_timer(now, i, call, idle),
         }
     }
 

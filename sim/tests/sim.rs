@@ -466,6 +466,19 @@ fn a_decode_worker_ejected_while_a_prompt_prefills_for_it_is_passed_over() {
     assert_eq!(out.decisions.get("decode_resumed"), Some(&5), "{:?}", out.decisions);
 }
 
+/// Six requests (100 tokens, 3 out) at 0, 0.5, 0.6, 1.5, 4 and 4.1 s, with their starts, and a profile whose prompt
+/// step costs 10 ms + 1 ms a token and a decode step 5 ms.
+fn six_requests_in_turn() -> (&'static str, Vec<loadgen::trace::TraceRequest>, Vec<loadgen::schedule::Start>) {
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let trace: Vec<_> = [0.0, 500.0, 600.0, 1500.0, 4000.0, 4100.0]
+        .iter()
+        .enumerate()
+        .map(|(k, &at)| request(at, 100, 3, k as u64 + 1))
+        .collect();
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    (profile, trace, starts)
+}
+
 #[test]
 fn a_worker_whose_engine_stalls_is_given_up_after_the_limit_and_taken_back_once_it_computes() {
     // Two decode workers in turn; a prompt step costs 10 ms + 1 ms a token, a decode 5 ms; reports take 1 ms to
@@ -474,13 +487,7 @@ fn a_worker_whose_engine_stalls_is_given_up_after_the_limit_and_taken_back_once_
     // decode-1; C (at 600 ms) goes to decode-0, which is not yet known stuck, and waits there. At 1.001 s (the
     // report of its last progress, at 0, plus 1 s) the router finds it stalled: A and C resume on decode-1, A
     // first (1.001 -> 1.111 s: TTFT 1,111 ms), and D (at 1.5 s) goes to decode-1 as well.
-    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
-    let trace: Vec<_> = [0.0, 500.0, 600.0, 1500.0, 4000.0, 4100.0]
-        .iter()
-        .enumerate()
-        .map(|(k, &at)| request(at, 100, 3, k as u64 + 1))
-        .collect();
-    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let (profile, trace, starts) = six_requests_in_turn();
     let stalling = |back: Option<f64>| {
         let failures = vec![sim::Failure { worker: "decode-0".into(), at: 0.001, back, fault: sim::Fault::Stall }];
         let s = Settings { failures, stall_after: 1.0, ..settings(profile, 0, 2, Policy::RoundRobin) };
@@ -503,11 +510,55 @@ fn a_worker_whose_engine_stalls_is_given_up_after_the_limit_and_taken_back_once_
     assert!(out.records.iter().all(|r| r.status == 200));
     assert!((4..6).any(|k| decode(&out, k) == "decode-0"), "taken back");
     assert_eq!(out.decisions.get("decode_resumed"), Some(&2));
+}
 
-    // Without a stall limit only the router's timeouts would catch it, which the simulator does not model.
+#[test]
+fn without_a_stall_limit_the_routers_timeouts_give_up_on_a_stalled_worker() {
+    // The trace and the stall of the test above, the stall watch off, the router's prefill timeout 2 s. decode-0
+    // stays a candidate: round robin sends it A (0), C (0.6 s) and E (4 s). Each call there gets no first token and
+    // gives up 2 s after it began, resuming on decode-1, idle by then: A at 2 s (its prompt 2.0 -> 2.11 s), C at
+    // 2.6 s, E at 6 s, each a TTFT of 2,110 ms. Three failures in a row do not eject decode-0 (five do).
+    let (profile, trace, starts) = six_requests_in_turn();
     let failures = vec![sim::Failure { worker: "decode-0".into(), at: 0.001, back: None, fault: sim::Fault::Stall }];
-    let off = Settings { failures, stall_after: 0.0, ..settings(profile, 0, 2, Policy::RoundRobin) };
-    assert!(simulate(&off, &trace, &starts).is_err());
+    let timeouts = sim::CallTimeouts { prefill: 2.0, decode_idle: 0.5 };
+    let s = Settings { failures, stall_after: 0.0, timeouts, ..settings(profile, 0, 2, Policy::RoundRobin) };
+    let out = simulate(&s, &trace, &starts).expect("runs");
+    assert!(out.records.iter().all(|r| r.status == 200), "every request answered");
+    let ttft = |k: usize| out.records.iter().find(|r| r.index == k).and_then(|r| r.time_to_first_token_ms);
+    for k in [0, 2, 4] {
+        let t = ttft(k).expect("a first token");
+        assert!((t - 2110.0).abs() < 1e-6, "request {k}: {t}");
+    }
+    for k in [1, 3, 5] {
+        assert!((ttft(k).expect("a first token") - 110.0).abs() < 1e-6, "request {k} on decode-1 alone");
+    }
+    assert_eq!(out.decisions.get("prefill_timeout"), Some(&3), "{:?}", out.decisions);
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&3));
+    assert_eq!(out.decisions.get("stall_detected"), None);
+    assert_eq!(out.decisions.get("worker_ejected"), None);
+}
+
+#[test]
+fn a_decode_stream_that_goes_silent_resumes_after_the_idle_timeout_with_what_it_had_made() {
+    // One request (100 tokens, 100 out) on decode-0 of two: its prompt 0 -> 110 ms makes token 1, then a token
+    // every 5 ms, token 19 at 200 ms. decode-0's engine hangs at 202.5 ms (the step from 200 ms never ends), the
+    // stall watch off, the idle timeout 0.5 s: the stream gives up at 700 ms and resumes on decode-1 with the
+    // prompt and its 19 tokens (119 tokens: 10 + 119 ms, token 20 at 829 ms), then 80 more at 5 ms: the last at
+    // 1,229 ms, and the longest gap 629 ms.
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let trace = [request(0.0, 100, 100, 1)];
+    let starts = plan(&trace, &Arrivals::Trace { speedup: 1.0 });
+    let failures = vec![sim::Failure { worker: "decode-0".into(), at: 0.2025, back: None, fault: sim::Fault::Stall }];
+    let timeouts = sim::CallTimeouts { prefill: 2.0, decode_idle: 0.5 };
+    let s = Settings { failures, stall_after: 0.0, timeouts, ..settings(profile, 0, 2, Policy::RoundRobin) };
+    let out = simulate(&s, &trace, &starts).expect("runs");
+    let r = &out.records[0];
+    assert_eq!((r.status, r.output_tokens), (200, 100), "{r:?}");
+    assert!((r.request_latency_ms - 1229.0).abs() < 1e-6, "{}", r.request_latency_ms);
+    let longest = r.inter_chunk_ms.iter().copied().fold(0.0, f64::max);
+    assert!((longest - 629.0).abs() < 1e-6, "{longest}");
+    assert_eq!(out.decisions.get("decode_idle_timeout"), Some(&1), "{:?}", out.decisions);
+    assert_eq!(out.decisions.get("decode_resumed"), Some(&1));
 }
 
 #[test]

@@ -36,8 +36,7 @@ pub(super) struct Retries {
     decode_held: u64,
     /// Decode workers whose attempt failed.
     pub(super) tried: Vec<usize>,
-    /// Tokens sent to the client so far (a resumption computes them after the prompt), kept only in runs with
-    /// failures (nothing else resumes a decode).
+    /// Tokens sent to the client so far (a resumption computes them after the prompt).
     pub(super) generated: Vec<u32>,
 }
 
@@ -343,6 +342,7 @@ impl Sim<'_> {
             let uncached = (self.live[i].isl as u64).saturating_sub(held * bt);
             (self.live[i].prefill, self.live[i].on) = (Some(p), Some(p));
             self.send(p, i, uncached);
+            self.call_started(now, i);
             let prompt = Some(self.prompt_of(i));
             return self.submit(now, p, Job { i, prompt, max_tokens: 1, export: true, pulled: false });
         }
@@ -364,6 +364,7 @@ impl Sim<'_> {
         (live.prefill, live.decode, live.on, live.attempt_tokens) = (None, d, Some(d), 0);
         let max_tokens = live.max_tokens;
         self.send(d, i, uncached);
+        self.call_started(now, i);
         let prompt = Some(self.prompt_of(i));
         self.submit(now, d, Job { i, prompt, max_tokens, export: false, pulled: false });
     }
@@ -394,6 +395,7 @@ impl Sim<'_> {
         let live = &mut self.live[i];
         (live.decode, live.on, live.attempt_tokens) = (d, Some(d), 0);
         self.send(d, i, uncached);
+        self.call_started(now, i);
         self.submit(now, d, Job { i, prompt: Some(prompt), max_tokens, export: false, pulled: false });
     }
 

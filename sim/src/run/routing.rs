@@ -6,6 +6,7 @@ use kv_cache::{HashedTokens, SeqHash};
 use router::scheduler::view::{RouteRequest, WorkerId, WorkerView};
 use router::scheduler::{Candidates, RouteError, route};
 
+use super::timeouts::lanes;
 use super::{Ev, Job, Placed, Replica, Sim, failover};
 use crate::gate::Arrival;
 
@@ -75,7 +76,7 @@ impl Sim<'_> {
             Arrival::Queued => {
                 self.live[i].waiting = true;
                 let timeout = self.routers[router].gate.timeout();
-                self.queue.at_in_order(now + timeout, Ev::WaitEnds(i));
+                self.queue.at_in_order(lanes::REQUEST, now + timeout, Ev::WaitEnds(i));
             }
             Arrival::Refused => {
                 *self.out.decisions.entry("overloaded".into()).or_default() += 1;
@@ -164,7 +165,7 @@ impl Sim<'_> {
         (self.live[i].on, self.live[i].attempt_tokens) = (Some(target), 0);
         // As the router's: the whole request, from here, within the request timeout.
         let timeout = self.routers[self.live[i].router].gate.timeout();
-        self.queue.at_in_order(now + timeout, Ev::Deadline(i));
+        self.queue.at_in_order(lanes::REQUEST, now + timeout, Ev::Deadline(i));
         let isl = self.live[i].isl as u64;
         let uncached = isl.saturating_sub(held * self.block_size.tokens() as u64);
         let export = target != decode;
@@ -173,6 +174,7 @@ impl Sim<'_> {
             self.live[i].prefill = Some(target);
         }
         self.send(target, i, uncached);
+        self.call_started(now, i);
         if export && self.settings.scheduler.reserve_decode {
             self.send(decode, i, 0);
         }

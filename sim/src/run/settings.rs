@@ -58,10 +58,32 @@ pub struct Settings {
     /// Seconds a worker may hold work without computing before the routers count it stalled (the router's
     /// `stall_after_ms`; 0: never).
     pub stall_after: f64,
+    /// The routers' time limits on each call to a worker.
+    pub timeouts: CallTimeouts,
     /// Each placement keeps its decision's candidates as scored ([`Placed::candidates`](super::Placed::candidates)): to compare the
     /// simulated router's inputs with a real router's recording of them.
     pub record_candidates: bool,
     pub seed: u64,
+}
+
+/// The router's limits on one call to a worker, in seconds (its `prefill_timeout_ms` and `decode_idle_timeout_ms`):
+/// a prefill call, and a decode stream's wait for its first token, may take `prefill`; a decode stream may then go
+/// `decode_idle` without a token. A call past its limit fails over as a failed one does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CallTimeouts {
+    pub prefill: f64,
+    pub decode_idle: f64,
+}
+
+impl Default for CallTimeouts {
+    /// The router's defaults.
+    fn default() -> CallTimeouts {
+        use router::run::defaults;
+        CallTimeouts {
+            prefill: defaults::PREFILL_TIMEOUT.as_secs_f64(),
+            decode_idle: defaults::DECODE_IDLE_TIMEOUT.as_secs_f64(),
+        }
+    }
 }
 
 /// A worker that fails during the run, and may come back.
@@ -91,6 +113,7 @@ pub enum Fault {
     /// see it up, idle, holding its cache, and only their circuit breakers keep requests away.
     Errors,
     /// Its engine hangs (a hung device) while its process answers and reports: no step ends until it is unstuck.
-    /// The routers find it stalled once it has held work for `stall_after` without computing anything.
+    /// The routers find it stalled once it has held work for `stall_after` without computing anything; without a
+    /// stall limit, only their call timeouts give up on what they sent it.
     Stall,
 }

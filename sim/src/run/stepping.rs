@@ -182,19 +182,22 @@ impl Sim<'_> {
         }
         match out {
             Output::Token { id, token } => {
-                // The tokens sent so far matter to a resumption, which only a run with failures has.
-                let resumable = !self.settings.failures.is_empty();
                 let live = &mut self.live[id as usize];
+                let began = live.prefill != Some(w) && live.attempt_tokens == 0;
                 if live.prefill == Some(w) {
                     live.first_token = Some(token);
                 } else {
-                    if live.attempt_tokens == 0 {
+                    if began {
                         // The decode attempt's first token (after the prefill worker's, when there was one).
                         self.routers[live.router].load.first_token(worker, id);
                     }
                     live.attempt_tokens += 1;
                 }
-                if let Some(r) = live.retries.as_mut().filter(|_| resumable) {
+                if let Some(r) = live.retries.as_mut() {
+                    // The tokens sent so far, for a resumption (after a failure or a call's timeout).
+                    if r.generated.capacity() == 0 {
+                        r.generated.reserve_exact(live.max_tokens as usize);
+                    }
                     r.generated.push(token);
                 }
                 if let Some(last) = live.last_at {
@@ -208,6 +211,9 @@ impl Sim<'_> {
                 live.first_at.get_or_insert(now);
                 live.last_at = Some(now);
                 live.produced += 1;
+                if began {
+                    self.stream_began(now, id as usize);
+                }
             }
             Output::Finished { id, completion, exported } => {
                 let i = id as usize;

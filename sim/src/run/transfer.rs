@@ -58,6 +58,7 @@ impl Sim<'_> {
         }
         // The router calls the decode worker as soon as the prefill answers; the pull happens inside that call.
         self.send(d, i, 0);
+        self.call_started(now, i);
         self.queue.at(end, Ev::Pulled(i));
     }
 

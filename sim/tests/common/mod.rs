@@ -39,6 +39,7 @@ pub fn settings(profile: &str, prefill: usize, decode: usize, policy: Policy) ->
         replay: false,
         record_candidates: false,
         stall_after: router::resilience::stall_defaults::AFTER.as_secs_f64(),
+        timeouts: sim::CallTimeouts::default(),
         router_tokens_per_s: 0.0,
         host_cores: 0,
         router_slots: 1,

@@ -174,6 +174,16 @@ pub struct ClusterArgs {
     /// never).
     #[arg(long)]
     stall_after_ms: Option<u64>,
+    /// How long the router waits for a prefill call to answer, or a decode stream for its first token, before it
+    /// gives up and fails over, in milliseconds (as the router's `--prefill-timeout-ms`; default: the router file's
+    /// `prefill_timeout_ms`, else the router's 180 s).
+    #[arg(long)]
+    prefill_timeout_ms: Option<u64>,
+    /// How long a decode stream may go without a token before the router resumes it on another decode worker, in
+    /// milliseconds (as the router's `--decode-idle-timeout-ms`; default: the router file's `decode_idle_timeout_ms`,
+    /// else the router's 60 s).
+    #[arg(long)]
+    decode_idle_timeout_ms: Option<u64>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
     #[arg(long, default_value_t = 1)]
@@ -219,6 +229,7 @@ impl ClusterArgs {
                 .stall_after_ms
                 .or(whole_number(&router, "stall_after_ms")?)
                 .map_or(router::resilience::stall_defaults::AFTER.as_secs_f64(), |ms| ms as f64 / 1000.0),
+            timeouts: self.timeouts(&router)?,
             router_tokens_per_s: self.router_tokens_per_s,
             router_slots: self.router_slots,
             host_cores: self.host_cores,
@@ -263,6 +274,22 @@ impl ClusterArgs {
                 .request_timeout_ms
                 .or(key("request_timeout_ms")?)
                 .map_or(d.request_timeout, |ms| ms as f64 / 1000.0),
+        })
+    }
+
+    /// The router's limits on each call to a worker: the flags, else the router file's, else the router's defaults.
+    fn timeouts(&self, router: &RouterFile) -> Result<sim::CallTimeouts, String> {
+        let d = sim::CallTimeouts::default();
+        let secs = |flag: Option<u64>, name: &str, default: f64| -> Result<f64, String> {
+            match flag.or(whole_number(router, name)?) {
+                Some(0) => Err(format!("{name} must be above 0 ms")),
+                Some(ms) => Ok(ms as f64 / 1000.0),
+                None => Ok(default),
+            }
+        };
+        Ok(sim::CallTimeouts {
+            prefill: secs(self.prefill_timeout_ms, "prefill_timeout_ms", d.prefill)?,
+            decode_idle: secs(self.decode_idle_timeout_ms, "decode_idle_timeout_ms", d.decode_idle)?,
         })
     }
 
@@ -555,12 +582,14 @@ fn print_table(rows: &[(String, Outcome, Summary)], oracle: Option<References>, 
 /// What befell a run besides routing, from its decisions (failures and failovers, the router's queue), in one line;
 /// `None` when nothing did.
 fn events_line(decisions: &BTreeMap<String, u64>) -> Option<String> {
-    const EVENTS: [&str; 15] = [
+    const EVENTS: [&str; 17] = [
         "worker_failed",
         "worker_hung",
         "worker_erring",
         "worker_stuck",
         "stall_detected",
+        "prefill_timeout",
+        "decode_idle_timeout",
         "worker_ejected",
         "worker_back",
         "worker_resumed",
@@ -682,6 +711,39 @@ mod tests {
         std::fs::write(&file, "max_queue = -1\n").expect("written");
         let err = admission(&["--config", path]).expect_err("a negative queue");
         assert!(err.contains("max_queue must be a whole number"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn timeouts(args: &[&str]) -> Result<sim::CallTimeouts, String> {
+        use clap::Parser;
+        let parsed =
+            Cluster::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).map_err(|e| e.to_string())?;
+        parsed.cluster.timeouts(&parsed.cluster.router_file()?)
+    }
+
+    #[test]
+    fn call_timeouts_come_from_the_flags_then_the_router_file_then_the_routers_defaults() {
+        let d = sim::CallTimeouts::default();
+        assert_eq!((d.prefill, d.decode_idle), (180.0, 60.0));
+        assert_eq!(timeouts(&[]), Ok(d));
+        let dir = std::env::temp_dir().join(format!("tandem-sim-timeouts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let file = dir.join("router.toml");
+        std::fs::write(
+            &file,
+            "prefill_timeout_ms = 5000
+[scheduler]
+",
+        )
+        .expect("written");
+        let path = file.to_str().expect("a UTF-8 path");
+        assert_eq!(timeouts(&["--config", path]), Ok(sim::CallTimeouts { prefill: 5.0, ..d }));
+        assert_eq!(
+            timeouts(&["--config", path, "--prefill-timeout-ms", "7000", "--decode-idle-timeout-ms", "2500"]),
+            Ok(sim::CallTimeouts { prefill: 7.0, decode_idle: 2.5 })
+        );
+        let err = timeouts(&["--decode-idle-timeout-ms", "0"]).expect_err("no limit at all");
+        assert!(err.contains("decode_idle_timeout_ms must be above 0"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
