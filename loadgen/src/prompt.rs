@@ -43,10 +43,15 @@ impl PromptBuilder {
         self.prompt_with_room(r, index, max_isl, 0)
     }
 
-    /// [`prompt`](Self::prompt) in a vector with room for `room` more tokens (the output a caller appends).
+    /// [`prompt`](Self::prompt) in a vector with room for `room` more tokens (the output a caller appends). A
+    /// literal prompt is its own tokens ([`crate::trace::tokenize_literals`]).
     pub fn prompt_with_room(&self, r: &TraceRequest, index: usize, max_isl: Option<usize>, room: usize) -> Prompt {
         let want = r.input_length;
         let mut tokens: Vec<u32> = Vec::with_capacity(want.min(max_isl.unwrap_or(usize::MAX)).max(1) + room);
+        if let Some(literal) = &r.literal {
+            // Its length is its token count: nothing is added to it.
+            tokens.extend_from_slice(&literal.tokens);
+        }
         for &id in &r.hash_ids {
             if tokens.len() >= want {
                 break;

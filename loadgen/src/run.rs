@@ -78,7 +78,12 @@ impl Shared {
             (a, b) => a.or(b),
         };
         let p = self.text.builder.prompt(r, index, limit);
-        Job { index, prompt_len: p.tokens.len(), prompt: self.text.tokenizer.decode(&p.tokens), clipped: p.clipped }
+        // A literal prompt goes as it was written, unless it had to be cut.
+        let prompt = match r.literal.as_ref().filter(|_| !p.clipped) {
+            Some(l) => l.text.clone(),
+            None => self.text.tokenizer.decode(&p.tokens),
+        };
+        Job { index, prompt_len: p.tokens.len(), prompt, clipped: p.clipped }
     }
 
     fn ms(&self, at: Instant) -> f64 {

@@ -72,6 +72,7 @@ impl SyntheticSpec {
                     session_id: (turns > 1).then(|| format!("s{session}")),
                     delay_ms: (turn > 0).then_some(self.turn_delay_ms),
                     recorded: None,
+                    literal: None,
                 });
             }
             session += 1;

@@ -21,6 +21,26 @@ pub struct TraceRequest {
     /// What a router recording says about the request (`tandem router --record-trace`); boxed, so that a trace of
     /// millions of requests without it takes a third of the memory.
     pub recorded: Option<Box<Recorded>>,
+    /// The prompt itself, when the workload gives it (aiperf's `text_input`) instead of its length: it is sent as
+    /// it is, and `input_length` is its token count once [`tokenize_literals`] has read it.
+    pub literal: Option<Box<LiteralPrompt>>,
+}
+
+/// A prompt given as text, and its tokens (empty until [`tokenize_literals`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LiteralPrompt {
+    pub text: String,
+    pub tokens: Vec<u32>,
+}
+
+/// Tokenizes the literal prompts of `requests` with the served model's tokenizer, setting their `input_length`.
+pub fn tokenize_literals(requests: &mut [TraceRequest], tokenizer: &engine::tokenizer::Tokenizer) {
+    for r in requests {
+        if let Some(l) = r.literal.as_mut() {
+            l.tokens = tokenizer.encode(&l.text);
+            r.input_length = l.tokens.len().max(1);
+        }
+    }
 }
 
 /// A recorded request's tenant and the router's decision, and how it ended.
@@ -117,16 +137,18 @@ pub enum TraceError {
 #[serde(deny_unknown_fields)]
 struct MooncakeLine {
     timestamp: Option<f64>,
-    input_length: usize,
+    /// The prompt's length, or (aiperf) `text_input`, the prompt itself: exactly one of them.
+    input_length: Option<usize>,
     output_length: usize,
     #[serde(default)]
     hash_ids: Vec<u64>,
     session_id: Option<String>,
     delay: Option<f64>,
-    // aiperf accepts a literal prompt in place of lengths; lengths are what a replay needs, so it is ignored.
     #[serde(default)]
-    #[allow(dead_code)]
     text_input: Option<String>,
+    /// aiperf's chat payload form: refused by name (a replay here sends a prompt, not a conversation).
+    #[serde(default)]
+    messages: Option<serde_json::Value>,
     /// A router recording's own fields.
     tandem: Option<Recorded>,
     /// aiperf's dataset type, which a file may spell out: only `mooncake_trace` is this format.
@@ -238,9 +260,23 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
             continue;
         }
         let l: MooncakeLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
-        if l.input_length == 0 {
-            return Err(bad("input_length must be at least 1".into()));
+        if l.messages.is_some() {
+            return Err(
+                bad("`messages` lines are not replayed: give the prompt as text_input, or input_length".into()),
+            );
         }
+        let (input_length, literal) = match (l.input_length, l.text_input) {
+            (Some(0), None) => return Err(bad("input_length must be at least 1".into())),
+            (Some(n), None) => (n, None),
+            (None, Some(_)) if !l.hash_ids.is_empty() => {
+                return Err(bad("hash_ids go with input_length, not with text_input".into()));
+            }
+            (None, Some(text)) if text.is_empty() => return Err(bad("text_input is empty".into())),
+            // Its length is its token count, known once tokenized ([`tokenize_literals`]).
+            (None, Some(text)) => (1, Some(Box::new(LiteralPrompt { text, tokens: Vec::new() }))),
+            (Some(_), Some(_)) => return Err(bad("input_length and text_input exclude each other".into())),
+            (None, None) => return Err(bad("a request needs input_length or text_input".into())),
+        };
         if let Some(kind) = l.kind.filter(|k| k != "mooncake_trace") {
             return Err(bad(format!("type {kind:?} is not a mooncake_trace line")));
         }
@@ -254,12 +290,13 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
         }
         out.push(TraceRequest {
             arrival_ms: l.timestamp,
-            input_length: l.input_length,
+            input_length,
             output_length: l.output_length.max(1),
             hash_ids: l.hash_ids,
             session_id: l.session_id,
             delay_ms: l.delay,
             recorded: l.tandem.map(Box::new),
+            literal,
         });
     }
     if out.is_empty() {
@@ -473,6 +510,29 @@ mod tests {
         let early = text.replace(r#""request": 1,"#, r#""request": 2,"#);
         let e = parse_mooncake(&early).expect_err("an output before its request");
         assert!(e.to_string().starts_with("line 4: no request 2"), "{e}");
+    }
+
+    #[test]
+    fn aiperf_text_input_is_the_prompt_and_excludes_a_length() {
+        let text = r#"{"timestamp": 0, "text_input": "What is the capital of France?", "output_length": 20}
+{"timestamp": 5, "input_length": 30, "output_length": 2}
+"#;
+        let r = parse_mooncake(text).expect("parses");
+        let literal = r[0].literal.as_ref().expect("the prompt itself");
+        assert_eq!((literal.text.as_str(), literal.tokens.len()), ("What is the capital of France?", 0));
+        assert!(r[1].literal.is_none());
+        let refused = |line: &str, why: &str| {
+            let e = parse_mooncake(line).expect_err(why);
+            assert!(e.to_string().contains(why), "{e}");
+        };
+        refused(r#"{"timestamp": 0, "text_input": "hi", "input_length": 3, "output_length": 1}"#, "exclude each other");
+        refused(r#"{"timestamp": 0, "text_input": "hi", "hash_ids": [1], "output_length": 1}"#, "hash_ids go with");
+        refused(r#"{"timestamp": 0, "text_input": "", "output_length": 1}"#, "text_input is empty");
+        refused(r#"{"timestamp": 0, "output_length": 1}"#, "needs input_length or text_input");
+        refused(
+            r#"{"timestamp": 0, "messages": [{"role": "user", "content": "hi"}], "output_length": 1}"#,
+            "`messages`",
+        );
     }
 
     #[test]

@@ -32,3 +32,19 @@ fn trace_prompts_re_tokenize_block_for_block() {
     }
     assert!(shared_blocks > 1, "the sample shares prefixes");
 }
+
+#[test]
+fn a_literal_prompt_is_sent_as_its_own_tokens() {
+    let tok = tokenizer();
+    let builder = PromptBuilder::new(tok.plain_words(), 512);
+    let text =
+        "{\"timestamp\": 0, \"text_input\": \"Explain quantum computing in simple terms.\", \"output_length\": 9}\n";
+    let mut requests = loadgen::trace::parse_mooncake(text).expect("parses");
+    loadgen::trace::tokenize_literals(&mut requests, &tok);
+    let want = tok.encode("Explain quantum computing in simple terms.");
+    assert_eq!(requests[0].input_length, want.len(), "its length is its token count");
+    let p = builder.prompt(&requests[0], 0, None);
+    assert_eq!((p.tokens.clone(), p.clipped), (want.clone(), false));
+    let cut = builder.prompt(&requests[0], 0, Some(3));
+    assert_eq!((cut.tokens.as_slice(), cut.clipped), (&want[..3], true), "cut to the longest prompt allowed");
+}

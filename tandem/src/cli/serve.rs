@@ -140,7 +140,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         return Err("--speedup, --burstiness and --rate must be positive".into());
     }
     let block = loadgen::trace::block_size(args.trace.as_deref(), args.trace_block_size)?;
-    let requests = read_workload(args.trace.as_deref(), &args.synthetic, args.max_requests, args.seed, block)?;
+    let mut requests = read_workload(args.trace.as_deref(), &args.synthetic, args.max_requests, args.seed, block)?;
     let (authority, base_path) = Target::parse_url(&args.url)?;
     let path = match &args.tokenizer_model {
         Some(p) => p.clone(),
@@ -150,6 +150,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         &engine::gguf::GgufFile::open(&path).map_err(|e| format!("{}: {e}", path.display()))?,
     )
     .map_err(|e| e.to_string())?;
+    loadgen::trace::tokenize_literals(&mut requests, &tokenizer);
     let text = Text { builder: PromptBuilder::new(tokenizer.plain_words(), block), tokenizer: Arc::new(tokenizer) };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     runtime.block_on(async move {
