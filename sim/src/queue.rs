@@ -119,7 +119,7 @@ impl<E> Queue<E> {
 
     /// The next event and its time.
     pub fn pop(&mut self) -> Option<(f64, E)> {
-        // Whichever comes out first of the two lanes' fronts and the heap's top.
+        // Whichever comes out first of the up-front lane's front, the timeout lanes' fronts and the heap's top.
         let lane = self.lane.front().map(|f| (f.0, f.1));
         let heap = self.heap.peek().map(|h| (h.at, h.order));
         let before = |a: Option<(f64, u64)>, b: Option<(f64, u64)>| match (a, b) {
