@@ -55,9 +55,12 @@ pub struct Args {
     /// Share of requests meeting the SLO for a swept rate to count as sustained.
     #[arg(long, default_value_t = DEFAULT_ATTAINMENT)]
     attainment: f64,
-    /// Send at most this many requests (the trace's first ones).
+    /// Send at most this many requests (the trace's first ones, after --skip-requests).
     #[arg(long)]
     max_requests: Option<usize>,
+    /// Leave out the trace's first N requests: a window further into it (its arrivals count from the first sent).
+    #[arg(long, default_value_t = 0)]
+    skip_requests: usize,
     /// Stop sending new requests after this many seconds.
     #[arg(long)]
     duration: Option<f64>,
@@ -140,7 +143,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         return Err("--speedup, --burstiness and --rate must be positive".into());
     }
     let block = loadgen::trace::block_size(args.trace.as_deref(), args.trace_block_size)?;
-    let mut requests = read_workload(args.trace.as_deref(), &args.synthetic, args.max_requests, args.seed, block)?;
+    let window = Window { skip: args.skip_requests, max: args.max_requests };
+    let mut requests = read_workload(args.trace.as_deref(), &args.synthetic, window, args.seed, block)?;
     let (authority, base_path) = Target::parse_url(&args.url)?;
     let path = match &args.tokenizer_model {
         Some(p) => p.clone(),
@@ -194,17 +198,38 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     })
 }
 
+/// Which of a trace's requests to take: from the `skip`-th (arrivals then count from the first taken; a later turn
+/// of a session whose earlier turns were left out arrives at the start), at most `max` of them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Window {
+    pub skip: usize,
+    pub max: Option<usize>,
+}
+
 /// The requests of `trace`, or of the synthetic workload `synthetic` describes when there is none (seeded by
-/// `seed`); the first `max_requests` of them. Shared by `bench serve` and `sim`.
+/// `seed`), in `window`. Shared by `bench serve` and `sim`.
 pub(super) fn read_workload(
     trace: Option<&std::path::Path>,
     synthetic: &SyntheticArgs,
-    max_requests: Option<usize>,
+    window: Window,
     seed: u64,
     trace_block: usize,
 ) -> Result<Vec<TraceRequest>, String> {
+    let max_requests = window.max;
     let mut requests = match trace {
-        Some(path) => loadgen::trace::read(path)?,
+        Some(path) => {
+            let mut all = loadgen::trace::read(path)?;
+            if window.skip >= all.len() && window.skip > 0 {
+                return Err(format!(
+                    "--skip-requests {} leaves none of the trace's {} requests",
+                    window.skip,
+                    all.len()
+                ));
+            }
+            all.drain(..window.skip);
+            all
+        }
+        None if window.skip > 0 => return Err("--skip-requests windows a trace: give --trace".into()),
         None => {
             let s = synthetic;
             let spec = SyntheticSpec {
@@ -402,5 +427,39 @@ fn print_table(s: &Summary) {
     }
     if !s.valid {
         println!("INVALID RUN: {}", s.invalid_reasons.join("; "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Synthetic {
+        #[command(flatten)]
+        synthetic: SyntheticArgs,
+    }
+
+    #[test]
+    fn a_window_leaves_out_the_first_requests_then_takes_at_most_max() {
+        use clap::Parser;
+        let synthetic = Synthetic::parse_from(["serve"]).synthetic;
+        let dir = std::env::temp_dir().join(format!("tandem-serve-window-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let trace = dir.join("t.jsonl");
+        let lines: String = (1..=5)
+            .map(|k| format!("{{\"timestamp\": {}, \"input_length\": {k}, \"output_length\": 1}}\n", 100 * k))
+            .collect();
+        std::fs::write(&trace, lines).expect("written");
+        let read = |skip, max| read_workload(Some(&trace), &synthetic, Window { skip, max }, 0, 512);
+        let lengths = |r: Vec<TraceRequest>| r.iter().map(|x| x.input_length).collect::<Vec<_>>();
+        assert_eq!(read(0, None).map(lengths), Ok(vec![1, 2, 3, 4, 5]));
+        assert_eq!(read(2, Some(2)).map(lengths), Ok(vec![3, 4]));
+        assert_eq!(read(4, Some(9)).map(lengths), Ok(vec![5]));
+        let e = read(5, None).expect_err("nothing left");
+        assert!(e.contains("leaves none of the trace's 5 requests"), "{e}");
+        let e = read_workload(None, &synthetic, Window { skip: 1, max: Some(3) }, 0, 512).expect_err("no trace");
+        assert!(e.contains("give --trace"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

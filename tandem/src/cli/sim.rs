@@ -42,9 +42,12 @@ pub struct WorkloadArgs {
     burstiness: f64,
     #[command(flatten)]
     synthetic: super::serve::SyntheticArgs,
-    /// Only the trace's first N requests.
+    /// Only the trace's first N requests (after --skip-requests).
     #[arg(long)]
     max_requests: Option<usize>,
+    /// Leave out the trace's first N requests: a window further into it (its arrivals count from the first taken).
+    #[arg(long, default_value_t = 0)]
+    skip_requests: usize,
     /// Tokens per trace block id (default: Mooncake's 512; a router recording and a Bailian trace state their own).
     #[arg(long)]
     trace_block_size: Option<usize>,
@@ -70,7 +73,7 @@ impl WorkloadArgs {
         let requests = super::serve::read_workload(
             self.trace.as_deref(),
             &self.synthetic,
-            self.max_requests,
+            super::serve::Window { skip: self.skip_requests, max: self.max_requests },
             seed,
             self.trace_block()?,
         )?;
