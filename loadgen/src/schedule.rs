@@ -38,6 +38,20 @@ impl Arrivals {
     }
 }
 
+/// Under the trace's own schedule, the first request that has no timestamp and no earlier turn of its session to
+/// follow (aiperf's traces may leave timestamps out, for a rate or a concurrency to set the pace): there is no
+/// moment to send it at.
+pub fn untimed(requests: &[TraceRequest], arrivals: &Arrivals) -> Option<usize> {
+    if !matches!(arrivals, Arrivals::Trace { .. }) {
+        return None;
+    }
+    let mut sessions = std::collections::HashSet::new();
+    requests.iter().position(|r| {
+        let follows = r.session_id.as_deref().is_some_and(|s| !sessions.insert(s));
+        r.arrival_ms.is_none() && !follows
+    })
+}
+
 /// The start of every request, in order.
 pub fn plan(requests: &[TraceRequest], arrivals: &Arrivals) -> Vec<Start> {
     let mut last_turn: HashMap<&str, usize> = HashMap::new();
@@ -88,6 +102,18 @@ mod tests {
         assert_eq!(p, [Start::At(0.0), Start::At(250.0), Start::At(1000.0)]);
         let p = plan(&[at(1500.0), at(1000.0), at(3000.0)], &Arrivals::Trace { speedup: 1.0 });
         assert_eq!(p, [Start::At(500.0), Start::At(0.0), Start::At(2000.0)], "from the earliest, not the first");
+    }
+
+    #[test]
+    fn a_request_with_no_moment_to_start_is_named_under_the_traces_schedule_only() {
+        let untimed_req = TraceRequest { arrival_ms: None, ..at(0.0) };
+        let turn = |s: &str, ms: Option<f64>| TraceRequest { arrival_ms: ms, session_id: Some(s.into()), ..at(0.0) };
+        let trace = Arrivals::Trace { speedup: 1.0 };
+        assert_eq!(untimed(&[at(0.0), turn("a", Some(1.0)), turn("a", None)], &trace), None, "a later turn follows");
+        assert_eq!(untimed(&[at(0.0), untimed_req.clone()], &trace), Some(1));
+        assert_eq!(untimed(&[turn("b", None)], &trace), Some(0), "a session's first turn needs a moment of its own");
+        assert_eq!(untimed(std::slice::from_ref(&untimed_req), &Arrivals::Concurrency(2)), None);
+        assert_eq!(untimed(&[untimed_req], &Arrivals::Rate { rate: 1.0, burstiness: 1.0, seed: 0 }), None);
     }
 
     #[test]

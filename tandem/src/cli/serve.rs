@@ -145,6 +145,11 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let block = loadgen::trace::block_size(args.trace.as_deref(), args.trace_block_size)?;
     let window = Window { skip: args.skip_requests, max: args.max_requests };
     let mut requests = read_workload(args.trace.as_deref(), &args.synthetic, window, args.seed, block)?;
+    if !picks.iter().any(|p| *p)
+        && let Some(k) = loadgen::schedule::untimed(&requests, &Arrivals::Trace { speedup: args.speedup })
+    {
+        return Err(untimed_error(k, "--rate, --concurrency or --sweep-rate"));
+    }
     let (authority, base_path) = Target::parse_url(&args.url)?;
     let path = match &args.tokenizer_model {
         Some(p) => p.clone(),
@@ -196,6 +201,16 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             }
         }
     })
+}
+
+/// Why a workload cannot follow the trace's own schedule: its request `k` (from 0) has no moment to be sent at;
+/// `flags` name the schedules that set one.
+pub(super) fn untimed_error(k: usize, flags: &str) -> String {
+    format!(
+        "request {} of the workload has no timestamp and follows no earlier turn of its session: give {flags} to \
+         set the pace",
+        k + 1
+    )
 }
 
 /// Which of a trace's requests to take: from the `skip`-th (arrivals then count from the first taken; a later turn

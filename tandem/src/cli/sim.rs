@@ -77,6 +77,9 @@ impl WorkloadArgs {
             seed,
             self.trace_block()?,
         )?;
+        if let Some(k) = loadgen::schedule::untimed(&requests, &arrivals) {
+            return Err(super::serve::untimed_error(k, "--rate"));
+        }
         Ok((requests, arrivals))
     }
 }
