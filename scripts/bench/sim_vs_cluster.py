@@ -365,7 +365,7 @@ def main():
         sys.exit("--trace and --speedup replay a trace on the mock cluster; --engine cpu runs the synthetic workload "
                  "at --rate")
     # The router's limits on its calls, the same in both routers.
-    stall_after = [flag for name, value in (("--stall-after-ms", args.stall_after_ms),
+    call_limits = [flag for name, value in (("--stall-after-ms", args.stall_after_ms),
                                             ("--prefill-timeout-ms", args.prefill_timeout_ms),
                                             ("--decode-idle-timeout-ms", args.decode_idle_timeout_ms))
                    if value is not None for flag in (name, str(value))]
@@ -382,7 +382,7 @@ def main():
             # too: a router left at the embedded model's context would cut the trace's long prompts.
             context = ["--max-model-len", "131072"]
             worker_flags = [*tiers, *budget, *context, *(["--mock-fault", "stall"] if args.stall else [])]
-            router_flags = [*recording, "--stream-kv", args.stream_kv, *admission, *context, *stall_after]
+            router_flags = [*recording, "--stream-kv", args.stream_kv, *admission, *context, *call_limits]
             cluster = process_cluster(args.tandem, args.prefill, args.decode, worker_flags, router_flags, d / "up.log")
         else:
             cluster = mock_cluster(args.tandem, [*flags, *recording[:3]], engine=args.engine, log=d / "up.log")
@@ -413,7 +413,7 @@ def main():
     config.write_text(f'[scheduler]\nties = "{args.ties}"\nslow_start_secs = 0\n')
     fail = [arg for flag in ("fail", "hang", "errors", "stall") if getattr(args, flag)
             for arg in (f"--{flag}", getattr(args, flag))]
-    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail, *stall_after,
+    sim = subprocess.run([args.tandem, "sim", *workload, *profile, *budget, *admission, *fail, *call_limits,
                           "--prefill", str(args.prefill), "--decode", str(args.decode), "--policies", args.policy,
                           "--seed", str(args.seed), "--kv-blocks", str(blocks), "--host-blocks", str(2 * blocks),
                           "--slo", SLO, "--config", str(config), "--stream-kv", args.stream_kv,

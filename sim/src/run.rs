@@ -273,7 +273,6 @@ pub fn simulate(settings: &Settings, workload: &[TraceRequest], starts: &[Start]
         match ev {
             Ev::WaitEnds(i) if !sim.live[i].waiting => continue,
             Ev::Deadline(i) if sim.live[i].on.is_none() => continue,
-            Ev::CallTimer { i, call, .. } if sim.live[i].call != call || sim.live[i].on.is_none() => continue,
             _ => {}
         }
         sim.handle(at, ev);
