@@ -3,7 +3,7 @@
 # target/device): the synthetic model made here from the same seed (its fingerprint must match), the parity of the
 # CUDA backend's logits with the CPU reference's on fixed steps (the exit status), then speed: the CUDA backend's
 # prefill and decode figures and PyTorch's on the same weights (scripts/device/torch_speed.py). Results under $OUT
-# (the device tool's folder) or DIR/out; at most 8 minutes (the timeouts add to 480 s). docs/cuda.md.
+# (the device tool's folder) or DIR/out; at most 8 minutes (the timeouts add to 465 s). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
@@ -15,12 +15,18 @@ for b in nvidia.__path__:
     print(' '.join(glob.glob(os.path.join(b, '*', 'lib'))))" 2>/dev/null); do
     [ -d "$d" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
 done
-export LD_LIBRARY_PATH
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}" RUST_BACKTRACE=1
+# Seconds since the check began, before each part: where the minutes go, to plan the next run.
+t0=$(date +%s)
+part() { echo "== [$(($(date +%s) - t0)) s] $*"; }
 {
-    echo "== machine"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv 2>&1 | head -5
+    part "machine"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | head -5
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-    echo "== synthetic model (seed $(cat "$DIR/seed"))"
+    # Which CUDA libraries the loader will find, and their versions.
+    ldconfig -p 2>/dev/null | grep -E "libcuda\.so|libnvrtc\.so|libcublas\.so" | head -6
+    for d in ${LD_LIBRARY_PATH//:/ }; do ls "$d" 2>/dev/null | grep -E "^lib(nvrtc|cublas)\.so" | sed "s|^|$d/|"; done
+    part "synthetic model (seed $(cat "$DIR/seed"))"
     got=$("$T" model synth --seed "$(cat "$DIR/seed")" --out "$RESULTS/synth.gguf" | awk '{print $2}') || exit 1
     want=$(cat "$DIR/synth.fingerprint")
     if [ "$got" != "$want" ]; then
@@ -28,18 +34,21 @@ export LD_LIBRARY_PATH
         exit 1
     fi
     echo "same bytes as the reference's model: $got"
-    echo "== parity with the CPU reference"
-    timeout 120 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
+    part "parity with the CPU reference"
+    timeout 90 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
     status=$?
-    echo "== speed: the CUDA backend on the synthetic model (SmolLM2-135M's shapes)"
-    timeout 60 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
+    part "speed: the CUDA backend on the synthetic model (SmolLM2-135M's shapes)"
+    timeout 45 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
         --decode-tokens 16 --json | tee "$RESULTS/speed-4096.json"
-    timeout 120 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
+    timeout 90 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
         --batches 1,16,64,256 --json | tee "$RESULTS/speed-512.json"
-    echo "== speed: PyTorch on the same weights (eager; torch.compile with a static cache)"
+    part "speed: PyTorch on the same weights (eager; torch.compile with a static cache)"
     "$T" model export --safetensors "$RESULTS/hf" --model "$RESULTS/synth.gguf" >/dev/null &&
-        timeout 180 python3 "$(dirname "$0")/torch_speed.py" "$RESULTS/hf" | tee "$RESULTS/torch.json"
+        timeout 60 python3 "$(dirname "$0")/export_parity.py" "$RESULTS/hf" "$DIR/parity.bin" 2>&1 | grep -v Loading
+    PYTHONUNBUFFERED=1 timeout 240 python3 "$(dirname "$0")/torch_speed.py" "$RESULTS/hf" \
+            --out "$RESULTS/torch.json"
     rm -rf "$RESULTS/synth.gguf" "$RESULTS/hf"
+    part "done"
     exit $status
 } 2>&1 | tee "$RESULTS/check.txt"
 exit "${PIPESTATUS[0]}"
