@@ -8,7 +8,7 @@ Prints one JSON object at the end and rewrites it to --out after every figure, s
 still leaves what it measured. A measurement that fails is reported with its error instead of a figure.
 
 Usage: python3 scripts/device/torch_speed.py DIR [--out FILE] [--prompts 512,4096] [--batches 1,16,64,256]
-       [--compile 1,16] [--steps 64] [--context 128] [--device cuda|cpu]
+       [--compile 1,16] [--steps 128] [--context 128] [--device cuda|cpu]
 """
 import argparse
 import json
@@ -26,7 +26,7 @@ def main():
     p.add_argument("--prompts", default="512,4096")
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--compile", default="1,16", help="batch sizes also measured compiled (slow to build)")
-    p.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    p.add_argument("--steps", type=int, default=128, help="decode steps timed (bench engine decodes 128)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens before decoding")
     p.add_argument("--device", default="cuda", help="cpu only to try the script out (f32, no CUDA graphs)")
     args = p.parse_args()
