@@ -1,15 +1,14 @@
 //! One simulated worker: the real engine (scheduler, block pool, export and import) over a mock backend in
 //! virtual time, plus what the worker process around it does that routing sees: KV events and load reports.
 
-use engine::generate::{EngineConfig, EngineStats, Output, Stepper};
-use kv_cache::events::{EventId, KvEvent, Tier};
+use engine::generate::{EngineConfig, EngineStats, LoadMark, Output, Stepper};
+use kv_cache::events::{EventId, KvEvent};
 use router::load::Report;
 use router::scheduler::view::{WorkerId, WorkerRole};
 
-/// A worker reports its load at least this often (the router's `WatchLoad` period)…
+/// A worker reports its load at least this often (the router's `WatchLoad` period), and at once when it moves a
+/// lot (`LoadMark::moved_since`, the rule a worker applies).
 pub const REPORT_PERIOD: f64 = 0.100;
-/// …and at once when its device block use moves by this share of capacity (as `worker::service::subscribe`).
-const LARGE_BLOCK_CHANGE: f64 = 0.10;
 
 pub struct SimWorker {
     pub id: WorkerId,
@@ -54,7 +53,7 @@ pub struct SimWorker {
     pub(crate) cancels: Vec<u64>,
     /// Per router replica (each follows its own load stream): the load the last report carried and when it was
     /// sent.
-    reported: Vec<Option<(Load, f64)>>,
+    reported: Vec<Option<(LoadMark, f64)>>,
     /// When the worker's network link is next free (transfers queue on it).
     pub link_free: f64,
     /// Modelled KV bytes pulled and the seconds it took (what a mock worker reports).
@@ -126,11 +125,9 @@ impl SimWorker {
     /// lot since the report that stream last carried). Whether any is due is told from the few figures that
     /// decide it; the engine's whole state is read only for a report that goes out (this runs after every step).
     pub fn reports_due(&mut self, now: f64) -> Vec<(usize, Report)> {
-        let (running, waiting) = self.engine.held();
-        let device = self.engine.engine().kv_usage(Tier::Device);
-        let load = Load { running, waiting, used: device.used, capacity: device.used + device.cached + device.free };
-        let is_due = |r: &Option<(Load, f64)>| {
-            r.as_ref().is_none_or(|(prev, at)| now - at >= REPORT_PERIOD || large(prev, &load))
+        let load = self.engine.load_mark();
+        let is_due = |r: &Option<(LoadMark, f64)>| {
+            r.as_ref().is_none_or(|(prev, at)| now - at >= REPORT_PERIOD || load.moved_since(prev))
         };
         if !self.reported.iter().any(is_due) {
             return Vec::new();
@@ -157,7 +154,7 @@ impl SimWorker {
             waiting: stats.waiting as u64,
             active_prefill_tokens: stats.prefill_tokens_pending as u64,
             // As a worker reports it: blocks held only for a lease are not load.
-            device_used: device.used.saturating_sub(stats.leased_blocks) as u64,
+            device_used: stats.sequence_blocks() as u64,
             device_total: (device.used + device.cached + device.free) as u64,
             blocks_to_come: stats.blocks_to_come as u64,
             covered: self.engine.ids().map(|id| id.to_string()).collect(),
@@ -170,19 +167,52 @@ impl SimWorker {
     }
 }
 
-/// What decides whether a load report is due.
-#[derive(Clone, Copy, Debug)]
-struct Load {
-    running: usize,
-    waiting: usize,
-    /// Device blocks in use, of `capacity`.
-    used: usize,
-    capacity: usize,
-}
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+    use std::sync::Arc;
 
-fn large(prev: &Load, now: &Load) -> bool {
-    let capacity = now.capacity.max(1) as f64;
-    prev.running != now.running
-        || prev.waiting != now.waiting
-        || (prev.used as f64 - now.used as f64).abs() / capacity >= LARGE_BLOCK_CHANGE
+    use engine::backend::mock::MockSettings;
+    use engine::generate::{BackendChoice, Engine, Request};
+    use kv_cache::events::Tier;
+
+    use super::*;
+
+    /// A lease ending frees device blocks no sequence used. A worker does not count them as load, so no report is
+    /// due before its period; the simulated worker applies the same rule (it used to count them, and reported at
+    /// once).
+    #[test]
+    fn a_lease_ending_alone_sends_no_early_report() {
+        let model = engine::fetch::ensure_default_model(&engine::fetch::Quiet).expect("the embedded model");
+        let text = Arc::new(engine::text::TextModel::open(&model).expect("the model opens"));
+        let words: Arc<[u32]> = text.tokenizer().plain_words().as_slice().into();
+        let mock = MockSettings { virtual_time: true, context_len: 1024, ..MockSettings::gpu_default() };
+        let config =
+            EngineConfig { backend: BackendChoice::Mock(Box::new(mock)), kv_blocks: 64, ..EngineConfig::default() };
+        let engine = Engine::open_mock(text, words, config.clone()).expect("the engine opens");
+        let mut w =
+            SimWorker::new(WorkerId(0), "prefill-0".into(), WorkerRole::Prefill, Stepper::new(engine), 1, config);
+        // A 256-token prompt (16 blocks, a quarter of the device tier) prefilled for a decode worker.
+        let prompt: Vec<u32> = (0..256).map(|i| 1000 + i).collect();
+        let none: &[(usize, &[u8])] = &[];
+        let one = NonZeroU32::new(1).expect("one");
+        w.engine.submit(1, Request::greedy(prompt, one), true, &none).expect("queued");
+        let mut exported = None;
+        while w.engine.busy() {
+            for out in w.engine.step().outputs {
+                if let Output::Finished { exported: e, .. } = out {
+                    exported = e;
+                }
+            }
+        }
+        let lease = exported.expect("the prompt's KV");
+        assert!(w.engine.engine().kv_usage(Tier::Device).used >= 16, "the lease holds the prompt's blocks");
+        assert_eq!(w.engine.load_mark().used, 0, "no sequence holds them");
+        assert_eq!(w.reports_due(0.0).len(), 1, "the first report");
+        drop(lease);
+        w.engine.reclaim_pinned();
+        assert_eq!(w.engine.load_mark(), w.engine.stats().mark());
+        assert!(w.reports_due(0.010).is_empty(), "nothing a router counts moved: the report waits for its period");
+        assert_eq!(w.reports_due(REPORT_PERIOD).len(), 1);
+    }
 }

@@ -61,6 +61,52 @@ pub struct EngineStats {
     pub tags: Vec<Tag>,
 }
 
+impl EngineStats {
+    /// Device blocks the engine's sequences use: what routers count as load (blocks held only for a lease,
+    /// waiting for a decode worker to read them, are not).
+    pub fn sequence_blocks(&self) -> usize {
+        self.usage[0].used.saturating_sub(self.leased_blocks)
+    }
+
+    /// The figures that decide whether a load report is due early.
+    pub fn mark(&self) -> LoadMark {
+        let device = self.usage[0];
+        LoadMark {
+            running: self.running,
+            waiting: self.waiting,
+            used: self.sequence_blocks(),
+            capacity: device.used + device.cached + device.free,
+        }
+    }
+}
+
+/// A move in the device blocks a worker's sequences use, as a share of its device blocks, that is reported at once
+/// rather than at the next period.
+pub const LARGE_BLOCK_CHANGE: f64 = 0.10;
+
+/// The figures that decide whether a worker's load report goes out before its period. A worker
+/// (`worker::service::subscribe`) and a simulated one (`sim::worker`) apply the same rule to them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadMark {
+    pub running: usize,
+    pub waiting: usize,
+    /// Device blocks the sequences use ([`EngineStats::sequence_blocks`]).
+    pub used: usize,
+    /// Device blocks in all.
+    pub capacity: usize,
+}
+
+impl LoadMark {
+    /// Whether the load moved enough since `prev` to tell the routers now: a sequence started, finished or
+    /// queued, or the sequences' device blocks moved by [`LARGE_BLOCK_CHANGE`] of capacity.
+    pub fn moved_since(&self, prev: &LoadMark) -> bool {
+        let capacity = self.capacity.max(1) as f64;
+        prev.running != self.running
+            || prev.waiting != self.waiting
+            || (prev.used as f64 - self.used as f64).abs() / capacity >= LARGE_BLOCK_CHANGE
+    }
+}
+
 /// What a caller names a request by when it submits it, to find it again in [`EngineStats::tags`] (a worker tags
 /// each call, so that a load report names exactly the requests its figures count).
 pub type Tag = u64;

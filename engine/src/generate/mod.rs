@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-pub use handle::{EngineHandle, EngineStats, SeqEvent, SeqStream, StepHold, SubmitError, Tag};
+pub use handle::{EngineHandle, EngineStats, LoadMark, SeqEvent, SeqStream, StepHold, SubmitError, Tag};
 use kv_cache::CacheNamespace;
 use kv_cache::events::{EventId, KvEvent, Snapshot, Tier, TooOld};
 use kv_cache::pool::{BlockPool, PoolError, TierSizes, TierUsage};

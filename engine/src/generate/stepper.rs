@@ -5,10 +5,10 @@
 
 use std::time::Instant;
 
-use kv_cache::events::{EventId, KvEvent, TooOld};
+use kv_cache::events::{EventId, KvEvent, Tier, TooOld};
 use kv_cache::pool::PrefixMatch;
 
-use super::handle::EngineStats;
+use super::handle::{EngineStats, LoadMark};
 use super::sequence::{Seq, take_finished};
 use super::{Completion, Engine, EngineError, Event, ExportedKv, FinishReason, PulledBlocks, Request};
 use crate::sampling::SamplingParams;
@@ -162,6 +162,19 @@ impl Stepper {
     /// The engine's state, as a worker publishes it for load reports.
     pub fn stats(&self) -> EngineStats {
         self.engine.stats_of(&self.seqs)
+    }
+
+    /// [`Stepper::stats`]'s [`EngineStats::mark`] without the rest of its figures (read after every simulated
+    /// step).
+    pub fn load_mark(&self) -> LoadMark {
+        let (running, waiting) = self.held();
+        let device = self.engine.kv_usage(Tier::Device);
+        LoadMark {
+            running,
+            waiting,
+            used: device.used.saturating_sub(self.engine.leased_blocks()),
+            capacity: device.used + device.cached + device.free,
+        }
     }
 
     /// Sequences running and waiting: [`Stepper::stats`]'s counts without the rest of its figures.

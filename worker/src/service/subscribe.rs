@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::generate::{EngineHandle, EngineStats};
+use engine::generate::{EngineHandle, EngineStats, LoadMark};
 use kv_cache::events::EventId;
 use proto::worker as pb;
 use tokio::sync::mpsc;
@@ -23,31 +23,12 @@ const EVENT_POLL: Duration = Duration::from_millis(20);
 pub const EVENT_HEARTBEAT: Duration = Duration::from_secs(1);
 /// Load reports when the subscriber names no period.
 pub const DEFAULT_LOAD_INTERVAL: Duration = Duration::from_millis(100);
-/// A change of this fraction of the device tier's blocks is reported at once.
-const LARGE_BLOCK_CHANGE: f64 = 0.10;
-
-/// Whether the load moved enough since the last report to tell the router now rather than at the next period:
-/// a sequence started, finished or queued, or device block use moved by a tenth of capacity.
-fn large_change(prev: &EngineStats, now: &EngineStats) -> bool {
-    let device = |s: &EngineStats| sequence_blocks(s) as f64;
-    let capacity = (now.usage[0].used + now.usage[0].cached + now.usage[0].free).max(1) as f64;
-    prev.running != now.running
-        || prev.waiting != now.waiting
-        || (device(prev) - device(now)).abs() / capacity >= LARGE_BLOCK_CHANGE
-}
-
-/// Device blocks the engine's sequences use: what routers count as load (blocks held only for a lease, waiting
-/// for a decode worker to read them, are not).
-fn sequence_blocks(stats: &EngineStats) -> usize {
-    stats.usage[0].used.saturating_sub(stats.leased_blocks)
-}
-
 fn load_report(stats: &EngineStats, request_ids: Vec<String>, metrics: &WorkerMetrics) -> pb::LoadReport {
     let usage = kv_cache::events::Tier::ALL
         .iter()
         .map(|&t| {
             let u = stats.usage[t.index()];
-            let used = if t == kv_cache::events::Tier::Device { sequence_blocks(stats) } else { u.used };
+            let used = if t == kv_cache::events::Tier::Device { stats.sequence_blocks() } else { u.used };
             pb::TierUsage {
                 tier: convert::tier_to_pb(t) as i32,
                 used: used as u64,
@@ -81,18 +62,19 @@ async fn report_load(
     tx: mpsc::Sender<Result<pb::LoadReport, Status>>,
 ) {
     let mut state = engine.watch_stats();
-    let mut last: Option<(EngineStats, Instant)> = None;
+    let mut last: Option<(LoadMark, Instant)> = None;
     loop {
         // The calls the figures count, told by the tags published with them: a report never counts a request's
         // work without naming it (a router would add its own record of it on top), nor names one it does not count.
         let stats = state.borrow_and_update().clone();
         let ids = in_flight.ids_of(&stats.tags);
-        let due = last.as_ref().is_none_or(|(prev, at)| at.elapsed() >= period || large_change(prev, &stats));
+        let mark = stats.mark();
+        let due = last.as_ref().is_none_or(|(prev, at)| at.elapsed() >= period || mark.moved_since(prev));
         if due {
             if tx.send(Ok(load_report(&stats, ids, &metrics))).await.is_err() {
                 return;
             }
-            last = Some((stats, Instant::now()));
+            last = Some((mark, Instant::now()));
         }
         let wait = last.as_ref().map_or(period, |(_, at)| period.saturating_sub(at.elapsed()));
         tokio::select! {
