@@ -65,7 +65,7 @@ pub struct Settings {
     pub threads: Option<NonZeroUsize>,
     /// What computes steps: `cpu` (the model's forward pass), `mock` (no compute; each step takes the time its
     /// timing profile gives), or `cuda[:N]` (the forward pass on CUDA device N, in a build with `--features cuda`;
-    /// not yet verified on a GPU, docs/cuda.md).
+    /// checked against the CPU engine on an H100, not yet fast: docs/cuda.md).
     #[arg(long, env = "TANDEM_ENGINE")]
     pub engine: Option<String>,
     /// How the cpu engine computes matmuls over quantized weights: `reference` (f32 activations, what the golden

@@ -159,7 +159,7 @@ struct ModelArgs {
     #[arg(long, default_value = "reference", value_name = "fast|reference")]
     precision: engine::forward::Precision,
     /// Where the model computes: `cpu`, or `cuda[:N]` (the CUDA backend, in a build with `--features cuda`;
-    /// not yet verified on a GPU, see docs/cuda.md).
+    /// checked against the CPU engine on an H100, not yet fast: docs/cuda.md).
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
     device: engine::backend::Device,
 }

@@ -7,7 +7,7 @@
 //! the device's own compute capability (PTX from a toolkit newer than the driver would not load), once per
 //! process.
 //!
-//! [`CudaBackend`] is the forward pass over these kernels and cuBLAS. Not verified on a GPU yet (docs/cuda.md).
+//! [`CudaBackend`] is the forward pass over these kernels and cuBLAS, checked on an H100 (docs/cuda.md).
 
 mod forward;
 
