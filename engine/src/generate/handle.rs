@@ -65,18 +65,12 @@ impl EngineStats {
     /// Device blocks the engine's sequences use: what routers count as load (blocks held only for a lease,
     /// waiting for a decode worker to read them, are not).
     pub fn sequence_blocks(&self) -> usize {
-        self.usage[0].used.saturating_sub(self.leased_blocks)
+        self.mark().used
     }
 
     /// The figures that decide whether a load report is due early.
     pub fn mark(&self) -> LoadMark {
-        let device = self.usage[0];
-        LoadMark {
-            running: self.running,
-            waiting: self.waiting,
-            used: self.sequence_blocks(),
-            capacity: device.used + device.cached + device.free,
-        }
+        LoadMark::of(self.running, self.waiting, self.usage[0], self.leased_blocks)
     }
 }
 
@@ -97,6 +91,16 @@ pub struct LoadMark {
 }
 
 impl LoadMark {
+    /// From the sequences running and waiting, the device tier's usage, and the device blocks only a lease holds.
+    pub fn of(running: usize, waiting: usize, device: TierUsage, leased: usize) -> LoadMark {
+        LoadMark {
+            running,
+            waiting,
+            used: device.used.saturating_sub(leased),
+            capacity: device.used + device.cached + device.free,
+        }
+    }
+
     /// Whether the load moved enough since `prev` to tell the routers now: a sequence started, finished or
     /// queued, or the sequences' device blocks moved by [`LARGE_BLOCK_CHANGE`] of capacity.
     pub fn moved_since(&self, prev: &LoadMark) -> bool {

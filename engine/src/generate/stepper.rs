@@ -168,13 +168,7 @@ impl Stepper {
     /// step).
     pub fn load_mark(&self) -> LoadMark {
         let (running, waiting) = self.held();
-        let device = self.engine.kv_usage(Tier::Device);
-        LoadMark {
-            running,
-            waiting,
-            used: device.used.saturating_sub(self.engine.leased_blocks()),
-            capacity: device.used + device.cached + device.free,
-        }
+        LoadMark::of(running, waiting, self.engine.kv_usage(Tier::Device), self.engine.leased_blocks())
     }
 
     /// Sequences running and waiting: [`Stepper::stats`]'s counts without the rest of its figures.
