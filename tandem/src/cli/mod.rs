@@ -15,6 +15,7 @@ mod sim;
 mod sim_charts;
 mod tune;
 mod up;
+mod workload;
 
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};

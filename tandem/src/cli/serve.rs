@@ -11,11 +11,9 @@ use loadgen::prompt::PromptBuilder;
 use loadgen::run::{RunConfig, Text};
 use loadgen::schedule::Arrivals;
 use loadgen::summary::{Record, Slo, Summary};
-use loadgen::synthetic::SyntheticSpec;
-use loadgen::trace::TraceRequest;
 
-/// Requests a synthetic workload has when `--max-requests` does not say.
-const DEFAULT_SYNTHETIC_REQUESTS: usize = 100;
+use super::workload::{WorkloadArgs, untimed_error};
+
 /// Share of requests that must meet the SLO for a rate to count as sustained in a sweep.
 const DEFAULT_ATTAINMENT: f64 = 0.9;
 
@@ -33,19 +31,8 @@ pub struct Args {
     /// `completions` (exact prompt lengths) or `chat`.
     #[arg(long, default_value = "completions")]
     endpoint: String,
-    /// A Mooncake/aiperf `mooncake_trace` JSONL file, a Qwen Bailian JSONL trace, or an Azure LLM trace CSV (2023
-    /// or 2024).
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// Divide the trace's timestamps by this (fixed schedule).
-    #[arg(long, default_value_t = 1.0)]
-    speedup: f64,
-    /// Open-loop arrivals at this many requests per second instead of the trace's timestamps.
-    #[arg(long)]
-    rate: Option<f64>,
-    /// Gamma shape of the open-loop gaps: 1 is Poisson, lower is burstier (CV = 1/sqrt(B)).
-    #[arg(long, default_value_t = 1.0)]
-    burstiness: f64,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     /// Closed loop: keep this many requests in flight (cannot show overload).
     #[arg(long)]
     concurrency: Option<usize>,
@@ -55,21 +42,12 @@ pub struct Args {
     /// Share of requests meeting the SLO for a swept rate to count as sustained.
     #[arg(long, default_value_t = DEFAULT_ATTAINMENT)]
     attainment: f64,
-    /// Send at most this many requests (the trace's first ones, after --skip-requests).
-    #[arg(long)]
-    max_requests: Option<usize>,
-    /// Leave out the trace's first N requests: a window further into it (its arrivals count from the first sent).
-    #[arg(long, default_value_t = 0)]
-    skip_requests: usize,
     /// Stop sending new requests after this many seconds.
     #[arg(long)]
     duration: Option<f64>,
     /// Ask for exactly the trace's output lengths (no early end of text).
     #[arg(long)]
     ignore_eos: bool,
-    /// Tokens per trace block id (default: Mooncake's 512; a router recording and a Bailian trace state their own).
-    #[arg(long)]
-    trace_block_size: Option<usize>,
     /// Cut longer prompts to this many tokens (counted in the report; default: what fits the server's context
     /// from `/v1/models` `max_model_len`).
     #[arg(long)]
@@ -92,37 +70,9 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
-    #[command(flatten)]
-    synthetic: SyntheticArgs,
     /// A GGUF file whose tokenizer builds the prompts (the embedded model's by default).
     #[arg(long, value_name = "PATH")]
     tokenizer_model: Option<PathBuf>,
-}
-
-/// A synthetic shared-prefix workload (used when no `--trace` is given).
-#[derive(Debug, clap::Args)]
-pub(super) struct SyntheticArgs {
-    /// Distinct shared prefixes (system prompts).
-    #[arg(long, default_value_t = 8)]
-    prefixes: usize,
-    /// Tokens of each shared prefix (a multiple of --trace-block-size).
-    #[arg(long, default_value_t = 2048)]
-    prefix_len: usize,
-    /// Tokens each request adds of its own (per turn; a multiple of --trace-block-size).
-    #[arg(long, default_value_t = 512)]
-    suffix_len: usize,
-    /// Output tokens per request.
-    #[arg(long, default_value_t = 128)]
-    output_len: usize,
-    /// Zipf exponent of prefix popularity (0: uniform).
-    #[arg(long, default_value_t = 1.0)]
-    zipf: f64,
-    /// Turns per session; each re-sends the conversation so far.
-    #[arg(long, default_value_t = 1)]
-    turns: usize,
-    /// Milliseconds between a turn's answer and the next turn.
-    #[arg(long, default_value_t = 0.0)]
-    turn_delay_ms: f64,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
@@ -132,21 +82,19 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         "chat" => Endpoint::Chat,
         other => return Err(format!("endpoint {other:?} is not one of completions, chat")),
     };
-    let picks = [args.rate.is_some(), args.concurrency.is_some(), args.sweep_rate.is_some()];
+    let w = &args.workload;
+    let picks = [w.rate.is_some(), args.concurrency.is_some(), args.sweep_rate.is_some()];
     if picks.iter().filter(|p| **p).count() > 1 {
         return Err("give at most one of --rate, --concurrency, --sweep-rate".into());
     }
-    if args.trace.is_none() && !picks.iter().any(|p| *p) {
+    if w.trace.is_none() && !picks.iter().any(|p| *p) {
         return Err("a synthetic workload needs --rate, --concurrency or --sweep-rate (or give --trace)".into());
     }
-    if !(args.speedup > 0.0 && args.burstiness > 0.0) || args.rate.is_some_and(|r| r <= 0.0) {
-        return Err("--speedup, --burstiness and --rate must be positive".into());
-    }
-    let block = loadgen::trace::block_size(args.trace.as_deref(), args.trace_block_size)?;
-    let window = Window { skip: args.skip_requests, max: args.max_requests };
-    let mut requests = read_workload(args.trace.as_deref(), &args.synthetic, window, args.seed, block)?;
+    w.check_numbers()?;
+    let block = w.trace_block()?;
+    let mut requests = w.requests(args.seed, block)?;
     if !picks.iter().any(|p| *p)
-        && let Some(k) = loadgen::schedule::untimed(&requests, &Arrivals::Trace { speedup: args.speedup })
+        && let Some(k) = loadgen::schedule::untimed(&requests, &Arrivals::Trace { speedup: w.speedup })
     {
         return Err(untimed_error(k, "--rate, --concurrency or --sweep-rate"));
     }
@@ -178,7 +126,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         let base = RunConfig {
             target,
             requests,
-            arrivals: Arrivals::Trace { speedup: args.speedup },
+            arrivals: Arrivals::Trace { speedup: args.workload.speedup },
             duration: args.duration.map(Duration::from_secs_f64),
             ignore_eos: args.ignore_eos,
             max_isl: args.max_isl,
@@ -190,8 +138,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         match &args.sweep_rate {
             Some(spec) => sweep(&args, base, text, spec).await,
             None => {
-                let arrivals = match (args.rate, args.concurrency) {
-                    (Some(rate), _) => Arrivals::Rate { rate, burstiness: args.burstiness, seed: args.seed },
+                let arrivals = match (args.workload.rate, args.concurrency) {
+                    (Some(rate), _) => Arrivals::Rate { rate, burstiness: args.workload.burstiness, seed: args.seed },
                     (_, Some(c)) => Arrivals::Concurrency(c),
                     _ => base.arrivals.clone(),
                 };
@@ -201,71 +149,6 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             }
         }
     })
-}
-
-/// Why a workload cannot follow the trace's own schedule: its request `k` (from 0) has no moment to be sent at;
-/// `flags` name the schedules that set one.
-pub(super) fn untimed_error(k: usize, flags: &str) -> String {
-    format!(
-        "request {} of the workload has no timestamp and follows no earlier turn of its session: give {flags} to \
-         set the pace",
-        k + 1
-    )
-}
-
-/// Which of a trace's requests to take: from the `skip`-th (arrivals then count from the first taken; a later turn
-/// of a session whose earlier turns were left out arrives at the start), at most `max` of them.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Window {
-    pub skip: usize,
-    pub max: Option<usize>,
-}
-
-/// The requests of `trace`, or of the synthetic workload `synthetic` describes when there is none (seeded by
-/// `seed`), in `window`. Shared by `bench serve` and `sim`.
-pub(super) fn read_workload(
-    trace: Option<&std::path::Path>,
-    synthetic: &SyntheticArgs,
-    window: Window,
-    seed: u64,
-    trace_block: usize,
-) -> Result<Vec<TraceRequest>, String> {
-    let max_requests = window.max;
-    let mut requests = match trace {
-        Some(path) => {
-            let mut all = loadgen::trace::read(path)?;
-            if window.skip >= all.len() && window.skip > 0 {
-                return Err(format!(
-                    "--skip-requests {} leaves none of the trace's {} requests",
-                    window.skip,
-                    all.len()
-                ));
-            }
-            all.drain(..window.skip);
-            all
-        }
-        None if window.skip > 0 => return Err("--skip-requests windows a trace: give --trace".into()),
-        None => {
-            let s = synthetic;
-            let spec = SyntheticSpec {
-                requests: max_requests.unwrap_or(DEFAULT_SYNTHETIC_REQUESTS),
-                prefixes: s.prefixes,
-                prefix_len: s.prefix_len,
-                suffix_len: s.suffix_len,
-                output_len: s.output_len,
-                zipf: s.zipf,
-                turns: s.turns,
-                turn_delay_ms: s.turn_delay_ms,
-                seed,
-            };
-            spec.check(trace_block).map_err(|e| format!("{e} (--prefix-len, --suffix-len, --trace-block-size)"))?;
-            spec.generate(trace_block)
-        }
-    };
-    if let Some(n) = max_requests {
-        requests.truncate(n);
-    }
-    Ok(requests)
 }
 
 /// The first model `/v1/models` lists and its `max_model_len`, when the server says.
@@ -281,7 +164,7 @@ async fn sweep(args: &Args, base: RunConfig, text: Text, spec: &str) -> Result<E
     let rates = parse_sweep(spec)?;
     let mut points = Vec::new();
     for rate in rates {
-        let arrivals = Arrivals::Rate { rate, burstiness: args.burstiness, seed: args.seed };
+        let arrivals = Arrivals::Rate { rate, burstiness: args.workload.burstiness, seed: args.seed };
         let (_, summary) = loadgen::run::run(RunConfig { arrivals, ..base.clone() }, text.clone()).await?;
         if !args.quiet {
             eprintln!(
@@ -442,39 +325,5 @@ fn print_table(s: &Summary) {
     }
     if !s.valid {
         println!("INVALID RUN: {}", s.invalid_reasons.join("; "));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(clap::Parser)]
-    struct Synthetic {
-        #[command(flatten)]
-        synthetic: SyntheticArgs,
-    }
-
-    #[test]
-    fn a_window_leaves_out_the_first_requests_then_takes_at_most_max() {
-        use clap::Parser;
-        let synthetic = Synthetic::parse_from(["serve"]).synthetic;
-        let dir = std::env::temp_dir().join(format!("tandem-serve-window-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("a directory");
-        let trace = dir.join("t.jsonl");
-        let lines: String = (1..=5)
-            .map(|k| format!("{{\"timestamp\": {}, \"input_length\": {k}, \"output_length\": 1}}\n", 100 * k))
-            .collect();
-        std::fs::write(&trace, lines).expect("written");
-        let read = |skip, max| read_workload(Some(&trace), &synthetic, Window { skip, max }, 0, 512);
-        let lengths = |r: Vec<TraceRequest>| r.iter().map(|x| x.input_length).collect::<Vec<_>>();
-        assert_eq!(read(0, None).map(lengths), Ok(vec![1, 2, 3, 4, 5]));
-        assert_eq!(read(2, Some(2)).map(lengths), Ok(vec![3, 4]));
-        assert_eq!(read(4, Some(9)).map(lengths), Ok(vec![5]));
-        let e = read(5, None).expect_err("nothing left");
-        assert!(e.contains("leaves none of the trace's 5 requests"), "{e}");
-        let e = read_workload(None, &synthetic, Window { skip: 1, max: Some(3) }, 0, 512).expect_err("no trace");
-        assert!(e.contains("give --trace"), "{e}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

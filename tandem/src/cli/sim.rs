@@ -10,7 +10,6 @@ use std::time::Instant;
 use engine::backend::TimingProfile;
 use engine::backend::mock::MockSettings;
 use engine::generate::{BackendChoice, EngineConfig};
-use loadgen::schedule::Arrivals;
 use loadgen::summary::{RunFacts, Slo, Summary};
 use loadgen::trace::TraceRequest;
 use router::scheduler::config::{Policy, SchedulerConfig};
@@ -18,71 +17,11 @@ use sim::oracle::References;
 use sim::{Outcome, Settings};
 
 use super::serve::write;
+use super::workload::WorkloadArgs;
 
 /// Stand-in bytes per KV block: none. Transfers are charged at the profile's modelled size and nothing reads the
 /// values, so the simulator's blocks hold no bytes (copying stand-ins between tiers was 8% of a run).
 const SIM_BLOCK_BYTES: usize = 0;
-
-/// Which requests, and when they arrive.
-#[derive(Debug, clap::Args)]
-pub struct WorkloadArgs {
-    /// A Mooncake/aiperf `mooncake_trace` JSONL file, a Qwen Bailian JSONL trace, or an Azure LLM trace CSV (2023
-    /// or 2024); without it, the synthetic shared-prefix workload of the `--prefixes` … flags (as `tandem bench
-    /// serve`), which needs `--rate`.
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// Divide the trace's timestamps by this.
-    #[arg(long, default_value_t = 1.0)]
-    speedup: f64,
-    /// Open-loop arrivals at this many requests per second instead of the trace's timestamps.
-    #[arg(long)]
-    rate: Option<f64>,
-    /// Gamma shape of the open-loop gaps: 1 is Poisson, lower is burstier (CV = 1/sqrt(B)).
-    #[arg(long, default_value_t = 1.0)]
-    burstiness: f64,
-    #[command(flatten)]
-    synthetic: super::serve::SyntheticArgs,
-    /// Only the trace's first N requests (after --skip-requests).
-    #[arg(long)]
-    max_requests: Option<usize>,
-    /// Leave out the trace's first N requests: a window further into it (its arrivals count from the first taken).
-    #[arg(long, default_value_t = 0)]
-    skip_requests: usize,
-    /// Tokens per trace block id (default: Mooncake's 512; a router recording and a Bailian trace state their own).
-    #[arg(long)]
-    trace_block_size: Option<usize>,
-}
-
-impl WorkloadArgs {
-    /// Tokens per trace block id ([`loadgen::trace::block_size`]).
-    pub fn trace_block(&self) -> Result<usize, String> {
-        loadgen::trace::block_size(self.trace.as_deref(), self.trace_block_size)
-    }
-
-    /// The requests and their arrival schedule (`seed` draws the synthetic workload and open-loop gaps).
-    pub fn load(&self, seed: u64) -> Result<(Vec<TraceRequest>, Arrivals), String> {
-        let positive = |x: f64| x.is_finite() && x > 0.0;
-        if !(positive(self.speedup) && positive(self.burstiness) && self.rate.is_none_or(positive)) {
-            return Err("--speedup, --burstiness and --rate must be positive numbers".into());
-        }
-        let arrivals = match (self.rate, &self.trace) {
-            (Some(rate), _) => Arrivals::Rate { rate, burstiness: self.burstiness, seed },
-            (None, Some(_)) => Arrivals::Trace { speedup: self.speedup },
-            (None, None) => return Err("a synthetic workload needs --rate (or give --trace)".into()),
-        };
-        let requests = super::serve::read_workload(
-            self.trace.as_deref(),
-            &self.synthetic,
-            super::serve::Window { skip: self.skip_requests, max: self.max_requests },
-            seed,
-            self.trace_block()?,
-        )?;
-        if let Some(k) = loadgen::schedule::untimed(&requests, &arrivals) {
-            return Err(super::serve::untimed_error(k, "--rate"));
-        }
-        Ok((requests, arrivals))
-    }
-}
 
 /// The simulated cluster.
 #[derive(Debug, clap::Args)]

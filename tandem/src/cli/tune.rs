@@ -13,7 +13,8 @@ use sim::tune::{Objective, Report, TuneSettings};
 
 use super::chart::{Chart, Mark, Series};
 use super::serve::write;
-use super::sim::{ClusterArgs, WorkloadArgs};
+use super::sim::ClusterArgs;
+use super::workload::WorkloadArgs;
 
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Example: tandem tune --trace data/traces/mooncake_conversation_1k.jsonl --objective ttft_p90 \
