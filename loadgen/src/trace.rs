@@ -214,11 +214,18 @@ pub fn stated_block_size(first_line: &str) -> Option<usize> {
 /// states otherwise is refused rather than ignored.
 pub fn block_size(path: Option<&std::path::Path>, given: Option<usize>) -> Result<usize, String> {
     use std::io::BufRead;
-    // Only the first line is read: the rest of a large trace is not needed for it.
+    // Only the first line that is not blank is read, as the readers find it: the rest of a large trace is not
+    // needed for it.
     let mut first = String::new();
     if let Some(p) = path {
         let f = std::fs::File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        std::io::BufReader::new(f).read_line(&mut first).map_err(|e| format!("{}: {e}", p.display()))?;
+        let mut lines = std::io::BufReader::new(f);
+        while first.trim_start_matches('\u{feff}').trim().is_empty() {
+            first.clear();
+            if lines.read_line(&mut first).map_err(|e| format!("{}: {e}", p.display()))? == 0 {
+                break;
+            }
+        }
     }
     match (stated_block_size(first.trim_start_matches('\u{feff}')), given) {
         (Some(stated), Some(g)) if g != stated => {
@@ -605,6 +612,13 @@ mod tests {
         let bailian =
             file("b.jsonl", "{\"chat_id\": 1, \"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}\n");
         let recording = file("r.jsonl", "{\"tandem_recording\": {\"version\": 1, \"block_size\": 32}}\n");
+        // Blank lines (and a byte-order mark) before the first line, which the readers skip, are skipped here too.
+        let bailian_late = file(
+            "bl.jsonl",
+            "\u{feff}\n  \r\n{\"chat_id\": 1, \"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}\n",
+        );
+        assert_eq!(block_size(Some(&bailian_late), None), Ok(16));
+        assert_eq!(block_size(Some(&file("e.jsonl", "\n\n")), Some(64)), Ok(64));
         assert_eq!(block_size(Some(&mooncake), None), Ok(512));
         assert_eq!(block_size(Some(&mooncake), Some(64)), Ok(64));
         assert_eq!(block_size(None, Some(64)), Ok(64));
