@@ -3,8 +3,8 @@
 # target/device): the synthetic model made here from the same seed (its fingerprint must match), the parity of the
 # CUDA backend's logits with the CPU reference's on fixed steps (the exit status), then speed: the CUDA backend's
 # prefill and decode figures and PyTorch's on the same weights (scripts/device/torch_speed.py). Results under $OUT
-# (the device tool's folder) or DIR/out; at most 8 minutes (the timeouts add to 525 s; the whole ran in 137 s on an
-# H100). TORCH=0 leaves PyTorch out (parity and the CUDA backend's figures alone, under a minute). docs/cuda.md.
+# (the device tool's folder) or DIR/out; at most 8 minutes (the timeouts add to 465 s; the whole ran in 137 s on an
+# H100, before the two `generate` runs were added). TORCH=0 leaves PyTorch out (parity and the CUDA backend's figures alone, under a minute). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
@@ -36,8 +36,23 @@ part() { echo "== [$(($(date +%s) - t0)) s] $*"; }
     fi
     echo "same bytes as the reference's model: $got"
     part "parity with the CPU reference"
-    timeout 90 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
+    timeout 60 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
     status=$?
+    part "the engine's scheduler over the CUDA backend: tandem generate, greedy, chunked prompt, against the CPU"
+    prompt=$(printf 'word %.0s' $(seq 300))
+    for dev in cuda:0 cpu; do
+        timeout 60 "$T" generate --model "$RESULTS/synth.gguf" --device "$dev" --max-tokens 32 --prefill-chunk 64 \
+            --json "$prompt" > "$RESULTS/generate-${dev%%:*}.json"
+        echo "$dev: exit $?"
+    done
+    python3 -c "import json, sys
+try:
+    a, b = (json.load(open(f))['token_ids'] for f in sys.argv[1:])
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f'no comparison: {e!r}')
+same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+print(f'{len(a)} tokens on the GPU, {len(b)} on the CPU; the first {same} the same (random weights: small margins)')" \
+        "$RESULTS/generate-cuda.json" "$RESULTS/generate-cpu.json"
     part "speed: the CUDA backend on the synthetic model (SmolLM2-135M's shapes)"
     timeout 45 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
         --decode-tokens 16 --json | tee "$RESULTS/speed-4096.json"
@@ -51,7 +66,7 @@ part() { echo "== [$(($(date +%s) - t0)) s] $*"; }
     part "speed: PyTorch on the same weights (eager; torch.compile with a static cache)"
     "$T" model export --safetensors "$RESULTS/hf" --model "$RESULTS/synth.gguf" >/dev/null &&
         timeout 60 python3 "$(dirname "$0")/export_parity.py" "$RESULTS/hf" "$DIR/parity.bin" 2>&1 | grep -v Loading
-    PYTHONUNBUFFERED=1 timeout 240 python3 "$(dirname "$0")/torch_speed.py" "$RESULTS/hf" \
+    PYTHONUNBUFFERED=1 timeout 180 python3 "$(dirname "$0")/torch_speed.py" "$RESULTS/hf" \
             --out "$RESULTS/torch.json"
     rm -rf "$RESULTS/synth.gguf" "$RESULTS/hf"
     part "done"
