@@ -314,19 +314,19 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
 /// replay sends; they are read so that a line with a field of another meaning is refused, not half read.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-#[allow(dead_code)]
 struct BailianLine {
-    chat_id: i64,
-    #[serde(default)]
-    parent_chat_id: Option<i64>,
+    #[serde(rename = "chat_id")]
+    _chat_id: i64,
+    #[serde(default, rename = "parent_chat_id")]
+    _parent_chat_id: Option<i64>,
     /// Seconds from the trace's start.
     timestamp: f64,
     input_length: usize,
     output_length: usize,
     #[serde(default, rename = "type")]
-    kind: Option<String>,
-    #[serde(default)]
-    turn: Option<u64>,
+    _kind: Option<String>,
+    #[serde(default, rename = "turn")]
+    _turn: Option<u64>,
     #[serde(default)]
     hash_ids: Vec<u64>,
 }
