@@ -7,6 +7,11 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 
+#ifdef TANDEM_HOST
+// Compiled for the CPU by engine/tests/cuda_host.rs (engine/tests/cuda_host/host.cpp): the same conversions.
+__device__ __forceinline__ float h2f(u16 h) { return tandem_host_h2f(h); }
+__device__ __forceinline__ u16 f2h(float f) { return tandem_host_f2h(f); }
+#else
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -18,6 +23,12 @@ __device__ __forceinline__ u16 f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
+
+// A kernel's dynamic shared memory (the host build gives it another form).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 __device__ __forceinline__ u16 load_u16(const u8* p) {
     return (u16)p[0] | ((u16)p[1] << 8);
@@ -123,7 +134,7 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* cache, 
 extern "C" __global__ void attention(const float* q, const u16* cache, const int* tables, const int* table_of,
                                      const int* positions, float* out, int layer, int layers, int n_heads,
                                      int kv_heads, int head_dim, int block_tokens, float scale) {
-    extern __shared__ float scores[];
+    DYNAMIC_SHARED(float, scores);
     int row = blockIdx.x, head = blockIdx.y;
     int kv_head = head / (n_heads / kv_heads);
     int n = positions[row] + 1;
