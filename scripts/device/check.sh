@@ -3,8 +3,10 @@
 # target/device): the synthetic model made here from the same seed (its fingerprint must match), the parity of the
 # CUDA backend's logits with the CPU reference's on fixed steps (the exit status), then speed: the CUDA backend's
 # prefill and decode figures and PyTorch's on the same weights (scripts/device/torch_speed.py). Results under $OUT
-# (the device tool's folder) or DIR/out; at most 8 minutes (the timeouts add to 465 s; the whole ran in 137 s on an
-# H100, before the two `generate` runs were added). TORCH=0 leaves PyTorch out (parity and the CUDA backend's figures alone, under a minute). docs/cuda.md.
+# (the device tool's folder) or DIR/out. The timeouts add to 465 s; the whole ran in 137 s on an H100, before the
+# two `generate` runs were added. TORCH=0 leaves PyTorch out (parity and the CUDA backend's figures alone, under a
+# minute). A candidate binary (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's, its
+# figures in check.txt (265 s more of limits, about 30 s of running). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
@@ -20,6 +22,16 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}" RUST_BACKTRACE=1
 # Seconds since the check began, before each part: where the minutes go, to plan the next run.
 t0=$(date +%s)
 part() { echo "== [$(($(date +%s) - t0)) s] $*"; }
+# How many leading tokens two `tandem generate --json` outputs share: same_tokens A B "A's name" "B's name".
+same_tokens() {
+    python3 -c "import json, sys
+try:
+    a, b = (json.load(open(f))['token_ids'] for f in sys.argv[1:3])
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f'no comparison: {e!r}')
+same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} the same (random weights: small margins)')" "$@"
+}
 {
     part "machine"
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | head -5
@@ -45,19 +57,27 @@ part() { echo "== [$(($(date +%s) - t0)) s] $*"; }
             --json "$prompt" > "$RESULTS/generate-${dev%%:*}.json"
         echo "$dev: exit $?"
     done
-    python3 -c "import json, sys
-try:
-    a, b = (json.load(open(f))['token_ids'] for f in sys.argv[1:])
-except (OSError, ValueError, KeyError) as e:
-    sys.exit(f'no comparison: {e!r}')
-same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-print(f'{len(a)} tokens on the GPU, {len(b)} on the CPU; the first {same} the same (random weights: small margins)')" \
-        "$RESULTS/generate-cuda.json" "$RESULTS/generate-cpu.json"
+    same_tokens "$RESULTS/generate-cuda.json" "$RESULTS/generate-cpu.json" "on the GPU" "on the CPU"
     part "speed: the CUDA backend on the synthetic model (SmolLM2-135M's shapes)"
     timeout 45 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
         --decode-tokens 16 --json | tee "$RESULTS/speed-4096.json"
     timeout 90 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
         --batches 1,16,64,256 --json | tee "$RESULTS/speed-512.json"
+    if [ -x "$DIR/candidate/tandem" ]; then
+        C="$DIR/candidate/tandem"
+        part "the candidate: $(cat "$DIR/candidate/commit" 2>/dev/null) (prepare.sh's CANDIDATE)"
+        timeout 60 "$C" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
+        candidate_status=$?
+        timeout 60 "$C" generate --model "$RESULTS/synth.gguf" --device cuda:0 --max-tokens 32 --prefill-chunk 64 \
+            --json "$prompt" > "$DIR/candidate/generate.json"
+        same_tokens "$DIR/candidate/generate.json" "$RESULTS/generate-cuda.json" "from the candidate" "from this checkout"
+        timeout 45 "$C" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
+            --decode-tokens 16 --json
+        timeout 60 "$C" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
+            --batches 1,16,64,256 --json
+        # The check fails when either binary's parity does.
+        [ "$candidate_status" = 0 ] || status=$candidate_status
+    fi
     if [ "${TORCH:-1}" = 0 ]; then
         rm -rf "$RESULTS/synth.gguf"
         part "done (PyTorch left out: TORCH=0)"
