@@ -11,7 +11,6 @@ use engine::backend::TimingProfile;
 use engine::backend::mock::MockSettings;
 use engine::generate::{BackendChoice, EngineConfig};
 use loadgen::summary::{RunFacts, Slo, Summary};
-use loadgen::trace::TraceRequest;
 use router::scheduler::config::{Policy, SchedulerConfig};
 use sim::oracle::References;
 use sim::{Outcome, Settings};
@@ -293,12 +292,11 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let started = Instant::now();
     let slo = Slo::parse(&args.slo)?;
-    let (mut requests, arrivals) = args.workload.load(args.seed)?;
-    let starts = loadgen::schedule::plan(&requests, &arrivals);
     let policies = parse_policies(&args.policies)?;
     let base =
         Settings { record_candidates: args.record_candidates, ..args.cluster.settings(&args.workload, args.seed)? };
-    tokenize_literals(&mut requests, &base.model)?;
+    let (requests, arrivals) = args.workload.load(args.seed, &base.model)?;
+    let starts = loadgen::schedule::plan(&requests, &arrivals);
     let mut results: BTreeMap<String, serde_json::Value> = BTreeMap::new();
     let mut rows: Vec<(String, Outcome, Summary)> = Vec::new();
     // A router recording's own decisions go first, replayed on the same arrivals as every policy.
@@ -355,18 +353,6 @@ fn whole_number(router: &RouterFile, name: &str) -> Result<Option<u64>, String> 
             .map(Some)
             .ok_or_else(|| format!("{}: {name} must be a whole number >= 0", router.name)),
     }
-}
-
-/// Tokenizes the workload's literal prompts (aiperf's `text_input`), if it has any, with the tokenizer of `model`, the
-/// model the simulated workers serve.
-pub(super) fn tokenize_literals(requests: &mut [TraceRequest], model: &std::path::Path) -> Result<(), String> {
-    if requests.iter().all(|r| r.literal.is_none()) {
-        return Ok(());
-    }
-    let gguf = engine::gguf::GgufFile::open(model).map_err(|e| format!("{}: {e}", model.display()))?;
-    let tokenizer = engine::tokenizer::Tokenizer::from_gguf(&gguf).map_err(|e| e.to_string())?;
-    loadgen::trace::tokenize_literals(requests, &tokenizer);
-    Ok(())
 }
 
 /// What to say when simulated engines failed requests (500): in a simulation that is a misconfigured cluster or a

@@ -93,8 +93,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                 .into(),
         );
     }
-    let (mut requests, arrivals) = args.workload.load(args.seed)?;
-    super::sim::tokenize_literals(&mut requests, &base.model)?;
+    let (requests, arrivals) = args.workload.load(args.seed, &base.model)?;
     if let Some(n) = args.workers {
         if n < 2 {
             return Err("--workers: at least 2 (one prefill, one decode)".into());

@@ -121,17 +121,23 @@ impl WorkloadArgs {
     }
 
     /// The requests and their arrivals for the simulator: open loop at `--rate`, else the trace's own schedule
-    /// (`seed` draws the synthetic workload and the open-loop gaps).
-    pub fn load(&self, seed: u64) -> Result<(Vec<TraceRequest>, Arrivals), String> {
+    /// (`seed` draws the synthetic workload and the open-loop gaps). Literal prompts (aiperf's `text_input`) are
+    /// tokenized with the tokenizer of `model`, the model the simulated workers serve.
+    pub fn load(&self, seed: u64, model: &std::path::Path) -> Result<(Vec<TraceRequest>, Arrivals), String> {
         self.check_numbers()?;
         let arrivals = match (self.rate, &self.trace) {
             (Some(rate), _) => Arrivals::Rate { rate, burstiness: self.burstiness, seed },
             (None, Some(_)) => Arrivals::Trace { speedup: self.speedup },
             (None, None) => return Err("a synthetic workload needs --rate (or give --trace)".into()),
         };
-        let requests = self.requests(seed, self.trace_block()?)?;
+        let mut requests = self.requests(seed, self.trace_block()?)?;
         if let Some(k) = loadgen::schedule::untimed(&requests, &arrivals) {
             return Err(untimed_error(k, "--rate"));
+        }
+        if requests.iter().any(|r| r.literal.is_some()) {
+            let gguf = engine::gguf::GgufFile::open(model).map_err(|e| format!("{}: {e}", model.display()))?;
+            let tokenizer = engine::tokenizer::Tokenizer::from_gguf(&gguf).map_err(|e| e.to_string())?;
+            loadgen::trace::tokenize_literals(&mut requests, &tokenizer);
         }
         Ok((requests, arrivals))
     }
