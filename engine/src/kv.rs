@@ -151,6 +151,13 @@ impl KvStore {
         let s = self.base(block) + self.layout.head_offset(layer, part as usize, head) + slot * hd;
         crate::kernels::f32_to_f16(&values[..hd], self.data.write(block.0 as usize, s, hd));
     }
+
+    /// [`KvStore::write`] of values already in f16 (a GPU backend's rows, rounded there).
+    pub fn write_f16(&mut self, block: BlockId, layer: usize, part: KvPart, head: usize, slot: usize, values: &[f16]) {
+        let hd = self.layout.head_dim;
+        let s = self.base(block) + self.layout.head_offset(layer, part as usize, head) + slot * hd;
+        self.data.write(block.0 as usize, s, hd).copy_from_slice(&values[..hd]);
+    }
 }
 
 #[cfg(test)]

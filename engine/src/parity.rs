@@ -14,12 +14,19 @@ use crate::kv::{BlockId, KvStore};
 /// Tokens per KV block in the parity runs (the engine's default).
 pub const BLOCK_TOKENS: usize = 16;
 
-/// Prompt lengths of the sequences the steps use.
-const PROMPTS: [usize; 4] = [1, 17, 129, 600];
-/// Chunk size of the chunked prefill.
-const CHUNK: usize = 64;
-/// Batched decode steps after the prefills.
-const DECODE_STEPS: usize = 3;
+/// The steps' sizes.
+#[derive(Clone, Copy, Debug)]
+pub struct Plan {
+    /// Prompt lengths of the sequences the steps use (the last is also prefilled in chunks).
+    pub prompts: &'static [usize],
+    /// Chunk size of the chunked prefill.
+    pub chunk: usize,
+    /// Batched decode steps after the prefills.
+    pub decode_steps: usize,
+}
+
+/// The steps `tandem model parity` runs.
+pub const PLAN: Plan = Plan { prompts: &[1, 17, 129, 600], chunk: 64, decode_steps: 3 };
 
 /// One step's logits, by name (`prefill/600`, `decode/2/seq1`, …).
 #[derive(Clone, Debug, PartialEq)]
@@ -36,16 +43,22 @@ fn token(seq: usize, i: usize, vocab: usize) -> u32 {
 /// Runs every parity step through `backend` and returns the logits in order. Sequence `s` owns blocks
 /// `s * per_seq ..`; the chunked prefill recomputes sequence 3's prompt into blocks of its own.
 pub fn run(backend: &mut dyn Backend) -> Result<Vec<Logits>, ForwardError> {
+    run_plan(backend, &PLAN).map(|(logits, _)| logits)
+}
+
+/// [`run`] with other sizes; also returns the KV store the steps filled.
+pub fn run_plan(backend: &mut dyn Backend, plan: &Plan) -> Result<(Vec<Logits>, KvStore), ForwardError> {
+    let (lengths, chunk_len, decode_steps) = (plan.prompts, plan.chunk, plan.decode_steps);
     let vocab = backend.vocab();
     let layout = backend.kv_layout(BLOCK_TOKENS);
-    let longest = PROMPTS.iter().max().copied().unwrap_or(1) + DECODE_STEPS + 1;
+    let longest = lengths.iter().max().copied().unwrap_or(1) + decode_steps + 1;
     let per_seq = longest.div_ceil(BLOCK_TOKENS);
-    let seqs = PROMPTS.len() + 1;
+    let seqs = lengths.len() + 1;
     let mut kv = KvStore::new(layout, seqs * per_seq);
     let tables: Vec<Vec<BlockId>> =
         (0..seqs).map(|s| (0..per_seq).map(|b| BlockId((s * per_seq + b) as u32)).collect()).collect();
     let prompts: Vec<Vec<u32>> =
-        PROMPTS.iter().enumerate().map(|(s, &n)| (0..n).map(|i| token(s, i, vocab)).collect()).collect();
+        lengths.iter().enumerate().map(|(s, &n)| (0..n).map(|i| token(s, i, vocab)).collect()).collect();
     let context = StepContext { started: std::time::Instant::now(), onboarded: [0, 0] };
     let mut out = Vec::new();
     let mut push = |name: String, logits: Vec<crate::backend::Next>| {
@@ -63,16 +76,16 @@ pub fn run(backend: &mut dyn Backend) -> Result<Vec<Logits>, ForwardError> {
     }
     // The longest prompt again in chunks, into blocks of its own: the last chunk's logits.
     let (last, chunked) = (prompts.len() - 1, prompts.len());
-    for (k, piece) in prompts[last].chunks(CHUNK).enumerate() {
-        let is_last = (k + 1) * CHUNK >= prompts[last].len();
-        let chunk = SeqChunk { tokens: piece, start: k * CHUNK, blocks: &tables[chunked], logits: is_last };
+    for (k, piece) in prompts[last].chunks(chunk_len).enumerate() {
+        let is_last = (k + 1) * chunk_len >= prompts[last].len();
+        let chunk = SeqChunk { tokens: piece, start: k * chunk_len, blocks: &tables[chunked], logits: is_last };
         push(format!("chunked/{}", prompts[last].len()), backend.forward(&mut kv, &[chunk], context)?);
     }
     // Batched decodes: every sequence one token per step, all in one batch.
-    let mut lens: Vec<usize> = PROMPTS.to_vec();
-    for step in 0..DECODE_STEPS {
-        let next: Vec<[u32; 1]> = (0..PROMPTS.len()).map(|s| [token(s, lens[s], vocab)]).collect();
-        let batch: Vec<SeqChunk<'_>> = (0..PROMPTS.len())
+    let mut lens: Vec<usize> = lengths.to_vec();
+    for step in 0..decode_steps {
+        let next: Vec<[u32; 1]> = (0..lengths.len()).map(|s| [token(s, lens[s], vocab)]).collect();
+        let batch: Vec<SeqChunk<'_>> = (0..lengths.len())
             .map(|s| SeqChunk { tokens: &next[s], start: lens[s], blocks: &tables[s], logits: true })
             .collect();
         push(format!("decode/{step}"), backend.forward(&mut kv, &batch, context)?);
@@ -80,13 +93,13 @@ pub fn run(backend: &mut dyn Backend) -> Result<Vec<Logits>, ForwardError> {
     }
     // A mixed batch: the chunked sequence's next token decoding next to sequence 0's next two tokens as a chunk.
     let (a, b) =
-        ([token(chunked, lens[last] - DECODE_STEPS, vocab)], [token(0, lens[0], vocab), token(0, lens[0] + 1, vocab)]);
+        ([token(chunked, lens[last] - decode_steps, vocab)], [token(0, lens[0], vocab), token(0, lens[0] + 1, vocab)]);
     let batch = [
-        SeqChunk { tokens: &a, start: PROMPTS[last], blocks: &tables[chunked], logits: true },
+        SeqChunk { tokens: &a, start: lengths[last], blocks: &tables[chunked], logits: true },
         SeqChunk { tokens: &b, start: lens[0], blocks: &tables[0], logits: true },
     ];
     push("mixed".to_string(), backend.forward(&mut kv, &batch, context)?);
-    Ok(out)
+    Ok((out, kv))
 }
 
 /// Writes logits as a small binary file: per entry, the name's length (u32) and bytes, the value count (u32)

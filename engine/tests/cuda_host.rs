@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use engine::backend::gpu::Arg;
 use engine::gguf::TensorType;
 use half::f16;
 
@@ -37,47 +38,40 @@ fn library() -> &'static libloading::Library {
     })
 }
 
-/// One kernel argument, as the kernel's signature takes it.
-#[derive(Clone, Copy)]
-enum Arg {
-    Ptr(*mut c_void),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
+#[path = "cuda_host/forward.rs"]
+mod forward;
 
 fn ptr<T>(v: &mut [T]) -> Arg {
-    Arg::Ptr(v.as_mut_ptr().cast())
+    Arg::Ptr(v.as_mut_ptr() as u64)
 }
 
 /// An input the kernel only reads.
 fn input<T>(v: &[T]) -> Arg {
-    Arg::Ptr(v.as_ptr().cast_mut().cast())
+    Arg::Ptr(v.as_ptr() as u64)
 }
 
 /// Runs kernel `name` over `grid` (x, y) blocks of `threads` threads with `shared` bytes of dynamic shared memory.
 fn launch(name: &str, grid: (u32, u32), threads: u32, shared: u32, args: &[Arg]) {
-    // Each argument's value in an 8-byte slot, little-endian: a 4-byte one is read from the slot's start.
-    let mut slots: Vec<u64> = args
-        .iter()
-        .map(|a| match *a {
-            Arg::Ptr(p) => p as u64,
-            Arg::I32(v) => u64::from(v as u32),
-            Arg::I64(v) => v as u64,
-            Arg::F32(v) => u64::from(v.to_bits()),
-        })
-        .collect();
+    assert_eq!(try_launch(name, grid, threads, shared, args), 0, "kernel {name}");
+}
+
+/// [`launch`], returning the launcher's status (0, or -1 for an unknown kernel or block size).
+fn try_launch(name: &str, grid: (u32, u32), threads: u32, shared: u32, args: &[Arg]) -> i32 {
+    let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
+    // The host build runs one grid at a time (its fibers and shared memory are statics): tests on other threads
+    // wait.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let mut pointers: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
     let name_c = CString::new(name).expect("a kernel name");
     type Launch = unsafe extern "C" fn(*const i8, u32, u32, u32, u32, *mut *mut c_void) -> i32;
     #[allow(unsafe_code)]
     // SAFETY: `tandem_host_launch` has this signature (host.cpp); every pointer argument points into a buffer the
     // caller sized for the kernel's indexing, and the slots outlive the call.
-    let status = unsafe {
+    unsafe {
         let f: libloading::Symbol<'_, Launch> = library().get(b"tandem_host_launch").expect("the launcher");
         f(name_c.as_ptr(), grid.0, grid.1, threads, shared, pointers.as_mut_ptr())
-    };
-    assert_eq!(status, 0, "kernel {name}");
+    }
 }
 
 /// Deterministic values in [-1, 1).

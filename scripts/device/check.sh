@@ -3,13 +3,15 @@
 # target/device): the synthetic model made here from the same seed (its fingerprint must match), the parity of the
 # CUDA backend's logits with the CPU reference's on fixed steps (the exit status), then speed: the CUDA backend's
 # prefill and decode figures and PyTorch's on the same weights (scripts/device/torch_speed.py). Results under $OUT
-# (the device tool's folder) or DIR/out. The timeouts add to 465 s; the whole ran in 137 s on an H100, before the
-# two `generate` runs were added. TORCH=0 leaves PyTorch out (parity and the CUDA backend's figures alone, under a
-# minute). A candidate binary (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's, its
-# figures in check.txt (265 s more of limits, about 30 s of running). docs/cuda.md.
+# (the device tool's folder) or DIR/out. FORWARDS (default "plain fused graphs") names the CUDA forward passes
+# checked and timed, each in turn (TANDEM_CUDA_FORWARD); the whole ran in 137 s on an H100 with the first pass
+# alone, PyTorch included, and the limits of the three passes add to 725 s of which a few minutes run. TORCH=0 leaves
+# PyTorch out. A candidate binary (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's,
+# its figures in check.txt (265 s more of limits, about 30 s of running). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
+FORWARDS=${FORWARDS:-plain fused graphs}
 mkdir -p "$RESULTS"
 T="$DIR/tandem"
 # CUDA's libraries where the machine keeps them: a toolkit, or the nvidia-* wheels next to PyTorch.
@@ -47,22 +49,34 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
         exit 1
     fi
     echo "same bytes as the reference's model: $got"
-    part "parity with the CPU reference"
-    timeout 60 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
-    status=$?
-    part "the engine's scheduler over the CUDA backend: tandem generate, greedy, chunked prompt, against the CPU"
     prompt=$(printf 'word %.0s' $(seq 300))
-    for dev in cuda:0 cpu; do
-        timeout 60 "$T" generate --model "$RESULTS/synth.gguf" --device "$dev" --max-tokens 32 --prefill-chunk 64 \
-            --json "$prompt" > "$RESULTS/generate-${dev%%:*}.json"
-        echo "$dev: exit $?"
+    timeout 60 "$T" generate --model "$RESULTS/synth.gguf" --device cpu --max-tokens 32 --prefill-chunk 64 \
+        --json "$prompt" > "$RESULTS/generate-cpu.json"
+    status=0
+    # Each forward pass of the CUDA backend (TANDEM_CUDA_FORWARD, docs/cuda.md), one after the other: parity with
+    # the CPU reference (the exit status: the check fails when any pass's parity does), the engine's scheduler
+    # over it (tandem generate, greedy, a chunked prompt) against the CPU's tokens, then its speed. The 4,096-token
+    # prefill is timed for the passes whose prefill differs (graphs record decode steps only).
+    for forward in $FORWARDS; do
+        export TANDEM_CUDA_FORWARD=$forward
+        part "$forward: parity with the CPU reference"
+        timeout 60 "$T" model parity --model "$RESULTS/synth.gguf" --check "$DIR/parity.bin" --device cuda:0
+        got=$?
+        [ "$got" = 0 ] || status=$got
+        part "$forward: tandem generate on the GPU against the CPU"
+        timeout 60 "$T" generate --model "$RESULTS/synth.gguf" --device cuda:0 --max-tokens 32 --prefill-chunk 64 \
+            --json "$prompt" > "$RESULTS/generate-$forward.json"
+        echo "exit $?"
+        same_tokens "$RESULTS/generate-$forward.json" "$RESULTS/generate-cpu.json" "on the GPU ($forward)" "on the CPU"
+        part "$forward: speed on the synthetic model (SmolLM2-135M's shapes)"
+        if [ "$forward" != graphs ]; then
+            timeout 45 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 \
+                --batches 1 --decode-tokens 16 --json | tee "$RESULTS/speed-4096-$forward.json"
+        fi
+        timeout 90 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
+            --batches 1,16,64,256 --json | tee "$RESULTS/speed-512-$forward.json"
     done
-    same_tokens "$RESULTS/generate-cuda.json" "$RESULTS/generate-cpu.json" "on the GPU" "on the CPU"
-    part "speed: the CUDA backend on the synthetic model (SmolLM2-135M's shapes)"
-    timeout 45 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
-        --decode-tokens 16 --json | tee "$RESULTS/speed-4096.json"
-    timeout 90 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
-        --batches 1,16,64,256 --json | tee "$RESULTS/speed-512.json"
+    unset TANDEM_CUDA_FORWARD
     if [ -x "$DIR/candidate/tandem" ]; then
         C="$DIR/candidate/tandem"
         part "the candidate: $(cat "$DIR/candidate/commit" 2>/dev/null) (prepare.sh's CANDIDATE)"
@@ -70,7 +84,7 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
         candidate_status=$?
         timeout 60 "$C" generate --model "$RESULTS/synth.gguf" --device cuda:0 --max-tokens 32 --prefill-chunk 64 \
             --json "$prompt" > "$DIR/candidate/generate.json"
-        same_tokens "$DIR/candidate/generate.json" "$RESULTS/generate-cuda.json" "from the candidate" "from this checkout"
+        same_tokens "$DIR/candidate/generate.json" "$RESULTS/generate-cpu.json" "from the candidate" "on the CPU"
         timeout 45 "$C" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 --batches 1 \
             --decode-tokens 16 --json
         timeout 60 "$C" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \

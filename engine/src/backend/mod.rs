@@ -7,6 +7,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod fit;
+pub mod gpu;
 pub mod mock;
 pub mod profile;
 
@@ -169,7 +170,18 @@ const NO_CUDA: &str = "this build has no CUDA support: build with `cargo build -
 /// The CUDA backend for `model` on device `ordinal`; `Err` is one sentence.
 #[cfg(feature = "cuda")]
 pub fn open_cuda(model: &crate::model::Model, ordinal: usize) -> Result<Box<dyn Backend>, String> {
-    cuda::CudaBackend::new(model, ordinal).map(|b| Box::new(b) as Box<dyn Backend>).map_err(|e| e.to_string())
+    let record = match cuda::ForwardKind::from_env()? {
+        cuda::ForwardKind::Plain => {
+            return cuda::CudaBackend::new(model, ordinal)
+                .map(|b| Box::new(b) as Box<dyn Backend>)
+                .map_err(|e| e.to_string());
+        }
+        cuda::ForwardKind::Fused => false,
+        cuda::ForwardKind::Graphs => true,
+    };
+    let gpu = cuda::CudaGpu::open(ordinal).map_err(|e| e.to_string())?;
+    let forward = gpu::GpuForward::new(gpu, model, "cuda", record).map_err(|e| e.to_string())?;
+    Ok(Box::new(forward))
 }
 
 /// Without the `cuda` feature: the sentence saying so.

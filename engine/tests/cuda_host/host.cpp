@@ -64,6 +64,7 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::fmaxf;
+using std::min;
 
 // f16 conversions as the PTX `cvt` instructions do them (round to nearest even).
 inline float tandem_host_h2f(unsigned short h) {
@@ -97,6 +98,7 @@ static const struct {
 } KERNELS[] = {
     KERNEL(dequant_q8_0_f16), KERNEL(dequant_q4_1_f16), KERNEL(embed_f16), KERNEL(rms_norm), KERNEL(rope),
     KERNEL(store_kv),         KERNEL(attention),        KERNEL(silu_mul),  KERNEL(add),      KERNEL(to_f16),
+    KERNEL(residual_norm),    KERNEL(rope_store),       KERNEL(attend),    KERNEL(swiglu),
 };
 
 // Runs kernel `name` over a grid of gx × gy blocks of `threads` threads with `shared` bytes of dynamic shared

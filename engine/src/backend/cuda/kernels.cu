@@ -94,6 +94,13 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     }
 }
 
+// One pair's rotation by (c, s).
+__device__ __forceinline__ void rotate(float* p, float c, float s) {
+    float a = p[0], b = p[1];
+    p[0] = a * c - b * s;
+    p[1] = a * s + b * c;
+}
+
 // Rotary embedding on adjacent pairs of every head of each row (one thread block per row), with the CPU engine's
 // table: rope[pos][pair] = (cos, sin).
 extern "C" __global__ void rope(float* x, const int* positions, const float* table, int heads, int head_dim) {
@@ -102,11 +109,7 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* tab
     float* xr = x + (long)row * heads * head_dim;
     for (int i = threadIdx.x; i < heads * pairs; i += blockDim.x) {
         int head = i / pairs, pair = i % pairs;
-        float* p = xr + head * head_dim + 2 * pair;
-        float c = t[2 * pair], s = t[2 * pair + 1];
-        float a = p[0], b = p[1];
-        p[0] = a * c - b * s;
-        p[1] = a * s + b * c;
+        rotate(xr + head * head_dim + 2 * pair, t[2 * pair], t[2 * pair + 1]);
     }
 }
 
@@ -197,4 +200,158 @@ extern "C" __global__ void add(float* x, const float* y, long n) {
 extern "C" __global__ void to_f16(const float* x, u16* out, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(x[i]);
+}
+
+// ---- The fused forward's kernels (engine/src/backend/gpu): a layer in five kernels and four matmuls. ----
+
+// Maximum of `v` over the thread block, as `block_sum`.
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+    v = lane < warps ? partial[lane] : -3.0e38f;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    return v;
+}
+
+// The residual add and the next RMSNorm together: x += y (when y is not null), then the row's norm times w, as f16
+// for the next matmul. One thread block per output row i, which reads row rows[i] of x when `rows` is not null (the
+// final norm, over the rows whose logits are asked for) and row i otherwise.
+extern "C" __global__ void residual_norm(float* x, const float* y, const float* w, u16* out_f16, const int* rows,
+                                         int d, float eps) {
+    long r = rows ? rows[blockIdx.x] : blockIdx.x;
+    float* xr = x + r * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = xr[i];
+        if (y) {
+            v += y[r * d + i];
+            xr[i] = v;
+        }
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float scale = rsqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out_f16[(long)blockIdx.x * d + i] = f2h(xr[i] * scale * w[i]);
+}
+
+// One thread block per row of the stacked Q/K/V matmul's output (each row Q, then K, then V: n_heads + 2 *
+// kv_heads heads of head_dim): RoPE on the Q and K heads in place (the table as `rope`), then K and V as f16 into
+// the row's slot of the paged cache (as `store_kv`) and into step_kv, `[layer][row][K, V][kv_dim]` over `rows`
+// rows, which goes back to the host's store.
+extern "C" __global__ void rope_store(float* qkv, const int* positions, const float* table, u16* cache,
+                                      const int* slot_block, const int* slot_pos, u16* step_kv, int rows, int layer,
+                                      int layers, int n_heads, int kv_heads, int head_dim, int block_tokens) {
+    int row = blockIdx.x, pairs = head_dim / 2;
+    int kv_dim = kv_heads * head_dim, q_dim = n_heads * head_dim;
+    float* xr = qkv + (long)row * (q_dim + 2 * kv_dim);
+    const float* t = table + (long)positions[row] * pairs * 2;
+    // Q's heads and K's lie next to each other in the row: one loop rotates both.
+    for (int i = threadIdx.x; i < (n_heads + kv_heads) * pairs; i += blockDim.x) {
+        int head = i / pairs, pair = i % pairs;
+        rotate(xr + head * head_dim + 2 * pair, t[2 * pair], t[2 * pair + 1]);
+    }
+    __syncthreads();
+    long head_elems = (long)block_tokens * head_dim;
+    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    u16* block = cache + (long)slot_block[row] * block_elems;
+    u16* step = step_kv + ((long)layer * rows + row) * 2 * kv_dim;
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+        int head = i / head_dim, dim = i % head_dim;
+        long at = (long)slot_pos[row] * head_dim + dim;
+        u16 k = f2h(xr[q_dim + i]), v = f2h(xr[q_dim + kv_dim + i]);
+        block[((long)(layer * 2 + 0) * kv_heads + head) * head_elems + at] = k;
+        block[((long)(layer * 2 + 1) * kv_heads + head) * head_elems + at] = v;
+        step[i] = k;
+        step[kv_dim + i] = v;
+    }
+}
+
+// Keys per tile of `attend`: its thread blocks have this many threads, one key each.
+#define ATTEND_TILE 128
+
+// Causal attention over the paged cache, one thread block of ATTEND_TILE threads per (query row, head), the keys in
+// tiles of ATTEND_TILE positions with a running maximum (online softmax): shared memory does not grow with the
+// context, so a step's launch does not depend on its longest sequence. Q is read from the stacked Q/K/V rows
+// (q_stride floats apart); the output goes out as f16, `[row][head][head_dim]`, for the output projection.
+// head_dim is at most 2 * ATTEND_TILE.
+extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache, const int* tables,
+                                  const int* table_of, const int* positions, u16* out, int layer, int layers,
+                                  int n_heads, int kv_heads, int head_dim, int block_tokens, float scale) {
+    __shared__ float qs[2 * ATTEND_TILE];
+    __shared__ float weights[ATTEND_TILE];
+    __shared__ float partial[2 * ATTEND_TILE];
+    int row = blockIdx.x, head = blockIdx.y, t = threadIdx.x;
+    int kv_head = head / (n_heads / kv_heads);
+    int n = positions[row] + 1;
+    const int* table = tables + table_of[row];
+    long head_elems = (long)block_tokens * head_dim;
+    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
+    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    for (int i = t; i < head_dim; i += blockDim.x) qs[i] = q[(long)row * q_stride + head * head_dim + i];
+    // The output's dims: with head_dim <= the block's threads, `groups` threads share each dim, each taking every
+    // groups-th key of a tile; otherwise each thread takes dims t and t + blockDim.x over every key.
+    int groups = head_dim <= (int)blockDim.x ? (int)blockDim.x / head_dim : 1;
+    int group = head_dim <= (int)blockDim.x ? t / head_dim : 0;
+    int dim = head_dim <= (int)blockDim.x ? t % head_dim : t;
+    bool accumulates = group < groups;
+    float acc0 = 0.0f, acc1 = 0.0f, m = -3.0e38f, l = 0.0f;
+    __syncthreads();
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+        int j = j0 + t;
+        float s = -3.0e38f;
+        if (j < n) {
+            const u16* kr = cache + (long)table[j / block_tokens] * block_elems + k_off + (j % block_tokens) * head_dim;
+            float dot = 0.0f;
+            for (int d = 0; d < head_dim; d++) dot += qs[d] * h2f(kr[d]);
+            s = dot * scale;
+        }
+        float m_new = fmaxf(m, block_max(s));
+        float alpha = __expf(m - m_new);
+        float p = j < n ? __expf(s - m_new) : 0.0f;
+        weights[t] = p;
+        l = l * alpha + p;
+        m = m_new;
+        __syncthreads();
+        acc0 *= alpha;
+        acc1 *= alpha;
+        int keys = min((int)blockDim.x, n - j0);
+        if (accumulates) {
+            for (int k = group; k < keys; k += groups) {
+                int jj = j0 + k;
+                const u16* vr =
+                    cache + (long)table[jj / block_tokens] * block_elems + v_off + (jj % block_tokens) * head_dim;
+                float w = weights[k];
+                if (dim < head_dim) acc0 += w * h2f(vr[dim]);
+                if (dim + (int)blockDim.x < head_dim) acc1 += w * h2f(vr[dim + blockDim.x]);
+            }
+        }
+        __syncthreads();
+    }
+    float inv = 1.0f / block_sum(l);
+    if (accumulates) {
+        partial[group * head_dim + dim] = acc0;
+        if (dim + (int)blockDim.x < head_dim) partial[dim + blockDim.x] = acc1;
+    }
+    __syncthreads();
+    u16* o = out + ((long)row * n_heads + head) * head_dim;
+    for (int i = t; i < head_dim; i += blockDim.x) {
+        float sum = 0.0f;
+        for (int g = 0; g < groups; g++) sum += partial[g * head_dim + i];
+        o[i] = f2h(sum * inv);
+    }
+}
+
+// silu(gate) * up as f16 from the stacked gate/up matmul's rows (`[row][gate: ff][up: ff]`); n = rows * ff.
+extern "C" __global__ void swiglu(const float* gate_up, u16* out_f16, int ff, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    long r = i / ff, j = i % ff;
+    float g = gate_up[r * 2 * ff + j], u = gate_up[r * 2 * ff + ff + j];
+    out_f16[i] = f2h(g / (1.0f + __expf(-g)) * u);
 }

@@ -9,6 +9,7 @@
 //!
 //! [`CudaBackend`] is the forward pass over these kernels and cuBLAS, checked on an H100 (docs/cuda.md).
 
+mod device;
 mod forward;
 
 use std::sync::{Arc, Mutex};
@@ -16,13 +17,46 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaContext;
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 
+pub use device::CudaGpu;
 pub use forward::CudaBackend;
+
+/// Which forward pass the CUDA backend runs, from `TANDEM_CUDA_FORWARD` (unset: `plain`): `plain`, the first
+/// forward, checked on an H100 ([`CudaBackend`]); `fused`, the fused forward over [`CudaGpu`]
+/// (`backend::gpu`), checked on the CPU with the same kernels but not yet on a GPU; `graphs`, the fused forward
+/// with decode steps recorded as CUDA graphs. The choice stays an environment variable until the fused forward has
+/// been measured on a GPU and replaces the first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardKind {
+    Plain,
+    Fused,
+    Graphs,
+}
+
+/// The variable [`ForwardKind`] is read from.
+pub const FORWARD_VAR: &str = "TANDEM_CUDA_FORWARD";
+
+impl ForwardKind {
+    /// The kind `value` names; `Err` is a sentence for the user.
+    pub fn parse(value: Option<&str>) -> Result<ForwardKind, String> {
+        match value.map(str::trim) {
+            None | Some("") | Some("plain") => Ok(ForwardKind::Plain),
+            Some("fused") => Ok(ForwardKind::Fused),
+            Some("graphs") => Ok(ForwardKind::Graphs),
+            Some(other) => Err(format!("{FORWARD_VAR}={other:?} is not a CUDA forward pass: plain, fused or graphs")),
+        }
+    }
+
+    /// The kind the environment asks for.
+    pub fn from_env() -> Result<ForwardKind, String> {
+        ForwardKind::parse(std::env::var(FORWARD_VAR).ok().as_deref())
+    }
+}
 
 /// The kernels' source.
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines, by name (each is looked up after loading; a missing one is an error).
-pub const KERNEL_NAMES: [&str; 10] = [
+pub const KERNEL_NAMES: [&str; 14] = [
     "dequant_q8_0_f16",
     "dequant_q4_1_f16",
     "embed_f16",
@@ -33,6 +67,10 @@ pub const KERNEL_NAMES: [&str; 10] = [
     "silu_mul",
     "add",
     "to_f16",
+    "residual_norm",
+    "rope_store",
+    "attend",
+    "swiglu",
 ];
 
 /// Why the CUDA backend cannot start, as a sentence for whoever started it.
@@ -142,4 +180,19 @@ pub fn compile(arch: &str) -> Result<Ptx, CudaError> {
     let src = ptx.to_src();
     done.push((arch.to_string(), src.clone()));
     Ok(Ptx::from_src(src))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ForwardKind;
+
+    #[test]
+    fn the_forward_pass_is_named_by_the_environment_and_a_wrong_name_is_a_sentence() {
+        assert_eq!(ForwardKind::parse(None), Ok(ForwardKind::Plain));
+        assert_eq!(ForwardKind::parse(Some("")), Ok(ForwardKind::Plain));
+        assert_eq!(ForwardKind::parse(Some("fused")), Ok(ForwardKind::Fused));
+        assert_eq!(ForwardKind::parse(Some(" graphs ")), Ok(ForwardKind::Graphs));
+        let e = ForwardKind::parse(Some("fast")).expect_err("no such pass");
+        assert!(e.contains("TANDEM_CUDA_FORWARD=\"fast\"") && e.contains("plain, fused or graphs"), "{e}");
+    }
 }

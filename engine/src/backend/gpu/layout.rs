@@ -1,0 +1,228 @@
+//! Where a step's values lie in device memory: the scratch buffers, laid out once for a number of rows and kept
+//! from step to step, and the step's indices, packed into one upload. Pure: offsets and vectors, no device.
+
+use crate::forward::SeqChunk;
+use crate::model::ModelConfig;
+
+/// Offsets are multiples of this (the alignment cuBLAS and vector loads like best).
+const ALIGN: usize = 256;
+
+fn align(bytes: usize) -> usize {
+    bytes.div_ceil(ALIGN) * ALIGN
+}
+
+/// The byte offsets of a step's buffers within one allocation that holds up to `rows` rows, `logit_rows` of them
+/// with logits (a prompt's step has thousands of rows and a few logit rows). A buffer's offset depends on these
+/// two only, never on a step's own size, so a recorded step (a CUDA graph) stays valid for every later step of its
+/// shape until the scratch grows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scratch {
+    /// Rows it holds…
+    pub rows: usize,
+    /// …and rows of logits.
+    pub logit_rows: usize,
+    /// The residual stream, `[row][n_embd]` f32.
+    pub x: usize,
+    /// A matmul's output that goes into the residual stream (the output projection's, the down projection's),
+    /// `[row][n_embd]` f32.
+    pub y: usize,
+    /// The normed rows into the next matmul, `[row][n_embd]` f16.
+    pub normed: usize,
+    /// The stacked Q/K/V projection's output, `[row][n_embd + 2 kv_dim]` f32.
+    pub qkv: usize,
+    /// Attention's output, `[row][n_embd]` f16.
+    pub attended: usize,
+    /// The stacked gate/up projection's output, `[row][2 n_ff]` f32.
+    pub gate_up: usize,
+    /// SiLU(gate) · up, `[row][n_ff]` f16.
+    pub act: usize,
+    /// The step's K and V rows, `[layer][row][K, V][kv_dim]` f16, for the host's store.
+    pub step_kv: usize,
+    /// Logits, `[logit row][n_vocab]` f32.
+    pub logits: usize,
+    /// Bytes in all.
+    pub bytes: usize,
+}
+
+impl Scratch {
+    /// The layout for up to `rows` rows, `logit_rows` of them with logits, of model `c`.
+    pub fn for_rows(c: &ModelConfig, rows: usize, logit_rows: usize) -> Scratch {
+        let (d, kv, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
+        let mut at = 0;
+        let mut next = |bytes: usize| {
+            let here = at;
+            at += align(bytes);
+            here
+        };
+        let x = next(rows * d * 4);
+        let y = next(rows * d * 4);
+        let normed = next(rows * d * 2);
+        let qkv = next(rows * (d + 2 * kv) * 4);
+        let attended = next(rows * d * 2);
+        let gate_up = next(rows * 2 * ff * 4);
+        let act = next(rows * ff * 2);
+        let step_kv = next(c.n_layers * rows * 2 * kv * 2);
+        let logits = next(logit_rows * c.n_vocab * 4);
+        Scratch { rows, logit_rows, x, y, normed, qkv, attended, gate_up, act, step_kv, logits, bytes: at }
+    }
+
+    /// The rows (or logit rows) to lay out for a step of `n`: a power of two, at least 16, so that the scratch
+    /// grows a few times and then stays.
+    pub fn rows_for(n: usize) -> usize {
+        n.next_power_of_two().max(16)
+    }
+}
+
+/// A step's indices, in one vector of `i32` for one upload: per row its token (the bits of the `u32`), its
+/// position, the block and slot its K/V go to, and where its sequence's block table starts; the rows whose
+/// logits are asked for; then every sequence's block table. The parts lie in that order, so where each starts
+/// depends only on the step's row and logit counts ([`StepIndex::offsets`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepIndex {
+    pub ints: Vec<i32>,
+    /// Rows.
+    pub n: usize,
+    /// Rows whose logits are asked for.
+    pub m: usize,
+    /// Every chunk is one token that asks for its logits (a decode step): its launches depend on `n` alone.
+    pub decode: bool,
+}
+
+/// Where each part of a [`StepIndex`] starts, in `i32`s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexOffsets {
+    pub tokens: usize,
+    pub positions: usize,
+    pub slot_block: usize,
+    pub slot_pos: usize,
+    pub table_of: usize,
+    pub logit_rows: usize,
+    pub tables: usize,
+}
+
+impl StepIndex {
+    /// The indices of `batch` with blocks of `block_tokens` tokens.
+    pub fn of(batch: &[SeqChunk<'_>], block_tokens: usize) -> StepIndex {
+        let n: usize = batch.iter().map(|c| c.tokens.len()).sum();
+        let m = batch.iter().filter(|c| c.logits && !c.tokens.is_empty()).count();
+        let tables: usize = batch.iter().map(|c| c.blocks.len()).sum();
+        let o = StepIndex::offsets(n, m);
+        let mut ints = vec![0i32; o.tables + tables];
+        let (mut row, mut logit, mut table) = (0, 0, o.tables);
+        for chunk in batch {
+            let table_at = table;
+            for (k, &b) in chunk.blocks.iter().enumerate() {
+                ints[table_at + k] = b.0 as i32;
+            }
+            table += chunk.blocks.len();
+            for (k, &t) in chunk.tokens.iter().enumerate() {
+                let pos = chunk.start + k;
+                ints[o.tokens + row] = t as i32;
+                ints[o.positions + row] = pos as i32;
+                ints[o.slot_block + row] = chunk.blocks[pos / block_tokens].0 as i32;
+                ints[o.slot_pos + row] = (pos % block_tokens) as i32;
+                // Relative to the tables' start: the kernels get a pointer to the first table.
+                ints[o.table_of + row] = (table_at - o.tables) as i32;
+                row += 1;
+            }
+            if chunk.logits && !chunk.tokens.is_empty() {
+                ints[o.logit_rows + logit] = row as i32 - 1;
+                logit += 1;
+            }
+        }
+        let decode = n > 0 && batch.iter().all(|c| c.tokens.len() == 1 && c.logits);
+        StepIndex { ints, n, m, decode }
+    }
+
+    /// Where the parts start for `n` rows and `m` logit rows.
+    pub fn offsets(n: usize, m: usize) -> IndexOffsets {
+        IndexOffsets {
+            tokens: 0,
+            positions: n,
+            slot_block: 2 * n,
+            slot_pos: 3 * n,
+            table_of: 4 * n,
+            logit_rows: 5 * n,
+            tables: 5 * n + m,
+        }
+    }
+
+    /// Row `r`'s block and slot in it.
+    pub fn slot(&self, r: usize) -> (u32, usize) {
+        let o = StepIndex::offsets(self.n, self.m);
+        (self.ints[o.slot_block + r] as u32, self.ints[o.slot_pos + r] as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::BlockId;
+
+    fn config() -> ModelConfig {
+        ModelConfig {
+            n_layers: 3,
+            n_embd: 64,
+            n_ff: 96,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            rope_base: 10_000.0,
+            rms_eps: 1e-5,
+            n_vocab: 1000,
+            context_len: 256,
+        }
+    }
+
+    #[test]
+    fn the_scratch_buffers_are_aligned_apart_and_big_enough() {
+        let c = config();
+        let s = Scratch::for_rows(&c, 16, 16);
+        let (d, kv, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
+        let mut parts = [
+            (s.x, 16 * d * 4),
+            (s.y, 16 * d * 4),
+            (s.normed, 16 * d * 2),
+            (s.qkv, 16 * (d + 2 * kv) * 4),
+            (s.attended, 16 * d * 2),
+            (s.gate_up, 16 * 2 * ff * 4),
+            (s.act, 16 * ff * 2),
+            (s.step_kv, c.n_layers * 16 * 2 * kv * 2),
+            (s.logits, 16 * c.n_vocab * 4),
+        ];
+        parts.sort();
+        for pair in parts.windows(2) {
+            assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{parts:?} overlap");
+        }
+        assert!(parts.iter().all(|(at, _)| at % ALIGN == 0));
+        let (last, len) = parts[parts.len() - 1];
+        assert!(last + len <= s.bytes);
+        assert_eq!((Scratch::rows_for(1), Scratch::rows_for(17), Scratch::rows_for(256)), (16, 32, 256));
+    }
+
+    #[test]
+    fn a_mixed_step_packs_rows_logit_rows_and_tables_where_its_offsets_say() {
+        // A two-token chunk of a sequence at position 15 (it crosses into its second block), then a decode token
+        // at position 3 of another; only the second asks for logits.
+        let (a, b) = ([BlockId(7), BlockId(2)], [BlockId(5)]);
+        let batch = [
+            SeqChunk { tokens: &[10, 11], start: 15, blocks: &a, logits: false },
+            SeqChunk { tokens: &[12], start: 3, blocks: &b, logits: true },
+        ];
+        let ix = StepIndex::of(&batch, 16);
+        assert_eq!((ix.n, ix.m, ix.decode), (3, 1, false));
+        let o = StepIndex::offsets(3, 1);
+        let part = |from: usize, len: usize| ix.ints[from..from + len].to_vec();
+        assert_eq!(part(o.tokens, 3), [10, 11, 12]);
+        assert_eq!(part(o.positions, 3), [15, 16, 3]);
+        assert_eq!(part(o.slot_block, 3), [7, 2, 5]);
+        assert_eq!(part(o.slot_pos, 3), [15, 0, 3]);
+        assert_eq!(part(o.table_of, 3), [0, 0, 2]);
+        assert_eq!(part(o.logit_rows, 1), [2]);
+        assert_eq!(ix.ints[o.tables..], [7, 2, 5]);
+        assert_eq!((ix.slot(1), ix.slot(2)), ((2, 0), (5, 3)));
+
+        let decode = StepIndex::of(&batch[1..], 16);
+        assert!(decode.decode && decode.n == 1 && decode.m == 1);
+    }
+}

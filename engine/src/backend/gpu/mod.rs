@@ -1,0 +1,509 @@
+//! The fused forward pass, over any [`Gpu`]: the mechanism (memory, copies, kernel launches, matmuls, recorded
+//! steps) is the device's, the order of the work is here. Two devices implement it: CUDA (`backend::cuda`, the
+//! feature `cuda`) and, in the tests, the same kernels compiled for the CPU (`engine/tests/cuda_host.rs`), so this
+//! pass runs and is compared with the CPU engine on every CI run, without a GPU.
+//!
+//! Against the first CUDA forward (`backend::cuda::CudaBackend`), a layer is four matmuls and five kernels instead
+//! of seven and ten: Q, K and V are one matmul over their stacked weights, as are gate and up; the residual add
+//! goes with the next norm (`residual_norm`); RoPE goes with the K/V store (`rope_store`); attention reads Q where
+//! the stacked matmul left it and writes f16 (`attend`, tiled, so its launch does not depend on the longest
+//! context). Its buffers persist from step to step, and a step's indices go up in one copy. With recording on, a
+//! decode step of `n` sequences is recorded once (a CUDA graph) and replayed after, one launch instead of about
+//! 280.
+
+pub mod layout;
+
+use std::collections::HashMap;
+
+use layout::{Scratch, StepIndex};
+
+use super::{Backend, Next, StepContext};
+use crate::forward::{ForwardError, SeqChunk};
+use crate::gguf::TensorType;
+use crate::kv::{BlockId, KvLayout, KvPart, KvStore};
+use crate::model::{Matrix, Model, ModelConfig};
+
+/// An address in the device's memory.
+pub type DevicePtr = u64;
+
+/// One kernel argument, as the kernel's signature takes it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(DevicePtr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    /// The argument's value in the 8-byte slot a launch passes a pointer to (a 4-byte value at the slot's start:
+    /// little-endian).
+    pub fn slot(self) -> u64 {
+        match self {
+            Arg::Ptr(p) => p,
+            Arg::I32(v) => u64::from(v as u32),
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => u64::from(v.to_bits()),
+        }
+    }
+}
+
+/// Threads per block of the row kernels.
+const ROW_THREADS: u32 = 256;
+/// Threads per block of the element-wise kernels.
+const ELEM_THREADS: u32 = 256;
+/// Threads per block of `attend` (its `ATTEND_TILE`).
+const ATTEND_THREADS: u32 = 128;
+/// Decode steps of up to this many sequences are recorded, one recording per batch size.
+pub const MAX_RECORDED_ROWS: usize = 256;
+
+/// What the fused forward needs of a device. Work is issued in order; only [`Gpu::download`] waits for it.
+pub trait Gpu: Send {
+    /// A recorded sequence of work ([`Gpu::end_recording`]).
+    type Recording: Send;
+    /// `bytes` zeroed bytes, aligned to 256, until [`Gpu::free`] or the device's drop.
+    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, ForwardError>;
+    fn free(&mut self, at: DevicePtr);
+    /// Copies `bytes` to `to`, in order with the work issued before and after.
+    fn upload(&mut self, to: DevicePtr, bytes: &[u8]) -> Result<(), ForwardError>;
+    /// Waits for the work issued so far, then copies from `from` into `bytes`.
+    fn download(&mut self, from: DevicePtr, bytes: &mut [u8]) -> Result<(), ForwardError>;
+    /// Runs `kernel` (a name from `kernels.cu`) over `grid` (x, y) blocks of `threads` threads with `shared`
+    /// bytes of dynamic shared memory.
+    fn launch(
+        &mut self,
+        kernel: &'static str,
+        grid: (u32, u32),
+        threads: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<(), ForwardError>;
+    /// `y[n][rows] = x[n][cols] · w[rows][cols]ᵀ`: `w` and `x` f16, `y` f32, accumulated in f32.
+    fn gemm(
+        &mut self,
+        w: DevicePtr,
+        rows: usize,
+        cols: usize,
+        x: DevicePtr,
+        n: usize,
+        y: DevicePtr,
+    ) -> Result<(), ForwardError>;
+    /// Starts recording the work issued from now instead of running it; false when this device does not record.
+    fn begin_recording(&mut self) -> Result<bool, ForwardError>;
+    fn end_recording(&mut self) -> Result<Self::Recording, ForwardError>;
+    /// Issues a recording's work again, with whatever the memory it reads holds now.
+    fn replay(&mut self, recording: &Self::Recording) -> Result<(), ForwardError>;
+}
+
+/// A weight matrix in device memory: `rows × cols` f16, row-major.
+#[derive(Clone, Copy, Debug)]
+struct DeviceMatrix {
+    at: DevicePtr,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Debug)]
+struct DeviceLayer {
+    attn_norm: DevicePtr,
+    /// Q, K and V's rows, stacked.
+    qkv: DeviceMatrix,
+    wo: DeviceMatrix,
+    ffn_norm: DevicePtr,
+    /// Gate's rows, then up's.
+    gate_up: DeviceMatrix,
+    down: DeviceMatrix,
+}
+
+/// Device memory that grows (by a new allocation) and says when it did.
+#[derive(Debug, Default)]
+struct Grown {
+    at: DevicePtr,
+    bytes: usize,
+}
+
+impl Grown {
+    /// At least `bytes`; true when it moved.
+    fn fit<G: Gpu>(&mut self, gpu: &mut G, bytes: usize) -> Result<bool, ForwardError> {
+        if bytes <= self.bytes && self.at != 0 {
+            return Ok(false);
+        }
+        if self.at != 0 {
+            gpu.free(self.at);
+        }
+        self.at = gpu.alloc(bytes)?;
+        self.bytes = bytes;
+        Ok(true)
+    }
+}
+
+/// The fused forward pass on device `G`.
+pub struct GpuForward<G: Gpu> {
+    /// Recorded decode steps by batch size; `None` when recording is off. (First: the recordings go before the
+    /// device they were made on.)
+    recorded: Option<HashMap<usize, G::Recording>>,
+    gpu: G,
+    name: &'static str,
+    config: ModelConfig,
+    embedding: DeviceMatrix,
+    output: DeviceMatrix,
+    layers: Vec<DeviceLayer>,
+    output_norm: DevicePtr,
+    rope: DevicePtr,
+    /// The device mirror of the paged cache (allocated at the first step, when the store's size is known)…
+    cache: Grown,
+    /// …and per block, the host store's generation it holds.
+    seen: Vec<u64>,
+    scratch: Grown,
+    layout: Option<Scratch>,
+    index: Grown,
+}
+
+impl<G: Gpu> std::fmt::Debug for GpuForward<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuForward").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+impl<G: Gpu> GpuForward<G> {
+    /// Uploads `model`'s weights to `gpu` (quantized matrices dequantized there); `record` turns on recorded
+    /// decode steps where the device records. `name` is the backend's name.
+    pub fn new(mut gpu: G, model: &Model, name: &'static str, record: bool) -> Result<GpuForward<G>, ForwardError> {
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for l in &model.layers {
+            layers.push(DeviceLayer {
+                attn_norm: upload_floats(&mut gpu, &l.attn_norm)?,
+                qkv: upload_stacked(&mut gpu, &[&l.wq, &l.wk, &l.wv])?,
+                wo: upload_stacked(&mut gpu, &[&l.wo])?,
+                ffn_norm: upload_floats(&mut gpu, &l.ffn_norm)?,
+                gate_up: upload_stacked(&mut gpu, &[&l.w_gate, &l.w_up])?,
+                down: upload_stacked(&mut gpu, &[&l.w_down])?,
+            });
+        }
+        let embedding = upload_stacked(&mut gpu, &[&model.token_embd])?;
+        let output = if model.output.same_tensor(&model.token_embd) {
+            embedding
+        } else {
+            upload_stacked(&mut gpu, &[&model.output])?
+        };
+        let table: Vec<f32> = model.rope.iter().flat_map(|&[c, s]| [c, s]).collect();
+        Ok(GpuForward {
+            output_norm: upload_floats(&mut gpu, &model.output_norm)?,
+            rope: upload_floats(&mut gpu, &table)?,
+            gpu,
+            name,
+            config: model.config.clone(),
+            embedding,
+            output,
+            layers,
+            cache: Grown::default(),
+            seen: Vec::new(),
+            scratch: Grown::default(),
+            layout: None,
+            index: Grown::default(),
+            recorded: record.then(HashMap::new),
+        })
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &G {
+        &self.gpu
+    }
+
+    /// Uploads the blocks the batch reads that the host store changed since the mirror last saw them.
+    fn sync_blocks(&mut self, kv: &KvStore, batch: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
+        let layout = *kv.layout();
+        let block_bytes = layout.block_elems() * 2;
+        if self.cache.fit(&mut self.gpu, kv.capacity() * block_bytes)? {
+            // Nothing is mirrored yet: every block's first use uploads it (and no recording reads this cache).
+            self.seen = vec![u64::MAX; kv.capacity()];
+            if let Some(r) = self.recorded.as_mut() {
+                r.clear();
+            }
+        }
+        for chunk in batch {
+            let used = layout.blocks_for(chunk.start + chunk.tokens.len()).min(chunk.blocks.len());
+            for &b in &chunk.blocks[..used] {
+                let i = b.0 as usize;
+                if self.seen[i] == kv.generation(b) {
+                    continue;
+                }
+                let at = self.cache.at + (i * block_bytes) as u64;
+                self.gpu.upload(at, bytes_of(kv.block(b)))?;
+                self.seen[i] = kv.generation(b);
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, kv: &mut KvStore, batch: &[SeqChunk<'_>], next: &mut Vec<Next>) -> Result<(), ForwardError> {
+        let block_tokens = kv.layout().block_tokens;
+        let ix = StepIndex::of(batch, block_tokens);
+        if ix.n == 0 {
+            return Ok(());
+        }
+        self.sync_blocks(kv, batch)?;
+        let (rows, logit_rows) = (Scratch::rows_for(ix.n), Scratch::rows_for(ix.m));
+        let mut moved = false;
+        if self.layout.is_none_or(|s| s.rows < rows || s.logit_rows < logit_rows) {
+            let old = self.layout.map_or((0, 0), |s| (s.rows, s.logit_rows));
+            let s = Scratch::for_rows(&self.config, rows.max(old.0), logit_rows.max(old.1));
+            moved |= self.scratch.fit(&mut self.gpu, s.bytes)?;
+            self.layout = Some(s);
+        }
+        moved |= self.index.fit(&mut self.gpu, (ix.ints.len() * 4).next_power_of_two().max(4096))?;
+        if moved {
+            // The recordings read the old buffers.
+            if let Some(r) = self.recorded.as_mut() {
+                r.clear();
+            }
+        }
+        self.gpu.upload(self.index.at, bytes_of(&ix.ints))?;
+        let replayable = ix.decode && ix.n <= MAX_RECORDED_ROWS && self.recorded.is_some();
+        if !replayable {
+            self.issue(ix.n, ix.m, block_tokens)?;
+        } else if let Some(recording) = self.recorded.as_ref().and_then(|r| r.get(&ix.n)) {
+            self.gpu.replay(recording)?;
+        } else if self.gpu.begin_recording()? {
+            // The recording ends whatever the issuing says: a device left recording would take no more work.
+            let issued = self.issue(ix.n, ix.m, block_tokens);
+            let recording = self.gpu.end_recording();
+            issued?;
+            let recording = recording?;
+            self.gpu.replay(&recording)?;
+            if let Some(r) = self.recorded.as_mut() {
+                r.insert(ix.n, recording);
+            }
+        } else {
+            // This device does not record: the work runs as it is issued, from now on.
+            self.recorded = None;
+            self.issue(ix.n, ix.m, block_tokens)?;
+        }
+        self.read_back(kv, &ix, next)
+    }
+
+    /// Issues a step of `n` rows of which `m` ask for logits, over the indices uploaded.
+    fn issue(&mut self, n: usize, m: usize, block_tokens: usize) -> Result<(), ForwardError> {
+        let c = &self.config;
+        let Some(s) = self.layout else { return Err(ForwardError::Device("no scratch laid out".into())) };
+        let (d, kv_dim, ff, hd) = (c.n_embd, c.kv_dim(), c.n_ff, c.head_dim);
+        let buf = |offset: usize| Arg::Ptr(self.scratch.at + offset as u64);
+        let o = StepIndex::offsets(n, m);
+        let ints = |offset: usize| Arg::Ptr(self.index.at + 4 * offset as u64);
+        let (x, y, normed, qkv) = (buf(s.x), buf(s.y), buf(s.normed), buf(s.qkv));
+        let (attended, gate_up, act) = (buf(s.attended), buf(s.gate_up), buf(s.act));
+        let at = |a: Arg| match a {
+            Arg::Ptr(p) => p,
+            _ => 0,
+        };
+        let (n32, d_i, eps) = (n as u32, Arg::I32(d as i32), Arg::F32(c.rms_eps));
+        let (layers_i, heads_i, kv_heads_i) =
+            (Arg::I32(c.n_layers as i32), Arg::I32(c.n_heads as i32), Arg::I32(c.n_kv_heads as i32));
+        let (hd_i, bt_i) = (Arg::I32(hd as i32), Arg::I32(block_tokens as i32));
+        let scale = Arg::F32(1.0 / (hd as f32).sqrt());
+        let cache = Arg::Ptr(self.cache.at);
+        let gpu = &mut self.gpu;
+        gpu.launch("embed_f16", (n32, 1), ROW_THREADS, 0, &[Arg::Ptr(self.embedding.at), ints(o.tokens), x, d_i])?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let layer_i = Arg::I32(li as i32);
+            // The residual of the last layer's down projection (none before the first), and this layer's norm.
+            let residual = if li == 0 { Arg::Ptr(0) } else { y };
+            gpu.launch(
+                "residual_norm",
+                (n32, 1),
+                ROW_THREADS,
+                0,
+                &[x, residual, Arg::Ptr(l.attn_norm), normed, Arg::Ptr(0), d_i, eps],
+            )?;
+            gpu.gemm(l.qkv.at, l.qkv.rows, l.qkv.cols, at(normed), n, at(qkv))?;
+            gpu.launch(
+                "rope_store",
+                (n32, 1),
+                ROW_THREADS,
+                0,
+                &[
+                    qkv,
+                    ints(o.positions),
+                    Arg::Ptr(self.rope),
+                    cache,
+                    ints(o.slot_block),
+                    ints(o.slot_pos),
+                    buf(s.step_kv),
+                    Arg::I32(n as i32),
+                    layer_i,
+                    layers_i,
+                    heads_i,
+                    kv_heads_i,
+                    hd_i,
+                    bt_i,
+                ],
+            )?;
+            gpu.launch(
+                "attend",
+                (n32, c.n_heads as u32),
+                ATTEND_THREADS,
+                0,
+                &[
+                    qkv,
+                    Arg::I32((d + 2 * kv_dim) as i32),
+                    cache,
+                    ints(o.tables),
+                    ints(o.table_of),
+                    ints(o.positions),
+                    attended,
+                    layer_i,
+                    layers_i,
+                    heads_i,
+                    kv_heads_i,
+                    hd_i,
+                    bt_i,
+                    scale,
+                ],
+            )?;
+            gpu.gemm(l.wo.at, l.wo.rows, l.wo.cols, at(attended), n, at(y))?;
+            gpu.launch(
+                "residual_norm",
+                (n32, 1),
+                ROW_THREADS,
+                0,
+                &[x, y, Arg::Ptr(l.ffn_norm), normed, Arg::Ptr(0), d_i, eps],
+            )?;
+            gpu.gemm(l.gate_up.at, l.gate_up.rows, l.gate_up.cols, at(normed), n, at(gate_up))?;
+            let elems = n * ff;
+            gpu.launch(
+                "swiglu",
+                ((elems as u32).div_ceil(ELEM_THREADS), 1),
+                ELEM_THREADS,
+                0,
+                &[gate_up, act, Arg::I32(ff as i32), Arg::I64(elems as i64)],
+            )?;
+            gpu.gemm(l.down.at, l.down.rows, l.down.cols, at(act), n, at(y))?;
+        }
+        if m > 0 {
+            // The last residual and the final norm, over the logit rows only, then their logits.
+            gpu.launch(
+                "residual_norm",
+                (m as u32, 1),
+                ROW_THREADS,
+                0,
+                &[x, y, Arg::Ptr(self.output_norm), normed, ints(o.logit_rows), d_i, eps],
+            )?;
+            let out = self.output;
+            gpu.gemm(out.at, out.rows, out.cols, at(normed), m, at(buf(s.logits)))?;
+        }
+        Ok(())
+    }
+
+    /// The step's logits to `next`, and its K/V rows into the host's store (without marking the blocks changed:
+    /// the mirror has them already).
+    fn read_back(&mut self, kv: &mut KvStore, ix: &StepIndex, next: &mut Vec<Next>) -> Result<(), ForwardError> {
+        let Some(s) = self.layout else { return Err(ForwardError::Device("no scratch laid out".into())) };
+        let c = &self.config;
+        let vocab = self.output.rows;
+        if ix.m > 0 {
+            let mut logits = vec![0f32; ix.m * vocab];
+            self.gpu.download(self.scratch.at + s.logits as u64, bytemuck::cast_slice_mut(&mut logits))?;
+            next.extend(logits.chunks_exact(vocab).map(|r| Next::Logits(r.to_vec())));
+        }
+        let (kv_dim, hd) = (c.kv_dim(), c.head_dim);
+        let mut rows = vec![half::f16::ZERO; c.n_layers * ix.n * 2 * kv_dim];
+        self.gpu.download(self.scratch.at + s.step_kv as u64, bytemuck::cast_slice_mut(&mut rows))?;
+        for layer in 0..c.n_layers {
+            for r in 0..ix.n {
+                let (block, slot) = ix.slot(r);
+                let base = (layer * ix.n + r) * 2 * kv_dim;
+                for (p, part) in [KvPart::K, KvPart::V].into_iter().enumerate() {
+                    for h in 0..c.n_kv_heads {
+                        let at = base + p * kv_dim + h * hd;
+                        kv.write_f16(BlockId(block), layer, part, h, slot, &rows[at..at + hd]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn upload_floats<G: Gpu>(gpu: &mut G, v: &[f32]) -> Result<DevicePtr, ForwardError> {
+    let at = gpu.alloc(v.len() * 4)?;
+    gpu.upload(at, bytes_of(v))?;
+    Ok(at)
+}
+
+/// The rows of `parts` (all of one width) one after the other as one f16 matrix: quantized ones go up as they are
+/// and are dequantized on the device, others are converted here.
+fn upload_stacked<G: Gpu>(gpu: &mut G, parts: &[&Matrix]) -> Result<DeviceMatrix, ForwardError> {
+    let cols = parts[0].cols;
+    if parts.iter().any(|p| p.cols != cols) {
+        return Err(ForwardError::Device("stacked matrices differ in width".into()));
+    }
+    let rows: usize = parts.iter().map(|p| p.rows).sum();
+    let at = gpu.alloc(rows * cols * 2)?;
+    let mut row = 0;
+    for m in parts {
+        let elems = m.rows * m.cols;
+        let to = at + (row * cols * 2) as u64;
+        let kernel = match m.ty {
+            TensorType::Q8_0 => "dequant_q8_0_f16",
+            TensorType::Q4_1 => "dequant_q4_1_f16",
+            other => {
+                let mut values = vec![0f32; elems];
+                crate::kernels::dequantize_row(other, m.bytes(), &mut values);
+                let host: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+                gpu.upload(to, bytes_of(&host))?;
+                row += m.rows;
+                continue;
+            }
+        };
+        let src = gpu.alloc(m.bytes().len())?;
+        gpu.upload(src, m.bytes())?;
+        let blocks = elems / 32;
+        gpu.launch(
+            kernel,
+            ((elems as u32).div_ceil(ELEM_THREADS), 1),
+            ELEM_THREADS,
+            0,
+            &[Arg::Ptr(src), Arg::Ptr(to), Arg::I64(blocks as i64)],
+        )?;
+        // Freed in order with the work (a device that frees at once has run it already).
+        gpu.free(src);
+        row += m.rows;
+    }
+    Ok(DeviceMatrix { at, rows, cols })
+}
+
+impl<G: Gpu> Backend for GpuForward<G> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn vocab(&self) -> usize {
+        self.config.n_vocab
+    }
+
+    fn context_len(&self) -> usize {
+        self.config.context_len
+    }
+
+    fn kv_layout(&self, block_tokens: usize) -> KvLayout {
+        KvLayout::for_model(&self.config, block_tokens)
+    }
+
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn forward_into(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        _: StepContext,
+        next: &mut Vec<Next>,
+    ) -> Result<(), ForwardError> {
+        self.step(kv, batch, next)
+    }
+}

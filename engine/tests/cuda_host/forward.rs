@@ -1,0 +1,238 @@
+//! The fused forward pass (`engine::backend::gpu`) run over the kernels compiled for the CPU, against the CPU
+//! engine's logits: the order of the work, the stacked weights, the buffers' offsets, the packed indices, the
+//! paged mirror and the write-back to the host's store are the ones the CUDA device gets; only the memory, the
+//! launches and the matmuls are this file's. Recording is a list of the work issued, replayed as it was issued, so
+//! that a replayed decode step reads the indices uploaded for it, as a CUDA graph does.
+
+use std::collections::HashMap;
+
+use engine::backend::Backend;
+use engine::backend::gpu::{Arg, DevicePtr, Gpu, GpuForward};
+use engine::forward::ForwardError;
+use engine::model::Model;
+use engine::parity::{self, Plan};
+use engine::synth::{self, SynthShape};
+use half::f16;
+
+/// One piece of work, as issued.
+#[derive(Clone, Debug)]
+enum Work {
+    Launch { kernel: &'static str, grid: (u32, u32), threads: u32, shared: u32, args: Vec<Arg> },
+    Gemm { w: DevicePtr, rows: usize, cols: usize, x: DevicePtr, n: usize, y: DevicePtr },
+}
+
+/// Host memory as device memory; work runs when issued, unless it is being recorded.
+#[derive(Default)]
+struct HostGpu {
+    memory: HashMap<DevicePtr, Vec<u8>>,
+    recording: Option<Vec<Work>>,
+    /// Recordings made and replays run: the test checks the recorded path was taken.
+    recorded: usize,
+    replayed: usize,
+}
+
+impl HostGpu {
+    fn run(&mut self, work: Work) -> Result<(), ForwardError> {
+        if let Some(r) = self.recording.as_mut() {
+            r.push(work);
+            return Ok(());
+        }
+        match work {
+            Work::Launch { kernel, grid, threads, shared, args } => {
+                match super::try_launch(kernel, grid, threads, shared, &args) {
+                    0 => Ok(()),
+                    _ => Err(ForwardError::Device(format!("kernel {kernel} did not launch"))),
+                }
+            }
+            Work::Gemm { w, rows, cols, x, n, y } => {
+                // SAFETY: the three addresses lie in allocations of this device that the forward sized for
+                // rows*cols and n*cols f16 values and n*rows f32 values.
+                #[allow(unsafe_code)]
+                let (w, x, y) = unsafe {
+                    (
+                        std::slice::from_raw_parts(w as *const f16, rows * cols),
+                        std::slice::from_raw_parts(x as *const f16, n * cols),
+                        std::slice::from_raw_parts_mut(y as *mut f32, n * rows),
+                    )
+                };
+                for (xi, yi) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
+                    for (wr, out) in w.chunks_exact(cols).zip(yi.iter_mut()) {
+                        *out = wr.iter().zip(xi).map(|(a, b)| a.to_f32() * b.to_f32()).sum();
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Gpu for HostGpu {
+    type Recording = Vec<Work>;
+
+    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, ForwardError> {
+        // 256 bytes of room to align the start.
+        let v = vec![0u8; bytes + 256];
+        let at = (v.as_ptr() as u64).next_multiple_of(256);
+        self.memory.insert(at, v);
+        Ok(at)
+    }
+
+    fn free(&mut self, at: DevicePtr) {
+        self.memory.remove(&at);
+    }
+
+    fn upload(&mut self, to: DevicePtr, bytes: &[u8]) -> Result<(), ForwardError> {
+        assert!(self.recording.is_none(), "an upload while recording");
+        // SAFETY: `to` lies in an allocation of this device with room for `bytes` (the forward's layout).
+        #[allow(unsafe_code)]
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), to as *mut u8, bytes.len())
+        };
+        Ok(())
+    }
+
+    fn download(&mut self, from: DevicePtr, bytes: &mut [u8]) -> Result<(), ForwardError> {
+        assert!(self.recording.is_none(), "a download while recording");
+        // SAFETY: as `upload`.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::ptr::copy_nonoverlapping(from as *const u8, bytes.as_mut_ptr(), bytes.len())
+        };
+        Ok(())
+    }
+
+    fn launch(
+        &mut self,
+        kernel: &'static str,
+        grid: (u32, u32),
+        threads: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<(), ForwardError> {
+        self.run(Work::Launch { kernel, grid, threads, shared, args: args.to_vec() })
+    }
+
+    fn gemm(
+        &mut self,
+        w: DevicePtr,
+        rows: usize,
+        cols: usize,
+        x: DevicePtr,
+        n: usize,
+        y: DevicePtr,
+    ) -> Result<(), ForwardError> {
+        self.run(Work::Gemm { w, rows, cols, x, n, y })
+    }
+
+    fn begin_recording(&mut self) -> Result<bool, ForwardError> {
+        self.recording = Some(Vec::new());
+        Ok(true)
+    }
+
+    fn end_recording(&mut self) -> Result<Vec<Work>, ForwardError> {
+        self.recorded += 1;
+        self.recording.take().ok_or_else(|| ForwardError::Device("not recording".into()))
+    }
+
+    fn replay(&mut self, recording: &Vec<Work>) -> Result<(), ForwardError> {
+        self.replayed += 1;
+        recording.iter().try_for_each(|w| self.run(w.clone()))
+    }
+}
+
+/// Small enough for the fibers: two layers, four query heads over two KV heads; prompts that cross `attend`'s
+/// 128-key tiles, a chunked prefill, three batched decode steps and a mixed step.
+const SHAPE: SynthShape =
+    SynthShape { n_layers: 2, n_embd: 64, n_ff: 128, n_heads: 4, n_kv_heads: 2, n_vocab: 1024, context_len: 512 };
+const PLAN: Plan = Plan { prompts: &[1, 17, 150], chunk: 64, decode_steps: 3 };
+
+#[test]
+fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
+    let path = std::env::temp_dir().join(format!("tandem-cuda-host-forward-{}.gguf", std::process::id()));
+    synth::write(&path, &SHAPE, 7).expect("written");
+    let team = engine::team::Team::new(0, "test").expect("team");
+    let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
+    let (want, want_kv) = parity::run_plan(&mut cpu, &PLAN).expect("the CPU runs");
+    let model = Model::open(&path).expect("loads");
+    for record in [false, true] {
+        let mut fused = GpuForward::new(HostGpu::default(), &model, "host", record).expect("weights up");
+        let (got, got_kv) = parity::run_plan(&mut fused, &PLAN).expect("the fused forward runs");
+        assert_eq!(fused.name(), "host");
+        for c in parity::compare(&want, &got).expect("the same steps") {
+            assert!(c.passes(0.01), "recording {record}: {c:?}");
+        }
+        // Every K/V row the steps computed came back to the host's store, where the CPU engine put its own
+        // (within the f16 inputs' rounding: the CPU's matmuls read f32 activations).
+        let (mut worst, mut largest) = (0f32, 0f32);
+        for b in 0..want_kv.capacity() {
+            let block = engine::kv::BlockId(b as u32);
+            for (w, g) in want_kv.block(block).iter().zip(got_kv.block(block)) {
+                worst = worst.max((w.to_f32() - g.to_f32()).abs());
+                largest = largest.max(w.to_f32().abs());
+            }
+        }
+        assert!(largest > 0.0 && worst <= 0.01 * largest, "recording {record}: K/V off by {worst} of {largest}");
+        // Recording on: two shapes were recorded, the one-token prompt's step (one sequence, one token, its logits:
+        // a decode step's shape) and the first decode step of three sequences, which the two after it replayed
+        // too; the longer prompts, the chunks and the mixed step ran as issued.
+        let gpu = fused.gpu();
+        assert_eq!((gpu.recorded, gpu.replayed), if record { (2, 4) } else { (0, 0) }, "recording {record}");
+    }
+    std::fs::remove_file(path).ok();
+}
+
+/// Decode steps of one and two sequences, alternating, after their prompts: each batch size is recorded once and
+/// replayed with the other's recording kept, so a replay must be the one of its own size.
+fn alternating_decodes(backend: &mut dyn Backend) -> Vec<Vec<f32>> {
+    use engine::backend::{Next, StepContext};
+    use engine::forward::SeqChunk;
+    use engine::kv::{BlockId, KvStore};
+    let layout = backend.kv_layout(parity::BLOCK_TOKENS);
+    let mut kv = KvStore::new(layout, 8);
+    let tables = [[0, 1, 2, 3].map(BlockId), [4, 5, 6, 7].map(BlockId)];
+    let context = StepContext { started: std::time::Instant::now(), onboarded: [0, 0] };
+    let mut lens = [20usize, 40];
+    let mut out = Vec::new();
+    let mut logits = |next: Vec<Next>| {
+        out.extend(next.into_iter().filter_map(|n| match n {
+            Next::Logits(v) => Some(v),
+            Next::Draw(_) => None,
+        }))
+    };
+    for (s, &len) in lens.iter().enumerate() {
+        let prompt: Vec<u32> = (0..len as u32).map(|i| 300 + 7 * i + s as u32).collect();
+        let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &tables[s], logits: true };
+        logits(backend.forward(&mut kv, &[chunk], context).expect("a prompt"));
+    }
+    for step in 0..6u32 {
+        let seqs = if step % 2 == 0 { 1 } else { 2 };
+        let tokens: Vec<[u32; 1]> = (0..seqs).map(|s| [500 + step * 3 + s as u32]).collect();
+        let batch: Vec<SeqChunk<'_>> = (0..seqs)
+            .map(|s| SeqChunk { tokens: &tokens[s], start: lens[s], blocks: &tables[s], logits: true })
+            .collect();
+        logits(backend.forward(&mut kv, &batch, context).expect("a decode step"));
+        lens.iter_mut().take(seqs).for_each(|l| *l += 1);
+    }
+    out
+}
+
+#[test]
+fn a_recorded_decode_step_is_replayed_for_its_own_batch_size() {
+    let path = std::env::temp_dir().join(format!("tandem-cuda-host-replay-{}.gguf", std::process::id()));
+    synth::write(&path, &SHAPE, 8).expect("written");
+    let team = engine::team::Team::new(0, "test").expect("team");
+    let want =
+        alternating_decodes(&mut engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team));
+    let model = Model::open(&path).expect("loads");
+    let mut fused = GpuForward::new(HostGpu::default(), &model, "host", true).expect("weights up");
+    let got = alternating_decodes(&mut fused);
+    assert_eq!(got.len(), want.len());
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        let largest = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 0.01 * largest, "logits {k}: off by {worst} of {largest}");
+    }
+    // Two recordings (one sequence, two sequences), each made at its first step; six decode steps replayed.
+    assert_eq!((fused.gpu().recorded, fused.gpu().replayed), (2, 6));
+    std::fs::remove_file(path).ok();
+}
