@@ -6,7 +6,8 @@
 # (the device tool's folder) or DIR/out. FORWARDS (default "plain fused graphs") names the CUDA forward passes
 # checked and timed, each in turn (TANDEM_CUDA_FORWARD); the whole ran in 137 s on an H100 with the first pass
 # alone, PyTorch included, and the limits of the three passes add to 725 s of which a few minutes run. TORCH=0 leaves
-# PyTorch out. A candidate binary (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's,
+# PyTorch out. Then a cluster on the GPU: `tandem up --engine cuda:0` with CLUSTER_FORWARD's pass (default graphs),
+# one completion through the router, compared with the CPU's tokens. A candidate binary (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's,
 # its figures in check.txt (265 s more of limits, about 30 s of running). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
@@ -76,6 +77,28 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
         timeout 90 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
             --batches 1,16,64,256 --json | tee "$RESULTS/speed-512-$forward.json"
     done
+    part "${CLUSTER_FORWARD:=graphs}: a cluster on the GPU (tandem up --engine cuda:0, a prefill and a decode worker)"
+    # The workers' own path: the engine's scheduler in a worker process, the KV export a decode worker pulls, the
+    # router in front. The same prompt and greedy tokens as `generate`, through the OpenAI API.
+    TANDEM_CUDA_FORWARD=$CLUSTER_FORWARD "$T" up --engine cuda:0 --model "$RESULTS/synth.gguf" --prefill 1 \
+        --decode 1 --port 18080 > "$RESULTS/up.log" 2>&1 &
+    up=$!
+    for _ in $(seq 90); do curl -sf localhost:18080/v1/models > "$RESULTS/models.json" && break; sleep 1; done
+    served=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['data'][0]['id'])" "$RESULTS/models.json")
+    timeout 60 curl -s localhost:18080/v1/completions -H 'content-type: application/json' \
+        -d "{\"model\": \"$served\", \"prompt\": \"$prompt\", \"max_tokens\": 32, \"temperature\": 0}" \
+        > "$RESULTS/up-completion.json"
+    python3 -c "import json, sys
+got = json.load(open(sys.argv[1]))
+want = json.load(open(sys.argv[2]))
+text = got['choices'][0]['text']
+print(f\"cluster: {got['usage']}, the same text as generate on the CPU: {text == want.get('text')}\")" \
+        "$RESULTS/up-completion.json" "$RESULTS/generate-cpu.json" || head -c 600 "$RESULTS/up-completion.json"
+    # Whether the prompt went through a prefill worker and its KV to the decode worker (reason prefill_remote).
+    curl -s localhost:18080/metrics | grep -E "^tandem_router_decisions_total"
+    kill "$up"
+    wait "$up"
+    tail -5 "$RESULTS/up.log"
     unset TANDEM_CUDA_FORWARD
     if [ -x "$DIR/candidate/tandem" ]; then
         C="$DIR/candidate/tandem"

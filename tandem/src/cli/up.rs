@@ -38,8 +38,9 @@ pub struct Args {
     /// Compute threads per worker (default: the cores shared out among the workers, at least one each).
     #[arg(long)]
     threads: Option<NonZeroUsize>,
-    /// What computes steps: `cpu` (the model) or `mock` (no compute; steps take the timing profile's time, for
-    /// routing experiments with many workers).
+    /// What computes steps: `cpu` (the model), `mock` (no compute; steps take the timing profile's time, for
+    /// routing experiments with many workers) or `cuda[:N]` (the model on CUDA device N, in a build with
+    /// `--features cuda`: docs/cuda.md).
     #[arg(long, default_value = "cpu")]
     engine: String,
     /// How cpu workers compute matmuls over quantized weights: `reference` (f32 activations, what the golden
