@@ -3,16 +3,16 @@
 # target/device): the synthetic model made here from the same seed (its fingerprint must match), the parity of the
 # CUDA backend's logits with the CPU reference's on fixed steps (the exit status), then speed: the CUDA backend's
 # prefill and decode figures and PyTorch's on the same weights (scripts/device/torch_speed.py). Results under $OUT
-# (the device tool's folder) or DIR/out. FORWARDS (default "plain fused graphs") names the CUDA forward passes
-# checked and timed, each in turn (TANDEM_CUDA_FORWARD); the whole ran in 137 s on an H100 with the first pass
-# alone, PyTorch included, and the limits of the three passes add to 725 s of which a few minutes run. TORCH=0 leaves
+# (the device tool's folder) or DIR/out. FORWARDS (default "plain fused graphs graphs-mv") names the CUDA forward
+# passes checked and timed, each in turn (TANDEM_CUDA_FORWARD); the whole ran in 137 s on an H100 with the first
+# pass alone, PyTorch included; the four passes' limits add to 935 s, of which a few minutes should run. TORCH=0 leaves
 # PyTorch out. Then a cluster on the GPU: `tandem up --engine cuda:0` with CLUSTER_FORWARD's pass (default graphs),
 # one completion through the router, compared with the CPU's tokens. A candidate binary (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's,
 # its figures in check.txt (265 s more of limits, about 30 s of running). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
-FORWARDS=${FORWARDS:-plain fused graphs}
+FORWARDS=${FORWARDS:-plain fused graphs graphs-mv}
 mkdir -p "$RESULTS"
 T="$DIR/tandem"
 # CUDA's libraries where the machine keeps them: a toolkit, or the nvidia-* wheels next to PyTorch.
@@ -57,7 +57,7 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
     # Each forward pass of the CUDA backend (TANDEM_CUDA_FORWARD, docs/cuda.md), one after the other: parity with
     # the CPU reference (the exit status: the check fails when any pass's parity does), the engine's scheduler
     # over it (tandem generate, greedy, a chunked prompt) against the CPU's tokens, then its speed. The 4,096-token
-    # prefill is timed for the passes whose prefill differs (graphs record decode steps only).
+    # prefill is timed for the passes whose prefill differs (graphs and graphs-mv change decode steps only).
     for forward in $FORWARDS; do
         export TANDEM_CUDA_FORWARD=$forward
         part "$forward: parity with the CPU reference"
@@ -70,7 +70,7 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
         echo "exit $?"
         same_tokens "$RESULTS/generate-$forward.json" "$RESULTS/generate-cpu.json" "on the GPU ($forward)" "on the CPU"
         part "$forward: speed on the synthetic model (SmolLM2-135M's shapes)"
-        if [ "$forward" != graphs ]; then
+        if [ "$forward" = plain ] || [ "$forward" = fused ]; then
             timeout 45 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 \
                 --batches 1 --decode-tokens 16 --json | tee "$RESULTS/speed-4096-$forward.json"
         fi

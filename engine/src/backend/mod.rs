@@ -170,17 +170,19 @@ const NO_CUDA: &str = "this build has no CUDA support: build with `cargo build -
 /// The CUDA backend for `model` on device `ordinal`; `Err` is one sentence.
 #[cfg(feature = "cuda")]
 pub fn open_cuda(model: &crate::model::Model, ordinal: usize) -> Result<Box<dyn Backend>, String> {
-    let record = match cuda::ForwardKind::from_env()? {
+    let (record, matvec) = match cuda::ForwardKind::from_env()? {
         cuda::ForwardKind::Plain => {
             return cuda::CudaBackend::new(model, ordinal)
                 .map(|b| Box::new(b) as Box<dyn Backend>)
                 .map_err(|e| e.to_string());
         }
-        cuda::ForwardKind::Fused => false,
-        cuda::ForwardKind::Graphs => true,
+        cuda::ForwardKind::Fused => (false, false),
+        cuda::ForwardKind::Graphs => (true, false),
+        cuda::ForwardKind::GraphsMatvec => (true, true),
     };
     let gpu = cuda::CudaGpu::open(ordinal).map_err(|e| e.to_string())?;
-    let forward = gpu::GpuForward::new(gpu, model, "cuda", record).map_err(|e| e.to_string())?;
+    let forward =
+        gpu::GpuForward::new(gpu, model, "cuda", gpu::Options { record, matvec }).map_err(|e| e.to_string())?;
     Ok(Box::new(forward))
 }
 

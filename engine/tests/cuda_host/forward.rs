@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use engine::backend::Backend;
-use engine::backend::gpu::{Arg, DevicePtr, Gpu, GpuForward};
+use engine::backend::gpu::{Arg, DevicePtr, Gpu, GpuForward, Options};
 use engine::forward::ForwardError;
 use engine::model::Model;
 use engine::parity::{self, Plan};
@@ -154,12 +154,13 @@ fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
     let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
     let (want, want_kv) = parity::run_plan(&mut cpu, &PLAN).expect("the CPU runs");
     let model = Model::open(&path).expect("loads");
-    for record in [false, true] {
-        let mut fused = GpuForward::new(HostGpu::default(), &model, "host", record).expect("weights up");
+    for (record, matvec) in [(false, false), (true, false), (true, true)] {
+        let options = Options { record, matvec };
+        let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
         let (got, got_kv) = parity::run_plan(&mut fused, &PLAN).expect("the fused forward runs");
         assert_eq!(fused.name(), "host");
         for c in parity::compare(&want, &got).expect("the same steps") {
-            assert!(c.passes(0.01), "recording {record}: {c:?}");
+            assert!(c.passes(0.01), "{options:?}: {c:?}");
         }
         // Every K/V row the steps computed came back to the host's store, where the CPU engine put its own
         // (within the f16 inputs' rounding: the CPU's matmuls read f32 activations).
@@ -171,12 +172,12 @@ fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
                 largest = largest.max(w.to_f32().abs());
             }
         }
-        assert!(largest > 0.0 && worst <= 0.01 * largest, "recording {record}: K/V off by {worst} of {largest}");
+        assert!(largest > 0.0 && worst <= 0.01 * largest, "{options:?}: K/V off by {worst} of {largest}");
         // Recording on: two shapes were recorded, the one-token prompt's step (one sequence, one token, its logits:
         // a decode step's shape) and the first decode step of three sequences, which the two after it replayed
         // too; the longer prompts, the chunks and the mixed step ran as issued.
         let gpu = fused.gpu();
-        assert_eq!((gpu.recorded, gpu.replayed), if record { (2, 4) } else { (0, 0) }, "recording {record}");
+        assert_eq!((gpu.recorded, gpu.replayed), if record { (2, 4) } else { (0, 0) }, "{options:?}");
     }
     std::fs::remove_file(path).ok();
 }
@@ -224,15 +225,18 @@ fn a_recorded_decode_step_is_replayed_for_its_own_batch_size() {
     let want =
         alternating_decodes(&mut engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team));
     let model = Model::open(&path).expect("loads");
-    let mut fused = GpuForward::new(HostGpu::default(), &model, "host", true).expect("weights up");
-    let got = alternating_decodes(&mut fused);
-    assert_eq!(got.len(), want.len());
-    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-        let largest = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let worst = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(worst <= 0.01 * largest, "logits {k}: off by {worst} of {largest}");
+    for matvec in [false, true] {
+        let options = Options { record: true, matvec };
+        let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
+        let got = alternating_decodes(&mut fused);
+        assert_eq!(got.len(), want.len());
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            let largest = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(worst <= 0.01 * largest, "{options:?}, logits {k}: off by {worst} of {largest}");
+        }
+        // Two recordings (one sequence, two sequences), each made at its first step; six decode steps replayed.
+        assert_eq!((fused.gpu().recorded, fused.gpu().replayed), (2, 6), "{options:?}");
     }
-    // Two recordings (one sequence, two sequences), each made at its first step; six decode steps replayed.
-    assert_eq!((fused.gpu().recorded, fused.gpu().replayed), (2, 6));
     std::fs::remove_file(path).ok();
 }

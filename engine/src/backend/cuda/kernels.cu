@@ -355,3 +355,84 @@ extern "C" __global__ void swiglu(const float* gate_up, u16* out_f16, int ff, lo
     float g = gate_up[r * 2 * ff + j], u = gate_up[r * 2 * ff + ff + j];
     out_f16[i] = f2h(g / (1.0f + __expf(-g)) * u);
 }
+
+// ---- Small decode steps (up to MV_MAX_ROWS rows) without cuBLAS: each matmul is a matrix-vector kernel that does
+// the work around it too, so a layer is six kernels. One warp per output row; its lanes walk the row's columns in
+// pairs, for every input row at once. A warp with no output row of its own still takes part in the shuffles (all
+// threads of a block reach the same reductions), computing a row it does not write. ----
+
+#define MV_MAX_ROWS 4
+#define MV_WARPS 8
+
+// The sum over the warp, every lane getting it.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Normalizes rows of x (RMSNorm with w; input row rows[i] when `rows` is not null) into xs, `[i][d]`, in the
+// block's shared memory: every block needs all of them, and they are small.
+__device__ void norm_rows(const float* x, const int* rows, int n, const float* w, int d, float eps, float* xs) {
+    for (int i = 0; i < n; i++) {
+        const float* xr = x + (long)(rows ? rows[i] : i) * d;
+        float ss = 0.0f;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) ss += xr[c] * xr[c];
+        ss = block_sum(ss);
+        float scale = rsqrtf(ss / (float)d + eps);
+        for (int c = threadIdx.x; c < d; c += blockDim.x) xs[i * d + c] = xr[c] * scale * w[c];
+    }
+    __syncthreads();
+}
+
+// acc[i] = W[o] · a[i] over `cols` (even) columns, for the warp's row o, summed over the warp; `a` in f32.
+__device__ void dot_rows(const u16* wr, const float* a, int n, int cols, float* acc) {
+    int lane = threadIdx.x & 31;
+    for (int i = 0; i < MV_MAX_ROWS; i++) acc[i] = 0.0f;
+    for (int c = 2 * lane; c < cols; c += 64) {
+        float w0 = h2f(wr[c]), w1 = h2f(wr[c + 1]);
+        for (int i = 0; i < n; i++) acc[i] += w0 * a[i * cols + c] + w1 * a[i * cols + c + 1];
+    }
+    for (int i = 0; i < MV_MAX_ROWS; i++) acc[i] = warp_sum(acc[i]);
+}
+
+// y[i][o] = W[o] · norm(x[i]) for the n (at most MV_MAX_ROWS) rows; W is `out_rows × d` f16. Grid: one block per
+// MV_WARPS output rows; dynamic shared memory n * d floats.
+extern "C" __global__ void norm_matvec(const float* x, const int* rows, int n, const float* w, int d, float eps,
+                                       const u16* W, int out_rows, float* y) {
+    DYNAMIC_SHARED(float, xs);
+    norm_rows(x, rows, n, w, d, eps, xs);
+    int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
+    int row = o < out_rows ? o : out_rows - 1;
+    float acc[MV_MAX_ROWS];
+    dot_rows(W + (long)row * d, xs, n, d, acc);
+    if ((threadIdx.x & 31) == 0 && o < out_rows)
+        for (int i = 0; i < n; i++) y[(long)i * out_rows + o] = acc[i];
+}
+
+// act[i][j] = silu(gate_j · norm(x[i])) * (up_j · norm(x[i])) as f16, W the stacked gate/up rows (2 ff × d).
+extern "C" __global__ void norm_swiglu(const float* x, int n, const float* w, int d, float eps, const u16* W, int ff,
+                                       u16* act) {
+    DYNAMIC_SHARED(float, xs);
+    norm_rows(x, 0, n, w, d, eps, xs);
+    int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
+    int j = o < ff ? o : ff - 1;
+    float gate[MV_MAX_ROWS], up[MV_MAX_ROWS];
+    dot_rows(W + (long)j * d, xs, n, d, gate);
+    dot_rows(W + (long)(ff + j) * d, xs, n, d, up);
+    if ((threadIdx.x & 31) == 0 && o < ff)
+        for (int i = 0; i < n; i++) act[(long)i * ff + o] = f2h(gate[i] / (1.0f + __expf(-gate[i])) * up[i]);
+}
+
+// x[i][o] += W[o] · a[i]: a projection straight into the residual stream; `a` is `[i][cols]` f16 (attention's
+// output, SiLU-multiply's), read into shared memory as f32 (dynamic: n * cols floats).
+extern "C" __global__ void matvec_add(const u16* W, int out_rows, int cols, const u16* a, int n, float* x) {
+    DYNAMIC_SHARED(float, as);
+    for (int k = threadIdx.x; k < n * cols; k += blockDim.x) as[k] = h2f(a[k]);
+    __syncthreads();
+    int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
+    int row = o < out_rows ? o : out_rows - 1;
+    float acc[MV_MAX_ROWS];
+    dot_rows(W + (long)row * cols, as, n, cols, acc);
+    if ((threadIdx.x & 31) == 0 && o < out_rows)
+        for (int i = 0; i < n; i++) x[(long)i * out_rows + o] += acc[i];
+}

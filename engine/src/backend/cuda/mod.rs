@@ -23,13 +23,15 @@ pub use forward::CudaBackend;
 /// Which forward pass the CUDA backend runs, from `TANDEM_CUDA_FORWARD` (unset: `plain`): `plain`, the first
 /// forward, checked on an H100 ([`CudaBackend`]); `fused`, the fused forward over [`CudaGpu`]
 /// (`backend::gpu`), checked on the CPU with the same kernels but not yet on a GPU; `graphs`, the fused forward
-/// with decode steps recorded as CUDA graphs. The choice stays an environment variable until the fused forward has
+/// with decode steps recorded as CUDA graphs; `graphs-mv`, that with steps of up to four rows through
+/// matrix-vector kernels instead of cuBLAS (`backend::gpu::Options::matvec`). The choice stays an environment variable until the fused forward has
 /// been measured on a GPU and replaces the first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ForwardKind {
     Plain,
     Fused,
     Graphs,
+    GraphsMatvec,
 }
 
 /// The variable [`ForwardKind`] is read from.
@@ -42,7 +44,10 @@ impl ForwardKind {
             None | Some("") | Some("plain") => Ok(ForwardKind::Plain),
             Some("fused") => Ok(ForwardKind::Fused),
             Some("graphs") => Ok(ForwardKind::Graphs),
-            Some(other) => Err(format!("{FORWARD_VAR}={other:?} is not a CUDA forward pass: plain, fused or graphs")),
+            Some("graphs-mv") => Ok(ForwardKind::GraphsMatvec),
+            Some(other) => {
+                Err(format!("{FORWARD_VAR}={other:?} is not a CUDA forward pass: plain, fused, graphs or graphs-mv"))
+            }
         }
     }
 
@@ -56,7 +61,7 @@ impl ForwardKind {
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines, by name (each is looked up after loading; a missing one is an error).
-pub const KERNEL_NAMES: [&str; 14] = [
+pub const KERNEL_NAMES: [&str; 17] = [
     "dequant_q8_0_f16",
     "dequant_q4_1_f16",
     "embed_f16",
@@ -71,6 +76,9 @@ pub const KERNEL_NAMES: [&str; 14] = [
     "rope_store",
     "attend",
     "swiglu",
+    "norm_matvec",
+    "norm_swiglu",
+    "matvec_add",
 ];
 
 /// Why the CUDA backend cannot start, as a sentence for whoever started it.
@@ -192,7 +200,8 @@ mod tests {
         assert_eq!(ForwardKind::parse(Some("")), Ok(ForwardKind::Plain));
         assert_eq!(ForwardKind::parse(Some("fused")), Ok(ForwardKind::Fused));
         assert_eq!(ForwardKind::parse(Some(" graphs ")), Ok(ForwardKind::Graphs));
+        assert_eq!(ForwardKind::parse(Some("graphs-mv")), Ok(ForwardKind::GraphsMatvec));
         let e = ForwardKind::parse(Some("fast")).expect_err("no such pass");
-        assert!(e.contains("TANDEM_CUDA_FORWARD=\"fast\"") && e.contains("plain, fused or graphs"), "{e}");
+        assert!(e.contains("TANDEM_CUDA_FORWARD=\"fast\"") && e.contains("plain, fused, graphs or graphs-mv"), "{e}");
     }
 }

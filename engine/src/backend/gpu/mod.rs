@@ -15,7 +15,7 @@ pub mod layout;
 
 use std::collections::HashMap;
 
-use layout::{Scratch, StepIndex};
+use layout::{IndexOffsets, Scratch, StepIndex};
 
 use super::{Backend, Next, StepContext};
 use crate::forward::{ForwardError, SeqChunk};
@@ -56,6 +56,21 @@ const ELEM_THREADS: u32 = 256;
 const ATTEND_THREADS: u32 = 128;
 /// Decode steps of up to this many sequences are recorded, one recording per batch size.
 pub const MAX_RECORDED_ROWS: usize = 256;
+/// Steps of up to this many rows go through the matrix-vector kernels when they are on (`MV_MAX_ROWS` in
+/// kernels.cu).
+pub const MATVEC_MAX_ROWS: usize = 4;
+/// Output rows per block of the matrix-vector kernels (a warp each: `MV_WARPS`).
+const MATVEC_ROWS_PER_BLOCK: u32 = 8;
+
+/// How the fused forward runs, beyond its kernels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Decode steps recorded once per batch size and replayed (CUDA graphs), where the device records.
+    pub record: bool,
+    /// Steps of up to [`MATVEC_MAX_ROWS`] rows through matrix-vector kernels that also do the norm, the residual
+    /// add and SiLU-multiply (six kernels a layer, no cuBLAS) instead of the matmuls.
+    pub matvec: bool,
+}
 
 /// What the fused forward needs of a device. Work is issued in order; only [`Gpu::download`] waits for it.
 pub trait Gpu: Send {
@@ -115,6 +130,79 @@ struct DeviceLayer {
     down: DeviceMatrix,
 }
 
+/// Where a step's buffers and indices are.
+#[derive(Clone, Copy, Debug)]
+struct Pointers {
+    scratch: DevicePtr,
+    s: Scratch,
+    index: DevicePtr,
+    o: IndexOffsets,
+}
+
+impl Pointers {
+    /// The scratch buffer at `offset`.
+    fn at(&self, offset: usize) -> DevicePtr {
+        self.scratch + offset as u64
+    }
+
+    fn buf(&self, offset: usize) -> Arg {
+        Arg::Ptr(self.at(offset))
+    }
+
+    /// The index part starting at `offset` `i32`s.
+    fn ints(&self, offset: usize) -> Arg {
+        Arg::Ptr(self.index + 4 * offset as u64)
+    }
+}
+
+/// A layer's attention, the same in both ways through a step: RoPE with the K/V store, then `attend` over the
+/// paged cache.
+struct Attention<'a> {
+    config: &'a ModelConfig,
+    n: usize,
+    block_tokens: usize,
+    cache: DevicePtr,
+    rope: DevicePtr,
+    p: Pointers,
+}
+
+impl Attention<'_> {
+    fn issue<G: Gpu>(&self, gpu: &mut G, layer: usize) -> Result<(), ForwardError> {
+        let (c, p, s) = (self.config, self.p, self.p.s);
+        let shape = [
+            Arg::I32(layer as i32),
+            Arg::I32(c.n_layers as i32),
+            Arg::I32(c.n_heads as i32),
+            Arg::I32(c.n_kv_heads as i32),
+            Arg::I32(c.head_dim as i32),
+            Arg::I32(self.block_tokens as i32),
+        ];
+        let (n32, cache) = (self.n as u32, Arg::Ptr(self.cache));
+        let args = [
+            p.buf(s.qkv),
+            p.ints(p.o.positions),
+            Arg::Ptr(self.rope),
+            cache,
+            p.ints(p.o.slot_block),
+            p.ints(p.o.slot_pos),
+            p.buf(s.step_kv),
+            Arg::I32(self.n as i32),
+        ];
+        gpu.launch("rope_store", (n32, 1), ROW_THREADS, 0, &[&args[..], &shape].concat())?;
+        let args = [
+            p.buf(s.qkv),
+            Arg::I32((c.n_embd + 2 * c.kv_dim()) as i32),
+            cache,
+            p.ints(p.o.tables),
+            p.ints(p.o.table_of),
+            p.ints(p.o.positions),
+            p.buf(s.attended),
+        ];
+        let scale = Arg::F32(1.0 / (c.head_dim as f32).sqrt());
+        gpu.launch("attend", (n32, c.n_heads as u32), ATTEND_THREADS, 0, &[&args[..], &shape, &[scale]].concat())
+    }
+}
+
 /// Device memory that grows (by a new allocation) and says when it did.
 #[derive(Debug, Default)]
 struct Grown {
@@ -156,6 +244,8 @@ pub struct GpuForward<G: Gpu> {
     seen: Vec<u64>,
     scratch: Grown,
     layout: Option<Scratch>,
+    /// Small steps through the matrix-vector kernels ([`Options::matvec`]).
+    matvec: bool,
     index: Grown,
 }
 
@@ -170,9 +260,8 @@ fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
 }
 
 impl<G: Gpu> GpuForward<G> {
-    /// Uploads `model`'s weights to `gpu` (quantized matrices dequantized there); `record` turns on recorded
-    /// decode steps where the device records. `name` is the backend's name.
-    pub fn new(mut gpu: G, model: &Model, name: &'static str, record: bool) -> Result<GpuForward<G>, ForwardError> {
+    /// Uploads `model`'s weights to `gpu` (quantized matrices dequantized there). `name` is the backend's name.
+    pub fn new(mut gpu: G, model: &Model, name: &'static str, options: Options) -> Result<GpuForward<G>, ForwardError> {
         let mut layers = Vec::with_capacity(model.layers.len());
         for l in &model.layers {
             layers.push(DeviceLayer {
@@ -205,7 +294,8 @@ impl<G: Gpu> GpuForward<G> {
             scratch: Grown::default(),
             layout: None,
             index: Grown::default(),
-            recorded: record.then(HashMap::new),
+            recorded: options.record.then(HashMap::new),
+            matvec: options.matvec,
         })
     }
 
@@ -286,114 +376,81 @@ impl<G: Gpu> GpuForward<G> {
         self.read_back(kv, &ix, next)
     }
 
-    /// Issues a step of `n` rows of which `m` ask for logits, over the indices uploaded.
+    /// Issues a step of `n` rows of which `m` ask for logits, over the indices uploaded: through the matmuls, or
+    /// for a small step with [`Options::matvec`], through the matrix-vector kernels.
     fn issue(&mut self, n: usize, m: usize, block_tokens: usize) -> Result<(), ForwardError> {
-        let c = &self.config;
         let Some(s) = self.layout else { return Err(ForwardError::Device("no scratch laid out".into())) };
-        let (d, kv_dim, ff, hd) = (c.n_embd, c.kv_dim(), c.n_ff, c.head_dim);
-        let buf = |offset: usize| Arg::Ptr(self.scratch.at + offset as u64);
-        let o = StepIndex::offsets(n, m);
-        let ints = |offset: usize| Arg::Ptr(self.index.at + 4 * offset as u64);
-        let (x, y, normed, qkv) = (buf(s.x), buf(s.y), buf(s.normed), buf(s.qkv));
-        let (attended, gate_up, act) = (buf(s.attended), buf(s.gate_up), buf(s.act));
-        let at = |a: Arg| match a {
-            Arg::Ptr(p) => p,
-            _ => 0,
-        };
+        let c = &self.config;
+        let (d, ff) = (c.n_embd, c.n_ff);
+        let p = Pointers { scratch: self.scratch.at, s, index: self.index.at, o: StepIndex::offsets(n, m) };
         let (n32, d_i, eps) = (n as u32, Arg::I32(d as i32), Arg::F32(c.rms_eps));
-        let (layers_i, heads_i, kv_heads_i) =
-            (Arg::I32(c.n_layers as i32), Arg::I32(c.n_heads as i32), Arg::I32(c.n_kv_heads as i32));
-        let (hd_i, bt_i) = (Arg::I32(hd as i32), Arg::I32(block_tokens as i32));
-        let scale = Arg::F32(1.0 / (hd as f32).sqrt());
-        let cache = Arg::Ptr(self.cache.at);
+        let attention = Attention { config: c, n, block_tokens, cache: self.cache.at, rope: self.rope, p };
         let gpu = &mut self.gpu;
-        gpu.launch("embed_f16", (n32, 1), ROW_THREADS, 0, &[Arg::Ptr(self.embedding.at), ints(o.tokens), x, d_i])?;
+        let x = p.buf(s.x);
+        gpu.launch("embed_f16", (n32, 1), ROW_THREADS, 0, &[Arg::Ptr(self.embedding.at), p.ints(p.o.tokens), x, d_i])?;
+        if self.matvec && n <= MATVEC_MAX_ROWS {
+            let (n_i, shared) = (Arg::I32(n as i32), (n * d * 4) as u32);
+            let blocks = |rows: usize| (rows as u32).div_ceil(MATVEC_ROWS_PER_BLOCK);
+            for (li, l) in self.layers.iter().enumerate() {
+                let args = [x, Arg::Ptr(0), n_i, Arg::Ptr(l.attn_norm), d_i, eps];
+                let out = [Arg::Ptr(l.qkv.at), Arg::I32(l.qkv.rows as i32), p.buf(s.qkv)];
+                gpu.launch("norm_matvec", (blocks(l.qkv.rows), 1), ROW_THREADS, shared, &[&args[..], &out].concat())?;
+                attention.issue(gpu, li)?;
+                let add = |w: DeviceMatrix, a: Arg| {
+                    let args = [Arg::Ptr(w.at), Arg::I32(w.rows as i32), Arg::I32(w.cols as i32), a, n_i, x];
+                    ((blocks(w.rows), 1), (n * w.cols * 4) as u32, args)
+                };
+                let (grid, bytes, args) = add(l.wo, p.buf(s.attended));
+                gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
+                let args = [x, n_i, Arg::Ptr(l.ffn_norm), d_i, eps, Arg::Ptr(l.gate_up.at), Arg::I32(ff as i32)];
+                gpu.launch(
+                    "norm_swiglu",
+                    (blocks(ff), 1),
+                    ROW_THREADS,
+                    shared,
+                    &[&args[..], &[p.buf(s.act)]].concat(),
+                )?;
+                let (grid, bytes, args) = add(l.down, p.buf(s.act));
+                gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
+            }
+            if m > 0 {
+                // The residual stream is whole already: the final norm and the logits in one kernel.
+                let out = self.output;
+                let args = [x, p.ints(p.o.logit_rows), Arg::I32(m as i32), Arg::Ptr(self.output_norm), d_i, eps];
+                let tail = [Arg::Ptr(out.at), Arg::I32(out.rows as i32), p.buf(s.logits)];
+                gpu.launch(
+                    "norm_matvec",
+                    (blocks(out.rows), 1),
+                    ROW_THREADS,
+                    (m * d * 4) as u32,
+                    &[&args[..], &tail].concat(),
+                )?;
+            }
+            return Ok(());
+        }
+        let (y, normed) = (p.buf(s.y), p.buf(s.normed));
         for (li, l) in self.layers.iter().enumerate() {
-            let layer_i = Arg::I32(li as i32);
             // The residual of the last layer's down projection (none before the first), and this layer's norm.
             let residual = if li == 0 { Arg::Ptr(0) } else { y };
-            gpu.launch(
-                "residual_norm",
-                (n32, 1),
-                ROW_THREADS,
-                0,
-                &[x, residual, Arg::Ptr(l.attn_norm), normed, Arg::Ptr(0), d_i, eps],
-            )?;
-            gpu.gemm(l.qkv.at, l.qkv.rows, l.qkv.cols, at(normed), n, at(qkv))?;
-            gpu.launch(
-                "rope_store",
-                (n32, 1),
-                ROW_THREADS,
-                0,
-                &[
-                    qkv,
-                    ints(o.positions),
-                    Arg::Ptr(self.rope),
-                    cache,
-                    ints(o.slot_block),
-                    ints(o.slot_pos),
-                    buf(s.step_kv),
-                    Arg::I32(n as i32),
-                    layer_i,
-                    layers_i,
-                    heads_i,
-                    kv_heads_i,
-                    hd_i,
-                    bt_i,
-                ],
-            )?;
-            gpu.launch(
-                "attend",
-                (n32, c.n_heads as u32),
-                ATTEND_THREADS,
-                0,
-                &[
-                    qkv,
-                    Arg::I32((d + 2 * kv_dim) as i32),
-                    cache,
-                    ints(o.tables),
-                    ints(o.table_of),
-                    ints(o.positions),
-                    attended,
-                    layer_i,
-                    layers_i,
-                    heads_i,
-                    kv_heads_i,
-                    hd_i,
-                    bt_i,
-                    scale,
-                ],
-            )?;
-            gpu.gemm(l.wo.at, l.wo.rows, l.wo.cols, at(attended), n, at(y))?;
-            gpu.launch(
-                "residual_norm",
-                (n32, 1),
-                ROW_THREADS,
-                0,
-                &[x, y, Arg::Ptr(l.ffn_norm), normed, Arg::Ptr(0), d_i, eps],
-            )?;
-            gpu.gemm(l.gate_up.at, l.gate_up.rows, l.gate_up.cols, at(normed), n, at(gate_up))?;
+            let args = [x, residual, Arg::Ptr(l.attn_norm), normed, Arg::Ptr(0), d_i, eps];
+            gpu.launch("residual_norm", (n32, 1), ROW_THREADS, 0, &args)?;
+            gpu.gemm(l.qkv.at, l.qkv.rows, l.qkv.cols, p.at(s.normed), n, p.at(s.qkv))?;
+            attention.issue(gpu, li)?;
+            gpu.gemm(l.wo.at, l.wo.rows, l.wo.cols, p.at(s.attended), n, p.at(s.y))?;
+            let args = [x, y, Arg::Ptr(l.ffn_norm), normed, Arg::Ptr(0), d_i, eps];
+            gpu.launch("residual_norm", (n32, 1), ROW_THREADS, 0, &args)?;
+            gpu.gemm(l.gate_up.at, l.gate_up.rows, l.gate_up.cols, p.at(s.normed), n, p.at(s.gate_up))?;
             let elems = n * ff;
-            gpu.launch(
-                "swiglu",
-                ((elems as u32).div_ceil(ELEM_THREADS), 1),
-                ELEM_THREADS,
-                0,
-                &[gate_up, act, Arg::I32(ff as i32), Arg::I64(elems as i64)],
-            )?;
-            gpu.gemm(l.down.at, l.down.rows, l.down.cols, at(act), n, at(y))?;
+            let args = [p.buf(s.gate_up), p.buf(s.act), Arg::I32(ff as i32), Arg::I64(elems as i64)];
+            gpu.launch("swiglu", ((elems as u32).div_ceil(ELEM_THREADS), 1), ELEM_THREADS, 0, &args)?;
+            gpu.gemm(l.down.at, l.down.rows, l.down.cols, p.at(s.act), n, p.at(s.y))?;
         }
         if m > 0 {
             // The last residual and the final norm, over the logit rows only, then their logits.
-            gpu.launch(
-                "residual_norm",
-                (m as u32, 1),
-                ROW_THREADS,
-                0,
-                &[x, y, Arg::Ptr(self.output_norm), normed, ints(o.logit_rows), d_i, eps],
-            )?;
+            let args = [x, y, Arg::Ptr(self.output_norm), normed, p.ints(p.o.logit_rows), d_i, eps];
+            gpu.launch("residual_norm", (m as u32, 1), ROW_THREADS, 0, &args)?;
             let out = self.output;
-            gpu.gemm(out.at, out.rows, out.cols, at(normed), m, at(buf(s.logits)))?;
+            gpu.gemm(out.at, out.rows, out.cols, p.at(s.normed), m, p.at(s.logits))?;
         }
         Ok(())
     }
