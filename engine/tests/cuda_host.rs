@@ -34,7 +34,10 @@ fn library() -> &'static libloading::Library {
         assert!(out.status.success(), "the host build failed:\n{}", String::from_utf8_lossy(&out.stderr));
         // SAFETY: the library is the one just built from host.cpp; its initializers only set up empty statics.
         #[allow(unsafe_code)]
-        unsafe { libloading::Library::new(&lib) }.expect("the host build loads")
+        let loaded = unsafe { libloading::Library::new(&lib) }.expect("the host build loads");
+        // Loaded, it stays mapped: the file is not needed any more (every test process built one, and left it).
+        std::fs::remove_dir_all(&dir).ok();
+        loaded
     })
 }
 
