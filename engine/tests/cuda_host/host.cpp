@@ -99,7 +99,7 @@ static const struct {
     KERNEL(dequant_q8_0_f16), KERNEL(dequant_q4_1_f16), KERNEL(embed_f16), KERNEL(rms_norm), KERNEL(rope),
     KERNEL(store_kv),         KERNEL(attention),        KERNEL(silu_mul),  KERNEL(add),      KERNEL(to_f16),
     KERNEL(residual_norm),    KERNEL(rope_store),       KERNEL(attend),    KERNEL(swiglu),
-    KERNEL(norm_matvec),      KERNEL(norm_swiglu),      KERNEL(matvec_add),
+    KERNEL(norm_matvec),      KERNEL(norm_swiglu),      KERNEL(matvec_add),  KERNEL(attend_rows),
 };
 
 // Runs kernel `name` over a grid of gx × gy blocks of `threads` threads with `shared` bytes of dynamic shared

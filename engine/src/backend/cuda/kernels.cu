@@ -276,16 +276,18 @@ extern "C" __global__ void rope_store(float* qkv, const int* positions, const fl
 
 // Causal attention over the paged cache, one thread block of ATTEND_TILE threads per (query row, head), the keys in
 // tiles of ATTEND_TILE positions with a running maximum (online softmax): shared memory does not grow with the
-// context, so a step's launch does not depend on its longest sequence. Q is read from the stacked Q/K/V rows
-// (q_stride floats apart); the output goes out as f16, `[row][head][head_dim]`, for the output projection.
-// head_dim is at most 2 * ATTEND_TILE.
+// context, so a step's launch does not depend on its longest sequence. Block x takes row rows[x] when `rows` is not
+// null (a step's single-token rows, next to prompts that go through `attend_rows`), row x otherwise. Q is read
+// from the stacked Q/K/V rows (q_stride floats apart); the output goes out as f16, `[row][head][head_dim]`, for
+// the output projection. head_dim is at most 2 * ATTEND_TILE.
 extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache, const int* tables,
-                                  const int* table_of, const int* positions, u16* out, int layer, int layers,
-                                  int n_heads, int kv_heads, int head_dim, int block_tokens, float scale) {
+                                  const int* table_of, const int* positions, const int* rows, u16* out, int layer,
+                                  int layers, int n_heads, int kv_heads, int head_dim, int block_tokens,
+                                  float scale) {
     __shared__ float qs[2 * ATTEND_TILE];
     __shared__ float weights[ATTEND_TILE];
     __shared__ float partial[2 * ATTEND_TILE];
-    int row = blockIdx.x, head = blockIdx.y, t = threadIdx.x;
+    int row = rows ? rows[blockIdx.x] : blockIdx.x, head = blockIdx.y, t = threadIdx.x;
     int kv_head = head / (n_heads / kv_heads);
     int n = positions[row] + 1;
     const int* table = tables + table_of[row];
@@ -435,4 +437,97 @@ extern "C" __global__ void matvec_add(const u16* W, int out_rows, int cols, cons
     dot_rows(W + (long)row * cols, as, n, cols, acc);
     if ((threadIdx.x & 31) == 0 && o < out_rows)
         for (int i = 0; i < n; i++) x[(long)i * out_rows + o] += acc[i];
+}
+
+// ---- Prompts: attention for a tile of a sequence's consecutive query rows at once, so each key and value is read
+// from the cache once per tile instead of once per row. ----
+
+#define ROWS_TILE 16
+#define KEYS_TILE 32
+#define ROWS_MAX_HEAD_DIM 128
+
+// Causal attention for tiles of up to ROWS_TILE consecutive rows of one sequence (tile k: rows tiles[2k] ..
+// tiles[2k] + tiles[2k + 1], at consecutive positions), one thread block of 128 threads per (tile, head). Keys and
+// values go through shared memory KEYS_TILE positions at a time; eight threads serve each query row, each taking
+// four keys of a tile for the scores and head_dim / 8 dims of the output, with a running maximum per row (online
+// softmax). Inputs and output as `attend`'s; head_dim at most ROWS_MAX_HEAD_DIM and a multiple of 8.
+extern "C" __global__ void attend_rows(const float* q, int q_stride, const u16* cache, const int* tables,
+                                       const int* table_of, const int* positions, const int* tiles, u16* out,
+                                       int layer, int layers, int n_heads, int kv_heads, int head_dim,
+                                       int block_tokens, float scale) {
+    __shared__ float qs[ROWS_TILE][ROWS_MAX_HEAD_DIM];
+    __shared__ float ks[KEYS_TILE][ROWS_MAX_HEAD_DIM];
+    __shared__ float vs[KEYS_TILE][ROWS_MAX_HEAD_DIM];
+    __shared__ float ps[ROWS_TILE][KEYS_TILE];
+    int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+    int head = blockIdx.y, t = threadIdx.x;
+    int kv_head = head / (n_heads / kv_heads);
+    // This thread's query row in the tile (a row past the tile's end computes the last row's and writes nothing)
+    // and its part: keys part, part + 8, ... of each key tile, and dims part * per .. (part + 1) * per.
+    int r = t >> 3, part = t & 7, per = head_dim / 8;
+    int row = first + (r < count ? r : count - 1);
+    int pos = positions[row], last = positions[first + count - 1];
+    const int* table = tables + table_of[first];
+    long head_elems = (long)block_tokens * head_dim;
+    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
+    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    for (int i = t; i < ROWS_TILE * head_dim; i += blockDim.x) {
+        int rr = i / head_dim, d = i % head_dim;
+        int src = first + (rr < count ? rr : count - 1);
+        qs[rr][d] = q[(long)src * q_stride + head * head_dim + d];
+    }
+    float acc[ROWS_MAX_HEAD_DIM / 8];
+    for (int k = 0; k < per; k++) acc[k] = 0.0f;
+    float m = -3.0e38f, l = 0.0f;
+    for (int j0 = 0; j0 <= last; j0 += KEYS_TILE) {
+        __syncthreads();
+        for (int i = t; i < KEYS_TILE * head_dim; i += blockDim.x) {
+            int jj = i / head_dim, d = i % head_dim, j = j0 + jj;
+            float kv = 0.0f, vv = 0.0f;
+            if (j <= last) {
+                long at = (long)table[j / block_tokens] * block_elems + (j % block_tokens) * head_dim + d;
+                kv = h2f(cache[at + k_off]);
+                vv = h2f(cache[at + v_off]);
+            }
+            ks[jj][d] = kv;
+            vs[jj][d] = vv;
+        }
+        __syncthreads();
+        // Scores of this row's keys part, part + 8, part + 16, part + 24 of the tile; the row's maximum over the
+        // eight threads that share it (lanes next to each other in one warp).
+        float s[KEYS_TILE / 8];
+        float tile_max = -3.0e38f;
+        for (int k = 0; k < KEYS_TILE / 8; k++) {
+            int jj = part + 8 * k, j = j0 + jj;
+            float dot = 0.0f;
+            for (int d = 0; d < head_dim; d++) dot += qs[r][d] * ks[jj][d];
+            s[k] = j <= pos ? dot * scale : -3.0e38f;
+            tile_max = fmaxf(tile_max, s[k]);
+        }
+        for (int o = 4; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+        float m_new = fmaxf(m, tile_max);
+        float alpha = __expf(m - m_new);
+        float sum = 0.0f;
+        for (int k = 0; k < KEYS_TILE / 8; k++) {
+            int jj = part + 8 * k;
+            float p = j0 + jj <= pos ? __expf(s[k] - m_new) : 0.0f;
+            ps[r][jj] = p;
+            sum += p;
+        }
+        for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        l = l * alpha + sum;
+        m = m_new;
+        __syncthreads();
+        for (int k = 0; k < per; k++) {
+            int d = part * per + k;
+            float a = acc[k] * alpha;
+            for (int jj = 0; jj < KEYS_TILE; jj++) a += ps[r][jj] * vs[jj][d];
+            acc[k] = a;
+        }
+    }
+    if (r < count) {
+        u16* o = out + ((long)row * n_heads + head) * head_dim;
+        for (int k = 0; k < per; k++) o[part * per + k] = f2h(acc[k] / l);
+    }
 }

@@ -73,10 +73,15 @@ impl Scratch {
     }
 }
 
+/// Rows per tile of `attend_rows` (`ROWS_TILE` in kernels.cu).
+pub const ROWS_TILE: usize = 16;
+
 /// A step's indices, in one vector of `i32` for one upload: per row its token (the bits of the `u32`), its
 /// position, the block and slot its K/V go to, and where its sequence's block table starts; the rows whose
-/// logits are asked for; then every sequence's block table. The parts lie in that order, so where each starts
-/// depends only on the step's row and logit counts ([`StepIndex::offsets`]).
+/// logits are asked for; for a step that is not a decode step, the rows of single-token chunks (for `attend`) and
+/// the tiles of the longer chunks' rows (first row and count, for `attend_rows`); then every sequence's block
+/// table. The parts lie in that order, so where each starts depends only on the counts before it: for a decode
+/// step, on its row count alone ([`StepIndex::offsets`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepIndex {
     pub ints: Vec<i32>,
@@ -84,12 +89,18 @@ pub struct StepIndex {
     pub n: usize,
     /// Rows whose logits are asked for.
     pub m: usize,
-    /// Every chunk is one token that asks for its logits (a decode step): its launches depend on `n` alone.
+    /// Every chunk is one token that asks for its logits (a decode step): `attend` takes every row, and the
+    /// launches depend on `n` alone.
     pub decode: bool,
+    /// Rows listed for `attend` (none in a decode step: it takes them all)…
+    pub singles: usize,
+    /// …and tiles for `attend_rows`.
+    pub tiles: usize,
+    pub o: IndexOffsets,
 }
 
 /// Where each part of a [`StepIndex`] starts, in `i32`s.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexOffsets {
     pub tokens: usize,
     pub positions: usize,
@@ -97,6 +108,8 @@ pub struct IndexOffsets {
     pub slot_pos: usize,
     pub table_of: usize,
     pub logit_rows: usize,
+    pub singles: usize,
+    pub tiles: usize,
     pub tables: usize,
 }
 
@@ -105,16 +118,34 @@ impl StepIndex {
     pub fn of(batch: &[SeqChunk<'_>], block_tokens: usize) -> StepIndex {
         let n: usize = batch.iter().map(|c| c.tokens.len()).sum();
         let m = batch.iter().filter(|c| c.logits && !c.tokens.is_empty()).count();
+        let decode = n > 0 && batch.iter().all(|c| c.tokens.len() == 1 && c.logits);
+        let (singles, tiles) = if decode {
+            (0, 0)
+        } else {
+            let singles = batch.iter().filter(|c| c.tokens.len() == 1).count();
+            let tiles = batch.iter().filter(|c| c.tokens.len() > 1).map(|c| c.tokens.len().div_ceil(ROWS_TILE)).sum();
+            (singles, tiles)
+        };
         let tables: usize = batch.iter().map(|c| c.blocks.len()).sum();
-        let o = StepIndex::offsets(n, m);
+        let o = StepIndex::offsets(n, m, singles, tiles);
         let mut ints = vec![0i32; o.tables + tables];
-        let (mut row, mut logit, mut table) = (0, 0, o.tables);
+        let (mut row, mut logit, mut table, mut single, mut tile) = (0, 0, o.tables, o.singles, o.tiles);
         for chunk in batch {
             let table_at = table;
             for (k, &b) in chunk.blocks.iter().enumerate() {
                 ints[table_at + k] = b.0 as i32;
             }
             table += chunk.blocks.len();
+            if !decode && chunk.tokens.len() == 1 {
+                ints[single] = row as i32;
+                single += 1;
+            } else if !decode && chunk.tokens.len() > 1 {
+                for first in (0..chunk.tokens.len()).step_by(ROWS_TILE) {
+                    ints[tile] = (row + first) as i32;
+                    ints[tile + 1] = ROWS_TILE.min(chunk.tokens.len() - first) as i32;
+                    tile += 2;
+                }
+            }
             for (k, &t) in chunk.tokens.iter().enumerate() {
                 let pos = chunk.start + k;
                 ints[o.tokens + row] = t as i32;
@@ -130,12 +161,12 @@ impl StepIndex {
                 logit += 1;
             }
         }
-        let decode = n > 0 && batch.iter().all(|c| c.tokens.len() == 1 && c.logits);
-        StepIndex { ints, n, m, decode }
+        StepIndex { ints, n, m, decode, singles, tiles, o }
     }
 
-    /// Where the parts start for `n` rows and `m` logit rows.
-    pub fn offsets(n: usize, m: usize) -> IndexOffsets {
+    /// Where the parts start for `n` rows, `m` logit rows, `singles` listed rows and `tiles` tiles.
+    pub fn offsets(n: usize, m: usize, singles: usize, tiles: usize) -> IndexOffsets {
+        let singles_at = 5 * n + m;
         IndexOffsets {
             tokens: 0,
             positions: n,
@@ -143,14 +174,15 @@ impl StepIndex {
             slot_pos: 3 * n,
             table_of: 4 * n,
             logit_rows: 5 * n,
-            tables: 5 * n + m,
+            singles: singles_at,
+            tiles: singles_at + singles,
+            tables: singles_at + singles + 2 * tiles,
         }
     }
 
     /// Row `r`'s block and slot in it.
     pub fn slot(&self, r: usize) -> (u32, usize) {
-        let o = StepIndex::offsets(self.n, self.m);
-        (self.ints[o.slot_block + r] as u32, self.ints[o.slot_pos + r] as usize)
+        (self.ints[self.o.slot_block + r] as u32, self.ints[self.o.slot_pos + r] as usize)
     }
 }
 
@@ -210,8 +242,9 @@ mod tests {
             SeqChunk { tokens: &[12], start: 3, blocks: &b, logits: true },
         ];
         let ix = StepIndex::of(&batch, 16);
-        assert_eq!((ix.n, ix.m, ix.decode), (3, 1, false));
-        let o = StepIndex::offsets(3, 1);
+        assert_eq!((ix.n, ix.m, ix.decode, ix.singles, ix.tiles), (3, 1, false, 1, 1));
+        let o = StepIndex::offsets(3, 1, 1, 1);
+        assert_eq!(ix.o, o);
         let part = |from: usize, len: usize| ix.ints[from..from + len].to_vec();
         assert_eq!(part(o.tokens, 3), [10, 11, 12]);
         assert_eq!(part(o.positions, 3), [15, 16, 3]);
@@ -219,10 +252,25 @@ mod tests {
         assert_eq!(part(o.slot_pos, 3), [15, 0, 3]);
         assert_eq!(part(o.table_of, 3), [0, 0, 2]);
         assert_eq!(part(o.logit_rows, 1), [2]);
+        // The decode token's row for `attend`, the two-token chunk as one tile of two rows for `attend_rows`.
+        assert_eq!(part(o.singles, 1), [2]);
+        assert_eq!(part(o.tiles, 2), [0, 2]);
         assert_eq!(ix.ints[o.tables..], [7, 2, 5]);
         assert_eq!((ix.slot(1), ix.slot(2)), ((2, 0), (5, 3)));
 
+        // A decode step lists no rows and no tiles: `attend` takes every row.
         let decode = StepIndex::of(&batch[1..], 16);
         assert!(decode.decode && decode.n == 1 && decode.m == 1);
+        assert_eq!((decode.singles, decode.tiles, decode.o), (0, 0, StepIndex::offsets(1, 1, 0, 0)));
+    }
+
+    #[test]
+    fn a_long_chunk_is_cut_into_tiles_of_rows_tile_rows() {
+        let blocks: Vec<BlockId> = (0..3).map(BlockId).collect();
+        let tokens: Vec<u32> = (0..40).collect();
+        let batch = [SeqChunk { tokens: &tokens, start: 0, blocks: &blocks, logits: true }];
+        let ix = StepIndex::of(&batch, 16);
+        assert_eq!((ix.singles, ix.tiles), (0, 3));
+        assert_eq!(ix.ints[ix.o.tiles..ix.o.tiles + 6], [0, 16, 16, 16, 32, 8]);
     }
 }

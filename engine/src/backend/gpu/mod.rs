@@ -52,8 +52,10 @@ impl Arg {
 const ROW_THREADS: u32 = 256;
 /// Threads per block of the element-wise kernels.
 const ELEM_THREADS: u32 = 256;
-/// Threads per block of `attend` (its `ATTEND_TILE`).
+/// Threads per block of `attend` (its `ATTEND_TILE`) and of `attend_rows`.
 const ATTEND_THREADS: u32 = 128;
+/// The widest head `attend_rows` takes (`ROWS_MAX_HEAD_DIM`).
+const ROWS_MAX_HEAD_DIM: usize = 128;
 /// Decode steps of up to this many sequences are recorded, one recording per batch size.
 pub const MAX_RECORDED_ROWS: usize = 256;
 /// Steps of up to this many rows go through the matrix-vector kernels when they are on (`MV_MAX_ROWS` in
@@ -155,11 +157,15 @@ impl Pointers {
     }
 }
 
-/// A layer's attention, the same in both ways through a step: RoPE with the K/V store, then `attend` over the
-/// paged cache.
+/// A layer's attention, the same in both ways through a step: RoPE with the K/V store, then over the paged cache
+/// `attend` for every row of a decode step, else `attend` for the single-token chunks' rows and `attend_rows` for
+/// the tiles of the longer ones'.
 struct Attention<'a> {
     config: &'a ModelConfig,
     n: usize,
+    decode: bool,
+    singles: usize,
+    tiles: usize,
     block_tokens: usize,
     cache: DevicePtr,
     rope: DevicePtr,
@@ -189,17 +195,28 @@ impl Attention<'_> {
             Arg::I32(self.n as i32),
         ];
         gpu.launch("rope_store", (n32, 1), ROW_THREADS, 0, &[&args[..], &shape].concat())?;
-        let args = [
+        let inputs = [
             p.buf(s.qkv),
             Arg::I32((c.n_embd + 2 * c.kv_dim()) as i32),
             cache,
             p.ints(p.o.tables),
             p.ints(p.o.table_of),
             p.ints(p.o.positions),
-            p.buf(s.attended),
         ];
-        let scale = Arg::F32(1.0 / (c.head_dim as f32).sqrt());
-        gpu.launch("attend", (n32, c.n_heads as u32), ATTEND_THREADS, 0, &[&args[..], &shape, &[scale]].concat())
+        let tail = [&shape[..], &[Arg::F32(1.0 / (c.head_dim as f32).sqrt())]].concat();
+        let heads = c.n_heads as u32;
+        // `attend_rows` holds a tile's queries and keys in shared memory: heads of up to 128 dims, in eighths.
+        let tiled = !self.decode && c.head_dim <= ROWS_MAX_HEAD_DIM && c.head_dim % 8 == 0;
+        let (rows, listed) = if tiled { (p.ints(p.o.singles), self.singles as u32) } else { (Arg::Ptr(0), n32) };
+        if listed > 0 {
+            let args = [&inputs[..], &[rows, p.buf(s.attended)], &tail].concat();
+            gpu.launch("attend", (listed, heads), ATTEND_THREADS, 0, &args)?;
+        }
+        if tiled && self.tiles > 0 {
+            let args = [&inputs[..], &[p.ints(p.o.tiles), p.buf(s.attended)], &tail].concat();
+            gpu.launch("attend_rows", (self.tiles as u32, heads), ATTEND_THREADS, 0, &args)?;
+        }
+        Ok(())
     }
 }
 
@@ -355,12 +372,12 @@ impl<G: Gpu> GpuForward<G> {
         self.gpu.upload(self.index.at, bytes_of(&ix.ints))?;
         let replayable = ix.decode && ix.n <= MAX_RECORDED_ROWS && self.recorded.is_some();
         if !replayable {
-            self.issue(ix.n, ix.m, block_tokens)?;
+            self.issue(&ix, block_tokens)?;
         } else if let Some(recording) = self.recorded.as_ref().and_then(|r| r.get(&ix.n)) {
             self.gpu.replay(recording)?;
         } else if self.gpu.begin_recording()? {
             // The recording ends whatever the issuing says: a device left recording would take no more work.
-            let issued = self.issue(ix.n, ix.m, block_tokens);
+            let issued = self.issue(&ix, block_tokens);
             let recording = self.gpu.end_recording();
             issued?;
             let recording = recording?;
@@ -371,20 +388,31 @@ impl<G: Gpu> GpuForward<G> {
         } else {
             // This device does not record: the work runs as it is issued, from now on.
             self.recorded = None;
-            self.issue(ix.n, ix.m, block_tokens)?;
+            self.issue(&ix, block_tokens)?;
         }
         self.read_back(kv, &ix, next)
     }
 
     /// Issues a step of `n` rows of which `m` ask for logits, over the indices uploaded: through the matmuls, or
     /// for a small step with [`Options::matvec`], through the matrix-vector kernels.
-    fn issue(&mut self, n: usize, m: usize, block_tokens: usize) -> Result<(), ForwardError> {
+    fn issue(&mut self, ix: &StepIndex, block_tokens: usize) -> Result<(), ForwardError> {
+        let (n, m) = (ix.n, ix.m);
         let Some(s) = self.layout else { return Err(ForwardError::Device("no scratch laid out".into())) };
         let c = &self.config;
         let (d, ff) = (c.n_embd, c.n_ff);
-        let p = Pointers { scratch: self.scratch.at, s, index: self.index.at, o: StepIndex::offsets(n, m) };
+        let p = Pointers { scratch: self.scratch.at, s, index: self.index.at, o: ix.o };
         let (n32, d_i, eps) = (n as u32, Arg::I32(d as i32), Arg::F32(c.rms_eps));
-        let attention = Attention { config: c, n, block_tokens, cache: self.cache.at, rope: self.rope, p };
+        let attention = Attention {
+            config: c,
+            n,
+            decode: ix.decode,
+            singles: ix.singles,
+            tiles: ix.tiles,
+            block_tokens,
+            cache: self.cache.at,
+            rope: self.rope,
+            p,
+        };
         let gpu = &mut self.gpu;
         let x = p.buf(s.x);
         gpu.launch("embed_f16", (n32, 1), ROW_THREADS, 0, &[Arg::Ptr(self.embedding.at), p.ints(p.o.tokens), x, d_i])?;
