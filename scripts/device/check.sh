@@ -77,6 +77,14 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
         timeout 90 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 512 \
             --batches 1,16,64,256 --json | tee "$RESULTS/speed-512-$forward.json"
     done
+    # Where the device time goes, kernel by kernel (TANDEM_CUDA_PROFILE: an event around every launch, graphs off):
+    # a 4,096-token prompt and batch-1 decode, through the matmuls and through the matrix-vector kernels.
+    for forward in fused graphs-mv; do
+        case " $FORWARDS " in *" $forward "*) ;; *) continue ;; esac
+        part "$forward: the device time by kernel (TANDEM_CUDA_PROFILE=1)"
+        TANDEM_CUDA_PROFILE=1 TANDEM_CUDA_FORWARD=$forward timeout 60 "$T" bench engine --model "$RESULTS/synth.gguf" \
+            --device cuda:0 --prompt-tokens 4096 --decode-prompt-tokens 512 --batches 1 --decode-tokens 32 --json
+    done
     part "${CLUSTER_FORWARD:=graphs}: a cluster on the GPU (tandem up --engine cuda:0, a prefill and a decode worker)"
     # The workers' own path: the engine's scheduler in a worker process, the KV export a decode worker pulls, the
     # router in front. The same prompt and greedy tokens as `generate`, through the OpenAI API.

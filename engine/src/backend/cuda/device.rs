@@ -13,6 +13,7 @@ use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, result};
 
+use super::profile::Profile;
 use super::{CudaError, DeviceInfo, KERNEL_NAMES};
 use crate::backend::gpu::{Arg, DevicePtr as Ptr, Gpu};
 use crate::forward::ForwardError;
@@ -29,6 +30,8 @@ pub struct CudaGpu {
     /// Every allocation, by address (dropping one frees it, in order on the stream).
     memory: HashMap<Ptr, CudaSlice<u8>>,
     info: DeviceInfo,
+    /// Device time by kernel, when asked for (`TANDEM_CUDA_PROFILE=1`).
+    profile: Option<Profile>,
 }
 
 fn fail(e: impl std::fmt::Display) -> ForwardError {
@@ -57,7 +60,8 @@ impl CudaGpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(runtime)?;
         let blas = CudaBlas::new(Arc::clone(&stream)).map_err(runtime)?;
-        let mut gpu = CudaGpu { ctx, stream, blas, functions, memory: HashMap::new(), info };
+        let profile = super::profile::wanted().then(Profile::default);
+        let mut gpu = CudaGpu { ctx, stream, blas, functions, memory: HashMap::new(), info, profile };
         let workspace = gpu.alloc(BLAS_WORKSPACE).map_err(runtime)?;
         // SAFETY: the workspace lives as long as the handle (both are the device's until it drops).
         let status =
@@ -111,7 +115,17 @@ impl Gpu for CudaGpu {
         // SAFETY: as `upload`; into pageable memory the copy has completed when the call returns, and the stream
         // is synchronized before `bytes` is read.
         unsafe { result::memcpy_dtoh_async(bytes, from, self.stream.cu_stream()) }.map_err(fail)?;
-        self.stream.synchronize().map_err(fail)
+        self.stream.synchronize().map_err(fail)?;
+        match self.profile.as_mut() {
+            Some(p) => p.collect().map_err(fail),
+            None => Ok(()),
+        }
+    }
+
+    fn begin_step(&mut self, label: &'static str) {
+        if let Some(p) = self.profile.as_mut() {
+            p.begin_step(label);
+        }
     }
 
     fn launch(
@@ -126,54 +140,43 @@ impl Gpu for CudaGpu {
         let f = self.functions.get(kernel).ok_or_else(|| fail(format!("no kernel {kernel}")))?;
         let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
-        // SAFETY: the arguments follow the kernel's signature (`backend::gpu` issues them in kernels.cu's order
-        // and types), every pointer lies in this device's memory sized by the caller, and the slots outlive the
-        // call (the driver copies the values at launch).
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                (grid.0, grid.1, 1),
-                (threads, 1, 1),
-                shared,
-                self.stream.cu_stream(),
-                &mut params,
-            )
+        let stream = &self.stream;
+        let mut run = move || {
+            // SAFETY: the arguments follow the kernel's signature (`backend::gpu` issues them in kernels.cu's
+            // order and types), every pointer lies in this device's memory sized by the caller, and the slots
+            // outlive the call (the driver copies the values at launch).
+            unsafe {
+                result::launch_kernel(
+                    f.cu_function(),
+                    (grid.0, grid.1, 1),
+                    (threads, 1, 1),
+                    shared,
+                    stream.cu_stream(),
+                    &mut params,
+                )
+            }
+            .map_err(fail)
+        };
+        match self.profile.as_mut() {
+            Some(p) => p.around(stream, kernel, run),
+            None => run(),
         }
-        .map_err(fail)
     }
 
     fn gemm(&mut self, w: Ptr, rows: usize, cols: usize, x: Ptr, n: usize, y: Ptr) -> Result<(), ForwardError> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // Column-major: yᵀ[rows][n] = (wᵀ)ᵀ · xᵀ, with w read transposed.
-        // SAFETY: the three buffers hold rows*cols, n*cols and n*rows elements (the caller's layout), on the
-        // handle's stream after the work that wrote x.
-        unsafe {
-            blas::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                rows as i32,
-                n as i32,
-                cols as i32,
-                (&alpha as *const f32).cast::<c_void>(),
-                w as *const c_void,
-                blas_sys::cudaDataType_t::CUDA_R_16F,
-                cols as i32,
-                x as *const c_void,
-                blas_sys::cudaDataType_t::CUDA_R_16F,
-                cols as i32,
-                (&beta as *const f32).cast::<c_void>(),
-                y as *mut c_void,
-                blas_sys::cudaDataType_t::CUDA_R_32F,
-                rows as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        let blas = &self.blas;
+        let run = || gemm(blas, w, rows, cols, x, n, y);
+        match self.profile.as_mut() {
+            Some(p) => p.around(&self.stream, "gemm", run),
+            None => run(),
         }
-        .map_err(fail)
     }
 
     fn begin_recording(&mut self) -> Result<bool, ForwardError> {
+        if self.profile.is_some() {
+            // The profile times each launch: the work runs as issued.
+            return Ok(false);
+        }
         self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(fail)?;
         Ok(true)
     }
@@ -188,5 +191,45 @@ impl Gpu for CudaGpu {
 
     fn replay(&mut self, recording: &Graph) -> Result<(), ForwardError> {
         recording.0.launch().map_err(fail)
+    }
+}
+
+/// `y[n][rows] = x[n][cols] · w[rows][cols]ᵀ` through cuBLAS (f16 in, f32 accumulated and out).
+fn gemm(blas: &CudaBlas, w: Ptr, rows: usize, cols: usize, x: Ptr, n: usize, y: Ptr) -> Result<(), ForwardError> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // Column-major: yᵀ[rows][n] = (wᵀ)ᵀ · xᵀ, with w read transposed.
+    // SAFETY: the three buffers hold rows*cols, n*cols and n*rows elements (the caller's layout), on the
+    // handle's stream after the work that wrote x.
+    unsafe {
+        blas::gemm_ex(
+            *blas.handle(),
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            rows as i32,
+            n as i32,
+            cols as i32,
+            (&alpha as *const f32).cast::<c_void>(),
+            w as *const c_void,
+            blas_sys::cudaDataType_t::CUDA_R_16F,
+            cols as i32,
+            x as *const c_void,
+            blas_sys::cudaDataType_t::CUDA_R_16F,
+            cols as i32,
+            (&beta as *const f32).cast::<c_void>(),
+            y as *mut c_void,
+            blas_sys::cudaDataType_t::CUDA_R_32F,
+            rows as i32,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(fail)
+}
+
+impl Drop for CudaGpu {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", p.report());
+        }
     }
 }

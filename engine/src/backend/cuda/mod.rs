@@ -11,6 +11,7 @@
 
 mod device;
 mod forward;
+mod profile;
 
 use std::sync::{Arc, Mutex};
 

@@ -105,6 +105,8 @@ pub trait Gpu: Send {
         n: usize,
         y: DevicePtr,
     ) -> Result<(), ForwardError>;
+    /// A step of kind `label` begins (`prompt`, `decode-1`, `decode`): a device that profiles counts by it.
+    fn begin_step(&mut self, _label: &'static str) {}
     /// Starts recording the work issued from now instead of running it; false when this device does not record.
     fn begin_recording(&mut self) -> Result<bool, ForwardError>;
     fn end_recording(&mut self) -> Result<Self::Recording, ForwardError>;
@@ -353,6 +355,11 @@ impl<G: Gpu> GpuForward<G> {
         if ix.n == 0 {
             return Ok(());
         }
+        self.gpu.begin_step(match (ix.decode, ix.n) {
+            (true, 1) => "decode-1",
+            (true, _) => "decode",
+            (false, _) => "prompt",
+        });
         self.sync_blocks(kv, batch)?;
         let (rows, logit_rows) = (Scratch::rows_for(ix.n), Scratch::rows_for(ix.m));
         let mut moved = false;
