@@ -39,9 +39,10 @@ struct Steps {
 /// Events not yet read, and the totals so far.
 #[derive(Default)]
 pub struct Profile {
-    /// The kind of step under way (`Gpu::begin_step`).
+    /// The kind of step under way (`Gpu::begin_step`; `load` before the first: the weights' dequantization).
     label: &'static str,
-    pending: Vec<(&'static str, CudaEvent, CudaEvent)>,
+    /// Per launch: the kind of step, the kernel, its events.
+    pending: Vec<(&'static str, &'static str, CudaEvent, CudaEvent)>,
     totals: BTreeMap<(&'static str, &'static str), Totals>,
     steps: BTreeMap<&'static str, Steps>,
 }
@@ -66,27 +67,35 @@ impl Profile {
         let start = timed(stream).map_err(event)?;
         work()?;
         let end = timed(stream).map_err(event)?;
-        self.pending.push((name, start, end));
+        let label = if self.label.is_empty() { "load" } else { self.label };
+        self.pending.push((label, name, start, end));
         Ok(())
     }
 
-    /// Reads the events of the work issued so far (call after the stream has been synchronized).
+    /// Reads the events of the work issued so far (call after the stream has been synchronized): a step for each
+    /// kind of step among them (the load's launches come back with the first step's).
     pub fn collect(&mut self) -> Result<(), DriverError> {
         let pending = std::mem::take(&mut self.pending);
-        let (Some(first), Some(last)) = (pending.first(), pending.last()) else { return Ok(()) };
-        let span = f64::from(first.1.elapsed_ms(&last.2)?);
-        let mut kernels = 0.0;
-        for (name, start, end) in &pending {
-            let ms = f64::from(start.elapsed_ms(end)?);
-            let t = self.totals.entry((self.label, name)).or_default();
-            t.calls += 1;
-            t.ms += ms;
-            kernels += ms;
+        let mut at = 0;
+        while at < pending.len() {
+            let label = pending[at].0;
+            let run = pending[at..].iter().take_while(|p| p.0 == label).count();
+            let step = &pending[at..at + run];
+            let span = f64::from(step[0].2.elapsed_ms(&step[run - 1].3)?);
+            let mut kernels = 0.0;
+            for (_, name, start, end) in step {
+                let ms = f64::from(start.elapsed_ms(end)?);
+                let t = self.totals.entry((label, name)).or_default();
+                t.calls += 1;
+                t.ms += ms;
+                kernels += ms;
+            }
+            let s = self.steps.entry(label).or_default();
+            s.steps += 1;
+            s.span_ms += span;
+            s.kernels_ms += kernels;
+            at += run;
         }
-        let s = self.steps.entry(self.label).or_default();
-        s.steps += 1;
-        s.span_ms += span;
-        s.kernels_ms += kernels;
         Ok(())
     }
 
