@@ -61,12 +61,13 @@ pub(crate) fn prompt_token(i: usize, salt: usize, vocab: usize) -> u32 {
 pub fn run(model: &Model, team: &Team, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
     let layout = KvLayout::for_model(&model.config, 16);
     let (prefill_tokens_per_s, decode) =
-        measure(layout, model.config.n_vocab, spec, &mut |kv, chunks| model.forward(team, kv, chunks))?;
+        measure(layout, model.config.n_vocab, spec, Warm::Small, &mut |kv, chunks| model.forward(team, kv, chunks))?;
     Ok(BenchReport { threads: team.threads(), prefill_tokens: spec.prompt_tokens, prefill_tokens_per_s, decode })
 }
 
 /// The same measurements through any backend (the CUDA one: each step ends with its logits on the host, so a
-/// step's time is its whole time).
+/// step's time is its whole time). Each timed shape runs once untimed first: a GPU backend's first step of a shape
+/// grows its buffers, lets cuBLAS choose its kernels, or records the step as a graph.
 pub fn run_backend(backend: &mut dyn crate::backend::Backend, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
     let layout = backend.kv_layout(16);
     let vocab = backend.vocab();
@@ -81,18 +82,28 @@ pub fn run_backend(backend: &mut dyn crate::backend::Backend, spec: &BenchSpec) 
             })
             .collect()
     };
-    let (prefill_tokens_per_s, decode) = measure(layout, vocab, spec, &mut forward)?;
+    let (prefill_tokens_per_s, decode) = measure(layout, vocab, spec, Warm::EachShape, &mut forward)?;
     Ok(BenchReport { threads, prefill_tokens: spec.prompt_tokens, prefill_tokens_per_s, decode })
 }
 
 /// One forward step: logits per chunk that asked for them.
 type Forward<'a> = dyn FnMut(&mut KvStore, &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> + 'a;
 
+/// What runs untimed before the timed steps.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Warm {
+    /// A short prompt, touching the weights and the KV pages once (the CPU engine).
+    Small,
+    /// Also the timed prompt's whole shape, and the first decode step of each batch.
+    EachShape,
+}
+
 /// Prefill tokens/s and the decode figures, stepping with `forward`.
 fn measure(
     layout: KvLayout,
     vocab: usize,
     spec: &BenchSpec,
+    warm_up: Warm,
     forward: &mut Forward<'_>,
 ) -> Result<(f64, Vec<DecodeFigure>), ForwardError> {
     let max_batch = spec.batches.iter().copied().max().unwrap_or(1);
@@ -106,6 +117,9 @@ fn measure(
     forward(&mut kv, &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true }])?;
 
     let long = prompt(spec.prompt_tokens, 1, vocab);
+    if warm_up == Warm::EachShape {
+        forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true }])?;
+    }
     let t = Instant::now();
     forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true }])?;
     let prefill_tokens_per_s = spec.prompt_tokens as f64 / t.elapsed().as_secs_f64();
@@ -119,8 +133,13 @@ fn measure(
             .map(|(p, blocks)| SeqChunk { tokens: p, start: 0, blocks, logits: true })
             .collect();
         let mut next: Vec<u32> = forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
-        let t = Instant::now();
-        for step in 0..spec.decode_tokens {
+        // With `Warm::EachShape` the first decode step is not timed.
+        let untimed = usize::from(warm_up == Warm::EachShape);
+        let mut t = Instant::now();
+        for step in 0..untimed + spec.decode_tokens {
+            if step == untimed {
+                t = Instant::now();
+            }
             let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
             let chunks: Vec<SeqChunk<'_>> = tokens
                 .iter()

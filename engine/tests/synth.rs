@@ -169,3 +169,60 @@ fn temp_file(name: &str) -> std::path::PathBuf {
 fn small() -> SynthShape {
     SynthShape { n_layers: 2, n_embd: 64, n_ff: 128, n_heads: 4, n_kv_heads: 2, n_vocab: 1024, context_len: 1024 }
 }
+
+/// A backend that counts the steps of each size it is asked for, around the CPU's.
+#[derive(Debug)]
+struct Counting {
+    inner: engine::backend::cpu::CpuBackend,
+    /// (rows, chunks) of every step, in order.
+    steps: Vec<(usize, usize)>,
+}
+
+impl engine::backend::Backend for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn vocab(&self) -> usize {
+        self.inner.vocab()
+    }
+    fn context_len(&self) -> usize {
+        self.inner.context_len()
+    }
+    fn kv_layout(&self, block_tokens: usize) -> KvLayout {
+        self.inner.kv_layout(block_tokens)
+    }
+    fn threads(&self) -> usize {
+        1
+    }
+    fn forward_into(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        context: engine::backend::StepContext,
+        next: &mut Vec<engine::backend::Next>,
+    ) -> Result<(), engine::forward::ForwardError> {
+        self.steps.push((batch.iter().map(|c| c.tokens.len()).sum(), batch.len()));
+        self.inner.forward_into(kv, batch, context, next)
+    }
+}
+
+/// `bench engine` through a backend (the CUDA one's path) runs each timed shape once untimed first: the whole
+/// prompt, and one decode step of each batch, so that a GPU backend's one-time work for a shape (its buffers,
+/// cuBLAS's choice, a graph recorded) is not in the figures.
+#[test]
+fn a_backends_bench_runs_each_timed_shape_once_before_timing_it() {
+    let path = temp_file("bench.gguf");
+    synth::write(&path, &small(), 6).expect("written");
+    let inner = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), Team::serial());
+    let mut counting = Counting { inner, steps: Vec::new() };
+    let spec =
+        engine::bench::BenchSpec { prompt_tokens: 40, decode_prompt_tokens: 8, decode_tokens: 3, batches: vec![1, 2] };
+    let report = engine::bench::run_backend(&mut counting, &spec).expect("runs");
+    assert!(report.prefill_tokens_per_s > 0.0 && report.decode.iter().all(|d| d.tokens_per_s > 0.0));
+    let mut want = vec![(40, 1), (40, 1), (40, 1)];
+    for batch in [1, 2] {
+        want.push((8 * batch, batch));
+        want.extend(std::iter::repeat_n((batch, batch), 1 + 3));
+    }
+    assert_eq!(counting.steps, want, "the short warm-up (the whole 40 here), the prompt twice, then per batch");
+}
