@@ -14,6 +14,11 @@
 #include <utility>
 #include <vector>
 
+// CUDA's 16-byte vector of four 32-bit words.
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };

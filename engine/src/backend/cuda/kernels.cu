@@ -271,6 +271,26 @@ extern "C" __global__ void rope_store(float* qkv, const int* positions, const fl
     }
 }
 
+// q · k over head_dim values, k in f16: eight at a time (one 16-byte load) when head_dim is a multiple of 8, as the
+// cache's layout then keeps every key row 16-byte aligned; the products are summed in the same order either way.
+__device__ __forceinline__ float dot_f16(const float* q, const u16* k, int head_dim) {
+    float dot = 0.0f;
+    if (head_dim % 8 == 0) {
+        const uint4* k8 = reinterpret_cast<const uint4*>(k);
+        for (int c = 0; c < head_dim / 8; c++) {
+            uint4 v = k8[c];
+            unsigned w[4] = {v.x, v.y, v.z, v.w};
+            for (int i = 0; i < 4; i++) {
+                dot += q[8 * c + 2 * i] * h2f((u16)(w[i] & 0xffffu));
+                dot += q[8 * c + 2 * i + 1] * h2f((u16)(w[i] >> 16));
+            }
+        }
+    } else {
+        for (int d = 0; d < head_dim; d++) dot += q[d] * h2f(k[d]);
+    }
+    return dot;
+}
+
 // Keys per tile of `attend`: its thread blocks have this many threads, one key each.
 #define ATTEND_TILE 128
 
@@ -309,9 +329,7 @@ extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache
         float s = -3.0e38f;
         if (j < n) {
             const u16* kr = cache + (long)table[j / block_tokens] * block_elems + k_off + (j % block_tokens) * head_dim;
-            float dot = 0.0f;
-            for (int d = 0; d < head_dim; d++) dot += qs[d] * h2f(kr[d]);
-            s = dot * scale;
+            s = dot_f16(qs, kr, head_dim) * scale;
         }
         float m_new = fmaxf(m, block_max(s));
         float alpha = __expf(m - m_new);
