@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The CUDA backend's check on the GPU machine, from what scripts/device/prepare.sh wrote (DIR, default
-# target/device): the synthetic model made here from the same seed (its fingerprint must match), the parity of the
-# CUDA backend's logits with the CPU reference's on fixed steps (the exit status), then speed: the CUDA backend's
-# prefill and decode figures and PyTorch's on the same weights (scripts/device/torch_speed.py). Results under $OUT
-# (the device tool's folder) or DIR/out. FORWARDS (default "plain fused graphs graphs-mv") names the CUDA forward
-# passes checked and timed, each in turn (TANDEM_CUDA_FORWARD); the whole ran in 137 s on an H100 with the first
-# pass alone, PyTorch included; the four passes' limits add to 935 s, of which a few minutes should run. TORCH=0 leaves
-# PyTorch out. Then a cluster on the GPU: `tandem up --engine cuda:0` with CLUSTER_FORWARD's pass (default graphs),
-# one completion through the router, compared with the CPU's tokens. A candidate binary (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's,
-# its figures in check.txt (265 s more of limits, about 30 s of running). docs/cuda.md.
+# target/device): the synthetic model made here from the same seed (its fingerprint must match); for each CUDA
+# forward pass in FORWARDS (default "plain fused graphs graphs-mv", TANDEM_CUDA_FORWARD), the parity of its logits
+# with the CPU reference's on fixed steps (the exit status), `generate` against the CPU's tokens, and its prefill
+# and decode speed; a profile of the fused passes' device time by kernel; a cluster on the GPU (`tandem up
+# --engine cuda:0` with CLUSTER_FORWARD's pass, default graphs) serving one completion; then PyTorch on the same
+# weights (scripts/device/torch_speed.py; TORCH=0 leaves it out). Results under $OUT (the device tool's folder) or
+# DIR/out, the log in check.txt. The whole ran in 137 s on an H100 with the first pass alone, PyTorch included;
+# the limits now add to more than the device tool's 600 s, of which a few minutes should run. A candidate binary
+# (prepare.sh's CANDIDATE) is checked and timed the same way after this checkout's (265 s more of limits, about
+# 30 s of running). docs/cuda.md.
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
@@ -104,7 +105,10 @@ print(f\"cluster: {got['usage']}, the same text as generate on the CPU: {text ==
         "$RESULTS/up-completion.json" "$RESULTS/generate-cpu.json" || head -c 600 "$RESULTS/up-completion.json"
     # Whether the prompt went through a prefill worker and its KV to the decode worker (reason prefill_remote).
     curl -s localhost:18080/metrics | grep -E "^tandem_router_decisions_total"
+    # Stopped, and killed if it has not stopped after 30 s (a hung cluster must not hold the device call).
     kill "$up"
+    for _ in $(seq 30); do kill -0 "$up" 2>/dev/null || break; sleep 1; done
+    kill -9 "$up" 2>/dev/null
     wait "$up"
     tail -5 "$RESULTS/up.log"
     unset TANDEM_CUDA_FORWARD
