@@ -6,10 +6,12 @@
 //! Against the first CUDA forward (`backend::cuda::CudaBackend`), a layer is four matmuls and five kernels instead
 //! of seven and ten: Q, K and V are one matmul over their stacked weights, as are gate and up; the residual add
 //! goes with the next norm (`residual_norm`); RoPE goes with the K/V store (`rope_store`); attention reads Q where
-//! the stacked matmul left it and writes f16 (`attend`, tiled, so its launch does not depend on the longest
-//! context). Its buffers persist from step to step, and a step's indices go up in one copy. With recording on, a
-//! decode step of `n` sequences is recorded once (a CUDA graph) and replayed after, one launch instead of about
-//! 280.
+//! the stacked matmul left it and writes f16 (`attend` for decode rows, its keys in tiles so that its launch does
+//! not depend on the longest context; `attend_rows` for prompts, 16 rows sharing each key read). Its buffers
+//! persist from step to step, and a step's indices go up in one copy. With recording on, a decode step of `n`
+//! sequences is recorded once (a CUDA graph) and replayed after, one launch instead of about 270. With the
+//! matrix-vector kernels on, steps of up to four rows skip cuBLAS: six kernels a layer that fold in the norm, the
+//! residual add and SiLU-multiply.
 
 pub mod layout;
 
