@@ -294,20 +294,19 @@ __device__ __forceinline__ float dot_f16(const float* q, const u16* k, int head_
 // Keys per tile of `attend`: its thread blocks have this many threads, one key each.
 #define ATTEND_TILE 128
 
-// Causal attention over the paged cache, one thread block of ATTEND_TILE threads per (query row, head), the keys in
-// tiles of ATTEND_TILE positions with a running maximum (online softmax): shared memory does not grow with the
-// context, so a step's launch does not depend on its longest sequence. Block x takes row rows[x] when `rows` is not
-// null (a step's single-token rows, next to prompts that go through `attend_rows`), row x otherwise. Q is read
-// from the stacked Q/K/V rows (q_stride floats apart); the output goes out as f16, `[row][head][head_dim]`, for
-// the output projection. head_dim is at most 2 * ATTEND_TILE.
-extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache, const int* tables,
-                                  const int* table_of, const int* positions, const int* rows, u16* out, int layer,
-                                  int layers, int n_heads, int kv_heads, int head_dim, int block_tokens,
-                                  float scale) {
+// The keys of tiles first, first + step, first + 2 * step, ... (ATTEND_TILE positions each, up to the row's own
+// position) of row `row`'s sequence for `head`, one thread block of ATTEND_TILE threads, with a running maximum
+// (online softmax): leaves the weighted sum of their values, not yet divided by the weights' sum, in sums[0,
+// head_dim) (shared memory of the caller's), the maximum in *m_out, and returns the weights' sum. head_dim is at
+// most 2 * ATTEND_TILE.
+__device__ float attend_keys(const float* q, int q_stride, const u16* cache, const int* tables, const int* table_of,
+                             const int* positions, int row, int head, int first, int step, int layer, int layers,
+                             int n_heads, int kv_heads, int head_dim, int block_tokens, float scale, float* sums,
+                             float* m_out) {
     __shared__ float qs[2 * ATTEND_TILE];
     __shared__ float weights[ATTEND_TILE];
     __shared__ float partial[2 * ATTEND_TILE];
-    int row = rows ? rows[blockIdx.x] : blockIdx.x, head = blockIdx.y, t = threadIdx.x;
+    int t = threadIdx.x;
     int kv_head = head / (n_heads / kv_heads);
     int n = positions[row] + 1;
     const int* table = tables + table_of[row];
@@ -324,7 +323,7 @@ extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache
     bool accumulates = group < groups;
     float acc0 = 0.0f, acc1 = 0.0f, m = -3.0e38f, l = 0.0f;
     __syncthreads();
-    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+    for (int j0 = first * blockDim.x; j0 < n; j0 += step * blockDim.x) {
         int j = j0 + t;
         float s = -3.0e38f;
         if (j < n) {
@@ -353,17 +352,77 @@ extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache
         }
         __syncthreads();
     }
-    float inv = 1.0f / block_sum(l);
+    float total = block_sum(l);
     if (accumulates) {
         partial[group * head_dim + dim] = acc0;
         if (dim + (int)blockDim.x < head_dim) partial[dim + blockDim.x] = acc1;
     }
     __syncthreads();
-    u16* o = out + ((long)row * n_heads + head) * head_dim;
     for (int i = t; i < head_dim; i += blockDim.x) {
         float sum = 0.0f;
         for (int g = 0; g < groups; g++) sum += partial[g * head_dim + i];
-        o[i] = f2h(sum * inv);
+        sums[i] = sum;
+    }
+    __syncthreads();
+    *m_out = m;
+    return total;
+}
+
+// Causal attention over the paged cache, one thread block of ATTEND_TILE threads per (query row, head), over all
+// of the row's keys (`attend_keys`): shared memory does not grow with the context, so a step's launch does not
+// depend on its longest sequence. Block x takes row rows[x] when `rows` is not null (a step's single-token rows,
+// next to prompts that go through `attend_rows`), row x otherwise. Q is read from the stacked Q/K/V rows
+// (q_stride floats apart); the output goes out as f16, `[row][head][head_dim]`, for the output projection.
+extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache, const int* tables,
+                                  const int* table_of, const int* positions, const int* rows, u16* out, int layer,
+                                  int layers, int n_heads, int kv_heads, int head_dim, int block_tokens,
+                                  float scale) {
+    __shared__ float sums[2 * ATTEND_TILE];
+    int row = rows ? rows[blockIdx.x] : blockIdx.x, head = blockIdx.y;
+    float m;
+    float inv = 1.0f / attend_keys(q, q_stride, cache, tables, table_of, positions, row, head, 0, 1, layer, layers,
+                                   n_heads, kv_heads, head_dim, block_tokens, scale, sums, &m);
+    u16* o = out + ((long)row * n_heads + head) * head_dim;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) o[i] = f2h(sums[i] * inv);
+}
+
+// Splits of a small decode step's attention: each (row, head) over ATTEND_SPLITS thread blocks, split s taking
+// key tiles s, s + ATTEND_SPLITS, ..., so that a batch of one sequence keeps more than n_heads blocks busy. Block
+// (x, y) is row x, head y / ATTEND_SPLITS, split y % ATTEND_SPLITS; it writes its maximum, its weights' sum and
+// its undivided sums to partials, `[row][head][split][2 + head_dim]`, for `attend_combine`.
+#define ATTEND_SPLITS 8
+extern "C" __global__ void attend_split(const float* q, int q_stride, const u16* cache, const int* tables,
+                                        const int* table_of, const int* positions, float* partials, int layer,
+                                        int layers, int n_heads, int kv_heads, int head_dim, int block_tokens,
+                                        float scale) {
+    __shared__ float sums[2 * ATTEND_TILE];
+    int row = blockIdx.x, head = blockIdx.y / ATTEND_SPLITS, split = blockIdx.y % ATTEND_SPLITS;
+    float m;
+    float l = attend_keys(q, q_stride, cache, tables, table_of, positions, row, head, split, ATTEND_SPLITS, layer,
+                          layers, n_heads, kv_heads, head_dim, block_tokens, scale, sums, &m);
+    float* p = partials + ((long)(row * n_heads + head) * ATTEND_SPLITS + split) * (2 + head_dim);
+    if (threadIdx.x == 0) {
+        p[0] = m;
+        p[1] = l;
+    }
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) p[2 + i] = sums[i];
+}
+
+// Merges the splits of each (row, head), one thread block each: the output is the splits' sums and weights'
+// sums rescaled to their common maximum, divided, as f16. A split with no keys (m at its floor, l zero) weighs
+// nothing.
+extern "C" __global__ void attend_combine(const float* partials, u16* out, int n_heads, int head_dim) {
+    int row = blockIdx.x, head = blockIdx.y, width = 2 + head_dim;
+    const float* p = partials + (long)(row * n_heads + head) * ATTEND_SPLITS * width;
+    float top = -3.0e38f;
+    for (int s = 0; s < ATTEND_SPLITS; s++) top = fmaxf(top, p[s * width]);
+    float total = 0.0f;
+    for (int s = 0; s < ATTEND_SPLITS; s++) total += __expf(p[s * width] - top) * p[s * width + 1];
+    u16* o = out + ((long)row * n_heads + head) * head_dim;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < ATTEND_SPLITS; s++) acc += __expf(p[s * width] - top) * p[s * width + 2 + i];
+        o[i] = f2h(acc / total);
     }
 }
 

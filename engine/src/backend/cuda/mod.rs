@@ -62,7 +62,7 @@ impl ForwardKind {
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines, by name (each is looked up after loading; a missing one is an error).
-pub const KERNEL_NAMES: [&str; 18] = [
+pub const KERNEL_NAMES: [&str; 20] = [
     "dequant_q8_0_f16",
     "dequant_q4_1_f16",
     "embed_f16",
@@ -81,6 +81,8 @@ pub const KERNEL_NAMES: [&str; 18] = [
     "norm_swiglu",
     "matvec_add",
     "attend_rows",
+    "attend_split",
+    "attend_combine",
 ];
 
 /// Why the CUDA backend cannot start, as a sentence for whoever started it.

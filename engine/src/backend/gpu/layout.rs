@@ -4,6 +4,11 @@
 use crate::forward::SeqChunk;
 use crate::model::ModelConfig;
 
+/// Key splits of `attend_split` (`ATTEND_SPLITS` in kernels.cu).
+pub const ATTEND_SPLITS: usize = 8;
+/// Decode steps of up to this many rows may split their attention (the matrix-vector kernels' limit).
+pub const SPLIT_MAX_ROWS: usize = 4;
+
 /// Offsets are multiples of this (the alignment cuBLAS and vector loads like best).
 const ALIGN: usize = 256;
 
@@ -40,6 +45,9 @@ pub struct Scratch {
     pub step_kv: usize,
     /// Logits, `[logit row][n_vocab]` f32.
     pub logits: usize,
+    /// A small decode step's split attention, `[row][head][split][2 + head_dim]` f32, for up to
+    /// [`SPLIT_MAX_ROWS`] rows.
+    pub partials: usize,
     /// Bytes in all.
     pub bytes: usize,
 }
@@ -63,7 +71,8 @@ impl Scratch {
         let act = next(rows * ff * 2);
         let step_kv = next(c.n_layers * rows * 2 * kv * 2);
         let logits = next(logit_rows * c.n_vocab * 4);
-        Scratch { rows, logit_rows, x, y, normed, qkv, attended, gate_up, act, step_kv, logits, bytes: at }
+        let partials = next(SPLIT_MAX_ROWS * c.n_heads * ATTEND_SPLITS * (2 + c.head_dim) * 4);
+        Scratch { rows, logit_rows, x, y, normed, qkv, attended, gate_up, act, step_kv, logits, partials, bytes: at }
     }
 
     /// The rows (or logit rows) to lay out for a step of `n`: a power of two, at least 16, so that the scratch
@@ -221,6 +230,7 @@ mod tests {
             (s.act, 16 * ff * 2),
             (s.step_kv, c.n_layers * 16 * 2 * kv * 2),
             (s.logits, 16 * c.n_vocab * 4),
+            (s.partials, SPLIT_MAX_ROWS * c.n_heads * ATTEND_SPLITS * (2 + c.head_dim) * 4),
         ];
         parts.sort();
         for pair in parts.windows(2) {

@@ -10,8 +10,8 @@
 //! not depend on the longest context; `attend_rows` for prompts, 16 rows sharing each key read). Its buffers
 //! persist from step to step, and a step's indices go up in one copy. With recording on, a decode step of `n`
 //! sequences is recorded once (a CUDA graph) and replayed after, one launch instead of about 270. With the
-//! matrix-vector kernels on, steps of up to four rows skip cuBLAS: six kernels a layer that fold in the norm, the
-//! residual add and SiLU-multiply.
+//! matrix-vector kernels on, steps of up to four rows skip cuBLAS: kernels that fold in the norm, the residual add
+//! and SiLU-multiply, with decode attention split over several blocks per head.
 
 pub mod layout;
 
@@ -61,8 +61,8 @@ const ROWS_MAX_HEAD_DIM: usize = 128;
 /// Decode steps of up to this many sequences are recorded, one recording per batch size.
 pub const MAX_RECORDED_ROWS: usize = 256;
 /// Steps of up to this many rows go through the matrix-vector kernels when they are on (`MV_MAX_ROWS` in
-/// kernels.cu).
-pub const MATVEC_MAX_ROWS: usize = 4;
+/// kernels.cu), and split their attention when they are decode steps.
+pub const MATVEC_MAX_ROWS: usize = layout::SPLIT_MAX_ROWS;
 /// Output rows per block of the matrix-vector kernels (a warp each: `MV_WARPS`).
 const MATVEC_ROWS_PER_BLOCK: u32 = 8;
 
@@ -72,7 +72,8 @@ pub struct Options {
     /// Decode steps recorded once per batch size and replayed (CUDA graphs), where the device records.
     pub record: bool,
     /// Steps of up to [`MATVEC_MAX_ROWS`] rows through matrix-vector kernels that also do the norm, the residual
-    /// add and SiLU-multiply (six kernels a layer, no cuBLAS) instead of the matmuls.
+    /// add and SiLU-multiply (no cuBLAS) instead of the matmuls; such decode steps split
+    /// each row's keys over `ATTEND_SPLITS` thread blocks per head (`attend_split`, `attend_combine`).
     pub matvec: bool,
 }
 
@@ -168,6 +169,8 @@ struct Attention<'a> {
     config: &'a ModelConfig,
     n: usize,
     decode: bool,
+    /// A small decode step: its keys split over several blocks per (row, head), then merged.
+    split: bool,
     singles: usize,
     tiles: usize,
     block_tokens: usize,
@@ -209,6 +212,13 @@ impl Attention<'_> {
         ];
         let tail = [&shape[..], &[Arg::F32(1.0 / (c.head_dim as f32).sqrt())]].concat();
         let heads = c.n_heads as u32;
+        if self.split {
+            let splits = (heads as usize * layout::ATTEND_SPLITS) as u32;
+            let args = [&inputs[..], &[p.buf(s.partials)], &tail].concat();
+            gpu.launch("attend_split", (n32, splits), ATTEND_THREADS, 0, &args)?;
+            let args = [p.buf(s.partials), p.buf(s.attended), Arg::I32(c.n_heads as i32), Arg::I32(c.head_dim as i32)];
+            return gpu.launch("attend_combine", (n32, heads), ATTEND_THREADS, 0, &args);
+        }
         // `attend_rows` holds a tile's queries and keys in shared memory: heads of up to 128 dims, in eighths.
         let tiled = !self.decode && c.head_dim <= ROWS_MAX_HEAD_DIM && c.head_dim % 8 == 0;
         let (rows, listed) = if tiled { (p.ints(p.o.singles), self.singles as u32) } else { (Arg::Ptr(0), n32) };
@@ -415,6 +425,7 @@ impl<G: Gpu> GpuForward<G> {
             config: c,
             n,
             decode: ix.decode,
+            split: ix.decode && self.matvec && n <= MATVEC_MAX_ROWS,
             singles: ix.singles,
             tiles: ix.tiles,
             block_tokens,
