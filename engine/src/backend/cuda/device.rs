@@ -14,7 +14,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, result};
 
 use super::profile::Profile;
-use super::{CudaError, DeviceInfo, KERNEL_NAMES};
+use super::{CudaError, DeviceInfo, KERNEL_NAMES, fail, runtime};
 use crate::backend::gpu::{Arg, DevicePtr as Ptr, Gpu};
 use crate::forward::ForwardError;
 
@@ -32,14 +32,6 @@ pub struct CudaGpu {
     info: DeviceInfo,
     /// Device time by kernel, when asked for (`TANDEM_CUDA_PROFILE=1`).
     profile: Option<Profile>,
-}
-
-fn fail(e: impl std::fmt::Display) -> ForwardError {
-    ForwardError::Device(format!("CUDA: {e}"))
-}
-
-fn runtime(e: impl std::fmt::Display) -> CudaError {
-    CudaError::Runtime(e.to_string())
 }
 
 impl CudaGpu {

@@ -21,7 +21,7 @@ use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
-use super::{CudaError, DeviceInfo};
+use super::{CudaError, DeviceInfo, fail, runtime};
 use crate::backend::{Backend, Next, StepContext};
 use crate::forward::{ForwardError, SeqChunk};
 use crate::gguf::TensorType;
@@ -128,14 +128,6 @@ fn per_row(rows: usize) -> LaunchConfig {
 /// One thread per element.
 fn per_elem(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(n as u32)
-}
-
-fn runtime(e: impl std::fmt::Display) -> CudaError {
-    CudaError::Runtime(e.to_string())
-}
-
-fn fail(e: impl std::fmt::Display) -> ForwardError {
-    ForwardError::Device(format!("CUDA: {e}"))
 }
 
 impl CudaBackend {

@@ -18,6 +18,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::CudaContext;
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 
+use crate::forward::ForwardError;
+
 pub use device::CudaGpu;
 pub use forward::CudaBackend;
 
@@ -109,6 +111,16 @@ pub enum CudaError {
     NoCublas,
     #[error("CUDA: {0}")]
     Runtime(String),
+}
+
+/// A driver or library failure while opening the device or loading the model, as [`CudaError`].
+fn runtime(e: impl std::fmt::Display) -> CudaError {
+    CudaError::Runtime(e.to_string())
+}
+
+/// A driver or library failure during a step, as the engine's [`ForwardError`].
+fn fail(e: impl std::fmt::Display) -> ForwardError {
+    ForwardError::Device(format!("CUDA: {e}"))
 }
 
 /// The device a backend runs on.
