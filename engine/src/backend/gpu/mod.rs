@@ -167,12 +167,9 @@ impl Pointers {
 /// the tiles of the longer ones'.
 struct Attention<'a> {
     config: &'a ModelConfig,
-    n: usize,
-    decode: bool,
+    ix: &'a StepIndex,
     /// A small decode step: its keys split over several blocks per (row, head), then merged.
     split: bool,
-    singles: usize,
-    tiles: usize,
     block_tokens: usize,
     cache: DevicePtr,
     rope: DevicePtr,
@@ -190,7 +187,8 @@ impl Attention<'_> {
             Arg::I32(c.head_dim as i32),
             Arg::I32(self.block_tokens as i32),
         ];
-        let (n32, cache) = (self.n as u32, Arg::Ptr(self.cache));
+        let (ix, cache) = (self.ix, Arg::Ptr(self.cache));
+        let n32 = ix.n as u32;
         let args = [
             p.buf(s.qkv),
             p.ints(p.o.positions),
@@ -199,7 +197,7 @@ impl Attention<'_> {
             p.ints(p.o.slot_block),
             p.ints(p.o.slot_pos),
             p.buf(s.step_kv),
-            Arg::I32(self.n as i32),
+            Arg::I32(ix.n as i32),
         ];
         gpu.launch("rope_store", (n32, 1), ROW_THREADS, 0, &[&args[..], &shape].concat())?;
         let inputs = [
@@ -220,15 +218,15 @@ impl Attention<'_> {
             return gpu.launch("attend_combine", (n32, heads), ATTEND_THREADS, 0, &args);
         }
         // `attend_rows` holds a tile's queries and keys in shared memory: heads of up to 128 dims, in eighths.
-        let tiled = !self.decode && c.head_dim <= ROWS_MAX_HEAD_DIM && c.head_dim % 8 == 0;
-        let (rows, listed) = if tiled { (p.ints(p.o.singles), self.singles as u32) } else { (Arg::Ptr(0), n32) };
+        let tiled = !ix.decode && c.head_dim <= ROWS_MAX_HEAD_DIM && c.head_dim % 8 == 0;
+        let (rows, listed) = if tiled { (p.ints(p.o.singles), ix.singles as u32) } else { (Arg::Ptr(0), n32) };
         if listed > 0 {
             let args = [&inputs[..], &[rows, p.buf(s.attended)], &tail].concat();
             gpu.launch("attend", (listed, heads), ATTEND_THREADS, 0, &args)?;
         }
-        if tiled && self.tiles > 0 {
+        if tiled && ix.tiles > 0 {
             let args = [&inputs[..], &[p.ints(p.o.tiles), p.buf(s.attended)], &tail].concat();
-            gpu.launch("attend_rows", (self.tiles as u32, heads), ATTEND_THREADS, 0, &args)?;
+            gpu.launch("attend_rows", (ix.tiles as u32, heads), ATTEND_THREADS, 0, &args)?;
         }
         Ok(())
     }
@@ -335,16 +333,15 @@ impl<G: Gpu> GpuForward<G> {
         &self.gpu
     }
 
-    /// Uploads the blocks the batch reads that the host store changed since the mirror last saw them.
-    fn sync_blocks(&mut self, kv: &KvStore, batch: &[SeqChunk<'_>]) -> Result<(), ForwardError> {
+    /// Uploads the blocks the batch reads that the host store changed since the mirror last saw them; true when
+    /// the mirror was (re)allocated.
+    fn sync_blocks(&mut self, kv: &KvStore, batch: &[SeqChunk<'_>]) -> Result<bool, ForwardError> {
         let layout = *kv.layout();
         let block_bytes = layout.block_elems() * 2;
-        if self.cache.fit(&mut self.gpu, kv.capacity() * block_bytes)? {
-            // Nothing is mirrored yet: every block's first use uploads it (and no recording reads this cache).
+        let moved = self.cache.fit(&mut self.gpu, kv.capacity() * block_bytes)?;
+        if moved {
+            // Nothing is mirrored yet: every block's first use uploads it.
             self.seen = vec![u64::MAX; kv.capacity()];
-            if let Some(r) = self.recorded.as_mut() {
-                r.clear();
-            }
         }
         for chunk in batch {
             let used = layout.blocks_for(chunk.start + chunk.tokens.len()).min(chunk.blocks.len());
@@ -358,7 +355,7 @@ impl<G: Gpu> GpuForward<G> {
                 self.seen[i] = kv.generation(b);
             }
         }
-        Ok(())
+        Ok(moved)
     }
 
     fn step(&mut self, kv: &mut KvStore, batch: &[SeqChunk<'_>], next: &mut Vec<Next>) -> Result<(), ForwardError> {
@@ -372,9 +369,8 @@ impl<G: Gpu> GpuForward<G> {
             (true, _) => "decode",
             (false, _) => "prompt",
         });
-        self.sync_blocks(kv, batch)?;
+        let mut moved = self.sync_blocks(kv, batch)?;
         let (rows, logit_rows) = (Scratch::rows_for(ix.n), Scratch::rows_for(ix.m));
-        let mut moved = false;
         if self.layout.is_none_or(|s| s.rows < rows || s.logit_rows < logit_rows) {
             let old = self.layout.map_or((0, 0), |s| (s.rows, s.logit_rows));
             let s = Scratch::for_rows(&self.config, rows.max(old.0), logit_rows.max(old.1));
@@ -383,7 +379,7 @@ impl<G: Gpu> GpuForward<G> {
         }
         moved |= self.index.fit(&mut self.gpu, (ix.ints.len() * 4).next_power_of_two().max(4096))?;
         if moved {
-            // The recordings read the old buffers.
+            // The recordings read the old buffers (or none: the first step).
             if let Some(r) = self.recorded.as_mut() {
                 r.clear();
             }
@@ -423,11 +419,8 @@ impl<G: Gpu> GpuForward<G> {
         let (n32, d_i, eps) = (n as u32, Arg::I32(d as i32), Arg::F32(c.rms_eps));
         let attention = Attention {
             config: c,
-            n,
-            decode: ix.decode,
+            ix,
             split: ix.decode && self.matvec && n <= MATVEC_MAX_ROWS,
-            singles: ix.singles,
-            tiles: ix.tiles,
             block_tokens,
             cache: self.cache.at,
             rope: self.rope,
