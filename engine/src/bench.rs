@@ -60,24 +60,29 @@ pub(crate) fn prompt_token(i: usize, salt: usize, vocab: usize) -> u32 {
 /// Runs the measurements on `team`'s threads.
 pub fn run(model: &Model, team: &Team, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
     let layout = KvLayout::for_model(&model.config, 16);
-    let (prefill_tokens_per_s, decode) =
-        measure(layout, model.config.n_vocab, spec, Warm::Small, &mut |kv, chunks| model.forward(team, kv, chunks))?;
+    let mut forward = |kv: &mut KvStore, chunks: &[SeqChunk<'_>]| {
+        Ok(model.forward(team, kv, chunks)?.iter().map(|l| argmax(l)).collect())
+    };
+    let (prefill_tokens_per_s, decode) = measure(layout, model.config.n_vocab, spec, Warm::Small, &mut forward)?;
     Ok(BenchReport { threads: team.threads(), prefill_tokens: spec.prompt_tokens, prefill_tokens_per_s, decode })
 }
 
-/// The same measurements through any backend (the CUDA one: each step ends with its logits on the host, so a
-/// step's time is its whole time). Each timed shape runs once untimed first: a GPU backend's first step of a shape
-/// grows its buffers, lets cuBLAS choose its kernels, or records the step as a graph.
+/// The same measurements through any backend (the CUDA one: each step ends with its next tokens on the host, so a
+/// step's time is its whole time). The chunks are greedy ([`SeqChunk::greedy`]), as the engine's own are for
+/// greedy requests: a backend that can answers with the top token and keeps the logits where they are. Each timed
+/// shape runs once untimed first: a GPU backend's first step of a shape grows its buffers, lets cuBLAS choose its
+/// kernels, or records the step as a graph.
 pub fn run_backend(backend: &mut dyn crate::backend::Backend, spec: &BenchSpec) -> Result<BenchReport, ForwardError> {
     let layout = backend.kv_layout(16);
     let vocab = backend.vocab();
     let threads = backend.threads();
-    let mut forward = |kv: &mut KvStore, chunks: &[SeqChunk<'_>]| -> Result<Vec<Vec<f32>>, ForwardError> {
+    let mut forward = |kv: &mut KvStore, chunks: &[SeqChunk<'_>]| -> Result<Vec<u32>, ForwardError> {
         let context = crate::backend::StepContext { started: Instant::now(), onboarded: [0, 0] };
         let next = backend.forward(kv, chunks, context)?;
         next.into_iter()
             .map(|n| match n {
-                crate::backend::Next::Logits(l) => Ok(l),
+                crate::backend::Next::Logits(l) => Ok(argmax(&l)),
+                crate::backend::Next::Token(t) => Ok(t),
                 crate::backend::Next::Draw(_) => Err(ForwardError::Device("this backend computes no logits".into())),
             })
             .collect()
@@ -86,8 +91,8 @@ pub fn run_backend(backend: &mut dyn crate::backend::Backend, spec: &BenchSpec) 
     Ok(BenchReport { threads, prefill_tokens: spec.prompt_tokens, prefill_tokens_per_s, decode })
 }
 
-/// One forward step: logits per chunk that asked for them.
-type Forward<'a> = dyn FnMut(&mut KvStore, &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>, ForwardError> + 'a;
+/// One forward step: the top token per chunk that asked for its next token.
+type Forward<'a> = dyn FnMut(&mut KvStore, &[SeqChunk<'_>]) -> Result<Vec<u32>, ForwardError> + 'a;
 
 /// What runs untimed before the timed steps.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -114,14 +119,14 @@ fn measure(
 
     // Warm-up touches the weights and the KV pages once.
     let warm = prompt(spec.prompt_tokens.min(64), 0, vocab);
-    forward(&mut kv, &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true }])?;
+    forward(&mut kv, &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true, greedy: true }])?;
 
     let long = prompt(spec.prompt_tokens, 1, vocab);
     if warm_up == Warm::EachShape {
-        forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true }])?;
+        forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true, greedy: true }])?;
     }
     let t = Instant::now();
-    forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true }])?;
+    forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true, greedy: true }])?;
     let prefill_tokens_per_s = spec.prompt_tokens as f64 / t.elapsed().as_secs_f64();
 
     let mut decode = Vec::new();
@@ -130,9 +135,9 @@ fn measure(
         let chunks: Vec<SeqChunk<'_>> = prompts
             .iter()
             .zip(&tables)
-            .map(|(p, blocks)| SeqChunk { tokens: p, start: 0, blocks, logits: true })
+            .map(|(p, blocks)| SeqChunk { tokens: p, start: 0, blocks, logits: true, greedy: true })
             .collect();
-        let mut next: Vec<u32> = forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
+        let mut next = forward(&mut kv, &chunks)?;
         // With `Warm::EachShape` the first decode step is not timed.
         let untimed = usize::from(warm_up == Warm::EachShape);
         let mut t = Instant::now();
@@ -149,9 +154,10 @@ fn measure(
                     start: spec.decode_prompt_tokens + step,
                     blocks,
                     logits: true,
+                    greedy: true,
                 })
                 .collect();
-            next = forward(&mut kv, &chunks)?.iter().map(|l| argmax(l)).collect();
+            next = forward(&mut kv, &chunks)?;
         }
         let secs = t.elapsed().as_secs_f64();
         decode.push(DecodeFigure { batch, tokens_per_s: (batch * spec.decode_tokens) as f64 / secs });
@@ -264,7 +270,11 @@ pub fn measure_steps(
     let fill = |kv: &mut KvStore, s: usize, len: usize| -> Result<(), ForwardError> {
         let p = prompt(len, s + 11, vocab);
         for (i, c) in p.chunks(512).enumerate() {
-            model.forward(team, kv, &[SeqChunk { tokens: c, start: i * 512, blocks: &tables[s], logits: false }])?;
+            model.forward(
+                team,
+                kv,
+                &[SeqChunk { tokens: c, start: i * 512, blocks: &tables[s], logits: false, greedy: false }],
+            )?;
         }
         Ok(())
     };
@@ -277,10 +287,10 @@ pub fn measure_steps(
             let singles: Vec<[u32; 1]> = (0..b).map(|i| [(100 + i * 31 + rep) as u32]).collect();
             let mut batch: Vec<SeqChunk<'_>> = Vec::new();
             if let (Some((_, c)), Some(tokens)) = (prefill, &chunk_tokens) {
-                batch.push(SeqChunk { tokens, start: c, blocks: &tables[seqs - 1], logits: true });
+                batch.push(SeqChunk { tokens, start: c, blocks: &tables[seqs - 1], logits: true, greedy: false });
             }
             for (i, one) in singles.iter().enumerate() {
-                batch.push(SeqChunk { tokens: one, start: ctx + rep, blocks: &tables[i], logits: true });
+                batch.push(SeqChunk { tokens: one, start: ctx + rep, blocks: &tables[i], logits: true, greedy: false });
             }
             shape = MockBackend::shape(&batch, [0, 0], 0);
             let t = Instant::now();

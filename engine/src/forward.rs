@@ -54,6 +54,11 @@ pub struct SeqChunk<'a> {
     pub blocks: &'a [BlockId],
     /// Whether to return logits for the chunk's last token.
     pub logits: bool,
+    /// Whether its caller takes only the largest of those logits (the lowest index among equal ones: a greedy
+    /// sampler with no rule over the logits, no grammar and no log-probabilities): a backend may answer with that
+    /// token ([`crate::backend::Next::Token`]) instead of the whole vocabulary's logits, so that a GPU does not
+    /// copy them out.
+    pub greedy: bool,
 }
 
 /// Why a forward step was refused (before any compute).

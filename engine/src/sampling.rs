@@ -335,6 +335,13 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether every token it picks is the largest logit's ([`argmax`]) and nothing else of the logits is needed:
+    /// greedy, no rule over the logits, no log-probabilities.
+    pub fn takes_the_top(&self) -> bool {
+        let p = &self.params;
+        (p.temperature == 0.0 || p.top_k.is_some_and(|k| k.get() == 1)) && !p.logits.active() && p.logprobs.is_none()
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature == 0.0 || p.top_k.is_some_and(|k| k.get() == 1) {

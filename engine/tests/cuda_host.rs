@@ -136,6 +136,47 @@ fn quantized_weights_dequantize_to_the_cpu_engines_values_rounded_to_f16() {
 }
 
 #[test]
+fn argmax_rows_picks_the_cpu_samplers_token_ties_infinities_and_nans_included() {
+    let vocab = 1000;
+    let ninf = f32::NEG_INFINITY;
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    let mut row = |edit: &dyn Fn(&mut Vec<f32>)| {
+        let mut r = values(vocab, rows.len() as u64 + 40);
+        edit(&mut r);
+        rows.push(r);
+    };
+    // Equal largest values in different threads and warps of the block, and twice in one thread: the lowest index.
+    row(&|r| [999, 300, 5, 261, 5 + 256].iter().for_each(|&i| r[i] = 2.0));
+    row(&|r| [700, 999].iter().for_each(|&i| r[i] = 2.0));
+    // The largest last, first, and a row of minus infinity but one.
+    row(&|r| r[vocab - 1] = 2.0);
+    row(&|r| r[0] = 2.0);
+    row(&|r| {
+        r.fill(ninf);
+        r[517] = -1e30;
+    });
+    // All minus infinity; a NaN first (the CPU keeps index 0); NaNs elsewhere, never the largest; all NaN.
+    row(&|r| r.fill(ninf));
+    row(&|r| {
+        r[0] = f32::NAN;
+        r[10] = 2.0;
+    });
+    row(&|r| {
+        r.iter_mut().skip(1).step_by(3).for_each(|v| *v = f32::NAN);
+        // The first value of the thread that leads the largest value's warp.
+        r[128] = f32::NAN;
+        r[400] = 2.0;
+    });
+    row(&|r| r.fill(f32::NAN));
+    let flat: Vec<f32> = rows.concat();
+    let want: Vec<i32> = rows.iter().map(|r| engine::sampling::argmax(r) as i32).collect();
+    assert_eq!(want[..7], [5, 700, 999, 0, 517, 0, 0], "the CPU's own picks");
+    let mut top = vec![-1i32; rows.len()];
+    launch("argmax_rows", (rows.len() as u32, 1), 256, 0, &[input(&flat), Arg::I32(vocab as i32), ptr(&mut top)]);
+    assert_eq!(top, want);
+}
+
+#[test]
 fn embedding_rms_norm_silu_and_the_residual_add_compute_what_the_cpu_engine_does() {
     // 300 values a row over 256 threads: some threads take two, and every warp's partial sum counts.
     let (d, rows, vocab) = (300, 3, 10);

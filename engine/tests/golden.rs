@@ -30,7 +30,7 @@ fn matches_the_oracle() {
         let layout = KvLayout::for_model(&model.config, 16);
         let blocks: Vec<BlockId> = (0..layout.blocks_for(prompt.len()) as u32).map(BlockId).collect();
         let mut kv = KvStore::new(layout, blocks.len());
-        let step = SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: true };
+        let step = SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: true, greedy: false };
         let logits = model.forward(&team, &mut kv, &[step]).expect("forward").remove(0);
         for pair in p["first_logits"].as_array().expect("logits") {
             let (id, want) = (pair[0].as_u64().expect("id") as usize, pair[1].as_f64().expect("logit") as f32);

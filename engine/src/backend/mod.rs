@@ -27,6 +27,9 @@ pub enum Next {
     /// No logits: the sequence's sampler draws uniformly from these tokens with its own seeded generator, so the
     /// output is reproducible from the request's seed.
     Draw(Arc<[u32]>),
+    /// The largest logit's token (the lowest among equal ones), for a chunk that asked for no more
+    /// ([`SeqChunk::greedy`]).
+    Token(u32),
 }
 
 /// What the scheduler knows of a step beyond its chunks.

@@ -88,6 +88,7 @@ impl Seq {
             start: self.computed,
             blocks: &self.blocks,
             logits: end == self.tokens.len(),
+            greedy: self.grammar.is_none() && self.sampler.takes_the_top(),
         }
     }
 

@@ -314,6 +314,13 @@ impl Engine {
                     let token = s.sampler.sample_in(masked.as_deref().unwrap_or(&l), &s.tokens, from, &eog);
                     (token, top.map(|k| TokenLogprobs::of(&l, token, k)))
                 }
+                // Only a chunk that asked for no more than the top token gets it ([`Seq::chunk`]); a backend that
+                // answered another one so would have dropped what its sampler needs.
+                Next::Token(token) if s.grammar.is_none() && s.sampler.takes_the_top() => (token, None),
+                Next::Token(_) => {
+                    self.fail(s, "the backend gave the top token where the sampler needs the logits".into());
+                    continue;
+                }
                 Next::Draw(_) if s.grammar.is_some() => {
                     self.fail(s, "structured outputs need the model's logits; this backend draws its tokens".into());
                     continue;

@@ -308,3 +308,105 @@ fn the_published_state_counts_the_blocks_prompts_will_still_take() {
     }
     assert_eq!(state(&e, &seqs), (0, 0));
 }
+
+/// The CPU backend, answering chunks that ask only for their top token with that token, as a GPU backend does.
+#[derive(Debug)]
+struct TopOnly {
+    cpu: crate::backend::cpu::CpuBackend,
+    /// Chunks answered with their top token, and with their logits.
+    answered: std::sync::Arc<std::sync::Mutex<[usize; 2]>>,
+}
+
+impl crate::backend::Backend for TopOnly {
+    fn name(&self) -> &'static str {
+        "top-only"
+    }
+
+    fn vocab(&self) -> usize {
+        self.cpu.vocab()
+    }
+
+    fn context_len(&self) -> usize {
+        self.cpu.context_len()
+    }
+
+    fn kv_layout(&self, block_tokens: usize) -> crate::kv::KvLayout {
+        self.cpu.kv_layout(block_tokens)
+    }
+
+    fn threads(&self) -> usize {
+        self.cpu.threads()
+    }
+
+    fn forward_into(
+        &mut self,
+        kv: &mut crate::kv::KvStore,
+        batch: &[crate::forward::SeqChunk<'_>],
+        context: crate::backend::StepContext,
+        next: &mut Vec<crate::backend::Next>,
+    ) -> Result<(), crate::forward::ForwardError> {
+        use crate::backend::Next;
+        let mut answers = Vec::new();
+        self.cpu.forward_into(kv, batch, context, &mut answers)?;
+        let asked = batch.iter().filter(|c| c.logits && !c.tokens.is_empty());
+        let mut answered = self.answered.lock().expect("not poisoned");
+        for (chunk, answer) in asked.zip(answers) {
+            match answer {
+                Next::Logits(l) if chunk.greedy => {
+                    answered[0] += 1;
+                    next.push(Next::Token(crate::sampling::argmax(&l)));
+                }
+                other => {
+                    answered[1] += 1;
+                    next.push(other);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn greedy_sequences_take_a_backends_top_token_and_the_others_still_get_their_logits() {
+    use crate::sampling::{LogitsRules, RawSampling, SamplingParams};
+    let sampling = |raw: RawSampling| SamplingParams::new(RawSampling { max_tokens: 6, ..raw }).expect("valid");
+    let prompt = |k: u32| (100 + 40 * k..130 + 40 * k).collect::<Vec<u32>>();
+    let request =
+        |k: u32, raw: RawSampling| Request { prompt: prompt(k), sampling: sampling(raw), ..greedy(vec![], 1) };
+    let greedy_by_k = RawSampling { temperature: 1.0, top_k: Some(1), seed: Some(3), ..RawSampling::default() };
+    let penalized = LogitsRules { repetition_penalty: 1.3, ..LogitsRules::default() };
+    let requests = [
+        // Greedy: the top token is all they take.
+        request(0, RawSampling::default()),
+        request(1, greedy_by_k),
+        // Greedy but reporting log-probabilities, greedy over penalized logits, greedy under a grammar, sampled.
+        request(2, RawSampling { logprobs: Some(2), ..RawSampling::default() }),
+        request(3, RawSampling { logits: penalized, ..RawSampling::default() }),
+        request(
+            4,
+            RawSampling { grammar: Some(crate::grammar::Grammar::Regex("[a-z ]+".into())), ..Default::default() },
+        ),
+        request(5, RawSampling { temperature: 0.9, seed: Some(11), ..RawSampling::default() }),
+    ];
+    let cancel = std::sync::atomic::AtomicBool::new(false);
+    let want = engine(EngineConfig::default()).run(&requests, &cancel, |_| {}).expect("runs");
+
+    let path = crate::fetch::ensure_default_model(&crate::fetch::Quiet).expect("the embedded model");
+    let file = crate::gguf::GgufFile::open(&path).expect("opens");
+    let text = std::sync::Arc::new(crate::text::TextModel::from_gguf(&file).expect("a text model"));
+    let team = crate::team::Team::new(1, "test").expect("a team");
+    let cpu = crate::backend::cpu::CpuBackend::new(crate::model::Model::load(&file).expect("loads"), team);
+    let config = EngineConfig { threads: std::num::NonZeroUsize::new(1), ..EngineConfig::default() };
+    let answered = std::sync::Arc::default();
+    let backend = Box::new(TopOnly { cpu, answered: std::sync::Arc::clone(&answered) });
+    let mut e = Engine::with_backend(backend, text, config).expect("opens");
+    let got = e.run(&requests, &cancel, |_| {}).expect("runs");
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!((&g.token_ids, &g.text, g.finish_reason), (&w.token_ids, &w.text, w.finish_reason), "request {k}");
+        assert_eq!(g.logprobs, w.logprobs, "request {k}");
+    }
+    assert_eq!(got[2].logprobs.len(), got[2].token_ids.len(), "log-probabilities came with every token");
+    // One answer per generated token: the first two requests' as tokens, every other request's as logits.
+    let generated = |ks: &[usize]| ks.iter().map(|&k| got[k].token_ids.len()).sum::<usize>();
+    assert_eq!(*answered.lock().expect("not poisoned"), [generated(&[0, 1]), generated(&[2, 3, 4, 5])]);
+}

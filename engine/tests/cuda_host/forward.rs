@@ -6,8 +6,8 @@
 
 use std::collections::HashMap;
 
-use engine::backend::Backend;
 use engine::backend::gpu::{Arg, DevicePtr, Gpu, GpuForward, Options};
+use engine::backend::{Backend, Next};
 use engine::forward::ForwardError;
 use engine::model::Model;
 use engine::parity::{self, Plan};
@@ -29,6 +29,8 @@ struct HostGpu {
     /// Recordings made and replays run: the test checks the recorded path was taken.
     recorded: usize,
     replayed: usize,
+    /// Bytes copied back to the host.
+    downloaded: usize,
 }
 
 impl HostGpu {
@@ -93,6 +95,7 @@ impl Gpu for HostGpu {
 
     fn download(&mut self, from: DevicePtr, bytes: &mut [u8]) -> Result<(), ForwardError> {
         assert!(self.recording.is_none(), "a download while recording");
+        self.downloaded += bytes.len();
         // SAFETY: as `upload`.
         #[allow(unsafe_code)]
         unsafe {
@@ -183,9 +186,10 @@ fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
 }
 
 /// Decode steps of one and two sequences, alternating, after their prompts: each batch size is recorded once and
-/// replayed with the other's recording kept, so a replay must be the one of its own size.
-fn alternating_decodes(backend: &mut dyn Backend) -> Vec<Vec<f32>> {
-    use engine::backend::{Next, StepContext};
+/// replayed with the other's recording kept, so a replay must be the one of its own size. `greedy(step, sequence)`
+/// says which chunks ask for their top token only (the prompts' steps are steps 0 and 1, the decodes' 2 to 7).
+fn alternating_decodes(backend: &mut dyn Backend, greedy: &dyn Fn(u32, usize) -> bool) -> Vec<Next> {
+    use engine::backend::StepContext;
     use engine::forward::SeqChunk;
     use engine::kv::{BlockId, KvStore};
     let layout = backend.kv_layout(parity::BLOCK_TOKENS);
@@ -194,27 +198,32 @@ fn alternating_decodes(backend: &mut dyn Backend) -> Vec<Vec<f32>> {
     let context = StepContext { started: std::time::Instant::now(), onboarded: [0, 0] };
     let mut lens = [20usize, 40];
     let mut out = Vec::new();
-    let mut logits = |next: Vec<Next>| {
-        out.extend(next.into_iter().filter_map(|n| match n {
-            Next::Logits(v) => Some(v),
-            Next::Draw(_) => None,
-        }))
-    };
     for (s, &len) in lens.iter().enumerate() {
         let prompt: Vec<u32> = (0..len as u32).map(|i| 300 + 7 * i + s as u32).collect();
-        let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &tables[s], logits: true };
-        logits(backend.forward(&mut kv, &[chunk], context).expect("a prompt"));
+        let greedy = greedy(s as u32, s);
+        let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &tables[s], logits: true, greedy };
+        out.extend(backend.forward(&mut kv, &[chunk], context).expect("a prompt"));
     }
     for step in 0..6u32 {
         let seqs = if step % 2 == 0 { 1 } else { 2 };
         let tokens: Vec<[u32; 1]> = (0..seqs).map(|s| [500 + step * 3 + s as u32]).collect();
         let batch: Vec<SeqChunk<'_>> = (0..seqs)
-            .map(|s| SeqChunk { tokens: &tokens[s], start: lens[s], blocks: &tables[s], logits: true })
+            .map(|s| {
+                let greedy = greedy(step + 2, s);
+                SeqChunk { tokens: &tokens[s], start: lens[s], blocks: &tables[s], logits: true, greedy }
+            })
             .collect();
-        logits(backend.forward(&mut kv, &batch, context).expect("a decode step"));
+        out.extend(backend.forward(&mut kv, &batch, context).expect("a decode step"));
         lens.iter_mut().take(seqs).for_each(|l| *l += 1);
     }
     out
+}
+
+fn logits(next: &Next) -> &[f32] {
+    match next {
+        Next::Logits(v) => v,
+        other => panic!("logits were asked for, not {other:?}"),
+    }
 }
 
 #[test]
@@ -222,21 +231,65 @@ fn a_recorded_decode_step_is_replayed_for_its_own_batch_size() {
     let path = std::env::temp_dir().join(format!("tandem-cuda-host-replay-{}.gguf", std::process::id()));
     synth::write(&path, &SHAPE, 8).expect("written");
     let team = engine::team::Team::new(0, "test").expect("team");
-    let want =
-        alternating_decodes(&mut engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team));
+    let never = |_, _| false;
+    let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
+    let want = alternating_decodes(&mut cpu, &never);
     let model = Model::open(&path).expect("loads");
     for matvec in [false, true] {
         let options = Options { record: true, matvec };
         let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
-        let got = alternating_decodes(&mut fused);
+        let got = alternating_decodes(&mut fused, &never);
         assert_eq!(got.len(), want.len());
         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (g, w) = (logits(g), logits(w));
             let largest = w.iter().fold(0f32, |m, v| m.max(v.abs()));
             let worst = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             assert!(worst <= 0.01 * largest, "{options:?}, logits {k}: off by {worst} of {largest}");
         }
         // Two recordings (one sequence, two sequences), each made at its first step; six decode steps replayed.
         assert_eq!((fused.gpu().recorded, fused.gpu().replayed), (2, 6), "{options:?}");
+    }
+    std::fs::remove_file(path).ok();
+}
+
+/// A chunk that takes only its top token gets the index of its largest logit, computed on the device, and its logits
+/// stay there; the other chunks of the same steps, recorded or not, get their logits as before.
+#[test]
+fn greedy_rows_get_their_top_token_and_leave_their_logits_on_the_device() {
+    let path = std::env::temp_dir().join(format!("tandem-cuda-host-greedy-{}.gguf", std::process::id()));
+    synth::write(&path, &SHAPE, 9).expect("written");
+    let model = Model::open(&path).expect("loads");
+    let vocab = model.config.n_vocab;
+    // The second prompt, then each decode step's sequence 0 but every third step's sequence 1 too.
+    let some = |step: u32, s: usize| (step == 1 && s == 1) || (step >= 2 && (s == 0 || step.is_multiple_of(3)));
+    // Issued through the matmuls, and recorded through the matrix-vector kernels (the third way of the test above
+    // takes nothing new here: the top tokens come after the logits, whichever computed them).
+    for (record, matvec) in [(false, false), (true, true)] {
+        let options = Options { record, matvec };
+        let mut all_logits = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
+        let want = alternating_decodes(&mut all_logits, &|_, _| false);
+        let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
+        let got = alternating_decodes(&mut fused, &some);
+        assert_eq!(got.len(), want.len());
+        let mut tokens = 0;
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            let w = logits(w);
+            match g {
+                Next::Token(t) => {
+                    assert_eq!(*t, engine::sampling::argmax(w), "{options:?}, row {k}");
+                    tokens += 1;
+                }
+                // The same kernels over the same inputs: the same values.
+                Next::Logits(g) => assert_eq!(g, w, "{options:?}, row {k}"),
+                Next::Draw(_) => panic!("a draw from the fused forward"),
+            }
+        }
+        // The second prompt's, sequence 0's in each of the six decode steps, sequence 1's in the step numbered 3.
+        assert_eq!(tokens, 1 + 6 + 1, "{options:?}: the rows that asked for their top token");
+        // Those rows' logits stayed on the device; a step with a greedy row brings back every row's token instead
+        // (4 bytes each: the second prompt's step, then the decode steps of 1, 2, 1, 2, 1 and 2 rows).
+        let (all, fewer) = (all_logits.gpu().downloaded, fused.gpu().downloaded);
+        assert_eq!(all - fewer, tokens * vocab * 4 - 4 * (1 + 9), "{options:?}: bytes copied back");
     }
     std::fs::remove_file(path).ok();
 }

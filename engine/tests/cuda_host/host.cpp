@@ -37,6 +37,7 @@ static std::vector<bool> finished;
 static ucontext_t scheduler;
 static unsigned current = 0;
 static std::vector<float> lanes;
+static std::vector<int> int_lanes;
 static std::vector<unsigned char> dynamic_shared;
 static std::function<void()> body;
 const std::size_t STACK = 256 * 1024;
@@ -57,14 +58,18 @@ inline void __syncthreads() { host::barrier(); }
 
 // Every thread of the block calls it at once (as the kernels do): each leaves its value, all wait, each reads its
 // partner's, all wait again before the slots are reused.
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
+template <typename T>
+inline T exchange(std::vector<T>& lanes, T v, int offset) {
     unsigned t = threadIdx.x;
-    host::lanes[t] = v;
+    lanes[t] = v;
     host::barrier();
-    float other = host::lanes[t ^ static_cast<unsigned>(offset)];
+    T other = lanes[t ^ static_cast<unsigned>(offset)];
     host::barrier();
     return other;
 }
+
+inline float __shfl_xor_sync(unsigned, float v, int offset) { return exchange(host::lanes, v, offset); }
+inline int __shfl_xor_sync(unsigned, int v, int offset) { return exchange(host::int_lanes, v, offset); }
 
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -105,7 +110,7 @@ static const struct {
     KERNEL(store_kv),         KERNEL(attention),        KERNEL(silu_mul),  KERNEL(add),      KERNEL(to_f16),
     KERNEL(residual_norm),    KERNEL(rope_store),       KERNEL(attend),    KERNEL(swiglu),
     KERNEL(norm_matvec),      KERNEL(norm_swiglu),      KERNEL(matvec_add),  KERNEL(attend_rows),
-    KERNEL(attend_split),     KERNEL(attend_combine),
+    KERNEL(attend_split),     KERNEL(attend_combine),   KERNEL(argmax_rows),
 };
 
 // Runs kernel `name` over a grid of gx × gy blocks of `threads` threads with `shared` bytes of dynamic shared
@@ -123,6 +128,7 @@ extern "C" int tandem_host_launch(const char* name, unsigned gx, unsigned gy, un
     host::stacks.resize(threads);
     host::finished.assign(threads, false);
     host::lanes.assign(threads, 0.0f);
+    host::int_lanes.assign(threads, 0);
     host::dynamic_shared.assign(shared, 0);
     host::body = [run, args] { run(args); };
     for (unsigned by = 0; by < gy; by++) {

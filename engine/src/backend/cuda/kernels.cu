@@ -608,3 +608,52 @@ extern "C" __global__ void attend_rows(const float* q, int q_stride, const u16* 
         for (int k = 0; k < per; k++) o[part * per + k] = f2h(acc[k] / l);
     }
 }
+
+// ---- Greedy sampling on the device: a chunk that takes only its top token gets it without its logits leaving. ----
+
+// top[r] = the index of the largest of logits row r's `vocab` values, the lowest index among equal ones: the CPU
+// sampler's `argmax`, NaNs included (one is never the largest, and a row that starts with one gives 0). One thread
+// block per row. An index of `vocab` means no value yet, so no value needs to stand for minus infinity.
+__device__ __forceinline__ void take_larger(float& best, int& at, float v, int i, int vocab) {
+    if (i != vocab && (at == vocab || v > best || (v == best && i < at))) {
+        best = v;
+        at = i;
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* top) {
+    const float* row = logits + (long)blockIdx.x * vocab;
+    float best = 0.0f;
+    int at = vocab;
+    // A thread's indices rise, so only a strictly larger value moves it: the first of equal ones stays.
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = row[i];
+        if (v == v && (at == vocab || v > best)) {
+            best = v;
+            at = i;
+        }
+    }
+    __shared__ float values[32];
+    __shared__ int indices[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, best, o);
+        int i = __shfl_xor_sync(0xffffffffu, at, o);
+        take_larger(best, at, v, i, vocab);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        values[warp] = best;
+        indices[warp] = at;
+    }
+    __syncthreads();
+    // Every warp takes part in the last round (the host build's shuffles are the whole block's); thread 0 writes.
+    int warps = blockDim.x >> 5;
+    best = lane < warps ? values[lane] : 0.0f;
+    at = lane < warps ? indices[lane] : vocab;
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffffu, best, o);
+        int i = __shfl_xor_sync(0xffffffffu, at, o);
+        take_larger(best, at, v, i, vocab);
+    }
+    if (threadIdx.x == 0) top[blockIdx.x] = (at == vocab || row[0] != row[0]) ? 0 : at;
+}

@@ -64,7 +64,7 @@ impl ForwardKind {
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines, by name (each is looked up after loading; a missing one is an error).
-pub const KERNEL_NAMES: [&str; 20] = [
+pub const KERNEL_NAMES: [&str; 21] = [
     "dequant_q8_0_f16",
     "dequant_q4_1_f16",
     "embed_f16",
@@ -85,6 +85,7 @@ pub const KERNEL_NAMES: [&str; 20] = [
     "attend_rows",
     "attend_split",
     "attend_combine",
+    "argmax_rows",
 ];
 
 /// Why the CUDA backend cannot start, as a sentence for whoever started it.

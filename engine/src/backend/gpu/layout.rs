@@ -45,6 +45,8 @@ pub struct Scratch {
     pub step_kv: usize,
     /// Logits, `[logit row][n_vocab]` f32.
     pub logits: usize,
+    /// Per logit row, its largest logit's token, `[logit row]` i32 (`argmax_rows`).
+    pub top: usize,
     /// A small decode step's split attention, `[row][head][split][2 + head_dim]` f32, for up to
     /// [`SPLIT_MAX_ROWS`] rows.
     pub partials: usize,
@@ -71,8 +73,24 @@ impl Scratch {
         let act = next(rows * ff * 2);
         let step_kv = next(c.n_layers * rows * 2 * kv * 2);
         let logits = next(logit_rows * c.n_vocab * 4);
+        let top = next(logit_rows * 4);
         let partials = next(SPLIT_MAX_ROWS * c.n_heads * ATTEND_SPLITS * (2 + c.head_dim) * 4);
-        Scratch { rows, logit_rows, x, y, normed, qkv, attended, gate_up, act, step_kv, logits, partials, bytes: at }
+        Scratch {
+            rows,
+            logit_rows,
+            x,
+            y,
+            normed,
+            qkv,
+            attended,
+            gate_up,
+            act,
+            step_kv,
+            logits,
+            top,
+            partials,
+            bytes: at,
+        }
     }
 
     /// The rows (or logit rows) to lay out for a step of `n`: a power of two, at least 16, so that the scratch
@@ -106,6 +124,8 @@ pub struct StepIndex {
     /// …and tiles for `attend_rows`.
     pub tiles: usize,
     pub o: IndexOffsets,
+    /// Per logit row, whether its chunk takes only the top token ([`SeqChunk::greedy`]); not uploaded.
+    pub greedy: Vec<bool>,
 }
 
 /// Where each part of a [`StepIndex`] starts, in `i32`s.
@@ -139,6 +159,7 @@ impl StepIndex {
         let o = StepIndex::offsets(n, m, singles, tiles);
         let mut ints = vec![0i32; o.tables + tables];
         let (mut row, mut logit, mut table, mut single, mut tile) = (0, 0, o.tables, o.singles, o.tiles);
+        let mut greedy = Vec::with_capacity(m);
         for chunk in batch {
             let table_at = table;
             for (k, &b) in chunk.blocks.iter().enumerate() {
@@ -168,9 +189,10 @@ impl StepIndex {
             if chunk.logits && !chunk.tokens.is_empty() {
                 ints[o.logit_rows + logit] = row as i32 - 1;
                 logit += 1;
+                greedy.push(chunk.greedy);
             }
         }
-        StepIndex { ints, n, m, decode, singles, tiles, o }
+        StepIndex { ints, n, m, decode, singles, tiles, o, greedy }
     }
 
     /// Where the parts start for `n` rows, `m` logit rows, `singles` listed rows and `tiles` tiles.
@@ -230,6 +252,7 @@ mod tests {
             (s.act, 16 * ff * 2),
             (s.step_kv, c.n_layers * 16 * 2 * kv * 2),
             (s.logits, 16 * c.n_vocab * 4),
+            (s.top, 16 * 4),
             (s.partials, SPLIT_MAX_ROWS * c.n_heads * ATTEND_SPLITS * (2 + c.head_dim) * 4),
         ];
         parts.sort();
@@ -245,11 +268,11 @@ mod tests {
     #[test]
     fn a_mixed_step_packs_rows_logit_rows_and_tables_where_its_offsets_say() {
         // A two-token chunk of a sequence at position 15 (it crosses into its second block), then a decode token
-        // at position 3 of another; only the second asks for logits.
+        // at position 3 of another; only the second asks for logits, and only for its top token.
         let (a, b) = ([BlockId(7), BlockId(2)], [BlockId(5)]);
         let batch = [
-            SeqChunk { tokens: &[10, 11], start: 15, blocks: &a, logits: false },
-            SeqChunk { tokens: &[12], start: 3, blocks: &b, logits: true },
+            SeqChunk { tokens: &[10, 11], start: 15, blocks: &a, logits: false, greedy: false },
+            SeqChunk { tokens: &[12], start: 3, blocks: &b, logits: true, greedy: true },
         ];
         let ix = StepIndex::of(&batch, 16);
         assert_eq!((ix.n, ix.m, ix.decode, ix.singles, ix.tiles), (3, 1, false, 1, 1));
@@ -262,6 +285,7 @@ mod tests {
         assert_eq!(part(o.slot_pos, 3), [15, 0, 3]);
         assert_eq!(part(o.table_of, 3), [0, 0, 2]);
         assert_eq!(part(o.logit_rows, 1), [2]);
+        assert_eq!(ix.greedy, [true]);
         // The decode token's row for `attend`, the two-token chunk as one tile of two rows for `attend_rows`.
         assert_eq!(part(o.singles, 1), [2]);
         assert_eq!(part(o.tiles, 2), [0, 2]);
@@ -278,7 +302,7 @@ mod tests {
     fn a_long_chunk_is_cut_into_tiles_of_rows_tile_rows() {
         let blocks: Vec<BlockId> = (0..3).map(BlockId).collect();
         let tokens: Vec<u32> = (0..40).collect();
-        let batch = [SeqChunk { tokens: &tokens, start: 0, blocks: &blocks, logits: true }];
+        let batch = [SeqChunk { tokens: &tokens, start: 0, blocks: &blocks, logits: true, greedy: false }];
         let ix = StepIndex::of(&batch, 16);
         assert_eq!((ix.singles, ix.tiles), (0, 3));
         assert_eq!(ix.ints[ix.o.tiles..ix.o.tiles + 6], [0, 16, 16, 16, 32, 8]);

@@ -466,6 +466,7 @@ impl<G: Gpu> GpuForward<G> {
                     (m * d * 4) as u32,
                     &[&args[..], &tail].concat(),
                 )?;
+                self.top_tokens(&p, m)?;
             }
             return Ok(());
         }
@@ -492,19 +493,35 @@ impl<G: Gpu> GpuForward<G> {
             gpu.launch("residual_norm", (m as u32, 1), ROW_THREADS, 0, &args)?;
             let out = self.output;
             gpu.gemm(out.at, out.rows, out.cols, p.at(s.normed), m, p.at(s.logits))?;
+            self.top_tokens(&p, m)?;
         }
         Ok(())
     }
 
-    /// The step's logits to `next`, and its K/V rows into the host's store (without marking the blocks changed:
-    /// the mirror has them already).
+    /// Every logit row's top token (whether its chunk asked for only that or not: a recorded step is the same for
+    /// every mix of greedy and sampling sequences).
+    fn top_tokens(&mut self, p: &Pointers, m: usize) -> Result<(), ForwardError> {
+        let args = [p.buf(p.s.logits), Arg::I32(self.output.rows as i32), p.buf(p.s.top)];
+        self.gpu.launch("argmax_rows", (m as u32, 1), ROW_THREADS, 0, &args)
+    }
+
+    /// The step's top tokens or logits to `next`, and its K/V rows into the host's store (without marking the
+    /// blocks changed: the mirror has them already).
     fn read_back(&mut self, kv: &mut KvStore, ix: &StepIndex, next: &mut Vec<Next>) -> Result<(), ForwardError> {
         let Some(s) = self.layout else { return Err(ForwardError::Device("no scratch laid out".into())) };
         let c = &self.config;
         let vocab = self.output.rows;
-        // Each row's logits straight into the vector the sampler gets, not through one buffer for all and a copy
-        // per row: at batch 256 they are 50 MB a step.
-        for i in 0..ix.m {
+        let mut top = vec![0i32; ix.m];
+        if ix.greedy.contains(&true) {
+            self.gpu.download(self.scratch.at + s.top as u64, bytemuck::cast_slice_mut(&mut top))?;
+        }
+        // A greedy row's token, 4 bytes; another's logits straight into the vector its sampler gets, not through
+        // one buffer for all and a copy per row: at batch 256 they are 50 MB a step.
+        for (i, &greedy) in ix.greedy.iter().enumerate() {
+            if greedy {
+                next.push(Next::Token(top[i] as u32));
+                continue;
+            }
             let mut row = vec![0f32; vocab];
             let at = self.scratch.at + (s.logits + i * vocab * 4) as u64;
             self.gpu.download(at, bytemuck::cast_slice_mut(&mut row))?;
