@@ -110,7 +110,7 @@ static const struct {
     KERNEL(store_kv),         KERNEL(attention),        KERNEL(silu_mul),  KERNEL(add),      KERNEL(to_f16),
     KERNEL(residual_norm),    KERNEL(rope_store),       KERNEL(attend),    KERNEL(swiglu),
     KERNEL(norm_matvec),      KERNEL(norm_swiglu),      KERNEL(matvec_add),  KERNEL(attend_rows),
-    KERNEL(attend_split),     KERNEL(attend_combine),   KERNEL(argmax_rows),
+    KERNEL(attend_split),     KERNEL(argmax_rows),      KERNEL(norm_qkv_rope), KERNEL(combine_matvec_add),
 };
 
 // Runs kernel `name` over a grid of gx × gy blocks of `threads` threads with `shared` bytes of dynamic shared

@@ -389,7 +389,7 @@ extern "C" __global__ void attend(const float* q, int q_stride, const u16* cache
 // Splits of a small decode step's attention: each (row, head) over ATTEND_SPLITS thread blocks, split s taking
 // key tiles s, s + ATTEND_SPLITS, ..., so that a batch of one sequence keeps more than n_heads blocks busy. Block
 // (x, y) is row x, head y / ATTEND_SPLITS, split y % ATTEND_SPLITS; it writes its maximum, its weights' sum and
-// its undivided sums to partials, `[row][head][split][2 + head_dim]`, for `attend_combine`.
+// its undivided sums to partials, `[row][head][split][2 + head_dim]`, for `combine_matvec_add`.
 #define ATTEND_SPLITS 8
 extern "C" __global__ void attend_split(const float* q, int q_stride, const u16* cache, const int* tables,
                                         const int* table_of, const int* positions, float* partials, int layer,
@@ -408,24 +408,6 @@ extern "C" __global__ void attend_split(const float* q, int q_stride, const u16*
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) p[2 + i] = sums[i];
 }
 
-// Merges the splits of each (row, head), one thread block each: the output is the splits' sums and weights'
-// sums rescaled to their common maximum, divided, as f16. A split with no keys (m at its floor, l zero) weighs
-// nothing.
-extern "C" __global__ void attend_combine(const float* partials, u16* out, int n_heads, int head_dim) {
-    int row = blockIdx.x, head = blockIdx.y, width = 2 + head_dim;
-    const float* p = partials + (long)(row * n_heads + head) * ATTEND_SPLITS * width;
-    float top = -3.0e38f;
-    for (int s = 0; s < ATTEND_SPLITS; s++) top = fmaxf(top, p[s * width]);
-    float total = 0.0f;
-    for (int s = 0; s < ATTEND_SPLITS; s++) total += __expf(p[s * width] - top) * p[s * width + 1];
-    u16* o = out + ((long)row * n_heads + head) * head_dim;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < ATTEND_SPLITS; s++) acc += __expf(p[s * width] - top) * p[s * width + 2 + i];
-        o[i] = f2h(acc / total);
-    }
-}
-
 // silu(gate) * up as f16 from the stacked gate/up matmul's rows (`[row][gate: ff][up: ff]`); n = rows * ff.
 extern "C" __global__ void swiglu(const float* gate_up, u16* out_f16, int ff, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -435,8 +417,9 @@ extern "C" __global__ void swiglu(const float* gate_up, u16* out_f16, int ff, lo
     out_f16[i] = f2h(g / (1.0f + __expf(-g)) * u);
 }
 
-// ---- Small decode steps (up to MV_MAX_ROWS rows) without cuBLAS: each matmul is a matrix-vector kernel that does
-// the work around it too, so a layer is six kernels. One warp per output row; its lanes walk the row's columns in
+// ---- Small steps (up to MV_MAX_ROWS rows) without cuBLAS: each matmul is a matrix-vector kernel that does the
+// work around it too, so a decode layer is five kernels (`norm_qkv_rope`, `attend_split`, `combine_matvec_add`,
+// `norm_swiglu`, `matvec_add`). One warp per output row; its lanes walk the row's columns in
 // pairs, for every input row at once. A warp with no output row of its own still takes part in the shuffles (all
 // threads of a block reach the same reductions), computing a row it does not write. ----
 
@@ -502,18 +485,105 @@ extern "C" __global__ void norm_swiglu(const float* x, int n, const float* w, in
         for (int i = 0; i < n; i++) act[(long)i * ff + o] = f2h(gate[i] / (1.0f + __expf(-gate[i])) * up[i]);
 }
 
-// x[i][o] += W[o] · a[i]: a projection straight into the residual stream; `a` is `[i][cols]` f16 (attention's
-// output, SiLU-multiply's), read into shared memory as f32 (dynamic: n * cols floats).
-extern "C" __global__ void matvec_add(const u16* W, int out_rows, int cols, const u16* a, int n, float* x) {
-    DYNAMIC_SHARED(float, as);
-    for (int k = threadIdx.x; k < n * cols; k += blockDim.x) as[k] = h2f(a[k]);
-    __syncthreads();
+// x[i][o] += W[o] · as[i] for the block's MV_WARPS output rows, `as` `[i][cols]` f32 in shared memory.
+__device__ void project_add(const u16* W, int out_rows, int cols, const float* as, int n, float* x) {
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
     int row = o < out_rows ? o : out_rows - 1;
     float acc[MV_MAX_ROWS];
     dot_rows(W + (long)row * cols, as, n, cols, acc);
     if ((threadIdx.x & 31) == 0 && o < out_rows)
         for (int i = 0; i < n; i++) x[(long)i * out_rows + o] += acc[i];
+}
+
+// x[i][o] += W[o] · a[i]: a projection straight into the residual stream; `a` is `[i][cols]` f16 (attention's
+// output, SiLU-multiply's), read into shared memory as f32 (dynamic: n * cols floats).
+extern "C" __global__ void matvec_add(const u16* W, int out_rows, int cols, const u16* a, int n, float* x) {
+    DYNAMIC_SHARED(float, as);
+    for (int k = threadIdx.x; k < n * cols; k += blockDim.x) as[k] = h2f(a[k]);
+    __syncthreads();
+    project_add(W, out_rows, cols, as, n, x);
+}
+
+// The stacked Q/K/V projection of norm(x[i]) for the n rows, with RoPE and the K/V store (`norm_matvec` and then
+// `rope_store`, in one kernel): warp w takes output rows 2w and 2w + 1, one rotary pair (a head's head_dim rows
+// start at an even row), rotates them where they are Q or K, and leaves them in qkv (`[row][q_dim + 2 kv_dim]`,
+// where attention reads Q) and, for K and V, as f16 in the row's cache slot and in step_kv (`[layer][row][K,
+// V][kv_dim]` over `rows` rows). Grid: one block per 2 * MV_WARPS output rows; dynamic shared memory n * d floats.
+extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, int d, float eps, const u16* W,
+                                         float* qkv, const int* positions, const float* table, u16* cache,
+                                         const int* slot_block, const int* slot_pos, u16* step_kv, int rows,
+                                         int layer, int layers, int n_heads, int kv_heads, int head_dim,
+                                         int block_tokens) {
+    DYNAMIC_SHARED(float, xs);
+    norm_rows(x, 0, n, w, d, eps, xs);
+    int kv_dim = kv_heads * head_dim, q_dim = n_heads * head_dim, out_rows = q_dim + 2 * kv_dim;
+    int warp = threadIdx.x >> 5, o = 2 * (blockIdx.x * MV_WARPS + warp);
+    int row = o < out_rows ? o : out_rows - 2;
+    float first[MV_MAX_ROWS], second[MV_MAX_ROWS];
+    dot_rows(W + (long)row * d, xs, n, d, first);
+    dot_rows(W + (long)(row + 1) * d, xs, n, d, second);
+    if ((threadIdx.x & 31) != 0 || o >= out_rows) return;
+    int pairs = head_dim / 2, pair = (o % head_dim) / 2;
+    long head_elems = (long)block_tokens * head_dim;
+    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    for (int i = 0; i < n; i++) {
+        float p[2] = {first[i], second[i]};
+        if (o < q_dim + kv_dim) {
+            const float* t = table + (long)positions[i] * pairs * 2;
+            rotate(p, t[2 * pair], t[2 * pair + 1]);
+        }
+        float* xr = qkv + (long)i * out_rows;
+        xr[o] = p[0];
+        xr[o + 1] = p[1];
+        if (o < q_dim) continue;
+        // K (part 0) or V (part 1), at k of its kv_dim values.
+        int part = o < q_dim + kv_dim ? 0 : 1, k = o - q_dim - part * kv_dim;
+        int head = k / head_dim, dim = k % head_dim;
+        u16* slot = cache + (long)slot_block[i] * block_elems +
+                    ((long)(layer * 2 + part) * kv_heads + head) * head_elems + (long)slot_pos[i] * head_dim + dim;
+        u16* step = step_kv + ((long)layer * rows + i) * 2 * kv_dim + part * kv_dim + k;
+        for (int j = 0; j < 2; j++) {
+            slot[j] = f2h(p[j]);
+            step[j] = f2h(p[j]);
+        }
+    }
+}
+
+// A small decode step's split attention merged (the splits' sums and weights' sums rescaled to their common
+// maximum, divided; a split with no keys, its maximum at the floor and its sum zero, weighs nothing) into shared
+// memory for every row and head, rounded to f16 as attention's output is elsewhere, then the output projection
+// added into the residual stream: x[i][o] += W[o] · attended[i]. Every block merges all of it (a few KB of
+// partials) instead of a kernel of its own doing it once. Grid: one block per MV_WARPS output rows; dynamic
+// shared memory (n * n_heads * (head_dim + ATTEND_SPLITS + 1)) floats.
+extern "C" __global__ void combine_matvec_add(const float* partials, int n_heads, int head_dim, const u16* W,
+                                              int out_rows, int n, float* x) {
+    DYNAMIC_SHARED(float, as);
+    int cols = n_heads * head_dim, width = 2 + head_dim, pairs = n * n_heads;
+    // Per (row, head): each split's factor to the common maximum, and the weights' sum.
+    float* factor = as + n * cols;
+    float* total = factor + pairs * ATTEND_SPLITS;
+    for (int h = threadIdx.x; h < pairs; h += blockDim.x) {
+        const float* p = partials + (long)h * ATTEND_SPLITS * width;
+        float top = -3.0e38f;
+        for (int s = 0; s < ATTEND_SPLITS; s++) top = fmaxf(top, p[s * width]);
+        float sum = 0.0f;
+        for (int s = 0; s < ATTEND_SPLITS; s++) {
+            float f = __expf(p[s * width] - top);
+            factor[h * ATTEND_SPLITS + s] = f;
+            sum += f * p[s * width + 1];
+        }
+        total[h] = sum;
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < n * cols; k += blockDim.x) {
+        int h = k / head_dim, dim = k % head_dim;
+        const float* p = partials + (long)h * ATTEND_SPLITS * width;
+        float acc = 0.0f;
+        for (int s = 0; s < ATTEND_SPLITS; s++) acc += factor[h * ATTEND_SPLITS + s] * p[s * width + 2 + dim];
+        as[k] = h2f(f2h(acc / total[h]));
+    }
+    __syncthreads();
+    project_add(W, out_rows, cols, as, n, x);
 }
 
 // ---- Prompts: attention for a tile of a sequence's consecutive query rows at once, so each key and value is read

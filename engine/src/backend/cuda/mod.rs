@@ -64,7 +64,7 @@ impl ForwardKind {
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines, by name (each is looked up after loading; a missing one is an error).
-pub const KERNEL_NAMES: [&str; 21] = [
+pub const KERNEL_NAMES: [&str; 22] = [
     "dequant_q8_0_f16",
     "dequant_q4_1_f16",
     "embed_f16",
@@ -84,7 +84,8 @@ pub const KERNEL_NAMES: [&str; 21] = [
     "matvec_add",
     "attend_rows",
     "attend_split",
-    "attend_combine",
+    "norm_qkv_rope",
+    "combine_matvec_add",
     "argmax_rows",
 ];
 

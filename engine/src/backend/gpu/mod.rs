@@ -10,8 +10,9 @@
 //! not depend on the longest context; `attend_rows` for prompts, 16 rows sharing each key read). Its buffers
 //! persist from step to step, and a step's indices go up in one copy. With recording on, a decode step of `n`
 //! sequences is recorded once (a CUDA graph) and replayed after, one launch instead of about 270. With the
-//! matrix-vector kernels on, steps of up to four rows skip cuBLAS: kernels that fold in the norm, the residual add
-//! and SiLU-multiply, with decode attention split over several blocks per head.
+//! matrix-vector kernels on, steps of up to four rows skip cuBLAS: kernels that fold in the norm, RoPE and the K/V
+//! store, the residual add and SiLU-multiply, with decode attention split over several blocks per head and merged
+//! where the output projection reads it, five kernels a decode layer.
 
 pub mod layout;
 
@@ -73,7 +74,8 @@ pub struct Options {
     pub record: bool,
     /// Steps of up to [`MATVEC_MAX_ROWS`] rows through matrix-vector kernels that also do the norm, the residual
     /// add and SiLU-multiply (no cuBLAS) instead of the matmuls; such decode steps split
-    /// each row's keys over `ATTEND_SPLITS` thread blocks per head (`attend_split`, `attend_combine`).
+    /// each row's keys over `ATTEND_SPLITS` thread blocks per head (`attend_split`), merged where the output
+    /// projection reads them (`combine_matvec_add`).
     pub matvec: bool,
 }
 
@@ -162,14 +164,12 @@ impl Pointers {
     }
 }
 
-/// A layer's attention, the same in both ways through a step: RoPE with the K/V store, then over the paged cache
-/// `attend` for every row of a decode step, else `attend` for the single-token chunks' rows and `attend_rows` for
-/// the tiles of the longer ones'.
+/// A layer's attention over the paged cache, after its K/V are stored: `attend` for every row of a decode step,
+/// else `attend` for the single-token chunks' rows and `attend_rows` for the tiles of the longer ones'; or, for a
+/// small decode step, `attend_split`.
 struct Attention<'a> {
     config: &'a ModelConfig,
     ix: &'a StepIndex,
-    /// A small decode step: its keys split over several blocks per (row, head), then merged.
-    split: bool,
     block_tokens: usize,
     cache: DevicePtr,
     rope: DevicePtr,
@@ -177,45 +177,59 @@ struct Attention<'a> {
 }
 
 impl Attention<'_> {
-    fn issue<G: Gpu>(&self, gpu: &mut G, layer: usize) -> Result<(), ForwardError> {
-        let (c, p, s) = (self.config, self.p, self.p.s);
-        let shape = [
+    /// The shape arguments that end the attention kernels' signatures, for `layer`.
+    fn shape(&self, layer: usize) -> [Arg; 6] {
+        let c = self.config;
+        [
             Arg::I32(layer as i32),
             Arg::I32(c.n_layers as i32),
             Arg::I32(c.n_heads as i32),
             Arg::I32(c.n_kv_heads as i32),
             Arg::I32(c.head_dim as i32),
             Arg::I32(self.block_tokens as i32),
-        ];
-        let (ix, cache) = (self.ix, Arg::Ptr(self.cache));
-        let n32 = ix.n as u32;
-        let args = [
-            p.buf(s.qkv),
+        ]
+    }
+
+    /// Where RoPE and the K/V store read and write: the row positions, the table, the cache, the rows' slots, the
+    /// step's K/V rows and the step's row count.
+    fn store_args(&self) -> [Arg; 7] {
+        let p = self.p;
+        [
             p.ints(p.o.positions),
             Arg::Ptr(self.rope),
-            cache,
+            Arg::Ptr(self.cache),
             p.ints(p.o.slot_block),
             p.ints(p.o.slot_pos),
-            p.buf(s.step_kv),
-            Arg::I32(ix.n as i32),
-        ];
-        gpu.launch("rope_store", (n32, 1), ROW_THREADS, 0, &[&args[..], &shape].concat())?;
+            p.buf(p.s.step_kv),
+            Arg::I32(self.ix.n as i32),
+        ]
+    }
+
+    /// RoPE on Q and K where the stacked matmul left them, and K and V into the cache and the step's K/V rows.
+    fn store<G: Gpu>(&self, gpu: &mut G, layer: usize) -> Result<(), ForwardError> {
+        let args = [&[self.p.buf(self.p.s.qkv)][..], &self.store_args(), &self.shape(layer)].concat();
+        gpu.launch("rope_store", (self.ix.n as u32, 1), ROW_THREADS, 0, &args)
+    }
+
+    /// Attention into `attended`, or with `split` (a small decode step) into `partials`, for `combine_matvec_add`
+    /// to merge.
+    fn attend<G: Gpu>(&self, gpu: &mut G, layer: usize, split: bool) -> Result<(), ForwardError> {
+        let (c, p, s, ix) = (self.config, self.p, self.p.s, self.ix);
+        let n32 = ix.n as u32;
         let inputs = [
             p.buf(s.qkv),
             Arg::I32((c.n_embd + 2 * c.kv_dim()) as i32),
-            cache,
+            Arg::Ptr(self.cache),
             p.ints(p.o.tables),
             p.ints(p.o.table_of),
             p.ints(p.o.positions),
         ];
-        let tail = [&shape[..], &[Arg::F32(1.0 / (c.head_dim as f32).sqrt())]].concat();
+        let tail = [&self.shape(layer)[..], &[Arg::F32(1.0 / (c.head_dim as f32).sqrt())]].concat();
         let heads = c.n_heads as u32;
-        if self.split {
+        if split {
             let splits = (heads as usize * layout::ATTEND_SPLITS) as u32;
             let args = [&inputs[..], &[p.buf(s.partials)], &tail].concat();
-            gpu.launch("attend_split", (n32, splits), ATTEND_THREADS, 0, &args)?;
-            let args = [p.buf(s.partials), p.buf(s.attended), Arg::I32(c.n_heads as i32), Arg::I32(c.head_dim as i32)];
-            return gpu.launch("attend_combine", (n32, heads), ATTEND_THREADS, 0, &args);
+            return gpu.launch("attend_split", (n32, splits), ATTEND_THREADS, 0, &args);
         }
         // `attend_rows` holds a tile's queries and keys in shared memory: heads of up to 128 dims, in eighths.
         let tiled = !ix.decode && c.head_dim <= ROWS_MAX_HEAD_DIM && c.head_dim % 8 == 0;
@@ -417,32 +431,37 @@ impl<G: Gpu> GpuForward<G> {
         let (d, ff) = (c.n_embd, c.n_ff);
         let p = Pointers { scratch: self.scratch.at, s, index: self.index.at, o: ix.o };
         let (n32, d_i, eps) = (n as u32, Arg::I32(d as i32), Arg::F32(c.rms_eps));
-        let attention = Attention {
-            config: c,
-            ix,
-            split: ix.decode && self.matvec && n <= MATVEC_MAX_ROWS,
-            block_tokens,
-            cache: self.cache.at,
-            rope: self.rope,
-            p,
-        };
+        let attention = Attention { config: c, ix, block_tokens, cache: self.cache.at, rope: self.rope, p };
         let gpu = &mut self.gpu;
         let x = p.buf(s.x);
         gpu.launch("embed_f16", (n32, 1), ROW_THREADS, 0, &[Arg::Ptr(self.embedding.at), p.ints(p.o.tokens), x, d_i])?;
         if self.matvec && n <= MATVEC_MAX_ROWS {
             let (n_i, shared) = (Arg::I32(n as i32), (n * d * 4) as u32);
             let blocks = |rows: usize| (rows as u32).div_ceil(MATVEC_ROWS_PER_BLOCK);
+            let add = |w: DeviceMatrix, a: Arg| {
+                let args = [Arg::Ptr(w.at), Arg::I32(w.rows as i32), Arg::I32(w.cols as i32), a, n_i, x];
+                ((blocks(w.rows), 1), (n * w.cols * 4) as u32, args)
+            };
             for (li, l) in self.layers.iter().enumerate() {
-                let args = [x, Arg::Ptr(0), n_i, Arg::Ptr(l.attn_norm), d_i, eps];
-                let out = [Arg::Ptr(l.qkv.at), Arg::I32(l.qkv.rows as i32), p.buf(s.qkv)];
-                gpu.launch("norm_matvec", (blocks(l.qkv.rows), 1), ROW_THREADS, shared, &[&args[..], &out].concat())?;
-                attention.issue(gpu, li)?;
-                let add = |w: DeviceMatrix, a: Arg| {
-                    let args = [Arg::Ptr(w.at), Arg::I32(w.rows as i32), Arg::I32(w.cols as i32), a, n_i, x];
-                    ((blocks(w.rows), 1), (n * w.cols * 4) as u32, args)
-                };
-                let (grid, bytes, args) = add(l.wo, p.buf(s.attended));
-                gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
+                // The norm, the stacked Q/K/V projection, RoPE and the K/V store: a warp per rotary pair of rows.
+                let args = [x, n_i, Arg::Ptr(l.attn_norm), d_i, eps, Arg::Ptr(l.qkv.at), p.buf(s.qkv)];
+                let args = [&args[..], &attention.store_args(), &attention.shape(li)].concat();
+                let grid = ((l.qkv.rows as u32).div_ceil(2 * MATVEC_ROWS_PER_BLOCK), 1);
+                gpu.launch("norm_qkv_rope", grid, ROW_THREADS, shared, &args)?;
+                // A decode step's attention split over several blocks per head, merged where the output projection
+                // reads it; another small step's through `attended`.
+                attention.attend(gpu, li, ix.decode)?;
+                if ix.decode {
+                    let (heads, hd) = (c.n_heads, c.head_dim);
+                    let args = [p.buf(s.partials), Arg::I32(heads as i32), Arg::I32(hd as i32)];
+                    let tail = [Arg::Ptr(l.wo.at), Arg::I32(l.wo.rows as i32), n_i, x];
+                    let bytes = (n * heads * (hd + layout::ATTEND_SPLITS + 1) * 4) as u32;
+                    let grid = (blocks(l.wo.rows), 1);
+                    gpu.launch("combine_matvec_add", grid, ROW_THREADS, bytes, &[&args[..], &tail].concat())?;
+                } else {
+                    let (grid, bytes, args) = add(l.wo, p.buf(s.attended));
+                    gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
+                }
                 let args = [x, n_i, Arg::Ptr(l.ffn_norm), d_i, eps, Arg::Ptr(l.gate_up.at), Arg::I32(ff as i32)];
                 gpu.launch(
                     "norm_swiglu",
@@ -477,7 +496,8 @@ impl<G: Gpu> GpuForward<G> {
             let args = [x, residual, Arg::Ptr(l.attn_norm), normed, Arg::Ptr(0), d_i, eps];
             gpu.launch("residual_norm", (n32, 1), ROW_THREADS, 0, &args)?;
             gpu.gemm(l.qkv.at, l.qkv.rows, l.qkv.cols, p.at(s.normed), n, p.at(s.qkv))?;
-            attention.issue(gpu, li)?;
+            attention.store(gpu, li)?;
+            attention.attend(gpu, li, false)?;
             gpu.gemm(l.wo.at, l.wo.rows, l.wo.cols, p.at(s.attended), n, p.at(s.y))?;
             let args = [x, y, Arg::Ptr(l.ffn_norm), normed, Arg::Ptr(0), d_i, eps];
             gpu.launch("residual_norm", (n32, 1), ROW_THREADS, 0, &args)?;
