@@ -152,11 +152,11 @@ impl KvStore {
         crate::kernels::f32_to_f16(&values[..hd], self.data.write(block.0 as usize, s, hd));
     }
 
-    /// [`KvStore::write`] of values already in f16 (a GPU backend's rows, rounded there).
-    pub fn write_f16(&mut self, block: BlockId, layer: usize, part: KvPart, head: usize, slot: usize, values: &[f16]) {
-        let hd = self.layout.head_dim;
-        let s = self.base(block) + self.layout.head_offset(layer, part as usize, head) + slot * hd;
-        self.data.write(block.0 as usize, s, hd).copy_from_slice(&values[..hd]);
+    /// One whole block's values, without moving its generation: a GPU backend handing back the K/V its steps
+    /// wrote into its own copy of the block, which that copy already holds.
+    pub fn write_block_f16(&mut self, block: BlockId, values: &[f16]) {
+        let s = self.base(block);
+        self.data.write(block.0 as usize, s, self.layout.block_elems()).copy_from_slice(values);
     }
 }
 

@@ -100,6 +100,9 @@ pub fn run_plan(backend: &mut dyn Backend, plan: &Plan) -> Result<(Vec<Logits>, 
         SeqChunk { tokens: &b, start: lens[0], blocks: &tables[0], logits: true, greedy: false },
     ];
     push("mixed".to_string(), backend.forward(&mut kv, &batch, context)?);
+    // The store whole: a backend that keeps K/V of its own hands them back.
+    let all: Vec<BlockId> = (0..kv.capacity() as u32).map(BlockId).collect();
+    backend.write_back(&mut kv, &all)?;
     Ok((out, kv))
 }
 

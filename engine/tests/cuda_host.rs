@@ -43,6 +43,8 @@ fn library() -> &'static libloading::Library {
 
 #[path = "cuda_host/forward.rs"]
 mod forward;
+#[path = "cuda_host/engine.rs"]
+mod over_engine;
 
 fn ptr<T>(v: &mut [T]) -> Arg {
     Arg::Ptr(v.as_mut_ptr() as u64)

@@ -78,6 +78,13 @@ pub trait Backend: Send + std::fmt::Debug {
         self.forward_into(kv, batch, context, &mut next)?;
         Ok(next)
     }
+    /// Brings `blocks` up to date in `kv` where this backend keeps newer K/V of its own (a GPU's copy of the store,
+    /// which its steps write): the engine calls it before anything else reads those blocks (a copy to another
+    /// tier, an export). A backend that computes into `kv` itself has nothing to do. A backend serves one store:
+    /// the `kv` of its steps.
+    fn write_back(&mut self, _kv: &mut KvStore, _blocks: &[crate::kv::BlockId]) -> Result<(), ForwardError> {
+        Ok(())
+    }
     /// Step timing against the profile, for a modelled backend.
     fn pacing(&self) -> Option<Pacing> {
         None

@@ -111,8 +111,9 @@ impl PulledBlocks for &[(usize, &[u8])] {
 
 impl Engine {
     /// Pins the blocks of `s`'s prompt for readers: the sequence's references to them pass to the pin (call
-    /// before the rest are released), and come back through [`Engine::reclaim_pinned`] when it ends.
-    pub(super) fn export(&mut self, s: &mut Seq) -> ExportedKv {
+    /// before the rest are released), and come back through [`Engine::reclaim_pinned`] when it ends. The backend
+    /// writes its latest K/V of them back first; when it cannot, nothing is pinned.
+    pub(super) fn export(&mut self, s: &mut Seq) -> Result<ExportedKv, EngineError> {
         let bt = self.config.block_tokens;
         let tokens = s.prompt_len.min(s.computed);
         let full = tokens / bt;
@@ -127,12 +128,13 @@ impl Engine {
                 })
             })
             .collect();
+        self.backend.write_back(&mut self.stores.device, &s.blocks[..count])?;
         let blocks: Vec<u32> = s.blocks.drain(..count).map(|b| b.0).collect();
         for &b in &blocks {
             self.pins.add(b);
         }
         let pinned = self.stores.device.pin(blocks, Arc::clone(&self.unpinned));
-        ExportedKv { tokens, metas, blocks: Arc::new(pinned) }
+        Ok(ExportedKv { tokens, metas, blocks: Arc::new(pinned) })
     }
 
     /// Drops the pool's references held by pins that have ended: those blocks become cached (or free) again.

@@ -328,7 +328,9 @@ impl Engine {
         Engine::with_backend(backend, text, config)
     }
 
-    fn with_backend(
+    /// An engine over a backend made elsewhere (a device of the caller's, a test's), with the text model of the
+    /// same file: the scheduler, the pool and the tiers are the same code whatever computes the steps.
+    pub fn with_backend(
         backend: Box<dyn Backend>,
         text: Arc<TextModel>,
         config: EngineConfig,

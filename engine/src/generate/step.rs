@@ -98,14 +98,21 @@ impl Engine {
         }
     }
 
-    /// Performs the pool's copies and counts them.
+    /// Performs the pool's copies and counts them; the device blocks they read are the backend's latest.
     pub(super) fn execute(&mut self, actions: &[Action]) -> Result<(), EngineError> {
+        let mut read = Vec::new();
         for &Action::Copy { from, to, .. } in actions {
             if to.tier == Tier::Device {
                 self.counters.onboards[from.tier.index()] += 1;
             } else {
                 self.counters.offloads[to.tier.index()] += 1;
             }
+            if from.tier == Tier::Device {
+                read.push(BlockId(from.slot));
+            }
+        }
+        if !read.is_empty() {
+            self.backend.write_back(&mut self.stores.device, &read)?;
         }
         self.stores.execute(actions).map_err(EngineError::Tier)
     }
@@ -370,8 +377,14 @@ impl Engine {
         export: bool,
         start: std::time::Instant,
     ) -> (Option<super::ExportedKv>, Result<super::Completion, Failure>) {
-        let exported = (export && s.failure.is_none() && s.finish != Some(super::FinishReason::Cancelled))
-            .then(|| self.export(&mut s));
+        let mut exported = None;
+        if export && s.failure.is_none() && s.finish != Some(super::FinishReason::Cancelled) {
+            match self.export(&mut s) {
+                Ok(kv) => exported = Some(kv),
+                // The device could not hand its K/V back: the blocks stay the sequence's, released below.
+                Err(e) => s.failure = Some(Failure::Error(e.to_string())),
+            }
+        }
         let released = self.release_blocks(&mut s);
         let end = match (released, s.failure.take()) {
             (_, Some(failure)) => Err(failure),

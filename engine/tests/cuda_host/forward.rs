@@ -16,14 +16,14 @@ use half::f16;
 
 /// One piece of work, as issued.
 #[derive(Clone, Debug)]
-enum Work {
+pub enum Work {
     Launch { kernel: &'static str, grid: (u32, u32), threads: u32, shared: u32, args: Vec<Arg> },
     Gemm { w: DevicePtr, rows: usize, cols: usize, x: DevicePtr, n: usize, y: DevicePtr },
 }
 
 /// Host memory as device memory; work runs when issued, unless it is being recorded.
 #[derive(Default)]
-struct HostGpu {
+pub struct HostGpu {
     memory: HashMap<DevicePtr, Vec<u8>>,
     recording: Option<Vec<Work>>,
     /// Recordings made and replays run: the test checks the recorded path was taken.
@@ -145,7 +145,7 @@ impl Gpu for HostGpu {
 
 /// Small enough for the fibers: two layers, four query heads over two KV heads; prompts that cross `attend`'s
 /// 128-key tiles, a chunked prefill, three batched decode steps and a mixed step.
-const SHAPE: SynthShape =
+pub const SHAPE: SynthShape =
     SynthShape { n_layers: 2, n_embd: 64, n_ff: 128, n_heads: 4, n_kv_heads: 2, n_vocab: 1024, context_len: 512 };
 const PLAN: Plan = Plan { prompts: &[1, 17, 150], chunk: 64, decode_steps: 3 };
 

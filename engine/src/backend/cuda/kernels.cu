@@ -241,11 +241,10 @@ extern "C" __global__ void residual_norm(float* x, const float* y, const float* 
 
 // One thread block per row of the stacked Q/K/V matmul's output (each row Q, then K, then V: n_heads + 2 *
 // kv_heads heads of head_dim): RoPE on the Q and K heads in place (the table as `rope`), then K and V as f16 into
-// the row's slot of the paged cache (as `store_kv`) and into step_kv, `[layer][row][K, V][kv_dim]` over `rows`
-// rows, which goes back to the host's store.
+// the row's slot of the paged cache (as `store_kv`).
 extern "C" __global__ void rope_store(float* qkv, const int* positions, const float* table, u16* cache,
-                                      const int* slot_block, const int* slot_pos, u16* step_kv, int rows, int layer,
-                                      int layers, int n_heads, int kv_heads, int head_dim, int block_tokens) {
+                                      const int* slot_block, const int* slot_pos, int layer, int layers, int n_heads,
+                                      int kv_heads, int head_dim, int block_tokens) {
     int row = blockIdx.x, pairs = head_dim / 2;
     int kv_dim = kv_heads * head_dim, q_dim = n_heads * head_dim;
     float* xr = qkv + (long)row * (q_dim + 2 * kv_dim);
@@ -259,15 +258,11 @@ extern "C" __global__ void rope_store(float* qkv, const int* positions, const fl
     long head_elems = (long)block_tokens * head_dim;
     long block_elems = (long)layers * 2 * kv_heads * head_elems;
     u16* block = cache + (long)slot_block[row] * block_elems;
-    u16* step = step_kv + ((long)layer * rows + row) * 2 * kv_dim;
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
         int head = i / head_dim, dim = i % head_dim;
         long at = (long)slot_pos[row] * head_dim + dim;
-        u16 k = f2h(xr[q_dim + i]), v = f2h(xr[q_dim + kv_dim + i]);
-        block[((long)(layer * 2 + 0) * kv_heads + head) * head_elems + at] = k;
-        block[((long)(layer * 2 + 1) * kv_heads + head) * head_elems + at] = v;
-        step[i] = k;
-        step[kv_dim + i] = v;
+        block[((long)(layer * 2 + 0) * kv_heads + head) * head_elems + at] = f2h(xr[q_dim + i]);
+        block[((long)(layer * 2 + 1) * kv_heads + head) * head_elems + at] = f2h(xr[q_dim + kv_dim + i]);
     }
 }
 
@@ -507,13 +502,12 @@ extern "C" __global__ void matvec_add(const u16* W, int out_rows, int cols, cons
 // The stacked Q/K/V projection of norm(x[i]) for the n rows, with RoPE and the K/V store (`norm_matvec` and then
 // `rope_store`, in one kernel): warp w takes output rows 2w and 2w + 1, one rotary pair (a head's head_dim rows
 // start at an even row), rotates them where they are Q or K, and leaves them in qkv (`[row][q_dim + 2 kv_dim]`,
-// where attention reads Q) and, for K and V, as f16 in the row's cache slot and in step_kv (`[layer][row][K,
-// V][kv_dim]` over `rows` rows). Grid: one block per 2 * MV_WARPS output rows; dynamic shared memory n * d floats.
+// where attention reads Q) and, for K and V, as f16 in the row's cache slot. Grid: one block per 2 * MV_WARPS
+// output rows; dynamic shared memory n * d floats.
 extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, int d, float eps, const u16* W,
                                          float* qkv, const int* positions, const float* table, u16* cache,
-                                         const int* slot_block, const int* slot_pos, u16* step_kv, int rows,
-                                         int layer, int layers, int n_heads, int kv_heads, int head_dim,
-                                         int block_tokens) {
+                                         const int* slot_block, const int* slot_pos, int layer, int layers,
+                                         int n_heads, int kv_heads, int head_dim, int block_tokens) {
     DYNAMIC_SHARED(float, xs);
     norm_rows(x, 0, n, w, d, eps, xs);
     int kv_dim = kv_heads * head_dim, q_dim = n_heads * head_dim, out_rows = q_dim + 2 * kv_dim;
@@ -541,11 +535,8 @@ extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, 
         int head = k / head_dim, dim = k % head_dim;
         u16* slot = cache + (long)slot_block[i] * block_elems +
                     ((long)(layer * 2 + part) * kv_heads + head) * head_elems + (long)slot_pos[i] * head_dim + dim;
-        u16* step = step_kv + ((long)layer * rows + i) * 2 * kv_dim + part * kv_dim + k;
-        for (int j = 0; j < 2; j++) {
-            slot[j] = f2h(p[j]);
-            step[j] = f2h(p[j]);
-        }
+        slot[0] = f2h(p[0]);
+        slot[1] = f2h(p[1]);
     }
 }
 

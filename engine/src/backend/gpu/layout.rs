@@ -41,8 +41,6 @@ pub struct Scratch {
     pub gate_up: usize,
     /// SiLU(gate) · up, `[row][n_ff]` f16.
     pub act: usize,
-    /// The step's K and V rows, `[layer][row][K, V][kv_dim]` f16, for the host's store.
-    pub step_kv: usize,
     /// Logits, `[logit row][n_vocab]` f32.
     pub logits: usize,
     /// Per logit row, its largest logit's token, `[logit row]` i32 (`argmax_rows`).
@@ -71,26 +69,10 @@ impl Scratch {
         let attended = next(rows * d * 2);
         let gate_up = next(rows * 2 * ff * 4);
         let act = next(rows * ff * 2);
-        let step_kv = next(c.n_layers * rows * 2 * kv * 2);
         let logits = next(logit_rows * c.n_vocab * 4);
         let top = next(logit_rows * 4);
         let partials = next(SPLIT_MAX_ROWS * c.n_heads * ATTEND_SPLITS * (2 + c.head_dim) * 4);
-        Scratch {
-            rows,
-            logit_rows,
-            x,
-            y,
-            normed,
-            qkv,
-            attended,
-            gate_up,
-            act,
-            step_kv,
-            logits,
-            top,
-            partials,
-            bytes: at,
-        }
+        Scratch { rows, logit_rows, x, y, normed, qkv, attended, gate_up, act, logits, top, partials, bytes: at }
     }
 
     /// The rows (or logit rows) to lay out for a step of `n`: a power of two, at least 16, so that the scratch
@@ -250,7 +232,6 @@ mod tests {
             (s.attended, 16 * d * 2),
             (s.gate_up, 16 * 2 * ff * 4),
             (s.act, 16 * ff * 2),
-            (s.step_kv, c.n_layers * 16 * 2 * kv * 2),
             (s.logits, 16 * c.n_vocab * 4),
             (s.top, 16 * 4),
             (s.partials, SPLIT_MAX_ROWS * c.n_heads * ATTEND_SPLITS * (2 + c.head_dim) * 4),

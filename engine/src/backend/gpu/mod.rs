@@ -23,7 +23,7 @@ use layout::{IndexOffsets, Scratch, StepIndex};
 use super::{Backend, Next, StepContext};
 use crate::forward::{ForwardError, SeqChunk};
 use crate::gguf::TensorType;
-use crate::kv::{BlockId, KvLayout, KvPart, KvStore};
+use crate::kv::{BlockId, KvLayout, KvStore};
 use crate::model::{Matrix, Model, ModelConfig};
 
 /// An address in the device's memory.
@@ -190,22 +190,13 @@ impl Attention<'_> {
         ]
     }
 
-    /// Where RoPE and the K/V store read and write: the row positions, the table, the cache, the rows' slots, the
-    /// step's K/V rows and the step's row count.
-    fn store_args(&self) -> [Arg; 7] {
+    /// Where RoPE and the K/V store read and write: the row positions, the table, the cache and the rows' slots.
+    fn store_args(&self) -> [Arg; 5] {
         let p = self.p;
-        [
-            p.ints(p.o.positions),
-            Arg::Ptr(self.rope),
-            Arg::Ptr(self.cache),
-            p.ints(p.o.slot_block),
-            p.ints(p.o.slot_pos),
-            p.buf(p.s.step_kv),
-            Arg::I32(self.ix.n as i32),
-        ]
+        [p.ints(p.o.positions), Arg::Ptr(self.rope), Arg::Ptr(self.cache), p.ints(p.o.slot_block), p.ints(p.o.slot_pos)]
     }
 
-    /// RoPE on Q and K where the stacked matmul left them, and K and V into the cache and the step's K/V rows.
+    /// RoPE on Q and K where the stacked matmul left them, and K and V into the cache.
     fn store<G: Gpu>(&self, gpu: &mut G, layer: usize) -> Result<(), ForwardError> {
         let args = [&[self.p.buf(self.p.s.qkv)][..], &self.store_args(), &self.shape(layer)].concat();
         gpu.launch("rope_store", (self.ix.n as u32, 1), ROW_THREADS, 0, &args)
@@ -281,10 +272,13 @@ pub struct GpuForward<G: Gpu> {
     layers: Vec<DeviceLayer>,
     output_norm: DevicePtr,
     rope: DevicePtr,
-    /// The device mirror of the paged cache (allocated at the first step, when the store's size is known)…
+    /// The device's copy of the paged cache (allocated at the first step, when the store's size is known)…
     cache: Grown,
-    /// …and per block, the host store's generation it holds.
+    /// …per block, the host store's generation it holds…
     seen: Vec<u64>,
+    /// …and whether steps wrote it since the host's copy was last brought up to date ([`Backend::write_back`]):
+    /// the K/V stay on the device until something else reads them.
+    dirty: Vec<bool>,
     scratch: Grown,
     layout: Option<Scratch>,
     /// Small steps through the matrix-vector kernels ([`Options::matvec`]).
@@ -334,6 +328,7 @@ impl<G: Gpu> GpuForward<G> {
             layers,
             cache: Grown::default(),
             seen: Vec::new(),
+            dirty: Vec::new(),
             scratch: Grown::default(),
             layout: None,
             index: Grown::default(),
@@ -347,15 +342,17 @@ impl<G: Gpu> GpuForward<G> {
         &self.gpu
     }
 
-    /// Uploads the blocks the batch reads that the host store changed since the mirror last saw them; true when
-    /// the mirror was (re)allocated.
+    /// Uploads the blocks the batch reads that the host store changed since the device last saw them; true when
+    /// the device's copy was (re)allocated.
     fn sync_blocks(&mut self, kv: &KvStore, batch: &[SeqChunk<'_>]) -> Result<bool, ForwardError> {
         let layout = *kv.layout();
         let block_bytes = layout.block_elems() * 2;
+        // It moves at the first step, or for a larger store than its own (a backend serves one store).
         let moved = self.cache.fit(&mut self.gpu, kv.capacity() * block_bytes)?;
         if moved {
-            // Nothing is mirrored yet: every block's first use uploads it.
+            // Nothing is on the device yet: every block's first use uploads it.
             self.seen = vec![u64::MAX; kv.capacity()];
+            self.dirty = vec![false; kv.capacity()];
         }
         for chunk in batch {
             let used = layout.blocks_for(chunk.start + chunk.tokens.len()).min(chunk.blocks.len());
@@ -367,6 +364,7 @@ impl<G: Gpu> GpuForward<G> {
                 let at = self.cache.at + (i * block_bytes) as u64;
                 self.gpu.upload(at, bytes_of(kv.block(b)))?;
                 self.seen[i] = kv.generation(b);
+                self.dirty[i] = false;
             }
         }
         Ok(moved)
@@ -419,7 +417,10 @@ impl<G: Gpu> GpuForward<G> {
             self.recorded = None;
             self.issue(&ix, block_tokens)?;
         }
-        self.read_back(kv, &ix, next)
+        for r in 0..ix.n {
+            self.dirty[ix.slot(r).0 as usize] = true;
+        }
+        self.read_back(&ix, next)
     }
 
     /// Issues a step of `n` rows of which `m` ask for logits, over the indices uploaded: through the matmuls, or
@@ -525,11 +526,9 @@ impl<G: Gpu> GpuForward<G> {
         self.gpu.launch("argmax_rows", (m as u32, 1), ROW_THREADS, 0, &args)
     }
 
-    /// The step's top tokens or logits to `next`, and its K/V rows into the host's store (without marking the
-    /// blocks changed: the mirror has them already).
-    fn read_back(&mut self, kv: &mut KvStore, ix: &StepIndex, next: &mut Vec<Next>) -> Result<(), ForwardError> {
+    /// The step's top tokens or logits to `next`. Its K/V stay on the device.
+    fn read_back(&mut self, ix: &StepIndex, next: &mut Vec<Next>) -> Result<(), ForwardError> {
         let Some(s) = self.layout else { return Err(ForwardError::Device("no scratch laid out".into())) };
-        let c = &self.config;
         let vocab = self.output.rows;
         let mut top = vec![0i32; ix.m];
         if ix.greedy.contains(&true) {
@@ -546,21 +545,6 @@ impl<G: Gpu> GpuForward<G> {
             let at = self.scratch.at + (s.logits + i * vocab * 4) as u64;
             self.gpu.download(at, bytemuck::cast_slice_mut(&mut row))?;
             next.push(Next::Logits(row));
-        }
-        let (kv_dim, hd) = (c.kv_dim(), c.head_dim);
-        let mut rows = vec![half::f16::ZERO; c.n_layers * ix.n * 2 * kv_dim];
-        self.gpu.download(self.scratch.at + s.step_kv as u64, bytemuck::cast_slice_mut(&mut rows))?;
-        for layer in 0..c.n_layers {
-            for r in 0..ix.n {
-                let (block, slot) = ix.slot(r);
-                let base = (layer * ix.n + r) * 2 * kv_dim;
-                for (p, part) in [KvPart::K, KvPart::V].into_iter().enumerate() {
-                    for h in 0..c.n_kv_heads {
-                        let at = base + p * kv_dim + h * hd;
-                        kv.write_f16(BlockId(block), layer, part, h, slot, &rows[at..at + hd]);
-                    }
-                }
-            }
         }
         Ok(())
     }
@@ -643,5 +627,21 @@ impl<G: Gpu> Backend for GpuForward<G> {
         next: &mut Vec<Next>,
     ) -> Result<(), ForwardError> {
         self.step(kv, batch, next)
+    }
+
+    fn write_back(&mut self, kv: &mut KvStore, blocks: &[BlockId]) -> Result<(), ForwardError> {
+        let block_elems = kv.layout().block_elems();
+        let mut values = vec![half::f16::ZERO; block_elems];
+        for &b in blocks {
+            let i = b.0 as usize;
+            if !self.dirty.get(i).copied().unwrap_or(false) {
+                continue;
+            }
+            let at = self.cache.at + (i * block_elems * 2) as u64;
+            self.gpu.download(at, bytemuck::cast_slice_mut(&mut values))?;
+            kv.write_block_f16(b, &values);
+            self.dirty[i] = false;
+        }
+        Ok(())
     }
 }
