@@ -87,6 +87,9 @@ def check(overlay, docs):
             if overlay == "gpu" and role != "router":
                 if requests.get("nvidia.com/gpu") is None or requests.get("nvidia.com/gpu") != limits.get("nvidia.com/gpu"):
                     problem(where, f"GPU requests must equal limits: {requests} / {limits}")
+                # The overlay for GPU nodes (and those over it) computes on the GPU it reserves.
+                if not (env(c, "TANDEM_ENGINE") or "").startswith("cuda"):
+                    problem(where, f"a worker on a GPU node with TANDEM_ENGINE {env(c, 'TANDEM_ENGINE')!r}")
             if env(c, "TANDEM_ROLE") and env(c, "TANDEM_ROLE") != role:
                 problem(where, f"TANDEM_ROLE {env(c, 'TANDEM_ROLE')} in the {role} Deployment")
         if role != "router" and spec.get("terminationGracePeriodSeconds", 30) <= WORKER_DRAIN_S:
