@@ -293,3 +293,30 @@ fn greedy_rows_get_their_top_token_and_leave_their_logits_on_the_device() {
     }
     std::fs::remove_file(path).ok();
 }
+
+/// A block a step wrote on the device and the store then overwrote whole (an import into a block freed and taken
+/// again) keeps the store's values when it is handed back: only blocks the device holds the newest of come back.
+#[test]
+fn a_block_the_store_overwrote_since_is_not_handed_back_over_it() {
+    use engine::backend::StepContext;
+    use engine::forward::SeqChunk;
+    use engine::kv::{BlockId, KvStore};
+    let path = std::env::temp_dir().join(format!("tandem-cuda-host-handback-{}.gguf", std::process::id()));
+    synth::write(&path, &SHAPE, 12).expect("written");
+    let model = Model::open(&path).expect("loads");
+    let mut fused = GpuForward::new(HostGpu::default(), &model, "host", Options::default()).expect("weights up");
+    let mut kv = KvStore::new(fused.kv_layout(parity::BLOCK_TOKENS), 4);
+    let blocks = [BlockId(0), BlockId(1)];
+    let context = StepContext { started: std::time::Instant::now(), onboarded: [0, 0] };
+    let prompt: Vec<u32> = (0..20).map(|i| 100 + 3 * i).collect();
+    let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: true, greedy: true };
+    fused.forward(&mut kv, &[chunk], context).expect("a prompt");
+    // Block 1 overwritten whole in the store; block 0 left to the device.
+    let imported = half::f16::from_f32(0.5);
+    kv.block_mut(blocks[1]).fill(imported);
+    assert!(kv.block(blocks[0]).iter().all(|v| v.to_f32() == 0.0), "the device's K/V stay there until asked for");
+    fused.write_back(&mut kv, &blocks).expect("handed back");
+    assert!(kv.block(blocks[0]).iter().any(|v| v.to_f32() != 0.0), "the device's K/V of block 0 came back");
+    assert!(kv.block(blocks[1]).iter().all(|&v| v == imported), "block 1 kept what the store wrote");
+    std::fs::remove_file(path).ok();
+}

@@ -637,6 +637,12 @@ impl<G: Gpu> Backend for GpuForward<G> {
             if !self.dirty.get(i).copied().unwrap_or(false) {
                 continue;
             }
+            if self.seen[i] != kv.generation(b) {
+                // The store wrote the block whole since (an import, an onboard into a block freed and taken
+                // again): its copy is the newer one, and the next step that reads the block uploads it.
+                self.dirty[i] = false;
+                continue;
+            }
             let at = self.cache.at + (i * block_elems * 2) as u64;
             self.gpu.download(at, bytemuck::cast_slice_mut(&mut values))?;
             kv.write_block_f16(b, &values);
