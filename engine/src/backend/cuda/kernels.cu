@@ -452,6 +452,28 @@ __device__ void dot_rows(const u16* wr, const float* a, int n, int cols, float* 
     for (int i = 0; i < MV_MAX_ROWS; i++) acc[i] = warp_sum(acc[i]);
 }
 
+// dot_rows for two weight rows at once, their loads issued together (a warp waits on memory once for both): each
+// row's sums in the same order as dot_rows'.
+__device__ void dot_rows_pair(const u16* wr0, const u16* wr1, const float* a, int n, int cols, float* acc0,
+                              float* acc1) {
+    int lane = threadIdx.x & 31;
+    for (int i = 0; i < MV_MAX_ROWS; i++) {
+        acc0[i] = 0.0f;
+        acc1[i] = 0.0f;
+    }
+    for (int c = 2 * lane; c < cols; c += 64) {
+        float w00 = h2f(wr0[c]), w01 = h2f(wr0[c + 1]), w10 = h2f(wr1[c]), w11 = h2f(wr1[c + 1]);
+        for (int i = 0; i < n; i++) {
+            acc0[i] += w00 * a[i * cols + c] + w01 * a[i * cols + c + 1];
+            acc1[i] += w10 * a[i * cols + c] + w11 * a[i * cols + c + 1];
+        }
+    }
+    for (int i = 0; i < MV_MAX_ROWS; i++) {
+        acc0[i] = warp_sum(acc0[i]);
+        acc1[i] = warp_sum(acc1[i]);
+    }
+}
+
 // y[i][o] = W[o] · norm(x[i]) for the n (at most MV_MAX_ROWS) rows; W is `out_rows × d` f16. Grid: one block per
 // MV_WARPS output rows; dynamic shared memory n * d floats.
 extern "C" __global__ void norm_matvec(const float* x, const int* rows, int n, const float* w, int d, float eps,
@@ -474,8 +496,7 @@ extern "C" __global__ void norm_swiglu(const float* x, int n, const float* w, in
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
     int j = o < ff ? o : ff - 1;
     float gate[MV_MAX_ROWS], up[MV_MAX_ROWS];
-    dot_rows(W + (long)j * d, xs, n, d, gate);
-    dot_rows(W + (long)(ff + j) * d, xs, n, d, up);
+    dot_rows_pair(W + (long)j * d, W + (long)(ff + j) * d, xs, n, d, gate, up);
     if ((threadIdx.x & 31) == 0 && o < ff)
         for (int i = 0; i < n; i++) act[(long)i * ff + o] = f2h(gate[i] / (1.0f + __expf(-gate[i])) * up[i]);
 }
@@ -514,8 +535,7 @@ extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, 
     int warp = threadIdx.x >> 5, o = 2 * (blockIdx.x * MV_WARPS + warp);
     int row = o < out_rows ? o : out_rows - 2;
     float first[MV_MAX_ROWS], second[MV_MAX_ROWS];
-    dot_rows(W + (long)row * d, xs, n, d, first);
-    dot_rows(W + (long)(row + 1) * d, xs, n, d, second);
+    dot_rows_pair(W + (long)row * d, W + (long)(row + 1) * d, xs, n, d, first, second);
     if ((threadIdx.x & 31) != 0 || o >= out_rows) return;
     int pairs = head_dim / 2, pair = (o % head_dim) / 2;
     long head_elems = (long)block_tokens * head_dim;
