@@ -397,3 +397,50 @@ fn rope_the_paged_store_and_attention_match_the_cpu_engines_formulas() {
         }
     }
 }
+
+#[test]
+fn attend_rows_on_tensor_cores_computes_what_attend_rows_does() {
+    // Nine query heads over three KV heads of 64 dims, blocks of 16 tokens in a shuffled table; a sequence whose
+    // 40 rows at positions 37 to 76 are tiled as 16, 16 and 8 rows (the last tile partial, none starting on a
+    // block), and a 3-row tile of another sequence at positions 0 to 2.
+    let (n_heads, kv_heads, hd, bt, layers, layer) = (9usize, 3usize, 64usize, 16usize, 2usize, 1usize);
+    let q_stride = (n_heads + 2 * kv_heads) * hd;
+    let block_elems = layers * 2 * kv_heads * bt * hd;
+    let blocks = 8;
+    let cache: Vec<u16> = values(blocks * block_elems, 21).iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    let tables: Vec<i32> = vec![5, 2, 7, 0, 3, 6, 1, 4];
+    let rows = 43;
+    let mut positions: Vec<i32> = (37..77).collect();
+    positions.extend([0, 1, 2]);
+    let table_of: Vec<i32> = (0..rows).map(|r| if r < 40 { 0 } else { 5 }).collect();
+    let tiles: Vec<i32> = vec![0, 16, 16, 16, 32, 8, 40, 3];
+    // Queries scaled up so that the weights are far from even.
+    let q: Vec<f32> = values(rows * q_stride, 22).iter().map(|v| v * 4.0).collect();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let run = |kernel: &str, threads: u32| {
+        let mut out = vec![0u16; rows * n_heads * hd];
+        let args = [
+            input(&q),
+            Arg::I32(q_stride as i32),
+            input(&cache),
+            input(&tables),
+            input(&table_of),
+            input(&positions),
+            input(&tiles),
+            ptr(&mut out),
+            Arg::I32(layer as i32),
+            Arg::I32(layers as i32),
+            Arg::I32(n_heads as i32),
+            Arg::I32(kv_heads as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(bt as i32),
+            Arg::F32(scale),
+        ];
+        launch(kernel, (tiles.len() as u32 / 2, n_heads as u32), threads, 0, &args);
+        to_f32(&out)
+    };
+    let (want, got) = (run("attend_rows", 128), run("attend_rows_tc", 32));
+    // Within what f16 queries and weights cost (attend_rows keeps both in f32).
+    assert!(want.iter().all(|v| v.abs() > 0.0), "every row and head written");
+    assert_close(&got, &want, 0.01, "attend_rows_tc");
+}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA backend's check on the GPU machine, from what scripts/device/prepare.sh wrote (DIR, default
 # target/device): the synthetic model made here from the same seed (its fingerprint must match); for each CUDA
-# forward pass in FORWARDS (default "plain fused graphs graphs-mv", TANDEM_CUDA_FORWARD), the parity of its logits
+# forward pass in FORWARDS (default "plain fused graphs graphs-mv graphs-mv-tc", TANDEM_CUDA_FORWARD), the parity of its logits
 # with the CPU reference's on fixed steps (the exit status), `generate` against the CPU's tokens, and its prefill
 # and decode speed; a profile of the fused passes' device time by kernel; a cluster on the GPU (`tandem up
 # --engine cuda:0` with CLUSTER_FORWARD's pass, default graphs) serving one completion; then PyTorch on the same
@@ -13,7 +13,7 @@
 set -uo pipefail
 DIR=${1:-target/device}
 RESULTS=${OUT:-$DIR/out}
-FORWARDS=${FORWARDS:-plain fused graphs graphs-mv}
+FORWARDS=${FORWARDS:-plain fused graphs graphs-mv graphs-mv-tc}
 mkdir -p "$RESULTS"
 T="$DIR/tandem"
 # CUDA's libraries where the machine keeps them: a toolkit, or the nvidia-* wheels next to PyTorch.
@@ -58,7 +58,8 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
     # Each forward pass of the CUDA backend (TANDEM_CUDA_FORWARD, docs/cuda.md), one after the other: parity with
     # the CPU reference (the exit status: the check fails when any pass's parity does), the engine's scheduler
     # over it (tandem generate, greedy, a chunked prompt) against the CPU's tokens, then its speed. The 4,096-token
-    # prefill is timed for the passes whose prefill differs (graphs and graphs-mv change decode steps only).
+    # prefill is timed for the passes whose prefill differs (graphs and graphs-mv change decode steps only;
+    # graphs-mv-tc puts prompts' attention on tensor cores).
     for forward in $FORWARDS; do
         export TANDEM_CUDA_FORWARD=$forward
         part "$forward: parity with the CPU reference"
@@ -71,7 +72,7 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
         echo "exit $?"
         same_tokens "$RESULTS/generate-$forward.json" "$RESULTS/generate-cpu.json" "on the GPU ($forward)" "on the CPU"
         part "$forward: speed on the synthetic model (SmolLM2-135M's shapes)"
-        if [ "$forward" = plain ] || [ "$forward" = fused ]; then
+        if [ "$forward" = plain ] || [ "$forward" = fused ] || [ "$forward" = graphs-mv-tc ]; then
             timeout 45 "$T" bench engine --model "$RESULTS/synth.gguf" --device cuda:0 --prompt-tokens 4096 \
                 --batches 1 --decode-tokens 16 --json | tee "$RESULTS/speed-4096-$forward.json"
         fi
@@ -79,8 +80,9 @@ print(f'{len(a)} tokens {sys.argv[3]}, {len(b)} {sys.argv[4]}; the first {same} 
             --batches 1,16,64,256 --json | tee "$RESULTS/speed-512-$forward.json"
     done
     # Where the device time goes, kernel by kernel (TANDEM_CUDA_PROFILE: an event around every launch, graphs off):
-    # a 4,096-token prompt and batch-1 decode, through the matmuls and through the matrix-vector kernels.
-    for forward in fused graphs-mv; do
+    # a 4,096-token prompt and batch-1 decode, through the matmuls and through the matrix-vector kernels, and the
+    # prompt's attention on tensor cores.
+    for forward in fused graphs-mv graphs-mv-tc; do
         case " $FORWARDS " in *" $forward "*) ;; *) continue ;; esac
         part "$forward: the device time by kernel (TANDEM_CUDA_PROFILE=1)"
         TANDEM_CUDA_PROFILE=1 TANDEM_CUDA_FORWARD=$forward timeout 60 "$T" bench engine --model "$RESULTS/synth.gguf" \

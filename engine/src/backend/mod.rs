@@ -180,19 +180,19 @@ const NO_CUDA: &str = "this build has no CUDA support: build with `cargo build -
 /// The CUDA backend for `model` on device `ordinal`; `Err` is one sentence.
 #[cfg(feature = "cuda")]
 pub fn open_cuda(model: &crate::model::Model, ordinal: usize) -> Result<Box<dyn Backend>, String> {
-    let (record, matvec) = match cuda::ForwardKind::from_env()? {
+    let options = match cuda::ForwardKind::from_env()? {
         cuda::ForwardKind::Plain => {
             return cuda::CudaBackend::new(model, ordinal)
                 .map(|b| Box::new(b) as Box<dyn Backend>)
                 .map_err(|e| e.to_string());
         }
-        cuda::ForwardKind::Fused => (false, false),
-        cuda::ForwardKind::Graphs => (true, false),
-        cuda::ForwardKind::GraphsMatvec => (true, true),
+        cuda::ForwardKind::Fused => gpu::Options::default(),
+        cuda::ForwardKind::Graphs => gpu::Options { record: true, ..gpu::Options::default() },
+        cuda::ForwardKind::GraphsMatvec => gpu::Options { record: true, matvec: true, tensor_cores: false },
+        cuda::ForwardKind::GraphsMatvecTensorCores => gpu::Options { record: true, matvec: true, tensor_cores: true },
     };
     let gpu = cuda::CudaGpu::open(ordinal).map_err(|e| e.to_string())?;
-    let forward =
-        gpu::GpuForward::new(gpu, model, "cuda", gpu::Options { record, matvec }).map_err(|e| e.to_string())?;
+    let forward = gpu::GpuForward::new(gpu, model, "cuda", options).map_err(|e| e.to_string())?;
     Ok(Box::new(forward))
 }
 

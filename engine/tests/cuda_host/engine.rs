@@ -24,7 +24,7 @@ fn synthetic(seed: u64) -> std::path::PathBuf {
 /// barrier per shuffle, dear on the host's fibers, and write the device's copy as the others do.)
 fn fused_engine(path: &std::path::Path, config: EngineConfig) -> Engine {
     let model = Model::open(path).expect("loads");
-    let options = Options { record: true, matvec: false };
+    let options = Options { record: true, ..Options::default() };
     let backend = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
     let text = Arc::new(TextModel::open(path).expect("a text model"));
     Engine::with_backend(Box::new(backend), text, config).expect("opens")

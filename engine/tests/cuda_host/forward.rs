@@ -71,6 +71,10 @@ impl HostGpu {
 impl Gpu for HostGpu {
     type Recording = Vec<Work>;
 
+    fn tensor_cores(&self) -> bool {
+        true
+    }
+
     fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, ForwardError> {
         // 256 bytes of room to align the start.
         let v = vec![0u8; bytes + 256];
@@ -157,8 +161,9 @@ fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
     let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
     let (want, want_kv) = parity::run_plan(&mut cpu, &PLAN).expect("the CPU runs");
     let model = Model::open(&path).expect("loads");
-    for (record, matvec) in [(false, false), (true, false), (true, true)] {
-        let options = Options { record, matvec };
+    // As issued with prompts' attention on tensor cores, recorded, and recorded through the matrix-vector kernels.
+    for (record, matvec, tensor_cores) in [(false, false, true), (true, false, false), (true, true, false)] {
+        let options = Options { record, matvec, tensor_cores };
         let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
         let (got, got_kv) = parity::run_plan(&mut fused, &PLAN).expect("the fused forward runs");
         assert_eq!(fused.name(), "host");
@@ -236,7 +241,7 @@ fn a_recorded_decode_step_is_replayed_for_its_own_batch_size() {
     let want = alternating_decodes(&mut cpu, &never);
     let model = Model::open(&path).expect("loads");
     for matvec in [false, true] {
-        let options = Options { record: true, matvec };
+        let options = Options { record: true, matvec, ..Options::default() };
         let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
         let got = alternating_decodes(&mut fused, &never);
         assert_eq!(got.len(), want.len());
@@ -265,7 +270,7 @@ fn greedy_rows_get_their_top_token_and_leave_their_logits_on_the_device() {
     // Issued through the matmuls, and recorded through the matrix-vector kernels (the third way of the test above
     // takes nothing new here: the top tokens come after the logits, whichever computed them).
     for (record, matvec) in [(false, false), (true, true)] {
-        let options = Options { record, matvec };
+        let options = Options { record, matvec, ..Options::default() };
         let mut all_logits = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
         let want = alternating_decodes(&mut all_logits, &|_, _| false);
         let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <array>
 #include <functional>
 #include <utility>
 #include <vector>
@@ -89,6 +90,35 @@ inline unsigned short tandem_host_f2h(float f) {
     return h;
 }
 
+// mma.sync.m16n8k16 (f16 inputs, f32 sums) over the warp of the calling thread, from its lanes' fragments as the
+// PTX ISA lays them out (kernels.cu's `mma_16816`): every lane leaves its registers, all wait, each rebuilds the two
+// matrices and computes its own four sums, all wait again before the slots are reused.
+namespace host {
+static std::vector<std::array<unsigned, 6>> fragments;
+}
+
+inline void tandem_host_mma_16816(float* d, const unsigned* a, const unsigned* b) {
+    unsigned me = threadIdx.x, warp = me & ~31u;
+    host::fragments[me] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    host::barrier();
+    // The half of register `reg` of `lane` that holds index `lo_hi` (0: low, 1: high).
+    auto half_of = [&](unsigned lane, int reg, int lo_hi) {
+        return tandem_host_h2f(static_cast<unsigned short>(host::fragments[warp + lane][reg] >> (16 * lo_hi)));
+    };
+    // a[row][col]: lane (row % 8) * 4 + (col % 8) / 2, register row / 8 + 2 * (col / 8), half col % 2.
+    auto a_at = [&](int row, int col) { return half_of((row % 8) * 4 + (col % 8) / 2, row / 8 + 2 * (col / 8), col % 2); };
+    // b[k][n]: lane n * 4 + (k % 8) / 2, register 4 + k / 8, half k % 2.
+    auto b_at = [&](int k, int n) { return half_of(n * 4 + (k % 8) / 2, 4 + k / 8, k % 2); };
+    int g = static_cast<int>(me & 31u) / 4, t = static_cast<int>(me & 3u);
+    for (int i = 0; i < 4; i++) {
+        int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; k++) sum += a_at(row, k) * b_at(k, col);
+        d[i] += sum;
+    }
+    host::barrier();
+}
+
 #include "kernels.cu"
 
 template <typename... A, std::size_t... I>
@@ -111,6 +141,7 @@ static const struct {
     KERNEL(residual_norm),    KERNEL(rope_store),       KERNEL(attend),    KERNEL(swiglu),
     KERNEL(norm_matvec),      KERNEL(norm_swiglu),      KERNEL(matvec_add),  KERNEL(attend_rows),
     KERNEL(attend_split),     KERNEL(argmax_rows),      KERNEL(norm_qkv_rope), KERNEL(combine_matvec_add),
+    KERNEL(attend_rows_tc),
 };
 
 // Runs kernel `name` over a grid of gx × gy blocks of `threads` threads with `shared` bytes of dynamic shared
@@ -129,6 +160,7 @@ extern "C" int tandem_host_launch(const char* name, unsigned gx, unsigned gy, un
     host::finished.assign(threads, false);
     host::lanes.assign(threads, 0.0f);
     host::int_lanes.assign(threads, 0);
+    host::fragments.assign(threads, {});
     host::dynamic_shared.assign(shared, 0);
     host::body = [run, args] { run(args); };
     for (unsigned by = 0; by < gy; by++) {

@@ -84,6 +84,10 @@ unsafe impl Send for Graph {}
 impl Gpu for CudaGpu {
     type Recording = Graph;
 
+    fn tensor_cores(&self) -> bool {
+        self.info.compute_capability.0 >= 8
+    }
+
     fn alloc(&mut self, bytes: usize) -> Result<Ptr, ForwardError> {
         let slice = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(fail)?;
         let (at, _) = slice.device_ptr(&self.stream);

@@ -738,3 +738,155 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* top)
     }
     if (threadIdx.x == 0) top[blockIdx.x] = (at == vocab || row[0] != row[0]) ? 0 : at;
 }
+
+// ---- Prompts on tensor cores (sm_80 and later): `attend_rows`' tiles with the scores and the weighted sums as
+// 16×8×16 matrix products (mma.sync: f16 inputs, f32 sums), one warp per (tile, head). ----
+
+// d += a · b over one warp: a 16×16 and b 16×8 in f16, d 16×8 in f32. Lane (g = lane / 4, t = lane % 4) holds a's
+// rows g (a[0]) and g + 8 (a[1]) at columns 2t and 2t + 1, and the same rows at columns 8 + 2t and 9 + 2t (a[2],
+// a[3]); b's column g at rows 2t, 2t + 1 (b[0]) and 8 + 2t, 9 + 2t (b[1]); d's row g at columns 2t, 2t + 1 (d[0],
+// d[1]) and row g + 8 at the same columns (d[2], d[3]). Two f16 to a 32-bit register, the lower index in the low
+// half.
+#ifdef TANDEM_HOST
+__device__ __forceinline__ void mma_16816(float* d, const unsigned* a, const unsigned* b) {
+    tandem_host_mma_16816(d, a, b);
+}
+#else
+__device__ __forceinline__ void mma_16816(float* d, const unsigned* a, const unsigned* b) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    // The forward launches the tensor-core kernels on devices of compute capability 8.0 and later only.
+    __trap();
+#endif
+}
+#endif
+
+__device__ __forceinline__ unsigned pack_f16(float lo, float hi) {
+    return (unsigned)f2h(lo) | ((unsigned)f2h(hi) << 16);
+}
+
+__device__ __forceinline__ unsigned pack_u16(u16 lo, u16 hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+
+#define TC_MAX_HEAD_DIM 128
+
+// `attend_rows` (the same arguments and tiles of up to ROWS_TILE rows) with one warp of 32 threads per (tile,
+// head): Q's 16 rows as f16 fragments; per 16 keys of the cache, the scores S = Q Kᵀ as two 16×8 products per 16
+// dims, the running maximum and sum per row (online softmax, over the four lanes that share a row), then O += P V
+// with P (the weights, f16) as the left operand, 8 dims per product. Keys past the tile's last position read
+// nothing; a row past the tile's end computes the last row's and writes nothing. head_dim a multiple of 16, at
+// most TC_MAX_HEAD_DIM.
+extern "C" __global__ void attend_rows_tc(const float* q, int q_stride, const u16* cache, const int* tables,
+                                          const int* table_of, const int* positions, const int* tiles, u16* out,
+                                          int layer, int layers, int n_heads, int kv_heads, int head_dim,
+                                          int block_tokens, float scale) {
+    int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+    int head = blockIdx.y, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int kv_head = head / (n_heads / kv_heads);
+    int rows[2] = {first + min(g, count - 1), first + min(g + 8, count - 1)};
+    int pos[2] = {positions[rows[0]], positions[rows[1]]};
+    int last = positions[first + count - 1];
+    const int* table = tables + table_of[first];
+    long head_elems = (long)block_tokens * head_dim;
+    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
+    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    int steps = head_dim / 16, dim_tiles = head_dim / 8;
+    unsigned qa[TC_MAX_HEAD_DIM / 16][4];
+    for (int kk = 0; kk < steps; kk++) {
+        const float* q0 = q + (long)rows[0] * q_stride + head * head_dim + 16 * kk;
+        const float* q1 = q + (long)rows[1] * q_stride + head * head_dim + 16 * kk;
+        qa[kk][0] = pack_f16(q0[2 * t], q0[2 * t + 1]);
+        qa[kk][1] = pack_f16(q1[2 * t], q1[2 * t + 1]);
+        qa[kk][2] = pack_f16(q0[8 + 2 * t], q0[9 + 2 * t]);
+        qa[kk][3] = pack_f16(q1[8 + 2 * t], q1[9 + 2 * t]);
+    }
+    float o[TC_MAX_HEAD_DIM / 8][4];
+    for (int dt = 0; dt < dim_tiles; dt++)
+        for (int c = 0; c < 4; c++) o[dt][c] = 0.0f;
+    // Per row (g, g + 8): the running maximum, and this lane's share of the weights' sum.
+    float m[2] = {-3.0e38f, -3.0e38f}, l[2] = {0.0f, 0.0f};
+    for (int j0 = 0; j0 <= last; j0 += 16) {
+        // S for keys j0 .. j0 + 15, as two products of 8 keys: this lane feeds key j0 + 8 nt + g.
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int nt = 0; nt < 2; nt++) {
+            int key = j0 + 8 * nt + g;
+            const u16* kr = key <= last
+                                ? cache + (long)table[key / block_tokens] * block_elems + k_off +
+                                      (long)(key % block_tokens) * head_dim
+                                : 0;
+            for (int kk = 0; kk < steps; kk++) {
+                unsigned b[2] = {0u, 0u};
+                if (kr) {
+                    b[0] = pack_u16(kr[16 * kk + 2 * t], kr[16 * kk + 2 * t + 1]);
+                    b[1] = pack_u16(kr[16 * kk + 8 + 2 * t], kr[16 * kk + 9 + 2 * t]);
+                }
+                mma_16816(s[nt], qa[kk], b);
+            }
+        }
+        // This lane's scores: row g (c = 0, 1) and row g + 8 (c = 2, 3), keys j0 + 8 nt + 2t + (c & 1).
+        float top[2] = {-3.0e38f, -3.0e38f};
+        for (int nt = 0; nt < 2; nt++)
+            for (int c = 0; c < 4; c++) {
+                int r = c >> 1, key = j0 + 8 * nt + 2 * t + (c & 1);
+                s[nt][c] = key <= pos[r] ? s[nt][c] * scale : -3.0e38f;
+                top[r] = fmaxf(top[r], s[nt][c]);
+            }
+        float alpha[2];
+        for (int r = 0; r < 2; r++) {
+            for (int x = 1; x < 4; x <<= 1) top[r] = fmaxf(top[r], __shfl_xor_sync(0xffffffffu, top[r], x));
+            float m_new = fmaxf(m[r], top[r]);
+            alpha[r] = __expf(m[r] - m_new);
+            m[r] = m_new;
+            l[r] *= alpha[r];
+        }
+        float p[2][4];
+        for (int nt = 0; nt < 2; nt++)
+            for (int c = 0; c < 4; c++) {
+                int r = c >> 1, key = j0 + 8 * nt + 2 * t + (c & 1);
+                p[nt][c] = key <= pos[r] ? __expf(s[nt][c] - m[r]) : 0.0f;
+                l[r] += p[nt][c];
+            }
+        for (int dt = 0; dt < dim_tiles; dt++) {
+            o[dt][0] *= alpha[0];
+            o[dt][1] *= alpha[0];
+            o[dt][2] *= alpha[1];
+            o[dt][3] *= alpha[1];
+        }
+        // P as the left operand (16 rows × 16 keys): S's layout for two products of 8 keys is the left operand's.
+        unsigned pa[4] = {pack_f16(p[0][0], p[0][1]), pack_f16(p[0][2], p[0][3]), pack_f16(p[1][0], p[1][1]),
+                          pack_f16(p[1][2], p[1][3])};
+        // V as the right operand: keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the tile, this lane's dim 8 dt + g.
+        const u16* vr[4];
+        for (int k = 0; k < 4; k++) {
+            int key = j0 + (k >> 1) * 8 + 2 * t + (k & 1);
+            vr[k] = key <= last ? cache + (long)table[key / block_tokens] * block_elems + v_off +
+                                      (long)(key % block_tokens) * head_dim
+                                : 0;
+        }
+        for (int dt = 0; dt < dim_tiles; dt++) {
+            int dim = 8 * dt + g;
+            u16 v[4];
+            for (int k = 0; k < 4; k++) v[k] = vr[k] ? vr[k][dim] : (u16)0;
+            unsigned b[2] = {pack_u16(v[0], v[1]), pack_u16(v[2], v[3])};
+            mma_16816(o[dt], pa, b);
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int x = 1; x < 4; x <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], x);
+    for (int r = 0; r < 2; r++) {
+        int rr = g + 8 * r;
+        if (rr >= count) continue;
+        u16* orow = out + ((long)(first + rr) * n_heads + head) * head_dim;
+        for (int dt = 0; dt < dim_tiles; dt++) {
+            orow[8 * dt + 2 * t] = f2h(o[dt][2 * r] / l[r]);
+            orow[8 * dt + 2 * t + 1] = f2h(o[dt][2 * r + 1] / l[r]);
+        }
+    }
+}

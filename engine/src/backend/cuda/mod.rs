@@ -35,6 +35,8 @@ pub enum ForwardKind {
     Fused,
     Graphs,
     GraphsMatvec,
+    /// `graphs-mv` with prompts' attention on tensor cores.
+    GraphsMatvecTensorCores,
 }
 
 /// The variable [`ForwardKind`] is read from.
@@ -48,9 +50,10 @@ impl ForwardKind {
             Some("fused") => Ok(ForwardKind::Fused),
             Some("graphs") => Ok(ForwardKind::Graphs),
             Some("graphs-mv") => Ok(ForwardKind::GraphsMatvec),
-            Some(other) => {
-                Err(format!("{FORWARD_VAR}={other:?} is not a CUDA forward pass: plain, fused, graphs or graphs-mv"))
-            }
+            Some("graphs-mv-tc") => Ok(ForwardKind::GraphsMatvecTensorCores),
+            Some(other) => Err(format!(
+                "{FORWARD_VAR}={other:?} is not a CUDA forward pass: plain, fused, graphs, graphs-mv or graphs-mv-tc"
+            )),
         }
     }
 
@@ -64,7 +67,7 @@ impl ForwardKind {
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines, by name (each is looked up after loading; a missing one is an error).
-pub const KERNEL_NAMES: [&str; 22] = [
+pub const KERNEL_NAMES: [&str; 23] = [
     "dequant_q8_0_f16",
     "dequant_q4_1_f16",
     "embed_f16",
@@ -87,6 +90,7 @@ pub const KERNEL_NAMES: [&str; 22] = [
     "norm_qkv_rope",
     "combine_matvec_add",
     "argmax_rows",
+    "attend_rows_tc",
 ];
 
 /// Why the CUDA backend cannot start, as a sentence for whoever started it.
@@ -219,7 +223,11 @@ mod tests {
         assert_eq!(ForwardKind::parse(Some("fused")), Ok(ForwardKind::Fused));
         assert_eq!(ForwardKind::parse(Some(" graphs ")), Ok(ForwardKind::Graphs));
         assert_eq!(ForwardKind::parse(Some("graphs-mv")), Ok(ForwardKind::GraphsMatvec));
+        assert_eq!(ForwardKind::parse(Some("graphs-mv-tc")), Ok(ForwardKind::GraphsMatvecTensorCores));
         let e = ForwardKind::parse(Some("fast")).expect_err("no such pass");
-        assert!(e.contains("TANDEM_CUDA_FORWARD=\"fast\"") && e.contains("plain, fused, graphs or graphs-mv"), "{e}");
+        assert!(
+            e.contains("TANDEM_CUDA_FORWARD=\"fast\"") && e.contains("plain, fused, graphs, graphs-mv or graphs-mv-tc"),
+            "{e}"
+        );
     }
 }

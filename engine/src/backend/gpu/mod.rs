@@ -77,6 +77,9 @@ pub struct Options {
     /// each row's keys over `ATTEND_SPLITS` thread blocks per head (`attend_split`), merged where the output
     /// projection reads them (`combine_matvec_add`).
     pub matvec: bool,
+    /// Prompts' attention on tensor cores (`attend_rows_tc`), where the device has them and heads are a multiple of
+    /// 16 dims (of up to 128).
+    pub tensor_cores: bool,
 }
 
 /// What the fused forward needs of a device. Work is issued in order; only [`Gpu::download`] waits for it.
@@ -112,6 +115,8 @@ pub trait Gpu: Send {
     ) -> Result<(), ForwardError>;
     /// A step of kind `label` begins (`prompt`, `decode-1`, `decode`): a device that profiles counts by it.
     fn begin_step(&mut self, _label: &'static str) {}
+    /// Whether it runs the tensor-core kernels (`mma.sync` m16n8k16: compute capability 8.0 and later).
+    fn tensor_cores(&self) -> bool;
     /// Starts recording the work issued from now instead of running it; false when this device does not record.
     fn begin_recording(&mut self) -> Result<bool, ForwardError>;
     fn end_recording(&mut self) -> Result<Self::Recording, ForwardError>;
@@ -170,6 +175,8 @@ impl Pointers {
 struct Attention<'a> {
     config: &'a ModelConfig,
     ix: &'a StepIndex,
+    /// Prompts' tiles through `attend_rows_tc`.
+    tensor_cores: bool,
     block_tokens: usize,
     cache: DevicePtr,
     rope: DevicePtr,
@@ -231,7 +238,12 @@ impl Attention<'_> {
         }
         if tiled && ix.tiles > 0 {
             let args = [&inputs[..], &[p.ints(p.o.tiles), p.buf(s.attended)], &tail].concat();
-            gpu.launch("attend_rows", (ix.tiles as u32, heads), ATTEND_THREADS, 0, &args)?;
+            if self.tensor_cores && c.head_dim % 16 == 0 {
+                // One warp per tile and head.
+                gpu.launch("attend_rows_tc", (ix.tiles as u32, heads), 32, 0, &args)?;
+            } else {
+                gpu.launch("attend_rows", (ix.tiles as u32, heads), ATTEND_THREADS, 0, &args)?;
+            }
         }
         Ok(())
     }
@@ -283,6 +295,8 @@ pub struct GpuForward<G: Gpu> {
     layout: Option<Scratch>,
     /// Small steps through the matrix-vector kernels ([`Options::matvec`]).
     matvec: bool,
+    /// Prompts' attention on tensor cores ([`Options::tensor_cores`], where the device has them).
+    tensor_cores: bool,
     index: Grown,
 }
 
@@ -317,6 +331,7 @@ impl<G: Gpu> GpuForward<G> {
             upload_stacked(&mut gpu, &[&model.output])?
         };
         let table: Vec<f32> = model.rope.iter().flat_map(|&[c, s]| [c, s]).collect();
+        let gpu_tensor_cores = gpu.tensor_cores();
         Ok(GpuForward {
             output_norm: upload_floats(&mut gpu, &model.output_norm)?,
             rope: upload_floats(&mut gpu, &table)?,
@@ -334,6 +349,7 @@ impl<G: Gpu> GpuForward<G> {
             index: Grown::default(),
             recorded: options.record.then(HashMap::new),
             matvec: options.matvec,
+            tensor_cores: options.tensor_cores && gpu_tensor_cores,
         })
     }
 
@@ -432,7 +448,9 @@ impl<G: Gpu> GpuForward<G> {
         let (d, ff) = (c.n_embd, c.n_ff);
         let p = Pointers { scratch: self.scratch.at, s, index: self.index.at, o: ix.o };
         let (n32, d_i, eps) = (n as u32, Arg::I32(d as i32), Arg::F32(c.rms_eps));
-        let attention = Attention { config: c, ix, block_tokens, cache: self.cache.at, rope: self.rope, p };
+        let tensor_cores = self.tensor_cores;
+        let attention =
+            Attention { config: c, ix, tensor_cores, block_tokens, cache: self.cache.at, rope: self.rope, p };
         let gpu = &mut self.gpu;
         let x = p.buf(s.x);
         gpu.launch("embed_f16", (n32, 1), ROW_THREADS, 0, &[Arg::Ptr(self.embedding.at), p.ints(p.o.tokens), x, d_i])?;
