@@ -188,8 +188,12 @@ pub fn open_cuda(model: &crate::model::Model, ordinal: usize) -> Result<Box<dyn 
         }
         cuda::ForwardKind::Fused => gpu::Options::default(),
         cuda::ForwardKind::Graphs => gpu::Options { record: true, ..gpu::Options::default() },
-        cuda::ForwardKind::GraphsMatvec => gpu::Options { record: true, matvec: true, tensor_cores: false },
-        cuda::ForwardKind::GraphsMatvecTensorCores => gpu::Options { record: true, matvec: true, tensor_cores: true },
+        cuda::ForwardKind::GraphsMatvec => {
+            gpu::Options { record: true, matvec: true, tensor_cores: false, quantized: true }
+        }
+        cuda::ForwardKind::GraphsMatvecTensorCores => {
+            gpu::Options { record: true, matvec: true, tensor_cores: true, quantized: true }
+        }
     };
     let gpu = cuda::CudaGpu::open(ordinal).map_err(|e| e.to_string())?;
     let forward = gpu::GpuForward::new(gpu, model, "cuda", options).map_err(|e| e.to_string())?;

@@ -161,9 +161,12 @@ fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
     let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
     let (want, want_kv) = parity::run_plan(&mut cpu, &PLAN).expect("the CPU runs");
     let model = Model::open(&path).expect("loads");
-    // As issued with prompts' attention on tensor cores, recorded, and recorded through the matrix-vector kernels.
-    for (record, matvec, tensor_cores) in [(false, false, true), (true, false, false), (true, true, false)] {
-        let options = Options { record, matvec, tensor_cores };
+    // As issued with prompts' attention on tensor cores, recorded, and recorded through the matrix-vector kernels
+    // reading the weights as the file stores them (Q4_1, and the output projection Q8_0). (The other tests take the
+    // matrix-vector kernels over f16 weights.)
+    let configurations = [(false, false, true, false), (true, false, false, false), (true, true, false, true)];
+    for (record, matvec, tensor_cores, quantized) in configurations {
+        let options = Options { record, matvec, tensor_cores, quantized };
         let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
         let (got, got_kv) = parity::run_plan(&mut fused, &PLAN).expect("the fused forward runs");
         assert_eq!(fused.name(), "host");

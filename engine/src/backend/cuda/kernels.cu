@@ -441,31 +441,88 @@ __device__ void norm_rows(const float* x, const int* rows, int n, const float* w
     __syncthreads();
 }
 
-// acc[i] = W[o] · a[i] over `cols` (even) columns, for the warp's row o, summed over the warp; `a` in f32.
-__device__ void dot_rows(const u16* wr, const float* a, int n, int cols, float* acc) {
+// The weight formats the matrix-vector kernels read: f16, or a matrix as the GGUF stores it (Q4_1: 20 bytes per 32
+// weights, an f16 scale and minimum, then weights j and j + 16 in the low and high nibbles of byte j; Q8_0: 34 bytes,
+// an f16 scale and 32 signed bytes), a quarter to a half of f16's bytes for a decode step to read.
+#define W_F16 0
+#define W_Q4_1 1
+#define W_Q8_0 2
+
+// Bytes in one row of `cols` weights (a multiple of 32 when quantized).
+__device__ __forceinline__ long row_bytes(int wtype, int cols) {
+    return wtype == W_F16 ? 2L * cols : (wtype == W_Q4_1 ? 20L : 34L) * (cols / 32);
+}
+
+// Weights 16 h .. 16 h + 15 of a quantized row, dequantized as the CPU engine does (scale × q + minimum).
+__device__ __forceinline__ void half_block(const u8* wr, int wtype, int h, float* w) {
+    int hi = h & 1;
+    if (wtype == W_Q4_1) {
+        const u8* q = wr + 20L * (h >> 1);
+        float d = h2f(load_u16(q)), m = h2f(load_u16(q + 2));
+        for (int j = 0; j < 16; j++) w[j] = d * (float)(hi ? q[4 + j] >> 4 : q[4 + j] & 15) + m;
+    } else {
+        const u8* q = wr + 34L * (h >> 1);
+        float d = h2f(load_u16(q));
+        for (int j = 0; j < 16; j++) w[j] = d * (float)(signed char)q[2 + 16 * hi + j];
+    }
+}
+
+// acc[i] += w[0..16) · a[i][c0 .. c0 + 16).
+__device__ __forceinline__ void dot16(const float* w, const float* a, int n, int cols, int c0, float* acc) {
+    for (int i = 0; i < n; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < 16; j++) s += w[j] * a[i * cols + c0 + j];
+        acc[i] += s;
+    }
+}
+
+// acc[i] = W[o] · a[i] over `cols` columns, for the warp's row o (at wr, in format wtype), summed over the warp; `a`
+// in f32. f16 rows are walked two columns a lane at a time (`cols` even), quantized ones 16 (half a block).
+__device__ void dot_rows(const u8* wr, int wtype, const float* a, int n, int cols, float* acc) {
     int lane = threadIdx.x & 31;
     for (int i = 0; i < MV_MAX_ROWS; i++) acc[i] = 0.0f;
-    for (int c = 2 * lane; c < cols; c += 64) {
-        float w0 = h2f(wr[c]), w1 = h2f(wr[c + 1]);
-        for (int i = 0; i < n; i++) acc[i] += w0 * a[i * cols + c] + w1 * a[i * cols + c + 1];
+    if (wtype == W_F16) {
+        const u16* w16 = reinterpret_cast<const u16*>(wr);
+        for (int c = 2 * lane; c < cols; c += 64) {
+            float w0 = h2f(w16[c]), w1 = h2f(w16[c + 1]);
+            for (int i = 0; i < n; i++) acc[i] += w0 * a[i * cols + c] + w1 * a[i * cols + c + 1];
+        }
+    } else {
+        for (int h = lane; h < cols / 16; h += 32) {
+            float w[16];
+            half_block(wr, wtype, h, w);
+            dot16(w, a, n, cols, 16 * h, acc);
+        }
     }
     for (int i = 0; i < MV_MAX_ROWS; i++) acc[i] = warp_sum(acc[i]);
 }
 
 // dot_rows for two weight rows at once, their loads issued together (a warp waits on memory once for both): each
 // row's sums in the same order as dot_rows'.
-__device__ void dot_rows_pair(const u16* wr0, const u16* wr1, const float* a, int n, int cols, float* acc0,
+__device__ void dot_rows_pair(const u8* wr0, const u8* wr1, int wtype, const float* a, int n, int cols, float* acc0,
                               float* acc1) {
     int lane = threadIdx.x & 31;
     for (int i = 0; i < MV_MAX_ROWS; i++) {
         acc0[i] = 0.0f;
         acc1[i] = 0.0f;
     }
-    for (int c = 2 * lane; c < cols; c += 64) {
-        float w00 = h2f(wr0[c]), w01 = h2f(wr0[c + 1]), w10 = h2f(wr1[c]), w11 = h2f(wr1[c + 1]);
-        for (int i = 0; i < n; i++) {
-            acc0[i] += w00 * a[i * cols + c] + w01 * a[i * cols + c + 1];
-            acc1[i] += w10 * a[i * cols + c] + w11 * a[i * cols + c + 1];
+    if (wtype == W_F16) {
+        const u16* r0 = reinterpret_cast<const u16*>(wr0);
+        const u16* r1 = reinterpret_cast<const u16*>(wr1);
+        for (int c = 2 * lane; c < cols; c += 64) {
+            float w00 = h2f(r0[c]), w01 = h2f(r0[c + 1]), w10 = h2f(r1[c]), w11 = h2f(r1[c + 1]);
+            for (int i = 0; i < n; i++) {
+                acc0[i] += w00 * a[i * cols + c] + w01 * a[i * cols + c + 1];
+                acc1[i] += w10 * a[i * cols + c] + w11 * a[i * cols + c + 1];
+            }
+        }
+    } else {
+        for (int h = lane; h < cols / 16; h += 32) {
+            float w0[16], w1[16];
+            half_block(wr0, wtype, h, w0);
+            half_block(wr1, wtype, h, w1);
+            dot16(w0, a, n, cols, 16 * h, acc0);
+            dot16(w1, a, n, cols, 16 * h, acc1);
         }
     }
     for (int i = 0; i < MV_MAX_ROWS; i++) {
@@ -474,50 +531,51 @@ __device__ void dot_rows_pair(const u16* wr0, const u16* wr1, const float* a, in
     }
 }
 
-// y[i][o] = W[o] · norm(x[i]) for the n (at most MV_MAX_ROWS) rows; W is `out_rows × d` f16. Grid: one block per
-// MV_WARPS output rows; dynamic shared memory n * d floats.
+// y[i][o] = W[o] · norm(x[i]) for the n (at most MV_MAX_ROWS) rows; W is `out_rows × d` in format wtype. Grid: one
+// block per MV_WARPS output rows; dynamic shared memory n * d floats.
 extern "C" __global__ void norm_matvec(const float* x, const int* rows, int n, const float* w, int d, float eps,
-                                       const u16* W, int out_rows, float* y) {
+                                       const u8* W, int wtype, int out_rows, float* y) {
     DYNAMIC_SHARED(float, xs);
     norm_rows(x, rows, n, w, d, eps, xs);
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
     int row = o < out_rows ? o : out_rows - 1;
     float acc[MV_MAX_ROWS];
-    dot_rows(W + (long)row * d, xs, n, d, acc);
+    dot_rows(W + row * row_bytes(wtype, d), wtype, xs, n, d, acc);
     if ((threadIdx.x & 31) == 0 && o < out_rows)
         for (int i = 0; i < n; i++) y[(long)i * out_rows + o] = acc[i];
 }
 
 // act[i][j] = silu(gate_j · norm(x[i])) * (up_j · norm(x[i])) as f16, W the stacked gate/up rows (2 ff × d).
-extern "C" __global__ void norm_swiglu(const float* x, int n, const float* w, int d, float eps, const u16* W, int ff,
-                                       u16* act) {
+extern "C" __global__ void norm_swiglu(const float* x, int n, const float* w, int d, float eps, const u8* W, int wtype,
+                                       int ff, u16* act) {
     DYNAMIC_SHARED(float, xs);
     norm_rows(x, 0, n, w, d, eps, xs);
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
     int j = o < ff ? o : ff - 1;
     float gate[MV_MAX_ROWS], up[MV_MAX_ROWS];
-    dot_rows_pair(W + (long)j * d, W + (long)(ff + j) * d, xs, n, d, gate, up);
+    long stride = row_bytes(wtype, d);
+    dot_rows_pair(W + j * stride, W + (ff + j) * stride, wtype, xs, n, d, gate, up);
     if ((threadIdx.x & 31) == 0 && o < ff)
         for (int i = 0; i < n; i++) act[(long)i * ff + o] = f2h(gate[i] / (1.0f + __expf(-gate[i])) * up[i]);
 }
 
 // x[i][o] += W[o] · as[i] for the block's MV_WARPS output rows, `as` `[i][cols]` f32 in shared memory.
-__device__ void project_add(const u16* W, int out_rows, int cols, const float* as, int n, float* x) {
+__device__ void project_add(const u8* W, int wtype, int out_rows, int cols, const float* as, int n, float* x) {
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
     int row = o < out_rows ? o : out_rows - 1;
     float acc[MV_MAX_ROWS];
-    dot_rows(W + (long)row * cols, as, n, cols, acc);
+    dot_rows(W + row * row_bytes(wtype, cols), wtype, as, n, cols, acc);
     if ((threadIdx.x & 31) == 0 && o < out_rows)
         for (int i = 0; i < n; i++) x[(long)i * out_rows + o] += acc[i];
 }
 
 // x[i][o] += W[o] · a[i]: a projection straight into the residual stream; `a` is `[i][cols]` f16 (attention's
 // output, SiLU-multiply's), read into shared memory as f32 (dynamic: n * cols floats).
-extern "C" __global__ void matvec_add(const u16* W, int out_rows, int cols, const u16* a, int n, float* x) {
+extern "C" __global__ void matvec_add(const u8* W, int wtype, int out_rows, int cols, const u16* a, int n, float* x) {
     DYNAMIC_SHARED(float, as);
     for (int k = threadIdx.x; k < n * cols; k += blockDim.x) as[k] = h2f(a[k]);
     __syncthreads();
-    project_add(W, out_rows, cols, as, n, x);
+    project_add(W, wtype, out_rows, cols, as, n, x);
 }
 
 // The stacked Q/K/V projection of norm(x[i]) for the n rows, with RoPE and the K/V store (`norm_matvec` and then
@@ -525,8 +583,8 @@ extern "C" __global__ void matvec_add(const u16* W, int out_rows, int cols, cons
 // start at an even row), rotates them where they are Q or K, and leaves them in qkv (`[row][q_dim + 2 kv_dim]`,
 // where attention reads Q) and, for K and V, as f16 in the row's cache slot. Grid: one block per 2 * MV_WARPS
 // output rows; dynamic shared memory n * d floats.
-extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, int d, float eps, const u16* W,
-                                         float* qkv, const int* positions, const float* table, u16* cache,
+extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, int d, float eps, const u8* W,
+                                         int wtype, float* qkv, const int* positions, const float* table, u16* cache,
                                          const int* slot_block, const int* slot_pos, int layer, int layers,
                                          int n_heads, int kv_heads, int head_dim, int block_tokens) {
     DYNAMIC_SHARED(float, xs);
@@ -535,7 +593,8 @@ extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, 
     int warp = threadIdx.x >> 5, o = 2 * (blockIdx.x * MV_WARPS + warp);
     int row = o < out_rows ? o : out_rows - 2;
     float first[MV_MAX_ROWS], second[MV_MAX_ROWS];
-    dot_rows_pair(W + (long)row * d, W + (long)(row + 1) * d, xs, n, d, first, second);
+    long stride = row_bytes(wtype, d);
+    dot_rows_pair(W + row * stride, W + (row + 1) * stride, wtype, xs, n, d, first, second);
     if ((threadIdx.x & 31) != 0 || o >= out_rows) return;
     int pairs = head_dim / 2, pair = (o % head_dim) / 2;
     long head_elems = (long)block_tokens * head_dim;
@@ -566,8 +625,8 @@ extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, 
 // added into the residual stream: x[i][o] += W[o] · attended[i]. Every block merges all of it (a few KB of
 // partials) instead of a kernel of its own doing it once. Grid: one block per MV_WARPS output rows; dynamic
 // shared memory (n * n_heads * (head_dim + ATTEND_SPLITS + 1)) floats.
-extern "C" __global__ void combine_matvec_add(const float* partials, int n_heads, int head_dim, const u16* W,
-                                              int out_rows, int n, float* x) {
+extern "C" __global__ void combine_matvec_add(const float* partials, int n_heads, int head_dim, const u8* W,
+                                              int wtype, int out_rows, int n, float* x) {
     DYNAMIC_SHARED(float, as);
     int cols = n_heads * head_dim, width = 2 + head_dim, pairs = n * n_heads;
     // Per (row, head): each split's factor to the common maximum, and the weights' sum.
@@ -594,7 +653,7 @@ extern "C" __global__ void combine_matvec_add(const float* partials, int n_heads
         as[k] = h2f(f2h(acc / total[h]));
     }
     __syncthreads();
-    project_add(W, out_rows, cols, as, n, x);
+    project_add(W, wtype, out_rows, cols, as, n, x);
 }
 
 // ---- Prompts: attention for a tile of a sequence's consecutive query rows at once, so each key and value is read

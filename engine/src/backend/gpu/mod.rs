@@ -80,6 +80,9 @@ pub struct Options {
     /// Prompts' attention on tensor cores (`attend_rows_tc`), where the device has them and heads are a multiple of
     /// 16 dims (of up to 128).
     pub tensor_cores: bool,
+    /// The matrix-vector kernels read Q4_1 and Q8_0 weights as the file stores them (a decode step reads about a
+    /// third of the f16 bytes), kept on the device beside the f16 copy the matmuls read.
+    pub quantized: bool,
 }
 
 /// What the fused forward needs of a device. Work is issued in order; only [`Gpu::download`] waits for it.
@@ -130,6 +133,24 @@ struct DeviceMatrix {
     at: DevicePtr,
     rows: usize,
     cols: usize,
+    /// The same rows as the file stores them, when every part is Q4_1 or every part Q8_0 and the matrix-vector
+    /// kernels read them ([`Options::quantized`]): where, and the kernels' format (`W_Q4_1`, `W_Q8_0`).
+    quantized: Option<(DevicePtr, i32)>,
+}
+
+/// The kernels' weight formats (`W_F16`, `W_Q4_1`, `W_Q8_0` in kernels.cu).
+const W_F16: i32 = 0;
+const W_Q4_1: i32 = 1;
+const W_Q8_0: i32 = 2;
+
+impl DeviceMatrix {
+    /// A matrix-vector kernel's weight arguments: the rows and their format.
+    fn rows_arg(&self) -> [Arg; 2] {
+        match self.quantized {
+            Some((at, format)) => [Arg::Ptr(at), Arg::I32(format)],
+            None => [Arg::Ptr(self.at), Arg::I32(W_F16)],
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -313,22 +334,24 @@ fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
 impl<G: Gpu> GpuForward<G> {
     /// Uploads `model`'s weights to `gpu` (quantized matrices dequantized there). `name` is the backend's name.
     pub fn new(mut gpu: G, model: &Model, name: &'static str, options: Options) -> Result<GpuForward<G>, ForwardError> {
+        let keep = options.matvec && options.quantized;
         let mut layers = Vec::with_capacity(model.layers.len());
         for l in &model.layers {
             layers.push(DeviceLayer {
                 attn_norm: upload_floats(&mut gpu, &l.attn_norm)?,
-                qkv: upload_stacked(&mut gpu, &[&l.wq, &l.wk, &l.wv])?,
-                wo: upload_stacked(&mut gpu, &[&l.wo])?,
+                qkv: upload_stacked(&mut gpu, &[&l.wq, &l.wk, &l.wv], keep)?,
+                wo: upload_stacked(&mut gpu, &[&l.wo], keep)?,
                 ffn_norm: upload_floats(&mut gpu, &l.ffn_norm)?,
-                gate_up: upload_stacked(&mut gpu, &[&l.w_gate, &l.w_up])?,
-                down: upload_stacked(&mut gpu, &[&l.w_down])?,
+                gate_up: upload_stacked(&mut gpu, &[&l.w_gate, &l.w_up], keep)?,
+                down: upload_stacked(&mut gpu, &[&l.w_down], keep)?,
             });
         }
-        let embedding = upload_stacked(&mut gpu, &[&model.token_embd])?;
+        // The embedding table is read a row at a time (f16); as the output projection, whole (quantized too).
+        let embedding = upload_stacked(&mut gpu, &[&model.token_embd], keep)?;
         let output = if model.output.same_tensor(&model.token_embd) {
             embedding
         } else {
-            upload_stacked(&mut gpu, &[&model.output])?
+            upload_stacked(&mut gpu, &[&model.output], keep)?
         };
         let table: Vec<f32> = model.rope.iter().flat_map(|&[c, s]| [c, s]).collect();
         let gpu_tensor_cores = gpu.tensor_cores();
@@ -458,13 +481,15 @@ impl<G: Gpu> GpuForward<G> {
             let (n_i, shared) = (Arg::I32(n as i32), (n * d * 4) as u32);
             let blocks = |rows: usize| (rows as u32).div_ceil(MATVEC_ROWS_PER_BLOCK);
             let add = |w: DeviceMatrix, a: Arg| {
-                let args = [Arg::Ptr(w.at), Arg::I32(w.rows as i32), Arg::I32(w.cols as i32), a, n_i, x];
+                let args = [&w.rows_arg()[..], &[Arg::I32(w.rows as i32), Arg::I32(w.cols as i32), a, n_i, x]].concat();
                 ((blocks(w.rows), 1), (n * w.cols * 4) as u32, args)
             };
             for (li, l) in self.layers.iter().enumerate() {
                 // The norm, the stacked Q/K/V projection, RoPE and the K/V store: a warp per rotary pair of rows.
-                let args = [x, n_i, Arg::Ptr(l.attn_norm), d_i, eps, Arg::Ptr(l.qkv.at), p.buf(s.qkv)];
-                let args = [&args[..], &attention.store_args(), &attention.shape(li)].concat();
+                let args = [x, n_i, Arg::Ptr(l.attn_norm), d_i, eps];
+                let args =
+                    [&args[..], &l.qkv.rows_arg(), &[p.buf(s.qkv)], &attention.store_args(), &attention.shape(li)]
+                        .concat();
                 let grid = ((l.qkv.rows as u32).div_ceil(2 * MATVEC_ROWS_PER_BLOCK), 1);
                 gpu.launch("norm_qkv_rope", grid, ROW_THREADS, shared, &args)?;
                 // A decode step's attention split over several blocks per head, merged where the output projection
@@ -473,22 +498,18 @@ impl<G: Gpu> GpuForward<G> {
                 if ix.decode {
                     let (heads, hd) = (c.n_heads, c.head_dim);
                     let args = [p.buf(s.partials), Arg::I32(heads as i32), Arg::I32(hd as i32)];
-                    let tail = [Arg::Ptr(l.wo.at), Arg::I32(l.wo.rows as i32), n_i, x];
+                    let tail = [Arg::I32(l.wo.rows as i32), n_i, x];
                     let bytes = (n * heads * (hd + layout::ATTEND_SPLITS + 1) * 4) as u32;
                     let grid = (blocks(l.wo.rows), 1);
-                    gpu.launch("combine_matvec_add", grid, ROW_THREADS, bytes, &[&args[..], &tail].concat())?;
+                    let args = [&args[..], &l.wo.rows_arg(), &tail].concat();
+                    gpu.launch("combine_matvec_add", grid, ROW_THREADS, bytes, &args)?;
                 } else {
                     let (grid, bytes, args) = add(l.wo, p.buf(s.attended));
                     gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
                 }
-                let args = [x, n_i, Arg::Ptr(l.ffn_norm), d_i, eps, Arg::Ptr(l.gate_up.at), Arg::I32(ff as i32)];
-                gpu.launch(
-                    "norm_swiglu",
-                    (blocks(ff), 1),
-                    ROW_THREADS,
-                    shared,
-                    &[&args[..], &[p.buf(s.act)]].concat(),
-                )?;
+                let args = [x, n_i, Arg::Ptr(l.ffn_norm), d_i, eps];
+                let args = [&args[..], &l.gate_up.rows_arg(), &[Arg::I32(ff as i32), p.buf(s.act)]].concat();
+                gpu.launch("norm_swiglu", (blocks(ff), 1), ROW_THREADS, shared, &args)?;
                 let (grid, bytes, args) = add(l.down, p.buf(s.act));
                 gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
             }
@@ -496,7 +517,7 @@ impl<G: Gpu> GpuForward<G> {
                 // The residual stream is whole already: the final norm and the logits in one kernel.
                 let out = self.output;
                 let args = [x, p.ints(p.o.logit_rows), Arg::I32(m as i32), Arg::Ptr(self.output_norm), d_i, eps];
-                let tail = [Arg::Ptr(out.at), Arg::I32(out.rows as i32), p.buf(s.logits)];
+                let tail = [&out.rows_arg()[..], &[Arg::I32(out.rows as i32), p.buf(s.logits)]].concat();
                 gpu.launch(
                     "norm_matvec",
                     (blocks(out.rows), 1),
@@ -575,45 +596,59 @@ fn upload_floats<G: Gpu>(gpu: &mut G, v: &[f32]) -> Result<DevicePtr, ForwardErr
 }
 
 /// The rows of `parts` (all of one width) one after the other as one f16 matrix: quantized ones go up as they are
-/// and are dequantized on the device, others are converted here.
-fn upload_stacked<G: Gpu>(gpu: &mut G, parts: &[&Matrix]) -> Result<DeviceMatrix, ForwardError> {
+/// and are dequantized on the device, others are converted here. With `keep`, when every part is Q4_1 or every part
+/// Q8_0, the stacked quantized rows stay on the device too.
+fn upload_stacked<G: Gpu>(gpu: &mut G, parts: &[&Matrix], keep: bool) -> Result<DeviceMatrix, ForwardError> {
     let cols = parts[0].cols;
     if parts.iter().any(|p| p.cols != cols) {
         return Err(ForwardError::Device("stacked matrices differ in width".into()));
     }
     let rows: usize = parts.iter().map(|p| p.rows).sum();
     let at = gpu.alloc(rows * cols * 2)?;
-    let mut row = 0;
+    let kernel = |ty| match ty {
+        TensorType::Q8_0 => Some(("dequant_q8_0_f16", W_Q8_0)),
+        TensorType::Q4_1 => Some(("dequant_q4_1_f16", W_Q4_1)),
+        _ => None,
+    };
+    // Quantized parts of one type go up one after the other into one buffer (rows stay whole blocks), dequantized
+    // from there; the buffer is freed, or kept when asked for.
+    let format = kernel(parts[0].ty).filter(|_| parts.iter().all(|p| p.ty == parts[0].ty)).map(|(_, f)| f);
+    let raw_bytes: usize = parts.iter().filter(|p| kernel(p.ty).is_some()).map(|p| p.bytes().len()).sum();
+    let raw = if raw_bytes > 0 { gpu.alloc(raw_bytes)? } else { 0 };
+    let (mut row, mut offset) = (0, 0);
     for m in parts {
         let elems = m.rows * m.cols;
         let to = at + (row * cols * 2) as u64;
-        let kernel = match m.ty {
-            TensorType::Q8_0 => "dequant_q8_0_f16",
-            TensorType::Q4_1 => "dequant_q4_1_f16",
-            other => {
-                let mut values = vec![0f32; elems];
-                crate::kernels::dequantize_row(other, m.bytes(), &mut values);
-                let host: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
-                gpu.upload(to, bytes_of(&host))?;
-                row += m.rows;
-                continue;
-            }
+        row += m.rows;
+        let Some((name, _)) = kernel(m.ty) else {
+            let mut values = vec![0f32; elems];
+            crate::kernels::dequantize_row(m.ty, m.bytes(), &mut values);
+            let host: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+            gpu.upload(to, bytes_of(&host))?;
+            continue;
         };
-        let src = gpu.alloc(m.bytes().len())?;
+        let src = raw + offset as u64;
         gpu.upload(src, m.bytes())?;
-        let blocks = elems / 32;
+        offset += m.bytes().len();
         gpu.launch(
-            kernel,
+            name,
             ((elems as u32).div_ceil(ELEM_THREADS), 1),
             ELEM_THREADS,
             0,
-            &[Arg::Ptr(src), Arg::Ptr(to), Arg::I64(blocks as i64)],
+            &[Arg::Ptr(src), Arg::Ptr(to), Arg::I64((elems / 32) as i64)],
         )?;
-        // Freed in order with the work (a device that frees at once has run it already).
-        gpu.free(src);
-        row += m.rows;
     }
-    Ok(DeviceMatrix { at, rows, cols })
+    let quantized = match format {
+        Some(f) if keep => Some((raw, f)),
+        _ => {
+            if raw != 0 {
+                // Freed in order with the work (a device that frees at once has run it already).
+                gpu.free(raw);
+            }
+            None
+        }
+    };
+    Ok(DeviceMatrix { at, rows, cols, quantized })
 }
 
 impl<G: Gpu> Backend for GpuForward<G> {
