@@ -457,9 +457,14 @@ __device__ __forceinline__ long row_bytes(int wtype, int cols) {
 __device__ __forceinline__ void half_block(const u8* wr, int wtype, int h, float* w) {
     int hi = h & 1;
     if (wtype == W_Q4_1) {
+        // Rows of whole 20-byte blocks from 4-byte aligned starts: the nibbles in four 32-bit loads.
         const u8* q = wr + 20L * (h >> 1);
         float d = h2f(load_u16(q)), m = h2f(load_u16(q + 2));
-        for (int j = 0; j < 16; j++) w[j] = d * (float)(hi ? q[4 + j] >> 4 : q[4 + j] & 15) + m;
+        const unsigned* nibbles = reinterpret_cast<const unsigned*>(q + 4);
+        for (int k = 0; k < 4; k++) {
+            unsigned v = nibbles[k] >> (4 * hi);
+            for (int b = 0; b < 4; b++) w[4 * k + b] = d * (float)((v >> (8 * b)) & 15) + m;
+        }
     } else {
         const u8* q = wr + 34L * (h >> 1);
         float d = h2f(load_u16(q));
