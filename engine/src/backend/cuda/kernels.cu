@@ -839,10 +839,14 @@ __device__ __forceinline__ unsigned pack_u16(u16 lo, u16 hi) {
 }
 
 #define TC_MAX_HEAD_DIM 128
+// A shared K or V row's padding: rows 272 bytes apart instead of 256, so the lanes reading one column of 16 rows
+// do not all hit one bank.
+#define TC_PAD 8
 
 // `attend_rows` (the same arguments and tiles of up to ROWS_TILE rows) with one warp of 32 threads per (tile,
-// head): Q's 16 rows as f16 fragments; per 16 keys of the cache, the scores S = Q Kᵀ as two 16×8 products per 16
-// dims, the running maximum and sum per row (online softmax, over the four lanes that share a row), then O += P V
+// head): Q's 16 rows as f16 fragments; per 16 keys of the cache (their K and V rows brought into shared memory by
+// the whole warp, 16 bytes a lane at a time), the scores S = Q Kᵀ as two 16×8 products per 16 dims, the running
+// maximum and sum per row (online softmax, over the four lanes that share a row), then O += P V
 // with P (the weights, f16) as the left operand, 8 dims per product. Keys past the tile's last position read
 // nothing; a row past the tile's end computes the last row's and writes nothing. head_dim a multiple of 16, at
 // most TC_MAX_HEAD_DIM.
@@ -876,21 +880,37 @@ extern "C" __global__ void attend_rows_tc(const float* q, int q_stride, const u1
         for (int c = 0; c < 4; c++) o[dt][c] = 0.0f;
     // Per row (g, g + 8): the running maximum, and this lane's share of the weights' sum.
     float m[2] = {-3.0e38f, -3.0e38f}, l[2] = {0.0f, 0.0f};
+    // The 16 keys' K and V rows of each step, brought in by the whole warp 16 bytes a lane at a time (a row is
+    // 16-byte aligned: head_dim a multiple of 16), zeros past the tile's last position.
+    __shared__ u16 ks[16][TC_MAX_HEAD_DIM + TC_PAD];
+    __shared__ u16 vs[16][TC_MAX_HEAD_DIM + TC_PAD];
+    int chunks = head_dim / 8;
     for (int j0 = 0; j0 <= last; j0 += 16) {
-        // S for keys j0 .. j0 + 15, as two products of 8 keys: this lane feeds key j0 + 8 nt + g.
+        __syncthreads();
+        for (int i = lane; i < 16 * chunks; i += 32) {
+            int kk = i / chunks, c = i % chunks, key = j0 + kk;
+            uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
+            if (key <= last) {
+                long at = (long)table[key / block_tokens] * block_elems + (long)(key % block_tokens) * head_dim + 8 * c;
+                kv = *reinterpret_cast<const uint4*>(cache + k_off + at);
+                vv = *reinterpret_cast<const uint4*>(cache + v_off + at);
+            }
+            unsigned kw[4] = {kv.x, kv.y, kv.z, kv.w}, vw[4] = {vv.x, vv.y, vv.z, vv.w};
+            for (int w = 0; w < 4; w++) {
+                ks[kk][8 * c + 2 * w] = (u16)(kw[w] & 0xffffu);
+                ks[kk][8 * c + 2 * w + 1] = (u16)(kw[w] >> 16);
+                vs[kk][8 * c + 2 * w] = (u16)(vw[w] & 0xffffu);
+                vs[kk][8 * c + 2 * w + 1] = (u16)(vw[w] >> 16);
+            }
+        }
+        __syncthreads();
+        // S for keys j0 .. j0 + 15, as two products of 8 keys: this lane feeds key 8 nt + g of the tile.
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         for (int nt = 0; nt < 2; nt++) {
-            int key = j0 + 8 * nt + g;
-            const u16* kr = key <= last
-                                ? cache + (long)table[key / block_tokens] * block_elems + k_off +
-                                      (long)(key % block_tokens) * head_dim
-                                : 0;
+            const u16* kr = ks[8 * nt + g];
             for (int kk = 0; kk < steps; kk++) {
-                unsigned b[2] = {0u, 0u};
-                if (kr) {
-                    b[0] = pack_u16(kr[16 * kk + 2 * t], kr[16 * kk + 2 * t + 1]);
-                    b[1] = pack_u16(kr[16 * kk + 8 + 2 * t], kr[16 * kk + 9 + 2 * t]);
-                }
+                unsigned b[2] = {pack_u16(kr[16 * kk + 2 * t], kr[16 * kk + 2 * t + 1]),
+                                 pack_u16(kr[16 * kk + 8 + 2 * t], kr[16 * kk + 9 + 2 * t])};
                 mma_16816(s[nt], qa[kk], b);
             }
         }
@@ -927,18 +947,10 @@ extern "C" __global__ void attend_rows_tc(const float* q, int q_stride, const u1
         unsigned pa[4] = {pack_f16(p[0][0], p[0][1]), pack_f16(p[0][2], p[0][3]), pack_f16(p[1][0], p[1][1]),
                           pack_f16(p[1][2], p[1][3])};
         // V as the right operand: keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the tile, this lane's dim 8 dt + g.
-        const u16* vr[4];
-        for (int k = 0; k < 4; k++) {
-            int key = j0 + (k >> 1) * 8 + 2 * t + (k & 1);
-            vr[k] = key <= last ? cache + (long)table[key / block_tokens] * block_elems + v_off +
-                                      (long)(key % block_tokens) * head_dim
-                                : 0;
-        }
         for (int dt = 0; dt < dim_tiles; dt++) {
             int dim = 8 * dt + g;
-            u16 v[4];
-            for (int k = 0; k < 4; k++) v[k] = vr[k] ? vr[k][dim] : (u16)0;
-            unsigned b[2] = {pack_u16(v[0], v[1]), pack_u16(v[2], v[3])};
+            unsigned b[2] = {pack_u16(vs[2 * t][dim], vs[2 * t + 1][dim]),
+                             pack_u16(vs[8 + 2 * t][dim], vs[9 + 2 * t][dim])};
             mma_16816(o[dt], pa, b);
         }
     }
