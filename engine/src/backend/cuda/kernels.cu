@@ -48,6 +48,34 @@ __device__ float block_sum(float v) {
     return v;
 }
 
+// The paged cache's layout, the CPU engine's: per block, [layer][K, V][kv head][token][dim], f16. `head` counts the
+// elements of one (layer, part, kv head)'s tokens, `block` a whole block's.
+struct Paged {
+    long head;
+    long block;
+    int kv_heads, head_dim, block_tokens;
+};
+
+__device__ __forceinline__ Paged paged(int layers, int kv_heads, int head_dim, int block_tokens) {
+    Paged p;
+    p.head = (long)block_tokens * head_dim;
+    p.block = (long)layers * 2 * kv_heads * p.head;
+    p.kv_heads = kv_heads;
+    p.head_dim = head_dim;
+    p.block_tokens = block_tokens;
+    return p;
+}
+
+// Where position j of the sequence with block table `table` lies, relative to its part's start (`part_at`).
+__device__ __forceinline__ long token_at(Paged p, const int* table, int j) {
+    return (long)table[j / p.block_tokens] * p.block + (long)(j % p.block_tokens) * p.head_dim;
+}
+
+// Where the tokens of (layer, part: 0 for K and 1 for V, kv head) start within a block.
+__device__ __forceinline__ long part_at(Paged p, int layer, int part, int kv_head) {
+    return ((long)(layer * 2 + part) * p.kv_heads + kv_head) * p.head;
+}
+
 // Q8_0 (34 bytes: f16 scale, 32 int8) to f16, `blocks` quantization blocks.
 extern "C" __global__ void dequant_q8_0_f16(const u8* src, u16* dst, long blocks) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -119,14 +147,13 @@ extern "C" __global__ void store_kv(const float* k, const float* v, u16* cache, 
                                     const int* slot_pos, int layer, int layers, int kv_heads, int head_dim,
                                     int block_tokens) {
     int row = blockIdx.x, kv_dim = kv_heads * head_dim;
-    long head_elems = (long)block_tokens * head_dim;
-    long block_elems = (long)layers * 2 * kv_heads * head_elems;
-    u16* block = cache + (long)slot_block[row] * block_elems;
+    Paged pg = paged(layers, kv_heads, head_dim, block_tokens);
+    u16* block = cache + (long)slot_block[row] * pg.block;
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
         int head = i / head_dim, dim = i % head_dim;
         long at = slot_pos[row] * head_dim + dim;
-        block[((long)(layer * 2 + 0) * kv_heads + head) * head_elems + at] = f2h(k[(long)row * kv_dim + i]);
-        block[((long)(layer * 2 + 1) * kv_heads + head) * head_elems + at] = f2h(v[(long)row * kv_dim + i]);
+        block[part_at(pg, layer, 0, head) + at] = f2h(k[(long)row * kv_dim + i]);
+        block[part_at(pg, layer, 1, head) + at] = f2h(v[(long)row * kv_dim + i]);
     }
 }
 
@@ -143,13 +170,11 @@ extern "C" __global__ void attention(const float* q, const u16* cache, const int
     int n = positions[row] + 1;
     const int* table = tables + table_of[row];
     const float* qr = q + ((long)row * n_heads + head) * head_dim;
-    long head_elems = (long)block_tokens * head_dim;
-    long block_elems = (long)layers * 2 * kv_heads * head_elems;
-    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
-    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    Paged pg = paged(layers, kv_heads, head_dim, block_tokens);
+    long k_off = part_at(pg, layer, 0, kv_head), v_off = part_at(pg, layer, 1, kv_head);
     float local_max = -3.0e38f;
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const u16* kr = cache + (long)table[j / block_tokens] * block_elems + k_off + (j % block_tokens) * head_dim;
+        const u16* kr = cache + token_at(pg, table, j) + k_off;
         float s = 0.0f;
         for (int d = 0; d < head_dim; d++) s += qr[d] * h2f(kr[d]);
         s *= scale;
@@ -175,7 +200,7 @@ extern "C" __global__ void attention(const float* q, const u16* cache, const int
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < n; j++) {
-            const u16* vr = cache + (long)table[j / block_tokens] * block_elems + v_off + (j % block_tokens) * head_dim;
+            const u16* vr = cache + token_at(pg, table, j) + v_off;
             acc += scores[j] * h2f(vr[d]);
         }
         out[((long)row * n_heads + head) * head_dim + d] = acc * inv;
@@ -255,14 +280,13 @@ extern "C" __global__ void rope_store(float* qkv, const int* positions, const fl
         rotate(xr + head * head_dim + 2 * pair, t[2 * pair], t[2 * pair + 1]);
     }
     __syncthreads();
-    long head_elems = (long)block_tokens * head_dim;
-    long block_elems = (long)layers * 2 * kv_heads * head_elems;
-    u16* block = cache + (long)slot_block[row] * block_elems;
+    Paged pg = paged(layers, kv_heads, head_dim, block_tokens);
+    u16* block = cache + (long)slot_block[row] * pg.block;
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
         int head = i / head_dim, dim = i % head_dim;
         long at = (long)slot_pos[row] * head_dim + dim;
-        block[((long)(layer * 2 + 0) * kv_heads + head) * head_elems + at] = f2h(xr[q_dim + i]);
-        block[((long)(layer * 2 + 1) * kv_heads + head) * head_elems + at] = f2h(xr[q_dim + kv_dim + i]);
+        block[part_at(pg, layer, 0, head) + at] = f2h(xr[q_dim + i]);
+        block[part_at(pg, layer, 1, head) + at] = f2h(xr[q_dim + kv_dim + i]);
     }
 }
 
@@ -305,10 +329,8 @@ __device__ float attend_keys(const float* q, int q_stride, const u16* cache, con
     int kv_head = head / (n_heads / kv_heads);
     int n = positions[row] + 1;
     const int* table = tables + table_of[row];
-    long head_elems = (long)block_tokens * head_dim;
-    long block_elems = (long)layers * 2 * kv_heads * head_elems;
-    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
-    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    Paged pg = paged(layers, kv_heads, head_dim, block_tokens);
+    long k_off = part_at(pg, layer, 0, kv_head), v_off = part_at(pg, layer, 1, kv_head);
     for (int i = t; i < head_dim; i += blockDim.x) qs[i] = q[(long)row * q_stride + head * head_dim + i];
     // The output's dims: with head_dim <= the block's threads, `groups` threads share each dim, each taking every
     // groups-th key of a tile; otherwise each thread takes dims t and t + blockDim.x over every key.
@@ -322,7 +344,7 @@ __device__ float attend_keys(const float* q, int q_stride, const u16* cache, con
         int j = j0 + t;
         float s = -3.0e38f;
         if (j < n) {
-            const u16* kr = cache + (long)table[j / block_tokens] * block_elems + k_off + (j % block_tokens) * head_dim;
+            const u16* kr = cache + token_at(pg, table, j) + k_off;
             s = dot_f16(qs, kr, head_dim) * scale;
         }
         float m_new = fmaxf(m, block_max(s));
@@ -338,8 +360,7 @@ __device__ float attend_keys(const float* q, int q_stride, const u16* cache, con
         if (accumulates) {
             for (int k = group; k < keys; k += groups) {
                 int jj = j0 + k;
-                const u16* vr =
-                    cache + (long)table[jj / block_tokens] * block_elems + v_off + (jj % block_tokens) * head_dim;
+                const u16* vr = cache + token_at(pg, table, jj) + v_off;
                 float w = weights[k];
                 if (dim < head_dim) acc0 += w * h2f(vr[dim]);
                 if (dim + (int)blockDim.x < head_dim) acc1 += w * h2f(vr[dim + blockDim.x]);
@@ -414,8 +435,8 @@ extern "C" __global__ void swiglu(const float* gate_up, u16* out_f16, int ff, lo
 
 // ---- Small steps (up to MV_MAX_ROWS rows) without cuBLAS: each matmul is a matrix-vector kernel that does the
 // work around it too, so a decode layer is five kernels (`norm_qkv_rope`, `attend_split`, `combine_matvec_add`,
-// `norm_swiglu`, `matvec_add`). One warp per output row; its lanes walk the row's columns in
-// pairs, for every input row at once. A warp with no output row of its own still takes part in the shuffles (all
+// `norm_swiglu`, `matvec_add`). One warp per output row (or pair of rows); its lanes walk the row's weights (two
+// f16 or half a quantized block at a time), for every input row at once. A warp with no output row of its own still takes part in the shuffles (all
 // threads of a block reach the same reductions), computing a row it does not write. ----
 
 #define MV_MAX_ROWS 4
@@ -481,59 +502,34 @@ __device__ __forceinline__ void dot16(const float* w, const float* a, int n, int
     }
 }
 
-// acc[i] = W[o] · a[i] over `cols` columns, for the warp's row o (at wr, in format wtype), summed over the warp; `a`
-// in f32. f16 rows are walked two columns a lane at a time (`cols` even), quantized ones 16 (half a block).
-__device__ void dot_rows(const u8* wr, int wtype, const float* a, int n, int cols, float* acc) {
+// acc[r][i] = W[o_r] · a[i] over `cols` columns for the warp's R weight rows (wr[r], in format wtype; two: a rotary
+// pair, or gate and up), summed over the warp; `a` in f32. f16 rows are walked two columns a lane at a time (`cols`
+// even), quantized ones 16 (half a block); the rows' loads go out together, so the warp waits on memory once.
+template <int R>
+__device__ void dot_rows(const u8* const* wr, int wtype, const float* a, int n, int cols, float (*acc)[MV_MAX_ROWS]) {
     int lane = threadIdx.x & 31;
-    for (int i = 0; i < MV_MAX_ROWS; i++) acc[i] = 0.0f;
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < MV_MAX_ROWS; i++) acc[r][i] = 0.0f;
     if (wtype == W_F16) {
-        const u16* w16 = reinterpret_cast<const u16*>(wr);
         for (int c = 2 * lane; c < cols; c += 64) {
-            float w0 = h2f(w16[c]), w1 = h2f(w16[c + 1]);
-            for (int i = 0; i < n; i++) acc[i] += w0 * a[i * cols + c] + w1 * a[i * cols + c + 1];
-        }
-    } else {
-        for (int h = lane; h < cols / 16; h += 32) {
-            float w[16];
-            half_block(wr, wtype, h, w);
-            dot16(w, a, n, cols, 16 * h, acc);
-        }
-    }
-    for (int i = 0; i < MV_MAX_ROWS; i++) acc[i] = warp_sum(acc[i]);
-}
-
-// dot_rows for two weight rows at once, their loads issued together (a warp waits on memory once for both): each
-// row's sums in the same order as dot_rows'.
-__device__ void dot_rows_pair(const u8* wr0, const u8* wr1, int wtype, const float* a, int n, int cols, float* acc0,
-                              float* acc1) {
-    int lane = threadIdx.x & 31;
-    for (int i = 0; i < MV_MAX_ROWS; i++) {
-        acc0[i] = 0.0f;
-        acc1[i] = 0.0f;
-    }
-    if (wtype == W_F16) {
-        const u16* r0 = reinterpret_cast<const u16*>(wr0);
-        const u16* r1 = reinterpret_cast<const u16*>(wr1);
-        for (int c = 2 * lane; c < cols; c += 64) {
-            float w00 = h2f(r0[c]), w01 = h2f(r0[c + 1]), w10 = h2f(r1[c]), w11 = h2f(r1[c + 1]);
-            for (int i = 0; i < n; i++) {
-                acc0[i] += w00 * a[i * cols + c] + w01 * a[i * cols + c + 1];
-                acc1[i] += w10 * a[i * cols + c] + w11 * a[i * cols + c + 1];
+            float w[R][2];
+            for (int r = 0; r < R; r++) {
+                const u16* row = reinterpret_cast<const u16*>(wr[r]);
+                w[r][0] = h2f(row[c]);
+                w[r][1] = h2f(row[c + 1]);
             }
+            for (int i = 0; i < n; i++)
+                for (int r = 0; r < R; r++) acc[r][i] += w[r][0] * a[i * cols + c] + w[r][1] * a[i * cols + c + 1];
         }
     } else {
         for (int h = lane; h < cols / 16; h += 32) {
-            float w0[16], w1[16];
-            half_block(wr0, wtype, h, w0);
-            half_block(wr1, wtype, h, w1);
-            dot16(w0, a, n, cols, 16 * h, acc0);
-            dot16(w1, a, n, cols, 16 * h, acc1);
+            float w[R][16];
+            for (int r = 0; r < R; r++) half_block(wr[r], wtype, h, w[r]);
+            for (int r = 0; r < R; r++) dot16(w[r], a, n, cols, 16 * h, acc[r]);
         }
     }
-    for (int i = 0; i < MV_MAX_ROWS; i++) {
-        acc0[i] = warp_sum(acc0[i]);
-        acc1[i] = warp_sum(acc1[i]);
-    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < MV_MAX_ROWS; i++) acc[r][i] = warp_sum(acc[r][i]);
 }
 
 // y[i][o] = W[o] · norm(x[i]) for the n (at most MV_MAX_ROWS) rows; W is `out_rows × d` in format wtype. Grid: one
@@ -543,11 +539,11 @@ extern "C" __global__ void norm_matvec(const float* x, const int* rows, int n, c
     DYNAMIC_SHARED(float, xs);
     norm_rows(x, rows, n, w, d, eps, xs);
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
-    int row = o < out_rows ? o : out_rows - 1;
-    float acc[MV_MAX_ROWS];
-    dot_rows(W + row * row_bytes(wtype, d), wtype, xs, n, d, acc);
+    const u8* wr = W + (o < out_rows ? o : out_rows - 1) * row_bytes(wtype, d);
+    float acc[1][MV_MAX_ROWS];
+    dot_rows<1>(&wr, wtype, xs, n, d, acc);
     if ((threadIdx.x & 31) == 0 && o < out_rows)
-        for (int i = 0; i < n; i++) y[(long)i * out_rows + o] = acc[i];
+        for (int i = 0; i < n; i++) y[(long)i * out_rows + o] = acc[0][i];
 }
 
 // act[i][j] = silu(gate_j · norm(x[i])) * (up_j · norm(x[i])) as f16, W the stacked gate/up rows (2 ff × d).
@@ -557,21 +553,25 @@ extern "C" __global__ void norm_swiglu(const float* x, int n, const float* w, in
     norm_rows(x, 0, n, w, d, eps, xs);
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
     int j = o < ff ? o : ff - 1;
-    float gate[MV_MAX_ROWS], up[MV_MAX_ROWS];
     long stride = row_bytes(wtype, d);
-    dot_rows_pair(W + j * stride, W + (ff + j) * stride, wtype, xs, n, d, gate, up);
+    const u8* wr[2] = {W + j * stride, W + (ff + j) * stride};
+    float acc[2][MV_MAX_ROWS];
+    dot_rows<2>(wr, wtype, xs, n, d, acc);
     if ((threadIdx.x & 31) == 0 && o < ff)
-        for (int i = 0; i < n; i++) act[(long)i * ff + o] = f2h(gate[i] / (1.0f + __expf(-gate[i])) * up[i]);
+        for (int i = 0; i < n; i++) {
+            float gate = acc[0][i], up = acc[1][i];
+            act[(long)i * ff + o] = f2h(gate / (1.0f + __expf(-gate)) * up);
+        }
 }
 
 // x[i][o] += W[o] · as[i] for the block's MV_WARPS output rows, `as` `[i][cols]` f32 in shared memory.
 __device__ void project_add(const u8* W, int wtype, int out_rows, int cols, const float* as, int n, float* x) {
     int warp = threadIdx.x >> 5, o = blockIdx.x * MV_WARPS + warp;
-    int row = o < out_rows ? o : out_rows - 1;
-    float acc[MV_MAX_ROWS];
-    dot_rows(W + row * row_bytes(wtype, cols), wtype, as, n, cols, acc);
+    const u8* wr = W + (o < out_rows ? o : out_rows - 1) * row_bytes(wtype, cols);
+    float acc[1][MV_MAX_ROWS];
+    dot_rows<1>(&wr, wtype, as, n, cols, acc);
     if ((threadIdx.x & 31) == 0 && o < out_rows)
-        for (int i = 0; i < n; i++) x[(long)i * out_rows + o] += acc[i];
+        for (int i = 0; i < n; i++) x[(long)i * out_rows + o] += acc[0][i];
 }
 
 // x[i][o] += W[o] · a[i]: a projection straight into the residual stream; `a` is `[i][cols]` f16 (attention's
@@ -597,15 +597,15 @@ extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, 
     int kv_dim = kv_heads * head_dim, q_dim = n_heads * head_dim, out_rows = q_dim + 2 * kv_dim;
     int warp = threadIdx.x >> 5, o = 2 * (blockIdx.x * MV_WARPS + warp);
     int row = o < out_rows ? o : out_rows - 2;
-    float first[MV_MAX_ROWS], second[MV_MAX_ROWS];
     long stride = row_bytes(wtype, d);
-    dot_rows_pair(W + row * stride, W + (row + 1) * stride, wtype, xs, n, d, first, second);
+    const u8* wr[2] = {W + row * stride, W + (row + 1) * stride};
+    float acc[2][MV_MAX_ROWS];
+    dot_rows<2>(wr, wtype, xs, n, d, acc);
     if ((threadIdx.x & 31) != 0 || o >= out_rows) return;
     int pairs = head_dim / 2, pair = (o % head_dim) / 2;
-    long head_elems = (long)block_tokens * head_dim;
-    long block_elems = (long)layers * 2 * kv_heads * head_elems;
+    Paged pg = paged(layers, kv_heads, head_dim, block_tokens);
     for (int i = 0; i < n; i++) {
-        float p[2] = {first[i], second[i]};
+        float p[2] = {acc[0][i], acc[1][i]};
         if (o < q_dim + kv_dim) {
             const float* t = table + (long)positions[i] * pairs * 2;
             rotate(p, t[2 * pair], t[2 * pair + 1]);
@@ -617,8 +617,8 @@ extern "C" __global__ void norm_qkv_rope(const float* x, int n, const float* w, 
         // K (part 0) or V (part 1), at k of its kv_dim values.
         int part = o < q_dim + kv_dim ? 0 : 1, k = o - q_dim - part * kv_dim;
         int head = k / head_dim, dim = k % head_dim;
-        u16* slot = cache + (long)slot_block[i] * block_elems +
-                    ((long)(layer * 2 + part) * kv_heads + head) * head_elems + (long)slot_pos[i] * head_dim + dim;
+        u16* slot = cache + (long)slot_block[i] * pg.block +
+                    part_at(pg, layer, part, head) + (long)slot_pos[i] * head_dim + dim;
         slot[0] = f2h(p[0]);
         slot[1] = f2h(p[1]);
     }
@@ -690,10 +690,8 @@ extern "C" __global__ void attend_rows(const float* q, int q_stride, const u16* 
     int row = first + (r < count ? r : count - 1);
     int pos = positions[row], last = positions[first + count - 1];
     const int* table = tables + table_of[first];
-    long head_elems = (long)block_tokens * head_dim;
-    long block_elems = (long)layers * 2 * kv_heads * head_elems;
-    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
-    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    Paged pg = paged(layers, kv_heads, head_dim, block_tokens);
+    long k_off = part_at(pg, layer, 0, kv_head), v_off = part_at(pg, layer, 1, kv_head);
     for (int i = t; i < ROWS_TILE * head_dim; i += blockDim.x) {
         int rr = i / head_dim, d = i % head_dim;
         int src = first + (rr < count ? rr : count - 1);
@@ -708,7 +706,7 @@ extern "C" __global__ void attend_rows(const float* q, int q_stride, const u16* 
             int jj = i / head_dim, d = i % head_dim, j = j0 + jj;
             float kv = 0.0f, vv = 0.0f;
             if (j <= last) {
-                long at = (long)table[j / block_tokens] * block_elems + (j % block_tokens) * head_dim + d;
+                long at = token_at(pg, table, j) + d;
                 kv = h2f(cache[at + k_off]);
                 vv = h2f(cache[at + v_off]);
             }
@@ -861,10 +859,8 @@ extern "C" __global__ void attend_rows_tc(const float* q, int q_stride, const u1
     int pos[2] = {positions[rows[0]], positions[rows[1]]};
     int last = positions[first + count - 1];
     const int* table = tables + table_of[first];
-    long head_elems = (long)block_tokens * head_dim;
-    long block_elems = (long)layers * 2 * kv_heads * head_elems;
-    long k_off = ((long)(layer * 2 + 0) * kv_heads + kv_head) * head_elems;
-    long v_off = ((long)(layer * 2 + 1) * kv_heads + kv_head) * head_elems;
+    Paged pg = paged(layers, kv_heads, head_dim, block_tokens);
+    long k_off = part_at(pg, layer, 0, kv_head), v_off = part_at(pg, layer, 1, kv_head);
     int steps = head_dim / 16, dim_tiles = head_dim / 8;
     unsigned qa[TC_MAX_HEAD_DIM / 16][4];
     for (int kk = 0; kk < steps; kk++) {
@@ -891,7 +887,7 @@ extern "C" __global__ void attend_rows_tc(const float* q, int q_stride, const u1
             int kk = i / chunks, c = i % chunks, key = j0 + kk;
             uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
             if (key <= last) {
-                long at = (long)table[key / block_tokens] * block_elems + (long)(key % block_tokens) * head_dim + 8 * c;
+                long at = token_at(pg, table, key) + 8 * c;
                 kv = *reinterpret_cast<const uint4*>(cache + k_off + at);
                 vv = *reinterpret_cast<const uint4*>(cache + v_off + at);
             }
