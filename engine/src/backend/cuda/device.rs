@@ -190,8 +190,17 @@ impl Gpu for CudaGpu {
     }
 }
 
-/// `y[n][rows] = x[n][cols] · w[rows][cols]ᵀ` through cuBLAS (f16 in, f32 accumulated and out).
-fn gemm(blas: &CudaBlas, w: Ptr, rows: usize, cols: usize, x: Ptr, n: usize, y: Ptr) -> Result<(), ForwardError> {
+/// `y[n][rows] = x[n][cols] · w[rows][cols]ᵀ` through cuBLAS (f16 in, f32 accumulated and out), on the handle's
+/// stream; both forward passes' matmuls.
+pub(super) fn gemm(
+    blas: &CudaBlas,
+    w: Ptr,
+    rows: usize,
+    cols: usize,
+    x: Ptr,
+    n: usize,
+    y: Ptr,
+) -> Result<(), ForwardError> {
     let (alpha, beta) = (1.0f32, 0.0f32);
     // Column-major: yᵀ[rows][n] = (wᵀ)ᵀ · xᵀ, with w read transposed.
     // SAFETY: the three buffers hold rows*cols, n*cols and n*rows elements (the caller's layout), on the

@@ -13,10 +13,9 @@
 
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
@@ -191,36 +190,10 @@ impl CudaBackend {
         n: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), ForwardError> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let (wp, _w) = w.data.device_ptr(&self.stream);
         let (xp, _x) = x.device_ptr(&self.stream);
         let (yp, _y) = y.device_ptr_mut(&self.stream);
-        // SAFETY: the three buffers hold at least rows*cols, n*cols and n*rows elements (the callers size them from
-        // the same config), and the handle's stream orders this after the kernels that wrote x.
-        unsafe {
-            blas::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                w.rows as i32,
-                n as i32,
-                w.cols as i32,
-                (&alpha as *const f32).cast::<c_void>(),
-                wp as *const c_void,
-                blas_sys::cudaDataType_t::CUDA_R_16F,
-                w.cols as i32,
-                xp as *const c_void,
-                blas_sys::cudaDataType_t::CUDA_R_16F,
-                w.cols as i32,
-                (&beta as *const f32).cast::<c_void>(),
-                yp as *mut c_void,
-                blas_sys::cudaDataType_t::CUDA_R_32F,
-                w.rows as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(fail)
+        super::device::gemm(&self.blas, wp, w.rows, w.cols, xp, n, yp)
     }
 
     /// Uploads the blocks the batch reads that the host store changed since the mirror last saw them.
