@@ -463,84 +463,95 @@ impl<G: Gpu> GpuForward<G> {
     }
 
     /// Issues a step of `n` rows of which `m` ask for logits, over the indices uploaded: through the matmuls, or
-    /// for a small step with [`Options::matvec`], through the matrix-vector kernels.
+    /// for a small step with [`Options::matvec`], through the matrix-vector kernels; then the logit rows' top
+    /// tokens.
     fn issue(&mut self, ix: &StepIndex, block_tokens: usize) -> Result<(), ForwardError> {
-        let (n, m) = (ix.n, ix.m);
         let Some(s) = self.layout else { return Err(ForwardError::Device("no scratch laid out".into())) };
-        let c = &self.config;
-        let (d, ff) = (c.n_embd, c.n_ff);
         let p = Pointers { scratch: self.scratch.at, s, index: self.index.at, o: ix.o };
-        let (n32, d_i, eps) = (n as u32, Arg::I32(d as i32), Arg::F32(c.rms_eps));
-        let tensor_cores = self.tensor_cores;
-        let attention =
-            Attention { config: c, ix, tensor_cores, block_tokens, cache: self.cache.at, rope: self.rope, p };
+        let args = [Arg::Ptr(self.embedding.at), p.ints(p.o.tokens), p.buf(s.x), Arg::I32(self.config.n_embd as i32)];
+        self.gpu.launch("embed_f16", (ix.n as u32, 1), ROW_THREADS, 0, &args)?;
+        if self.matvec && ix.n <= MATVEC_MAX_ROWS {
+            self.issue_small(ix, block_tokens, &p)?;
+        } else {
+            self.issue_matmuls(ix, block_tokens, &p)?;
+        }
+        if ix.m > 0 {
+            self.top_tokens(&p, ix.m)?;
+        }
+        Ok(())
+    }
+
+    /// The layers and the logits of a step of up to [`MATVEC_MAX_ROWS`] rows through the matrix-vector kernels.
+    fn issue_small(&mut self, ix: &StepIndex, block_tokens: usize, p: &Pointers) -> Result<(), ForwardError> {
+        let (c, s, n) = (&self.config, p.s, ix.n);
+        let (d, ff) = (c.n_embd, c.n_ff);
+        let (x, n_i, d_i, eps) = (p.buf(s.x), Arg::I32(n as i32), Arg::I32(d as i32), Arg::F32(c.rms_eps));
+        let (tensor_cores, cache, rope) = (self.tensor_cores, self.cache.at, self.rope);
+        let attention = Attention { config: c, ix, tensor_cores, block_tokens, cache, rope, p: *p };
         let gpu = &mut self.gpu;
-        let x = p.buf(s.x);
-        gpu.launch("embed_f16", (n32, 1), ROW_THREADS, 0, &[Arg::Ptr(self.embedding.at), p.ints(p.o.tokens), x, d_i])?;
-        if self.matvec && n <= MATVEC_MAX_ROWS {
-            let (n_i, shared) = (Arg::I32(n as i32), (n * d * 4) as u32);
-            let blocks = |rows: usize| (rows as u32).div_ceil(MATVEC_ROWS_PER_BLOCK);
-            let add = |w: DeviceMatrix, a: Arg| {
-                let args = [&w.rows_arg()[..], &[Arg::I32(w.rows as i32), Arg::I32(w.cols as i32), a, n_i, x]].concat();
-                ((blocks(w.rows), 1), (n * w.cols * 4) as u32, args)
-            };
-            for (li, l) in self.layers.iter().enumerate() {
-                // The norm, the stacked Q/K/V projection, RoPE and the K/V store: a warp per rotary pair of rows.
-                let args = [x, n_i, Arg::Ptr(l.attn_norm), d_i, eps];
-                let args =
-                    [&args[..], &l.qkv.rows_arg(), &[p.buf(s.qkv)], &attention.store_args(), &attention.shape(li)]
-                        .concat();
-                let grid = ((l.qkv.rows as u32).div_ceil(2 * MATVEC_ROWS_PER_BLOCK), 1);
-                gpu.launch("norm_qkv_rope", grid, ROW_THREADS, shared, &args)?;
-                // A decode step's attention split over several blocks per head, merged where the output projection
-                // reads it; another small step's through `attended`.
-                attention.attend(gpu, li, ix.decode)?;
-                if ix.decode {
-                    let (heads, hd) = (c.n_heads, c.head_dim);
-                    let args = [p.buf(s.partials), Arg::I32(heads as i32), Arg::I32(hd as i32)];
-                    let tail = [Arg::I32(l.wo.rows as i32), n_i, x];
-                    let bytes = (n * heads * (hd + layout::ATTEND_SPLITS + 1) * 4) as u32;
-                    let grid = (blocks(l.wo.rows), 1);
-                    let args = [&args[..], &l.wo.rows_arg(), &tail].concat();
-                    gpu.launch("combine_matvec_add", grid, ROW_THREADS, bytes, &args)?;
-                } else {
-                    let (grid, bytes, args) = add(l.wo, p.buf(s.attended));
-                    gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
-                }
-                let args = [x, n_i, Arg::Ptr(l.ffn_norm), d_i, eps];
-                let args = [&args[..], &l.gate_up.rows_arg(), &[Arg::I32(ff as i32), p.buf(s.act)]].concat();
-                gpu.launch("norm_swiglu", (blocks(ff), 1), ROW_THREADS, shared, &args)?;
-                let (grid, bytes, args) = add(l.down, p.buf(s.act));
+        let shared = (n * d * 4) as u32;
+        let blocks = |rows: usize| (rows as u32).div_ceil(MATVEC_ROWS_PER_BLOCK);
+        let add = |w: DeviceMatrix, a: Arg| {
+            let args = [&w.rows_arg()[..], &[Arg::I32(w.rows as i32), Arg::I32(w.cols as i32), a, n_i, x]].concat();
+            ((blocks(w.rows), 1), (n * w.cols * 4) as u32, args)
+        };
+        for (li, l) in self.layers.iter().enumerate() {
+            // The norm, the stacked Q/K/V projection, RoPE and the K/V store: a warp per rotary pair of rows.
+            let args = [x, n_i, Arg::Ptr(l.attn_norm), d_i, eps];
+            let args =
+                [&args[..], &l.qkv.rows_arg(), &[p.buf(s.qkv)], &attention.store_args(), &attention.shape(li)].concat();
+            let grid = ((l.qkv.rows as u32).div_ceil(2 * MATVEC_ROWS_PER_BLOCK), 1);
+            gpu.launch("norm_qkv_rope", grid, ROW_THREADS, shared, &args)?;
+            // A decode step's attention split over several blocks per head, merged where the output projection
+            // reads it; another small step's through `attended`.
+            attention.attend(gpu, li, ix.decode)?;
+            if ix.decode {
+                let (heads, hd) = (c.n_heads, c.head_dim);
+                let args = [p.buf(s.partials), Arg::I32(heads as i32), Arg::I32(hd as i32)];
+                let tail = [Arg::I32(l.wo.rows as i32), n_i, x];
+                let bytes = (n * heads * (hd + layout::ATTEND_SPLITS + 1) * 4) as u32;
+                let args = [&args[..], &l.wo.rows_arg(), &tail].concat();
+                gpu.launch("combine_matvec_add", (blocks(l.wo.rows), 1), ROW_THREADS, bytes, &args)?;
+            } else {
+                let (grid, bytes, args) = add(l.wo, p.buf(s.attended));
                 gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
             }
-            if m > 0 {
-                // The residual stream is whole already: the final norm and the logits in one kernel.
-                let out = self.output;
-                let args = [x, p.ints(p.o.logit_rows), Arg::I32(m as i32), Arg::Ptr(self.output_norm), d_i, eps];
-                let tail = [&out.rows_arg()[..], &[Arg::I32(out.rows as i32), p.buf(s.logits)]].concat();
-                gpu.launch(
-                    "norm_matvec",
-                    (blocks(out.rows), 1),
-                    ROW_THREADS,
-                    (m * d * 4) as u32,
-                    &[&args[..], &tail].concat(),
-                )?;
-                self.top_tokens(&p, m)?;
-            }
-            return Ok(());
+            let args = [x, n_i, Arg::Ptr(l.ffn_norm), d_i, eps];
+            let args = [&args[..], &l.gate_up.rows_arg(), &[Arg::I32(ff as i32), p.buf(s.act)]].concat();
+            gpu.launch("norm_swiglu", (blocks(ff), 1), ROW_THREADS, shared, &args)?;
+            let (grid, bytes, args) = add(l.down, p.buf(s.act));
+            gpu.launch("matvec_add", grid, ROW_THREADS, bytes, &args)?;
         }
+        if ix.m > 0 {
+            // The residual stream is whole already: the final norm and the logits in one kernel.
+            let out = self.output;
+            let args = [x, p.ints(p.o.logit_rows), Arg::I32(ix.m as i32), Arg::Ptr(self.output_norm), d_i, eps];
+            let args = [&args[..], &out.rows_arg(), &[Arg::I32(out.rows as i32), p.buf(s.logits)]].concat();
+            gpu.launch("norm_matvec", (blocks(out.rows), 1), ROW_THREADS, (ix.m * d * 4) as u32, &args)?;
+        }
+        Ok(())
+    }
+
+    /// The layers and the logits of a step through cuBLAS's matmuls and the fused kernels around them.
+    fn issue_matmuls(&mut self, ix: &StepIndex, block_tokens: usize, p: &Pointers) -> Result<(), ForwardError> {
+        let (c, s, n, m) = (&self.config, p.s, ix.n, ix.m);
+        let ff = c.n_ff;
+        let (x, d_i, eps) = (p.buf(s.x), Arg::I32(c.n_embd as i32), Arg::F32(c.rms_eps));
+        let (tensor_cores, cache, rope) = (self.tensor_cores, self.cache.at, self.rope);
+        let attention = Attention { config: c, ix, tensor_cores, block_tokens, cache, rope, p: *p };
+        let gpu = &mut self.gpu;
         let (y, normed) = (p.buf(s.y), p.buf(s.normed));
         for (li, l) in self.layers.iter().enumerate() {
             // The residual of the last layer's down projection (none before the first), and this layer's norm.
             let residual = if li == 0 { Arg::Ptr(0) } else { y };
             let args = [x, residual, Arg::Ptr(l.attn_norm), normed, Arg::Ptr(0), d_i, eps];
-            gpu.launch("residual_norm", (n32, 1), ROW_THREADS, 0, &args)?;
+            gpu.launch("residual_norm", (n as u32, 1), ROW_THREADS, 0, &args)?;
             gpu.gemm(l.qkv.at, l.qkv.rows, l.qkv.cols, p.at(s.normed), n, p.at(s.qkv))?;
             attention.store(gpu, li)?;
             attention.attend(gpu, li, false)?;
             gpu.gemm(l.wo.at, l.wo.rows, l.wo.cols, p.at(s.attended), n, p.at(s.y))?;
             let args = [x, y, Arg::Ptr(l.ffn_norm), normed, Arg::Ptr(0), d_i, eps];
-            gpu.launch("residual_norm", (n32, 1), ROW_THREADS, 0, &args)?;
+            gpu.launch("residual_norm", (n as u32, 1), ROW_THREADS, 0, &args)?;
             gpu.gemm(l.gate_up.at, l.gate_up.rows, l.gate_up.cols, p.at(s.normed), n, p.at(s.gate_up))?;
             let elems = n * ff;
             let args = [p.buf(s.gate_up), p.buf(s.act), Arg::I32(ff as i32), Arg::I64(elems as i64)];
@@ -553,7 +564,6 @@ impl<G: Gpu> GpuForward<G> {
             gpu.launch("residual_norm", (m as u32, 1), ROW_THREADS, 0, &args)?;
             let out = self.output;
             gpu.gemm(out.at, out.rows, out.cols, p.at(s.normed), m, p.at(s.logits))?;
-            self.top_tokens(&p, m)?;
         }
         Ok(())
     }
