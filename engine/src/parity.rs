@@ -41,7 +41,7 @@ fn token(seq: usize, i: usize, vocab: usize) -> u32 {
 }
 
 /// Runs every parity step through `backend` and returns the logits in order. Sequence `s` owns blocks
-/// `s * per_seq ..`; the chunked prefill recomputes sequence 3's prompt into blocks of its own.
+/// `s * per_seq ..`; the chunked prefill recomputes the last sequence's prompt into blocks of its own.
 pub fn run(backend: &mut dyn Backend) -> Result<Vec<Logits>, ForwardError> {
     run_plan(backend, &PLAN).map(|(logits, _)| logits)
 }

@@ -9,16 +9,9 @@ use engine::backend::gpu::{GpuForward, Options};
 use engine::generate::{Completion, Engine, EngineConfig, EngineHandle, Request, SeqEvent};
 use engine::model::Model;
 use engine::sampling::{RawSampling, SamplingParams};
-use engine::synth;
 use engine::text::TextModel;
 
-use super::forward::{HostGpu, SHAPE};
-
-fn synthetic(seed: u64) -> std::path::PathBuf {
-    let path = std::env::temp_dir().join(format!("tandem-cuda-host-engine-{seed}-{}.gguf", std::process::id()));
-    synth::write(&path, &SHAPE, seed).expect("written");
-    path
-}
+use super::forward::{HostGpu, synthetic};
 
 /// An engine over the fused forward, decode steps recorded. (Through the matmuls: the matrix-vector kernels reach a
 /// barrier per shuffle, dear on the host's fibers, and write the device's copy as the others do.)

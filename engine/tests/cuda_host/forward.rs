@@ -147,6 +147,13 @@ impl Gpu for HostGpu {
     }
 }
 
+/// A synthetic model of [`SHAPE`] from `seed`, written to a file of this process's own (the caller removes it).
+pub fn synthetic(seed: u64) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("tandem-cuda-host-{seed}-{}.gguf", std::process::id()));
+    synth::write(&path, &SHAPE, seed).expect("written");
+    path
+}
+
 /// Small enough for the fibers: two layers, four query heads over two KV heads; prompts that cross `attend`'s
 /// 128-key tiles, a chunked prefill, three batched decode steps and a mixed step.
 pub const SHAPE: SynthShape =
@@ -155,8 +162,7 @@ const PLAN: Plan = Plan { prompts: &[1, 17, 150], chunk: 64, decode_steps: 3 };
 
 #[test]
 fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
-    let path = std::env::temp_dir().join(format!("tandem-cuda-host-forward-{}.gguf", std::process::id()));
-    synth::write(&path, &SHAPE, 7).expect("written");
+    let path = synthetic(7);
     let team = engine::team::Team::new(0, "test").expect("team");
     let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
     let (want, want_kv) = parity::run_plan(&mut cpu, &PLAN).expect("the CPU runs");
@@ -236,8 +242,7 @@ fn logits(next: &Next) -> &[f32] {
 
 #[test]
 fn a_recorded_decode_step_is_replayed_for_its_own_batch_size() {
-    let path = std::env::temp_dir().join(format!("tandem-cuda-host-replay-{}.gguf", std::process::id()));
-    synth::write(&path, &SHAPE, 8).expect("written");
+    let path = synthetic(8);
     let team = engine::team::Team::new(0, "test").expect("team");
     let never = |_, _| false;
     let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
@@ -264,8 +269,7 @@ fn a_recorded_decode_step_is_replayed_for_its_own_batch_size() {
 /// stay there; the other chunks of the same steps, recorded or not, get their logits as before.
 #[test]
 fn greedy_rows_get_their_top_token_and_leave_their_logits_on_the_device() {
-    let path = std::env::temp_dir().join(format!("tandem-cuda-host-greedy-{}.gguf", std::process::id()));
-    synth::write(&path, &SHAPE, 9).expect("written");
+    let path = synthetic(9);
     let model = Model::open(&path).expect("loads");
     let vocab = model.config.n_vocab;
     // The second prompt, then each decode step's sequence 0 but every third step's sequence 1 too.
@@ -309,8 +313,7 @@ fn a_block_the_store_overwrote_since_is_not_handed_back_over_it() {
     use engine::backend::StepContext;
     use engine::forward::SeqChunk;
     use engine::kv::{BlockId, KvStore};
-    let path = std::env::temp_dir().join(format!("tandem-cuda-host-handback-{}.gguf", std::process::id()));
-    synth::write(&path, &SHAPE, 12).expect("written");
+    let path = synthetic(12);
     let model = Model::open(&path).expect("loads");
     let mut fused = GpuForward::new(HostGpu::default(), &model, "host", Options::default()).expect("weights up");
     let mut kv = KvStore::new(fused.kv_layout(parity::BLOCK_TOKENS), 4);

@@ -27,8 +27,9 @@ pub use forward::CudaBackend;
 /// forward, checked on an H100 ([`CudaBackend`]); `fused`, the fused forward over [`CudaGpu`]
 /// (`backend::gpu`), checked on the CPU with the same kernels but not yet on a GPU; `graphs`, the fused forward
 /// with decode steps recorded as CUDA graphs; `graphs-mv`, that with steps of up to four rows through
-/// matrix-vector kernels instead of cuBLAS (`backend::gpu::Options::matvec`). The choice stays an environment variable until the fused forward has
-/// been measured on a GPU and replaces the first.
+/// matrix-vector kernels over the quantized weights instead of cuBLAS (`backend::gpu::Options::matvec`,
+/// `quantized`); `graphs-mv-tc`, that with prompts' attention on tensor cores (`tensor_cores`). The choice stays
+/// an environment variable until the fused forward has been measured on a GPU and replaces the first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ForwardKind {
     Plain,
