@@ -24,7 +24,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         "ignore_eos": sampling.ignore_eos,
     });
     if let Some(seed) = sampling.seed {
-        params["sampling_seed"] = seed.into();
+        // The client's signed seed, back from the sampler's 64 bits (a seed past i64 would be refused).
+        params["sampling_seed"] = (seed as i64).into();
     }
     super::put_logits_rules(&mut params, sampling, "min_new_tokens");
     json!({"input_ids": tokens, "sampling_params": params, "stream": true})
@@ -86,6 +87,8 @@ mod tests {
             (p["max_new_tokens"].as_u64(), p["top_k"].as_i64(), p["sampling_seed"].as_u64()),
             (Some(3), Some(-1), Some(9))
         );
+        let signed = body(&[1], &pb::Sampling { seed: Some(u64::MAX - 1), ..s });
+        assert_eq!(signed["sampling_params"]["sampling_seed"].as_i64(), Some(-2));
     }
 
     #[test]

@@ -30,7 +30,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         "ignore_eos": sampling.ignore_eos,
     });
     if let Some(seed) = sampling.seed {
-        b["seed"] = seed.into();
+        // The client's signed seed, back from the sampler's 64 bits (a seed past i64 would be refused).
+        b["seed"] = (seed as i64).into();
     }
     // The same rules vLLM applies itself (Tandem's engine follows vLLM's meaning of each).
     super::put_logits_rules(&mut b, sampling, "min_tokens");
@@ -105,6 +106,8 @@ mod tests {
             (Some(true), Some(true))
         );
         assert_eq!((b["top_k"].as_u64(), b["seed"].as_u64(), b.get("model")), (Some(0), Some(1), None));
+        // A client's seed of -1 is the sampler's u64::MAX; vLLM takes seeds in i64's range only.
+        assert_eq!(body(&[5], &pb::Sampling { seed: Some(u64::MAX), ..s })["seed"].as_i64(), Some(-1));
     }
 
     #[test]

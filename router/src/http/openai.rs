@@ -63,7 +63,8 @@ pub struct Common {
     pub top_p: Option<f32>,
     /// Not OpenAI's, but vLLM's and SGLang's.
     pub top_k: Option<u32>,
-    pub seed: Option<u64>,
+    /// OpenAI's seed is any 64-bit signed integer (so is vLLM's); the sampler takes its 64 bits.
+    pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub n: Option<u32>,
     #[serde(default)]
@@ -365,7 +366,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         temperature,
         top_p,
         top_k: c.top_k,
-        seed: c.seed,
+        seed: c.seed.map(|s| s as u64),
         stop,
         ignore_eos: c.ignore_eos,
         namespace: c.cache_salt.filter(|s| !s.is_empty()),
@@ -487,6 +488,16 @@ mod tests {
         assert_eq!((c.max_tokens, c.temperature, c.top_p, c.seed), (Some(5), 0.0, 0.5, Some(3)));
         assert_eq!(c.stop, vec!["\n".to_string()]);
         assert!(c.stream && c.include_usage);
+        // OpenAI's and vLLM's seeds are signed: a negative one is a seed like any other, past i64 is not one.
+        let seeded = |seed: &str| {
+            check_chat(
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"seed":{seed}}}"#).as_bytes(),
+            )
+            .map(|c| c.seed)
+        };
+        assert_eq!(seeded("-5").ok(), Some(Some(-5i64 as u64)));
+        assert_eq!(seeded("-9223372036854775808").ok(), Some(Some(1 << 63)));
+        assert!(seeded("9223372036854775808").is_err());
         let Input::Chat(m) = c.input else { panic!("chat") };
         assert_eq!(m.len(), 2);
     }
