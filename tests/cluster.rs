@@ -147,10 +147,18 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
         assert!(e["message"].is_string() && e["type"].is_string(), "{name}: {}", r.body);
         assert!(r.body.contains(needle), "{name}: {}", r.body);
     }
-    // An over-long prompt, not just an over-long budget.
+    let r = http(addr, "POST", "/v1/chat/completions", &chat(r#","max_tokens":100000"#), &auth).await;
+    assert_eq!(r.json()["error"]["param"], "messages", "{}", r.body);
+    // An over-long prompt, not just an over-long budget: the error names the completions endpoint's field.
     let long = "word ".repeat(9000);
     let r = http(addr, "POST", "/v1/completions", &format!(r#"{{"model":"{MODEL}","prompt":"{long}"}}"#), &auth).await;
     assert_eq!(r.status, 413, "{}", r.body);
+    assert_eq!(
+        (r.json()["error"]["code"].as_str(), r.json()["error"]["param"].as_str()),
+        (Some("context_length_exceeded"), Some("prompt")),
+        "{}",
+        r.body
+    );
 
     // Live config: read, change, refuse nonsense.
     let r = http(addr, "GET", "/admin/router-config", "", &auth).await;

@@ -117,7 +117,12 @@ pub async fn plan(
     let room = state.max_model_len.saturating_sub(tokens.len());
     let max_tokens = checked.max_tokens.unwrap_or(state.limits.default_max_tokens.min(room as u32));
     if room == 0 || max_tokens as usize > room {
-        return Err(ApiError::TooLong { prompt: tokens.len(), max_tokens, context: state.max_model_len });
+        // The field that holds the prompt is the one named: `messages` or `prompt`.
+        let param = match checked.endpoint {
+            Endpoint::Chat => "messages",
+            Endpoint::Completion => "prompt",
+        };
+        return Err(ApiError::TooLong { prompt: tokens.len(), max_tokens, context: state.max_model_len, param });
     }
     let block_size = state.cluster.model().block_size;
     let bs = BlockSize::new(block_size)

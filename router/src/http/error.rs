@@ -23,7 +23,7 @@ pub enum ApiError {
     #[error(
         "the prompt has {prompt} tokens; with max_tokens {max_tokens} this exceeds the model's context of {context} tokens"
     )]
-    TooLong { prompt: usize, max_tokens: u32, context: usize },
+    TooLong { prompt: usize, max_tokens: u32, context: usize, param: &'static str },
     #[error("the router is at capacity; retry after {}s", .0.as_secs())]
     Overloaded(Duration),
     #[error("no worker can take the request now: {0}")]
@@ -93,7 +93,7 @@ impl ApiError {
             ApiError::Unauthorized => ("invalid_request_error", Some("invalid_api_key"), None),
             ApiError::Forbidden(_) => ("permission_error", None, None),
             ApiError::UnknownModel(_) => ("invalid_request_error", Some("model_not_found"), Some("model")),
-            ApiError::TooLong { .. } => ("invalid_request_error", Some("context_length_exceeded"), Some("messages")),
+            ApiError::TooLong { param, .. } => ("invalid_request_error", Some("context_length_exceeded"), Some(*param)),
             ApiError::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded"), None),
             ApiError::Unavailable(_) | ApiError::Upstream(_) => ("server_error", None, None),
             ApiError::Deadline(_) => ("server_error", Some("timeout"), None),
