@@ -176,6 +176,17 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
     let models = http(addr, "GET", "/v1/models", "", &auth).await.json();
     assert_eq!(models["data"][0]["id"], MODEL);
     assert_eq!(models["data"][0]["max_model_len"], 8192, "the context, as vLLM reports it: {models}");
+    let one = http(addr, "GET", &format!("/v1/models/{MODEL}"), "", &auth).await;
+    assert_eq!((one.status, one.json()), (200, models["data"][0].clone()), "OpenAI's retrieve call");
+    let other = http(addr, "GET", "/v1/models/org/gpt-9", "", &auth).await;
+    assert_eq!(
+        (other.status, other.json()["error"]["code"].as_str()),
+        (404, Some("model_not_found")),
+        "{}",
+        other.body
+    );
+    assert!(other.body.contains("org/gpt-9"), "{}", other.body);
+    assert_eq!(http(addr, "GET", &format!("/v1/models/{MODEL}"), "", &[]).await.status, 401);
     assert_eq!(http(addr, "GET", "/health", "", &[]).await.status, 200);
     assert_eq!(http(addr, "GET", "/ready", "", &[]).await.status, 200);
     router.shutdown(Duration::from_secs(5)).await;

@@ -100,6 +100,7 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
         assert!(v["rank"].as_u64().is_some_and(|r| (1..=9).contains(&r)), "{v}");
     }
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
+    assert_eq!(got["retrieved"], "smollm2-135m-instruct", "client.models.retrieve");
 
     // Ctrl-C stops the whole cluster cleanly.
     let status = Command::new("kill").args(["-INT", &up.child.id().to_string()]).status().expect("kill runs");

@@ -96,6 +96,7 @@ def main() -> None:
         unknown_model = type(e).__name__
 
     models = [m.id for m in client.models.list()]
+    retrieved = client.models.retrieve("smollm2-135m-instruct").id
     print(
         json.dumps(
             {
@@ -114,6 +115,7 @@ def main() -> None:
                 "structured": [c.message.content for c in structured.choices],
                 "unknown_model": unknown_model,
                 "models": models,
+                "retrieved": retrieved,
             }
         )
     )

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{ConnectInfo, State};
+use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -37,6 +37,7 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completion))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(|| async { "ok" }))
@@ -197,12 +198,25 @@ async fn models(state: Shared, headers: HeaderMap) -> Response {
     if let Err(e) = authorize(&state, &headers) {
         return e.into_response();
     }
-    axum::Json(json!({"object": "list", "data": [
-        // `max_model_len` as vLLM reports it: load generators size their prompts by it.
-        {"id": state.served_model, "object": "model", "created": 0, "owned_by": "tandem",
-         "max_model_len": state.max_model_len}
-    ]}))
-    .into_response()
+    axum::Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
+}
+
+/// `GET /v1/models/{model}`: OpenAI's retrieve call (`client.models.retrieve`), the served model or 404. The
+/// rest of the path is the id: served names may have slashes (`org/model`).
+async fn model(state: Shared, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    if id != state.served_model {
+        return ApiError::UnknownModel(id).into_response();
+    }
+    axum::Json(model_object(&state)).into_response()
+}
+
+fn model_object(state: &RouterState) -> Value {
+    // `max_model_len` as vLLM reports it: load generators size their prompts by it.
+    json!({"id": state.served_model, "object": "model", "created": 0, "owned_by": "tandem",
+           "max_model_len": state.max_model_len})
 }
 
 /// `POST /tokenize` as vLLM serves it: a `prompt`, or `messages` through the chat template, to token ids.
