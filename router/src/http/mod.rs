@@ -69,13 +69,11 @@ async fn openai_shaped(resp: Response) -> Response {
     resp
 }
 
-/// The bearer key a request carries.
+/// The bearer key a request carries. The scheme's name is case-insensitive (RFC 9110): `bearer` is `Bearer`.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim_start();
+    let (scheme, key) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
 }
 
 /// Checks the client's bearer key when keys are configured.
@@ -478,6 +476,18 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, format!("Bearer {k}").parse().expect("header"));
         h
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_read_in_any_case() {
+        let with = |v: &str| HeaderMap::from_iter([(header::AUTHORIZATION, v.parse().expect("header"))]);
+        for v in ["Bearer sk-a", "bearer sk-a", "BEARER  sk-a ", " Bearer sk-a"] {
+            assert_eq!(bearer(&with(v)), Some("sk-a"), "{v:?}");
+        }
+        for v in ["Basic sk-a", "Bearersk-a", "sk-a", "Bearer"] {
+            assert_eq!(bearer(&with(v)), None, "{v:?}");
+        }
+        assert_eq!(bearer(&HeaderMap::new()), None);
     }
 
     #[test]
