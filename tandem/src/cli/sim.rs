@@ -130,7 +130,7 @@ pub struct ClusterArgs {
     decode_idle_timeout_ms: Option<u64>,
     /// Router replicas, requests spread over them in turn, each with its own view and its own accounting of what
     /// it sent (the herding question: do they all pick the same "least loaded" worker?).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     routers: usize,
     /// A mixed prefill pool: speed-ups of the profile, cycled over the prefill workers (e.g. `1,0.5`: every other
     /// worker half as fast).
@@ -663,6 +663,15 @@ mod tests {
         let parsed =
             Cluster::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).map_err(|e| e.to_string())?;
         parsed.cluster.timeouts(&parsed.cluster.router_file()?)
+    }
+
+    #[test]
+    fn a_cluster_has_at_least_one_router() {
+        use clap::Parser;
+        let parse = |n: &str| Cluster::try_parse_from(["sim", "--routers", n]).map(|c| c.cluster.routers);
+        assert_eq!(parse("3").ok(), Some(3));
+        let err = parse("0").expect_err("no router").to_string();
+        assert!(err.contains("--routers"), "{err}");
     }
 
     #[test]

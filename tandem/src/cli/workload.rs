@@ -117,6 +117,10 @@ impl WorkloadArgs {
         if let Some(n) = max {
             requests.truncate(n);
         }
+        if requests.is_empty() {
+            // A run of nothing would print a table of zeros, as if measured.
+            return Err("the workload has no requests (an empty trace, or --max-requests 0)".into());
+        }
         Ok(requests)
     }
 
@@ -191,6 +195,11 @@ mod tests {
         assert!(e.contains("leaves none of the trace's 5 requests"), "{e}");
         let e = args(&["--skip-requests", "1", "--max-requests", "3"]).requests(0, 512).expect_err("no trace");
         assert!(e.contains("give --trace"), "{e}");
+        for none in [read(&["--max-requests", "0"]), args(&["--max-requests", "0"]).requests(0, 512)] {
+            assert!(none.expect_err("nothing to run").contains("no requests"));
+        }
+        std::fs::write(&trace, "").expect("emptied");
+        assert!(read(&[]).expect_err("an empty trace").contains("no requests"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
