@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use engine::backend::gpu::{Arg, DevicePtr, Gpu, GpuForward, Options};
+use engine::backend::gpu::{Arg, DevicePtr, Gpu, GpuForward, Options, SHARED_LIMIT, matvec_fits};
 use engine::backend::{Backend, Next};
 use engine::forward::ForwardError;
 use engine::model::Model;
@@ -41,6 +41,12 @@ impl HostGpu {
         }
         match work {
             Work::Launch { kernel, grid, threads, shared, args } => {
+                // As on a device: a launch asking for more shared memory than it gives unasked fails.
+                if shared as usize > SHARED_LIMIT {
+                    return Err(ForwardError::Device(format!(
+                        "kernel {kernel} asked for {shared} bytes of shared memory"
+                    )));
+                }
                 match super::try_launch(kernel, grid, threads, shared, &args) {
                     0 => Ok(()),
                     _ => Err(ForwardError::Device(format!("kernel {kernel} did not launch"))),
@@ -195,6 +201,47 @@ fn the_fused_forward_over_these_kernels_gives_the_cpu_engines_logits() {
         // too; the longer prompts, the chunks and the mixed step ran as issued.
         let gpu = fused.gpu();
         assert_eq!((gpu.recorded, gpu.replayed), if record { (2, 4) } else { (0, 0) }, "{options:?}");
+    }
+    std::fs::remove_file(path).ok();
+}
+
+/// A model whose feed-forward is too wide for the matrix-vector kernels' shared memory (two rows of 8,192 floats
+/// are 64 KiB) takes the matmuls for its small steps too, and gives the CPU's logits; SmolLM2-135M's shape and the
+/// tests' fit, a Llama-3-8B's (4,096 wide) does not.
+#[test]
+fn a_model_too_wide_for_the_matrix_vector_kernels_takes_the_matmuls() {
+    let shape = SynthShape { n_layers: 1, n_ff: 8192, ..SHAPE };
+    let path = std::env::temp_dir().join(format!("tandem-cuda-host-wide-{}.gguf", std::process::id()));
+    synth::write(&path, &shape, 11).expect("written");
+    let model = Model::open(&path).expect("loads");
+    assert!(!matvec_fits(&model.config));
+    let fits = |shape: &SynthShape| {
+        let config = engine::model::ModelConfig {
+            n_layers: shape.n_layers,
+            n_embd: shape.n_embd,
+            n_ff: shape.n_ff,
+            n_heads: shape.n_heads,
+            n_kv_heads: shape.n_kv_heads,
+            head_dim: shape.n_embd / shape.n_heads,
+            rope_base: 10_000.0,
+            rms_eps: 1e-5,
+            n_vocab: shape.n_vocab,
+            context_len: shape.context_len,
+        };
+        matvec_fits(&config)
+    };
+    assert!(fits(&SHAPE) && fits(&SynthShape::SMOLLM2_135M));
+    assert!(!fits(&SynthShape { n_embd: 4096, n_ff: 14_336, n_heads: 32, n_kv_heads: 8, ..SynthShape::SMOLLM2_135M }));
+    let team = engine::team::Team::new(0, "test").expect("team");
+    let mut cpu = engine::backend::cpu::CpuBackend::new(Model::open(&path).expect("loads"), team);
+    // Two sequences decoding together: their rows of the feed-forward's output would ask for 64 KiB.
+    let plan = Plan { prompts: &[1, 17], chunk: 64, decode_steps: 2 };
+    let (want, _) = parity::run_plan(&mut cpu, &plan).expect("the CPU runs");
+    let options = Options { record: true, matvec: true, tensor_cores: false, quantized: true };
+    let mut fused = GpuForward::new(HostGpu::default(), &model, "host", options).expect("weights up");
+    let (got, _) = parity::run_plan(&mut fused, &plan).expect("the fused forward runs");
+    for c in parity::compare(&want, &got).expect("the same steps") {
+        assert!(c.passes(0.01), "{c:?}");
     }
     std::fs::remove_file(path).ok();
 }

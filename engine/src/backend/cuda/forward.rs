@@ -31,6 +31,10 @@ use crate::model::{Matrix, Model, ModelConfig};
 const ROW_THREADS: u32 = 256;
 /// Threads per block of the attention kernel.
 const ATTENTION_THREADS: u32 = 128;
+/// The longest sequence this pass attends over: the `attention` kernel keeps a row's scores, a float per
+/// position, in the shared memory a device gives unasked, next to its own 256 bytes of reductions. Longer
+/// sequences are refused before they run ([`Backend::context_len`]) instead of failing every launch.
+const MAX_POSITIONS: usize = (crate::backend::gpu::SHARED_LIMIT - 1024) / 4;
 
 struct Kernels {
     dequant_q8_0: CudaFunction,
@@ -388,7 +392,7 @@ impl Backend for CudaBackend {
     }
 
     fn context_len(&self) -> usize {
-        self.config.context_len
+        self.config.context_len.min(MAX_POSITIONS)
     }
 
     fn kv_layout(&self, block_tokens: usize) -> KvLayout {

@@ -66,6 +66,22 @@ pub const MAX_RECORDED_ROWS: usize = 256;
 pub const MATVEC_MAX_ROWS: usize = layout::SPLIT_MAX_ROWS;
 /// Output rows per block of the matrix-vector kernels (a warp each: `MV_WARPS`).
 const MATVEC_ROWS_PER_BLOCK: u32 = 8;
+/// Dynamic shared memory every CUDA device gives a kernel without being asked for more (48 KiB); a launch asking
+/// for more fails.
+pub const SHARED_LIMIT: usize = 48 << 10;
+/// What the matrix-vector kernels' staged inputs may take of [`SHARED_LIMIT`]: the rest is for their reductions'
+/// own arrays.
+const MATVEC_SHARED: usize = SHARED_LIMIT - 1024;
+
+/// Whether a model shaped as `c` can take the matrix-vector kernels: at [`MATVEC_MAX_ROWS`] rows, the inputs they
+/// stage in shared memory (a projection's input row, of the model's width, the feed-forward's or the attention's
+/// output; or the split attention's partials, `combine_matvec_add`'s) fit [`MATVEC_SHARED`]. SmolLM2-135M's
+/// widest, its 1,536-wide feed-forward, takes 24 KiB; a wider model's small steps go through the matmuls instead.
+pub fn matvec_fits(c: &ModelConfig) -> bool {
+    let partials = c.n_heads * (c.head_dim + layout::ATTEND_SPLITS + 1);
+    let widest = [c.n_embd, c.n_ff, c.n_heads * c.head_dim, partials].into_iter().max().unwrap_or(0);
+    MATVEC_MAX_ROWS * widest * 4 <= MATVEC_SHARED
+}
 
 /// How the fused forward runs, beyond its kernels.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -75,7 +91,8 @@ pub struct Options {
     /// Steps of up to [`MATVEC_MAX_ROWS`] rows through matrix-vector kernels that also do the norm, the residual
     /// add and SiLU-multiply (no cuBLAS) instead of the matmuls; such decode steps split
     /// each row's keys over `ATTEND_SPLITS` thread blocks per head (`attend_split`), merged where the output
-    /// projection reads them (`combine_matvec_add`).
+    /// projection reads them (`combine_matvec_add`). Only for models whose rows fit the kernels' shared memory
+    /// ([`matvec_fits`]).
     pub matvec: bool,
     /// Prompts' attention on tensor cores (`attend_rows_tc`), where the device has them and heads are a multiple of
     /// 16 dims (of up to 128).
@@ -334,7 +351,8 @@ fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
 impl<G: Gpu> GpuForward<G> {
     /// Uploads `model`'s weights to `gpu` (quantized matrices dequantized there). `name` is the backend's name.
     pub fn new(mut gpu: G, model: &Model, name: &'static str, options: Options) -> Result<GpuForward<G>, ForwardError> {
-        let keep = options.matvec && options.quantized;
+        let matvec = options.matvec && matvec_fits(&model.config);
+        let keep = matvec && options.quantized;
         let mut layers = Vec::with_capacity(model.layers.len());
         for l in &model.layers {
             layers.push(DeviceLayer {
@@ -371,7 +389,7 @@ impl<G: Gpu> GpuForward<G> {
             layout: None,
             index: Grown::default(),
             recorded: options.record.then(HashMap::new),
-            matvec: options.matvec,
+            matvec,
             tensor_cores: options.tensor_cores && gpu_tensor_cores,
         })
     }
