@@ -35,6 +35,7 @@ const ATTENTION_THREADS: u32 = 128;
 /// position, in the shared memory a device gives unasked, next to its own 256 bytes of reductions. Longer
 /// sequences are refused before they run ([`Backend::context_len`]) instead of failing every launch.
 const MAX_POSITIONS: usize = (crate::backend::gpu::SHARED_LIMIT - 1024) / 4;
+const _: () = assert!(MAX_POSITIONS * 4 + 256 <= crate::backend::gpu::SHARED_LIMIT);
 
 struct Kernels {
     dequant_q8_0: CudaFunction,
