@@ -24,9 +24,15 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
+/// A boolean field that may be `null`, which OpenAI's schema allows for its optional fields: absent, `null` and
+/// `false` are the same.
+fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 #[derive(Debug, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub include_usage: bool,
 }
 
@@ -67,7 +73,7 @@ pub struct Common {
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub n: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
@@ -75,7 +81,7 @@ pub struct Common {
     pub safety_identifier: Option<String>,
     /// Keep prefixes of this tenant apart from everyone else's (vLLM's `cache_salt`).
     pub cache_salt: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub ignore_eos: bool,
     /// Token id (a string, as OpenAI's JSON has it) to bias.
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
@@ -500,6 +506,22 @@ mod tests {
         assert!(seeded("9223372036854775808").is_err());
         let Input::Chat(m) = c.input else { panic!("chat") };
         assert_eq!(m.len(), 2);
+    }
+
+    #[test]
+    fn null_is_what_leaving_a_field_out_is() {
+        let nulls = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":null,"stop":null,
+            "n":null,"seed":null,"temperature":null,"top_p":null,"stream":null,"stream_options":{"include_usage":null},
+            "logprobs":null,"top_logprobs":null,"response_format":null,"tools":null,"tool_choice":null,"user":null,
+            "frequency_penalty":null,"presence_penalty":null,"logit_bias":null,"ignore_eos":null}"#;
+        let c = check_chat(nulls.as_bytes()).expect("nulls are absent fields");
+        let plain = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).expect("valid");
+        assert_eq!(
+            (c.stream, c.include_usage, c.ignore_eos, c.max_tokens, c.seed, c.temperature, c.logprobs),
+            (false, false, false, None, None, plain.temperature, None)
+        );
+        let c = check_completion(br#"{"model":"m","prompt":"x","stream":null,"echo":null,"logprobs":null}"#);
+        assert!(c.is_ok_and(|c| !c.stream));
     }
 
     #[test]
