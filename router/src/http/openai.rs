@@ -34,6 +34,27 @@ fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Erro
 pub struct StreamOptions {
     #[serde(default, deserialize_with = "null_is_false")]
     pub include_usage: bool,
+    /// vLLM's usage in every chunk: refused when asked for ([`check_stream_options`]).
+    #[serde(default, deserialize_with = "null_is_false")]
+    pub continuous_usage_stats: bool,
+    /// OpenAI's padding of stream events against size side channels: accepted, with no effect (docs/api.md).
+    #[serde(default)]
+    pub include_obfuscation: Option<bool>,
+    /// Any other option, to be named in the refusal.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+/// `stream_options` asks only for what the router does: the usage once, after the last choice.
+fn check_stream_options(o: &StreamOptions) -> Result<(), ApiError> {
+    let refused = if let Some(name) = o.other.keys().next() {
+        format!("unknown stream option `{name}`")
+    } else if o.continuous_usage_stats {
+        "stream_options.continuous_usage_stats is not supported: the usage comes once, after the last choice".into()
+    } else {
+        return Ok(());
+    };
+    Err(ApiError::bad(refused, "stream_options"))
 }
 
 #[derive(Debug, Deserialize)]
@@ -324,6 +345,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoint) -> Res
 }
 
 fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
+    c.stream_options.as_ref().map_or(Ok(()), check_stream_options)?;
     let logits = check_logits(&c, c.max_completion_tokens.or(c.max_tokens))?;
     let logprobs = check_logprobs(&c, endpoint)?;
     let grammar = check_grammar(&c)?;
@@ -522,6 +544,27 @@ mod tests {
         );
         let c = check_completion(br#"{"model":"m","prompt":"x","stream":null,"echo":null,"logprobs":null}"#);
         assert!(c.is_ok_and(|c| !c.stream));
+    }
+
+    #[test]
+    fn stream_options_ask_only_for_what_is_done() {
+        let with = |o: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"x","stream":true,"stream_options":{o}}}"#);
+            check_completion(body.as_bytes()).map(|c| c.include_usage).map_err(|e| e.body()["error"].clone())
+        };
+        assert_eq!(
+            with(r#"{"include_usage":true,"continuous_usage_stats":false,"include_obfuscation":true}"#),
+            Ok(true)
+        );
+        assert_eq!(with("{}"), Ok(false));
+        for (options, word) in [
+            (r#"{"continuous_usage_stats":true}"#, "continuous_usage_stats"),
+            (r#"{"include_usage":true,"usage_every":3}"#, "usage_every"),
+        ] {
+            let e = with(options).expect_err(options);
+            assert_eq!(e["param"], "stream_options", "{e}");
+            assert!(e["message"].as_str().is_some_and(|m| m.contains(word)), "{e}");
+        }
     }
 
     #[test]
