@@ -43,7 +43,7 @@ fn never(_: &Value) -> bool {
     false
 }
 
-const NO_TOOLS: &str = "the served model's chat template has no tool support";
+pub(super) const NO_TOOLS: &str = "the served model's chat template has no tool support";
 const NOT_REASONING: &str = "the served model is not a reasoning model";
 
 /// Fields both endpoints take (OpenAI's, then vLLM's extra ones).

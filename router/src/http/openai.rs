@@ -78,6 +78,11 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's calls of tools: refused unless empty, as `tools` is (the template has no tool support).
+    #[serde(default)]
+    pub tool_calls: Option<serde_json::Value>,
+    #[serde(default)]
+    pub function_call: Option<serde_json::Value>,
 }
 
 /// Fields shared by both endpoints.
@@ -420,6 +425,13 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
             return Err(ApiError::bad(format!("unknown message role `{}`", m.role), "messages"));
         }
+        for (name, calls) in [("tool_calls", &m.tool_calls), ("function_call", &m.function_call)] {
+            let none = calls.as_ref().is_none_or(|v| v.is_null() || v.as_array().is_some_and(Vec::is_empty));
+            if !none {
+                let message = format!("messages with `{name}` are not supported: {}", super::fields::NO_TOOLS);
+                return Err(ApiError::bad(message, "messages"));
+            }
+        }
         let content = match m.content {
             None => String::new(),
             Some(Content::Text(t)) => t,
@@ -544,6 +556,28 @@ mod tests {
         );
         let c = check_completion(br#"{"model":"m","prompt":"x","stream":null,"echo":null,"logprobs":null}"#);
         assert!(c.is_ok_and(|c| !c.stream));
+    }
+
+    #[test]
+    fn a_turn_that_called_tools_is_refused_as_tools_are() {
+        let with = |m: &str| {
+            check_chat(format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#).as_bytes())
+        };
+        let call = r#"[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]"#;
+        for m in [
+            format!(r#"{{"role":"assistant","content":null,"tool_calls":{call}}}"#),
+            r#"{"role":"assistant","function_call":{"name":"f","arguments":"{}"}}"#.to_string(),
+        ] {
+            let e = with(&m).expect_err("a tool call").body();
+            assert_eq!(e["error"]["param"], "messages", "{e}");
+            assert!(e["error"]["message"].as_str().is_some_and(|t| t.contains("tool support")), "{e}");
+        }
+        for m in [
+            r#"{"role":"assistant","content":"hi","tool_calls":[]}"#,
+            r#"{"role":"assistant","content":"hi","tool_calls":null}"#,
+        ] {
+            assert!(with(m).is_ok(), "{m}");
+        }
     }
 
     #[test]
