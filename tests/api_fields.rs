@@ -519,10 +519,22 @@ async fn tokenize_and_detokenize_as_vllm_serves_them() {
     let chat = json!({"model": MODEL, "messages": messages, "max_tokens": 1}).to_string();
     let used = http(router.addr, "POST", "/v1/chat/completions", &chat, &[]).await.json();
     assert_eq!(counted["count"], used["usage"]["prompt_tokens"], "{counted} {used}");
+    // vLLM's other fields: each token's vocabulary text; the special tokens added (none by this model's tokenizer).
+    let body = json!({"prompt": text, "return_token_strs": true, "add_special_tokens": false});
+    let v = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await.json();
+    let strs: Vec<String> = serde_json::from_value(v["token_strs"].clone()).expect("token_strs");
+    assert_eq!((v["tokens"].clone(), strs.len()), (json!(want), want.len()), "{v}");
+    assert_eq!(strs.concat().replace('\u{120}', " "), text, "GPT-2's alphabet: Ġ is a space");
+    let body = json!({"messages": messages, "add_generation_prompt": true, "add_special_tokens": null});
+    let v = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await.json();
+    assert_eq!((v["count"].clone(), v.get("token_strs")), (counted["count"].clone(), None), "{v}");
     for (path, body, param) in [
         ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
         ("/tokenize", json!({"prompt": 5}), "prompt"),
         ("/tokenize", json!({"model": "other", "prompt": "x"}), "model"),
+        ("/tokenize", json!({"prompt": "x", "return_tokens_strs": true}), "return_tokens_strs"),
+        ("/tokenize", json!({"messages": messages, "add_generation_prompt": false}), "add_generation_prompt"),
+        ("/tokenize", json!({"prompt": "x", "return_token_strs": "yes"}), "return_token_strs"),
     ] {
         let r = http(router.addr, "POST", path, &body.to_string(), &[]).await;
         assert!(r.status == 400 || r.status == 404, "{path} {body}: {}", r.body);

@@ -246,6 +246,11 @@ impl Tokenizer {
         &self.special
     }
 
+    /// The BOS [`encode`](Self::encode) puts first, when the model asks for one.
+    pub fn added_bos(&self) -> Option<u32> {
+        self.special.bos.filter(|_| self.add_bos)
+    }
+
     /// Whether `id` is a control or user-defined token (its text stands for it; it is not ordinary text).
     pub fn is_special(&self, id: u32) -> bool {
         self.specials.iter().any(|(_, s)| *s == id)

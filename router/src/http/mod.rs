@@ -223,6 +223,20 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
         authorize(&state, &headers)?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         check_model(&state, &v)?;
+        let flag = |name: &str| match v.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(ApiError::bad_field(format!("`{name}` is true or false"), name)),
+        };
+        // vLLM's fields; any other is refused by name, as on the completion endpoints.
+        let known = ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"];
+        if let Some(name) = v.as_object().into_iter().flat_map(|o| o.keys()).find(|k| !known.contains(&k.as_str())) {
+            return Err(ApiError::bad_field(format!("unknown field `{name}` for this endpoint"), name));
+        }
+        if flag("add_generation_prompt")? == Some(false) {
+            let why = "add_generation_prompt false is not supported: messages are rendered as a chat request's are";
+            return Err(ApiError::bad(why, "add_generation_prompt"));
+        }
         let text = match (v.get("prompt"), v.get("messages")) {
             (Some(Value::String(p)), None) => p.clone(),
             (None, Some(_)) => {
@@ -235,8 +249,20 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
             }
             _ => return Err(ApiError::bad("give either `prompt` (a string) or `messages`", "prompt")),
         };
-        let tokens = state.text.tokenizer().encode(&text);
-        Ok(json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens}))
+        let tokenizer = state.text.tokenizer();
+        let mut tokens = tokenizer.encode(&text);
+        // The one special token encoding adds is the model's BOS; `add_special_tokens: false` leaves it out.
+        if flag("add_special_tokens")? == Some(false)
+            && tokenizer.added_bos().is_some_and(|b| tokens.first() == Some(&b))
+        {
+            tokens.remove(0);
+        }
+        let mut answer = json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens});
+        if flag("return_token_strs")? == Some(true) {
+            let strs: Vec<&str> = tokens.iter().map(|&t| tokenizer.token_text(t).unwrap_or("")).collect();
+            answer["token_strs"] = json!(strs);
+        }
+        Ok(answer)
     };
     match answer.await {
         Ok(v) => axum::Json(v).into_response(),
