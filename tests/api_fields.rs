@@ -535,6 +535,7 @@ async fn tokenize_and_detokenize_as_vllm_serves_them() {
         ("/tokenize", json!({"prompt": "x", "return_tokens_strs": true}), "return_tokens_strs"),
         ("/tokenize", json!({"messages": messages, "add_generation_prompt": false}), "add_generation_prompt"),
         ("/tokenize", json!({"prompt": "x", "return_token_strs": "yes"}), "return_token_strs"),
+        ("/detokenize", json!({"tokens": [1], "skip_special_tokens": true}), "skip_special_tokens"),
     ] {
         let r = http(router.addr, "POST", path, &body.to_string(), &[]).await;
         assert!(r.status == 400 || r.status == 404, "{path} {body}: {}", r.body);

@@ -229,10 +229,10 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
             Some(_) => Err(ApiError::bad_field(format!("`{name}` is true or false"), name)),
         };
         // vLLM's fields; any other is refused by name, as on the completion endpoints.
-        let known = ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"];
-        if let Some(name) = v.as_object().into_iter().flat_map(|o| o.keys()).find(|k| !known.contains(&k.as_str())) {
-            return Err(ApiError::bad_field(format!("unknown field `{name}` for this endpoint"), name));
-        }
+        only_fields(
+            &v,
+            &["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"],
+        )?;
         if flag("add_generation_prompt")? == Some(false) {
             let why = "add_generation_prompt false is not supported: messages are rendered as a chat request's are";
             return Err(ApiError::bad(why, "add_generation_prompt"));
@@ -276,6 +276,7 @@ async fn detokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
         authorize(&state, &headers)?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         check_model(&state, &v)?;
+        only_fields(&v, &["model", "tokens"])?;
         let ids: Vec<u32> = v
             .get("tokens")
             .and_then(|t| serde_json::from_value(t.clone()).ok())
@@ -286,6 +287,15 @@ async fn detokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
     match answer.await {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+/// A tokenizer endpoint's body has only vLLM's fields for it: any other is refused by name, as on the completion
+/// endpoints.
+fn only_fields(v: &Value, known: &[&str]) -> Result<(), ApiError> {
+    match v.as_object().into_iter().flat_map(|o| o.keys()).find(|k| !known.contains(&k.as_str())) {
+        Some(name) => Err(ApiError::bad_field(format!("unknown field `{name}` for this endpoint"), name)),
+        None => Ok(()),
     }
 }
 
