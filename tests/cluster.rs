@@ -149,6 +149,20 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
     }
     let r = http(addr, "POST", "/v1/chat/completions", &chat(r#","max_tokens":100000"#), &auth).await;
     assert_eq!(r.json()["error"]["param"], "messages", "{}", r.body);
+    // Each answer names its request, a refusal too: `x-request-id` is the response's id, and the client's own id
+    // (OpenAI's `X-Client-Request-Id`) comes back.
+    assert!(r.header("x-request-id").is_some_and(|id| id.starts_with("chatcmpl-")), "{:?}", r.headers);
+    let mine = [auth[0], ("x-client-request-id", "run-7/req-1")];
+    let r =
+        http(addr, "POST", "/v1/completions", &format!(r#"{{"model":"{MODEL}","prompt":"hi","max_tokens":1}}"#), &mine)
+            .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-request-id"), r.json()["id"].as_str());
+    assert_eq!(r.header("x-client-request-id"), Some("run-7/req-1"));
+    let long = "x".repeat(513);
+    let r = http(addr, "POST", "/v1/chat/completions", &chat(""), &[auth[0], ("x-client-request-id", &long)]).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.json()["error"]["message"].as_str().is_some_and(|m| m.contains("x-client-request-id")), "{}", r.body);
     // An over-long prompt, not just an over-long budget: the error names the completions endpoint's field.
     let long = "word ".repeat(9000);
     let r = http(addr, "POST", "/v1/completions", &format!(r#"{{"model":"{MODEL}","prompt":"{long}"}}"#), &auth).await;

@@ -132,6 +132,7 @@ fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::Span {
         gen_ai.response.finish_reasons = tracing::field::Empty,
         user = tracing::field::Empty,
         safety_identifier = tracing::field::Empty,
+        client_request_id = tracing::field::Empty,
     );
     let client = traceparent(headers);
     telemetry::trace::set_parent(&span, client.as_deref());
@@ -149,19 +150,60 @@ fn check(endpoint: Endpoint, body: &[u8]) -> Result<Checked, ApiError> {
     }
 }
 
+/// The id OpenAI's clients may send to find a request later (`X-Client-Request-Id`): echoed back and recorded on
+/// the request's span.
+const CLIENT_REQUEST_ID: &str = "x-client-request-id";
+/// OpenAI's limit on it.
+const CLIENT_REQUEST_ID_MAX: usize = 512;
+
+/// Every answer of a completion endpoint names its request, errors too, as OpenAI's do: `x-request-id` (the
+/// response's `id`) and the client's own `x-client-request-id`, which is refused unless it is at most 512 ASCII
+/// characters.
 async fn generate(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
     let span = request_span(endpoint, &headers);
-    run_request(state, headers, body, endpoint).instrument(span).await
+    let ident = completions::Ident::new(&state, endpoint);
+    span.record("request_id", ident.id.as_str());
+    let id = header::HeaderValue::from_str(&ident.id).ok();
+    let client = headers.get(CLIENT_REQUEST_ID).cloned();
+    let mut response = match &client {
+        Some(c) if c.len() > CLIENT_REQUEST_ID_MAX || c.to_str().is_err() => {
+            let route = route_of(endpoint);
+            let message = format!("{CLIENT_REQUEST_ID} must be at most {CLIENT_REQUEST_ID_MAX} ASCII characters");
+            fail(&state, route, ApiError::BadRequest { message, param: None })
+        }
+        _ => {
+            if let Some(c) = client.as_ref().and_then(|c| c.to_str().ok()) {
+                span.record("client_request_id", c);
+            }
+            run_request(state, headers, body, endpoint, ident).instrument(span).await
+        }
+    };
+    let h = response.headers_mut();
+    if let Some(id) = id {
+        h.insert("x-request-id", id);
+    }
+    if let Some(c) = client {
+        h.insert(CLIENT_REQUEST_ID, c);
+    }
+    response
 }
 
-async fn run_request(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
-    let arrived = Instant::now();
-    let ident = completions::Ident::new(&state, endpoint);
-    tracing::Span::current().record("request_id", ident.id.as_str());
-    let route = match endpoint {
+fn route_of(endpoint: Endpoint) -> &'static str {
+    match endpoint {
         Endpoint::Chat => "/v1/chat/completions",
         Endpoint::Completion => "/v1/completions",
-    };
+    }
+}
+
+async fn run_request(
+    state: Arc<RouterState>,
+    headers: HeaderMap,
+    body: Bytes,
+    endpoint: Endpoint,
+    ident: completions::Ident,
+) -> Response {
+    let arrived = Instant::now();
+    let route = route_of(endpoint);
     let prepared = async {
         let tenant = tenant(&state, &headers)?;
         let mut checked = check(endpoint, &body)?;
