@@ -109,3 +109,22 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     assert!(exit.success(), "{exit:?}");
     let _ = std::fs::remove_dir_all(&home);
 }
+
+/// A router port already taken is the first thing `tandem up` says, before any worker starts.
+#[test]
+fn a_taken_port_is_refused_before_the_workers_start() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    let home = std::env::temp_dir().join(format!("tandem-up-taken-{}", std::process::id()));
+    let out = Command::new(tandem_tests::binary("tandem", "tandem"))
+        .args(["up", "--engine", "mock", "--prefill", "1", "--decode", "1", "--port", &port, "--model"])
+        .arg(tandem_tests::model())
+        .env("TANDEM_HOME", &home)
+        .output()
+        .expect("tandem up runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains(&format!("router address 127.0.0.1:{port}")), "{err}");
+    assert!(!err.contains("grpc"), "no worker started: {err}");
+    let _ = std::fs::remove_dir_all(home);
+}

@@ -156,6 +156,9 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     if args.decode == 0 {
         return Err("a cluster needs at least one decode worker (--decode)".into());
     }
+    // A port already taken is said before the model is fetched and the workers make their pools, not after.
+    let listen = SocketAddr::new(args.host, args.port);
+    drop(std::net::TcpListener::bind(listen).map_err(|e| format!("router address {listen}: {e}"))?);
     let scheduler = policy(&args.policy)?;
     let model = match &args.model {
         Some(m) => m.clone(),
@@ -198,7 +201,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             workers.push(w);
         }
         let router = RunningRouter::start(RouterConfig {
-            listen: SocketAddr::new(args.host, args.port),
+            listen,
             model,
             served_model: defaults::SERVED_MODEL.into(),
             workers: workers.iter().map(|w| WorkerSource::Static(w.grpc)).collect(),
