@@ -114,6 +114,11 @@ fn completion(name: &str) -> Option<Rule> {
     })
 }
 
+/// The refusal of a field an endpoint does not have.
+pub(super) fn unknown_field(name: &str) -> ApiError {
+    ApiError::bad_field(format!("unknown field `{name}` for this endpoint"), name)
+}
+
 /// Checks every top-level field of `body` (a JSON object) against what `endpoint` supports.
 pub fn check(endpoint: Endpoint, body: &Map<String, Value>) -> Result<(), ApiError> {
     for (name, value) in body {
@@ -122,7 +127,7 @@ pub fn check(endpoint: Endpoint, body: &Map<String, Value>) -> Result<(), ApiErr
             Endpoint::Completion => completion(name),
         };
         let Some(rule) = own.or_else(|| common(name)) else {
-            return Err(ApiError::bad_field(format!("unknown field `{name}` for this endpoint"), name));
+            return Err(unknown_field(name));
         };
         match rule {
             Used | Inert => {}

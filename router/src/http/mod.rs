@@ -336,7 +336,7 @@ async fn detokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
 /// endpoints.
 fn only_fields(v: &Value, known: &[&str]) -> Result<(), ApiError> {
     match v.as_object().into_iter().flat_map(|o| o.keys()).find(|k| !known.contains(&k.as_str())) {
-        Some(name) => Err(ApiError::bad_field(format!("unknown field `{name}` for this endpoint"), name)),
+        Some(name) => Err(fields::unknown_field(name)),
         None => Ok(()),
     }
 }
