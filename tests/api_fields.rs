@@ -528,12 +528,22 @@ async fn tokenize_and_detokenize_as_vllm_serves_them() {
     let body = json!({"messages": messages, "add_generation_prompt": true, "add_special_tokens": null});
     let v = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await.json();
     assert_eq!((v["count"].clone(), v.get("token_strs")), (counted["count"].clone(), None), "{v}");
+    // Without the generation prompt (`<|im_start|>assistant\n`: four tokens), and continuing the last message.
+    let body = json!({"messages": messages, "add_generation_prompt": false});
+    let v = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await.json();
+    assert_eq!(v["count"].as_u64().map(|n| n + 4), counted["count"].as_u64(), "{v}");
+    let reply = json!([{"role": "user", "content": text}, {"role": "assistant", "content": "It is"}]);
+    let body = json!({"messages": reply, "add_generation_prompt": false, "continue_final_message": true});
+    let v = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await.json();
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).expect("tokens");
+    let tail = engine::text::TextModel::open(&model()).expect("model").tokenizer().decode(&ids[ids.len() - 6..]);
+    assert!(tail.ends_with("assistant\nIt is"), "ends inside the assistant's message: {tail:?}");
     for (path, body, param) in [
         ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
         ("/tokenize", json!({"prompt": 5}), "prompt"),
         ("/tokenize", json!({"model": "other", "prompt": "x"}), "model"),
         ("/tokenize", json!({"prompt": "x", "return_tokens_strs": true}), "return_tokens_strs"),
-        ("/tokenize", json!({"messages": messages, "add_generation_prompt": false}), "add_generation_prompt"),
+        ("/tokenize", json!({"messages": messages, "continue_final_message": true}), "continue_final_message"),
         ("/tokenize", json!({"prompt": "x", "return_token_strs": "yes"}), "return_token_strs"),
         ("/detokenize", json!({"tokens": [1], "skip_special_tokens": true}), "skip_special_tokens"),
     ] {
@@ -541,6 +551,84 @@ async fn tokenize_and_detokenize_as_vllm_serves_them() {
         assert!(r.status == 400 || r.status == 404, "{path} {body}: {}", r.body);
         assert_eq!(r.json()["error"]["param"], json!(param), "{path} {body}");
     }
+    stop(router, workers).await;
+}
+
+/// vLLM's fields for the text of the answer and the end of the conversation, through a router and a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_text_and_template_fields_through_the_router() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Both]).await;
+    let api = Api { addr: router.addr, chat: true };
+    // Past the end of its answer (`ignore_eos`), the model writes the next turns' markers: control tokens, left
+    // out of the text unless `skip_special_tokens` is false, as vLLM and llama.cpp's server do.
+    let past_the_end = json!({"temperature": 0, "max_tokens": 40, "ignore_eos": true,
+        "messages": [{"role": "user", "content": "Say only: yes"}]});
+    let (plain, n, _) = api.answer(past_the_end.clone()).await;
+    let mut keep = past_the_end.clone();
+    keep["skip_special_tokens"] = json!(false);
+    let (kept, kept_n, _) = api.answer(keep).await;
+    assert!(kept.contains("<|im_start|>") && !plain.contains("<|im_"), "{kept:?} / {plain:?}");
+    assert_eq!(kept.replace("<|im_start|>", "").replace("<|im_end|>", ""), plain);
+    assert_eq!(n, kept_n, "the same tokens, only their text differs");
+    // `include_stop_str_in_output`: the stop string ends the text instead of being cut off.
+    let greedy = json!({"temperature": 0, "max_tokens": 24, "ignore_eos": true});
+    let (whole, _, _) = api.answer(greedy.clone()).await;
+    let word = whole.split_whitespace().nth(2).expect("a few words").to_string();
+    let cut = whole.find(&word).expect("the word");
+    let mut stopped = greedy.clone();
+    stopped["stop"] = json!([word]);
+    assert_eq!(api.answer(stopped.clone()).await.0, whole[..cut]);
+    stopped["include_stop_str_in_output"] = json!(true);
+    for stream in [false, true] {
+        stopped["stream"] = json!(stream);
+        let r = api.send(stopped.clone()).await;
+        let text = if stream {
+            r.events()
+                .iter()
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+                .collect::<String>()
+        } else {
+            r.json()["choices"][0]["message"]["content"].as_str().expect("text").to_string()
+        };
+        assert_eq!(text, whole[..cut + word.len()], "streamed: {stream}");
+    }
+    // The conversation's end: the prompt the worker computed is the one the template makes for it.
+    let text_model = engine::text::TextModel::open(&model()).expect("model");
+    let chat = vec![
+        engine::chat::ChatMessage::new("user", "Name a colour."),
+        engine::chat::ChatMessage::new("assistant", "My favourite colour is"),
+    ];
+    for (fields, ending) in [
+        (json!({}), engine::chat::Ending::NewTurn),
+        (json!({"add_generation_prompt": false}), engine::chat::Ending::AsIs),
+        (json!({"add_generation_prompt": false, "continue_final_message": true}), engine::chat::Ending::ContinueLast),
+    ] {
+        let mut body = json!({"temperature": 0, "max_tokens": 4, "messages": chat});
+        for (k, v) in fields.as_object().expect("fields") {
+            body[k] = v.clone();
+        }
+        let r = api.send(body).await;
+        assert_eq!(r.status, 200, "{fields}: {}", r.body);
+        let prompt = text_model.render_chat_ending(&chat, ending).expect("renders");
+        let want = text_model.tokenizer().encode(&prompt).len() as u64;
+        assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(want), "{fields}");
+    }
+    // vLLM's top_k of -1 (or 0) is no limit: the same sample as none.
+    let sampled = json!({"temperature": 1.0, "seed": 5, "max_tokens": 12, "ignore_eos": true});
+    let (free, _, _) = api.answer(sampled.clone()).await;
+    for k in [-1, 0] {
+        let mut with = sampled.clone();
+        with["top_k"] = json!(k);
+        assert_eq!(api.answer(with).await.0, free, "top_k {k}");
+    }
+    // vLLM's newer structured outputs: a choice is one of its strings.
+    let (colour, _, _) = api.answer(json!({"structured_outputs": {"choice": ["red", "blue"]}})).await;
+    assert!(colour == "red" || colour == "blue", "{colour:?}");
+    // Options for a stream, without one: refused, as OpenAI does.
+    let r = api.send(json!({"stream_options": {"include_usage": true}})).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("stream_options")), "{}", r.body);
     stop(router, workers).await;
 }
 

@@ -17,6 +17,19 @@ impl ChatMessage {
     }
 }
 
+/// How a rendered conversation ends: where the model's text goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ending {
+    /// With the assistant's generation prompt: the model writes a new turn.
+    #[default]
+    NewTurn,
+    /// As the template ends the last message (vLLM's `add_generation_prompt: false`).
+    AsIs,
+    /// Inside the last message, right after its text: the model goes on writing it (transformers' and vLLM's
+    /// `continue_final_message`).
+    ContinueLast,
+}
+
 /// Why a template could not be compiled or rendered.
 #[derive(Debug, thiserror::Error)]
 #[error("chat template: {0}")]
@@ -56,6 +69,27 @@ impl ChatTemplate {
         };
         tmpl.render(ctx).map_err(|e| TemplateError(e.to_string()))
     }
+
+    /// The prompt text for `messages`, ending as `ending` says. To continue the last message, the conversation is
+    /// rendered without a generation prompt and cut right after that message's text (trimmed of surrounding
+    /// whitespace), its last occurrence, as transformers does; a template that does not keep the text as it is
+    /// cannot be continued.
+    pub fn render_ending(&self, messages: &[ChatMessage], ending: Ending) -> Result<String, TemplateError> {
+        let mut text = self.render(messages, ending == Ending::NewTurn)?;
+        if ending == Ending::ContinueLast {
+            let last = messages.last().map(|m| m.content.trim()).unwrap_or_default();
+            if last.is_empty() {
+                return Err(TemplateError("continuing the final message needs one with text".into()));
+            }
+            let Some(at) = text.rfind(last) else {
+                return Err(TemplateError(
+                    "the template changes the final message's text, so it cannot be continued".into(),
+                ));
+            };
+            text.truncate(at + last.len());
+        }
+        Ok(text)
+    }
 }
 
 #[cfg(test)]
@@ -67,6 +101,27 @@ mod tests {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}", "", "").expect("compiles");
         let err = t.render(&[], true).expect_err("raises");
         assert!(err.to_string().contains("no system role"));
+    }
+
+    #[test]
+    fn a_conversation_ends_as_asked() {
+        let src = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}\
+                   {% if add_generation_prompt %}<assistant>{% endif %}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        let chat = [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", " Once upon a time \n")];
+        let render = |ending| t.render_ending(&chat, ending).map_err(|e| e.to_string());
+        assert_eq!(
+            render(Ending::NewTurn).as_deref(),
+            Ok("<user>hi</s>\n<assistant> Once upon a time \n</s>\n<assistant>")
+        );
+        assert_eq!(render(Ending::AsIs).as_deref(), Ok("<user>hi</s>\n<assistant> Once upon a time \n</s>\n"));
+        assert_eq!(render(Ending::ContinueLast).as_deref(), Ok("<user>hi</s>\n<assistant> Once upon a time"));
+        let blank = [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", " ")];
+        assert!(t.render_ending(&blank, Ending::ContinueLast).is_err(), "no text to continue");
+        let upper =
+            ChatTemplate::new("{% for m in messages %}{{ m.content | upper }}{% endfor %}", "", "").expect("compiles");
+        let err = upper.render_ending(&chat[..1], Ending::ContinueLast).expect_err("the text is changed");
+        assert!(err.to_string().contains("cannot be continued"), "{err}");
     }
 
     #[test]

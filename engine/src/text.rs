@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::chat::{ChatMessage, ChatTemplate, TemplateError};
+use crate::chat::{ChatMessage, ChatTemplate, Ending, TemplateError};
 use crate::gguf::{GgufError, GgufFile};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -70,7 +70,12 @@ impl TextModel {
 
     /// The prompt text for a conversation, with the assistant's generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
+        self.render_chat_ending(messages, Ending::NewTurn)
+    }
+
+    /// The prompt text for a conversation, ending as `ending` says.
+    pub fn render_chat_ending(&self, messages: &[ChatMessage], ending: Ending) -> Result<String, TextError> {
         let t = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
-        Ok(t.render(messages, true)?)
+        Ok(t.render_ending(messages, ending)?)
     }
 }

@@ -112,3 +112,33 @@ fn the_hugging_face_export_carries_the_whole_vocabulary() {
     assert_eq!(json["pre_tokenizer"]["pretokenizers"][0]["type"], "Digits", "SmolLM2 isolates digits");
     assert!(config["chat_template"].as_str().is_some_and(|t| t.contains("im_start")));
 }
+
+/// Generated text: control tokens make none unless kept (vLLM's `skip_special_tokens`), and a stop string ends it,
+/// cut off or kept (`include_stop_str_in_output`).
+#[test]
+fn generated_text_leaves_control_tokens_out_and_ends_at_stop_strings() {
+    use engine::generate::TextStream;
+    let tok = tokenizer();
+    let ids = tok.encode("Yes.<|im_end|>\n<|im_start|>user\nHi there");
+    assert!(ids.iter().filter(|&&id| tok.is_control(id)).count() == 2, "{ids:?}");
+    let run = |mut s: TextStream| {
+        let mut out = String::new();
+        for &id in &ids {
+            let (text, hit) = s.push(&tok, id);
+            out.push_str(&text);
+            if hit {
+                return (out, true);
+            }
+        }
+        out.push_str(&s.finish(false));
+        (out, false)
+    };
+    assert_eq!(run(TextStream::new(vec![])), ("Yes.\nuser\nHi there".into(), false));
+    let kept = run(TextStream::new(vec![]).keeping_control(true));
+    assert_eq!(kept, ("Yes.<|im_end|>\n<|im_start|>user\nHi there".into(), false));
+    assert_eq!(run(TextStream::new(vec!["user".into()])), ("Yes.\n".into(), true));
+    assert_eq!(run(TextStream::new(vec!["user".into()]).keeping_stop(true)), ("Yes.\nuser".into(), true));
+    // The first stop string complete ends the text, though a longer one would have matched later.
+    let both = TextStream::new(vec!["Hi".into(), "Hi there".into()]).keeping_stop(true);
+    assert_eq!(run(both).0, "Yes.\nuser\nHi");
+}

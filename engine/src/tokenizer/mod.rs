@@ -75,6 +75,8 @@ pub struct Tokenizer {
     /// Whether a special token starts with each byte: where [`Tokenizer::next_special`] looks.
     special_first: [bool; 256],
     special: SpecialTokens,
+    /// Ids of control tokens (markers such as `<|im_start|>`, not text), ascending.
+    control: Vec<u32>,
     add_bos: bool,
     /// Ids of pre-token pieces already merged: text repeats its words, and BPE merging is most of encoding's
     /// cost (Hugging Face tokenizers keeps the same kind of cache).
@@ -224,6 +226,7 @@ impl Tokenizer {
         end_of_generation.extend(eos.filter(|e| !end_of_generation.contains(e)));
         end_of_generation.sort_unstable();
         let special = SpecialTokens { bos, eos, end_of_generation };
+        let control = (0..tokens.len()).filter(|&i| types[i] == TOKEN_TYPE_CONTROL).map(|i| i as u32).collect();
         Ok(Tokenizer {
             tokens,
             token_bytes,
@@ -232,6 +235,7 @@ impl Tokenizer {
             specials,
             special_first,
             special,
+            control,
             add_bos,
             words: WordCache::default(),
         })
@@ -254,6 +258,12 @@ impl Tokenizer {
     /// Whether `id` is a control or user-defined token (its text stands for it; it is not ordinary text).
     pub fn is_special(&self, id: u32) -> bool {
         self.specials.iter().any(|(_, s)| *s == id)
+    }
+
+    /// Whether `id` is a control token: a marker of the format (turns, documents), whose text is left out of
+    /// generated text unless asked for, as llama.cpp's server and vLLM (`skip_special_tokens`) leave it out.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.control.binary_search(&id).is_ok()
     }
 
     /// Whether generation ends at `id`.

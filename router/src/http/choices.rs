@@ -86,7 +86,7 @@ fn echo_text(state: &RouterState, input: &Input) -> String {
     match input {
         Input::Text(t) => t.clone(),
         Input::Tokens(ids) => state.text.tokenizer().decode(ids),
-        Input::Chat(_) => String::new(),
+        Input::Chat(..) => String::new(),
     }
 }
 
@@ -153,22 +153,27 @@ struct Text {
     stopped: bool,
     /// The request's `stop_token_ids`: like end-of-generation, not part of the text.
     stop_ids: Vec<u32>,
+    /// Whether an end-of-generation token ends the sequence (not with `ignore_eos`, unless a grammar is done).
+    ends_at_eog: bool,
 }
 
 impl Text {
     fn new(checked: &Checked) -> Text {
         Text {
-            stream: TextStream::new(checked.stop.clone()),
+            stream: TextStream::new(checked.stop.clone())
+                .keeping_control(checked.keep_control)
+                .keeping_stop(checked.keep_stop),
             tokens: 0,
             stopped: false,
             stop_ids: checked.logits.stop_token_ids.clone(),
+            ends_at_eog: !checked.ignore_eos || checked.grammar.is_some(),
         }
     }
 
     fn push(&mut self, state: &RouterState, id: u32) -> String {
         self.tokens += 1;
-        // End-of-generation and stop tokens end the text; they are not part of it (as in the engine).
-        if state.text.tokenizer().is_end_of_generation(id) || self.stop_ids.contains(&id) {
+        // End-of-generation and stop tokens that end the sequence are not part of the text (as in the engine).
+        if (self.ends_at_eog && state.text.tokenizer().is_end_of_generation(id)) || self.stop_ids.contains(&id) {
             return String::new();
         }
         let (text, hit) = self.stream.push(state.text.tokenizer(), id);

@@ -58,9 +58,9 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
     }
     let started = std::time::Instant::now();
     let text = match &checked.input {
-        Input::Chat(messages) => state
+        Input::Chat(messages, ending) => state
             .text
-            .render_chat(messages)
+            .render_chat_ending(messages, *ending)
             .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))?,
         Input::Text(t) => t.clone(),
         Input::Tokens(ids) => {

@@ -30,6 +30,12 @@ fn one(v: &Value) -> bool {
 fn empty(v: &Value) -> bool {
     v.as_array().is_some_and(Vec::is_empty) || v.as_object().is_some_and(Map::is_empty) || v.as_str() == Some("")
 }
+fn is_true(v: &Value) -> bool {
+    v.as_bool() == Some(true)
+}
+fn is_false(v: &Value) -> bool {
+    v.as_bool() == Some(false)
+}
 fn none_choice(v: &Value) -> bool {
     v.as_str() == Some("none")
 }
@@ -65,7 +71,23 @@ fn common(name: &str) -> Option<Rule> {
         // vLLM's extra sampling fields.
         "top_k" | "ignore_eos" | "cache_salt" | "repetition_penalty" | "min_tokens" | "stop_token_ids" => Used,
         "min_p" => Refused(zero, "min_p is not supported yet"),
-        "guided_json" | "guided_regex" | "guided_choice" => Used,
+        "guided_json" | "guided_regex" | "guided_choice" | "structured_outputs" => Used,
+        "skip_special_tokens" | "include_stop_str_in_output" => Used,
+        // vLLM's, taken at their defaults only.
+        "spaces_between_special_tokens" => {
+            Refused(is_true, "control tokens' text is never spaced apart from the text around it")
+        }
+        "use_beam_search" => Refused(is_false, "beam search is not supported: ask for n samples"),
+        "length_penalty" => Refused(one, "length_penalty applies to beam search, which is not supported"),
+        "priority" => Refused(zero, "requests are served first come, first served: priorities are not supported"),
+        "bad_words" => Refused(empty, "bad_words is not supported: use logit_bias"),
+        "allowed_token_ids" => Refused(never, "allowed_token_ids is not supported: use logit_bias"),
+        "prompt_logprobs" => Refused(never, "prompt log-probabilities are not computed"),
+        "truncate_prompt_tokens" => Refused(never, "prompts are never truncated: one over the context is refused"),
+        "return_tokens_as_token_ids" => Refused(is_false, "tokens are returned as text"),
+        "logits_processors" => Refused(empty, "custom logits processors are not supported"),
+        "vllm_xargs" | "kv_transfer_params" => Refused(empty, "vLLM's own engine arguments do not apply here"),
+        "request_id" => Refused(never, "send your own request id as the x-client-request-id header"),
         "guided_grammar" => Refused(
             never,
             "grammars in EBNF/Lark are not supported: give a JSON schema (guided_json) or a regular expression (guided_regex)",
@@ -87,6 +109,14 @@ fn chat(name: &str) -> Option<Rule> {
         | "prompt_cache_retention"
         | "prompt_cache_options" => Inert,
         "prompt_cache_key" => Used,
+        "add_generation_prompt" | "continue_final_message" => Used,
+        // vLLM's chat fields, taken at their defaults only.
+        "echo" => Refused(is_false, "echo is not supported for chat"),
+        "add_special_tokens" => Refused(is_false, "the chat template adds the special tokens itself"),
+        "chat_template" => Refused(never, "the served model's own chat template is used"),
+        "chat_template_kwargs" => Refused(empty, "the served model's chat template takes no arguments"),
+        "documents" => Refused(empty, "the served model's chat template takes no documents"),
+        "mm_processor_kwargs" => Refused(empty, "only text input is supported"),
         "logprobs" | "top_logprobs" => Used,
         "response_format" => Used,
         "tools" | "functions" => Refused(empty, NO_TOOLS),
@@ -109,6 +139,7 @@ fn completion(name: &str) -> Option<Rule> {
         "logprobs" => Used,
         "best_of" => Refused(one, "best_of is not supported: ask for n samples and rank them yourself"),
         "echo" => Used,
+        "add_special_tokens" => Refused(is_true, "special tokens (the model's BOS) are always added"),
         "suffix" => Refused(empty, "suffix is not supported: the served model has no fill-in-the-middle mode"),
         _ => return None,
     })
@@ -181,6 +212,50 @@ mod tests {
         assert_eq!(refused(Endpoint::Completion, json!({"prompt": "x", "suffix": "y"})).as_deref(), Some("suffix"));
         assert_eq!(refused(Endpoint::Completion, json!({"prompt": "x", "messages": []})).as_deref(), Some("messages"));
         assert_eq!(refused(Endpoint::Completion, json!({"prompt": "x", "best_of": 1, "logprobs": null})), None);
-        assert_eq!(refused(Endpoint::Chat, json!({"messages": [], "echo": false})).as_deref(), Some("echo"));
+        assert_eq!(refused(Endpoint::Chat, json!({"messages": [], "echo": true})).as_deref(), Some("echo"));
+    }
+
+    #[test]
+    fn vllms_extra_fields_pass_at_their_defaults_and_are_named_otherwise() {
+        let chat = Endpoint::Chat;
+        let defaults = json!({"model": "m", "messages": [], "echo": false, "add_special_tokens": false,
+            "spaces_between_special_tokens": true, "use_beam_search": false, "length_penalty": 1.0, "priority": 0,
+            "bad_words": [], "allowed_token_ids": null, "prompt_logprobs": null, "truncate_prompt_tokens": null,
+            "return_tokens_as_token_ids": false, "chat_template": null, "chat_template_kwargs": {},
+            "documents": null, "mm_processor_kwargs": {}, "vllm_xargs": null, "kv_transfer_params": null,
+            "request_id": null, "skip_special_tokens": false, "include_stop_str_in_output": true,
+            "add_generation_prompt": false, "continue_final_message": false, "structured_outputs": null});
+        assert_eq!(refused(chat, defaults), None);
+        for (field, value) in [
+            ("echo", json!(true)),
+            ("add_special_tokens", json!(true)),
+            ("spaces_between_special_tokens", json!(false)),
+            ("use_beam_search", json!(true)),
+            ("length_penalty", json!(0.5)),
+            ("priority", json!(-1)),
+            ("bad_words", json!(["x"])),
+            ("allowed_token_ids", json!([1, 2])),
+            ("prompt_logprobs", json!(1)),
+            ("truncate_prompt_tokens", json!(100)),
+            ("return_tokens_as_token_ids", json!(true)),
+            ("chat_template", json!("{{ messages }}")),
+            ("chat_template_kwargs", json!({"enable_thinking": false})),
+            ("request_id", json!("abc")),
+        ] {
+            let mut body = fields(json!({"model": "m", "messages": []}));
+            body.insert(field.into(), value);
+            assert_eq!(refused(chat, Value::Object(body)).as_deref(), Some(field), "{field}");
+        }
+        // Completions add the BOS: `add_special_tokens` is true there by default.
+        let completion = |v| refused(Endpoint::Completion, v);
+        assert_eq!(completion(json!({"prompt": "x", "add_special_tokens": true})), None);
+        assert_eq!(
+            completion(json!({"prompt": "x", "add_special_tokens": false})).as_deref(),
+            Some("add_special_tokens")
+        );
+        assert_eq!(
+            completion(json!({"prompt": "x", "continue_final_message": false})).as_deref(),
+            Some("continue_final_message")
+        );
     }
 }

@@ -273,21 +273,29 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
         // vLLM's fields; any other is refused by name, as on the completion endpoints.
         only_fields(
             &v,
-            &["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"],
+            &[
+                "model",
+                "prompt",
+                "messages",
+                "add_special_tokens",
+                "add_generation_prompt",
+                "continue_final_message",
+                "return_token_strs",
+            ],
         )?;
-        if flag("add_generation_prompt")? == Some(false) {
-            let why = "add_generation_prompt false is not supported: messages are rendered as a chat request's are";
-            return Err(ApiError::bad(why, "add_generation_prompt"));
-        }
         let text = match (v.get("prompt"), v.get("messages")) {
             (Some(Value::String(p)), None) => p.clone(),
             (None, Some(_)) => {
-                let c = check_chat(
-                    &serde_json::to_vec(&json!({"model": state.served_model, "messages": v["messages"]}))
-                        .map_err(|e| ApiError::MalformedJson(e.to_string()))?,
-                )?;
-                let openai::Input::Chat(messages) = c.input else { unreachable!("a chat request") };
-                state.text.render_chat(&messages).map_err(|e| ApiError::bad(e.to_string(), "messages"))?
+                // Rendered as a chat request with the same fields is.
+                let (add, cont) = (flag("add_generation_prompt")?, flag("continue_final_message")?);
+                let chat = json!({"model": state.served_model, "messages": v["messages"],
+                    "add_generation_prompt": add, "continue_final_message": cont});
+                let c = check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?)?;
+                let openai::Input::Chat(messages, ending) = c.input else { unreachable!("a chat request") };
+                state
+                    .text
+                    .render_chat_ending(&messages, ending)
+                    .map_err(|e| ApiError::bad(e.to_string(), "messages"))?
             }
             _ => return Err(ApiError::bad("give either `prompt` (a string) or `messages`", "prompt")),
         };

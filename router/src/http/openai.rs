@@ -1,6 +1,6 @@
 //! OpenAI request bodies for chat and text completions, checked into one validated form.
 
-use engine::chat::ChatMessage;
+use engine::chat::{ChatMessage, Ending};
 use engine::grammar::Grammar;
 use serde::Deserialize;
 
@@ -93,8 +93,8 @@ pub struct Common {
     pub max_completion_tokens: Option<u32>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
-    /// Not OpenAI's, but vLLM's and SGLang's.
-    pub top_k: Option<u32>,
+    /// Not OpenAI's, but vLLM's and SGLang's: 0 and -1 mean no limit, as there (and in llama.cpp).
+    pub top_k: Option<i64>,
     /// OpenAI's seed is any 64-bit signed integer (so is vLLM's); the sampler takes its 64 bits.
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
@@ -131,11 +131,21 @@ pub struct Common {
     pub guided_json: Option<serde_json::Value>,
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
+    /// vLLM's newer form of the same: `{"json": ..., "regex": ..., "choice": [...], "json_object": true}`.
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's: `false` puts control tokens' text (`<|im_start|>`...) in the output; by default it is left out.
+    pub skip_special_tokens: Option<bool>,
+    /// vLLM's: `true` ends the text with the stop string that ended it.
+    pub include_stop_str_in_output: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
+    /// vLLM's (default true): end the prompt with the assistant's generation prompt.
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's (default false): the model goes on writing the final message instead of starting a turn.
+    pub continue_final_message: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -172,7 +182,8 @@ pub enum Endpoint {
 /// The input before templating: a conversation or raw text.
 #[derive(Debug, Clone)]
 pub enum Input {
-    Chat(Vec<ChatMessage>),
+    /// A conversation and how its rendering ends.
+    Chat(Vec<ChatMessage>, Ending),
     Text(String),
     /// Token ids given by the client (checked against the vocabulary when tokenizing).
     Tokens(Vec<u32>),
@@ -182,7 +193,7 @@ impl Input {
     /// Bytes of text to tokenize (token ids need none).
     pub fn text_bytes(&self) -> usize {
         match self {
-            Input::Chat(messages) => messages.iter().map(|m| m.role.len() + m.content.len()).sum(),
+            Input::Chat(messages, _) => messages.iter().map(|m| m.role.len() + m.content.len()).sum(),
             Input::Text(t) => t.len(),
             Input::Tokens(_) => 0,
         }
@@ -267,6 +278,10 @@ pub struct Checked {
     pub grammar: Option<(engine::grammar::Grammar, &'static str)>,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
     pub prompt_cache_key: Option<String>,
+    /// Control tokens' text goes in the output (vLLM's `skip_special_tokens: false`).
+    pub keep_control: bool,
+    /// The stop string that ends the output is part of it (vLLM's `include_stop_str_in_output`).
+    pub keep_stop: bool,
 }
 
 /// The structured output a request asks for (at most one of `response_format`, `guided_json`, `guided_regex`,
@@ -297,16 +312,61 @@ fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError
         found.push((Grammar::Regex(rx.clone()), "guided_regex"));
     }
     if let Some(choices) = &c.guided_choice {
-        if choices.is_empty() || choices.iter().any(String::is_empty) {
-            return Err(ApiError::bad("guided_choice is a list of non-empty strings", "guided_choice"));
-        }
-        let alternatives: Vec<String> = choices.iter().map(|s| regex::escape(s)).collect();
-        found.push((Grammar::Regex(format!("({})", alternatives.join("|"))), "guided_choice"));
+        found.push((choice_regex(choices, "guided_choice")?, "guided_choice"));
+    }
+    if let Some(so) = c.structured_outputs.as_ref().filter(|v| !v.is_null()) {
+        found.extend(structured_outputs(so)?.into_iter().map(|g| (g, "structured_outputs")));
     }
     if let Some((_, second)) = found.get(1) {
         return Err(ApiError::bad("one structured output constraint per request", second));
     }
     Ok(found.pop())
+}
+
+/// A regular expression matching exactly one of `choices`.
+fn choice_regex(choices: &[String], param: &'static str) -> Result<Grammar, ApiError> {
+    if choices.is_empty() || choices.iter().any(String::is_empty) {
+        return Err(ApiError::bad(format!("{param} is a list of non-empty strings"), param));
+    }
+    let alternatives: Vec<String> = choices.iter().map(|s| regex::escape(s)).collect();
+    Ok(Grammar::Regex(format!("({})", alternatives.join("|"))))
+}
+
+/// vLLM's `structured_outputs` object: each constraint it names (a JSON schema, a regular expression, a choice, any
+/// JSON object); its options are taken at their defaults only, and a grammar or structural tag is refused.
+fn structured_outputs(v: &serde_json::Value) -> Result<Vec<Grammar>, ApiError> {
+    const PARAM: &str = "structured_outputs";
+    let bad = |why: String| ApiError::bad(format!("structured_outputs: {why}"), PARAM);
+    let fields = v.as_object().ok_or_else(|| bad("an object is expected".into()))?;
+    let mut found = Vec::new();
+    for (name, value) in fields.iter().filter(|(_, v)| !v.is_null()) {
+        match (name.as_str(), value) {
+            ("json", serde_json::Value::String(s)) => found.push(Grammar::JsonSchema(s.clone())),
+            ("json", schema @ serde_json::Value::Object(_)) => found.push(Grammar::JsonSchema(schema.to_string())),
+            ("json", _) => return Err(bad("`json` is a JSON schema (an object or its text)".into())),
+            ("regex", serde_json::Value::String(rx)) => found.push(Grammar::Regex(rx.clone())),
+            ("choice", serde_json::Value::Array(items)) => {
+                let choices: Option<Vec<String>> = items.iter().map(|i| i.as_str().map(str::to_owned)).collect();
+                let choices = choices.ok_or_else(|| bad("`choice` is a list of strings".into()))?;
+                found.push(choice_regex(&choices, PARAM)?);
+            }
+            ("json_object", serde_json::Value::Bool(true)) => found.push(Grammar::JsonObject),
+            (
+                "json_object" | "disable_fallback" | "disable_any_whitespace" | "disable_additional_properties",
+                serde_json::Value::Bool(false),
+            ) => {}
+            // Which backend vLLM falls back to: there is one here.
+            ("disable_fallback", serde_json::Value::Bool(true)) => {}
+            ("grammar", _) => {
+                return Err(bad("grammars in EBNF/Lark are not supported: give `json` or `regex`".into()));
+            }
+            (name, value) => return Err(bad(format!("`{name}` = {value} is not supported"))),
+        }
+    }
+    if found.is_empty() {
+        return Err(bad("name a constraint: `json`, `regex`, `choice` or `json_object`".into()));
+    }
+    Ok(found)
 }
 
 /// The request's log-probabilities: chat's `logprobs` (a boolean) with `top_logprobs`, or completions' `logprobs`
@@ -351,6 +411,10 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoint) -> Res
 
 fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
     c.stream_options.as_ref().map_or(Ok(()), check_stream_options)?;
+    if c.stream_options.is_some() && !c.stream {
+        // As OpenAI and vLLM answer: the options are for a stream.
+        return Err(ApiError::bad("stream_options is only allowed when stream is true", "stream_options"));
+    }
     let logits = check_logits(&c, c.max_completion_tokens.or(c.max_tokens))?;
     let logprobs = check_logprobs(&c, endpoint)?;
     let grammar = check_grammar(&c)?;
@@ -367,9 +431,12 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::bad(format!("top_p must be in (0, 1], got {top_p}"), "top_p"));
     }
-    if c.top_k == Some(0) {
-        return Err(ApiError::bad("top_k must be at least 1", "top_k"));
-    }
+    let top_k = match c.top_k {
+        None | Some(0 | -1) => None,
+        Some(k) => Some(u32::try_from(k).map_err(|_| {
+            ApiError::bad(format!("top_k must be 0 or -1 (no limit), or from 1 to {}, got {k}", u32::MAX), "top_k")
+        })?),
+    };
     let max_tokens = c.max_completion_tokens.or(c.max_tokens);
     if max_tokens == Some(0) {
         return Err(ApiError::bad("max_tokens must be at least 1", "max_tokens"));
@@ -398,7 +465,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         max_tokens,
         temperature,
         top_p,
-        top_k: c.top_k,
+        top_k,
         seed: c.seed.map(|s| s as u64),
         stop,
         ignore_eos: c.ignore_eos,
@@ -411,6 +478,8 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         batch: Vec::new(),
         echo: false,
         grammar,
+        keep_control: c.skip_special_tokens == Some(false),
+        keep_stop: c.include_stop_str_in_output == Some(true),
     })
 }
 
@@ -452,7 +521,17 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
         let role = if m.role == "developer" { "system".to_string() } else { m.role };
         messages.push(ChatMessage::new(role, content));
     }
-    check_common(r.common, Endpoint::Chat, Input::Chat(messages))
+    let ending = match (r.add_generation_prompt, r.continue_final_message) {
+        (Some(true) | None, Some(true)) => {
+            // vLLM's rule: a new turn and the last one continued exclude each other.
+            let why = "continue_final_message needs add_generation_prompt false: they exclude each other";
+            return Err(ApiError::bad(why, "continue_final_message"));
+        }
+        (Some(false), Some(true)) => Ending::ContinueLast,
+        (Some(false), _) => Ending::AsIs,
+        (Some(true) | None, _) => Ending::NewTurn,
+    };
+    check_common(r.common, Endpoint::Chat, Input::Chat(messages, ending))
 }
 
 /// Checks a `/v1/completions` body.
@@ -538,14 +617,103 @@ mod tests {
         assert_eq!(seeded("-5").ok(), Some(Some(-5i64 as u64)));
         assert_eq!(seeded("-9223372036854775808").ok(), Some(Some(1 << 63)));
         assert!(seeded("9223372036854775808").is_err());
-        let Input::Chat(m) = c.input else { panic!("chat") };
+        let Input::Chat(m, _) = c.input else { panic!("chat") };
         assert_eq!(m.len(), 2);
+    }
+
+    fn chat_with(extra: &str) -> Result<Checked, String> {
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+        check_chat(body.as_bytes()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn top_k_zero_and_minus_one_mean_no_limit_as_in_vllm() {
+        let top_k = |k: &str| chat_with(&format!(r#","top_k":{k}"#)).map(|c| c.top_k);
+        assert_eq!(top_k("-1"), Ok(None));
+        assert_eq!(top_k("0"), Ok(None));
+        assert_eq!(top_k("null"), Ok(None));
+        assert_eq!(top_k("40"), Ok(Some(40)));
+        for bad in ["-2", "4294967296"] {
+            assert!(top_k(bad).is_err_and(|e| e.contains("top_k must be 0 or -1")), "{bad}");
+        }
+    }
+
+    #[test]
+    fn stream_options_need_a_stream() {
+        let e = chat_with(r#","stream_options":{"include_usage":true}"#).expect_err("refused");
+        assert!(e.contains("stream_options is only allowed when stream is true"), "{e}");
+        assert!(chat_with(r#","stream":false,"stream_options":{"include_usage":false}"#).is_err());
+        assert!(chat_with(r#","stream":true,"stream_options":{"include_usage":true}"#).is_ok());
+        assert!(chat_with(r#","stream_options":null"#).is_ok());
+    }
+
+    #[test]
+    fn the_conversation_ends_as_vllms_fields_ask() {
+        let ending = |extra: &str| {
+            chat_with(extra).map(|c| match c.input {
+                Input::Chat(_, e) => e,
+                _ => panic!("chat"),
+            })
+        };
+        assert_eq!(ending(""), Ok(Ending::NewTurn));
+        assert_eq!(ending(r#","add_generation_prompt":true"#), Ok(Ending::NewTurn));
+        assert_eq!(ending(r#","add_generation_prompt":false"#), Ok(Ending::AsIs));
+        assert_eq!(ending(r#","add_generation_prompt":false,"continue_final_message":true"#), Ok(Ending::ContinueLast));
+        for both in
+            [r#","continue_final_message":true"#, r#","add_generation_prompt":true,"continue_final_message":true"#]
+        {
+            assert!(ending(both).is_err_and(|e| e.contains("exclude each other")), "{both}");
+        }
+    }
+
+    #[test]
+    fn vllms_structured_outputs_name_the_same_constraints() {
+        let grammar = |so: &str| chat_with(&format!(r#","structured_outputs":{so}"#)).map(|c| c.grammar);
+        let schema = r#"{"type":"object"}"#;
+        assert_eq!(
+            grammar(&format!(r#"{{"json":{schema}}}"#)),
+            Ok(Some((Grammar::JsonSchema(schema.into()), "structured_outputs")))
+        );
+        assert_eq!(
+            grammar(r#"{"regex":"[0-9]+","disable_fallback":true}"#),
+            Ok(Some((Grammar::Regex("[0-9]+".into()), "structured_outputs")))
+        );
+        assert_eq!(
+            grammar(r#"{"choice":["a.b","c"]}"#),
+            Ok(Some((Grammar::Regex(r"(a\.b|c)".into()), "structured_outputs")))
+        );
+        assert_eq!(grammar(r#"{"json_object":true}"#), Ok(Some((Grammar::JsonObject, "structured_outputs"))));
+        assert_eq!(grammar("null"), Ok(None));
+        for refused in [
+            r#"{"grammar":"root ::= \"a\""}"#,
+            r#"{"structural_tag":"x"}"#,
+            r#"{"regex":"a","disable_any_whitespace":true}"#,
+            r#"{"json":3}"#,
+            r#"{"choice":[]}"#,
+            r#"{}"#,
+            r#"{"regex":"a","choice":["b"]}"#,
+            r#""a""#,
+        ] {
+            assert!(grammar(refused).is_err(), "{refused}");
+        }
+        let both = chat_with(r#","guided_regex":"a","structured_outputs":{"regex":"b"}"#);
+        assert!(both.is_err_and(|e| e.contains("one structured output constraint")));
+    }
+
+    #[test]
+    fn special_tokens_and_stop_strings_in_the_text_as_asked() {
+        let c = chat_with("").expect("valid");
+        assert_eq!((c.keep_control, c.keep_stop), (false, false));
+        let c = chat_with(r#","skip_special_tokens":false,"include_stop_str_in_output":true"#).expect("valid");
+        assert_eq!((c.keep_control, c.keep_stop), (true, true));
+        let c = chat_with(r#","skip_special_tokens":true,"include_stop_str_in_output":false"#).expect("valid");
+        assert_eq!((c.keep_control, c.keep_stop), (false, false));
     }
 
     #[test]
     fn null_is_what_leaving_a_field_out_is() {
         let nulls = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":null,"stop":null,
-            "n":null,"seed":null,"temperature":null,"top_p":null,"stream":null,"stream_options":{"include_usage":null},
+            "n":null,"seed":null,"temperature":null,"top_p":null,"stream":null,"stream_options":null,
             "logprobs":null,"top_logprobs":null,"response_format":null,"tools":null,"tool_choice":null,"user":null,
             "frequency_penalty":null,"presence_penalty":null,"logit_bias":null,"ignore_eos":null}"#;
         let c = check_chat(nulls.as_bytes()).expect("nulls are absent fields");
