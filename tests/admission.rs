@@ -62,7 +62,8 @@ async fn past_the_queued_wait_limit_requests_are_shed_with_429_and_retry_after()
     // One request first, so that the router measures the prefill worker's speed from its reports.
     assert_eq!(http(addr, "POST", "/v1/completions", &body(0), &[]).await.status, 200);
     let measured = || {
-        let views = router.state.cluster.view(&[], 0, Duration::ZERO, std::time::Instant::now());
+        let views =
+            router.state.cluster.view(&[], router::cluster::Needs::ANY, Duration::ZERO, std::time::Instant::now());
         views.iter().any(|v| v.role.prefills() && v.speed.prefill_tokens_per_sec.is_some())
     };
     for _ in 0..200 {

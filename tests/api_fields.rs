@@ -623,6 +623,18 @@ async fn vllms_text_and_template_fields_through_the_router() {
         with["top_k"] = json!(k);
         assert_eq!(api.answer(with).await.0, free, "top_k {k}");
     }
+    // `min_p` 1 keeps only the most likely token: a hot sample is the greedy answer; 0 is off.
+    let greedy = api.answer(json!({"temperature": 0, "max_tokens": 12, "ignore_eos": true})).await.0;
+    let mut hot = json!({"temperature": 1.8, "seed": 7, "max_tokens": 12, "ignore_eos": true});
+    let free = api.answer(hot.clone()).await.0;
+    assert_ne!(free, greedy, "a hot sample strays from the greedy answer");
+    hot["min_p"] = json!(0);
+    assert_eq!(api.answer(hot.clone()).await.0, free);
+    hot["min_p"] = json!(1);
+    assert_eq!(api.answer(hot.clone()).await.0, greedy);
+    hot["min_p"] = json!(1.5);
+    let r = api.send(hot).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("min_p")), "{}", r.body);
     // vLLM's newer structured outputs: a choice is one of its strings.
     let (colour, _, _) = api.answer(json!({"structured_outputs": {"choice": ["red", "blue"]}})).await;
     assert!(colour == "red" || colour == "blue", "{colour:?}");

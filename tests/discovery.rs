@@ -48,7 +48,8 @@ async fn workers_register_themselves_and_leave() {
     reg.announce().await.expect("registering twice is harmless");
     wait_for_workers(&router, 1).await;
     // Slow start: just joined, the worker may take only a small share of requests for now.
-    let views = router.state.cluster.view(&[], 0, Duration::from_secs(60), std::time::Instant::now());
+    let views =
+        router.state.cluster.view(&[], router::cluster::Needs::ANY, Duration::from_secs(60), std::time::Instant::now());
     assert!(views[0].ramp < 0.2, "a newcomer's share ramps up: {}", views[0].ramp);
     assert_eq!(http(router.addr, "GET", "/admin/workers", "", &auth).await.status, 401, "a client key is not enough");
     let listed = http(router.addr, "GET", "/admin/workers", "", &admin).await.json();
@@ -170,6 +171,14 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
     } else {
         assert_eq!(logprobs, vec![current_name.clone()]);
     }
+    // `min_p` came with version 6: an older worker would sample without it.
+    let min_p = candidates(serde_json::json!({"min_p": 0.1})).await;
+    if ours > worker::MIN_P_PROTOCOL {
+        assert_eq!(min_p.len(), 2, "{min_p:?}");
+    } else {
+        assert_eq!(min_p, vec![current_name.clone()]);
+    }
+    assert_eq!(candidates(serde_json::json!({"min_p": 0})).await.len(), 2, "min_p 0 asks for nothing");
     router.shutdown(Duration::from_secs(5)).await;
 }
 

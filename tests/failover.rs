@@ -176,7 +176,9 @@ async fn a_worker_that_stops_reporting_is_marked_down_and_its_blocks_dropped() {
     let router = RunningRouter::start(config).await.expect("router");
     wait_for_workers(&router, 2).await;
     // It joined and its snapshot's blocks are indexed; then it says nothing more, and its connection stays open.
-    let held = |r: &RunningRouter| r.state.cluster.view(&[kv_cache::SeqHash(11)], 0, Duration::ZERO, Instant::now());
+    let held = |r: &RunningRouter| {
+        r.state.cluster.view(&[kv_cache::SeqHash(11)], router::cluster::Needs::ANY, Duration::ZERO, Instant::now())
+    };
     assert!(held(&router).iter().any(|v| v.overlap.device == 1), "the hung worker's snapshot was applied");
     // Once silent past the watchdog it is down and its blocks are out of the index (it answers Info again, so
     // it rejoins and goes down again, one silence at a time: look for the down state).

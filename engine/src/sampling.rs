@@ -11,6 +11,8 @@ pub enum SamplingError {
     TopP(f32),
     #[error("top_k must be at least 1")]
     TopK,
+    #[error("min_p must be in [0, 1], got {0}")]
+    MinP(f32),
     #[error("max_tokens must be at least 1")]
     MaxTokens,
     #[error("stop strings must not be empty")]
@@ -36,6 +38,7 @@ pub struct SamplingParams {
     temperature: f32,
     top_p: f32,
     top_k: Option<NonZeroU32>,
+    min_p: f32,
     seed: Option<u64>,
     max_tokens: NonZeroU32,
     stop: Vec<String>,
@@ -131,6 +134,9 @@ pub struct RawSampling {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: Option<u32>,
+    /// vLLM's, SGLang's and llama.cpp's: tokens whose probability (after temperature) is under this fraction of the
+    /// most likely token's are left out; 0 is off.
+    pub min_p: f32,
     pub seed: Option<u64>,
     pub max_tokens: u32,
     pub stop: Vec<String>,
@@ -155,6 +161,7 @@ impl Default for RawSampling {
             temperature: 0.0,
             top_p: 1.0,
             top_k: None,
+            min_p: 0.0,
             seed: None,
             max_tokens: 256,
             stop: Vec::new(),
@@ -180,6 +187,9 @@ impl SamplingParams {
             None => None,
             Some(k) => Some(NonZeroU32::new(k).ok_or(SamplingError::TopK)?),
         };
+        if !(0.0..=1.0).contains(&raw.min_p) {
+            return Err(SamplingError::MinP(raw.min_p));
+        }
         let max_tokens = NonZeroU32::new(raw.max_tokens).ok_or(SamplingError::MaxTokens)?;
         if raw.stop.iter().any(String::is_empty) {
             return Err(SamplingError::EmptyStop);
@@ -208,6 +218,7 @@ impl SamplingParams {
             temperature: raw.temperature,
             top_p: raw.top_p,
             top_k,
+            min_p: raw.min_p,
             seed: raw.seed,
             max_tokens,
             stop: raw.stop,
@@ -225,6 +236,7 @@ impl SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
             top_k: None,
+            min_p: 0.0,
             seed: None,
             max_tokens,
             stop: Vec::new(),
@@ -362,6 +374,12 @@ impl Sampler {
         let inv_t = 1.0 / f64::from(p.temperature);
         let mut probs: Vec<f64> =
             ids.iter().map(|&i| ((f64::from(logits[i as usize]) - f64::from(max)) * inv_t).exp()).collect();
+        // Min-p, before top-p as in vLLM: relative to the most likely token, whose weight here is exactly 1 (the
+        // candidates are in descending order, so those kept are a prefix).
+        if p.min_p > 0.0 {
+            let keep = probs.iter().take_while(|&&w| w >= f64::from(p.min_p)).count().max(1);
+            probs.truncate(keep);
+        }
         let total: f64 = probs.iter().sum();
         // Nucleus: the smallest prefix whose probability reaches top_p.
         if p.top_p < 1.0 {
@@ -560,5 +578,29 @@ mod tests {
         assert!(draw(params(1.0, 1.0, Some(3), 1)).iter().all(|t| top3.contains(t)));
         // A tiny nucleus keeps only the most likely token.
         assert!(draw(params(1.0, 1e-6, None, 1)).iter().all(|&t| t == order[0]));
+    }
+
+    #[test]
+    fn min_p_keeps_the_tokens_near_enough_the_most_likely_after_temperature() {
+        // Probabilities relative to the first token: 1, 0.5, 0.2, 0.05.
+        let logits: Vec<f32> = [1.0f32, 0.5, 0.2, 0.05].iter().map(|r| r.ln()).collect();
+        let seen = |temperature: f32, min_p: f32| {
+            let raw = RawSampling { temperature, min_p, seed: Some(3), ..RawSampling::default() };
+            let mut s = Sampler::new(SamplingParams::new(raw).expect("valid"), 0);
+            let mut seen: Vec<u32> = (0..2_000).map(|_| s.sample(&logits)).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            seen
+        };
+        assert_eq!(seen(1.0, 0.0), [0, 1, 2, 3]);
+        assert_eq!(seen(1.0, 0.3), [0, 1]);
+        assert_eq!(seen(1.0, 0.19), [0, 1, 2]);
+        // At temperature 2 the relative weights are their square roots: 1, 0.71, 0.45, 0.22.
+        assert_eq!(seen(2.0, 0.3), [0, 1, 2]);
+        assert_eq!(seen(1.0, 1.0), [0]);
+        for bad in [-0.1, 1.5, f32::NAN] {
+            let raw = RawSampling { min_p: bad, ..RawSampling::default() };
+            assert!(matches!(SamplingParams::new(raw), Err(SamplingError::MinP(_))), "{bad}");
+        }
     }
 }

@@ -126,10 +126,28 @@ pub struct Member {
     pub joined: Instant,
     /// Streams are flowing; only up members are routed to.
     pub up: bool,
-    /// The worker protocol it speaks (this build's or the one before).
+    /// The worker protocol it speaks (this build's or one of the two before).
     pub protocol: u32,
     /// Its first snapshot since the router started has been applied: the index knows what it holds.
     pub synced: bool,
+}
+
+/// What a request needs of the worker that serves it: a worker protocol version (a Tandem worker of an older one
+/// would ignore what the request asks), and whether an external engine, which takes the sampling fields in its own
+/// API, may serve it when its own version (3) is older.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    pub protocol: u32,
+    pub external: bool,
+}
+
+impl Needs {
+    /// Any worker will do.
+    pub const ANY: Needs = Needs { protocol: 0, external: true };
+
+    pub fn met_by(&self, m: &Member) -> bool {
+        m.protocol >= self.protocol || (self.external && matches!(m.transport, Transport::External(_)))
+    }
 }
 
 impl Member {
@@ -201,9 +219,11 @@ pub enum JoinError {
     Protocol { addr: SocketAddr, theirs: u32, ours: u32, oldest: u32 },
 }
 
-/// The oldest worker protocol version this router works with: the one before its own, so that a rolling upgrade
-/// can replace workers and routers in any order.
-pub const OLDEST_PROTOCOL: u32 = worker::PROTOCOL_VERSION - 1;
+/// The oldest worker protocol version this router works with, so that a rolling upgrade can replace workers and
+/// routers in any order: version 4, the two before its own. What came since (version 5's streamed KV, version 6's
+/// `min_p`) is only asked of workers that speak it, so an older worker is routed around for those requests and
+/// serves the rest.
+pub const OLDEST_PROTOCOL: u32 = worker::LOGPROBS_PROTOCOL;
 
 /// The protocol version a worker's `Info` names (absent: 1, which sent none), if this router works with it.
 pub fn protocol_version(sent: u32) -> Result<u32, u32> {
@@ -646,14 +666,14 @@ impl Cluster {
         (now, self.stalls_total.load(Ordering::Relaxed))
     }
 
-    /// Every routable worker speaking at least protocol `min_protocol` as a scheduling candidate for a request with
-    /// chained hashes `hashes`.
-    pub fn view(&self, hashes: &[SeqHash], min_protocol: u32, slow_start: Duration, now: Instant) -> Vec<WorkerView> {
+    /// Every routable worker that meets `needs` as a scheduling candidate for a request with chained hashes
+    /// `hashes`.
+    pub fn view(&self, hashes: &[SeqHash], needs: Needs, slow_start: Duration, now: Instant) -> Vec<WorkerView> {
         let s = self.lock();
         let overlap = s.index.overlap(hashes);
         s.members
             .iter()
-            .filter(|(id, m)| s.routable(**id, m, now) && m.protocol >= min_protocol)
+            .filter(|(id, m)| s.routable(**id, m, now) && needs.met_by(m))
             .map(|(&id, m)| {
                 let age = now.saturating_duration_since(m.joined);
                 let ramp = if slow_start.is_zero() {
@@ -848,11 +868,13 @@ mod tests {
     use super::protocol_version;
 
     #[test]
-    fn a_router_works_with_its_own_protocol_and_the_one_before() {
+    fn a_router_works_with_its_own_protocol_and_the_two_before() {
         let ours = worker::PROTOCOL_VERSION;
         assert_eq!(protocol_version(ours), Ok(ours));
         assert_eq!(protocol_version(ours - 1), Ok(ours - 1), "a worker one version older (rolling upgrade)");
-        assert_eq!(protocol_version(0), Err(1), "version 1 workers sent no version: two versions back");
+        assert_eq!(protocol_version(ours - 2), Ok(ours - 2), "two versions older");
+        assert_eq!(protocol_version(ours - 3), Err(ours - 3), "three versions back is too old");
+        assert_eq!(protocol_version(0), Err(1), "version 1 workers sent no version");
         assert_eq!(protocol_version(ours + 1), Err(ours + 1), "a newer worker needs a newer router");
     }
 }

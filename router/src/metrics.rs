@@ -184,7 +184,12 @@ pub fn render(state: &RouterState) -> String {
         "Workers re-read from a snapshot after a gap or a reconnect.",
         &one(stats.resyncs as f64),
     );
-    let pools = pool_work(&state.cluster.view(&[], 0, std::time::Duration::ZERO, std::time::Instant::now()));
+    let pools = pool_work(&state.cluster.view(
+        &[],
+        crate::cluster::Needs::ANY,
+        std::time::Duration::ZERO,
+        std::time::Instant::now(),
+    ));
     for (name, help, pick) in POOL_METRICS {
         let samples: Vec<(String, f64)> = pools.iter().map(|(role, w)| (labels(&[("role", role)]), pick(w))).collect();
         e.gauge(name, help, &samples);

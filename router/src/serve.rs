@@ -9,7 +9,7 @@ use proto::worker as pb;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use crate::cluster::Transport;
+use crate::cluster::{Needs, Transport};
 use crate::external::TokenStream;
 use crate::http::error::ApiError;
 use crate::scheduler::Decision;
@@ -430,30 +430,36 @@ async fn stream_tokens(
     }
 }
 
-/// The oldest worker protocol that applies everything `s` asks for (a version-2 worker would ignore the logits
-/// rules, a version-3 one the log-probabilities).
-pub fn protocol_needed(s: &pb::Sampling) -> u32 {
-    if s.logprobs.is_some() || s.grammar.is_some() {
-        return worker::LOGPROBS_PROTOCOL;
-    }
+/// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
+/// log-probabilities, a version-5 one `min_p`). External engines take the sampling fields (`min_p` included) in
+/// their own APIs, but log-probabilities and grammars are not relayed from them.
+pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
         && s.presence_penalty == 0.0
         && s.repetition_penalty.is_none_or(|p| p == 1.0)
         && s.min_tokens == 0
         && s.stop_token_ids.is_empty();
-    if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL }
+    let mut protocol = if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL };
+    let external = s.logprobs.is_none() && s.grammar.is_none();
+    if !external {
+        protocol = worker::LOGPROBS_PROTOCOL;
+    }
+    if s.min_p > 0.0 {
+        protocol = worker::MIN_P_PROTOCOL;
+    }
+    Needs { protocol, external }
 }
 
 /// The least loaded routable decode worker not in `tried` that speaks the job's protocol, or `fallback` when there
 /// is none.
 fn next_decoder(state: &RouterState, job: &Job, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
-    let protocol = protocol_needed(&job.sampling);
+    let needs = needs(&job.sampling);
     state
         .cluster
         .routable_members(std::time::Instant::now())
         .into_iter()
-        .filter(|(id, m)| m.role.decodes() && !tried.contains(id) && m.protocol >= protocol)
+        .filter(|(id, m)| m.role.decodes() && !tried.contains(id) && needs.met_by(m))
         .min_by_key(|(id, _)| state.cluster.in_flight(*id))
         .map_or(fallback, |(id, _)| id)
 }

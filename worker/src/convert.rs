@@ -47,6 +47,7 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
         temperature: s.temperature,
         top_p: s.top_p,
         top_k: s.top_k,
+        min_p: s.min_p,
         seed: s.seed,
         max_tokens: force_max_tokens.unwrap_or(s.max_tokens),
         stop: s.stop,

@@ -110,9 +110,9 @@ impl WorkerConfig {
 /// `logit_bias`, `min_tokens`, `stop_token_ids`, `prior_generated`), which a version-2 worker would ignore. 4:
 /// `Sampling.logprobs` (log-probabilities on `Token` and `PrefillResponse`) and `Sampling.grammar` (structured
 /// outputs). 5: `Prefetch`, and a prefill's lease reservation credited with the live leases of its own request
-/// (a streamed prompt's pieces). A router accepts this and the one before, and sends requests that use something
-/// newer only to workers that know it.
-pub const PROTOCOL_VERSION: u32 = 5;
+/// (a streamed prompt's pieces). 6: `Sampling.min_p`. A router accepts this and the one before, and sends requests
+/// that use something newer only to workers that know it.
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The first protocol whose workers apply `Sampling`'s logits rules.
 pub const LOGITS_RULES_PROTOCOL: u32 = 3;
@@ -123,6 +123,9 @@ pub const LOGPROBS_PROTOCOL: u32 = 4;
 /// The first protocol whose workers take a streamed prompt's pieces (`Prefetch` on the decode side, the lease
 /// credit on the prefill side).
 pub const STREAM_KV_PROTOCOL: u32 = 5;
+
+/// The first protocol whose workers apply `Sampling.min_p`.
+pub const MIN_P_PROTOCOL: u32 = 6;
 
 /// What a worker calls its model when nothing else is said (the embedded one).
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";

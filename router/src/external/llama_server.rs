@@ -25,9 +25,9 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         "cache_prompt": true,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        // 0 turns top-k off in llama.cpp (its default is 40); min-p and the repetition penalty are off in OpenAI's API.
+        // 0 turns top-k off in llama.cpp (its default is 40), and min-p (its default is 0.05) unless asked for.
         "top_k": sampling.top_k.unwrap_or(0),
-        "min_p": 0.0,
+        "min_p": sampling.min_p,
         "ignore_eos": sampling.ignore_eos,
         // llama.cpp's penalties, over the whole sequence (its window is the last 64 tokens by default; the server
         // takes no -1 for "all").
@@ -86,6 +86,8 @@ mod tests {
         assert_eq!(b["prompt"], json!([1, 2, 3]));
         assert_eq!((b["n_predict"].as_u64(), b["return_tokens"].as_bool()), (Some(7), Some(true)));
         assert_eq!((b["top_k"].as_u64(), b["min_p"].as_f64(), b["seed"].as_u64()), (Some(0), Some(0.0), Some(3)));
+        let b = body(&[1], &pb::Sampling { min_p: 0.25, ..s });
+        assert_eq!(b["min_p"].as_f64(), Some(0.25));
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         "top_p": sampling.top_p,
         // -1: the whole vocabulary.
         "top_k": sampling.top_k.map_or(-1, i64::from),
-        "min_p": 0.0,
+        "min_p": sampling.min_p,
         "ignore_eos": sampling.ignore_eos,
     });
     if let Some(seed) = sampling.seed {
@@ -87,8 +87,9 @@ mod tests {
             (p["max_new_tokens"].as_u64(), p["top_k"].as_i64(), p["sampling_seed"].as_u64()),
             (Some(3), Some(-1), Some(9))
         );
-        let signed = body(&[1], &pb::Sampling { seed: Some(u64::MAX - 1), ..s });
+        let signed = body(&[1], &pb::Sampling { seed: Some(u64::MAX - 1), ..s.clone() });
         assert_eq!(signed["sampling_params"]["sampling_seed"].as_i64(), Some(-2));
+        assert_eq!(body(&[1], &pb::Sampling { min_p: 0.5, ..s })["sampling_params"]["min_p"].as_f64(), Some(0.5));
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         "top_p": sampling.top_p,
         // 0: top-k off in vLLM.
         "top_k": sampling.top_k.unwrap_or(0),
-        "min_p": 0.0,
+        "min_p": sampling.min_p,
         "ignore_eos": sampling.ignore_eos,
     });
     if let Some(seed) = sampling.seed {
@@ -107,7 +107,8 @@ mod tests {
         );
         assert_eq!((b["top_k"].as_u64(), b["seed"].as_u64(), b.get("model")), (Some(0), Some(1), None));
         // A client's seed of -1 is the sampler's u64::MAX; vLLM takes seeds in i64's range only.
-        assert_eq!(body(&[5], &pb::Sampling { seed: Some(u64::MAX), ..s })["seed"].as_i64(), Some(-1));
+        assert_eq!(body(&[5], &pb::Sampling { seed: Some(u64::MAX), ..s.clone() })["seed"].as_i64(), Some(-1));
+        assert_eq!(body(&[5], &pb::Sampling { min_p: 0.5, ..s })["min_p"].as_f64(), Some(0.5));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use proto::worker as pb;
 
 use super::error::ApiError;
 use super::openai::{Checked, Endpoint, Input};
+use crate::cluster::Needs;
 use crate::record::{Arrival, Outcome};
 use crate::scheduler::view::RouteRequest;
 use crate::scheduler::{Decision, RouteError, route};
@@ -146,6 +147,7 @@ pub async fn plan(
         prior_generated: 0,
         logprobs: checked.logprobs,
         grammar: checked.grammar.as_ref().map(|(g, _)| pb::Grammar { kind: g.kind().into(), data: g.data().into() }),
+        min_p: checked.min_p,
     };
     let config = state.scheduler_config();
     let mut req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
@@ -170,11 +172,12 @@ pub async fn plan(
     let (views, decision, reserved, others_only) = {
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
         let slow_start = Duration::from_secs_f64(config.slow_start_secs);
-        let protocol = crate::serve::protocol_needed(&sampling);
-        let views = state.cluster.view(&hashes, protocol, slow_start, arrived);
+        let needs = crate::serve::needs(&sampling);
+        let views = state.cluster.view(&hashes, needs, slow_start, arrived);
         // Workers that would serve the request were it not for what it asks (external engines, older workers).
-        let others_only =
-            views.is_empty() && protocol > 0 && !state.cluster.view(&hashes, 0, slow_start, arrived).is_empty();
+        let others_only = views.is_empty()
+            && needs != Needs::ANY
+            && !state.cluster.view(&hashes, Needs::ANY, slow_start, arrived).is_empty();
         req.affinity = cache_key.and_then(|k| route_state.affinity.get(k));
         let decision = route(&req, &views, &config, &mut route_state);
         // This request on `worker`, with `prefill_tokens` of its prompt to compute there.

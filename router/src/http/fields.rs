@@ -70,7 +70,7 @@ fn common(name: &str) -> Option<Rule> {
         "frequency_penalty" | "presence_penalty" | "logit_bias" => Used,
         // vLLM's extra sampling fields.
         "top_k" | "ignore_eos" | "cache_salt" | "repetition_penalty" | "min_tokens" | "stop_token_ids" => Used,
-        "min_p" => Refused(zero, "min_p is not supported yet"),
+        "min_p" => Used,
         "guided_json" | "guided_regex" | "guided_choice" | "structured_outputs" => Used,
         "skip_special_tokens" | "include_stop_str_in_output" => Used,
         // vLLM's, taken at their defaults only.
@@ -199,7 +199,6 @@ mod tests {
             ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
             ("guided_grammar", json!("root ::= \"a\"")),
             ("reasoning_effort", json!("low")),
-            ("min_p", json!(0.1)),
             ("best_of", json!(2)),
             ("made_up", json!(1)),
         ] {

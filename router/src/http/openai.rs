@@ -95,6 +95,8 @@ pub struct Common {
     pub top_p: Option<f32>,
     /// Not OpenAI's, but vLLM's and SGLang's: 0 and -1 mean no limit, as there (and in llama.cpp).
     pub top_k: Option<i64>,
+    /// vLLM's, SGLang's and llama.cpp's: tokens under this fraction of the most likely one's probability are out.
+    pub min_p: Option<f32>,
     /// OpenAI's seed is any 64-bit signed integer (so is vLLM's); the sampler takes its 64 bits.
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
@@ -257,6 +259,8 @@ pub struct Checked {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: Option<u32>,
+    /// 0: off.
+    pub min_p: f32,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
@@ -437,6 +441,10 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
             ApiError::bad(format!("top_k must be 0 or -1 (no limit), or from 1 to {}, got {k}", u32::MAX), "top_k")
         })?),
     };
+    let min_p = c.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad(format!("min_p must be in [0, 1], got {min_p}"), "min_p"));
+    }
     let max_tokens = c.max_completion_tokens.or(c.max_tokens);
     if max_tokens == Some(0) {
         return Err(ApiError::bad("max_tokens must be at least 1", "max_tokens"));
@@ -466,6 +474,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         temperature,
         top_p,
         top_k,
+        min_p,
         seed: c.seed.map(|s| s as u64),
         stop,
         ignore_eos: c.ignore_eos,

@@ -32,6 +32,9 @@ pub struct Args {
     top_p: f32,
     #[arg(long)]
     top_k: Option<u32>,
+    /// Leave out tokens less likely than this fraction of the most likely one (after temperature); 0 is off.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    min_p: f32,
     #[arg(long)]
     seed: Option<u64>,
     /// Stop when this text appears (repeatable).
@@ -73,6 +76,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         temperature: args.temperature,
         top_p: args.top_p,
         top_k: args.top_k,
+        min_p: args.min_p,
         seed: args.seed,
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
