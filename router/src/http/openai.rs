@@ -410,7 +410,36 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoint) -> Res
         return Err(ApiError::MalformedJson("the body is not a JSON object".into()));
     };
     super::fields::check(endpoint, fields)?;
-    serde_json::from_value(v).map_err(|e| ApiError::MalformedJson(e.to_string()))
+    T::deserialize(&v).map_err(|e| misfit(&v).unwrap_or_else(|| ApiError::MalformedJson(e.to_string())))
+}
+
+/// The error naming the top-level field whose value does not fit its type, as OpenAI and vLLM name it in `param`.
+/// The shared fields are looked at alone: through `#[serde(flatten)]` a failure's path is lost.
+fn misfit(v: &serde_json::Value) -> Option<ApiError> {
+    fn named<T: serde::de::DeserializeOwned>(v: &serde_json::Value) -> Option<ApiError> {
+        let e = serde_path_to_error::deserialize::<_, T>(v).err()?;
+        match e.path().iter().next() {
+            Some(serde_path_to_error::Segment::Map { key }) => {
+                Some(ApiError::bad_field(format!("invalid `{}`: {}", e.path(), e.inner()), key))
+            }
+            _ => None,
+        }
+    }
+    #[derive(Deserialize)]
+    #[expect(dead_code, reason = "deserialized only to find the field that does not fit")]
+    struct Own {
+        #[serde(default)]
+        messages: Option<Vec<Message>>,
+        #[serde(default)]
+        prompt: Option<Prompt>,
+        #[serde(default)]
+        echo: Option<bool>,
+        #[serde(default)]
+        add_generation_prompt: Option<bool>,
+        #[serde(default)]
+        continue_final_message: Option<bool>,
+    }
+    named::<Common>(v).or_else(|| named::<Own>(v))
 }
 
 fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
@@ -633,6 +662,34 @@ mod tests {
     fn chat_with(extra: &str) -> Result<Checked, String> {
         let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
         check_chat(body.as_bytes()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_names_its_field() {
+        for (extra, field) in [
+            (r#","max_tokens":5.5"#, "max_tokens"),
+            (r#","temperature":"hot""#, "temperature"),
+            (r#","n":-1"#, "n"),
+            (r#","stop":[1]"#, "stop"),
+            (r#","stream":"yes""#, "stream"),
+            (r#","seed":1e30"#, "seed"),
+        ] {
+            let e = chat_with(extra).expect_err("refused");
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            match check_chat(body.as_bytes()) {
+                Err(ApiError::BadRequest { param: Some(p), .. }) => assert_eq!(p, field, "{e}"),
+                other => panic!("{extra}: {other:?}"),
+            }
+        }
+        match check_chat(br#"{"model":"m","messages":[{"role":"user","content":5}]}"#) {
+            Err(ApiError::BadRequest { param: Some(p), message }) => {
+                assert_eq!(p, "messages");
+                assert!(message.contains("messages[0]"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let completion = check_completion(br#"{"model":"m","prompt":"x","max_tokens":"9"}"#);
+        assert!(matches!(completion, Err(ApiError::BadRequest { param: Some(p), .. }) if p == "max_tokens"));
     }
 
     #[test]
