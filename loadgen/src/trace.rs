@@ -1,5 +1,5 @@
-//! Workload files: Mooncake/aiperf `mooncake_trace` JSONL and the Azure LLM inference CSVs, read into one
-//! request list. Parsing is pure: text in, requests (or the first bad line, named) out.
+//! Workload files: Mooncake/aiperf `mooncake_trace` JSONL, Qwen Bailian JSONL, and the Azure LLM inference and
+//! BurstGPT CSVs, read into one request list. Parsing is pure: text in, requests (or the first bad line, named) out.
 
 use serde::Deserialize;
 
@@ -181,6 +181,10 @@ pub enum Format {
     Bailian,
     /// The Azure LLM inference trace CSVs (2023 and 2024): arrivals and lengths.
     Azure,
+    /// BurstGPT's CSVs (Azure OpenAI GPT traffic): arrivals in seconds and lengths.
+    BurstGpt,
+    /// A first line that is neither a JSON object nor a CSV header of a trace this reads.
+    Unknown,
 }
 
 /// Tokens per block id in the Bailian traces (`qwen_trace*_blksz_16.jsonl`).
@@ -190,12 +194,15 @@ impl Format {
     /// The format of a workload file, from its first non-empty line.
     pub fn of(text: &str) -> Format {
         let first = text.trim_start_matches('\u{feff}').lines().find(|l| !l.trim().is_empty()).unwrap_or("");
-        if !first.trim_start().starts_with('{') && first.to_ascii_lowercase().contains("contexttokens") {
+        let header = first.to_ascii_lowercase();
+        if first.trim_start().starts_with('{') || first.trim().is_empty() {
+            if first.contains("\"chat_id\"") { Format::Bailian } else { Format::Mooncake }
+        } else if header.contains("contexttokens") {
             Format::Azure
-        } else if first.contains("\"chat_id\"") {
-            Format::Bailian
+        } else if header.contains("request tokens") && header.contains("response tokens") {
+            Format::BurstGpt
         } else {
-            Format::Mooncake
+            Format::Unknown
         }
     }
 }
@@ -236,15 +243,22 @@ pub fn block_size(path: Option<&std::path::Path>, given: Option<usize>) -> Resul
     }
 }
 
-/// Reads a workload file: `mooncake_trace` JSONL, a Bailian JSONL trace or an Azure LLM trace CSV
-/// ([`Format::of`]). Azure and Bailian requests come in arrival order whatever the file's order.
+/// Why a file's first line names no format this reads.
+const UNKNOWN_FORMAT: &str = "not a workload file this reads: the first line is neither a JSON object (Mooncake/aiperf \
+    `mooncake_trace`, Qwen Bailian) nor the header of an Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) \
+    or a BurstGPT CSV (Timestamp,Model,Request tokens,Response tokens,...)";
+
+/// Reads a workload file: `mooncake_trace` JSONL, a Bailian JSONL trace, or an Azure LLM or BurstGPT trace CSV
+/// ([`Format::of`]). Azure, BurstGPT and Bailian requests come in arrival order whatever the file's order.
 pub fn read(path: &std::path::Path) -> Result<Vec<TraceRequest>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let parsed = match Format::of(text) {
         Format::Azure => parse_azure(text),
+        Format::BurstGpt => parse_burstgpt(text),
         Format::Bailian => parse_bailian(text),
         Format::Mooncake => parse_mooncake(text),
+        Format::Unknown => Err(TraceError::Line { line: 1, why: UNKNOWN_FORMAT.into() }),
     };
     parsed.map_err(|e| format!("{}: {e}", path.display()))
 }
@@ -359,29 +373,44 @@ pub fn parse_bailian(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
 /// any order, among other columns), then one row per request; arrivals from the earliest row, in arrival order.
 /// Lengths only: every prompt is its own.
 pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let columns = ["timestamp", "contexttokens", "generatedtokens"];
+    csv_lengths(text, columns, "TIMESTAMP,ContextTokens,GeneratedTokens", |cell| {
+        azure_timestamp_ms(cell).ok_or("TIMESTAMP is not `YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]`")
+    })
+}
+
+/// A trace CSV of arrivals and lengths: a header naming `columns` (the arrival, the prompt's length and the
+/// output's, lowercase; in any order among others, `expected` as the file spells them), then one request per row,
+/// its arrival read by `arrival_ms`. Arrivals count from the earliest row, in arrival order; a length of 0 is 1.
+fn csv_lengths(
+    text: &str,
+    columns: [&str; 3],
+    expected: &str,
+    arrival_ms: impl Fn(&str) -> Result<f64, &'static str>,
+) -> Result<Vec<TraceRequest>, TraceError> {
     let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
     let header = lines.next().map_or("", |(_, l)| l);
     let names: Vec<String> = header.split(',').map(|c| unquote(c).to_ascii_lowercase()).collect();
-    let column = |name: &str| {
-        names.iter().position(|c| c == name).ok_or_else(|| TraceError::Line {
+    let mut at = [0; 3];
+    for (k, name) in columns.iter().enumerate() {
+        at[k] = names.iter().position(|c| c == name).ok_or_else(|| TraceError::Line {
             line: 1,
-            why: format!("the header names no {name:?} column (expected TIMESTAMP,ContextTokens,GeneratedTokens)"),
-        })
-    };
-    let (ts, ctx, gen_) = (column("timestamp")?, column("contexttokens")?, column("generatedtokens")?);
+            why: format!("the header names no {name:?} column (expected {expected})"),
+        })?;
+    }
+    let counts = expected.split(',').collect::<Vec<_>>();
     let mut out = Vec::new();
     for (i, line) in lines {
         let bad = |why: &str| TraceError::Line { line: i + 1, why: why.to_string() };
         let cols: Vec<&str> = line.split(',').map(unquote).collect();
-        let cell = |k: usize| cols.get(k).copied().ok_or_else(|| bad("fewer columns than the header"));
-        let at = azure_timestamp_ms(cell(ts)?)
-            .ok_or_else(|| bad("TIMESTAMP is not `YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]`"))?;
-        let input: usize = cell(ctx)?.parse().map_err(|_| bad("ContextTokens is not a count"))?;
-        let output: usize = cell(gen_)?.parse().map_err(|_| bad("GeneratedTokens is not a count"))?;
+        let cell = |k: usize| cols.get(at[k]).copied().ok_or_else(|| bad("fewer columns than the header"));
+        let count = |k: usize| {
+            cell(k)?.parse::<usize>().map_err(|_| bad(&format!("{} is not a count", counts.get(k).unwrap_or(&""))))
+        };
         out.push(TraceRequest {
-            arrival_ms: Some(at),
-            input_length: input.max(1),
-            output_length: output.max(1),
+            arrival_ms: Some(arrival_ms(cell(0)?).map_err(bad)?),
+            input_length: count(1)?.max(1),
+            output_length: count(2)?.max(1),
             ..TraceRequest::default()
         });
     }
@@ -390,6 +419,18 @@ pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
         r.arrival_ms = r.arrival_ms.map(|at| at - start);
     }
     in_arrival_order(out)
+}
+
+/// Reads a BurstGPT CSV (`BurstGPT_*.csv`): a header naming `Timestamp` (seconds from the trace's start),
+/// `Request tokens` and `Response tokens` (in any order, among `Model`, `Total tokens` and `Log Type`), then one
+/// row per request, put in arrival order. Lengths only: every prompt is its own. A row of 0 response tokens (a
+/// failed request, in the files that keep them) asks for one token, as an Azure row of 0 does.
+pub fn parse_burstgpt(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let columns = ["timestamp", "request tokens", "response tokens"];
+    csv_lengths(text, columns, "Timestamp,Request tokens,Response tokens", |cell| match cell.parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Ok(s * 1000.0),
+        _ => Err("Timestamp is not a non-negative number of seconds"),
+    })
 }
 
 /// Requests that each carry their arrival (and nothing that names another by its place), sorted by it; the order
@@ -585,6 +626,36 @@ mod tests {
             "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00Z,1,1\n2024-05-09 23:00:00-01:00,1,1\n",
         );
         assert_eq!(z.expect("parses").iter().map(|x| x.arrival_ms).collect::<Vec<_>>(), [Some(0.0), Some(0.0)]);
+    }
+
+    #[test]
+    fn burstgpt_rows_become_offsets_from_the_first_in_arrival_order() {
+        let text = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n\
+                    45,ChatGPT,1087,346,1433,Conversation log\n\
+                    5,ChatGPT,472,18,490,Conversation log\n\
+                    118.5,GPT-4,417,0,417,API log\n";
+        assert_eq!(Format::of(text), Format::BurstGpt);
+        let r = parse_burstgpt(text).expect("parses");
+        let got: Vec<(Option<f64>, usize, usize)> =
+            r.iter().map(|r| (r.arrival_ms, r.input_length, r.output_length)).collect();
+        assert_eq!(got, [(Some(0.0), 472, 18), (Some(40_000.0), 1087, 346), (Some(113_500.0), 417, 1)]);
+        let bad = parse_burstgpt("Timestamp,Request tokens,Response tokens\n-1,5,5\n").expect_err("negative");
+        assert!(bad.to_string().contains("line 2"), "{bad}");
+        let missing = parse_burstgpt("Timestamp,Request tokens\n1,5\n").expect_err("no column");
+        assert!(missing.to_string().contains("Response tokens") || missing.to_string().contains("response tokens"));
+    }
+
+    #[test]
+    fn a_file_of_no_known_format_is_refused_saying_which_it_reads() {
+        assert_eq!(Format::of("time,prompt_len,output_len\n1,2,3\n"), Format::Unknown);
+        assert_eq!(Format::of("\n{\"timestamp\": 0}"), Format::Mooncake);
+        let dir = std::env::temp_dir().join(format!("tandem-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("other.csv");
+        std::fs::write(&path, "time,prompt_len,output_len\n1,2,3\n").expect("write");
+        let e = read(&path).expect_err("refused");
+        assert!(e.contains("not a workload file this reads") && e.contains("BurstGPT"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -13,8 +13,8 @@ const DEFAULT_SYNTHETIC_REQUESTS: usize = 100;
 /// Which requests, and when they arrive.
 #[derive(Debug, clap::Args)]
 pub struct WorkloadArgs {
-    /// A Mooncake/aiperf `mooncake_trace` JSONL file, a Qwen Bailian JSONL trace, or an Azure LLM trace CSV (2023
-    /// or 2024); without it, the synthetic shared-prefix workload of the `--prefixes` … flags, which needs a pace:
+    /// A Mooncake/aiperf `mooncake_trace` JSONL file, a Qwen Bailian JSONL trace, an Azure LLM trace CSV (2023
+    /// or 2024) or a BurstGPT CSV; without it, the synthetic shared-prefix workload of the `--prefixes` … flags, which needs a pace:
     /// `--rate` (or, for `bench serve`, `--concurrency` or `--sweep-rate`).
     #[arg(long)]
     pub trace: Option<PathBuf>,
