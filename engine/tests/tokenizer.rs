@@ -142,3 +142,43 @@ fn generated_text_leaves_control_tokens_out_and_ends_at_stop_strings() {
     let both = TextStream::new(vec!["Hi".into(), "Hi there".into()]).keeping_stop(true);
     assert_eq!(run(both).0, "Yes.\nuser\nHi");
 }
+
+/// A model whose tokenizer adds a BOS, with a chat template that writes one too (as Llama's and Mistral's do): a
+/// rendered conversation gets one BOS, not two; a template without one still gets the tokenizer's; a plain
+/// prompt is encoded as before.
+#[test]
+fn a_conversation_gets_one_bos_where_the_template_writes_it() {
+    use engine::gguf::{GgufFile, GgufWriter, MetaArray, MetaValue};
+    let tokens: Vec<String> = ["<unk>", "<s>", "</s>", "a", "b", "Ġ", "[", "]"].iter().map(|t| t.to_string()).collect();
+    let types = vec![2, 3, 3, 1, 1, 1, 1, 1];
+    let write = |template: &str| {
+        let mut w = GgufWriter::new();
+        w.meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
+            .meta("tokenizer.ggml.tokens", MetaValue::Array(MetaArray::String(tokens.clone())))
+            .meta("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(types.clone())))
+            .meta("tokenizer.ggml.merges", MetaValue::Array(MetaArray::String(vec![])))
+            .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
+            .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
+            .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(true))
+            .meta("tokenizer.chat_template", MetaValue::String(template.into()));
+        let path = std::env::temp_dir().join(format!("tandem-bos-{}-{}.gguf", std::process::id(), template.len()));
+        std::fs::write(&path, w.to_bytes()).expect("write");
+        let text = engine::text::TextModel::from_gguf(&GgufFile::open(&path).expect("opens")).expect("text model");
+        std::fs::remove_file(&path).ok();
+        text
+    };
+    let chat = [ChatMessage::new("user", "ab")];
+    let with_bos = write("{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}");
+    let rendered = with_bos.render_chat(&chat).expect("renders");
+    assert_eq!(rendered, "<s>[ab]");
+    let tok = with_bos.tokenizer();
+    assert_eq!(tok.encode(&rendered), [1, 1, 6, 3, 4, 7], "a plain prompt: the tokenizer's BOS, then the text's");
+    assert_eq!(tok.encode_chat(&rendered), [1, 6, 3, 4, 7], "a conversation: the template's BOS only");
+    let without = write("{% for m in messages %}[{{ m.content }}]{% endfor %}");
+    let rendered = without.render_chat(&chat).expect("renders");
+    assert_eq!(
+        without.tokenizer().encode_chat(&rendered),
+        [1, 6, 3, 4, 7],
+        "the tokenizer's BOS where none is written"
+    );
+}

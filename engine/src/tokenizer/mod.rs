@@ -301,8 +301,26 @@ impl Tokenizer {
     /// Token ids for `text`. Special tokens written in the text become their ids; a BOS is prepended when the
     /// model asks for one.
     pub fn encode(&self, text: &str) -> Vec<u32> {
+        self.encode_with(text, self.add_bos)
+    }
+
+    /// Token ids for a conversation rendered by its chat template: as [`Tokenizer::encode`], except that no BOS is
+    /// prepended where the template already wrote one first. A second BOS is never meant (transformers and vLLM add
+    /// none to a rendered chat; llama.cpp adds one and warns of the double).
+    pub fn encode_chat(&self, rendered: &str) -> Vec<u32> {
+        self.encode_with(rendered, self.chat_adds_bos(rendered))
+    }
+
+    /// Whether [`Tokenizer::encode_chat`] prepends the model's BOS to `rendered`.
+    pub fn chat_adds_bos(&self, rendered: &str) -> bool {
+        let bos_text = self.special.bos.and_then(|b| self.token_text(b)).filter(|t| !t.is_empty());
+        self.add_bos && !bos_text.is_some_and(|t| rendered.starts_with(t))
+    }
+
+    /// Token ids for `text`, with the model's BOS first when `add_bos` (and the model has one).
+    pub fn encode_with(&self, text: &str, add_bos: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
-        if self.add_bos {
+        if add_bos {
             out.extend(self.special.bos);
         }
         let mut rest = text;

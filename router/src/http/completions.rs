@@ -69,7 +69,10 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
             return Ok(ids.clone());
         }
     };
-    let tokens = state.text.tokenizer().encode(&text);
+    let tokens = match checked.input {
+        Input::Chat(..) => state.text.tokenizer().encode_chat(&text),
+        _ => state.text.tokenizer().encode(&text),
+    };
     state.metrics.tokenized(tokens.len(), started.elapsed());
     if tokens.is_empty() {
         return Err(ApiError::bad("the prompt is empty after tokenization", "messages"));

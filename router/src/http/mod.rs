@@ -283,8 +283,9 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                 "return_token_strs",
             ],
         )?;
-        let text = match (v.get("prompt"), v.get("messages")) {
-            (Some(Value::String(p)), None) => p.clone(),
+        let tokenizer = state.text.tokenizer();
+        let (text, bos) = match (v.get("prompt"), v.get("messages")) {
+            (Some(Value::String(p)), None) => (p.clone(), tokenizer.added_bos().is_some()),
             (None, Some(_)) => {
                 // Rendered as a chat request with the same fields is.
                 let (add, cont) = (flag("add_generation_prompt")?, flag("continue_final_message")?);
@@ -292,21 +293,18 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                     "add_generation_prompt": add, "continue_final_message": cont});
                 let c = check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?)?;
                 let openai::Input::Chat(messages, ending) = c.input else { unreachable!("a chat request") };
-                state
+                let text = state
                     .text
                     .render_chat_ending(&messages, ending)
-                    .map_err(|e| ApiError::bad(e.to_string(), "messages"))?
+                    .map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
+                let bos = tokenizer.chat_adds_bos(&text);
+                (text, bos)
             }
             _ => return Err(ApiError::bad("give either `prompt` (a string) or `messages`", "prompt")),
         };
-        let tokenizer = state.text.tokenizer();
-        let mut tokens = tokenizer.encode(&text);
-        // The one special token encoding adds is the model's BOS; `add_special_tokens: false` leaves it out.
-        if flag("add_special_tokens")? == Some(false)
-            && tokenizer.added_bos().is_some_and(|b| tokens.first() == Some(&b))
-        {
-            tokens.remove(0);
-        }
+        // The one special token encoding adds is the model's BOS (to a conversation, only where its template wrote
+        // none), as a completion's prompt gets it; `add_special_tokens: false` leaves it out.
+        let tokens = tokenizer.encode_with(&text, bos && flag("add_special_tokens")? != Some(false));
         let mut answer = json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens});
         if flag("return_token_strs")? == Some(true) {
             let strs: Vec<&str> = tokens.iter().map(|&t| tokenizer.token_text(t).unwrap_or("")).collect();

@@ -105,7 +105,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     } else {
         args.prompt.clone()
     };
-    let prompt = engine.tokenizer().encode(&text);
+    let prompt = if args.chat { engine.tokenizer().encode_chat(&text) } else { engine.tokenizer().encode(&text) };
     let request = Request { namespace: None, prompt, sampling, deadline: None };
     let cancel = Arc::new(AtomicBool::new(false));
     let completion = run_cancellable(engine, request, Arc::clone(&cancel), !args.json)
