@@ -165,12 +165,44 @@ async fn a_shared_prefix_goes_back_to_the_llama_server_that_cached_it_and_a_kill
     assert_eq!(r.json()["choices"][0]["message"]["content"].as_str().map(str::trim), Some("sea sea sea"), "{}", r.body);
     let r = http(router.addr, "POST", "/v1/chat/completions", &with(serde_json::json!({"min_tokens": 2})), &[]).await;
     assert!(r.status == 400 && r.body.contains("min_tokens"), "{}", r.body);
-    // Log-probabilities and structured outputs are not relayed to external engines: with only those, a 400 says so.
-    for extra in
-        [serde_json::json!({"logprobs": true}), serde_json::json!({"response_format": {"type": "json_object"}})]
-    {
-        let r = http(router.addr, "POST", "/v1/chat/completions", &with(extra.clone()), &[]).await;
-        assert!(r.status == 400 && r.body.contains("external engines"), "{extra}: {}", r.body);
+    // Log-probabilities are relayed from llama-server, by token id: each token's and its alternatives' are what the
+    // server itself reports for the same prompt (its cache may compute the last prompt token alone: near, not equal).
+    let asked = with(serde_json::json!({"logprobs": true, "top_logprobs": 2, "ignore_eos": true}));
+    let r = http(router.addr, "POST", "/v1/chat/completions", &asked, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let content = r.json()["choices"][0]["logprobs"]["content"].as_array().expect("logprobs").clone();
+    assert_eq!(content.len(), 3, "one entry per token: {content:?}");
+    let body: serde_json::Value = serde_json::from_str(&asked).expect("json");
+    let tokens =
+        http(router.addr, "POST", "/tokenize", &serde_json::json!({"messages": body["messages"]}).to_string(), &[])
+            .await
+            .json()["tokens"]
+            .clone();
+    let direct = serde_json::json!({"prompt": tokens, "n_predict": 3, "n_probs": 2, "temperature": 0,
+                                    "return_tokens": true, "ignore_eos": true});
+    let own = http(survivor.addr, "POST", "/completion", &direct.to_string(), &[]).await.json();
+    let own = own["completion_probabilities"].as_array().expect("the server's own").clone();
+    for (ours, theirs) in content.iter().zip(&own) {
+        let near = |a: &serde_json::Value, b: &serde_json::Value| {
+            (a.as_f64().expect("logprob") - b.as_f64().expect("logprob")).abs() < 0.05
+        };
+        assert!(near(&ours["logprob"], &theirs["logprob"]), "{ours} / {theirs}");
+        let alternatives = ours["top_logprobs"].as_array().expect("alternatives");
+        assert_eq!(alternatives.len(), 2, "{ours}");
+        for (a, b) in alternatives.iter().zip(theirs["top_logprobs"].as_array().expect("theirs")) {
+            assert_eq!(a["token"], b["token"], "{ours} / {theirs}");
+            assert!(near(&a["logprob"], &b["logprob"]), "{ours} / {theirs}");
+        }
     }
+    // Structured outputs are not relayed to external engines: with only those, a 400 says so.
+    let r = http(
+        router.addr,
+        "POST",
+        "/v1/chat/completions",
+        &with(serde_json::json!({"response_format": {"type": "json_object"}})),
+        &[],
+    )
+    .await;
+    assert!(r.status == 400 && r.body.contains("external engines"), "{}", r.body);
     router.shutdown(Duration::from_secs(5)).await;
 }

@@ -134,19 +134,25 @@ pub struct Member {
 
 /// What a request needs of the worker that serves it: a worker protocol version (a Tandem worker of an older one
 /// would ignore what the request asks), and whether an external engine, which takes the sampling fields in its own
-/// API, may serve it when its own version (3) is older.
+/// API, may serve it when its own version (3) is older: not for a grammar, and for log-probabilities only where the
+/// router relays them ([`crate::external::EngineKind::relays_logprobs`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Needs {
     pub protocol: u32,
     pub external: bool,
+    pub logprobs: bool,
 }
 
 impl Needs {
     /// Any worker will do.
-    pub const ANY: Needs = Needs { protocol: 0, external: true };
+    pub const ANY: Needs = Needs { protocol: 0, external: true, logprobs: false };
 
     pub fn met_by(&self, m: &Member) -> bool {
-        m.protocol >= self.protocol || (self.external && matches!(m.transport, Transport::External(_)))
+        m.protocol >= self.protocol
+            || match &m.transport {
+                Transport::External(e) => self.external && (!self.logprobs || e.kind.relays_logprobs()),
+                Transport::Tandem(_) => false,
+            }
     }
 }
 

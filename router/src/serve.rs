@@ -432,7 +432,7 @@ async fn stream_tokens(
 
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
 /// log-probabilities, a version-5 one `min_p`). External engines take the sampling fields (`min_p` included) in
-/// their own APIs, but log-probabilities and grammars are not relayed from them.
+/// their own APIs; grammars are not relayed to them, log-probabilities only from llama-server.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
@@ -441,14 +441,14 @@ pub fn needs(s: &pb::Sampling) -> Needs {
         && s.min_tokens == 0
         && s.stop_token_ids.is_empty();
     let mut protocol = if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL };
-    let external = s.logprobs.is_none() && s.grammar.is_none();
-    if !external {
+    let external = s.grammar.is_none();
+    if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
     if s.min_p > 0.0 {
         protocol = worker::MIN_P_PROTOCOL;
     }
-    Needs { protocol, external }
+    Needs { protocol, external, logprobs: s.logprobs.is_some() }
 }
 
 /// The least loaded routable decode worker not in `tried` that speaks the job's protocol, or `fallback` when there

@@ -1,7 +1,9 @@
 //! llama.cpp's `llama-server`, through its native `/completion` endpoint: it takes the prompt as token ids and,
 //! with `return_tokens`, streams the generated token ids back, so the router keeps its own detokenization, stop
 //! strings and usage, as for its own workers. The last chunk says why generation stopped and how much of the
-//! prompt the server's cache served (`timings.cache_n`).
+//! prompt the server's cache served (`timings.cache_n`). Asked with `n_probs`, each token comes with its
+//! log-probability and the most likely alternatives, by id, from the model's own distribution (before sampling,
+//! `post_sampling_probs` off): what Tandem's workers report, relayed as they are.
 
 use proto::worker as pb;
 use serde_json::{Value, json};
@@ -40,6 +42,11 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
     if let Some(seed) = sampling.seed {
         b["seed"] = seed.into();
     }
+    if let Some(n) = sampling.logprobs {
+        // At least one alternative: the server reports the chosen token's log-probability only with them.
+        b["n_probs"] = n.max(1).into();
+        b["post_sampling_probs"] = false.into();
+    }
     b
 }
 
@@ -54,12 +61,22 @@ pub fn unsupported(sampling: &pb::Sampling) -> Option<&'static str> {
     }
 }
 
-/// Reads one chunk's JSON.
-pub fn parse(data: &str) -> Result<Chunk, String> {
+/// Reads one chunk's JSON; `alternatives`: the log-probabilities asked for (this many alternatives per token).
+pub fn parse(data: &str, alternatives: Option<u32>) -> Result<Chunk, String> {
     let v = super::chunk_json(data)?;
     let tokens = super::token_ids(v.get("tokens"))?;
     if v.get("stop").and_then(Value::as_bool) != Some(true) {
-        return Ok(Chunk::Tokens(tokens));
+        return match alternatives {
+            Some(n) if !tokens.is_empty() => {
+                let logprobs = token_logprobs(v.get("completion_probabilities"), &tokens, n)?;
+                Ok(Chunk::Scored(tokens, logprobs))
+            }
+            _ => Ok(Chunk::Tokens(tokens)),
+        };
+    }
+    if alternatives.is_some() && !tokens.is_empty() {
+        // The server sends every token, end of generation included, in a chunk of its own before the last.
+        return Err("the last chunk carries tokens, whose log-probabilities are not relayed from it".into());
     }
     let reason = match v.get("stop_type").and_then(Value::as_str) {
         Some("limit") => pb::FinishReason::Length,
@@ -67,6 +84,39 @@ pub fn parse(data: &str) -> Result<Chunk, String> {
     };
     let cached = v.pointer("/timings/cache_n").and_then(Value::as_u64).unwrap_or(0);
     Ok(Chunk::Finished { tokens, reason, cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX) })
+}
+
+/// Each token's entry of `completion_probabilities`, as a worker reports it: its log-probability and the first
+/// `n` alternatives. An entry missing or naming another token is an error, never a token without them.
+fn token_logprobs(v: Option<&Value>, tokens: &[u32], n: u32) -> Result<Vec<pb::TokenLogprobs>, String> {
+    let entries = v.and_then(Value::as_array).ok_or("a chunk without completion_probabilities")?;
+    if entries.len() != tokens.len() {
+        return Err(format!("{} tokens with {} completion_probabilities", tokens.len(), entries.len()));
+    }
+    let id_and_logprob = |e: &Value| {
+        let id = e.get("id").and_then(Value::as_u64).and_then(|t| u32::try_from(t).ok());
+        let lp = e.get("logprob").and_then(Value::as_f64);
+        id.zip(lp)
+            .map(|(id, lp)| (id, lp as f32))
+            .ok_or_else(|| format!("a probability entry without id or logprob: {e}"))
+    };
+    tokens
+        .iter()
+        .zip(entries)
+        .map(|(&token, e)| {
+            let (id, logprob) = id_and_logprob(e)?;
+            if id != token {
+                return Err(format!("the probabilities of token {id} came with token {token}"));
+            }
+            let top = e.get("top_logprobs").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+            let top: Vec<(u32, f32)> = top.iter().take(n as usize).map(id_and_logprob).collect::<Result<_, _>>()?;
+            Ok(pb::TokenLogprobs {
+                logprob,
+                top_ids: top.iter().map(|t| t.0).collect(),
+                top_logprobs: top.iter().map(|t| t.1).collect(),
+            })
+        })
+        .collect()
 }
 
 /// Tokens of KV the server holds in all (its context per slot times its slots), from `/props`.
@@ -94,28 +144,62 @@ mod tests {
     fn chunks_as_the_server_streams_them() {
         // Shapes from llama.cpp's server (server-task.cpp, `to_json_non_oaicompat` of partial and final results).
         let partial = r#"{"index":0,"content":" Hi","tokens":[3874],"stop":false,"id_slot":0,"tokens_predicted":1,"tokens_evaluated":9}"#;
-        assert_eq!(parse(partial), Ok(Chunk::Tokens(vec![3874])));
+        assert_eq!(parse(partial, None), Ok(Chunk::Tokens(vec![3874])));
         let last = r#"{"index":0,"content":"","tokens":[],"id_slot":0,"stop":true,"model":"m","tokens_predicted":8,
             "tokens_evaluated":40,"stop_type":"limit","stopping_word":"","tokens_cached":47,
             "timings":{"cache_n":32,"prompt_n":8,"prompt_ms":3.1,"predicted_n":8}}"#;
         assert_eq!(
-            parse(last),
+            parse(last, None),
             Ok(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Length, cached_tokens: 32 })
         );
         let eos = r#"{"tokens":[2],"stop":true,"stop_type":"eos"}"#;
         assert_eq!(
-            parse(eos),
+            parse(eos, None),
             Ok(Chunk::Finished { tokens: vec![2], reason: pb::FinishReason::Stop, cached_tokens: 0 })
         );
+        assert!(parse(eos, Some(1)).is_err(), "a token there would go without its log-probabilities");
+        assert_eq!(parse(last, Some(1)).map(|c| matches!(c, Chunk::Finished { .. })), Ok(true));
+    }
+
+    #[test]
+    fn log_probabilities_come_by_id_with_as_many_alternatives_as_asked() {
+        // As the server streams them with n_probs 2 (its `completion_probabilities`).
+        let chunk = r#"{"content":"x","tokens":[198],"stop":false,"completion_probabilities":[{"id":198,"token":"x",
+            "bytes":[120],"logprob":-2.5,"top_logprobs":[{"id":198,"token":"x","bytes":[120],"logprob":-2.5},
+            {"id":1604,"token":"def","bytes":[100,101,102],"logprob":-2.9}]}]}"#;
+        let scored = |n| match parse(chunk, Some(n)) {
+            Ok(Chunk::Scored(tokens, lps)) => (tokens, lps),
+            other => panic!("{other:?}"),
+        };
+        let (tokens, lps) = scored(2);
+        assert_eq!(tokens, [198]);
+        assert_eq!(
+            lps,
+            [pb::TokenLogprobs { logprob: -2.5, top_ids: vec![198, 1604], top_logprobs: vec![-2.5, -2.9] }]
+        );
+        assert_eq!(scored(0).1[0].top_ids, Vec::<u32>::new(), "none asked: the chosen token's only");
+        assert_eq!(parse(chunk, None), Ok(Chunk::Tokens(vec![198])), "not asked for: not read");
+        for bad in [
+            r#"{"tokens":[198],"stop":false}"#,
+            r#"{"tokens":[198],"stop":false,"completion_probabilities":[]}"#,
+            r#"{"tokens":[198],"stop":false,"completion_probabilities":[{"id":7,"logprob":-1.0}]}"#,
+            r#"{"tokens":[198],"stop":false,"completion_probabilities":[{"id":198}]}"#,
+        ] {
+            assert!(parse(bad, Some(1)).is_err(), "{bad}");
+        }
+        let s = pb::Sampling { logprobs: Some(0), ..Default::default() };
+        let b = body(&[1], &s);
+        assert_eq!((b["n_probs"].as_u64(), b["post_sampling_probs"].as_bool()), (Some(1), Some(false)));
+        assert!(body(&[1], &pb::Sampling::default()).get("n_probs").is_none());
     }
 
     #[test]
     fn bad_chunks_are_errors_not_panics() {
-        assert!(parse("not json").is_err());
-        assert!(parse(r#"{"error":{"code":500,"message":"boom"}}"#).expect_err("error").contains("boom"));
-        assert!(parse(r#"{"tokens":[-1]}"#).is_err());
-        assert!(parse(r#"{"tokens":"abc"}"#).is_err());
-        assert_eq!(parse("{}"), Ok(Chunk::Tokens(vec![])));
+        assert!(parse("not json", None).is_err());
+        assert!(parse(r#"{"error":{"code":500,"message":"boom"}}"#, None).expect_err("error").contains("boom"));
+        assert!(parse(r#"{"tokens":[-1]}"#, None).is_err());
+        assert!(parse(r#"{"tokens":"abc"}"#, None).is_err());
+        assert_eq!(parse("{}", None), Ok(Chunk::Tokens(vec![])));
     }
 
     #[test]

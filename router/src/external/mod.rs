@@ -91,9 +91,15 @@ impl EngineKind {
         }
     }
 
-    fn parser(self) -> Parser {
+    /// Whether the router relays log-probabilities from it (llama-server's come by token id; vLLM's and SGLang's
+    /// are not read yet).
+    pub fn relays_logprobs(self) -> bool {
+        self == EngineKind::LlamaServer
+    }
+
+    fn parser(self, sampling: &pb::Sampling) -> Parser {
         match self {
-            EngineKind::LlamaServer => Parser::LlamaServer,
+            EngineKind::LlamaServer => Parser::LlamaServer(sampling.logprobs),
             EngineKind::Vllm => Parser::Vllm(vllm::Parser::default()),
             EngineKind::Sglang => Parser::Sglang(sglang::Parser::default()),
         }
@@ -104,6 +110,8 @@ impl EngineKind {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Chunk {
     Tokens(Vec<u32>),
+    /// Tokens, each with its log-probabilities (asked for, from an engine that relays them).
+    Scored(Vec<u32>, Vec<pb::TokenLogprobs>),
     /// The last chunk, with any tokens it still carries.
     Finished {
         tokens: Vec<u32>,
@@ -114,7 +122,8 @@ pub enum Chunk {
 
 /// Reads one engine's stream, chunk by chunk.
 enum Parser {
-    LlamaServer,
+    /// With the alternatives per token asked for, when log-probabilities are.
+    LlamaServer(Option<u32>),
     Vllm(vllm::Parser),
     Sglang(sglang::Parser),
 }
@@ -123,8 +132,8 @@ impl Parser {
     /// The chunk an event's data carries (`None`: nothing to pass on).
     fn push(&mut self, data: &str) -> Result<Option<Chunk>, String> {
         match self {
-            Parser::LlamaServer if data.trim() == "[DONE]" => Ok(None),
-            Parser::LlamaServer => llama_server::parse(data).map(Some),
+            Parser::LlamaServer(_) if data.trim() == "[DONE]" => Ok(None),
+            Parser::LlamaServer(alternatives) => llama_server::parse(data, *alternatives).map(Some),
             Parser::Vllm(p) => p.push(data),
             Parser::Sglang(p) => p.push(data),
         }
@@ -278,8 +287,8 @@ impl Engine {
         sampling: &pb::Sampling,
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
-        if sampling.logprobs.is_some() || sampling.grammar.is_some() {
-            let what = if sampling.logprobs.is_some() { "logprobs are" } else { "structured outputs are" };
+        if (sampling.logprobs.is_some() && !self.kind.relays_logprobs()) || sampling.grammar.is_some() {
+            let what = if sampling.grammar.is_none() { "logprobs are" } else { "structured outputs are" };
             return Err(Status::invalid_argument(format!("{}: {what} not relayed to external engines", self.url)));
         }
         if self.kind == EngineKind::LlamaServer
@@ -307,7 +316,7 @@ impl Engine {
             });
         }
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(forward(resp.into_body(), conn, self.kind.parser(), tx));
+        tokio::spawn(forward(resp.into_body(), conn, self.kind.parser(sampling), tx));
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 }
@@ -320,7 +329,9 @@ async fn forward(
     tx: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
 ) {
     use pb::generate_response::Event;
-    let token = |id| pb::GenerateResponse { event: Some(Event::Token(pb::Token { id, ..Default::default() })) };
+    let token = |id, logprobs| pb::GenerateResponse {
+        event: Some(Event::Token(pb::Token { id, logprobs, ..Default::default() })),
+    };
     let mut parser = sse::SseParser::default();
     loop {
         let frame = tokio::select! {
@@ -336,19 +347,23 @@ async fn forward(
             None => return,
         };
         for event in parser.push(&data) {
-            let (tokens, finished) = match chunks.push(&event) {
+            let (tokens, mut logprobs, finished) = match chunks.push(&event) {
                 Ok(None) => continue,
-                Ok(Some(Chunk::Tokens(t))) => (t, None),
-                Ok(Some(Chunk::Finished { tokens, reason, cached_tokens })) => {
-                    (tokens, Some(pb::Finished { reason: reason as i32, cached_tokens, ..Default::default() }))
-                }
+                Ok(Some(Chunk::Tokens(t))) => (t, Vec::new(), None),
+                Ok(Some(Chunk::Scored(t, lps))) => (t, lps, None),
+                Ok(Some(Chunk::Finished { tokens, reason, cached_tokens })) => (
+                    tokens,
+                    Vec::new(),
+                    Some(pb::Finished { reason: reason as i32, cached_tokens, ..Default::default() }),
+                ),
                 Err(e) => {
                     let _ = tx.send(Err(Status::internal(e))).await;
                     return;
                 }
             };
+            logprobs.reverse();
             for id in tokens {
-                if tx.send(Ok(token(id))).await.is_err() {
+                if tx.send(Ok(token(id, logprobs.pop()))).await.is_err() {
                     return;
                 }
             }
