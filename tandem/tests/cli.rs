@@ -23,7 +23,7 @@ fn bad_sampling_values_are_clear_errors() {
     fails_with(&["generate", "--temperature", "-1", "hi"], &["temperature must be"]);
     fails_with(&["generate", "--top-p", "0", "hi"], &["top_p must be in (0, 1]"]);
     fails_with(&["generate", "--top-p", "1.5", "hi"], &["top_p"]);
-    fails_with(&["generate", "--top-k", "0", "hi"], &["top_k must be at least 1"]);
+    fails_with(&["generate", "--min-p", "1.5", "hi"], &["min_p must be in [0, 1]"]);
     fails_with(&["generate", "--max-tokens", "0", "hi"], &["max_tokens must be at least 1"]);
 }
 
@@ -44,6 +44,20 @@ fn missing_and_corrupt_model_files_are_named() {
 fn a_prompt_over_the_context_is_refused() {
     let long = "hello ".repeat(9000);
     fails_with(&["generate", "--max-tokens", "1", &long], &["context is 8192 tokens"]);
+}
+
+#[test]
+fn top_k_zero_is_no_limit_as_in_the_api() {
+    let sample = |extra: &[&str]| {
+        let mut args = vec!["generate", "--json", "--temperature", "1.5", "--seed", "3", "--max-tokens", "6"];
+        args.extend_from_slice(extra);
+        args.push("The sea is");
+        let out = tandem(&args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        v["token_ids"].clone()
+    };
+    assert_eq!(sample(&["--top-k", "0"]), sample(&[]));
 }
 
 #[test]

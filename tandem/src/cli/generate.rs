@@ -30,6 +30,7 @@ pub struct Args {
     temperature: f32,
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
+    /// Sample among the k most likely tokens; 0 is no limit, as in the API.
     #[arg(long)]
     top_k: Option<u32>,
     /// Leave out tokens less likely than this fraction of the most likely one (after temperature); 0 is off.
@@ -75,7 +76,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let sampling = SamplingParams::new(RawSampling {
         temperature: args.temperature,
         top_p: args.top_p,
-        top_k: args.top_k,
+        top_k: args.top_k.filter(|&k| k > 0),
         min_p: args.min_p,
         seed: args.seed,
         max_tokens: args.max_tokens,
