@@ -410,12 +410,12 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], endpoint: Endpoint) -> Res
         return Err(ApiError::MalformedJson("the body is not a JSON object".into()));
     };
     super::fields::check(endpoint, fields)?;
-    T::deserialize(&v).map_err(|e| misfit(&v).unwrap_or_else(|| ApiError::MalformedJson(e.to_string())))
+    T::deserialize(&v).map_err(|e| misfit::<T>(&v).unwrap_or_else(|| ApiError::MalformedJson(e.to_string())))
 }
 
-/// The error naming the top-level field whose value does not fit its type, as OpenAI and vLLM name it in `param`.
-/// The shared fields are looked at alone: through `#[serde(flatten)]` a failure's path is lost.
-fn misfit(v: &serde_json::Value) -> Option<ApiError> {
+/// The error naming the top-level field whose value does not fit its type in `T`, as OpenAI and vLLM name it in
+/// `param`. Through `#[serde(flatten)]` a failure's path is lost, so the shared fields are looked at alone first.
+fn misfit<T: serde::de::DeserializeOwned>(v: &serde_json::Value) -> Option<ApiError> {
     fn named<T: serde::de::DeserializeOwned>(v: &serde_json::Value) -> Option<ApiError> {
         let e = serde_path_to_error::deserialize::<_, T>(v).err()?;
         match e.path().iter().next() {
@@ -425,21 +425,7 @@ fn misfit(v: &serde_json::Value) -> Option<ApiError> {
             _ => None,
         }
     }
-    #[derive(Deserialize)]
-    #[expect(dead_code, reason = "deserialized only to find the field that does not fit")]
-    struct Own {
-        #[serde(default)]
-        messages: Option<Vec<Message>>,
-        #[serde(default)]
-        prompt: Option<Prompt>,
-        #[serde(default)]
-        echo: Option<bool>,
-        #[serde(default)]
-        add_generation_prompt: Option<bool>,
-        #[serde(default)]
-        continue_final_message: Option<bool>,
-    }
-    named::<Common>(v).or_else(|| named::<Own>(v))
+    named::<Common>(v).or_else(|| named::<T>(v))
 }
 
 fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, ApiError> {
@@ -674,10 +660,9 @@ mod tests {
             (r#","stream":"yes""#, "stream"),
             (r#","seed":1e30"#, "seed"),
         ] {
-            let e = chat_with(extra).expect_err("refused");
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
             match check_chat(body.as_bytes()) {
-                Err(ApiError::BadRequest { param: Some(p), .. }) => assert_eq!(p, field, "{e}"),
+                Err(ApiError::BadRequest { param: Some(p), message }) => assert_eq!(p, field, "{message}"),
                 other => panic!("{extra}: {other:?}"),
             }
         }
@@ -688,8 +673,16 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let completion = check_completion(br#"{"model":"m","prompt":"x","max_tokens":"9"}"#);
-        assert!(matches!(completion, Err(ApiError::BadRequest { param: Some(p), .. }) if p == "max_tokens"));
+        for (body, field) in [
+            (r#"{"model":"m","prompt":"x","max_tokens":"9"}"#, "max_tokens"),
+            (r#"{"model":"m","prompt":5}"#, "prompt"),
+        ] {
+            let completion = check_completion(body.as_bytes());
+            assert!(
+                matches!(&completion, Err(ApiError::BadRequest { param: Some(p), .. }) if p == field),
+                "{completion:?}"
+            );
+        }
     }
 
     #[test]
