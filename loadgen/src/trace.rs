@@ -373,40 +373,35 @@ pub fn parse_bailian(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
 /// any order, among other columns), then one row per request; arrivals from the earliest row, in arrival order.
 /// Lengths only: every prompt is its own.
 pub fn parse_azure(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
-    let columns = ["timestamp", "contexttokens", "generatedtokens"];
-    csv_lengths(text, columns, "TIMESTAMP,ContextTokens,GeneratedTokens", |cell| {
+    csv_lengths(text, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"], |cell| {
         azure_timestamp_ms(cell).ok_or("TIMESTAMP is not `YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]`")
     })
 }
 
 /// A trace CSV of arrivals and lengths: a header naming `columns` (the arrival, the prompt's length and the
-/// output's, lowercase; in any order among others, `expected` as the file spells them), then one request per row,
-/// its arrival read by `arrival_ms`. Arrivals count from the earliest row, in arrival order; a length of 0 is 1.
+/// output's, as the file spells them, found in any case and order among others), then one request per row, its
+/// arrival read by `arrival_ms`. Arrivals count from the earliest row, in arrival order; a length of 0 is 1.
 fn csv_lengths(
     text: &str,
     columns: [&str; 3],
-    expected: &str,
     arrival_ms: impl Fn(&str) -> Result<f64, &'static str>,
 ) -> Result<Vec<TraceRequest>, TraceError> {
     let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
     let header = lines.next().map_or("", |(_, l)| l);
-    let names: Vec<String> = header.split(',').map(|c| unquote(c).to_ascii_lowercase()).collect();
+    let names: Vec<&str> = header.split(',').map(unquote).collect();
     let mut at = [0; 3];
     for (k, name) in columns.iter().enumerate() {
-        at[k] = names.iter().position(|c| c == name).ok_or_else(|| TraceError::Line {
+        at[k] = names.iter().position(|c| c.eq_ignore_ascii_case(name)).ok_or_else(|| TraceError::Line {
             line: 1,
-            why: format!("the header names no {name:?} column (expected {expected})"),
+            why: format!("the header names no {:?} column (expected {})", name.to_ascii_lowercase(), columns.join(",")),
         })?;
     }
-    let counts = expected.split(',').collect::<Vec<_>>();
     let mut out = Vec::new();
     for (i, line) in lines {
         let bad = |why: &str| TraceError::Line { line: i + 1, why: why.to_string() };
         let cols: Vec<&str> = line.split(',').map(unquote).collect();
         let cell = |k: usize| cols.get(at[k]).copied().ok_or_else(|| bad("fewer columns than the header"));
-        let count = |k: usize| {
-            cell(k)?.parse::<usize>().map_err(|_| bad(&format!("{} is not a count", counts.get(k).unwrap_or(&""))))
-        };
+        let count = |k: usize| cell(k)?.parse::<usize>().map_err(|_| bad(&format!("{} is not a count", columns[k])));
         out.push(TraceRequest {
             arrival_ms: Some(arrival_ms(cell(0)?).map_err(bad)?),
             input_length: count(1)?.max(1),
@@ -426,8 +421,7 @@ fn csv_lengths(
 /// row per request, put in arrival order. Lengths only: every prompt is its own. A row of 0 response tokens (a
 /// failed request, in the files that keep them) asks for one token, as an Azure row of 0 does.
 pub fn parse_burstgpt(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
-    let columns = ["timestamp", "request tokens", "response tokens"];
-    csv_lengths(text, columns, "Timestamp,Request tokens,Response tokens", |cell| match cell.parse::<f64>() {
+    csv_lengths(text, ["Timestamp", "Request tokens", "Response tokens"], |cell| match cell.parse::<f64>() {
         Ok(s) if s.is_finite() && s >= 0.0 => Ok(s * 1000.0),
         _ => Err("Timestamp is not a non-negative number of seconds"),
     })
