@@ -110,8 +110,8 @@ impl WorkerConfig {
 /// `logit_bias`, `min_tokens`, `stop_token_ids`, `prior_generated`), which a version-2 worker would ignore. 4:
 /// `Sampling.logprobs` (log-probabilities on `Token` and `PrefillResponse`) and `Sampling.grammar` (structured
 /// outputs). 5: `Prefetch`, and a prefill's lease reservation credited with the live leases of its own request
-/// (a streamed prompt's pieces). 6: `Sampling.min_p`. A router accepts this and the one before, and sends requests
-/// that use something newer only to workers that know it.
+/// (a streamed prompt's pieces). 6: `Sampling.min_p`. A router accepts this and the two before
+/// (`router::cluster::OLDEST_PROTOCOL`), and sends requests that use something newer only to workers that know it.
 pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The first protocol whose workers apply `Sampling`'s logits rules.
