@@ -356,8 +356,8 @@ impl Cluster {
                 transport: Transport::External(Arc::clone(engine)),
                 joined: Instant::now(),
                 up: true,
-                // Spoken over HTTP: the router maps the logits rules to the engine's own fields; log-probabilities
-                // are not relayed yet, so requests for them go to the router's own workers.
+                // Spoken over HTTP: the router maps the logits rules to the engine's own fields; what else it
+                // relays is for `Needs::met_by` to say.
                 protocol: worker::LOGITS_RULES_PROTOCOL,
                 synced: true,
             },
@@ -871,7 +871,66 @@ impl Drop for OpenCall<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::protocol_version;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use proto::worker as pb;
+    use proto::worker::worker_client::WorkerClient;
+    use tonic::transport::Channel;
+
+    use super::{Member, Transport, protocol_version};
+    use crate::external::{Engine, EngineKind};
+    use crate::scheduler::view::WorkerRole;
+    use crate::serve::needs;
+
+    fn member(transport: Transport, protocol: u32) -> Member {
+        Member {
+            name: "w".into(),
+            addr: ([127, 0, 0, 1], 1).into(),
+            role: WorkerRole::Both,
+            capacity_blocks: 1,
+            max_num_batched_tokens: 0,
+            block_bytes: 0,
+            instance: "i".into(),
+            transport,
+            joined: Instant::now(),
+            up: true,
+            protocol,
+            synced: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_goes_to_workers_that_apply_all_it_asks_and_to_external_engines_that_relay_it() {
+        let tandem = |protocol| {
+            let channel = Channel::from_static("http://127.0.0.1:1").connect_lazy();
+            member(Transport::Tandem(WorkerClient::new(channel)), protocol)
+        };
+        let external = |kind| {
+            let engine = Engine::new("http://127.0.0.1:1", kind).expect("an address");
+            member(Transport::External(Arc::new(engine)), worker::LOGITS_RULES_PROTOCOL)
+        };
+        let [llama, vllm, sglang] = [EngineKind::LlamaServer, EngineKind::Vllm, EngineKind::Sglang].map(external);
+
+        let plain = needs(&pb::Sampling::default());
+        assert!([&tandem(worker::LOGITS_RULES_PROTOCOL), &llama, &vllm, &sglang].iter().all(|m| plain.met_by(m)));
+
+        let logprobs = needs(&pb::Sampling { logprobs: Some(2), ..Default::default() });
+        assert!(logprobs.met_by(&tandem(worker::LOGPROBS_PROTOCOL)));
+        assert!(!logprobs.met_by(&tandem(worker::LOGPROBS_PROTOCOL - 1)), "an older worker would drop them");
+        assert!(logprobs.met_by(&llama) && logprobs.met_by(&vllm), "relayed from llama-server and vLLM");
+        assert!(!logprobs.met_by(&sglang), "SGLang's are not read");
+
+        let grammar = pb::Grammar { kind: "regex".into(), data: "a+".into() };
+        let constrained = needs(&pb::Sampling { grammar: Some(grammar), ..Default::default() });
+        assert!(constrained.met_by(&tandem(worker::LOGPROBS_PROTOCOL)));
+        assert!(![&llama, &vllm, &sglang].iter().any(|m| constrained.met_by(m)), "grammars are not relayed");
+
+        let min_p = needs(&pb::Sampling { min_p: 0.1, ..Default::default() });
+        assert!(min_p.met_by(&tandem(worker::MIN_P_PROTOCOL)));
+        assert!(!min_p.met_by(&tandem(worker::MIN_P_PROTOCOL - 1)));
+        assert!([&llama, &vllm, &sglang].iter().all(|m| min_p.met_by(m)), "external engines take min_p natively");
+    }
 
     #[test]
     fn a_router_works_with_its_own_protocol_and_the_two_before() {

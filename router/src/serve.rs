@@ -432,7 +432,7 @@ async fn stream_tokens(
 
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
 /// log-probabilities, a version-5 one `min_p`). External engines take the sampling fields (`min_p` included) in
-/// their own APIs; grammars are not relayed to them, log-probabilities only from llama-server.
+/// their own APIs; grammars are not relayed to them, log-probabilities only from llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0

@@ -91,16 +91,16 @@ impl EngineKind {
         }
     }
 
-    /// Whether the router relays log-probabilities from it (llama-server's come by token id; vLLM's and SGLang's
+    /// Whether the router relays log-probabilities from it (llama-server's and vLLM's come by token id; SGLang's
     /// are not read yet).
     pub fn relays_logprobs(self) -> bool {
-        self == EngineKind::LlamaServer
+        matches!(self, EngineKind::LlamaServer | EngineKind::Vllm)
     }
 
     fn parser(self, sampling: &pb::Sampling) -> Parser {
         match self {
             EngineKind::LlamaServer => Parser::LlamaServer(sampling.logprobs),
-            EngineKind::Vllm => Parser::Vllm(vllm::Parser::default()),
+            EngineKind::Vllm => Parser::Vllm(vllm::Parser::new(sampling.logprobs)),
             EngineKind::Sglang => Parser::Sglang(sglang::Parser::default()),
         }
     }

@@ -2,7 +2,9 @@
 //! streamed chunk carries the generated ids and the router keeps its own detokenization, stop strings and usage.
 //! The chunk with `finish_reason` says why generation stopped; the usage chunk after it (`include_usage`) says how
 //! much of the prompt came from the cache (`prompt_tokens_details.cached_tokens`, present when the server runs
-//! with `--enable-prompt-tokens-details`).
+//! with `--enable-prompt-tokens-details`). Log-probabilities are asked with `logprobs` and
+//! `return_tokens_as_token_ids`, so each token and alternative comes named `token_id:N`; vLLM reports the model's
+//! raw distribution (its default `logprobs_mode`), what Tandem's workers report.
 
 use proto::worker as pb;
 use serde_json::{Value, json};
@@ -29,6 +31,10 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         "min_p": sampling.min_p,
         "ignore_eos": sampling.ignore_eos,
     });
+    if let Some(n) = sampling.logprobs {
+        b["logprobs"] = n.into();
+        b["return_tokens_as_token_ids"] = true.into();
+    }
     if let Some(seed) = sampling.seed {
         // The client's signed seed, back from the sampler's 64 bits (a seed past i64 would be refused).
         b["seed"] = (seed as i64).into();
@@ -43,9 +49,16 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
 pub struct Parser {
     /// Why generation stopped, once a chunk said so (the usage chunk may follow).
     finished: Option<pb::FinishReason>,
+    /// The alternatives per token asked for, when log-probabilities are.
+    alternatives: Option<u32>,
 }
 
 impl Parser {
+    /// A parser for a request that asked for `alternatives` per token's log-probabilities (`None`: none asked).
+    pub fn new(alternatives: Option<u32>) -> Parser {
+        Parser { finished: None, alternatives }
+    }
+
     pub fn push(&mut self, data: &str) -> Result<Option<Chunk>, String> {
         if data.trim() == "[DONE]" {
             return Ok(self.finished.take().map(|reason| Chunk::Finished { tokens: vec![], reason, cached_tokens: 0 }));
@@ -68,18 +81,61 @@ impl Parser {
         };
         let tokens = super::token_ids(choice.get("token_ids"))?;
         match choice.get("finish_reason").and_then(Value::as_str) {
-            None => Ok(Some(Chunk::Tokens(tokens))),
-            Some("length") => {
-                self.finished = Some(pb::FinishReason::Length);
-                Ok(Some(Chunk::Tokens(tokens)))
+            None => {}
+            Some("length") => self.finished = Some(pb::FinishReason::Length),
+            Some("stop") => self.finished = Some(pb::FinishReason::Stop),
+            Some(other) => return Err(format!("the server ended generation with {other:?}")),
+        }
+        match self.alternatives {
+            Some(n) if !tokens.is_empty() => {
+                let logprobs = token_logprobs(choice.get("logprobs"), &tokens, n)?;
+                Ok(Some(Chunk::Scored(tokens, logprobs)))
             }
-            Some("stop") => {
-                self.finished = Some(pb::FinishReason::Stop);
-                Ok(Some(Chunk::Tokens(tokens)))
-            }
-            Some(other) => Err(format!("the server ended generation with {other:?}")),
+            _ => Ok(Some(Chunk::Tokens(tokens))),
         }
     }
+}
+
+/// A chunk's `logprobs` (`tokens`, `token_logprobs`, `top_logprobs`, one entry per token, the tokens written
+/// `token_id:N`), as a worker reports them: each token's log-probability and its `n` most likely alternatives.
+/// vLLM's `top_logprobs` names the sampled token too (first, or wherever it ranks), so it holds `n` or `n + 1`
+/// entries: ranked here, the first `n` are the alternatives. Anything missing, or naming another token, is an
+/// error, never a token without them.
+fn token_logprobs(v: Option<&Value>, tokens: &[u32], n: u32) -> Result<Vec<pb::TokenLogprobs>, String> {
+    let v = v.filter(|v| !v.is_null()).ok_or("a chunk without logprobs")?;
+    let list = |key: &str| {
+        v.get(key)
+            .and_then(Value::as_array)
+            .filter(|l| l.len() == tokens.len())
+            .ok_or_else(|| format!("the chunk's logprobs.{key} is not a list of {} entries: {v}", tokens.len()))
+    };
+    let (named, logprobs, tops) = (list("tokens")?, list("token_logprobs")?, list("top_logprobs")?);
+    let id_of = |name: &str| {
+        name.strip_prefix("token_id:")
+            .and_then(|id| id.parse::<u32>().ok())
+            .ok_or_else(|| format!("a log-probability names {name:?}, not `token_id:N`"))
+    };
+    let logprob = |lp: &Value| lp.as_f64().map(|lp| lp as f32).ok_or_else(|| format!("a log-probability is {lp}"));
+    tokens
+        .iter()
+        .zip(named.iter().zip(logprobs).zip(tops))
+        .map(|(&token, ((name, lp), top))| {
+            let id = id_of(name.as_str().unwrap_or_default())?;
+            if id != token {
+                return Err(format!("the log-probability of token {id} came with token {token}"));
+            }
+            let top = top.as_object().ok_or_else(|| format!("top_logprobs entry {top} is not an object"))?;
+            let mut top: Vec<(u32, f32)> =
+                top.iter().map(|(name, lp)| Ok((id_of(name)?, logprob(lp)?))).collect::<Result<_, String>>()?;
+            top.sort_by(|a, b| b.1.total_cmp(&a.1));
+            top.truncate(n as usize);
+            Ok(pb::TokenLogprobs {
+                logprob: logprob(lp)?,
+                top_ids: top.iter().map(|t| t.0).collect(),
+                top_logprobs: top.iter().map(|t| t.1).collect(),
+            })
+        })
+        .collect()
 }
 
 /// Tokens of KV the server holds (`num_gpu_blocks` × `block_size` of `vllm:cache_config_info`, in its metrics).
@@ -133,6 +189,56 @@ mod tests {
             q.push("[DONE]"),
             Ok(Some(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Stop, cached_tokens: 0 }))
         );
+    }
+
+    #[test]
+    fn log_probabilities_are_asked_by_token_id_and_read_ranked() {
+        let s = pb::Sampling { logprobs: Some(2), ..Default::default() };
+        let b = body(&[5], &s);
+        assert_eq!((b["logprobs"].as_u64(), b["return_tokens_as_token_ids"].as_bool()), (Some(2), Some(true)));
+        assert!(body(&[5], &pb::Sampling::default()).get("logprobs").is_none());
+
+        // As vLLM streams them (`CompletionLogProbs` with `return_tokens_as_token_ids`): the sampled token first in
+        // `top_logprobs`, then the most likely ones; here the second token was not among the two most likely.
+        let chunk = r#"{"choices":[{"index":0,"text":"ab","logprobs":{"text_offset":[0,1],
+            "token_logprobs":[-0.25,-3.5],"tokens":["token_id:64","token_id:65"],
+            "top_logprobs":[{"token_id:64":-0.25,"token_id:12":-1.75},
+                            {"token_id:65":-3.5,"token_id:7":-0.5,"token_id:9":-1.0}]},
+            "finish_reason":null,"token_ids":[64,65]}]}"#;
+        let Ok(Some(Chunk::Scored(tokens, lps))) = Parser::new(Some(2)).push(chunk) else { panic!("scored") };
+        assert_eq!(tokens, [64, 65]);
+        assert_eq!(
+            (lps[0].logprob, &lps[0].top_ids[..], &lps[0].top_logprobs[..]),
+            (-0.25, &[64, 12][..], &[-0.25, -1.75][..])
+        );
+        assert_eq!(
+            (lps[1].logprob, &lps[1].top_ids[..], &lps[1].top_logprobs[..]),
+            (-3.5, &[7, 9][..], &[-0.5, -1.0][..])
+        );
+        // `top_logprobs: 0`: the token's own only.
+        let Ok(Some(Chunk::Scored(_, lps))) = Parser::new(Some(0)).push(chunk) else { panic!("scored") };
+        assert!(lps.iter().all(|l| l.top_ids.is_empty()) && lps[1].logprob == -3.5);
+        // Not asked: the ids alone.
+        assert_eq!(Parser::default().push(chunk), Ok(Some(Chunk::Tokens(vec![64, 65]))));
+        // The last chunk's token is scored too, and the end comes after it.
+        let mut p = Parser::new(Some(1));
+        let last = r#"{"choices":[{"index":0,"text":"","logprobs":{"text_offset":[0],"token_logprobs":[-0.5],
+            "tokens":["token_id:2"],"top_logprobs":[{"token_id:2":-0.5}]},"finish_reason":"stop","token_ids":[2]}]}"#;
+        assert!(matches!(p.push(last), Ok(Some(Chunk::Scored(t, _))) if t == [2]));
+        assert_eq!(
+            p.push("[DONE]"),
+            Ok(Some(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Stop, cached_tokens: 0 }))
+        );
+        for bad in [
+            r#"{"choices":[{"token_ids":[64],"logprobs":null}]}"#,
+            r#"{"choices":[{"token_ids":[64],"logprobs":{"tokens":[],"token_logprobs":[],"top_logprobs":[]}}]}"#,
+            r#"{"choices":[{"token_ids":[64],"logprobs":{"tokens":["a"],"token_logprobs":[-1.0],"top_logprobs":[{}]}}]}"#,
+            r#"{"choices":[{"token_ids":[64],"logprobs":{"tokens":["token_id:63"],"token_logprobs":[-1.0],"top_logprobs":[{}]}}]}"#,
+            r#"{"choices":[{"token_ids":[64],"logprobs":{"tokens":["token_id:64"],"token_logprobs":[null],"top_logprobs":[{}]}}]}"#,
+            r#"{"choices":[{"token_ids":[64],"logprobs":{"tokens":["token_id:64"],"token_logprobs":[-1.0],"top_logprobs":[{"x":-1.0}]}}]}"#,
+        ] {
+            assert!(Parser::new(Some(1)).push(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
