@@ -150,9 +150,14 @@ impl Needs {
     pub fn met_by(&self, m: &Member) -> bool {
         m.protocol >= self.protocol
             || match &m.transport {
-                Transport::External(e) => self.external && (!self.logprobs || e.kind.relays_logprobs()),
+                Transport::External(e) => self.met_by_external(e.kind),
                 Transport::Tandem(_) => false,
             }
+    }
+
+    /// Whether an external engine of `kind` serves all the request asks.
+    pub fn met_by_external(&self, kind: crate::external::EngineKind) -> bool {
+        self.external && (!self.logprobs || kind.relays_logprobs())
     }
 }
 

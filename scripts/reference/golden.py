@@ -30,6 +30,15 @@ PROMPTS = [
         "time, reading the whole cache and all the weights for every token; it is limited by memory bandwidth. "
         "Because the two phases stress different resources, some systems run them on different machines and "
         "move the cache between them. The router that decides where each request goes must therefore know")},
+    {"name": "chat-multiturn", "chat": [{"role": "user", "content": "Hi! Who are you?"},
+                                        {"role": "assistant", "content": "I am a helpful assistant."},
+                                        {"role": "user", "content": "Great. Name three fruits."}]},
+    {"name": "raw-unicode", "raw": "Café, naïve, jalapeño — 東京は日本の首都です。 Emoji: 🚀🔥 and then"},
+    {"name": "raw-json", "raw": '{"name": "Alice", "age": 30, "skills": ["python", "rust"], "address": {"city": "'},
+    # Over 600 tokens: a prompt of several chunks and dozens of KV blocks.
+    {"name": "chat-long", "chat": [{"role": "user", "content": " ".join(
+        ["The history of computing spans centuries, from the abacus to modern processors."] * 40
+        + ["Summarize the text above in one sentence."])}]},
 ]
 
 

@@ -287,7 +287,7 @@ impl Engine {
         sampling: &pb::Sampling,
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
-        if (sampling.logprobs.is_some() && !self.kind.relays_logprobs()) || sampling.grammar.is_some() {
+        if !crate::serve::needs(sampling).met_by_external(self.kind) {
             let what = if sampling.grammar.is_none() { "logprobs are" } else { "structured outputs are" };
             return Err(Status::invalid_argument(format!("{}: {what} not relayed to external engines", self.url)));
         }
