@@ -9,11 +9,20 @@ use serde::Serialize;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// The participant's name (OpenAI's `name`), handed to the template as transformers hands it: a template that
+    /// reads `message.name` shows it, and one without it is undefined there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), name: None }
+    }
+
+    /// The same message from the participant `name`.
+    pub fn named(self, name: Option<String>) -> ChatMessage {
+        ChatMessage { name, ..self }
     }
 }
 
@@ -101,6 +110,15 @@ mod tests {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}", "", "").expect("compiles");
         let err = t.render(&[], true).expect_err("raises");
         assert!(err.to_string().contains("no system role"));
+    }
+
+    #[test]
+    fn a_name_reaches_the_template_and_an_absent_one_is_undefined() {
+        let src = "{% for m in messages %}{{ m.role }}{% if m.name is defined %}({{ m.name }}){% endif %}: \
+                   {{ m.content }}\n{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        let chat = [ChatMessage::new("user", "hi").named(Some("ann".into())), ChatMessage::new("user", "yo")];
+        assert_eq!(t.render(&chat, false).expect("renders"), "user(ann): hi\nuser: yo\n");
     }
 
     #[test]

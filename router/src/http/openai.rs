@@ -83,6 +83,9 @@ pub struct Message {
     pub tool_calls: Option<serde_json::Value>,
     #[serde(default)]
     pub function_call: Option<serde_json::Value>,
+    /// The participant's name: the template gets it, as transformers passes it.
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// Fields shared by both endpoints.
@@ -543,7 +546,7 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
             }
         };
         let role = if m.role == "developer" { "system".to_string() } else { m.role };
-        messages.push(ChatMessage::new(role, content));
+        messages.push(ChatMessage::new(role, content).named(m.name));
     }
     let ending = match (r.add_generation_prompt, r.continue_final_message) {
         (Some(true) | None, Some(true)) => {
@@ -723,6 +726,15 @@ mod tests {
         {
             assert!(ending(both).is_err_and(|e| e.contains("exclude each other")), "{both}");
         }
+    }
+
+    #[test]
+    fn a_messages_name_goes_to_the_template() {
+        let body =
+            r#"{"model":"m","messages":[{"role":"user","content":"x","name":"ann"},{"role":"user","content":"y"}]}"#;
+        let Ok(Checked { input: Input::Chat(messages, _), .. }) = check_chat(body.as_bytes()) else { panic!("chat") };
+        assert_eq!(messages[0], ChatMessage::new("user", "x").named(Some("ann".into())));
+        assert_eq!(messages[1].name, None);
     }
 
     #[test]
