@@ -141,10 +141,11 @@ fn the_engine_runs_in_the_configured_precision() {
     let clearest = prompts.iter().max_by_key(|p| clear_steps(p)).expect("a prompt");
     assert!(clear_steps(clearest) >= 2, "a golden prompt starts with clear steps");
     let prompt = common::ids(&clearest["prompt_ids"]);
+    const STEPS: u32 = 8;
     let run = |precision| {
         let config = EngineConfig { precision, ..EngineConfig::default() };
         let mut engine = Engine::open(&common::model_path(), config).expect("engine");
-        let raw = RawSampling { max_tokens: 8, temperature: 0.0, logprobs: Some(1), ..RawSampling::default() };
+        let raw = RawSampling { max_tokens: STEPS, temperature: 0.0, logprobs: Some(1), ..RawSampling::default() };
         let request = Request {
             prompt: prompt.clone(),
             sampling: SamplingParams::new(raw).expect("valid"),
@@ -156,7 +157,7 @@ fn the_engine_runs_in_the_configured_precision() {
     let (reference, fast) = (run(Precision::Reference), run(Precision::Fast));
     let agreeing = reference.token_ids.iter().zip(&fast.token_ids).take_while(|(a, b)| a == b).count();
     assert!(
-        agreeing >= clear_steps(clearest),
+        agreeing >= clear_steps(clearest).min(STEPS as usize),
         "the clear first tokens agree: {:?} vs {:?}",
         reference.token_ids,
         fast.token_ids

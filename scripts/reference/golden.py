@@ -35,10 +35,25 @@ PROMPTS = [
                                         {"role": "user", "content": "Great. Name three fruits."}]},
     {"name": "raw-unicode", "raw": "Café, naïve, jalapeño — 東京は日本の首都です。 Emoji: 🚀🔥 and then"},
     {"name": "raw-json", "raw": '{"name": "Alice", "age": 30, "skills": ["python", "rust"], "address": {"city": "'},
-    # Over 600 tokens: a prompt of several chunks and dozens of KV blocks.
-    {"name": "chat-long", "chat": [{"role": "user", "content": " ".join(
-        ["The history of computing spans centuries, from the abacus to modern processors."] * 40
-        + ["Summarize the text above in one sentence."])}]},
+    # Over 400 tokens: a prompt of dozens of KV blocks, its answer read from far back in it.
+    {"name": "chat-long", "chat": [{"role": "user", "content": (
+        "Read the notes below and answer the question at the end.\n\n"
+        "1. The lighthouse on the northern cape was built in 1871 from granite quarried two miles inland. Its lamp "
+        "burned whale oil until 1890, then kerosene, and it was electrified in 1934 when a cable reached the cape.\n"
+        "2. Three keepers lived there at a time. They kept a log of every ship that passed, the weather at dawn and "
+        "dusk, and the hours the lamp was lit. The logs from 1871 to 1952 survive in the county archive.\n"
+        "3. In the winter of 1903 a storm cut the cape off for nineteen days. The keepers rationed flour and salted "
+        "fish, and one of them, Margaret Hale, wrote that the wind never dropped below a gale in that time.\n"
+        "4. The fog signal was a steam siren until 1921, when it was replaced by a diaphone driven by compressed air. "
+        "Fishermen said the diaphone could be heard eleven miles out on a still night.\n"
+        "5. The station was automated in 1986. The keepers' cottages became a small museum that opens from May to "
+        "September, and volunteers repaint the tower every seven years.\n"
+        "6. A second, smaller light stood on the reef to the east from 1899 until a wave destroyed it in 1962; its "
+        "foundations can still be seen at low tide.\n"
+        "7. Visitors can climb the 114 steps to the gallery on weekends. The view covers the bay, the reef and, on "
+        "clear days, the mountains on the far shore.\n\n"
+        "Question: how many years passed between the lighthouse being built and its automation, and what replaced "
+        "the steam siren?")}]},
 ]
 
 
