@@ -174,6 +174,12 @@ fn a_conversation_gets_one_bos_where_the_template_writes_it() {
     let tok = with_bos.tokenizer();
     assert_eq!(tok.encode(&rendered), [1, 1, 6, 3, 4, 7], "a plain prompt: the tokenizer's BOS, then the text's");
     assert_eq!(tok.encode_chat(&rendered), [1, 6, 3, 4, 7], "a conversation: the template's BOS only");
+    // As a request asks (vLLM's `add_special_tokens`), or by default as each endpoint does.
+    assert_eq!(tok.encode_prompt(&rendered, true, None), tok.encode_chat(&rendered));
+    assert_eq!(tok.encode_prompt(&rendered, true, Some(true)), [1, 1, 6, 3, 4, 7], "asked for: the BOS again");
+    assert_eq!(tok.encode_prompt("ab", false, None), [1, 3, 4], "a completion's prompt gets the BOS");
+    assert_eq!(tok.encode_prompt("ab", false, Some(false)), [3, 4], "unless asked not to");
+    assert_eq!(tok.encode_prompt("ab", true, Some(false)), [3, 4]);
     let without = write("{% for m in messages %}[{{ m.content }}]{% endfor %}");
     let rendered = without.render_chat(&chat).expect("renders");
     assert_eq!(

@@ -311,6 +311,17 @@ impl Tokenizer {
         self.encode_with(rendered, self.chat_adds_bos(rendered))
     }
 
+    /// A prompt text's token ids as a request asks (vLLM's `add_special_tokens`): with the model's BOS first when
+    /// `add_special_tokens` says so (and the model has one); by default, a plain prompt as [`Tokenizer::encode`] and
+    /// a conversation rendered by its template (`chat`) as [`Tokenizer::encode_chat`].
+    pub fn encode_prompt(&self, text: &str, chat: bool, add_special_tokens: Option<bool>) -> Vec<u32> {
+        match add_special_tokens {
+            Some(add) => self.encode_with(text, add && self.add_bos),
+            None if chat => self.encode_chat(text),
+            None => self.encode(text),
+        }
+    }
+
     /// Whether [`Tokenizer::encode_chat`] prepends the model's BOS to `rendered`.
     pub fn chat_adds_bos(&self, rendered: &str) -> bool {
         let bos_text = self.special.bos.and_then(|b| self.token_text(b)).filter(|t| !t.is_empty());

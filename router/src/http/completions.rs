@@ -69,10 +69,8 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
             return Ok(ids.clone());
         }
     };
-    let tokens = match checked.input {
-        Input::Chat(..) => state.text.tokenizer().encode_chat(&text),
-        _ => state.text.tokenizer().encode(&text),
-    };
+    let chat = matches!(checked.input, Input::Chat(..));
+    let tokens = state.text.tokenizer().encode_prompt(&text, chat, checked.add_special_tokens);
     state.metrics.tokenized(tokens.len(), started.elapsed());
     if tokens.is_empty() {
         return Err(ApiError::bad("the prompt is empty after tokenization", "messages"));

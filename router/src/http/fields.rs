@@ -72,7 +72,7 @@ fn common(name: &str) -> Option<Rule> {
         "top_k" | "ignore_eos" | "cache_salt" | "repetition_penalty" | "min_tokens" | "stop_token_ids" => Used,
         "min_p" => Used,
         "guided_json" | "guided_regex" | "guided_choice" | "structured_outputs" => Used,
-        "skip_special_tokens" | "include_stop_str_in_output" => Used,
+        "skip_special_tokens" | "include_stop_str_in_output" | "add_special_tokens" => Used,
         // vLLM's, taken at their defaults only.
         "spaces_between_special_tokens" => {
             Refused(is_true, "control tokens' text is never spaced apart from the text around it")
@@ -112,7 +112,6 @@ fn chat(name: &str) -> Option<Rule> {
         "add_generation_prompt" | "continue_final_message" => Used,
         // vLLM's chat fields, taken at their defaults only.
         "echo" => Refused(is_false, "echo is not supported for chat"),
-        "add_special_tokens" => Refused(is_false, "the chat template adds the special tokens itself"),
         "chat_template" => Refused(never, "the served model's own chat template is used"),
         "chat_template_kwargs" => Refused(empty, "the served model's chat template takes no arguments"),
         "documents" => Refused(empty, "the served model's chat template takes no documents"),
@@ -139,7 +138,6 @@ fn completion(name: &str) -> Option<Rule> {
         "logprobs" => Used,
         "best_of" => Refused(one, "best_of is not supported: ask for n samples and rank them yourself"),
         "echo" => Used,
-        "add_special_tokens" => Refused(is_true, "special tokens (the model's BOS) are always added"),
         "suffix" => Refused(empty, "suffix is not supported: the served model has no fill-in-the-middle mode"),
         _ => return None,
     })
@@ -227,7 +225,6 @@ mod tests {
         assert_eq!(refused(chat, defaults), None);
         for (field, value) in [
             ("echo", json!(true)),
-            ("add_special_tokens", json!(true)),
             ("spaces_between_special_tokens", json!(false)),
             ("use_beam_search", json!(true)),
             ("length_penalty", json!(0.5)),
@@ -245,13 +242,12 @@ mod tests {
             body.insert(field.into(), value);
             assert_eq!(refused(chat, Value::Object(body)).as_deref(), Some(field), "{field}");
         }
-        // Completions add the BOS: `add_special_tokens` is true there by default.
+        // `add_special_tokens` is taken either way on both endpoints (`encode_prompt` applies it).
         let completion = |v| refused(Endpoint::Completion, v);
-        assert_eq!(completion(json!({"prompt": "x", "add_special_tokens": true})), None);
-        assert_eq!(
-            completion(json!({"prompt": "x", "add_special_tokens": false})).as_deref(),
-            Some("add_special_tokens")
-        );
+        for add in [true, false] {
+            assert_eq!(completion(json!({"prompt": "x", "add_special_tokens": add})), None);
+            assert_eq!(refused(chat, json!({"messages": [], "add_special_tokens": add})), None);
+        }
         assert_eq!(
             completion(json!({"prompt": "x", "continue_final_message": false})).as_deref(),
             Some("continue_final_message")

@@ -284,8 +284,8 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
             ],
         )?;
         let tokenizer = state.text.tokenizer();
-        let (text, bos) = match (v.get("prompt"), v.get("messages")) {
-            (Some(Value::String(p)), None) => (p.clone(), tokenizer.added_bos().is_some()),
+        let (text, chat) = match (v.get("prompt"), v.get("messages")) {
+            (Some(Value::String(p)), None) => (p.clone(), false),
             (None, Some(_)) => {
                 // Rendered as a chat request with the same fields is.
                 let (add, cont) = (flag("add_generation_prompt")?, flag("continue_final_message")?);
@@ -297,14 +297,12 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                     .text
                     .render_chat_ending(&messages, ending)
                     .map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
-                let bos = tokenizer.chat_adds_bos(&text);
-                (text, bos)
+                (text, true)
             }
             _ => return Err(ApiError::bad("give either `prompt` (a string) or `messages`", "prompt")),
         };
-        // The one special token encoding adds is the model's BOS (to a conversation, only where its template wrote
-        // none), as a completion's prompt gets it; `add_special_tokens: false` leaves it out.
-        let tokens = tokenizer.encode_with(&text, bos && flag("add_special_tokens")? != Some(false));
+        // As the request with the same fields would be tokenized.
+        let tokens = tokenizer.encode_prompt(&text, chat, flag("add_special_tokens")?);
         let mut answer = json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens});
         if flag("return_token_strs")? == Some(true) {
             let strs: Vec<&str> = tokens.iter().map(|&t| tokenizer.token_text(t).unwrap_or("")).collect();

@@ -142,6 +142,9 @@ pub struct Common {
     pub skip_special_tokens: Option<bool>,
     /// vLLM's: `true` ends the text with the stop string that ended it.
     pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's: whether the tokenizer adds its special tokens (the model's BOS) to the prompt text (completions:
+    /// yes by default; chat: no, the template writes its own).
+    pub add_special_tokens: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -289,6 +292,9 @@ pub struct Checked {
     pub keep_control: bool,
     /// The stop string that ends the output is part of it (vLLM's `include_stop_str_in_output`).
     pub keep_stop: bool,
+    /// Whether the tokenizer's BOS goes before a prompt text (vLLM's `add_special_tokens`); `None`: as the endpoint
+    /// does by default (`Tokenizer::encode_prompt`).
+    pub add_special_tokens: Option<bool>,
 }
 
 /// The structured output a request asks for (at most one of `response_format`, `guided_json`, `guided_regex`,
@@ -507,6 +513,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         grammar,
         keep_control: c.skip_special_tokens == Some(false),
         keep_stop: c.include_stop_str_in_output == Some(true),
+        add_special_tokens: c.add_special_tokens,
     })
 }
 
@@ -779,6 +786,8 @@ mod tests {
         assert_eq!((c.keep_control, c.keep_stop), (true, true));
         let c = chat_with(r#","skip_special_tokens":true,"include_stop_str_in_output":false"#).expect("valid");
         assert_eq!((c.keep_control, c.keep_stop), (false, false));
+        assert_eq!(c.add_special_tokens, None);
+        assert_eq!(chat_with(r#","add_special_tokens":true"#).map(|c| c.add_special_tokens), Ok(Some(true)));
     }
 
     #[test]
