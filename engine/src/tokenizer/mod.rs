@@ -323,7 +323,7 @@ impl Tokenizer {
     }
 
     /// Whether [`Tokenizer::encode_chat`] prepends the model's BOS to `rendered`.
-    pub fn chat_adds_bos(&self, rendered: &str) -> bool {
+    fn chat_adds_bos(&self, rendered: &str) -> bool {
         let bos_text = self.special.bos.and_then(|b| self.token_text(b)).filter(|t| !t.is_empty());
         self.add_bos && !bos_text.is_some_and(|t| rendered.starts_with(t))
     }
