@@ -12,6 +12,7 @@
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -19,6 +20,10 @@ use crate::checksum;
 use crate::descriptor::BlockDescriptor;
 use crate::lease::LeaseId;
 use crate::quic::TransferError;
+
+mod stores;
+
+pub use stores::StoreMaps;
 
 /// Where shared-memory regions live when nothing else is said.
 pub const DEFAULT_DIR: &str = "/dev/shm";
@@ -193,7 +198,7 @@ impl Drop for ShmRegion {
 /// page): a store is far larger than one prompt.
 #[derive(Debug)]
 pub struct MappedBlocks {
-    maps: Vec<memmap2::Mmap>,
+    maps: Vec<Arc<memmap2::Mmap>>,
     /// Per block: its position, which mapping holds it and its bytes' range there, and the owner's checksum.
     blocks: Vec<(u32, usize, std::ops::Range<usize>, u64)>,
 }
@@ -225,7 +230,7 @@ impl MappedBlocks {
             // blocks (a modelled engine's) need no mapping.
             let at = maps.len();
             if end > start {
-                maps.push(map(&file, start, usize::try_from(end - start).map_err(std::io::Error::other)?)?);
+                maps.push(Arc::new(map(&file, start, usize::try_from(end - start).map_err(std::io::Error::other)?)?));
             }
             for &(index, offset, block_end, sum) in &spans[k..=last] {
                 let from = (offset - start) as usize;
@@ -234,6 +239,18 @@ impl MappedBlocks {
             k = last + 1;
         }
         Ok(MappedBlocks { maps, blocks: out })
+    }
+
+    /// The blocks of `blocks` in `map`, a mapping of a whole file ([`StoreMaps`]), each checked to lie inside it.
+    fn within(map: Arc<memmap2::Mmap>, blocks: &[(u32, BlockDescriptor)]) -> Result<MappedBlocks, TransferError> {
+        let size = map.len() as u64;
+        let mut out = Vec::with_capacity(blocks.len());
+        for &(index, d) in blocks {
+            let end = d.offset.checked_add(d.len).filter(|&e| e <= size);
+            let end = end.ok_or(TransferError::Integrity { index, what: "outside the shared region" })?;
+            out.push((index, 0, d.offset as usize..end as usize, d.checksum));
+        }
+        Ok(MappedBlocks { maps: vec![map], blocks: out })
     }
 
     /// How many blocks.
@@ -249,6 +266,16 @@ impl MappedBlocks {
     pub fn block(&self, k: usize) -> (u32, &[u8]) {
         let (index, map, range, _) = &self.blocks[k];
         (*index, if range.is_empty() { &[] } else { &self.maps[*map][range.clone()] })
+    }
+
+    /// Copies the `k`-th block into `dst` (as long as the block) and checks the copy.
+    pub fn copy_checked(&self, k: usize, dst: &mut [u8]) -> Result<(), TransferError> {
+        let (index, bytes) = self.block(k);
+        if bytes.len() != dst.len() {
+            return Err(TransferError::Integrity { index, what: "wrong length" });
+        }
+        dst.copy_from_slice(bytes);
+        self.check(k, dst)
     }
 
     /// Checks a copy of the `k`-th block against the owner's checksum: check the copy, not the mapping, so that

@@ -245,9 +245,11 @@ impl RunningWorker {
             timeout: config.pull_timeout,
             fingerprint: info.model_fingerprint.clone(),
             layout,
-            same_host: shm
-                .as_ref()
-                .map(|d| pull::SameHost { host_id: info.host_id.clone(), dir: d.dir().to_path_buf() }),
+            same_host: shm.as_ref().map(|d| pull::SameHost {
+                host_id: info.host_id.clone(),
+                dir: d.dir().to_path_buf(),
+                stores: Arc::default(),
+            }),
             metrics: Arc::clone(&metrics),
             modelled: match &config.engine.backend {
                 BackendChoice::Mock(m) => {

@@ -34,11 +34,12 @@ pub struct Puller {
 }
 
 /// This worker's shared-memory domain: a handle from a worker with the same host id names a store that lies in
-/// this worker's own directory (`kv_transfer::shm::store_in`).
+/// this worker's own directory (`kv_transfer::shm::store_in`), read through the stores' kept mappings.
 #[derive(Clone, Debug)]
 pub struct SameHost {
     pub host_id: String,
     pub dir: std::path::PathBuf,
+    pub stores: Arc<kv_transfer::shm::StoreMaps>,
 }
 
 /// Transfer timing for a mock worker: the profile's link, sped up as its steps are.
@@ -136,12 +137,7 @@ impl PulledBlocks for Pulled {
             }
             Pulled::Mapped(m, clock) => {
                 clock.read();
-                let (_, bytes) = m.block(k);
-                if bytes.len() != dst.len() {
-                    return Err("wrong length".into());
-                }
-                dst.copy_from_slice(bytes);
-                let checked = m.check(k, dst).map_err(|e| e.to_string());
+                let checked = m.copy_checked(k, dst).map_err(|e| e.to_string());
                 clock.checked();
                 checked
             }
@@ -280,17 +276,15 @@ impl Puller {
         // On the same host (equal host ids) the owner's KV store is readable in this worker's own shared-memory
         // directory: copy from it (one-sided, off the async runtime); else QUIC. Any other file the handle names
         // is not opened.
-        let local = self
-            .same_host
-            .as_ref()
-            .filter(|own| own.host_id == handle.host_id)
-            .and_then(|own| kv_transfer::shm::store_in(&own.dir, handle.shm_region.as_deref()?))
-            .filter(|p| p.exists());
+        let local = self.same_host.as_ref().filter(|own| own.host_id == handle.host_id).and_then(|own| {
+            let path = kv_transfer::shm::store_in(&own.dir, handle.shm_region.as_deref()?)?;
+            path.exists().then(|| (path, Arc::clone(&own.stores)))
+        });
         let started = Instant::now();
         let (transport, pulled) = match local {
-            Some(path) => {
+            Some((path, stores)) => {
                 let blocks = wanted.clone();
-                let mapped = tokio::task::spawn_blocking(move || kv_transfer::shm::MappedBlocks::open(&path, &blocks))
+                let mapped = tokio::task::spawn_blocking(move || stores.blocks(&path, &blocks))
                     .await
                     .map_err(|e| Status::internal(format!("shared-memory mapping: {e}")))?;
                 (Transport::Shm, Pulled::mapped(mapped.map_err(transfer_status)?))

@@ -1,11 +1,11 @@
 //! `tandem bench transfer`'s last part: the decode worker's whole paths, into a real engine. The same prompt-sized
 //! run of blocks is imported by the engine the way the worker hands them over: straight from the owner's mapped
-//! region (each block copied into a fresh KV block and checked there, what the worker does on one host), copied
-//! out into fresh buffers and checked first, then imported (what it did before); pulled over QUIC on loopback and
-//! copied by the engine from the packets they arrived in (what the worker does across hosts), and gathered into
-//! buffers and checked first, then imported (before). All include the block pool's work (allocation, eviction,
-//! registration), so they are comparable with each other and, as throughput, with the plain socket of the same
-//! run.
+//! region (kept mapped across imports, each block copied into a fresh KV block and checked there: what the worker
+//! does on one host), copied out into fresh buffers and checked first, then imported (what it did before); pulled
+//! over QUIC on loopback and copied by the engine from the packets they arrived in (what the worker does across
+//! hosts), and gathered into buffers and checked first, then imported (before). All include the block pool's work
+//! (allocation, eviction, registration), so they are comparable with each other and, as throughput, with the plain
+//! socket of the same run.
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -73,6 +73,8 @@ pub fn measure(
     };
     let addr = server.local_addr().map_err(display)?;
 
+    // The file stays mapped from one import to the next, as the worker keeps an owner's store mapped.
+    let stores = kv_transfer::shm::StoreMaps::default();
     let mut best = [Duration::MAX; WAYS.len()];
     for run in 0..WAYS.len() * runs.max(1) {
         // A prompt of its own per import (its blocks are new to the engine), one token past its full blocks.
@@ -82,7 +84,7 @@ pub fn measure(
         let way = (run + run / WAYS.len()) % WAYS.len();
         let started = Instant::now();
         let pulled = match way {
-            0 => Pulled::mapped(kv_transfer::shm::MappedBlocks::open(region.path(), &descs).map_err(display)?),
+            0 => Pulled::mapped(stores.blocks(region.path(), &descs).map_err(display)?),
             1 => Pulled::received(kv_transfer::shm::pull(region.path(), &descs).map_err(display)?),
             2 => {
                 Pulled::Arrived(runtime.block_on(client.pull_in_place(request(addr))).map_err(display)?, Arc::default())
