@@ -142,8 +142,8 @@ pub struct Common {
     pub skip_special_tokens: Option<bool>,
     /// vLLM's: `true` ends the text with the stop string that ended it.
     pub include_stop_str_in_output: Option<bool>,
-    /// vLLM's: whether the tokenizer adds its special tokens (the model's BOS) to the prompt text (completions:
-    /// yes by default; chat: no, the template writes its own).
+    /// vLLM's: whether the tokenizer adds its special tokens (the model's BOS) to the prompt text (by default a
+    /// completion's prompt gets it, a conversation only where its template did not write one).
     pub add_special_tokens: Option<bool>,
 }
 
