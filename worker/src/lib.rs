@@ -240,6 +240,8 @@ impl RunningWorker {
         let (stopping, stopping_rx) = tokio::sync::watch::channel(false);
         let (aborting, aborting_rx) = tokio::sync::watch::channel(false);
         let metrics = Arc::new(metrics::WorkerMetrics::default());
+        // Other workers' KV stores this one keeps mapped (on one host): let go soon after their owners stop.
+        let stores = Arc::new(kv_transfer::shm::StoreMaps::default());
         let puller = pull::Puller {
             client: Arc::clone(&client),
             timeout: config.pull_timeout,
@@ -248,7 +250,7 @@ impl RunningWorker {
             same_host: shm.as_ref().map(|d| pull::SameHost {
                 host_id: info.host_id.clone(),
                 dir: d.dir().to_path_buf(),
-                stores: Arc::default(),
+                stores: Arc::clone(&stores),
             }),
             metrics: Arc::clone(&metrics),
             modelled: match &config.engine.backend {
@@ -327,6 +329,8 @@ impl RunningWorker {
             loop {
                 tick.tick().await;
                 leases.expire(Instant::now());
+                // A stat per kept store (a few, on tmpfs).
+                stores.sweep();
             }
         });
         Ok(RunningWorker {

@@ -2,8 +2,9 @@
 //! and mapping each prompt's blocks (populated page by page table entry) and unmapping them after every pull costs
 //! as much as a good part of copying them. A store is mapped whole, unpopulated, at the first pull from it; its
 //! pages are faulted in as blocks are first read and stay mapped for the next pulls. The mapping is let go when
-//! the file at its path is gone or is another file (its owner stopped or restarted), checked at every pull, so a
-//! stopped owner's shared memory is not held past the next pull from any owner.
+//! the file at its path is gone or is another file (its owner stopped or restarted), checked at every pull and by
+//! [`StoreMaps::sweep`], which the worker calls every few seconds, so a stopped owner's shared memory is not held
+//! for long after it.
 
 use std::collections::HashMap;
 use std::fs;
@@ -48,7 +49,7 @@ impl StoreMaps {
             return MappedBlocks::open(path, blocks);
         }
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        kept.retain(|p, k| p == path || fs::metadata(p).is_ok_and(|m| k.maps(&m)));
+        let_go_gone(&mut kept, Some(path));
         let map = match kept.get(path) {
             Some(k) if k.maps(&meta) => Arc::clone(&k.map),
             _ => {
@@ -61,6 +62,11 @@ impl StoreMaps {
         MappedBlocks::within(map, blocks)
     }
 
+    /// Lets go of the mappings of stores whose files are gone or replaced.
+    pub fn sweep(&self) {
+        let_go_gone(&mut self.kept.lock().unwrap_or_else(PoisonError::into_inner), None);
+    }
+
     /// Stores mapped now.
     pub fn len(&self) -> usize {
         self.kept.lock().unwrap_or_else(PoisonError::into_inner).len()
@@ -69,6 +75,11 @@ impl StoreMaps {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Drops the mappings whose file is gone or is another file now, but `except`'s (looked at by the caller).
+fn let_go_gone(kept: &mut HashMap<PathBuf, Kept>, except: Option<&Path>) {
+    kept.retain(|p, k| Some(p.as_path()) == except || fs::metadata(p).is_ok_and(|m| k.maps(&m)));
 }
 
 #[allow(unsafe_code)]
@@ -126,10 +137,16 @@ mod tests {
         let renewed = maps.blocks(&a, &ask(2, 50)).expect("maps the new store");
         assert!(!Arc::ptr_eq(&first.maps[0], &renewed.maps[0]));
         renewed.copy_checked(0, &mut copy).expect("the new store's block");
-        // The owner of `b` stops: its mapping goes at the next pull from anyone.
+        // The owner of `b` stops: its mapping goes at the next pull from anyone, or the next sweep.
         fs::remove_file(&b).expect("gone");
         maps.blocks(&a, &ask(2, 50)).expect("maps");
         assert_eq!(maps.len(), 1, "b's mapping is let go");
+        maps.sweep();
+        assert_eq!(maps.len(), 1, "a's store is still there");
+        fs::remove_file(&a).expect("gone");
+        maps.sweep();
+        assert!(maps.is_empty(), "a's mapping is let go without a pull");
+        fs::write(&a, store(50)).expect("a store again");
 
         let outside = [(0, BlockDescriptor { offset: 8 * len as u64 - 1, ..descriptor(0, &block(0, 50)) })];
         assert!(matches!(
