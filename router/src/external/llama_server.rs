@@ -105,16 +105,9 @@ fn token_logprobs(v: Option<&Value>, tokens: &[u32], n: u32) -> Result<Vec<pb::T
         .zip(entries)
         .map(|(&token, e)| {
             let (id, logprob) = id_and_logprob(e)?;
-            if id != token {
-                return Err(format!("the probabilities of token {id} came with token {token}"));
-            }
             let top = e.get("top_logprobs").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
             let top: Vec<(u32, f32)> = top.iter().take(n as usize).map(id_and_logprob).collect::<Result<_, _>>()?;
-            Ok(pb::TokenLogprobs {
-                logprob,
-                top_ids: top.iter().map(|t| t.0).collect(),
-                top_logprobs: top.iter().map(|t| t.1).collect(),
-            })
+            super::scored(token, id, logprob, &top)
         })
         .collect()
 }

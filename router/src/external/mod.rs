@@ -149,6 +149,19 @@ pub(crate) fn chunk_json(data: &str) -> Result<Value, String> {
     }
 }
 
+/// A relayed token's log-probabilities as a worker reports them: the entry the engine gave for token `id`, which
+/// must be the token it came with, and the alternatives `top` (id, log-probability), most likely first.
+pub(crate) fn scored(token: u32, id: u32, logprob: f32, top: &[(u32, f32)]) -> Result<pb::TokenLogprobs, String> {
+    if id != token {
+        return Err(format!("the log-probability of token {id} came with token {token}"));
+    }
+    Ok(pb::TokenLogprobs {
+        logprob,
+        top_ids: top.iter().map(|t| t.0).collect(),
+        top_logprobs: top.iter().map(|t| t.1).collect(),
+    })
+}
+
 /// A JSON list of token ids (absent or null: none).
 pub(crate) fn token_ids(v: Option<&Value>) -> Result<Vec<u32>, String> {
     match v {

@@ -121,19 +121,12 @@ fn token_logprobs(v: Option<&Value>, tokens: &[u32], n: u32) -> Result<Vec<pb::T
         .zip(named.iter().zip(logprobs).zip(tops))
         .map(|(&token, ((name, lp), top))| {
             let id = id_of(name.as_str().unwrap_or_default())?;
-            if id != token {
-                return Err(format!("the log-probability of token {id} came with token {token}"));
-            }
             let top = top.as_object().ok_or_else(|| format!("top_logprobs entry {top} is not an object"))?;
             let mut top: Vec<(u32, f32)> =
                 top.iter().map(|(name, lp)| Ok((id_of(name)?, logprob(lp)?))).collect::<Result<_, String>>()?;
             top.sort_by(|a, b| b.1.total_cmp(&a.1));
             top.truncate(n as usize);
-            Ok(pb::TokenLogprobs {
-                logprob: logprob(lp)?,
-                top_ids: top.iter().map(|t| t.0).collect(),
-                top_logprobs: top.iter().map(|t| t.1).collect(),
-            })
+            super::scored(token, id, logprob(lp)?, &top)
         })
         .collect()
 }
