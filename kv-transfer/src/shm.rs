@@ -193,9 +193,10 @@ impl Drop for ShmRegion {
 
 /// Blocks of another owner's region (a lease's region file, or the owner's whole KV store), mapped and
 /// bounds-checked, to be read where they lie: the decode worker's engine copies each straight into one of its KV
-/// blocks and checks the copy there ([`MappedBlocks::check`]), so a pull needs no buffer of its own. Only the
-/// blocks asked for are mapped (each run of adjacent ones once, populated in one call rather than faulted page by
-/// page): a store is far larger than one prompt.
+/// blocks and checks the copy there ([`MappedBlocks::copy_checked`]), so a pull needs no buffer of its own. Opened
+/// alone ([`MappedBlocks::open`]), only the blocks asked for are mapped (each run of adjacent ones once, populated in
+/// one call rather than faulted page by page); through [`StoreMaps`], they are read from its kept mapping of the
+/// whole store.
 #[derive(Debug)]
 pub struct MappedBlocks {
     maps: Vec<Arc<memmap2::Mmap>>,

@@ -106,7 +106,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     } else {
         args.prompt.clone()
     };
-    let prompt = if args.chat { engine.tokenizer().encode_chat(&text) } else { engine.tokenizer().encode(&text) };
+    let prompt = engine.tokenizer().encode_prompt(&text, args.chat, None);
     let request = Request { namespace: None, prompt, sampling, deadline: None };
     let cancel = Arc::new(AtomicBool::new(false));
     let completion = run_cancellable(engine, request, Arc::clone(&cancel), !args.json)
