@@ -119,14 +119,23 @@ fn measure(
 
     // Warm-up touches the weights and the KV pages once.
     let warm = prompt(spec.prompt_tokens.min(64), 0, vocab);
-    forward(&mut kv, &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true, greedy: true }])?;
+    forward(
+        &mut kv,
+        &[SeqChunk { tokens: &warm, start: 0, blocks: &tables[0], logits: true, greedy: true, scored: None }],
+    )?;
 
     let long = prompt(spec.prompt_tokens, 1, vocab);
     if warm_up == Warm::EachShape {
-        forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true, greedy: true }])?;
+        forward(
+            &mut kv,
+            &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true, greedy: true, scored: None }],
+        )?;
     }
     let t = Instant::now();
-    forward(&mut kv, &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true, greedy: true }])?;
+    forward(
+        &mut kv,
+        &[SeqChunk { tokens: &long, start: 0, blocks: &tables[0], logits: true, greedy: true, scored: None }],
+    )?;
     let prefill_tokens_per_s = spec.prompt_tokens as f64 / t.elapsed().as_secs_f64();
 
     let mut decode = Vec::new();
@@ -135,7 +144,7 @@ fn measure(
         let chunks: Vec<SeqChunk<'_>> = prompts
             .iter()
             .zip(&tables)
-            .map(|(p, blocks)| SeqChunk { tokens: p, start: 0, blocks, logits: true, greedy: true })
+            .map(|(p, blocks)| SeqChunk { tokens: p, start: 0, blocks, logits: true, greedy: true, scored: None })
             .collect();
         let mut next = forward(&mut kv, &chunks)?;
         // With `Warm::EachShape` the first decode step is not timed.
@@ -155,6 +164,7 @@ fn measure(
                     blocks,
                     logits: true,
                     greedy: true,
+                    scored: None,
                 })
                 .collect();
             next = forward(&mut kv, &chunks)?;
@@ -273,7 +283,14 @@ pub fn measure_steps(
             model.forward(
                 team,
                 kv,
-                &[SeqChunk { tokens: c, start: i * 512, blocks: &tables[s], logits: false, greedy: false }],
+                &[SeqChunk {
+                    tokens: c,
+                    start: i * 512,
+                    blocks: &tables[s],
+                    logits: false,
+                    greedy: false,
+                    scored: None,
+                }],
             )?;
         }
         Ok(())
@@ -287,10 +304,24 @@ pub fn measure_steps(
             let singles: Vec<[u32; 1]> = (0..b).map(|i| [(100 + i * 31 + rep) as u32]).collect();
             let mut batch: Vec<SeqChunk<'_>> = Vec::new();
             if let (Some((_, c)), Some(tokens)) = (prefill, &chunk_tokens) {
-                batch.push(SeqChunk { tokens, start: c, blocks: &tables[seqs - 1], logits: true, greedy: false });
+                batch.push(SeqChunk {
+                    tokens,
+                    start: c,
+                    blocks: &tables[seqs - 1],
+                    logits: true,
+                    greedy: false,
+                    scored: None,
+                });
             }
             for (i, one) in singles.iter().enumerate() {
-                batch.push(SeqChunk { tokens: one, start: ctx + rep, blocks: &tables[i], logits: true, greedy: false });
+                batch.push(SeqChunk {
+                    tokens: one,
+                    start: ctx + rep,
+                    blocks: &tables[i],
+                    logits: true,
+                    greedy: false,
+                    scored: None,
+                });
             }
             shape = MockBackend::shape(&batch, [0, 0], 0);
             let t = Instant::now();

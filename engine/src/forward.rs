@@ -13,6 +13,7 @@ use crate::kernels::{
 use crate::kv::{BlockId, KvPart, KvStore};
 use crate::model::{Matrix, Model};
 use crate::q8::{self, Q8Rows};
+use crate::sampling::TokenLogprobs;
 use crate::team::Team;
 
 /// How matmuls over quantized weights compute.
@@ -59,6 +60,18 @@ pub struct SeqChunk<'a> {
     /// token ([`crate::backend::Next::Token`]) instead of the whole vocabulary's logits, so that a GPU does not
     /// copy them out.
     pub greedy: bool,
+    /// Prompt log-probabilities to report from this chunk's rows (`None`: none).
+    pub scored: Option<Scored<'a>>,
+}
+
+/// What a chunk's rows score: row `i` (the token at `start + i`) predicts `targets[i]`, the prompt token after it,
+/// for as many rows as there are targets (a prompt's last token predicts no prompt token: its logits are the next
+/// token's, [`SeqChunk::logits`]). Each scored row is reported as a [`TokenLogprobs`] of its target, with `top`
+/// alternatives.
+#[derive(Clone, Copy, Debug)]
+pub struct Scored<'a> {
+    pub targets: &'a [u32],
+    pub top: usize,
 }
 
 /// Why a forward step was refused (before any compute).
@@ -72,6 +85,11 @@ pub enum ForwardError {
     BlockTableShort { have: usize, need: usize },
     #[error("block {0} is outside the KV store")]
     BlockOutOfRange(u32),
+    #[error("a chunk of {rows} tokens cannot score {targets} prompt tokens")]
+    Targets { targets: usize, rows: usize },
+    /// The backend computes no prompt log-probabilities (it is named).
+    #[error("the {0} backend does not compute prompt log-probabilities")]
+    NoPromptScores(&'static str),
     /// The device computing the step failed (a GPU backend's driver or library error).
     #[error("{0}")]
     Device(String),
@@ -92,6 +110,14 @@ pub fn first_out_of_vocab(tokens: &[u32], vocab: usize) -> Option<u32> {
 pub fn check_chunk(kv: &KvStore, s: &SeqChunk<'_>, vocab: usize, context: usize) -> Result<(), ForwardError> {
     if let Some(t) = first_out_of_vocab(s.tokens, vocab) {
         return Err(ForwardError::TokenOutOfRange(t));
+    }
+    if let Some(scored) = &s.scored {
+        if scored.targets.len() > s.tokens.len() {
+            return Err(ForwardError::Targets { targets: scored.targets.len(), rows: s.tokens.len() });
+        }
+        if let Some(t) = first_out_of_vocab(scored.targets, vocab) {
+            return Err(ForwardError::TokenOutOfRange(t));
+        }
     }
     check_placement(kv, s, context)
 }
@@ -141,6 +167,9 @@ const ROW_GROUP: usize = 32;
 /// row of the group passes over them.
 const TOKEN_BLOCK: usize = 8;
 
+/// Prompt rows whose logits are computed at once for their log-probabilities: 6 MiB of logits.
+const SCORED_ROWS: usize = 32;
+
 impl Model {
     /// Runs one step on `team`'s threads: writes the chunks' K and V into `kv` and returns the last-token logits of
     /// every chunk that asked for them, in batch order. The results do not depend on the team's size.
@@ -149,6 +178,18 @@ impl Model {
         team: &Team,
         kv: &mut KvStore,
         batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.forward_scored(team, kv, batch, &mut Vec::new())
+    }
+
+    /// [`forward`](Self::forward), also appending to `scores` the log-probabilities of the rows the chunks score
+    /// ([`SeqChunk::scored`]), in batch order and row order within a chunk.
+    pub fn forward_scored(
+        &self,
+        team: &Team,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        scores: &mut Vec<TokenLogprobs>,
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
         self.check(kv, batch)?;
         let c = &self.config;
@@ -182,6 +223,7 @@ impl Model {
             matmul(&layer.w_down, &gate, n, &mut tmp, scratch);
             add(&mut x, &tmp);
         }
+        self.score_rows(&x, batch, scores, scratch);
         // Logits only for the last token of the chunks that asked.
         let mut last = Vec::new();
         let mut end = 0;
@@ -197,6 +239,42 @@ impl Model {
         let mut logits = vec![0f32; m * c.n_vocab];
         matmul(&self.output, &normed, m, &mut logits, scratch);
         Ok(logits.chunks_exact(c.n_vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// The scored rows' log-probabilities from the last layer's output `x`, their logits computed
+    /// [`SCORED_ROWS`] rows at a time (a 2,048-token prompt's whole logits would take 400 MB).
+    fn score_rows(
+        &self,
+        x: &[f32],
+        batch: &[SeqChunk<'_>],
+        scores: &mut Vec<TokenLogprobs>,
+        scratch: &mut Scratch<'_>,
+    ) {
+        let c = &self.config;
+        let d = c.n_embd;
+        // (row of `x`, target, alternatives) for every scored row.
+        let mut rows = Vec::new();
+        let mut first = 0;
+        for s in batch {
+            if let Some(scored) = &s.scored {
+                rows.extend(scored.targets.iter().enumerate().map(|(i, &t)| (first + i, t, scored.top)));
+            }
+            first += s.tokens.len();
+        }
+        let mut picked = vec![0f32; SCORED_ROWS.min(rows.len()) * d];
+        let mut normed = vec![0f32; picked.len()];
+        let mut logits = vec![0f32; SCORED_ROWS.min(rows.len()) * c.n_vocab];
+        for group in rows.chunks(SCORED_ROWS) {
+            let m = group.len();
+            for (to, &(row, _, _)) in picked.chunks_exact_mut(d).zip(group) {
+                to.copy_from_slice(&x[row * d..(row + 1) * d]);
+            }
+            rms_norm(&picked[..m * d], &self.output_norm, c.rms_eps, &mut normed[..m * d]);
+            matmul(&self.output, &normed[..m * d], m, &mut logits[..m * c.n_vocab], scratch);
+            for (l, &(_, target, top)) in logits.chunks_exact(c.n_vocab).zip(group) {
+                scores.push(TokenLogprobs::of(l, target, top));
+            }
+        }
     }
 
     fn check(&self, kv: &KvStore, batch: &[SeqChunk<'_>]) -> Result<(), ForwardError> {

@@ -71,15 +71,21 @@ pub fn run_plan(backend: &mut dyn Backend, plan: &Plan) -> Result<(Vec<Logits>, 
     };
     // Whole prefills, one sequence per step.
     for (s, p) in prompts.iter().enumerate() {
-        let chunk = SeqChunk { tokens: p, start: 0, blocks: &tables[s], logits: true, greedy: false };
+        let chunk = SeqChunk { tokens: p, start: 0, blocks: &tables[s], logits: true, greedy: false, scored: None };
         push(format!("prefill/{}", p.len()), backend.forward(&mut kv, &[chunk], context)?);
     }
     // The longest prompt again in chunks, into blocks of its own: the last chunk's logits.
     let (last, chunked) = (prompts.len() - 1, prompts.len());
     for (k, piece) in prompts[last].chunks(chunk_len).enumerate() {
         let is_last = (k + 1) * chunk_len >= prompts[last].len();
-        let chunk =
-            SeqChunk { tokens: piece, start: k * chunk_len, blocks: &tables[chunked], logits: is_last, greedy: false };
+        let chunk = SeqChunk {
+            tokens: piece,
+            start: k * chunk_len,
+            blocks: &tables[chunked],
+            logits: is_last,
+            greedy: false,
+            scored: None,
+        };
         push(format!("chunked/{}", prompts[last].len()), backend.forward(&mut kv, &[chunk], context)?);
     }
     // Batched decodes: every sequence one token per step, all in one batch.
@@ -87,7 +93,14 @@ pub fn run_plan(backend: &mut dyn Backend, plan: &Plan) -> Result<(Vec<Logits>, 
     for step in 0..decode_steps {
         let next: Vec<[u32; 1]> = (0..lengths.len()).map(|s| [token(s, lens[s], vocab)]).collect();
         let batch: Vec<SeqChunk<'_>> = (0..lengths.len())
-            .map(|s| SeqChunk { tokens: &next[s], start: lens[s], blocks: &tables[s], logits: true, greedy: false })
+            .map(|s| SeqChunk {
+                tokens: &next[s],
+                start: lens[s],
+                blocks: &tables[s],
+                logits: true,
+                greedy: false,
+                scored: None,
+            })
             .collect();
         push(format!("decode/{step}"), backend.forward(&mut kv, &batch, context)?);
         lens.iter_mut().for_each(|l| *l += 1);
@@ -96,8 +109,15 @@ pub fn run_plan(backend: &mut dyn Backend, plan: &Plan) -> Result<(Vec<Logits>, 
     let (a, b) =
         ([token(chunked, lens[last] - decode_steps, vocab)], [token(0, lens[0], vocab), token(0, lens[0] + 1, vocab)]);
     let batch = [
-        SeqChunk { tokens: &a, start: lengths[last], blocks: &tables[chunked], logits: true, greedy: false },
-        SeqChunk { tokens: &b, start: lens[0], blocks: &tables[0], logits: true, greedy: false },
+        SeqChunk {
+            tokens: &a,
+            start: lengths[last],
+            blocks: &tables[chunked],
+            logits: true,
+            greedy: false,
+            scored: None,
+        },
+        SeqChunk { tokens: &b, start: lens[0], blocks: &tables[0], logits: true, greedy: false, scored: None },
     ];
     push("mixed".to_string(), backend.forward(&mut kv, &batch, context)?);
     // The store whole: a backend that keeps K/V of its own hands them back.

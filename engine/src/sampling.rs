@@ -46,6 +46,7 @@ pub struct SamplingParams {
     detokenize: bool,
     logits: LogitsRules,
     logprobs: Option<u32>,
+    prompt_logprobs: Option<u32>,
     grammar: Option<crate::grammar::Grammar>,
 }
 
@@ -150,6 +151,10 @@ pub struct RawSampling {
     /// Report each sampled token's log-probability and this many most likely alternatives (at most
     /// [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
     pub logprobs: Option<u32>,
+    /// Report each prompt token's log-probability (from the second on: the first has no context) and this many most
+    /// likely alternatives at its position (at most [`MAX_TOP_LOGPROBS`]), as vLLM's `prompt_logprobs`; `None`:
+    /// none. The prompt is then computed whole, not taken from the prefix cache, since cached tokens have no logits.
+    pub prompt_logprobs: Option<u32>,
     /// What the output must match (structured outputs); compiled when the sequence is created.
     pub grammar: Option<crate::grammar::Grammar>,
 }
@@ -169,6 +174,7 @@ impl Default for RawSampling {
             detokenize: true,
             logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
             logprobs: None,
+            prompt_logprobs: None,
             grammar: None,
         }
     }
@@ -212,6 +218,9 @@ impl SamplingParams {
         if let Some(n) = raw.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(SamplingError::Logprobs(n));
         }
+        if let Some(n) = raw.prompt_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(SamplingError::Logprobs(n));
+        }
         let mut logits = raw.logits;
         logits.logit_bias.sort_by_key(|(t, _)| *t);
         Ok(SamplingParams {
@@ -226,6 +235,7 @@ impl SamplingParams {
             detokenize: raw.detokenize,
             logits,
             logprobs: raw.logprobs,
+            prompt_logprobs: raw.prompt_logprobs,
             grammar: raw.grammar,
         })
     }
@@ -244,6 +254,7 @@ impl SamplingParams {
             detokenize: true,
             logits: LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() },
             logprobs: None,
+            prompt_logprobs: None,
             grammar: None,
         }
     }
@@ -255,6 +266,11 @@ impl SamplingParams {
     /// How many alternatives each token's log-probabilities name; `None`: none are computed.
     pub fn logprobs(&self) -> Option<u32> {
         self.logprobs
+    }
+
+    /// How many alternatives each prompt token's log-probabilities name; `None`: the prompt's are not computed.
+    pub fn prompt_logprobs(&self) -> Option<u32> {
+        self.prompt_logprobs
     }
 
     /// What the output must match, if anything.
@@ -410,6 +426,9 @@ impl Sampler {
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprobs {
     pub logprob: f32,
+    /// The token's rank in the vocabulary by probability, 1 for the most likely: how many tokens are at least as
+    /// likely as it, itself included (vLLM's rank, ties counted against it).
+    pub rank: u32,
     /// Most likely first (ties: lower id first).
     pub top: Vec<(u32, f32)>,
 }
@@ -424,8 +443,12 @@ impl TokenLogprobs {
         let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
         let log_z = max + sum.ln();
         let lp = |id: u32| logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| (f64::from(l) - log_z) as f32);
+        let rank = match logits.get(token as usize) {
+            Some(&mine) => logits.iter().filter(|&&l| l >= mine).count() as u32,
+            None => logits.len() as u32 + 1,
+        };
         if top == 0 {
-            return TokenLogprobs { logprob: lp(token), top: Vec::new() };
+            return TokenLogprobs { logprob: lp(token), rank, top: Vec::new() };
         }
         let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
         let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
@@ -435,7 +458,7 @@ impl TokenLogprobs {
         }
         ids.truncate(k);
         ids.sort_unstable_by(by_logit);
-        TokenLogprobs { logprob: lp(token), top: ids.into_iter().map(|id| (id, lp(id))).collect() }
+        TokenLogprobs { logprob: lp(token), rank, top: ids.into_iter().map(|id| (id, lp(id))).collect() }
     }
 
     /// For a backend that draws `token` uniformly from `words` (the mock engine): each distinct word's share.
@@ -451,9 +474,15 @@ impl TokenLogprobs {
         }
         let total = words.len().max(1) as f64;
         let lp = |n: usize| (n as f64 / total).ln() as f32;
-        let logprob = distinct.iter().find(|(w, _)| *w == token).map_or(f32::NEG_INFINITY, |&(_, n)| lp(n));
+        let mine = distinct.iter().find(|(w, _)| *w == token).map(|&(_, n)| n);
+        let logprob = mine.map_or(f32::NEG_INFINITY, lp);
+        // Words drawn as often or more, itself included; a token never drawn ranks after every word.
+        let rank = match mine {
+            Some(m) => distinct.iter().filter(|&&(_, n)| n >= m).count() as u32,
+            None => distinct.len() as u32 + 1,
+        };
         distinct.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        TokenLogprobs { logprob, top: distinct.into_iter().take(top).map(|(w, n)| (w, lp(n))).collect() }
+        TokenLogprobs { logprob, rank, top: distinct.into_iter().take(top).map(|(w, n)| (w, lp(n))).collect() }
     }
 }
 
@@ -489,6 +518,10 @@ mod tests {
         assert_eq!(SamplingParams::new(RawSampling { top_p: 1.5, ..raw() }), Err(SamplingError::TopP(1.5)));
         assert_eq!(SamplingParams::new(RawSampling { top_k: Some(0), ..raw() }), Err(SamplingError::TopK));
         assert_eq!(SamplingParams::new(RawSampling { max_tokens: 0, ..raw() }), Err(SamplingError::MaxTokens));
+        let too_many = RawSampling { prompt_logprobs: Some(MAX_TOP_LOGPROBS + 1), ..raw() };
+        assert_eq!(SamplingParams::new(too_many), Err(SamplingError::Logprobs(MAX_TOP_LOGPROBS + 1)));
+        let most = SamplingParams::new(RawSampling { prompt_logprobs: Some(MAX_TOP_LOGPROBS), ..raw() });
+        assert_eq!(most.map(|p| p.prompt_logprobs()), Ok(Some(MAX_TOP_LOGPROBS)));
         let no_text = RawSampling { detokenize: false, stop: vec!["x".into()], ..raw() };
         assert_eq!(SamplingParams::new(no_text), Err(SamplingError::StopWithoutText));
     }
@@ -537,6 +570,9 @@ mod tests {
         let total: f64 = (0..logits.len()).map(|i| f64::from(want(i)).exp()).sum();
         assert!((total - 1.0).abs() < 1e-6);
         assert!(TokenLogprobs::of(&logits, 1, 0).top.is_empty());
+        // Ranks count the tokens at least as likely, itself included: ties rank against it.
+        let ranks: Vec<u32> = (0..6).map(|t| TokenLogprobs::of(&logits, t, 0).rank).collect();
+        assert_eq!(ranks, [3, 5, 4, 2, 6, 2]);
         assert_eq!(TokenLogprobs::of(&logits, 1, 50).top.len(), logits.len());
         // Large logits do not overflow.
         let big = TokenLogprobs::of(&[1000.0, 1000.0], 0, 1);
@@ -545,6 +581,8 @@ mod tests {
         let u = TokenLogprobs::uniform(&[7, 8, 7, 9], 7, 2);
         assert!((u.logprob - 0.5f32.ln()).abs() < 1e-6);
         assert_eq!(u.top.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [7, 8]);
+        assert_eq!((u.rank, TokenLogprobs::uniform(&[7, 8, 7, 9], 8, 0).rank), (1, 3));
+        assert_eq!(TokenLogprobs::uniform(&[7, 8], 5, 0).rank, 3, "never drawn: after every word");
     }
 
     #[test]

@@ -36,7 +36,14 @@ fn prefill_chunking_is_bit_identical() {
         let mut kv = KvStore::new(layout, 8);
         let mut last = Vec::new();
         for (i, piece) in prompt.chunks(chunk).enumerate() {
-            let step = SeqChunk { tokens: piece, start: i * chunk, blocks: &blocks, logits: true, greedy: false };
+            let step = SeqChunk {
+                tokens: piece,
+                start: i * chunk,
+                blocks: &blocks,
+                logits: true,
+                greedy: false,
+                scored: None,
+            };
             last = model.forward(team, &mut kv, &[step]).expect("forward").remove(0);
         }
         last
@@ -62,8 +69,8 @@ fn a_chunk_without_tokens_leaves_the_step_unchanged() {
     let layout = KvLayout::for_model(&model.config, 16);
     let tokens: Vec<u32> = (0..20).map(|i| 300 + 37 * i).collect();
     let (a, b) = ([BlockId(0), BlockId(1)], [BlockId(2)]);
-    let step = SeqChunk { tokens: &tokens, start: 0, blocks: &a, logits: true, greedy: false };
-    let empty = SeqChunk { tokens: &[], start: 0, blocks: &b, logits: false, greedy: false };
+    let step = SeqChunk { tokens: &tokens, start: 0, blocks: &a, logits: true, greedy: false, scored: None };
+    let empty = SeqChunk { tokens: &[], start: 0, blocks: &b, logits: false, greedy: false, scored: None };
     let team = Team::new(2, "test").expect("team");
     let alone = model.forward(&team, &mut KvStore::new(layout, 3), &[step]).expect("forward");
     let with_empty = model.forward(&team, &mut KvStore::new(layout, 3), &[empty, step]).expect("forward");

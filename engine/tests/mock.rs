@@ -227,3 +227,17 @@ fn a_stuck_device_holds_its_step_until_unstuck() {
     assert_eq!(tokens, Ok(5), "and nothing was lost");
     worker.join().expect("joined");
 }
+
+#[test]
+fn prompt_log_probabilities_are_refused_by_name_since_the_mock_computes_no_logits() {
+    let mut engine = common::engine(mock("", 1.0, 64));
+    let raw = RawSampling { max_tokens: 2, prompt_logprobs: Some(1), ..RawSampling::default() };
+    let request = Request {
+        prompt: vec![1000, 1001, 1002],
+        sampling: SamplingParams::new(raw).expect("valid"),
+        namespace: None,
+        deadline: None,
+    };
+    let err = engine.run(&[request], &AtomicBool::new(false), |_| {}).expect_err("refused");
+    assert_eq!(err.to_string(), "the mock backend does not compute prompt log-probabilities");
+}

@@ -75,15 +75,28 @@ fn fast_decode_stays_near_the_reference() {
                 .forward(
                     &team,
                     kv,
-                    &[SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: false, greedy: false }],
+                    &[SeqChunk {
+                        tokens: &prompt,
+                        start: 0,
+                        blocks: &blocks,
+                        logits: false,
+                        greedy: false,
+                        scored: None,
+                    }],
                 )
                 .expect("prefill");
         }
         // Each generated token but the last is the input of a decode step.
         for (i, &token) in generated.iter().enumerate().take(generated.len().saturating_sub(1)) {
             let tokens = [token];
-            let step =
-                SeqChunk { tokens: &tokens, start: prompt.len() + i, blocks: &blocks, logits: true, greedy: false };
+            let step = SeqChunk {
+                tokens: &tokens,
+                start: prompt.len() + i,
+                blocks: &blocks,
+                logits: true,
+                greedy: false,
+                scored: None,
+            };
             let [r, f] = [0, 1].map(|m| models[m].forward(&team, &mut kvs[m], &[step]).expect("decode").remove(0));
             let ((rt, margin), (ft, _)) = (argmax_and_margin(&r), argmax_and_margin(&f));
             let top = (r[rt] - f[rt]).abs();

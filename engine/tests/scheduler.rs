@@ -181,3 +181,64 @@ fn cancelling_returns_every_block() {
     assert_eq!(e.kv_usage(Tier::Device).used, 0);
     assert_eq!(e.free_blocks(), free);
 }
+
+/// A request for the prompt's log-probabilities (and `alternatives`), greedy, `max_tokens` tokens.
+fn scored(prompt: Vec<u32>, max_tokens: u32, alternatives: u32) -> Request {
+    let raw = engine::sampling::RawSampling {
+        max_tokens,
+        prompt_logprobs: Some(alternatives),
+        ..engine::sampling::RawSampling::default()
+    };
+    let sampling = engine::sampling::SamplingParams::new(raw).expect("valid");
+    Request { prompt, sampling, namespace: None, deadline: None }
+}
+
+fn prompt_logprobs(e: &mut Engine, requests: &[Request]) -> Vec<Vec<engine::sampling::TokenLogprobs>> {
+    let done = e.run(requests, &AtomicBool::new(false), |_| {}).expect("runs");
+    done.into_iter().map(|c| c.prompt_logprobs).collect()
+}
+
+#[test]
+fn a_prompts_log_probabilities_are_its_generated_tokens_own_when_fed_back() {
+    let mut e = common::engine(EngineConfig::default());
+    let prompt = text_tokens(&e, 3, 40);
+    let raw = engine::sampling::RawSampling { max_tokens: 10, logprobs: Some(3), ..Default::default() };
+    let sampling = engine::sampling::SamplingParams::new(raw).expect("valid");
+    let request = Request { prompt: prompt.clone(), sampling, namespace: None, deadline: None };
+    let generated = e.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    assert_eq!(generated.prompt_logprobs, [], "not asked for, not computed");
+    let mut fed_back = prompt.clone();
+    fed_back.extend(&generated.token_ids);
+    let scores = prompt_logprobs(&mut e, &[scored(fed_back.clone(), 1, 3)]).remove(0);
+    assert_eq!(scores.len(), fed_back.len() - 1);
+    // The reference precision computes a row the same whatever shares its step: the prompt's rows scored in one
+    // chunk say exactly what the decode steps said of the same tokens.
+    assert_eq!(scores[prompt.len() - 1..], generated.logprobs[..]);
+}
+
+#[test]
+fn a_scored_prompt_is_computed_whole_whatever_is_cached_and_however_it_is_chunked_or_preempted() {
+    let mut e = common::engine(EngineConfig::default());
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| text_tokens(&e, 60 + i, 30 + 3 * i)).collect();
+    let alone: Vec<_> = prompts.iter().map(|p| prompt_logprobs(&mut e, &[scored(p.clone(), 1, 2)]).remove(0)).collect();
+    // Cached now: scored again, the prompts are computed again (a cached token has no logits), the same; unscored,
+    // they are taken from the cache as before.
+    let again = e.run(&[scored(prompts[0].clone(), 1, 2)], &AtomicBool::new(false), |_| {}).expect("runs");
+    assert_eq!((again[0].cached_tokens, &again[0].prompt_logprobs), (0, &alone[0]));
+    let plain = e.run(&[common::greedy(prompts[0].clone(), 1)], &AtomicBool::new(false), |_| {}).expect("runs");
+    assert!(plain[0].cached_tokens > 0, "the cache still serves unscored requests");
+    // Chunks of 5 tokens, and a device tier of 8 blocks for six prompts generating 20 tokens each: preempted and
+    // recomputed, every row is reported once and the same.
+    let config = EngineConfig {
+        kv_blocks: 8,
+        max_model_len: Some(128),
+        prefill_chunk: std::num::NonZeroUsize::new(5),
+        ..EngineConfig::default()
+    };
+    let mut small = common::engine(config);
+    let requests: Vec<Request> = prompts.iter().map(|p| scored(p.clone(), 20, 2)).collect();
+    let together = prompt_logprobs(&mut small, &requests);
+    assert!(small.counters().preemptions > 0, "the device tier is too small for all six at once");
+    assert_eq!(together, alone);
+    assert_eq!(small.kv_usage(Tier::Device).used, 0, "every block was released");
+}

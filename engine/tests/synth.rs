@@ -40,7 +40,14 @@ fn the_synthetic_model_has_the_real_models_shapes_types_and_config() {
     let layout = KvLayout::for_model(&model.config, 16);
     let mut kv = KvStore::new(layout, 2);
     let tokens: Vec<u32> = (0..20).map(|i| 300 + 37 * i).collect();
-    let chunk = SeqChunk { tokens: &tokens, start: 0, blocks: &[BlockId(0), BlockId(1)], logits: true, greedy: false };
+    let chunk = SeqChunk {
+        tokens: &tokens,
+        start: 0,
+        blocks: &[BlockId(0), BlockId(1)],
+        logits: true,
+        greedy: false,
+        scored: None,
+    };
     let logits = model.forward(&Team::serial(), &mut kv, &[chunk]).expect("forward").remove(0);
     let mean = logits.iter().sum::<f32>() / logits.len() as f32;
     let sd = (logits.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / logits.len() as f32).sqrt();

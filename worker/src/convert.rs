@@ -63,6 +63,7 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
             prior_generated: s.prior_generated,
         },
         logprobs: s.logprobs,
+        prompt_logprobs: None,
         grammar: s
             .grammar
             .map(|g| engine::grammar::Grammar::from_parts(&g.kind, &g.data))

@@ -4,6 +4,7 @@ use super::{Backend, Next, StepContext};
 use crate::forward::{ForwardError, SeqChunk};
 use crate::kv::{KvLayout, KvStore};
 use crate::model::Model;
+use crate::sampling::TokenLogprobs;
 use crate::team::Team;
 
 /// Computes steps with the real model on CPU.
@@ -44,10 +45,25 @@ impl Backend for CpuBackend {
         &mut self,
         kv: &mut KvStore,
         batch: &[SeqChunk<'_>],
-        _: StepContext,
+        context: StepContext,
         next: &mut Vec<Next>,
     ) -> Result<(), ForwardError> {
-        let logits = self.model.forward(&self.team, kv, batch)?;
+        self.forward_scored(kv, batch, context, next, &mut Vec::new())
+    }
+
+    fn scores_prompts(&self) -> bool {
+        true
+    }
+
+    fn forward_scored(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        _: StepContext,
+        next: &mut Vec<Next>,
+        scores: &mut Vec<TokenLogprobs>,
+    ) -> Result<(), ForwardError> {
+        let logits = self.model.forward_scored(&self.team, kv, batch, scores)?;
         next.extend(logits.into_iter().map(Next::Logits));
         Ok(())
     }

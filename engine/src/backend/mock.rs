@@ -236,9 +236,9 @@ mod tests {
         let blocks = [BlockId(0); 8];
         let prompt = [1u32; 40];
         let batch = [
-            SeqChunk { tokens: &prompt, start: 24, blocks: &blocks, logits: true, greedy: false },
-            SeqChunk { tokens: &prompt[..1], start: 99, blocks: &blocks, logits: true, greedy: false },
-            SeqChunk { tokens: &prompt[..1], start: 9, blocks: &blocks, logits: true, greedy: false },
+            SeqChunk { tokens: &prompt, start: 24, blocks: &blocks, logits: true, greedy: false, scored: None },
+            SeqChunk { tokens: &prompt[..1], start: 99, blocks: &blocks, logits: true, greedy: false, scored: None },
+            SeqChunk { tokens: &prompt[..1], start: 9, blocks: &blocks, logits: true, greedy: false, scored: None },
         ];
         let s = MockBackend::shape(&batch, [3, 1], 1000);
         assert_eq!(s.prefill_tokens, 40);
@@ -258,7 +258,8 @@ mod tests {
         assert_eq!(layout.block_bytes(), 64);
         let mut kv = KvStore::new(layout, 4);
         let blocks = [BlockId(0)];
-        let batch = [SeqChunk { tokens: &[1, 2, 3], start: 0, blocks: &blocks, logits: true, greedy: false }];
+        let batch =
+            [SeqChunk { tokens: &[1, 2, 3], start: 0, blocks: &blocks, logits: true, greedy: false, scored: None }];
         let started = Instant::now();
         let next = mock.forward(&mut kv, &batch, StepContext { started, onboarded: [0, 0] }).expect("runs");
         assert!(started.elapsed() >= Duration::from_millis(20));
@@ -273,7 +274,8 @@ mod tests {
         let mock = MockBackend::new(settings, 10, vec![5, 6], 100);
         let kv = KvStore::new(mock.kv_layout(4), 2);
         let blocks = [BlockId(0), BlockId(1)];
-        let chunk = |tokens, start, blocks| SeqChunk { tokens, start, blocks, logits: true, greedy: false };
+        let chunk =
+            |tokens, start, blocks| SeqChunk { tokens, start, blocks, logits: true, greedy: false, scored: None };
         assert!(mock.check_chunk(&kv, &chunk(&[1, 2, 3], 0, &blocks)).is_ok());
         // Ids it never reads are not looked at (an engine's sequences hold none outside the vocabulary).
         assert!(mock.check_chunk(&kv, &chunk(&[99], 0, &blocks)).is_ok());

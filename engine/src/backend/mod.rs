@@ -18,6 +18,7 @@ pub use profile::{StepShape, TimingProfile};
 
 use crate::forward::{ForwardError, SeqChunk};
 use crate::kv::{KvLayout, KvStore};
+use crate::sampling::TokenLogprobs;
 
 /// What a step gives for a chunk that asked for its next token.
 #[derive(Clone, Debug)]
@@ -67,6 +68,27 @@ pub trait Backend: Send + std::fmt::Debug {
         context: StepContext,
         next: &mut Vec<Next>,
     ) -> Result<(), ForwardError>;
+    /// Whether [`forward_scored`](Self::forward_scored) computes prompt log-probabilities.
+    fn scores_prompts(&self) -> bool {
+        false
+    }
+    /// [`forward_into`](Self::forward_into), also appending to `scores` one [`TokenLogprobs`] per row the chunks
+    /// score ([`SeqChunk::scored`]), in batch order. A backend that does not compute them
+    /// ([`scores_prompts`](Self::scores_prompts) false) refuses a batch that asks, before any compute.
+    fn forward_scored(
+        &mut self,
+        kv: &mut KvStore,
+        batch: &[SeqChunk<'_>],
+        context: StepContext,
+        next: &mut Vec<Next>,
+        scores: &mut Vec<TokenLogprobs>,
+    ) -> Result<(), ForwardError> {
+        let _ = scores;
+        if batch.iter().any(|c| c.scored.is_some_and(|s| !s.targets.is_empty())) {
+            return Err(ForwardError::NoPromptScores(self.name()));
+        }
+        self.forward_into(kv, batch, context, next)
+    }
     /// [`forward_into`](Self::forward_into) a vector of its own.
     fn forward(
         &mut self,

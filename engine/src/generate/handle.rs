@@ -25,8 +25,14 @@ const COMMAND_QUEUE: usize = 1024;
 /// What a sequence's stream carries.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SeqEvent {
-    /// A new token, the text it makes safe to show, and its log-probabilities when the request asked for them.
-    Token { token: u32, text: String, logprobs: Option<crate::sampling::TokenLogprobs> },
+    /// A new token, the text it makes safe to show, and its log-probabilities when the request asked for them;
+    /// the first token also brings the prompt's when they were asked for (else empty).
+    Token {
+        token: u32,
+        text: String,
+        logprobs: Option<crate::sampling::TokenLogprobs>,
+        prompt_logprobs: Vec<crate::sampling::TokenLogprobs>,
+    },
     /// The sequence is done; the last message on the stream.
     Finished(Completion),
     /// The engine failed the sequence; the last message on the stream.
@@ -510,8 +516,15 @@ impl Loop {
     fn step(&mut self) {
         let mut outbox: Vec<(mpsc::Sender<SeqEvent>, SeqEvent)> = Vec::new();
         let live = &self.live;
-        self.engine.step_or_fail(&mut self.seqs, &mut |Event::Token { seq, token, text, logprobs }| {
-            let event = SeqEvent::Token { token, text: text.to_string(), logprobs: logprobs.cloned() };
+        self.engine.step_or_fail(&mut self.seqs, &mut |Event::Token {
+                                                           seq,
+                                                           token,
+                                                           text,
+                                                           logprobs,
+                                                           prompt_logprobs,
+                                                       }| {
+            let prompt_logprobs = prompt_logprobs.to_vec();
+            let event = SeqEvent::Token { token, text: text.to_string(), logprobs: logprobs.cloned(), prompt_logprobs };
             outbox.push((live[seq].out.clone(), event));
         });
         // Sequences that ended give their blocks back before the state is published, and the state is published

@@ -217,13 +217,23 @@ pub struct Completion {
     pub decode_time: Duration,
     /// Each generated token's log-probabilities, when the request asked for them (else empty).
     pub logprobs: Vec<crate::sampling::TokenLogprobs>,
+    /// The log-probabilities of the prompt's tokens from the second on, when the request asked for them (else
+    /// empty).
+    pub prompt_logprobs: Vec<crate::sampling::TokenLogprobs>,
 }
 
 /// What a run reports as it goes.
 #[derive(Debug)]
 pub enum Event<'a> {
-    /// Sequence `seq` produced `token`; `text` is what is now safe to show; `logprobs` when the request asked.
-    Token { seq: usize, token: u32, text: &'a str, logprobs: Option<&'a crate::sampling::TokenLogprobs> },
+    /// Sequence `seq` produced `token`; `text` is what is now safe to show; `logprobs` when the request asked;
+    /// with its first token, the prompt's log-probabilities when the request asked for them (else empty).
+    Token {
+        seq: usize,
+        token: u32,
+        text: &'a str,
+        logprobs: Option<&'a crate::sampling::TokenLogprobs>,
+        prompt_logprobs: &'a [crate::sampling::TokenLogprobs],
+    },
 }
 
 /// Counters a worker exports (totals since the engine started).
@@ -512,6 +522,9 @@ impl Engine {
         if let Some(t) = crate::forward::first_out_of_vocab(&r.prompt, vocab) {
             return Err(EngineError::Forward(ForwardError::TokenOutOfRange(t)));
         }
+        if r.sampling.prompt_logprobs().is_some() && !self.backend.scores_prompts() {
+            return Err(EngineError::Forward(ForwardError::NoPromptScores(self.backend.name())));
+        }
         let max_new = (r.sampling.max_tokens() as usize).min(context - r.prompt.len());
         // The tokens at the end of the prompt that were generated earlier have been through the grammar already.
         let grammar = match r.sampling.grammar() {
@@ -555,6 +568,7 @@ impl Engine {
             finish: None,
             first_token: None,
             logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
             grammar,
             last_token: None,
         })

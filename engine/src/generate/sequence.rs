@@ -6,7 +6,7 @@ use std::time::Instant;
 use kv_cache::{BlockHashes, BlockSize, CacheNamespace};
 
 use super::{Completion, Event, FinishReason, TextStream};
-use crate::forward::SeqChunk;
+use crate::forward::{Scored, SeqChunk};
 use crate::kv::BlockId;
 use crate::sampling::{Sampler, TokenLogprobs};
 use crate::tokenizer::Tokenizer;
@@ -57,6 +57,8 @@ pub(super) struct Seq {
     pub last_token: Option<Instant>,
     /// Each generated token's log-probabilities, when the request asked for them.
     pub logprobs: Vec<TokenLogprobs>,
+    /// The prompt's log-probabilities computed so far (entry `i` for token `i + 1`), when the request asked.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
     /// The grammar the output must match, with what it has taken so far.
     pub grammar: Option<crate::grammar::Constrained>,
 }
@@ -83,12 +85,41 @@ impl Seq {
     /// Its share of the next forward step: the `n` tokens after the computed ones.
     pub fn chunk(&self, n: usize) -> SeqChunk<'_> {
         let end = self.computed + n;
+        // Rows whose next token is a prompt token score it, when the prompt's log-probabilities were asked for.
+        let scored = self.sampler.params().prompt_logprobs().map(|top| {
+            let targets = &self.tokens[(self.computed + 1).min(self.prompt_len)..(end + 1).min(self.prompt_len)];
+            Scored { targets, top: top as usize }
+        });
         SeqChunk {
             tokens: &self.tokens[self.computed..end],
             start: self.computed,
             blocks: &self.blocks,
             logits: end == self.tokens.len(),
             greedy: self.grammar.is_none() && self.sampler.takes_the_top(),
+            scored: scored.filter(|s| !s.targets.is_empty()),
+        }
+    }
+
+    /// How many leading blocks admission may take from the cache: all but the one holding the last token (its
+    /// logits are needed), and none past the prompt's log-probabilities computed so far (a cached token has no
+    /// logits to score the next one with).
+    pub fn reusable_blocks(&self, block_tokens: usize) -> usize {
+        let reusable = (self.tokens.len() - 1) / block_tokens;
+        match self.sampler.params().prompt_logprobs() {
+            Some(_) if self.prompt_logprobs.len() + 1 < self.prompt_len => {
+                reusable.min(self.prompt_logprobs.len() / block_tokens)
+            }
+            _ => reusable,
+        }
+    }
+
+    /// Takes the scores of a step's chunk that began at row `start`: those of rows not scored before (a
+    /// sequence preempted and recomputed scores some rows again).
+    pub fn take_scores(&mut self, start: usize, scores: impl Iterator<Item = TokenLogprobs>) {
+        for (row, lp) in (start..).zip(scores) {
+            if row == self.prompt_logprobs.len() {
+                self.prompt_logprobs.push(lp);
+            }
         }
     }
 
@@ -145,6 +176,7 @@ impl Seq {
             time_to_first_token: first.saturating_duration_since(start),
             decode_time: self.last_token.unwrap_or(first).saturating_duration_since(first),
             logprobs: self.logprobs,
+            prompt_logprobs: self.prompt_logprobs,
         }
     }
 
@@ -187,7 +219,8 @@ impl Seq {
         let has_logprobs = logprobs.is_some();
         self.logprobs.extend(logprobs);
         let logprobs = if has_logprobs { self.logprobs.last() } else { None };
-        on_event(Event::Token { seq: index, token, text: &text, logprobs });
+        let prompt_logprobs = if generated == 1 { &self.prompt_logprobs[..] } else { &[] };
+        on_event(Event::Token { seq: index, token, text: &text, logprobs, prompt_logprobs });
     }
 }
 

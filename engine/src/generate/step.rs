@@ -29,7 +29,7 @@ impl Engine {
         let room = self.config.max_num_seqs.saturating_sub(seqs.iter().filter(|s| s.running).count());
         for s in seqs.iter_mut().filter(|s| s.active() && !s.running).take(room) {
             // Reuse whole blocks, but always leave at least one token to compute (its logits are needed).
-            let reusable = (s.tokens.len() - 1) / bt;
+            let reusable = s.reusable_blocks(bt);
             // The blocks held for the sequence since it arrived (a pulled prompt's) lead its prefix: their
             // references pass to it as they are, and only the rest of the prefix is looked up and acquired (a
             // lookup and a reference more, then one fewer, per block before).
@@ -270,7 +270,15 @@ impl Engine {
         };
         let mut logits = std::mem::take(&mut self.next);
         logits.clear();
-        let forwarded = self.backend.forward_into(&mut self.stores.device, &chunks, context, &mut logits);
+        let scoring = chunks.iter().any(|c| c.scored.is_some());
+        let mut scores = Vec::new();
+        let forwarded = if scoring {
+            self.backend.forward_scored(&mut self.stores.device, &chunks, context, &mut logits, &mut scores)
+        } else {
+            self.backend.forward_into(&mut self.stores.device, &chunks, context, &mut logits)
+        };
+        // Each scoring chunk's share of the scores, in batch order.
+        let scored: Vec<usize> = chunks.iter().map(|c| c.scored.map_or(0, |s| s.targets.len())).collect();
         let took = match self.backend.virtual_step_secs() {
             Some(secs) => (secs * 1e9) as u64,
             None => u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
@@ -285,10 +293,14 @@ impl Engine {
             return Ok(true);
         }
         let mut drained = logits.drain(..);
+        let mut scores = scores.into_iter();
         // Every token of the step is produced by the same pass: one clock read for all of them.
         let produced = self.now();
-        for &(i, n) in plan.iter() {
+        for (&(i, n), &scored) in plan.iter().zip(&scored) {
             let s = &mut seqs[i];
+            if scored > 0 {
+                s.take_scores(s.computed, scores.by_ref().take(scored));
+            }
             s.computed += n;
             self.counters.prefill_tokens += n as u64;
             if let Err(e) = self.register_complete(s) {

@@ -262,7 +262,7 @@ fn alternating_decodes(backend: &mut dyn Backend, greedy: &dyn Fn(u32, usize) ->
     for (s, &len) in lens.iter().enumerate() {
         let prompt: Vec<u32> = (0..len as u32).map(|i| 300 + 7 * i + s as u32).collect();
         let greedy = greedy(s as u32, s);
-        let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &tables[s], logits: true, greedy };
+        let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &tables[s], logits: true, greedy, scored: None };
         out.extend(backend.forward(&mut kv, &[chunk], context).expect("a prompt"));
     }
     for step in 0..6u32 {
@@ -271,7 +271,7 @@ fn alternating_decodes(backend: &mut dyn Backend, greedy: &dyn Fn(u32, usize) ->
         let batch: Vec<SeqChunk<'_>> = (0..seqs)
             .map(|s| {
                 let greedy = greedy(step + 2, s);
-                SeqChunk { tokens: &tokens[s], start: lens[s], blocks: &tables[s], logits: true, greedy }
+                SeqChunk { tokens: &tokens[s], start: lens[s], blocks: &tables[s], logits: true, greedy, scored: None }
             })
             .collect();
         out.extend(backend.forward(&mut kv, &batch, context).expect("a decode step"));
@@ -367,7 +367,7 @@ fn a_block_the_store_overwrote_since_is_not_handed_back_over_it() {
     let blocks = [BlockId(0), BlockId(1)];
     let context = StepContext { started: std::time::Instant::now(), onboarded: [0, 0] };
     let prompt: Vec<u32> = (0..20).map(|i| 100 + 3 * i).collect();
-    let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: true, greedy: true };
+    let chunk = SeqChunk { tokens: &prompt, start: 0, blocks: &blocks, logits: true, greedy: true, scored: None };
     fused.forward(&mut kv, &[chunk], context).expect("a prompt");
     // Block 1 overwritten whole in the store; block 0 left to the device.
     let imported = half::f16::from_f32(0.5);

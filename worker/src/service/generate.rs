@@ -77,7 +77,7 @@ impl WorkerService {
                     };
                     let Some(ev) = ev else { break };
                     let (msg, last) = match ev {
-                        SeqEvent::Token { token, text, logprobs } => {
+                        SeqEvent::Token { token, text, logprobs, .. } => {
                             if first_at.is_none() {
                                 metrics.time_to_first_token.observe(arrived.elapsed());
                                 first_at = Some(Instant::now());

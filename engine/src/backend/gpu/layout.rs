@@ -252,8 +252,8 @@ mod tests {
         // at position 3 of another; only the second asks for logits, and only for its top token.
         let (a, b) = ([BlockId(7), BlockId(2)], [BlockId(5)]);
         let batch = [
-            SeqChunk { tokens: &[10, 11], start: 15, blocks: &a, logits: false, greedy: false },
-            SeqChunk { tokens: &[12], start: 3, blocks: &b, logits: true, greedy: true },
+            SeqChunk { tokens: &[10, 11], start: 15, blocks: &a, logits: false, greedy: false, scored: None },
+            SeqChunk { tokens: &[12], start: 3, blocks: &b, logits: true, greedy: true, scored: None },
         ];
         let ix = StepIndex::of(&batch, 16);
         assert_eq!((ix.n, ix.m, ix.decode, ix.singles, ix.tiles), (3, 1, false, 1, 1));
@@ -283,7 +283,8 @@ mod tests {
     fn a_long_chunk_is_cut_into_tiles_of_rows_tile_rows() {
         let blocks: Vec<BlockId> = (0..3).map(BlockId).collect();
         let tokens: Vec<u32> = (0..40).collect();
-        let batch = [SeqChunk { tokens: &tokens, start: 0, blocks: &blocks, logits: true, greedy: false }];
+        let batch =
+            [SeqChunk { tokens: &tokens, start: 0, blocks: &blocks, logits: true, greedy: false, scored: None }];
         let ix = StepIndex::of(&batch, 16);
         assert_eq!((ix.singles, ix.tiles), (0, 3));
         assert_eq!(ix.ints[ix.o.tiles..ix.o.tiles + 6], [0, 16, 16, 16, 32, 8]);
