@@ -180,8 +180,14 @@ impl Api {
                     .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
                     .collect();
                 assert_eq!(streamed, format!("{text}{greedy}"));
-                let r = self.send(json!({"echo": true, "logprobs": 1})).await;
-                assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("echo")), "{}", r.body);
+                // With log-probabilities, the prompt's tokens come first, the first of them without one.
+                let r = self.send(json!({"temperature": 0, "echo": true, "logprobs": 1, "max_tokens": 2})).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                let lp = r.json()["choices"][0]["logprobs"].clone();
+                let tokens = lp["tokens"].as_array().expect("tokens");
+                assert!(tokens.len() > 2, "{lp}");
+                assert_eq!((&lp["token_logprobs"][0], &lp["top_logprobs"][0]), (&Value::Null, &Value::Null), "{lp}");
+                assert!(lp["token_logprobs"].as_array().expect("lps")[1..].iter().all(Value::is_f64), "{lp}");
             }
             "n" => {
                 // Sampled: each choice its own seed (the request's plus its number), so the first is the n = 1
@@ -759,5 +765,121 @@ async fn structured_outputs_across_prefill_and_decode_match_one_engine() {
     assert_eq!(r.json()["choices"][0]["message"]["content"], json!(want), "P + D = one engine");
     let v: Value = serde_json::from_str(&want).expect("json");
     assert!(v["colours"].as_array().is_some_and(|c| c.len() <= 2), "{want}");
+    stop(router, workers).await;
+}
+
+/// The prompt's log-probabilities across a prefill and a decode worker (the prefill worker computes them and its
+/// answer carries them): OpenAI's `echo` with `logprobs` (whole, streamed, and with `max_tokens` 0: the prompt
+/// alone) and vLLM's `prompt_logprobs` (completions and chat) say what one engine says of the same prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_log_probabilities_across_prefill_and_decode_match_one_engine() {
+    use engine::generate::{Engine, EngineConfig, Request};
+    use engine::sampling::{RawSampling, SamplingParams};
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    // Three blocks and more: the decode worker pulls whole blocks of the prompt.
+    let story = "The lighthouse keeper climbed the stairs every evening to light the lamp. Ships passed in the night, \
+                 their crews grateful for the beam that swept the rocks, and the keeper wrote each one in his book.";
+    let ids = e.tokenizer().encode(story);
+    assert!(ids.len() >= 40, "{}", ids.len());
+    let raw = RawSampling { max_tokens: 3, prompt_logprobs: Some(2), ..RawSampling::default() };
+    let req = Request {
+        prompt: ids.clone(),
+        sampling: SamplingParams::new(raw).expect("valid"),
+        namespace: None,
+        deadline: None,
+    };
+    let want = e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    assert_eq!(want.prompt_logprobs.len(), ids.len() - 1);
+    let tok = e.tokenizer();
+    let text = |id: u32| String::from_utf8_lossy(tok.token_bytes(id)).into_owned();
+    let post = |path: &'static str, body: Value| {
+        let mut b = json!({"model": MODEL, "temperature": 0});
+        for (k, v) in body.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        async move { http(router.addr, "POST", path, &b.to_string(), &[]).await }
+    };
+    // The echoed prompt's tokens lead the output's, the first without a log-probability.
+    let check_echoed = |lp: &Value, generated: usize| {
+        let tokens = lp["tokens"].as_array().expect("tokens");
+        assert_eq!(tokens.len(), ids.len() + generated, "{lp}");
+        assert_eq!(
+            (&lp["token_logprobs"][0], &lp["top_logprobs"][0], &lp["text_offset"][0]),
+            (&Value::Null, &Value::Null, &json!(0))
+        );
+        for (i, w) in want.prompt_logprobs.iter().enumerate() {
+            assert_eq!(tokens[i + 1], json!(text(ids[i + 1])), "{lp}");
+            assert_eq!(lp["token_logprobs"][i + 1].as_f64().map(|l| l as f32), Some(w.logprob), "position {}", i + 1);
+            let top = lp["top_logprobs"][i + 1].as_object().expect("alternatives");
+            let named: Vec<(String, f32)> = w.top.iter().map(|&(id, l)| (text(id), l)).collect();
+            for (name, l) in &named {
+                assert_eq!(top.get(name).and_then(Value::as_f64).map(|v| v as f32), Some(*l), "position {}", i + 1);
+            }
+        }
+    };
+    let first = json!({"model": MODEL, "prompt": ids, "echo": true, "logprobs": 2, "max_tokens": 3, "temperature": 0});
+    let explained = http(router.addr, "POST", "/debug/route", &first.to_string(), &[]).await.json();
+    assert_eq!(explained["disaggregate"], true, "a cold prompt goes to the prefill worker: {explained}");
+    let r = post("/v1/completions", first.clone()).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(workers[1].pulled_blocks() > 0, "the decode worker pulled the prompt the prefill worker scored");
+    let v = r.json();
+    check_echoed(&v["choices"][0]["logprobs"], 3);
+    assert_eq!(v["choices"][0]["text"], json!(format!("{}{}", tok.decode(&ids), want.text)), "{v}");
+    // The prompt is cached now, but a scored prompt is computed whole wherever it goes: routing credits no cache.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await; // let the workers' events reach the index
+    let held = |body: Value| async move {
+        let v = http(router.addr, "POST", "/debug/route", &body.to_string(), &[]).await.json();
+        let candidates = v["decode"]["candidates"].as_array().unwrap_or_else(|| panic!("{v}")).clone();
+        candidates.iter().map(|c| c["device_blocks"].as_u64().expect("blocks")).sum::<u64>()
+    };
+    let plain = json!({"model": MODEL, "prompt": ids, "max_tokens": 3});
+    assert!(held(plain).await > 0, "the index knows where the prompt is");
+    assert_eq!(held(first.clone()).await, 0);
+    // `max_tokens` 0: the prompt alone, scored, and no completion.
+    let r = post("/v1/completions", json!({"prompt": ids, "echo": true, "logprobs": 2, "max_tokens": 0})).await;
+    let v = r.json();
+    check_echoed(&v["choices"][0]["logprobs"], 0);
+    assert_eq!(v["choices"][0]["text"], json!(tok.decode(&ids)), "{v}");
+    assert_eq!((&v["choices"][0]["finish_reason"], &v["usage"]["completion_tokens"]), (&json!("length"), &json!(0)));
+    // Streamed: the first chunk is the prompt with its log-probabilities, the output's follow.
+    let r =
+        post("/v1/completions", json!({"prompt": ids, "echo": true, "logprobs": 2, "max_tokens": 3, "stream": true}))
+            .await;
+    let chunks: Vec<Value> = r.events().iter().filter_map(|e| serde_json::from_str(e).ok()).collect();
+    assert_eq!(chunks[0]["choices"][0]["text"], json!(tok.decode(&ids)), "{chunks:?}");
+    let mut all = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+    for c in &chunks {
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            if let Some(items) = c["choices"][0]["logprobs"][key].as_array() {
+                all[key].as_array_mut().expect("list").extend(items.iter().cloned());
+            }
+        }
+    }
+    check_echoed(&all, 3);
+    // vLLM's `prompt_logprobs`: for each token but the first, its own entry (with its rank) and the alternatives.
+    let r = post("/v1/completions", json!({"prompt": ids, "prompt_logprobs": 1, "max_tokens": 2})).await;
+    let v = r.json();
+    let scored = v["choices"][0]["prompt_logprobs"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!((scored.len(), &scored[0]), (ids.len(), &Value::Null));
+    for (i, w) in want.prompt_logprobs.iter().enumerate() {
+        let position = scored[i + 1].as_object().expect("a map");
+        let own = &position[&ids[i + 1].to_string()];
+        assert_eq!(own["logprob"].as_f64().map(|l| l as f32), Some(w.logprob), "position {}", i + 1);
+        assert_eq!((&own["rank"], &own["decoded_token"]), (&json!(w.rank), &json!(text(ids[i + 1]))));
+        let (best, l) = w.top[0];
+        assert_eq!(position[&best.to_string()]["rank"], json!(1));
+        assert_eq!(position[&best.to_string()]["logprob"].as_f64().map(|v| v as f32), Some(l));
+        assert!(position.len() <= 2, "the token and one alternative: {position:?}");
+    }
+    // Chat: one list beside the choices, over the rendered conversation's tokens.
+    let messages = json!([{"role": "user", "content": "Name a colour."}]);
+    let r = post("/v1/chat/completions", json!({"messages": messages, "prompt_logprobs": 0, "max_tokens": 2})).await;
+    let v = r.json();
+    let chat = v["prompt_logprobs"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(chat.len() as u64, v["usage"]["prompt_tokens"].as_u64().expect("usage"), "{v}");
+    assert!(chat[1..].iter().all(|p| p.as_object().is_some_and(|m| m.len() == 1)), "{v}");
     stop(router, workers).await;
 }

@@ -350,6 +350,7 @@ async fn a_decode_worker_ejected_while_the_prompt_prefills_is_passed_over() {
         match piece.expect("served") {
             router::serve::Piece::Token(..) => tokens += 1,
             router::serve::Piece::Finished { .. } => break,
+            router::serve::Piece::Prompt(_) => panic!("the prompt's log-probabilities were not asked for"),
         }
     }
     assert_eq!(tokens, 4);

@@ -126,7 +126,7 @@ pub struct Member {
     pub joined: Instant,
     /// Streams are flowing; only up members are routed to.
     pub up: bool,
-    /// The worker protocol it speaks (this build's or one of the two before).
+    /// The worker protocol it speaks (this build's or an older one back to `OLDEST_PROTOCOL`).
     pub protocol: u32,
     /// Its first snapshot since the router started has been applied: the index knows what it holds.
     pub synced: bool,
@@ -231,9 +231,9 @@ pub enum JoinError {
 }
 
 /// The oldest worker protocol version this router works with, so that a rolling upgrade can replace workers and
-/// routers in any order: version 4, the two before its own. What came since (version 5's streamed KV, version 6's
-/// `min_p`) is only asked of workers that speak it, so an older worker is routed around for those requests and
-/// serves the rest.
+/// routers in any order: version 4 (log-probabilities and grammars), three before its own. What came since (version
+/// 5's streamed KV, version 6's `min_p`, version 7's prompt log-probabilities) is only asked of workers that speak
+/// it, so an older worker is routed around for those requests and serves the rest.
 pub const OLDEST_PROTOCOL: u32 = worker::LOGPROBS_PROTOCOL;
 
 /// The protocol version a worker's `Info` names (absent: 1, which sent none), if this router works with it.
@@ -935,15 +935,25 @@ mod tests {
         assert!(min_p.met_by(&tandem(worker::MIN_P_PROTOCOL)));
         assert!(!min_p.met_by(&tandem(worker::MIN_P_PROTOCOL - 1)));
         assert!([&llama, &vllm, &sglang].iter().all(|m| min_p.met_by(m)), "external engines take min_p natively");
+
+        let scored = needs(&pb::Sampling { prompt_logprobs: Some(0), ..Default::default() });
+        assert!(scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL)));
+        assert!(!scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL - 1)), "an older worker would drop them");
+        assert!(![&llama, &vllm, &sglang].iter().any(|m| scored.met_by(m)), "the prompt's are not relayed");
     }
 
     #[test]
-    fn a_router_works_with_its_own_protocol_and_the_two_before() {
+    fn a_router_works_with_its_own_protocol_and_the_ones_back_to_the_oldest() {
         let ours = worker::PROTOCOL_VERSION;
         assert_eq!(protocol_version(ours), Ok(ours));
         assert_eq!(protocol_version(ours - 1), Ok(ours - 1), "a worker one version older (rolling upgrade)");
         assert_eq!(protocol_version(ours - 2), Ok(ours - 2), "two versions older");
-        assert_eq!(protocol_version(ours - 3), Err(ours - 3), "three versions back is too old");
+        assert_eq!(protocol_version(super::OLDEST_PROTOCOL), Ok(super::OLDEST_PROTOCOL));
+        assert_eq!(
+            protocol_version(super::OLDEST_PROTOCOL - 1),
+            Err(super::OLDEST_PROTOCOL - 1),
+            "before the oldest is too old"
+        );
         assert_eq!(protocol_version(0), Err(1), "version 1 workers sent no version");
         assert_eq!(protocol_version(ours + 1), Err(ours + 1), "a newer worker needs a newer router");
     }

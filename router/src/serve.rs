@@ -58,6 +58,9 @@ pub fn uncached(len: usize, blocks: usize, block_size: u64) -> u64 {
 /// What the client's side of a job receives.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Piece {
+    /// The prompt's log-probabilities (its tokens from the second on), before the first token, when the request
+    /// asked for them.
+    Prompt(Vec<pb::TokenLogprobs>),
     /// A token, with its log-probabilities when the request asked for them.
     Token(u32, Option<pb::TokenLogprobs>),
     Finished {
@@ -93,6 +96,7 @@ pub fn start(state: Arc<RouterState>, job: Job, decision: Decision) -> Pieces {
 struct Prefilled {
     first: u32,
     first_logprobs: Option<pb::TokenLogprobs>,
+    prompt_logprobs: Vec<pb::TokenLogprobs>,
     handle: Option<pb::KvHandle>,
     cached_tokens: u32,
     /// The decode worker's pulls of the prompt's leading pieces, when its KV was streamed.
@@ -202,6 +206,7 @@ async fn prefill(
                 return PrefillOutcome::Done(Box::new(Prefilled {
                     first: r.first_token,
                     first_logprobs: r.first_logprobs,
+                    prompt_logprobs: r.prompt_logprobs,
                     handle: r.handle,
                     cached_tokens: r.cached_tokens,
                     prefetches,
@@ -231,8 +236,13 @@ fn stream_kv_to(
     prefill: &crate::cluster::Member,
     cand: &crate::scheduler::Scored,
 ) -> Option<(Vec<usize>, proto::worker::worker_client::WorkerClient<tonic::transport::Channel>)> {
-    // An answer of one token ends at the prefill worker: nothing is pulled.
-    if !state.limits.stream_kv || job.sampling.max_tokens <= 1 || prefill.protocol < worker::STREAM_KV_PROTOCOL {
+    // An answer of one token ends at the prefill worker: nothing is pulled. A prompt whose log-probabilities are
+    // asked for is computed whole by its last piece's prefill whatever the pieces cached: no pieces either.
+    if !state.limits.stream_kv
+        || job.sampling.max_tokens <= 1
+        || job.sampling.prompt_logprobs.is_some()
+        || prefill.protocol < worker::STREAM_KV_PROTOCOL
+    {
         return None;
     }
     let decode = state.cluster.member(decision.decode.id).filter(|m| m.up && m.protocol >= worker::STREAM_KV_PROTOCOL);
@@ -326,6 +336,8 @@ async fn decode_once(
             max_tokens: remaining,
             // What it is sent after the prompt was generated: the penalties and min_tokens count it.
             prior_generated: progress.generated.len() as u32,
+            // The prompt's log-probabilities came with the first token: after it, nobody asks again.
+            prompt_logprobs: job.sampling.prompt_logprobs.filter(|_| progress.generated.is_empty()),
             ..job.sampling.clone()
         }),
         handle,
@@ -412,7 +424,14 @@ async fn stream_tokens(
                     state.cluster.first_token(worker, job.seq);
                 }
                 progress.produced += 1;
+                let first = progress.generated.is_empty();
                 progress.generated.push(t.id);
+                if first
+                    && job.sampling.prompt_logprobs.is_some()
+                    && tx.send(Ok(Piece::Prompt(t.prompt_logprobs))).await.is_err()
+                {
+                    return Attempt::ClientGone;
+                }
                 if tx.send(Ok(Piece::Token(t.id, t.logprobs))).await.is_err() {
                     return Attempt::ClientGone;
                 }
@@ -431,8 +450,9 @@ async fn stream_tokens(
 }
 
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
-/// log-probabilities, a version-5 one `min_p`). External engines take the sampling fields (`min_p` included) in
-/// their own APIs; grammars are not relayed to them, log-probabilities only from llama-server and vLLM.
+/// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities). External engines
+/// take the sampling fields (`min_p` included) in their own APIs; grammars and prompt log-probabilities are not
+/// relayed to them, log-probabilities only from llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
@@ -447,6 +467,11 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     }
     if s.min_p > 0.0 {
         protocol = worker::MIN_P_PROTOCOL;
+    }
+    // Prompt log-probabilities are computed by Tandem's own workers only.
+    let external = external && s.prompt_logprobs.is_none();
+    if s.prompt_logprobs.is_some() {
+        protocol = worker::PROMPT_LOGPROBS_PROTOCOL;
     }
     Needs { protocol, external, logprobs: s.logprobs.is_some() }
 }
@@ -472,6 +497,13 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     if decision.disaggregate {
         match prefill(&state, &job, &decision, &tx).await {
             PrefillOutcome::Done(p) => {
+                let prompt = job.sampling.prompt_logprobs.is_some().then_some(Piece::Prompt(p.prompt_logprobs));
+                if let Some(prompt) = prompt
+                    && tx.send(Ok(prompt)).await.is_err()
+                {
+                    release_unused(&state, p.handle);
+                    return;
+                }
                 if tx.send(Ok(Piece::Token(p.first, p.first_logprobs))).await.is_err() {
                     release_unused(&state, p.handle);
                     return;

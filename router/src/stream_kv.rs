@@ -116,7 +116,8 @@ pub struct Route<'a> {
 pub async fn prefill_pieces(state: &Arc<RouterState>, job: &Job, ends: &[usize], route: Route<'_>) -> Prefetches {
     let Route { prefill, decode, whole, span } = route;
     // A piece's first token is thrown away: it needs no log-probabilities or grammar.
-    let sampling = whole.sampling.clone().map(|s| pb::Sampling { logprobs: None, grammar: None, ..s });
+    let sampling =
+        whole.sampling.clone().map(|s| pb::Sampling { logprobs: None, prompt_logprobs: None, grammar: None, ..s });
     let unpulled: Arc<Unpulled> = Arc::default();
     let mut prefetches = Prefetches {
         last: None,

@@ -113,7 +113,7 @@ impl Worker for Fake {
                     event: Some(pb::generate_response::Event::Token(pb::Token {
                         id: 504,
                         text: "The".into(),
-                        logprobs: None,
+                        ..Default::default()
                     })),
                 };
                 let finished = pb::GenerateResponse {
@@ -125,7 +125,7 @@ impl Worker for Fake {
                 return Ok(Response::new(Box::pin(tokio_stream::iter([Ok(token), Ok(finished)]))));
             }
         }
-        let token = pb::Token { id: 504, text: "The".into(), logprobs: None };
+        let token = pb::Token { id: 504, text: "The".into(), ..Default::default() };
         Ok(Response::new(stream(
             pb::GenerateResponse { event: Some(pb::generate_response::Event::Token(token)) },
             None,

@@ -63,7 +63,7 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
             prior_generated: s.prior_generated,
         },
         logprobs: s.logprobs,
-        prompt_logprobs: None,
+        prompt_logprobs: s.prompt_logprobs,
         grammar: s
             .grammar
             .map(|g| engine::grammar::Grammar::from_parts(&g.kind, &g.data))
@@ -77,6 +77,7 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
 pub fn logprobs_to_pb(lp: &engine::sampling::TokenLogprobs) -> pb::TokenLogprobs {
     pb::TokenLogprobs {
         logprob: lp.logprob,
+        rank: lp.rank,
         top_ids: lp.top.iter().map(|(id, _)| *id).collect(),
         top_logprobs: lp.top.iter().map(|(_, l)| *l).collect(),
     }

@@ -110,9 +110,10 @@ impl WorkerConfig {
 /// `logit_bias`, `min_tokens`, `stop_token_ids`, `prior_generated`), which a version-2 worker would ignore. 4:
 /// `Sampling.logprobs` (log-probabilities on `Token` and `PrefillResponse`) and `Sampling.grammar` (structured
 /// outputs). 5: `Prefetch`, and a prefill's lease reservation credited with the live leases of its own request
-/// (a streamed prompt's pieces). 6: `Sampling.min_p`. A router accepts this and the two before
+/// (a streamed prompt's pieces). 6: `Sampling.min_p`. 7: `Sampling.prompt_logprobs` (on the first `Token` and in
+/// `PrefillResponse`). A router accepts this and the versions back to 4
 /// (`router::cluster::OLDEST_PROTOCOL`), and sends requests that use something newer only to workers that know it.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The first protocol whose workers apply `Sampling`'s logits rules.
 pub const LOGITS_RULES_PROTOCOL: u32 = 3;
@@ -126,6 +127,9 @@ pub const STREAM_KV_PROTOCOL: u32 = 5;
 
 /// The first protocol whose workers apply `Sampling.min_p`.
 pub const MIN_P_PROTOCOL: u32 = 6;
+
+/// The first protocol whose workers report the prompt's log-probabilities (`Sampling.prompt_logprobs`).
+pub const PROMPT_LOGPROBS_PROTOCOL: u32 = 7;
 
 /// What a worker calls its model when nothing else is said (the embedded one).
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";

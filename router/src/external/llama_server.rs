@@ -168,7 +168,7 @@ mod tests {
         assert_eq!(tokens, [198]);
         assert_eq!(
             lps,
-            [pb::TokenLogprobs { logprob: -2.5, top_ids: vec![198, 1604], top_logprobs: vec![-2.5, -2.9] }]
+            [pb::TokenLogprobs { logprob: -2.5, rank: 0, top_ids: vec![198, 1604], top_logprobs: vec![-2.5, -2.9] }]
         );
         assert_eq!(scored(0).1[0].top_ids, Vec::<u32>::new(), "none asked: the chosen token's only");
         assert_eq!(parse(chunk, None), Ok(Chunk::Tokens(vec![198])), "not asked for: not read");

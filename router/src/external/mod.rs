@@ -157,6 +157,8 @@ pub(crate) fn scored(token: u32, id: u32, logprob: f32, top: &[(u32, f32)]) -> R
     }
     Ok(pb::TokenLogprobs {
         logprob,
+        // Neither engine's stream says it.
+        rank: 0,
         top_ids: top.iter().map(|t| t.0).collect(),
         top_logprobs: top.iter().map(|t| t.1).collect(),
     })

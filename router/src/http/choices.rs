@@ -210,6 +210,8 @@ struct Done {
     prompt_len: usize,
     text: String,
     logprobs: Value,
+    /// vLLM's `prompt_logprobs`, when asked for (else null).
+    prompt_logprobs: Value,
     finish: &'static str,
     tokens: usize,
     cached: Option<u32>,
@@ -224,6 +226,12 @@ struct Run {
     pieces: Pieces,
     ready: Option<(watch::Sender<bool>, usize)>,
     echo: Option<String>,
+    /// The prompt's token ids, when its log-probabilities were asked for (else empty).
+    prompt_ids: Vec<u32>,
+    /// vLLM's `prompt_logprobs`, once the prompt's log-probabilities came (null before, or when not asked for).
+    prompt_logprobs: Value,
+    /// Whether the prompt's log-probabilities came.
+    prompt_scored: bool,
     text: Text,
     logprobs: Option<Logprobs>,
     clock: Clock,
@@ -251,6 +259,7 @@ impl Run {
         }
         let Routed { checked, job, decision, recorded } = p.routed;
         let prompt_len = job.tokens.len();
+        let prompt_ids = if checked.scored_prompt().is_some() { job.tokens.clone() } else { Vec::new() };
         let pieces = crate::serve::start(Arc::clone(state), job, decision);
         Run {
             index: p.index,
@@ -263,9 +272,59 @@ impl Run {
             pieces,
             ready: p.ready,
             echo: p.echo,
+            prompt_ids,
+            prompt_logprobs: Value::Null,
+            prompt_scored: false,
             recorded: recorded.map(|entry| (Arc::clone(state), entry)),
             finish: None,
         }
+    }
+
+    /// The prompt's log-probabilities, which come before its first token: into vLLM's `prompt_logprobs` when they
+    /// were asked for so, and before the output's log-probabilities when the prompt is echoed with them. Returns
+    /// (streamed) the echoed prompt's log-probabilities' JSON.
+    fn prompt(&mut self, state: &RouterState, scores: &[pb::TokenLogprobs]) -> Result<Value, ApiError> {
+        let tokenizer = state.text.tokenizer();
+        self.prompt_scored = true;
+        if let Some(top) = self.checked.prompt_logprobs {
+            self.prompt_logprobs =
+                super::logprobs::vllm_prompt_logprobs(tokenizer, &self.prompt_ids, scores, top as usize)?;
+        }
+        let mut lps = Value::Null;
+        if let (true, Some(top), Some(l)) = (self.checked.echo, self.checked.logprobs, self.logprobs.as_mut()) {
+            l.push_prompt(tokenizer, &self.prompt_ids, scores, top as usize)?;
+            if self.checked.stream {
+                lps = l.take();
+            }
+        }
+        Ok(lps)
+    }
+
+    /// A token comes after the prompt's log-probabilities when they were asked for: a worker that sent none is an
+    /// upstream error (never an answer silently without them).
+    fn prompt_came(&self) -> Result<(), ApiError> {
+        if self.checked.scored_prompt().is_some() && !self.prompt_scored {
+            return Err(ApiError::Upstream(
+                "a worker sent the first token without the prompt's log-probabilities".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the answer leaves its tokens out (`echo` with `max_tokens` 0: the prompt alone).
+    fn echo_only(&self) -> bool {
+        self.checked.echo_only
+    }
+
+    /// The choice's `finish_reason`: `length` for the prompt alone (no token was wanted), else the worker's
+    /// reason, or `stop` for a stop string the router found.
+    fn finish_reason(&self, reason: pb::FinishReason) -> &'static str {
+        if self.echo_only() { "length" } else { finish_reason(reason, self.text.stopped) }
+    }
+
+    /// Whether the echoed prompt waits for its log-probabilities before it is streamed (they come with it).
+    fn echo_waits(&self) -> bool {
+        self.checked.echo && self.logprobs.is_some()
     }
 
     /// One token: its text, and (streamed) its log-probabilities' JSON when asked for; a whole answer takes them
@@ -276,6 +335,7 @@ impl Run {
         id: u32,
         lp: Option<pb::TokenLogprobs>,
     ) -> Result<(String, Value), ApiError> {
+        self.prompt_came()?;
         self.clock.token(state);
         let mut lps = Value::Null;
         if let Some(l) = self.logprobs.as_mut() {
@@ -312,15 +372,24 @@ pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Inst
             Endpoint::Chat => json!({"index": d.index, "message": {"role": "assistant", "content": d.text},
                                      "logprobs": d.logprobs, "finish_reason": d.finish}),
             Endpoint::Completion => {
-                json!({"index": d.index, "text": d.text, "logprobs": d.logprobs, "finish_reason": d.finish})
+                let mut c =
+                    json!({"index": d.index, "text": d.text, "logprobs": d.logprobs, "finish_reason": d.finish});
+                if !d.prompt_logprobs.is_null() {
+                    c["prompt_logprobs"] = d.prompt_logprobs.clone();
+                }
+                c
             }
         })
         .collect();
     let (prompt_tokens, completion_tokens, cached) =
         totals(done.iter().map(|d| (d.prompt, d.prompt_len, d.tokens, d.cached)));
     let object = if endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
-    let body = json!({"id": id, "object": object, "created": created(), "model": model, "choices": choices,
-                      "usage": usage(prompt_tokens, completion_tokens, cached)});
+    let mut body = json!({"id": id, "object": object, "created": created(), "model": model, "choices": choices,
+                          "usage": usage(prompt_tokens, completion_tokens, cached)});
+    // vLLM's chat answer has one `prompt_logprobs`, beside its choices (which share the prompt).
+    if let Some(d) = done.iter().find(|d| endpoint == Endpoint::Chat && !d.prompt_logprobs.is_null()) {
+        body["prompt_logprobs"] = d.prompt_logprobs.clone();
+    }
     let finishes: Vec<&str> = done.iter().map(|d| d.finish).collect();
     tracing::Span::current()
         .record("gen_ai.usage.output_tokens", completion_tokens)
@@ -351,6 +420,10 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
     let mut out = run.echo.take().unwrap_or_default();
     let (reason, cached) = loop {
         match run.pieces.recv().await {
+            Some(Ok(Piece::Prompt(scores))) => {
+                run.prompt(state, &scores)?;
+            }
+            Some(Ok(Piece::Token(..))) if run.echo_only() => run.prompt_came()?,
             Some(Ok(Piece::Token(t, lp))) => {
                 out.push_str(&run.token(state, t, lp)?.0);
                 if run.text.stopped {
@@ -363,7 +436,7 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
         }
     };
     out.push_str(&run.text.stream.finish(run.text.stopped));
-    let finish = finish_reason(reason, run.text.stopped);
+    let finish = run.finish_reason(reason);
     run.finish = Some(finish);
     Ok(Done {
         index: run.index,
@@ -371,6 +444,7 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
         prompt_len: run.prompt_len,
         text: out,
         logprobs: run.logprobs.as_mut().map_or(Value::Null, Logprobs::take),
+        prompt_logprobs: std::mem::take(&mut run.prompt_logprobs),
         finish,
         tokens: run.text.tokens,
         cached,
@@ -523,7 +597,10 @@ async fn stream_choice(
     let mut run = Run::start(state, p, arrived).await;
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index };
     let mut first = true;
-    if let Some(echo) = run.echo.take() {
+    // The echoed prompt goes first; with log-probabilities, once they come (before the first token).
+    if !run.echo_waits()
+        && let Some(echo) = run.echo.take()
+    {
         if !send_text(tx, head.chunk(Some(&echo), None, true, &Value::Null)).await {
             return Err(499);
         }
@@ -536,6 +613,27 @@ async fn stream_choice(
             _ = tx.closed() => return Err(499),
         };
         match piece {
+            Some(Ok(Piece::Prompt(scores))) => {
+                let lps = match run.prompt(state, &scores) {
+                    Ok(lps) => lps,
+                    Err(e) => {
+                        let _ = send(tx, e.body()).await;
+                        return Err(e.status().as_u16());
+                    }
+                };
+                if let Some(echo) = run.echo.take() {
+                    if !send_text(tx, head.chunk(Some(&echo), None, true, &lps)).await {
+                        return Err(499);
+                    }
+                    first = false;
+                }
+            }
+            Some(Ok(Piece::Token(..))) if run.echo_only() => {
+                if let Err(e) = run.prompt_came() {
+                    let _ = send(tx, e.body()).await;
+                    return Err(e.status().as_u16());
+                }
+            }
             Some(Ok(Piece::Token(t, lp))) => {
                 let (s, lps) = match run.token(state, t, lp) {
                     Ok(r) => r,
@@ -571,7 +669,7 @@ async fn stream_choice(
     if !rest.is_empty() && !send_text(tx, head.chunk(Some(&rest), None, false, &Value::Null)).await {
         return Err(499);
     }
-    let finish = finish_reason(reason, run.text.stopped);
+    let finish = run.finish_reason(reason);
     run.finish = Some(finish);
     if !send_text(tx, head.chunk(None, Some(finish), false, &Value::Null)).await {
         return Err(499);

@@ -147,6 +147,7 @@ pub async fn plan(
         stop_token_ids: checked.logits.stop_token_ids.clone(),
         prior_generated: 0,
         logprobs: checked.logprobs,
+        prompt_logprobs: checked.scored_prompt(),
         grammar: checked.grammar.as_ref().map(|(g, _)| pb::Grammar { kind: g.kind().into(), data: g.data().into() }),
         min_p: checked.min_p,
     };
@@ -174,7 +175,10 @@ pub async fn plan(
         let mut route_state = state.route_state.lock().unwrap_or_else(|p| p.into_inner());
         let slow_start = Duration::from_secs_f64(config.slow_start_secs);
         let needs = crate::serve::needs(&sampling);
-        let views = state.cluster.view(&hashes, needs, slow_start, arrived);
+        // A prompt scored for its log-probabilities is computed whole wherever it goes (a cached token has no
+        // logits): no worker's cache counts for it.
+        let cached_counts = sampling.prompt_logprobs.is_none();
+        let views = state.cluster.view(if cached_counts { &hashes } else { &[] }, needs, slow_start, arrived);
         // Workers that would serve the request were it not for what it asks (external engines, older workers).
         let others_only = views.is_empty()
             && needs != Needs::ANY

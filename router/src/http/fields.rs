@@ -73,6 +73,7 @@ fn common(name: &str) -> Option<Rule> {
         "min_p" => Used,
         "guided_json" | "guided_regex" | "guided_choice" | "structured_outputs" => Used,
         "skip_special_tokens" | "include_stop_str_in_output" | "add_special_tokens" => Used,
+        "prompt_logprobs" => Used,
         // vLLM's, taken at their defaults only.
         "spaces_between_special_tokens" => {
             Refused(is_true, "control tokens' text is never spaced apart from the text around it")
@@ -82,7 +83,6 @@ fn common(name: &str) -> Option<Rule> {
         "priority" => Refused(zero, "requests are served first come, first served: priorities are not supported"),
         "bad_words" => Refused(empty, "bad_words is not supported: use logit_bias"),
         "allowed_token_ids" => Refused(never, "allowed_token_ids is not supported: use logit_bias"),
-        "prompt_logprobs" => Refused(never, "prompt log-probabilities are not computed"),
         "truncate_prompt_tokens" => Refused(never, "prompts are never truncated: one over the context is refused"),
         "return_tokens_as_token_ids" => Refused(is_false, "tokens are returned as text"),
         "logits_processors" => Refused(empty, "custom logits processors are not supported"),
@@ -231,7 +231,6 @@ mod tests {
             ("priority", json!(-1)),
             ("bad_words", json!(["x"])),
             ("allowed_token_ids", json!([1, 2])),
-            ("prompt_logprobs", json!(1)),
             ("truncate_prompt_tokens", json!(100)),
             ("return_tokens_as_token_ids", json!(true)),
             ("chat_template", json!("{{ messages }}")),
@@ -242,8 +241,11 @@ mod tests {
             body.insert(field.into(), value);
             assert_eq!(refused(chat, Value::Object(body)).as_deref(), Some(field), "{field}");
         }
-        // `add_special_tokens` is taken either way on both endpoints (`encode_prompt` applies it).
+        // `add_special_tokens` is taken either way on both endpoints (`encode_prompt` applies it); so is
+        // `prompt_logprobs` (the workers compute the prompt's log-probabilities).
         let completion = |v| refused(Endpoint::Completion, v);
+        assert_eq!(completion(json!({"prompt": "x", "prompt_logprobs": 1})), None);
+        assert_eq!(refused(chat, json!({"messages": [], "prompt_logprobs": 0})), None);
         for add in [true, false] {
             assert_eq!(completion(json!({"prompt": "x", "add_special_tokens": add})), None);
             assert_eq!(refused(chat, json!({"messages": [], "add_special_tokens": add})), None);

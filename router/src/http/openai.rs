@@ -128,6 +128,9 @@ pub struct Common {
     pub logprobs: Option<serde_json::Value>,
     /// Chat only: alternatives per token, with `logprobs: true`.
     pub top_logprobs: Option<u32>,
+    /// vLLM's: each prompt token's log-probability with this many alternatives (-1, the whole vocabulary, is
+    /// refused as over the limit).
+    pub prompt_logprobs: Option<i64>,
     /// Chat only (OpenAI's): requests with the same key prefer the worker that last computed one.
     pub prompt_cache_key: Option<String>,
     /// Chat only (OpenAI's): `text`, `json_object` or `json_schema`.
@@ -284,6 +287,11 @@ pub struct Checked {
     pub batch: Vec<Input>,
     /// Text completions: each choice's text starts with its prompt.
     pub echo: bool,
+    /// Text completions: `echo` with `max_tokens` 0, the prompt alone (one token is computed and dropped).
+    pub echo_only: bool,
+    /// vLLM's `prompt_logprobs`: the prompt tokens' log-probabilities with this many alternatives, answered in
+    /// vLLM's shape (a choice's `prompt_logprobs`, or the chat response's).
+    pub prompt_logprobs: Option<u32>,
     /// What the output must match, and the field that asked for it.
     pub grammar: Option<(engine::grammar::Grammar, &'static str)>,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
@@ -445,6 +453,18 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
     }
     let logits = check_logits(&c, c.max_completion_tokens.or(c.max_tokens))?;
     let logprobs = check_logprobs(&c, endpoint)?;
+    let prompt_logprobs = match c.prompt_logprobs {
+        None => None,
+        Some(n) if (0..=i64::from(MAX_LOGPROBS)).contains(&n) => Some(n as u32),
+        Some(n) => {
+            let why = format!("prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, not {n}");
+            return Err(ApiError::bad(why, "prompt_logprobs"));
+        }
+    };
+    if prompt_logprobs.is_some() && c.stream {
+        // As vLLM answers: its shape has no place in a stream's chunks.
+        return Err(ApiError::bad("prompt_logprobs is not available when streaming", "prompt_logprobs"));
+    }
     let grammar = check_grammar(&c)?;
     let model = c.model.filter(|m| !m.is_empty()).ok_or_else(|| ApiError::bad("`model` is required", "model"))?;
     let n = c.n.unwrap_or(1);
@@ -510,6 +530,8 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         n,
         batch: Vec::new(),
         echo: false,
+        echo_only: false,
+        prompt_logprobs,
         grammar,
         keep_control: c.skip_special_tokens == Some(false),
         keep_stop: c.include_stop_str_in_output == Some(true),
@@ -587,16 +609,27 @@ pub fn check_completion(body: &[u8]) -> Result<Checked, ApiError> {
     }
     let echo = r.echo.unwrap_or(false);
     let first = inputs.remove(0);
-    let mut checked = check_common(r.common, Endpoint::Completion, first)?;
-    if echo && checked.logprobs.is_some() {
-        return Err(ApiError::bad(
-            "echo with logprobs asks for the prompt's log-probabilities, which are not computed; use one or the other",
-            "echo",
-        ));
+    let mut common = r.common;
+    // `echo` with `max_tokens` 0 asks for the prompt alone (its log-probabilities, with `logprobs`): as vLLM does,
+    // one token is computed and left out of the answer.
+    let echo_only = echo && common.max_completion_tokens.or(common.max_tokens) == Some(0);
+    if echo_only {
+        (common.max_tokens, common.max_completion_tokens) = (Some(1), None);
     }
+    let mut checked = check_common(common, Endpoint::Completion, first)?;
     checked.batch = inputs;
     checked.echo = echo;
+    checked.echo_only = echo_only;
     Ok(checked)
+}
+
+impl Checked {
+    /// How many alternatives the workers report for each prompt token (`None`: the prompt is not scored): what
+    /// vLLM's `prompt_logprobs` asks, or `logprobs` with `echo` (the echoed prompt's tokens come with theirs).
+    pub fn scored_prompt(&self) -> Option<u32> {
+        let echoed = self.logprobs.filter(|_| self.echo);
+        self.prompt_logprobs.max(echoed)
+    }
 }
 
 #[cfg(test)]
@@ -873,8 +906,37 @@ mod tests {
         );
         let batch = check_completion(br#"{"model":"m","prompt":["a","b"],"n":2}"#).expect("a batch");
         assert_eq!((batch.batch.len(), batch.n), (1, 2), "the first prompt is the request's input, the rest follow");
-        let e = check_completion(br#"{"model":"m","prompt":"a","echo":true,"logprobs":1}"#).expect_err("echo");
-        assert!(e.to_string().contains("echo"));
+    }
+
+    #[test]
+    fn the_prompts_log_probabilities_are_asked_by_echo_with_logprobs_or_by_prompt_logprobs() {
+        let c = |body: &str| check_completion(body.as_bytes());
+        let plain = c(r#"{"model":"m","prompt":"a","logprobs":2}"#).expect("valid");
+        assert_eq!(plain.scored_prompt(), None, "logprobs alone are the output's");
+        let echoed = c(r#"{"model":"m","prompt":"a","echo":true,"logprobs":2}"#).expect("valid");
+        assert_eq!((echoed.scored_prompt(), echoed.echo_only, echoed.max_tokens), (Some(2), false, None));
+        assert_eq!(c(r#"{"model":"m","prompt":"a","echo":true}"#).expect("valid").scored_prompt(), None);
+        // vLLM's field, alone or with a larger echo: the workers are asked for the larger.
+        let vllm = c(r#"{"model":"m","prompt":"a","prompt_logprobs":0}"#).expect("valid");
+        assert_eq!((vllm.prompt_logprobs, vllm.scored_prompt()), (Some(0), Some(0)));
+        let both = c(r#"{"model":"m","prompt":"a","echo":true,"logprobs":3,"prompt_logprobs":1}"#).expect("valid");
+        assert_eq!(both.scored_prompt(), Some(3));
+        let chat = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt_logprobs":4}"#);
+        assert_eq!(chat.expect("valid").scored_prompt(), Some(4));
+        // `echo` with `max_tokens` 0 is the prompt alone: one token is computed, and left out.
+        let only = c(r#"{"model":"m","prompt":"a","echo":true,"logprobs":1,"max_tokens":0}"#).expect("valid");
+        assert_eq!((only.echo_only, only.max_tokens, only.scored_prompt()), (true, Some(1), Some(1)));
+        let e = c(r#"{"model":"m","prompt":"a","max_tokens":0}"#).expect_err("no tokens, nothing echoed");
+        assert_eq!(e.body()["error"]["param"], "max_tokens");
+        for (body, why) in [
+            (r#"{"model":"m","prompt":"a","prompt_logprobs":-1}"#, "from 0 to 20"),
+            (r#"{"model":"m","prompt":"a","prompt_logprobs":21}"#, "from 0 to 20"),
+            (r#"{"model":"m","prompt":"a","prompt_logprobs":1,"stream":true}"#, "streaming"),
+        ] {
+            let e = c(body).expect_err(body);
+            assert_eq!(e.body()["error"]["param"], "prompt_logprobs", "{body}");
+            assert!(e.to_string().contains(why), "{body}: {e}");
+        }
     }
 }
 

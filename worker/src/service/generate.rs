@@ -77,13 +77,15 @@ impl WorkerService {
                     };
                     let Some(ev) = ev else { break };
                     let (msg, last) = match ev {
-                        SeqEvent::Token { token, text, logprobs, .. } => {
+                        SeqEvent::Token { token, text, logprobs, prompt_logprobs } => {
                             if first_at.is_none() {
                                 metrics.time_to_first_token.observe(arrived.elapsed());
                                 first_at = Some(Instant::now());
                             }
                             let logprobs = logprobs.as_ref().map(convert::logprobs_to_pb);
-                            let event = pb::generate_response::Event::Token(pb::Token { id: token, text, logprobs });
+                            let prompt_logprobs = prompt_logprobs.iter().map(convert::logprobs_to_pb).collect();
+                            let token = pb::Token { id: token, text, logprobs, prompt_logprobs };
+                            let event = pb::generate_response::Event::Token(token);
                             (Ok(pb::GenerateResponse { event: Some(event) }), false)
                         }
                         SeqEvent::Finished(c) => {

@@ -143,6 +143,7 @@ impl WorkerService {
             cached_tokens: done.cached_tokens as u32,
             computed_tokens: (tokens - done.cached_tokens) as u32,
             first_logprobs,
+            prompt_logprobs: done.prompt_logprobs.iter().map(convert::logprobs_to_pb).collect(),
         }))
     }
 }
