@@ -138,7 +138,7 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
         ),
         ("bad temperature", chat(r#","temperature":-1"#), &auth, 400, "temperature"),
         ("bad top_p", chat(r#","top_p":1.5"#), &auth, 400, "top_p"),
-        ("too long", chat(r#","max_tokens":100000"#), &auth, 413, "context"),
+        ("too long", chat(r#","max_tokens":100000"#), &auth, 400, "context_length_exceeded"),
     ];
     for (name, body, headers, status, needle) in cases {
         let r = http(addr, "POST", "/v1/chat/completions", &body, headers).await;
@@ -166,7 +166,7 @@ async fn bad_requests_get_openai_errors_with_the_right_status() {
     // An over-long prompt, not just an over-long budget: the error names the completions endpoint's field.
     let long = "word ".repeat(9000);
     let r = http(addr, "POST", "/v1/completions", &format!(r#"{{"model":"{MODEL}","prompt":"{long}"}}"#), &auth).await;
-    assert_eq!(r.status, 413, "{}", r.body);
+    assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(
         (r.json()["error"]["code"].as_str(), r.json()["error"]["param"].as_str()),
         (Some("context_length_exceeded"), Some("prompt")),

@@ -77,7 +77,8 @@ impl ApiError {
             ApiError::UnknownModel(_) | ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::TooLong { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            // A bad request, as OpenAI and vLLM answer it: clients catch it as one and read the code.
+            ApiError::TooLong { .. } => StatusCode::BAD_REQUEST,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
