@@ -91,6 +91,21 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
         by_ids["top_logprobs"].as_array().expect("top").iter().all(|m| m.as_object().is_some_and(|m| m.len() <= 2))
     );
     assert_eq!(by_ids["text_offset"][0], 0);
+    // Scored as lm-evaluation-harness scores text: `echo` with `logprobs` and `max_tokens` 0 gives the prompt's
+    // tokens, the first without a log-probability, and generates nothing.
+    let scored = &got["scored"];
+    let prompt_ids: Vec<u32> = serde_json::from_str(&ids).expect("ids");
+    assert_eq!(scored["text"], tokenizer.decode(&prompt_ids), "{scored}");
+    assert_eq!(
+        (&scored["finish"], &scored["completion_tokens"]),
+        (&serde_json::json!("length"), &serde_json::json!(0))
+    );
+    let lps = scored["token_logprobs"].as_array().expect("token_logprobs");
+    assert_eq!(lps.len(), prompt_ids.len(), "{scored}");
+    assert!(lps[0].is_null() && scored["top_logprobs"][0].is_null(), "{scored}");
+    assert!(lps[1..].iter().all(|l| l.as_f64().is_some_and(|l| l <= 0.0)), "{scored}");
+    // A prompt over the context: the client's BadRequestError, with OpenAI's code.
+    assert_eq!(got["too_long"], serde_json::json!(["BadRequestError", "context_length_exceeded"]), "{got}");
     // n = 2 samples of a JSON schema's output, each valid.
     let structured = got["structured"].as_array().expect("structured");
     assert_eq!(structured.len(), 2, "{got}");

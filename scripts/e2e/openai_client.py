@@ -95,6 +95,24 @@ def main() -> None:
     except Exception as e:  # the client raises NotFoundError for a 404
         unknown_model = type(e).__name__
 
+    # A prompt scored as evaluation harnesses score one: echoed with its log-probabilities, nothing generated.
+    scored = None
+    if by_ids is not None:
+        c = client.completions.create(
+            model="smollm2-135m-instruct", prompt=ids, temperature=0, max_tokens=0, echo=True, logprobs=1
+        )
+        lp = c.choices[0].logprobs
+        scored = {"text": c.choices[0].text, "finish": c.choices[0].finish_reason, "tokens": lp.tokens,
+                  "token_logprobs": lp.token_logprobs, "top_logprobs": lp.top_logprobs,
+                  "completion_tokens": c.usage.completion_tokens}
+
+    # A prompt over the context is a bad request whose code says so, as OpenAI's API answers.
+    try:
+        client.completions.create(model="smollm2-135m-instruct", prompt="word " * 9000, max_tokens=1)
+        too_long = None
+    except Exception as e:
+        too_long = [type(e).__name__, getattr(e, "code", None)]
+
     models = [m.id for m in client.models.list()]
     retrieved = client.models.retrieve("smollm2-135m-instruct").id
     print(
@@ -112,6 +130,8 @@ def main() -> None:
                 "unpenalized": plain,
                 "penalized": penalized,
                 "by_ids": by_ids,
+                "scored": scored,
+                "too_long": too_long,
                 "structured": [c.message.content for c in structured.choices],
                 "unknown_model": unknown_model,
                 "models": models,
