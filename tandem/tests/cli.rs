@@ -74,6 +74,33 @@ fn json_output_has_every_field() {
 }
 
 #[test]
+fn a_prompt_is_scored_with_its_log_probabilities_and_they_agree_with_the_generated_tokens_own() {
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = tandem(args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("one JSON object")
+    };
+    let generated = run(&["generate", "--json", "--max-tokens", "3", "--logprobs", "2", "The capital of France is"]);
+    let prompt = generated["prompt_ids"].as_array().expect("ids").len();
+    assert!(generated.get("prompt_logprobs").is_none(), "not asked for: {generated}");
+    // The prompt with its greedy continuation, scored: the continuation's entries are the generation's own.
+    let text = format!("The capital of France is{}", generated["text"].as_str().expect("text"));
+    let scored = run(&["generate", "--json", "--max-tokens", "1", "--prompt-logprobs", "2", &text]);
+    let entries = scored["prompt_logprobs"].as_array().expect("prompt_logprobs");
+    assert_eq!(entries.len() + 1, scored["prompt_ids"].as_array().expect("ids").len());
+    let ids = |v: &serde_json::Value| v.as_array().expect("ids").clone();
+    let fed_back = [ids(&generated["prompt_ids"]), ids(&generated["token_ids"])].concat();
+    assert_eq!(ids(&scored["prompt_ids"]), fed_back, "the text tokenizes back to the same ids");
+    assert_eq!(entries[prompt - 1..], generated["logprobs"].as_array().expect("logprobs")[..]);
+    assert!(
+        entries
+            .iter()
+            .all(|e| e["rank"].as_u64().is_some_and(|r| r >= 1) && e["top"].as_array().is_some_and(|t| t.len() == 2))
+    );
+    fails_with(&["generate", "--json", "--prompt-logprobs", "21", "hi"], &["at most 20"]);
+}
+
+#[test]
 fn ctrl_c_stops_generation_cleanly() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["generate", "--max-tokens", "4000", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"])

@@ -47,6 +47,10 @@ pub struct Args {
     /// Report each token's log-probability and this many most likely alternatives (0-20; in --json's output).
     #[arg(long, requires = "json")]
     logprobs: Option<u32>,
+    /// Report each prompt token's log-probability (from the second on) and this many most likely alternatives
+    /// (0-20; in --json's output, as `prompt_logprobs`): the prompt is scored, as vLLM's `prompt_logprobs` does.
+    #[arg(long, requires = "json")]
+    prompt_logprobs: Option<u32>,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -64,12 +68,23 @@ struct JsonOut<'a> {
     /// Per token: its log-probability and the alternatives as `[id, logprob]`, most likely first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     logprobs: Vec<JsonLogprobs>,
+    /// Per prompt token from the second on, the same.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    prompt_logprobs: Vec<JsonLogprobs>,
 }
 
 #[derive(Serialize)]
 struct JsonLogprobs {
     logprob: f32,
+    /// 1 for the most likely token (ties counted against it).
+    rank: u32,
     top: Vec<(u32, f32)>,
+}
+
+impl From<&engine::sampling::TokenLogprobs> for JsonLogprobs {
+    fn from(l: &engine::sampling::TokenLogprobs) -> JsonLogprobs {
+        JsonLogprobs { logprob: l.logprob, rank: l.rank, top: l.top.clone() }
+    }
 }
 
 pub fn run(args: Args) -> Result<ExitCode, String> {
@@ -84,6 +99,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         ignore_eos: false,
         detokenize: true,
         logprobs: args.logprobs,
+        prompt_logprobs: args.prompt_logprobs,
         ..RawSampling::default()
     })
     .map_err(|e| e.to_string())?;
@@ -162,7 +178,8 @@ fn print_json(c: &Completion) -> serde_json::Result<()> {
         finish_reason: c.finish_reason.as_str(),
         ttft_ms: c.time_to_first_token.as_secs_f64() * 1000.0,
         decode_tokens_per_s: (decoded > 0 && secs > 0.0).then(|| decoded as f64 / secs),
-        logprobs: c.logprobs.iter().map(|l| JsonLogprobs { logprob: l.logprob, top: l.top.clone() }).collect(),
+        logprobs: c.logprobs.iter().map(JsonLogprobs::from).collect(),
+        prompt_logprobs: c.prompt_logprobs.iter().map(JsonLogprobs::from).collect(),
     };
     println!("{}", serde_json::to_string(&out)?);
     Ok(())
