@@ -279,11 +279,8 @@ impl Engine {
         };
         // Each chunk's share of the scores, in batch order (none allocated when nobody scores: a simulated worker
         // steps millions of times).
-        let scored: Vec<usize> = if scoring {
-            chunks.iter().map(|c| c.scored.map_or(0, |s| s.targets.len())).collect()
-        } else {
-            Vec::new()
-        };
+        let scored: Vec<usize> =
+            if scoring { chunks.iter().map(|c| c.scored.map_or(0, |s| s.targets.len())).collect() } else { Vec::new() };
         let took = match self.backend.virtual_step_secs() {
             Some(secs) => (secs * 1e9) as u64,
             None => u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
