@@ -271,9 +271,12 @@ impl Model {
             }
             rms_norm(&picked[..m * d], &self.output_norm, c.rms_eps, &mut normed[..m * d]);
             matmul(&self.output, &normed[..m * d], m, &mut logits[..m * c.n_vocab], scratch);
-            for (l, &(_, target, top)) in logits.chunks_exact(c.n_vocab).zip(group) {
-                scores.push(TokenLogprobs::of(l, target, top));
-            }
+            // Each row's log-softmax over the vocabulary, on the team's threads (a pass of `exp` per row).
+            let logits = &logits;
+            scores.extend(scratch.team.map(m, |i| {
+                let (_, target, top) = group[i];
+                TokenLogprobs::of(&logits[i * c.n_vocab..(i + 1) * c.n_vocab], target, top)
+            }));
         }
     }
 

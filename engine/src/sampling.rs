@@ -450,15 +450,11 @@ impl TokenLogprobs {
         if top == 0 {
             return TokenLogprobs { logprob: lp(token), rank, top: Vec::new() };
         }
-        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-        let k = top.min(ids.len());
-        if k < ids.len() {
-            ids.select_nth_unstable_by(k - 1, by_logit);
+        TokenLogprobs {
+            logprob: lp(token),
+            rank,
+            top: most_likely(logits, top).into_iter().map(|id| (id, lp(id))).collect(),
         }
-        ids.truncate(k);
-        ids.sort_unstable_by(by_logit);
-        TokenLogprobs { logprob: lp(token), rank, top: ids.into_iter().map(|id| (id, lp(id))).collect() }
     }
 
     /// For a backend that draws `token` uniformly from `words` (the mock engine): each distinct word's share.
@@ -484,6 +480,23 @@ impl TokenLogprobs {
         distinct.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         TokenLogprobs { logprob, rank, top: distinct.into_iter().take(top).map(|(w, n)| (w, lp(n))).collect() }
     }
+}
+
+/// The `k` largest logits' ids, largest first, the lower id first among equal ones: one pass that keeps the best
+/// `k` so far in order (at most [`MAX_TOP_LOGPROBS`] in practice), rather than sorting the vocabulary.
+fn most_likely(logits: &[f32], k: usize) -> Vec<u32> {
+    let k = k.min(logits.len());
+    let mut best: Vec<u32> = Vec::with_capacity(k + 1);
+    for (id, l) in logits.iter().enumerate() {
+        // Scanned in id order, an equal logit never displaces the lower id already kept.
+        if best.len() == k && best.last().is_none_or(|&w| l.total_cmp(&logits[w as usize]).is_le()) {
+            continue;
+        }
+        let at = best.partition_point(|&b| logits[b as usize].total_cmp(l).is_ge());
+        best.insert(at, id as u32);
+        best.truncate(k);
+    }
+    best
 }
 
 /// Index of the largest logit; the lowest index wins ties.
@@ -551,6 +564,22 @@ mod tests {
         assert_eq!(mt, [2.0, f32::NEG_INFINITY, 0.5, 3.0, -2.0, f32::NEG_INFINITY]);
         assert_eq!(run(LogitsRules { min_tokens: 3, ..base.clone() }), logits, "three generated already");
         assert!(!base.active());
+    }
+
+    proptest::proptest! {
+        /// The one-pass top-k names the same tokens, in the same order, as sorting the whole vocabulary by logit
+        /// (largest first, lower id first among equal ones): logits drawn from a few values, so ties are common.
+        #[test]
+        fn the_most_likely_tokens_are_those_a_full_sort_ranks_first(
+            logits in proptest::collection::vec(-3i8..3, 1..200),
+            k in 1usize..25,
+        ) {
+            let logits: Vec<f32> = logits.into_iter().map(|l| f32::from(l) * 0.5).collect();
+            let mut sorted: Vec<u32> = (0..logits.len() as u32).collect();
+            sorted.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b)));
+            sorted.truncate(k);
+            proptest::prop_assert_eq!(super::most_likely(&logits, k), sorted);
+        }
     }
 
     #[test]
