@@ -520,6 +520,13 @@ async fn send(tx: &Sink, v: Value) -> bool {
     send_text(tx, v.to_string()).await
 }
 
+/// Sends `e` as an event (the headers are out: an error travels as an event, as OpenAI's API does) and returns
+/// its status, to count.
+async fn send_error(tx: &Sink, e: &ApiError) -> u16 {
+    let _ = send(tx, e.body()).await;
+    e.status().as_u16()
+}
+
 /// Sends one event whose data is `json`, already serialized.
 async fn send_text(tx: &Sink, json: String) -> bool {
     tx.send(Ok(Event::default().data(json))).await.is_ok()
@@ -563,9 +570,7 @@ async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrive
     let done = tokio::select! {
         r = try_join_all(runs) => r,
         _ = tokio::time::sleep(deadline) => {
-            let e = ApiError::Deadline(deadline);
-            let _ = send(tx, e.body()).await;
-            return e.status().as_u16();
+            return send_error(tx, &ApiError::Deadline(deadline)).await;
         }
     };
     let done = match done {
@@ -616,10 +621,7 @@ async fn stream_choice(
             Some(Ok(Piece::Prompt(scores))) => {
                 let lps = match run.prompt(state, &scores) {
                     Ok(lps) => lps,
-                    Err(e) => {
-                        let _ = send(tx, e.body()).await;
-                        return Err(e.status().as_u16());
-                    }
+                    Err(e) => return Err(send_error(tx, &e).await),
                 };
                 if let Some(echo) = run.echo.take() {
                     if !send_text(tx, head.chunk(Some(&echo), None, true, &lps)).await {
@@ -630,17 +632,13 @@ async fn stream_choice(
             }
             Some(Ok(Piece::Token(..))) if run.echo_only() => {
                 if let Err(e) = run.prompt_came() {
-                    let _ = send(tx, e.body()).await;
-                    return Err(e.status().as_u16());
+                    return Err(send_error(tx, &e).await);
                 }
             }
             Some(Ok(Piece::Token(t, lp))) => {
                 let (s, lps) = match run.token(state, t, lp) {
                     Ok(r) => r,
-                    Err(e) => {
-                        let _ = send(tx, e.body()).await;
-                        return Err(e.status().as_u16());
-                    }
+                    Err(e) => return Err(send_error(tx, &e).await),
                 };
                 // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
                 let due = !s.is_empty() || first || !lps.is_null();
@@ -653,15 +651,10 @@ async fn stream_choice(
                 }
             }
             Some(Ok(Piece::Finished { reason, cached_tokens })) => break (reason, Some(cached_tokens)),
-            Some(Err(e)) => {
-                // The headers are out: the error travels as an event, as OpenAI's API does.
-                let _ = send(tx, e.body()).await;
-                return Err(e.status().as_u16());
-            }
+            Some(Err(e)) => return Err(send_error(tx, &e).await),
             None => {
                 let e = ApiError::Upstream("the request ended without finishing".into());
-                let _ = send(tx, e.body()).await;
-                return Err(e.status().as_u16());
+                return Err(send_error(tx, &e).await);
             }
         }
     };
