@@ -113,10 +113,12 @@ impl Seq {
         }
     }
 
-    /// Takes the scores of a step's chunk that began at row `start`: those of rows not scored before (a
-    /// sequence preempted and recomputed scores some rows again).
-    pub fn take_scores(&mut self, start: usize, scores: impl Iterator<Item = TokenLogprobs>) {
-        for (row, lp) in (start..).zip(scores) {
+    /// Takes from a step's scores (in batch order) those of its chunk of `n` tokens, before the chunk is counted
+    /// as computed: as many as [`Seq::chunk`] gave it targets, kept for the rows not scored before (a sequence
+    /// preempted and recomputed scores some rows again).
+    pub fn take_scores(&mut self, n: usize, scores: &mut impl Iterator<Item = TokenLogprobs>) {
+        let share = self.chunk(n).scored.map_or(0, |c| c.targets.len());
+        for (row, lp) in (self.computed..).zip(scores.take(share)) {
             if row == self.prompt_logprobs.len() {
                 self.prompt_logprobs.push(lp);
             }

@@ -277,10 +277,6 @@ impl Engine {
         } else {
             self.backend.forward_into(&mut self.stores.device, &chunks, context, &mut logits)
         };
-        // Each chunk's share of the scores, in batch order (none allocated when nobody scores: a simulated worker
-        // steps millions of times).
-        let scored: Vec<usize> =
-            if scoring { chunks.iter().map(|c| c.scored.map_or(0, |s| s.targets.len())).collect() } else { Vec::new() };
         let took = match self.backend.virtual_step_secs() {
             Some(secs) => (secs * 1e9) as u64,
             None => u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
@@ -298,11 +294,10 @@ impl Engine {
         let mut scores = scores.into_iter();
         // Every token of the step is produced by the same pass: one clock read for all of them.
         let produced = self.now();
-        for (k, &(i, n)) in plan.iter().enumerate() {
+        for &(i, n) in plan.iter() {
             let s = &mut seqs[i];
-            let scored = scored.get(k).copied().unwrap_or(0);
-            if scored > 0 {
-                s.take_scores(s.computed, scores.by_ref().take(scored));
+            if scoring {
+                s.take_scores(n, &mut scores);
             }
             s.computed += n;
             self.counters.prefill_tokens += n as u64;
