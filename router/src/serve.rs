@@ -461,15 +461,14 @@ pub fn needs(s: &pb::Sampling) -> Needs {
         && s.min_tokens == 0
         && s.stop_token_ids.is_empty();
     let mut protocol = if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL };
-    let external = s.grammar.is_none();
+    // Grammars and the prompt's log-probabilities are computed by Tandem's own workers only.
+    let external = s.grammar.is_none() && s.prompt_logprobs.is_none();
     if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
     if s.min_p > 0.0 {
         protocol = worker::MIN_P_PROTOCOL;
     }
-    // Prompt log-probabilities are computed by Tandem's own workers only.
-    let external = external && s.prompt_logprobs.is_none();
     if s.prompt_logprobs.is_some() {
         protocol = worker::PROMPT_LOGPROBS_PROTOCOL;
     }

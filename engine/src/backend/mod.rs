@@ -81,9 +81,8 @@ pub trait Backend: Send + std::fmt::Debug {
         batch: &[SeqChunk<'_>],
         context: StepContext,
         next: &mut Vec<Next>,
-        scores: &mut Vec<TokenLogprobs>,
+        _scores: &mut Vec<TokenLogprobs>,
     ) -> Result<(), ForwardError> {
-        let _ = scores;
         if batch.iter().any(|c| c.scored.is_some_and(|s| !s.targets.is_empty())) {
             return Err(ForwardError::NoPromptScores(self.name()));
         }
