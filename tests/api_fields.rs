@@ -46,8 +46,6 @@ fn asks(chat: bool) -> BTreeMap<&'static str, (Value, bool)> {
             ("prompt_cache_key", (json!("session-1"), true)),
             ("prompt_cache_retention", (json!("24h"), true)),
             ("prompt_cache_options", (json!({"mode": "explicit", "ttl": "30m"}), true)),
-            ("tools", (json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]), false)),
-            ("tool_choice", (json!("auto"), false)),
             ("functions", (json!([{"name": "f", "parameters": {}}]), false)),
             ("function_call", (json!("auto"), false)),
             ("modalities", (json!(["text", "audio"]), false)),
@@ -85,6 +83,8 @@ const IMPLEMENTED: &[&str] = &[
     "n",
     "echo",
     "response_format",
+    "tools",
+    "tool_choice",
 ];
 
 struct Api {
@@ -438,6 +438,26 @@ impl Api {
                     );
                 }
             }
+            "tools" => {
+                // A named function's call: its arguments follow its parameters (the whole of it in
+                // `tool_calls_are_forced_by_their_schemas_across_prefill_and_decode`).
+                let tools = json!([{"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]);
+                let choice = json!({"type": "function", "function": {"name": "add"}});
+                let r = self.send(json!({"tools": tools, "tool_choice": choice, "max_tokens": 40})).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                let call = &r.json()["choices"][0]["message"]["tool_calls"][0]["function"];
+                let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap_or("")).expect("JSON");
+                assert!(call["name"] == "add" && args["a"].is_i64() && args["b"].is_i64(), "{}", r.body);
+            }
+            "tool_choice" => {
+                // `none`: text, though tools are given; `auto` needs a parser of the model's calls: refused.
+                let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+                let (text, _, finish) = self.answer(json!({"tools": tools, "tool_choice": "none"})).await;
+                assert!(!text.is_empty() && finish == "length", "{text:?} {finish}");
+                let r = self.send(json!({"tools": tools, "tool_choice": "auto"})).await;
+                assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("tool_choice")), "{}", r.body);
+            }
             other => panic!("no check for implemented field {other}"),
         }
     }
@@ -732,13 +752,28 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
     stop(router, workers).await;
 }
 
+/// The engine's own greedy answer to one user message under a JSON schema, in one process.
+fn engine_under_schema(question: &str, schema: &Value, max_tokens: u32) -> String {
+    use engine::generate::{Engine, EngineConfig, Request};
+    use engine::grammar::Grammar;
+    use engine::sampling::{RawSampling, SamplingParams};
+    let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
+    let prompt =
+        e.tokenizer().encode(&e.render_chat(&[engine::chat::ChatMessage::new("user", question)]).expect("template"));
+    let raw = RawSampling {
+        temperature: 0.0,
+        max_tokens,
+        grammar: Some(Grammar::JsonSchema(schema.to_string())),
+        ..RawSampling::default()
+    };
+    let req = Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None };
+    e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0).text
+}
+
 /// Structured outputs across a prefill and a decode worker: the decode worker rebuilds the grammar's state from the
 /// first token and answers as one engine does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_outputs_across_prefill_and_decode_match_one_engine() {
-    use engine::generate::{Engine, EngineConfig, Request};
-    use engine::grammar::Grammar;
-    use engine::sampling::{RawSampling, SamplingParams};
     let ca = DevCa::generate().expect("ca");
     let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
     let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
@@ -747,17 +782,7 @@ async fn structured_outputs_across_prefill_and_decode_match_one_engine() {
         "name": {"type": "string", "maxLength": 20}, "colours": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}},
         "required": ["name", "colours"], "additionalProperties": false});
     let question = "Name a painter and the colours they liked, as JSON.";
-    let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
-    let prompt =
-        e.tokenizer().encode(&e.render_chat(&[engine::chat::ChatMessage::new("user", question)]).expect("template"));
-    let raw = RawSampling {
-        temperature: 0.0,
-        max_tokens: 80,
-        grammar: Some(Grammar::JsonSchema(schema.to_string())),
-        ..RawSampling::default()
-    };
-    let req = Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None };
-    let want = e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0).text;
+    let want = engine_under_schema(question, &schema, 80);
     let body = json!({"model": MODEL, "max_tokens": 80, "temperature": 0, "messages": [{"role": "user", "content": question}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "painter", "schema": schema}}});
     let r = http(router.addr, "POST", "/v1/chat/completions", &body.to_string(), &[]).await;
@@ -881,5 +906,126 @@ async fn prompt_log_probabilities_across_prefill_and_decode_match_one_engine() {
     let chat = v["prompt_logprobs"].as_array().unwrap_or_else(|| panic!("{v}"));
     assert_eq!(chat.len() as u64, v["usage"]["prompt_tokens"].as_u64().expect("usage"), "{v}");
     assert!(chat[1..].iter().all(|p| p.as_object().is_some_and(|m| m.len() == 1)), "{v}");
+    stop(router, workers).await;
+}
+
+/// OpenAI's tools, forced as vLLM forces them for a model without a tool-call parser, across a prefill and a
+/// decode worker: a named function's call is what one engine writes under the function's parameter schema, whole
+/// and streamed; `required` calls are an array of calls (`finish_reason: tool_calls`), or the text when cut short;
+/// an earlier turn's calls and a tool's answer go to the template; `auto` is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_are_forced_by_their_schemas_across_prefill_and_decode() {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let params = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false});
+    let weather = json!({"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
+                         "parameters": params}});
+    let time = json!({"type": "function", "function": {"name": "local_time", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"], "additionalProperties": false}}});
+    let question = "What is the weather in Paris?";
+    let ask = |extra: Value| {
+        let mut b = json!({"model": MODEL, "max_tokens": 60, "temperature": 0, "tools": [weather, time],
+                           "messages": [{"role": "user", "content": question}]});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b.to_string()
+    };
+    let post = |body: String| {
+        let addr = router.addr;
+        async move { http(addr, "POST", "/v1/chat/completions", &body, &[]).await }
+    };
+
+    // A named function: its arguments are what one engine writes under its parameters (the served model's
+    // template shows no tools, so the prompt is the conversation's).
+    let want = engine_under_schema(question, &params, 60);
+    let named = json!({"tool_choice": {"type": "function", "function": {"name": "weather"}}});
+    let r = post(ask(named.clone())).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!((&choice["message"]["content"], &choice["finish_reason"]), (&Value::Null, &json!("stop")), "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!((&call["type"], &call["function"]["name"]), (&json!("function"), &json!("weather")), "{v}");
+    assert!(call["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{v}");
+    assert_eq!(call["function"]["arguments"], json!(want), "P + D = one engine");
+    let args: Value = serde_json::from_str(&want).expect("the arguments are JSON");
+    assert!(
+        args["city"].is_string() && ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap_or("")),
+        "{want}"
+    );
+
+    // Streamed: the first piece names the call, the pieces' arguments add up to the whole answer's.
+    let mut streamed = named.clone();
+    streamed["stream"] = json!(true);
+    let r = post(ask(streamed)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let chunks: Vec<Value> =
+        r.events().iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("json")).collect();
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    assert_eq!(deltas[0]["role"], "assistant", "{chunks:?}");
+    let pieces: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).map(|c| &c[0]).collect();
+    assert_eq!((&pieces[0]["function"]["name"], &pieces[0]["type"]), (&json!("weather"), &json!("function")));
+    assert!(pieces[0]["id"].is_string() && pieces[1..].iter().all(|p| p.get("id").is_none()), "{pieces:?}");
+    let joined: String = pieces.iter().map(|p| p["function"]["arguments"].as_str().expect("text")).collect();
+    assert_eq!(joined, want);
+    assert!(deltas.iter().all(|d| d.get("content").is_none()), "no content beside the call: {deltas:?}");
+    assert_eq!(chunks.last().expect("chunks")["choices"][0]["finish_reason"], "stop");
+
+    // Required: an array of calls of the tools, whole and streamed alike.
+    let r = post(ask(json!({"tool_choice": "required"}))).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let calls = v["choices"][0]["message"]["tool_calls"].as_array().expect("calls").clone();
+    assert!(!calls.is_empty(), "{v}");
+    for c in &calls {
+        assert!(["weather", "local_time"].contains(&c["function"]["name"].as_str().unwrap_or("")), "{v}");
+        let args: Value = serde_json::from_str(c["function"]["arguments"].as_str().expect("text")).expect("JSON");
+        assert!(args["city"].is_string(), "{v}");
+    }
+    let r = post(ask(json!({"tool_choice": "required", "stream": true}))).await;
+    let chunks: Vec<Value> =
+        r.events().iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("json")).collect();
+    let got: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+        .map(|c| json!([c[0]["function"]["name"], c[0]["function"]["arguments"]]))
+        .collect();
+    let whole: Vec<Value> = calls.iter().map(|c| json!([c["function"]["name"], c["function"]["arguments"]])).collect();
+    assert_eq!(got, whole, "{chunks:?}");
+    assert_eq!(chunks.last().expect("chunks")["choices"][0]["finish_reason"], "tool_calls");
+    // Cut short, the calls are not whole: the text comes back as it is.
+    let r = post(ask(json!({"tool_choice": "required", "max_tokens": 3}))).await;
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|t| t.starts_with('[')), "{v}");
+
+    // A conversation that called a tool and got its answer goes on; without tool_choice, tools mean `auto`: refused.
+    let turn = json!({"messages": [{"role": "user", "content": question},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}], "tool_choice": "none"});
+    let r = post(ask(turn)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.json()["choices"][0]["message"]["content"].is_string(), "{}", r.body);
+    for refused in [
+        json!({}),
+        json!({"tool_choice": "auto"}),
+        json!({"tool_choice": {"type": "function", "function": {"name": "rain"}}}),
+    ] {
+        let r = post(ask(refused.clone())).await;
+        assert_eq!(
+            (r.status, r.json()["error"]["param"].clone()),
+            (400, json!("tool_choice")),
+            "{refused}: {}",
+            r.body
+        );
+    }
     stop(router, workers).await;
 }

@@ -114,6 +114,20 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
         assert!(v["city"].as_str().is_some_and(|c| c.chars().count() <= 12), "{v}");
         assert!(v["rank"].as_u64().is_some_and(|r| (1..=9).contains(&r)), "{v}");
     }
+    // A forced tool call through the client's own types: one call of the function, its arguments JSON under the
+    // function's schema, streamed pieces adding up to the whole; `required` without parallel calls: one call.
+    let tool = &got["tool_call"];
+    assert_eq!((&tool["finish"], &tool["content"]), (&serde_json::json!("stop"), &serde_json::Value::Null), "{tool}");
+    let call = &tool["calls"][0];
+    assert!(call[0].as_str().is_some_and(|id| id.starts_with("call_")) && call[1] == "function", "{tool}");
+    assert_eq!(call[2], "weather", "{tool}");
+    let args: serde_json::Value = serde_json::from_str(call[3].as_str().expect("arguments")).expect("JSON");
+    assert!(args["city"].as_str().is_some_and(|c| c.chars().count() <= 16), "{tool}");
+    assert_eq!(tool["streamed"], serde_json::json!([[call[2], call[3]]]), "streamed as whole: {tool}");
+    let required = &tool["required"];
+    assert_eq!(required[0], "tool_calls", "{tool}");
+    assert_eq!(required[1].as_array().map(Vec::len), Some(1), "parallel_tool_calls false: {tool}");
+    assert_eq!(required[1][0][0], "weather", "{tool}");
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
     assert_eq!(got["retrieved"], "smollm2-135m-instruct", "client.models.retrieve");
 

@@ -13,11 +13,19 @@ pub struct ChatMessage {
     /// reads `message.name` shows it, and one without it is undefined there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant turn's calls of tools, as OpenAI's messages carry them but with each call's `arguments` as a
+    /// JSON value rather than its text (as transformers documents them and vLLM hands them over): a template with
+    /// tool support shows them, one without leaves them out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool turn's answer to this call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into(), name: None }
+        ChatMessage { role: role.into(), content: content.into(), name: None, tool_calls: None, tool_call_id: None }
     }
 
     /// The same message from the participant `name`.
@@ -69,9 +77,21 @@ impl ChatTemplate {
 
     /// The prompt text for `messages`, ending with the assistant's generation prompt when asked.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
+        self.render_with(messages, &[], add_generation_prompt)
+    }
+
+    /// [`render`](Self::render) with the tools the model may call (OpenAI's `tools` entries), which the template
+    /// sees as `tools`, as transformers passes them (none when there are none).
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let tmpl = self.env.get_template(NAME).map_err(|e| TemplateError(e.to_string()))?;
         let ctx = minijinja::context! {
             messages => messages,
+            tools => (!tools.is_empty()).then_some(tools),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
@@ -84,7 +104,17 @@ impl ChatTemplate {
     /// whitespace), its last occurrence, as transformers does; a template that does not keep the text as it is
     /// cannot be continued.
     pub fn render_ending(&self, messages: &[ChatMessage], ending: Ending) -> Result<String, TemplateError> {
-        let mut text = self.render(messages, ending == Ending::NewTurn)?;
+        self.render_tools_ending(messages, &[], ending)
+    }
+
+    /// [`render_ending`](Self::render_ending) with the tools the model may call.
+    pub fn render_tools_ending(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        ending: Ending,
+    ) -> Result<String, TemplateError> {
+        let mut text = self.render_with(messages, tools, ending == Ending::NewTurn)?;
         if ending == Ending::ContinueLast {
             let last = messages.last().map(|m| m.content.trim()).unwrap_or_default();
             if last.is_empty() {
@@ -119,6 +149,26 @@ mod tests {
         let t = ChatTemplate::new(src, "", "").expect("compiles");
         let chat = [ChatMessage::new("user", "hi").named(Some("ann".into())), ChatMessage::new("user", "yo")];
         assert_eq!(t.render(&chat, false).expect("renders"), "user(ann): hi\nuser: yo\n");
+    }
+
+    #[test]
+    fn tools_and_tool_calls_reach_the_template() {
+        let src = "{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}| {% endif %}\
+                   {% for m in messages %}{{ m.role }}: {{ m.content }}\
+                   {% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}\
+                   {% if m.tool_call_id is defined %}({{ m.tool_call_id }}){% endif %}; {% endfor %}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        let weather = serde_json::json!({"type": "function", "function": {"name": "weather", "parameters": {}}});
+        let call = serde_json::json!([{"id": "c1", "type": "function",
+                                       "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]);
+        let chat = [
+            ChatMessage::new("user", "rain?"),
+            ChatMessage { tool_calls: Some(call), ..ChatMessage::new("assistant", "") },
+            ChatMessage { tool_call_id: Some("c1".into()), ..ChatMessage::new("tool", "wet") },
+        ];
+        let out = t.render_with(&chat, &[weather], false).expect("renders");
+        assert_eq!(out, "tools: weather | user: rain?; assistant: [weather Oslo]; tool: wet(c1); ");
+        assert_eq!(t.render(&chat[..1], false).expect("renders"), "user: rain?; ", "no tools: none");
     }
 
     #[test]

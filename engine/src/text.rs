@@ -75,7 +75,17 @@ impl TextModel {
 
     /// The prompt text for a conversation, ending as `ending` says.
     pub fn render_chat_ending(&self, messages: &[ChatMessage], ending: Ending) -> Result<String, TextError> {
+        self.render_chat_tools(messages, &[], ending)
+    }
+
+    /// The prompt text for a conversation with the tools the model may call (OpenAI's `tools` entries).
+    pub fn render_chat_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        ending: Ending,
+    ) -> Result<String, TextError> {
         let t = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
-        Ok(t.render_ending(messages, ending)?)
+        Ok(t.render_tools_ending(messages, tools, ending)?)
     }
 }

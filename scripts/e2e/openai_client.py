@@ -79,6 +79,37 @@ def main() -> None:
         temperature=1.0, seed=2, n=2, max_tokens=64,
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
     )
+    # A forced tool call, whole and streamed (the stream's pieces put together as clients put them together).
+    tools = [{"type": "function", "function": {
+        "name": "weather", "description": "Today's weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                       "required": ["city"], "additionalProperties": False}}}]
+    asked = [{"role": "user", "content": "What is the weather in Paris? Call weather with the city."}]
+    forced = {"type": "function", "function": {"name": "weather"}}
+    called = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=asked, temperature=0, max_tokens=40, tools=tools, tool_choice=forced,
+    ).choices[0]
+    tool_call = {"finish": called.finish_reason, "content": called.message.content,
+                 "calls": [[c.id, c.type, c.function.name, c.function.arguments] for c in called.message.tool_calls]}
+    pieces = {}
+    for chunk in client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=asked, temperature=0, max_tokens=40, tools=tools,
+        tool_choice=forced, stream=True,
+    ):
+        for choice in chunk.choices:
+            for c in choice.delta.tool_calls or []:
+                call = pieces.setdefault(c.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = c.id or call["id"]
+                call["name"] = (c.function.name if c.function else None) or call["name"]
+                call["arguments"] += (c.function.arguments if c.function else None) or ""
+    tool_call["streamed"] = [[p["name"], p["arguments"]] for _, p in sorted(pieces.items())]
+    required = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=asked, temperature=0, max_tokens=60, tools=tools,
+        tool_choice="required", parallel_tool_calls=False,
+    ).choices[0]
+    tool_call["required"] = [required.finish_reason,
+                             [[c.function.name, c.function.arguments] for c in required.message.tool_calls or []]]
+
     by_ids = None
     if len(sys.argv) > 4:
         ids = json.loads(sys.argv[4])
@@ -133,6 +164,7 @@ def main() -> None:
                 "scored": scored,
                 "too_long": too_long,
                 "structured": [c.message.content for c in structured.choices],
+                "tool_call": tool_call,
                 "unknown_model": unknown_model,
                 "models": models,
                 "retrieved": retrieved,

@@ -22,6 +22,7 @@ use super::completions::{Ident, Routed, fail, plan};
 use super::error::ApiError;
 use super::logprobs::Logprobs;
 use super::openai::{Checked, Endpoint, Input};
+use super::tools::{self, Forced};
 use crate::scheduler::Decision;
 use crate::serve::{Job, Piece, Pieces};
 use crate::state::RouterState;
@@ -213,6 +214,8 @@ struct Done {
     /// vLLM's `prompt_logprobs`, when asked for (else null).
     prompt_logprobs: Value,
     finish: &'static str,
+    /// The tool calls the text makes, as (name, arguments), when the request forced them and the text is them.
+    calls: Option<Vec<(String, String)>>,
     tokens: usize,
     cached: Option<u32>,
 }
@@ -369,8 +372,15 @@ pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Inst
     let choices: Vec<Value> = done
         .iter()
         .map(|d| match endpoint {
-            Endpoint::Chat => json!({"index": d.index, "message": {"role": "assistant", "content": d.text},
-                                     "logprobs": d.logprobs, "finish_reason": d.finish}),
+            Endpoint::Chat => {
+                let message = match &d.calls {
+                    // As OpenAI answers calls: no content beside them.
+                    Some(calls) => json!({"role": "assistant", "content": null,
+                                          "tool_calls": tools::tool_calls_json(&id, d.index, calls)}),
+                    None => json!({"role": "assistant", "content": d.text}),
+                };
+                json!({"index": d.index, "message": message, "logprobs": d.logprobs, "finish_reason": d.finish})
+            }
             Endpoint::Completion => {
                 let mut c =
                     json!({"index": d.index, "text": d.text, "logprobs": d.logprobs, "finish_reason": d.finish});
@@ -436,7 +446,12 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
         }
     };
     out.push_str(&run.text.stream.finish(run.text.stopped));
-    let finish = run.finish_reason(reason);
+    let mut finish = run.finish_reason(reason);
+    let calls = run.checked.tool_calls.as_ref().and_then(|forced| {
+        let calls = tools::calls(forced, &out);
+        finish = tools::finish_reason(forced, calls.is_some(), finish);
+        calls
+    });
     run.finish = Some(finish);
     Ok(Done {
         index: run.index,
@@ -446,6 +461,7 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
         logprobs: run.logprobs.as_mut().map_or(Value::Null, Logprobs::take),
         prompt_logprobs: std::mem::take(&mut run.prompt_logprobs),
         finish,
+        calls,
         tokens: run.text.tokens,
         cached,
     })
@@ -466,9 +482,11 @@ impl Head<'_> {
     fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool, logprobs: &Value) -> String {
         let Head { endpoint, id, model, index } = *self;
         let (object, delta, text) = match endpoint {
-            Endpoint::Chat => {
-                ("chat.completion.chunk", Some(Delta { role: role.then_some("assistant"), content: text }), None)
-            }
+            Endpoint::Chat => (
+                "chat.completion.chunk",
+                Some(Delta { role: role.then_some("assistant"), content: text, tool_calls: None }),
+                None,
+            ),
             Endpoint::Completion => ("text_completion", None, Some(text.unwrap_or(""))),
         };
         let chunk = Chunk {
@@ -479,6 +497,27 @@ impl Head<'_> {
             choices: [ChunkChoice { index, delta, text, logprobs, finish_reason: finish }],
         };
         // Serializing borrowed strings and numbers cannot fail.
+        serde_json::to_string(&chunk).unwrap_or_default()
+    }
+
+    /// A chat chunk with a piece of tool call `k`: its id, type and name come with its first piece (`name`), then
+    /// the rest of its arguments' text.
+    fn call_chunk(&self, k: usize, name: Option<&str>, arguments: &str, role: bool, logprobs: &Value) -> String {
+        let id = name.map(|_| tools::call_id(self.id, self.index, k));
+        let call = CallDelta {
+            index: k,
+            id: id.as_deref(),
+            kind: name.map(|_| "function"),
+            function: FunctionDelta { name, arguments },
+        };
+        let delta = Delta { role: role.then_some("assistant"), content: None, tool_calls: Some([call]) };
+        let chunk = Chunk {
+            id: self.id,
+            object: "chat.completion.chunk",
+            created: created(),
+            model: self.model,
+            choices: [ChunkChoice { index: self.index, delta: Some(delta), text: None, logprobs, finish_reason: None }],
+        };
         serde_json::to_string(&chunk).unwrap_or_default()
     }
 }
@@ -512,6 +551,26 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<[CallDelta<'a>; 1]>,
+}
+
+/// A piece of a streamed tool call, as OpenAI streams them.
+#[derive(serde::Serialize)]
+struct CallDelta<'a> {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    function: FunctionDelta<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct FunctionDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    arguments: &'a str,
 }
 
 type Sink = mpsc::Sender<Result<Event, Infallible>>;
@@ -589,6 +648,61 @@ async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrive
     200
 }
 
+/// A streamed choice's text as the request asks: content, or pieces of the tool calls it forced. A named function's
+/// arguments stream as they come; required calls are an array that is only known to be calls once whole, so their
+/// text is held and each call goes out whole at the end (the text as content if it is not calls, cut short).
+struct CallStream {
+    forced: Option<Forced>,
+    /// Whether the named call's first chunk (id and name) has gone.
+    opened: bool,
+    /// The required calls' text so far.
+    held: String,
+}
+
+impl CallStream {
+    /// The chunk for one token's text `s` (`due`: it has text, is the first, or carries log-probabilities).
+    fn token(&mut self, head: &Head, s: &str, due: bool, first: bool, lps: &Value) -> Option<String> {
+        match &self.forced {
+            None => due.then(|| head.chunk(Some(s), None, first, lps)),
+            Some(Forced::Named(name)) => {
+                let opening = !std::mem::replace(&mut self.opened, true);
+                (due || opening).then(|| head.call_chunk(0, opening.then_some(name.as_str()), s, first, lps))
+            }
+            Some(Forced::Required) => {
+                self.held.push_str(s);
+                (first || !lps.is_null()).then(|| head.chunk(None, None, first, lps))
+            }
+        }
+    }
+
+    /// The chunks for the text left at the end (`rest`), and whether the choice made its forced calls.
+    fn end(&mut self, head: &Head, rest: &str) -> (Vec<String>, bool) {
+        match &self.forced {
+            None => (
+                (!rest.is_empty()).then(|| head.chunk(Some(rest), None, false, &Value::Null)).into_iter().collect(),
+                false,
+            ),
+            Some(Forced::Named(name)) => {
+                let opening = !self.opened;
+                let last = (opening || !rest.is_empty())
+                    .then(|| head.call_chunk(0, opening.then_some(name.as_str()), rest, false, &Value::Null));
+                (last.into_iter().collect(), true)
+            }
+            Some(Forced::Required) => {
+                self.held.push_str(rest);
+                match tools::calls(&Forced::Required, &self.held) {
+                    Some(calls) => {
+                        let each = calls.iter().enumerate();
+                        (each.map(|(k, (n, a))| head.call_chunk(k, Some(n), a, false, &Value::Null)).collect(), true)
+                    }
+                    None if self.held.is_empty() => (Vec::new(), false),
+                    None => (vec![head.chunk(Some(&self.held), None, false, &Value::Null)], false),
+                }
+            }
+        }
+    }
+}
+
 /// One choice, streamed; its usage figures (prompt, prompt tokens, completion tokens, cached) when it finished, or
 /// the status that ended the request (an error event already sent).
 async fn stream_choice(
@@ -602,6 +716,7 @@ async fn stream_choice(
     let mut run = Run::start(state, p, arrived).await;
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index };
     let mut first = true;
+    let mut calls = CallStream { forced: run.checked.tool_calls.clone(), opened: false, held: String::new() };
     // The echoed prompt goes first; with log-probabilities, once they come (before the first token).
     if !run.echo_waits()
         && let Some(echo) = run.echo.take()
@@ -642,7 +757,9 @@ async fn stream_choice(
                 };
                 // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
                 let due = !s.is_empty() || first || !lps.is_null();
-                if due && !send_text(tx, head.chunk(Some(&s), None, first, &lps)).await {
+                if let Some(json) = calls.token(&head, &s, due, first, &lps)
+                    && !send_text(tx, json).await
+                {
                     return Err(499);
                 }
                 first = false;
@@ -659,10 +776,16 @@ async fn stream_choice(
         }
     };
     let rest = run.text.stream.finish(run.text.stopped);
-    if !rest.is_empty() && !send_text(tx, head.chunk(Some(&rest), None, false, &Value::Null)).await {
-        return Err(499);
+    let (last, made) = calls.end(&head, &rest);
+    for json in last {
+        if !send_text(tx, json).await {
+            return Err(499);
+        }
     }
-    let finish = run.finish_reason(reason);
+    let mut finish = run.finish_reason(reason);
+    if let Some(forced) = &calls.forced {
+        finish = tools::finish_reason(forced, made, finish);
+    }
     run.finish = Some(finish);
     if !send_text(tx, head.chunk(None, Some(finish), false, &Value::Null)).await {
         return Err(499);

@@ -49,7 +49,7 @@ fn never(_: &Value) -> bool {
     false
 }
 
-pub(super) const NO_TOOLS: &str = "the served model's chat template has no tool support";
+const OLD_FUNCTIONS: &str = "functions and function_call (deprecated) are not supported: send tools and tool_choice";
 const NOT_REASONING: &str = "the served model is not a reasoning model";
 
 /// Fields both endpoints take (OpenAI's, then vLLM's extra ones).
@@ -102,12 +102,7 @@ fn chat(name: &str) -> Option<Rule> {
         "messages" => Used,
         // `safety_identifier` is recorded on the trace span; the other prompt cache fields ask for caching, which
         // the router does anyway.
-        "metadata"
-        | "store"
-        | "parallel_tool_calls"
-        | "safety_identifier"
-        | "prompt_cache_retention"
-        | "prompt_cache_options" => Inert,
+        "metadata" | "store" | "safety_identifier" | "prompt_cache_retention" | "prompt_cache_options" => Inert,
         "prompt_cache_key" => Used,
         "add_generation_prompt" | "continue_final_message" => Used,
         // vLLM's chat fields, taken at their defaults only.
@@ -118,8 +113,9 @@ fn chat(name: &str) -> Option<Rule> {
         "mm_processor_kwargs" => Refused(empty, "only text input is supported"),
         "logprobs" | "top_logprobs" => Used,
         "response_format" => Used,
-        "tools" | "functions" => Refused(empty, NO_TOOLS),
-        "tool_choice" | "function_call" => Refused(none_choice, NO_TOOLS),
+        "tools" | "tool_choice" | "parallel_tool_calls" => Used,
+        "functions" => Refused(empty, OLD_FUNCTIONS),
+        "function_call" => Refused(none_choice, OLD_FUNCTIONS),
         "modalities" => Refused(text_only, "only text output is supported"),
         "audio" => Refused(never, "audio output is not supported"),
         "prediction" => Refused(never, "predicted outputs are not supported"),
@@ -193,8 +189,13 @@ mod tests {
             "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
             "user": "u", "metadata": {"a": "b"}, "store": true, "service_tier": "auto", "top_logprobs": null});
         assert_eq!(refused(chat, ok), None);
+        // Tools are checked with the request (`super::tools`).
+        let tools = json!({"messages": [], "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required", "parallel_tool_calls": false});
+        assert_eq!(refused(chat, tools), None);
         for (field, value) in [
-            ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+            ("functions", json!([{"name": "f"}])),
+            ("function_call", json!("auto")),
             ("guided_grammar", json!("root ::= \"a\"")),
             ("reasoning_effort", json!("low")),
             ("best_of", json!(2)),

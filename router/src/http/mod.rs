@@ -6,6 +6,7 @@ pub mod error;
 pub mod fields;
 pub mod logprobs;
 pub mod openai;
+pub mod tools;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -292,7 +293,7 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                 let chat = json!({"model": state.served_model, "messages": v["messages"],
                     "add_generation_prompt": add, "continue_final_message": cont});
                 let c = check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?)?;
-                let openai::Input::Chat(messages, ending) = c.input else { unreachable!("a chat request") };
+                let openai::Input::Chat(messages, ending, _) = c.input else { unreachable!("a chat request") };
                 let text = state
                     .text
                     .render_chat_ending(&messages, ending)

@@ -78,11 +78,15 @@ pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
-    /// An assistant turn's calls of tools: refused unless empty, as `tools` is (the template has no tool support).
+    /// An assistant turn's calls of tools: they go to the template (each call's `arguments` as JSON).
     #[serde(default)]
     pub tool_calls: Option<serde_json::Value>,
+    /// The deprecated single call (before `tool_calls`): refused unless null.
     #[serde(default)]
     pub function_call: Option<serde_json::Value>,
+    /// A tool turn's call id: the template gets it.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
     /// The participant's name: the template gets it, as transformers passes it.
     #[serde(default)]
     pub name: Option<String>,
@@ -157,6 +161,11 @@ pub struct ChatRequest {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's (default false): the model goes on writing the final message instead of starting a turn.
     pub continue_final_message: Option<bool>,
+    /// Function tools the model may call (OpenAI's), which `tool_choice` may force.
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    /// Whether forced calls (`required`) may be several (default true, as OpenAI's).
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -193,8 +202,8 @@ pub enum Endpoint {
 /// The input before templating: a conversation or raw text.
 #[derive(Debug, Clone)]
 pub enum Input {
-    /// A conversation and how its rendering ends.
-    Chat(Vec<ChatMessage>, Ending),
+    /// A conversation, how its rendering ends, and the tools the template shows (OpenAI's `tools` entries).
+    Chat(Vec<ChatMessage>, Ending, Vec<serde_json::Value>),
     Text(String),
     /// Token ids given by the client (checked against the vocabulary when tokenizing).
     Tokens(Vec<u32>),
@@ -204,7 +213,11 @@ impl Input {
     /// Bytes of text to tokenize (token ids need none).
     pub fn text_bytes(&self) -> usize {
         match self {
-            Input::Chat(messages, _) => messages.iter().map(|m| m.role.len() + m.content.len()).sum(),
+            Input::Chat(messages, _, tools) => {
+                let calls = |m: &ChatMessage| m.tool_calls.as_ref().map_or(0, |c| c.to_string().len());
+                let tools: usize = tools.iter().map(|t| t.to_string().len()).sum();
+                tools + messages.iter().map(|m| m.role.len() + m.content.len() + calls(m)).sum::<usize>()
+            }
             Input::Text(t) => t.len(),
             Input::Tokens(_) => 0,
         }
@@ -294,6 +307,8 @@ pub struct Checked {
     pub prompt_logprobs: Option<u32>,
     /// What the output must match, and the field that asked for it.
     pub grammar: Option<(engine::grammar::Grammar, &'static str)>,
+    /// Chat: the tool calls the output makes (its grammar is `grammar`), answered as `tool_calls`.
+    pub tool_calls: Option<super::tools::Forced>,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
     pub prompt_cache_key: Option<String>,
     /// Control tokens' text goes in the output (vLLM's `skip_special_tokens: false`).
@@ -533,6 +548,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         echo_only: false,
         prompt_logprobs,
         grammar,
+        tool_calls: None,
         keep_control: c.skip_special_tokens == Some(false),
         keep_stop: c.include_stop_str_in_output == Some(true),
         add_special_tokens: c.add_special_tokens,
@@ -550,13 +566,11 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
             return Err(ApiError::bad(format!("unknown message role `{}`", m.role), "messages"));
         }
-        for (name, calls) in [("tool_calls", &m.tool_calls), ("function_call", &m.function_call)] {
-            let none = calls.as_ref().is_none_or(|v| v.is_null() || v.as_array().is_some_and(Vec::is_empty));
-            if !none {
-                let message = format!("messages with `{name}` are not supported: {}", super::fields::NO_TOOLS);
-                return Err(ApiError::bad(message, "messages"));
-            }
+        if m.function_call.as_ref().is_some_and(|v| !v.is_null()) {
+            let why = "a message's `function_call` (deprecated) is not supported: send its call in `tool_calls`";
+            return Err(ApiError::bad(why, "messages"));
         }
+        let tool_calls = history_calls(m.tool_calls)?;
         let content = match m.content {
             None => String::new(),
             Some(Content::Text(t)) => t,
@@ -575,7 +589,8 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
             }
         };
         let role = if m.role == "developer" { "system".to_string() } else { m.role };
-        messages.push(ChatMessage::new(role, content).named(m.name));
+        let tool_call_id = m.tool_call_id.filter(|_| role == "tool");
+        messages.push(ChatMessage { tool_calls, tool_call_id, ..ChatMessage::new(role, content).named(m.name) });
     }
     let ending = match (r.add_generation_prompt, r.continue_final_message) {
         (Some(true) | None, Some(true)) => {
@@ -587,7 +602,47 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
         (Some(false), _) => Ending::AsIs,
         (Some(true) | None, _) => Ending::NewTurn,
     };
-    check_common(r.common, Endpoint::Chat, Input::Chat(messages, ending))
+    let tools = super::tools::check(
+        r.tools.filter(|v| !v.is_null()),
+        r.tool_choice.filter(|v| !v.is_null()),
+        r.parallel_tool_calls,
+    )?;
+    let mut checked = check_common(r.common, Endpoint::Chat, Input::Chat(messages, ending, tools.entries))?;
+    if let Some((forced, grammar)) = tools.forced {
+        if let Some((_, other)) = &checked.grammar {
+            let why = format!("tool_choice forces the output to be tool calls, so `{other}` cannot also constrain it");
+            return Err(ApiError::bad(why, other));
+        }
+        checked.grammar = Some((grammar, "tool_choice"));
+        checked.tool_calls = Some(forced);
+    }
+    Ok(checked)
+}
+
+/// An assistant turn's `tool_calls` as the template gets them: each call's `arguments` (JSON text in OpenAI's
+/// messages) parsed, as transformers documents them and vLLM hands them over. `None` for none (absent, null, or
+/// an empty list).
+fn history_calls(calls: Option<serde_json::Value>) -> Result<Option<serde_json::Value>, ApiError> {
+    let bad = |why: String| ApiError::bad(format!("a message's tool_calls: {why}"), "messages");
+    let mut calls = match calls {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::Array(v)) if v.is_empty() => return Ok(None),
+        Some(serde_json::Value::Array(v)) => v,
+        Some(_) => return Err(bad("a list of calls is expected".into())),
+    };
+    for call in &mut calls {
+        let Some(f) = call.get_mut("function").and_then(serde_json::Value::as_object_mut) else {
+            return Err(bad("each call has a `function`".into()));
+        };
+        if !f.get("name").is_some_and(serde_json::Value::is_string) {
+            return Err(bad("each call's function has a `name`".into()));
+        }
+        if let Some(serde_json::Value::String(text)) = f.get("arguments") {
+            let parsed = serde_json::from_str(text).map_err(|e| bad(format!("arguments that are not JSON ({e})")))?;
+            f.insert("arguments".into(), parsed);
+        }
+    }
+    Ok(Some(serde_json::Value::Array(calls)))
 }
 
 /// Checks a `/v1/completions` body.
@@ -684,7 +739,7 @@ mod tests {
         assert_eq!(seeded("-5").ok(), Some(Some(-5i64 as u64)));
         assert_eq!(seeded("-9223372036854775808").ok(), Some(Some(1 << 63)));
         assert!(seeded("9223372036854775808").is_err());
-        let Input::Chat(m, _) = c.input else { panic!("chat") };
+        let Input::Chat(m, _, _) = c.input else { panic!("chat") };
         assert_eq!(m.len(), 2);
     }
 
@@ -753,7 +808,7 @@ mod tests {
     fn the_conversation_ends_as_vllms_fields_ask() {
         let ending = |extra: &str| {
             chat_with(extra).map(|c| match c.input {
-                Input::Chat(_, e) => e,
+                Input::Chat(_, e, _) => e,
                 _ => panic!("chat"),
             })
         };
@@ -772,7 +827,9 @@ mod tests {
     fn a_messages_name_goes_to_the_template() {
         let body =
             r#"{"model":"m","messages":[{"role":"user","content":"x","name":"ann"},{"role":"user","content":"y"}]}"#;
-        let Ok(Checked { input: Input::Chat(messages, _), .. }) = check_chat(body.as_bytes()) else { panic!("chat") };
+        let Ok(Checked { input: Input::Chat(messages, _, _), .. }) = check_chat(body.as_bytes()) else {
+            panic!("chat")
+        };
         assert_eq!(messages[0], ChatMessage::new("user", "x").named(Some("ann".into())));
         assert_eq!(messages[1].name, None);
     }
@@ -840,25 +897,56 @@ mod tests {
     }
 
     #[test]
-    fn a_turn_that_called_tools_is_refused_as_tools_are() {
+    fn a_turn_that_called_tools_goes_to_the_template_with_its_arguments_parsed() {
         let with = |m: &str| {
             check_chat(format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#).as_bytes())
         };
-        let call = r#"[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]"#;
-        for m in [
-            format!(r#"{{"role":"assistant","content":null,"tool_calls":{call}}}"#),
-            r#"{"role":"assistant","function_call":{"name":"f","arguments":"{}"}}"#.to_string(),
+        let call = r#"[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}]"#;
+        let turns = [format!(r#"{{"role":"assistant","content":null,"tool_calls":{call}}}"#)];
+        let Ok(Checked { input: Input::Chat(m, _, _), .. }) = with(&turns[0]) else { panic!("accepted") };
+        assert_eq!(
+            m[1].tool_calls,
+            Some(
+                serde_json::json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}])
+            )
+        );
+        let Ok(Checked { input: Input::Chat(m, _, _), .. }) =
+            with(r#"{"role":"tool","tool_call_id":"c1","content":"2"}"#)
+        else {
+            panic!("accepted")
+        };
+        assert_eq!((m[1].tool_call_id.as_deref(), m[1].content.as_str()), (Some("c1"), "2"));
+        for bad in [
+            r#"{"role":"assistant","function_call":{"name":"f","arguments":"{}"}}"#,
+            r#"{"role":"assistant","tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{"}}]}"#,
+            r#"{"role":"assistant","tool_calls":[{"id":"c1"}]}"#,
+            r#"{"role":"assistant","tool_calls":{"id":"c1"}}"#,
         ] {
-            let e = with(&m).expect_err("a tool call").body();
-            assert_eq!(e["error"]["param"], "messages", "{e}");
-            assert!(e["error"]["message"].as_str().is_some_and(|t| t.contains("tool support")), "{e}");
+            let e = with(bad).expect_err("refused").body();
+            assert_eq!(e["error"]["param"], "messages", "{bad}: {e}");
         }
         for m in [
             r#"{"role":"assistant","content":"hi","tool_calls":[]}"#,
             r#"{"role":"assistant","content":"hi","tool_calls":null}"#,
         ] {
-            assert!(with(m).is_ok(), "{m}");
+            let Ok(Checked { input: Input::Chat(m, _, _), .. }) = with(m) else { panic!("{m}") };
+            assert_eq!(m[1].tool_calls, None);
         }
+    }
+
+    #[test]
+    fn forced_tool_calls_are_the_requests_one_grammar() {
+        let tools = r#""tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]"#;
+        let named = r#""tool_choice":{"type":"function","function":{"name":"f"}}"#;
+        let c = chat_with(&format!(",{tools},{named}")).expect("valid");
+        assert_eq!(c.tool_calls, Some(super::super::tools::Forced::Named("f".into())));
+        assert_eq!(c.grammar, Some((Grammar::JsonSchema(r#"{"type":"object"}"#.into()), "tool_choice")));
+        let both = chat_with(&format!(r#",{tools},{named},"response_format":{{"type":"json_object"}}"#));
+        assert!(both.is_err_and(|e| e.contains("cannot also constrain")));
+        let c = chat_with(&format!(r#",{tools},"tool_choice":"none""#)).expect("valid");
+        assert_eq!((c.tool_calls, c.grammar), (None, None));
+        let Input::Chat(_, _, entries) = c.input else { panic!("chat") };
+        assert_eq!(entries.len(), 1, "the template still sees the tools");
     }
 
     #[test]
