@@ -586,6 +586,48 @@ async fn vllms_text_and_template_fields_through_the_router() {
     let ca = DevCa::generate().expect("ca");
     let (workers, router) = cluster(&ca, &[Role::Both]).await;
     let api = Api { addr: router.addr, chat: true };
+    // `truncate_prompt_tokens`: the prompt's last k tokens, answered as that much of it given as token ids; the
+    // echoed prompt is what is left of it; -1 keeps as much as the context holds (all of a short prompt).
+    let completions = Api { addr: router.addr, chat: false };
+    let text = "The quick brown fox jumps over the lazy dog near the river bank.";
+    let ids = engine::text::TextModel::open(&model()).expect("model").tokenizer().encode(text);
+    let last = ids[ids.len() - 5..].to_vec();
+    let cut = json!({"prompt": text, "temperature": 0, "max_tokens": 8, "truncate_prompt_tokens": 5, "echo": true});
+    let r = completions.send(cut).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["usage"]["prompt_tokens"], 5, "{v}");
+    let by_ids =
+        completions.send(json!({"prompt": last, "temperature": 0, "max_tokens": 8, "echo": true})).await.json();
+    assert_eq!(v["choices"][0]["text"], by_ids["choices"][0]["text"], "{v} / {by_ids}");
+    let all = completions.send(json!({"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": -1})).await.json();
+    assert_eq!(all["usage"]["prompt_tokens"], ids.len(), "{all}");
+    for bad in [json!(0), json!(-2), json!(1_000_000)] {
+        let r = completions.send(json!({"truncate_prompt_tokens": bad})).await;
+        assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("truncate_prompt_tokens")), "{bad}");
+    }
+    // `return_tokens_as_token_ids`: log-probabilities name tokens by id, on both endpoints.
+    let named = completions
+        .send(json!({"prompt": last, "temperature": 0, "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": true}))
+        .await
+        .json();
+    let tokens = named["choices"][0]["logprobs"]["tokens"].as_array().expect("tokens").clone();
+    assert!(
+        !tokens.is_empty() && tokens.iter().all(|t| t.as_str().is_some_and(|t| t.starts_with("token_id:"))),
+        "{named}"
+    );
+    let r = api
+        .send(json!({"temperature": 0, "max_tokens": 3, "logprobs": true, "top_logprobs": 1,
+                            "return_tokens_as_token_ids": true}))
+        .await
+        .json();
+    let entry = &r["choices"][0]["logprobs"]["content"][0];
+    let id: u32 =
+        entry["token"].as_str().and_then(|t| t.strip_prefix("token_id:")).and_then(|t| t.parse().ok()).expect("an id");
+    let bytes: Vec<u8> =
+        entry["bytes"].as_array().expect("bytes").iter().filter_map(|b| b.as_u64()).map(|b| b as u8).collect();
+    let vocab = engine::text::TextModel::open(&model()).expect("model");
+    assert_eq!(bytes, vocab.tokenizer().token_bytes(id), "{r}");
     // Past the end of its answer (`ignore_eos`), the model writes the next turns' markers: control tokens, left
     // out of the text unless `skip_special_tokens` is false, as vLLM and llama.cpp's server do.
     let past_the_end = json!({"temperature": 0, "max_tokens": 40, "ignore_eos": true,

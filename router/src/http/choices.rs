@@ -55,9 +55,13 @@ pub async fn plan_all(
     prompts.extend(batch.into_iter().map(|input| Checked { input, ..checked.clone() }));
     let mut planned = Vec::with_capacity(prompts.len() * n);
     for (p, c) in prompts.into_iter().enumerate() {
-        let echo = c.echo.then(|| echo_text(state, &c.input));
+        let mut echo = c.echo.then(|| echo_text(state, &c.input));
         let id = if p == 0 { ident.clone() } else { Ident::new(state, c.endpoint) };
         let first = plan(state, c, id, traceparent.clone(), true).await?;
+        if first.checked.keep_last.is_some() && echo.is_some() {
+            // A truncated prompt is echoed as it was computed: what is left of it.
+            echo = Some(state.text.tokenizer().decode(&first.job.tokens));
+        }
         let (ready, after) = if n > 1 {
             let (tx, rx) = watch::channel(false);
             // The first token comes from the prefill worker when disaggregated; the second follows the pull.
@@ -269,7 +273,7 @@ impl Run {
             prompt: p.prompt,
             prompt_len,
             text: Text::new(&checked),
-            logprobs: checked.logprobs.map(|_| Logprobs::new(checked.endpoint)),
+            logprobs: checked.logprobs.map(|_| Logprobs::new(checked.endpoint, checked.tokens_as_ids)),
             clock: Clock { arrived, last: None, on: p.index == 0 },
             checked,
             pieces,

@@ -114,6 +114,10 @@ pub async fn plan(
         return Err(ApiError::UnknownModel(checked.model));
     }
     let (checked, tokens) = tokenize(state, checked).await?;
+    let tokens = match checked.keep_last {
+        Some(keep) => keep.apply(tokens, state.max_model_len)?,
+        None => tokens,
+    };
     in_vocabulary(state, &checked.logits.logit_bias.iter().map(|(t, _)| *t).collect::<Vec<_>>(), "logit_bias")?;
     in_vocabulary(state, &checked.logits.stop_token_ids, "stop_token_ids")?;
     let room = state.max_model_len.saturating_sub(tokens.len());

@@ -22,6 +22,8 @@ pub struct Logprobs {
     text_offset: Vec<Value>,
     /// Characters of output before the next token (completions' `text_offset`).
     offset: usize,
+    /// Tokens are named `token_id:ID` (vLLM's `return_tokens_as_token_ids`), not by their text.
+    as_ids: bool,
 }
 
 /// A token as OpenAI names it: its text (invalid UTF-8 of a partial character replaced) and its bytes.
@@ -31,8 +33,11 @@ fn token(tokenizer: &Tokenizer, id: u32) -> (String, &[u8]) {
 }
 
 impl Logprobs {
-    pub fn new(endpoint: Endpoint) -> Logprobs {
+    /// `as_ids`: name tokens `token_id:ID`, as vLLM's `return_tokens_as_token_ids` asks, so that a token whose
+    /// bytes are part of a character is told apart from the others that show as `�`; its `bytes` stay its own.
+    pub fn new(endpoint: Endpoint, as_ids: bool) -> Logprobs {
         Logprobs {
+            as_ids,
             endpoint,
             content: Vec::new(),
             tokens: Vec::new(),
@@ -54,19 +59,20 @@ impl Logprobs {
                 let alternatives: Vec<Value> = top
                     .map(|(&alt, &l)| {
                         let (t, b) = token(tokenizer, alt);
-                        json!({"token": t, "logprob": l, "bytes": b})
+                        json!({"token": self.name(alt, t), "logprob": l, "bytes": b})
                     })
                     .collect();
-                self.content.push(json!({"token": text, "logprob": lp.logprob, "bytes": bytes,
+                self.content.push(json!({"token": self.name(id, text), "logprob": lp.logprob, "bytes": bytes,
                                          "top_logprobs": alternatives}));
             }
             Endpoint::Completion => {
                 // A map from token text to log-probability, as OpenAI's legacy shape has it (equal texts merge).
                 let alternatives: Map<String, Value> =
-                    top.map(|(&alt, &l)| (token(tokenizer, alt).0, json!(l))).collect();
+                    top.map(|(&alt, &l)| (self.name(alt, token(tokenizer, alt).0), json!(l))).collect();
                 self.text_offset.push(json!(self.offset));
+                // The offset counts the text's characters, however the token is named.
                 self.offset += text.chars().count();
-                self.tokens.push(json!(text));
+                self.tokens.push(json!(self.name(id, text)));
                 self.token_logprobs.push(json!(lp.logprob));
                 self.top_logprobs.push(Value::Object(alternatives));
             }
@@ -89,7 +95,7 @@ impl Logprobs {
         let text = token(tokenizer, first).0;
         self.text_offset.push(json!(self.offset));
         self.offset += text.chars().count();
-        self.tokens.push(json!(text));
+        self.tokens.push(json!(self.name(first, text)));
         self.token_logprobs.push(Value::Null);
         self.top_logprobs.push(Value::Null);
         for (&id, lp) in rest.iter().zip(scores) {
@@ -101,6 +107,11 @@ impl Logprobs {
             self.push(tokenizer, id, Some(&cut))?;
         }
         Ok(())
+    }
+
+    /// How token `id`, whose text is `text`, is named.
+    fn name(&self, id: u32, text: String) -> String {
+        if self.as_ids { format!("token_id:{id}") } else { text }
     }
 
     /// The `logprobs` object of the tokens pushed since the last call, in the endpoint's shape.
@@ -193,7 +204,7 @@ mod tests {
         let unranked = vllm_prompt_logprobs(tok, &prompt[..2], &[scored(-1.0, 0, &[])], 0).expect("shaped");
         assert_eq!(unranked[1][prompt[1].to_string()]["rank"], Value::Null);
 
-        let mut echoed = Logprobs::new(Endpoint::Completion);
+        let mut echoed = Logprobs::new(Endpoint::Completion, false);
         echoed.push_prompt(tok, &prompt, &scores, 1).expect("pushed");
         let lp = echoed.take();
         assert_eq!(lp["token_logprobs"], json!([null, -1.5, -0.25]));
@@ -207,7 +218,29 @@ mod tests {
         for wrong in [&scores[..1], &[scores[0].clone(), scores[1].clone(), scores[1].clone()][..]] {
             let e = vllm_prompt_logprobs(tok, &prompt, wrong, 1).expect_err("a count that does not fit");
             assert!(matches!(e, ApiError::Upstream(_)), "{e}");
-            assert!(Logprobs::new(Endpoint::Completion).push_prompt(tok, &prompt, wrong, 1).is_err());
+            assert!(Logprobs::new(Endpoint::Completion, false).push_prompt(tok, &prompt, wrong, 1).is_err());
         }
+    }
+
+    #[test]
+    fn tokens_are_named_by_id_when_asked() {
+        let text = tokenizer();
+        let tok = text.tokenizer();
+        let id = tok.encode(" sea")[0];
+        let lp = scored(-0.5, 1, &[(id, -0.5), (9, -2.0)]);
+        let mut chat = Logprobs::new(Endpoint::Chat, true);
+        chat.push(tok, id, Some(&lp)).expect("pushed");
+        let v = chat.take();
+        let entry = &v["content"][0];
+        assert_eq!(entry["token"], format!("token_id:{id}"));
+        assert_eq!(entry["bytes"], json!(b" sea"), "the bytes stay the token's own");
+        assert_eq!(entry["top_logprobs"][1]["token"], "token_id:9");
+        let mut completion = Logprobs::new(Endpoint::Completion, true);
+        completion.push(tok, id, Some(&lp)).expect("pushed");
+        completion.push(tok, id, Some(&lp)).expect("pushed");
+        let v = completion.take();
+        assert_eq!(v["tokens"], json!([format!("token_id:{id}"), format!("token_id:{id}")]));
+        assert_eq!(v["top_logprobs"][0], json!({format!("token_id:{id}"): -0.5, "token_id:9": -2.0}));
+        assert_eq!(v["text_offset"], json!([0, 4]), "offsets count the text");
     }
 }

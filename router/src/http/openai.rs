@@ -152,6 +152,11 @@ pub struct Common {
     /// vLLM's: whether the tokenizer adds its special tokens (the model's BOS) to the prompt text (by default a
     /// completion's prompt gets it, a conversation only where its template did not write one).
     pub add_special_tokens: Option<bool>,
+    /// vLLM's: keep only the prompt's last this many tokens (-1: as many as the model's context holds).
+    pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's: log-probabilities name tokens `token_id:ID` instead of by their text.
+    #[serde(default, deserialize_with = "null_is_false")]
+    pub return_tokens_as_token_ids: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -318,6 +323,37 @@ pub struct Checked {
     /// Whether the tokenizer's BOS goes before a prompt text (vLLM's `add_special_tokens`); `None`: as the endpoint
     /// does by default (`Tokenizer::encode_prompt`).
     pub add_special_tokens: Option<bool>,
+    /// vLLM's `truncate_prompt_tokens`: the prompt's last tokens kept (applied once it is tokenized).
+    pub keep_last: Option<KeepLast>,
+    /// vLLM's `return_tokens_as_token_ids`: log-probabilities name each token `token_id:ID`.
+    pub tokens_as_ids: bool,
+}
+
+/// How much of a prompt `truncate_prompt_tokens` keeps: its last tokens, cut from the left as vLLM cuts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepLast {
+    /// At most this many.
+    Tokens(u32),
+    /// As many as the model's context holds.
+    Context,
+}
+
+impl KeepLast {
+    /// The prompt `tokens` cut to what is kept, for a model of `context` tokens; more than that is refused, as vLLM
+    /// refuses it.
+    pub fn apply(self, mut tokens: Vec<u32>, context: usize) -> Result<Vec<u32>, ApiError> {
+        let keep = match self {
+            KeepLast::Context => context,
+            KeepLast::Tokens(k) if k as usize > context => {
+                let why = format!("truncate_prompt_tokens ({k}) is more than the model's context of {context} tokens");
+                return Err(ApiError::bad(why, "truncate_prompt_tokens"));
+            }
+            KeepLast::Tokens(k) => k as usize,
+        };
+        let cut = tokens.len().saturating_sub(keep);
+        tokens.drain(..cut);
+        Ok(tokens)
+    }
 }
 
 /// The structured output a request asks for (at most one of `response_format`, `guided_json`, `guided_regex`,
@@ -519,6 +555,14 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::bad("stop sequences must not be empty", "stop"));
     }
+    let keep_last = match c.truncate_prompt_tokens {
+        None => None,
+        Some(-1) => Some(KeepLast::Context),
+        Some(k) => Some(KeepLast::Tokens(u32::try_from(k).ok().filter(|&k| k > 0).ok_or_else(|| {
+            let why = format!("truncate_prompt_tokens must be -1 (the model's context) or at least 1, not {k}");
+            ApiError::bad(why, "truncate_prompt_tokens")
+        })?)),
+    };
     if c.cache_salt.as_deref().is_some_and(|s| s.contains('\0')) {
         return Err(ApiError::bad("cache_salt must not contain NUL", "cache_salt"));
     }
@@ -552,6 +596,8 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         keep_control: c.skip_special_tokens == Some(false),
         keep_stop: c.include_stop_str_in_output == Some(true),
         add_special_tokens: c.add_special_tokens,
+        keep_last,
+        tokens_as_ids: c.return_tokens_as_token_ids,
     })
 }
 
@@ -932,6 +978,22 @@ mod tests {
             let Ok(Checked { input: Input::Chat(m, _, _), .. }) = with(m) else { panic!("{m}") };
             assert_eq!(m[1].tool_calls, None);
         }
+    }
+
+    #[test]
+    fn truncation_keeps_the_prompts_last_tokens() {
+        let keep = |v: &str| chat_with(&format!(r#","truncate_prompt_tokens":{v}"#)).map(|c| c.keep_last);
+        assert_eq!(keep("3"), Ok(Some(KeepLast::Tokens(3))));
+        assert_eq!(keep("-1"), Ok(Some(KeepLast::Context)));
+        assert_eq!(keep("null"), Ok(None));
+        for bad in ["0", "-2", "5000000000"] {
+            assert!(keep(bad).is_err_and(|e| e.contains("truncate_prompt_tokens")), "{bad}");
+        }
+        let ids: Vec<u32> = (1..=10).collect();
+        assert_eq!(KeepLast::Tokens(3).apply(ids.clone(), 8).ok(), Some(vec![8, 9, 10]));
+        assert_eq!(KeepLast::Tokens(20).apply(ids[..2].to_vec(), 30).ok(), Some(vec![1, 2]), "short: whole");
+        assert_eq!(KeepLast::Context.apply(ids.clone(), 4).ok(), Some(vec![7, 8, 9, 10]));
+        assert!(KeepLast::Tokens(9).apply(ids, 8).is_err(), "more than the context: refused, as vLLM does");
     }
 
     #[test]
