@@ -745,7 +745,10 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
     };
     let off = LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() };
     let (plain, plain_ids) = engine_reply(&messages, 40, off.clone());
-    let sea = engine::text::TextModel::open(&model()).expect("model").tokenizer().encode(" sea")[0];
+    let vocab = engine::text::TextModel::open(&model()).expect("model");
+    let sea = vocab.tokenizer().encode(" sea")[0];
+    let allowed: Vec<u32> = plain_ids.iter().copied().filter(|&t| t != plain_ids[2]).collect();
+    let banned = plain.split_whitespace().nth(3).expect("a few words").trim_matches(|c: char| !c.is_alphanumeric());
     let cases = [
         (
             json!({"frequency_penalty": 2.0, "presence_penalty": 1.0}),
@@ -757,6 +760,16 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
             json!({"min_tokens": 40, "frequency_penalty": 0.3}),
             LogitsRules { min_tokens: 40, frequency_penalty: 0.3, ..off.clone() },
         ),
+        // vLLM's token rules: the plain answer's own tokens but its third; a word of the plain answer banned (as the
+        // router tokenizes it: alone and after a space).
+        (json!({"allowed_token_ids": allowed}), LogitsRules { allowed_token_ids: allowed.clone(), ..off.clone() }),
+        (
+            json!({"bad_words": [banned]}),
+            LogitsRules {
+                bad_words: router::http::completions::bad_word_tokens(vocab.tokenizer(), banned),
+                ..off.clone()
+            },
+        ),
     ];
     for (fields, rules) in cases {
         let (want, _) = engine_reply(&messages, 40, rules);
@@ -764,6 +777,10 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
         let r = http(router.addr, "POST", "/v1/chat/completions", &ask(fields.clone()), &[]).await;
         assert_eq!(r.status, 200, "{fields}: {}", r.body);
         assert_eq!(r.json()["choices"][0]["message"]["content"], json!(want), "{fields}: P + D = one engine");
+        if fields.get("bad_words").is_some() {
+            let words = || want.split(|c: char| !c.is_alphanumeric());
+            assert!(words().all(|w| w != banned), "{banned:?} is out: {want}");
+        }
     }
     // A stop token id ends the answer before it, whatever ignore_eos says.
     let stop_id = plain_ids[4];
@@ -787,6 +804,9 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
         (json!({"repetition_penalty": 0}), "repetition_penalty"),
         (json!({"min_tokens": 41}), "min_tokens"),
         (json!({"stop_token_ids": [999999]}), "stop_token_ids"),
+        (json!({"allowed_token_ids": [999999]}), "allowed_token_ids"),
+        (json!({"allowed_token_ids": []}), "allowed_token_ids"),
+        (json!({"bad_words": [" "]}), "bad_words"),
     ] {
         let r = http(router.addr, "POST", "/v1/chat/completions", &ask(fields.clone()), &[]).await;
         assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{fields}: {}", r.body);

@@ -70,6 +70,11 @@ pub struct LogitsRules {
     /// the tokens a stream had sent before it resumed elsewhere. They count as generated for the penalties and
     /// `min_tokens`, so a continued sequence samples as it would have in one place.
     pub prior_generated: u32,
+    /// vLLM's `allowed_token_ids`: only these tokens can be sampled (sorted, no repeats; empty: any).
+    pub allowed_token_ids: Vec<u32>,
+    /// vLLM's `bad_words`, as token sequences: a sequence's last token is impossible where the generated text ends
+    /// with the rest of it (a one-token sequence, everywhere), so the output never holds one.
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl LogitsRules {
@@ -80,11 +85,14 @@ impl LogitsRules {
             || self.presence_penalty != 0.0
             || self.repetition_penalty != 1.0
             || self.min_tokens > 0
+            || !self.allowed_token_ids.is_empty()
+            || !self.bad_words.is_empty()
     }
 
     /// Applies the rules to `logits` for a sequence of `tokens` whose generated part starts at `generated_from`,
-    /// in vLLM's order: `min_tokens`, then `logit_bias`, then the penalties. `end_of_generation` names the tokens
-    /// `min_tokens` holds back (with `stop_token_ids`). Tokens outside the vocabulary are ignored.
+    /// in vLLM's order: `allowed_token_ids`, `min_tokens`, `bad_words`, then `logit_bias`, then the penalties.
+    /// `end_of_generation` names the tokens `min_tokens` holds back (with `stop_token_ids`). Tokens outside the
+    /// vocabulary are ignored.
     pub fn apply(
         &self,
         logits: &mut [f32],
@@ -93,11 +101,27 @@ impl LogitsRules {
         end_of_generation: &dyn Fn(u32) -> bool,
     ) {
         let generated = &tokens[generated_from.min(tokens.len())..];
+        if !self.allowed_token_ids.is_empty() {
+            let mut allowed = self.allowed_token_ids.iter().peekable();
+            for (id, l) in logits.iter_mut().enumerate() {
+                if allowed.next_if_eq(&&(id as u32)).is_none() {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         if (generated.len() as u64) < u64::from(self.min_tokens) {
             for (id, l) in logits.iter_mut().enumerate() {
                 if end_of_generation(id as u32) || self.stop_token_ids.contains(&(id as u32)) {
                     *l = f32::NEG_INFINITY;
                 }
+            }
+        }
+        for word in &self.bad_words {
+            if let Some((&last, before)) = word.split_last()
+                && generated.ends_with(before)
+                && let Some(l) = logits.get_mut(last as usize)
+            {
+                *l = f32::NEG_INFINITY;
             }
         }
         for &(id, bias) in &self.logit_bias {
@@ -223,6 +247,9 @@ impl SamplingParams {
         }
         let mut logits = raw.logits;
         logits.logit_bias.sort_by_key(|(t, _)| *t);
+        logits.allowed_token_ids.sort_unstable();
+        logits.allowed_token_ids.dedup();
+        logits.bad_words.retain(|w| !w.is_empty());
         Ok(SamplingParams {
             temperature: raw.temperature,
             top_p: raw.top_p,
@@ -564,6 +591,20 @@ mod tests {
         assert_eq!(mt, [2.0, f32::NEG_INFINITY, 0.5, 3.0, -2.0, f32::NEG_INFINITY]);
         assert_eq!(run(LogitsRules { min_tokens: 3, ..base.clone() }), logits, "three generated already");
         assert!(!base.active());
+        // vLLM's allowed_token_ids: every other token impossible (ids past the vocabulary change nothing).
+        const NEG: f32 = f32::NEG_INFINITY;
+        let allowed = run(LogitsRules { allowed_token_ids: vec![1, 3, 99], ..base.clone() });
+        assert_eq!(allowed, [NEG, -1.0, NEG, 3.0, NEG, NEG]);
+        // vLLM's bad_words: a word's last token is out where the output ends with the rest (the output is [3, 3, 5]),
+        // a one-token word everywhere; the prompt's tokens do not count.
+        let bad = |words: Vec<Vec<u32>>| run(LogitsRules { bad_words: words, ..base.clone() });
+        assert_eq!(bad(vec![vec![3, 5, 2], vec![4]]), [2.0, -1.0, NEG, 3.0, NEG, 1.0]);
+        assert_eq!(bad(vec![vec![5, 3, 2], vec![4, 0]]), logits, "neither ends the output");
+        assert_eq!(bad(vec![vec![4, 0, 3, 3, 5, 1]]), logits, "the prompt is not part of it");
+        // Sorted and deduplicated when validated, as the one-pass mask reads them.
+        let rules = LogitsRules { allowed_token_ids: vec![5, 1, 5], bad_words: vec![vec![], vec![2]], ..base };
+        let p = SamplingParams::new(RawSampling { logits: rules, ..RawSampling::default() }).expect("valid");
+        assert_eq!((&p.logits().allowed_token_ids[..], &p.logits().bad_words[..]), (&[1, 5][..], &[vec![2]][..]));
     }
 
     proptest::proptest! {

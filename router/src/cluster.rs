@@ -939,6 +939,15 @@ mod tests {
         let scored = needs(&pb::Sampling { prompt_logprobs: Some(0), ..Default::default() });
         assert!(scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL)));
         assert!(!scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL - 1)), "an older worker would drop them");
+        for ruled in [
+            pb::Sampling { allowed_token_ids: vec![1, 2], ..Default::default() },
+            pb::Sampling { bad_words: vec![pb::TokenSequence { ids: vec![3] }], ..Default::default() },
+        ] {
+            let n = needs(&ruled);
+            assert!(n.met_by(&tandem(worker::TOKEN_RULES_PROTOCOL)), "{ruled:?}");
+            assert!(![&llama, &vllm, &sglang].iter().any(|m| n.met_by(m)), "not relayed: {ruled:?}");
+            assert!(!n.met_by(&tandem(worker::TOKEN_RULES_PROTOCOL - 1)), "an older worker would ignore them");
+        }
         assert!(![&llama, &vllm, &sglang].iter().any(|m| scored.met_by(m)), "the prompt's are not relayed");
     }
 

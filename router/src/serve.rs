@@ -450,9 +450,10 @@ async fn stream_tokens(
 }
 
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
-/// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities). External engines
-/// take the sampling fields (`min_p` included) in their own APIs; grammars and prompt log-probabilities are not
-/// relayed to them, log-probabilities only from llama-server and vLLM.
+/// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities, a version-7 one the
+/// allowed tokens and bad words). External engines take the sampling fields (`min_p` included) in their own APIs;
+/// grammars, prompt log-probabilities, allowed tokens and bad words are not relayed to them, log-probabilities only
+/// from llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
@@ -461,8 +462,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
         && s.min_tokens == 0
         && s.stop_token_ids.is_empty();
     let mut protocol = if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL };
-    // Grammars and the prompt's log-probabilities are computed by Tandem's own workers only.
-    let external = s.grammar.is_none() && s.prompt_logprobs.is_none();
+    // Grammars, the prompt's log-probabilities and the token rules are applied by Tandem's own workers only.
+    let token_rules = !s.allowed_token_ids.is_empty() || !s.bad_words.is_empty();
+    let external = s.grammar.is_none() && s.prompt_logprobs.is_none() && !token_rules;
     if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
@@ -471,6 +473,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     }
     if s.prompt_logprobs.is_some() {
         protocol = worker::PROMPT_LOGPROBS_PROTOCOL;
+    }
+    if token_rules {
+        protocol = worker::TOKEN_RULES_PROTOCOL;
     }
     Needs { protocol, external, logprobs: s.logprobs.is_some() }
 }

@@ -61,6 +61,8 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
             min_tokens: s.min_tokens,
             stop_token_ids: s.stop_token_ids,
             prior_generated: s.prior_generated,
+            allowed_token_ids: s.allowed_token_ids,
+            bad_words: s.bad_words.into_iter().map(|w| w.ids).collect(),
         },
         logprobs: s.logprobs,
         prompt_logprobs: s.prompt_logprobs,

@@ -78,6 +78,20 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
     Ok(tokens)
 }
 
+/// The token sequences a bad word stands for: the word (its leading whitespace trimmed) and the word after a space,
+/// as vLLM tokenizes it, both wherever they differ. (vLLM keeps the second only when it has as many tokens, so a
+/// word whose space merges into it, ` dawn` one token where `dawn` is two, stays possible after a space there.)
+pub fn bad_word_tokens(tokenizer: &engine::tokenizer::Tokenizer, word: &str) -> Vec<Vec<u32>> {
+    let bare = tokenizer.encode(word.trim_start());
+    let spaced = tokenizer.encode(&format!(" {}", word.trim_start()));
+    let mut out = vec![bare];
+    if spaced != out[0] {
+        out.push(spaced);
+    }
+    out.retain(|w| !w.is_empty());
+    out
+}
+
 /// Refuses token ids the served model's vocabulary does not have (`param` names the field they came in).
 pub fn in_vocabulary(state: &RouterState, ids: &[u32], param: &'static str) -> Result<(), ApiError> {
     let vocab = state.text.tokenizer().vocab_size();
@@ -120,6 +134,9 @@ pub async fn plan(
     };
     in_vocabulary(state, &checked.logits.logit_bias.iter().map(|(t, _)| *t).collect::<Vec<_>>(), "logit_bias")?;
     in_vocabulary(state, &checked.logits.stop_token_ids, "stop_token_ids")?;
+    in_vocabulary(state, &checked.logits.allowed_token_ids, "allowed_token_ids")?;
+    let bad_words = checked.logits.bad_words.iter().flat_map(|w| bad_word_tokens(state.text.tokenizer(), w));
+    let bad_words: Vec<pb::TokenSequence> = bad_words.map(|ids| pb::TokenSequence { ids }).collect();
     let room = state.max_model_len.saturating_sub(tokens.len());
     let max_tokens = checked.max_tokens.unwrap_or(state.limits.default_max_tokens.min(room as u32));
     if room == 0 || max_tokens as usize > room {
@@ -149,6 +166,8 @@ pub async fn plan(
         repetition_penalty: checked.logits.repetition_penalty,
         min_tokens: checked.logits.min_tokens,
         stop_token_ids: checked.logits.stop_token_ids.clone(),
+        allowed_token_ids: checked.logits.allowed_token_ids.clone(),
+        bad_words,
         prior_generated: 0,
         logprobs: checked.logprobs,
         prompt_logprobs: checked.scored_prompt(),

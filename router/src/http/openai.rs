@@ -128,6 +128,10 @@ pub struct Common {
     pub min_tokens: Option<u32>,
     /// vLLM's.
     pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's: only these tokens can be sampled.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's: words the output never holds (each as its tokens, with and without a leading space).
+    pub bad_words: Option<Vec<String>>,
     /// Chat: `true` or `false`; completions: how many alternatives per token (OpenAI's two meanings).
     pub logprobs: Option<serde_json::Value>,
     /// Chat only: alternatives per token, with `logprobs: true`.
@@ -238,6 +242,10 @@ pub struct Logits {
     pub repetition_penalty: Option<f32>,
     pub min_tokens: u32,
     pub stop_token_ids: Vec<u32>,
+    /// Empty: any token.
+    pub allowed_token_ids: Vec<u32>,
+    /// As sent: tokenized with the prompt (`completions::bad_word_tokens`).
+    pub bad_words: Vec<String>,
 }
 
 fn check_logits(c: &Common, max_tokens: Option<u32>) -> Result<Logits, ApiError> {
@@ -263,6 +271,13 @@ fn check_logits(c: &Common, max_tokens: Option<u32>) -> Result<Logits, ApiError>
     if max_tokens.is_some_and(|m| min_tokens > m) {
         return Err(ApiError::bad("min_tokens must not exceed max_tokens", "min_tokens"));
     }
+    if c.allowed_token_ids.as_ref().is_some_and(Vec::is_empty) {
+        // As vLLM answers: no token could be sampled.
+        return Err(ApiError::bad("allowed_token_ids must not be empty", "allowed_token_ids"));
+    }
+    if c.bad_words.iter().flatten().any(|w| w.trim().is_empty()) {
+        return Err(ApiError::bad("bad_words must not hold empty words", "bad_words"));
+    }
     Ok(Logits {
         logit_bias,
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
@@ -270,6 +285,8 @@ fn check_logits(c: &Common, max_tokens: Option<u32>) -> Result<Logits, ApiError>
         repetition_penalty: c.repetition_penalty,
         min_tokens,
         stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+        allowed_token_ids: c.allowed_token_ids.clone().unwrap_or_default(),
+        bad_words: c.bad_words.clone().unwrap_or_default(),
     })
 }
 
