@@ -679,7 +679,7 @@ async fn vllms_text_and_template_fields_through_the_router() {
         }
         let r = api.send(body).await;
         assert_eq!(r.status, 200, "{fields}: {}", r.body);
-        let prompt = text_model.render_chat_ending(&chat, ending).expect("renders");
+        let prompt = text_model.render_chat_ending(&chat, &[], ending).expect("renders");
         let want = text_model.tokenizer().encode(&prompt).len() as u64;
         assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(want), "{fields}");
     }

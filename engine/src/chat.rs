@@ -102,13 +102,8 @@ impl ChatTemplate {
     /// The prompt text for `messages`, ending as `ending` says. To continue the last message, the conversation is
     /// rendered without a generation prompt and cut right after that message's text (trimmed of surrounding
     /// whitespace), its last occurrence, as transformers does; a template that does not keep the text as it is
-    /// cannot be continued.
-    pub fn render_ending(&self, messages: &[ChatMessage], ending: Ending) -> Result<String, TemplateError> {
-        self.render_tools_ending(messages, &[], ending)
-    }
-
-    /// [`render_ending`](Self::render_ending) with the tools the model may call.
-    pub fn render_tools_ending(
+    /// cannot be continued. `tools`: the tools the model may call ([`render_with`](Self::render_with)).
+    pub fn render_ending(
         &self,
         messages: &[ChatMessage],
         tools: &[serde_json::Value],
@@ -177,7 +172,7 @@ mod tests {
                    {% if add_generation_prompt %}<assistant>{% endif %}";
         let t = ChatTemplate::new(src, "", "").expect("compiles");
         let chat = [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", " Once upon a time \n")];
-        let render = |ending| t.render_ending(&chat, ending).map_err(|e| e.to_string());
+        let render = |ending| t.render_ending(&chat, &[], ending).map_err(|e| e.to_string());
         assert_eq!(
             render(Ending::NewTurn).as_deref(),
             Ok("<user>hi</s>\n<assistant> Once upon a time \n</s>\n<assistant>")
@@ -185,10 +180,10 @@ mod tests {
         assert_eq!(render(Ending::AsIs).as_deref(), Ok("<user>hi</s>\n<assistant> Once upon a time \n</s>\n"));
         assert_eq!(render(Ending::ContinueLast).as_deref(), Ok("<user>hi</s>\n<assistant> Once upon a time"));
         let blank = [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", " ")];
-        assert!(t.render_ending(&blank, Ending::ContinueLast).is_err(), "no text to continue");
+        assert!(t.render_ending(&blank, &[], Ending::ContinueLast).is_err(), "no text to continue");
         let upper =
             ChatTemplate::new("{% for m in messages %}{{ m.content | upper }}{% endfor %}", "", "").expect("compiles");
-        let err = upper.render_ending(&chat[..1], Ending::ContinueLast).expect_err("the text is changed");
+        let err = upper.render_ending(&chat[..1], &[], Ending::ContinueLast).expect_err("the text is changed");
         assert!(err.to_string().contains("cannot be continued"), "{err}");
     }
 

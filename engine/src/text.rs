@@ -70,22 +70,18 @@ impl TextModel {
 
     /// The prompt text for a conversation, with the assistant's generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
-        self.render_chat_ending(messages, Ending::NewTurn)
+        self.render_chat_ending(messages, &[], Ending::NewTurn)
     }
 
-    /// The prompt text for a conversation, ending as `ending` says.
-    pub fn render_chat_ending(&self, messages: &[ChatMessage], ending: Ending) -> Result<String, TextError> {
-        self.render_chat_tools(messages, &[], ending)
-    }
-
-    /// The prompt text for a conversation with the tools the model may call (OpenAI's `tools` entries).
-    pub fn render_chat_tools(
+    /// The prompt text for a conversation with the tools the model may call (OpenAI's `tools` entries), ending as
+    /// `ending` says.
+    pub fn render_chat_ending(
         &self,
         messages: &[ChatMessage],
         tools: &[serde_json::Value],
         ending: Ending,
     ) -> Result<String, TextError> {
         let t = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
-        Ok(t.render_tools_ending(messages, tools, ending)?)
+        Ok(t.render_ending(messages, tools, ending)?)
     }
 }

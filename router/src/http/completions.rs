@@ -61,7 +61,7 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
     let text = match &checked.input {
         Input::Chat(messages, ending, tools) => state
             .text
-            .render_chat_tools(messages, tools, *ending)
+            .render_chat_ending(messages, tools, *ending)
             .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))?,
         Input::Text(t) => t.clone(),
         Input::Tokens(ids) => {

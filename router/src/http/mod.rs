@@ -296,7 +296,7 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                 let openai::Input::Chat(messages, ending, _) = c.input else { unreachable!("a chat request") };
                 let text = state
                     .text
-                    .render_chat_ending(&messages, ending)
+                    .render_chat_ending(&messages, &[], ending)
                     .map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
                 (text, true)
             }
