@@ -814,6 +814,16 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
     stop(router, workers).await;
 }
 
+/// A prefill and a decode worker behind a router that always disaggregates: the first token is sampled on one,
+/// the rest on the other.
+async fn disaggregated() -> (Vec<worker::RunningWorker>, router::run::RunningRouter) {
+    let ca = DevCa::generate().expect("ca");
+    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
+    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    (workers, router)
+}
+
 /// The engine's own greedy answer to one user message under a JSON schema, in one process.
 fn engine_under_schema(question: &str, schema: &Value, max_tokens: u32) -> String {
     use engine::generate::{Engine, EngineConfig, Request};
@@ -836,10 +846,7 @@ fn engine_under_schema(question: &str, schema: &Value, max_tokens: u32) -> Strin
 /// first token and answers as one engine does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structured_outputs_across_prefill_and_decode_match_one_engine() {
-    let ca = DevCa::generate().expect("ca");
-    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
-    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
-    assert_eq!(r.status, 200, "{}", r.body);
+    let (workers, router) = disaggregated().await;
     let schema = json!({"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 20}, "colours": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}},
         "required": ["name", "colours"], "additionalProperties": false});
@@ -977,10 +984,7 @@ async fn prompt_log_probabilities_across_prefill_and_decode_match_one_engine() {
 /// an earlier turn's calls and a tool's answer go to the template; `auto` is refused by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_calls_are_forced_by_their_schemas_across_prefill_and_decode() {
-    let ca = DevCa::generate().expect("ca");
-    let (workers, router) = cluster(&ca, &[Role::Prefill, Role::Decode]).await;
-    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
-    assert_eq!(r.status, 200, "{}", r.body);
+    let (workers, router) = disaggregated().await;
     let params = json!({"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}},
         "required": ["city", "unit"], "additionalProperties": false});
