@@ -484,24 +484,13 @@ impl Head<'_> {
     /// One SSE chunk in the endpoint's shape, with the log-probabilities of its tokens, as its JSON text: written
     /// straight from borrowed fields (a chunk per token built as a `Value` tree first allocated for every key).
     fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool, logprobs: &Value) -> String {
-        let Head { endpoint, id, model, index } = *self;
-        let (object, delta, text) = match endpoint {
-            Endpoint::Chat => (
-                "chat.completion.chunk",
-                Some(Delta { role: role.then_some("assistant"), content: text, tool_calls: None }),
-                None,
-            ),
-            Endpoint::Completion => ("text_completion", None, Some(text.unwrap_or(""))),
-        };
-        let chunk = Chunk {
-            id,
-            object,
-            created: created(),
-            model,
-            choices: [ChunkChoice { index, delta, text, logprobs, finish_reason: finish }],
-        };
-        // Serializing borrowed strings and numbers cannot fail.
-        serde_json::to_string(&chunk).unwrap_or_default()
+        match self.endpoint {
+            Endpoint::Chat => {
+                let delta = Delta { role: role.then_some("assistant"), content: text, tool_calls: None };
+                self.write(Some(delta), None, logprobs, finish)
+            }
+            Endpoint::Completion => self.write(None, Some(text.unwrap_or("")), logprobs, finish),
+        }
     }
 
     /// A chat chunk with a piece of tool call `k`: its id, type and name come with its first piece (`name`), then
@@ -515,13 +504,20 @@ impl Head<'_> {
             function: FunctionDelta { name, arguments },
         };
         let delta = Delta { role: role.then_some("assistant"), content: None, tool_calls: Some([call]) };
+        self.write(Some(delta), None, logprobs, None)
+    }
+
+    /// The chunk of a chat `delta` or a completion's `text`, as its JSON text.
+    fn write(&self, delta: Option<Delta>, text: Option<&str>, logprobs: &Value, finish: Option<&str>) -> String {
+        let object = if delta.is_some() { "chat.completion.chunk" } else { "text_completion" };
         let chunk = Chunk {
             id: self.id,
-            object: "chat.completion.chunk",
+            object,
             created: created(),
             model: self.model,
-            choices: [ChunkChoice { index: self.index, delta: Some(delta), text: None, logprobs, finish_reason: None }],
+            choices: [ChunkChoice { index: self.index, delta, text, logprobs, finish_reason: finish }],
         };
+        // Serializing borrowed strings and numbers cannot fail.
         serde_json::to_string(&chunk).unwrap_or_default()
     }
 }
