@@ -318,3 +318,61 @@ async fn a_streams_head_leaves_with_its_first_event_and_a_slow_one_goes_ahead_al
     assert!(after < Duration::from_millis(1200), "the head came before the first token: {after:?}");
     stop(router, workers).await;
 }
+
+/// Sends a request of priority 5, then one of priority -1, while `busy` holds the one place they need; waits until
+/// `queued` counts each in turn, frees the place, and returns their priorities in the order their answers came.
+async fn served_order(addr: std::net::SocketAddr, queued: impl Fn() -> usize) -> Vec<i64> {
+    let wait_for = |n: usize| {
+        let queued = &queued;
+        async move {
+            for _ in 0..400 {
+                if queued() == n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("{} queued, not {n}", queued());
+        }
+    };
+    let mut busy = Streaming::open(addr, "/v1/completions", &long(true)).await;
+    busy.until(2).await;
+    let mut answers = Vec::new();
+    for (k, priority) in [5i64, -1].into_iter().enumerate() {
+        let body = serde_json::json!({"model": "smollm2-135m-instruct", "prompt": "Say hi", "max_tokens": 3,
+                                      "priority": priority});
+        answers.push(tokio::spawn(async move {
+            let r = http(addr, "POST", "/v1/completions", &body.to_string(), &[]).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            (std::time::Instant::now(), priority)
+        }));
+        wait_for(k + 1).await;
+    }
+    drop(busy);
+    let mut done = Vec::new();
+    for a in answers {
+        done.push(a.await.expect("answered"));
+    }
+    done.sort();
+    done.into_iter().map(|(_, p)| p).collect()
+}
+
+/// vLLM's `priority`: lower values are served first, in the router's admission queue (one request in flight) and
+/// in a worker's queue (one sequence at a time), whatever the order they came in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_a_higher_priority_is_served_first_by_the_router_and_the_worker() {
+    let ca = DevCa::generate().expect("ca");
+    let one_in_flight = |r: router::run::RouterConfig| router::run::RouterConfig {
+        limits: Limits { max_in_flight: 1, ..r.limits.clone() },
+        ..r
+    };
+    let (workers, router) = cluster_with(&ca, &[Role::Decode], |w| w, one_in_flight).await;
+    let order = served_order(router.addr, || router.state.admission.queued()).await;
+    assert_eq!(order, vec![-1, 5], "the router's queue");
+    stop(router, workers).await;
+
+    let one_sequence = |w: WorkerConfig| WorkerConfig { engine: EngineConfig { max_num_seqs: 1, ..w.engine }, ..w };
+    let (workers, router) = cluster_with(&ca, &[Role::Decode], one_sequence, |r| r).await;
+    let order = served_order(router.addr, || workers[0].stats().waiting).await;
+    assert_eq!(order, vec![-1, 5], "the worker's queue");
+    stop(router, workers).await;
+}

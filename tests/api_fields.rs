@@ -719,7 +719,7 @@ fn engine_reply(messages: &[engine::chat::ChatMessage], max_tokens: u32, rules: 
     let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
     let prompt = e.tokenizer().encode(&e.render_chat(messages).expect("template"));
     let raw = RawSampling { temperature: 0.0, max_tokens, logits: rules, ..RawSampling::default() };
-    let req = Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None };
+    let req = Request::new(prompt, SamplingParams::new(raw).expect("valid"));
     let c = e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     (c.text, c.token_ids)
 }
@@ -838,7 +838,7 @@ fn engine_under_schema(question: &str, schema: &Value, max_tokens: u32) -> Strin
         grammar: Some(Grammar::JsonSchema(schema.to_string())),
         ..RawSampling::default()
     };
-    let req = Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None };
+    let req = Request::new(prompt, SamplingParams::new(raw).expect("valid"));
     e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0).text
 }
 
@@ -878,12 +878,7 @@ async fn prompt_log_probabilities_across_prefill_and_decode_match_one_engine() {
     let ids = e.tokenizer().encode(story);
     assert!(ids.len() >= 40, "{}", ids.len());
     let raw = RawSampling { max_tokens: 3, prompt_logprobs: Some(2), ..RawSampling::default() };
-    let req = Request {
-        prompt: ids.clone(),
-        sampling: SamplingParams::new(raw).expect("valid"),
-        namespace: None,
-        deadline: None,
-    };
+    let req = Request::new(ids.clone(), SamplingParams::new(raw).expect("valid"));
     let want = e.run(&[req], &std::sync::atomic::AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     assert_eq!(want.prompt_logprobs.len(), ids.len() - 1);
     let tok = e.tokenizer();

@@ -179,6 +179,14 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
         assert_eq!(min_p, vec![current_name.clone()]);
     }
     assert_eq!(candidates(serde_json::json!({"min_p": 0})).await.len(), 2, "min_p 0 asks for nothing");
+    // Priorities came with version 9: an older worker would queue the request in arrival order.
+    let prioritized = candidates(serde_json::json!({"priority": -1})).await;
+    if ours > worker::PRIORITY_PROTOCOL {
+        assert_eq!(prioritized.len(), 2, "{prioritized:?}");
+    } else {
+        assert_eq!(prioritized, vec![current_name.clone()]);
+    }
+    assert_eq!(candidates(serde_json::json!({"priority": 0})).await.len(), 2, "priority 0 asks for nothing");
     router.shutdown(Duration::from_secs(5)).await;
 }
 

@@ -29,12 +29,7 @@ fn greedy_with_logprobs(prompt: &str, max_tokens: u32) -> (String, Vec<f32>) {
     let mut e = Engine::open(&model(), EngineConfig::default()).expect("engine");
     let raw =
         RawSampling { temperature: 0.0, max_tokens, ignore_eos: true, logprobs: Some(2), ..RawSampling::default() };
-    let req = Request {
-        namespace: None,
-        prompt: e.tokenizer().encode(prompt),
-        sampling: SamplingParams::new(raw).expect("ok"),
-        deadline: None,
-    };
+    let req = Request::new(e.tokenizer().encode(prompt), SamplingParams::new(raw).expect("ok"));
     let done = e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     (done.text, done.logprobs.iter().map(|l| l.logprob).collect())
 }
@@ -500,12 +495,7 @@ async fn a_constrained_stream_resumed_elsewhere_keeps_its_grammar() {
             grammar: Some(engine::grammar::Grammar::JsonSchema(schema.into())),
             ..RawSampling::default()
         };
-        let req = Request {
-            namespace: None,
-            prompt: e.tokenizer().encode(prompt),
-            sampling: SamplingParams::new(raw).expect("ok"),
-            deadline: None,
-        };
+        let req = Request::new(e.tokenizer().encode(prompt), SamplingParams::new(raw).expect("ok"));
         e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0).text
     };
     assert!(want.starts_with("{\"story\":\""), "{want:?}");

@@ -198,14 +198,8 @@ pub fn concurrency(
     let vocab = engine.vocab();
     let raw = RawSampling { max_tokens: decode_tokens as u32, ignore_eos: true, ..RawSampling::default() };
     let sampling = SamplingParams::new(raw).map_err(|e| crate::generate::EngineError::Config(e.to_string()))?;
-    let requests: Vec<Request> = (0..sequences)
-        .map(|s| Request {
-            namespace: None,
-            prompt: prompt(prompt_tokens, 1000 + s, vocab),
-            sampling: sampling.clone(),
-            deadline: None,
-        })
-        .collect();
+    let requests: Vec<Request> =
+        (0..sequences).map(|s| Request::new(prompt(prompt_tokens, 1000 + s, vocab), sampling.clone())).collect();
     let mut first: Vec<Option<Instant>> = vec![None; sequences];
     let mut stamps: Vec<Instant> = Vec::with_capacity(sequences * decode_tokens);
     let start = Instant::now();

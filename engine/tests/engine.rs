@@ -113,12 +113,7 @@ fn seeded_sampling_is_reproducible() {
             detokenize: true,
             ..RawSampling::default()
         };
-        Request {
-            namespace: None,
-            prompt: prompt.clone(),
-            sampling: SamplingParams::new(raw).expect("valid"),
-            deadline: None,
-        }
+        Request::new(prompt.clone(), SamplingParams::new(raw).expect("valid"))
     };
     let a = run(&mut e, &[sampled(7)]);
     assert_eq!(run(&mut e, &[sampled(7)]), a);
@@ -135,12 +130,7 @@ fn stop_strings_and_end_of_generation_end_the_sequence() {
     assert_eq!(done.token_ids, [504, 3575, 282, 4649, 314, 7042, 30, 2]);
     assert_eq!((done.text.as_str(), done.finish_reason), ("The capital of France is Paris.", FinishReason::Stop));
     let raw = RawSampling { max_tokens: 32, stop: vec!["Paris".into()], ..RawSampling::default() };
-    let request = Request {
-        namespace: None,
-        prompt: prompt.clone(),
-        sampling: SamplingParams::new(raw).expect("valid"),
-        deadline: None,
-    };
+    let request = Request::new(prompt.clone(), SamplingParams::new(raw).expect("valid"));
     let mut streamed = String::new();
     let done = e
         .run(&[request], &AtomicBool::new(false), |engine::generate::Event::Token { text, .. }| streamed.push_str(text))
@@ -152,8 +142,7 @@ fn stop_strings_and_end_of_generation_end_the_sequence() {
     assert_eq!((done.token_ids.len(), done.finish_reason), (3, FinishReason::Length));
     // Without text, the same tokens and the same end; no text, streamed or whole.
     let raw = RawSampling { max_tokens: 32, detokenize: false, ..RawSampling::default() };
-    let request =
-        Request { namespace: None, prompt, sampling: SamplingParams::new(raw).expect("valid"), deadline: None };
+    let request = Request::new(prompt, SamplingParams::new(raw).expect("valid"));
     let mut streamed = String::new();
     let done = e
         .run(&[request], &AtomicBool::new(false), |engine::generate::Event::Token { text, .. }| streamed.push_str(text))

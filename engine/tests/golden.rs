@@ -79,7 +79,7 @@ fn logprobs_match_the_oracle() {
             ..engine::sampling::RawSampling::default()
         };
         let sampling = engine::sampling::SamplingParams::new(raw).expect("valid");
-        let request = Request { prompt: common::ids(&p["prompt_ids"]), sampling, namespace: None, deadline: None };
+        let request = Request::new(common::ids(&p["prompt_ids"]), sampling);
         let got = engine.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
         assert_eq!(got.logprobs.len(), got.token_ids.len(), "{name}: one entry per token");
         let steps = p["top_logprobs"].as_array().expect("top_logprobs");
@@ -145,7 +145,7 @@ fn prompt_logprobs_match_the_oracle() {
             ..engine::sampling::RawSampling::default()
         };
         let sampling = engine::sampling::SamplingParams::new(raw).expect("valid");
-        let request = Request { prompt: prompt.clone(), sampling, namespace: None, deadline: None };
+        let request = Request::new(prompt.clone(), sampling);
         let got = engine.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
         assert_eq!(got.prompt_logprobs.len(), prompt.len() - 1, "{name}: one entry per prompt token but the first");
         assert_eq!(got.cached_tokens, 0, "{name}: a scored prompt is computed, not taken from the cache");

@@ -74,6 +74,7 @@ fn request(prompt: &[u32], grammar: Grammar, temperature: f32, seed: u64, max_to
         sampling: SamplingParams::new(raw).expect("valid"),
         namespace: None,
         deadline: None,
+        priority: 0,
     }
 }
 
@@ -142,12 +143,7 @@ fn a_continued_sequence_keeps_its_grammar_state() {
         logits: LogitsRules { prior_generated: split as u32, repetition_penalty: 1.0, ..LogitsRules::default() },
         ..RawSampling::default()
     };
-    let req = Request {
-        prompt: continued_prompt,
-        sampling: SamplingParams::new(raw).expect("valid"),
-        namespace: None,
-        deadline: None,
-    };
+    let req = Request::new(continued_prompt, SamplingParams::new(raw).expect("valid"));
     let rest = e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     assert_eq!([&whole.token_ids[..split], &rest.token_ids[..]].concat(), whole.token_ids);
 }

@@ -30,7 +30,7 @@ fn mock(profile: &str, speedup: f64, kv_blocks: usize) -> EngineConfig {
 
 fn request(prompt: Vec<u32>, max_tokens: u32, seed: u64) -> Request {
     let raw = RawSampling { max_tokens, seed: Some(seed), temperature: 1.0, ..RawSampling::default() };
-    Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None }
+    Request { prompt, sampling: SamplingParams::new(raw).expect("valid"), namespace: None, deadline: None, priority: 0 }
 }
 
 #[test]
@@ -104,6 +104,67 @@ fn prompts_waiting_for_the_token_budget_are_computed_in_arrival_order() {
         }
     }
     assert_eq!(first_tokens, vec![0, 1, 2], "B arrived before C, so its prompt is done first");
+}
+
+/// Finishing order of requests `(id, prompt length, max tokens, priority)` on a stepper; `first` run one step
+/// alone before the others are submitted (running when they arrive).
+fn finishing_order(
+    config: EngineConfig,
+    first: (u64, u32, u32, i32),
+    rest: &[(u64, u32, u32, i32)],
+) -> (Vec<u64>, u64) {
+    use engine::generate::{Output, Stepper};
+    let mut stepper = Stepper::new(common::engine(config));
+    let none: &[(usize, &[u8])] = &[];
+    let submit = |stepper: &mut Stepper, (id, len, max, priority): (u64, u32, u32, i32)| {
+        let prompt: Vec<u32> = (0..len).map(|i| 1000 + id as u32 * 300 + i).collect();
+        let r = Request { priority, ..request(prompt, max, id) };
+        stepper.submit(id, r, false, &none).expect("queued");
+    };
+    submit(&mut stepper, first);
+    let mut finished = Vec::new();
+    let mut record = |outputs: Vec<Output>| {
+        for out in outputs {
+            match out {
+                Output::Finished { id, .. } => finished.push(id),
+                Output::Failed { why, .. } => panic!("{why}"),
+                Output::Token { .. } => {}
+            }
+        }
+    };
+    record(stepper.step().outputs);
+    for &r in rest {
+        submit(&mut stepper, r);
+    }
+    while stepper.busy() {
+        record(stepper.step().outputs);
+    }
+    (finished, stepper.engine().counters().preemptions)
+}
+
+/// vLLM's priority scheduling: a waiting request of a lower value is admitted before others whatever its arrival,
+/// equal ones in arrival order; a running request is not preempted for a waiting one.
+#[test]
+fn waiting_requests_are_admitted_by_priority_then_arrival() {
+    let config = EngineConfig { max_num_seqs: 1, ..mock("", 1.0, 256) };
+    let rest = [(1, 20, 3, 5), (2, 20, 3, -1), (3, 20, 3, 5), (4, 20, 3, -1), (5, 20, 3, 0)];
+    let (order, preemptions) = finishing_order(config, (0, 20, 3, 7), &rest);
+    assert_eq!(order, vec![0, 2, 4, 5, 1, 3]);
+    assert_eq!(preemptions, 0);
+}
+
+/// When device blocks run out, the running sequence of the lowest priority is preempted, even when it is the older
+/// one; among equal priorities the newest is, as before priorities.
+#[test]
+fn out_of_blocks_the_lowest_priority_is_preempted_before_the_newest() {
+    // Eight blocks of 16 tokens: each request alone (40 + 60 tokens, seven blocks) fits, the two together do not.
+    let config = || EngineConfig { max_num_seqs: 4, ..mock("", 1.0, 8) };
+    let (order, preemptions) = finishing_order(config(), (0, 40, 60, 3), &[(1, 40, 60, 0)]);
+    assert_eq!(order, vec![1, 0], "the older request of the lower priority made room");
+    assert!(preemptions >= 1);
+    let (order, preemptions) = finishing_order(config(), (0, 40, 60, 0), &[(1, 40, 60, 0)]);
+    assert_eq!(order, vec![0, 1], "equal priorities: the newest made room");
+    assert!(preemptions >= 1);
 }
 
 /// A caller that keeps one output buffer from step to step (the simulator) sees what `step` returns: the buffer is
@@ -232,12 +293,7 @@ fn a_stuck_device_holds_its_step_until_unstuck() {
 fn prompt_log_probabilities_are_refused_by_name_since_the_mock_computes_no_logits() {
     let mut engine = common::engine(mock("", 1.0, 64));
     let raw = RawSampling { max_tokens: 2, prompt_logprobs: Some(1), ..RawSampling::default() };
-    let request = Request {
-        prompt: vec![1000, 1001, 1002],
-        sampling: SamplingParams::new(raw).expect("valid"),
-        namespace: None,
-        deadline: None,
-    };
+    let request = Request::new(vec![1000, 1001, 1002], SamplingParams::new(raw).expect("valid"));
     let err = engine.run(&[request], &AtomicBool::new(false), |_| {}).expect_err("refused");
     assert_eq!(err.to_string(), "the mock backend does not compute prompt log-probabilities");
 }

@@ -159,12 +159,7 @@ fn the_engine_runs_in_the_configured_precision() {
         let config = EngineConfig { precision, ..EngineConfig::default() };
         let mut engine = Engine::open(&common::model_path(), config).expect("engine");
         let raw = RawSampling { max_tokens: STEPS, temperature: 0.0, logprobs: Some(1), ..RawSampling::default() };
-        let request = Request {
-            prompt: prompt.clone(),
-            sampling: SamplingParams::new(raw).expect("valid"),
-            namespace: None,
-            deadline: None,
-        };
+        let request = Request::new(prompt.clone(), SamplingParams::new(raw).expect("valid"));
         engine.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0)
     };
     let (reference, fast) = (run(Precision::Reference), run(Precision::Fast));

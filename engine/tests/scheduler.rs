@@ -190,7 +190,7 @@ fn scored(prompt: Vec<u32>, max_tokens: u32, alternatives: u32) -> Request {
         ..engine::sampling::RawSampling::default()
     };
     let sampling = engine::sampling::SamplingParams::new(raw).expect("valid");
-    Request { prompt, sampling, namespace: None, deadline: None }
+    Request { prompt, sampling, namespace: None, deadline: None, priority: 0 }
 }
 
 fn prompt_logprobs(e: &mut Engine, requests: &[Request]) -> Vec<Vec<engine::sampling::TokenLogprobs>> {
@@ -204,7 +204,7 @@ fn a_prompts_log_probabilities_are_its_generated_tokens_own_when_fed_back() {
     let prompt = text_tokens(&e, 3, 40);
     let raw = engine::sampling::RawSampling { max_tokens: 10, logprobs: Some(3), ..Default::default() };
     let sampling = engine::sampling::SamplingParams::new(raw).expect("valid");
-    let request = Request { prompt: prompt.clone(), sampling, namespace: None, deadline: None };
+    let request = Request::new(prompt.clone(), sampling);
     let generated = e.run(&[request], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     assert_eq!(generated.prompt_logprobs, [], "not asked for, not computed");
     let mut fed_back = prompt.clone();

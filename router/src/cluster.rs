@@ -939,14 +939,19 @@ mod tests {
         let scored = needs(&pb::Sampling { prompt_logprobs: Some(0), ..Default::default() });
         assert!(scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL)));
         assert!(!scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL - 1)), "an older worker would drop them");
-        for ruled in [
-            pb::Sampling { allowed_token_ids: vec![1, 2], ..Default::default() },
-            pb::Sampling { bad_words: vec![pb::TokenSequence { ids: vec![3] }], ..Default::default() },
+        for (ruled, protocol) in [
+            (pb::Sampling { allowed_token_ids: vec![1, 2], ..Default::default() }, worker::TOKEN_RULES_PROTOCOL),
+            (
+                pb::Sampling { bad_words: vec![pb::TokenSequence { ids: vec![3] }], ..Default::default() },
+                worker::TOKEN_RULES_PROTOCOL,
+            ),
+            (pb::Sampling { priority: -2, ..Default::default() }, worker::PRIORITY_PROTOCOL),
+            (pb::Sampling { priority: 4, allowed_token_ids: vec![1], ..Default::default() }, worker::PRIORITY_PROTOCOL),
         ] {
             let n = needs(&ruled);
-            assert!(n.met_by(&tandem(worker::TOKEN_RULES_PROTOCOL)), "{ruled:?}");
+            assert!(n.met_by(&tandem(protocol)), "{ruled:?}");
             assert!(![&llama, &vllm, &sglang].iter().any(|m| n.met_by(m)), "not relayed: {ruled:?}");
-            assert!(!n.met_by(&tandem(worker::TOKEN_RULES_PROTOCOL - 1)), "an older worker would ignore them");
+            assert!(!n.met_by(&tandem(protocol - 1)), "an older worker would ignore it: {ruled:?}");
         }
         assert!(![&llama, &vllm, &sglang].iter().any(|m| scored.met_by(m)), "the prompt's are not relayed");
     }

@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod cli;
 pub mod cluster;
 pub mod discovery;

@@ -12,13 +12,14 @@ use kv_transfer::tls::Identity;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::admission::Admission;
 use crate::cluster::{Cluster, ModelIdentity};
 use crate::discovery::WorkerSource;
 use crate::metrics::RouterMetrics;
 use crate::record::Recording;
 use crate::scheduler::RouteState;
 use crate::scheduler::config::SchedulerConfig;
-use crate::state::{Admission, Limits, RouterState};
+use crate::state::{Limits, RouterState};
 
 /// Named defaults, each with its reason.
 pub mod defaults {

@@ -451,9 +451,9 @@ async fn stream_tokens(
 
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
 /// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities, a version-7 one the
-/// allowed tokens and bad words). External engines take the sampling fields (`min_p` included) in their own APIs;
-/// grammars, prompt log-probabilities, allowed tokens and bad words are not relayed to them, log-probabilities only
-/// from llama-server and vLLM.
+/// allowed tokens and bad words, a version-8 one the priority). External engines take the sampling fields (`min_p`
+/// included) in their own APIs; grammars, prompt log-probabilities, allowed tokens, bad words and priorities are not
+/// relayed to them, log-probabilities only from llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
@@ -464,7 +464,7 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     let mut protocol = if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL };
     // Grammars, the prompt's log-probabilities and the token rules are applied by Tandem's own workers only.
     let token_rules = !s.allowed_token_ids.is_empty() || !s.bad_words.is_empty();
-    let external = s.grammar.is_none() && s.prompt_logprobs.is_none() && !token_rules;
+    let external = s.grammar.is_none() && s.prompt_logprobs.is_none() && !token_rules && s.priority == 0;
     if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
@@ -476,6 +476,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     }
     if token_rules {
         protocol = worker::TOKEN_RULES_PROTOCOL;
+    }
+    if s.priority != 0 {
+        protocol = worker::PRIORITY_PROTOCOL;
     }
     Needs { protocol, external, logprobs: s.logprobs.is_some() }
 }

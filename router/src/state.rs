@@ -1,15 +1,14 @@
 //! What every request handler shares: the cluster, the text model, the live scheduler config, limits and
 //! admission control.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use engine::text::TextModel;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
 use crate::cluster::Cluster;
-use crate::http::error::ApiError;
 use crate::metrics::RouterMetrics;
 use crate::resilience::{RetryBudget, RetryBudgetSettings};
 use crate::scheduler::RouteState;
@@ -39,99 +38,6 @@ pub struct Limits {
     pub stream_kv: bool,
 }
 
-/// Requests in flight and waiting: past `max_in_flight` they queue, past `max_queue` they are refused.
-#[derive(Debug)]
-pub struct Admission {
-    slots: Arc<Semaphore>,
-    max_in_flight: usize,
-    queued: AtomicUsize,
-    max_queue: usize,
-}
-
-/// Told to clients refused for load.
-const RETRY_AFTER: Duration = Duration::from_secs(1);
-
-/// A place in the queue; leaving it (admitted, timed out, or the client gone and its future dropped) always gives
-/// it back.
-struct Queued<'a>(&'a AtomicUsize);
-
-impl Drop for Queued<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl Admission {
-    pub fn new(max_in_flight: usize, max_queue: usize) -> Admission {
-        let max_in_flight = max_in_flight.max(1);
-        Admission {
-            slots: Arc::new(Semaphore::new(max_in_flight)),
-            max_in_flight,
-            queued: AtomicUsize::new(0),
-            max_queue,
-        }
-    }
-
-    /// A slot, waiting in the queue for one for at most `wait` (the request's deadline): `Overloaded` when the
-    /// queue is full, `Deadline` when the wait runs out. Cancel-safe: a caller dropped while queued leaves the
-    /// queue.
-    pub async fn admit(&self, wait: Duration) -> Result<OwnedSemaphorePermit, ApiError> {
-        if let Ok(p) = Arc::clone(&self.slots).try_acquire_owned() {
-            return Ok(p);
-        }
-        if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queue {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            return Err(ApiError::Overloaded(RETRY_AFTER));
-        }
-        let _place = Queued(&self.queued);
-        match tokio::time::timeout(wait, Arc::clone(&self.slots).acquire_owned()).await {
-            Ok(Ok(permit)) => Ok(permit),
-            Ok(Err(_)) => Err(ApiError::Unavailable("the router is shutting down".into())),
-            Err(_) => Err(ApiError::Deadline(wait)),
-        }
-    }
-
-    pub fn queued(&self) -> usize {
-        self.queued.load(Ordering::Relaxed)
-    }
-
-    /// Requests holding a slot.
-    pub fn in_flight(&self) -> usize {
-        self.max_in_flight.saturating_sub(self.slots.available_permits())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test(start_paused = true)]
-    async fn a_queued_request_that_leaves_gives_its_place_back() {
-        let a = Admission::new(1, 2);
-        let held = a.admit(Duration::from_secs(60)).await.expect("a slot");
-        for _ in 0..5 {
-            // The client goes away while queued: its future is dropped mid-wait.
-            let waiting = a.admit(Duration::from_secs(60));
-            assert!(tokio::time::timeout(Duration::from_millis(10), waiting).await.is_err());
-            assert_eq!(a.queued(), 0);
-        }
-        // The queue still takes two; a third is refused.
-        let (first, second) = (a.admit(Duration::from_secs(60)), a.admit(Duration::from_secs(60)));
-        tokio::pin!(first, second);
-        assert!(futures_util::poll!(&mut first).is_pending() && futures_util::poll!(&mut second).is_pending());
-        assert_eq!(a.queued(), 2);
-        assert!(matches!(a.admit(Duration::from_secs(60)).await, Err(ApiError::Overloaded(_))));
-        drop(held);
-        let p = first.await.expect("admitted in turn");
-        assert_eq!(a.queued(), 1);
-        // The queue wait counts against the deadline.
-        assert!(matches!(second.await, Err(ApiError::Deadline(_))));
-        assert_eq!((a.queued(), a.in_flight()), (0, 1));
-        drop(p);
-        assert_eq!(a.in_flight(), 0);
-    }
-}
-
 /// Shared by every handler.
 #[derive(Debug)]
 pub struct RouterState {
@@ -148,7 +54,7 @@ pub struct RouterState {
     pub tenants: crate::tenants::Tenants,
     /// The key for `/admin/*` and `/debug/*`; `None`: those answer only on loopback.
     pub admin_key: Option<String>,
-    pub admission: Admission,
+    pub admission: crate::admission::Admission,
     /// The scheduler's random source and round robin's places.
     pub route_state: Mutex<RouteState>,
     /// This router process's random id: with `sequence`, request ids unique across replicas and restarts.

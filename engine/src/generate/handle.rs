@@ -464,14 +464,12 @@ impl Loop {
                     Ok(seq) => {
                         // Every token, the export, and the last message.
                         let (out, rx) = mpsc::channel(seq.max_new + 2);
-                        self.seqs.push(seq);
-                        self.live.push(Live { out, start: Instant::now(), export, tag });
+                        let live = Live { out, start: Instant::now(), export, tag };
+                        let at = super::sequence::enqueue(&mut self.seqs, &mut self.live, seq, live);
                         // Published before the caller hears of it: every state it reads from now on includes it.
                         self.publish();
-                        if reply.send(Ok(SeqStream { rx })).is_err()
-                            && let Some(s) = self.seqs.last_mut()
-                        {
-                            s.finish = Some(FinishReason::Cancelled);
+                        if reply.send(Ok(SeqStream { rx })).is_err() {
+                            self.seqs[at].finish = Some(FinishReason::Cancelled);
                         }
                     }
                     Err(e) => {

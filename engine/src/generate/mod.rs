@@ -170,12 +170,21 @@ pub struct Request {
     pub namespace: Option<CacheNamespace>,
     /// Past this instant nobody waits for the answer: the engine drops the sequence at its next step.
     pub deadline: Option<Instant>,
+    /// Scheduling order in a [`Stepper`]'s queue, vLLM's meaning: lower runs first, ties by arrival; when device
+    /// blocks run out, the running sequence of the highest value (the newest among equals) is preempted first.
+    /// [`Engine::run`] takes its requests together, in the order given.
+    pub priority: i32,
 }
 
 impl Request {
+    /// `prompt` under `sampling`, in no namespace, with no deadline, at priority 0.
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Request {
+        Request { prompt, sampling, namespace: None, deadline: None, priority: 0 }
+    }
+
     /// Greedy decoding of up to `max_tokens` after `prompt`, in no namespace.
     pub fn greedy(prompt: Vec<u32>, max_tokens: std::num::NonZeroU32) -> Request {
-        Request { prompt, sampling: SamplingParams::greedy(max_tokens), namespace: None, deadline: None }
+        Request::new(prompt, SamplingParams::greedy(max_tokens))
     }
 }
 
@@ -562,6 +571,7 @@ impl Engine {
             detokenize,
             keep_blocks: false,
             deadline: r.deadline,
+            priority: r.priority,
             pinned: Vec::new(),
             cached_hint: 0,
             failure: None,

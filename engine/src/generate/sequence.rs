@@ -28,8 +28,10 @@ pub(super) struct Seq {
     pub registered: usize,
     /// Whether the sequence holds blocks and takes part in steps.
     pub running: bool,
-    /// When it was last admitted (larger = newer); preemption takes the newest first.
+    /// When it was last admitted (larger = newer); preemption takes the newest of the lowest priority first.
     pub admitted_at: u64,
+    /// Lower runs first ([`super::Request::priority`]).
+    pub priority: i32,
     /// Times admitted (more than once after preemption).
     pub admissions: u32,
     /// Prompt tokens taken from cache at the first admission.
@@ -226,8 +228,18 @@ impl Seq {
     }
 }
 
+/// Queues `seq` with its `tag` (kept index for index) behind every sequence of the same or a higher priority
+/// (a lower value): the queue stays in priority order, first come first served within one. Returns its index.
+pub(super) fn enqueue<T>(seqs: &mut Vec<Seq>, tags: &mut Vec<T>, seq: Seq, tag: T) -> usize {
+    let at = seqs.partition_point(|s| s.priority <= seq.priority);
+    seqs.insert(at, seq);
+    tags.insert(at, tag);
+    at
+}
+
 /// Removes the finished sequences from `seqs` together with their entries in `tags` (kept index for index), and
-/// returns them. The others keep their order, which is the order they arrived in: prompt chunks are planned in it.
+/// returns them. The others keep their order, priority first and then arrival ([`super::Stepper`] queues them so):
+/// sequences are admitted and their decodes and prompt chunks planned in it.
 pub(super) fn take_finished<T>(seqs: &mut Vec<Seq>, tags: &mut Vec<T>) -> Vec<(Seq, T)> {
     // Most steps finish nobody: nothing moves before the first finished sequence (a sequence is large, and
     // swapping each with itself copied every one of them at every step).

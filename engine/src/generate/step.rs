@@ -22,8 +22,8 @@ impl Engine {
         BlockSize::new(self.config.block_tokens as u32).unwrap_or_default()
     }
 
-    /// Gives waiting sequences their cached prefix and a place in the running set, oldest request first. A
-    /// sequence whose cached blocks cannot be brought to the device fails alone.
+    /// Gives waiting sequences their cached prefix and a place in the running set, in the order of `seqs`
+    /// (priority, then arrival). A sequence whose cached blocks cannot be brought to the device fails alone.
     pub(super) fn admit(&mut self, seqs: &mut [Seq]) {
         let bt = self.config.block_tokens;
         let room = self.config.max_num_seqs.saturating_sub(seqs.iter().filter(|s| s.running).count());
@@ -182,7 +182,8 @@ impl Engine {
             plan.push((i, n));
             budget -= n;
         }
-        // Device blocks for the plan, preempting the newest running sequence when the pool runs dry. A sequence ended
+        // Device blocks for the plan, preempting the running sequence of the lowest priority (the newest among
+        // equals) when the pool runs dry. A sequence ended
         // here (`ended`) is progress even when nothing is left to compute.
         let mut ended = false;
         let mut k = 0;
@@ -210,7 +211,7 @@ impl Engine {
                             .iter()
                             .enumerate()
                             .filter(|(_, s)| s.running && s.active())
-                            .max_by_key(|(_, s)| s.admitted_at)
+                            .max_by_key(|(_, s)| (s.priority, s.admitted_at))
                             .map(|(v, _)| v);
                         let alone = seqs.iter().filter(|s| s.running && s.active()).count() == 1;
                         let Some(v) = victim.filter(|&v| !(v == i && alone)) else {

@@ -90,7 +90,7 @@ impl Stepper {
     ) -> Result<(), EngineError> {
         let ours = prompt.block_size() == self.engine.block_size();
         let (tokens, namespace, hashes) = prompt.into_parts();
-        let request = Request { prompt: tokens, sampling, namespace, deadline: None };
+        let request = Request { prompt: tokens, sampling, namespace, deadline: None, priority: 0 };
         self.queue(id, request, ours.then_some(hashes), export, blocks)
     }
 
@@ -104,8 +104,7 @@ impl Stepper {
     ) -> Result<(), EngineError> {
         let seq = self.engine.prepare_hashed(request, hashes, self.next_index, export, blocks);
         self.next_index += 1;
-        self.seqs.push(seq?);
-        self.tags.push((id, export));
+        super::sequence::enqueue(&mut self.seqs, &mut self.tags, seq?, (id, export));
         Ok(())
     }
 

@@ -26,7 +26,7 @@ fn fused_engine(path: &std::path::Path, config: EngineConfig) -> Engine {
 /// Greedy with each token's log-probability: the logits themselves, compared to the last bit.
 fn request(prompt: Vec<u32>) -> Request {
     let sampling = SamplingParams::new(RawSampling { max_tokens: 3, logprobs: Some(0), ..RawSampling::default() });
-    Request { prompt, sampling: sampling.expect("valid"), namespace: None, deadline: None }
+    Request { prompt, sampling: sampling.expect("valid"), namespace: None, deadline: None, priority: 0 }
 }
 
 fn each_alone(e: &mut Engine, requests: &[Request]) -> Vec<Completion> {

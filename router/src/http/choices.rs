@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use futures_util::future::try_join_all;
 use proto::worker as pb;
 use serde_json::{Value, json};
-use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::completions::{Ident, Routed, fail, plan};
@@ -602,7 +602,7 @@ pub async fn streamed(
     planned: Vec<Planned>,
     arrived: Instant,
     route: &'static str,
-    permit: OwnedSemaphorePermit,
+    permit: crate::admission::Permit,
 ) -> Response {
     let (tx, mut rx) = mpsc::channel::<Result<Event, Infallible>>(64);
     let span = tracing::Span::current();

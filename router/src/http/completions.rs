@@ -173,6 +173,7 @@ pub async fn plan(
         prompt_logprobs: checked.scored_prompt(),
         grammar: checked.grammar.as_ref().map(|(g, _)| pb::Grammar { kind: g.kind().into(), data: g.data().into() }),
         min_p: checked.min_p,
+        priority: checked.priority,
     };
     let config = state.scheduler_config();
     let mut req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);

@@ -21,9 +21,6 @@ enum Rule {
 
 use Rule::{Inert, Refused, Used};
 
-fn zero(v: &Value) -> bool {
-    v.as_f64() == Some(0.0)
-}
 fn one(v: &Value) -> bool {
     v.as_f64() == Some(1.0)
 }
@@ -80,7 +77,7 @@ fn common(name: &str) -> Option<Rule> {
         }
         "use_beam_search" => Refused(is_false, "beam search is not supported: ask for n samples"),
         "length_penalty" => Refused(one, "length_penalty applies to beam search, which is not supported"),
-        "priority" => Refused(zero, "requests are served first come, first served: priorities are not supported"),
+        "priority" => Used,
         "bad_words" | "allowed_token_ids" => Used,
         "truncate_prompt_tokens" | "return_tokens_as_token_ids" => Used,
         "logits_processors" => Refused(empty, "custom logits processors are not supported"),
@@ -227,7 +224,6 @@ mod tests {
             ("spaces_between_special_tokens", json!(false)),
             ("use_beam_search", json!(true)),
             ("length_penalty", json!(0.5)),
-            ("priority", json!(-1)),
             ("chat_template", json!("{{ messages }}")),
             ("chat_template_kwargs", json!({"enable_thinking": false})),
             ("request_id", json!("abc")),
@@ -241,6 +237,7 @@ mod tests {
         let completion = |v| refused(Endpoint::Completion, v);
         assert_eq!(completion(json!({"prompt": "x", "prompt_logprobs": 1})), None);
         assert_eq!(refused(chat, json!({"messages": [], "prompt_logprobs": 0})), None);
+        assert_eq!(completion(json!({"prompt": "x", "priority": -3})), None);
         for add in [true, false] {
             assert_eq!(completion(json!({"prompt": "x", "add_special_tokens": add})), None);
             assert_eq!(refused(chat, json!({"messages": [], "add_special_tokens": add})), None);

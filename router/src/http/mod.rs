@@ -217,7 +217,8 @@ async fn run_request(
         if let Some(s) = &checked.safety_identifier {
             span.record("safety_identifier", s.as_str());
         }
-        let permit = state.admission.admit(state.limits.request_timeout.saturating_sub(arrived.elapsed())).await?;
+        let wait = state.limits.request_timeout.saturating_sub(arrived.elapsed());
+        let permit = state.admission.admit(checked.priority, wait).await?;
         let stream = checked.stream;
         let planned = plan_all(&state, checked, ident, traceparent(&headers)).await?;
         tracing::Span::current().record("gen_ai.usage.input_tokens", choices::prompt_tokens(&planned));

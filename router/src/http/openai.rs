@@ -161,6 +161,8 @@ pub struct Common {
     /// vLLM's: log-probabilities name tokens `token_id:ID` instead of by their text.
     #[serde(default, deserialize_with = "null_is_false")]
     pub return_tokens_as_token_ids: bool,
+    /// vLLM's: lower values are served first (in the router's admission queue and in the workers' queues).
+    pub priority: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -344,6 +346,8 @@ pub struct Checked {
     pub keep_last: Option<KeepLast>,
     /// vLLM's `return_tokens_as_token_ids`: log-probabilities name each token `token_id:ID`.
     pub tokens_as_ids: bool,
+    /// Lower first; 0 by default.
+    pub priority: i32,
 }
 
 /// How much of a prompt `truncate_prompt_tokens` keeps: its last tokens, cut from the left as vLLM cuts.
@@ -580,6 +584,10 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
             ApiError::bad(why, "truncate_prompt_tokens")
         })?)),
     };
+    let priority = i32::try_from(c.priority.unwrap_or(0)).map_err(|_| {
+        let why = format!("priority must be an integer from {} to {}", i32::MIN, i32::MAX);
+        ApiError::bad(why, "priority")
+    })?;
     if c.cache_salt.as_deref().is_some_and(|s| s.contains('\0')) {
         return Err(ApiError::bad("cache_salt must not contain NUL", "cache_salt"));
     }
@@ -615,6 +623,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         add_special_tokens: c.add_special_tokens,
         keep_last,
         tokens_as_ids: c.return_tokens_as_token_ids,
+        priority,
     })
 }
 
@@ -1011,6 +1020,16 @@ mod tests {
         assert_eq!(KeepLast::Tokens(20).apply(ids[..2].to_vec(), 30).ok(), Some(vec![1, 2]), "short: whole");
         assert_eq!(KeepLast::Context.apply(ids.clone(), 4).ok(), Some(vec![7, 8, 9, 10]));
         assert!(KeepLast::Tokens(9).apply(ids, 8).is_err(), "more than the context: refused, as vLLM does");
+    }
+
+    #[test]
+    fn priorities_are_32_bit_integers_and_0_by_default() {
+        let priority = |v: &str| chat_with(&format!(r#","priority":{v}"#)).map(|c| c.priority);
+        assert_eq!(priority("-5"), Ok(-5));
+        assert_eq!(priority("null"), Ok(0));
+        assert_eq!(priority("2147483647"), Ok(i32::MAX));
+        assert!(priority("2147483648").is_err_and(|e| e.contains("priority")));
+        assert!(priority("1.5").is_err());
     }
 
     #[test]

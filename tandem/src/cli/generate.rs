@@ -123,7 +123,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         args.prompt.clone()
     };
     let prompt = engine.tokenizer().encode_prompt(&text, args.chat, None);
-    let request = Request { namespace: None, prompt, sampling, deadline: None };
+    let request = Request::new(prompt, sampling);
     let cancel = Arc::new(AtomicBool::new(false));
     let completion = run_cancellable(engine, request, Arc::clone(&cancel), !args.json)
         .map_err(|e| format!("{e} (model {})", display(&path)))?;

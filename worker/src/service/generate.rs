@@ -34,6 +34,7 @@ impl WorkerService {
         traceparent: Option<String>,
         arrived: Instant,
     ) -> Result<Response<Streamed<pb::GenerateResponse>>, Status> {
+        let priority = r.sampling.as_ref().map_or(0, |s| s.priority);
         let sampling = convert::sampling(r.sampling, None)?;
         let deadline = convert::deadline(r.deadline_unix_ms, std::time::SystemTime::now(), Instant::now())?;
         let namespace = r.cache_namespace.map(CacheNamespace::new);
@@ -46,7 +47,7 @@ impl WorkerService {
             None => (Pulled::Received(Vec::new()), None),
         };
         let capacity = sampling.max_tokens() as usize + 2;
-        let request = Request { namespace, prompt: r.tokens, sampling, deadline };
+        let request = Request { namespace, prompt: r.tokens, sampling, deadline, priority };
         let submitted = self.engine.submit_with_blocks(request, pulled, Some(ticket.tag())).await;
         // A block that failed its check in the engine makes the pull a failed one, as one failing on receipt is.
         if let Some(t) = timing {

@@ -64,6 +64,7 @@ impl WorkerService {
         endpoint: String,
         arrived: Instant,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let priority = r.sampling.as_ref().map_or(0, |s| s.priority);
         let sampling = convert::sampling(r.sampling, Some(1))?;
         let deadline = convert::deadline(r.deadline_unix_ms, std::time::SystemTime::now(), Instant::now())?;
         // Room for the prompt's KV under the lease cap, before any compute: past it, another worker should do this.
@@ -77,7 +78,13 @@ impl WorkerService {
         let mut stream = self
             .engine
             .submit_exporting(
-                Request { namespace: r.cache_namespace.map(CacheNamespace::new), prompt: r.tokens, sampling, deadline },
+                Request {
+                    namespace: r.cache_namespace.map(CacheNamespace::new),
+                    prompt: r.tokens,
+                    sampling,
+                    deadline,
+                    priority,
+                },
                 Some(ticket.tag()),
             )
             .await
