@@ -194,15 +194,48 @@ async fn a_shared_prefix_goes_back_to_the_llama_server_that_cached_it_and_a_kill
             assert!(near(&a["logprob"], &b["logprob"]), "{ours} / {theirs}");
         }
     }
-    // Structured outputs are not relayed to external engines: with only those, a 400 says so.
+    // Structured outputs go to llama-server as its own JSON schemas: the answer is valid under the schema, whole and
+    // as a forced tool call.
+    let schema = serde_json::json!({"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["colour", "count"],
+        "additionalProperties": false});
+    let format = serde_json::json!({"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}});
     let r = http(
         router.addr,
         "POST",
         "/v1/chat/completions",
-        &with(serde_json::json!({"response_format": {"type": "json_object"}})),
+        &with(serde_json::json!({"response_format": format,
+        "max_tokens": 40})),
         &[],
     )
     .await;
-    assert!(r.status == 400 && r.body.contains("external engines"), "{}", r.body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answer = r.json()["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{e}: {answer}"));
+    assert!(v["colour"].is_string() && v["count"].as_u64().is_some_and(|c| c <= 99), "{v}");
+    assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{v}");
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": false}}}]);
+    let forced = serde_json::json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "weather"}},
+        "max_tokens": 30});
+    let r = http(router.addr, "POST", "/v1/chat/completions", &with(forced), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let call = &r.json()["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "weather", "{}", r.body);
+    let args: serde_json::Value = serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("JSON");
+    assert!(args["city"].is_string() && args.as_object().map(|o| o.len()) == Some(1), "{args}");
+    // llama-server takes no regular expression: with only llama-servers up, a 400 says what would serve it.
+    let r = http(
+        router.addr,
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"model": MODEL, "prompt": "Digits:",
+        "max_tokens": 4, "structured_outputs": {"regex": "[0-9]+"}})
+        .to_string(),
+        &[],
+    )
+    .await;
+    assert!(r.status == 400 && r.body.contains("regular expression"), "{}", r.body);
     router.shutdown(Duration::from_secs(5)).await;
 }

@@ -134,18 +134,20 @@ pub struct Member {
 
 /// What a request needs of the worker that serves it: a worker protocol version (a Tandem worker of an older one
 /// would ignore what the request asks), and whether an external engine, which takes the sampling fields in its own
-/// API, may serve it when its own version (3) is older: not for a grammar, and for log-probabilities only where the
-/// router relays them ([`crate::external::EngineKind::relays_logprobs`]).
+/// API, may serve it when its own version (3) is older: log-probabilities only where the router relays them
+/// ([`crate::external::EngineKind::relays_logprobs`]), a regular expression only where the engine takes one
+/// ([`crate::external::EngineKind::takes_regex`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Needs {
     pub protocol: u32,
     pub external: bool,
     pub logprobs: bool,
+    pub regex: bool,
 }
 
 impl Needs {
     /// Any worker will do.
-    pub const ANY: Needs = Needs { protocol: 0, external: true, logprobs: false };
+    pub const ANY: Needs = Needs { protocol: 0, external: true, logprobs: false, regex: false };
 
     pub fn met_by(&self, m: &Member) -> bool {
         m.protocol >= self.protocol
@@ -157,7 +159,7 @@ impl Needs {
 
     /// Whether an external engine of `kind` serves all the request asks.
     pub fn met_by_external(&self, kind: crate::external::EngineKind) -> bool {
-        self.external && (!self.logprobs || kind.relays_logprobs())
+        self.external && (!self.logprobs || kind.relays_logprobs()) && (!self.regex || kind.takes_regex())
     }
 }
 
@@ -926,10 +928,24 @@ mod tests {
         assert!(logprobs.met_by(&llama) && logprobs.met_by(&vllm), "relayed from llama-server and vLLM");
         assert!(!logprobs.met_by(&sglang), "SGLang's are not read");
 
-        let grammar = pb::Grammar { kind: "regex".into(), data: "a+".into() };
-        let constrained = needs(&pb::Sampling { grammar: Some(grammar), ..Default::default() });
-        assert!(constrained.met_by(&tandem(worker::LOGPROBS_PROTOCOL)));
-        assert!(![&llama, &vllm, &sglang].iter().any(|m| constrained.met_by(m)), "grammars are not relayed");
+        let grammar = |kind: &str, data: &str, prior_generated| {
+            let grammar = Some(pb::Grammar { kind: kind.into(), data: data.into() });
+            needs(&pb::Sampling { grammar, prior_generated, ..Default::default() })
+        };
+        let schema = grammar("json_schema", r#"{"type": "integer"}"#, 0);
+        assert!(schema.met_by(&tandem(worker::LOGPROBS_PROTOCOL)));
+        assert!(!schema.met_by(&tandem(worker::LOGPROBS_PROTOCOL - 1)));
+        assert!([&llama, &vllm, &sglang].iter().all(|m| schema.met_by(m)), "schemas are the engines' own");
+        assert!([&llama, &vllm, &sglang].iter().all(|m| grammar("json_object", "", 0).met_by(m)));
+        let regex = grammar("regex", "a+", 0);
+        assert!(regex.met_by(&tandem(worker::LOGPROBS_PROTOCOL)));
+        assert!(regex.met_by(&vllm) && regex.met_by(&sglang) && !regex.met_by(&llama), "llama-server takes none");
+        for (what, n) in
+            [("going on after a first token", grammar("json_schema", "{}", 1)), ("unknown", grammar("x", "", 0))]
+        {
+            assert!(n.met_by(&tandem(worker::LOGPROBS_PROTOCOL)), "{what}");
+            assert!(![&llama, &vllm, &sglang].iter().any(|m| n.met_by(m)), "{what}");
+        }
 
         let min_p = needs(&pb::Sampling { min_p: 0.1, ..Default::default() });
         assert!(min_p.met_by(&tandem(worker::MIN_P_PROTOCOL)));

@@ -452,8 +452,9 @@ async fn stream_tokens(
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
 /// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities, a version-7 one the
 /// allowed tokens and bad words, a version-8 one the priority). External engines take the sampling fields (`min_p`
-/// included) in their own APIs; grammars, prompt log-probabilities, allowed tokens, bad words and priorities are not
-/// relayed to them, log-probabilities only from llama-server and vLLM.
+/// included) and grammars (as their own structured outputs; regular expressions not on llama-server) in their own
+/// APIs; prompt log-probabilities, allowed tokens, bad words and priorities are not relayed to them,
+/// log-probabilities only from llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
@@ -462,9 +463,17 @@ pub fn needs(s: &pb::Sampling) -> Needs {
         && s.min_tokens == 0
         && s.stop_token_ids.is_empty();
     let mut protocol = if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL };
-    // Grammars, the prompt's log-probabilities and the token rules are applied by Tandem's own workers only.
+    // The prompt's log-probabilities and the token rules are applied by Tandem's own workers only.
     let token_rules = !s.allowed_token_ids.is_empty() || !s.bad_words.is_empty();
-    let external = s.grammar.is_none() && s.prompt_logprobs.is_none() && !token_rules && s.priority == 0;
+    // A grammar goes to an external engine as the engine's own structured output, from its start: not one of a kind
+    // the relay does not know, nor one to continue after tokens generated elsewhere.
+    let grammar = s.grammar.as_ref().map(|g| engine::grammar::Grammar::from_parts(&g.kind, &g.data));
+    let relayable = match &grammar {
+        None => true,
+        Some(g) => g.is_ok() && s.prior_generated == 0,
+    };
+    let regex = matches!(grammar, Some(Ok(engine::grammar::Grammar::Regex(_))));
+    let external = relayable && s.prompt_logprobs.is_none() && !token_rules && s.priority == 0;
     if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
@@ -480,13 +489,48 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     if s.priority != 0 {
         protocol = worker::PRIORITY_PROTOCOL;
     }
-    Needs { protocol, external, logprobs: s.logprobs.is_some() }
+    Needs { protocol, external, logprobs: s.logprobs.is_some(), regex }
 }
 
-/// The least loaded routable decode worker not in `tried` that speaks the job's protocol, or `fallback` when there
-/// is none.
-fn next_decoder(state: &RouterState, job: &Job, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
-    let needs = needs(&job.sampling);
+/// Why only some workers serve a request asking for `s` (to a client whose fleet has none of them up).
+pub fn unserved(s: &pb::Sampling) -> String {
+    let n = needs(s);
+    let mut asked = Vec::new();
+    if s.prompt_logprobs.is_some() {
+        asked.push("the prompt's log-probabilities");
+    }
+    if !s.allowed_token_ids.is_empty() || !s.bad_words.is_empty() {
+        asked.push("allowed_token_ids or bad_words");
+    }
+    if s.priority != 0 {
+        asked.push("a priority");
+    }
+    if n.logprobs {
+        asked.push("log-probabilities (relayed from llama-server and vLLM)");
+    }
+    if n.regex {
+        asked.push("a regular expression (taken by vLLM and SGLang)");
+    }
+    if s.grammar.is_some() && !n.regex {
+        asked.push("a structured output");
+    }
+    if asked.is_empty() {
+        asked.push("its sampling rules");
+    }
+    let elsewhere = if n.external { ", or an external engine that takes them" } else { " (external engines do not)" };
+    format!("{} need Tandem workers of protocol {} or newer{elsewhere}", asked.join(", "), n.protocol)
+}
+
+/// What the decode call for `job` asks of its worker once `generated` tokens came from elsewhere (they count as
+/// generated: a grammar then cannot be relayed to an external engine, which would start it over).
+fn continuing(job: &Job, generated: usize) -> Needs {
+    needs(&pb::Sampling { prior_generated: u32::try_from(generated).unwrap_or(u32::MAX), ..job.sampling.clone() })
+}
+
+/// The least loaded routable decode worker not in `tried` that serves the job after `generated` tokens, or
+/// `fallback` when there is none.
+fn next_decoder(state: &RouterState, job: &Job, generated: usize, tried: &[WorkerId], fallback: WorkerId) -> WorkerId {
+    let needs = continuing(job, generated);
     state
         .cluster
         .routable_members(std::time::Instant::now())
@@ -546,11 +590,13 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
     let mut tried = Vec::new();
     // The decode worker's pulls of a streamed prompt's pieces end before it is asked for the rest.
     prefetches.settle(crate::stream_kv::SETTLE_LIMIT).await;
-    if !state.cluster.is_routable(worker, std::time::Instant::now()) {
+    let serves = |w| state.cluster.member(w).is_some_and(|m| continuing(&job, progress.generated.len()).met_by(&m));
+    if !state.cluster.is_routable(worker, std::time::Instant::now()) || !serves(worker) {
         // The decided decode worker left while the prompt prefilled (a drain began, its streams ended), or its
-        // breaker ejected it meanwhile (it answers with errors): nothing ran there, so another takes the request
-        // as its first decode attempt, pulling the prefilled KV, not as a resumption after a failure.
-        worker = next_decoder(&state, &job, &tried, worker);
+        // breaker ejected it meanwhile (it answers with errors), or it cannot go on from the prefill's first token
+        // (an external engine under a grammar): nothing ran there, so another takes the request as its first decode
+        // attempt, pulling the prefilled KV, not as a resumption after a failure.
+        worker = next_decoder(&state, &job, progress.generated.len(), &tried, worker);
         overlap = None;
     }
     for attempt in 0..state.limits.max_decode_attempts {
@@ -559,7 +605,7 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                 break;
             }
             state.metrics.decode_resumptions.fetch_add(1, Ordering::Relaxed);
-            worker = next_decoder(&state, &job, &tried, worker);
+            worker = next_decoder(&state, &job, progress.generated.len(), &tried, worker);
             overlap = None;
         }
         let target = Target { worker, handle: handle.take(), overlap };

@@ -5,6 +5,7 @@
 //! log-probability and the most likely alternatives, by id, from the model's own distribution (before sampling,
 //! `post_sampling_probs` off): what Tandem's workers report, relayed as they are.
 
+use engine::grammar::Grammar;
 use proto::worker as pb;
 use serde_json::{Value, json};
 
@@ -47,6 +48,12 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         b["n_probs"] = n.max(1).into();
         b["post_sampling_probs"] = false.into();
     }
+    // A schema, which the server turns into its own grammar; a regular expression is refused (`unsupported`).
+    match super::grammar(sampling) {
+        Some(Grammar::JsonSchema(schema)) => b["json_schema"] = super::schema_value(&schema),
+        Some(Grammar::JsonObject) => b["json_schema"] = super::schema_value(super::ANY_OBJECT),
+        Some(Grammar::Regex(_)) | None => {}
+    }
     b
 }
 
@@ -54,6 +61,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
 pub fn unsupported(sampling: &pb::Sampling) -> Option<&'static str> {
     if sampling.min_tokens > 0 {
         Some("min_tokens")
+    } else if matches!(super::grammar(sampling), Some(Grammar::Regex(_))) {
+        Some("structured outputs by regular expression")
     } else if !sampling.stop_token_ids.is_empty() {
         Some("stop_token_ids")
     } else {
@@ -129,8 +138,23 @@ mod tests {
         assert_eq!(b["prompt"], json!([1, 2, 3]));
         assert_eq!((b["n_predict"].as_u64(), b["return_tokens"].as_bool()), (Some(7), Some(true)));
         assert_eq!((b["top_k"].as_u64(), b["min_p"].as_f64(), b["seed"].as_u64()), (Some(0), Some(0.0), Some(3)));
-        let b = body(&[1], &pb::Sampling { min_p: 0.25, ..s });
+        let b = body(&[1], &pb::Sampling { min_p: 0.25, ..s.clone() });
         assert_eq!(b["min_p"].as_f64(), Some(0.25));
+        assert_eq!(b.get("json_schema"), None);
+    }
+
+    #[test]
+    fn structured_outputs_go_as_json_schemas_and_regular_expressions_are_refused() {
+        let with = |kind: &str, data: &str| pb::Sampling {
+            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into() }),
+            ..Default::default()
+        };
+        let schema = r#"{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}"#;
+        let b = body(&[1], &with("json_schema", schema));
+        assert_eq!(b["json_schema"]["properties"]["n"]["type"], "integer", "{b}");
+        assert_eq!(body(&[1], &with("json_object", ""))["json_schema"], json!({"type": "object"}));
+        assert_eq!(unsupported(&with("json_schema", schema)), None);
+        assert_eq!(unsupported(&with("regex", "a+")), Some("structured outputs by regular expression"));
     }
 
     #[test]

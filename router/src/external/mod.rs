@@ -30,6 +30,22 @@ use crate::scheduler::view::WorkerId;
 
 /// The request's penalties, bias, `min_tokens` (under the name the engine uses for it) and stop token ids, in the
 /// sampling fields vLLM and SGLang share (both define them as Tandem's engine does).
+/// The request's structured output (`None`: unconstrained; [`crate::serve::needs`] keeps a grammar of a kind it does
+/// not know from external engines, so none is dropped here).
+fn grammar(sampling: &pb::Sampling) -> Option<engine::grammar::Grammar> {
+    let g = sampling.grammar.as_ref()?;
+    engine::grammar::Grammar::from_parts(&g.kind, &g.data).ok()
+}
+
+/// A JSON schema's text as a JSON value for an engine that takes one (the router compiled it, so it parses; text that
+/// did not would go as a string, which the engine refuses).
+fn schema_value(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
+}
+
+/// OpenAI's `json_object` as a schema (what Tandem's workers allow: any object), for every engine.
+const ANY_OBJECT: &str = r#"{"type": "object"}"#;
+
 fn put_logits_rules(fields: &mut Value, sampling: &pb::Sampling, min_tokens_key: &str) {
     fields["frequency_penalty"] = sampling.frequency_penalty.into();
     fields["presence_penalty"] = sampling.presence_penalty.into();
@@ -95,6 +111,11 @@ impl EngineKind {
     /// are not read yet).
     pub fn relays_logprobs(self) -> bool {
         matches!(self, EngineKind::LlamaServer | EngineKind::Vllm)
+    }
+
+    /// Whether it constrains output by a regular expression (llama-server takes JSON schemas and GBNF only).
+    pub fn takes_regex(self) -> bool {
+        matches!(self, EngineKind::Vllm | EngineKind::Sglang)
     }
 
     fn parser(self, sampling: &pb::Sampling) -> Parser {
@@ -303,8 +324,14 @@ impl Engine {
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
         if !crate::serve::needs(sampling).met_by_external(self.kind) {
-            let what = if sampling.grammar.is_none() { "logprobs are" } else { "structured outputs are" };
-            return Err(Status::invalid_argument(format!("{}: {what} not relayed to external engines", self.url)));
+            let why = match &sampling.grammar {
+                Some(_) if sampling.prior_generated > 0 => {
+                    "a structured output cannot go on after tokens generated elsewhere (the engine would start it over)"
+                }
+                Some(g) if g.kind == "regex" => "it takes no regular expressions",
+                _ => "what the request asks is not relayed to external engines",
+            };
+            return Err(Status::invalid_argument(format!("{}: {why}", self.url)));
         }
         if self.kind == EngineKind::LlamaServer
             && let Some(field) = llama_server::unsupported(sampling)

@@ -2,6 +2,7 @@
 //! `output_ids` (all generated so far by default; only the new ones with `--incremental-streaming-output`, told
 //! apart by `meta_info.completion_tokens`), with `meta_info.finish_reason` and `cached_tokens` on the last chunk.
 
+use engine::grammar::Grammar;
 use proto::worker as pb;
 use serde_json::{Value, json};
 
@@ -28,6 +29,12 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         params["sampling_seed"] = (seed as i64).into();
     }
     super::put_logits_rules(&mut params, sampling, "min_new_tokens");
+    match super::grammar(sampling) {
+        Some(Grammar::JsonSchema(schema)) => params["json_schema"] = schema.into(),
+        Some(Grammar::JsonObject) => params["json_schema"] = super::ANY_OBJECT.into(),
+        Some(Grammar::Regex(regex)) => params["regex"] = regex.into(),
+        None => {}
+    }
     json!({"input_ids": tokens, "sampling_params": params, "stream": true})
 }
 
@@ -90,6 +97,25 @@ mod tests {
         let signed = body(&[1], &pb::Sampling { seed: Some(u64::MAX - 1), ..s.clone() });
         assert_eq!(signed["sampling_params"]["sampling_seed"].as_i64(), Some(-2));
         assert_eq!(body(&[1], &pb::Sampling { min_p: 0.5, ..s })["sampling_params"]["min_p"].as_f64(), Some(0.5));
+    }
+
+    #[test]
+    fn structured_outputs_go_as_sglangs_own() {
+        let with = |kind: &str, data: &str| pb::Sampling {
+            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into() }),
+            ..Default::default()
+        };
+        let params = |s| body(&[1], &s)["sampling_params"].clone();
+        let schema = r#"{"type": "integer"}"#;
+        assert_eq!(
+            (
+                params(with("json_schema", schema))["json_schema"].as_str(),
+                params(with("json_schema", schema)).get("regex")
+            ),
+            (Some(schema), None)
+        );
+        assert_eq!(params(with("json_object", ""))["json_schema"], json!(r#"{"type": "object"}"#));
+        assert_eq!(params(with("regex", "a|b"))["regex"], json!("a|b"));
     }
 
     #[test]

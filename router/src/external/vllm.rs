@@ -6,6 +6,7 @@
 //! `return_tokens_as_token_ids`, so each token and alternative comes named `token_id:N`; vLLM reports the model's
 //! raw distribution (its default `logprobs_mode`), what Tandem's workers report.
 
+use engine::grammar::Grammar;
 use proto::worker as pb;
 use serde_json::{Value, json};
 
@@ -41,6 +42,14 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
     }
     // The same rules vLLM applies itself (Tandem's engine follows vLLM's meaning of each).
     super::put_logits_rules(&mut b, sampling, "min_tokens");
+    // JSON without free whitespace, as Tandem's workers write it.
+    let json = |schema: &str| json!({"json": super::schema_value(schema), "disable_any_whitespace": true});
+    match super::grammar(sampling) {
+        Some(Grammar::JsonSchema(schema)) => b["structured_outputs"] = json(&schema),
+        Some(Grammar::JsonObject) => b["structured_outputs"] = json(super::ANY_OBJECT),
+        Some(Grammar::Regex(regex)) => b["structured_outputs"] = json!({"regex": regex}),
+        None => {}
+    }
     b
 }
 
@@ -157,7 +166,21 @@ mod tests {
         assert_eq!((b["top_k"].as_u64(), b["seed"].as_u64(), b.get("model")), (Some(0), Some(1), None));
         // A client's seed of -1 is the sampler's u64::MAX; vLLM takes seeds in i64's range only.
         assert_eq!(body(&[5], &pb::Sampling { seed: Some(u64::MAX), ..s.clone() })["seed"].as_i64(), Some(-1));
-        assert_eq!(body(&[5], &pb::Sampling { min_p: 0.5, ..s })["min_p"].as_f64(), Some(0.5));
+        assert_eq!(body(&[5], &pb::Sampling { min_p: 0.5, ..s.clone() })["min_p"].as_f64(), Some(0.5));
+        assert_eq!(body(&[5], &s).get("structured_outputs"), None);
+    }
+
+    #[test]
+    fn structured_outputs_go_as_vllms_own() {
+        let with = |kind: &str, data: &str| pb::Sampling {
+            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into() }),
+            ..Default::default()
+        };
+        let b = body(&[1], &with("json_schema", r#"{"type": "integer"}"#));
+        assert_eq!(b["structured_outputs"], json!({"json": {"type": "integer"}, "disable_any_whitespace": true}));
+        let b = body(&[1], &with("json_object", ""));
+        assert_eq!(b["structured_outputs"], json!({"json": {"type": "object"}, "disable_any_whitespace": true}));
+        assert_eq!(body(&[1], &with("regex", "[0-9]+"))["structured_outputs"], json!({"regex": "[0-9]+"}));
     }
 
     #[test]

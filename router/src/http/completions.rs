@@ -250,9 +250,7 @@ pub async fn plan(
         }
         match e {
             RouteError::NoDecodeWorkers if others_only => ApiError::BadRequest {
-                message: "no worker up can serve this request: log-probabilities and structured outputs need Tandem \
-                          workers of protocol 4 or newer (external engines do not relay them)"
-                    .into(),
+                message: format!("no worker up can serve this request: {}", crate::serve::unserved(&sampling)),
                 param: None,
             },
             RouteError::NoDecodeWorkers => ApiError::Unavailable(e.to_string()),
