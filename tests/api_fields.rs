@@ -811,6 +811,20 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
         let r = http(router.addr, "POST", "/v1/chat/completions", &ask(fields.clone()), &[]).await;
         assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{fields}: {}", r.body);
     }
+    // Rules that leave no token possible (only end-of-generation tokens allowed, which min_tokens rules out) are a
+    // 400 that says so, not an arbitrary token.
+    let ends: Vec<u32> = (0..16).filter(|&t| vocab.tokenizer().is_end_of_generation(t)).collect();
+    assert!(!ends.is_empty());
+    let r = http(
+        router.addr,
+        "POST",
+        "/v1/chat/completions",
+        &ask(json!({"allowed_token_ids": ends, "min_tokens": 2})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.json()["error"]["message"].as_str().is_some_and(|m| m.contains("no token is possible")), "{}", r.body);
     stop(router, workers).await;
 }
 

@@ -369,20 +369,22 @@ impl Sampler {
     }
 
     /// The next token for `logits` after the sampling rules ([`LogitsRules`]) for a sequence of `tokens` whose
-    /// generated part starts at `generated_from`.
+    /// generated part starts at `generated_from`; `None` when the rules (with whatever mask `logits` already holds,
+    /// a grammar's) leave no token possible: every logit at −∞.
     pub fn sample_in(
         &mut self,
         logits: &[f32],
         tokens: &[u32],
         generated_from: usize,
         end_of_generation: &dyn Fn(u32) -> bool,
-    ) -> u32 {
+    ) -> Option<u32> {
+        let possible = |logits: &[f32]| logits.iter().any(|&l| l > f32::NEG_INFINITY);
         if !self.params.logits.active() {
-            return self.sample(logits);
+            return possible(logits).then(|| self.sample(logits));
         }
         let mut processed = logits.to_vec();
         self.params.logits.apply(&mut processed, tokens, generated_from, end_of_generation);
-        self.sample(&processed)
+        possible(&processed).then(|| self.sample(&processed))
     }
 
     /// The sampler's parameters.
@@ -669,6 +671,27 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_maximum() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+    }
+
+    /// Rules that rule out every token leave nothing to sample: `None`, never an arbitrary token.
+    #[test]
+    fn nothing_is_sampled_where_the_rules_leave_no_token() {
+        let logits = [1.0, 2.0, 0.5, 3.0];
+        let eog = |t: u32| t == 2;
+        for temperature in [0.0, 1.0] {
+            let rules = |logits: LogitsRules| {
+                let raw = RawSampling { temperature, seed: Some(1), logits, ..RawSampling::default() };
+                Sampler::new(SamplingParams::new(raw).expect("valid"), 0)
+            };
+            // Only the end-of-generation token allowed, and min_tokens forbids it.
+            let off = LogitsRules { repetition_penalty: 1.0, ..LogitsRules::default() };
+            let mut s = rules(LogitsRules { allowed_token_ids: vec![2], min_tokens: 1, ..off.clone() });
+            assert_eq!(s.sample_in(&logits, &[7], 1, &eog), None, "temperature {temperature}");
+            // The same rules once min_tokens is met; and a grammar's mask that leaves nothing.
+            assert_eq!(s.sample_in(&logits, &[7, 9], 1, &eog), Some(2));
+            let masked = [f32::NEG_INFINITY; 4];
+            assert_eq!(rules(off).sample_in(&masked, &[7], 1, &eog), None);
+        }
     }
 
     #[test]

@@ -17,7 +17,9 @@ async fn prefill(p: &EngineHandle, prompt: &[u32]) -> (u32, ExportedKv) {
             SeqEvent::Token { token, .. } => first = Some(token),
             SeqEvent::Exported(e) => kv = Some(e),
             SeqEvent::Finished(_) => break,
-            other @ (SeqEvent::Failed(_) | SeqEvent::Expired) => panic!("prefill failed: {other:?}"),
+            other @ (SeqEvent::Failed(_) | SeqEvent::Refused(_) | SeqEvent::Expired) => {
+                panic!("prefill failed: {other:?}")
+            }
         }
     }
     (first.expect("a first token"), kv.expect("the prompt's KV"))

@@ -109,6 +109,8 @@ enum PrefillOutcome {
     Done(Box<Prefilled>),
     /// Every attempt failed (or the retry budget allowed no more).
     Failed,
+    /// A worker refused what the request asks (another would too): the client's error.
+    Refused(Status),
     ClientGone,
 }
 
@@ -211,6 +213,10 @@ async fn prefill(
                     cached_tokens: r.cached_tokens,
                     prefetches,
                 }));
+            }
+            Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => {
+                outcome(state, cand.id, &member.name, Err(status.code()));
+                return PrefillOutcome::Refused(status);
             }
             Ok(Err(status)) => {
                 tracing::warn!(worker = %member.name, code = ?status.code(), "prefill failed");
@@ -573,6 +579,11 @@ async fn run(state: Arc<RouterState>, job: Job, decision: Decision, tx: mpsc::Se
                 }
             }
             PrefillOutcome::ClientGone => return,
+            PrefillOutcome::Refused(status) => {
+                let e = ApiError::BadRequest { message: status.message().to_string(), param: None };
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
             PrefillOutcome::Failed => {
                 // Prefilling on the decode worker instead is one more try: only within the budget.
                 if !state.try_retry() {

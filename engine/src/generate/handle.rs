@@ -37,6 +37,8 @@ pub enum SeqEvent {
     Finished(Completion),
     /// The engine failed the sequence; the last message on the stream.
     Failed(String),
+    /// What the request asks cannot be done (any engine would fail it so); the last message on the stream.
+    Refused(String),
     /// The prompt's KV, sent just before `Finished` when the request asked for it.
     Exported(ExportedKv),
     /// The request's deadline passed before it finished; the last message on the stream.
@@ -558,6 +560,7 @@ impl Loop {
                 Ok(completion) => SeqEvent::Finished(completion),
                 Err(Failure::Expired) => SeqEvent::Expired,
                 Err(Failure::Error(why)) => SeqEvent::Failed(why),
+                Err(Failure::Refused(why)) => SeqEvent::Refused(why),
             };
             outbox.push((l.out, last));
         }

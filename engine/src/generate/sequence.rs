@@ -70,6 +70,8 @@ pub(super) struct Seq {
 pub(super) enum Failure {
     /// Something went wrong with this sequence (what).
     Error(String),
+    /// What the request asks cannot be done (what): another engine would refuse it too.
+    Refused(String),
     /// Its deadline passed.
     Expired,
 }
@@ -77,7 +79,7 @@ pub(super) enum Failure {
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Failure::Error(why) => f.write_str(why),
+            Failure::Error(why) | Failure::Refused(why) => f.write_str(why),
             Failure::Expired => f.write_str("the request's deadline passed"),
         }
     }

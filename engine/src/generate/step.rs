@@ -329,7 +329,13 @@ impl Engine {
                     let from = s.prompt_len.saturating_sub(prior);
                     let tokenizer = self.text.tokenizer();
                     let eog = |t| tokenizer.is_end_of_generation(t);
-                    let token = s.sampler.sample_in(masked.as_deref().unwrap_or(&l), &s.tokens, from, &eog);
+                    let Some(token) = s.sampler.sample_in(masked.as_deref().unwrap_or(&l), &s.tokens, from, &eog)
+                    else {
+                        let why = "no token is possible here: allowed_token_ids, min_tokens, bad_words and the \
+                                   structured output together rule out every one";
+                        self.end_alone(s, Failure::Refused(why.into()));
+                        continue;
+                    };
                     (token, top.map(|k| TokenLogprobs::of(&l, token, k)))
                 }
                 // Only a chunk that asked for no more than the top token gets it ([`Seq::chunk`]); a backend that

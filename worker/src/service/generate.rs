@@ -100,6 +100,7 @@ impl WorkerService {
                             (Ok(finished(&c)), true)
                         }
                         SeqEvent::Failed(e) => (Err(Status::internal(e)), true),
+                        SeqEvent::Refused(e) => (Err(Status::invalid_argument(e)), true),
                         SeqEvent::Expired => (Err(Status::deadline_exceeded("the request's deadline passed")), true),
                         SeqEvent::Exported(_) => continue,
                     };

@@ -114,6 +114,7 @@ impl WorkerService {
                     break;
                 }
                 SeqEvent::Failed(e) => return Err(Status::internal(e)),
+                SeqEvent::Refused(e) => return Err(Status::invalid_argument(e)),
                 SeqEvent::Expired => return Err(Status::deadline_exceeded("the request's deadline passed")),
             }
         }
