@@ -564,6 +564,15 @@ async fn tokenize_and_detokenize_as_vllm_serves_them() {
     let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).expect("tokens");
     let tail = engine::text::TextModel::open(&model()).expect("model").tokenizer().decode(&ids[ids.len() - 6..]);
     assert!(tail.ends_with("assistant\nIt is"), "ends inside the assistant's message: {tail:?}");
+    // Tools reach the template as a chat request's do: as many tokens as its prompt (none more on this model's
+    // template, which shows no tools).
+    let tools = json!([{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]);
+    let v =
+        http(router.addr, "POST", "/tokenize", &json!({"messages": messages, "tools": tools}).to_string(), &[]).await;
+    assert_eq!(v.status, 200, "{}", v.body);
+    let chat = json!({"model": MODEL, "messages": messages, "max_tokens": 1, "tools": tools, "tool_choice": "none"});
+    let used = http(router.addr, "POST", "/v1/chat/completions", &chat.to_string(), &[]).await.json();
+    assert_eq!(v.json()["count"], used["usage"]["prompt_tokens"], "{used}");
     for (path, body, param) in [
         ("/detokenize", json!({"tokens": [999_999]}), "tokens"),
         ("/tokenize", json!({"prompt": 5}), "prompt"),
@@ -571,6 +580,7 @@ async fn tokenize_and_detokenize_as_vllm_serves_them() {
         ("/tokenize", json!({"prompt": "x", "return_tokens_strs": true}), "return_tokens_strs"),
         ("/tokenize", json!({"messages": messages, "continue_final_message": true}), "continue_final_message"),
         ("/tokenize", json!({"prompt": "x", "return_token_strs": "yes"}), "return_token_strs"),
+        ("/tokenize", json!({"messages": messages, "tools": [{"type": "web"}]}), "tools"),
         ("/detokenize", json!({"tokens": [1], "skip_special_tokens": true}), "skip_special_tokens"),
     ] {
         let r = http(router.addr, "POST", path, &body.to_string(), &[]).await;

@@ -283,6 +283,7 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                 "add_generation_prompt",
                 "continue_final_message",
                 "return_token_strs",
+                "tools",
             ],
         )?;
         let tokenizer = state.text.tokenizer();
@@ -291,13 +292,19 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
             (None, Some(_)) => {
                 // Rendered as a chat request with the same fields is.
                 let (add, cont) = (flag("add_generation_prompt")?, flag("continue_final_message")?);
-                let chat = json!({"model": state.served_model, "messages": v["messages"],
+                let mut chat = json!({"model": state.served_model, "messages": v["messages"],
                     "add_generation_prompt": add, "continue_final_message": cont});
+                // Tools reach the template as a chat request's do (with no call forced, which changes nothing in
+                // the prompt).
+                if let Some(tools) = v.get("tools").filter(|t| !t.is_null()) {
+                    chat["tools"] = tools.clone();
+                    chat["tool_choice"] = json!("none");
+                }
                 let c = check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?)?;
-                let openai::Input::Chat(messages, ending, _) = c.input else { unreachable!("a chat request") };
+                let openai::Input::Chat(messages, ending, tools) = c.input else { unreachable!("a chat request") };
                 let text = state
                     .text
-                    .render_chat_ending(&messages, &[], ending)
+                    .render_chat_ending(&messages, &tools, ending)
                     .map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
                 (text, true)
             }
