@@ -616,6 +616,17 @@ async fn vllms_text_and_template_fields_through_the_router() {
         let r = completions.send(json!({"truncate_prompt_tokens": bad})).await;
         assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("truncate_prompt_tokens")), "{bad}");
     }
+    // `chat_template_kwargs`: each must be an argument the template reads; SmolLM2's reads none, so any is refused
+    // by name (on /tokenize too), and none at all is the plain conversation.
+    let r = api.send(json!({"chat_template_kwargs": {"enable_thinking": false}})).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("chat_template_kwargs")), "{}", r.body);
+    assert!(r.body.contains("reads no `enable_thinking`") && r.body.contains("arguments: none"), "{}", r.body);
+    let plain = api.send(json!({"temperature": 0})).await.json();
+    let empty = api.send(json!({"temperature": 0, "chat_template_kwargs": {}})).await.json();
+    assert_eq!(plain["choices"][0]["message"], empty["choices"][0]["message"], "{empty}");
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}});
+    let r = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("chat_template_kwargs")), "{}", r.body);
     // `return_tokens_as_token_ids`: log-probabilities name tokens by id, on both endpoints.
     let named = completions
         .send(json!({"prompt": last, "temperature": 0, "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": true}))
@@ -689,7 +700,8 @@ async fn vllms_text_and_template_fields_through_the_router() {
         }
         let r = api.send(body).await;
         assert_eq!(r.status, 200, "{fields}: {}", r.body);
-        let prompt = text_model.render_chat_ending(&chat, &[], ending).expect("renders");
+        let prompt =
+            text_model.render_chat_ending(&chat, engine::chat::ChatExtras::default(), ending).expect("renders");
         let want = text_model.tokenizer().encode(&prompt).len() as u64;
         assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(want), "{fields}");
     }

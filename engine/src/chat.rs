@@ -1,6 +1,8 @@
 //! Chat templates: the model's own Jinja text, rendered with minijinja the way transformers renders it
 //! (`trim_blocks` and `lstrip_blocks` on, `raise_exception` available).
 
+use std::collections::BTreeSet;
+
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
@@ -47,6 +49,18 @@ pub enum Ending {
     ContinueLast,
 }
 
+/// What a request adds to its conversation's rendering besides the messages: the tools the model may call (OpenAI's
+/// `tools` entries, which the template sees as `tools`, as transformers passes them; none when there are none), and
+/// arguments of the template's own (vLLM's `chat_template_kwargs`: `enable_thinking`, `date_string`...).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ChatExtras<'a> {
+    pub tools: &'a [serde_json::Value],
+    pub arguments: Option<&'a serde_json::Map<String, serde_json::Value>>,
+}
+
+/// What every render passes the template itself: no request's template arguments may name them.
+const PASSED: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
+
 /// Why a template could not be compiled or rendered.
 #[derive(Debug, thiserror::Error)]
 #[error("chat template: {0}")]
@@ -58,6 +72,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos: String,
     eos: String,
+    /// The variables the template reads that nothing passes it but a request's arguments.
+    arguments: BTreeSet<String>,
 }
 
 const NAME: &str = "chat";
@@ -72,29 +88,57 @@ impl ChatTemplate {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| TemplateError(e.to_string()))?;
-        Ok(ChatTemplate { env, bos: bos.to_owned(), eos: eos.to_owned() })
+        let read = env.get_template(NAME).map_err(|e| TemplateError(e.to_string()))?.undeclared_variables(false);
+        let arguments = read
+            .into_iter()
+            .filter(|v| !PASSED.contains(&v.as_str()) && env.globals().all(|(global, _)| global != v))
+            .collect();
+        Ok(ChatTemplate { env, bos: bos.to_owned(), eos: eos.to_owned(), arguments })
+    }
+
+    /// The names of the arguments the template reads (variables it uses that no render passes it otherwise).
+    pub fn arguments(&self) -> &BTreeSet<String> {
+        &self.arguments
+    }
+
+    /// Whether `arguments` (a request's `chat_template_kwargs`) are all ones the template reads: `Err` names the
+    /// first that is not, or that names what every render passes.
+    pub fn check_arguments(&self, arguments: &serde_json::Map<String, serde_json::Value>) -> Result<(), TemplateError> {
+        match arguments.keys().find(|k| PASSED.contains(&k.as_str()) || !self.arguments.contains(*k)) {
+            Some(k) if PASSED.contains(&k.as_str()) => {
+                Err(TemplateError(format!("`{k}` is not a template argument: the request itself sets it")))
+            }
+            Some(k) => {
+                let known = self.arguments.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", ");
+                let known = if known.is_empty() { "none".to_string() } else { known };
+                Err(TemplateError(format!("the template reads no `{k}` (its arguments: {known})")))
+            }
+            None => Ok(()),
+        }
     }
 
     /// The prompt text for `messages`, ending with the assistant's generation prompt when asked.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
-        self.render_with(messages, &[], add_generation_prompt)
+        self.render_with(messages, ChatExtras::default(), add_generation_prompt)
     }
 
-    /// [`render`](Self::render) with the tools the model may call (OpenAI's `tools` entries), which the template
-    /// sees as `tools`, as transformers passes them (none when there are none).
+    /// [`render`](Self::render) with a request's [`ChatExtras`] (arguments checked by
+    /// [`check_arguments`](Self::check_arguments) first: here they cannot override what every render passes).
     pub fn render_with(
         &self,
         messages: &[ChatMessage],
-        tools: &[serde_json::Value],
+        extras: ChatExtras<'_>,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
         let tmpl = self.env.get_template(NAME).map_err(|e| TemplateError(e.to_string()))?;
+        let tools = extras.tools;
         let ctx = minijinja::context! {
             messages => messages,
             tools => (!tools.is_empty()).then_some(tools),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
+            ..minijinja::Value::from_serialize(extras.arguments)
         };
         tmpl.render(ctx).map_err(|e| TemplateError(e.to_string()))
     }
@@ -102,14 +146,14 @@ impl ChatTemplate {
     /// The prompt text for `messages`, ending as `ending` says. To continue the last message, the conversation is
     /// rendered without a generation prompt and cut right after that message's text (trimmed of surrounding
     /// whitespace), its last occurrence, as transformers does; a template that does not keep the text as it is
-    /// cannot be continued. `tools`: the tools the model may call ([`render_with`](Self::render_with)).
+    /// cannot be continued. `extras`: as [`render_with`](Self::render_with) takes them.
     pub fn render_ending(
         &self,
         messages: &[ChatMessage],
-        tools: &[serde_json::Value],
+        extras: ChatExtras<'_>,
         ending: Ending,
     ) -> Result<String, TemplateError> {
-        let mut text = self.render_with(messages, tools, ending == Ending::NewTurn)?;
+        let mut text = self.render_with(messages, extras, ending == Ending::NewTurn)?;
         if ending == Ending::ContinueLast {
             let last = messages.last().map(|m| m.content.trim()).unwrap_or_default();
             if last.is_empty() {
@@ -161,9 +205,32 @@ mod tests {
             ChatMessage { tool_calls: Some(call), ..ChatMessage::new("assistant", "") },
             ChatMessage { tool_call_id: Some("c1".into()), ..ChatMessage::new("tool", "wet") },
         ];
-        let out = t.render_with(&chat, &[weather], false).expect("renders");
+        let out = t.render_with(&chat, ChatExtras { tools: &[weather], arguments: None }, false).expect("renders");
         assert_eq!(out, "tools: weather | user: rain?; assistant: [weather Oslo]; tool: wet(c1); ");
         assert_eq!(t.render(&chat[..1], false).expect("renders"), "user: rain?; ", "no tools: none");
+    }
+
+    #[test]
+    fn the_templates_own_arguments_are_found_passed_and_checked() {
+        let src = "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}\
+                   {% set n = namespace(k=0) %}{% for m in messages %}{{ m.content }}{% endfor %}\
+                   {{ date_string | default('today') }}{% if add_generation_prompt %}>{% endif %}\
+                   {{ raise_exception('x') if messages | length > 9 else '' }}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        let names: Vec<&str> = t.arguments().iter().map(String::as_str).collect();
+        assert_eq!(names, ["date_string", "enable_thinking"], "not messages, globals, functions or loop variables");
+        let chat = [ChatMessage::new("user", "hi ")];
+        let args = serde_json::json!({"enable_thinking": false, "date_string": "7 Dec"});
+        let args = args.as_object().expect("object");
+        t.check_arguments(args).expect("both read");
+        let out = t.render_with(&chat, ChatExtras { tools: &[], arguments: Some(args) }, true).expect("renders");
+        assert_eq!(out, "/no_think hi 7 Dec>");
+        assert_eq!(t.render(&chat, true).expect("renders"), "hi today>", "none given: the template's defaults");
+        for (bad, says) in [(r#"{"thinking": true}"#, "reads no `thinking`"), (r#"{"messages": []}"#, "sets it")] {
+            let bad: serde_json::Map<String, serde_json::Value> = serde_json::from_str(bad).expect("json");
+            let e = t.check_arguments(&bad).expect_err("refused").to_string();
+            assert!(e.contains(says), "{e}");
+        }
     }
 
     #[test]
@@ -172,7 +239,7 @@ mod tests {
                    {% if add_generation_prompt %}<assistant>{% endif %}";
         let t = ChatTemplate::new(src, "", "").expect("compiles");
         let chat = [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", " Once upon a time \n")];
-        let render = |ending| t.render_ending(&chat, &[], ending).map_err(|e| e.to_string());
+        let render = |ending| t.render_ending(&chat, ChatExtras::default(), ending).map_err(|e| e.to_string());
         assert_eq!(
             render(Ending::NewTurn).as_deref(),
             Ok("<user>hi</s>\n<assistant> Once upon a time \n</s>\n<assistant>")
@@ -180,10 +247,12 @@ mod tests {
         assert_eq!(render(Ending::AsIs).as_deref(), Ok("<user>hi</s>\n<assistant> Once upon a time \n</s>\n"));
         assert_eq!(render(Ending::ContinueLast).as_deref(), Ok("<user>hi</s>\n<assistant> Once upon a time"));
         let blank = [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", " ")];
-        assert!(t.render_ending(&blank, &[], Ending::ContinueLast).is_err(), "no text to continue");
+        assert!(t.render_ending(&blank, ChatExtras::default(), Ending::ContinueLast).is_err(), "no text to continue");
         let upper =
             ChatTemplate::new("{% for m in messages %}{{ m.content | upper }}{% endfor %}", "", "").expect("compiles");
-        let err = upper.render_ending(&chat[..1], &[], Ending::ContinueLast).expect_err("the text is changed");
+        let err = upper
+            .render_ending(&chat[..1], ChatExtras::default(), Ending::ContinueLast)
+            .expect_err("the text is changed");
         assert!(err.to_string().contains("cannot be continued"), "{err}");
     }
 

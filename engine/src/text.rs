@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::chat::{ChatMessage, ChatTemplate, Ending, TemplateError};
+use crate::chat::{ChatExtras, ChatMessage, ChatTemplate, Ending, TemplateError};
 use crate::gguf::{GgufError, GgufFile};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -70,18 +70,29 @@ impl TextModel {
 
     /// The prompt text for a conversation, with the assistant's generation prompt.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
-        self.render_chat_ending(messages, &[], Ending::NewTurn)
+        self.render_chat_ending(messages, ChatExtras::default(), Ending::NewTurn)
     }
 
-    /// The prompt text for a conversation with the tools the model may call (OpenAI's `tools` entries), ending as
-    /// `ending` says.
+    /// Whether the chat template reads every one of `arguments` (a request's `chat_template_kwargs`).
+    pub fn check_template_arguments(
+        &self,
+        arguments: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(), TextError> {
+        Ok(self.template.as_ref().ok_or(TextError::NoChatTemplate)?.check_arguments(arguments)?)
+    }
+
+    /// The prompt text for a conversation with a request's [`ChatExtras`] (the tools the model may call, the
+    /// template's arguments), ending as `ending` says. Arguments the template does not read are refused by name.
     pub fn render_chat_ending(
         &self,
         messages: &[ChatMessage],
-        tools: &[serde_json::Value],
+        extras: ChatExtras<'_>,
         ending: Ending,
     ) -> Result<String, TextError> {
         let t = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
-        Ok(t.render_ending(messages, tools, ending)?)
+        if let Some(arguments) = extras.arguments {
+            t.check_arguments(arguments)?;
+        }
+        Ok(t.render_ending(messages, extras, ending)?)
     }
 }

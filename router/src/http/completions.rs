@@ -6,6 +6,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
+use engine::chat::{ChatExtras, ChatMessage, Ending};
 use kv_cache::{BlockSize, CacheNamespace, block_hashes};
 use proto::worker as pb;
 
@@ -52,6 +53,23 @@ async fn tokenize(state: &Arc<RouterState>, checked: Checked) -> Result<(Checked
     .map_err(|e| ApiError::Upstream(format!("tokenizing failed: {e}")))?
 }
 
+/// A conversation's prompt text: the template's arguments checked (a 400 naming `chat_template_kwargs`), then the
+/// template rendered (a 400 naming `messages`).
+pub fn render_chat(
+    state: &RouterState,
+    messages: &[ChatMessage],
+    extras: ChatExtras<'_>,
+    ending: Ending,
+) -> Result<String, ApiError> {
+    if let Some(a) = extras.arguments {
+        state.text.check_template_arguments(a).map_err(|e| ApiError::bad(e.to_string(), "chat_template_kwargs"))?;
+    }
+    state
+        .text
+        .render_chat_ending(messages, extras, ending)
+        .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))
+}
+
 fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
     // A grammar that does not compile is the client's error, named here rather than by a worker.
     if let Some((g, param)) = &checked.grammar {
@@ -59,10 +77,9 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
     }
     let started = std::time::Instant::now();
     let text = match &checked.input {
-        Input::Chat(messages, ending, tools) => state
-            .text
-            .render_chat_ending(messages, tools, *ending)
-            .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))?,
+        Input::Chat(messages, ending, tools) => {
+            render_chat(state, messages, ChatExtras { tools, arguments: checked.template_arguments.as_ref() }, *ending)?
+        }
         Input::Text(t) => t.clone(),
         Input::Tokens(ids) => {
             in_vocabulary(state, ids, "prompt")?;

@@ -103,7 +103,7 @@ fn chat(name: &str) -> Option<Rule> {
         // vLLM's chat fields, taken at their defaults only.
         "echo" => Refused(is_false, "echo is not supported for chat"),
         "chat_template" => Refused(never, "the served model's own chat template is used"),
-        "chat_template_kwargs" => Refused(empty, "the served model's chat template takes no arguments"),
+        "chat_template_kwargs" => Used,
         "documents" => Refused(empty, "the served model's chat template takes no documents"),
         "mm_processor_kwargs" => Refused(empty, "only text input is supported"),
         "logprobs" | "top_logprobs" => Used,
@@ -225,7 +225,6 @@ mod tests {
             ("use_beam_search", json!(true)),
             ("length_penalty", json!(0.5)),
             ("chat_template", json!("{{ messages }}")),
-            ("chat_template_kwargs", json!({"enable_thinking": false})),
             ("request_id", json!("abc")),
         ] {
             let mut body = fields(json!({"model": "m", "messages": []}));

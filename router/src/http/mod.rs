@@ -19,6 +19,7 @@ use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use engine::chat::ChatExtras;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
@@ -284,6 +285,7 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                 "continue_final_message",
                 "return_token_strs",
                 "tools",
+                "chat_template_kwargs",
             ],
         )?;
         let tokenizer = state.text.tokenizer();
@@ -293,7 +295,8 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                 // Rendered as a chat request with the same fields is.
                 let (add, cont) = (flag("add_generation_prompt")?, flag("continue_final_message")?);
                 let mut chat = json!({"model": state.served_model, "messages": v["messages"],
-                    "add_generation_prompt": add, "continue_final_message": cont});
+                    "add_generation_prompt": add, "continue_final_message": cont,
+                    "chat_template_kwargs": v.get("chat_template_kwargs")});
                 // Tools reach the template as a chat request's do (with no call forced, which changes nothing in
                 // the prompt).
                 if let Some(tools) = v.get("tools").filter(|t| !t.is_null()) {
@@ -302,10 +305,8 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                 }
                 let c = check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?)?;
                 let openai::Input::Chat(messages, ending, tools) = c.input else { unreachable!("a chat request") };
-                let text = state
-                    .text
-                    .render_chat_ending(&messages, &tools, ending)
-                    .map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
+                let extras = ChatExtras { tools: &tools, arguments: c.template_arguments.as_ref() };
+                let text = completions::render_chat(&state, &messages, extras, ending)?;
                 (text, true)
             }
             _ => return Err(ApiError::bad("give either `prompt` (a string) or `messages`", "prompt")),

@@ -177,6 +177,8 @@ pub struct ChatRequest {
     pub tool_choice: Option<serde_json::Value>,
     /// Whether forced calls (`required`) may be several (default true, as OpenAI's).
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's: arguments of the chat template's own (each one the template reads; others are refused by name).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -348,6 +350,8 @@ pub struct Checked {
     pub tokens_as_ids: bool,
     /// Lower first; 0 by default.
     pub priority: i32,
+    /// Chat: vLLM's `chat_template_kwargs` (checked against the template when it renders).
+    pub template_arguments: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// How much of a prompt `truncate_prompt_tokens` keeps: its last tokens, cut from the left as vLLM cuts.
@@ -624,6 +628,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         keep_last,
         tokens_as_ids: c.return_tokens_as_token_ids,
         priority,
+        template_arguments: None,
     })
 }
 
@@ -680,6 +685,7 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
         r.parallel_tool_calls,
     )?;
     let mut checked = check_common(r.common, Endpoint::Chat, Input::Chat(messages, ending, tools.entries))?;
+    checked.template_arguments = r.chat_template_kwargs.filter(|a| !a.is_empty());
     if let Some((forced, grammar)) = tools.forced {
         if let Some((_, other)) = &checked.grammar {
             let why = format!("tool_choice forces the output to be tool calls, so `{other}` cannot also constrain it");
