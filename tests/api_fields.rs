@@ -850,6 +850,81 @@ async fn penalties_bias_min_tokens_and_stop_ids_across_prefill_and_decode_match_
     stop(router, workers).await;
 }
 
+/// A streamed answer's chunks (all but `[DONE]`), parsed.
+fn json_chunks(r: &Reply) -> Vec<Value> {
+    r.events().iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("json")).collect()
+}
+
+/// `base` with `extra`'s fields set, as a request body.
+fn merged(mut base: Value, extra: &Value) -> String {
+    for (k, v) in extra.as_object().expect("object") {
+        base[k] = v.clone();
+    }
+    base.to_string()
+}
+
+/// `tool_choice: auto` with the router's `tool_call_parser` (Hermes' format): the model's own calls are parsed out
+/// of its text, whole and streamed, across a prefill and a decode worker; text without calls is the content. The
+/// served model writes no calls by itself, so a regular expression (allowed beside `auto`) makes it write one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_models_own_tool_calls_are_parsed_with_auto() {
+    let ca = DevCa::generate().expect("ca");
+    let hermes = |r: router::run::RouterConfig| router::run::RouterConfig {
+        tool_call_parser: Some(router::http::tools::ToolParser::Hermes),
+        ..r
+    };
+    let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], |w| w, hermes).await;
+    let r = http(router.addr, "PUT", "/admin/router-config", r#"{"disaggregation":"always"}"#, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let now = json!({"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}});
+    let ask = |extra: Value| {
+        let base = json!({"model": MODEL, "max_tokens": 40, "temperature": 0, "tools": [now],
+                          "messages": [{"role": "user", "content": "What time is it?"}]});
+        merged(base, &extra)
+    };
+    let post = |body: String| {
+        let addr = router.addr;
+        async move { http(addr, "POST", "/v1/chat/completions", &body, &[]).await }
+    };
+    // No tool_choice means auto: the model answers in words, which are the content.
+    let r = post(ask(json!({}))).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.is_empty()), "{v}");
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
+    assert_ne!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    // Words, then a call in the model's format.
+    let call = r#"Checking\. <tool_call>\{"name": "now", "arguments": \{"zone": "UTC"\}\}</tool_call>"#;
+    let written = json!({"tool_choice": "auto", "structured_outputs": {"regex": call}});
+    let r = post(ask(written.clone())).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!((&choice["message"]["content"], &choice["finish_reason"]), (&json!("Checking. "), &json!("tool_calls")));
+    let calls = choice["message"]["tool_calls"].as_array().expect("calls");
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!((&calls[0]["function"]["name"], &calls[0]["type"]), (&json!("now"), &json!("function")), "{v}");
+    assert_eq!(calls[0]["function"]["arguments"], json!(r#"{"zone":"UTC"}"#), "{v}");
+    assert!(calls[0]["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{v}");
+    // Streamed: the words as content as they come, never the call's text; the call whole at the end.
+    let mut streamed = written;
+    streamed["stream"] = json!(true);
+    let r = post(ask(streamed)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let chunks = json_chunks(&r);
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+    assert_eq!(content, "Checking. ", "as the whole answer's: {chunks:?}");
+    let pieces: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).map(|c| &c[0]).collect();
+    assert_eq!(pieces.len(), 1, "{chunks:?}");
+    assert_eq!(
+        (&pieces[0]["function"]["name"], &pieces[0]["function"]["arguments"]),
+        (&json!("now"), &calls[0]["function"]["arguments"])
+    );
+    assert_eq!(chunks.last().expect("chunks")["choices"][0]["finish_reason"], "tool_calls");
+    stop(router, workers).await;
+}
+
 /// A prefill and a decode worker behind a router that always disaggregates: the first token is sampled on one,
 /// the rest on the other.
 async fn disaggregated() -> (Vec<worker::RunningWorker>, router::run::RunningRouter) {
@@ -1025,12 +1100,9 @@ async fn tool_calls_are_forced_by_their_schemas_across_prefill_and_decode() {
         "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"], "additionalProperties": false}}});
     let question = "What is the weather in Paris?";
     let ask = |extra: Value| {
-        let mut b = json!({"model": MODEL, "max_tokens": 60, "temperature": 0, "tools": [weather, time],
-                           "messages": [{"role": "user", "content": question}]});
-        for (k, v) in extra.as_object().expect("object") {
-            b[k] = v.clone();
-        }
-        b.to_string()
+        let base = json!({"model": MODEL, "max_tokens": 60, "temperature": 0, "tools": [weather, time],
+                          "messages": [{"role": "user", "content": question}]});
+        merged(base, &extra)
     };
     let post = |body: String| {
         let addr = router.addr;
@@ -1061,8 +1133,7 @@ async fn tool_calls_are_forced_by_their_schemas_across_prefill_and_decode() {
     streamed["stream"] = json!(true);
     let r = post(ask(streamed)).await;
     assert_eq!(r.status, 200, "{}", r.body);
-    let chunks: Vec<Value> =
-        r.events().iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("json")).collect();
+    let chunks = json_chunks(&r);
     let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
     assert_eq!(deltas[0]["role"], "assistant", "{chunks:?}");
     let pieces: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).map(|c| &c[0]).collect();
@@ -1086,8 +1157,7 @@ async fn tool_calls_are_forced_by_their_schemas_across_prefill_and_decode() {
         assert!(args["city"].is_string(), "{v}");
     }
     let r = post(ask(json!({"tool_choice": "required", "stream": true}))).await;
-    let chunks: Vec<Value> =
-        r.events().iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("json")).collect();
+    let chunks = json_chunks(&r);
     let got: Vec<Value> = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
@@ -1103,7 +1173,8 @@ async fn tool_calls_are_forced_by_their_schemas_across_prefill_and_decode() {
     assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
     assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|t| t.starts_with('[')), "{v}");
 
-    // A conversation that called a tool and got its answer goes on; without tool_choice, tools mean `auto`: refused.
+    // A conversation that called a tool and got its answer goes on; without tool_choice, tools mean `auto`: refused
+    // by a router with no tool_call_parser.
     let turn = json!({"messages": [{"role": "user", "content": question},
         {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
             "function": {"name": "weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},

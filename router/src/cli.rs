@@ -121,6 +121,11 @@ pub struct Settings {
     /// simulator's decisions with the router's, `docs/simulation.md`).
     #[arg(long, env = "TANDEM_RECORD_CANDIDATES", value_name = "BOOL")]
     pub record_candidates: Option<bool>,
+    /// How the served model writes tool calls among its text (vLLM's `--tool-call-parser`; `hermes`): with one,
+    /// `tool_choice: auto` (the default when a request has tools) is served and its calls parsed out of the
+    /// answer; without one it is refused.
+    #[arg(long, env = "TANDEM_TOOL_CALL_PARSER")]
+    pub tool_call_parser: Option<crate::http::tools::ToolParser>,
     /// Scheduler weights (the file's `[scheduler]` table; also `PUT /admin/router-config`).
     #[arg(skip)]
     pub scheduler: Option<SchedulerConfig>,
@@ -320,6 +325,7 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             seed: None,
             record_trace: s.record_trace.or(file.record_trace),
             record_candidates: s.record_candidates.or(file.record_candidates).unwrap_or(false),
+            tool_call_parser: s.tool_call_parser.or(file.tool_call_parser),
         }),
         (_, listen, ..) => {
             problems.extend(listen.err().map(|e| format!("listen address: {e}")));

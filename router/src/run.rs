@@ -99,6 +99,9 @@ pub struct RouterConfig {
     pub seed: Option<u64>,
     /// Record the traffic to this new file from the start (`crate::record`); also `POST /admin/recording`.
     pub record_trace: Option<PathBuf>,
+    /// How the served model writes tool calls among its text (vLLM's `--tool-call-parser`): set, `tool_choice:
+    /// auto` (the default with tools) is served, its calls parsed out of the answer; `None`: refused by name.
+    pub tool_call_parser: Option<crate::http::tools::ToolParser>,
     /// The recording started with `record_trace` writes each decision's candidates as scored.
     pub record_candidates: bool,
 }
@@ -197,6 +200,7 @@ impl RunningRouter {
             grammars: engine::grammar::Grammars::new(Arc::clone(&text)),
             text,
             served_model: config.served_model,
+            tool_call_parser: config.tool_call_parser,
             max_model_len,
             scheduler: RwLock::new(config.scheduler),
             admission: Admission::new(config.limits.max_in_flight, config.limits.max_queue),

@@ -48,6 +48,8 @@ pub struct RouterState {
     /// The model name clients use.
     pub served_model: String,
     pub max_model_len: usize,
+    /// How the served model writes tool calls (`tool_choice: auto`); `None`: `auto` is refused.
+    pub tool_call_parser: Option<crate::http::tools::ToolParser>,
     pub scheduler: RwLock<SchedulerConfig>,
     pub limits: Limits,
     /// Accepted bearer keys and their tenants; none: no key needed.

@@ -135,6 +135,7 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         seed: Some(1),
         record_trace: None,
         record_candidates: false,
+        tool_call_parser: None,
     }
 }
 

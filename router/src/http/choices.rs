@@ -22,7 +22,7 @@ use super::completions::{Ident, Routed, fail, plan};
 use super::error::ApiError;
 use super::logprobs::Logprobs;
 use super::openai::{Checked, Endpoint, Input};
-use super::tools::{self, Forced};
+use super::tools::{self, AutoStream, CallMode};
 use crate::scheduler::Decision;
 use crate::serve::{Job, Piece, Pieces};
 use crate::state::RouterState;
@@ -218,8 +218,9 @@ struct Done {
     /// vLLM's `prompt_logprobs`, when asked for (else null).
     prompt_logprobs: Value,
     finish: &'static str,
-    /// The tool calls the text makes, as (name, arguments), when the request forced them and the text is them.
-    calls: Option<Vec<(String, String)>>,
+    /// The tool calls the text makes and the content beside them, when the request has tools to call and the text
+    /// calls them.
+    calls: Option<tools::Made>,
     tokens: usize,
     cached: Option<u32>,
 }
@@ -378,9 +379,9 @@ pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Inst
         .map(|d| match endpoint {
             Endpoint::Chat => {
                 let message = match &d.calls {
-                    // As OpenAI answers calls: no content beside them.
-                    Some(calls) => json!({"role": "assistant", "content": null,
-                                          "tool_calls": tools::tool_calls_json(&id, d.index, calls)}),
+                    // As OpenAI answers calls: the content beside them (none for forced calls), or null.
+                    Some(made) => json!({"role": "assistant", "content": made.content,
+                                         "tool_calls": tools::tool_calls_json(&id, d.index, &made.calls)}),
                     None => json!({"role": "assistant", "content": d.text}),
                 };
                 json!({"index": d.index, "message": message, "logprobs": d.logprobs, "finish_reason": d.finish})
@@ -451,9 +452,9 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
     };
     out.push_str(&run.text.stream.finish(run.text.stopped));
     let mut finish = run.finish_reason(reason);
-    let calls = run.checked.tool_calls.as_ref().and_then(|forced| {
-        let calls = tools::calls(forced, &out);
-        finish = tools::finish_reason(forced, calls.is_some(), finish);
+    let calls = run.checked.tool_calls.as_ref().and_then(|mode| {
+        let calls = tools::calls(mode, &out);
+        finish = tools::finish_reason(mode, calls.is_some(), finish);
         calls
     });
     run.finish = Some(finish);
@@ -648,56 +649,76 @@ async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrive
     200
 }
 
-/// A streamed choice's text as the request asks: content, or pieces of the tool calls it forced. A named function's
-/// arguments stream as they come; required calls are an array that is only known to be calls once whole, so their
-/// text is held and each call goes out whole at the end (the text as content if it is not calls, cut short).
+/// A streamed choice's text as the request asks: content, or pieces of its tool calls. A named function's arguments
+/// stream as they come; required calls are an array that is only known to be calls once whole, so their text is
+/// held and each call goes out whole at the end (the text as content if it is not calls, cut short); the model's
+/// own calls (`auto`) go out whole at the end too, the content before them as it comes ([`AutoStream`]).
 struct CallStream {
-    forced: Option<Forced>,
+    mode: Option<CallMode>,
     /// Whether the named call's first chunk (id and name) has gone.
     opened: bool,
     /// The required calls' text so far.
     held: String,
+    auto: Option<AutoStream>,
 }
 
 impl CallStream {
+    fn new(mode: Option<CallMode>) -> CallStream {
+        let auto = match &mode {
+            Some(CallMode::Auto(parser, names)) => Some(AutoStream::new(*parser, names.clone())),
+            _ => None,
+        };
+        CallStream { mode, opened: false, held: String::new(), auto }
+    }
+
     /// The chunk for one token's text `s` (`due`: it has text, is the first, or carries log-probabilities).
     fn token(&mut self, head: &Head, s: &str, due: bool, first: bool, lps: &Value) -> Option<String> {
-        match &self.forced {
+        match &self.mode {
             None => due.then(|| head.chunk(Some(s), None, first, lps)),
-            Some(Forced::Named(name)) => {
+            Some(CallMode::Named(name)) => {
                 let opening = !std::mem::replace(&mut self.opened, true);
                 (due || opening).then(|| head.call_chunk(0, opening.then_some(name.as_str()), s, first, lps))
             }
-            Some(Forced::Required) => {
+            Some(CallMode::Required) => {
                 self.held.push_str(s);
                 (first || !lps.is_null()).then(|| head.chunk(None, None, first, lps))
+            }
+            Some(CallMode::Auto(..)) => {
+                let content = self.auto.as_mut().map(|a| a.push(s)).unwrap_or_default();
+                let text = (!content.is_empty()).then_some(content.as_str());
+                (text.is_some() || first || !lps.is_null()).then(|| head.chunk(text, None, first, lps))
             }
         }
     }
 
-    /// The chunks for the text left at the end (`rest`), and whether the choice made its forced calls.
+    /// The chunks for the text left at the end (`rest`), and whether the choice made calls.
     fn end(&mut self, head: &Head, rest: &str) -> (Vec<String>, bool) {
-        match &self.forced {
-            None => (
-                (!rest.is_empty()).then(|| head.chunk(Some(rest), None, false, &Value::Null)).into_iter().collect(),
-                false,
-            ),
-            Some(Forced::Named(name)) => {
+        let content = |text: &str| head.chunk(Some(text), None, false, &Value::Null);
+        let calls = |calls: &[(String, String)]| {
+            let each = calls.iter().enumerate();
+            each.map(|(k, (n, a))| head.call_chunk(k, Some(n), a, false, &Value::Null)).collect::<Vec<_>>()
+        };
+        match &self.mode {
+            None => ((!rest.is_empty()).then(|| content(rest)).into_iter().collect(), false),
+            Some(CallMode::Named(name)) => {
                 let opening = !self.opened;
                 let last = (opening || !rest.is_empty())
                     .then(|| head.call_chunk(0, opening.then_some(name.as_str()), rest, false, &Value::Null));
                 (last.into_iter().collect(), true)
             }
-            Some(Forced::Required) => {
+            Some(CallMode::Required) => {
                 self.held.push_str(rest);
-                match tools::calls(&Forced::Required, &self.held) {
-                    Some(calls) => {
-                        let each = calls.iter().enumerate();
-                        (each.map(|(k, (n, a))| head.call_chunk(k, Some(n), a, false, &Value::Null)).collect(), true)
-                    }
+                match tools::calls(&CallMode::Required, &self.held) {
+                    Some(made) => (calls(&made.calls), true),
                     None if self.held.is_empty() => (Vec::new(), false),
-                    None => (vec![head.chunk(Some(&self.held), None, false, &Value::Null)], false),
+                    None => (vec![content(&self.held)], false),
                 }
+            }
+            Some(CallMode::Auto(..)) => {
+                let (text, made) = self.auto.as_mut().map(|a| a.end(rest)).unwrap_or_default();
+                let mut chunks: Vec<String> = (!text.is_empty()).then(|| content(&text)).into_iter().collect();
+                chunks.extend(calls(&made));
+                (chunks, !made.is_empty())
             }
         }
     }
@@ -716,7 +737,7 @@ async fn stream_choice(
     let mut run = Run::start(state, p, arrived).await;
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index };
     let mut first = true;
-    let mut calls = CallStream { forced: run.checked.tool_calls.clone(), opened: false, held: String::new() };
+    let mut calls = CallStream::new(run.checked.tool_calls.clone());
     // The echoed prompt goes first; with log-probabilities, once they come (before the first token).
     if !run.echo_waits()
         && let Some(echo) = run.echo.take()
@@ -783,8 +804,8 @@ async fn stream_choice(
         }
     }
     let mut finish = run.finish_reason(reason);
-    if let Some(forced) = &calls.forced {
-        finish = tools::finish_reason(forced, made, finish);
+    if let Some(mode) = &calls.mode {
+        finish = tools::finish_reason(mode, made, finish);
     }
     run.finish = Some(finish);
     if !send_text(tx, head.chunk(None, Some(finish), false, &Value::Null)).await {

@@ -145,9 +145,9 @@ fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::Span {
     span
 }
 
-fn check(endpoint: Endpoint, body: &[u8]) -> Result<Checked, ApiError> {
+fn check(state: &RouterState, endpoint: Endpoint, body: &[u8]) -> Result<Checked, ApiError> {
     match endpoint {
-        Endpoint::Chat => check_chat(body),
+        Endpoint::Chat => check_chat(body, state.tool_call_parser),
         Endpoint::Completion => check_completion(body),
     }
 }
@@ -208,7 +208,7 @@ async fn run_request(
     let route = route_of(endpoint);
     let prepared = async {
         let tenant = tenant(&state, &headers)?;
-        let mut checked = check(endpoint, &body)?;
+        let mut checked = check(&state, endpoint, &body)?;
         checked.namespace = state.tenants.namespace(tenant.as_deref(), checked.namespace.as_deref());
         let span = tracing::Span::current();
         span.record("gen_ai.request.model", checked.model.as_str());
@@ -303,7 +303,8 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                     chat["tools"] = tools.clone();
                     chat["tool_choice"] = json!("none");
                 }
-                let c = check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?)?;
+                let c =
+                    check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?, None)?;
                 let openai::Input::Chat(messages, ending, tools) = c.input else { unreachable!("a chat request") };
                 let extras = ChatExtras { tools: &tools, arguments: c.template_arguments.as_ref() };
                 let text = completions::render_chat(&state, &messages, extras, ending)?;
@@ -388,7 +389,7 @@ async fn debug_route(state: Shared, peer: Peer, headers: HeaderMap, body: Bytes)
         let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
         let endpoint = if v.get("messages").is_some() { Endpoint::Chat } else { Endpoint::Completion };
         let ident = completions::Ident::new(&state, endpoint);
-        let routed = plan(&state, check(endpoint, &body)?, ident, None, false).await?;
+        let routed = plan(&state, check(&state, endpoint, &body)?, ident, None, false).await?;
         serde_json::to_value(&routed.decision).map_err(|e| ApiError::Upstream(e.to_string()))
     }
     .await;

@@ -334,7 +334,7 @@ pub struct Checked {
     /// What the output must match, and the field that asked for it.
     pub grammar: Option<(engine::grammar::Grammar, &'static str)>,
     /// Chat: the tool calls the output makes (its grammar is `grammar`), answered as `tool_calls`.
-    pub tool_calls: Option<super::tools::Forced>,
+    pub tool_calls: Option<super::tools::CallMode>,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
     pub prompt_cache_key: Option<String>,
     /// Control tokens' text goes in the output (vLLM's `skip_special_tokens: false`).
@@ -633,7 +633,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
 }
 
 /// Checks a `/v1/chat/completions` body.
-pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
+pub fn check_chat(body: &[u8], parser: Option<super::tools::ToolParser>) -> Result<Checked, ApiError> {
     let r: ChatRequest = parse(body, Endpoint::Chat)?;
     if r.messages.is_empty() {
         return Err(ApiError::bad("`messages` must not be empty", "messages"));
@@ -683,17 +683,18 @@ pub fn check_chat(body: &[u8]) -> Result<Checked, ApiError> {
         r.tools.filter(|v| !v.is_null()),
         r.tool_choice.filter(|v| !v.is_null()),
         r.parallel_tool_calls,
+        parser,
     )?;
     let mut checked = check_common(r.common, Endpoint::Chat, Input::Chat(messages, ending, tools.entries))?;
     checked.template_arguments = r.chat_template_kwargs.filter(|a| !a.is_empty());
-    if let Some((forced, grammar)) = tools.forced {
+    if let Some(grammar) = tools.grammar {
         if let Some((_, other)) = &checked.grammar {
             let why = format!("tool_choice forces the output to be tool calls, so `{other}` cannot also constrain it");
             return Err(ApiError::bad(why, other));
         }
         checked.grammar = Some((grammar, "tool_choice"));
-        checked.tool_calls = Some(forced);
     }
+    checked.tool_calls = tools.mode;
     Ok(checked)
 }
 
@@ -770,7 +771,7 @@ mod tests {
     use super::*;
 
     fn bad(body: &str) -> (&'static str, String) {
-        let e = check_chat(body.as_bytes()).expect_err("refused");
+        let e = check_chat(body.as_bytes(), None).expect_err("refused");
         (e.kind(), e.to_string())
     }
 
@@ -778,7 +779,7 @@ mod tests {
     fn logprobs_take_each_endpoints_meaning() {
         let chat = |extra: &str| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
-            check_chat(body.as_bytes()).map(|c| c.logprobs).map_err(|e| e.to_string())
+            check_chat(body.as_bytes(), None).map(|c| c.logprobs).map_err(|e| e.to_string())
         };
         assert_eq!(chat(""), Ok(None));
         assert_eq!(chat(r#","logprobs":false"#), Ok(None));
@@ -803,7 +804,7 @@ mod tests {
         let body = r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],
             "max_completion_tokens":5,"temperature":0,"top_p":0.5,"seed":3,"stop":"\n","stream":true,
             "stream_options":{"include_usage":true},"user":"u1","presence_penalty":0}"#;
-        let c = check_chat(body.as_bytes()).expect("valid");
+        let c = check_chat(body.as_bytes(), None).expect("valid");
         assert_eq!((c.max_tokens, c.temperature, c.top_p, c.seed), (Some(5), 0.0, 0.5, Some(3)));
         assert_eq!(c.stop, vec!["\n".to_string()]);
         assert!(c.stream && c.include_usage);
@@ -811,6 +812,7 @@ mod tests {
         let seeded = |seed: &str| {
             check_chat(
                 format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"seed":{seed}}}"#).as_bytes(),
+                None,
             )
             .map(|c| c.seed)
         };
@@ -823,7 +825,7 @@ mod tests {
 
     fn chat_with(extra: &str) -> Result<Checked, String> {
         let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
-        check_chat(body.as_bytes()).map_err(|e| e.to_string())
+        check_chat(body.as_bytes(), None).map_err(|e| e.to_string())
     }
 
     #[test]
@@ -837,12 +839,12 @@ mod tests {
             (r#","seed":1e30"#, "seed"),
         ] {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
-            match check_chat(body.as_bytes()) {
+            match check_chat(body.as_bytes(), None) {
                 Err(ApiError::BadRequest { param: Some(p), message }) => assert_eq!(p, field, "{message}"),
                 other => panic!("{extra}: {other:?}"),
             }
         }
-        match check_chat(br#"{"model":"m","messages":[{"role":"user","content":5}]}"#) {
+        match check_chat(br#"{"model":"m","messages":[{"role":"user","content":5}]}"#, None) {
             Err(ApiError::BadRequest { param: Some(p), message }) => {
                 assert_eq!(p, "messages");
                 assert!(message.contains("messages[0]"), "{message}");
@@ -905,7 +907,7 @@ mod tests {
     fn a_messages_name_goes_to_the_template() {
         let body =
             r#"{"model":"m","messages":[{"role":"user","content":"x","name":"ann"},{"role":"user","content":"y"}]}"#;
-        let Ok(Checked { input: Input::Chat(messages, _, _), .. }) = check_chat(body.as_bytes()) else {
+        let Ok(Checked { input: Input::Chat(messages, _, _), .. }) = check_chat(body.as_bytes(), None) else {
             panic!("chat")
         };
         assert_eq!(messages[0], ChatMessage::new("user", "x").named(Some("ann".into())));
@@ -964,8 +966,8 @@ mod tests {
             "n":null,"seed":null,"temperature":null,"top_p":null,"stream":null,"stream_options":null,
             "logprobs":null,"top_logprobs":null,"response_format":null,"tools":null,"tool_choice":null,"user":null,
             "frequency_penalty":null,"presence_penalty":null,"logit_bias":null,"ignore_eos":null}"#;
-        let c = check_chat(nulls.as_bytes()).expect("nulls are absent fields");
-        let plain = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).expect("valid");
+        let c = check_chat(nulls.as_bytes(), None).expect("nulls are absent fields");
+        let plain = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#, None).expect("valid");
         assert_eq!(
             (c.stream, c.include_usage, c.ignore_eos, c.max_tokens, c.seed, c.temperature, c.logprobs),
             (false, false, false, None, None, plain.temperature, None)
@@ -977,7 +979,7 @@ mod tests {
     #[test]
     fn a_turn_that_called_tools_goes_to_the_template_with_its_arguments_parsed() {
         let with = |m: &str| {
-            check_chat(format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#).as_bytes())
+            check_chat(format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#).as_bytes(), None)
         };
         let call = r#"[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}]"#;
         let turns = [format!(r#"{{"role":"assistant","content":null,"tool_calls":{call}}}"#)];
@@ -1043,7 +1045,7 @@ mod tests {
         let tools = r#""tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]"#;
         let named = r#""tool_choice":{"type":"function","function":{"name":"f"}}"#;
         let c = chat_with(&format!(",{tools},{named}")).expect("valid");
-        assert_eq!(c.tool_calls, Some(super::super::tools::Forced::Named("f".into())));
+        assert_eq!(c.tool_calls, Some(super::super::tools::CallMode::Named("f".into())));
         assert_eq!(c.grammar, Some((Grammar::JsonSchema(r#"{"type":"object"}"#.into()), "tool_choice")));
         let both = chat_with(&format!(r#",{tools},{named},"response_format":{{"type":"json_object"}}"#));
         assert!(both.is_err_and(|e| e.contains("cannot also constrain")));
@@ -1113,7 +1115,7 @@ mod tests {
         assert_eq!((vllm.prompt_logprobs, vllm.scored_prompt()), (Some(0), Some(0)));
         let both = c(r#"{"model":"m","prompt":"a","echo":true,"logprobs":3,"prompt_logprobs":1}"#).expect("valid");
         assert_eq!(both.scored_prompt(), Some(3));
-        let chat = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt_logprobs":4}"#);
+        let chat = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt_logprobs":4}"#, None);
         assert_eq!(chat.expect("valid").scored_prompt(), Some(4));
         // `echo` with `max_tokens` 0 is the prompt alone: one token is computed, and left out.
         let only = c(r#"{"model":"m","prompt":"a","echo":true,"logprobs":1,"max_tokens":0}"#).expect("valid");
@@ -1143,7 +1145,7 @@ mod fuzz {
         /// Whatever a client sends, the checks answer with a value or an error, never a panic.
         #[test]
         fn arbitrary_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = check_chat(&body);
+            let _ = check_chat(&body, None);
             let _ = check_completion(&body);
         }
 
@@ -1158,7 +1160,7 @@ mod fuzz {
                 "messages": [{"role": role, "content": content}], "prompt": content,
             });
             let bytes = body.to_string().into_bytes();
-            if let Ok(c) = check_chat(&bytes) {
+            if let Ok(c) = check_chat(&bytes, None) {
                 prop_assert!(c.temperature >= 0.0 && c.temperature <= 2.0 && c.top_p > 0.0 && c.top_p <= 1.0);
                 prop_assert!(c.max_tokens != Some(0) && c.stop.len() <= 4);
             }

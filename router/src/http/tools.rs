@@ -1,8 +1,9 @@
-//! OpenAI's tools on chat completions, served as vLLM serves them to a model it has no tool-call parser for: the
-//! tools go to the chat template (which shows them to the model if it has tool support), a named function or
-//! `tool_choice: "required"` constrains the output with a JSON schema (the function's parameters, or an array of
-//! calls), and the answer carries that output as `tool_calls`. `tool_choice: "auto"` needs the model's own
-//! tool-call format parsed out of free text, which the served model has none of, so it is refused by name.
+//! OpenAI's tools on chat completions, served as vLLM serves them: the tools go to the chat template (which shows
+//! them to the model if it has tool support), a named function or `tool_choice: "required"` constrains the output
+//! with a JSON schema (the function's parameters, or an array of calls), and the answer carries that output as
+//! `tool_calls`. `tool_choice: "auto"` (the default with tools) lets the model write calls in its own format among
+//! free text: with the router's `tool_call_parser` set (vLLM's `--tool-call-parser`), they are parsed out of it;
+//! without one it is refused by name.
 
 use engine::grammar::Grammar;
 use serde_json::{Map, Value, json};
@@ -12,24 +13,114 @@ use super::error::ApiError;
 /// Longest function name OpenAI accepts.
 const MAX_NAME: usize = 64;
 
-/// The calls an answer must make.
+/// How an answer's tool calls come.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Forced {
-    /// This function, once: the output is its arguments.
+pub enum CallMode {
+    /// Forced: this function, once; the output is its arguments.
     Named(String),
-    /// One call or more (one only without parallel calls): the output is an array of `{name, parameters}`.
+    /// Forced: one call or more (one only without parallel calls); the output is an array of `{name, parameters}`.
     Required,
+    /// The model's choice (`auto`): calls of these functions written in its own format among free text.
+    Auto(ToolParser, Vec<String>),
 }
 
-/// A request's tools, checked: what the template sees, and the calls forced with the grammar that forces them.
+/// A model's way of writing tool calls in free text (vLLM's `--tool-call-parser` names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolParser {
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call: Hermes', Qwen 2.5's and
+    /// SmolLM3's format.
+    Hermes,
+}
+
+impl std::str::FromStr for ToolParser {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ToolParser, String> {
+        match s {
+            "hermes" => Ok(ToolParser::Hermes),
+            other => Err(format!("unknown tool-call parser {other:?} (known: hermes)")),
+        }
+    }
+}
+
+/// Where a Hermes call opens and closes.
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+
+impl ToolParser {
+    /// The calls in `text` (from its first call on) of the functions `names`, with the text before them as content;
+    /// `None` when it makes no call, or writes one that is not a call of one of them (then it is all content).
+    pub fn parse(self, text: &str, names: &[String]) -> Option<Made> {
+        match self {
+            ToolParser::Hermes => {
+                let first = text.find(OPEN)?;
+                let mut calls = Vec::new();
+                let mut rest = &text[first..];
+                while let Some(open) = rest.strip_prefix(OPEN) {
+                    let (body, after) = match open.find(CLOSE) {
+                        Some(end) => (&open[..end], &open[end + CLOSE.len()..]),
+                        // Cut short: the call stands if what came of it is whole.
+                        None => (open, ""),
+                    };
+                    let call: Value = serde_json::from_str(body.trim()).ok()?;
+                    let name = call.get("name")?.as_str().filter(|n| names.iter().any(|f| f == n))?;
+                    let arguments = match call.get("arguments") {
+                        None | Some(Value::Null) => "{}".to_string(),
+                        Some(Value::String(s)) => s.clone(),
+                        Some(v) => v.to_string(),
+                    };
+                    calls.push((name.to_string(), arguments));
+                    rest = after.trim_start();
+                }
+                // As it streams (none when it is only whitespace).
+                let content = &text[..first];
+                Some(Made { content: (!content.trim().is_empty()).then(|| content.to_string()), calls })
+            }
+        }
+    }
+
+    /// How much of the end of `text` may be the start of a call not yet whole (held back from streamed content).
+    fn partial_open(self, text: &str) -> usize {
+        match self {
+            ToolParser::Hermes => (1..OPEN.len())
+                .rev()
+                .find(|&k| text.ends_with(&OPEN[..k]) && text.is_char_boundary(text.len() - k))
+                .unwrap_or(0),
+        }
+    }
+
+    /// Where the first call in `text` opens.
+    fn opening(self, text: &str) -> Option<usize> {
+        match self {
+            ToolParser::Hermes => text.find(OPEN),
+        }
+    }
+}
+
+/// An answer's tool calls, as (name, arguments as JSON text), and the content beside them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Made {
+    pub content: Option<String>,
+    pub calls: Vec<(String, String)>,
+}
+
+/// A request's tools, checked: what the template sees, how calls come, and the grammar that forces them.
 #[derive(Debug, Default)]
 pub struct Tools {
     pub entries: Vec<Value>,
-    pub forced: Option<(Forced, Grammar)>,
+    pub mode: Option<CallMode>,
+    pub grammar: Option<Grammar>,
 }
 
-/// Checks `tools`, `tool_choice` and `parallel_tool_calls` (each `None` when absent or null).
-pub fn check(tools: Option<Value>, choice: Option<Value>, parallel: Option<bool>) -> Result<Tools, ApiError> {
+/// Checks `tools`, `tool_choice` and `parallel_tool_calls` (each `None` when absent or null); `parser`: how the
+/// served model writes calls, when `auto` may be served.
+pub fn check(
+    tools: Option<Value>,
+    choice: Option<Value>,
+    parallel: Option<bool>,
+    parser: Option<ToolParser>,
+) -> Result<Tools, ApiError> {
     let entries = match tools {
         None => Vec::new(),
         Some(Value::Array(v)) => v,
@@ -41,14 +132,21 @@ pub fn check(tools: Option<Value>, choice: Option<Value>, parallel: Option<bool>
             return Err(ApiError::bad(format!("two tools are named `{name}`"), "tools"));
         }
     }
-    let forced = match choice {
+    let auto = |what: &str| match parser {
+        Some(p) => Ok(Some(CallMode::Auto(p, functions.iter().map(|(n, _)| n.clone()).collect()))),
+        None => Err(no_auto(what)),
+    };
+    let mode = match choice {
         // OpenAI's default is `auto` when there are tools, `none` when there are none.
         None if functions.is_empty() => None,
-        None => return Err(no_auto("tools come without tool_choice, which then means `auto`")),
+        None => auto("tools come without tool_choice, which then means `auto`")?,
         Some(Value::String(s)) => match s.as_str() {
             "none" => None,
-            "auto" => return Err(no_auto("tool_choice `auto`")),
-            "required" => Some(Forced::Required),
+            "auto" if functions.is_empty() => {
+                return Err(ApiError::bad("tool_choice `auto` needs tools", "tool_choice"));
+            }
+            "auto" => auto("tool_choice `auto`")?,
+            "required" => Some(CallMode::Required),
             other => {
                 let why = format!("tool_choice must be none, auto, required or a named function, not `{other}`");
                 return Err(ApiError::bad(why, "tool_choice"));
@@ -66,35 +164,34 @@ pub fn check(tools: Option<Value>, choice: Option<Value>, parallel: Option<bool>
                         "tool_choice",
                     )
                 })?;
-            Some(Forced::Named(name.to_string()))
+            Some(CallMode::Named(name.to_string()))
         }
     };
-    let forced = match forced {
-        None => None,
-        Some(Forced::Named(name)) => {
-            let Some((_, params)) = functions.iter().find(|(n, _)| *n == name) else {
+    let grammar = match &mode {
+        None | Some(CallMode::Auto(..)) => None,
+        Some(CallMode::Named(name)) => {
+            let Some((_, params)) = functions.iter().find(|(n, _)| n == name) else {
                 return Err(ApiError::bad(
                     format!("tool_choice names `{name}`, which is not among the tools"),
                     "tool_choice",
                 ));
             };
-            let grammar = Grammar::JsonSchema(params.to_string());
-            Some((Forced::Named(name), grammar))
+            Some(Grammar::JsonSchema(params.to_string()))
         }
-        Some(Forced::Required) if functions.is_empty() => {
+        Some(CallMode::Required) if functions.is_empty() => {
             return Err(ApiError::bad("tool_choice `required` needs tools", "tool_choice"));
         }
-        Some(Forced::Required) => Some((Forced::Required, calls_schema(&functions, parallel != Some(false))?)),
+        Some(CallMode::Required) => Some(calls_schema(&functions, parallel != Some(false))?),
     };
-    Ok(Tools { entries, forced })
+    Ok(Tools { entries, mode, grammar })
 }
 
 /// `auto` refused, with what to send instead.
 fn no_auto(what: &str) -> ApiError {
     let why = format!(
-        "{what}: choosing between text and tool calls needs a parser of the served model's tool-call format, which \
-         it has none of; name a function (tool_choice {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}), or \
-         send `required` or `none`"
+        "{what}: choosing between text and tool calls needs a parser of the served model's tool-call format, and \
+         the router has none set (tool_call_parser); name a function (tool_choice {{\"type\": \"function\", \
+         \"function\": {{\"name\": ...}}}}), or send `required` or `none`"
     );
     ApiError::bad(why, "tool_choice")
 }
@@ -155,19 +252,70 @@ fn calls_schema(functions: &[(String, Value)], parallel: bool) -> Result<Grammar
     Ok(Grammar::JsonSchema(schema.to_string()))
 }
 
-/// The calls an answer's text makes, as (name, arguments as JSON text): a named function's arguments are the text
-/// itself (cut short when the answer was); required calls are the array the grammar allowed, `None` when the text
-/// is not one (cut short by `max_tokens` or a stop string).
-pub fn calls(forced: &Forced, text: &str) -> Option<Vec<(String, String)>> {
-    match forced {
-        Forced::Named(name) => Some(vec![(name.clone(), text.to_string())]),
-        Forced::Required => {
+/// The calls an answer's text makes: a named function's arguments are the text itself (cut short when the answer
+/// was); required calls are the array the grammar allowed, `None` when the text is not one (cut short by
+/// `max_tokens` or a stop string); the model's own calls are what its parser finds (`None`: the text is content).
+pub fn calls(mode: &CallMode, text: &str) -> Option<Made> {
+    match mode {
+        CallMode::Named(name) => Some(Made { content: None, calls: vec![(name.clone(), text.to_string())] }),
+        CallMode::Required => {
             let Ok(Value::Array(items)) = serde_json::from_str::<Value>(text) else { return None };
             items
                 .iter()
                 .map(|c| Some((c.get("name")?.as_str()?.to_string(), c.get("parameters")?.to_string())))
                 .collect::<Option<Vec<_>>>()
                 .filter(|c| !c.is_empty())
+                .map(|calls| Made { content: None, calls })
+        }
+        CallMode::Auto(parser, names) => parser.parse(text, names),
+    }
+}
+
+/// A streamed answer's text as content up to its first call of the model's own (`auto`), then held: content goes out
+/// as it comes, but for an end that may open a call; from a call's opening on, everything waits for the end, when
+/// it is parsed into calls (or, if it is not calls, sent as content).
+#[derive(Debug)]
+pub struct AutoStream {
+    parser: ToolParser,
+    names: Vec<String>,
+    /// Content not sent yet: an end that may be the start of a call.
+    pending: String,
+    /// From the first call's opening on.
+    held: Option<String>,
+}
+
+impl AutoStream {
+    pub fn new(parser: ToolParser, names: Vec<String>) -> AutoStream {
+        AutoStream { parser, names, pending: String::new(), held: None }
+    }
+
+    /// The content to send now for the next piece of text `s`.
+    pub fn push(&mut self, s: &str) -> String {
+        if let Some(held) = &mut self.held {
+            held.push_str(s);
+            return String::new();
+        }
+        self.pending.push_str(s);
+        if let Some(at) = self.parser.opening(&self.pending) {
+            self.held = Some(self.pending.split_off(at));
+            return std::mem::take(&mut self.pending);
+        }
+        let keep = self.parser.partial_open(&self.pending);
+        let rest = self.pending.split_off(self.pending.len() - keep);
+        std::mem::replace(&mut self.pending, rest)
+    }
+
+    /// At the end: the content still to send, and the calls made (none: whatever was held is that content).
+    pub fn end(&mut self, rest: &str) -> (String, Vec<(String, String)>) {
+        let mut content = self.push(rest);
+        content.push_str(&std::mem::take(&mut self.pending));
+        let Some(held) = self.held.take() else { return (content, Vec::new()) };
+        match self.parser.parse(&held, &self.names) {
+            Some(made) => (content, made.calls),
+            None => {
+                content.push_str(&held);
+                (content, Vec::new())
+            }
         }
     }
 }
@@ -187,11 +335,12 @@ pub fn tool_calls_json(request_id: &str, index: usize, calls: &[(String, String)
     Value::Array(calls.collect())
 }
 
-/// The finish reason of an answer that made `calls` (for `forced` calls, where the worker said `reason`): as OpenAI
-/// answers, a named function's call ends with `stop`, and calls the model chose (required) with `tool_calls`.
-pub fn finish_reason(forced: &Forced, made: bool, reason: &'static str) -> &'static str {
-    match forced {
-        Forced::Required if made => "tool_calls",
+/// The finish reason of an answer that made calls or not (`made`), where the worker said `reason`: as OpenAI
+/// answers, a named function's call ends with `stop`, and calls the model chose (required or auto) with
+/// `tool_calls`.
+pub fn finish_reason(mode: &CallMode, made: bool, reason: &'static str) -> &'static str {
+    match mode {
+        CallMode::Required | CallMode::Auto(..) if made => "tool_calls",
         _ => reason,
     }
 }
@@ -206,7 +355,7 @@ mod tests {
     }
 
     fn refused(tools: Value, choice: Option<Value>) -> (String, Option<String>) {
-        let e = check(Some(tools), choice, None).expect_err("refused");
+        let e = check(Some(tools), choice, None, None).expect_err("refused");
         let body = e.body();
         (body["error"]["message"].as_str().unwrap_or("").to_string(), body["error"]["param"].as_str().map(String::from))
     }
@@ -214,14 +363,14 @@ mod tests {
     #[test]
     fn a_named_function_is_forced_by_its_parameters() {
         let choice = json!({"type": "function", "function": {"name": "weather"}});
-        let t = check(Some(json!([weather()])), Some(choice), None).expect("valid");
+        let t = check(Some(json!([weather()])), Some(choice), None, None).expect("valid");
         assert_eq!(t.entries, vec![weather()], "the template sees the tools as sent");
         let schema = weather()["function"]["parameters"].to_string();
-        assert_eq!(t.forced, Some((Forced::Named("weather".into()), Grammar::JsonSchema(schema))));
+        assert_eq!((t.mode, t.grammar), (Some(CallMode::Named("weather".into())), Some(Grammar::JsonSchema(schema))));
         // A function without parameters takes an object.
         let bare = json!({"type": "function", "function": {"name": "now"}});
-        let t = check(Some(json!([bare])), Some(json!({"type": "function", "function": {"name": "now"}})), None);
-        let (_, g) = t.expect("valid").forced.expect("forced");
+        let t = check(Some(json!([bare])), Some(json!({"type": "function", "function": {"name": "now"}})), None, None);
+        let g = t.expect("valid").grammar.expect("forced");
         assert_eq!(g, Grammar::JsonSchema(json!({"type": "object", "properties": {}}).to_string()));
     }
 
@@ -229,8 +378,8 @@ mod tests {
     fn required_calls_are_an_array_of_the_functions() {
         let defs = json!({"type": "function", "function": {"name": "plot", "parameters": {
             "type": "object", "properties": {"p": {"$ref": "#/$defs/point"}}, "$defs": {"point": {"type": "array"}}}}});
-        let t = check(Some(json!([weather(), defs])), Some(json!("required")), None).expect("valid");
-        let Some((Forced::Required, Grammar::JsonSchema(s))) = t.forced else { panic!("required") };
+        let t = check(Some(json!([weather(), defs])), Some(json!("required")), None, None).expect("valid");
+        let (Some(CallMode::Required), Some(Grammar::JsonSchema(s))) = (t.mode, t.grammar) else { panic!("required") };
         let s: Value = serde_json::from_str(&s).expect("json");
         assert_eq!(s["type"], "array");
         assert_eq!(s["minItems"], 1);
@@ -239,21 +388,28 @@ mod tests {
         assert_eq!(s["items"]["anyOf"][1]["properties"]["parameters"]["properties"]["p"]["$ref"], "#/$defs/point");
         assert!(s["items"]["anyOf"][1]["properties"]["parameters"].get("$defs").is_none(), "moved to the top");
         assert_eq!(s["$defs"]["point"]["type"], "array");
-        let one = check(Some(json!([weather()])), Some(json!("required")), Some(false)).expect("valid");
-        let Some((_, Grammar::JsonSchema(s))) = one.forced else { panic!("required") };
+        let one = check(Some(json!([weather()])), Some(json!("required")), Some(false), None).expect("valid");
+        let Some(Grammar::JsonSchema(s)) = one.grammar else { panic!("required") };
         assert_eq!(serde_json::from_str::<Value>(&s).expect("json")["maxItems"], 1, "no parallel calls: one");
     }
 
     #[test]
-    fn none_leaves_the_answer_text_and_auto_is_refused_by_name() {
-        let t = check(Some(json!([weather()])), Some(json!("none")), None).expect("valid");
-        assert_eq!((t.entries.len(), t.forced), (1, None));
-        assert!(check(None, None, None).expect("valid").forced.is_none());
+    fn none_leaves_the_answer_text_and_auto_needs_a_parser() {
+        let t = check(Some(json!([weather()])), Some(json!("none")), None, None).expect("valid");
+        assert_eq!((t.entries.len(), t.mode, t.grammar), (1, None, None));
+        assert!(check(None, None, None, None).expect("valid").mode.is_none());
         for choice in [None, Some(json!("auto"))] {
-            let (why, param) = refused(json!([weather()]), choice);
+            let (why, param) = refused(json!([weather()]), choice.clone());
             assert_eq!(param.as_deref(), Some("tool_choice"));
             assert!(why.contains("parser") && why.contains("required"), "{why}");
+            // With a parser: the model's choice, no grammar.
+            let t = check(Some(json!([weather()])), choice, None, Some(ToolParser::Hermes)).expect("valid");
+            assert_eq!((t.mode, t.grammar), (Some(CallMode::Auto(ToolParser::Hermes, vec!["weather".into()])), None));
         }
+        let e = check(None, Some(json!("auto")), None, Some(ToolParser::Hermes)).expect_err("no tools");
+        assert_eq!(e.body()["error"]["param"], "tool_choice");
+        assert_eq!("hermes".parse::<ToolParser>(), Ok(ToolParser::Hermes));
+        assert!("pythonic".parse::<ToolParser>().is_err());
     }
 
     #[test]
@@ -280,21 +436,74 @@ mod tests {
 
     #[test]
     fn the_answer_text_becomes_calls() {
-        let named = Forced::Named("weather".into());
-        assert_eq!(calls(&named, r#"{"city": "Oslo"}"#), Some(vec![("weather".into(), r#"{"city": "Oslo"}"#.into())]));
+        let named = CallMode::Named("weather".into());
+        let only = |calls: Vec<(&str, &str)>| {
+            Some(Made { content: None, calls: calls.into_iter().map(|(n, a)| (n.into(), a.into())).collect() })
+        };
+        assert_eq!(calls(&named, r#"{"city": "Oslo"}"#), only(vec![("weather", r#"{"city": "Oslo"}"#)]));
         let two = r#"[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "now", "parameters": {}}]"#;
-        assert_eq!(
-            calls(&Forced::Required, two),
-            Some(vec![("weather".into(), r#"{"city":"Oslo"}"#.into()), ("now".into(), "{}".into())])
-        );
-        assert_eq!(calls(&Forced::Required, r#"[{"name": "weather", "parameters": {"ci"#), None, "cut short");
-        assert_eq!(finish_reason(&Forced::Required, true, "stop"), "tool_calls");
-        assert_eq!(finish_reason(&Forced::Required, false, "length"), "length");
+        assert_eq!(calls(&CallMode::Required, two), only(vec![("weather", r#"{"city":"Oslo"}"#), ("now", "{}")]));
+        assert_eq!(calls(&CallMode::Required, r#"[{"name": "weather", "parameters": {"ci"#), None, "cut short");
+        assert_eq!(finish_reason(&CallMode::Required, true, "stop"), "tool_calls");
+        assert_eq!(finish_reason(&CallMode::Required, false, "length"), "length");
         assert_eq!(finish_reason(&named, true, "stop"), "stop");
+        let auto = CallMode::Auto(ToolParser::Hermes, vec![]);
+        assert_eq!((finish_reason(&auto, true, "stop"), finish_reason(&auto, false, "stop")), ("tool_calls", "stop"));
         let v = tool_calls_json("chatcmpl-00ab", 1, &[("f".into(), "{}".into())]);
         assert_eq!(
             v,
             json!([{"id": "call_00ab0100", "type": "function", "function": {"name": "f", "arguments": "{}"}}])
         );
+    }
+
+    /// Hermes' format: calls in `<tool_call>` blocks after any text, parsed only when each is a call of a known
+    /// function; anything else is content.
+    #[test]
+    fn the_models_own_calls_are_parsed_out_of_its_text() {
+        let names = vec!["weather".to_string(), "now".to_string()];
+        let parse = |text: &str| ToolParser::Hermes.parse(text, &names);
+        let text = "Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n\
+                    <tool_call>{\"name\": \"now\"}</tool_call>";
+        let made = parse(text).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Let me look.\n"));
+        assert_eq!(made.calls, vec![("weather".into(), r#"{"city":"Oslo"}"#.into()), ("now".into(), "{}".into())]);
+        let bare = parse(r#"<tool_call>{"name": "now", "arguments": "{}"}</tool_call>"#).expect("a call");
+        assert_eq!((bare.content, bare.calls), (None, vec![("now".into(), "{}".into())]), "arguments given as text");
+        // Cut short after a whole call's JSON: still that call.
+        assert_eq!(parse(r#"<tool_call>{"name": "now", "arguments": {}}"#).map(|m| m.calls.len()), Some(1));
+        for not_calls in [
+            "No tools needed.",
+            r#"<tool_call>{"name": "rain", "arguments": {}}</tool_call>"#,
+            r#"<tool_call>{"name": "now", "argum"#,
+            "<tool_call>not json</tool_call>",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// Streamed, content goes out as it comes up to a call's opening, which is held with everything after it; the
+    /// pieces add up to the whole answer's content and calls, however the text is cut.
+    #[test]
+    fn streamed_content_stops_at_a_call_and_the_calls_come_at_the_end() {
+        let names = vec!["now".to_string()];
+        let text = r#"Sure <tool> tag? <tool_call>{"name": "now", "arguments": {}}</tool_call>"#;
+        for cut in 1..8 {
+            let mut s = AutoStream::new(ToolParser::Hermes, names.clone());
+            let mut content = String::new();
+            let chars: Vec<char> = text.chars().collect();
+            for piece in chars.chunks(cut) {
+                let sent = s.push(&piece.iter().collect::<String>());
+                content.push_str(&sent);
+            }
+            let (rest, calls) = s.end("");
+            content.push_str(&rest);
+            assert_eq!(content, "Sure <tool> tag? ", "cut {cut}");
+            assert_eq!(calls, vec![("now".into(), "{}".into())], "cut {cut}");
+        }
+        // Not a call after all: the held text is content.
+        let mut s = AutoStream::new(ToolParser::Hermes, names);
+        assert_eq!(s.push("a <tool_"), "a ");
+        assert_eq!(s.push("call>oops"), "");
+        assert_eq!(s.end(" end"), ("<tool_call>oops end".to_string(), vec![]));
     }
 }

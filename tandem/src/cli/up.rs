@@ -104,6 +104,9 @@ pub struct Args {
     /// with the router's).
     #[arg(long)]
     record_candidates: bool,
+    /// How the served model writes tool calls among its text (`hermes`): with one, `tool_choice: auto` is served.
+    #[arg(long)]
+    tool_call_parser: Option<router::http::tools::ToolParser>,
 }
 
 /// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
@@ -226,6 +229,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             seed: args.seed,
             record_trace: args.record_trace,
             record_candidates: args.record_candidates,
+            tool_call_parser: args.tool_call_parser,
         })
         .await
         .map_err(|e| e.to_string())?;
