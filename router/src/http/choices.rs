@@ -665,7 +665,7 @@ struct CallStream {
 impl CallStream {
     fn new(mode: Option<CallMode>) -> CallStream {
         let auto = match &mode {
-            Some(CallMode::Auto(parser, names)) => Some(AutoStream::new(*parser, names.clone())),
+            Some(CallMode::Auto(choosing)) => Some(AutoStream::new(choosing.clone())),
             _ => None,
         };
         CallStream { mode, opened: false, held: String::new(), auto }

@@ -20,8 +20,30 @@ pub enum CallMode {
     Named(String),
     /// Forced: one call or more (one only without parallel calls); the output is an array of `{name, parameters}`.
     Required,
-    /// The model's choice (`auto`): calls of these functions written in its own format among free text.
-    Auto(ToolParser, Vec<String>),
+    /// The model's choice (`auto`): calls written in its own format among free text.
+    Auto(Choosing),
+}
+
+/// What the model may call when it chooses (`auto`), and how it writes calls.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Choosing {
+    pub parser: ToolParser,
+    /// The functions among the tools.
+    pub names: Vec<String>,
+    /// Several calls in one answer (`parallel_tool_calls`, default true); without, the first one only.
+    pub parallel: bool,
+}
+
+impl Choosing {
+    /// The calls `text` makes and the content before them ([`ToolParser::parse`]), the first call only without
+    /// parallel calls.
+    pub fn parse(&self, text: &str) -> Option<Made> {
+        let mut made = self.parser.parse(text, &self.names)?;
+        if !self.parallel {
+            made.calls.truncate(1);
+        }
+        Some(made)
+    }
 }
 
 /// A model's way of writing tool calls in free text (vLLM's `--tool-call-parser` names).
@@ -133,7 +155,11 @@ pub fn check(
         }
     }
     let auto = |what: &str| match parser {
-        Some(p) => Ok(Some(CallMode::Auto(p, functions.iter().map(|(n, _)| n.clone()).collect()))),
+        Some(parser) => Ok(Some(CallMode::Auto(Choosing {
+            parser,
+            names: functions.iter().map(|(n, _)| n.clone()).collect(),
+            parallel: parallel != Some(false),
+        }))),
         None => Err(no_auto(what)),
     };
     let mode = match choice {
@@ -267,7 +293,7 @@ pub fn calls(mode: &CallMode, text: &str) -> Option<Made> {
                 .filter(|c| !c.is_empty())
                 .map(|calls| Made { content: None, calls })
         }
-        CallMode::Auto(parser, names) => parser.parse(text, names),
+        CallMode::Auto(choosing) => choosing.parse(text),
     }
 }
 
@@ -276,8 +302,7 @@ pub fn calls(mode: &CallMode, text: &str) -> Option<Made> {
 /// it is parsed into calls (or, if it is not calls, sent as content).
 #[derive(Debug)]
 pub struct AutoStream {
-    parser: ToolParser,
-    names: Vec<String>,
+    choosing: Choosing,
     /// Content not sent yet: an end that may be the start of a call.
     pending: String,
     /// From the first call's opening on.
@@ -285,8 +310,8 @@ pub struct AutoStream {
 }
 
 impl AutoStream {
-    pub fn new(parser: ToolParser, names: Vec<String>) -> AutoStream {
-        AutoStream { parser, names, pending: String::new(), held: None }
+    pub fn new(choosing: Choosing) -> AutoStream {
+        AutoStream { choosing, pending: String::new(), held: None }
     }
 
     /// The content to send now for the next piece of text `s`.
@@ -296,11 +321,11 @@ impl AutoStream {
             return String::new();
         }
         self.pending.push_str(s);
-        if let Some(at) = self.parser.opening(&self.pending) {
+        if let Some(at) = self.choosing.parser.opening(&self.pending) {
             self.held = Some(self.pending.split_off(at));
             return std::mem::take(&mut self.pending);
         }
-        let keep = self.parser.partial_open(&self.pending);
+        let keep = self.choosing.parser.partial_open(&self.pending);
         let rest = self.pending.split_off(self.pending.len() - keep);
         std::mem::replace(&mut self.pending, rest)
     }
@@ -310,7 +335,7 @@ impl AutoStream {
         let mut content = self.push(rest);
         content.push_str(&std::mem::take(&mut self.pending));
         let Some(held) = self.held.take() else { return (content, Vec::new()) };
-        match self.parser.parse(&held, &self.names) {
+        match self.choosing.parse(&held) {
             Some(made) => (content, made.calls),
             None => {
                 content.push_str(&held);
@@ -404,7 +429,8 @@ mod tests {
             assert!(why.contains("parser") && why.contains("required"), "{why}");
             // With a parser: the model's choice, no grammar.
             let t = check(Some(json!([weather()])), choice, None, Some(ToolParser::Hermes)).expect("valid");
-            assert_eq!((t.mode, t.grammar), (Some(CallMode::Auto(ToolParser::Hermes, vec!["weather".into()])), None));
+            let choosing = Choosing { parser: ToolParser::Hermes, names: vec!["weather".into()], parallel: true };
+            assert_eq!((t.mode, t.grammar), (Some(CallMode::Auto(choosing)), None));
         }
         let e = check(None, Some(json!("auto")), None, Some(ToolParser::Hermes)).expect_err("no tools");
         assert_eq!(e.body()["error"]["param"], "tool_choice");
@@ -447,7 +473,7 @@ mod tests {
         assert_eq!(finish_reason(&CallMode::Required, true, "stop"), "tool_calls");
         assert_eq!(finish_reason(&CallMode::Required, false, "length"), "length");
         assert_eq!(finish_reason(&named, true, "stop"), "stop");
-        let auto = CallMode::Auto(ToolParser::Hermes, vec![]);
+        let auto = CallMode::Auto(Choosing { parser: ToolParser::Hermes, names: vec![], parallel: true });
         assert_eq!((finish_reason(&auto, true, "stop"), finish_reason(&auto, false, "stop")), ("tool_calls", "stop"));
         let v = tool_calls_json("chatcmpl-00ab", 1, &[("f".into(), "{}".into())]);
         assert_eq!(
@@ -467,6 +493,8 @@ mod tests {
         let made = parse(text).expect("calls");
         assert_eq!(made.content.as_deref(), Some("Let me look.\n"));
         assert_eq!(made.calls, vec![("weather".into(), r#"{"city":"Oslo"}"#.into()), ("now".into(), "{}".into())]);
+        let one = Choosing { parser: ToolParser::Hermes, names: names.clone(), parallel: false };
+        assert_eq!(one.parse(text).map(|m| m.calls.len()), Some(1), "no parallel calls: the first");
         let bare = parse(r#"<tool_call>{"name": "now", "arguments": "{}"}</tool_call>"#).expect("a call");
         assert_eq!((bare.content, bare.calls), (None, vec![("now".into(), "{}".into())]), "arguments given as text");
         // Cut short after a whole call's JSON: still that call.
@@ -488,7 +516,7 @@ mod tests {
         let names = vec!["now".to_string()];
         let text = r#"Sure <tool> tag? <tool_call>{"name": "now", "arguments": {}}</tool_call>"#;
         for cut in 1..8 {
-            let mut s = AutoStream::new(ToolParser::Hermes, names.clone());
+            let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, names: names.clone(), parallel: true });
             let mut content = String::new();
             let chars: Vec<char> = text.chars().collect();
             for piece in chars.chunks(cut) {
@@ -501,7 +529,7 @@ mod tests {
             assert_eq!(calls, vec![("now".into(), "{}".into())], "cut {cut}");
         }
         // Not a call after all: the held text is content.
-        let mut s = AutoStream::new(ToolParser::Hermes, names);
+        let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, names, parallel: true });
         assert_eq!(s.push("a <tool_"), "a ");
         assert_eq!(s.push("call>oops"), "");
         assert_eq!(s.end(" end"), ("<tool_call>oops end".to_string(), vec![]));
