@@ -135,19 +135,20 @@ pub struct Member {
 /// What a request needs of the worker that serves it: a worker protocol version (a Tandem worker of an older one
 /// would ignore what the request asks), and whether an external engine, which takes the sampling fields in its own
 /// API, may serve it when its own version (3) is older: log-probabilities only where the router relays them
-/// ([`crate::external::EngineKind::relays_logprobs`]), a regular expression only where the engine takes one
-/// ([`crate::external::EngineKind::takes_regex`]).
+/// ([`crate::external::EngineKind::relays_logprobs`]), a regular expression or allowed tokens only where the engine
+/// takes them ([`crate::external::EngineKind::takes_regex`], [`crate::external::EngineKind::takes_allowed_tokens`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Needs {
     pub protocol: u32,
     pub external: bool,
     pub logprobs: bool,
     pub regex: bool,
+    pub allowed: bool,
 }
 
 impl Needs {
     /// Any worker will do.
-    pub const ANY: Needs = Needs { protocol: 0, external: true, logprobs: false, regex: false };
+    pub const ANY: Needs = Needs { protocol: 0, external: true, logprobs: false, regex: false, allowed: false };
 
     pub fn met_by(&self, m: &Member) -> bool {
         m.protocol >= self.protocol
@@ -159,7 +160,10 @@ impl Needs {
 
     /// Whether an external engine of `kind` serves all the request asks.
     pub fn met_by_external(&self, kind: crate::external::EngineKind) -> bool {
-        self.external && (!self.logprobs || kind.relays_logprobs()) && (!self.regex || kind.takes_regex())
+        self.external
+            && (!self.logprobs || kind.relays_logprobs())
+            && (!self.regex || kind.takes_regex())
+            && (!self.allowed || kind.takes_allowed_tokens())
     }
 }
 
@@ -955,14 +959,25 @@ mod tests {
         let scored = needs(&pb::Sampling { prompt_logprobs: Some(0), ..Default::default() });
         assert!(scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL)));
         assert!(!scored.met_by(&tandem(worker::PROMPT_LOGPROBS_PROTOCOL - 1)), "an older worker would drop them");
+        let allowed = needs(&pb::Sampling { allowed_token_ids: vec![1, 2], ..Default::default() });
+        assert!(allowed.met_by(&tandem(worker::TOKEN_RULES_PROTOCOL)));
+        assert!(!allowed.met_by(&tandem(worker::TOKEN_RULES_PROTOCOL - 1)), "an older worker would ignore them");
+        assert!(allowed.met_by(&vllm) && !allowed.met_by(&llama) && !allowed.met_by(&sglang), "vLLM takes them");
         for (ruled, protocol) in [
-            (pb::Sampling { allowed_token_ids: vec![1, 2], ..Default::default() }, worker::TOKEN_RULES_PROTOCOL),
             (
                 pb::Sampling { bad_words: vec![pb::TokenSequence { ids: vec![3] }], ..Default::default() },
                 worker::TOKEN_RULES_PROTOCOL,
             ),
             (pb::Sampling { priority: -2, ..Default::default() }, worker::PRIORITY_PROTOCOL),
             (pb::Sampling { priority: 4, allowed_token_ids: vec![1], ..Default::default() }, worker::PRIORITY_PROTOCOL),
+            (
+                pb::Sampling {
+                    allowed_token_ids: vec![1],
+                    bad_words: vec![pb::TokenSequence { ids: vec![3] }],
+                    ..Default::default()
+                },
+                worker::TOKEN_RULES_PROTOCOL,
+            ),
         ] {
             let n = needs(&ruled);
             assert!(n.met_by(&tandem(protocol)), "{ruled:?}");

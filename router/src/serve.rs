@@ -469,8 +469,10 @@ pub fn needs(s: &pb::Sampling) -> Needs {
         && s.min_tokens == 0
         && s.stop_token_ids.is_empty();
     let mut protocol = if plain { 0 } else { worker::LOGITS_RULES_PROTOCOL };
-    // The prompt's log-probabilities and the token rules are applied by Tandem's own workers only.
-    let token_rules = !s.allowed_token_ids.is_empty() || !s.bad_words.is_empty();
+    // The prompt's log-probabilities and bad words are applied by Tandem's own workers only, allowed tokens by vLLM
+    // too.
+    let allowed = !s.allowed_token_ids.is_empty();
+    let token_rules = allowed || !s.bad_words.is_empty();
     // A grammar goes to an external engine as the engine's own structured output, from its start: not one of a kind
     // the relay does not know, nor one to continue after tokens generated elsewhere.
     let grammar = s.grammar.as_ref().map(|g| engine::grammar::Grammar::from_parts(&g.kind, &g.data));
@@ -479,7 +481,7 @@ pub fn needs(s: &pb::Sampling) -> Needs {
         Some(g) => g.is_ok() && s.prior_generated == 0,
     };
     let regex = matches!(grammar, Some(Ok(engine::grammar::Grammar::Regex(_))));
-    let external = relayable && s.prompt_logprobs.is_none() && !token_rules && s.priority == 0;
+    let external = relayable && s.prompt_logprobs.is_none() && s.bad_words.is_empty() && s.priority == 0;
     if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
@@ -495,7 +497,7 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     if s.priority != 0 {
         protocol = worker::PRIORITY_PROTOCOL;
     }
-    Needs { protocol, external, logprobs: s.logprobs.is_some(), regex }
+    Needs { protocol, external, logprobs: s.logprobs.is_some(), regex, allowed }
 }
 
 /// Why only some workers serve a request asking for `s` (to a client whose fleet has none of them up).
@@ -505,8 +507,11 @@ pub fn unserved(s: &pb::Sampling) -> String {
     if s.prompt_logprobs.is_some() {
         asked.push("the prompt's log-probabilities");
     }
-    if !s.allowed_token_ids.is_empty() || !s.bad_words.is_empty() {
-        asked.push("allowed_token_ids or bad_words");
+    if n.allowed {
+        asked.push("allowed_token_ids (taken by vLLM)");
+    }
+    if !s.bad_words.is_empty() {
+        asked.push("bad_words");
     }
     if s.priority != 0 {
         asked.push("a priority");

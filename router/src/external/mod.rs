@@ -113,6 +113,11 @@ impl EngineKind {
         matches!(self, EngineKind::LlamaServer | EngineKind::Vllm)
     }
 
+    /// Whether it takes vLLM's `allowed_token_ids` (vLLM's own field, with the same meaning).
+    pub fn takes_allowed_tokens(self) -> bool {
+        self == EngineKind::Vllm
+    }
+
     /// Whether it constrains output by a regular expression (llama-server takes JSON schemas and GBNF only).
     pub fn takes_regex(self) -> bool {
         matches!(self, EngineKind::Vllm | EngineKind::Sglang)

@@ -42,6 +42,9 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
     }
     // The same rules vLLM applies itself (Tandem's engine follows vLLM's meaning of each).
     super::put_logits_rules(&mut b, sampling, "min_tokens");
+    if !sampling.allowed_token_ids.is_empty() {
+        b["allowed_token_ids"] = sampling.allowed_token_ids.clone().into();
+    }
     // JSON without free whitespace, as Tandem's workers write it.
     let json = |schema: &str| json!({"json": super::schema_value(schema), "disable_any_whitespace": true});
     match super::grammar(sampling) {
@@ -168,6 +171,9 @@ mod tests {
         assert_eq!(body(&[5], &pb::Sampling { seed: Some(u64::MAX), ..s.clone() })["seed"].as_i64(), Some(-1));
         assert_eq!(body(&[5], &pb::Sampling { min_p: 0.5, ..s.clone() })["min_p"].as_f64(), Some(0.5));
         assert_eq!(body(&[5], &s).get("structured_outputs"), None);
+        assert_eq!(body(&[5], &s).get("allowed_token_ids"), None);
+        let allowed = body(&[5], &pb::Sampling { allowed_token_ids: vec![7, 9], ..s.clone() });
+        assert_eq!(allowed["allowed_token_ids"], json!([7, 9]));
     }
 
     #[test]
