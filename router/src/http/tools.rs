@@ -534,4 +534,44 @@ mod tests {
         assert_eq!(s.push("call>oops"), "");
         assert_eq!(s.end(" end"), ("<tool_call>oops end".to_string(), vec![]));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// However a text of call blocks, partial tags, JSON and words is cut into streamed pieces, the content sent
+        /// and the calls made at the end are the whole answer's: the text before its first call and its calls when
+        /// it makes them, all of it as content when it does not.
+        #[test]
+        fn a_streamed_answer_is_the_whole_one(
+            parts in proptest::collection::vec(0usize..10, 0..12),
+            cuts in proptest::collection::vec(1usize..6, 1..40),
+        ) {
+            const PARTS: [&str; 10] = ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
+                r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"];
+            let text: String = parts.iter().map(|&i| PARTS[i]).collect();
+            let choosing = Choosing { parser: ToolParser::Hermes, names: vec!["now".into()], parallel: true };
+            let mut stream = AutoStream::new(choosing.clone());
+            let chars: Vec<char> = text.chars().collect();
+            let (mut content, mut at) = (String::new(), 0);
+            for cut in cuts.iter().cycle() {
+                if at >= chars.len() {
+                    break;
+                }
+                let end = (at + cut).min(chars.len());
+                content.push_str(&stream.push(&chars[at..end].iter().collect::<String>()));
+                at = end;
+            }
+            let (rest, calls) = stream.end("");
+            content.push_str(&rest);
+            match choosing.parse(&text) {
+                Some(made) => {
+                    proptest::prop_assert_eq!(&content, &text[..text.find(OPEN).expect("a call opens")]);
+                    proptest::prop_assert_eq!(calls, made.calls);
+                }
+                None => {
+                    proptest::prop_assert_eq!(&content, &text);
+                    proptest::prop_assert!(calls.is_empty());
+                }
+            }
+        }
+    }
 }
