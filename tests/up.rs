@@ -9,7 +9,7 @@ const PROMPT: &str = "What is the capital of France?";
 fn the_openai_client_gets_what_tandem_generate_gets() {
     let model = tandem_tests::model();
     let home = std::env::temp_dir().join(format!("tandem-up-test-{}", std::process::id()));
-    let mut up = tandem_tests::Up::start(&["--prefill", "1", "--decode", "1"], &home);
+    let mut up = tandem_tests::Up::start(&["--prefill", "1", "--decode", "1", "--tool-call-parser", "hermes"], &home);
     let url = up.url.clone();
 
     let want = Command::new(tandem_tests::binary("tandem", "tandem"))
@@ -128,6 +128,9 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     assert_eq!(required[0], "tool_calls", "{tool}");
     assert_eq!(required[1].as_array().map(Vec::len), Some(1), "parallel_tool_calls false: {tool}");
     assert_eq!(required[1][0][0], "weather", "{tool}");
+    // `auto` with `--tool-call-parser hermes`: the call parsed out of the text, the words before it the content.
+    let auto = serde_json::json!(["tool_calls", "Sure. ", [["weather", r#"{"city":"Paris"}"#]]]);
+    assert_eq!(tool["auto"], auto, "{tool}");
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
     assert_eq!(got["retrieved"], "smollm2-135m-instruct", "client.models.retrieve");
 

@@ -459,7 +459,7 @@ async fn stream_tokens(
 /// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities, a version-7 one the
 /// allowed tokens and bad words, a version-8 one the priority). External engines take the sampling fields (`min_p`
 /// included) and grammars (as their own structured outputs; regular expressions not on llama-server) in their own
-/// APIs; prompt log-probabilities, allowed tokens, bad words and priorities are not relayed to them,
+/// APIs, and vLLM the allowed tokens; prompt log-probabilities, bad words and priorities are not relayed to them,
 /// log-probabilities only from llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()

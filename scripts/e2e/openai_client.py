@@ -109,6 +109,15 @@ def main() -> None:
     ).choices[0]
     tool_call["required"] = [required.finish_reason,
                              [[c.function.name, c.function.arguments] for c in required.message.tool_calls or []]]
+    # Tools without tool_choice (auto, served by `tandem up --tool-call-parser hermes`): the model's own call, which a
+    # regular expression makes the small model write, parsed out of its text beside the words before it.
+    chosen = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=asked, temperature=0, max_tokens=60, tools=tools,
+        extra_body={"structured_outputs": {"regex": 'Sure\\. <tool_call>\\{"name": "weather", "arguments": '
+                                                    '\\{"city": "Paris"\\}\\}</tool_call>'}},
+    ).choices[0]
+    tool_call["auto"] = [chosen.finish_reason, chosen.message.content,
+                         [[c.function.name, c.function.arguments] for c in chosen.message.tool_calls or []]]
 
     by_ids = None
     if len(sys.argv) > 4:
