@@ -415,10 +415,11 @@ mod tests {
     fn the_file_carries_settings_and_scheduler_weights() {
         let p = file(
             "listen = \"127.0.0.1:8100\"\nworkers = [\"10.0.0.1:9000\", \"decode.svc:9000\"]\n\
-             [scheduler]\npolicy = \"power_of_two\"\nhost_weight = 0.5\n",
+             tool_call_parser = \"hermes\"\n[scheduler]\npolicy = \"power_of_two\"\nhost_weight = 0.5\n",
         );
         let s = read_file(&p).expect("parses");
         assert_eq!(s.listen, Some(([127, 0, 0, 1], 8100).into()));
+        assert_eq!(s.tool_call_parser, Some(crate::http::tools::ToolParser::Hermes));
         assert_eq!(s.workers.map(|w| w.len()), Some(2));
         let sched = s.scheduler.expect("scheduler table");
         assert_eq!((sched.policy, sched.host_weight, sched.disk_weight), (Policy::PowerOfTwo, 0.5, 0.25));
