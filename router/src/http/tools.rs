@@ -71,8 +71,9 @@ const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
 
 impl ToolParser {
-    /// The calls in `text` (from its first call on) of the functions `names`, with the text before them as content;
-    /// `None` when it makes no call, or writes one that is not a call of one of them (then it is all content).
+    /// The calls in `text` (from its first call on) of the functions `names`, with the text before them as content
+    /// (text after the last call is left out, as vLLM's parser leaves it); `None` when it makes no call, or writes
+    /// one that is not a call of one of them (then it is all content).
     pub fn parse(self, text: &str, names: &[String]) -> Option<Made> {
         match self {
             ToolParser::Hermes => {
