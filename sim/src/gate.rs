@@ -1,7 +1,8 @@
-//! The router's admission control in virtual time, as `router::state::Admission` applies it in real time: a router
-//! holds at most `max_in_flight` requests from admission to their response's end; later arrivals wait in order
-//! (the real one's semaphore is fair), at most `max_queue` of them, and past that are refused; one that waits
-//! longer than the request timeout is answered with a timeout instead. Each router replica has its own gate.
+//! The router's admission control in virtual time, as `router::admission::Admission` applies it in real time to
+//! requests of one priority (traces carry none): a router holds at most `max_in_flight` requests from admission to
+//! their response's end; later arrivals wait in order, at most `max_queue` of them, and past that are refused; one
+//! that waits longer than the request timeout is answered with a timeout instead. Each router replica has its own
+//! gate.
 
 use std::collections::VecDeque;
 
