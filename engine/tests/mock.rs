@@ -226,7 +226,7 @@ fn a_prompt_submitted_with_its_hashes_runs_as_one_submitted_bare() {
             match hashed {
                 Some(size) => {
                     let tokens = HashedTokens::new(prompt, BlockSize::new(size).expect("non-zero"), ns);
-                    stepper.submit_hashed(id, tokens, bare.sampling, false, &none).expect("queued");
+                    stepper.submit_hashed(id, tokens, bare.sampling, 0, false, &none).expect("queued");
                 }
                 None => {
                     bare.namespace = ns;

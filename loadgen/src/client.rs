@@ -63,6 +63,8 @@ pub struct Ask {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub seed: u64,
+    /// vLLM's request priority; 0 sends none.
+    pub priority: i32,
 }
 
 /// How one request went.
@@ -105,6 +107,10 @@ pub fn body(target: &Target, ask: &Ask) -> serde_json::Value {
     if ask.ignore_eos {
         // vLLM's and Tandem's extension; servers without it generate until end of text or max_tokens.
         b["ignore_eos"] = true.into();
+    }
+    if ask.priority != 0 {
+        // vLLM's and Tandem's too (vLLM takes it when started with `--scheduling-policy priority`).
+        b["priority"] = ask.priority.into();
     }
     b
 }
@@ -240,6 +246,21 @@ mod tests {
         assert_eq!(Target::parse_url("http://h/x/v1").expect("ok"), ("h:80".into(), "/x".into()));
         assert!(Target::parse_url("https://h:1").is_err());
         assert!(Target::parse_url("http:///v1").is_err());
+    }
+
+    #[test]
+    fn a_priority_is_sent_when_not_0() {
+        let target = Target {
+            authority: "127.0.0.1:8000".into(),
+            base_path: String::new(),
+            model: "m".into(),
+            api_key: None,
+            endpoint: Endpoint::Completions,
+            timeout: Duration::from_secs(1),
+        };
+        let ask = Ask { prompt: "x".into(), max_tokens: 2, ignore_eos: false, seed: 1, priority: 0 };
+        assert_eq!(body(&target, &ask).get("priority"), None);
+        assert_eq!(body(&target, &Ask { priority: -1, ..ask })["priority"], -1);
     }
 
     #[test]

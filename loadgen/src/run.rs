@@ -216,6 +216,7 @@ fn request(
             max_tokens: r.output_length,
             ignore_eos: shared.config.ignore_eos,
             seed: shared.config.seed.wrapping_add(job.index as u64),
+            priority: r.priority,
         };
         let sent = Instant::now();
         let outcome = client::send(&shared.config.target, &ask).await;

@@ -73,6 +73,7 @@ impl SyntheticSpec {
                     delay_ms: (turn > 0).then_some(self.turn_delay_ms),
                     recorded: None,
                     literal: None,
+                    priority: 0,
                 });
             }
             session += 1;

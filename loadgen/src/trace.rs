@@ -24,6 +24,9 @@ pub struct TraceRequest {
     /// The prompt itself, when the workload gives it (aiperf's `text_input`) instead of its length: it is sent as
     /// it is, and `input_length` is its token count once [`tokenize_literals`] has read it.
     pub literal: Option<Box<LiteralPrompt>>,
+    /// vLLM's request priority (lower first; 0, the default, sends none): a JSONL trace's own `priority` field,
+    /// which a router recording writes.
+    pub priority: i32,
 }
 
 /// A prompt given as text, and its tokens (empty until [`tokenize_literals`]).
@@ -151,6 +154,9 @@ struct MooncakeLine {
     messages: Option<serde_json::Value>,
     /// A router recording's own fields.
     tandem: Option<Recorded>,
+    /// vLLM's request priority (not aiperf's field).
+    #[serde(default)]
+    priority: i32,
     /// aiperf's dataset type, which a file may spell out: only `mooncake_trace` is this format.
     #[serde(default, rename = "type")]
     kind: Option<String>,
@@ -315,6 +321,7 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
             delay_ms: l.delay,
             recorded: l.tandem.map(Box::new),
             literal,
+            priority: l.priority,
         });
     }
     if out.is_empty() {
@@ -501,11 +508,14 @@ mod tests {
         let text = r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
 
 {"timestamp": 12.5, "input_length": 10, "output_length": 0, "hash_ids": [0], "session_id": "a"}
-{"input_length": 900, "output_length": 7, "hash_ids": [0, 2], "session_id": "a", "delay": 300}
+{"input_length": 900, "output_length": 7, "hash_ids": [0, 2], "session_id": "a", "delay": 300, "priority": -2}
 "#;
         let r = parse_mooncake(text).expect("parses");
         assert_eq!(r.len(), 3);
         assert_eq!(r[0].hash_ids, [0, 1]);
+        assert_eq!((r[0].priority, r[2].priority), (0, -2), "vLLM's priority, 0 when absent");
+        let big = r#"{"timestamp": 0, "input_length": 6, "output_length": 5, "priority": 3000000000}"#;
+        assert!(parse_mooncake(big).is_err(), "a priority past 32 bits");
         assert_eq!(r[1].arrival_ms, Some(12.5));
         assert_eq!(r[1].output_length, 1, "at least one output token");
         assert_eq!((r[2].arrival_ms, r[2].delay_ms), (None, Some(300.0)));

@@ -52,6 +52,8 @@ pub struct Arrival<'a> {
     pub max_tokens: u32,
     pub namespace: Option<&'a str>,
     pub hashes: &'a [SeqHash],
+    /// vLLM's request priority (written when not 0).
+    pub priority: i32,
 }
 
 /// What the router did with it: the decision, or why it refused (`RouteError::kind`).
@@ -169,13 +171,17 @@ fn line(ms: f64, a: &Arrival<'_>, outcome: Outcome<'_>, candidates: bool, rekey:
         }
         Outcome::Refused(kind) => json!({ "refused": kind }),
     };
-    json!({
+    let mut v = json!({
         "timestamp": (ms * 1000.0).round() / 1000.0,
         "input_length": a.input_length,
         "output_length": a.max_tokens,
         "hash_ids": a.hashes.iter().map(|h| rekey(*h)).collect::<Vec<u64>>(),
         "tandem": { "namespace": a.namespace, "decision": decision },
-    })
+    });
+    if a.priority != 0 {
+        v["priority"] = a.priority.into();
+    }
+    v
 }
 
 #[cfg(test)]
@@ -214,7 +220,7 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let mut r = Recording::start(&path, 16, false).expect("starts");
         let hashes = kv_cache::block_hashes(&(0..40).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None).seq;
-        let a = Arrival { input_length: 40, max_tokens: 7, namespace: Some("tenant-a"), hashes: &hashes };
+        let a = Arrival { input_length: 40, max_tokens: 7, namespace: Some("tenant-a"), hashes: &hashes, priority: 0 };
         r.push(Instant::now(), &a, Outcome::Refused("all_busy")).expect("written");
         let second = r.push(Instant::now(), &a, Outcome::Refused("all_busy")).expect("written");
         r.push_output(second, 3, "stop").expect("written");
@@ -278,10 +284,11 @@ mod tests {
             isl: 64,
         };
         let hashes = kv_cache::block_hashes(&(0..64).collect::<Vec<u32>>(), kv_cache::BlockSize::DEFAULT, None).seq;
-        let a = Arrival { input_length: 64, max_tokens: 8, namespace: None, hashes: &hashes };
+        let a = Arrival { input_length: 64, max_tokens: 8, namespace: None, hashes: &hashes, priority: -3 };
         let plain = line(0.0, &a, Outcome::Routed(&d), false, |h| h.0 >> 11);
         assert_eq!(plain["tandem"]["decision"]["prefill"], "p0");
         assert_eq!(plain["tandem"]["decision"]["margin"], 32.0);
+        assert_eq!(plain["priority"], -3, "a request's priority, the trace's own field");
         assert!(plain["tandem"]["decision"].get("candidates").is_none());
         let explained = line(0.0, &a, Outcome::Routed(&d), true, |h| h.0 >> 11);
         let c = &explained["tandem"]["decision"]["candidates"];

@@ -161,6 +161,37 @@ fn past_the_routers_slots_requests_wait_in_order_and_past_its_queue_they_are_ref
     assert_eq!(out.decisions.get("deadline"), Some(&1));
 }
 
+/// A trace's `priority` (vLLM's, lower first) orders the router's queue, as the real router's: a later request of a
+/// higher priority is served first, and a full queue refuses the last ranked one; and the engine's queue too.
+#[test]
+fn a_traces_priorities_order_the_routers_queue_and_the_engines() {
+    let profile = "[prefill]\nbase_ms = 10.0\nper_token_ms = 1.0\n[decode]\nbase_ms = 5.0\n";
+    let limits = sim::Limits { max_in_flight: 1, max_queue: 2, request_timeout: 1.0 };
+    let s = Settings { admission: limits, ..settings(profile, 0, 1, Policy::RoundRobin) };
+    let at = |ms, id, priority| loadgen::trace::TraceRequest { priority, ..request(ms, 100, 1, id) };
+    // A at 0 runs 0 → 110 ms. B (priority 5) and C (0) wait; D (-1) at 3 ms finds the queue full and outranks B,
+    // which is refused. Then D runs 110 → 220 ms, C 220 → 330 ms.
+    let trace = [at(0.0, 1, 0), at(1.0, 2, 5), at(2.0, 3, 0), at(3.0, 4, -1)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let r = &out.records;
+    assert_eq!(r.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 429, 200, 200]);
+    for (k, want) in [(0, 110.0), (3, 217.0), (2, 328.0)] {
+        let got = r[k].time_to_first_token_ms.expect("a first token");
+        assert!((got - want).abs() < 1e-6, "TTFT of request {k}: {got} (want {want})");
+    }
+    // No router queue, but an engine that runs one sequence at a time: the same order there.
+    let mut s = Settings { admission: sim::Limits::default(), ..s };
+    s.engine.max_num_seqs = 1;
+    let trace = [at(0.0, 1, 0), at(1.0, 2, 5), at(2.0, 3, 0), at(3.0, 4, -1)];
+    let out = simulate(&s, &trace, &plan(&trace, &Arrivals::Trace { speedup: 1.0 })).expect("runs");
+    let first: Vec<f64> = out.records.iter().map(|r| r.time_to_first_token_ms.expect("a first token")).collect();
+    let mut order: Vec<usize> = (0..4).collect();
+    order.sort_by(|&a, &b| {
+        (first[a] + trace[a].arrival_ms.unwrap_or(0.0)).total_cmp(&(first[b] + trace[b].arrival_ms.unwrap_or(0.0)))
+    });
+    assert_eq!(order, [0, 3, 2, 1], "first tokens by priority, then arrival: {first:?}");
+}
+
 #[test]
 fn a_request_past_its_deadline_is_answered_504_and_its_work_dropped() {
     // One worker, prompts 10 ms + 1 ms a token, decode steps 5 ms, a request timeout of 200 ms. A (100 tokens, 100

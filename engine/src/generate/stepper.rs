@@ -78,19 +78,20 @@ impl Stepper {
     }
 
     /// [`submit`](Self::submit) for a prompt hashed already (for routing, say): the request runs `prompt` with
-    /// `sampling`, in the prompt's namespace, and when the prompt was hashed in this engine's block size the
-    /// sequence keeps those hashes instead of hashing the prompt again.
+    /// `sampling` at `priority` ([`Request::priority`]), in the prompt's namespace, and when the prompt was hashed
+    /// in this engine's block size the sequence keeps those hashes instead of hashing the prompt again.
     pub fn submit_hashed(
         &mut self,
         id: u64,
         prompt: kv_cache::HashedTokens,
         sampling: SamplingParams,
+        priority: i32,
         export: bool,
         blocks: &dyn PulledBlocks,
     ) -> Result<(), EngineError> {
         let ours = prompt.block_size() == self.engine.block_size();
         let (tokens, namespace, hashes) = prompt.into_parts();
-        let request = Request { prompt: tokens, sampling, namespace, deadline: None, priority: 0 };
+        let request = Request { prompt: tokens, sampling, namespace, deadline: None, priority };
         self.queue(id, request, ours.then_some(hashes), export, blocks)
     }
 

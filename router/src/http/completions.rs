@@ -253,6 +253,7 @@ pub async fn plan(
             max_tokens,
             namespace: checked.namespace.as_deref(),
             hashes: &hashes,
+            priority: checked.priority,
         };
         let outcome = match &decision {
             Ok(d) => Outcome::Routed(d),

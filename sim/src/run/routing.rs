@@ -68,15 +68,22 @@ impl Sim<'_> {
         live.isl = hashed.tokens().len();
         self.out.arrivals.push(crate::oracle::Prompt { tokens: live.isl, blocks: hashed.hashes().seq.clone() });
         live.prompt = Some(hashed);
-        match self.routers[router].gate.arrive(i) {
+        let priority = r.priority;
+        match self.routers[router].gate.arrive(i, priority) {
             Arrival::Admitted => {
                 self.live[i].slot = true;
                 self.tokenize(now, i);
             }
-            Arrival::Queued => {
+            arrival @ (Arrival::Queued | Arrival::QueuedInPlaceOf(_)) => {
                 self.live[i].waiting = true;
                 let timeout = self.routers[router].gate.timeout();
                 self.queue.at_in_order(lanes::REQUEST, now + timeout, Ev::WaitEnds(i));
+                if let Arrival::QueuedInPlaceOf(j) = arrival {
+                    // Its wait's end finds it gone from the queue and does nothing.
+                    self.live[j].waiting = false;
+                    *self.out.decisions.entry("overloaded".into()).or_default() += 1;
+                    self.finish(now, j, 429, Some("a request of a higher priority took its place".into()), None);
+                }
             }
             Arrival::Refused => {
                 *self.out.decisions.entry("overloaded".into()).or_default() += 1;

@@ -53,7 +53,7 @@ impl Sim<'_> {
         let submitted = match job.prompt {
             Some(prompt) => self.workers[w]
                 .engine
-                .submit_hashed(i as u64, prompt, sampling, job.export, &blocks.as_slice())
+                .submit_hashed(i as u64, prompt, sampling, self.workload[i].priority, job.export, &blocks.as_slice())
                 .map_err(|e| e.to_string()),
             // Not reached: each request's prompt moves to an engine once, at its last submission.
             None => Err("the request's prompt had already gone to its last worker".to_string()),
