@@ -77,10 +77,11 @@ pub struct ClusterArgs {
     stream_kv: bool,
     /// Requests each router replica holds at once, from admission to the end of their response (as the router's
     /// `--max-in-flight`; default: the router file's `max_in_flight`, else the router's default); later arrivals
-    /// wait for a slot in order.
+    /// wait for a slot by their trace `priority` (lower first), then in order.
     #[arg(long)]
     max_in_flight: Option<usize>,
-    /// Requests waiting for a slot at most (as the router's `--max-queue`); past it arrivals are refused with 429.
+    /// Requests waiting for a slot at most (as the router's `--max-queue`); past it an arrival is refused with 429,
+    /// unless it outranks the last one waiting, which is refused in its place.
     #[arg(long)]
     max_queue: Option<usize>,
     /// Longest wait for a slot, and then longest run once routed, in milliseconds (as the router's
