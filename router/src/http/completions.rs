@@ -194,6 +194,7 @@ pub async fn plan(
     };
     let config = state.scheduler_config();
     let mut req = RouteRequest::new(tokens.len() as u64, u64::from(block_size), &hashes, config.prefix_hash_blocks);
+    req.priority = checked.priority;
     let cache_key = checked.prompt_cache_key.as_deref().map(|k| cache_key(checked.namespace.as_deref(), k));
     let span = tracing::info_span!(
         "route",

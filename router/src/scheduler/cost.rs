@@ -92,7 +92,7 @@ mod tests {
     /// (device, host, disk, active prefill tokens, active blocks, min active prefill, config tweak, cost).
     #[test]
     fn the_formula_term_by_term() {
-        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: None };
+        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: None, priority: 0 };
         let base = SchedulerConfig::default();
         let active = |mut w: WorkerView, n| {
             w.active_overlap = n;
@@ -140,7 +140,8 @@ mod tests {
     fn the_worker_a_prompt_cache_key_last_used_is_credited() {
         use crate::scheduler::view::WorkerId;
         let cfg = SchedulerConfig::default();
-        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: Some(WorkerId(0)) };
+        let req =
+            RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: Some(WorkerId(0)), priority: 0 };
         // Cold and idle costs 20 (above); the credited worker 20 - 16, another worker 20.
         let c = prefill_cost(&req, &worker(0, 0, 0, 0, 0), 0, 1.0, &cfg);
         assert_eq!((c.affinity_credit, c.cost), (16.0, 4.0));
@@ -157,7 +158,7 @@ mod tests {
     fn in_seconds_a_faster_worker_queue_costs_less_and_equal_workers_cost_as_in_blocks() {
         use crate::scheduler::config::CostUnits;
         use crate::scheduler::view::Speed;
-        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: None };
+        let req = RouteRequest { isl: 160, block_size: 16, prefix_key: 0, key: 0, affinity: None, priority: 0 };
         let with_speed = |tps: Option<f64>| WorkerView {
             speed: Speed { prefill_tokens_per_sec: tps, ..Speed::default() },
             ..worker(0, 0, 0, 320, 0)
@@ -178,7 +179,7 @@ mod tests {
 
     #[test]
     fn request_blocks_round_up_and_decode_cost_is_a_fraction() {
-        let req = RouteRequest { isl: 17, block_size: 16, prefix_key: 0, key: 0, affinity: None };
+        let req = RouteRequest { isl: 17, block_size: 16, prefix_key: 0, key: 0, affinity: None, priority: 0 };
         assert_eq!(req.request_blocks(), 2);
         let w = worker(0, 0, 0, 0, 98);
         assert!((decode_cost(&req, &w) - 0.1).abs() < 1e-12);

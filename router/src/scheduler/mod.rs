@@ -191,9 +191,13 @@ fn ramped<'a>(workers: Vec<&'a WorkerView>, rng: &mut Rng) -> Vec<&'a WorkerView
     if kept.is_empty() { workers } else { kept }
 }
 
+/// Whether `w` is too busy to take `req` (`busy_prefill_tokens`, `busy_kv_fraction`). Never for a request more
+/// urgent than the default (a negative priority): it goes to the best worker all the same and waits there ahead of
+/// the others.
 fn busy(req: &RouteRequest, w: &WorkerView, cfg: &SchedulerConfig) -> bool {
-    cfg.busy_prefill_tokens.is_some_and(|max| w.load.active_prefill_tokens > max)
-        || cfg.busy_kv_fraction.is_some_and(|f| cost::over_kv(req, w, f))
+    req.priority >= 0
+        && (cfg.busy_prefill_tokens.is_some_and(|max| w.load.active_prefill_tokens > max)
+            || cfg.busy_kv_fraction.is_some_and(|f| cost::over_kv(req, w, f)))
 }
 
 fn scored(w: &WorkerView, potential_decode_blocks: u64, speed_factor: f64, affinity_credit: f64, cost: f64) -> Scored {
@@ -291,9 +295,10 @@ fn prefill_choice<'a>(
     (choice(prefill_scored, at), ready[at])
 }
 
-/// Refuses the request when the worker that would compute its prompt has more queued than `shed_wait_ms`.
-fn shed(prefiller: &WorkerView, cfg: &SchedulerConfig) -> Result<(), RouteError> {
-    let Some(limit_ms) = cfg.shed_wait_ms else { return Ok(()) };
+/// Refuses the request when the worker that would compute its prompt has more queued than `shed_wait_ms`; never one
+/// more urgent than the default (a negative priority), which would wait ahead of that queue.
+fn shed(req: &RouteRequest, prefiller: &WorkerView, cfg: &SchedulerConfig) -> Result<(), RouteError> {
+    let Some(limit_ms) = cfg.shed_wait_ms.filter(|_| req.priority >= 0) else { return Ok(()) };
     match shed::over_limit(prefiller, limit_ms) {
         Some(wait) => {
             Err(RouteError::Shed { wait_ms: (wait * 1000.0).round() as u64, limit_ms: limit_ms.round() as u64 })
@@ -333,7 +338,7 @@ pub fn route(
     if !any_prefillers {
         let load = |w: &WorkerView| cost::decode_cost(req, w);
         let (decode, worker) = prefill_choice(req, &open, cfg, load, rng, &mut state.decode_rotation);
-        shed(worker, cfg)?;
+        shed(req, worker, cfg)?;
         let reason = Reason::NoPrefillWorkers;
         return Ok(Decision {
             policy: cfg.policy,
@@ -373,7 +378,7 @@ pub fn route(
         Some((_, w)) if disaggregate => w,
         _ => decode_worker,
     };
-    shed(prefiller, cfg)?;
+    shed(req, prefiller, cfg)?;
     let prefill = prefill.map(|(c, _)| c);
     Ok(Decision { policy: cfg.policy, prefill, decode, disaggregate, reason, request_blocks, isl: req.isl })
 }

@@ -21,7 +21,7 @@ fn w(id: u32, role: WorkerRole, device: usize, prefill_tokens: u64, active_block
 }
 
 fn req(isl: u64) -> RouteRequest {
-    RouteRequest { isl, block_size: 16, prefix_key: 0, key: 0, affinity: None }
+    RouteRequest { isl, block_size: 16, prefix_key: 0, key: 0, affinity: None, priority: 0 }
 }
 
 fn decide(r: &RouteRequest, workers: &[WorkerView], cfg: &SchedulerConfig) -> Decision {
@@ -392,6 +392,34 @@ fn a_request_is_shed_when_the_worker_that_would_prefill_it_has_too_much_queued()
     // Before any speed is measured there is no estimate, and nothing is shed.
     let unmeasured = decide(&req(4096), &[w(0, Prefill, 0, 30_000, 0), d], &cfg);
     assert!(unmeasured.disaggregate);
+}
+
+/// A request more urgent than the default (a negative priority) is neither shed nor refused as all busy: it goes to
+/// the best worker, where it waits ahead of the others; a default one is refused as before.
+#[test]
+fn an_urgent_request_is_never_shed_or_refused_as_busy() {
+    let urgent = RouteRequest { priority: -1, ..req(4096) };
+    let cfg = SchedulerConfig { shed_wait_ms: Some(1000.0), ..SchedulerConfig::default() };
+    let mut p = w(0, Prefill, 0, 30_000, 0);
+    p.speed.prefill_tokens_per_sec = Some(10_000.0);
+    let d = w(1, Decode, 0, 0, 0);
+    assert!(matches!(
+        route(&req(4096), &[p.clone(), d.clone()], &cfg, &mut RouteState::seeded(1)),
+        Err(RouteError::Shed { .. })
+    ));
+    let got = route(&urgent, &[p, d], &cfg, &mut RouteState::seeded(1)).expect("routed");
+    assert_eq!((got.disaggregate, got.reason), (true, Reason::PrefillRemote));
+    // Every worker past the busy thresholds.
+    let cfg =
+        SchedulerConfig { busy_prefill_tokens: Some(1000), busy_kv_fraction: Some(0.5), ..SchedulerConfig::default() };
+    let workers = [w(0, Prefill, 0, 5000, 0), w(1, Decode, 0, 0, 600)];
+    assert_eq!(route(&req(64), &workers, &cfg, &mut RouteState::seeded(1)), Err(RouteError::AllBusy));
+    let urgent = RouteRequest { priority: -1, ..req(64) };
+    let got = route(&urgent, &workers, &cfg, &mut RouteState::seeded(1)).expect("routed");
+    assert_eq!(got.decode.id, WorkerId(1));
+    // Past the hard KV limit nothing goes, urgent or not.
+    let full = [w(1, Decode, 0, 0, 949)];
+    assert_eq!(route(&urgent, &full, &cfg, &mut RouteState::seeded(1)), Err(RouteError::AllBusy));
 }
 
 #[test]

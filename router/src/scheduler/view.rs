@@ -79,6 +79,9 @@ pub struct RouteRequest {
     /// The worker that last computed a prompt with this request's `prompt_cache_key` (credited
     /// `cache_key_credit` blocks), if the key is remembered.
     pub affinity: Option<WorkerId>,
+    /// vLLM's request priority: a negative one (more urgent than the default) is never refused by the busy and
+    /// shedding rules.
+    pub priority: i32,
 }
 
 impl RouteRequest {
@@ -87,7 +90,7 @@ impl RouteRequest {
     pub fn new(isl: u64, block_size: u64, hashes: &[kv_cache::SeqHash], prefix_blocks: usize) -> RouteRequest {
         let prefix_key = hashes.get(prefix_blocks.min(hashes.len()).wrapping_sub(1)).map_or(isl, |h| h.0);
         let key = hashes.last().map_or(0, |h| h.0) ^ isl.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        RouteRequest { isl, block_size, prefix_key, key, affinity: None }
+        RouteRequest { isl, block_size, prefix_key, key, affinity: None, priority: 0 }
     }
 
     /// `ceil(isl / block_size)`.

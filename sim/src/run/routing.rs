@@ -122,7 +122,10 @@ impl Sim<'_> {
         let router = self.live[i].router;
         let cfg = &self.settings.scheduler;
         let bs = self.block_size.tokens() as u64;
-        let req = RouteRequest::new(self.live[i].isl as u64, bs, self.hashes(i), cfg.prefix_hash_blocks);
+        let req = RouteRequest {
+            priority: self.workload[i].priority,
+            ..RouteRequest::new(self.live[i].isl as u64, bs, self.hashes(i), cfg.prefix_hash_blocks)
+        };
         self.sample_balance(now);
         let views = self.view(router, self.hashes(i), now);
         let placed = if self.settings.replay {
