@@ -630,6 +630,13 @@ async fn vllms_text_and_template_fields_through_the_router() {
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}});
     let r = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await;
     assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("chat_template_kwargs")), "{}", r.body);
+    // Rules that leave no token possible, on a worker that computes the whole request (the generate path; the
+    // penalties test sees it at a prefill worker): a 400 that says so.
+    let tokenizer = engine::text::TextModel::open(&model()).expect("model");
+    let ends: Vec<u32> = (0..16).filter(|&t| tokenizer.tokenizer().is_end_of_generation(t)).collect();
+    let r = api.send(json!({"allowed_token_ids": ends, "min_tokens": 1})).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("no token is possible"), "{}", r.body);
     // `return_tokens_as_token_ids`: log-probabilities name tokens by id, on both endpoints.
     let named = completions
         .send(json!({"prompt": last, "temperature": 0, "max_tokens": 3, "logprobs": 1, "return_tokens_as_token_ids": true}))
