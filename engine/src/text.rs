@@ -16,6 +16,9 @@ pub enum TextError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Template(#[from] TemplateError),
+    /// A request's template arguments name one the template does not read (or one every render sets).
+    #[error("{0}")]
+    TemplateArgument(TemplateError),
     #[error("the model file has no chat template")]
     NoChatTemplate,
 }
@@ -73,16 +76,9 @@ impl TextModel {
         self.render_chat_ending(messages, ChatExtras::default(), Ending::NewTurn)
     }
 
-    /// Whether the chat template reads every one of `arguments` (a request's `chat_template_kwargs`).
-    pub fn check_template_arguments(
-        &self,
-        arguments: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<(), TextError> {
-        Ok(self.template.as_ref().ok_or(TextError::NoChatTemplate)?.check_arguments(arguments)?)
-    }
-
     /// The prompt text for a conversation with a request's [`ChatExtras`] (the tools the model may call, the
-    /// template's arguments), ending as `ending` says. Arguments the template does not read are refused by name.
+    /// template's arguments), ending as `ending` says. Arguments the template does not read are refused by name
+    /// ([`TextError::TemplateArgument`]).
     pub fn render_chat_ending(
         &self,
         messages: &[ChatMessage],
@@ -91,7 +87,7 @@ impl TextModel {
     ) -> Result<String, TextError> {
         let t = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
         if let Some(arguments) = extras.arguments {
-            t.check_arguments(arguments)?;
+            t.check_arguments(arguments).map_err(TextError::TemplateArgument)?;
         }
         Ok(t.render_ending(messages, extras, ending)?)
     }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use engine::chat::{ChatExtras, ChatMessage, Ending};
+use engine::text::TextError;
 use kv_cache::{BlockSize, CacheNamespace, block_hashes};
 use proto::worker as pb;
 
@@ -53,21 +54,18 @@ async fn tokenize(state: &Arc<RouterState>, checked: Checked) -> Result<(Checked
     .map_err(|e| ApiError::Upstream(format!("tokenizing failed: {e}")))?
 }
 
-/// A conversation's prompt text: the template's arguments checked (a 400 naming `chat_template_kwargs`), then the
-/// template rendered (a 400 naming `messages`).
+/// A conversation's prompt text: a template argument it does not read is a 400 naming `chat_template_kwargs`, any
+/// other failure of the template one naming `messages`.
 pub fn render_chat(
     state: &RouterState,
     messages: &[ChatMessage],
     extras: ChatExtras<'_>,
     ending: Ending,
 ) -> Result<String, ApiError> {
-    if let Some(a) = extras.arguments {
-        state.text.check_template_arguments(a).map_err(|e| ApiError::bad(e.to_string(), "chat_template_kwargs"))?;
-    }
-    state
-        .text
-        .render_chat_ending(messages, extras, ending)
-        .map_err(|e| ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"))
+    state.text.render_chat_ending(messages, extras, ending).map_err(|e| match e {
+        TextError::TemplateArgument(e) => ApiError::bad(e.to_string(), "chat_template_kwargs"),
+        e => ApiError::bad(format!("cannot apply the chat template: {e}"), "messages"),
+    })
 }
 
 fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
