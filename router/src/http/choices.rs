@@ -653,38 +653,44 @@ async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrive
 /// stream as they come; required calls are an array that is only known to be calls once whole, so their text is
 /// held and each call goes out whole at the end (the text as content if it is not calls, cut short); the model's
 /// own calls (`auto`) go out whole at the end too, the content before them as it comes ([`AutoStream`]).
-struct CallStream {
-    mode: Option<CallMode>,
-    /// Whether the named call's first chunk (id and name) has gone.
-    opened: bool,
+enum CallStream {
+    Text,
+    /// A named function's call; `opened` once its first chunk (id and name) has gone.
+    Named {
+        name: String,
+        opened: bool,
+    },
     /// The required calls' text so far.
-    held: String,
-    auto: Option<AutoStream>,
+    Required {
+        held: String,
+    },
+    Auto(AutoStream),
 }
 
 impl CallStream {
-    fn new(mode: Option<CallMode>) -> CallStream {
-        let auto = match &mode {
-            Some(CallMode::Auto(choosing)) => Some(AutoStream::new(choosing.clone())),
-            _ => None,
-        };
-        CallStream { mode, opened: false, held: String::new(), auto }
+    fn new(mode: Option<&CallMode>) -> CallStream {
+        match mode {
+            None => CallStream::Text,
+            Some(CallMode::Named(name)) => CallStream::Named { name: name.clone(), opened: false },
+            Some(CallMode::Required) => CallStream::Required { held: String::new() },
+            Some(CallMode::Auto(choosing)) => CallStream::Auto(AutoStream::new(choosing.clone())),
+        }
     }
 
     /// The chunk for one token's text `s` (`due`: it has text, is the first, or carries log-probabilities).
     fn token(&mut self, head: &Head, s: &str, due: bool, first: bool, lps: &Value) -> Option<String> {
-        match &self.mode {
-            None => due.then(|| head.chunk(Some(s), None, first, lps)),
-            Some(CallMode::Named(name)) => {
-                let opening = !std::mem::replace(&mut self.opened, true);
+        match self {
+            CallStream::Text => due.then(|| head.chunk(Some(s), None, first, lps)),
+            CallStream::Named { name, opened } => {
+                let opening = !std::mem::replace(opened, true);
                 (due || opening).then(|| head.call_chunk(0, opening.then_some(name.as_str()), s, first, lps))
             }
-            Some(CallMode::Required) => {
-                self.held.push_str(s);
+            CallStream::Required { held } => {
+                held.push_str(s);
                 (first || !lps.is_null()).then(|| head.chunk(None, None, first, lps))
             }
-            Some(CallMode::Auto(..)) => {
-                let content = self.auto.as_mut().map(|a| a.push(s)).unwrap_or_default();
+            CallStream::Auto(auto) => {
+                let content = auto.push(s);
                 let text = (!content.is_empty()).then_some(content.as_str());
                 (text.is_some() || first || !lps.is_null()).then(|| head.chunk(text, None, first, lps))
             }
@@ -698,24 +704,24 @@ impl CallStream {
             let each = calls.iter().enumerate();
             each.map(|(k, (n, a))| head.call_chunk(k, Some(n), a, false, &Value::Null)).collect::<Vec<_>>()
         };
-        match &self.mode {
-            None => ((!rest.is_empty()).then(|| content(rest)).into_iter().collect(), false),
-            Some(CallMode::Named(name)) => {
-                let opening = !self.opened;
+        match self {
+            CallStream::Text => ((!rest.is_empty()).then(|| content(rest)).into_iter().collect(), false),
+            CallStream::Named { name, opened } => {
+                let opening = !*opened;
                 let last = (opening || !rest.is_empty())
                     .then(|| head.call_chunk(0, opening.then_some(name.as_str()), rest, false, &Value::Null));
                 (last.into_iter().collect(), true)
             }
-            Some(CallMode::Required) => {
-                self.held.push_str(rest);
-                match tools::calls(&CallMode::Required, &self.held) {
+            CallStream::Required { held } => {
+                held.push_str(rest);
+                match tools::calls(&CallMode::Required, held) {
                     Some(made) => (calls(&made.calls), true),
-                    None if self.held.is_empty() => (Vec::new(), false),
-                    None => (vec![content(&self.held)], false),
+                    None if held.is_empty() => (Vec::new(), false),
+                    None => (vec![content(held)], false),
                 }
             }
-            Some(CallMode::Auto(..)) => {
-                let (text, made) = self.auto.as_mut().map(|a| a.end(rest)).unwrap_or_default();
+            CallStream::Auto(auto) => {
+                let (text, made) = auto.end(rest);
                 let mut chunks: Vec<String> = (!text.is_empty()).then(|| content(&text)).into_iter().collect();
                 chunks.extend(calls(&made));
                 (chunks, !made.is_empty())
@@ -737,7 +743,7 @@ async fn stream_choice(
     let mut run = Run::start(state, p, arrived).await;
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index };
     let mut first = true;
-    let mut calls = CallStream::new(run.checked.tool_calls.clone());
+    let mut calls = CallStream::new(run.checked.tool_calls.as_ref());
     // The echoed prompt goes first; with log-probabilities, once they come (before the first token).
     if !run.echo_waits()
         && let Some(echo) = run.echo.take()
@@ -804,7 +810,7 @@ async fn stream_choice(
         }
     }
     let mut finish = run.finish_reason(reason);
-    if let Some(mode) = &calls.mode {
+    if let Some(mode) = &run.checked.tool_calls {
         finish = tools::finish_reason(mode, made, finish);
     }
     run.finish = Some(finish);
