@@ -935,6 +935,56 @@ async fn the_models_own_tool_calls_are_parsed_with_auto() {
     stop(router, workers).await;
 }
 
+/// The same with Mistral's format (`--tool-call-parser mistral`): the words before the marker are the content, the
+/// v11 call after it a call, whose id is the 9 letters and digits Mistral's templates take back, as a follow-up turn
+/// sends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mistral_tool_calls_are_parsed_with_ids_its_templates_take() {
+    let ca = DevCa::generate().expect("ca");
+    let mistral = |r: router::run::RouterConfig| router::run::RouterConfig {
+        tool_call_parser: Some(router::http::tools::ToolParser::Mistral),
+        ..r
+    };
+    let (workers, router) = cluster_with(&ca, &[Role::Both], |w| w, mistral).await;
+    let now = json!({"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}});
+    let question = json!({"role": "user", "content": "What time is it?"});
+    let call = r#"Checking\. \[TOOL_CALLS\]now\{"zone": "UTC"\}"#;
+    let body = |stream: bool| {
+        json!({"model": MODEL, "max_tokens": 40, "temperature": 0, "tools": [now], "stream": stream,
+               "messages": [question], "structured_outputs": {"regex": call}})
+        .to_string()
+    };
+    let short =
+        |id: &Value| id.as_str().is_some_and(|id| id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()));
+    let r = http(router.addr, "POST", "/v1/chat/completions", &body(false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let message = &v["choices"][0]["message"];
+    assert_eq!((&message["content"], &v["choices"][0]["finish_reason"]), (&json!("Checking. "), &json!("tool_calls")));
+    let calls = message["tool_calls"].as_array().expect("calls");
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(
+        (&calls[0]["function"]["name"], &calls[0]["function"]["arguments"]),
+        (&json!("now"), &json!(r#"{"zone":"UTC"}"#))
+    );
+    assert!(short(&calls[0]["id"]), "{v}");
+    // Streamed: the words as they come, the call whole at the end with an id of the same kind.
+    let r = http(router.addr, "POST", "/v1/chat/completions", &body(true), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let chunks = json_chunks(&r);
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    assert_eq!(deltas.iter().filter_map(|d| d["content"].as_str()).collect::<String>(), "Checking. ", "{chunks:?}");
+    let pieces: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).map(|c| &c[0]).collect();
+    assert_eq!(pieces.len(), 1, "{chunks:?}");
+    assert!(short(&pieces[0]["id"]) && pieces[0]["function"]["name"] == "now", "{chunks:?}");
+    // The call and the tool's answer go back by that id.
+    let follow = json!({"model": MODEL, "max_tokens": 8, "temperature": 0, "tools": [now], "tool_choice": "none",
+        "messages": [question, message, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12:00"}]});
+    let r = http(router.addr, "POST", "/v1/chat/completions", &follow.to_string(), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    stop(router, workers).await;
+}
+
 /// A prefill and a decode worker behind a router that always disaggregates: the first token is sampled on one,
 /// the rest on the other.
 async fn disaggregated() -> (Vec<worker::RunningWorker>, router::run::RunningRouter) {

@@ -366,6 +366,7 @@ impl Run {
 pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Instant, route: &'static str) -> Response {
     let Some(first) = planned.first() else { return fail(&state, route, ApiError::Upstream("no choices".into())) };
     let (id, endpoint) = (first.routed.job.request_id.clone(), first.routed.checked.endpoint);
+    let ids = first.routed.checked.call_ids;
     let deadline = state.limits.request_timeout;
     let runs = planned.into_iter().map(|p| collect(&state, p, arrived));
     let done = match tokio::time::timeout(deadline, try_join_all(runs)).await {
@@ -381,7 +382,7 @@ pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Inst
                 let message = match &d.calls {
                     // As OpenAI answers calls: the content beside them (none for forced calls), or null.
                     Some(made) => json!({"role": "assistant", "content": made.content,
-                                         "tool_calls": tools::tool_calls_json(&id, d.index, &made.calls)}),
+                                         "tool_calls": ids.calls_json(&id, d.index, &made.calls)}),
                     None => json!({"role": "assistant", "content": d.text}),
                 };
                 json!({"index": d.index, "message": message, "logprobs": d.logprobs, "finish_reason": d.finish})
@@ -479,6 +480,8 @@ struct Head<'a> {
     id: &'a str,
     model: &'a str,
     index: usize,
+    /// How its tool calls' ids look.
+    ids: tools::CallIds,
 }
 
 impl Head<'_> {
@@ -497,7 +500,7 @@ impl Head<'_> {
     /// A chat chunk with a piece of tool call `k`: its id, type and name come with its first piece (`name`), then
     /// the rest of its arguments' text.
     fn call_chunk(&self, k: usize, name: Option<&str>, arguments: &str, role: bool, logprobs: &Value) -> String {
-        let id = name.map(|_| tools::call_id(self.id, self.index, k));
+        let id = name.map(|_| self.ids.id(self.id, self.index, k));
         let call = CallDelta {
             index: k,
             id: id.as_deref(),
@@ -741,7 +744,7 @@ async fn stream_choice(
 ) -> Result<(usize, usize, usize, Option<u32>), u16> {
     let model = state.served_model.as_str();
     let mut run = Run::start(state, p, arrived).await;
-    let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index };
+    let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index, ids: run.checked.call_ids };
     let mut first = true;
     let mut calls = CallStream::new(run.checked.tool_calls.as_ref());
     // The echoed prompt goes first; with log-probabilities, once they come (before the first token).
@@ -835,7 +838,7 @@ mod tests {
         lp: &Value,
         created: u64,
     ) -> String {
-        let Head { endpoint, id, model, index } = *h;
+        let Head { endpoint, id, model, index, .. } = *h;
         match endpoint {
             Endpoint::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -858,7 +861,8 @@ mod tests {
     fn chunks_are_written_as_the_value_tree_printed_them() {
         let lp = json!({"content": [{"token": "a\"b", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]});
         for endpoint in [Endpoint::Chat, Endpoint::Completion] {
-            let head = Head { endpoint, id: "cmpl-\u{e9}\"1", model: "smol\\lm", index: 3 };
+            let head =
+                Head { endpoint, id: "cmpl-\u{e9}\"1", model: "smol\\lm", index: 3, ids: tools::CallIds::OpenAi };
             for (text, finish, role, logprobs) in [
                 (Some("hi \"there\"\n"), None, true, Value::Null),
                 (Some(""), None, false, lp.clone()),

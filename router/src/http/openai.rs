@@ -335,6 +335,8 @@ pub struct Checked {
     pub grammar: Option<(engine::grammar::Grammar, &'static str)>,
     /// Chat: the tool calls the output makes (its grammar is `grammar`), answered as `tool_calls`.
     pub tool_calls: Option<super::tools::CallMode>,
+    /// Chat: how its call ids look (the served model's template may take back only its own kind).
+    pub call_ids: super::tools::CallIds,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
     pub prompt_cache_key: Option<String>,
     /// Control tokens' text goes in the output (vLLM's `skip_special_tokens: false`).
@@ -622,6 +624,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         prompt_logprobs,
         grammar,
         tool_calls: None,
+        call_ids: Default::default(),
         keep_control: c.skip_special_tokens == Some(false),
         keep_stop: c.include_stop_str_in_output == Some(true),
         add_special_tokens: c.add_special_tokens,
@@ -694,7 +697,12 @@ pub fn check_chat(body: &[u8], parser: Option<super::tools::ToolParser>) -> Resu
         }
         checked.grammar = Some((grammar, "tool_choice"));
     }
+    // vLLM keeps the control tokens' text for a parser whose markers are such tokens (Mistral's `[TOOL_CALLS]`).
+    if let Some(super::tools::CallMode::Auto(choosing)) = &tools.mode {
+        checked.keep_control |= choosing.parser.needs_control_text();
+    }
     checked.tool_calls = tools.mode;
+    checked.call_ids = super::tools::CallIds::of(parser);
     Ok(checked)
 }
 
@@ -1053,6 +1061,22 @@ mod tests {
         assert_eq!((c.tool_calls, c.grammar), (None, None));
         let Input::Chat(_, _, entries) = c.input else { panic!("chat") };
         assert_eq!(entries.len(), 1, "the template still sees the tools");
+    }
+
+    /// With Mistral's parser, `auto` keeps the control tokens' text (its marker is one) and call ids are Mistral's;
+    /// forced calls and other parsers leave both as they are.
+    #[test]
+    fn the_parser_sets_what_its_format_needs() {
+        use super::super::tools::{CallIds, ToolParser};
+        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}]"#;
+        let with = |choice: &str, parser| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],{tools}{choice}}}"#);
+            check_chat(body.as_bytes(), parser).map(|c| (c.keep_control, c.call_ids)).expect("valid")
+        };
+        assert_eq!(with("", Some(ToolParser::Mistral)), (true, CallIds::Mistral));
+        assert_eq!(with(r#","tool_choice":"required""#, Some(ToolParser::Mistral)), (false, CallIds::Mistral));
+        assert_eq!(with("", Some(ToolParser::Hermes)), (false, CallIds::OpenAi));
+        assert_eq!(with(r#","tool_choice":"none""#, None), (false, CallIds::OpenAi));
     }
 
     #[test]

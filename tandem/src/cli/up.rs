@@ -104,7 +104,8 @@ pub struct Args {
     /// with the router's).
     #[arg(long)]
     record_candidates: bool,
-    /// How the served model writes tool calls among its text (`hermes`): with one, `tool_choice: auto` is served.
+    /// How the served model writes tool calls among its text (`hermes`, `llama3_json`, `mistral`, `pythonic`): with
+    /// one, `tool_choice: auto` is served.
     #[arg(long)]
     tool_call_parser: Option<router::http::tools::ToolParser>,
 }

@@ -10,6 +10,12 @@ use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 
+mod formats;
+mod pythonic;
+
+use formats::Scan;
+pub use formats::ToolParser;
+
 /// Longest function name OpenAI accepts.
 const MAX_NAME: usize = 64;
 
@@ -43,81 +49,6 @@ impl Choosing {
             made.calls.truncate(1);
         }
         Some(made)
-    }
-}
-
-/// A model's way of writing tool calls in free text (vLLM's `--tool-call-parser` names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ToolParser {
-    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call: Hermes', Qwen 2.5's and
-    /// SmolLM3's format.
-    Hermes,
-}
-
-impl std::str::FromStr for ToolParser {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<ToolParser, String> {
-        match s {
-            "hermes" => Ok(ToolParser::Hermes),
-            other => Err(format!("unknown tool-call parser {other:?} (known: hermes)")),
-        }
-    }
-}
-
-/// Where a Hermes call opens and closes.
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
-
-impl ToolParser {
-    /// The calls in `text` (from its first call on) of the functions `names`, with the text before them as content
-    /// (text after the last call is left out, as vLLM's parser leaves it); `None` when it makes no call, or writes
-    /// one that is not a call of one of them (then it is all content).
-    pub fn parse(self, text: &str, names: &[String]) -> Option<Made> {
-        match self {
-            ToolParser::Hermes => {
-                let first = text.find(OPEN)?;
-                let mut calls = Vec::new();
-                let mut rest = &text[first..];
-                while let Some(open) = rest.strip_prefix(OPEN) {
-                    let (body, after) = match open.find(CLOSE) {
-                        Some(end) => (&open[..end], &open[end + CLOSE.len()..]),
-                        // Cut short: the call stands if what came of it is whole.
-                        None => (open, ""),
-                    };
-                    let call: Value = serde_json::from_str(body.trim()).ok()?;
-                    let name = call.get("name")?.as_str().filter(|n| names.iter().any(|f| f == n))?;
-                    let arguments = match call.get("arguments") {
-                        None | Some(Value::Null) => "{}".to_string(),
-                        Some(Value::String(s)) => s.clone(),
-                        Some(v) => v.to_string(),
-                    };
-                    calls.push((name.to_string(), arguments));
-                    rest = after.trim_start();
-                }
-                // As it streams (none when it is only whitespace).
-                let content = &text[..first];
-                Some(Made { content: (!content.trim().is_empty()).then(|| content.to_string()), calls })
-            }
-        }
-    }
-
-    /// How much of the end of `text` may be the start of a call not yet whole (held back from streamed content).
-    fn partial_open(self, text: &str) -> usize {
-        match self {
-            ToolParser::Hermes => (1..OPEN.len())
-                .rev()
-                .find(|&k| text.ends_with(&OPEN[..k]) && text.is_char_boundary(text.len() - k))
-                .unwrap_or(0),
-        }
-    }
-
-    /// Where the first call in `text` opens.
-    fn opening(self, text: &str) -> Option<usize> {
-        match self {
-            ToolParser::Hermes => text.find(OPEN),
-        }
     }
 }
 
@@ -304,61 +235,96 @@ pub fn calls(mode: &CallMode, text: &str) -> Option<Made> {
 #[derive(Debug)]
 pub struct AutoStream {
     choosing: Choosing,
-    /// Content not sent yet: an end that may be the start of a call.
-    pending: String,
-    /// From the first call's opening on.
-    held: Option<String>,
+    /// The answer so far.
+    text: String,
+    /// How much of it went out as content.
+    sent: usize,
+    /// Whether a call opened (at `sent`).
+    held: bool,
 }
 
 impl AutoStream {
     pub fn new(choosing: Choosing) -> AutoStream {
-        AutoStream { choosing, pending: String::new(), held: None }
+        AutoStream { choosing, text: String::new(), sent: 0, held: false }
     }
 
     /// The content to send now for the next piece of text `s`.
     pub fn push(&mut self, s: &str) -> String {
-        if let Some(held) = &mut self.held {
-            held.push_str(s);
+        self.text.push_str(s);
+        if self.held {
             return String::new();
         }
-        self.pending.push_str(s);
-        if let Some(at) = self.choosing.parser.opening(&self.pending) {
-            self.held = Some(self.pending.split_off(at));
-            return std::mem::take(&mut self.pending);
-        }
-        let keep = self.choosing.parser.partial_open(&self.pending);
-        let rest = self.pending.split_off(self.pending.len() - keep);
-        std::mem::replace(&mut self.pending, rest)
+        let to = match self.choosing.parser.scan(&self.text, self.sent) {
+            Scan::Opens(at) => {
+                self.held = true;
+                at
+            }
+            Scan::ClearTo(at) => at,
+        };
+        let content = self.text[self.sent..to].to_string();
+        self.sent = to;
+        content
     }
 
     /// At the end: the content still to send, and the calls made (none: whatever was held is that content).
     pub fn end(&mut self, rest: &str) -> (String, Vec<(String, String)>) {
         let mut content = self.push(rest);
-        content.push_str(&std::mem::take(&mut self.pending));
-        let Some(held) = self.held.take() else { return (content, Vec::new()) };
-        match self.choosing.parse(&held) {
-            Some(made) => (content, made.calls),
-            None => {
-                content.push_str(&held);
-                (content, Vec::new())
-            }
+        if self.held
+            && let Some(made) = self.choosing.parse(&self.text)
+        {
+            return (content, made.calls);
         }
+        content.push_str(&self.text[self.sent..]);
+        self.sent = self.text.len();
+        (content, Vec::new())
     }
 }
 
-/// The id of call `k` of choice `index` of request `request_id`: unique as request ids are.
-pub fn call_id(request_id: &str, index: usize, k: usize) -> String {
-    let own = request_id.rsplit('-').next().unwrap_or(request_id);
-    format!("call_{own}{index:02x}{k:02x}")
+/// How call ids look: OpenAI's `call_` and hex, unique as request ids are, or, for a model whose chat template
+/// takes only those back, Mistral's 9 letters and digits (a hash of the same: 53 bits, so unique within any
+/// conversation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CallIds {
+    #[default]
+    OpenAi,
+    Mistral,
 }
 
-/// The answer's `tool_calls`, for a whole (not streamed) answer.
-pub fn tool_calls_json(request_id: &str, index: usize, calls: &[(String, String)]) -> Value {
-    let calls = calls.iter().enumerate().map(|(k, (name, arguments))| {
-        json!({"id": call_id(request_id, index, k), "type": "function",
-               "function": {"name": name, "arguments": arguments}})
-    });
-    Value::Array(calls.collect())
+impl CallIds {
+    /// The ids the served model's calls take, given its parser.
+    pub fn of(parser: Option<ToolParser>) -> CallIds {
+        if parser.is_some_and(ToolParser::short_ids) { CallIds::Mistral } else { CallIds::OpenAi }
+    }
+
+    /// The id of call `k` of choice `index` of request `request_id`.
+    pub fn id(self, request_id: &str, index: usize, k: usize) -> String {
+        let own = request_id.rsplit('-').next().unwrap_or(request_id);
+        match self {
+            CallIds::OpenAi => format!("call_{own}{index:02x}{k:02x}"),
+            CallIds::Mistral => {
+                use std::hash::{BuildHasher, BuildHasherDefault};
+                type Fixed = BuildHasherDefault<std::hash::DefaultHasher>;
+                const DIGITS: &[u8; 62] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+                let mut h = Fixed::default().hash_one((own, index, k));
+                (0..9)
+                    .map(|_| {
+                        let d = DIGITS[(h % 62) as usize] as char;
+                        h /= 62;
+                        d
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The answer's `tool_calls`, for a whole (not streamed) answer.
+    pub fn calls_json(self, request_id: &str, index: usize, calls: &[(String, String)]) -> Value {
+        let calls = calls.iter().enumerate().map(|(k, (name, arguments))| {
+            json!({"id": self.id(request_id, index, k), "type": "function",
+                   "function": {"name": name, "arguments": arguments}})
+        });
+        Value::Array(calls.collect())
+    }
 }
 
 /// The finish reason of an answer that made calls or not (`made`), where the worker said `reason`: as OpenAI
@@ -435,8 +401,6 @@ mod tests {
         }
         let e = check(None, Some(json!("auto")), None, Some(ToolParser::Hermes)).expect_err("no tools");
         assert_eq!(e.body()["error"]["param"], "tool_choice");
-        assert_eq!("hermes".parse::<ToolParser>(), Ok(ToolParser::Hermes));
-        assert!("pythonic".parse::<ToolParser>().is_err());
     }
 
     #[test]
@@ -476,38 +440,18 @@ mod tests {
         assert_eq!(finish_reason(&named, true, "stop"), "stop");
         let auto = CallMode::Auto(Choosing { parser: ToolParser::Hermes, names: vec![], parallel: true });
         assert_eq!((finish_reason(&auto, true, "stop"), finish_reason(&auto, false, "stop")), ("tool_calls", "stop"));
-        let v = tool_calls_json("chatcmpl-00ab", 1, &[("f".into(), "{}".into())]);
+        let v = CallIds::OpenAi.calls_json("chatcmpl-00ab", 1, &[("f".into(), "{}".into())]);
         assert_eq!(
             v,
             json!([{"id": "call_00ab0100", "type": "function", "function": {"name": "f", "arguments": "{}"}}])
         );
-    }
-
-    /// Hermes' format: calls in `<tool_call>` blocks after any text, parsed only when each is a call of a known
-    /// function; anything else is content.
-    #[test]
-    fn the_models_own_calls_are_parsed_out_of_its_text() {
-        let names = vec!["weather".to_string(), "now".to_string()];
-        let parse = |text: &str| ToolParser::Hermes.parse(text, &names);
-        let text = "Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n\
-                    <tool_call>{\"name\": \"now\"}</tool_call>";
-        let made = parse(text).expect("calls");
-        assert_eq!(made.content.as_deref(), Some("Let me look.\n"));
-        assert_eq!(made.calls, vec![("weather".into(), r#"{"city":"Oslo"}"#.into()), ("now".into(), "{}".into())]);
-        let one = Choosing { parser: ToolParser::Hermes, names: names.clone(), parallel: false };
-        assert_eq!(one.parse(text).map(|m| m.calls.len()), Some(1), "no parallel calls: the first");
-        let bare = parse(r#"<tool_call>{"name": "now", "arguments": "{}"}</tool_call>"#).expect("a call");
-        assert_eq!((bare.content, bare.calls), (None, vec![("now".into(), "{}".into())]), "arguments given as text");
-        // Cut short after a whole call's JSON: still that call.
-        assert_eq!(parse(r#"<tool_call>{"name": "now", "arguments": {}}"#).map(|m| m.calls.len()), Some(1));
-        for not_calls in [
-            "No tools needed.",
-            r#"<tool_call>{"name": "rain", "arguments": {}}</tool_call>"#,
-            r#"<tool_call>{"name": "now", "argum"#,
-            "<tool_call>not json</tool_call>",
-        ] {
-            assert_eq!(parse(not_calls), None, "{not_calls}");
-        }
+        // Mistral's templates take back only 9 letters and digits.
+        assert_eq!(CallIds::of(Some(ToolParser::Mistral)), CallIds::Mistral);
+        assert_eq!((CallIds::of(Some(ToolParser::Hermes)), CallIds::of(None)), (CallIds::OpenAi, CallIds::OpenAi));
+        let ids: Vec<String> = (0..64).map(|k| CallIds::Mistral.id("chatcmpl-00ab", k % 4, k / 4)).collect();
+        assert!(ids.iter().all(|id| id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric())), "{ids:?}");
+        assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), ids.len(), "{ids:?}");
+        assert_eq!(ids[5], CallIds::Mistral.id("chatcmpl-00ab", 1, 1), "the same call, the same id");
     }
 
     /// Streamed, content goes out as it comes up to a call's opening, which is held with everything after it; the
@@ -536,20 +480,48 @@ mod tests {
         assert_eq!(s.end(" end"), ("<tool_call>oops end".to_string(), vec![]));
     }
 
+    /// Each format's calls of the known function, whole, with its markers.
+    const CALLS: [&str; 4] = [
+        "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
+        "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
+        "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
+        "<|python_start|>[now(a=1), now(b='x')]<|python_end|>",
+    ];
+    /// What may come before them: words or whitespace.
+    const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
+    /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
+    #[rustfmt::skip]
+    const PIECES: [(ToolParser, [&str; 10]); 4] = [
+        (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
+            r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
+        (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
+            r#"{"name": "rain"}"#, "<|python", "_tag|>", "\n", "é", "<"]),
+        (ToolParser::Mistral, ["Sure ", "[TOOL_CALLS]", r#"[{"name": "now", "arguments": {}}]"#, r#"now{"a": 1}"#,
+            "rain{}", "[TOOL", "_CALLS]", "\n", "é", "["]),
+        (ToolParser::Pythonic, ["Sure ", "<|python_start|>", "<|python_end|>", "[now(a=1)]", "[rain()]", "<|python",
+            "[now(), ", "\n", "é", "now(b='x')]"]),
+    ];
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
-        /// However a text of call blocks, partial tags, JSON and words is cut into streamed pieces, the content sent
-        /// and the calls made at the end are the whole answer's: the text before its first call and its calls when
-        /// it makes them, all of it as content when it does not.
+        /// However a text of words, calls, partial markers and JSON is cut into streamed pieces, in any format, the
+        /// content sent and the calls made at the end are the whole answer's: the text before its first call and its
+        /// calls when it makes them, all of it as content when it does not.
         #[test]
         fn a_streamed_answer_is_the_whole_one(
+            format in 0usize..PIECES.len(),
+            lead in proptest::collection::vec(0usize..LEAD.len(), 0..3),
+            whole in proptest::bool::ANY,
             parts in proptest::collection::vec(0usize..10, 0..12),
             cuts in proptest::collection::vec(1usize..6, 1..40),
         ) {
-            const PARTS: [&str; 10] = ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
-                r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"];
-            let text: String = parts.iter().map(|&i| PARTS[i]).collect();
-            let choosing = Choosing { parser: ToolParser::Hermes, names: vec!["now".into()], parallel: true };
+            let (parser, pieces) = PIECES[format];
+            let mut text: String = lead.iter().map(|&i| LEAD[i]).collect();
+            if whole {
+                text.push_str(CALLS[format]);
+            }
+            text.extend(parts.iter().map(|&i| pieces[i]));
+            let choosing = Choosing { parser, names: vec!["now".into()], parallel: true };
             let mut stream = AutoStream::new(choosing.clone());
             let chars: Vec<char> = text.chars().collect();
             let (mut content, mut at) = (String::new(), 0);
@@ -565,7 +537,8 @@ mod tests {
             content.push_str(&rest);
             match choosing.parse(&text) {
                 Some(made) => {
-                    proptest::prop_assert_eq!(&content, &text[..text.find(OPEN).expect("a call opens")]);
+                    let opening = parser.opening(&text).expect("a call opens");
+                    proptest::prop_assert_eq!(&content, &text[..opening]);
                     proptest::prop_assert_eq!(calls, made.calls);
                 }
                 None => {

@@ -1,0 +1,370 @@
+//! The formats models write tool calls in among their text, by vLLM's `--tool-call-parser` names: parsed out of a
+//! whole answer, and found in a streamed one as it comes. Each call must name one of the request's functions, or
+//! the answer is plain content (a model that writes a call of no tool has not called one).
+
+use serde_json::Value;
+
+use super::Made;
+use super::pythonic;
+
+/// A model's way of writing tool calls in free text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "String")]
+pub enum ToolParser {
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, after any text: Hermes',
+    /// Qwen 2.5's and 3's, SmolLM3's.
+    Hermes,
+    /// The whole answer is calls, `{"name": ..., "parameters": {...}}` objects separated by `;`, after an optional
+    /// `<|python_tag|>`: Llama 3.1–3.3's JSON calls (and Llama 4's, vLLM's `llama4_json`).
+    Llama3Json,
+    /// Text, then `[TOOL_CALLS]` and either a JSON array of `{"name", "arguments"}` (Mistral's tokenizers before
+    /// v11) or `name{arguments}` with the marker before each call (v11 on; `[CALL_ID]id` and `[ARGS]` between
+    /// them allowed). Call ids are 9 letters and digits, which Mistral's templates demand back.
+    Mistral,
+    /// The whole answer is a Python list of calls with keyword arguments of literal values, `[weather(city="Oslo"),
+    /// now()]`, wrapped or not in `<|python_start|>` … `<|python_end|>`: Llama 3.2's and 4's (vLLM's
+    /// `llama4_pythonic` too).
+    Pythonic,
+}
+
+/// Each parser's names, vLLM's aliases included.
+const NAMES: [(&str, ToolParser); 6] = [
+    ("hermes", ToolParser::Hermes),
+    ("llama3_json", ToolParser::Llama3Json),
+    ("llama4_json", ToolParser::Llama3Json),
+    ("mistral", ToolParser::Mistral),
+    ("pythonic", ToolParser::Pythonic),
+    ("llama4_pythonic", ToolParser::Pythonic),
+];
+
+impl std::str::FromStr for ToolParser {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ToolParser, String> {
+        NAMES.iter().find(|(name, _)| *name == s).map(|&(_, p)| p).ok_or_else(|| {
+            let known: Vec<&str> = NAMES.iter().map(|(name, _)| *name).collect();
+            format!("unknown tool-call parser {s:?} (known: {})", known.join(", "))
+        })
+    }
+}
+
+impl TryFrom<String> for ToolParser {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<ToolParser, String> {
+        s.parse()
+    }
+}
+
+/// Hermes' blocks.
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+/// Mistral's marker, and what may stand between a v11 call's name and its arguments.
+const TOOL_CALLS: &str = "[TOOL_CALLS]";
+const CALL_ID: &str = "[CALL_ID]";
+const ARGS: &str = "[ARGS]";
+/// Llama's markers (special tokens, in the text when the answer keeps them).
+const PYTHON_TAG: &str = "<|python_tag|>";
+const PYTHON_START: &str = "<|python_start|>";
+const PYTHON_END: &str = "<|python_end|>";
+
+/// Where calls open in a streamed answer's text so far.
+#[derive(Debug, PartialEq)]
+pub(super) enum Scan {
+    /// A call opens here: everything from here on waits for the end.
+    Opens(usize),
+    /// No call opens before here; what follows may still turn out to open one (held back).
+    ClearTo(usize),
+}
+
+impl ToolParser {
+    /// The calls `text` makes of the functions `names`, with the text before them as content (none when it is only
+    /// whitespace; text after the last call is left out, as vLLM's parsers leave it); `None` when it makes no call,
+    /// or writes one that is not a call of one of them (then it is all content).
+    pub fn parse(self, text: &str, names: &[String]) -> Option<Made> {
+        let at = self.opening(text)?;
+        let calls = match self {
+            ToolParser::Hermes => hermes(&text[at..], names),
+            ToolParser::Llama3Json => llama3_json(&text[at..], names),
+            ToolParser::Mistral => mistral(&text[at..], names),
+            ToolParser::Pythonic => pythonic_calls(&text[at..], names),
+        }?;
+        let content = &text[..at];
+        Some(Made { content: (!content.trim().is_empty()).then(|| content.to_string()), calls })
+    }
+
+    /// Whether the answer must keep its control tokens' text for calls to be found (Mistral's marker is one, and
+    /// vLLM keeps them for this parser too).
+    pub fn needs_control_text(self) -> bool {
+        self == ToolParser::Mistral
+    }
+
+    /// Whether call ids are Mistral's 9 letters and digits.
+    pub fn short_ids(self) -> bool {
+        self == ToolParser::Mistral
+    }
+
+    /// Where the first call in a whole answer opens.
+    pub(super) fn opening(self, text: &str) -> Option<usize> {
+        match self.scan(text, 0) {
+            Scan::Opens(at) => Some(at),
+            Scan::ClearTo(_) => None,
+        }
+    }
+
+    /// Where calls open in `text`, the first `sent` bytes of which are known to open none.
+    pub(super) fn scan(self, text: &str, sent: usize) -> Scan {
+        match self {
+            ToolParser::Hermes => marked(text, sent, OPEN),
+            ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
+            ToolParser::Llama3Json => leading(text, sent, "{", PYTHON_TAG),
+            ToolParser::Pythonic => leading(text, sent, "[", PYTHON_START),
+        }
+    }
+}
+
+/// Calls open at `marker`, anywhere: the first one after `sent`, or, while none, an end of `text` that may be the
+/// start of one held back.
+fn marked(text: &str, sent: usize, marker: &str) -> Scan {
+    // A marker that began in the held-back end is found again from `sent`.
+    if let Some(i) = text[sent..].find(marker) {
+        return Scan::Opens(sent + i);
+    }
+    let held = (1..marker.len())
+        .rev()
+        .find(|&k| text.ends_with(&marker[..k]) && text.is_char_boundary(text.len() - k))
+        .unwrap_or(0);
+    Scan::ClearTo((text.len() - held).max(sent))
+}
+
+/// Calls are the whole answer, which (after any whitespace) opens with `first` or with `marker`: decided at the
+/// answer's start, held while that start is whitespace or part of the marker.
+fn leading(text: &str, sent: usize, first: &str, marker: &str) -> Scan {
+    if sent > 0 {
+        return Scan::ClearTo(text.len());
+    }
+    let start = text.trim_start();
+    if start.starts_with(first) || start.starts_with(marker) {
+        Scan::Opens(0)
+    } else if marker.starts_with(start) {
+        Scan::ClearTo(0)
+    } else {
+        Scan::ClearTo(text.len())
+    }
+}
+
+/// A call object's function (one of `names`) and its arguments as JSON text, from the first of `keys` present
+/// (given as text, taken as it is; absent or null, `{}`).
+fn call_of(call: &Value, names: &[String], keys: &[&str]) -> Option<(String, String)> {
+    let name = call.get("name")?.as_str().filter(|n| names.iter().any(|f| f == n))?;
+    let arguments = match keys.iter().find_map(|k| call.get(*k)) {
+        None | Some(Value::Null) => "{}".to_string(),
+        Some(Value::String(s)) => s.clone(),
+        Some(v) => v.to_string(),
+    };
+    Some((name.to_string(), arguments))
+}
+
+/// The JSON value `s` starts with, and the text after it.
+fn json_prefix(s: &str) -> Option<(Value, &str)> {
+    let mut values = serde_json::Deserializer::from_str(s).into_iter::<Value>();
+    let value = values.next()?.ok()?;
+    Some((value, &s[values.byte_offset()..]))
+}
+
+fn hermes(mut rest: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+    let mut calls = Vec::new();
+    while let Some(open) = rest.strip_prefix(OPEN) {
+        let (body, after) = match open.find(CLOSE) {
+            Some(end) => (&open[..end], &open[end + CLOSE.len()..]),
+            // Cut short: the call stands if what came of it is whole.
+            None => (open, ""),
+        };
+        let call: Value = serde_json::from_str(body.trim()).ok()?;
+        calls.push(call_of(&call, names, &["arguments"])?);
+        rest = after.trim_start();
+    }
+    Some(calls)
+}
+
+fn llama3_json(text: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+    let start = text.trim_start();
+    let mut rest = start.strip_prefix(PYTHON_TAG).unwrap_or(start).trim_start();
+    let mut calls = Vec::new();
+    loop {
+        let (call, after) = json_prefix(rest)?;
+        calls.push(call_of(&call, names, &["parameters", "arguments"])?);
+        let after = after.trim_start();
+        if after.is_empty() {
+            return Some(calls);
+        }
+        rest = after.strip_prefix(';')?.trim_start();
+    }
+}
+
+fn mistral(mut rest: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+    let mut calls = Vec::new();
+    while let Some(after) = rest.strip_prefix(TOOL_CALLS) {
+        let after = after.trim_start();
+        let tail = if after.starts_with(['[', '{']) {
+            // Before v11: an array of call objects (or one).
+            let (value, tail) = json_prefix(after)?;
+            match value {
+                Value::Array(items) => {
+                    for item in &items {
+                        calls.push(call_of(item, names, &["arguments"])?);
+                    }
+                }
+                call @ Value::Object(_) => calls.push(call_of(&call, names, &["arguments"])?),
+                _ => return None,
+            }
+            tail
+        } else {
+            // v11 on: `name`, then `[CALL_ID]id` and `[ARGS]` or neither, then the arguments' object.
+            let end = after.find(['{', '['])?;
+            let name = after[..end].trim();
+            let mut tail = &after[end..];
+            if let Some(id) = tail.strip_prefix(CALL_ID) {
+                tail = &id[id.find(['{', '['])?..];
+            }
+            tail = tail.strip_prefix(ARGS).unwrap_or(tail).trim_start();
+            let (arguments, after) = json_prefix(tail)?;
+            if !arguments.is_object() || !names.iter().any(|f| f == name) {
+                return None;
+            }
+            calls.push((name.to_string(), arguments.to_string()));
+            after
+        };
+        rest = tail.trim_start();
+    }
+    Some(calls)
+}
+
+fn pythonic_calls(text: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+    let start = text.trim_start();
+    let inner = start.strip_prefix(PYTHON_START).unwrap_or(start);
+    let (calls, rest) = pythonic::calls(inner)?;
+    let rest = rest.trim_start();
+    if !rest.strip_prefix(PYTHON_END).unwrap_or(rest).trim().is_empty() || calls.is_empty() {
+        return None;
+    }
+    calls
+        .into_iter()
+        .map(|(name, arguments)| names.contains(&name).then(|| (name, Value::Object(arguments).to_string())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names() -> Vec<String> {
+        vec!["weather".to_string(), "now".to_string()]
+    }
+
+    fn calls(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter().map(|(n, a)| (n.to_string(), a.to_string())).collect()
+    }
+
+    #[test]
+    fn parsers_go_by_vllms_names() {
+        for (name, parser) in NAMES {
+            assert_eq!(name.parse::<ToolParser>(), Ok(parser));
+            assert_eq!(serde_json::from_value::<ToolParser>(Value::from(name)).expect("known"), parser);
+        }
+        let e = "granite".parse::<ToolParser>().expect_err("unknown");
+        assert!(e.contains("granite") && e.contains("llama3_json"), "{e}");
+        assert!(serde_json::from_value::<ToolParser>(Value::from("granite")).is_err());
+    }
+
+    /// Hermes' format: calls in `<tool_call>` blocks after any text, parsed only when each is a call of a known
+    /// function; anything else is content.
+    #[test]
+    fn hermes_blocks_are_calls() {
+        let parse = |text: &str| ToolParser::Hermes.parse(text, &names());
+        let text = "Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n\
+                    <tool_call>{\"name\": \"now\"}</tool_call>";
+        let made = parse(text).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Let me look.\n"));
+        assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}")]));
+        let bare = parse(r#"<tool_call>{"name": "now", "arguments": "{}"}</tool_call>"#).expect("a call");
+        assert_eq!((bare.content, bare.calls), (None, calls(&[("now", "{}")])), "arguments given as text");
+        // Cut short after a whole call's JSON: still that call.
+        assert_eq!(parse(r#"<tool_call>{"name": "now", "arguments": {}}"#).map(|m| m.calls.len()), Some(1));
+        for not_calls in [
+            "No tools needed.",
+            r#"<tool_call>{"name": "rain", "arguments": {}}</tool_call>"#,
+            r#"<tool_call>{"name": "now", "argum"#,
+            "<tool_call>not json</tool_call>",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// Llama 3's JSON: the whole answer is calls, `parameters` (or `arguments`), several separated by `;`.
+    #[test]
+    fn llama3_json_answers_are_calls() {
+        let parse = |text: &str| ToolParser::Llama3Json.parse(text, &names());
+        let made = parse(r#"{"name": "weather", "parameters": {"city": "Oslo"}}"#).expect("a call");
+        assert_eq!((made.content, made.calls), (None, calls(&[("weather", r#"{"city":"Oslo"}"#)])));
+        let two = "\n<|python_tag|>{\"name\": \"now\", \"arguments\": {}}; {\"name\": \"weather\", \"parameters\": {\"city\": \"Rome\"}}\n";
+        assert_eq!(parse(two).expect("two").calls, calls(&[("now", "{}"), ("weather", r#"{"city":"Rome"}"#)]));
+        for not_calls in [
+            "It is sunny.",
+            r#"The call: {"name": "now", "parameters": {}}"#,
+            r#"{"name": "rain", "parameters": {}}"#,
+            r#"{"name": "now", "parameters": {}} and more"#,
+            r#"{"name": "now", "parameters": {"#,
+            r#"{"answer": 42}"#,
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// Mistral's: content, then the marker and a JSON array (before v11) or `name{...}` calls (v11 on).
+    #[test]
+    fn mistral_marked_calls_are_calls() {
+        let parse = |text: &str| ToolParser::Mistral.parse(text, &names());
+        let old = r#"Sure. [TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "now", "arguments": {}}]"#;
+        let made = parse(old).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Sure. "));
+        assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}")]));
+        let new = r#"[TOOL_CALLS]weather{"city": "Oslo"}[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{"tz": "UTC"}"#;
+        let made = parse(new).expect("calls");
+        assert_eq!(made.content, None);
+        assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}"), ("now", r#"{"tz":"UTC"}"#)]));
+        for not_calls in [
+            "No calls here.",
+            r#"[TOOL_CALLS]rain{}"#,
+            r#"[TOOL_CALLS]now"#,
+            r#"[TOOL_CALLS]now["list"]"#,
+            r#"[TOOL_CALLS] [{"name": "now", "arguments": {}"#,
+            r#"[TOOL_CALLS] "now""#,
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// Pythonic: the whole answer is a list of calls with keyword arguments.
+    #[test]
+    fn pythonic_lists_are_calls() {
+        let parse = |text: &str| ToolParser::Pythonic.parse(text, &names());
+        let made = parse(r#"[weather(city="Oslo", days=3, hourly=True), now()]"#).expect("calls");
+        assert_eq!(made.content, None);
+        assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo","days":3,"hourly":true}"#), ("now", "{}")]));
+        let wrapped = "<|python_start|>[now(tz='UTC')]<|python_end|>";
+        assert_eq!(parse(wrapped).expect("a call").calls, calls(&[("now", r#"{"tz":"UTC"}"#)]));
+        for not_calls in
+            ["It is sunny.", "[rain()]", "[now('UTC')]", "[now()] done", "[]", "[now(tz=x)]", "[now(tz='UTC'"]
+        {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    #[test]
+    fn the_formats_that_need_the_control_text_and_short_ids_are_mistrals() {
+        for (_, p) in NAMES {
+            assert_eq!((p.needs_control_text(), p.short_ids()), (p == ToolParser::Mistral, p == ToolParser::Mistral));
+        }
+    }
+}
