@@ -457,7 +457,7 @@ async fn planned(router: &RunningRouter) -> router::http::completions::Routed {
     })
     .to_string();
     let state = &router.state;
-    let checked = check_chat(body.as_bytes(), None).expect("valid");
+    let checked = check_chat(body.as_bytes(), Default::default()).expect("valid");
     plan(state, checked, Ident::new(state, Endpoint::Chat), None, true).await.expect("routed")
 }
 

@@ -23,11 +23,22 @@ pub struct ChatMessage {
     /// A tool turn's answer to this call id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// An assistant turn's thinking, as a reasoning model's answer carried it apart: a template that shows past
+    /// thinking (Qwen3's) reads `message.reasoning_content`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into(), name: None, tool_calls: None, tool_call_id: None }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
+            reasoning_content: None,
+        }
     }
 
     /// The same message from the participant `name`.
@@ -188,6 +199,19 @@ mod tests {
         let t = ChatTemplate::new(src, "", "").expect("compiles");
         let chat = [ChatMessage::new("user", "hi").named(Some("ann".into())), ChatMessage::new("user", "yo")];
         assert_eq!(t.render(&chat, false).expect("renders"), "user(ann): hi\nuser: yo\n");
+    }
+
+    /// Qwen3's templates show an earlier turn's thinking from `message.reasoning_content`.
+    #[test]
+    fn an_assistant_turns_thinking_reaches_the_template() {
+        let src = "{% for m in messages %}{{ m.role }}:{% if m.reasoning_content is defined %}\
+                   <think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }};{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        let chat = [
+            ChatMessage::new("user", "2+2?"),
+            ChatMessage { reasoning_content: Some("Four.".into()), ..ChatMessage::new("assistant", "4") },
+        ];
+        assert_eq!(t.render(&chat, false).expect("renders"), "user:2+2?;assistant:<think>Four.</think>4;");
     }
 
     #[test]

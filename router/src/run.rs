@@ -102,6 +102,9 @@ pub struct RouterConfig {
     /// How the served model writes tool calls among its text (vLLM's `--tool-call-parser`): set, `tool_choice:
     /// auto` (the default with tools) is served, its calls parsed out of the answer; `None`: refused by name.
     pub tool_call_parser: Option<crate::http::tools::ToolParser>,
+    /// How the served model marks its thinking (vLLM's `--reasoning-parser`): set, chat answers carry it apart as
+    /// `reasoning_content` (and `reasoning`); `None`: the answer is all content.
+    pub reasoning_parser: Option<crate::http::reasoning::ReasoningParser>,
     /// The recording started with `record_trace` writes each decision's candidates as scored.
     pub record_candidates: bool,
 }
@@ -201,6 +204,7 @@ impl RunningRouter {
             text,
             served_model: config.served_model,
             tool_call_parser: config.tool_call_parser,
+            reasoning_parser: config.reasoning_parser,
             max_model_len,
             scheduler: RwLock::new(config.scheduler),
             admission: Admission::new(config.limits.max_in_flight, config.limits.max_queue),

@@ -50,6 +50,8 @@ pub struct RouterState {
     pub max_model_len: usize,
     /// How the served model writes tool calls (`tool_choice: auto`); `None`: `auto` is refused.
     pub tool_call_parser: Option<crate::http::tools::ToolParser>,
+    /// How the served model marks its thinking; `None`: the answer is all content.
+    pub reasoning_parser: Option<crate::http::reasoning::ReasoningParser>,
     pub scheduler: RwLock<SchedulerConfig>,
     pub limits: Limits,
     /// Accepted bearer keys and their tenants; none: no key needed.

@@ -136,6 +136,7 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         record_trace: None,
         record_candidates: false,
         tool_call_parser: None,
+        reasoning_parser: None,
     }
 }
 

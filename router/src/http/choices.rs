@@ -22,6 +22,7 @@ use super::completions::{Ident, Routed, fail, plan};
 use super::error::ApiError;
 use super::logprobs::Logprobs;
 use super::openai::{Checked, Endpoint, Input};
+use super::reasoning::ReasoningStream;
 use super::tools::{self, AutoStream, CallMode};
 use crate::scheduler::Decision;
 use crate::serve::{Job, Piece, Pieces};
@@ -213,7 +214,10 @@ struct Done {
     index: usize,
     prompt: usize,
     prompt_len: usize,
+    /// The answer's text (its content, when its thinking is split off).
     text: String,
+    /// Its thinking, split off with the router's reasoning parser (and shown).
+    reasoning: Option<String>,
     logprobs: Value,
     /// vLLM's `prompt_logprobs`, when asked for (else null).
     prompt_logprobs: Value,
@@ -379,12 +383,19 @@ pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Inst
         .iter()
         .map(|d| match endpoint {
             Endpoint::Chat => {
-                let message = match &d.calls {
+                let mut message = match &d.calls {
                     // As OpenAI answers calls: the content beside them (none for forced calls), or null.
                     Some(made) => json!({"role": "assistant", "content": made.content,
                                          "tool_calls": ids.calls_json(&id, d.index, &made.calls)}),
+                    // An answer that only thought (cut short) has no content.
+                    None if d.text.is_empty() && d.reasoning.is_some() => json!({"role": "assistant", "content": null}),
                     None => json!({"role": "assistant", "content": d.text}),
                 };
+                if let Some(r) = &d.reasoning {
+                    // DeepSeek's API and SGLang name it `reasoning_content`, vLLM's newer versions `reasoning`.
+                    message["reasoning_content"] = json!(r);
+                    message["reasoning"] = json!(r);
+                }
                 json!({"index": d.index, "message": message, "logprobs": d.logprobs, "finish_reason": d.finish})
             }
             Endpoint::Completion => {
@@ -452,6 +463,12 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
         }
     };
     out.push_str(&run.text.stream.finish(run.text.stopped));
+    let mut reasoning = None;
+    if let Some(thinking) = run.checked.thinking {
+        let split = thinking.parser.split(&out);
+        out = split.content;
+        reasoning = split.reasoning.filter(|_| thinking.shown);
+    }
     let mut finish = run.finish_reason(reason);
     let calls = run.checked.tool_calls.as_ref().and_then(|mode| {
         let calls = tools::calls(mode, &out);
@@ -464,6 +481,7 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
         prompt: run.prompt,
         prompt_len: run.prompt_len,
         text: out,
+        reasoning,
         logprobs: run.logprobs.as_mut().map_or(Value::Null, Logprobs::take),
         prompt_logprobs: std::mem::take(&mut run.prompt_logprobs),
         finish,
@@ -490,7 +508,7 @@ impl Head<'_> {
     fn chunk(&self, text: Option<&str>, finish: Option<&str>, role: bool, logprobs: &Value) -> String {
         match self.endpoint {
             Endpoint::Chat => {
-                let delta = Delta { role: role.then_some("assistant"), content: text, tool_calls: None };
+                let delta = Delta { role: role.then_some("assistant"), content: text, ..Delta::default() };
                 self.write(Some(delta), None, logprobs, finish)
             }
             Endpoint::Completion => self.write(None, Some(text.unwrap_or("")), logprobs, finish),
@@ -507,7 +525,18 @@ impl Head<'_> {
             kind: name.map(|_| "function"),
             function: FunctionDelta { name, arguments },
         };
-        let delta = Delta { role: role.then_some("assistant"), content: None, tool_calls: Some([call]) };
+        let delta = Delta { role: role.then_some("assistant"), tool_calls: Some([call]), ..Delta::default() };
+        self.write(Some(delta), None, logprobs, None)
+    }
+
+    /// A chat chunk with a piece of the answer's thinking.
+    fn reasoning_chunk(&self, thought: &str, role: bool, logprobs: &Value) -> String {
+        let delta = Delta {
+            role: role.then_some("assistant"),
+            reasoning_content: Some(thought),
+            reasoning: Some(thought),
+            ..Delta::default()
+        };
         self.write(Some(delta), None, logprobs, None)
     }
 
@@ -549,10 +578,15 @@ struct ChunkChoice<'a> {
     finish_reason: Option<&'a str>,
 }
 
-#[derive(serde::Serialize)]
+#[derive(serde::Serialize, Default)]
 struct Delta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
+    /// Thinking, under both the names clients read (as a whole message carries it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -733,6 +767,18 @@ impl CallStream {
     }
 }
 
+/// A streamed piece of text `s` (the `last`, with whatever was held back) split by the answer's thinking, when it
+/// has one: the thinking to send (when shown and not empty) and the content; without, all content.
+fn split_thinking(thinking: &mut Option<(ReasoningStream, bool)>, s: String, last: bool) -> (Option<String>, String) {
+    match thinking {
+        None => (None, s),
+        Some((stream, shown)) => {
+            let split = if last { stream.end(&s) } else { stream.push(&s) };
+            (split.reasoning.filter(|r| *shown && !r.is_empty()), split.content)
+        }
+    }
+}
+
 /// One choice, streamed; its usage figures (prompt, prompt tokens, completion tokens, cached) when it finished, or
 /// the status that ended the request (an error event already sent).
 async fn stream_choice(
@@ -747,6 +793,7 @@ async fn stream_choice(
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index, ids: run.checked.call_ids };
     let mut first = true;
     let mut calls = CallStream::new(run.checked.tool_calls.as_ref());
+    let mut thinking = run.checked.thinking.map(|t| (ReasoningStream::new(t.parser), t.shown));
     // The echoed prompt goes first; with log-probabilities, once they come (before the first token).
     if !run.echo_waits()
         && let Some(echo) = run.echo.take()
@@ -785,9 +832,18 @@ async fn stream_choice(
                     Ok(r) => r,
                     Err(e) => return Err(send_error(tx, &e).await),
                 };
-                // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation).
+                // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation):
+                // its thinking's, or else its content's.
+                let (thought, s) = split_thinking(&mut thinking, s, false);
+                let mut lps = &lps;
+                if let Some(thought) = thought {
+                    if !send_text(tx, head.reasoning_chunk(&thought, first, lps)).await {
+                        return Err(499);
+                    }
+                    (first, lps) = (false, &Value::Null);
+                }
                 let due = !s.is_empty() || first || !lps.is_null();
-                if let Some(json) = calls.token(&head, &s, due, first, &lps)
+                if let Some(json) = calls.token(&head, &s, due, first, lps)
                     && !send_text(tx, json).await
                 {
                     return Err(499);
@@ -806,6 +862,12 @@ async fn stream_choice(
         }
     };
     let rest = run.text.stream.finish(run.text.stopped);
+    let (thought, rest) = split_thinking(&mut thinking, rest, true);
+    if let Some(thought) = thought
+        && !send_text(tx, head.reasoning_chunk(&thought, false, &Value::Null)).await
+    {
+        return Err(499);
+    }
     let (last, made) = calls.end(&head, &rest);
     for json in last {
         if !send_text(tx, json).await {

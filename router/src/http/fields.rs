@@ -47,7 +47,7 @@ fn never(_: &Value) -> bool {
 }
 
 const OLD_FUNCTIONS: &str = "functions and function_call (deprecated) are not supported: send tools and tool_choice";
-const NOT_REASONING: &str = "the served model is not a reasoning model";
+const NOT_REASONING: &str = "reasoning effort and verbosity are not set per request (a reasoning model's thinking is split from its answer with the router's reasoning_parser)";
 
 /// Fields both endpoints take (OpenAI's, then vLLM's extra ones).
 fn common(name: &str) -> Option<Rule> {
@@ -103,7 +103,7 @@ fn chat(name: &str) -> Option<Rule> {
         // vLLM's chat fields, taken at their defaults only.
         "echo" => Refused(is_false, "echo is not supported for chat"),
         "chat_template" => Refused(never, "the served model's own chat template is used"),
-        "chat_template_kwargs" => Used,
+        "chat_template_kwargs" | "include_reasoning" => Used,
         "documents" => Refused(empty, "the served model's chat template takes no documents"),
         "mm_processor_kwargs" => Refused(empty, "only text input is supported"),
         "logprobs" | "top_logprobs" => Used,

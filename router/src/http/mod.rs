@@ -6,6 +6,7 @@ pub mod error;
 pub mod fields;
 pub mod logprobs;
 pub mod openai;
+pub mod reasoning;
 pub mod tools;
 
 use std::sync::Arc;
@@ -145,9 +146,20 @@ fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::Span {
     span
 }
 
+/// The `what` named `s` in `names`, or an error listing the known names.
+pub(crate) fn by_name<T: Copy>(names: &[(&str, T)], s: &str, what: &str) -> Result<T, String> {
+    names.iter().find(|(name, _)| *name == s).map(|&(_, v)| v).ok_or_else(|| {
+        let known: Vec<&str> = names.iter().map(|(name, _)| *name).collect();
+        format!("unknown {what} {s:?} (known: {})", known.join(", "))
+    })
+}
+
 fn check(state: &RouterState, endpoint: Endpoint, body: &[u8]) -> Result<Checked, ApiError> {
     match endpoint {
-        Endpoint::Chat => check_chat(body, state.tool_call_parser),
+        Endpoint::Chat => check_chat(
+            body,
+            openai::OutputParsers { tool_call: state.tool_call_parser, reasoning: state.reasoning_parser },
+        ),
         Endpoint::Completion => check_completion(body),
     }
 }
@@ -303,8 +315,10 @@ async fn tokenize(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
                     chat["tools"] = tools.clone();
                     chat["tool_choice"] = json!("none");
                 }
-                let c =
-                    check_chat(&serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?, None)?;
+                let c = check_chat(
+                    &serde_json::to_vec(&chat).map_err(|e| ApiError::MalformedJson(e.to_string()))?,
+                    Default::default(),
+                )?;
                 let openai::Input::Chat(messages, ending, tools) = c.input else { unreachable!("a chat request") };
                 let extras = ChatExtras { tools: &tools, arguments: c.template_arguments.as_ref() };
                 let text = completions::render_chat(&state, &messages, extras, ending)?;

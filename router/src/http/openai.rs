@@ -90,6 +90,12 @@ pub struct Message {
     /// The participant's name: the template gets it, as transformers passes it.
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant turn's thinking, as answers carry it (`reasoning_content`, or vLLM's newer `reasoning`): the
+    /// template gets it as `reasoning_content`.
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
+    #[serde(default)]
+    pub reasoning: Option<String>,
 }
 
 /// Fields shared by both endpoints.
@@ -179,6 +185,8 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     /// vLLM's: arguments of the chat template's own (each one the template reads; others are refused by name).
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's (default true): with a reasoning parser, the answer's thinking is in the response (false: left out).
+    pub include_reasoning: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -337,6 +345,8 @@ pub struct Checked {
     pub tool_calls: Option<super::tools::CallMode>,
     /// Chat: how its call ids look (the served model's template may take back only its own kind).
     pub call_ids: super::tools::CallIds,
+    /// Chat: the answer's thinking is split from its content (with the router's reasoning parser).
+    pub thinking: Option<super::reasoning::Thinking>,
     /// OpenAI's cache-routing key (a session, say): credited to the worker that last computed a prompt with it.
     pub prompt_cache_key: Option<String>,
     /// Control tokens' text goes in the output (vLLM's `skip_special_tokens: false`).
@@ -625,6 +635,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         grammar,
         tool_calls: None,
         call_ids: Default::default(),
+        thinking: None,
         keep_control: c.skip_special_tokens == Some(false),
         keep_stop: c.include_stop_str_in_output == Some(true),
         add_special_tokens: c.add_special_tokens,
@@ -635,8 +646,15 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
     })
 }
 
+/// The served model's formats the router reads out of chat answers: its tool calls, its thinking.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OutputParsers {
+    pub tool_call: Option<super::tools::ToolParser>,
+    pub reasoning: Option<super::reasoning::ReasoningParser>,
+}
+
 /// Checks a `/v1/chat/completions` body.
-pub fn check_chat(body: &[u8], parser: Option<super::tools::ToolParser>) -> Result<Checked, ApiError> {
+pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiError> {
     let r: ChatRequest = parse(body, Endpoint::Chat)?;
     if r.messages.is_empty() {
         return Err(ApiError::bad("`messages` must not be empty", "messages"));
@@ -670,7 +688,19 @@ pub fn check_chat(body: &[u8], parser: Option<super::tools::ToolParser>) -> Resu
         };
         let role = if m.role == "developer" { "system".to_string() } else { m.role };
         let tool_call_id = m.tool_call_id.filter(|_| role == "tool");
-        messages.push(ChatMessage { tool_calls, tool_call_id, ..ChatMessage::new(role, content).named(m.name) });
+        let reasoning_content = match (m.reasoning_content, m.reasoning) {
+            (None, None) => None,
+            _ if role != "assistant" => {
+                return Err(ApiError::bad("only an assistant message carries reasoning", "messages"));
+            }
+            (Some(a), Some(b)) if a != b => {
+                let why = "a message's reasoning_content and reasoning differ: send one";
+                return Err(ApiError::bad(why, "messages"));
+            }
+            (a, b) => a.or(b),
+        };
+        let message = ChatMessage::new(role, content).named(m.name);
+        messages.push(ChatMessage { tool_calls, tool_call_id, reasoning_content, ..message });
     }
     let ending = match (r.add_generation_prompt, r.continue_final_message) {
         (Some(true) | None, Some(true)) => {
@@ -686,7 +716,7 @@ pub fn check_chat(body: &[u8], parser: Option<super::tools::ToolParser>) -> Resu
         r.tools.filter(|v| !v.is_null()),
         r.tool_choice.filter(|v| !v.is_null()),
         r.parallel_tool_calls,
-        parser,
+        parsers.tool_call,
     )?;
     let mut checked = check_common(r.common, Endpoint::Chat, Input::Chat(messages, ending, tools.entries))?;
     checked.template_arguments = r.chat_template_kwargs.filter(|a| !a.is_empty());
@@ -702,7 +732,13 @@ pub fn check_chat(body: &[u8], parser: Option<super::tools::ToolParser>) -> Resu
         checked.keep_control |= choosing.parser.needs_control_text();
     }
     checked.tool_calls = tools.mode;
-    checked.call_ids = super::tools::CallIds::of(parser);
+    checked.call_ids = super::tools::CallIds::of(parsers.tool_call);
+    checked.thinking = parsers.reasoning.map(|parser| super::reasoning::Thinking {
+        // A grammar holds the answer from its first token (vLLM's holds it from the end of the thinking), so the
+        // model thinks only where the grammar opens the block itself: split as an answer that may not think.
+        parser: if checked.grammar.is_some() { super::reasoning::ReasoningParser::Qwen3 } else { parser },
+        shown: r.include_reasoning != Some(false),
+    });
     Ok(checked)
 }
 
@@ -779,7 +815,7 @@ mod tests {
     use super::*;
 
     fn bad(body: &str) -> (&'static str, String) {
-        let e = check_chat(body.as_bytes(), None).expect_err("refused");
+        let e = check_chat(body.as_bytes(), OutputParsers::default()).expect_err("refused");
         (e.kind(), e.to_string())
     }
 
@@ -787,7 +823,7 @@ mod tests {
     fn logprobs_take_each_endpoints_meaning() {
         let chat = |extra: &str| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
-            check_chat(body.as_bytes(), None).map(|c| c.logprobs).map_err(|e| e.to_string())
+            check_chat(body.as_bytes(), OutputParsers::default()).map(|c| c.logprobs).map_err(|e| e.to_string())
         };
         assert_eq!(chat(""), Ok(None));
         assert_eq!(chat(r#","logprobs":false"#), Ok(None));
@@ -812,7 +848,7 @@ mod tests {
         let body = r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],
             "max_completion_tokens":5,"temperature":0,"top_p":0.5,"seed":3,"stop":"\n","stream":true,
             "stream_options":{"include_usage":true},"user":"u1","presence_penalty":0}"#;
-        let c = check_chat(body.as_bytes(), None).expect("valid");
+        let c = check_chat(body.as_bytes(), OutputParsers::default()).expect("valid");
         assert_eq!((c.max_tokens, c.temperature, c.top_p, c.seed), (Some(5), 0.0, 0.5, Some(3)));
         assert_eq!(c.stop, vec!["\n".to_string()]);
         assert!(c.stream && c.include_usage);
@@ -820,7 +856,7 @@ mod tests {
         let seeded = |seed: &str| {
             check_chat(
                 format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"seed":{seed}}}"#).as_bytes(),
-                None,
+                OutputParsers::default(),
             )
             .map(|c| c.seed)
         };
@@ -833,7 +869,7 @@ mod tests {
 
     fn chat_with(extra: &str) -> Result<Checked, String> {
         let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
-        check_chat(body.as_bytes(), None).map_err(|e| e.to_string())
+        check_chat(body.as_bytes(), OutputParsers::default()).map_err(|e| e.to_string())
     }
 
     #[test]
@@ -847,12 +883,12 @@ mod tests {
             (r#","seed":1e30"#, "seed"),
         ] {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
-            match check_chat(body.as_bytes(), None) {
+            match check_chat(body.as_bytes(), OutputParsers::default()) {
                 Err(ApiError::BadRequest { param: Some(p), message }) => assert_eq!(p, field, "{message}"),
                 other => panic!("{extra}: {other:?}"),
             }
         }
-        match check_chat(br#"{"model":"m","messages":[{"role":"user","content":5}]}"#, None) {
+        match check_chat(br#"{"model":"m","messages":[{"role":"user","content":5}]}"#, OutputParsers::default()) {
             Err(ApiError::BadRequest { param: Some(p), message }) => {
                 assert_eq!(p, "messages");
                 assert!(message.contains("messages[0]"), "{message}");
@@ -915,7 +951,9 @@ mod tests {
     fn a_messages_name_goes_to_the_template() {
         let body =
             r#"{"model":"m","messages":[{"role":"user","content":"x","name":"ann"},{"role":"user","content":"y"}]}"#;
-        let Ok(Checked { input: Input::Chat(messages, _, _), .. }) = check_chat(body.as_bytes(), None) else {
+        let Ok(Checked { input: Input::Chat(messages, _, _), .. }) =
+            check_chat(body.as_bytes(), OutputParsers::default())
+        else {
             panic!("chat")
         };
         assert_eq!(messages[0], ChatMessage::new("user", "x").named(Some("ann".into())));
@@ -974,8 +1012,10 @@ mod tests {
             "n":null,"seed":null,"temperature":null,"top_p":null,"stream":null,"stream_options":null,
             "logprobs":null,"top_logprobs":null,"response_format":null,"tools":null,"tool_choice":null,"user":null,
             "frequency_penalty":null,"presence_penalty":null,"logit_bias":null,"ignore_eos":null}"#;
-        let c = check_chat(nulls.as_bytes(), None).expect("nulls are absent fields");
-        let plain = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#, None).expect("valid");
+        let c = check_chat(nulls.as_bytes(), OutputParsers::default()).expect("nulls are absent fields");
+        let plain =
+            check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#, OutputParsers::default())
+                .expect("valid");
         assert_eq!(
             (c.stream, c.include_usage, c.ignore_eos, c.max_tokens, c.seed, c.temperature, c.logprobs),
             (false, false, false, None, None, plain.temperature, None)
@@ -987,7 +1027,10 @@ mod tests {
     #[test]
     fn a_turn_that_called_tools_goes_to_the_template_with_its_arguments_parsed() {
         let with = |m: &str| {
-            check_chat(format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#).as_bytes(), None)
+            check_chat(
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#).as_bytes(),
+                OutputParsers::default(),
+            )
         };
         let call = r#"[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}]"#;
         let turns = [format!(r#"{{"role":"assistant","content":null,"tool_calls":{call}}}"#)];
@@ -1071,12 +1114,46 @@ mod tests {
         let tools = r#""tools":[{"type":"function","function":{"name":"f"}}]"#;
         let with = |choice: &str, parser| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],{tools}{choice}}}"#);
-            check_chat(body.as_bytes(), parser).map(|c| (c.keep_control, c.call_ids)).expect("valid")
+            let parsers = OutputParsers { tool_call: parser, ..Default::default() };
+            check_chat(body.as_bytes(), parsers).map(|c| (c.keep_control, c.call_ids)).expect("valid")
         };
         assert_eq!(with("", Some(ToolParser::Mistral)), (true, CallIds::Mistral));
         assert_eq!(with(r#","tool_choice":"required""#, Some(ToolParser::Mistral)), (false, CallIds::Mistral));
         assert_eq!(with("", Some(ToolParser::Hermes)), (false, CallIds::OpenAi));
         assert_eq!(with(r#","tool_choice":"none""#, None), (false, CallIds::OpenAi));
+    }
+
+    /// With a reasoning parser, chat answers are split (shown unless `include_reasoning` is false); under a grammar
+    /// only an answer that opens the block thinks. An assistant turn's thinking goes to the template.
+    #[test]
+    fn thinking_is_split_as_the_parser_says_and_goes_back_to_the_template() {
+        use super::super::reasoning::{ReasoningParser::*, Thinking};
+        let with = |extra: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+            let parsers = OutputParsers { reasoning: Some(DeepSeekR1), ..Default::default() };
+            check_chat(body.as_bytes(), parsers).map(|c| c.thinking).expect("valid")
+        };
+        assert_eq!(with(""), Some(Thinking { parser: DeepSeekR1, shown: true }));
+        assert_eq!(with(r#","include_reasoning":false"#), Some(Thinking { parser: DeepSeekR1, shown: false }));
+        assert_eq!(with(r#","response_format":{"type":"json_object"}"#), Some(Thinking { parser: Qwen3, shown: true }));
+        assert_eq!(chat_with("").expect("valid").thinking, None, "no parser");
+        let turn = |m: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#);
+            check_chat(body.as_bytes(), OutputParsers::default()).map_err(|e| e.to_string()).map(|c| match c.input {
+                Input::Chat(messages, ..) => messages[1].reasoning_content.clone(),
+                _ => unreachable!("chat"),
+            })
+        };
+        for m in [
+            r#"{"role":"assistant","content":"Yes.","reasoning_content":"Hmm."}"#,
+            r#"{"role":"assistant","content":"Yes.","reasoning":"Hmm."}"#,
+            r#"{"role":"assistant","content":"Yes.","reasoning":"Hmm.","reasoning_content":"Hmm."}"#,
+        ] {
+            assert_eq!(turn(m), Ok(Some("Hmm.".into())), "{m}");
+        }
+        let differ = turn(r#"{"role":"assistant","content":"","reasoning":"a","reasoning_content":"b"}"#);
+        assert!(differ.is_err_and(|e| e.contains("differ")));
+        assert!(turn(r#"{"role":"user","content":"x","reasoning":"a"}"#).is_err_and(|e| e.contains("assistant")));
     }
 
     #[test]
@@ -1139,7 +1216,10 @@ mod tests {
         assert_eq!((vllm.prompt_logprobs, vllm.scored_prompt()), (Some(0), Some(0)));
         let both = c(r#"{"model":"m","prompt":"a","echo":true,"logprobs":3,"prompt_logprobs":1}"#).expect("valid");
         assert_eq!(both.scored_prompt(), Some(3));
-        let chat = check_chat(br#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt_logprobs":4}"#, None);
+        let chat = check_chat(
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt_logprobs":4}"#,
+            OutputParsers::default(),
+        );
         assert_eq!(chat.expect("valid").scored_prompt(), Some(4));
         // `echo` with `max_tokens` 0 is the prompt alone: one token is computed, and left out.
         let only = c(r#"{"model":"m","prompt":"a","echo":true,"logprobs":1,"max_tokens":0}"#).expect("valid");
@@ -1169,7 +1249,7 @@ mod fuzz {
         /// Whatever a client sends, the checks answer with a value or an error, never a panic.
         #[test]
         fn arbitrary_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = check_chat(&body, None);
+            let _ = check_chat(&body, OutputParsers::default());
             let _ = check_completion(&body);
         }
 
@@ -1184,7 +1264,7 @@ mod fuzz {
                 "messages": [{"role": role, "content": content}], "prompt": content,
             });
             let bytes = body.to_string().into_bytes();
-            if let Ok(c) = check_chat(&bytes, None) {
+            if let Ok(c) = check_chat(&bytes, OutputParsers::default()) {
                 prop_assert!(c.temperature >= 0.0 && c.temperature <= 2.0 && c.top_p > 0.0 && c.top_p <= 1.0);
                 prop_assert!(c.max_tokens != Some(0) && c.stop.len() <= 4);
             }

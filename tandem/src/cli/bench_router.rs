@@ -140,6 +140,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             record_trace: None,
             record_candidates: false,
             tool_call_parser: None,
+            reasoning_parser: None,
         };
         let router = on_router.spawn(RunningRouter::start(config)).await.map_err(|e| e.to_string())?;
         let router = router.map_err(|e| e.to_string())?;

@@ -108,6 +108,9 @@ pub struct Args {
     /// one, `tool_choice: auto` is served.
     #[arg(long)]
     tool_call_parser: Option<router::http::tools::ToolParser>,
+    /// How the served model marks its thinking (`deepseek_r1`, `qwen3`): with one, chat answers carry it apart.
+    #[arg(long)]
+    reasoning_parser: Option<router::http::reasoning::ReasoningParser>,
 }
 
 /// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
@@ -231,6 +234,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             record_trace: args.record_trace,
             record_candidates: args.record_candidates,
             tool_call_parser: args.tool_call_parser,
+            reasoning_parser: args.reasoning_parser,
         })
         .await
         .map_err(|e| e.to_string())?;

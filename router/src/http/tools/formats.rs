@@ -41,10 +41,7 @@ impl std::str::FromStr for ToolParser {
     type Err = String;
 
     fn from_str(s: &str) -> Result<ToolParser, String> {
-        NAMES.iter().find(|(name, _)| *name == s).map(|&(_, p)| p).ok_or_else(|| {
-            let known: Vec<&str> = NAMES.iter().map(|(name, _)| *name).collect();
-            format!("unknown tool-call parser {s:?} (known: {})", known.join(", "))
-        })
+        crate::http::by_name(&NAMES, s, "tool-call parser")
     }
 }
 

@@ -1,0 +1,232 @@
+//! A reasoning model's thinking, split from its answer as vLLM's `--reasoning-parser` splits it: the text inside
+//! `<think>` … `</think>` is the message's reasoning, the text after it the content (which tool calls are then
+//! parsed from). Pure: a whole answer's split, and the same split made piece by piece as an answer streams.
+
+/// How the served model marks its thinking (vLLM's `--reasoning-parser` names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "String")]
+pub enum ReasoningParser {
+    /// The answer thinks from its start, whether or not it writes `<think>` itself (DeepSeek R1's template opens
+    /// the block in the prompt), until `</think>`; an answer cut short before it is all thinking. For QwQ and
+    /// the Qwen3 models that always think (their templates open the block too).
+    DeepSeekR1,
+    /// The answer thinks only when it opens with `<think>` (Qwen3's hybrid models; `enable_thinking: false` in
+    /// `chat_template_kwargs` turns it off); otherwise it is all content.
+    Qwen3,
+}
+
+/// Each parser's name.
+const NAMES: [(&str, ReasoningParser); 2] =
+    [("deepseek_r1", ReasoningParser::DeepSeekR1), ("qwen3", ReasoningParser::Qwen3)];
+
+impl std::str::FromStr for ReasoningParser {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ReasoningParser, String> {
+        super::by_name(&NAMES, s, "reasoning parser")
+    }
+}
+
+impl TryFrom<String> for ReasoningParser {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<ReasoningParser, String> {
+        s.parse()
+    }
+}
+
+/// A chat request's thinking: split by `parser`, and in the response unless `shown` is false (vLLM's
+/// `include_reasoning`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Thinking {
+    pub parser: ReasoningParser,
+    pub shown: bool,
+}
+
+const START: &str = "<think>";
+const END: &str = "</think>";
+
+/// An answer split: its thinking (none when it has none, or only whitespace) and its content.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Split {
+    pub reasoning: Option<String>,
+    pub content: String,
+}
+
+impl ReasoningParser {
+    /// Splits a whole answer.
+    pub fn split(self, text: &str) -> Split {
+        let opened = text.trim_start().strip_prefix(START);
+        if self == ReasoningParser::Qwen3 && opened.is_none() {
+            return Split { reasoning: None, content: text.to_string() };
+        }
+        let thought = opened.unwrap_or(text);
+        let (reasoning, content) = match thought.find(END) {
+            Some(at) => (&thought[..at], &thought[at + END.len()..]),
+            None => (thought, ""),
+        };
+        Split { reasoning: (!reasoning.trim().is_empty()).then(|| reasoning.to_string()), content: content.to_string() }
+    }
+}
+
+/// Where a streamed answer is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Phase {
+    /// Its start is whitespace or part of `<think>` so far: whether it thinks is not known yet.
+    Opening,
+    Thinking,
+    Answering,
+}
+
+/// The split of an answer as it streams: each piece of text gives the thinking and the content to send now; an
+/// end that may be the start of a marker is held back until the next piece shows what it is.
+#[derive(Debug)]
+pub struct ReasoningStream {
+    parser: ReasoningParser,
+    text: String,
+    /// How much of `text` has been sent (or swallowed, for the markers).
+    sent: usize,
+    phase: Phase,
+}
+
+impl ReasoningStream {
+    pub fn new(parser: ReasoningParser) -> ReasoningStream {
+        ReasoningStream { parser, text: String::new(), sent: 0, phase: Phase::Opening }
+    }
+
+    /// The thinking and the content to send for the next piece of text `s`.
+    pub fn push(&mut self, s: &str) -> Split {
+        self.text.push_str(s);
+        let mut out = Split::default();
+        if self.phase == Phase::Opening {
+            let lead = self.text.trim_start();
+            if lead.starts_with(START) {
+                self.sent = self.text.len() - lead.len() + START.len();
+                self.phase = Phase::Thinking;
+            } else if !START.starts_with(lead) {
+                self.phase = match self.parser {
+                    ReasoningParser::DeepSeekR1 => Phase::Thinking,
+                    ReasoningParser::Qwen3 => Phase::Answering,
+                };
+            }
+        }
+        if self.phase == Phase::Thinking {
+            match self.text[self.sent..].find(END) {
+                Some(at) => {
+                    out.reasoning = Some(self.text[self.sent..self.sent + at].to_string());
+                    self.sent += at + END.len();
+                    self.phase = Phase::Answering;
+                }
+                None => {
+                    let held = (1..END.len())
+                        .rev()
+                        .find(|&k| self.text.ends_with(&END[..k]) && self.text.is_char_boundary(self.text.len() - k))
+                        .unwrap_or(0);
+                    let to = (self.text.len() - held).max(self.sent);
+                    out.reasoning = Some(self.text[self.sent..to].to_string());
+                    self.sent = to;
+                }
+            }
+        }
+        if self.phase == Phase::Answering {
+            out.content.push_str(&self.text[self.sent..]);
+            self.sent = self.text.len();
+        }
+        out.reasoning = out.reasoning.filter(|r| !r.is_empty());
+        out
+    }
+
+    /// At the end: what is still to send for the last text `rest` and anything held back.
+    pub fn end(&mut self, rest: &str) -> Split {
+        let mut out = self.push(rest);
+        let held = &self.text[self.sent..];
+        if !held.is_empty() {
+            // A start that never became `<think>`, or an end that never became `</think>`.
+            match (self.phase, self.parser) {
+                (Phase::Opening, ReasoningParser::Qwen3) | (Phase::Answering, _) => out.content.push_str(held),
+                _ => out.reasoning.get_or_insert_with(String::new).push_str(held),
+            }
+        }
+        self.sent = self.text.len();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(p: ReasoningParser, text: &str) -> (Option<String>, String) {
+        let s = p.split(text);
+        (s.reasoning, s.content)
+    }
+
+    fn some(s: &str) -> Option<String> {
+        Some(s.to_string())
+    }
+
+    #[test]
+    fn parsers_go_by_vllms_names() {
+        for (name, parser) in NAMES {
+            assert_eq!(name.parse::<ReasoningParser>(), Ok(parser));
+            let v = serde_json::Value::from(name);
+            assert_eq!(serde_json::from_value::<ReasoningParser>(v).expect("known"), parser);
+        }
+        assert!("granite".parse::<ReasoningParser>().is_err_and(|e| e.contains("deepseek_r1")));
+    }
+
+    #[test]
+    fn thinking_is_split_from_the_answer() {
+        use ReasoningParser::{DeepSeekR1, Qwen3};
+        for p in [DeepSeekR1, Qwen3] {
+            assert_eq!(split(p, "<think>Hmm.</think>\n\nYes."), (some("Hmm."), "\n\nYes.".to_string()), "{p:?}");
+            assert_eq!(split(p, "\n<think>\nHmm.\n</think>Yes."), (some("\nHmm.\n"), "Yes.".to_string()), "{p:?}");
+            assert_eq!(split(p, "<think> </think>Yes."), (None, "Yes.".to_string()), "{p:?}: blank thinking");
+        }
+        // DeepSeek R1's template opens the block: its answers think from the start, to the end if cut short.
+        assert_eq!(split(DeepSeekR1, "Hmm.</think>Yes."), (some("Hmm."), "Yes.".to_string()));
+        assert_eq!(split(DeepSeekR1, "Hmm, still"), (some("Hmm, still"), String::new()));
+        // Qwen3 thinks only when it opens the block.
+        assert_eq!(split(Qwen3, "Yes."), (None, "Yes.".to_string()));
+        assert_eq!(split(Qwen3, "Hmm.</think>Yes."), (None, "Hmm.</think>Yes.".to_string()));
+        assert_eq!(split(Qwen3, "<think>Hmm, still"), (some("Hmm, still"), String::new()));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// However an answer of words, markers and their parts is cut into streamed pieces, the thinking and the
+        /// content sent add up to the whole answer's split.
+        #[test]
+        fn a_streamed_split_is_the_whole_one(
+            qwen in proptest::bool::ANY,
+            parts in proptest::collection::vec(0usize..9, 0..14),
+            cuts in proptest::collection::vec(1usize..6, 1..40),
+        ) {
+            const PARTS: [&str; 9] = ["<think>", "</think>", "Hmm ", "<th", "ink>", "</th", "\n", "é", "<"];
+            let parser = if qwen { ReasoningParser::Qwen3 } else { ReasoningParser::DeepSeekR1 };
+            let text: String = parts.iter().map(|&i| PARTS[i]).collect();
+            let chars: Vec<char> = text.chars().collect();
+            let mut stream = ReasoningStream::new(parser);
+            let (mut reasoning, mut content, mut at) = (String::new(), String::new(), 0);
+            let mut add = |s: Split| {
+                reasoning.push_str(&s.reasoning.unwrap_or_default());
+                content.push_str(&s.content);
+            };
+            for cut in cuts.iter().cycle() {
+                if at >= chars.len() {
+                    break;
+                }
+                let end = (at + cut).min(chars.len());
+                add(stream.push(&chars[at..end].iter().collect::<String>()));
+                at = end;
+            }
+            add(stream.end(""));
+            let whole = parser.split(&text);
+            proptest::prop_assert_eq!(&content, &whole.content);
+            match whole.reasoning {
+                Some(r) => proptest::prop_assert_eq!(reasoning, r),
+                None => proptest::prop_assert!(reasoning.trim().is_empty(), "{:?}", reasoning),
+            }
+        }
+    }
+}
