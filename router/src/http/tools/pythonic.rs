@@ -5,12 +5,16 @@
 
 use serde_json::{Map, Number, Value};
 
+/// How deep lists, tuples and dicts may nest (serde_json's own limit): a model's answer is untrusted text, and
+/// reading it must not run the stack out.
+const MAX_DEPTH: usize = 128;
+
 /// A call: the function's name and its arguments by keyword.
 pub type Call = (String, Map<String, Value>);
 
 /// The list of calls `s` starts with, and the text after the list.
 pub fn calls(s: &str) -> Option<(Vec<Call>, &str)> {
-    let mut p = Reader { s, at: 0 };
+    let mut p = Reader { s, at: 0, depth: 0 };
     p.expect('[')?;
     let mut calls = Vec::new();
     loop {
@@ -33,6 +37,8 @@ pub fn calls(s: &str) -> Option<(Vec<Call>, &str)> {
 struct Reader<'a> {
     s: &'a str,
     at: usize,
+    /// Containers open around `at`.
+    depth: usize,
 }
 
 impl Reader<'_> {
@@ -103,9 +109,17 @@ impl Reader<'_> {
     fn value(&mut self) -> Option<Value> {
         match self.peek()? {
             '\'' | '"' => self.string().map(Value::String),
-            '[' => self.sequence('[', ']'),
-            '(' => self.sequence('(', ')'),
-            '{' => self.dict(),
+            '[' | '(' | '{' => {
+                self.depth += 1;
+                let value = match self.peek()? {
+                    _ if self.depth > MAX_DEPTH => None,
+                    '[' => self.sequence('[', ']'),
+                    '(' => self.sequence('(', ')'),
+                    _ => self.dict(),
+                };
+                self.depth -= 1;
+                value
+            }
             c if c.is_ascii_digit() || c == '-' || c == '+' || c == '.' => self.number(),
             _ => match self.identifier()? {
                 "True" => Some(Value::Bool(true)),
@@ -330,5 +344,15 @@ mod tests {
             assert!(calls(not).is_none(), "{not}");
         }
         assert_eq!(calls("[]").map(|(c, _)| c.len()), Some(0));
+    }
+
+    /// Nesting is bounded, so an answer of a million brackets is refused, not a stack overflow.
+    #[test]
+    fn nesting_is_bounded() {
+        let nested = |n: usize| format!("[f(x={}1{})]", "[".repeat(n), "]".repeat(n));
+        assert!(calls(&nested(MAX_DEPTH)).is_some());
+        assert!(calls(&nested(MAX_DEPTH + 1)).is_none());
+        assert!(calls(&nested(1_000_000)).is_none());
+        assert!(calls(&format!("[f(x={})]", "({".repeat(500_000))).is_none());
     }
 }
