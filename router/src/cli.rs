@@ -122,7 +122,8 @@ pub struct Settings {
     #[arg(long, env = "TANDEM_RECORD_CANDIDATES", value_name = "BOOL")]
     pub record_candidates: Option<bool>,
     /// How the served model writes tool calls among its text (vLLM's `--tool-call-parser`: `hermes`, `llama3_json`,
-    /// `mistral`, `pythonic`, and vLLM's `llama4_json` and `llama4_pythonic` for the same formats): with one,
+    /// `mistral`, `pythonic`, `qwen3_coder`, and vLLM's `llama4_json`, `llama4_pythonic` and `qwen3_xml` for the same
+    /// formats): with one,
     /// `tool_choice: auto` (the default when a request has tools) is served and its calls parsed out of the
     /// answer; without one it is refused.
     #[arg(long, env = "TANDEM_TOOL_CALL_PARSER")]

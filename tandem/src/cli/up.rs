@@ -104,8 +104,8 @@ pub struct Args {
     /// with the router's).
     #[arg(long)]
     record_candidates: bool,
-    /// How the served model writes tool calls among its text (`hermes`, `llama3_json`, `mistral`, `pythonic`): with
-    /// one, `tool_choice: auto` is served.
+    /// How the served model writes tool calls among its text (`hermes`, `llama3_json`, `mistral`, `pythonic`,
+    /// `qwen3_coder`): with one, `tool_choice: auto` is served.
     #[arg(long)]
     tool_call_parser: Option<router::http::tools::ToolParser>,
     /// How the served model marks its thinking (`deepseek_r1`, `qwen3`): with one, chat answers carry it apart.

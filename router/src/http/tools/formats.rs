@@ -4,8 +4,8 @@
 
 use serde_json::Value;
 
-use super::Made;
 use super::pythonic;
+use super::{Function, Made};
 
 /// A model's way of writing tool calls in free text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
@@ -25,16 +25,23 @@ pub enum ToolParser {
     /// now()]`, wrapped or not in `<|python_start|>` … `<|python_end|>`: Llama 3.2's and 4's (vLLM's
     /// `llama4_pythonic` too).
     Pythonic,
+    /// Hermes' blocks holding XML rather than JSON, `<tool_call><function=NAME><parameter=KEY>value</parameter>...
+    /// </function></tool_call>`: each value is text, read as the type the function's schema gives that parameter
+    /// (a string as written, a number or boolean parsed, an object or array as JSON; text when it is not one):
+    /// Qwen3-Coder's (vLLM's `qwen3_xml` too).
+    Qwen3Coder,
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 6] = [
+const NAMES: [(&str, ToolParser); 8] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
     ("mistral", ToolParser::Mistral),
     ("pythonic", ToolParser::Pythonic),
     ("llama4_pythonic", ToolParser::Pythonic),
+    ("qwen3_coder", ToolParser::Qwen3Coder),
+    ("qwen3_xml", ToolParser::Qwen3Coder),
 ];
 
 impl std::str::FromStr for ToolParser {
@@ -75,16 +82,17 @@ pub(super) enum Scan {
 }
 
 impl ToolParser {
-    /// The calls `text` makes of the functions `names`, with the text before them as content (none when it is only
+    /// The calls `text` makes of `functions`, with the text before them as content (none when it is only
     /// whitespace; text after the last call is left out, as vLLM's parsers leave it); `None` when it makes no call,
     /// or writes one that is not a call of one of them (then it is all content).
-    pub fn parse(self, text: &str, names: &[String]) -> Option<Made> {
+    pub fn parse(self, text: &str, functions: &[Function]) -> Option<Made> {
         let at = self.opening(text)?;
         let calls = match self {
-            ToolParser::Hermes => hermes(&text[at..], names),
-            ToolParser::Llama3Json => llama3_json(&text[at..], names),
-            ToolParser::Mistral => mistral(&text[at..], names),
-            ToolParser::Pythonic => pythonic_calls(&text[at..], names),
+            ToolParser::Hermes => hermes(&text[at..], functions),
+            ToolParser::Llama3Json => llama3_json(&text[at..], functions),
+            ToolParser::Mistral => mistral(&text[at..], functions),
+            ToolParser::Pythonic => pythonic_calls(&text[at..], functions),
+            ToolParser::Qwen3Coder => qwen3_coder(&text[at..], functions),
         }?;
         let content = &text[..at];
         Some(Made { content: (!content.trim().is_empty()).then(|| content.to_string()), calls })
@@ -112,7 +120,7 @@ impl ToolParser {
     /// Where calls open in `text`, the first `sent` bytes of which are known to open none.
     pub(super) fn scan(self, text: &str, sent: usize) -> Scan {
         match self {
-            ToolParser::Hermes => marked(text, sent, OPEN),
+            ToolParser::Hermes | ToolParser::Qwen3Coder => marked(text, sent, OPEN),
             ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
             ToolParser::Llama3Json => leading(text, sent, "{", PYTHON_TAG),
             ToolParser::Pythonic => leading(text, sent, "[", PYTHON_START),
@@ -150,10 +158,10 @@ fn leading(text: &str, sent: usize, first: &str, marker: &str) -> Scan {
     }
 }
 
-/// A call object's function (one of `names`) and its arguments as JSON text, from the first of `keys` present
+/// A call object's function (one of `functions`) and its arguments as JSON text, from the first of `keys` present
 /// (given as text, taken as it is; absent or null, `{}`).
-fn call_of(call: &Value, names: &[String], keys: &[&str]) -> Option<(String, String)> {
-    let name = call.get("name")?.as_str().filter(|n| names.iter().any(|f| f == n))?;
+fn call_of(call: &Value, functions: &[Function], keys: &[&str]) -> Option<(String, String)> {
+    let name = call.get("name")?.as_str().filter(|n| functions.iter().any(|f| f.name == *n))?;
     let arguments = match keys.iter().find_map(|k| call.get(*k)) {
         None | Some(Value::Null) => "{}".to_string(),
         Some(Value::String(s)) => s.clone(),
@@ -169,28 +177,86 @@ fn json_prefix(s: &str) -> Option<(Value, &str)> {
     Some((value, &s[values.byte_offset()..]))
 }
 
-fn hermes(mut rest: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+fn hermes(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
+    blocks(text, |body| call_of(&serde_json::from_str(body).ok()?, functions, &["arguments"]))
+}
+
+/// Hermes' blocks (a block cut short stands when what came of it is whole), each read by `call`.
+fn blocks(mut rest: &str, mut call: impl FnMut(&str) -> Option<(String, String)>) -> Option<Vec<(String, String)>> {
     let mut calls = Vec::new();
     while let Some(open) = rest.strip_prefix(OPEN) {
         let (body, after) = match open.find(CLOSE) {
             Some(end) => (&open[..end], &open[end + CLOSE.len()..]),
-            // Cut short: the call stands if what came of it is whole.
             None => (open, ""),
         };
-        let call: Value = serde_json::from_str(body.trim()).ok()?;
-        calls.push(call_of(&call, names, &["arguments"])?);
+        calls.push(call(body.trim())?);
         rest = after.trim_start();
     }
     Some(calls)
 }
 
-fn llama3_json(text: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+fn qwen3_coder(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
+    blocks(text, |body| {
+        let (name, mut rest) = body.strip_prefix("<function=")?.split_once('>')?;
+        let function = functions.iter().find(|f| f.name == name.trim())?;
+        let mut arguments = serde_json::Map::new();
+        loop {
+            rest = rest.trim_start();
+            if let Some(after) = rest.strip_prefix("</function>") {
+                return after.trim().is_empty().then(|| (function.name.clone(), Value::Object(arguments).to_string()));
+            }
+            let (key, tail) = rest.strip_prefix("<parameter=")?.split_once('>')?;
+            let (raw, tail) = tail.split_once("</parameter>")?;
+            // The value sits on lines of its own.
+            let raw = raw.strip_prefix('\n').unwrap_or(raw);
+            let raw = raw.strip_suffix('\n').unwrap_or(raw);
+            let key = key.trim();
+            if arguments.insert(key.to_string(), typed(raw, function.param_type(key))).is_some() {
+                return None;
+            }
+            rest = tail;
+        }
+    })
+}
+
+/// A parameter's text as the type its schema gives (`kind`: a type name, or a list of them beside `null`): text as
+/// written for a string or an unknown parameter; `null` as null; a number, boolean, object or array parsed, or
+/// left as text when it does not parse as one.
+fn typed(raw: &str, kind: Option<&Value>) -> Value {
+    let name = match kind {
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(Value::Array(kinds)) => kinds.iter().filter_map(Value::as_str).find(|k| *k != "null"),
+        _ => None,
+    };
+    let text = || Value::String(raw.to_string());
+    if raw.trim() == "null" && name != Some("string") {
+        return Value::Null;
+    }
+    let raw_t = raw.trim();
+    match name {
+        None | Some("string") => text(),
+        Some("integer") => raw_t.parse::<i64>().map(Value::from).unwrap_or_else(|_| text()),
+        Some("number") => match raw_t.parse::<f64>().ok().filter(|f| f.is_finite()) {
+            Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Value::from(f as i64),
+            Some(f) => serde_json::Number::from_f64(f).map_or_else(text, Value::Number),
+            None => text(),
+        },
+        Some("boolean") => match raw_t {
+            "true" | "True" => Value::Bool(true),
+            "false" | "False" => Value::Bool(false),
+            _ => text(),
+        },
+        Some(_) => serde_json::from_str(raw_t).unwrap_or_else(|_| text()),
+    }
+}
+
+fn llama3_json(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
     let start = text.trim_start();
     let mut rest = start.strip_prefix(PYTHON_TAG).unwrap_or(start).trim_start();
     let mut calls = Vec::new();
     loop {
         let (call, after) = json_prefix(rest)?;
-        calls.push(call_of(&call, names, &["parameters", "arguments"])?);
+        calls.push(call_of(&call, functions, &["parameters", "arguments"])?);
         let after = after.trim_start();
         if after.is_empty() {
             return Some(calls);
@@ -199,7 +265,7 @@ fn llama3_json(text: &str, names: &[String]) -> Option<Vec<(String, String)>> {
     }
 }
 
-fn mistral(mut rest: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+fn mistral(mut rest: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
     let mut calls = Vec::new();
     while let Some(after) = rest.strip_prefix(TOOL_CALLS) {
         let after = after.trim_start();
@@ -209,10 +275,10 @@ fn mistral(mut rest: &str, names: &[String]) -> Option<Vec<(String, String)>> {
             match value {
                 Value::Array(items) => {
                     for item in &items {
-                        calls.push(call_of(item, names, &["arguments"])?);
+                        calls.push(call_of(item, functions, &["arguments"])?);
                     }
                 }
-                call @ Value::Object(_) => calls.push(call_of(&call, names, &["arguments"])?),
+                call @ Value::Object(_) => calls.push(call_of(&call, functions, &["arguments"])?),
                 _ => return None,
             }
             tail
@@ -226,7 +292,7 @@ fn mistral(mut rest: &str, names: &[String]) -> Option<Vec<(String, String)>> {
             }
             tail = tail.strip_prefix(ARGS).unwrap_or(tail).trim_start();
             let (arguments, after) = json_prefix(tail)?;
-            if !arguments.is_object() || !names.iter().any(|f| f == name) {
+            if !arguments.is_object() || !functions.iter().any(|f| f.name == name) {
                 return None;
             }
             calls.push((name.to_string(), arguments.to_string()));
@@ -237,7 +303,7 @@ fn mistral(mut rest: &str, names: &[String]) -> Option<Vec<(String, String)>> {
     Some(calls)
 }
 
-fn pythonic_calls(text: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+fn pythonic_calls(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
     let start = text.trim_start();
     let inner = start.strip_prefix(PYTHON_START).unwrap_or(start);
     let (calls, rest) = pythonic::calls(inner)?;
@@ -247,7 +313,9 @@ fn pythonic_calls(text: &str, names: &[String]) -> Option<Vec<(String, String)>>
     }
     calls
         .into_iter()
-        .map(|(name, arguments)| names.contains(&name).then(|| (name, Value::Object(arguments).to_string())))
+        .map(|(name, arguments)| {
+            functions.iter().any(|f| f.name == name).then(|| (name, Value::Object(arguments).to_string()))
+        })
         .collect()
 }
 
@@ -255,8 +323,8 @@ fn pythonic_calls(text: &str, names: &[String]) -> Option<Vec<(String, String)>>
 mod tests {
     use super::*;
 
-    fn names() -> Vec<String> {
-        vec!["weather".to_string(), "now".to_string()]
+    fn functions() -> Vec<Function> {
+        super::super::tests::known(&["weather", "now"])
     }
 
     fn calls(list: &[(&str, &str)]) -> Vec<(String, String)> {
@@ -278,7 +346,7 @@ mod tests {
     /// function; anything else is content.
     #[test]
     fn hermes_blocks_are_calls() {
-        let parse = |text: &str| ToolParser::Hermes.parse(text, &names());
+        let parse = |text: &str| ToolParser::Hermes.parse(text, &functions());
         let text = "Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n\
                     <tool_call>{\"name\": \"now\"}</tool_call>";
         let made = parse(text).expect("calls");
@@ -301,7 +369,7 @@ mod tests {
     /// Llama 3's JSON: the whole answer is calls, `parameters` (or `arguments`), several separated by `;`.
     #[test]
     fn llama3_json_answers_are_calls() {
-        let parse = |text: &str| ToolParser::Llama3Json.parse(text, &names());
+        let parse = |text: &str| ToolParser::Llama3Json.parse(text, &functions());
         let made = parse(r#"{"name": "weather", "parameters": {"city": "Oslo"}}"#).expect("a call");
         assert_eq!((made.content, made.calls), (None, calls(&[("weather", r#"{"city":"Oslo"}"#)])));
         let two = "\n<|python_tag|>{\"name\": \"now\", \"arguments\": {}}; {\"name\": \"weather\", \"parameters\": {\"city\": \"Rome\"}}\n";
@@ -321,7 +389,7 @@ mod tests {
     /// Mistral's: content, then the marker and a JSON array (before v11) or `name{...}` calls (v11 on).
     #[test]
     fn mistral_marked_calls_are_calls() {
-        let parse = |text: &str| ToolParser::Mistral.parse(text, &names());
+        let parse = |text: &str| ToolParser::Mistral.parse(text, &functions());
         let old = r#"Sure. [TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "now", "arguments": {}}]"#;
         let made = parse(old).expect("calls");
         assert_eq!(made.content.as_deref(), Some("Sure. "));
@@ -345,7 +413,7 @@ mod tests {
     /// Pythonic: the whole answer is a list of calls with keyword arguments.
     #[test]
     fn pythonic_lists_are_calls() {
-        let parse = |text: &str| ToolParser::Pythonic.parse(text, &names());
+        let parse = |text: &str| ToolParser::Pythonic.parse(text, &functions());
         let made = parse(r#"[weather(city="Oslo", days=3, hourly=True), now()]"#).expect("calls");
         assert_eq!(made.content, None);
         assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo","days":3,"hourly":true}"#), ("now", "{}")]));
@@ -354,6 +422,42 @@ mod tests {
         for not_calls in
             ["It is sunny.", "[rain()]", "[now('UTC')]", "[now()] done", "[]", "[now(tz=x)]", "[now(tz='UTC'"]
         {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// Qwen3-Coder's XML: each parameter's text read as its schema's type.
+    #[test]
+    fn qwen3_coder_blocks_are_calls_with_typed_parameters() {
+        let params = serde_json::json!({"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+            "hourly": {"type": "boolean"}, "tags": {"type": "array"}, "zone": {"type": ["string", "null"]},
+            "limit": {"type": ["integer", "null"]}}});
+        let f = vec![Function { name: "weather".into(), params }, functions().remove(1)];
+        let parse = |text: &str| ToolParser::Qwen3Coder.parse(text, &f);
+        let text = "Looking.\n<tool_call>\n<function=weather>\n<parameter=city>\nNew York\n</parameter>\n\
+                    <parameter=days>\n3\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=hourly>\ntrue\n\
+                    </parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n<parameter=zone>\n 12 \n</parameter>\n\
+                    <parameter=limit>\nnull\n</parameter>\n<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>\n\
+                    <tool_call>\n<function=now>\n</function>\n</tool_call>";
+        let made = parse(text).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Looking.\n"));
+        let args: Value = serde_json::from_str(&made.calls[0].1).expect("json");
+        assert_eq!(
+            args,
+            serde_json::json!({"city": "New York", "days": 3, "ratio": 0.5, "hourly": true, "tags": ["a", 1],
+                               "zone": " 12 ", "limit": null, "extra": "7"})
+        );
+        assert_eq!(made.calls[1], ("now".to_string(), "{}".to_string()));
+        // A value that is not its type stays text.
+        let loose = "<tool_call><function=weather><parameter=days>three</parameter></function></tool_call>";
+        assert_eq!(parse(loose).expect("a call").calls[0].1, r#"{"days":"three"}"#);
+        for not_calls in [
+            "<tool_call><function=rain></function></tool_call>",
+            "<tool_call><function=now><parameter=a>1</parameter></tool_call>",
+            "<tool_call><function=now><parameter=a>1</parameter><parameter=a>2</parameter></function></tool_call>",
+            "<tool_call>{\"name\": \"now\"}</tool_call>",
+        ] {
             assert_eq!(parse(not_calls), None, "{not_calls}");
         }
     }

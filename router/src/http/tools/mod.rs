@@ -35,16 +35,31 @@ pub enum CallMode {
 pub struct Choosing {
     pub parser: ToolParser,
     /// The functions among the tools.
-    pub names: Vec<String>,
+    pub functions: Vec<Function>,
     /// Several calls in one answer (`parallel_tool_calls`, default true); without, the first one only.
     pub parallel: bool,
+}
+
+/// A function the model may call: its name, and its parameters' JSON schema (which a format that writes arguments
+/// as text, `qwen3_coder`, reads their types from).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Function {
+    pub name: String,
+    pub params: Value,
+}
+
+impl Function {
+    /// The schema of parameter `key`'s type, when the function's schema gives one.
+    pub fn param_type(&self, key: &str) -> Option<&Value> {
+        self.params.get("properties")?.get(key)?.get("type")
+    }
 }
 
 impl Choosing {
     /// The calls `text` makes and the content before them ([`ToolParser::parse`]), the first call only without
     /// parallel calls.
     pub fn parse(&self, text: &str) -> Option<Made> {
-        let mut made = self.parser.parse(text, &self.names)?;
+        let mut made = self.parser.parse(text, &self.functions)?;
         if !self.parallel {
             made.calls.truncate(1);
         }
@@ -89,7 +104,10 @@ pub fn check(
     let auto = |what: &str| match parser {
         Some(parser) => Ok(Some(CallMode::Auto(Choosing {
             parser,
-            names: functions.iter().map(|(n, _)| n.clone()).collect(),
+            functions: functions
+                .iter()
+                .map(|(name, params)| Function { name: name.clone(), params: params.clone() })
+                .collect(),
             parallel: parallel != Some(false),
         }))),
         None => Err(no_auto(what)),
@@ -338,8 +356,13 @@ pub fn finish_reason(mode: &CallMode, made: bool, reason: &'static str) -> &'sta
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// Functions of these names, taking anything.
+    pub fn known(names: &[&str]) -> Vec<Function> {
+        names.iter().map(|n| Function { name: n.to_string(), params: json!({"type": "object"}) }).collect()
+    }
 
     fn weather() -> Value {
         json!({"type": "function", "function": {"name": "weather", "description": "the forecast",
@@ -396,7 +419,9 @@ mod tests {
             assert!(why.contains("parser") && why.contains("required"), "{why}");
             // With a parser: the model's choice, no grammar.
             let t = check(Some(json!([weather()])), choice, None, Some(ToolParser::Hermes)).expect("valid");
-            let choosing = Choosing { parser: ToolParser::Hermes, names: vec!["weather".into()], parallel: true };
+            let params = weather()["function"]["parameters"].clone();
+            let functions = vec![Function { name: "weather".into(), params }];
+            let choosing = Choosing { parser: ToolParser::Hermes, functions, parallel: true };
             assert_eq!((t.mode, t.grammar), (Some(CallMode::Auto(choosing)), None));
         }
         let e = check(None, Some(json!("auto")), None, Some(ToolParser::Hermes)).expect_err("no tools");
@@ -438,7 +463,7 @@ mod tests {
         assert_eq!(finish_reason(&CallMode::Required, true, "stop"), "tool_calls");
         assert_eq!(finish_reason(&CallMode::Required, false, "length"), "length");
         assert_eq!(finish_reason(&named, true, "stop"), "stop");
-        let auto = CallMode::Auto(Choosing { parser: ToolParser::Hermes, names: vec![], parallel: true });
+        let auto = CallMode::Auto(Choosing { parser: ToolParser::Hermes, functions: vec![], parallel: true });
         assert_eq!((finish_reason(&auto, true, "stop"), finish_reason(&auto, false, "stop")), ("tool_calls", "stop"));
         let v = CallIds::OpenAi.calls_json("chatcmpl-00ab", 1, &[("f".into(), "{}".into())]);
         assert_eq!(
@@ -458,10 +483,11 @@ mod tests {
     /// pieces add up to the whole answer's content and calls, however the text is cut.
     #[test]
     fn streamed_content_stops_at_a_call_and_the_calls_come_at_the_end() {
-        let names = vec!["now".to_string()];
+        let functions = known(&["now"]);
         let text = r#"Sure <tool> tag? <tool_call>{"name": "now", "arguments": {}}</tool_call>"#;
         for cut in 1..8 {
-            let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, names: names.clone(), parallel: true });
+            let mut s =
+                AutoStream::new(Choosing { parser: ToolParser::Hermes, functions: functions.clone(), parallel: true });
             let mut content = String::new();
             let chars: Vec<char> = text.chars().collect();
             for piece in chars.chunks(cut) {
@@ -474,24 +500,25 @@ mod tests {
             assert_eq!(calls, vec![("now".into(), "{}".into())], "cut {cut}");
         }
         // Not a call after all: the held text is content.
-        let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, names, parallel: true });
+        let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, functions, parallel: true });
         assert_eq!(s.push("a <tool_"), "a ");
         assert_eq!(s.push("call>oops"), "");
         assert_eq!(s.end(" end"), ("<tool_call>oops end".to_string(), vec![]));
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 4] = [
+    const CALLS: [&str; 5] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
         "<|python_start|>[now(a=1), now(b='x')]<|python_end|>",
+        "<tool_call>\n<function=now>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 4] = [
+    const PIECES: [(ToolParser, [&str; 10]); 5] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -500,6 +527,8 @@ mod tests {
             "rain{}", "[TOOL", "_CALLS]", "\n", "é", "["]),
         (ToolParser::Pythonic, ["Sure ", "<|python_start|>", "<|python_end|>", "[now(a=1)]", "[rain()]", "<|python",
             "[now(), ", "\n", "é", "now(b='x')]"]),
+        (ToolParser::Qwen3Coder, ["Sure ", "<tool_call>", "</tool_call>", "<function=now></function>",
+            "<function=rain></function>", "<tool", "_call>", "\n", "é", "<parameter=a>1</parameter>"]),
     ];
 
     proptest::proptest! {
@@ -521,7 +550,7 @@ mod tests {
                 text.push_str(CALLS[format]);
             }
             text.extend(parts.iter().map(|&i| pieces[i]));
-            let choosing = Choosing { parser, names: vec!["now".into()], parallel: true };
+            let choosing = Choosing { parser, functions: known(&["now"]), parallel: true };
             let mut stream = AutoStream::new(choosing.clone());
             let chars: Vec<char> = text.chars().collect();
             let (mut content, mut at) = (String::new(), 0);
