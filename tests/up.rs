@@ -9,7 +9,10 @@ const PROMPT: &str = "What is the capital of France?";
 fn the_openai_client_gets_what_tandem_generate_gets() {
     let model = tandem_tests::model();
     let home = std::env::temp_dir().join(format!("tandem-up-test-{}", std::process::id()));
-    let mut up = tandem_tests::Up::start(&["--prefill", "1", "--decode", "1", "--tool-call-parser", "hermes"], &home);
+    let mut up = tandem_tests::Up::start(
+        &["--prefill", "1", "--decode", "1", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+        &home,
+    );
     let url = up.url.clone();
 
     let want = Command::new(tandem_tests::binary("tandem", "tandem"))
@@ -131,6 +134,14 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
     // `auto` with `--tool-call-parser hermes`: the call parsed out of the text, the words before it the content.
     let auto = serde_json::json!(["tool_calls", "Sure. ", [["weather", r#"{"city":"Paris"}"#]]]);
     assert_eq!(tool["auto"], auto, "{tool}");
+    // `--reasoning-parser qwen3`: the thinking apart from the answer, as the client reads it, whole and streamed.
+    let thought = serde_json::json!(["Paris is in France.", "Paris."]);
+    assert_eq!(
+        (&got["reasoning"]["whole"], &got["reasoning"]["streamed"]),
+        (&thought, &thought),
+        "{}",
+        got["reasoning"]
+    );
     assert_eq!(got["models"][0], "smollm2-135m-instruct");
     assert_eq!(got["retrieved"], "smollm2-135m-instruct", "client.models.retrieve");
 

@@ -119,6 +119,22 @@ def main() -> None:
     tool_call["auto"] = [chosen.finish_reason, chosen.message.content,
                          [[c.function.name, c.function.arguments] for c in chosen.message.tool_calls or []]]
 
+    # A reasoning model's thinking (`tandem up --reasoning-parser qwen3`), which a regular expression makes the small
+    # model write: the client sees it as the message's extra field, apart from the content, whole and streamed.
+    think = {"structured_outputs": {"regex": "<think>Paris is in France\\.</think>Paris\\."}}
+    thought = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=30, extra_body=think,
+    ).choices[0].message
+    streamed_thought = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=30, extra_body=think, stream=True,
+    ):
+        delta = chunk.choices[0].delta
+        streamed_thought["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+        streamed_thought["content"] += delta.content or ""
+    reasoning = {"whole": [(thought.model_extra or {}).get("reasoning_content"), thought.content],
+                 "streamed": [streamed_thought["reasoning_content"], streamed_thought["content"]]}
+
     by_ids = None
     if len(sys.argv) > 4:
         ids = json.loads(sys.argv[4])
@@ -174,6 +190,7 @@ def main() -> None:
                 "too_long": too_long,
                 "structured": [c.message.content for c in structured.choices],
                 "tool_call": tool_call,
+                "reasoning": reasoning,
                 "unknown_model": unknown_model,
                 "models": models,
                 "retrieved": retrieved,
