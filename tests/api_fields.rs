@@ -418,6 +418,18 @@ impl Api {
                 for t in texts(&r.json()) {
                     assert!(re.is_match(&t), "{t:?}");
                 }
+                // A Lark grammar (a sum of small numbers, the `+` nesting), in both of vLLM's forms.
+                let lark = "start: sum\nsum: NUM | NUM \" + \" sum\nNUM: /[1-9]/";
+                let sum = regex::Regex::new(r"^[1-9]( \+ [1-9])*$").expect("regex");
+                for form in [json!({"guided_grammar": lark}), json!({"structured_outputs": {"grammar": lark}})] {
+                    let r = self.send(hot(form.clone())).await;
+                    assert_eq!(r.status, 200, "{form}: {}", r.body);
+                    for (t, c) in texts(&r.json()).iter().zip(r.json()["choices"].as_array().expect("c")) {
+                        let whole = c["finish_reason"] == "stop";
+                        let in_grammar = t.chars().all(|ch| "123456789 +".contains(ch)) && (!whole || sum.is_match(t));
+                        assert!(in_grammar, "{form}: {t:?}");
+                    }
+                }
                 for (bad, param) in [
                     (
                         json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
@@ -428,6 +440,7 @@ impl Api {
                     (json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}), "guided_regex"),
                     (json!({"guided_choice": []}), "guided_choice"),
                     (json!({"guided_grammar": "root ::= \"a\""}), "guided_grammar"),
+                    (json!({"guided_grammar": "start: ("}), "guided_grammar"),
                 ] {
                     let r = self.send(bad.clone()).await;
                     assert_eq!(

@@ -187,6 +187,13 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
         assert_eq!(prioritized, vec![current_name.clone()]);
     }
     assert_eq!(candidates(serde_json::json!({"priority": 0})).await.len(), 2, "priority 0 asks for nothing");
+    // Lark grammars came with version 10: an older worker would refuse the grammar's kind.
+    let lark = candidates(serde_json::json!({"guided_grammar": "start: \"a\""})).await;
+    if ours > worker::LARK_PROTOCOL {
+        assert_eq!(lark.len(), 2, "{lark:?}");
+    } else {
+        assert_eq!(lark, vec![current_name.clone()]);
+    }
     router.shutdown(Duration::from_secs(5)).await;
 }
 

@@ -21,12 +21,15 @@ pub enum Grammar {
     JsonObject,
     /// A regular expression (Rust `regex` syntax) the whole output matches.
     Regex(String),
+    /// A context-free grammar in llguidance's Lark dialect (`start: ...`; vLLM's `guidance` backend takes the
+    /// same): the whole output is a sentence of it.
+    Lark(String),
 }
 
 /// Why a grammar cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GrammarError {
-    #[error("unknown grammar kind {0:?} (json_schema, json_object or regex)")]
+    #[error("unknown grammar kind {0:?} (json_schema, json_object, regex or lark)")]
     UnknownKind(String),
     #[error("the grammar does not compile: {0}")]
     Compile(String),
@@ -41,13 +44,14 @@ impl Grammar {
             Grammar::JsonSchema(_) => "json_schema",
             Grammar::JsonObject => "json_object",
             Grammar::Regex(_) => "regex",
+            Grammar::Lark(_) => "lark",
         }
     }
 
     /// The wire form's data (empty for `json_object`).
     pub fn data(&self) -> &str {
         match self {
-            Grammar::JsonSchema(d) | Grammar::Regex(d) => d,
+            Grammar::JsonSchema(d) | Grammar::Regex(d) | Grammar::Lark(d) => d,
             Grammar::JsonObject => "",
         }
     }
@@ -58,6 +62,7 @@ impl Grammar {
             "json_schema" => Ok(Grammar::JsonSchema(data.to_string())),
             "json_object" => Ok(Grammar::JsonObject),
             "regex" => Ok(Grammar::Regex(data.to_string())),
+            "lark" => Ok(Grammar::Lark(data.to_string())),
             other => Err(GrammarError::UnknownKind(other.to_string())),
         }
     }
@@ -86,6 +91,7 @@ impl Grammar {
             }
             Grammar::JsonObject => Ok(compact(serde_json::json!({"type": "object"}))),
             Grammar::Regex(rx) => Ok(TopLevelGrammar::from_regex(rx)),
+            Grammar::Lark(g) => Ok(TopLevelGrammar::from_lark(g.clone())),
         }
     }
 }

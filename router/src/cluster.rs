@@ -969,6 +969,13 @@ mod tests {
                 worker::TOKEN_RULES_PROTOCOL,
             ),
             (pb::Sampling { priority: -2, ..Default::default() }, worker::PRIORITY_PROTOCOL),
+            (
+                pb::Sampling {
+                    grammar: Some(pb::Grammar { kind: "lark".into(), data: "start: \"a\"".into() }),
+                    ..Default::default()
+                },
+                worker::LARK_PROTOCOL,
+            ),
             (pb::Sampling { priority: 4, allowed_token_ids: vec![1], ..Default::default() }, worker::PRIORITY_PROTOCOL),
             (
                 pb::Sampling {

@@ -481,7 +481,10 @@ pub fn needs(s: &pb::Sampling) -> Needs {
         Some(g) => g.is_ok() && s.prior_generated == 0,
     };
     let regex = matches!(grammar, Some(Ok(engine::grammar::Grammar::Regex(_))));
-    let external = relayable && s.prompt_logprobs.is_none() && s.bad_words.is_empty() && s.priority == 0;
+    // Lark dialects differ between engines (llguidance's extensions; vLLM's xgrammar backend converts to its own):
+    // Tandem's workers only.
+    let lark = matches!(grammar, Some(Ok(engine::grammar::Grammar::Lark(_))));
+    let external = relayable && !lark && s.prompt_logprobs.is_none() && s.bad_words.is_empty() && s.priority == 0;
     if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
@@ -496,6 +499,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     }
     if s.priority != 0 {
         protocol = worker::PRIORITY_PROTOCOL;
+    }
+    if lark {
+        protocol = worker::LARK_PROTOCOL;
     }
     Needs { protocol, external, logprobs: s.logprobs.is_some(), regex, allowed }
 }
@@ -515,6 +521,9 @@ pub fn unserved(s: &pb::Sampling) -> String {
     }
     if s.priority != 0 {
         asked.push("a priority");
+    }
+    if s.grammar.as_ref().is_some_and(|g| g.kind == "lark") {
+        asked.push("a Lark grammar");
     }
     if n.logprobs {
         asked.push("log-probabilities (relayed from llama-server and vLLM)");

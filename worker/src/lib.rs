@@ -114,7 +114,7 @@ impl WorkerConfig {
 /// `PrefillResponse`). 8: `Sampling.allowed_token_ids` and `Sampling.bad_words`. 9: `Sampling.priority`. A router accepts this and the
 /// versions back to 4 (`router::cluster::OLDEST_PROTOCOL`), and sends requests that use something newer only to
 /// workers that know it.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// The first protocol whose workers apply `Sampling`'s logits rules.
 pub const LOGITS_RULES_PROTOCOL: u32 = 3;
@@ -137,6 +137,9 @@ pub const TOKEN_RULES_PROTOCOL: u32 = 8;
 
 /// The first protocol whose workers queue by `Sampling.priority`.
 pub const PRIORITY_PROTOCOL: u32 = 9;
+
+/// The first protocol whose workers take a grammar in Lark (`Grammar::Lark`; an older one refuses the kind).
+pub const LARK_PROTOCOL: u32 = 10;
 
 /// What a worker calls its model when nothing else is said (the embedded one).
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";

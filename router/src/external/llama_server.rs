@@ -52,7 +52,7 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
     match super::grammar(sampling) {
         Some(Grammar::JsonSchema(schema)) => b["json_schema"] = super::schema_value(&schema),
         Some(Grammar::JsonObject) => b["json_schema"] = super::schema_value(super::ANY_OBJECT),
-        Some(Grammar::Regex(_)) | None => {}
+        Some(Grammar::Regex(_) | Grammar::Lark(_)) | None => {}
     }
     b
 }

@@ -334,6 +334,7 @@ impl Engine {
                     "a structured output cannot go on after tokens generated elsewhere (the engine would start it over)"
                 }
                 Some(g) if g.kind == "regex" => "it takes no regular expressions",
+                Some(g) if g.kind == "lark" => "Lark grammars go to Tandem's workers only",
                 _ => "what the request asks is not relayed to external engines",
             };
             return Err(Status::invalid_argument(format!("{}: {why}", self.url)));

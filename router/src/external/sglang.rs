@@ -33,7 +33,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         Some(Grammar::JsonSchema(schema)) => params["json_schema"] = schema.into(),
         Some(Grammar::JsonObject) => params["json_schema"] = super::ANY_OBJECT.into(),
         Some(Grammar::Regex(regex)) => params["regex"] = regex.into(),
-        None => {}
+        // Not relayed (`serve::needs`).
+        Some(Grammar::Lark(_)) | None => {}
     }
     json!({"input_ids": tokens, "sampling_params": params, "stream": true})
 }

@@ -51,7 +51,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         Some(Grammar::JsonSchema(schema)) => b["structured_outputs"] = json(&schema),
         Some(Grammar::JsonObject) => b["structured_outputs"] = json(super::ANY_OBJECT),
         Some(Grammar::Regex(regex)) => b["structured_outputs"] = json!({"regex": regex}),
-        None => {}
+        // Not relayed (`serve::needs`).
+        Some(Grammar::Lark(_)) | None => {}
     }
     b
 }

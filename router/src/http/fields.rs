@@ -68,7 +68,7 @@ fn common(name: &str) -> Option<Rule> {
         // vLLM's extra sampling fields.
         "top_k" | "ignore_eos" | "cache_salt" | "repetition_penalty" | "min_tokens" | "stop_token_ids" => Used,
         "min_p" => Used,
-        "guided_json" | "guided_regex" | "guided_choice" | "structured_outputs" => Used,
+        "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "structured_outputs" => Used,
         "skip_special_tokens" | "include_stop_str_in_output" | "add_special_tokens" => Used,
         "prompt_logprobs" => Used,
         // vLLM's, taken at their defaults only.
@@ -83,10 +83,6 @@ fn common(name: &str) -> Option<Rule> {
         "logits_processors" => Refused(empty, "custom logits processors are not supported"),
         "vllm_xargs" | "kv_transfer_params" => Refused(empty, "vLLM's own engine arguments do not apply here"),
         "request_id" => Refused(never, "send your own request id as the x-client-request-id header"),
-        "guided_grammar" => Refused(
-            never,
-            "grammars in EBNF/Lark are not supported: give a JSON schema (guided_json) or a regular expression (guided_regex)",
-        ),
         _ => return None,
     })
 }
@@ -191,7 +187,6 @@ mod tests {
         for (field, value) in [
             ("functions", json!([{"name": "f"}])),
             ("function_call", json!("auto")),
-            ("guided_grammar", json!("root ::= \"a\"")),
             ("reasoning_effort", json!("low")),
             ("best_of", json!(2)),
             ("made_up", json!(1)),

@@ -153,7 +153,9 @@ pub struct Common {
     pub guided_json: Option<serde_json::Value>,
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
-    /// vLLM's newer form of the same: `{"json": ..., "regex": ..., "choice": [...], "json_object": true}`.
+    /// A context-free grammar in Lark (llguidance's dialect, as vLLM's `guidance` backend takes it).
+    pub guided_grammar: Option<String>,
+    /// vLLM's newer form of the same: `{"json": ..., "regex": ..., "choice": [...], "grammar": ..., "json_object": true}`.
     pub structured_outputs: Option<serde_json::Value>,
     /// vLLM's: `false` puts control tokens' text (`<|im_start|>`...) in the output; by default it is left out.
     pub skip_special_tokens: Option<bool>,
@@ -394,7 +396,7 @@ impl KeepLast {
 }
 
 /// The structured output a request asks for (at most one of `response_format`, `guided_json`, `guided_regex`,
-/// `guided_choice`), with the field that asked.
+/// `guided_choice`, `guided_grammar`, `structured_outputs`), with the field that asked.
 fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError> {
     let mut found: Vec<(Grammar, &'static str)> = Vec::new();
     if let Some(rf) = c.response_format.as_ref().filter(|v| !v.is_null()) {
@@ -423,6 +425,9 @@ fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError
     if let Some(choices) = &c.guided_choice {
         found.push((choice_regex(choices, "guided_choice")?, "guided_choice"));
     }
+    if let Some(g) = &c.guided_grammar {
+        found.push((lark(g, "guided_grammar")?, "guided_grammar"));
+    }
     if let Some(so) = c.structured_outputs.as_ref().filter(|v| !v.is_null()) {
         found.extend(structured_outputs(so)?.into_iter().map(|g| (g, "structured_outputs")));
     }
@@ -430,6 +435,19 @@ fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError
         return Err(ApiError::bad("one structured output constraint per request", second));
     }
     Ok(found.pop())
+}
+
+/// A grammar in Lark, as vLLM's `guidance` backend takes it; GBNF (llama.cpp's, which vLLM's `xgrammar` backend
+/// takes) is refused by name rather than left to fail as Lark.
+fn lark(grammar: &str, param: &'static str) -> Result<Grammar, ApiError> {
+    if grammar.trim().is_empty() {
+        return Err(ApiError::bad(format!("{param} is a grammar in Lark, not empty"), param));
+    }
+    if grammar.contains("::=") {
+        let why = format!("{param}: GBNF (`rule ::= ...`) is not supported: write the grammar in Lark (`rule: ...`)");
+        return Err(ApiError::bad(why, param));
+    }
+    Ok(Grammar::Lark(grammar.to_string()))
 }
 
 /// A regular expression matching exactly one of `choices`.
@@ -441,8 +459,8 @@ fn choice_regex(choices: &[String], param: &'static str) -> Result<Grammar, ApiE
     Ok(Grammar::Regex(format!("({})", alternatives.join("|"))))
 }
 
-/// vLLM's `structured_outputs` object: each constraint it names (a JSON schema, a regular expression, a choice, any
-/// JSON object); its options are taken at their defaults only, and a grammar or structural tag is refused.
+/// vLLM's `structured_outputs` object: each constraint it names (a JSON schema, a regular expression, a choice, a
+/// Lark grammar, any JSON object); its options are taken at their defaults only, and a structural tag is refused.
 fn structured_outputs(v: &serde_json::Value) -> Result<Vec<Grammar>, ApiError> {
     const PARAM: &str = "structured_outputs";
     let bad = |why: String| ApiError::bad(format!("structured_outputs: {why}"), PARAM);
@@ -466,14 +484,13 @@ fn structured_outputs(v: &serde_json::Value) -> Result<Vec<Grammar>, ApiError> {
             ) => {}
             // Which backend vLLM falls back to: there is one here.
             ("disable_fallback", serde_json::Value::Bool(true)) => {}
-            ("grammar", _) => {
-                return Err(bad("grammars in EBNF/Lark are not supported: give `json` or `regex`".into()));
-            }
+            ("grammar", serde_json::Value::String(g)) => found.push(lark(g, PARAM)?),
+            ("grammar", _) => return Err(bad("`grammar` is a grammar in Lark (a string)".into())),
             (name, value) => return Err(bad(format!("`{name}` = {value} is not supported"))),
         }
     }
     if found.is_empty() {
-        return Err(bad("name a constraint: `json`, `regex`, `choice` or `json_object`".into()));
+        return Err(bad("name a constraint: `json`, `regex`, `choice`, `grammar` or `json_object`".into()));
     }
     Ok(found)
 }
@@ -977,9 +994,20 @@ mod tests {
             Ok(Some((Grammar::Regex(r"(a\.b|c)".into()), "structured_outputs")))
         );
         assert_eq!(grammar(r#"{"json_object":true}"#), Ok(Some((Grammar::JsonObject, "structured_outputs"))));
+        let lark = r#"start: "yes" | "no""#;
+        assert_eq!(
+            grammar(&serde_json::json!({"grammar": lark}).to_string()),
+            Ok(Some((Grammar::Lark(lark.into()), "structured_outputs")))
+        );
+        let guided = chat_with(&format!(r#","guided_grammar":{}"#, serde_json::json!(lark))).expect("valid");
+        assert_eq!(guided.grammar, Some((Grammar::Lark(lark.into()), "guided_grammar")));
+        for gbnf in [r#","guided_grammar":"root ::= \"a\"""#, r#","guided_grammar":" ""#] {
+            assert!(chat_with(gbnf).is_err_and(|e| e.contains("guided_grammar")), "{gbnf}");
+        }
         assert_eq!(grammar("null"), Ok(None));
         for refused in [
             r#"{"grammar":"root ::= \"a\""}"#,
+            r#"{"grammar":3}"#,
             r#"{"structural_tag":"x"}"#,
             r#"{"regex":"a","disable_any_whitespace":true}"#,
             r#"{"json":3}"#,
