@@ -1076,6 +1076,83 @@ async fn thinking_comes_apart_from_the_answer_and_its_calls() {
     stop(router, workers).await;
 }
 
+/// OpenAI's Responses API answers what the chat endpoint answers for the same conversation, whole and as its
+/// events (each named by its type, numbered in order, the last one carrying the whole response); a forced call is a
+/// `function_call` item; a refusal names this API's field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_responses_api_answers_as_chat_does() {
+    let (workers, router) = disaggregated().await;
+    let post = |path: &'static str, body: Value| {
+        let addr = router.addr;
+        async move { http(addr, "POST", path, &body.to_string(), &[]).await }
+    };
+    let chat = post(
+        "/v1/chat/completions",
+        json!({"model": MODEL, "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a river."}]}),
+    )
+    .await
+    .json();
+    let want = chat["choices"][0]["message"]["content"].as_str().expect("text").to_string();
+    let status = if chat["choices"][0]["finish_reason"] == "length" { "incomplete" } else { "completed" };
+    let ask = json!({"model": MODEL, "max_output_tokens": 12, "temperature": 0, "instructions": "Answer briefly.",
+                     "input": [{"role": "user", "content": [{"type": "input_text", "text": "Name a river."}]}]});
+    let r = post("/v1/responses", ask.clone()).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!((&v["object"], &v["status"]), (&json!("response"), &json!(status)), "{v}");
+    assert_eq!(v["output"][0]["content"][0]["text"], json!(want), "{v}");
+    assert_eq!(v["usage"]["output_tokens"], chat["usage"]["completion_tokens"], "{v}");
+    assert!(v["id"].as_str().is_some_and(|id| id.starts_with("resp_")), "{v}");
+    // Streamed.
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let r = post("/v1/responses", streamed).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let names: Vec<&str> = r.body.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    let events: Vec<Value> = r.events().iter().map(|d| serde_json::from_str(d).expect("json")).collect();
+    assert_eq!(names, events.iter().map(|e| e["type"].as_str().expect("type")).collect::<Vec<_>>());
+    assert_eq!((names[0], names[names.len() - 1]), ("response.created", format!("response.{status}").as_str()));
+    let text: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .filter_map(|e| e["delta"].as_str())
+        .collect();
+    assert_eq!(text, want);
+    let numbers: Vec<u64> = events.iter().filter_map(|e| e["sequence_number"].as_u64()).collect();
+    assert_eq!(numbers, (0..events.len() as u64).collect::<Vec<_>>());
+    let last = &events[events.len() - 1]["response"];
+    // The same items as the whole answer's (but for their ids: another request's).
+    let unnamed = |output: &Value| -> Vec<Value> {
+        let mut items = output.as_array().expect("items").clone();
+        for item in &mut items {
+            item.as_object_mut().expect("an item").remove("id");
+        }
+        items
+    };
+    assert_eq!((unnamed(&last["output"]), &last["usage"]), (unnamed(&v["output"]), &v["usage"]), "the whole answer's");
+    // A forced call.
+    let now = json!({"type": "function", "name": "now", "parameters": {"type": "object",
+                     "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": false}});
+    let forced = json!({"model": MODEL, "input": "What time is it?", "tools": [now],
+                        "tool_choice": {"type": "function", "name": "now"}, "max_output_tokens": 20});
+    let v = post("/v1/responses", forced).await.json();
+    let call = &v["output"][0];
+    assert_eq!((&call["type"], &call["name"]), (&json!("function_call"), &json!("now")), "{v}");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("JSON");
+    assert!(["UTC", "CET"].contains(&args["zone"].as_str().unwrap_or("")), "{v}");
+    // Refusals name this API's fields.
+    for (body, param) in [
+        (json!({"model": MODEL, "input": "?", "max_output_tokens": 0}), "max_output_tokens"),
+        (json!({"model": MODEL, "input": "?", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"model": MODEL, "input": "?", "seed": 1}), "seed"),
+    ] {
+        let r = post("/v1/responses", body.clone()).await;
+        assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{body}: {}", r.body);
+    }
+    stop(router, workers).await;
+}
+
 /// A prefill and a decode worker behind a router that always disaggregates: the first token is sampled on one,
 /// the rest on the other.
 async fn disaggregated() -> (Vec<worker::RunningWorker>, router::run::RunningRouter) {

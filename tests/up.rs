@@ -44,6 +44,14 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
 
     assert_eq!(got["whole"], want_text, "{got}");
     assert_eq!(got["streamed"], want_text, "{got}");
+    // The Responses API, through the client's own types: the same answer, whole and from its events.
+    let responses = &got["responses"];
+    assert_eq!((&responses["whole"], &responses["streamed"]), (&got["whole"], &got["whole"]), "{responses}");
+    assert!(
+        ["response.completed", "response.incomplete"].contains(&responses["last"].as_str().unwrap_or("")),
+        "{responses}"
+    );
+    assert_eq!(responses["usage"][1], got["streamed_usage"]["completion_tokens"], "{responses}");
     let n = want["token_ids"].as_array().map_or(0, Vec::len);
     assert_eq!(got["whole_usage"]["completion_tokens"], n);
     assert_eq!(got["streamed_usage"]["completion_tokens"], n);

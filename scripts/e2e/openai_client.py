@@ -135,6 +135,20 @@ def main() -> None:
     reasoning = {"whole": [(thought.model_extra or {}).get("reasoning_content"), thought.content],
                  "streamed": [streamed_thought["reasoning_content"], streamed_thought["content"]]}
 
+    # The Responses API: the same answer, whole (the client's `output_text`) and from its typed events.
+    answer = client.responses.create(
+        model="smollm2-135m-instruct", input=prompt, temperature=0, max_output_tokens=max_tokens
+    )
+    deltas, last = [], None
+    for event in client.responses.create(
+        model="smollm2-135m-instruct", input=prompt, temperature=0, max_output_tokens=max_tokens, stream=True
+    ):
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        last = event.type
+    responses = {"whole": answer.output_text, "status": answer.status, "streamed": "".join(deltas), "last": last,
+                 "usage": [answer.usage.input_tokens, answer.usage.output_tokens]}
+
     by_ids = None
     if len(sys.argv) > 4:
         ids = json.loads(sys.argv[4])
@@ -191,6 +205,7 @@ def main() -> None:
                 "structured": [c.message.content for c in structured.choices],
                 "tool_call": tool_call,
                 "reasoning": reasoning,
+                "responses": responses,
                 "unknown_model": unknown_model,
                 "models": models,
                 "retrieved": retrieved,

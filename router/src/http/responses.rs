@@ -1,0 +1,375 @@
+//! OpenAI's Responses API (`POST /v1/responses`), stateless, served as a chat completion: the request's input
+//! items become a conversation (instructions as its system turn, function calls and their outputs as the
+//! assistant's calls and the tools' turns), its fields the chat request's, and the chat answer the response's
+//! output items (reasoning, a message, function calls). Every field is implemented or refused by name, as on the
+//! chat endpoint; what needs stored responses (`previous_response_id`, `store: true`) is refused. Pure: the
+//! handler in `http` runs the chat request between [`to_chat`] and [`from_chat`] (or [`stream`]'s events).
+
+use serde_json::{Map, Value, json};
+
+use super::error::ApiError;
+
+pub mod stream;
+
+/// What the response repeats of the request (OpenAI's response object echoes its settings).
+#[derive(Clone, Debug, Default)]
+pub struct Asked {
+    pub instructions: Value,
+    pub tools: Value,
+    pub tool_choice: Value,
+    pub text: Value,
+    pub temperature: Value,
+    pub top_p: Value,
+    pub max_output_tokens: Value,
+    pub parallel_tool_calls: bool,
+    pub metadata: Value,
+    pub user: Value,
+}
+
+/// Fields the chat endpoint names differently, back to this API's names (a refusal names the field sent).
+pub fn param_of(chat_param: &str) -> &str {
+    match chat_param {
+        "max_tokens" | "max_completion_tokens" => "max_output_tokens",
+        "messages" => "input",
+        "response_format" => "text.format",
+        other => other,
+    }
+}
+
+/// The chat completion request a Responses request is, and what the response repeats of it.
+pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+    let Value::Object(fields) = v else { return Err(ApiError::MalformedJson("a JSON object is expected".into())) };
+    let mut chat = Map::new();
+    let mut asked = Asked { parallel_tool_calls: true, ..Asked::default() };
+    let mut messages = Vec::new();
+    for (name, value) in fields.iter().filter(|(_, v)| !v.is_null()) {
+        let refuse = |why: &str| Err(ApiError::bad_field(format!("{name}: {why}"), name));
+        match name.as_str() {
+            "model"
+            | "stream"
+            | "temperature"
+            | "top_p"
+            | "user"
+            | "safety_identifier"
+            | "prompt_cache_key"
+            | "service_tier"
+            | "parallel_tool_calls" => {
+                chat.insert(name.clone(), value.clone());
+            }
+            "input" => {}
+            "instructions" => {
+                let text = value.as_str().ok_or_else(|| ApiError::bad("instructions is text", "instructions"))?;
+                messages.insert(0, json!({"role": "system", "content": text}));
+                asked.instructions = value.clone();
+            }
+            "max_output_tokens" => {
+                chat.insert("max_completion_tokens".into(), value.clone());
+            }
+            "tools" => {
+                chat.insert("tools".into(), chat_tools(value)?);
+            }
+            "tool_choice" => {
+                chat.insert("tool_choice".into(), chat_tool_choice(value)?);
+            }
+            "text" => {
+                if let Some(format) = text_format(value)? {
+                    chat.insert("response_format".into(), format);
+                }
+            }
+            "metadata" => asked.metadata = value.clone(),
+            "store" if value == &Value::Bool(false) => {}
+            "store" => return refuse("responses are not stored here; send store: false"),
+            "previous_response_id" | "conversation" => {
+                return refuse("responses are not stored here: send the whole conversation as input items");
+            }
+            "background" if value == &Value::Bool(false) => {}
+            "background" => return refuse("background responses need stored responses, which are not kept here"),
+            "truncation" if value == "disabled" => {}
+            "truncation" => return refuse("only `disabled` (a conversation over the context is refused)"),
+            "include" if value.as_array().is_some_and(Vec::is_empty) => {}
+            "include" => return refuse("no extra output data is available (send an empty list)"),
+            "top_logprobs" if value == &json!(0) => {}
+            "top_logprobs" => return refuse("log-probabilities are served on /v1/chat/completions, not here yet"),
+            "reasoning" if value.as_object().is_some_and(Map::is_empty) => {}
+            "reasoning" => {
+                return refuse(
+                    "reasoning effort and summaries are not set per request (the thinking of a reasoning model comes \
+                     as a reasoning item with the router's reasoning_parser)",
+                );
+            }
+            "stream_options" => {
+                let only_obfuscation = value.as_object().is_some_and(|o| o.keys().all(|k| k == "include_obfuscation"));
+                if !only_obfuscation {
+                    return refuse("only include_obfuscation is taken (and has no effect)");
+                }
+            }
+            "max_tool_calls" | "prompt" | "prompt_cache_retention" => return refuse("not supported"),
+            _ => return Err(ApiError::bad_field(format!("unknown field `{name}`"), name)),
+        }
+    }
+    for key in ["tools", "tool_choice", "text", "temperature", "top_p", "max_output_tokens", "user"] {
+        let value = fields.get(key).cloned().unwrap_or(Value::Null);
+        match key {
+            "tools" => asked.tools = if value.is_null() { json!([]) } else { value },
+            "tool_choice" => asked.tool_choice = if value.is_null() { json!("auto") } else { value },
+            "text" => asked.text = if value.is_null() { json!({"format": {"type": "text"}}) } else { value },
+            "temperature" => asked.temperature = value,
+            "top_p" => asked.top_p = value,
+            "max_output_tokens" => asked.max_output_tokens = value,
+            _ => asked.user = value,
+        }
+    }
+    asked.parallel_tool_calls = fields.get("parallel_tool_calls").and_then(Value::as_bool).unwrap_or(true);
+    let input =
+        fields.get("input").filter(|v| !v.is_null()).ok_or_else(|| ApiError::bad("input is required", "input"))?;
+    messages.extend(conversation(input)?);
+    chat.insert("messages".into(), Value::Array(messages));
+    if chat.get("stream").and_then(Value::as_bool) == Some(true) {
+        // The final event carries the usage.
+        chat.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    Ok((Value::Object(chat), asked))
+}
+
+/// The conversation the input is: a text (one user turn) or a list of items.
+fn conversation(input: &Value) -> Result<Vec<Value>, ApiError> {
+    let bad = |why: String| ApiError::bad(format!("input: {why}"), "input");
+    let items = match input {
+        Value::String(text) => return Ok(vec![json!({"role": "user", "content": text})]),
+        Value::Array(items) => items,
+        _ => return Err(bad("a text or a list of items is expected".into())),
+    };
+    let mut messages: Vec<Value> = Vec::new();
+    // A reasoning item's text, for the assistant turn after it.
+    let mut thought: Option<String> = None;
+    for item in items {
+        let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+        match kind {
+            "message" => {
+                let role =
+                    item.get("role").and_then(Value::as_str).ok_or_else(|| bad("a message has a role".into()))?;
+                if !matches!(role, "user" | "system" | "developer" | "assistant") {
+                    return Err(bad(format!("unknown role `{role}`")));
+                }
+                let content = match item.get("content") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(parts)) => parts.iter().map(part_text).collect::<Result<String, _>>()?,
+                    _ => return Err(bad("a message's content is a text or a list of parts".into())),
+                };
+                let mut m = json!({"role": role, "content": content});
+                if role == "assistant"
+                    && let Some(t) = thought.take()
+                {
+                    m["reasoning_content"] = json!(t);
+                }
+                messages.push(m);
+            }
+            "function_call" => {
+                let field = |k: &str| {
+                    item.get(k).and_then(Value::as_str).ok_or_else(|| bad(format!("a function_call has `{k}`")))
+                };
+                let call = json!({"id": field("call_id")?, "type": "function",
+                                  "function": {"name": field("name")?, "arguments": field("arguments")?}});
+                // Calls in a row are one assistant turn's.
+                match messages.last_mut() {
+                    Some(last)
+                        if last["role"] == "assistant" && last.get("tool_calls").is_some() && thought.is_none() =>
+                    {
+                        if let Some(calls) = last["tool_calls"].as_array_mut() {
+                            calls.push(call);
+                        }
+                    }
+                    _ => {
+                        let mut m = json!({"role": "assistant", "content": null, "tool_calls": [call]});
+                        if let Some(t) = thought.take() {
+                            m["reasoning_content"] = json!(t);
+                        }
+                        messages.push(m);
+                    }
+                }
+            }
+            "function_call_output" => {
+                let call_id = item.get("call_id").and_then(Value::as_str);
+                let output = match item.get("output") {
+                    Some(Value::String(s)) => Some(s.clone()),
+                    Some(Value::Array(parts)) => Some(parts.iter().map(part_text).collect::<Result<String, _>>()?),
+                    _ => None,
+                };
+                let (Some(call_id), Some(output)) = (call_id, output) else {
+                    return Err(bad("a function_call_output has `call_id` and `output`".into()));
+                };
+                messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+            }
+            "reasoning" => {
+                let text: String = item
+                    .get("content")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|c| c.get("text").and_then(Value::as_str))
+                    .collect();
+                thought = Some(text);
+            }
+            other => return Err(bad(format!("items of type `{other}` are not supported"))),
+        }
+    }
+    if let Some(t) = thought {
+        messages.push(json!({"role": "assistant", "content": "", "reasoning_content": t}));
+    }
+    Ok(messages)
+}
+
+/// A content part's text (`input_text`, or `output_text` in an earlier answer).
+fn part_text(part: &Value) -> Result<String, ApiError> {
+    let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+    match (kind, part.get("text").and_then(Value::as_str)) {
+        ("input_text" | "output_text" | "text", Some(text)) => Ok(text.to_string()),
+        _ => {
+            Err(ApiError::bad(format!("input: content parts of type `{kind}` are not supported (text only)"), "input"))
+        }
+    }
+}
+
+/// Function tools as chat takes them (`{"type": "function", "function": {...}}`).
+fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
+    let bad = |why: &str| ApiError::bad(format!("tools: {why}"), "tools");
+    let tools = tools.as_array().ok_or_else(|| bad("a list of tools is expected"))?;
+    let each = tools.iter().map(|t| {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad("only function tools are supported"));
+        }
+        let mut f = t.as_object().cloned().unwrap_or_default();
+        f.remove("type");
+        Ok(json!({"type": "function", "function": f}))
+    });
+    each.collect::<Result<Vec<_>, _>>().map(Value::Array)
+}
+
+/// `tool_choice` as chat takes it.
+fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
+    match choice {
+        Value::String(_) => Ok(choice.clone()),
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o.get("name").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::bad(r#"a named tool_choice is {"type": "function", "name": ...}"#, "tool_choice")
+            })?;
+            Ok(json!({"type": "function", "function": {"name": name}}))
+        }
+        _ => Err(ApiError::bad("tool_choice is none, auto, required or a named function", "tool_choice")),
+    }
+}
+
+/// `text.format` as chat's `response_format` (none for plain text).
+fn text_format(text: &Value) -> Result<Option<Value>, ApiError> {
+    let bad = |why: &str| ApiError::bad(format!("text: {why}"), "text");
+    let o = text.as_object().ok_or_else(|| bad("an object is expected"))?;
+    for (k, v) in o {
+        match k.as_str() {
+            "format" => {}
+            "verbosity" if v.is_null() || v == "medium" => {}
+            _ => return Err(bad(&format!("`{k}` is not supported"))),
+        }
+    }
+    let Some(format) = o.get("format").filter(|f| !f.is_null()) else { return Ok(None) };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let schema = format.get("schema").ok_or_else(|| bad("format.schema is required"))?;
+            let name = format.get("name").cloned().unwrap_or(json!("output"));
+            Ok(Some(json!({"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                                   "strict": format.get("strict")}})))
+        }
+        _ => Err(bad("format.type is text, json_object or json_schema")),
+    }
+}
+
+/// The ids of a response and its items, from the chat answer's (`chatcmpl-HEX`).
+pub fn ids(chat_id: &str) -> String {
+    chat_id.rsplit('-').next().unwrap_or(chat_id).to_string()
+}
+
+/// The usage object of this API from chat's.
+pub fn usage(chat_usage: &Value) -> Value {
+    let n = |k: &str| chat_usage.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let cached = chat_usage.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0);
+    json!({"input_tokens": n("prompt_tokens"), "input_tokens_details": {"cached_tokens": cached},
+           "output_tokens": n("completion_tokens"), "output_tokens_details": {"reasoning_tokens": 0},
+           "total_tokens": n("total_tokens")})
+}
+
+/// The response object around `output`: `status` `completed`, or `incomplete` when the answer was cut by the token
+/// budget.
+pub fn response(id: &str, created: &Value, model: &Value, asked: &Asked, output: Vec<Value>, done: Done) -> Value {
+    let (status, incomplete) = match done {
+        Done::InProgress => ("in_progress", Value::Null),
+        Done::Completed => ("completed", Value::Null),
+        Done::Cut => ("incomplete", json!({"reason": "max_output_tokens"})),
+    };
+    json!({"id": format!("resp_{id}"), "object": "response", "created_at": created, "status": status,
+           "error": null, "incomplete_details": incomplete, "instructions": asked.instructions, "model": model,
+           "output": output, "parallel_tool_calls": asked.parallel_tool_calls, "temperature": asked.temperature,
+           "top_p": asked.top_p, "tool_choice": asked.tool_choice, "tools": asked.tools, "text": asked.text,
+           "max_output_tokens": asked.max_output_tokens, "previous_response_id": null, "reasoning": null,
+           "store": false, "truncation": "disabled", "metadata": asked.metadata, "user": asked.user, "usage": null})
+}
+
+/// Where a response is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Done {
+    InProgress,
+    Completed,
+    /// Cut by `max_output_tokens`.
+    Cut,
+}
+
+/// The output items of one chat answer (`message`, `finish_reason`): its thinking, its text, its calls.
+pub fn output_items(id: &str, message: &Value, cut: bool) -> Vec<Value> {
+    let mut items = Vec::new();
+    if let Some(thought) = message.get("reasoning_content").and_then(Value::as_str) {
+        items.push(reasoning_item(id, thought));
+    }
+    if let Some(text) = message.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+        items.push(message_item(id, text, if cut { "incomplete" } else { "completed" }));
+    }
+    for (k, call) in message.get("tool_calls").and_then(Value::as_array).into_iter().flatten().enumerate() {
+        let f = &call["function"];
+        items.push(call_item(id, k, &call["id"], &f["name"], f["arguments"].as_str().unwrap_or(""), "completed"));
+    }
+    items
+}
+
+pub fn reasoning_item(id: &str, thought: &str) -> Value {
+    json!({"type": "reasoning", "id": format!("rs_{id}"), "summary": [],
+           "content": [{"type": "reasoning_text", "text": thought}]})
+}
+
+pub fn message_item(id: &str, text: &str, status: &str) -> Value {
+    let content = if text.is_empty() && status == "in_progress" {
+        json!([])
+    } else {
+        json!([{"type": "output_text", "text": text, "annotations": []}])
+    };
+    json!({"type": "message", "id": format!("msg_{id}"), "status": status, "role": "assistant", "content": content})
+}
+
+pub fn call_item(id: &str, k: usize, call_id: &Value, name: &Value, arguments: &str, status: &str) -> Value {
+    json!({"type": "function_call", "id": format!("fc_{id}{k:02x}"), "call_id": call_id, "name": name,
+           "arguments": arguments, "status": status})
+}
+
+/// The response a whole chat completion is.
+pub fn from_chat(chat: &Value, asked: &Asked) -> Value {
+    let id = ids(chat["id"].as_str().unwrap_or(""));
+    let choice = &chat["choices"][0];
+    let cut = choice["finish_reason"] == "length";
+    let output = output_items(&id, &choice["message"], cut);
+    let done = if cut { Done::Cut } else { Done::Completed };
+    let mut r = response(&id, &chat["created"], &chat["model"], asked, output, done);
+    r["usage"] = usage(&chat["usage"]);
+    r
+}
+
+#[cfg(test)]
+mod tests;

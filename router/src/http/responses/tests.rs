@@ -1,0 +1,200 @@
+use serde_json::{Value, json};
+
+use super::stream::Events;
+use super::*;
+
+fn chat_of(v: Value) -> Result<(Value, Asked), String> {
+    to_chat(v.to_string().as_bytes()).map_err(|e| {
+        let body = e.body();
+        format!("{} [{}]", body["error"]["message"], body["error"]["param"])
+    })
+}
+
+#[test]
+fn input_items_become_the_conversation() {
+    let (chat, asked) = chat_of(json!({"model": "m", "input": "Hi", "instructions": "Be brief.",
+                                       "max_output_tokens": 9, "temperature": 0}))
+    .expect("valid");
+    assert_eq!(
+        chat["messages"],
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    );
+    assert_eq!((&chat["max_completion_tokens"], &chat["temperature"]), (&json!(9), &json!(0)));
+    assert_eq!((asked.instructions, asked.tool_choice, asked.tools), (json!("Be brief."), json!("auto"), json!([])));
+    let items = json!([
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "in Oslo?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\":\"Oslo\"}"},
+        {"type": "function_call", "call_id": "c2", "name": "now", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Rain at noon."}]},
+    ]);
+    let (chat, _) = chat_of(json!({"model": "m", "input": items, "stream": true})).expect("valid");
+    assert_eq!(
+        chat["messages"],
+        json!([
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": null, "reasoning_content": "Look it up.", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}},
+                {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+            {"role": "assistant", "content": "Rain at noon."},
+        ])
+    );
+    assert_eq!(chat["stream_options"], json!({"include_usage": true}), "the last event carries the usage");
+}
+
+#[test]
+fn tools_choices_and_formats_are_chats() {
+    let tool = json!({"type": "function", "name": "now", "description": "the time", "parameters": {"type": "object"}});
+    let (chat, asked) = chat_of(json!({"model": "m", "input": "?", "tools": [tool],
+        "tool_choice": {"type": "function", "name": "now"}, "parallel_tool_calls": false,
+        "text": {"format": {"type": "json_schema", "name": "t", "schema": {"type": "object"}, "strict": true}}}))
+    .expect("valid");
+    assert_eq!(
+        chat["tools"],
+        json!([{"type": "function", "function": {"name": "now", "description": "the time", "parameters": {"type": "object"}}}])
+    );
+    assert_eq!(chat["tool_choice"], json!({"type": "function", "function": {"name": "now"}}));
+    assert_eq!(
+        chat["response_format"],
+        json!({"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"}, "strict": true}})
+    );
+    assert_eq!((asked.parallel_tool_calls, &asked.tools), (false, &json!([tool])), "echoed as sent");
+    let (chat, _) = chat_of(json!({"model": "m", "input": "?", "text": {"format": {"type": "text"}}})).expect("valid");
+    assert!(chat.get("response_format").is_none());
+}
+
+#[test]
+fn what_needs_stored_responses_or_is_not_served_is_refused_by_name() {
+    for (body, param) in [
+        (json!({"model": "m", "input": "?", "store": true}), "store"),
+        (json!({"model": "m", "input": "?", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"model": "m", "input": "?", "background": true}), "background"),
+        (json!({"model": "m", "input": "?", "include": ["reasoning.encrypted_content"]}), "include"),
+        (json!({"model": "m", "input": "?", "reasoning": {"effort": "high"}}), "reasoning"),
+        (json!({"model": "m", "input": "?", "tools": [{"type": "web_search"}]}), "tools"),
+        (
+            json!({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+            "input",
+        ),
+        (json!({"model": "m", "input": [{"type": "file_search_call"}]}), "input"),
+        (json!({"model": "m", "input": "?", "made_up": 1}), "made_up"),
+        (json!({"model": "m"}), "input"),
+        (json!({"model": "m", "input": "?", "text": {"format": {"type": "yaml"}}}), "text"),
+    ] {
+        let e = chat_of(body.clone()).expect_err("refused");
+        assert!(e.ends_with(&format!("[\"{param}\"]")), "{body}: {e}");
+    }
+    let ok = json!({"model": "m", "input": "?", "store": false, "include": [], "truncation": "disabled",
+                    "metadata": {"k": "v"}, "reasoning": {}, "background": false, "top_logprobs": 0});
+    assert!(chat_of(ok).is_ok());
+    assert_eq!(
+        (param_of("max_tokens"), param_of("messages"), param_of("seed")),
+        ("max_output_tokens", "input", "seed")
+    );
+}
+
+/// A chat answer with thinking, text and a call, whole.
+fn whole_chat(finish: &str) -> Value {
+    json!({"id": "chatcmpl-00ab", "object": "chat.completion", "created": 7, "model": "m",
+           "choices": [{"index": 0, "finish_reason": finish, "message": {"role": "assistant",
+               "reasoning_content": "Hmm.", "content": "Let me see.",
+               "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]}}],
+           "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                     "prompt_tokens_details": {"cached_tokens": 2}}})
+}
+
+#[test]
+fn a_chat_answer_is_the_responses_output() {
+    let asked = chat_of(json!({"model": "m", "input": "?"})).expect("valid").1;
+    let r = from_chat(&whole_chat("tool_calls"), &asked);
+    assert_eq!(
+        (&r["id"], &r["object"], &r["status"], &r["created_at"]),
+        (&json!("resp_00ab"), &json!("response"), &json!("completed"), &json!(7))
+    );
+    assert_eq!(
+        r["output"],
+        json!([
+            {"type": "reasoning", "id": "rs_00ab", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},
+            {"type": "message", "id": "msg_00ab", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Let me see.", "annotations": []}]},
+            {"type": "function_call", "id": "fc_00ab00", "call_id": "call_1", "name": "now", "arguments": "{}", "status": "completed"},
+        ])
+    );
+    assert_eq!(
+        r["usage"],
+        json!({"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 6,
+               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 11})
+    );
+    let cut = from_chat(&whole_chat("length"), &asked);
+    assert_eq!(
+        (&cut["status"], &cut["incomplete_details"]),
+        (&json!("incomplete"), &json!({"reason": "max_output_tokens"}))
+    );
+}
+
+/// The same answer streamed: its events open, fill and close each item in order, and the last one's response is the
+/// whole answer's.
+#[test]
+fn a_streamed_answer_ends_with_the_whole_response() {
+    let asked = chat_of(json!({"model": "m", "input": "?"})).expect("valid").1;
+    let chunk = |delta: Value, finish: Value| {
+        json!({"id": "chatcmpl-00ab", "object": "chat.completion.chunk", "created": 7, "model": "m",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let chunks = [
+        chunk(json!({"role": "assistant", "reasoning_content": "Hm"}), Value::Null),
+        chunk(json!({"reasoning_content": "m."}), Value::Null),
+        chunk(json!({"content": "Let me"}), Value::Null),
+        chunk(json!({"content": " see."}), Value::Null),
+        chunk(
+            json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{"}}]}),
+            Value::Null,
+        ),
+        chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}), Value::Null),
+        chunk(json!({}), json!("tool_calls")),
+        json!({"id": "chatcmpl-00ab", "object": "chat.completion.chunk", "created": 7, "model": "m", "choices": [],
+               "usage": whole_chat("tool_calls")["usage"]}),
+    ];
+    let mut events = Events::new(asked.clone());
+    let mut all: Vec<Value> = chunks.iter().flat_map(|c| events.chunk(c)).collect();
+    all.extend(events.end());
+    let kinds: Vec<&str> = all.iter().map(|e| e["type"].as_str().expect("type")).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let numbers: Vec<u64> = all.iter().map(|e| e["sequence_number"].as_u64().expect("number")).collect();
+    assert_eq!(numbers, (0..all.len() as u64).collect::<Vec<_>>());
+    let last = &all.last().expect("events")["response"];
+    assert_eq!(last, &from_chat(&whole_chat("tool_calls"), &asked), "the whole answer's response");
+    assert_eq!(all[0]["response"]["status"], "in_progress");
+    // An error chunk is the error event.
+    let mut events = Events::new(asked);
+    let e = events.chunk(&json!({"error": {"message": "gone", "code": "upstream", "param": null}}));
+    assert_eq!((&e[0]["type"], &e[0]["message"]), (&json!("error"), &json!("gone")));
+}
