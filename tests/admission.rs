@@ -198,44 +198,59 @@ async fn a_streaming_client_that_leaves_during_prefill_cancels_it() {
     };
     let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], chunked, |r| r).await;
     let prompt: String = (0..700).map(|i| format!("w{i} ")).collect();
-    let body =
-        serde_json::json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 20, "stream": true});
-    let s = Streaming::open(router.addr, "/v1/completions", &body.to_string()).await;
-    // Wait until the prefill worker is computing the prompt, then leave before the first token.
-    let p = &workers[0];
-    for _ in 0..500 {
-        if p.stats().counters.prefill_tokens > 0 {
-            break;
+    let model = "smollm2-135m-instruct";
+    // A text completion, and a Responses API request (served as a chat completion, counted as one).
+    for (path, body, route) in [
+        (
+            "/v1/completions",
+            serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 20, "stream": true}),
+            "/v1/completions",
+        ),
+        (
+            "/v1/responses",
+            serde_json::json!({"model": model, "input": prompt, "max_output_tokens": 20, "stream": true}),
+            "/v1/chat/completions",
+        ),
+    ] {
+        let p = &workers[0];
+        let before = p.stats().counters.prefill_tokens;
+        let s = Streaming::open(router.addr, path, &body.to_string()).await;
+        // Wait until the prefill worker is computing the prompt, then leave before the first token.
+        for _ in 0..500 {
+            if p.stats().counters.prefill_tokens > before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(p.stats().counters.prefill_tokens > 0, "the prefill started");
-    drop(s);
-    for _ in 0..500 {
+        assert!(p.stats().counters.prefill_tokens > before, "{path}: the prefill started");
+        drop(s);
+        for _ in 0..500 {
+            let st = p.stats();
+            if st.running + st.waiting == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let st = p.stats();
-        if st.running + st.waiting == 0 {
-            break;
+        assert_eq!(st.running + st.waiting, 0, "{path}: the prefill worker runs nothing: {st:?}");
+        let computed = st.counters.prefill_tokens - before;
+        assert!(computed < 1000, "{path}: it stopped before the end of the prompt: {st:?}");
+        assert_eq!(p.live_leases(), 0, "{path}: and leased nothing");
+        for w in &workers {
+            assert_eq!(w.stats().usage[0].used, 0, "{path}: no KV block is held anywhere");
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let st = p.stats();
-    assert_eq!(st.running + st.waiting, 0, "the prefill worker runs nothing: {st:?}");
-    assert!(st.counters.prefill_tokens < 1000, "it stopped before the end of the prompt: {st:?}");
-    assert_eq!(p.live_leases(), 0, "and leased nothing");
-    for w in &workers {
-        assert_eq!(w.stats().usage[0].used, 0, "no KV block is held anywhere");
-    }
-    // Counted once, as a client that left (its work is dropped with the response's body).
-    let counted = "tandem_router_requests_total{route=\"/v1/completions\",status=\"499\"} 1\n";
-    let mut m = String::new();
-    for _ in 0..100 {
-        m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
-        if m.contains(counted) {
-            break;
+        // Counted once, as a client that left (its work is dropped with the response's body).
+        let counted = format!("tandem_router_requests_total{{route=\"{route}\",status=\"499\"}} 1\n");
+        let mut m = String::new();
+        for _ in 0..100 {
+            m = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+            if m.contains(&counted) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(m.contains(&counted), "{path}: {m}");
     }
-    assert!(m.contains(counted), "{m}");
     stop(router, workers).await;
 }
 

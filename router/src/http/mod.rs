@@ -161,7 +161,15 @@ fn responses_events(body: axum::body::Body, asked: responses::Asked, headers: He
             let kind = e["type"].as_str().unwrap_or("message").to_string();
             tx.send(Ok(Event::default().event(kind).data(e.to_string())))
         };
-        while let Some(Ok(bytes)) = chunks.next().await {
+        loop {
+            // A client that leaves, even while the prompt computes, drops the chat stream and so its work.
+            let bytes = tokio::select! {
+                next = chunks.next() => match next {
+                    Some(Ok(bytes)) => bytes,
+                    _ => return,
+                },
+                _ = tx.closed() => return,
+            };
             buffer.push_str(&String::from_utf8_lossy(&bytes));
             while let Some(end) = buffer.find("\n\n") {
                 let event: String = buffer.drain(..end + 2).collect();
