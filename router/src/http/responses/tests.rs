@@ -198,3 +198,64 @@ fn a_streamed_answer_ends_with_the_whole_response() {
     let e = events.chunk(&json!({"error": {"message": "gone", "code": "upstream", "param": null}}));
     assert_eq!((&e[0]["type"], &e[0]["message"]), (&json!("error"), &json!("gone")));
 }
+
+/// JSON trees of a few levels, their keys mostly the names this API reads.
+fn wild_json() -> impl proptest::strategy::Strategy<Value = Value> {
+    use proptest::prelude::*;
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        "[a-z_ {}]{0,8}".prop_map(Value::from),
+        Just(json!("function")),
+        Just(json!("message")),
+        Just(json!("user")),
+    ];
+    leaf.prop_recursive(3, 32, 4, |inner| {
+        let key = prop_oneof![
+            Just("type".to_string()),
+            Just("role".to_string()),
+            Just("content".to_string()),
+            Just("text".to_string()),
+            Just("name".to_string()),
+            Just("call_id".to_string()),
+            Just("arguments".to_string()),
+            Just("output".to_string()),
+            Just("format".to_string()),
+            Just("schema".to_string()),
+            "[a-z]{1,6}",
+        ];
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            proptest::collection::btree_map(key, inner, 0..4).prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+    /// Whatever a client sends, and whatever chunks come back, the conversions answer with a value or an error,
+    /// never a panic; a request they take is one the chat checks take or refuse, never one that panics them.
+    #[test]
+    fn wild_requests_and_answers_never_panic(
+        field in proptest::sample::select(vec!["input", "tools", "tool_choice", "text", "instructions", "store",
+                                               "reasoning", "include", "stream_options", "metadata"]),
+        value in wild_json(),
+        input in wild_json(),
+        answer in wild_json(),
+    ) {
+        let body = json!({"model": "m", "input": input, field: value});
+        let asked = match to_chat(body.to_string().as_bytes()) {
+            Ok((chat, asked)) => {
+                let _ = crate::http::openai::check_chat(chat.to_string().as_bytes(), Default::default());
+                asked
+            }
+            Err(_) => Asked::default(),
+        };
+        let _ = from_chat(&answer, &asked);
+        let mut events = Events::new(asked);
+        let _ = events.chunk(&answer);
+        let _ = events.chunk(&json!({"id": "chatcmpl-1", "choices": [{"delta": answer}]}));
+        let _ = events.end();
+    }
+}
