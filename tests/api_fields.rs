@@ -1131,6 +1131,15 @@ async fn the_responses_api_answers_as_chat_does() {
         items
     };
     assert_eq!((unnamed(&last["output"]), &last["usage"]), (unnamed(&v["output"]), &v["usage"]), "the whole answer's");
+    // The text's log-probabilities, when included: one entry per token of the text, with its alternatives.
+    let mut included = ask.clone();
+    included["include"] = json!(["message.output_text.logprobs"]);
+    included["top_logprobs"] = json!(2);
+    let v = post("/v1/responses", included).await.json();
+    let entries = v["output"][0]["content"][0]["logprobs"].as_array().expect("logprobs").clone();
+    let spelled: String = entries.iter().filter_map(|e| e["token"].as_str()).collect();
+    assert_eq!(spelled, want, "{v}");
+    assert!(entries.iter().all(|e| e["top_logprobs"].as_array().is_some_and(|t| t.len() == 2)), "{v}");
     // A forced call.
     let now = json!({"type": "function", "name": "now", "parameters": {"type": "object",
                      "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": false}});

@@ -24,7 +24,12 @@ pub struct Asked {
     pub parallel_tool_calls: bool,
     pub metadata: Value,
     pub user: Value,
+    /// The output text's tokens carry their log-probabilities (`include: ["message.output_text.logprobs"]`).
+    pub logprobs: bool,
 }
+
+/// What `include` may ask for.
+const LOGPROBS: &str = "message.output_text.logprobs";
 
 /// Fields the chat endpoint names differently, back to this API's names (a refusal names the field sent).
 pub fn param_of(chat_param: &str) -> &str {
@@ -87,10 +92,19 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
             "background" => return refuse("background responses need stored responses, which are not kept here"),
             "truncation" if value == "disabled" => {}
             "truncation" => return refuse("only `disabled` (a conversation over the context is refused)"),
-            "include" if value.as_array().is_some_and(Vec::is_empty) => {}
-            "include" => return refuse("no extra output data is available (send an empty list)"),
-            "top_logprobs" if value == &json!(0) => {}
-            "top_logprobs" => return refuse("log-probabilities are served on /v1/chat/completions, not here yet"),
+            "include" => {
+                let items = value.as_array().ok_or_else(|| ApiError::bad("include is a list", "include"))?;
+                for item in items {
+                    if item != LOGPROBS {
+                        let why = format!("only {LOGPROBS} is available, not {item}");
+                        return Err(ApiError::bad(why, "include"));
+                    }
+                    asked.logprobs = true;
+                }
+            }
+            "top_logprobs" => {
+                chat.insert("top_logprobs".into(), value.clone());
+            }
             "reasoning" if value.as_object().is_some_and(Map::is_empty) => {}
             "reasoning" => {
                 return refuse(
@@ -121,6 +135,12 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
         }
     }
     asked.parallel_tool_calls = fields.get("parallel_tool_calls").and_then(Value::as_bool).unwrap_or(true);
+    if asked.logprobs {
+        chat.insert("logprobs".into(), json!(true));
+    } else if chat.get("top_logprobs").and_then(Value::as_u64).is_some_and(|n| n > 0) {
+        let why = format!("top_logprobs needs include: [\"{LOGPROBS}\"], which returns them");
+        return Err(ApiError::bad(why, "top_logprobs"));
+    }
     let input =
         fields.get("input").filter(|v| !v.is_null()).ok_or_else(|| ApiError::bad("input is required", "input"))?;
     messages.extend(conversation(input)?);
@@ -324,20 +344,55 @@ pub enum Done {
     Cut,
 }
 
-/// The output items of one chat answer (`message`, `finish_reason`): its thinking, its text, its calls.
-pub fn output_items(id: &str, message: &Value, cut: bool) -> Vec<Value> {
+/// The output items of one chat answer (`message`, `finish_reason`): its thinking, its text (with its tokens'
+/// `logprobs`, when asked for), its calls.
+pub fn output_items(id: &str, message: &Value, logprobs: Option<&Value>, cut: bool) -> Vec<Value> {
     let mut items = Vec::new();
     if let Some(thought) = message.get("reasoning_content").and_then(Value::as_str) {
         items.push(reasoning_item(id, thought));
     }
     if let Some(text) = message.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
-        items.push(message_item(id, text, if cut { "incomplete" } else { "completed" }));
+        let mut item = message_item(id, text, if cut { "incomplete" } else { "completed" });
+        if let Some(lps) = logprobs {
+            let after_thinking = message.get("reasoning_content").is_some();
+            item["content"][0]["logprobs"] = text_logprobs(lps, text, after_thinking);
+        }
+        items.push(item);
     }
     for (k, call) in message.get("tool_calls").and_then(Value::as_array).into_iter().flatten().enumerate() {
         let f = &call["function"];
         items.push(call_item(id, k, &call["id"], &f["name"], f["arguments"].as_str().unwrap_or(""), "completed"));
     }
     items
+}
+
+/// The entries of the answer's tokens (chat's `logprobs.content`, each with its `bytes`) that make up its text:
+/// those overlapping where the text sits in the whole answer (after the thinking when there is some, else from the
+/// start: calls come after the text).
+fn text_logprobs(entries: &Value, text: &str, after_thinking: bool) -> Value {
+    let Some(entries) = entries.as_array() else { return json!([]) };
+    let spans: Vec<usize> = entries.iter().map(|e| e["bytes"].as_array().map_or(0, Vec::len)).collect();
+    let whole: Vec<u8> = entries
+        .iter()
+        .flat_map(|e| e["bytes"].as_array().into_iter().flatten().filter_map(Value::as_u64).map(|b| b as u8))
+        .collect();
+    let at = |hay: &[u8]| hay.windows(text.len().max(1)).position(|w| w == text.as_bytes());
+    let start = if after_thinking {
+        (0..=whole.len().saturating_sub(text.len())).rev().find(|&i| whole[i..].starts_with(text.as_bytes()))
+    } else {
+        at(&whole)
+    };
+    let Some(start) = start else { return json!([]) };
+    let end = start + text.len();
+    let mut offset = 0;
+    let mut kept = Vec::new();
+    for (entry, len) in entries.iter().zip(spans) {
+        if offset < end && offset + len > start {
+            kept.push(entry.clone());
+        }
+        offset += len;
+    }
+    Value::Array(kept)
 }
 
 pub fn reasoning_item(id: &str, thought: &str) -> Value {
@@ -364,7 +419,8 @@ pub fn from_chat(chat: &Value, asked: &Asked) -> Value {
     let id = ids(chat["id"].as_str().unwrap_or(""));
     let choice = &chat["choices"][0];
     let cut = choice["finish_reason"] == "length";
-    let output = output_items(&id, &choice["message"], cut);
+    let logprobs = asked.logprobs.then(|| choice["logprobs"]["content"].clone());
+    let output = output_items(&id, &choice["message"], logprobs.as_ref(), cut);
     let done = if cut { Done::Cut } else { Done::Completed };
     let mut r = response(&id, &chat["created"], &chat["model"], asked, output, done);
     r["usage"] = usage(&chat["usage"]);

@@ -5,7 +5,7 @@
 
 use serde_json::{Value, json};
 
-use super::{Asked, Done, call_item, ids, message_item, reasoning_item, response, usage};
+use super::{Asked, Done, call_item, ids, message_item, reasoning_item, response, text_logprobs, usage};
 
 /// The item being streamed.
 #[derive(Debug)]
@@ -29,6 +29,9 @@ pub struct Events {
     cut: bool,
     usage: Value,
     started: bool,
+    /// Every token's log-probabilities so far (when asked for), and whether the answer thought.
+    logprobs: Vec<Value>,
+    thought: bool,
 }
 
 impl Events {
@@ -44,6 +47,8 @@ impl Events {
             cut: false,
             usage: Value::Null,
             started: false,
+            logprobs: Vec::new(),
+            thought: false,
         }
     }
 
@@ -69,6 +74,8 @@ impl Events {
         }
         let Some(choice) = chunk["choices"].get(0) else { return out };
         let delta = &choice["delta"];
+        let entries = choice["logprobs"]["content"].as_array().filter(|_| self.asked.logprobs);
+        self.logprobs.extend(entries.into_iter().flatten().cloned());
         if let Some(thought) = delta["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
             if !matches!(self.open, Some(Open::Reasoning(_))) {
                 self.close(&mut out);
@@ -79,6 +86,7 @@ impl Events {
             if let Some(Open::Reasoning(text)) = &mut self.open {
                 text.push_str(thought);
             }
+            self.thought = true;
             let e = json!({"type": "response.reasoning_text.delta", "item_id": format!("rs_{}", self.id),
                            "output_index": self.output.len(), "content_index": 0, "delta": thought});
             out.push(self.event(e));
@@ -97,8 +105,9 @@ impl Events {
             if let Some(Open::Message(all)) = &mut self.open {
                 all.push_str(text);
             }
+            let lps = entries.map_or(json!([]), |e| Value::Array(e.clone()));
             let e = json!({"type": "response.output_text.delta", "item_id": format!("msg_{}", self.id),
-                           "output_index": self.output.len(), "content_index": 0, "delta": text, "logprobs": []});
+                           "output_index": self.output.len(), "content_index": 0, "delta": text, "logprobs": lps});
             out.push(self.event(e));
         }
         for call in delta["tool_calls"].as_array().into_iter().flatten() {
@@ -166,14 +175,22 @@ impl Events {
             }
             Some(Open::Message(text)) => {
                 let item_id = format!("msg_{}", self.id);
+                let lps = text_logprobs(&Value::Array(self.logprobs.clone()), &text, self.thought);
                 let e = json!({"type": "response.output_text.done", "item_id": item_id, "output_index": index,
-                               "content_index": 0, "text": text, "logprobs": []});
+                               "content_index": 0, "text": text, "logprobs": lps});
                 out.push(self.event(e));
-                let part = json!({"type": "output_text", "text": text, "annotations": []});
+                let mut part = json!({"type": "output_text", "text": text, "annotations": []});
+                if self.asked.logprobs {
+                    part["logprobs"] = lps;
+                }
                 let e = json!({"type": "response.content_part.done", "item_id": item_id, "output_index": index,
                                "content_index": 0, "part": part});
                 out.push(self.event(e));
-                message_item(&self.id, &text, if self.cut { "incomplete" } else { "completed" })
+                let mut item = message_item(&self.id, &text, if self.cut { "incomplete" } else { "completed" });
+                if self.asked.logprobs {
+                    item["content"][0] = part;
+                }
+                item
             }
             Some(Open::Call { k, call_id, name, arguments }) => {
                 let e = json!({"type": "response.function_call_arguments.done", "item_id": format!("fc_{}{k:02x}", self.id),

@@ -259,3 +259,45 @@ proptest::proptest! {
         let _ = events.end();
     }
 }
+
+/// `include: ["message.output_text.logprobs"]` asks chat for log-probabilities and puts those of the text's own
+/// tokens (not the thinking's) on its `output_text`, whole and streamed alike.
+#[test]
+fn the_texts_log_probabilities_come_when_included() {
+    let (chat, asked) = chat_of(json!({"model": "m", "input": "?", "include": ["message.output_text.logprobs"],
+                                       "top_logprobs": 2}))
+    .expect("valid");
+    assert_eq!((&chat["logprobs"], &chat["top_logprobs"], asked.logprobs), (&json!(true), &json!(2), true));
+    let e = chat_of(json!({"model": "m", "input": "?", "top_logprobs": 2})).expect_err("refused");
+    assert!(e.contains("include"), "{e}");
+    let entry = |t: &str| json!({"token": t, "logprob": -0.5, "bytes": t.as_bytes(), "top_logprobs": []});
+    let tokens = ["Hm", "m.</think>", "\n\nYes", ".", ""];
+    let answer = json!({"id": "chatcmpl-00ab", "created": 1, "model": "m", "usage": {},
+        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": {"content": tokens.map(entry)},
+                     "message": {"role": "assistant", "reasoning_content": "Hmm.", "content": "\n\nYes."}}]});
+    let r = from_chat(&answer, &asked);
+    let kept: Vec<&str> = r["output"][1]["content"][0]["logprobs"]
+        .as_array()
+        .expect("logprobs")
+        .iter()
+        .map(|e| e["token"].as_str().expect("token"))
+        .collect();
+    assert_eq!(kept, ["\n\nYes", "."], "the text's tokens only");
+    // Streamed: the same, on the text's part at its end.
+    let mut events = Events::new(asked);
+    let mut all = Vec::new();
+    for (t, d) in tokens.iter().zip([
+        json!({"reasoning_content": "Hm"}),
+        json!({"reasoning_content": "m."}),
+        json!({"content": "\n\nYes"}),
+        json!({"content": "."}),
+        json!({}),
+    ]) {
+        let c = json!({"id": "chatcmpl-00ab", "created": 1, "model": "m",
+                       "choices": [{"index": 0, "delta": d, "logprobs": {"content": [entry(t)]}, "finish_reason": null}]});
+        all.extend(events.chunk(&c));
+    }
+    all.extend(events.end());
+    let last = &all.last().expect("events")["response"];
+    assert_eq!(last["output"][1]["content"][0]["logprobs"], r["output"][1]["content"][0]["logprobs"]);
+}
