@@ -96,6 +96,23 @@ pub struct Message {
     pub reasoning_content: Option<String>,
     #[serde(default)]
     pub reasoning: Option<String>,
+    /// Any other field: taken only where it asks for nothing (`refusal`, `audio` and `annotations` empty, as
+    /// OpenAI's clients send an answer back), else refused by name.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Checks a message's fields beyond those it uses.
+fn check_other_fields(other: &serde_json::Map<String, serde_json::Value>) -> Result<(), ApiError> {
+    for (name, value) in other {
+        let empty = value.is_null() || value.as_array().is_some_and(Vec::is_empty);
+        if !(empty && matches!(name.as_str(), "refusal" | "audio" | "annotations")) {
+            let why =
+                format!("a message's `{name}` is not supported (only empty `refusal`, `audio` and `annotations`)");
+            return Err(ApiError::bad(why, "messages"));
+        }
+    }
+    Ok(())
 }
 
 /// Fields shared by both endpoints.
@@ -685,6 +702,7 @@ pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiErr
             let why = "a message's `function_call` (deprecated) is not supported: send its call in `tool_calls`";
             return Err(ApiError::bad(why, "messages"));
         }
+        check_other_fields(&m.other)?;
         let tool_calls = history_calls(m.tool_calls)?;
         let content = match m.content {
             None => String::new(),
@@ -1178,6 +1196,15 @@ mod tests {
             r#"{"role":"assistant","content":"Yes.","reasoning":"Hmm.","reasoning_content":"Hmm."}"#,
         ] {
             assert_eq!(turn(m), Ok(Some("Hmm.".into())), "{m}");
+        }
+        // What OpenAI's clients send back of an answer passes; a field the router does not use is refused by name.
+        let sent_back = r#"{"role":"assistant","content":"Yes.","refusal":null,"annotations":[],"audio":null}"#;
+        assert_eq!(turn(sent_back), Ok(None));
+        for m in [
+            r#"{"role":"assistant","content":"Yes.","refusal":"no"}"#,
+            r#"{"role":"assistant","content":"Yes.","prefix":true}"#,
+        ] {
+            assert!(turn(m).is_err_and(|e| e.contains("not supported")), "{m}");
         }
         let differ = turn(r#"{"role":"assistant","content":"","reasoning":"a","reasoning_content":"b"}"#);
         assert!(differ.is_err_and(|e| e.contains("differ")));
