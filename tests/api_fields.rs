@@ -1131,6 +1131,37 @@ async fn the_responses_api_answers_as_chat_does() {
         items
     };
     assert_eq!((unnamed(&last["output"]), &last["usage"]), (unnamed(&v["output"]), &v["usage"]), "the whole answer's");
+    // Kept: read back by its id, and gone on again by a response naming it (without its instructions, which are not
+    // inherited), as the chat endpoint answers the whole conversation.
+    let id = v["id"].as_str().expect("id").to_string();
+    let got = http(router.addr, "GET", &format!("/v1/responses/{id}"), "", &[]).await;
+    assert_eq!((got.status, got.json()), (200, v.clone()));
+    let follow = json!({"model": MODEL, "max_output_tokens": 8, "temperature": 0, "previous_response_id": id,
+                        "input": "And a mountain?"});
+    let next = post("/v1/responses", follow.clone()).await.json();
+    let conversation = json!([{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": want},
+                              {"role": "user", "content": "And a mountain?"}]);
+    let chat_next = post(
+        "/v1/chat/completions",
+        json!({"model": MODEL, "max_tokens": 8, "temperature": 0,
+                                                        "messages": conversation}),
+    )
+    .await
+    .json();
+    assert_eq!(next["output"][0]["content"][0]["text"], chat_next["choices"][0]["message"]["content"], "{next}");
+    assert_eq!(next["previous_response_id"], json!(id));
+    // Deleted: gone for reading and for going on.
+    let gone = http(router.addr, "DELETE", &format!("/v1/responses/{id}"), "", &[]).await;
+    assert_eq!((gone.status, &gone.json()["deleted"]), (200, &json!(true)));
+    assert_eq!(http(router.addr, "GET", &format!("/v1/responses/{id}"), "", &[]).await.status, 404);
+    let r = post("/v1/responses", follow).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (404, json!("previous_response_id")), "{}", r.body);
+    // Not kept when asked not to.
+    let mut unkept = ask.clone();
+    unkept["store"] = json!(false);
+    let v = post("/v1/responses", unkept).await.json();
+    let id = v["id"].as_str().expect("id");
+    assert_eq!(http(router.addr, "GET", &format!("/v1/responses/{id}"), "", &[]).await.status, 404);
     // The text's log-probabilities, when included: one entry per token of the text, with its alternatives.
     let mut included = ask.clone();
     included["include"] = json!(["message.output_text.logprobs"]);
@@ -1153,7 +1184,7 @@ async fn the_responses_api_answers_as_chat_does() {
     // Refusals name this API's fields.
     for (body, param) in [
         (json!({"model": MODEL, "input": "?", "max_output_tokens": 0}), "max_output_tokens"),
-        (json!({"model": MODEL, "input": "?", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"model": MODEL, "input": "?", "conversation": "conv_1"}), "conversation"),
         (json!({"model": MODEL, "input": "?", "seed": 1}), "seed"),
     ] {
         let r = post("/v1/responses", body.clone()).await;

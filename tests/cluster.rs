@@ -545,6 +545,25 @@ async fn tenants_never_hit_each_others_cached_prompts() {
         assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, serde_json::json!("cache_salt")));
         let r = http(router.addr, "POST", "/v1/completions", &body(None), &[("authorization", "Bearer sk-c")]).await;
         assert_eq!(r.status, 401);
+        // Stored responses are their tenant's alone, whether or not the cache is shared: read, gone on from and
+        // deleted by that tenant's keys only.
+        let auth = |key: &str| format!("Bearer {key}");
+        let ask = serde_json::json!({"model": MODEL, "input": "Hi", "max_output_tokens": 2}).to_string();
+        let r = http(router.addr, "POST", "/v1/responses", &ask, &[("authorization", &auth("sk-a"))]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let id = r.json()["id"].as_str().expect("id").to_string();
+        let path = format!("/v1/responses/{id}");
+        for (key, status) in [("sk-a", 200), ("sk-b", 404), ("sk-open", 404)] {
+            let got = http(router.addr, "GET", &path, "", &[("authorization", &auth(key))]).await;
+            assert_eq!(got.status, status, "share {share}: {key}");
+        }
+        let follow =
+            serde_json::json!({"model": MODEL, "input": "Hi", "max_output_tokens": 2, "previous_response_id": id});
+        let b = auth("sk-b");
+        let r = http(router.addr, "POST", "/v1/responses", &follow.to_string(), &[("authorization", &b)]).await;
+        assert_eq!(r.status, 404, "share {share}");
+        assert_eq!(http(router.addr, "DELETE", &path, "", &[("authorization", &auth("sk-b"))]).await.status, 404);
+        assert_eq!(http(router.addr, "GET", &path, "", &[("authorization", &auth("sk-a"))]).await.status, 200);
         router.shutdown(std::time::Duration::from_secs(5)).await;
     }
     d.shutdown(std::time::Duration::from_secs(5)).await;

@@ -14,6 +14,7 @@ pub mod load;
 pub mod metrics;
 pub mod record;
 pub mod resilience;
+pub mod response_store;
 pub mod run;
 pub mod scheduler;
 pub mod serve;

@@ -210,6 +210,7 @@ impl RunningRouter {
             admission: Admission::new(config.limits.max_in_flight, config.limits.max_queue),
             limits: config.limits,
             tenants: config.tenants,
+            responses: crate::response_store::ResponseStore::new(crate::response_store::DEFAULT_BYTES),
             admin_key: config.admin_key,
             route_state: Mutex::new(RouteState::seeded(config.seed.unwrap_or_else(clock_seed))),
             instance: crate::ids::instance_id(),

@@ -56,6 +56,8 @@ pub struct RouterState {
     pub limits: Limits,
     /// Accepted bearer keys and their tenants; none: no key needed.
     pub tenants: crate::tenants::Tenants,
+    /// The Responses API's stored responses.
+    pub responses: crate::response_store::ResponseStore,
     /// The key for `/admin/*` and `/debug/*`; `None`: those answer only on loopback.
     pub admin_key: Option<String>,
     pub admission: crate::admission::Admission,

@@ -34,6 +34,11 @@ pub enum ApiError {
     Upstream(String),
     #[error("not found")]
     NotFound,
+    #[error(
+        "no stored response `{id}` (responses are kept in this router's memory for their tenant, the oldest dropped \
+         first; send the conversation whole as input items instead)"
+    )]
+    UnknownResponse { id: String, param: Option<&'static str> },
     #[error("this endpoint does not take {0} requests")]
     MethodNotAllowed(String),
     #[error("the request body is over the limit of {0} bytes")]
@@ -64,6 +69,7 @@ impl ApiError {
             ApiError::Deadline(_) => "deadline",
             ApiError::Upstream(_) => "upstream",
             ApiError::NotFound => "not_found",
+            ApiError::UnknownResponse { .. } => "unknown_response",
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
             ApiError::BodyTooLarge(_) => "body_too_large",
         }
@@ -74,7 +80,7 @@ impl ApiError {
             ApiError::BadRequest { .. } | ApiError::MalformedJson(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ApiError::UnknownModel(_) | ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::UnknownModel(_) | ApiError::NotFound | ApiError::UnknownResponse { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             // A bad request, as OpenAI and vLLM answer it: clients catch it as one and read the code.
@@ -99,6 +105,7 @@ impl ApiError {
             ApiError::Unavailable(_) | ApiError::Upstream(_) => ("server_error", None, None),
             ApiError::Deadline(_) => ("server_error", Some("timeout"), None),
             ApiError::NotFound | ApiError::MethodNotAllowed(_) => ("invalid_request_error", None, None),
+            ApiError::UnknownResponse { param, .. } => ("invalid_request_error", Some("response_not_found"), *param),
             ApiError::BodyTooLarge(_) => ("invalid_request_error", Some("request_too_large"), None),
         };
         json!({"error": {"message": self.to_string(), "type": ty, "param": param, "code": code}})

@@ -42,6 +42,7 @@ pub fn app(state: Arc<RouterState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completion))
         .route("/v1/responses", post(responses_api))
+        .route("/v1/responses/{id}", get(retrieve_response).delete(delete_response))
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/tokenize", post(tokenize))
@@ -88,7 +89,7 @@ fn authorize(state: &RouterState, headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// The tenant the client's bearer key names (`None`: no tenant), when the key is accepted.
-fn tenant(state: &RouterState, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+pub(super) fn tenant(state: &RouterState, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     state.tenants.identify(bearer(headers)).map(|t| t.map(str::to_string)).map_err(|_| ApiError::Unauthorized)
 }
 
@@ -121,6 +122,14 @@ async fn completion(state: Shared, headers: HeaderMap, body: Bytes) -> Response 
 
 async fn responses_api(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
     responses_route::serve(state.0, headers, body).await
+}
+
+async fn retrieve_response(state: Shared, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    responses_route::retrieve(&state, &headers, &id)
+}
+
+async fn delete_response(state: Shared, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    responses_route::delete(&state, &headers, &id)
 }
 
 /// The request's server span, continuing the client's trace when it sent one.

@@ -1,9 +1,9 @@
-//! OpenAI's Responses API (`POST /v1/responses`), stateless, served as a chat completion: the request's input
-//! items become a conversation (instructions as its system turn, function calls and their outputs as the
-//! assistant's calls and the tools' turns), its fields the chat request's, and the chat answer the response's
-//! output items (reasoning, a message, function calls). Every field is implemented or refused by name, as on the
-//! chat endpoint; what needs stored responses (`previous_response_id`, `store: true`) is refused. Pure: the
-//! handler in `http` runs the chat request between [`to_chat`] and [`from_chat`] (or [`stream`]'s events).
+//! OpenAI's Responses API (`POST /v1/responses`), served as a chat completion: the request's input items become
+//! a conversation (instructions as its system turn, function calls and their outputs as the assistant's calls and
+//! the tools' turns, after a stored response's conversation when it names one), its fields the chat request's, and
+//! the chat answer the response's output items (reasoning, a message, function calls). Every field is implemented
+//! or refused by name, as on the chat endpoint. Pure: `http::responses_route` runs the chat request between
+//! [`to_chat`] and [`from_chat`] (or [`stream`]'s events), and keeps responses in `crate::response_store`.
 
 use serde_json::{Map, Value, json};
 
@@ -26,6 +26,10 @@ pub struct Asked {
     pub user: Value,
     /// The output text's tokens carry their log-probabilities (`include: ["message.output_text.logprobs"]`).
     pub logprobs: bool,
+    /// The response is kept (`store`, true unless false, as OpenAI's default).
+    pub store: bool,
+    /// The stored response whose conversation this one goes on.
+    pub previous: Option<String>,
 }
 
 /// What `include` may ask for.
@@ -46,7 +50,7 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
     let Value::Object(fields) = v else { return Err(ApiError::MalformedJson("a JSON object is expected".into())) };
     let mut chat = Map::new();
-    let mut asked = Asked { parallel_tool_calls: true, ..Asked::default() };
+    let mut asked = Asked { parallel_tool_calls: true, store: true, ..Asked::default() };
     let mut messages = Vec::new();
     for (name, value) in fields.iter().filter(|(_, v)| !v.is_null()) {
         let refuse = |why: &str| Err(ApiError::bad_field(format!("{name}: {why}"), name));
@@ -83,10 +87,15 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
                 }
             }
             "metadata" => asked.metadata = value.clone(),
-            "store" if value == &Value::Bool(false) => {}
-            "store" => return refuse("responses are not stored here; send store: false"),
-            "previous_response_id" | "conversation" => {
-                return refuse("responses are not stored here: send the whole conversation as input items");
+            "store" => asked.store = value.as_bool().ok_or_else(|| ApiError::bad("store is true or false", "store"))?,
+            "previous_response_id" => {
+                let id = value
+                    .as_str()
+                    .ok_or_else(|| ApiError::bad("previous_response_id is an id", "previous_response_id"))?;
+                asked.previous = Some(id.to_string());
+            }
+            "conversation" => {
+                return refuse("conversation objects are not kept here: chain responses with previous_response_id");
             }
             "background" if value == &Value::Bool(false) => {}
             "background" => return refuse("background responses need stored responses, which are not kept here"),
@@ -322,6 +331,7 @@ pub fn usage(chat_usage: &Value) -> Value {
 /// The response object around `output`: `status` `completed`, or `incomplete` when the answer was cut by the token
 /// budget.
 pub fn response(id: &str, created: &Value, model: &Value, asked: &Asked, output: Vec<Value>, done: Done) -> Value {
+    let previous = asked.previous.as_ref().map_or(Value::Null, |p| json!(p));
     let (status, incomplete) = match done {
         Done::InProgress => ("in_progress", Value::Null),
         Done::Completed => ("completed", Value::Null),
@@ -331,8 +341,9 @@ pub fn response(id: &str, created: &Value, model: &Value, asked: &Asked, output:
            "error": null, "incomplete_details": incomplete, "instructions": asked.instructions, "model": model,
            "output": output, "parallel_tool_calls": asked.parallel_tool_calls, "temperature": asked.temperature,
            "top_p": asked.top_p, "tool_choice": asked.tool_choice, "tools": asked.tools, "text": asked.text,
-           "max_output_tokens": asked.max_output_tokens, "previous_response_id": null, "reasoning": null,
-           "store": false, "truncation": "disabled", "metadata": asked.metadata, "user": asked.user, "usage": null})
+           "max_output_tokens": asked.max_output_tokens, "previous_response_id": previous, "reasoning": null,
+           "store": asked.store, "truncation": "disabled", "metadata": asked.metadata, "user": asked.user,
+           "usage": null})
 }
 
 /// Where a response is.
@@ -412,6 +423,55 @@ pub fn message_item(id: &str, text: &str, status: &str) -> Value {
 pub fn call_item(id: &str, k: usize, call_id: &Value, name: &Value, arguments: &str, status: &str) -> Value {
     json!({"type": "function_call", "id": format!("fc_{id}{k:02x}"), "call_id": call_id, "name": name,
            "arguments": arguments, "status": status})
+}
+
+/// The conversation a chat request holds, less its instructions (a following response does not inherit them).
+pub fn conversation_of(chat: &Value, asked: &Asked) -> Vec<Value> {
+    let messages = chat["messages"].as_array().cloned().unwrap_or_default();
+    let skip = usize::from(!asked.instructions.is_null());
+    messages.into_iter().skip(skip).collect()
+}
+
+/// Puts a stored conversation before the request's own turns (after its instructions).
+pub fn continue_from(chat: &mut Value, asked: &Asked, prior: &[Value]) {
+    if let Some(messages) = chat["messages"].as_array_mut() {
+        let at = usize::from(!asked.instructions.is_null()).min(messages.len());
+        messages.splice(at..at, prior.iter().cloned());
+    }
+}
+
+/// The assistant's turn a response's output is, as the chat conversation holds it: its text, its calls (by the ids
+/// a `function_call_output` answers), its thinking.
+pub fn assistant_turn(output: &[Value]) -> Value {
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    let mut thought = None;
+    for item in output {
+        match item["type"].as_str() {
+            Some("message") => {
+                let parts = item["content"].as_array().into_iter().flatten();
+                text.extend(parts.filter_map(|p| p["text"].as_str()));
+            }
+            Some("function_call") => calls.push(json!({"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}})),
+            Some("reasoning") => {
+                let parts = item["content"].as_array().into_iter().flatten();
+                thought = Some(parts.filter_map(|p| p["text"].as_str()).collect::<String>());
+            }
+            _ => {}
+        }
+    }
+    let mut turn = json!({"role": "assistant", "content": text});
+    if !calls.is_empty() {
+        turn["tool_calls"] = Value::Array(calls);
+        if text.is_empty() {
+            turn["content"] = Value::Null;
+        }
+    }
+    if let Some(t) = thought {
+        turn["reasoning_content"] = json!(t);
+    }
+    turn
 }
 
 /// The response a whole chat completion is.

@@ -68,10 +68,11 @@ fn tools_choices_and_formats_are_chats() {
 }
 
 #[test]
-fn what_needs_stored_responses_or_is_not_served_is_refused_by_name() {
+fn what_is_not_served_is_refused_by_name() {
     for (body, param) in [
-        (json!({"model": "m", "input": "?", "store": true}), "store"),
-        (json!({"model": "m", "input": "?", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"model": "m", "input": "?", "store": "yes"}), "store"),
+        (json!({"model": "m", "input": "?", "previous_response_id": 7}), "previous_response_id"),
+        (json!({"model": "m", "input": "?", "conversation": "conv_1"}), "conversation"),
         (json!({"model": "m", "input": "?", "background": true}), "background"),
         (json!({"model": "m", "input": "?", "include": ["reasoning.encrypted_content"]}), "include"),
         (json!({"model": "m", "input": "?", "reasoning": {"effort": "high"}}), "reasoning"),
@@ -95,6 +96,37 @@ fn what_needs_stored_responses_or_is_not_served_is_refused_by_name() {
         (param_of("max_tokens"), param_of("messages"), param_of("seed")),
         ("max_output_tokens", "input", "seed")
     );
+}
+
+/// A response goes on a stored one's conversation (after the new instructions, which are not inherited), and what
+/// it keeps of itself is its own turns and its answer as the assistant's turn.
+#[test]
+fn a_response_goes_on_a_stored_conversation() {
+    let (mut chat, asked) = chat_of(json!({"model": "m", "input": "And Rome?", "instructions": "Be brief.",
+                                           "previous_response_id": "resp_1"}))
+    .expect("valid");
+    assert_eq!((asked.previous.as_deref(), asked.store), (Some("resp_1"), true));
+    let prior =
+        [json!({"role": "user", "content": "Weather in Oslo?"}), json!({"role": "assistant", "content": "Rain."})];
+    continue_from(&mut chat, &asked, &prior);
+    assert_eq!(
+        chat["messages"],
+        json!([{"role": "system", "content": "Be brief."}, prior[0], prior[1], {"role": "user", "content": "And Rome?"}])
+    );
+    assert_eq!(
+        conversation_of(&chat, &asked),
+        vec![prior[0].clone(), prior[1].clone(), json!({"role": "user", "content": "And Rome?"})]
+    );
+    let output = from_chat(&whole_chat("tool_calls"), &asked)["output"].as_array().expect("items").clone();
+    assert_eq!(
+        assistant_turn(&output),
+        json!({"role": "assistant", "content": "Let me see.", "reasoning_content": "Hmm.",
+               "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]})
+    );
+    let (_, plain) = chat_of(json!({"model": "m", "input": "?", "store": false})).expect("valid");
+    assert!(!plain.store && plain.previous.is_none());
+    let r = from_chat(&whole_chat("stop"), &asked);
+    assert_eq!((&r["store"], &r["previous_response_id"]), (&json!(true), &json!("resp_1")));
 }
 
 /// A chat answer with thinking, text and a call, whole.
