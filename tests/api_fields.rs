@@ -1193,6 +1193,31 @@ async fn the_responses_api_answers_as_chat_does() {
     stop(router, workers).await;
 }
 
+/// A router that keeps no responses (`responses_store_mb = 0`) says so to a request that asks for it, and answers
+/// one that leaves `store` to its default without keeping it (the response says `store: false`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_keeps_no_responses_says_so() {
+    let ca = DevCa::generate().expect("ca");
+    let none = |r: router::run::RouterConfig| router::run::RouterConfig { responses_store_mb: 0, ..r };
+    let (workers, router) = cluster_with(&ca, &[Role::Both], |w| w, none).await;
+    let ask = |store: Option<bool>| {
+        let mut b = json!({"model": MODEL, "input": "Hi", "max_output_tokens": 2});
+        if let Some(s) = store {
+            b["store"] = json!(s);
+        }
+        b.to_string()
+    };
+    let r = http(router.addr, "POST", "/v1/responses", &ask(Some(true)), &[]).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("store")), "{}", r.body);
+    for store in [None, Some(false)] {
+        let v = http(router.addr, "POST", "/v1/responses", &ask(store), &[]).await.json();
+        assert_eq!(v["store"], json!(false), "{v}");
+        let id = v["id"].as_str().expect("id");
+        assert_eq!(http(router.addr, "GET", &format!("/v1/responses/{id}"), "", &[]).await.status, 404);
+    }
+    stop(router, workers).await;
+}
+
 /// A prefill and a decode worker behind a router that always disaggregates: the first token is sampled on one,
 /// the rest on the other.
 async fn disaggregated() -> (Vec<worker::RunningWorker>, router::run::RunningRouter) {

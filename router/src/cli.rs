@@ -132,6 +132,10 @@ pub struct Settings {
     /// chat answers carry the text in `<think>` … `</think>` apart, as `reasoning_content` (and `reasoning`).
     #[arg(long, env = "TANDEM_REASONING_PARSER")]
     pub reasoning_parser: Option<crate::http::reasoning::ReasoningParser>,
+    /// The Responses API's stored responses (`store`, `previous_response_id`) are kept in this many MiB of the
+    /// router's memory, the oldest dropped first (default 64); 0 keeps none.
+    #[arg(long, env = "TANDEM_RESPONSES_STORE_MB", value_name = "MIB")]
+    pub responses_store_mb: Option<usize>,
     /// Scheduler weights (the file's `[scheduler]` table; also `PUT /admin/router-config`).
     #[arg(skip)]
     pub scheduler: Option<SchedulerConfig>,
@@ -333,6 +337,10 @@ pub fn resolve(args: Args) -> Result<RouterConfig, String> {
             record_candidates: s.record_candidates.or(file.record_candidates).unwrap_or(false),
             tool_call_parser: s.tool_call_parser.or(file.tool_call_parser),
             reasoning_parser: s.reasoning_parser.or(file.reasoning_parser),
+            responses_store_mb: s
+                .responses_store_mb
+                .or(file.responses_store_mb)
+                .unwrap_or(crate::response_store::DEFAULT_MB),
         }),
         (_, listen, ..) => {
             problems.extend(listen.err().map(|e| format!("listen address: {e}")));
@@ -422,12 +430,13 @@ mod tests {
     fn the_file_carries_settings_and_scheduler_weights() {
         let p = file(
             "listen = \"127.0.0.1:8100\"\nworkers = [\"10.0.0.1:9000\", \"decode.svc:9000\"]\n\
-             tool_call_parser = \"hermes\"\nreasoning_parser = \"qwen3\"\n[scheduler]\npolicy = \"power_of_two\"\nhost_weight = 0.5\n",
+             tool_call_parser = \"hermes\"\nreasoning_parser = \"qwen3\"\nresponses_store_mb = 8\n[scheduler]\npolicy = \"power_of_two\"\nhost_weight = 0.5\n",
         );
         let s = read_file(&p).expect("parses");
         assert_eq!(s.listen, Some(([127, 0, 0, 1], 8100).into()));
         assert_eq!(s.tool_call_parser, Some(crate::http::tools::ToolParser::Hermes));
         assert_eq!(s.reasoning_parser, Some(crate::http::reasoning::ReasoningParser::Qwen3));
+        assert_eq!(s.responses_store_mb, Some(8));
         assert_eq!(s.workers.map(|w| w.len()), Some(2));
         let sched = s.scheduler.expect("scheduler table");
         assert_eq!((sched.policy, sched.host_weight, sched.disk_weight), (Policy::PowerOfTwo, 0.5, 0.25));

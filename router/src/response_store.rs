@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde_json::Value;
 
-/// What the store keeps by default: 64 MiB of conversations and responses (as JSON text).
-pub const DEFAULT_BYTES: usize = 64 << 20;
+/// What the store keeps by default, in MiB of conversations and responses (as JSON text).
+pub const DEFAULT_MB: usize = 64;
 
 /// A stored response and the conversation up to and including its answer (chat messages, without the
 /// instructions, which a following response does not inherit).
@@ -89,6 +89,11 @@ impl ResponseStore {
         let gone = inner.entries.remove(id).map_or(0, |e| e.bytes);
         inner.bytes -= gone;
         true
+    }
+
+    /// Whether it keeps anything (a budget of 0 keeps nothing).
+    pub fn keeps(&self) -> bool {
+        self.budget > 0
     }
 
     /// Bytes kept now.

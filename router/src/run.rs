@@ -105,6 +105,8 @@ pub struct RouterConfig {
     /// How the served model marks its thinking (vLLM's `--reasoning-parser`): set, chat answers carry it apart as
     /// `reasoning_content` (and `reasoning`); `None`: the answer is all content.
     pub reasoning_parser: Option<crate::http::reasoning::ReasoningParser>,
+    /// The Responses API's stored responses, at most this many MiB of JSON (`response_store`); 0 keeps none.
+    pub responses_store_mb: usize,
     /// The recording started with `record_trace` writes each decision's candidates as scored.
     pub record_candidates: bool,
 }
@@ -210,7 +212,7 @@ impl RunningRouter {
             admission: Admission::new(config.limits.max_in_flight, config.limits.max_queue),
             limits: config.limits,
             tenants: config.tenants,
-            responses: crate::response_store::ResponseStore::new(crate::response_store::DEFAULT_BYTES),
+            responses: crate::response_store::ResponseStore::new(config.responses_store_mb << 20),
             admin_key: config.admin_key,
             route_state: Mutex::new(RouteState::seeded(config.seed.unwrap_or_else(clock_seed))),
             instance: crate::ids::instance_id(),

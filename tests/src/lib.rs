@@ -137,6 +137,7 @@ pub fn router_config(ca: &DevCa, workers: Vec<SocketAddr>) -> RouterConfig {
         record_candidates: false,
         tool_call_parser: None,
         reasoning_parser: None,
+        responses_store_mb: router::response_store::DEFAULT_MB,
     }
 }
 

@@ -28,6 +28,8 @@ pub struct Asked {
     pub logprobs: bool,
     /// The response is kept (`store`, true unless false, as OpenAI's default).
     pub store: bool,
+    /// `store` was sent (not left to its default).
+    pub store_sent: bool,
     /// The stored response whose conversation this one goes on.
     pub previous: Option<String>,
 }
@@ -87,7 +89,10 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
                 }
             }
             "metadata" => asked.metadata = value.clone(),
-            "store" => asked.store = value.as_bool().ok_or_else(|| ApiError::bad("store is true or false", "store"))?,
+            "store" => {
+                asked.store = value.as_bool().ok_or_else(|| ApiError::bad("store is true or false", "store"))?;
+                asked.store_sent = true;
+            }
             "previous_response_id" => {
                 let id = value
                     .as_str()

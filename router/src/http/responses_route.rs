@@ -21,7 +21,14 @@ pub async fn serve(state: Arc<RouterState>, headers: HeaderMap, body: Bytes) -> 
     const ROUTE: &str = "/v1/responses";
     let prepared = (|| {
         let tenant = super::tenant(&state, &headers)?;
-        let (mut chat, asked) = responses::to_chat(&body)?;
+        let (mut chat, mut asked) = responses::to_chat(&body)?;
+        if !state.responses.keeps() {
+            if asked.store && asked.store_sent {
+                let why = "this router keeps no responses (responses_store_mb = 0): send store: false";
+                return Err(ApiError::bad(why, "store"));
+            }
+            asked.store = false;
+        }
         if let Some(id) = &asked.previous {
             let not_found = || ApiError::UnknownResponse { id: id.clone(), param: Some("previous_response_id") };
             let prior = state.responses.get(id, tenant.as_deref()).ok_or_else(not_found)?;

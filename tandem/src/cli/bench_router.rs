@@ -141,6 +141,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             record_candidates: false,
             tool_call_parser: None,
             reasoning_parser: None,
+            responses_store_mb: router::response_store::DEFAULT_MB,
         };
         let router = on_router.spawn(RunningRouter::start(config)).await.map_err(|e| e.to_string())?;
         let router = router.map_err(|e| e.to_string())?;

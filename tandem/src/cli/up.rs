@@ -111,6 +111,9 @@ pub struct Args {
     /// How the served model marks its thinking (`deepseek_r1`, `qwen3`): with one, chat answers carry it apart.
     #[arg(long)]
     reasoning_parser: Option<router::http::reasoning::ReasoningParser>,
+    /// MiB of the router's memory for the Responses API's stored responses (default 64; 0 keeps none).
+    #[arg(long, default_value_t = router::response_store::DEFAULT_MB)]
+    responses_store_mb: usize,
 }
 
 /// The certificates of a local cluster in `dir`: reused when every component has one, otherwise made anew
@@ -235,6 +238,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             record_candidates: args.record_candidates,
             tool_call_parser: args.tool_call_parser,
             reasoning_parser: args.reasoning_parser,
+            responses_store_mb: args.responses_store_mb,
         })
         .await
         .map_err(|e| e.to_string())?;
