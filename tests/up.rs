@@ -52,6 +52,9 @@ fn the_openai_client_gets_what_tandem_generate_gets() {
         "{responses}"
     );
     assert_eq!(responses["usage"][1], got["streamed_usage"]["completion_tokens"], "{responses}");
+    assert_eq!(responses["retrieved"], got["whole"], "{responses}");
+    assert_eq!(responses["followed"], serde_json::json!([true, true]), "{responses}");
+    assert_eq!(responses["deleted"], "NotFoundError", "{responses}");
     let n = want["token_ids"].as_array().map_or(0, Vec::len);
     assert_eq!(got["whole_usage"]["completion_tokens"], n);
     assert_eq!(got["streamed_usage"]["completion_tokens"], n);

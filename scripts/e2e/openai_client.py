@@ -148,6 +148,19 @@ def main() -> None:
         last = event.type
     responses = {"whole": answer.output_text, "status": answer.status, "streamed": "".join(deltas), "last": last,
                  "usage": [answer.usage.input_tokens, answer.usage.output_tokens]}
+    # Stored: read back, gone on from (the conversation kept by the router), deleted.
+    responses["retrieved"] = client.responses.retrieve(answer.id).output_text
+    follow = client.responses.create(
+        model="smollm2-135m-instruct", previous_response_id=answer.id, input="Say it again.", temperature=0,
+        max_output_tokens=8,
+    )
+    responses["followed"] = [follow.previous_response_id == answer.id, bool(follow.output_text)]
+    client.responses.delete(answer.id)
+    try:
+        client.responses.retrieve(answer.id)
+        responses["deleted"] = False
+    except Exception as e:  # the client raises NotFoundError for a 404
+        responses["deleted"] = type(e).__name__
 
     by_ids = None
     if len(sys.argv) > 4:
