@@ -103,7 +103,7 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
                 return refuse("conversation objects are not kept here: chain responses with previous_response_id");
             }
             "background" if value == &Value::Bool(false) => {}
-            "background" => return refuse("background responses need stored responses, which are not kept here"),
+            "background" => return refuse("background responses are not run here (each is answered as it runs)"),
             "truncation" if value == "disabled" => {}
             "truncation" => return refuse("only `disabled` (a conversation over the context is refused)"),
             "include" => {
@@ -136,19 +136,16 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
             _ => return Err(ApiError::bad_field(format!("unknown field `{name}`"), name)),
         }
     }
-    for key in ["tools", "tool_choice", "text", "temperature", "top_p", "max_output_tokens", "user"] {
-        let value = fields.get(key).cloned().unwrap_or(Value::Null);
-        match key {
-            "tools" => asked.tools = if value.is_null() { json!([]) } else { value },
-            "tool_choice" => asked.tool_choice = if value.is_null() { json!("auto") } else { value },
-            "text" => asked.text = if value.is_null() { json!({"format": {"type": "text"}}) } else { value },
-            "temperature" => asked.temperature = value,
-            "top_p" => asked.top_p = value,
-            "max_output_tokens" => asked.max_output_tokens = value,
-            _ => asked.user = value,
-        }
-    }
-    asked.parallel_tool_calls = fields.get("parallel_tool_calls").and_then(Value::as_bool).unwrap_or(true);
+    // Echoed as sent, or as their defaults.
+    let sent = |k: &str| fields.get(k).filter(|v| !v.is_null()).cloned();
+    asked.tools = sent("tools").unwrap_or_else(|| json!([]));
+    asked.tool_choice = sent("tool_choice").unwrap_or_else(|| json!("auto"));
+    asked.text = sent("text").unwrap_or_else(|| json!({"format": {"type": "text"}}));
+    asked.temperature = sent("temperature").unwrap_or_default();
+    asked.top_p = sent("top_p").unwrap_or_default();
+    asked.max_output_tokens = sent("max_output_tokens").unwrap_or_default();
+    asked.user = sent("user").unwrap_or_default();
+    asked.parallel_tool_calls = sent("parallel_tool_calls").and_then(|v| v.as_bool()).unwrap_or(true);
     if asked.logprobs {
         chat.insert("logprobs".into(), json!(true));
     } else if chat.get("top_logprobs").and_then(Value::as_u64).is_some_and(|n| n > 0) {
