@@ -26,10 +26,19 @@ pub fn hugging_face_files(file: &GgufFile) -> Result<(Value, Value), TokenizerEr
     let vocab: serde_json::Map<String, Value> =
         v.tokens.iter().enumerate().map(|(i, t)| (t.clone(), Value::from(i))).collect();
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    let pre_tokenizer = if super::pretokenize::isolates_digits(v.pre) {
-        json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
-    } else {
-        byte_level.clone()
+    let pre = super::pretokenize::Pre::of(v.pre)?;
+    let pre_tokenizer = match (pre, pre.pattern()) {
+        (_, Some(pattern)) => {
+            let split =
+                json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
+            let bytes =
+                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false});
+            json!({"type": "Sequence", "pretokenizers": [split, bytes]})
+        }
+        (super::pretokenize::Pre::DigitsThenGpt2, None) => {
+            json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
+        }
+        (_, None) => byte_level.clone(),
     };
     let tokenizer = json!({
         "version": "1.0",
@@ -41,7 +50,7 @@ pub fn hugging_face_files(file: &GgufFile) -> Result<(Value, Value), TokenizerEr
         "post_processor": null,
         "decoder": byte_level,
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignores_merges(),
                   "vocab": vocab, "merges": v.merges},
     });
     let mut config = json!({

@@ -78,6 +78,10 @@ pub struct Tokenizer {
     /// Ids of control tokens (markers such as `<|im_start|>`, not text), ascending.
     control: Vec<u32>,
     add_bos: bool,
+    pre: pretokenize::Pre,
+    /// Every token by its text, for a pre-tokenizer that takes a whole piece as its token before merging
+    /// ([`pretokenize::Pre::ignores_merges`]); empty otherwise.
+    whole: HashMap<String, u32>,
     /// Ids of pre-token pieces already merged: text repeats its words, and BPE merging is most of encoding's
     /// cost (Hugging Face tokenizers keeps the same kind of cache).
     words: WordCache,
@@ -161,7 +165,7 @@ impl<'a> GgufVocab<'a> {
             return Err(TokenizerError::UnsupportedModel(model.to_string()));
         }
         let pre = meta.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
-        pretokenize::check_supported(pre)?;
+        pretokenize::Pre::of(pre)?;
         let strings = |key: &'static str| match meta.get(key).and_then(|v| v.as_array()) {
             Some(MetaArray::String(t)) => Ok(t.as_slice()),
             _ => Err(TokenizerError::Missing { key }),
@@ -189,7 +193,7 @@ impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes.
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
         let v = GgufVocab::read(file)?;
-        Tokenizer::new(v.tokens.to_vec(), &v.types, v.merges, v.bos, v.eos, v.add_bos)
+        Tokenizer::new(v.tokens.to_vec(), &v.types, v.merges, v.bos, v.eos, v.add_bos, pretokenize::Pre::of(v.pre)?)
     }
 
     fn new(
@@ -199,8 +203,13 @@ impl Tokenizer {
         bos: Option<u32>,
         eos: Option<u32>,
         add_bos: bool,
+        pre: pretokenize::Pre,
     ) -> Result<Tokenizer, TokenizerError> {
         let index: HashMap<&str, u32> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
+        let whole = match pre.ignores_merges() {
+            true => index.iter().map(|(t, i)| (t.to_string(), *i)).collect(),
+            false => HashMap::new(),
+        };
         let merges = Merges::new(merges, &index)?;
         let mut byte_ids = [None; 256];
         for b in 0..=255u8 {
@@ -237,6 +246,8 @@ impl Tokenizer {
             special,
             control,
             add_bos,
+            pre,
+            whole,
             words: WordCache::default(),
         })
     }
@@ -349,6 +360,14 @@ impl Tokenizer {
         out
     }
 
+    /// Token ids for `text` as ordinary text: no BOS, and special tokens' text tokenized as any other (what
+    /// llama.cpp's tokenizer tests ask of it).
+    pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        self.encode_plain(text, &mut out);
+        out
+    }
+
     /// Position of the earliest special token in `text` (longest at that position) with its length and id.
     /// One pass over the text: only where a special token could start are the tokens (longest first) compared;
     /// a search of the whole text per special token cost more than the rest of encoding a short prompt.
@@ -367,11 +386,17 @@ impl Tokenizer {
 
     fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
         let merge = |piece: &str| {
+            if !self.whole.is_empty() {
+                let spelled: String = piece.bytes().map(bytes::byte_to_char).collect();
+                if let Some(&id) = self.whole.get(&spelled) {
+                    return vec![id];
+                }
+            }
             let mut symbols: Vec<u32> = piece.bytes().filter_map(|b| self.byte_ids[b as usize]).collect();
             self.merges.apply(&mut symbols);
             symbols
         };
-        self.words.with(merge, |ids_of| pretokenize::split(text, |piece| ids_of(piece, out)));
+        self.words.with(merge, |ids_of| self.pre.split(text, |piece| ids_of(piece, out)));
     }
 
     /// The bytes a token stands for (empty for an id outside the vocabulary).

@@ -1,5 +1,8 @@
-//! The pre-tokenizer of GPT-2-style vocabularies (`smollm`, `gpt2`, `starcoder` and kin): every digit on its own,
-//! then GPT-2's split into contractions, letter runs, number runs, other-symbol runs and whitespace.
+//! Pre-tokenizers, by the GGUF's `tokenizer.ggml.pre` name: GPT-2-style vocabularies (`smollm`, `gpt2`,
+//! `starcoder` and kin: every digit on its own, then GPT-2's split into contractions, letter runs, number runs,
+//! other-symbol runs and whitespace), and Llama 3's and Qwen 2's patterns (contractions in any case, a letter run
+//! with one leading non-letter, digits in threes or one by one, symbol runs with their line breaks, line breaks with
+//! the whitespace before them).
 
 use std::sync::OnceLock;
 
@@ -10,23 +13,107 @@ use super::TokenizerError;
 /// Pre-tokenizers whose rule is "isolate digits, then GPT-2's pattern".
 const DIGITS_THEN_GPT2: &[&str] = &["smollm", "starcoder", "refact", "codeshell", "exaone", "minerva"];
 /// Pre-tokenizers whose rule is GPT-2's pattern alone.
-const GPT2_ONLY: &[&str] = &["gpt2", "default"];
+const GPT2_ONLY: &[&str] = &["gpt2", "gpt-2", "default"];
 
 /// GPT-2's pattern without its one look-ahead (`\s+(?!\S)`), which [`split_gpt2`] applies by hand.
 const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
 
-/// An error unless `pre` names a pre-tokenizer this module implements.
-pub fn check_supported(pre: &str) -> Result<(), TokenizerError> {
-    if DIGITS_THEN_GPT2.contains(&pre) || GPT2_ONLY.contains(&pre) {
-        Ok(())
-    } else {
-        Err(TokenizerError::UnsupportedPre(pre.to_string()))
+/// Llama 3's names (llama.cpp's `LLAMA3` pre-tokenizer type).
+const LLAMA3: &[&str] = &["llama3", "llama-v3", "llama-bpe"];
+/// Qwen 2's (and Qwen 2.5's, Qwen 3's, the R1 distillations of Qwen's).
+const QWEN2: &[&str] = &["qwen2", "deepseek-r1-qwen"];
+
+/// Llama 3's pattern as Hugging Face's `tokenizer.json` states it; [`split_pattern`] applies its look-ahead
+/// (`\s+(?!\S)`) by hand.
+pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 2's: Llama 3's, with every digit on its own.
+pub const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A vocabulary's pre-tokenizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pre {
+    /// Every digit on its own, then GPT-2's pattern.
+    DigitsThenGpt2,
+    Gpt2,
+    Llama3,
+    Qwen2,
+}
+
+impl Pre {
+    /// The pre-tokenizer `name` names, or an error when this module does not implement it.
+    pub fn of(name: &str) -> Result<Pre, TokenizerError> {
+        match name {
+            n if DIGITS_THEN_GPT2.contains(&n) => Ok(Pre::DigitsThenGpt2),
+            n if GPT2_ONLY.contains(&n) => Ok(Pre::Gpt2),
+            n if LLAMA3.contains(&n) => Ok(Pre::Llama3),
+            n if QWEN2.contains(&n) => Ok(Pre::Qwen2),
+            n => Err(TokenizerError::UnsupportedPre(n.to_string())),
+        }
+    }
+
+    /// Whether a piece that is a whole token of the vocabulary is that token, merges or not (Llama 3's
+    /// `ignore_merges`, as Hugging Face's tokenizer and llama.cpp apply it).
+    pub fn ignores_merges(self) -> bool {
+        self == Pre::Llama3
+    }
+
+    /// The pattern Hugging Face's `tokenizer.json` states for it, when it is not GPT-2's.
+    pub fn pattern(self) -> Option<&'static str> {
+        match self {
+            Pre::Llama3 => Some(LLAMA3_PATTERN),
+            Pre::Qwen2 => Some(QWEN2_PATTERN),
+            Pre::DigitsThenGpt2 | Pre::Gpt2 => None,
+        }
+    }
+
+    /// Calls `piece` for every pre-token of `text`, in order.
+    pub fn split(self, text: &str, piece: impl FnMut(&str)) {
+        match self {
+            Pre::DigitsThenGpt2 => split(text, piece),
+            Pre::Gpt2 => {
+                let mut piece = piece;
+                split_gpt2(text, &mut piece);
+            }
+            Pre::Llama3 => split_pattern(pattern_regex(&LLAMA3_RE, LLAMA3_PATTERN), text, piece),
+            Pre::Qwen2 => split_pattern(pattern_regex(&QWEN2_RE, QWEN2_PATTERN), text, piece),
+        }
     }
 }
 
-/// Whether `pre` isolates every digit before GPT-2's split.
-pub fn isolates_digits(pre: &str) -> bool {
-    DIGITS_THEN_GPT2.contains(&pre)
+static LLAMA3_RE: OnceLock<Regex> = OnceLock::new();
+static QWEN2_RE: OnceLock<Regex> = OnceLock::new();
+
+/// `pattern` compiled without its look-ahead alternative, which [`split_pattern`] applies, and with its
+/// contractions' case spelled out in ASCII (as llama.cpp matches them: Unicode case folding would also take `'ſ`).
+fn pattern_regex(cell: &'static OnceLock<Regex>, pattern: &str) -> &'static Regex {
+    cell.get_or_init(|| {
+        let plain = pattern
+            .replace(r"|\s+(?!\S)", "")
+            .replace("(?i:'s|'t|'re|'ve|'m|'ll|'d)", "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])");
+        Regex::new(&plain).expect("the pre-tokenizer's pattern is a valid regex")
+    })
+}
+
+/// Splits by a Llama 3-style pattern. Its `\s+(?!\S)` alternative (a whitespace run not followed by a non-space)
+/// is applied to what the plain `\s+` alternative matched: a run of two or more without a line break (one with a
+/// line break is taken by `\s*[\r\n]+` before) that more text follows gives its last character to the next piece.
+fn split_pattern(re: &Regex, text: &str, mut piece: impl FnMut(&str)) {
+    let mut pos = 0;
+    while let Some(m) = re.find_at(text, pos) {
+        let run = m.as_str();
+        let mut end = m.end();
+        if end < text.len()
+            && run.chars().all(char::is_whitespace)
+            && !run.contains(['\r', '\n'])
+            && run.chars().nth(1).is_some()
+            && let Some((last, _)) = run.char_indices().next_back()
+        {
+            end = m.start() + last;
+        }
+        piece(&text[m.start()..end]);
+        pos = end;
+    }
 }
 
 fn gpt2() -> &'static Regex {
@@ -34,9 +121,9 @@ fn gpt2() -> &'static Regex {
     RE.get_or_init(|| Regex::new(GPT2_PATTERN).expect("the GPT-2 pattern is a valid regex"))
 }
 
-/// Calls `piece` for every pre-token of `text`, in order. (All supported vocabularies isolate digits: `gpt2`'s
-/// own pattern never joins a digit to a letter, and `\p{N}+` runs are the only difference; see the tests.)
-pub fn split(text: &str, mut piece: impl FnMut(&str)) {
+/// Calls `piece` for every pre-token of `text` as a vocabulary that isolates digits splits it: each digit on its own,
+/// GPT-2's pattern between them. (GPT-2's own keeps `\p{N}+` runs, as llama.cpp's tests of its vocabulary expect.)
+fn split(text: &str, mut piece: impl FnMut(&str)) {
     let mut start = 0;
     for (i, c) in text.char_indices() {
         if c.is_numeric() {

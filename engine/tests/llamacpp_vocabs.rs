@@ -1,0 +1,59 @@
+//! The tokenizer against llama.cpp's own tokenizer tests: the vocabulary-only GGUFs in its `models/` directory,
+//! each with its test strings (`.inp`) and the ids llama.cpp's `test-tokenizer-0` expects for them (`.out`, made
+//! from Hugging Face's tokenizers), encoded as that test encodes them (no BOS, special tokens' text as text). The
+//! files come with llama.cpp's source, which `scripts/llama-cpp.sh` fetches from llama-cpp-python's package on
+//! PyPI (CI fetches it before the tests, for `tests/external.rs`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use engine::gguf::GgufFile;
+use engine::tokenizer::{Tokenizer, TokenizerError};
+
+/// llama.cpp's `models/` directory (the source fetched, llama-server built once, by the script).
+fn models() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join("scripts/llama-cpp.sh")).arg("llama-server").output().expect("runs the script");
+    assert!(out.status.success(), "scripts/llama-cpp.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    // .../llama.cpp/<version>/build-*/bin -> .../llama.cpp/<version>/src/models
+    bin.parent().and_then(Path::parent).expect("the cache's layout").join("src/models")
+}
+
+/// Every test string of `vocab` and the ids expected for it.
+fn cases(models: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {
+    let inp = std::fs::read_to_string(models.join(format!("ggml-vocab-{vocab}.gguf.inp"))).expect("inputs");
+    let out = std::fs::read_to_string(models.join(format!("ggml-vocab-{vocab}.gguf.out"))).expect("outputs");
+    let texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    let ids: Vec<Vec<u32>> =
+        out.split('\n').map(|l| l.split_whitespace().map(|t| t.parse().expect("an id")).collect()).collect();
+    assert_eq!(texts.len(), ids.len(), "{vocab}: one line of ids per test string");
+    // Both files end with an empty entry (after the last separator, and the last newline).
+    texts.iter().zip(ids).take(texts.len() - 1).map(|(t, i)| (t.to_string(), i)).collect()
+}
+
+#[test]
+fn every_vocabulary_this_tokenizer_reads_encodes_as_llama_cpp_expects() {
+    let models = models();
+    // The pre-tokenizers implemented: GPT-2's (digits isolated or not), Llama 3's and Qwen 2's.
+    let supported = ["gpt-2", "starcoder", "refact", "llama-bpe", "qwen2"];
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for vocab in supported {
+        let file = GgufFile::open(&models.join(format!("ggml-vocab-{vocab}.gguf"))).expect("a vocabulary GGUF");
+        let tok = Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{vocab}: {e}"));
+        for (text, want) in cases(&models, vocab) {
+            let got = tok.encode_ordinary(&text);
+            checked += 1;
+            if got != want {
+                failures.push(format!("{vocab} {text:?}: got {got:?}, want {want:?}"));
+            }
+            assert_eq!(tok.decode(&want), text, "{vocab}: the ids decode back to the text");
+        }
+    }
+    assert!(checked > 200, "{checked} strings");
+    assert!(failures.is_empty(), "{} of {checked} differ:\n{}", failures.len(), failures.join("\n"));
+    // One this tokenizer does not implement is refused by name, not tokenized some other way.
+    let file = GgufFile::open(&models.join("ggml-vocab-deepseek-llm.gguf")).expect("a vocabulary GGUF");
+    assert!(matches!(Tokenizer::from_gguf(&file), Err(TokenizerError::UnsupportedPre(_))));
+}
