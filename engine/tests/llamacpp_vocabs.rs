@@ -57,3 +57,24 @@ fn every_vocabulary_this_tokenizer_reads_encodes_as_llama_cpp_expects() {
     let file = GgufFile::open(&models.join("ggml-vocab-deepseek-llm.gguf")).expect("a vocabulary GGUF");
     assert!(matches!(Tokenizer::from_gguf(&file), Err(TokenizerError::UnsupportedPre(_))));
 }
+
+/// A Qwen 2 GGUF serves as a router's text model: its chat template renders a conversation, whose turn markers
+/// tokenize to their special tokens and the rest as llama.cpp tokenizes it, and the ids decode back to the text.
+#[test]
+fn a_qwen_vocabulary_renders_and_tokenizes_a_conversation() {
+    use engine::chat::ChatMessage;
+    let text = engine::text::TextModel::open(&models().join("ggml-vocab-qwen2.gguf")).expect("a text model");
+    let rendered = text.render_chat(&[ChatMessage::new("user", "Count to 1234, please.")]).expect("renders");
+    assert!(
+        rendered.starts_with("<|im_start|>system\n") && rendered.ends_with("<|im_start|>assistant\n"),
+        "{rendered}"
+    );
+    let tok = text.tokenizer();
+    let ids = tok.encode_chat(&rendered);
+    let start = tok.encode("<|im_start|>");
+    assert_eq!(start.len(), 1, "one special token: {start:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == start[0]).count(), 3, "three turns open: {ids:?}");
+    assert_eq!(tok.decode(&ids), rendered);
+    let digits = tok.encode_ordinary(" 1234");
+    assert_eq!(digits.len(), 5, "a space and Qwen's digits one by one: {digits:?}");
+}
