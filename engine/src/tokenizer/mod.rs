@@ -1,15 +1,18 @@
-//! Byte-level BPE tokenizer built from a GGUF's vocabulary, merges and pre-tokenizer name.
+//! The tokenizer built from a GGUF's vocabulary: byte-level BPE (merges and a pre-tokenizer name) or SentencePiece
+//! BPE (scores, [`spm`]).
 //!
-//! Encoding: special (control) tokens are split out of the text first, the rest is pre-tokenized (digits
-//! isolated, then the GPT-2 split), each piece is mapped byte by byte onto GPT-2's printable alphabet and merged
-//! by rank. Decoding maps tokens back to bytes; [`StreamDecoder`] turns a token stream into text without ever
-//! emitting half a UTF-8 character.
+//! Encoding: special (control) tokens are split out of the text first; for byte-level BPE the rest is
+//! pre-tokenized (by the vocabulary's pre-tokenizer), each piece is mapped byte by byte onto GPT-2's printable
+//! alphabet and merged by rank; for SentencePiece each stretch between special tokens is merged by score. Decoding
+//! maps tokens back to bytes; [`StreamDecoder`] turns a token stream into text without ever emitting half a UTF-8
+//! character.
 
 mod bpe;
 pub(crate) mod bytes;
 mod decode;
 pub mod export;
 mod pretokenize;
+mod spm;
 
 use std::collections::HashMap;
 
@@ -21,6 +24,8 @@ use bpe::Merges;
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+/// A SentencePiece vocabulary's byte-fallback token (`<0xXX>`).
+const TOKEN_TYPE_BYTE: i64 = 6;
 
 /// Texts of control tokens that end a generation, as llama.cpp recognizes them: turn and document ends, and the
 /// repository marker of code models, which only ever starts a new document.
@@ -43,7 +48,7 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
 pub enum TokenizerError {
     #[error("tokenizer metadata {key} is missing or has the wrong type")]
     Missing { key: &'static str },
-    #[error("tokenizer model {0:?} is not supported (only byte-level BPE, `gpt2`, is)")]
+    #[error("tokenizer model {0:?} is not supported (byte-level BPE, `gpt2`, and SentencePiece BPE, `llama`, are)")]
     UnsupportedModel(String),
     #[error("tokenizer pre-tokenizer {0:?} is not supported")]
     UnsupportedPre(String),
@@ -79,6 +84,8 @@ pub struct Tokenizer {
     control: Vec<u32>,
     add_bos: bool,
     pre: pretokenize::Pre,
+    /// A SentencePiece vocabulary's merging (then `merges` and `pre` are not used).
+    spm: Option<spm::Spm>,
     /// Every token by its text, for a pre-tokenizer that takes a whole piece as its token before merging
     /// ([`pretokenize::Pre::ignores_merges`]); empty otherwise.
     whole: HashMap<String, u32>,
@@ -151,6 +158,10 @@ pub(crate) struct GgufVocab<'a> {
     /// One type per token (1, normal, when the file gives none).
     pub types: Vec<i64>,
     pub merges: &'a [String],
+    /// A SentencePiece vocabulary's token scores (none for byte-level BPE).
+    pub scores: Option<Vec<f32>>,
+    /// SentencePiece: a space first in each stretch of text after the start or a special token.
+    pub add_space_prefix: bool,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub add_bos: bool,
@@ -161,7 +172,7 @@ impl<'a> GgufVocab<'a> {
         let meta = file.metadata();
         let model = meta.get("tokenizer.ggml.model").and_then(|v| v.as_str());
         let model = model.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.model" })?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(TokenizerError::UnsupportedModel(model.to_string()));
         }
         let pre = meta.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
@@ -177,11 +188,20 @@ impl<'a> GgufVocab<'a> {
         };
         let types = types.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.token_type" })?;
         let id_of = |k: &str| meta.get(k).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
+        let (merges, scores) = match model {
+            "llama" => match meta.get("tokenizer.ggml.scores").and_then(|v| v.as_array()) {
+                Some(MetaArray::F32(s)) if s.len() == tokens.len() => (&[][..], Some(s.clone())),
+                _ => return Err(TokenizerError::Missing { key: "tokenizer.ggml.scores" }),
+            },
+            _ => (strings("tokenizer.ggml.merges")?, None),
+        };
         Ok(GgufVocab {
             pre,
             tokens,
             types,
-            merges: strings("tokenizer.ggml.merges")?,
+            merges,
+            scores,
+            add_space_prefix: meta.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()).unwrap_or(true),
             bos: id_of("tokenizer.ggml.bos_token_id"),
             eos: id_of("tokenizer.ggml.eos_token_id"),
             add_bos: meta.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
@@ -192,28 +212,26 @@ impl<'a> GgufVocab<'a> {
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes.
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
-        let v = GgufVocab::read(file)?;
-        Tokenizer::new(v.tokens.to_vec(), &v.types, v.merges, v.bos, v.eos, v.add_bos, pretokenize::Pre::of(v.pre)?)
+        Tokenizer::new(GgufVocab::read(file)?)
     }
 
-    fn new(
-        tokens: Vec<String>,
-        types: &[i64],
-        merges: &[String],
-        bos: Option<u32>,
-        eos: Option<u32>,
-        add_bos: bool,
-        pre: pretokenize::Pre,
-    ) -> Result<Tokenizer, TokenizerError> {
+    fn new(v: GgufVocab) -> Result<Tokenizer, TokenizerError> {
+        let spm = v.scores.map(|scores| spm::Spm::new(v.tokens, scores, v.add_space_prefix));
+        let pre = pretokenize::Pre::of(v.pre)?;
+        let (tokens, types, merges, bos, eos, add_bos) =
+            (v.tokens.to_vec(), &v.types, v.merges, v.bos, v.eos, v.add_bos);
         let index: HashMap<&str, u32> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
-        let whole = match pre.ignores_merges() {
+        let whole = match pre.ignores_merges() && spm.is_none() {
             true => index.iter().map(|(t, i)| (t.to_string(), *i)).collect(),
             false => HashMap::new(),
         };
         let merges = Merges::new(merges, &index)?;
         let mut byte_ids = [None; 256];
         for b in 0..=255u8 {
-            byte_ids[b as usize] = index.get(bytes::byte_to_char(b).to_string().as_str()).copied();
+            byte_ids[b as usize] = match spm {
+                Some(_) => index.get(format!("<0x{b:02X}>").as_str()).copied(),
+                None => index.get(bytes::byte_to_char(b).to_string().as_str()).copied(),
+            };
         }
         let is_special = |i: usize| matches!(types[i], TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED);
         let mut specials: Vec<(String, u32)> = (0..tokens.len())
@@ -226,7 +244,11 @@ impl Tokenizer {
             special_first[s.as_bytes()[0] as usize] = true;
         }
         let token_bytes = (0..tokens.len())
-            .map(|i| if is_special(i) { tokens[i].as_bytes().to_vec() } else { bytes::token_to_bytes(&tokens[i]) })
+            .map(|i| match (is_special(i), &spm) {
+                (true, _) => tokens[i].as_bytes().to_vec(),
+                (false, Some(_)) => spm::Spm::token_bytes(&tokens[i], types[i] == TOKEN_TYPE_BYTE),
+                (false, None) => bytes::token_to_bytes(&tokens[i]),
+            })
             .collect();
         let mut end_of_generation: Vec<u32> = (0..tokens.len())
             .filter(|&i| types[i] == TOKEN_TYPE_CONTROL && END_OF_GENERATION_TEXTS.contains(&tokens[i].as_str()))
@@ -247,6 +269,7 @@ impl Tokenizer {
             control,
             add_bos,
             pre,
+            spm,
             whole,
             words: WordCache::default(),
         })
@@ -346,12 +369,17 @@ impl Tokenizer {
             out.extend(self.special.bos);
         }
         let mut rest = text;
+        // SentencePiece: a stretch after the start or a special token gets a space first.
+        let mut after_special = true;
         while !rest.is_empty() {
             let (plain, special) = self.next_special(rest);
-            self.encode_plain(&rest[..plain], &mut out);
+            if plain > 0 {
+                self.encode_plain(&rest[..plain], after_special, &mut out);
+            }
             match special {
                 Some((len, id)) => {
                     out.push(id);
+                    after_special = true;
                     rest = &rest[plain + len..];
                 }
                 None => rest = "",
@@ -364,7 +392,9 @@ impl Tokenizer {
     /// llama.cpp's tokenizer tests ask of it).
     pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
-        self.encode_plain(text, &mut out);
+        if !text.is_empty() {
+            self.encode_plain(text, true, &mut out);
+        }
         out
     }
 
@@ -384,7 +414,11 @@ impl Tokenizer {
         (text.len(), None)
     }
 
-    fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
+    /// A stretch of text with no special token in it (`after_special`: after the start or a special token).
+    fn encode_plain(&self, text: &str, after_special: bool, out: &mut Vec<u32>) {
+        if let Some(spm) = &self.spm {
+            return spm.encode(text, after_special, out);
+        }
         let merge = |piece: &str| {
             if !self.whole.is_empty() {
                 let spelled: String = piece.bytes().map(bytes::byte_to_char).collect();
