@@ -11,7 +11,7 @@ use regex::Regex;
 use super::TokenizerError;
 
 /// Pre-tokenizers whose rule is "isolate digits, then GPT-2's pattern".
-const DIGITS_THEN_GPT2: &[&str] = &["smollm", "starcoder", "refact", "codeshell", "exaone", "minerva"];
+const DIGITS_THEN_GPT2: &[&str] = &["smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r"];
 /// Pre-tokenizers whose rule is GPT-2's pattern alone.
 const GPT2_ONLY: &[&str] = &["gpt2", "gpt-2", "default"];
 
@@ -19,13 +19,15 @@ const GPT2_ONLY: &[&str] = &["gpt2", "gpt-2", "default"];
 const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
 
 /// Llama 3's names (llama.cpp's `LLAMA3` pre-tokenizer type).
-const LLAMA3: &[&str] = &["llama3", "llama-v3", "llama-bpe"];
+const LLAMA3: &[&str] = &["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral"];
 /// Qwen 2's (and Qwen 2.5's, Qwen 3's, the R1 distillations of Qwen's).
 const QWEN2: &[&str] = &["qwen2", "deepseek-r1-qwen"];
 
 /// Llama 3's pattern as Hugging Face's `tokenizer.json` states it; [`split_pattern`] applies its look-ahead
 /// (`\s+(?!\S)`) by hand.
 pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 3.5's: Qwen 2's, with combining marks (`\p{M}`) counted with letters.
+pub const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen 2's: Llama 3's, with every digit on its own.
 pub const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -38,6 +40,7 @@ pub enum Pre {
     Gpt2,
     Llama3,
     Qwen2,
+    Qwen35,
 }
 
 impl Pre {
@@ -48,6 +51,7 @@ impl Pre {
             n if GPT2_ONLY.contains(&n) => Ok(Pre::Gpt2),
             n if LLAMA3.contains(&n) => Ok(Pre::Llama3),
             n if QWEN2.contains(&n) => Ok(Pre::Qwen2),
+            "qwen35" => Ok(Pre::Qwen35),
             n => Err(TokenizerError::UnsupportedPre(n.to_string())),
         }
     }
@@ -63,6 +67,7 @@ impl Pre {
         match self {
             Pre::Llama3 => Some(LLAMA3_PATTERN),
             Pre::Qwen2 => Some(QWEN2_PATTERN),
+            Pre::Qwen35 => Some(QWEN35_PATTERN),
             Pre::DigitsThenGpt2 | Pre::Gpt2 => None,
         }
     }
@@ -77,12 +82,14 @@ impl Pre {
             }
             Pre::Llama3 => split_pattern(pattern_regex(&LLAMA3_RE, LLAMA3_PATTERN), text, piece),
             Pre::Qwen2 => split_pattern(pattern_regex(&QWEN2_RE, QWEN2_PATTERN), text, piece),
+            Pre::Qwen35 => split_pattern(pattern_regex(&QWEN35_RE, QWEN35_PATTERN), text, piece),
         }
     }
 }
 
 static LLAMA3_RE: OnceLock<Regex> = OnceLock::new();
 static QWEN2_RE: OnceLock<Regex> = OnceLock::new();
+static QWEN35_RE: OnceLock<Regex> = OnceLock::new();
 
 /// `pattern` compiled without its look-ahead alternative, which [`split_pattern`] applies, and with its
 /// contractions' case spelled out in ASCII (as llama.cpp matches them: Unicode case folding would also take `'ſ`).
