@@ -98,6 +98,22 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        // What transformers gives templates beyond Jinja: Python's methods on strings, lists and dicts, and the
+        // date (Llama 3.2's and 3.3's templates write today's into the system turn).
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", |v: minijinja::Value, args: minijinja::value::Kwargs| {
+            let indent: Option<usize> = args.get("indent")?;
+            args.assert_all_used()?;
+            let bad = |e: serde_json::Error| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string());
+            let mut out = String::new();
+            python_json(&serde_json::to_value(&v).map_err(bad)?, indent, 0, &mut out);
+            Ok::<_, minijinja::Error>(minijinja::Value::from_safe_string(out))
+        });
+        env.add_function("strftime_now", |format: String| -> Result<String, minijinja::Error> {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            crate::datetime::strftime(now.as_secs(), &format)
+                .map_err(|why| minijinja::Error::new(ErrorKind::InvalidOperation, why))
+        });
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| TemplateError(e.to_string()))?;
         let read = env.get_template(NAME).map_err(|e| TemplateError(e.to_string()))?.undeclared_variables(false);
         let arguments = read
@@ -181,6 +197,48 @@ impl ChatTemplate {
     }
 }
 
+/// JSON as Python's `json.dumps` writes it for transformers' `tojson` (what the models' templates were trained on):
+/// `", "` and `": "` between items and keys (`","` and newlines with `indent`), non-ASCII text as it is.
+fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let separator = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (k, item) in items.iter().enumerate() {
+                if k > 0 {
+                    out.push_str(separator);
+                }
+                newline(out, depth + 1);
+                python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (k, (key, item)) in map.iter().enumerate() {
+                if k > 0 {
+                    out.push_str(separator);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Value::from(key.as_str()).to_string());
+                out.push_str(": ");
+                python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,6 +257,30 @@ mod tests {
         let t = ChatTemplate::new(src, "", "").expect("compiles");
         let chat = [ChatMessage::new("user", "hi").named(Some("ann".into())), ChatMessage::new("user", "yo")];
         assert_eq!(t.render(&chat, false).expect("renders"), "user(ann): hi\nuser: yo\n");
+    }
+
+    /// What Hugging Face templates use beyond Jinja renders as transformers renders it: `tojson` (Qwen 2.5's and
+    /// Llama 3.1's tools), Python's string and dict methods (Qwen 3's `split`, `strip`, `startswith`, `items`) and
+    /// `strftime_now` (Llama 3.2's date); none is taken for a template argument.
+    #[test]
+    fn hugging_face_template_extras_render() {
+        let src = "{% for t in tools %}{{ t | tojson }}\n{% endfor %}\
+                   {% for m in messages %}{% set parts = m.content.split('</think>') %}\
+                   {{ parts[-1].strip() }}|{{ m.content.startswith('<think>') }}|\
+                   {% for k, v in {'a': 1}.items() %}{{ k }}={{ v }}{% endfor %}{% endfor %}|\
+                   {{ strftime_now('%Y') | length }}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        assert!(t.arguments().is_empty(), "{:?}", t.arguments());
+        let tool = serde_json::json!({"type": "function", "function": {"name": "now"}});
+        let chat = [ChatMessage::new("assistant", "<think>hm</think>  Yes. ")];
+        let out = t.render_with(&chat, ChatExtras { tools: &[tool], arguments: None }, false).expect("renders");
+        // A boolean prints as Python prints it.
+        assert_eq!(out, "{\"function\": {\"name\": \"now\"}, \"type\": \"function\"}\nYes.|True|a=1|4");
+        // With an indent, as Python indents.
+        let t = ChatTemplate::new("{{ tools[0] | tojson(indent=2) }}", "", "").expect("compiles");
+        let tool = serde_json::json!({"a": [1, "é"], "b": {}});
+        let out = t.render_with(&[], ChatExtras { tools: &[tool], arguments: None }, false).expect("renders");
+        assert_eq!(out, "{\n  \"a\": [\n    1,\n    \"é\"\n  ],\n  \"b\": {}\n}");
     }
 
     /// Qwen3's templates show an earlier turn's thinking from `message.reasoning_content`.

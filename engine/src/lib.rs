@@ -10,6 +10,7 @@ pub mod backend;
 pub mod bench;
 pub mod chat;
 mod columns;
+mod datetime;
 pub mod fetch;
 pub mod forward;
 pub mod generate;
