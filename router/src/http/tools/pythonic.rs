@@ -17,19 +17,10 @@ pub fn calls(s: &str) -> Option<(Vec<Call>, &str)> {
     let mut p = Reader { s, at: 0, depth: 0 };
     p.expect('[')?;
     let mut calls = Vec::new();
-    loop {
-        p.space();
-        if p.eat(']') {
-            break;
-        }
+    p.items(']', |p| {
         calls.push(p.call()?);
-        p.space();
-        if !p.eat(',') {
-            p.space();
-            p.expect(']')?;
-            break;
-        }
-    }
+        Some(())
+    })?;
     Some((calls, &s[p.at..]))
 }
 
@@ -68,6 +59,25 @@ impl Reader<'_> {
         self.eat(c).then_some(())
     }
 
+    /// The comma-separated items up to `close` (a trailing comma allowed), each read by `item`; whether the last
+    /// one had a comma after it.
+    fn items(&mut self, close: char, mut item: impl FnMut(&mut Self) -> Option<()>) -> Option<bool> {
+        let mut comma = false;
+        loop {
+            self.space();
+            if self.eat(close) {
+                return Some(comma);
+            }
+            item(self)?;
+            self.space();
+            comma = self.eat(',');
+            if !comma {
+                self.expect(close)?;
+                return Some(false);
+            }
+        }
+    }
+
     fn identifier(&mut self) -> Option<&str> {
         let rest = self.rest();
         let len = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
@@ -84,25 +94,14 @@ impl Reader<'_> {
         let name = self.identifier()?.to_string();
         self.expect('(')?;
         let mut arguments = Map::new();
-        loop {
-            self.space();
-            if self.eat(')') {
-                break;
-            }
-            let key = self.identifier()?.to_string();
-            self.expect('=')?;
-            self.space();
-            let value = self.value()?;
+        self.items(')', |p| {
+            let key = p.identifier()?.to_string();
+            p.expect('=')?;
+            p.space();
+            let value = p.value()?;
             // Python refuses a keyword given twice.
-            if arguments.insert(key, value).is_some() {
-                return None;
-            }
-            self.space();
-            if !self.eat(',') {
-                self.expect(')')?;
-                break;
-            }
-        }
+            arguments.insert(key, value).is_none().then_some(())
+        })?;
         Some((name, arguments))
     }
 
@@ -134,20 +133,10 @@ impl Reader<'_> {
     fn sequence(&mut self, open: char, close: char) -> Option<Value> {
         self.eat(open);
         let mut items = Vec::new();
-        let mut comma = false;
-        loop {
-            self.space();
-            if self.eat(close) {
-                break;
-            }
-            items.push(self.value()?);
-            self.space();
-            comma = self.eat(',');
-            if !comma {
-                self.expect(close)?;
-                break;
-            }
-        }
+        let comma = self.items(close, |p| {
+            items.push(p.value()?);
+            Some(())
+        })?;
         if open == '(' && items.len() == 1 && !comma {
             return items.pop();
         }
@@ -157,12 +146,8 @@ impl Reader<'_> {
     fn dict(&mut self) -> Option<Value> {
         self.eat('{');
         let mut map = Map::new();
-        loop {
-            self.space();
-            if self.eat('}') {
-                break;
-            }
-            let key = match self.value()? {
+        self.items('}', |p| {
+            let key = match p.value()? {
                 Value::String(s) => s,
                 // As `json.dumps` writes number and constant keys.
                 Value::Number(n) => n.to_string(),
@@ -170,16 +155,11 @@ impl Reader<'_> {
                 Value::Null => "null".to_string(),
                 _ => return None,
             };
-            self.expect(':')?;
-            self.space();
-            let value = self.value()?;
-            map.insert(key, value);
-            self.space();
-            if !self.eat(',') {
-                self.expect('}')?;
-                break;
-            }
-        }
+            p.expect(':')?;
+            p.space();
+            map.insert(key, p.value()?);
+            Some(())
+        })?;
         Some(Value::Object(map))
     }
 
