@@ -408,8 +408,21 @@ fn text_logprobs(entries: &Value, text: &str, after_thinking: bool) -> Value {
     Value::Array(kept)
 }
 
+/// The ids of a response's items: its one reasoning item, its one message, its call `k`.
+pub fn reasoning_id(id: &str) -> String {
+    format!("rs_{id}")
+}
+
+pub fn message_id(id: &str) -> String {
+    format!("msg_{id}")
+}
+
+pub fn call_item_id(id: &str, k: usize) -> String {
+    format!("fc_{id}{k:02x}")
+}
+
 pub fn reasoning_item(id: &str, thought: &str) -> Value {
-    json!({"type": "reasoning", "id": format!("rs_{id}"), "summary": [],
+    json!({"type": "reasoning", "id": reasoning_id(id), "summary": [],
            "content": [{"type": "reasoning_text", "text": thought}]})
 }
 
@@ -419,11 +432,11 @@ pub fn message_item(id: &str, text: &str, status: &str) -> Value {
     } else {
         json!([{"type": "output_text", "text": text, "annotations": []}])
     };
-    json!({"type": "message", "id": format!("msg_{id}"), "status": status, "role": "assistant", "content": content})
+    json!({"type": "message", "id": message_id(id), "status": status, "role": "assistant", "content": content})
 }
 
 pub fn call_item(id: &str, k: usize, call_id: &Value, name: &Value, arguments: &str, status: &str) -> Value {
-    json!({"type": "function_call", "id": format!("fc_{id}{k:02x}"), "call_id": call_id, "name": name,
+    json!({"type": "function_call", "id": call_item_id(id, k), "call_id": call_id, "name": name,
            "arguments": arguments, "status": status})
 }
 

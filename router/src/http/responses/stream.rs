@@ -5,7 +5,10 @@
 
 use serde_json::{Value, json};
 
-use super::{Asked, Done, call_item, ids, message_item, reasoning_item, response, text_logprobs, usage};
+use super::{
+    Asked, Done, call_item, call_item_id, ids, message_id, message_item, reasoning_id, reasoning_item, response,
+    text_logprobs, usage,
+};
 
 /// The item being streamed.
 #[derive(Debug)]
@@ -79,7 +82,7 @@ impl Events {
         if let Some(thought) = delta["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
             if !matches!(self.open, Some(Open::Reasoning(_))) {
                 self.close(&mut out);
-                let item = json!({"type": "reasoning", "id": format!("rs_{}", self.id), "summary": [], "content": []});
+                let item = json!({"type": "reasoning", "id": reasoning_id(&self.id), "summary": [], "content": []});
                 out.push(self.added(item));
                 self.open = Some(Open::Reasoning(String::new()));
             }
@@ -87,7 +90,7 @@ impl Events {
                 text.push_str(thought);
             }
             self.thought = true;
-            let e = json!({"type": "response.reasoning_text.delta", "item_id": format!("rs_{}", self.id),
+            let e = json!({"type": "response.reasoning_text.delta", "item_id": reasoning_id(&self.id),
                            "output_index": self.output.len(), "content_index": 0, "delta": thought});
             out.push(self.event(e));
         }
@@ -96,17 +99,15 @@ impl Events {
                 self.close(&mut out);
                 out.push(self.added(message_item(&self.id, "", "in_progress")));
                 let part = json!({"type": "output_text", "text": "", "annotations": []});
-                out.push(
-                    self.event(json!({"type": "response.content_part.added", "item_id": format!("msg_{}", self.id),
-                                           "output_index": self.output.len(), "content_index": 0, "part": part})),
-                );
+                out.push(self.event(json!({"type": "response.content_part.added", "item_id": message_id(&self.id),
+                                           "output_index": self.output.len(), "content_index": 0, "part": part})));
                 self.open = Some(Open::Message(String::new()));
             }
             if let Some(Open::Message(all)) = &mut self.open {
                 all.push_str(text);
             }
             let lps = entries.map_or(json!([]), |e| Value::Array(e.clone()));
-            let e = json!({"type": "response.output_text.delta", "item_id": format!("msg_{}", self.id),
+            let e = json!({"type": "response.output_text.delta", "item_id": message_id(&self.id),
                            "output_index": self.output.len(), "content_index": 0, "delta": text, "logprobs": lps});
             out.push(self.event(e));
         }
@@ -124,7 +125,7 @@ impl Events {
                 arguments.push_str(piece);
             }
             if !piece.is_empty() {
-                let e = json!({"type": "response.function_call_arguments.delta", "item_id": format!("fc_{}{k:02x}", self.id),
+                let e = json!({"type": "response.function_call_arguments.delta", "item_id": call_item_id(&self.id, k),
                                "output_index": self.output.len(), "delta": piece});
                 out.push(self.event(e));
             }
@@ -168,13 +169,13 @@ impl Events {
         let item = match self.open.take() {
             None => return,
             Some(Open::Reasoning(text)) => {
-                let e = json!({"type": "response.reasoning_text.done", "item_id": format!("rs_{}", self.id),
+                let e = json!({"type": "response.reasoning_text.done", "item_id": reasoning_id(&self.id),
                                "output_index": index, "content_index": 0, "text": text});
                 out.push(self.event(e));
                 reasoning_item(&self.id, &text)
             }
             Some(Open::Message(text)) => {
-                let item_id = format!("msg_{}", self.id);
+                let item_id = message_id(&self.id);
                 let lps = text_logprobs(&Value::Array(self.logprobs.clone()), &text, self.thought);
                 let e = json!({"type": "response.output_text.done", "item_id": item_id, "output_index": index,
                                "content_index": 0, "text": text, "logprobs": lps});
@@ -193,7 +194,7 @@ impl Events {
                 item
             }
             Some(Open::Call { k, call_id, name, arguments }) => {
-                let e = json!({"type": "response.function_call_arguments.done", "item_id": format!("fc_{}{k:02x}", self.id),
+                let e = json!({"type": "response.function_call_arguments.done", "item_id": call_item_id(&self.id, k),
                                "output_index": index, "arguments": arguments});
                 out.push(self.event(e));
                 call_item(&self.id, k, &call_id, &name, &arguments, "completed")
