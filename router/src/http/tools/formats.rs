@@ -158,10 +158,15 @@ fn leading(text: &str, sent: usize, first: &str, marker: &str) -> Scan {
     }
 }
 
+/// The function of this name among the request's (a call of any other is not a call).
+fn known<'f>(functions: &'f [Function], name: &str) -> Option<&'f Function> {
+    functions.iter().find(|f| f.name == name)
+}
+
 /// A call object's function (one of `functions`) and its arguments as JSON text, from the first of `keys` present
 /// (given as text, taken as it is; absent or null, `{}`).
 fn call_of(call: &Value, functions: &[Function], keys: &[&str]) -> Option<(String, String)> {
-    let name = call.get("name")?.as_str().filter(|n| functions.iter().any(|f| f.name == *n))?;
+    let name = call.get("name")?.as_str().filter(|n| known(functions, n).is_some())?;
     let arguments = match keys.iter().find_map(|k| call.get(*k)) {
         None | Some(Value::Null) => "{}".to_string(),
         Some(Value::String(s)) => s.clone(),
@@ -198,7 +203,7 @@ fn blocks(mut rest: &str, mut call: impl FnMut(&str) -> Option<(String, String)>
 fn qwen3_coder(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
     blocks(text, |body| {
         let (name, mut rest) = body.strip_prefix("<function=")?.split_once('>')?;
-        let function = functions.iter().find(|f| f.name == name.trim())?;
+        let function = known(functions, name.trim())?;
         let mut arguments = serde_json::Map::new();
         loop {
             rest = rest.trim_start();
@@ -292,7 +297,7 @@ fn mistral(mut rest: &str, functions: &[Function]) -> Option<Vec<(String, String
             }
             tail = tail.strip_prefix(ARGS).unwrap_or(tail).trim_start();
             let (arguments, after) = json_prefix(tail)?;
-            if !arguments.is_object() || !functions.iter().any(|f| f.name == name) {
+            if !arguments.is_object() || known(functions, name).is_none() {
                 return None;
             }
             calls.push((name.to_string(), arguments.to_string()));
@@ -314,7 +319,7 @@ fn pythonic_calls(text: &str, functions: &[Function]) -> Option<Vec<(String, Str
     calls
         .into_iter()
         .map(|(name, arguments)| {
-            functions.iter().any(|f| f.name == name).then(|| (name, Value::Object(arguments).to_string()))
+            known(functions, &name).is_some().then(|| (name, Value::Object(arguments).to_string()))
         })
         .collect()
 }
