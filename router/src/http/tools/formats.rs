@@ -466,11 +466,4 @@ mod tests {
             assert_eq!(parse(not_calls), None, "{not_calls}");
         }
     }
-
-    #[test]
-    fn the_formats_that_need_the_control_text_and_short_ids_are_mistrals() {
-        for (_, p) in NAMES {
-            assert_eq!((p.needs_control_text(), p.short_ids()), (p == ToolParser::Mistral, p == ToolParser::Mistral));
-        }
-    }
 }
