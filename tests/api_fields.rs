@@ -998,11 +998,12 @@ async fn mistral_tool_calls_are_parsed_with_ids_its_templates_take() {
     stop(router, workers).await;
 }
 
-/// A reasoning model's thinking (`--reasoning-parser deepseek_r1`) comes apart from its answer, whole and streamed,
-/// and tool calls (`hermes`) are read from the answer after it; `include_reasoning: false` leaves it out, and a turn
-/// that carries it goes back to the template. The served model does not think by itself: a regular expression makes
-/// it write the block (under a grammar only an answer that opens the block thinks), and without one its whole answer
-/// is thinking, as DeepSeek R1's, whose template opens the block in the prompt, would be.
+/// A reasoning model's thinking (`--reasoning-parser deepseek_r1`) comes apart from its answer, whole and streamed;
+/// a grammar holds only after it, and tool calls (`hermes`) are read from the answer after it; `include_reasoning:
+/// false` leaves it out, and a turn that carries it goes back to the template. The served model does not think by
+/// itself: shown two turns that think in `<think>` … `</think>` first, it writes its answer the same way, and
+/// without them its whole answer is thinking, as DeepSeek R1's, whose template opens the block in the prompt, would
+/// be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thinking_comes_apart_from_the_answer_and_its_calls() {
     let ca = DevCa::generate().expect("ca");
@@ -1013,57 +1014,59 @@ async fn thinking_comes_apart_from_the_answer_and_its_calls() {
     };
     let (workers, router) = cluster_with(&ca, &[Role::Both], |w| w, parsers).await;
     let question = json!({"role": "user", "content": "Is the sky blue?"});
+    let shown = json!([
+        {"role": "system", "content": "Think first inside <think> and </think>, then answer."},
+        {"role": "user", "content": "Is fire hot?"},
+        {"role": "assistant", "content": "<think>\nFire burns.\n</think>\n\nYes."},
+        {"role": "user", "content": "Is ice cold?"},
+        {"role": "assistant", "content": "<think>\nIce is frozen.\n</think>\n\nYes."},
+        question,
+    ]);
     let ask = |extra: Value| {
-        let base = json!({"model": MODEL, "max_tokens": 40, "temperature": 0, "messages": [question]});
+        let base = json!({"model": MODEL, "max_tokens": 60, "temperature": 0, "messages": shown});
         merged(base, &extra)
     };
     let post = |body: String| {
         let addr = router.addr;
         async move { http(addr, "POST", "/v1/chat/completions", &body, &[]).await }
     };
-    let thought = json!({"structured_outputs": {"regex": r"<think>\nHmm, skies\.\n</think>\n\nYes\."}});
-    let r = post(ask(thought.clone())).await;
+    let r = post(ask(json!({}))).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     let message = &v["choices"][0]["message"];
-    assert_eq!(
-        (&message["reasoning_content"], &message["reasoning"]),
-        (&json!("\nHmm, skies.\n"), &json!("\nHmm, skies.\n"))
-    );
-    assert_eq!(message["content"], "\n\nYes.", "{v}");
+    let (thought, answer) = (message["reasoning_content"].clone(), message["content"].clone());
+    assert_eq!(message["reasoning"], thought);
+    let thinks = thought.as_str().is_some_and(|t| !t.trim().is_empty() && !t.contains("think>"));
+    assert!(thinks && answer.as_str().is_some_and(|a| !a.trim().is_empty()), "{v}");
     // Streamed: the thinking in its own deltas, then the answer.
-    let mut streamed = thought.clone();
-    streamed["stream"] = json!(true);
-    let r = post(ask(streamed)).await;
+    let r = post(ask(json!({"stream": true}))).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let chunks = json_chunks(&r);
     let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
-    let part = |key: &str| deltas.iter().filter_map(|d| d[key].as_str()).collect::<String>();
-    assert_eq!(
-        (part("reasoning_content"), part("content")),
-        ("\nHmm, skies.\n".into(), "\n\nYes.".into()),
-        "{chunks:?}"
-    );
+    let part = |key: &str| json!(deltas.iter().filter_map(|d| d[key].as_str()).collect::<String>());
+    assert_eq!((part("reasoning_content"), part("content")), (thought.clone(), answer.clone()), "{chunks:?}");
     assert!(deltas.iter().all(|d| d["reasoning"] == d["reasoning_content"]), "{chunks:?}");
     // Left out when asked.
-    let mut hidden = thought;
-    hidden["include_reasoning"] = json!(false);
-    let v = post(ask(hidden)).await.json();
+    let v = post(ask(json!({"include_reasoning": false}))).await.json();
     assert!(v["choices"][0]["message"].get("reasoning_content").is_none(), "{v}");
-    assert_eq!(v["choices"][0]["message"]["content"], "\n\nYes.", "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], answer, "{v}");
+    // A grammar holds the answer after the thinking, which stays the model's own.
+    let v = post(ask(json!({"response_format": {"type": "json_object"}}))).await.json();
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"], thought, "{v}");
+    let content = message["content"].as_str().unwrap_or_else(|| panic!("{v}"));
+    let object: Value = serde_json::from_str(content.trim_start()).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert!(object.is_object(), "{v}");
     // Thinking, then a call in the answer after it.
     let now = json!({"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}});
-    let call = r#"<think>Time\.</think><tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>"#;
-    let v = post(ask(json!({"tools": [now], "structured_outputs": {"regex": call}}))).await.json();
+    let v = post(ask(json!({"tools": [now], "tool_choice": "required"}))).await.json();
     let choice = &v["choices"][0];
-    assert_eq!(
-        (&choice["message"]["reasoning_content"], &choice["message"]["content"]),
-        (&json!("Time."), &Value::Null)
-    );
+    assert_eq!(choice["message"]["reasoning_content"], thought, "{v}");
     assert_eq!(choice["message"]["tool_calls"][0]["function"]["name"], "now", "{v}");
     assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
-    // Without a grammar the model never closes the block: all of its answer is thinking, and no content.
-    let v = post(ask(json!({}))).await.json();
+    // Without the turns shown, the model never closes the block: all of its answer is thinking, and no content.
+    let alone = json!({"model": MODEL, "max_tokens": 40, "temperature": 0, "messages": [question]});
+    let v = post(alone.to_string()).await.json();
     let message = &v["choices"][0]["message"];
     assert!(
         message["reasoning_content"].as_str().is_some_and(|t| !t.is_empty()) && message["content"].is_null(),

@@ -26,6 +26,26 @@ pub enum Grammar {
     Lark(String),
 }
 
+/// Where a reasoning model's thinking comes before what the grammar holds. vLLM, run with a reasoning parser, holds
+/// a grammar from the end of the thinking; without this, the grammar would hold from the first token and a model
+/// whose prompt opened its thinking would have to answer inside it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Thinking {
+    /// No thinking: the grammar holds from the first token.
+    #[default]
+    None,
+    /// The output starts inside a thinking block the prompt opened (DeepSeek R1's templates end with `<think>`): any
+    /// text up to the first `</think>`, then what the grammar holds.
+    Open,
+    /// The output may open with a thinking block, `<think>` … `</think>` (Qwen 3's hybrid models), and the grammar
+    /// holds after it, or from the first token when it does not.
+    Optional,
+}
+
+/// The markers of a thinking block, as vLLM's reasoning parsers for DeepSeek R1 and Qwen 3 read them.
+const THINK_START: &str = "<think>";
+const THINK_END: &str = "</think>";
+
 /// Why a grammar cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GrammarError {
@@ -165,10 +185,20 @@ impl Grammars {
         built.as_ref().map_err(|e| GrammarError::Compile(e.clone()))
     }
 
-    /// A fresh matcher for `grammar` that has taken `generated` (the tokens of the output so far).
-    pub fn matcher(&self, grammar: &Grammar, generated: &[u32]) -> Result<Constrained, GrammarError> {
+    /// A fresh matcher for `grammar`, after the output's `thinking`, that has taken `generated` (the tokens of the
+    /// output so far).
+    pub fn matcher(
+        &self,
+        grammar: &Grammar,
+        thinking: Thinking,
+        generated: &[u32],
+    ) -> Result<Constrained, GrammarError> {
         let factory = self.factory()?;
-        let parser = factory.create_parser(grammar.top_level()?).map_err(|e| GrammarError::Compile(e.to_string()))?;
+        let top = match thinking {
+            Thinking::None => grammar.top_level()?,
+            Thinking::Open | Thinking::Optional => self.after_thinking(grammar.top_level()?, thinking),
+        };
+        let parser = factory.create_parser(top).map_err(|e| GrammarError::Compile(e.to_string()))?;
         let mut m = Constrained {
             matcher: Matcher::new(Ok(parser)),
             eos: self.text.tokenizer().special().end_of_generation.clone(),
@@ -179,6 +209,41 @@ impl Grammars {
         }
         m.take(generated)?;
         Ok(m)
+    }
+}
+
+impl Grammars {
+    /// `answer` preceded by a thinking block: a Lark grammar whose thinking is any text up to the first `</think>`,
+    /// then optional whitespace (models write a blank line there), then `answer` as a grammar of its own. A marker
+    /// that is one special token of the vocabulary (Qwen 3's, DeepSeek R1's) is that token, since no text spells
+    /// it; otherwise it is text. The thinking must end before the output can: end-of-generation tokens are not
+    /// part of it.
+    fn after_thinking(&self, answer: TopLevelGrammar, thinking: Thinking) -> TopLevelGrammar {
+        let tokenizer = self.text.tokenizer();
+        let thought = match tokenizer.special_id(THINK_END) {
+            Some(end) => {
+                let mut not = vec![end];
+                not.extend(&tokenizer.special().end_of_generation);
+                let not: Vec<String> = not.iter().map(u32::to_string).collect();
+                format!("thought: <[^{}]>* <[{end}]>", not.join(","))
+            }
+            None => "thought[lazy]: /(.|\\n)*<\\/think>/".to_string(),
+        };
+        let open = match tokenizer.special_id(THINK_START) {
+            Some(start) => format!("<[{start}]>"),
+            None => format!("{THINK_START:?}"),
+        };
+        let start = match thinking {
+            Thinking::Optional => format!("start: ({open} thought WS?)? @answer"),
+            Thinking::Open | Thinking::None => "start: thought WS? @answer".to_string(),
+        };
+        let lark = format!("{start}\n{thought}\nWS: /[ \\t\\r\\n]+/\n");
+        let mut grammars = vec![llguidance::api::GrammarWithLexer::from_lark(lark)];
+        grammars.extend(answer.grammars.into_iter().take(1).map(|mut g| {
+            g.name = Some("answer".to_string());
+            g
+        }));
+        TopLevelGrammar { grammars, max_tokens: answer.max_tokens }
     }
 }
 

@@ -48,6 +48,7 @@ pub struct SamplingParams {
     logprobs: Option<u32>,
     prompt_logprobs: Option<u32>,
     grammar: Option<crate::grammar::Grammar>,
+    thinking: crate::grammar::Thinking,
 }
 
 /// What changes the logits before sampling (all off by default).
@@ -181,6 +182,8 @@ pub struct RawSampling {
     pub prompt_logprobs: Option<u32>,
     /// What the output must match (structured outputs); compiled when the sequence is created.
     pub grammar: Option<crate::grammar::Grammar>,
+    /// The thinking that comes before what `grammar` holds (none without a grammar).
+    pub thinking: crate::grammar::Thinking,
 }
 
 impl Default for RawSampling {
@@ -200,6 +203,7 @@ impl Default for RawSampling {
             logprobs: None,
             prompt_logprobs: None,
             grammar: None,
+            thinking: crate::grammar::Thinking::None,
         }
     }
 }
@@ -264,6 +268,7 @@ impl SamplingParams {
             logprobs: raw.logprobs,
             prompt_logprobs: raw.prompt_logprobs,
             grammar: raw.grammar,
+            thinking: raw.thinking,
         })
     }
 
@@ -283,6 +288,7 @@ impl SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             grammar: None,
+            thinking: crate::grammar::Thinking::None,
         }
     }
 
@@ -303,6 +309,11 @@ impl SamplingParams {
     /// What the output must match, if anything.
     pub fn grammar(&self) -> Option<&crate::grammar::Grammar> {
         self.grammar.as_ref()
+    }
+
+    /// The thinking that comes before what the grammar holds.
+    pub fn thinking(&self) -> crate::grammar::Thinking {
+        self.thinking
     }
 
     pub fn max_tokens(&self) -> u32 {

@@ -72,6 +72,11 @@ impl TextModel {
     }
 
     /// The prompt text for a conversation, with the assistant's generation prompt.
+    /// Whether the chat template reads `argument` (one of a request's `chat_template_kwargs`).
+    pub fn template_reads(&self, argument: &str) -> bool {
+        self.template.as_ref().is_some_and(|t| t.arguments().contains(argument))
+    }
+
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
         self.render_chat_ending(messages, ChatExtras::default(), Ending::NewTurn)
     }

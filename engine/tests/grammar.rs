@@ -182,3 +182,79 @@ fn a_continued_sequence_keeps_its_grammar_state() {
     let rest = e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
     assert_eq!([&whole.token_ids[..split], &rest.token_ids[..]].concat(), whole.token_ids);
 }
+
+/// A reasoning model's thinking comes before what the grammar holds (`Thinking`): with the thinking open (the
+/// prompt opened it), any text goes until `</think>` and the grammar holds after it; with it optional, the output may
+/// open with a thinking block or answer at once. The thinking here is tokens generated earlier (a continued
+/// sequence), since this model does not think by itself; the grammar's answer is then sampled at temperature 1.
+#[test]
+fn a_grammar_holds_after_the_thinking() {
+    use engine::grammar::Thinking;
+    let mut e = common::engine(EngineConfig::default());
+    let text = e.render_chat(&[ChatMessage::new("user", "Describe a person as JSON.")]).expect("template");
+    let prompt = e.tokenizer().encode(&text);
+    let after = |e: &engine::generate::Engine, thought: &str, thinking, seed| {
+        let thought = e.tokenizer().encode_ordinary(thought);
+        let raw = RawSampling {
+            temperature: 1.0,
+            seed: Some(seed),
+            max_tokens: 256,
+            grammar: Some(Grammar::JsonSchema(SCHEMA.into())),
+            thinking,
+            logits: LogitsRules {
+                prior_generated: thought.len() as u32,
+                repetition_penalty: 1.0,
+                ..LogitsRules::default()
+            },
+            ..RawSampling::default()
+        };
+        Request::new([prompt.clone(), thought].concat(), SamplingParams::new(raw).expect("valid"))
+    };
+    // Thinking that is not JSON (a brace, a quote) and is closed: the answer after it validates.
+    let open = "A person: {name, \"age\"} and more.</think>";
+    let opened = "<think>Hmm, a person.</think>";
+    let runs: Vec<Request> = (0..4)
+        .map(|seed| after(&e, open, Thinking::Open, seed))
+        .chain((0..4).map(|seed| after(&e, opened, Thinking::Optional, seed)))
+        .chain((0..4).map(|seed| after(&e, "", Thinking::Optional, seed)))
+        .collect();
+    let mut answered = 0;
+    for (i, c) in e.run(&runs, &AtomicBool::new(false), |_| {}).expect("runs").iter().enumerate() {
+        // Where the thinking was optional and nothing came before, the model may open a block of its own: the
+        // answer is what follows it, and an unclosed one ran out of tokens.
+        let answer = match c.text.strip_prefix("<think>") {
+            Some(t) if i >= 8 => match t.split_once("</think>") {
+                Some((_, answer)) => answer,
+                None => {
+                    assert_eq!(c.finish_reason.as_str(), "length", "run {i}: {:?}", c.text);
+                    continue;
+                }
+            },
+            _ => &c.text,
+        };
+        answered += 1;
+        let v: Value =
+            serde_json::from_str(answer.trim_start()).unwrap_or_else(|err| panic!("run {i}: {err}: {:?}", c.text));
+        valid(&v).unwrap_or_else(|err| panic!("run {i}: {err}: {}", c.text));
+        assert_eq!(c.finish_reason.as_str(), "stop", "run {i} ended where the grammar did: {}", c.text);
+    }
+    assert!(answered > 8, "some optional-thinking runs answered at once: {answered} answers");
+    // Without the thinking before it, the grammar refuses that text; with it optional, text that does not open the
+    // block is the grammar's from its first token.
+    for (thought, thinking) in [(open, Thinking::None), ("Hmm.</think>", Thinking::Optional)] {
+        let r = e.run(&[after(&e, thought, thinking, 1)], &AtomicBool::new(false), |_| {});
+        assert!(r.is_err(), "{thought:?} under {thinking:?}");
+    }
+    // While it is open, the thinking is the model's own: greedy, its first tokens are the ones it writes without a
+    // grammar.
+    let free = e.run(&[common::greedy(prompt.clone(), 8)], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    let raw = RawSampling {
+        max_tokens: 8,
+        grammar: Some(Grammar::JsonSchema(SCHEMA.into())),
+        thinking: Thinking::Open,
+        ..RawSampling::default()
+    };
+    let req = Request::new(prompt.clone(), SamplingParams::new(raw).expect("valid"));
+    let thinking = e.run(&[req], &AtomicBool::new(false), |_| {}).expect("runs").remove(0);
+    assert_eq!(thinking.token_ids, free.token_ids, "{:?} against {:?}", thinking.text, free.text);
+}

@@ -87,3 +87,67 @@ fn a_qwen_vocabulary_renders_and_tokenizes_a_conversation() {
     let digits = tok.encode_ordinary(" 1234");
     assert_eq!(digits.len(), 5, "a space and Qwen's digits one by one: {digits:?}");
 }
+
+/// Qwen 3's thinking markers are tokens of their own, user-defined (Qwen 3's vocabulary is Qwen 2.5's and these,
+/// as 151667 and 151668), which no text spells: a grammar held after the thinking (`Thinking::Optional`, Qwen 3's
+/// way) lets the answer open the block with `<think>` and close it with `</think>`, any text and tokens between but
+/// the end of generation, then holds the answer to the grammar; text that only spells the marker does not close it.
+#[test]
+fn a_grammar_after_the_thinking_knows_the_markers_as_special_tokens() {
+    use engine::gguf::{GgufWriter, MetaArray, MetaValue};
+    use engine::grammar::{Grammar, Grammars, Thinking};
+    let qwen2 = GgufFile::open(&models().join("ggml-vocab-qwen2.gguf")).expect("a vocabulary GGUF");
+    let mut w = GgufWriter::new();
+    for (key, value) in qwen2.metadata() {
+        let value = match (key.as_str(), value.clone()) {
+            ("tokenizer.ggml.tokens", MetaValue::Array(MetaArray::String(mut t))) => {
+                // Padded past Qwen 2.5's 151,665 tokens; Qwen 3 puts its four new ones first in the padding.
+                assert!(t[151_665].starts_with("[PAD"), "{}", t[151_665]);
+                for (i, s) in ["<tool_response>", "</tool_response>", "<think>", "</think>"].into_iter().enumerate() {
+                    t[151_665 + i] = s.to_string();
+                }
+                MetaValue::Array(MetaArray::String(t))
+            }
+            ("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(mut t))) => {
+                t[151_665..151_669].fill(4);
+                MetaValue::Array(MetaArray::I32(t))
+            }
+            (_, v) => v,
+        };
+        w.meta(key, value);
+    }
+    let path = std::env::temp_dir().join(format!("tandem-qwen3-vocab-{}.gguf", std::process::id()));
+    w.write(&path).expect("writes");
+    let text = engine::text::TextModel::open(&path).expect("a text model");
+    std::fs::remove_file(&path).expect("removes");
+    let text = std::sync::Arc::new(text);
+    let tok = text.tokenizer();
+    let (open, close) = (tok.special_id("<think>").expect("<think>"), tok.special_id("</think>").expect("</think>"));
+    assert_eq!((open, close), (151_667, 151_668));
+    let eog = tok.special().end_of_generation.clone();
+    let grammars = Grammars::new(std::sync::Arc::clone(&text));
+    let allowed = |generated: &[u32], thinking| {
+        let mut m = grammars.matcher(&Grammar::JsonObject, thinking, generated).expect("takes the tokens");
+        let mut logits = vec![0.0f32; tok.vocab_size()];
+        m.mask(&mut logits).expect("a mask");
+        move |id: u32| logits[id as usize] > f32::NEG_INFINITY
+    };
+    let [brace] = tok.encode_ordinary("{")[..] else { panic!("one token") };
+    let [word] = tok.encode_ordinary("Hmm")[..] else { panic!("one token") };
+    // At the start: the block's opening or the answer's.
+    let start = allowed(&[], Thinking::Optional);
+    assert!(start(open) && start(brace) && !start(word) && !start(close));
+    // Inside: anything but the end of generation.
+    let inside = allowed(&[open, word], Thinking::Optional);
+    assert!(inside(word) && inside(brace) && inside(close) && inside(open));
+    assert!(eog.iter().all(|&e| !inside(e)), "the thinking ends before the output can");
+    // The marker spelled as text does not close it; its token does.
+    let spelled = [&[open][..], &tok.encode_ordinary("Hmm.</think>")].concat();
+    assert!(allowed(&spelled, Thinking::Optional)(word), "still thinking");
+    let after = allowed(&[open, word, close], Thinking::Optional);
+    assert!(after(brace) && !after(word) && !after(open));
+    // Open: thinking from the first token.
+    let opened = allowed(&[], Thinking::Open);
+    assert!(opened(word) && opened(close));
+    assert!(allowed(&[word, close], Thinking::Open)(brace));
+}

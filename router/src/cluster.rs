@@ -933,7 +933,7 @@ mod tests {
         assert!(!logprobs.met_by(&sglang), "SGLang's are not read");
 
         let grammar = |kind: &str, data: &str, prior_generated| {
-            let grammar = Some(pb::Grammar { kind: kind.into(), data: data.into() });
+            let grammar = Some(pb::Grammar { kind: kind.into(), data: data.into(), ..Default::default() });
             needs(&pb::Sampling { grammar, prior_generated, ..Default::default() })
         };
         let schema = grammar("json_schema", r#"{"type": "integer"}"#, 0);
@@ -950,6 +950,14 @@ mod tests {
             assert!(n.met_by(&tandem(worker::LOGPROBS_PROTOCOL)), "{what}");
             assert!(![&llama, &vllm, &sglang].iter().any(|m| n.met_by(m)), "{what}");
         }
+        // A grammar after the thinking: an older worker would hold it from the first token; an external engine holds
+        // it where its own reasoning parser says.
+        let thinking =
+            pb::Grammar { kind: "json_object".into(), thinking: pb::Thinking::Open as i32, ..Default::default() };
+        let thinking = needs(&pb::Sampling { grammar: Some(thinking), ..Default::default() });
+        assert!(thinking.met_by(&tandem(worker::THINKING_PROTOCOL)));
+        assert!(!thinking.met_by(&tandem(worker::THINKING_PROTOCOL - 1)), "an older worker would not let it think");
+        assert!([&llama, &vllm, &sglang].iter().all(|m| thinking.met_by(m)), "relayed as the engines' own");
 
         let min_p = needs(&pb::Sampling { min_p: 0.1, ..Default::default() });
         assert!(min_p.met_by(&tandem(worker::MIN_P_PROTOCOL)));
@@ -971,7 +979,11 @@ mod tests {
             (pb::Sampling { priority: -2, ..Default::default() }, worker::PRIORITY_PROTOCOL),
             (
                 pb::Sampling {
-                    grammar: Some(pb::Grammar { kind: "lark".into(), data: "start: \"a\"".into() }),
+                    grammar: Some(pb::Grammar {
+                        kind: "lark".into(),
+                        data: "start: \"a\"".into(),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 },
                 worker::LARK_PROTOCOL,

@@ -457,9 +457,10 @@ async fn stream_tokens(
 
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
 /// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities, a version-7 one the
-/// allowed tokens and bad words, a version-8 one the priority). External engines take the sampling fields (`min_p`
-/// included) and grammars (as their own structured outputs; regular expressions not on llama-server) in their own
-/// APIs, and vLLM the allowed tokens; prompt log-probabilities, bad words and priorities are not relayed to them,
+/// allowed tokens and bad words, a version-8 one the priority, a version-10 one a grammar's thinking). External
+/// engines take the sampling fields (`min_p` included) and grammars (as their own structured outputs; regular
+/// expressions not on llama-server; held after the thinking where the engine runs with a reasoning parser of its
+/// own, as vLLM and SGLang do) in their own APIs, and vLLM the allowed tokens; prompt log-probabilities, bad words and priorities are not relayed to them,
 /// log-probabilities only from llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
@@ -502,6 +503,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     }
     if lark {
         protocol = worker::LARK_PROTOCOL;
+    }
+    if s.grammar.as_ref().is_some_and(|g| g.thinking != pb::Thinking::Unspecified as i32) {
+        protocol = worker::THINKING_PROTOCOL;
     }
     Needs { protocol, external, logprobs: s.logprobs.is_some(), regex, allowed }
 }

@@ -70,7 +70,8 @@ def main() -> None:
         ).choices[0].message.content
         for penalty in (0.0, 2.0)
     )
-    # Two samples of a structured output.
+    # Two samples of a structured output, with thinking turned off as Qwen3's templates take it (under
+    # `--reasoning-parser qwen3` the answer may otherwise think first, and this model would not stop).
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
               "required": ["city", "rank"], "additionalProperties": False}
@@ -78,6 +79,7 @@ def main() -> None:
         model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Name a city and rank it."}],
         temperature=1.0, seed=2, n=2, max_tokens=64,
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     # A forced tool call, whole and streamed (the stream's pieces put together as clients put them together).
     tools = [{"type": "function", "function": {
@@ -119,15 +121,24 @@ def main() -> None:
     tool_call["auto"] = [chosen.finish_reason, chosen.message.content,
                          [[c.function.name, c.function.arguments] for c in chosen.message.tool_calls or []]]
 
-    # A reasoning model's thinking (`tandem up --reasoning-parser qwen3`), which a regular expression makes the small
-    # model write: the client sees it as the message's extra field, apart from the content, whole and streamed.
-    think = {"structured_outputs": {"regex": "<think>Paris is in France\\.</think>Paris\\."}}
+    # A reasoning model's thinking (`tandem up --reasoning-parser qwen3`), which the small model writes when shown
+    # two turns that think first: the client sees it as the message's extra field, apart from the content, whole and
+    # streamed; a regular expression holds the answer after it.
+    shown = [
+        {"role": "system", "content": "Think first inside <think> and </think>, then answer."},
+        {"role": "user", "content": "Where is Rome?"},
+        {"role": "assistant", "content": "<think>\nRome is in Italy.\n</think>\n\nItaly."},
+        {"role": "user", "content": "Where is Madrid?"},
+        {"role": "assistant", "content": "<think>\nMadrid is in Spain.\n</think>\n\nSpain."},
+        {"role": "user", "content": "Where is Paris?"},
+    ]
+    think = {"structured_outputs": {"regex": "France\\."}}
     thought = client.chat.completions.create(
-        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=30, extra_body=think,
+        model="smollm2-135m-instruct", messages=shown, temperature=0, max_tokens=40, extra_body=think,
     ).choices[0].message
     streamed_thought = {"reasoning_content": "", "content": ""}
     for chunk in client.chat.completions.create(
-        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=30, extra_body=think, stream=True,
+        model="smollm2-135m-instruct", messages=shown, temperature=0, max_tokens=40, extra_body=think, stream=True,
     ):
         delta = chunk.choices[0].delta
         streamed_thought["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""

@@ -43,6 +43,12 @@ pub fn deadline(
 /// Sampling parameters, validated; `force_max_tokens` overrides the request's (prefill makes one token).
 pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Result<SamplingParams, ProtoError> {
     let s = s.ok_or(ProtoError::Missing("sampling"))?;
+    let thinking = match s.grammar.as_ref().map(|g| pb::Thinking::try_from(g.thinking)) {
+        None | Some(Ok(pb::Thinking::Unspecified)) => engine::grammar::Thinking::None,
+        Some(Ok(pb::Thinking::Open)) => engine::grammar::Thinking::Open,
+        Some(Ok(pb::Thinking::Optional)) => engine::grammar::Thinking::Optional,
+        Some(Err(e)) => return Err(ProtoError::Invalid { field: "sampling.grammar.thinking", why: e.to_string() }),
+    };
     let raw = RawSampling {
         temperature: s.temperature,
         top_p: s.top_p,
@@ -71,6 +77,7 @@ pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Resul
             .map(|g| engine::grammar::Grammar::from_parts(&g.kind, &g.data))
             .transpose()
             .map_err(|e| ProtoError::Invalid { field: "sampling.grammar", why: e.to_string() })?,
+        thinking,
     };
     SamplingParams::new(raw).map_err(|e| ProtoError::Invalid { field: "sampling", why: e.to_string() })
 }
@@ -300,5 +307,23 @@ mod tests {
         for past in [1_000_000, 999_999, 0] {
             assert_eq!(deadline(Some(past), now, mono).expect_err("past").code(), tonic::Code::DeadlineExceeded);
         }
+    }
+
+    #[test]
+    fn a_grammars_thinking_comes_from_the_wire_and_an_unknown_one_is_refused() {
+        use engine::grammar::Thinking;
+        let with = |thinking: i32| {
+            let grammar = Some(pb::Grammar { kind: "json_object".into(), thinking, ..Default::default() });
+            sampling(Some(pb::Sampling { max_tokens: 8, top_p: 1.0, grammar, ..Default::default() }), None)
+        };
+        for (wire, want) in [
+            (pb::Thinking::Unspecified, Thinking::None),
+            (pb::Thinking::Open, Thinking::Open),
+            (pb::Thinking::Optional, Thinking::Optional),
+        ] {
+            assert_eq!(with(wire as i32).expect("valid").thinking(), want);
+        }
+        let e = with(7).expect_err("unknown");
+        assert!(e.to_string().contains("sampling.grammar.thinking"), "{e}");
     }
 }

@@ -540,7 +540,7 @@ impl Engine {
             None => None,
             Some(g) => {
                 let prior = (r.sampling.logits().prior_generated as usize).min(r.prompt.len());
-                Some(self.grammars.matcher(g, &r.prompt[r.prompt.len() - prior..])?)
+                Some(self.grammars.matcher(g, r.sampling.thinking(), &r.prompt[r.prompt.len() - prior..])?)
             }
         };
         let prompt_len = r.prompt.len();

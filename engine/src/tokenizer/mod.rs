@@ -294,6 +294,11 @@ impl Tokenizer {
         self.specials.iter().any(|(_, s)| *s == id)
     }
 
+    /// The special token whose text is `text`, if the vocabulary has one (Qwen 3's `<think>`).
+    pub fn special_id(&self, text: &str) -> Option<u32> {
+        self.specials.iter().find(|(s, _)| s == text).map(|&(_, id)| id)
+    }
+
     /// Whether `id` is a control token: a marker of the format (turns, documents), whose text is left out of
     /// generated text unless asked for, as llama.cpp's server and vLLM (`skip_special_tokens`) leave it out.
     pub fn is_control(&self, id: u32) -> bool {

@@ -146,7 +146,7 @@ mod tests {
     #[test]
     fn structured_outputs_go_as_json_schemas_and_regular_expressions_are_refused() {
         let with = |kind: &str, data: &str| pb::Sampling {
-            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into() }),
+            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into(), ..Default::default() }),
             ..Default::default()
         };
         let schema = r#"{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}"#;

@@ -103,7 +103,7 @@ mod tests {
     #[test]
     fn structured_outputs_go_as_sglangs_own() {
         let with = |kind: &str, data: &str| pb::Sampling {
-            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into() }),
+            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into(), ..Default::default() }),
             ..Default::default()
         };
         let params = |s| body(&[1], &s)["sampling_params"].clone();

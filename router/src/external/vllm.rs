@@ -180,7 +180,7 @@ mod tests {
     #[test]
     fn structured_outputs_go_as_vllms_own() {
         let with = |kind: &str, data: &str| pb::Sampling {
-            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into() }),
+            grammar: Some(pb::Grammar { kind: kind.into(), data: data.into(), ..Default::default() }),
             ..Default::default()
         };
         let b = body(&[1], &with("json_schema", r#"{"type": "integer"}"#));

@@ -12,7 +12,7 @@ use kv_cache::{BlockSize, CacheNamespace, block_hashes};
 use proto::worker as pb;
 
 use super::error::ApiError;
-use super::openai::{Checked, Endpoint, Input};
+use super::openai::{Checked, Endpoint, Input, THINKING_SWITCH};
 use crate::cluster::Needs;
 use crate::record::{Arrival, Outcome};
 use crate::scheduler::view::RouteRequest;
@@ -68,15 +68,33 @@ pub fn render_chat(
     })
 }
 
+/// A chat request's `chat_template_kwargs` as its template gets them. Under the `qwen3` reasoning parser the router
+/// reads `enable_thinking` itself (`Checked::grammar_thinking`), so a template that does not read it gets it left
+/// out rather than refused.
+fn template_arguments<'a>(
+    state: &RouterState,
+    checked: &'a Checked,
+) -> Option<std::borrow::Cow<'a, serde_json::Map<String, serde_json::Value>>> {
+    let arguments = checked.template_arguments.as_ref()?;
+    let read_here = checked.thinking.is_some_and(|t| t.parser == super::reasoning::ReasoningParser::Qwen3);
+    if read_here && arguments.contains_key(THINKING_SWITCH) && !state.text.template_reads(THINKING_SWITCH) {
+        let mut rest = arguments.clone();
+        rest.remove(THINKING_SWITCH);
+        return (!rest.is_empty()).then_some(std::borrow::Cow::Owned(rest));
+    }
+    Some(std::borrow::Cow::Borrowed(arguments))
+}
+
 fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
     // A grammar that does not compile is the client's error, named here rather than by a worker.
     if let Some((g, param)) = &checked.grammar {
-        state.grammars.matcher(g, &[]).map_err(|e| ApiError::bad(e.to_string(), param))?;
+        state.grammars.matcher(g, checked.grammar_thinking(), &[]).map_err(|e| ApiError::bad(e.to_string(), param))?;
     }
     let started = std::time::Instant::now();
     let text = match &checked.input {
         Input::Chat(messages, ending, tools) => {
-            render_chat(state, messages, ChatExtras { tools, arguments: checked.template_arguments.as_ref() }, *ending)?
+            let arguments = template_arguments(state, checked);
+            render_chat(state, messages, ChatExtras { tools, arguments: arguments.as_deref() }, *ending)?
         }
         Input::Text(t) => t.clone(),
         Input::Tokens(ids) => {
@@ -186,7 +204,15 @@ pub async fn plan(
         prior_generated: 0,
         logprobs: checked.logprobs,
         prompt_logprobs: checked.scored_prompt(),
-        grammar: checked.grammar.as_ref().map(|(g, _)| pb::Grammar { kind: g.kind().into(), data: g.data().into() }),
+        grammar: checked.grammar.as_ref().map(|(g, _)| pb::Grammar {
+            kind: g.kind().into(),
+            data: g.data().into(),
+            thinking: match checked.grammar_thinking() {
+                engine::grammar::Thinking::None => pb::Thinking::Unspecified,
+                engine::grammar::Thinking::Open => pb::Thinking::Open,
+                engine::grammar::Thinking::Optional => pb::Thinking::Optional,
+            } as i32,
+        }),
         min_p: checked.min_p,
         priority: checked.priority,
     };

@@ -768,12 +768,10 @@ pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiErr
     }
     checked.tool_calls = tools.mode;
     checked.call_ids = super::tools::CallIds::of(parsers.tool_call);
-    checked.thinking = parsers.reasoning.map(|parser| super::reasoning::Thinking {
-        // A grammar holds the answer from its first token (vLLM's holds it from the end of the thinking), so the
-        // model thinks only where the grammar opens the block itself: split as an answer that may not think.
-        parser: if checked.grammar.is_some() { super::reasoning::ReasoningParser::Qwen3 } else { parser },
-        shown: r.include_reasoning != Some(false),
-    });
+    // A grammar holds the answer after its thinking (`Checked::grammar_thinking`), so the split is the parser's own.
+    checked.thinking = parsers
+        .reasoning
+        .map(|parser| super::reasoning::Thinking { parser, shown: r.include_reasoning != Some(false) });
     Ok(checked)
 }
 
@@ -836,7 +834,25 @@ pub fn check_completion(body: &[u8]) -> Result<Checked, ApiError> {
     Ok(checked)
 }
 
+/// Qwen3's `chat_template_kwargs` switch for thinking, which the router reads too under the `qwen3` parser.
+pub const THINKING_SWITCH: &str = "enable_thinking";
+
 impl Checked {
+    /// Where the answer's thinking comes before what its grammar holds (none without a reasoning parser). Qwen3's
+    /// templates write an empty block into the prompt when `chat_template_kwargs` turns thinking off: the answer is
+    /// then the grammar's from its first token, as vLLM finds the block's end in the prompt and holds it from there.
+    pub fn grammar_thinking(&self) -> engine::grammar::Thinking {
+        let off = || {
+            let asked = self.template_arguments.as_ref().and_then(|a| a.get(THINKING_SWITCH));
+            asked == Some(&serde_json::Value::Bool(false))
+        };
+        match self.thinking.map(|t| t.parser) {
+            None => engine::grammar::Thinking::None,
+            Some(super::reasoning::ReasoningParser::Qwen3) if off() => engine::grammar::Thinking::None,
+            Some(parser) => parser.before_grammar(),
+        }
+    }
+
     /// How many alternatives the workers report for each prompt token (`None`: the prompt is not scored): what
     /// vLLM's `prompt_logprobs` asks, or `logprobs` with `echo` (the echoed prompt's tokens come with theirs).
     pub fn scored_prompt(&self) -> Option<u32> {
@@ -1169,19 +1185,30 @@ mod tests {
         assert_eq!(with(r#","tool_choice":"none""#, None), (false, CallIds::OpenAi));
     }
 
-    /// With a reasoning parser, chat answers are split (shown unless `include_reasoning` is false); under a grammar
-    /// only an answer that opens the block thinks. An assistant turn's thinking goes to the template.
+    /// With a reasoning parser, chat answers are split (shown unless `include_reasoning` is false), and a grammar
+    /// holds after the thinking as the parser reads it. An assistant turn's thinking goes to the template.
     #[test]
     fn thinking_is_split_as_the_parser_says_and_goes_back_to_the_template() {
         use super::super::reasoning::{ReasoningParser::*, Thinking};
-        let with = |extra: &str| {
+        use engine::grammar::Thinking as Before;
+        let checked = |extra: &str, parser| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
-            let parsers = OutputParsers { reasoning: Some(DeepSeekR1), ..Default::default() };
-            check_chat(body.as_bytes(), parsers).map(|c| c.thinking).expect("valid")
+            check_chat(body.as_bytes(), OutputParsers { reasoning: parser, ..Default::default() }).expect("valid")
         };
+        let with = |extra: &str| checked(extra, Some(DeepSeekR1)).thinking;
         assert_eq!(with(""), Some(Thinking { parser: DeepSeekR1, shown: true }));
         assert_eq!(with(r#","include_reasoning":false"#), Some(Thinking { parser: DeepSeekR1, shown: false }));
-        assert_eq!(with(r#","response_format":{"type":"json_object"}"#), Some(Thinking { parser: Qwen3, shown: true }));
+        let json = r#","response_format":{"type":"json_object"}"#;
+        assert_eq!(with(json), Some(Thinking { parser: DeepSeekR1, shown: true }));
+        for (parser, before) in
+            [(Some(DeepSeekR1), Before::Open), (Some(Qwen3), Before::Optional), (None, Before::None)]
+        {
+            assert_eq!(checked(json, parser).grammar_thinking(), before, "{parser:?}");
+        }
+        // Thinking turned off in Qwen3's template: the grammar from the first token; DeepSeek R1's always thinks.
+        let off = format!(r#"{json},"chat_template_kwargs":{{"enable_thinking":false}}"#);
+        assert_eq!(checked(&off, Some(Qwen3)).grammar_thinking(), Before::None);
+        assert_eq!(checked(&off, Some(DeepSeekR1)).grammar_thinking(), Before::Open);
         assert_eq!(chat_with("").expect("valid").thinking, None, "no parser");
         let turn = |m: &str| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#);

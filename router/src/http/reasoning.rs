@@ -54,6 +54,15 @@ pub struct Split {
 }
 
 impl ReasoningParser {
+    /// Where the answer's thinking comes before what a grammar holds, as the worker applies it: the grammar holds
+    /// after the thinking, as vLLM's does with a reasoning parser.
+    pub fn before_grammar(self) -> engine::grammar::Thinking {
+        match self {
+            ReasoningParser::DeepSeekR1 => engine::grammar::Thinking::Open,
+            ReasoningParser::Qwen3 => engine::grammar::Thinking::Optional,
+        }
+    }
+
     /// Splits a whole answer.
     pub fn split(self, text: &str) -> Split {
         let opened = text.trim_start().strip_prefix(START);
