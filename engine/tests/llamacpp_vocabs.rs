@@ -24,20 +24,23 @@ fn models() -> PathBuf {
 fn cases(models: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {
     let inp = std::fs::read_to_string(models.join(format!("ggml-vocab-{vocab}.gguf.inp"))).expect("inputs");
     let out = std::fs::read_to_string(models.join(format!("ggml-vocab-{vocab}.gguf.out"))).expect("outputs");
+    // The inputs end with a separator, or (Gemma 4's) without one; the outputs with a newline.
+    let inp = inp.strip_suffix("\n__ggml_vocab_test__\n").unwrap_or(&inp);
     let texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    let out = out.strip_suffix('\n').expect("a last newline");
     let ids: Vec<Vec<u32>> =
         out.split('\n').map(|l| l.split_whitespace().map(|t| t.parse().expect("an id")).collect()).collect();
     assert_eq!(texts.len(), ids.len(), "{vocab}: one line of ids per test string");
-    // Both files end with an empty entry (after the last separator, and the last newline).
-    texts.iter().zip(ids).take(texts.len() - 1).map(|(t, i)| (t.to_string(), i)).collect()
+    texts.iter().zip(ids).map(|(t, i)| (t.to_string(), i)).collect()
 }
 
 #[test]
 fn every_vocabulary_this_tokenizer_reads_encodes_as_llama_cpp_expects() {
     let models = models();
     // Byte-level BPE with the pre-tokenizers implemented (GPT-2's, digits isolated or not; Llama 3's; Qwen 2's),
-    // and SentencePiece BPE (Llama 2's, Phi-3's).
-    let supported = ["gpt-2", "starcoder", "refact", "command-r", "llama-bpe", "qwen2", "qwen35", "llama-spm", "phi-3"];
+    // SentencePiece BPE (Llama 2's, Phi-3's), and Gemma 4's BPE over spaces written `▁`.
+    let supported =
+        ["gpt-2", "starcoder", "refact", "command-r", "llama-bpe", "qwen2", "qwen35", "llama-spm", "phi-3", "gemma-4"];
     let sentencepiece = ["llama-spm", "phi-3"];
     let mut failures = Vec::new();
     let mut checked = 0;
@@ -60,7 +63,7 @@ fn every_vocabulary_this_tokenizer_reads_encodes_as_llama_cpp_expects() {
             );
         }
     }
-    assert!(checked > 400, "{checked} strings");
+    assert_eq!(checked, 464, "every test string of the ten vocabularies");
     assert!(failures.is_empty(), "{} of {checked} differ:\n{}", failures.len(), failures.join("\n"));
     // One this tokenizer does not implement is refused by name, not tokenized some other way.
     let file = GgufFile::open(&models.join("ggml-vocab-deepseek-llm.gguf")).expect("a vocabulary GGUF");
@@ -150,4 +153,27 @@ fn a_grammar_after_the_thinking_knows_the_markers_as_special_tokens() {
     let opened = allowed(&[], Thinking::Open);
     assert!(opened(word) && opened(close));
     assert!(allowed(&[word, close], Thinking::Open)(brace));
+}
+
+/// A Gemma 4 GGUF serves as a router's text model: its own chat template renders a conversation (it defines macros,
+/// which the template engine takes as transformers' does), the prompt starts with one BOS (the template writes it;
+/// none is added again), its turn markers are its special tokens, and its turn's end ends a generation.
+#[test]
+fn a_gemma_4_vocabulary_renders_and_tokenizes_a_conversation() {
+    use engine::chat::ChatMessage;
+    let text = engine::text::TextModel::open(&models().join("ggml-vocab-gemma-4.gguf")).expect("a text model");
+    let messages = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Count to 3, please.")];
+    let rendered = text.render_chat(&messages).expect("renders");
+    let turns = "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nCount to 3, please.<turn|>\n<|turn>model\n";
+    assert!(rendered.starts_with(turns), "{rendered}");
+    let tok = text.tokenizer();
+    let ids = tok.encode_chat(&rendered);
+    let bos = tok.added_bos().expect("Gemma 4's prompts start with BOS");
+    assert_eq!(ids.iter().filter(|&&i| i == bos).count(), 1, "{ids:?}");
+    assert_eq!(ids[0], bos);
+    let [turn] = tok.encode("<|turn>")[1..] else { panic!("one token") };
+    assert_eq!(ids.iter().filter(|&&i| i == turn).count(), 3, "three turns open: {ids:?}");
+    let [end] = tok.encode("<turn|>")[1..] else { panic!("one token") };
+    assert!(tok.is_end_of_generation(end));
+    assert_eq!(tok.decode(&ids), rendered);
 }

@@ -11,10 +11,9 @@ use crate::gguf::GgufFile;
 pub fn hugging_face_files(file: &GgufFile) -> Result<(Value, Value), TokenizerError> {
     let meta = file.metadata();
     let v = GgufVocab::read(file)?;
-    if v.scores.is_some() {
-        return Err(TokenizerError::UnsupportedModel(
-            "llama (SentencePiece: not written as tokenizer.json here)".into(),
-        ));
+    if v.scores.is_some() || v.model == "gemma4" {
+        let why = format!("{} (spaces written as ▁: not written as tokenizer.json here)", v.model);
+        return Err(TokenizerError::UnsupportedModel(why));
     }
     let name_of = |id: Option<u32>| id.and_then(|i| v.tokens.get(i as usize)).cloned();
     let added: Vec<Value> = v

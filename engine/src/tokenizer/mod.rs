@@ -11,6 +11,7 @@ mod bpe;
 pub(crate) mod bytes;
 mod decode;
 pub mod export;
+mod gemma4;
 mod pretokenize;
 mod spm;
 
@@ -41,6 +42,8 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "<reponame>",
     "<|repo_name|>",
     "<|file_sep|>",
+    "<turn|>",
+    "<|tool_response>",
 ];
 
 /// Why a tokenizer could not be built from a model file.
@@ -86,6 +89,8 @@ pub struct Tokenizer {
     pre: pretokenize::Pre,
     /// A SentencePiece vocabulary's merging (then `merges` and `pre` are not used).
     spm: Option<spm::Spm>,
+    /// Gemma 4's starting symbols (then `pre` is not used).
+    gemma4: Option<gemma4::Gemma4>,
     /// Every token by its text, for a pre-tokenizer that takes a whole piece as its token before merging
     /// ([`pretokenize::Pre::ignores_merges`]); empty otherwise.
     whole: HashMap<String, u32>,
@@ -152,7 +157,9 @@ impl WordCache {
 /// The tokenizer's part of a GGUF's metadata, checked: what [`Tokenizer::from_gguf`] builds from and what
 /// [`export`] writes out.
 pub(crate) struct GgufVocab<'a> {
-    /// The pre-tokenizer's name (a supported one).
+    /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE), "llama" (SentencePiece) or "gemma4".
+    pub model: &'a str,
+    /// The pre-tokenizer's name (a supported one; Gemma 4's and SentencePiece's split text their own way).
     pub pre: &'a str,
     pub tokens: &'a [String],
     /// One type per token (1, normal, when the file gives none).
@@ -172,10 +179,13 @@ impl<'a> GgufVocab<'a> {
         let meta = file.metadata();
         let model = meta.get("tokenizer.ggml.model").and_then(|v| v.as_str());
         let model = model.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.model" })?;
-        if model != "gpt2" && model != "llama" {
+        if !["gpt2", "llama", "gemma4"].contains(&model) {
             return Err(TokenizerError::UnsupportedModel(model.to_string()));
         }
-        let pre = meta.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let pre = match model {
+            "gemma4" => "default",
+            _ => meta.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default"),
+        };
         pretokenize::Pre::of(pre)?;
         let strings = |key: &'static str| match meta.get(key).and_then(|v| v.as_array()) {
             Some(MetaArray::String(t)) => Ok(t.as_slice()),
@@ -196,6 +206,7 @@ impl<'a> GgufVocab<'a> {
             _ => (strings("tokenizer.ggml.merges")?, None),
         };
         Ok(GgufVocab {
+            model,
             pre,
             tokens,
             types,
@@ -204,7 +215,9 @@ impl<'a> GgufVocab<'a> {
             add_space_prefix: meta.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()).unwrap_or(true),
             bos: id_of("tokenizer.ggml.bos_token_id"),
             eos: id_of("tokenizer.ggml.eos_token_id"),
-            add_bos: meta.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            // Gemma 4's files say false, but its prompts start with BOS (llama.cpp overrides it the same way).
+            add_bos: model == "gemma4"
+                || meta.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
         })
     }
 }
@@ -217,6 +230,9 @@ impl Tokenizer {
 
     fn new(v: GgufVocab) -> Result<Tokenizer, TokenizerError> {
         let spm = v.scores.map(|scores| spm::Spm::new(v.tokens, scores, v.add_space_prefix));
+        let gemma4 = (v.model == "gemma4").then(|| gemma4::Gemma4::new(v.tokens));
+        // Both write a space as `▁` and fall back to `<0xXX>` byte tokens.
+        let spaces_spelled = spm.is_some() || gemma4.is_some();
         let pre = pretokenize::Pre::of(v.pre)?;
         let (tokens, types, merges, bos, eos, add_bos) =
             (v.tokens.to_vec(), &v.types, v.merges, v.bos, v.eos, v.add_bos);
@@ -228,9 +244,9 @@ impl Tokenizer {
         let merges = Merges::new(merges, &index)?;
         let mut byte_ids = [None; 256];
         for b in 0..=255u8 {
-            byte_ids[b as usize] = match spm {
-                Some(_) => index.get(format!("<0x{b:02X}>").as_str()).copied(),
-                None => index.get(bytes::byte_to_char(b).to_string().as_str()).copied(),
+            byte_ids[b as usize] = match spaces_spelled {
+                true => index.get(format!("<0x{b:02X}>").as_str()).copied(),
+                false => index.get(bytes::byte_to_char(b).to_string().as_str()).copied(),
             };
         }
         let is_special = |i: usize| matches!(types[i], TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED);
@@ -244,10 +260,10 @@ impl Tokenizer {
             special_first[s.as_bytes()[0] as usize] = true;
         }
         let token_bytes = (0..tokens.len())
-            .map(|i| match (is_special(i), &spm) {
+            .map(|i| match (is_special(i), spaces_spelled) {
                 (true, _) => tokens[i].as_bytes().to_vec(),
-                (false, Some(_)) => spm::Spm::token_bytes(&tokens[i], types[i] == TOKEN_TYPE_BYTE),
-                (false, None) => bytes::token_to_bytes(&tokens[i]),
+                (false, true) => spm::Spm::token_bytes(&tokens[i], types[i] == TOKEN_TYPE_BYTE),
+                (false, false) => bytes::token_to_bytes(&tokens[i]),
             })
             .collect();
         let mut end_of_generation: Vec<u32> = (0..tokens.len())
@@ -270,6 +286,7 @@ impl Tokenizer {
             add_bos,
             pre,
             spm,
+            gemma4,
             whole,
             words: WordCache::default(),
         })
@@ -423,6 +440,9 @@ impl Tokenizer {
     fn encode_plain(&self, text: &str, after_special: bool, out: &mut Vec<u32>) {
         if let Some(spm) = &self.spm {
             return spm.encode(text, after_special, out);
+        }
+        if let Some(gemma4) = &self.gemma4 {
+            return gemma4.encode(text, &self.merges, out);
         }
         let merge = |piece: &str| {
             if !self.whole.is_empty() {
