@@ -4,6 +4,8 @@
 use std::collections::BTreeSet;
 
 use minijinja::{Environment, ErrorKind};
+
+mod python;
 use serde::Serialize;
 
 /// One chat message.
@@ -102,19 +104,51 @@ impl ChatTemplate {
         // date (Llama 3.2's and 3.3's templates write today's into the system turn).
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", |v: minijinja::Value, args: minijinja::value::Kwargs| {
-            let indent: Option<usize> = args.get("indent")?;
+            let options = python::JsonOptions {
+                indent: args.get("indent")?,
+                ascii: args.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+                separators: match args.get::<Option<Vec<String>>>("separators")? {
+                    None => None,
+                    Some(pair) => match <[String; 2]>::try_from(pair) {
+                        Ok([item, key]) => Some((item, key)),
+                        Err(_) => {
+                            let why = "tojson's separators are two strings: between items, and after a key";
+                            return Err(minijinja::Error::new(ErrorKind::InvalidOperation, why));
+                        }
+                    },
+                },
+                sort_keys: args.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+            };
             args.assert_all_used()?;
             let bad = |e: serde_json::Error| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string());
             let mut out = String::new();
-            python_json(&serde_json::to_value(&v).map_err(bad)?, indent, 0, &mut out);
+            python::json(&serde_json::to_value(&v).map_err(bad)?, &options, 0, &mut out);
             Ok::<_, minijinja::Error>(minijinja::Value::from_safe_string(out))
         });
+        // What a template prints, or makes a string of, is Python's text of it: a list or dict as its `repr`, True,
+        // False, None.
+        env.set_formatter(|out, state, value| match python_text(value)? {
+            Some(text) => {
+                out.write_str(&text).map_err(|e| minijinja::Error::new(ErrorKind::WriteFailure, e.to_string()))
+            }
+            None => minijinja::escape_formatter(out, state, value),
+        });
+        env.add_filter("string", |value: minijinja::Value| {
+            Ok::<_, minijinja::Error>(match python_text(&value)? {
+                Some(text) => minijinja::Value::from(text),
+                None if value.as_str().is_some() => value,
+                None => minijinja::Value::from(value.to_string()),
+            })
+        });
+        // Python's None is not iterable (minijinja iterates it as empty): Qwen3-Coder's template asks
+        // `tools is iterable` of the `tools` transformers passes as None when there are none.
+        env.add_test("iterable", |v: minijinja::Value| !v.is_none() && v.try_iter().is_ok());
         env.add_function("strftime_now", |format: String| -> Result<String, minijinja::Error> {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             crate::datetime::strftime(now.as_secs(), &format)
                 .map_err(|why| minijinja::Error::new(ErrorKind::InvalidOperation, why))
         });
-        env.add_template_owned(NAME, source.to_owned()).map_err(|e| TemplateError(e.to_string()))?;
+        env.add_template_owned(NAME, without_generation_tags(source)).map_err(|e| TemplateError(e.to_string()))?;
         let read = env.get_template(NAME).map_err(|e| TemplateError(e.to_string()))?.undeclared_variables(false);
         let arguments = read
             .into_iter()
@@ -197,46 +231,27 @@ impl ChatTemplate {
     }
 }
 
-/// JSON as Python's `json.dumps` writes it for transformers' `tojson` (what the models' templates were trained on):
-/// `", "` and `": "` between items and keys (`","` and newlines with `indent`), non-ASCII text as it is.
-fn python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
-    use serde_json::Value;
-    let newline = |out: &mut String, depth: usize| {
-        if let Some(n) = indent {
-            out.push('\n');
-            out.extend(std::iter::repeat_n(' ', n * depth));
-        }
-    };
-    let separator = if indent.is_some() { "," } else { ", " };
-    match v {
-        Value::Array(items) if !items.is_empty() => {
-            out.push('[');
-            for (k, item) in items.iter().enumerate() {
-                if k > 0 {
-                    out.push_str(separator);
-                }
-                newline(out, depth + 1);
-                python_json(item, indent, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        Value::Object(map) if !map.is_empty() => {
-            out.push('{');
-            for (k, (key, item)) in map.iter().enumerate() {
-                if k > 0 {
-                    out.push_str(separator);
-                }
-                newline(out, depth + 1);
-                out.push_str(&Value::from(key.as_str()).to_string());
-                out.push_str(": ");
-                python_json(item, indent, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push('}');
-        }
-        other => out.push_str(&other.to_string()),
+/// Python's text of `value` where it differs from minijinja's (a list, dict, boolean or None); `None` otherwise.
+fn python_text(value: &minijinja::Value) -> Result<Option<String>, minijinja::Error> {
+    use minijinja::value::ValueKind;
+    if !matches!(value.kind(), ValueKind::Map | ValueKind::Seq | ValueKind::Bool | ValueKind::None) {
+        return Ok(None);
     }
+    let bad = |e: serde_json::Error| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string());
+    let mut text = String::new();
+    python::repr(&serde_json::to_value(value).map_err(bad)?, &mut text);
+    Ok(Some(text))
+}
+
+/// `source` with transformers' `{% generation %}` … `{% endgeneration %}` (which marks the assistant's text for
+/// training masks and renders its body as it is) written as a block that always renders, whitespace control kept.
+fn without_generation_tags(source: &str) -> String {
+    static OPEN: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    static CLOSE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let open = OPEN.get_or_init(|| regex::Regex::new(r"\{%(-?)\s*generation\s*(-?)%\}").expect("a valid regex"));
+    let close = CLOSE.get_or_init(|| regex::Regex::new(r"\{%(-?)\s*endgeneration\s*(-?)%\}").expect("a valid regex"));
+    let opened = open.replace_all(source, "{%${1} if true ${2}%}");
+    close.replace_all(&opened, "{%${1} endif ${2}%}").into_owned()
 }
 
 #[cfg(test)]
@@ -274,8 +289,8 @@ mod tests {
         let tool = serde_json::json!({"type": "function", "function": {"name": "now"}});
         let chat = [ChatMessage::new("assistant", "<think>hm</think>  Yes. ")];
         let out = t.render_with(&chat, ChatExtras { tools: &[tool], arguments: None }, false).expect("renders");
-        // A boolean prints as Python prints it.
-        assert_eq!(out, "{\"function\": {\"name\": \"now\"}, \"type\": \"function\"}\nYes.|True|a=1|4");
+        // A boolean prints as Python prints it, and keys keep the order they came in.
+        assert_eq!(out, "{\"type\": \"function\", \"function\": {\"name\": \"now\"}}\nYes.|True|a=1|4");
         // With an indent, as Python indents.
         let t = ChatTemplate::new("{{ tools[0] | tojson(indent=2) }}", "", "").expect("compiles");
         let tool = serde_json::json!({"a": [1, "é"], "b": {}});

@@ -4,21 +4,14 @@
 //! files come with llama.cpp's source, which `scripts/llama-cpp.sh` fetches from llama-cpp-python's package on
 //! PyPI (CI fetches it before the tests, for `tests/external.rs`).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use engine::gguf::GgufFile;
 use engine::tokenizer::{Tokenizer, TokenizerError};
 
-/// llama.cpp's `models/` directory (the source fetched, llama-server built once, by the script).
-fn models() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("scripts/llama-cpp.sh")).arg("llama-server").output().expect("runs the script");
-    assert!(out.status.success(), "scripts/llama-cpp.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    // .../llama.cpp/<version>/build-*/bin -> .../llama.cpp/<version>/src/models
-    bin.parent().and_then(Path::parent).expect("the cache's layout").join("src/models")
-}
+mod common;
+
+use common::llama_cpp_models as models;
 
 /// Every test string of `vocab` and the ids expected for it.
 fn cases(models: &Path, vocab: &str) -> Vec<(String, Vec<u32>)> {

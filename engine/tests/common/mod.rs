@@ -42,3 +42,18 @@ pub fn engine(config: EngineConfig) -> Engine {
 pub fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
     Request::greedy(prompt, std::num::NonZeroU32::new(max_tokens).expect("at least one token"))
 }
+
+/// llama.cpp's `models/` directory: its vocabulary GGUFs with their tokenizer tests, and real models' chat
+/// templates. It comes with llama.cpp's source, which `scripts/llama-cpp.sh` fetches from llama-cpp-python's
+/// package on PyPI (building llama-server once; CI fetches it before the tests, for `tests/external.rs`).
+pub fn llama_cpp_models() -> PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new(root.join("scripts/llama-cpp.sh"))
+        .arg("llama-server")
+        .output()
+        .expect("runs the script");
+    assert!(out.status.success(), "scripts/llama-cpp.sh failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    // .../llama.cpp/<version>/build-*/bin -> .../llama.cpp/<version>/src/models
+    bin.parent().and_then(std::path::Path::parent).expect("the cache's layout").join("src/models")
+}
