@@ -3,9 +3,8 @@
 //! `scripts/llama-cpp.sh` from PyPI) renders a handful of conversations (a system turn, several turns, tools offered,
 //! a call and its result, no generation prompt) here and through Jinja2 as transformers' `apply_chat_template` sets
 //! it up (`scripts/templates/render_hf.py`); each must give the same text, or both must refuse. Two kinds of
-//! difference are allowed, and named: a template that transformers' Python refuses with a type error (iterating
-//! the `tools` it passes as None when there are none, serializing a generator) renders here, leniently; and
-//! [`KNOWN`] lists the templates whose text differs on purpose.
+//! difference are allowed, by template: [`LENIENT`] ones render here where transformers' Python fails with a type
+//! error, and [`KNOWN`] ones differ in their text on purpose.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -23,12 +22,24 @@ const KNOWN: &[(&str, &str)] = &[(
      in a tool's description; here it stays as written",
 )];
 
+/// Templates that render here where transformers' Python fails with a type error: the `tool_use` variants iterate
+/// `tools`, which transformers passes as None when there are none (minijinja iterates None as nothing), and
+/// llama.cpp's own DeepSeek R1 template hands `tojson` a generator (Jinja2's `map`), which Python cannot serialize.
+const LENIENT: &[&str] = &[
+    "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+    "llama-cpp-deepseek-r1.jinja",
+];
+
 /// One conversation to render.
 struct Case {
     what: &'static str,
     messages: Vec<ChatMessage>,
     tools: Vec<Value>,
     add_generation_prompt: bool,
+    /// Template arguments (`chat_template_kwargs`), given to the templates that read them all.
+    arguments: serde_json::Map<String, Value>,
 }
 
 fn cases() -> Vec<Case> {
@@ -44,37 +55,78 @@ fn cases() -> Vec<Case> {
         ..m("assistant", "")
     };
     let answer = ChatMessage { tool_call_id: Some("call_1".into()), ..m("tool", "{\"temperature\": 21}") };
+    let two_calls = ChatMessage {
+        tool_calls: Some(json!([
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}])),
+        ..m("assistant", "")
+    };
+    let second = ChatMessage { tool_call_id: Some("call_2".into()), ..m("tool", "{\"temperature\": 4}") };
+    let thought = ChatMessage { reasoning_content: Some("Two and two.".into()), ..m("assistant", "4.") };
+    let off: serde_json::Map<String, Value> = [("enable_thinking".to_string(), json!(false))].into_iter().collect();
     vec![
-        Case { what: "one user turn", messages: vec![m("user", "Hello!")], tools: vec![], add_generation_prompt: true },
+        Case {
+            what: "one user turn",
+            messages: vec![m("user", "Hello!")],
+            tools: vec![],
+            add_generation_prompt: true,
+            arguments: Default::default(),
+        },
         Case {
             what: "a system turn",
             messages: vec![m("system", "Be brief."), m("user", "Hi there.")],
             tools: vec![],
             add_generation_prompt: true,
+            arguments: Default::default(),
         },
         Case {
             what: "several turns",
             messages: vec![m("user", "Count to 2."), m("assistant", "1, 2."), m("user", "Now to 3.")],
             tools: vec![],
             add_generation_prompt: true,
+            arguments: Default::default(),
         },
         Case {
             what: "no generation prompt",
             messages: vec![m("user", "Name a colour."), m("assistant", "Blue.")],
             tools: vec![],
             add_generation_prompt: false,
+            arguments: Default::default(),
         },
         Case {
             what: "tools offered",
             messages: vec![m("user", "Weather in Paris?")],
             tools: vec![weather.clone()],
             add_generation_prompt: true,
+            arguments: Default::default(),
         },
         Case {
             what: "a call and its result",
-            messages: vec![m("user", "Weather in Paris?"), call, answer],
+            messages: vec![m("user", "Weather in Paris?"), call, answer.clone()],
+            tools: vec![weather.clone()],
+            add_generation_prompt: true,
+            arguments: Default::default(),
+        },
+        Case {
+            what: "two calls and their results",
+            messages: vec![m("user", "Weather in Paris and Oslo?"), two_calls, answer, second],
             tools: vec![weather],
             add_generation_prompt: true,
+            arguments: Default::default(),
+        },
+        Case {
+            what: "an earlier turn's thinking, text beyond ASCII",
+            messages: vec![m("user", "2+2? Grüße 👋"), thought, m("user", "And 3+3?")],
+            tools: vec![],
+            add_generation_prompt: true,
+            arguments: Default::default(),
+        },
+        Case {
+            what: "thinking turned off",
+            messages: vec![m("user", "Hello!")],
+            tools: vec![],
+            add_generation_prompt: true,
+            arguments: off,
         },
     ]
 }
@@ -97,9 +149,15 @@ fn real_templates_render_as_transformers_renders_them() {
         let source = std::fs::read_to_string(file).expect("a template");
         let template = ChatTemplate::new(&source, bos, eos);
         for case in &cases {
+            let reads = |t: &ChatTemplate| case.arguments.keys().all(|k| t.arguments().contains(k));
+            if !case.arguments.is_empty() && !template.as_ref().is_ok_and(reads) {
+                continue;
+            }
             inputs.push(json!({"template": source, "bos_token": bos, "eos_token": eos, "messages": case.messages,
-                               "tools": case.tools, "add_generation_prompt": case.add_generation_prompt}));
-            let extras = ChatExtras { tools: &case.tools, arguments: None };
+                               "tools": case.tools, "add_generation_prompt": case.add_generation_prompt,
+                               "arguments": case.arguments}));
+            let arguments = (!case.arguments.is_empty()).then_some(&case.arguments);
+            let extras = ChatExtras { tools: &case.tools, arguments };
             let rendered = match &template {
                 Ok(t) => t.render_with(&case.messages, extras, case.add_generation_prompt).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
@@ -112,7 +170,8 @@ fn real_templates_render_as_transformers_renders_them() {
     let mut differ = Vec::new();
     let (mut rendered, mut lenient) = (0, 0);
     for ((name, what, ours), theirs) in ours.iter().zip(&reference) {
-        let python_type_error = theirs.get("error").and_then(Value::as_str).is_some_and(|e| e.starts_with("TypeError"));
+        let python_type_error = LENIENT.contains(&name.as_str())
+            && theirs.get("error").and_then(Value::as_str).is_some_and(|e| e.starts_with("TypeError"));
         match (ours, theirs.get("text").and_then(Value::as_str)) {
             (Ok(a), Some(b)) if a == b => rendered += 1,
             (Ok(_), Some(_)) if KNOWN.iter().any(|(known, _)| known == name) => {}
@@ -127,7 +186,7 @@ fn real_templates_render_as_transformers_renders_them() {
     }
     assert!(differ.is_empty(), "{} of {} renders differ:\n{}", differ.len(), ours.len(), differ.join("\n\n"));
     assert!(rendered > ours.len() * 9 / 10, "{rendered} of {} rendered", ours.len());
-    assert!(lenient <= 16, "{lenient} renders where transformers has a type error");
+    assert!(lenient > 0, "the lenient templates are still named for a reason");
 }
 
 /// transformers' renders of `inputs`, by `scripts/templates/render_hf.py`.
