@@ -1182,6 +1182,7 @@ mod tests {
         assert_eq!(with("", Some(ToolParser::Mistral)), (true, CallIds::Mistral));
         assert_eq!(with(r#","tool_choice":"required""#, Some(ToolParser::Mistral)), (false, CallIds::Mistral));
         assert_eq!(with("", Some(ToolParser::Hermes)), (false, CallIds::OpenAi));
+        assert_eq!(with("", Some(ToolParser::Gemma4)), (true, CallIds::OpenAi), "Gemma 4's markers are control tokens");
         assert_eq!(with(r#","tool_choice":"none""#, None), (false, CallIds::OpenAi));
     }
 

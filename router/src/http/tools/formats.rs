@@ -4,8 +4,8 @@
 
 use serde_json::Value;
 
-use super::pythonic;
 use super::{Function, Made};
+use super::{gemma4, pythonic};
 
 /// A model's way of writing tool calls in free text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
@@ -30,10 +30,14 @@ pub enum ToolParser {
     /// (a string as written, a number or boolean parsed, an object or array as JSON; text when it is not one):
     /// Qwen3-Coder's (vLLM's `qwen3_xml` too).
     Qwen3Coder,
+    /// `<|tool_call>call:NAME{key:value,...}<tool_call|>` blocks after any text, values as Gemma 4's template
+    /// writes them (text between `<|"|>` marks, bare keys): Gemma 4's. Its markers are control tokens, so the answer
+    /// keeps their text.
+    Gemma4,
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 8] = [
+const NAMES: [(&str, ToolParser); 9] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
@@ -42,6 +46,7 @@ const NAMES: [(&str, ToolParser); 8] = [
     ("llama4_pythonic", ToolParser::Pythonic),
     ("qwen3_coder", ToolParser::Qwen3Coder),
     ("qwen3_xml", ToolParser::Qwen3Coder),
+    ("gemma4", ToolParser::Gemma4),
 ];
 
 impl std::str::FromStr for ToolParser {
@@ -93,15 +98,16 @@ impl ToolParser {
             ToolParser::Mistral => mistral(&text[at..], functions),
             ToolParser::Pythonic => pythonic_calls(&text[at..], functions),
             ToolParser::Qwen3Coder => qwen3_coder(&text[at..], functions),
+            ToolParser::Gemma4 => gemma4_calls(&text[at..], functions),
         }?;
         let content = &text[..at];
         Some(Made { content: (!content.trim().is_empty()).then(|| content.to_string()), calls })
     }
 
-    /// Whether the answer must keep its control tokens' text for calls to be found (Mistral's marker is one, and
-    /// vLLM keeps them for this parser too).
+    /// Whether the answer must keep its control tokens' text for calls to be found (Mistral's and Gemma 4's
+    /// markers are such tokens, and vLLM keeps them for these parsers too).
     pub fn needs_control_text(self) -> bool {
-        self == ToolParser::Mistral
+        matches!(self, ToolParser::Mistral | ToolParser::Gemma4)
     }
 
     /// Whether call ids are Mistral's 9 letters and digits.
@@ -122,6 +128,7 @@ impl ToolParser {
         match self {
             ToolParser::Hermes | ToolParser::Qwen3Coder => marked(text, sent, OPEN),
             ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
+            ToolParser::Gemma4 => marked(text, sent, gemma4::OPEN),
             ToolParser::Llama3Json => leading(text, sent, "{", PYTHON_TAG),
             ToolParser::Pythonic => leading(text, sent, "[", PYTHON_START),
         }
@@ -253,6 +260,14 @@ fn typed(raw: &str, kind: Option<&Value>) -> Value {
         },
         Some(_) => serde_json::from_str(raw_t).unwrap_or_else(|_| text()),
     }
+}
+
+fn gemma4_calls(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
+    let calls = gemma4::calls(text)?;
+    calls
+        .into_iter()
+        .map(|(name, arguments)| Some((known(functions, &name)?.name.clone(), arguments.to_string())))
+        .collect()
 }
 
 fn llama3_json(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {

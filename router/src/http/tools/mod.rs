@@ -11,6 +11,7 @@ use serde_json::{Map, Value, json};
 use super::error::ApiError;
 
 mod formats;
+mod gemma4;
 mod pythonic;
 
 use formats::Scan;
@@ -507,18 +508,19 @@ pub(super) mod tests {
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 5] = [
+    const CALLS: [&str; 6] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
         "<|python_start|>[now(a=1), now(b='x')]<|python_end|>",
         "<tool_call>\n<function=now>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+        "<|tool_call>call:now{a:<|\"|>x, y<|\"|>}<tool_call|><|tool_call>call:now{}<tool_call|>",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 5] = [
+    const PIECES: [(ToolParser, [&str; 10]); 6] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -529,6 +531,8 @@ pub(super) mod tests {
             "[now(), ", "\n", "é", "now(b='x')]"]),
         (ToolParser::Qwen3Coder, ["Sure ", "<tool_call>", "</tool_call>", "<function=now></function>",
             "<function=rain></function>", "<tool", "_call>", "\n", "é", "<parameter=a>1</parameter>"]),
+        (ToolParser::Gemma4, ["Sure ", "<|tool_call>", "<tool_call|>", "call:now{a:1}", "call:rain{}", "<|tool",
+            "_call>", "\n", "é", "<|\"|>"]),
     ];
 
     proptest::proptest! {
