@@ -768,6 +768,8 @@ pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiErr
     }
     checked.tool_calls = tools.mode;
     checked.call_ids = super::tools::CallIds::of(parsers.tool_call);
+    // Gemma 4's channel markers are control tokens.
+    checked.keep_control |= parsers.reasoning.is_some_and(|p| p.needs_control_text());
     // A grammar holds the answer after its thinking (`Checked::grammar_thinking`), so the split is the parser's own.
     checked.thinking = parsers
         .reasoning
@@ -1210,6 +1212,10 @@ mod tests {
         let off = format!(r#"{json},"chat_template_kwargs":{{"enable_thinking":false}}"#);
         assert_eq!(checked(&off, Some(Qwen3)).grammar_thinking(), Before::None);
         assert_eq!(checked(&off, Some(DeepSeekR1)).grammar_thinking(), Before::Open);
+        // Gemma 4's channel: its markers' text kept; its grammar from the first token.
+        let gemma = checked(json, Some(Gemma4));
+        assert!(gemma.keep_control && !checked(json, Some(Qwen3)).keep_control);
+        assert_eq!(gemma.grammar_thinking(), Before::None);
         assert_eq!(chat_with("").expect("valid").thinking, None, "no parser");
         let turn = |m: &str| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#);

@@ -13,11 +13,18 @@ pub enum ReasoningParser {
     /// The answer thinks only when it opens with `<think>` (Qwen3's hybrid models; `enable_thinking: false` in
     /// `chat_template_kwargs` turns it off); otherwise it is all content.
     Qwen3,
+    /// As `Qwen3`, in Gemma 4's channel, `<|channel>thought\n` … `<channel|>` (its markers are control tokens, so
+    /// the answer keeps their text); the `thought` label is not part of the thinking. Gemma 4 thinks when
+    /// `chat_template_kwargs` has `enable_thinking: true`.
+    Gemma4,
 }
 
 /// Each parser's name.
-const NAMES: [(&str, ReasoningParser); 2] =
-    [("deepseek_r1", ReasoningParser::DeepSeekR1), ("qwen3", ReasoningParser::Qwen3)];
+const NAMES: [(&str, ReasoningParser); 3] = [
+    ("deepseek_r1", ReasoningParser::DeepSeekR1),
+    ("qwen3", ReasoningParser::Qwen3),
+    ("gemma4", ReasoningParser::Gemma4),
+];
 
 impl std::str::FromStr for ReasoningParser {
     type Err = String;
@@ -43,8 +50,8 @@ pub struct Thinking {
     pub shown: bool,
 }
 
-const START: &str = "<think>";
-const END: &str = "</think>";
+/// Gemma 4's label at the start of its thinking channel.
+const GEMMA4_LABEL: &str = "thought\n";
 
 /// An answer split: its thinking (none when it has none, or only whitespace) and its content.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -56,22 +63,48 @@ pub struct Split {
 impl ReasoningParser {
     /// Where the answer's thinking comes before what a grammar holds, as the worker applies it: the grammar holds
     /// after the thinking, as vLLM's does with a reasoning parser.
+    /// Gemma 4's channel is not held apart from the grammar: its grammar holds from the first token (Gemma 4 thinks
+    /// only when asked to).
     pub fn before_grammar(self) -> engine::grammar::Thinking {
         match self {
             ReasoningParser::DeepSeekR1 => engine::grammar::Thinking::Open,
             ReasoningParser::Qwen3 => engine::grammar::Thinking::Optional,
+            ReasoningParser::Gemma4 => engine::grammar::Thinking::None,
         }
+    }
+
+    /// The markers around the thinking.
+    fn markers(self) -> (&'static str, &'static str) {
+        match self {
+            ReasoningParser::DeepSeekR1 | ReasoningParser::Qwen3 => ("<think>", "</think>"),
+            ReasoningParser::Gemma4 => ("<|channel>", "<channel|>"),
+        }
+    }
+
+    /// Whether an answer that does not open with the start marker thinks anyway (the prompt opened it).
+    fn thinks_from_the_start(self) -> bool {
+        self == ReasoningParser::DeepSeekR1
+    }
+
+    /// Whether the answer must keep its control tokens' text for the thinking to be found.
+    pub fn needs_control_text(self) -> bool {
+        self == ReasoningParser::Gemma4
     }
 
     /// Splits a whole answer.
     pub fn split(self, text: &str) -> Split {
-        let opened = text.trim_start().strip_prefix(START);
-        if self == ReasoningParser::Qwen3 && opened.is_none() {
+        let (start, end) = self.markers();
+        let opened = text.trim_start().strip_prefix(start);
+        if !self.thinks_from_the_start() && opened.is_none() {
             return Split { reasoning: None, content: text.to_string() };
         }
         let thought = opened.unwrap_or(text);
-        let (reasoning, content) = match thought.find(END) {
-            Some(at) => (&thought[..at], &thought[at + END.len()..]),
+        let thought = match self {
+            ReasoningParser::Gemma4 => thought.strip_prefix(GEMMA4_LABEL).unwrap_or(thought),
+            _ => thought,
+        };
+        let (reasoning, content) = match thought.find(end) {
+            Some(at) => (&thought[..at], &thought[at + end.len()..]),
             None => (thought, ""),
         };
         Split { reasoning: (!reasoning.trim().is_empty()).then(|| reasoning.to_string()), content: content.to_string() }
@@ -83,6 +116,8 @@ impl ReasoningParser {
 enum Phase {
     /// Its start is whitespace or part of `<think>` so far: whether it thinks is not known yet.
     Opening,
+    /// Just inside the thinking, where Gemma 4's label may still come.
+    Labelled,
     Thinking,
     Answering,
 }
@@ -107,29 +142,36 @@ impl ReasoningStream {
     pub fn push(&mut self, s: &str) -> Split {
         self.text.push_str(s);
         let mut out = Split::default();
+        let (start, end) = self.parser.markers();
         if self.phase == Phase::Opening {
             let lead = self.text.trim_start();
-            if lead.starts_with(START) {
-                self.sent = self.text.len() - lead.len() + START.len();
+            if lead.starts_with(start) {
+                self.sent = self.text.len() - lead.len() + start.len();
+                self.phase = Phase::Labelled;
+            } else if !start.starts_with(lead) {
+                self.phase = if self.parser.thinks_from_the_start() { Phase::Labelled } else { Phase::Answering };
+            }
+        }
+        if self.phase == Phase::Labelled {
+            let rest = &self.text[self.sent..];
+            if self.parser != ReasoningParser::Gemma4 || !GEMMA4_LABEL.starts_with(rest) {
+                if self.parser == ReasoningParser::Gemma4 && rest.starts_with(GEMMA4_LABEL) {
+                    self.sent += GEMMA4_LABEL.len();
+                }
                 self.phase = Phase::Thinking;
-            } else if !START.starts_with(lead) {
-                self.phase = match self.parser {
-                    ReasoningParser::DeepSeekR1 => Phase::Thinking,
-                    ReasoningParser::Qwen3 => Phase::Answering,
-                };
             }
         }
         if self.phase == Phase::Thinking {
-            match self.text[self.sent..].find(END) {
+            match self.text[self.sent..].find(end) {
                 Some(at) => {
                     out.reasoning = Some(self.text[self.sent..self.sent + at].to_string());
-                    self.sent += at + END.len();
+                    self.sent += at + end.len();
                     self.phase = Phase::Answering;
                 }
                 None => {
-                    let held = (1..END.len())
+                    let held = (1..end.len())
                         .rev()
-                        .find(|&k| self.text.ends_with(&END[..k]) && self.text.is_char_boundary(self.text.len() - k))
+                        .find(|&k| self.text.ends_with(&end[..k]) && self.text.is_char_boundary(self.text.len() - k))
                         .unwrap_or(0);
                     let to = (self.text.len() - held).max(self.sent);
                     out.reasoning = Some(self.text[self.sent..to].to_string());
@@ -151,8 +193,9 @@ impl ReasoningStream {
         let held = &self.text[self.sent..];
         if !held.is_empty() {
             // A start that never became `<think>`, or an end that never became `</think>`.
-            match (self.phase, self.parser) {
-                (Phase::Opening, ReasoningParser::Qwen3) | (Phase::Answering, _) => out.content.push_str(held),
+            match self.phase {
+                Phase::Opening if !self.parser.thinks_from_the_start() => out.content.push_str(held),
+                Phase::Answering => out.content.push_str(held),
                 _ => out.reasoning.get_or_insert_with(String::new).push_str(held),
             }
         }
@@ -199,6 +242,12 @@ mod tests {
         assert_eq!(split(Qwen3, "Yes."), (None, "Yes.".to_string()));
         assert_eq!(split(Qwen3, "Hmm.</think>Yes."), (None, "Hmm.</think>Yes.".to_string()));
         assert_eq!(split(Qwen3, "<think>Hmm, still"), (some("Hmm, still"), String::new()));
+        // Gemma 4's channel, its label left out.
+        let gemma = ReasoningParser::Gemma4;
+        assert_eq!(split(gemma, "<|channel>thought\nHmm.<channel|>Yes."), (some("Hmm."), "Yes.".to_string()));
+        assert_eq!(split(gemma, "<|channel>Hmm.<channel|>Yes."), (some("Hmm."), "Yes.".to_string()));
+        assert_eq!(split(gemma, "<|channel>thought\n<channel|>Yes."), (None, "Yes.".to_string()));
+        assert_eq!(split(gemma, "Yes. <think>x</think>"), (None, "Yes. <think>x</think>".to_string()));
     }
 
     proptest::proptest! {
@@ -207,13 +256,19 @@ mod tests {
         /// content sent add up to the whole answer's split.
         #[test]
         fn a_streamed_split_is_the_whole_one(
-            qwen in proptest::bool::ANY,
+            which in 0usize..3,
             parts in proptest::collection::vec(0usize..9, 0..14),
             cuts in proptest::collection::vec(1usize..6, 1..40),
         ) {
-            const PARTS: [&str; 9] = ["<think>", "</think>", "Hmm ", "<th", "ink>", "</th", "\n", "é", "<"];
-            let parser = if qwen { ReasoningParser::Qwen3 } else { ReasoningParser::DeepSeekR1 };
-            let text: String = parts.iter().map(|&i| PARTS[i]).collect();
+            const THINK: [&str; 9] = ["<think>", "</think>", "Hmm ", "<th", "ink>", "</th", "\n", "é", "<"];
+            const CHANNEL: [&str; 9] =
+                ["<|channel>", "<channel|>", "thought\n", "thou", "<|chan", "nel>", "\n", "é", "<"];
+            let (parser, pieces) = [
+                (ReasoningParser::DeepSeekR1, THINK),
+                (ReasoningParser::Qwen3, THINK),
+                (ReasoningParser::Gemma4, CHANNEL),
+            ][which];
+            let text: String = parts.iter().map(|&i| pieces[i]).collect();
             let chars: Vec<char> = text.chars().collect();
             let mut stream = ReasoningStream::new(parser);
             let (mut reasoning, mut content, mut at) = (String::new(), String::new(), 0);

@@ -105,10 +105,11 @@ pub struct Args {
     #[arg(long)]
     record_candidates: bool,
     /// How the served model writes tool calls among its text (`hermes`, `llama3_json`, `mistral`, `pythonic`,
-    /// `qwen3_coder`): with one, `tool_choice: auto` is served.
+    /// `qwen3_coder`, `gemma4`): with one, `tool_choice: auto` is served.
     #[arg(long)]
     tool_call_parser: Option<router::http::tools::ToolParser>,
-    /// How the served model marks its thinking (`deepseek_r1`, `qwen3`): with one, chat answers carry it apart.
+    /// How the served model marks its thinking (`deepseek_r1`, `qwen3`, `gemma4`): with one, chat answers carry it
+    /// apart.
     #[arg(long)]
     reasoning_parser: Option<router::http::reasoning::ReasoningParser>,
     /// MiB of the router's memory for the Responses API's stored responses (default 64; 0 keeps none).
