@@ -196,7 +196,8 @@ impl Grammars {
         let factory = self.factory()?;
         let top = match thinking {
             Thinking::None => grammar.top_level()?,
-            Thinking::Open | Thinking::Optional => self.after_thinking(grammar.top_level()?, thinking),
+            Thinking::Open => self.after_thinking(grammar.top_level()?, false),
+            Thinking::Optional => self.after_thinking(grammar.top_level()?, true),
         };
         let parser = factory.create_parser(top).map_err(|e| GrammarError::Compile(e.to_string()))?;
         let mut m = Constrained {
@@ -210,15 +211,13 @@ impl Grammars {
         m.take(generated)?;
         Ok(m)
     }
-}
 
-impl Grammars {
-    /// `answer` preceded by a thinking block: a Lark grammar whose thinking is any text up to the first `</think>`,
+    /// `answer` preceded by a thinking block (`optional`: or not): a Lark grammar whose thinking is any text up to the first `</think>`,
     /// then optional whitespace (models write a blank line there), then `answer` as a grammar of its own. A marker
     /// that is one special token of the vocabulary (Qwen 3's, DeepSeek R1's) is that token, since no text spells
     /// it; otherwise it is text. The thinking must end before the output can: end-of-generation tokens are not
     /// part of it.
-    fn after_thinking(&self, answer: TopLevelGrammar, thinking: Thinking) -> TopLevelGrammar {
+    fn after_thinking(&self, answer: TopLevelGrammar, optional: bool) -> TopLevelGrammar {
         let tokenizer = self.text.tokenizer();
         let thought = match tokenizer.special_id(THINK_END) {
             Some(end) => {
@@ -233,9 +232,9 @@ impl Grammars {
             Some(start) => format!("<[{start}]>"),
             None => format!("{THINK_START:?}"),
         };
-        let start = match thinking {
-            Thinking::Optional => format!("start: ({open} thought WS?)? @answer"),
-            Thinking::Open | Thinking::None => "start: thought WS? @answer".to_string(),
+        let start = match optional {
+            true => format!("start: ({open} thought WS?)? @answer"),
+            false => "start: thought WS? @answer".to_string(),
         };
         let lark = format!("{start}\n{thought}\nWS: /[ \\t\\r\\n]+/\n");
         let mut grammars = vec![llguidance::api::GrammarWithLexer::from_lark(lark)];
