@@ -1038,10 +1038,16 @@ async fn thinking_comes_apart_from_the_answer_and_its_calls() {
     assert_eq!(message["reasoning"], thought);
     let thinks = thought.as_str().is_some_and(|t| !t.trim().is_empty() && !t.contains("think>"));
     assert!(thinks && answer.as_str().is_some_and(|a| !a.trim().is_empty()), "{v}");
+    // The tokens spent thinking: some, not all.
+    let usage = v["usage"].clone();
+    let spent = usage["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap_or(0);
+    assert!(spent > 2 && spent < usage["completion_tokens"].as_u64().unwrap_or(0), "{usage}");
     // Streamed: the thinking in its own deltas, then the answer.
-    let r = post(ask(json!({"stream": true}))).await;
+    let r = post(ask(json!({"stream": true, "stream_options": {"include_usage": true}}))).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let chunks = json_chunks(&r);
+    let streamed = chunks.last().map(|c| &c["usage"]["completion_tokens_details"]);
+    assert_eq!(streamed, Some(&usage["completion_tokens_details"]), "the same count streamed: {chunks:?}");
     let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
     let part = |key: &str| json!(deltas.iter().filter_map(|d| d[key].as_str()).collect::<String>());
     assert_eq!((part("reasoning_content"), part("content")), (thought.clone(), answer.clone()), "{chunks:?}");

@@ -22,7 +22,7 @@ use super::completions::{Ident, Routed, fail, plan};
 use super::error::ApiError;
 use super::logprobs::Logprobs;
 use super::openai::{Checked, Endpoint, Input};
-use super::reasoning::ReasoningStream;
+use super::reasoning::{ReasoningParser, ReasoningStream, Thinking};
 use super::tools::{self, AutoStream, CallMode};
 use crate::scheduler::Decision;
 use crate::serve::{Job, Piece, Pieces};
@@ -139,13 +139,18 @@ fn finish_reason(r: pb::FinishReason, stopped_by_text: bool) -> &'static str {
     }
 }
 
-fn usage(prompt: usize, completion: usize, cached: u32) -> Value {
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
+fn usage(t: &Totals) -> Value {
+    let mut u = json!({
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "total_tokens": t.prompt_tokens + t.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": t.cached},
+    });
+    // With a reasoning parser, the tokens spent thinking, as OpenAI counts them.
+    if let Some(n) = t.thinking {
+        u["completion_tokens_details"] = json!({"reasoning_tokens": n});
+    }
+    u
 }
 
 fn created() -> u64 {
@@ -156,6 +161,9 @@ fn created() -> u64 {
 struct Text {
     stream: TextStream,
     tokens: usize,
+    /// With a reasoning parser: the text so far, and where each token's text ended in it (to count the tokens spent
+    /// thinking).
+    said: Option<(String, Vec<usize>)>,
     stopped: bool,
     /// The request's `stop_token_ids`: like end-of-generation, not part of the text.
     stop_ids: Vec<u32>,
@@ -170,6 +178,7 @@ impl Text {
                 .keeping_control(checked.keep_control)
                 .keeping_stop(checked.keep_stop),
             tokens: 0,
+            said: checked.thinking.map(|_| (String::new(), Vec::new())),
             stopped: false,
             stop_ids: checked.logits.stop_token_ids.clone(),
             ends_at_eog: !checked.ignore_eos || checked.grammar.is_some(),
@@ -184,8 +193,44 @@ impl Text {
         }
         let (text, hit) = self.stream.push(state.text.tokenizer(), id);
         self.stopped |= hit;
+        if let Some((said, ends)) = &mut self.said {
+            said.push_str(&text);
+            ends.push(said.len());
+        }
         text
     }
+
+    /// The tokens spent thinking ([`tokens_before_content`]); none without a reasoning parser.
+    fn thinking_tokens(&self, thinking: Option<Thinking>) -> Option<usize> {
+        let ((said, ends), thinking) = (self.said.as_ref()?, thinking?);
+        Some(tokens_before_content(said, ends, thinking.parser))
+    }
+}
+
+/// Of the tokens whose texts end at `ends` in `said`, those that ended before the answer's content began as
+/// `parser` splits it (the token that ends the thinking counts; an answer cut short while thinking is all thinking).
+fn tokens_before_content(said: &str, ends: &[usize], parser: ReasoningParser) -> usize {
+    let content_from = said.len() - parser.split(said).content.len();
+    ends.iter().filter(|&&end| end <= content_from).count()
+}
+
+/// What one choice counts toward the usage.
+#[derive(Clone, Copy)]
+struct Counts {
+    /// Which prompt (choices of one prompt share it).
+    prompt: usize,
+    prompt_len: usize,
+    tokens: usize,
+    cached: Option<u32>,
+    thinking: Option<usize>,
+}
+
+/// The usage of a request's choices.
+struct Totals {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached: u32,
+    thinking: Option<usize>,
 }
 
 /// Times the tokens a client receives (the request's first choice stands for the request).
@@ -212,8 +257,7 @@ impl Clock {
 /// What one choice produced.
 struct Done {
     index: usize,
-    prompt: usize,
-    prompt_len: usize,
+    counts: Counts,
     /// The answer's text (its content, when its thinking is split off).
     text: String,
     /// Its thinking, split off with the router's reasoning parser (and shown).
@@ -225,8 +269,6 @@ struct Done {
     /// The tool calls the text makes and the content beside them, when the request has tools to call and the text
     /// calls them.
     calls: Option<tools::Made>,
-    tokens: usize,
-    cached: Option<u32>,
 }
 
 /// A choice's run: waits for its prompt (a fork), starts, and tells its forks when the prompt's KV is in place.
@@ -264,6 +306,17 @@ impl Drop for Run {
 }
 
 impl Run {
+    /// What the finished choice counts toward the usage.
+    fn counts(&self, cached: Option<u32>) -> Counts {
+        Counts {
+            prompt: self.prompt,
+            prompt_len: self.prompt_len,
+            tokens: self.text.tokens,
+            cached,
+            thinking: self.text.thinking_tokens(self.checked.thinking),
+        }
+    }
+
     async fn start(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Run {
         if let Some(mut after) = p.after {
             // A first sample that ended without a token drops the sender: the fork then computes the prompt.
@@ -408,37 +461,39 @@ pub async fn whole(state: Arc<RouterState>, planned: Vec<Planned>, arrived: Inst
             }
         })
         .collect();
-    let (prompt_tokens, completion_tokens, cached) =
-        totals(done.iter().map(|d| (d.prompt, d.prompt_len, d.tokens, d.cached)));
+    let totals = totals(done.iter().map(|d| d.counts));
     let object = if endpoint == Endpoint::Chat { "chat.completion" } else { "text_completion" };
     let mut body = json!({"id": id, "object": object, "created": created(), "model": model, "choices": choices,
-                          "usage": usage(prompt_tokens, completion_tokens, cached)});
+                          "usage": usage(&totals)});
     // vLLM's chat answer has one `prompt_logprobs`, beside its choices (which share the prompt).
     if let Some(d) = done.iter().find(|d| endpoint == Endpoint::Chat && !d.prompt_logprobs.is_null()) {
         body["prompt_logprobs"] = d.prompt_logprobs.clone();
     }
     let finishes: Vec<&str> = done.iter().map(|d| d.finish).collect();
     tracing::Span::current()
-        .record("gen_ai.usage.output_tokens", completion_tokens)
+        .record("gen_ai.usage.output_tokens", totals.completion_tokens)
         .record("gen_ai.response.finish_reasons", finishes.join(",").as_str());
     state.metrics.request(route, 200);
     state.metrics.request_duration.observe(arrived.elapsed());
     axum::Json(body).into_response()
 }
 
-/// Usage over choices given as (prompt, prompt tokens, completion tokens, cached tokens): each prompt counted once
-/// (its first choice's cached tokens), completion tokens summed, as OpenAI counts `n` and batches.
-fn totals(choices: impl Iterator<Item = (usize, usize, usize, Option<u32>)>) -> (usize, usize, u32) {
-    let (mut prompt_tokens, mut completion_tokens, mut cached) = (0, 0, 0u32);
+/// Usage over choices: each prompt counted once (its first choice's cached tokens), completion and thinking tokens
+/// summed, as OpenAI counts `n` and batches.
+fn totals(choices: impl Iterator<Item = Counts>) -> Totals {
+    let mut t = Totals { prompt_tokens: 0, completion_tokens: 0, cached: 0, thinking: None };
     let mut seen = std::collections::BTreeSet::new();
-    for (prompt, len, tokens, c) in choices {
-        completion_tokens += tokens;
-        if seen.insert(prompt) {
-            prompt_tokens += len;
-            cached = cached.saturating_add(c.unwrap_or(0));
+    for c in choices {
+        t.completion_tokens += c.tokens;
+        if let Some(n) = c.thinking {
+            *t.thinking.get_or_insert(0) += n;
+        }
+        if seen.insert(c.prompt) {
+            t.prompt_tokens += c.prompt_len;
+            t.cached = t.cached.saturating_add(c.cached.unwrap_or(0));
         }
     }
-    (prompt_tokens, completion_tokens, cached)
+    t
 }
 
 /// One choice, whole.
@@ -478,16 +533,13 @@ async fn collect(state: &Arc<RouterState>, p: Planned, arrived: Instant) -> Resu
     run.finish = Some(finish);
     Ok(Done {
         index: run.index,
-        prompt: run.prompt,
-        prompt_len: run.prompt_len,
+        counts: run.counts(cached),
         text: out,
         reasoning,
         logprobs: run.logprobs.as_mut().map_or(Value::Null, Logprobs::take),
         prompt_logprobs: std::mem::take(&mut run.prompt_logprobs),
         finish,
         calls,
-        tokens: run.text.tokens,
-        cached,
     })
 }
 
@@ -674,12 +726,12 @@ async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrive
         Ok(done) => done,
         Err(status) => return status,
     };
-    let (prompt_tokens, completion_tokens, cached) = totals(done.iter().copied());
-    tracing::Span::current().record("gen_ai.usage.output_tokens", completion_tokens);
+    let totals = totals(done.iter().copied());
+    tracing::Span::current().record("gen_ai.usage.output_tokens", totals.completion_tokens);
     if checked.include_usage {
         let object = if checked.endpoint == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
         let u = json!({"id": id, "object": object, "created": created(), "model": state.served_model,
-                       "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)});
+                       "choices": [], "usage": usage(&totals)});
         let _ = send(tx, u).await;
     }
     let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
@@ -779,7 +831,7 @@ fn split_thinking(thinking: &mut Option<(ReasoningStream, bool)>, s: String, las
     }
 }
 
-/// One choice, streamed; its usage figures (prompt, prompt tokens, completion tokens, cached) when it finished, or
+/// One choice, streamed; what it counts toward the usage when it finished, or
 /// the status that ended the request (an error event already sent).
 async fn stream_choice(
     state: &Arc<RouterState>,
@@ -787,7 +839,7 @@ async fn stream_choice(
     tx: &Sink,
     id: &str,
     arrived: Instant,
-) -> Result<(usize, usize, usize, Option<u32>), u16> {
+) -> Result<Counts, u16> {
     let model = state.served_model.as_str();
     let mut run = Run::start(state, p, arrived).await;
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index, ids: run.checked.call_ids };
@@ -883,12 +935,31 @@ async fn stream_choice(
         return Err(499);
     }
     tracing::Span::current().record("gen_ai.response.finish_reasons", finish);
-    Ok((run.prompt, run.prompt_len, run.text.tokens, cached))
+    Ok(run.counts(cached))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tokens_spent_thinking_are_those_before_the_content() {
+        use ReasoningParser::{DeepSeekR1, Qwen3};
+        // Tokens "<think>", "Hm", "m.", "</think>", "\n\nYes", ".", and an end of generation with no text.
+        let pieces = ["<think>", "Hm", "m.", "</think>", "\n\nYes", ".", ""];
+        let (mut said, mut ends) = (String::new(), Vec::new());
+        for p in pieces {
+            said.push_str(p);
+            ends.push(said.len());
+        }
+        assert_eq!(tokens_before_content(&said, &ends, DeepSeekR1), 4);
+        assert_eq!(tokens_before_content(&said, &ends, Qwen3), 4);
+        // No thinking; thinking cut short (every token, the last with no text too).
+        assert_eq!(tokens_before_content("Yes.", &[3, 4], Qwen3), 0);
+        assert_eq!(tokens_before_content("Hmm", &[2, 3, 3], DeepSeekR1), 3);
+        // A token that ends the thinking and starts the content is the content's.
+        assert_eq!(tokens_before_content("<think>Hm</think>Yes", &[7, 9, 20], Qwen3), 2);
+    }
 
     /// The chunk as a `serde_json::Value` tree printed it, before chunks were written straight: clients see the
     /// same bytes.

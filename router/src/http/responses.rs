@@ -324,9 +324,11 @@ pub fn ids(chat_id: &str) -> String {
 /// The usage object of this API from chat's.
 pub fn usage(chat_usage: &Value) -> Value {
     let n = |k: &str| chat_usage.get(k).and_then(Value::as_u64).unwrap_or(0);
-    let cached = chat_usage.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0);
+    let detail = |p: &str| chat_usage.pointer(p).and_then(Value::as_u64).unwrap_or(0);
+    let (cached, thinking) =
+        (detail("/prompt_tokens_details/cached_tokens"), detail("/completion_tokens_details/reasoning_tokens"));
     json!({"input_tokens": n("prompt_tokens"), "input_tokens_details": {"cached_tokens": cached},
-           "output_tokens": n("completion_tokens"), "output_tokens_details": {"reasoning_tokens": 0},
+           "output_tokens": n("completion_tokens"), "output_tokens_details": {"reasoning_tokens": thinking},
            "total_tokens": n("total_tokens")})
 }
 

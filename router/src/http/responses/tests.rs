@@ -136,7 +136,7 @@ fn whole_chat(finish: &str) -> Value {
                "reasoning_content": "Hmm.", "content": "Let me see.",
                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]}}],
            "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
-                     "prompt_tokens_details": {"cached_tokens": 2}}})
+                     "prompt_tokens_details": {"cached_tokens": 2}, "completion_tokens_details": {"reasoning_tokens": 3}}})
 }
 
 #[test]
@@ -159,7 +159,7 @@ fn a_chat_answer_is_the_responses_output() {
     assert_eq!(
         r["usage"],
         json!({"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 6,
-               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 11})
+               "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 11})
     );
     let cut = from_chat(&whole_chat("length"), &asked);
     assert_eq!(
