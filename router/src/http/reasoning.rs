@@ -154,10 +154,12 @@ impl ReasoningStream {
         }
         if self.phase == Phase::Labelled {
             let rest = &self.text[self.sent..];
-            if self.parser != ReasoningParser::Gemma4 || !GEMMA4_LABEL.starts_with(rest) {
-                if self.parser == ReasoningParser::Gemma4 && rest.starts_with(GEMMA4_LABEL) {
-                    self.sent += GEMMA4_LABEL.len();
-                }
+            let gemma = self.parser == ReasoningParser::Gemma4;
+            if gemma && rest.starts_with(GEMMA4_LABEL) {
+                self.sent += GEMMA4_LABEL.len();
+                self.phase = Phase::Thinking;
+            } else if !gemma || !GEMMA4_LABEL.starts_with(rest) {
+                // Held while what came is the start of the label.
                 self.phase = Phase::Thinking;
             }
         }
@@ -248,6 +250,15 @@ mod tests {
         assert_eq!(split(gemma, "<|channel>Hmm.<channel|>Yes."), (some("Hmm."), "Yes.".to_string()));
         assert_eq!(split(gemma, "<|channel>thought\n<channel|>Yes."), (None, "Yes.".to_string()));
         assert_eq!(split(gemma, "Yes. <think>x</think>"), (None, "Yes. <think>x</think>".to_string()));
+        // Streamed a character at a time, the label whole and nothing after it (found by the property test).
+        let mut stream = ReasoningStream::new(gemma);
+        let text = "<|channel>thought\n";
+        let mut thought = String::new();
+        for c in text.chars() {
+            thought.push_str(&stream.push(&c.to_string()).reasoning.unwrap_or_default());
+        }
+        thought.push_str(&stream.end("").reasoning.unwrap_or_default());
+        assert_eq!((thought.as_str(), split(gemma, text)), ("", (None, String::new())));
     }
 
     proptest::proptest! {
