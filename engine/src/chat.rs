@@ -4,9 +4,9 @@
 use std::collections::BTreeSet;
 
 use minijinja::{Environment, ErrorKind};
+use serde::Serialize;
 
 mod python;
-use serde::Serialize;
 
 /// One chat message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
