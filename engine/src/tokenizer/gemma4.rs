@@ -16,8 +16,6 @@ pub struct Gemma4 {
     chars: HashMap<char, u32>,
     /// The token of a run of `n` line breaks, by `n`, where there is one.
     line_breaks: HashMap<usize, u32>,
-    /// Each byte's fallback token.
-    bytes: [Option<u32>; 256],
 }
 
 impl Gemma4 {
@@ -33,16 +31,11 @@ impl Gemma4 {
                 line_breaks.insert(t.len(), id as u32);
             }
         }
-        let index: HashMap<&str, u32> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
-        let mut bytes = [None; 256];
-        for (b, id) in bytes.iter_mut().enumerate() {
-            *id = index.get(format!("<0x{b:02X}>").as_str()).copied();
-        }
-        Gemma4 { chars, line_breaks, bytes }
+        Gemma4 { chars, line_breaks }
     }
 
-    /// The ids of a stretch of plain text (no special tokens in it).
-    pub fn encode(&self, text: &str, merges: &Merges, out: &mut Vec<u32>) {
+    /// The ids of a stretch of plain text (no special tokens in it); `bytes`: each byte's fallback token.
+    pub fn encode(&self, text: &str, merges: &Merges, bytes: &[Option<u32>; 256], out: &mut Vec<u32>) {
         let text = text.replace(' ', &SPACE.to_string());
         let mut rest = text.as_str();
         while let Some(first) = rest.chars().next() {
@@ -60,7 +53,7 @@ impl Gemma4 {
                     Some(&id) => symbols.push(id),
                     None => {
                         let mut buf = [0; 4];
-                        symbols.extend(c.encode_utf8(&mut buf).bytes().filter_map(|b| self.bytes[b as usize]));
+                        symbols.extend(c.encode_utf8(&mut buf).bytes().filter_map(|b| bytes[b as usize]));
                     }
                 }
             }

@@ -75,8 +75,9 @@ pub struct Tokenizer {
     /// Decoded bytes of every token (special tokens: their text).
     token_bytes: Vec<Vec<u8>>,
     merges: Merges,
-    /// Id of the single-byte token for every byte; `None` for bytes the vocabulary lacks, which are dropped (as
-    /// both llama.cpp and Hugging Face tokenizers do for a byte-level vocabulary without them).
+    /// Id of the single-byte token for every byte (`<0xXX>` in SentencePiece's and Gemma 4's vocabularies, their
+    /// fallback for text no token spells); `None` for bytes the vocabulary lacks, which are dropped (as both
+    /// llama.cpp and Hugging Face tokenizers do for a byte-level vocabulary without them).
     byte_ids: [Option<u32>; 256],
     /// Control and user-defined tokens that are matched literally in text, longest first.
     specials: Vec<(String, u32)>,
@@ -439,10 +440,10 @@ impl Tokenizer {
     /// A stretch of text with no special token in it (`after_special`: after the start or a special token).
     fn encode_plain(&self, text: &str, after_special: bool, out: &mut Vec<u32>) {
         if let Some(spm) = &self.spm {
-            return spm.encode(text, after_special, out);
+            return spm.encode(text, after_special, &self.byte_ids, out);
         }
         if let Some(gemma4) = &self.gemma4 {
-            return gemma4.encode(text, &self.merges, out);
+            return gemma4.encode(text, &self.merges, &self.byte_ids, out);
         }
         let merge = |piece: &str| {
             if !self.whole.is_empty() {

@@ -16,8 +16,6 @@ pub struct Spm {
     /// Every token by its text (control tokens too: a merge can make one, as in llama.cpp).
     index: HashMap<String, u32>,
     scores: Vec<f32>,
-    /// Each byte's fallback token.
-    bytes: [Option<u32>; 256],
     /// A fragment after the start or a special token gets a `▁` first.
     pub add_space_prefix: bool,
 }
@@ -58,11 +56,7 @@ impl PartialOrd for Bigram {
 impl Spm {
     pub fn new(tokens: &[String], scores: Vec<f32>, add_space_prefix: bool) -> Spm {
         let index: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let mut bytes = [None; 256];
-        for (b, slot) in bytes.iter_mut().enumerate() {
-            *slot = index.get(&format!("<0x{b:02X}>")).copied();
-        }
-        Spm { index, scores, bytes, add_space_prefix }
+        Spm { index, scores, add_space_prefix }
     }
 
     /// A token's bytes: its text with `▁` as a space, or the byte a `<0xXX>` token stands for.
@@ -76,8 +70,9 @@ impl Spm {
         text.replace(SPACE, " ").into_bytes()
     }
 
-    /// The ids of a fragment of plain text (`prefixed`: it follows the start or a special token).
-    pub fn encode(&self, fragment: &str, prefixed: bool, out: &mut Vec<u32>) {
+    /// The ids of a fragment of plain text (`prefixed`: it follows the start or a special token); `bytes`: each
+    /// byte's fallback token.
+    pub fn encode(&self, fragment: &str, prefixed: bool, bytes: &[Option<u32>; 256], out: &mut Vec<u32>) {
         let mut text = String::with_capacity(fragment.len() + 3);
         if self.add_space_prefix && prefixed {
             text.push(SPACE);
@@ -126,7 +121,7 @@ impl Spm {
             match self.index.get(piece) {
                 Some(&id) => out.push(id),
                 // A character no token spells: its bytes' tokens.
-                None => out.extend(piece.bytes().filter_map(|b| self.bytes[b as usize])),
+                None => out.extend(piece.bytes().filter_map(|b| bytes[b as usize])),
             }
             at = symbols[i].next;
         }
