@@ -76,7 +76,7 @@ fn template_arguments<'a>(
     checked: &'a Checked,
 ) -> Option<std::borrow::Cow<'a, serde_json::Map<String, serde_json::Value>>> {
     let arguments = checked.template_arguments.as_ref()?;
-    let read_here = checked.thinking.is_some_and(|t| t.parser == super::reasoning::ReasoningParser::Qwen3);
+    let read_here = checked.thinking.is_some_and(|t| t.parser.reads_thinking_switch());
     if read_here && arguments.contains_key(THINKING_SWITCH) && !state.text.template_reads(THINKING_SWITCH) {
         let mut rest = arguments.clone();
         rest.remove(THINKING_SWITCH);

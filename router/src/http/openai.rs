@@ -850,7 +850,7 @@ impl Checked {
         };
         match self.thinking.map(|t| t.parser) {
             None => engine::grammar::Thinking::None,
-            Some(super::reasoning::ReasoningParser::Qwen3) if off() => engine::grammar::Thinking::None,
+            Some(parser) if parser.reads_thinking_switch() && off() => engine::grammar::Thinking::None,
             Some(parser) => parser.before_grammar(),
         }
     }

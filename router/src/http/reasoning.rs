@@ -86,6 +86,12 @@ impl ReasoningParser {
         self == ReasoningParser::DeepSeekR1
     }
 
+    /// Whether the router reads `chat_template_kwargs`' `enable_thinking: false` itself (Qwen3's templates then
+    /// close the block in the prompt, so a grammar holds from the first token).
+    pub fn reads_thinking_switch(self) -> bool {
+        self == ReasoningParser::Qwen3
+    }
+
     /// Whether the answer must keep its control tokens' text for the thinking to be found.
     pub fn needs_control_text(self) -> bool {
         self == ReasoningParser::Gemma4
