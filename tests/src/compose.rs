@@ -16,12 +16,13 @@ fn repo() -> PathBuf {
 /// Runs `cmd`, which must succeed.
 pub fn run(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?} could not run: {e} (is Docker installed?)"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let hint = if stderr.contains("Cannot connect to the Docker daemon") {
+        "\n(the Docker Engine is not running: scripts/docker-ready.sh starts it where it may)"
+    } else {
+        ""
+    };
+    assert!(out.status.success(), "{cmd:?} failed: {}{stderr}{hint}", String::from_utf8_lossy(&out.stdout));
     out
 }
 
