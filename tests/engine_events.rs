@@ -86,10 +86,23 @@ impl Publisher {
 
     /// Stores `tokens` (whole engine blocks) after the engine block `parent`, naming block i `first + i`.
     fn store(&mut self, tokens: &[u32], block: usize, first: u64, parent: Option<u64>, bytes: bool) {
+        self.store_salted(tokens, block, first, parent, bytes, None);
+    }
+
+    /// The same for a request with the cache salt `salt`.
+    fn store_salted(
+        &mut self,
+        tokens: &[u32],
+        block: usize,
+        first: u64,
+        parent: Option<u64>,
+        bytes: bool,
+        salt: Option<&str>,
+    ) {
         let hashes: Vec<Value> = (0..(tokens.len() / block) as u64).map(|i| hash(first + i, bytes)).collect();
         self.send(json!({
             "op": "store", "hashes": hashes, "parent": parent.map(|p| hash(p, bytes)),
-            "tokens": tokens, "block_size": block, "medium": "GPU",
+            "tokens": tokens, "block_size": block, "medium": "GPU", "salt": salt,
         }));
     }
 }
@@ -102,7 +115,16 @@ fn hash(n: u64, bytes: bool) -> Value {
 
 /// The router's view of the worker for a completion of `prompt`: (device blocks, predicted).
 async fn view(router: SocketAddr, prompt: &str) -> Option<(u64, bool)> {
-    let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 1}).to_string();
+    view_salted(router, prompt, None).await
+}
+
+/// The same for a completion with the cache salt `salt`.
+async fn view_salted(router: SocketAddr, prompt: &str, salt: Option<&str>) -> Option<(u64, bool)> {
+    let mut body = json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 1});
+    if let Some(salt) = salt {
+        body["cache_salt"] = salt.into();
+    }
+    let body = body.to_string();
     let explained = http(router, "POST", "/debug/route", &body, &[]).await;
     if explained.status != 200 {
         return None;
@@ -114,9 +136,14 @@ async fn view(router: SocketAddr, prompt: &str) -> Option<(u64, bool)> {
 
 /// Waits until the router's view of the worker for `prompt` shows `blocks` device blocks.
 async fn expect_blocks(router: SocketAddr, prompt: &str, blocks: u64, what: &str) {
+    expect_salted(router, prompt, None, blocks, what).await
+}
+
+/// The same for a completion with the cache salt `salt`.
+async fn expect_salted(router: SocketAddr, prompt: &str, salt: Option<&str>, blocks: u64, what: &str) {
     let started = Instant::now();
     loop {
-        let seen = view(router, prompt).await;
+        let seen = view_salted(router, prompt, salt).await;
         if seen == Some((blocks, false)) {
             return;
         }
@@ -171,9 +198,28 @@ async fn scenario(engine: &str, kind: EngineKind, block: usize, bytes: bool) {
     expect_blocks(addr, &b, 2, "events after a hole").await;
     expect_blocks(addr, &a, 0, "the view before the hole is dropped").await;
 
+    // A salted request's chain (vLLM: the salt as the first block's extra key; SGLang: the events' field), in two
+    // events: the router indexes it in that salt's namespace, where a request with the same salt finds it, and
+    // nowhere else.
+    let (c, tokens_c) = (&a, &tokens_a);
+    let half = 64 / block;
+    publisher.store_salted(&tokens_c[..64], block, 20_000, None, bytes, Some("team-a"));
+    publisher.store_salted(
+        &tokens_c[64..n],
+        block,
+        20_000 + half as u64,
+        Some(20_000 + half as u64 - 1),
+        bytes,
+        Some("team-a"),
+    );
+    expect_salted(addr, c, Some("team-a"), whole(n) as u64, "a salted chain, with its salt").await;
+    assert_eq!(view_salted(addr, c, Some("team-b")).await, Some((0, false)), "a salted chain, another salt");
+    assert_eq!(view(addr, c).await, Some((0, false)), "a salted chain, no salt");
+
     // The engine clears its cache.
     publisher.send(json!({"op": "clear"}));
     expect_blocks(addr, &b, 0, "a clear").await;
+    expect_salted(addr, c, Some("team-a"), 0, "a clear, salted").await;
 
     // The server goes away: the worker leaves the rotation.
     drop(publisher);

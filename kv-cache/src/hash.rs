@@ -69,6 +69,12 @@ pub fn local_hash(tokens: &[u32]) -> LocalHash {
     local_hash_seeded(tokens, HASH_SEED)
 }
 
+/// The local hash of a chain's first block in `namespace` (its seed is the namespace's): what [`block_hashes`]
+/// gives the first block, for a reader that hashes a chain block by block.
+pub fn first_local_hash(tokens: &[u32], namespace: Option<&CacheNamespace>) -> LocalHash {
+    local_hash_seeded(tokens, namespace.map_or(HASH_SEED, CacheNamespace::seed))
+}
+
 fn local_hash_seeded(tokens: &[u32], seed: u64) -> LocalHash {
     LocalHash(xxh3_64_with_seed(bytemuck::cast_slice(&le_tokens(tokens)), seed))
 }
@@ -248,6 +254,9 @@ mod tests {
         }
         // Only the first block's seed changes; later local hashes are the plain ones.
         assert_eq!(a.local[1..], plain.local[1..]);
+        // Which a reader hashing block by block gets the same way.
+        assert_eq!(first_local_hash(&tokens[..16], Some(&CacheNamespace::new("tenant-a"))), a.local[0]);
+        assert_eq!(first_local_hash(&tokens[..16], None), plain.local[0]);
     }
 
     proptest! {

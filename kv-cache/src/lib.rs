@@ -17,5 +17,6 @@ pub mod probemap;
 pub mod table;
 
 pub use hash::{
-    BlockHashes, BlockSize, CacheNamespace, HashedTokens, LocalHash, SeqHash, block_hashes, chained, local_hash,
+    BlockHashes, BlockSize, CacheNamespace, HashedTokens, LocalHash, SeqHash, block_hashes, chained, first_local_hash,
+    local_hash,
 };

@@ -371,7 +371,7 @@ async fn decode_once(
                 let sampling = msg.sampling.unwrap_or_default();
                 // vLLM and SGLang continue the trace from this header (their spans hang under this one).
                 let traceparent = telemetry::trace::traceparent(&span).or_else(|| job.traceparent.clone());
-                engine.generate(&msg.tokens, &sampling, traceparent.as_deref()).await
+                engine.generate(&msg.tokens, &sampling, msg.cache_namespace.as_deref(), traceparent.as_deref()).await
             }
         }
     };

@@ -10,8 +10,11 @@ Binds the publisher's two sockets and serves `GET /health` (so a router sees a l
 ports given or, for each left at 0, on one the system picks as it binds (a port found free beforehand may be taken
 by another process before it is bound); then prints `ready PUB REPLAY H` (the two endpoints bound and the health
 port) and reads one JSON command per line on stdin, answering each with a line once the publisher has sent it:
-    {"op": "store", "hashes": [...], "parent": null, "tokens": [...], "block_size": 16, "medium": "GPU"}
-        (a hash is an integer, or {"bytes": n} for n as 32 bytes, like vLLM's SHA-256 hashes)
+    {"op": "store", "hashes": [...], "parent": null, "tokens": [...], "block_size": 16, "medium": "GPU",
+     "salt": null}
+        (a hash is an integer, or {"bytes": n} for n as 32 bytes, like vLLM's SHA-256 hashes; a salt is the request's
+        cache_salt, as each engine publishes it: vLLM as the only extra key of a chain's first block, SGLang as the
+        event's field)
     {"op": "remove", "hashes": [...], "medium": "GPU"}
     {"op": "clear"}
     {"op": "skip"}   # burns a sequence number: subscribers see a batch missing that no replay can return
@@ -126,8 +129,13 @@ def main():
             cmd["parent"] = block_hash(cmd["parent"]) if cmd.get("parent") is not None else None
             fields = dict(block_hashes=cmd["hashes"], parent_block_hash=cmd.get("parent"), token_ids=cmd["tokens"],
                           block_size=cmd["block_size"], lora_id=None, medium=cmd.get("medium"))
+            salt = cmd.get("salt")
             if args.engine == "vllm":
                 fields["lora_name"] = None
+                if salt is not None and fields["parent_block_hash"] is None:
+                    fields["extra_keys"] = [(salt,)] + [None] * (len(cmd["hashes"]) - 1)
+            elif salt is not None:
+                fields["cache_salt"] = salt
             event = kv.BlockStored(**fields)
         elif op == "remove":
             cmd["hashes"] = [block_hash(h) for h in cmd["hashes"]]

@@ -99,11 +99,13 @@ impl EngineKind {
         }
     }
 
-    fn body(self, tokens: &[u32], sampling: &pb::Sampling) -> Value {
+    /// The request body; `namespace`, the request's cache namespace, goes to vLLM and SGLang as their cache salt
+    /// (llama-server has none: its cache is shared, `docs/external-engines.md`).
+    fn body(self, tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) -> Value {
         match self {
             EngineKind::LlamaServer => llama_server::body(tokens, sampling),
-            EngineKind::Vllm => vllm::body(tokens, sampling),
-            EngineKind::Sglang => sglang::body(tokens, sampling),
+            EngineKind::Vllm => vllm::body(tokens, sampling, namespace),
+            EngineKind::Sglang => sglang::body(tokens, sampling, namespace),
         }
     }
 
@@ -319,13 +321,14 @@ impl Engine {
         metrics::parse(self.kind, &String::from_utf8_lossy(&text))
     }
 
-    /// Starts generating after `tokens`; the stream carries the tokens and then how it finished. Dropping the
-    /// stream closes the connection (the server stops).
+    /// Starts generating after `tokens`, in the cache namespace `namespace`; the stream carries the tokens and then
+    /// how it finished. Dropping the stream closes the connection (the server stops).
     /// `traceparent`: the W3C trace context the server's own spans continue from.
     pub async fn generate(
         &self,
         tokens: &[u32],
         sampling: &pb::Sampling,
+        namespace: Option<&str>,
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
         if !crate::serve::needs(sampling).met_by_external(self.kind) {
@@ -344,7 +347,7 @@ impl Engine {
         {
             return Err(Status::invalid_argument(format!("{}: llama-server does not support {field}", self.url)));
         }
-        let body = self.kind.body(tokens, sampling).to_string();
+        let body = self.kind.body(tokens, sampling, namespace).to_string();
         let mut req = hyper::Request::post(self.kind.generate_path())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream");

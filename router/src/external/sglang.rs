@@ -14,7 +14,9 @@ pub const HEALTH_PATH: &str = "/health";
 /// The resolved server settings, with the KV pool's size (`max_total_num_tokens`).
 pub const INFO_PATH: &str = "/server_info";
 
-pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
+/// The request body for `tokens` sampled as `sampling` says, in the cache namespace `namespace` (SGLang's
+/// `cache_salt`).
+pub fn body(tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) -> Value {
     let mut params = json!({
         "max_new_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
@@ -36,7 +38,11 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
         // Not relayed (`serve::needs`).
         Some(Grammar::Lark(_)) | None => {}
     }
-    json!({"input_ids": tokens, "sampling_params": params, "stream": true})
+    let mut b = json!({"input_ids": tokens, "sampling_params": params, "stream": true});
+    if let Some(salt) = namespace {
+        b["cache_salt"] = salt.into();
+    }
+    b
 }
 
 #[derive(Debug, Default)]
@@ -88,16 +94,22 @@ mod tests {
     #[test]
     fn the_body_sends_input_ids() {
         let s = pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens: 3, seed: Some(9), ..Default::default() };
-        let b = body(&[1, 2], &s);
+        let b = body(&[1, 2], &s, None);
         assert_eq!(b["input_ids"], json!([1, 2]));
         let p = &b["sampling_params"];
         assert_eq!(
             (p["max_new_tokens"].as_u64(), p["top_k"].as_i64(), p["sampling_seed"].as_u64()),
             (Some(3), Some(-1), Some(9))
         );
-        let signed = body(&[1], &pb::Sampling { seed: Some(u64::MAX - 1), ..s.clone() });
+        let signed = body(&[1], &pb::Sampling { seed: Some(u64::MAX - 1), ..s.clone() }, None);
         assert_eq!(signed["sampling_params"]["sampling_seed"].as_i64(), Some(-2));
-        assert_eq!(body(&[1], &pb::Sampling { min_p: 0.5, ..s })["sampling_params"]["min_p"].as_f64(), Some(0.5));
+        assert_eq!(
+            body(&[1], &pb::Sampling { min_p: 0.5, ..s.clone() }, None)["sampling_params"]["min_p"].as_f64(),
+            Some(0.5)
+        );
+        // A request's cache namespace is SGLang's cache salt, beside the sampling parameters.
+        assert_eq!(body(&[1], &s, None).get("cache_salt"), None);
+        assert_eq!(body(&[1], &s, Some("t\0s"))["cache_salt"], json!("t\0s"));
     }
 
     #[test]
@@ -106,7 +118,7 @@ mod tests {
             grammar: Some(pb::Grammar { kind: kind.into(), data: data.into(), ..Default::default() }),
             ..Default::default()
         };
-        let params = |s| body(&[1], &s)["sampling_params"].clone();
+        let params = |s| body(&[1], &s, None)["sampling_params"].clone();
         let schema = r#"{"type": "integer"}"#;
         assert_eq!(
             (

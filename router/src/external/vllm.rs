@@ -17,8 +17,8 @@ pub const GENERATE_PATH: &str = "/v1/completions";
 pub const HEALTH_PATH: &str = "/health";
 
 /// The request body for `tokens` sampled as `sampling` says (the model's generation-config defaults overridden:
-/// OpenAI's meaning throughout).
-pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
+/// OpenAI's meaning throughout), in the cache namespace `namespace` (vLLM's `cache_salt`).
+pub fn body(tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) -> Value {
     let mut b = json!({
         "prompt": tokens,
         "max_tokens": sampling.max_tokens,
@@ -44,6 +44,9 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
     super::put_logits_rules(&mut b, sampling, "min_tokens");
     if !sampling.allowed_token_ids.is_empty() {
         b["allowed_token_ids"] = sampling.allowed_token_ids.clone().into();
+    }
+    if let Some(salt) = namespace {
+        b["cache_salt"] = salt.into();
     }
     // JSON without free whitespace, as Tandem's workers write it.
     let json = |schema: &str| json!({"json": super::schema_value(schema), "disable_any_whitespace": true});
@@ -161,7 +164,7 @@ mod tests {
     #[test]
     fn the_body_sends_token_ids_and_asks_for_them_back() {
         let s = pb::Sampling { temperature: 0.5, top_p: 0.9, max_tokens: 4, seed: Some(1), ..Default::default() };
-        let b = body(&[5, 6], &s);
+        let b = body(&[5, 6], &s, None);
         assert_eq!((b["prompt"].clone(), b["max_tokens"].as_u64()), (json!([5, 6]), Some(4)));
         assert_eq!(
             (b["return_token_ids"].as_bool(), b["stream_options"]["include_usage"].as_bool()),
@@ -169,12 +172,15 @@ mod tests {
         );
         assert_eq!((b["top_k"].as_u64(), b["seed"].as_u64(), b.get("model")), (Some(0), Some(1), None));
         // A client's seed of -1 is the sampler's u64::MAX; vLLM takes seeds in i64's range only.
-        assert_eq!(body(&[5], &pb::Sampling { seed: Some(u64::MAX), ..s.clone() })["seed"].as_i64(), Some(-1));
-        assert_eq!(body(&[5], &pb::Sampling { min_p: 0.5, ..s.clone() })["min_p"].as_f64(), Some(0.5));
-        assert_eq!(body(&[5], &s).get("structured_outputs"), None);
-        assert_eq!(body(&[5], &s).get("allowed_token_ids"), None);
-        let allowed = body(&[5], &pb::Sampling { allowed_token_ids: vec![7, 9], ..s.clone() });
+        assert_eq!(body(&[5], &pb::Sampling { seed: Some(u64::MAX), ..s.clone() }, None)["seed"].as_i64(), Some(-1));
+        assert_eq!(body(&[5], &pb::Sampling { min_p: 0.5, ..s.clone() }, None)["min_p"].as_f64(), Some(0.5));
+        assert_eq!(body(&[5], &s, None).get("structured_outputs"), None);
+        assert_eq!(body(&[5], &s, None).get("allowed_token_ids"), None);
+        let allowed = body(&[5], &pb::Sampling { allowed_token_ids: vec![7, 9], ..s.clone() }, None);
         assert_eq!(allowed["allowed_token_ids"], json!([7, 9]));
+        // A request's cache namespace is vLLM's cache salt (its KV events carry it back on the chain's first block).
+        assert_eq!(body(&[5], &s, None).get("cache_salt"), None);
+        assert_eq!(body(&[5], &s, Some("tenant\0salt"))["cache_salt"], json!("tenant\0salt"));
     }
 
     #[test]
@@ -183,11 +189,11 @@ mod tests {
             grammar: Some(pb::Grammar { kind: kind.into(), data: data.into(), ..Default::default() }),
             ..Default::default()
         };
-        let b = body(&[1], &with("json_schema", r#"{"type": "integer"}"#));
+        let b = body(&[1], &with("json_schema", r#"{"type": "integer"}"#), None);
         assert_eq!(b["structured_outputs"], json!({"json": {"type": "integer"}, "disable_any_whitespace": true}));
-        let b = body(&[1], &with("json_object", ""));
+        let b = body(&[1], &with("json_object", ""), None);
         assert_eq!(b["structured_outputs"], json!({"json": {"type": "object"}, "disable_any_whitespace": true}));
-        assert_eq!(body(&[1], &with("regex", "[0-9]+"))["structured_outputs"], json!({"regex": "[0-9]+"}));
+        assert_eq!(body(&[1], &with("regex", "[0-9]+"), None)["structured_outputs"], json!({"regex": "[0-9]+"}));
     }
 
     #[test]
@@ -217,9 +223,9 @@ mod tests {
     #[test]
     fn log_probabilities_are_asked_by_token_id_and_read_ranked() {
         let s = pb::Sampling { logprobs: Some(2), ..Default::default() };
-        let b = body(&[5], &s);
+        let b = body(&[5], &s, None);
         assert_eq!((b["logprobs"].as_u64(), b["return_tokens_as_token_ids"].as_bool()), (Some(2), Some(true)));
-        assert!(body(&[5], &pb::Sampling::default()).get("logprobs").is_none());
+        assert!(body(&[5], &pb::Sampling::default(), None).get("logprobs").is_none());
 
         // As vLLM streams them (`CompletionLogProbs` with `return_tokens_as_token_ids`): the sampled token first in
         // `top_logprobs`, then the most likely ones; here the second token was not among the two most likely.

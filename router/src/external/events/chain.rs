@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use kv_cache::events::KvEvent;
 use kv_cache::events::Tier;
-use kv_cache::{BlockSize, LocalHash, SeqHash};
+use kv_cache::{BlockSize, CacheNamespace, LocalHash, SeqHash};
 
 use super::wire::{EngineEvent, EngineHash};
 
@@ -24,6 +24,9 @@ struct Node {
     tail: Vec<u32>,
     /// Router blocks completed inside this engine block.
     owned: Vec<(SeqHash, LocalHash)>,
+    /// The chain's cache namespace while no router block is complete yet (an engine block smaller than the
+    /// router's): the first router block, completed by a child, is hashed in it.
+    namespace: Option<CacheNamespace>,
     /// Tiers holding it (a bit per [`Tier::index`]).
     tiers: u8,
 }
@@ -75,12 +78,13 @@ impl EngineBlocks {
     pub fn apply(&mut self, event: &EngineEvent) -> Result<Outcome, Overflow> {
         let mut out = Outcome::default();
         match event {
-            EngineEvent::Stored { hashes, parent, tokens, block_size, tier, keyed } => {
+            EngineEvent::Stored { hashes, parent, tokens, block_size, tier, salt, keyed } => {
                 let (Some(tier), false) = (tier, keyed) else {
                     out.skipped = hashes.len();
                     return Ok(out);
                 };
-                self.store(hashes, *parent, tokens, *block_size as usize, *tier, &mut out)?;
+                let chain = Chain { parent: *parent, namespace: salt.as_deref().map(CacheNamespace::new) };
+                self.store(hashes, chain, tokens, *block_size as usize, *tier, &mut out)?;
             }
             EngineEvent::Removed { hashes, tier, other_group } => {
                 let (Some(tier), false) = (tier, other_group) else {
@@ -116,16 +120,16 @@ impl EngineBlocks {
     fn store(
         &mut self,
         hashes: &[EngineHash],
-        parent: Option<EngineHash>,
+        chain: Chain,
         tokens: &[u32],
         engine_block: usize,
         tier: Tier,
         out: &mut Outcome,
     ) -> Result<(), Overflow> {
-        let (mut last, mut tail) = match parent {
-            None => (None, Vec::new()),
+        let (mut last, mut tail, mut namespace) = match chain.parent {
+            None => (None, Vec::new(), chain.namespace),
             Some(p) => match self.nodes.get(&p) {
-                Some(n) => (n.last, n.tail.clone()),
+                Some(n) => (n.last, n.tail.clone(), n.namespace.clone()),
                 None => {
                     // Its parent was never seen (events missed, or a parent keyed by more than tokens).
                     out.skipped = hashes.len();
@@ -149,18 +153,23 @@ impl EngineBlocks {
                     let mut owned = Vec::new();
                     let whole = tail.len() / ours * ours;
                     for block in tail[..whole].chunks_exact(ours) {
-                        let local = kv_cache::local_hash(block);
+                        let local = match last {
+                            None => kv_cache::first_local_hash(block, namespace.as_ref()),
+                            Some(_) => kv_cache::local_hash(block),
+                        };
                         let seq = kv_cache::chained(last, local);
                         owned.push((seq, local));
                         last = Some(seq);
                     }
                     tail.drain(..whole);
-                    self.nodes.entry(*hash).or_insert(Node { last, tail: tail.clone(), owned, tiers: 0 })
+                    let namespace = namespace.clone().filter(|_| last.is_none());
+                    self.nodes.entry(*hash).or_insert(Node { last, tail: tail.clone(), owned, tiers: 0, namespace })
                 }
             };
             // Known already (stored on another tier, or again): it continues from what it recorded.
             last = node.last;
             tail.clone_from(&node.tail);
+            namespace.clone_from(&node.namespace);
             if node.tiers & bit != 0 {
                 flush(tier, &mut run_parent, &mut run, last, out);
                 continue;
@@ -171,6 +180,12 @@ impl EngineBlocks {
         flush(tier, &mut run_parent, &mut run, last, out);
         Ok(())
     }
+}
+
+/// Where a stored run of engine blocks starts: after `parent`, or a chain's first blocks in `namespace`.
+struct Chain {
+    parent: Option<EngineHash>,
+    namespace: Option<CacheNamespace>,
 }
 
 /// Emits the run of router blocks collected so far; the next run starts after `last`.
@@ -196,7 +211,15 @@ mod tests {
     const OURS: u32 = 16;
 
     fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, b: u32, tier: Tier) -> EngineEvent {
-        EngineEvent::Stored { hashes, parent, tokens, block_size: b, tier: Some(tier), keyed: false }
+        EngineEvent::Stored { hashes, parent, tokens, block_size: b, tier: Some(tier), salt: None, keyed: false }
+    }
+
+    /// `event` with the cache salt `salt` (read only where it starts a chain).
+    fn salted(mut event: EngineEvent, salt: &str) -> EngineEvent {
+        if let EngineEvent::Stored { salt: s, .. } = &mut event {
+            *s = Some(salt.to_string());
+        }
+        event
     }
 
     fn removed(hashes: Vec<u64>, tier: Tier) -> EngineEvent {
@@ -205,6 +228,11 @@ mod tests {
 
     /// Feeds `events` through the converter into an index, and returns the overlap of `prompt` on the device tier.
     fn device_overlap(events: &[EngineEvent], prompt: &[u32]) -> usize {
+        overlap_in(events, prompt, None)
+    }
+
+    /// The same for `prompt` in the cache namespace `namespace`.
+    fn overlap_in(events: &[EngineEvent], prompt: &[u32], namespace: Option<&str>) -> usize {
         let mut blocks = EngineBlocks::new(BlockSize::new(OURS).expect("16"), 1 << 20);
         let mut index = PrefixIndex::default();
         let w = WorkerId(1);
@@ -216,7 +244,8 @@ mod tests {
                 id += 1;
             }
         }
-        let hashes = kv_cache::block_hashes(prompt, BlockSize::new(OURS).expect("16"), None).seq;
+        let namespace = namespace.map(CacheNamespace::new);
+        let hashes = kv_cache::block_hashes(prompt, BlockSize::new(OURS).expect("16"), namespace.as_ref()).seq;
         index.overlap(&hashes).get(&w).map_or(0, |o| o.device)
     }
 
@@ -242,6 +271,31 @@ mod tests {
             // The router blocks whose last token is in the engine's last block go: (80, 96] for 24, (64, 96] for 32.
             let left = (1..=6).filter(|k| 16 * k <= 96 - b as usize).count();
             assert_eq!(device_overlap(&[first, second, gone], &prompt), left, "engine blocks of {b}");
+        }
+    }
+
+    #[test]
+    fn a_salted_chain_indexes_in_its_namespace_only() {
+        let prompt: Vec<u32> = (0..96).collect();
+        for b in [32u32, 8, 16, 24, 5] {
+            let n = 96 / b as usize;
+            let hashes: Vec<u64> = (100..100 + n as u64).collect();
+            let split = n / 2;
+            let cut = split * b as usize;
+            // The first event starts the chain with the salt; its child continues in the parent's namespace.
+            let first = salted(stored(hashes[..split].to_vec(), None, prompt[..cut].to_vec(), b, Tier::Device), "t\0s");
+            let second = stored(
+                hashes[split..].to_vec(),
+                Some(hashes[split - 1]),
+                prompt[cut..n * b as usize].to_vec(),
+                b,
+                Tier::Device,
+            );
+            let events = [first, second];
+            let whole = n * b as usize / 16;
+            assert_eq!(overlap_in(&events, &prompt, Some("t\0s")), whole, "engine blocks of {b}");
+            assert_eq!(overlap_in(&events, &prompt, None), 0, "engine blocks of {b}: a plain prompt");
+            assert_eq!(overlap_in(&events, &prompt, Some("t\0other")), 0, "engine blocks of {b}: another salt");
         }
     }
 
@@ -279,7 +333,12 @@ mod tests {
         /// Whatever the engine's block size and however its chain is split into events, the device overlap of the
         /// whole sequence is the number of whole router blocks in it.
         #[test]
-        fn any_split_of_any_block_size(b in 1u32..40, n in 1usize..12, cuts in proptest::collection::vec(any::<bool>(), 12)) {
+        fn any_split_of_any_block_size(
+            b in 1u32..40,
+            n in 1usize..12,
+            cuts in proptest::collection::vec(any::<bool>(), 12),
+            salt in proptest::option::of("[a-z]{1,3}"),
+        ) {
             let tokens: Vec<u32> = (0..(b as usize * n) as u32).map(|t| t * 7 + 3).collect();
             let mut events = Vec::new();
             let mut start = 0;
@@ -288,11 +347,17 @@ mod tests {
                     let parent = (start > 0).then(|| start as u64 - 1);
                     let hashes = (start as u64..=i as u64).collect();
                     let toks = tokens[start * b as usize..(i + 1) * b as usize].to_vec();
-                    events.push(stored(hashes, parent, toks, b, Tier::Device));
+                    // Every event says the salt, as SGLang's do: only the chain's first one counts.
+                    let event = stored(hashes, parent, toks, b, Tier::Device);
+                    events.push(match &salt { Some(s) => salted(event, s), None => event });
                     start = i + 1;
                 }
             }
-            prop_assert_eq!(device_overlap(&events, &tokens), tokens.len() / OURS as usize);
+            let whole = tokens.len() / OURS as usize;
+            prop_assert_eq!(overlap_in(&events, &tokens, salt.as_deref()), whole);
+            if salt.is_some() {
+                prop_assert_eq!(overlap_in(&events, &tokens, None), 0);
+            }
         }
     }
 }

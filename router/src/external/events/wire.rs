@@ -33,8 +33,11 @@ pub enum EngineEvent {
         block_size: u32,
         /// `None`: a medium Tandem does not model (e.g. SGLang's `EXTERNAL` pool).
         tier: Option<Tier>,
-        /// Their KV depends on more than the token ids (a LoRA adapter, multimodal inputs, a cache salt, another
-        /// KV cache group): a plain prompt with the same tokens would not hit them.
+        /// The cache salt of the request that stored a chain's first blocks (vLLM's first extra key, SGLang's
+        /// `cache_salt`): the router hashes them in the namespace of that name, as it hashes such a request.
+        salt: Option<String>,
+        /// Their KV depends on more than the token ids and a salt (a LoRA adapter, multimodal inputs, another KV
+        /// cache group): a prompt with the same tokens would not hit them.
         keyed: bool,
     },
     Removed {
@@ -147,15 +150,22 @@ fn event(v: &Value<'_>) -> Result<EngineEvent, Malformed> {
                     hashes.len()
                 ));
             }
-            let extra_keys = match f.get("extra_keys") {
+            let (mut salt, extra_keys) = extra_keys(f.get("extra_keys"), parent.is_none());
+            let salt_field = match f.get("cache_salt") {
                 None => false,
-                Some(Value::Array(keys)) => keys.iter().any(|k| *k != Value::Nil),
+                Some(Value::Str(s)) => {
+                    salt.get_or_insert_with(|| s.to_string());
+                    false
+                }
                 Some(_) => true,
             };
             let keyed = extra_keys
-                || ["lora_id", "lora_name", "cache_salt"].iter().any(|k| f.get(k).is_some())
+                || salt_field
+                || ["lora_id", "lora_name"].iter().any(|k| f.get(k).is_some())
                 || other_group(&f);
-            Ok(EngineEvent::Stored { hashes, parent, tokens, block_size, tier: tier(f.get("medium"))?, keyed })
+            // A salt names a chain's first block only: a child's namespace is its parent's.
+            let salt = salt.filter(|_| parent.is_none());
+            Ok(EngineEvent::Stored { hashes, parent, tokens, block_size, tier: tier(f.get("medium"))?, salt, keyed })
         }
         "BlockRemoved" => {
             let f = Fields { value: v, names: REMOVED };
@@ -168,6 +178,24 @@ fn event(v: &Value<'_>) -> Result<EngineEvent, Malformed> {
         "AllBlocksCleared" => Ok(EngineEvent::Cleared),
         other => Ok(EngineEvent::Unknown(other.to_string())),
     }
+}
+
+/// vLLM's `extra_keys`, one entry per block: (the cache salt, whether any key but it is there). The salt is the
+/// only key of a chain's first block (`first`: the event starts a chain) when the request had one and no LoRA
+/// adapter or multimodal input; any other key (adapter names, `(identifier, offset)` pairs, embedding digests)
+/// keys the blocks by more than tokens.
+fn extra_keys(v: Option<&Value<'_>>, first: bool) -> (Option<String>, bool) {
+    let Some(v) = v else { return (None, false) };
+    let Some(keys) = v.as_array() else { return (None, true) };
+    let mut salt = None;
+    for (i, key) in keys.iter().enumerate() {
+        match (key, key.as_array()) {
+            (Value::Nil, _) => {}
+            (_, Some([Value::Str(s)])) if i == 0 && first => salt = Some(s.to_string()),
+            _ => return (None, true),
+        }
+    }
+    (salt, false)
 }
 
 fn other_group(f: &Fields<'_, '_>) -> bool {
@@ -298,6 +326,7 @@ mod tests {
                     tokens: vec![1, 2, 3, 4],
                     block_size: 2,
                     tier: Some(Tier::Host),
+                    salt: None,
                     keyed: false,
                 },
                 EngineEvent::Removed { hashes: vec![(-5i64) as u64], tier: Some(Tier::Device), other_group: false },
@@ -320,34 +349,62 @@ mod tests {
                 tokens: vec![9, 9],
                 block_size: 2,
                 tier: Some(Tier::Device),
+                salt: None,
                 keyed: false
             }]
         );
         assert_eq!(batch.rank, None);
     }
 
+    /// The salt and whether the blocks are keyed by more, of a stored event with `fields` (after a parent with
+    /// `parent`).
+    fn salt_and_keyed(fields: Vec<(&'static str, W)>, parent: bool) -> (Option<String>, bool) {
+        let mut e = vec![
+            ("type", W::S("BlockStored")),
+            ("block_hashes", ints(&[1, 2])),
+            ("parent_block_hash", if parent { W::I(9) } else { W::Nil }),
+            ("token_ids", ints(&[1, 2])),
+            ("block_size", W::I(1)),
+        ];
+        e.extend(fields);
+        match &decode(&bytes(W::A(vec![W::F(0.0), W::A(vec![W::M(e)])]))).expect("batch").events[0] {
+            EngineEvent::Stored { salt, keyed, .. } => (salt.clone(), *keyed),
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn blocks_keyed_by_more_than_tokens_are_marked() {
-        let with = |k: &'static str, v: W| {
-            let e = W::M(vec![
-                ("type", W::S("BlockStored")),
-                ("block_hashes", ints(&[1])),
-                ("token_ids", ints(&[1])),
-                ("block_size", W::I(1)),
-                (k, v),
-            ]);
-            match &decode(&bytes(W::A(vec![W::F(0.0), W::A(vec![e])]))).expect("batch").events[0] {
-                EngineEvent::Stored { keyed, .. } => *keyed,
-                other => panic!("{other:?}"),
-            }
-        };
-        assert!(with("lora_name", W::S("adapter")));
-        assert!(with("cache_salt", W::S("tenant")));
-        assert!(with("extra_keys", W::A(vec![W::A(vec![W::S("mm")])])));
-        assert!(with("group_idx", W::I(1)));
-        assert!(!with("group_idx", W::I(0)));
-        assert!(!with("extra_keys", W::A(vec![W::Nil])));
-        assert!(!with("session_id", W::S("s")));
+        let keyed = |k: &'static str, v: W| salt_and_keyed(vec![(k, v)], false).1;
+        assert!(keyed("lora_name", W::S("adapter")));
+        assert!(keyed("lora_id", W::I(3)));
+        // A multimodal input's (identifier, offset) pair; an embedding digest.
+        assert!(keyed("extra_keys", W::A(vec![W::A(vec![W::S("img"), W::I(0)]), W::Nil])));
+        assert!(keyed("extra_keys", W::A(vec![W::A(vec![W::B(vec![7; 32])]), W::Nil])));
+        assert!(keyed("extra_keys", W::A(vec![W::Nil, W::A(vec![W::S("img"), W::I(3)])])));
+        assert!(keyed("cache_salt", W::I(5)));
+        assert!(keyed("group_idx", W::I(1)));
+        assert!(!keyed("group_idx", W::I(0)));
+        assert!(!keyed("extra_keys", W::A(vec![W::Nil, W::Nil])));
+        assert!(!keyed("session_id", W::S("s")));
+    }
+
+    #[test]
+    fn a_chains_cache_salt_is_read_from_either_engine() {
+        // vLLM: the salt is the first block's only extra key, on the event that starts the chain.
+        let first = W::A(vec![W::A(vec![W::S("tenant\0x")]), W::Nil]);
+        assert_eq!(salt_and_keyed(vec![("extra_keys", first.clone())], false), (Some("tenant\0x".into()), false));
+        // A single text key on a later block is no salt.
+        let later = W::A(vec![W::Nil, W::A(vec![W::S("x")])]);
+        assert_eq!(salt_and_keyed(vec![("extra_keys", later)], false), (None, true));
+        // After a parent the first entry is no chain's first block: whatever it is keys the blocks.
+        assert_eq!(salt_and_keyed(vec![("extra_keys", first)], true), (None, true));
+        // With an adapter, the first key is its name.
+        let adapter = W::A(vec![W::A(vec![W::S("adapter")]), W::Nil]);
+        assert!(salt_and_keyed(vec![("extra_keys", adapter), ("lora_name", W::S("adapter"))], false).1);
+        // SGLang: a field of the event; after a parent the chain's namespace is the parent's.
+        assert_eq!(salt_and_keyed(vec![("cache_salt", W::S("t"))], false), (Some("t".into()), false));
+        assert_eq!(salt_and_keyed(vec![("cache_salt", W::S("t"))], true), (None, false));
     }
 
     #[test]
