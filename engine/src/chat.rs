@@ -149,7 +149,8 @@ impl ChatTemplate {
                 .map_err(|why| minijinja::Error::new(ErrorKind::InvalidOperation, why))
         });
         env.add_template_owned(NAME, without_generation_tags(source)).map_err(|e| TemplateError(e.to_string()))?;
-        let read = env.get_template(NAME).map_err(|e| TemplateError(e.to_string()))?.undeclared_variables(false);
+        let mut read = env.get_template(NAME).map_err(|e| TemplateError(e.to_string()))?.undeclared_variables(false);
+        read.extend(self_defaulted(source));
         let arguments = read
             .into_iter()
             .filter(|v| !PASSED.contains(&v.as_str()) && env.globals().all(|(global, _)| global != v))
@@ -243,6 +244,41 @@ fn python_text(value: &minijinja::Value) -> Result<Option<String>, minijinja::Er
     Ok(Some(text))
 }
 
+/// Variables a `{% set %}` gives a value computed from themselves (`{% set effort = effort if effort is defined
+/// else "high" %}`, Solar Open's and Nemotron 3's way of defaulting an argument): read before they are set, so
+/// arguments, which minijinja's `undeclared_variables` does not count (it sees them set in the template).
+fn self_defaulted(source: &str) -> Vec<String> {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut names = Vec::new();
+    for block in source.split("{%").skip(1) {
+        let Some((body, _)) = block.split_once("%}") else { continue };
+        let body = body.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let Some(rest) = body.strip_prefix("set").filter(|r| r.starts_with(char::is_whitespace)) else { continue };
+        let rest = rest.trim_start();
+        let name_end = rest.find(|c: char| !word(c)).unwrap_or(rest.len());
+        let (name, after) = rest.split_at(name_end);
+        let Some(expr) = after.trim_start().strip_prefix('=').filter(|e| !e.starts_with('=')) else { continue };
+        if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) {
+            continue;
+        }
+        // The expression's words outside its string literals.
+        let mut code = String::with_capacity(expr.len());
+        let mut quote = None;
+        for c in expr.chars() {
+            match quote {
+                Some(q) if c == q => quote = None,
+                Some(_) => {}
+                None if c == '"' || c == '\'' => quote = Some(c),
+                None => code.push(c),
+            }
+        }
+        if code.split(|c: char| !word(c)).any(|w| w == name) && !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    names
+}
+
 /// `source` with transformers' `{% generation %}` … `{% endgeneration %}` (which marks the assistant's text for
 /// training masks and renders its body as it is) written as a block that always renders, whitespace control kept.
 fn without_generation_tags(source: &str) -> String {
@@ -257,6 +293,19 @@ fn without_generation_tags(source: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_argument_the_template_defaults_itself_is_an_argument() {
+        let src = r#"{%- set effort = effort if effort is defined else "high" %}{% set shown = 'shown' %}
+            {%- set role = 'role' ~ "effort" %}{% set n = namespace(x=1) %}{% set n.x = n.x + 1 %}
+            {%- set think = think | default(true) -%}{{ effort }}{{ shown }}{{ role }}{{ think }}"#;
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        let named: Vec<&str> = t.arguments().iter().map(String::as_str).collect();
+        assert_eq!(named, ["effort", "think"]);
+        let args = serde_json::Map::from_iter([("effort".to_string(), serde_json::json!("low"))]);
+        let extras = ChatExtras { tools: &[], arguments: Some(&args) };
+        assert_eq!(t.render_with(&[], extras, false).expect("renders"), "lowshownroleeffortTrue");
+    }
 
     #[test]
     fn raise_exception_becomes_an_error() {
