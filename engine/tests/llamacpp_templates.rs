@@ -128,6 +128,13 @@ fn cases() -> Vec<Case> {
             add_generation_prompt: true,
             arguments: off,
         },
+        Case {
+            what: "a reasoning effort (OpenAI's reasoning_effort, which the router gives a template that reads it)",
+            messages: vec![m("user", "2+2?")],
+            tools: vec![],
+            add_generation_prompt: true,
+            arguments: serde_json::Map::from_iter([("reasoning_effort".to_string(), json!("high"))]),
+        },
     ]
 }
 
@@ -167,6 +174,10 @@ fn real_templates_render_as_transformers_renders_them() {
     }
     let reference = reference(&inputs);
     assert_eq!(reference.len(), ours.len());
+    // gpt-oss's, DeepSeek V4's (two), Hunyuan 3's, Cohere's MoE and Solar Open's read reasoning_effort.
+    let effort: Vec<&str> =
+        ours.iter().filter(|(_, what, _)| what.starts_with("a reasoning effort")).map(|(n, ..)| n.as_str()).collect();
+    assert!(effort.len() >= 6, "templates reading reasoning_effort: {effort:?}");
     let mut differ = Vec::new();
     let (mut rendered, mut lenient) = (0, 0);
     for ((name, what, ours), theirs) in ours.iter().zip(&reference) {

@@ -12,7 +12,7 @@ use kv_cache::{BlockSize, CacheNamespace, block_hashes};
 use proto::worker as pb;
 
 use super::error::ApiError;
-use super::openai::{Checked, Endpoint, Input, THINKING_SWITCH};
+use super::openai::{Checked, EFFORT, Endpoint, Input, THINKING_SWITCH};
 use crate::cluster::Needs;
 use crate::record::{Arrival, Outcome};
 use crate::scheduler::view::RouteRequest;
@@ -70,19 +70,24 @@ pub fn render_chat(
 
 /// A chat request's `chat_template_kwargs` as its template gets them. Under the `qwen3` reasoning parser the router
 /// reads `enable_thinking` itself (`Checked::grammar_thinking`), so a template that does not read it gets it left
-/// out rather than refused.
+/// out rather than refused. `reasoning_effort` asked of a template that does not read it is refused by that name.
 fn template_arguments<'a>(
     state: &RouterState,
     checked: &'a Checked,
-) -> Option<std::borrow::Cow<'a, serde_json::Map<String, serde_json::Value>>> {
-    let arguments = checked.template_arguments.as_ref()?;
+) -> Result<Option<std::borrow::Cow<'a, serde_json::Map<String, serde_json::Value>>>, ApiError> {
+    let Some(arguments) = checked.template_arguments.as_ref() else { return Ok(None) };
+    if checked.effort_asked && !state.text.template_reads(EFFORT) {
+        let why = "the served model's chat template does not read reasoning_effort (a reasoning model's thinking is \
+                   split from its answer with the router's reasoning_parser)";
+        return Err(ApiError::bad(why, EFFORT));
+    }
     let read_here = checked.thinking.is_some_and(|t| t.parser.reads_thinking_switch());
     if read_here && arguments.contains_key(THINKING_SWITCH) && !state.text.template_reads(THINKING_SWITCH) {
         let mut rest = arguments.clone();
         rest.remove(THINKING_SWITCH);
-        return (!rest.is_empty()).then_some(std::borrow::Cow::Owned(rest));
+        return Ok((!rest.is_empty()).then_some(std::borrow::Cow::Owned(rest)));
     }
-    Some(std::borrow::Cow::Borrowed(arguments))
+    Ok(Some(std::borrow::Cow::Borrowed(arguments)))
 }
 
 fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
@@ -93,7 +98,7 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
     let started = std::time::Instant::now();
     let text = match &checked.input {
         Input::Chat(messages, ending, tools) => {
-            let arguments = template_arguments(state, checked);
+            let arguments = template_arguments(state, checked)?;
             render_chat(state, messages, ChatExtras { tools, arguments: arguments.as_deref() }, *ending)?
         }
         Input::Text(t) => t.clone(),

@@ -47,7 +47,7 @@ fn never(_: &Value) -> bool {
 }
 
 const OLD_FUNCTIONS: &str = "functions and function_call (deprecated) are not supported: send tools and tool_choice";
-const NOT_REASONING: &str = "reasoning effort and verbosity are not set per request (a reasoning model's thinking is split from its answer with the router's reasoning_parser)";
+const NO_VERBOSITY: &str = "verbosity is not set per request";
 
 /// Fields both endpoints take (OpenAI's, then vLLM's extra ones).
 fn common(name: &str) -> Option<Rule> {
@@ -110,7 +110,9 @@ fn chat(name: &str) -> Option<Rule> {
         "modalities" => Refused(text_only, "only text output is supported"),
         "audio" => Refused(never, "audio output is not supported"),
         "prediction" => Refused(never, "predicted outputs are not supported"),
-        "reasoning_effort" | "verbosity" => Refused(never, NOT_REASONING),
+        // Goes to the chat template, where it reads one (`completions::template_arguments`).
+        "reasoning_effort" => Used,
+        "verbosity" => Refused(never, NO_VERBOSITY),
         "web_search_options" => Refused(never, "web search is not available"),
         "moderation" => Refused(never, "moderation is not available"),
         "service_tier" => Refused(standard_tier, "there is one service tier (auto)"),
@@ -187,7 +189,7 @@ mod tests {
         for (field, value) in [
             ("functions", json!([{"name": "f"}])),
             ("function_call", json!("auto")),
-            ("reasoning_effort", json!("low")),
+            ("verbosity", json!("low")),
             ("best_of", json!(2)),
             ("made_up", json!(1)),
         ] {

@@ -206,6 +206,9 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// vLLM's (default true): with a reasoning parser, the answer's thinking is in the response (false: left out).
     pub include_reasoning: Option<bool>,
+    /// OpenAI's: how hard a reasoning model thinks, given to a chat template that reads `reasoning_effort`
+    /// (gpt-oss's, DeepSeek V4's...), as vLLM gives it.
+    pub reasoning_effort: Option<serde_json::Value>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -381,8 +384,12 @@ pub struct Checked {
     pub tokens_as_ids: bool,
     /// Lower first; 0 by default.
     pub priority: i32,
-    /// Chat: vLLM's `chat_template_kwargs` (checked against the template when it renders).
+    /// Chat: vLLM's `chat_template_kwargs` (checked against the template when it renders), with
+    /// `reasoning_effort`.
     pub template_arguments: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Chat: `reasoning_effort` was asked (it is among the template arguments), so a template that does not read it
+    /// refuses it by that name.
+    pub effort_asked: bool,
 }
 
 /// How much of a prompt `truncate_prompt_tokens` keeps: its last tokens, cut from the left as vLLM cuts.
@@ -677,6 +684,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         tokens_as_ids: c.return_tokens_as_token_ids,
         priority,
         template_arguments: None,
+        effort_asked: false,
     })
 }
 
@@ -755,6 +763,19 @@ pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiErr
     )?;
     let mut checked = check_common(r.common, Endpoint::Chat, Input::Chat(messages, ending, tools.entries))?;
     checked.template_arguments = r.chat_template_kwargs.filter(|a| !a.is_empty());
+    match r.reasoning_effort {
+        None | Some(serde_json::Value::Null) => {}
+        Some(effort @ serde_json::Value::String(_)) => {
+            let arguments = checked.template_arguments.get_or_insert_with(Default::default);
+            if arguments.get(EFFORT).is_some_and(|given| *given != effort) {
+                let why = "reasoning_effort and chat_template_kwargs.reasoning_effort differ";
+                return Err(ApiError::bad(why, EFFORT));
+            }
+            arguments.insert(EFFORT.into(), effort);
+            checked.effort_asked = true;
+        }
+        Some(_) => return Err(ApiError::bad("reasoning_effort is a string (low, medium, high...)", EFFORT)),
+    }
     if let Some(grammar) = tools.grammar {
         if let Some((_, other)) = &checked.grammar {
             let why = format!("tool_choice forces the output to be tool calls, so `{other}` cannot also constrain it");
@@ -838,6 +859,8 @@ pub fn check_completion(body: &[u8]) -> Result<Checked, ApiError> {
 
 /// Qwen3's `chat_template_kwargs` switch for thinking, which the router reads too under the `qwen3` parser.
 pub const THINKING_SWITCH: &str = "enable_thinking";
+/// OpenAI's `reasoning_effort`, a template argument of the templates that read it.
+pub const EFFORT: &str = "reasoning_effort";
 
 impl Checked {
     /// Where the answer's thinking comes before what its grammar holds (none without a reasoning parser). Qwen3's
@@ -870,6 +893,31 @@ mod tests {
     fn bad(body: &str) -> (&'static str, String) {
         let e = check_chat(body.as_bytes(), OutputParsers::default()).expect_err("refused");
         (e.kind(), e.to_string())
+    }
+
+    #[test]
+    fn reasoning_effort_goes_among_the_template_arguments() {
+        let args = |extra: &str| {
+            let c = chat_with(extra).expect("valid");
+            (c.template_arguments, c.effort_asked)
+        };
+        let high = serde_json::Map::from_iter([(EFFORT.to_string(), serde_json::json!("high"))]);
+        assert_eq!(args(r#","reasoning_effort":"high""#), (Some(high.clone()), true));
+        assert_eq!(args(r#","reasoning_effort":null"#), (None, false));
+        // Said twice alike is said once; beside other arguments.
+        let both = r#","reasoning_effort":"high","chat_template_kwargs":{"reasoning_effort":"high","x":1}"#;
+        assert_eq!(args(both).0.map(|a| a.len()), Some(2));
+        // In chat_template_kwargs alone it is a template argument like any other (refused by that name where the
+        // template does not read it).
+        assert!(!args(r#","chat_template_kwargs":{"reasoning_effort":"low"}"#).1);
+        for body in [
+            r#","reasoning_effort":3"#,
+            r#","reasoning_effort":"high","chat_template_kwargs":{"reasoning_effort":"low"}"#,
+        ] {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{body}}}"#);
+            let e = check_chat(body.as_bytes(), OutputParsers::default()).expect_err("refused");
+            assert_eq!(e.body()["error"]["param"], EFFORT, "{body}");
+        }
     }
 
     #[test]

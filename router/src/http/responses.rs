@@ -24,6 +24,8 @@ pub struct Asked {
     pub parallel_tool_calls: bool,
     pub metadata: Value,
     pub user: Value,
+    /// `{"effort": ..., "summary": null}` when an effort was asked.
+    pub reasoning: Value,
     /// The output text's tokens carry their log-probabilities (`include: ["message.output_text.logprobs"]`).
     pub logprobs: bool,
     /// The response is kept (`store`, true unless false, as OpenAI's default).
@@ -43,6 +45,7 @@ pub fn param_of(chat_param: &str) -> &str {
         "max_tokens" | "max_completion_tokens" => "max_output_tokens",
         "messages" => "input",
         "response_format" => "text.format",
+        "reasoning_effort" => "reasoning.effort",
         other => other,
     }
 }
@@ -119,12 +122,24 @@ pub fn to_chat(body: &[u8]) -> Result<(Value, Asked), ApiError> {
             "top_logprobs" => {
                 chat.insert("top_logprobs".into(), value.clone());
             }
-            "reasoning" if value.as_object().is_some_and(Map::is_empty) => {}
             "reasoning" => {
-                return refuse(
-                    "reasoning effort and summaries are not set per request (the thinking of a reasoning model comes \
-                     as a reasoning item with the router's reasoning_parser)",
-                );
+                let Some(reasoning) = value.as_object() else { return refuse("reasoning is an object") };
+                for (k, v) in reasoning {
+                    match k.as_str() {
+                        // The chat's `reasoning_effort`: to a chat template that reads it.
+                        "effort" if !v.is_null() => {
+                            chat.insert("reasoning_effort".into(), v.clone());
+                            asked.reasoning = json!({"effort": v, "summary": null});
+                        }
+                        "effort" | "summary" | "generate_summary" if v.is_null() => {}
+                        _ => {
+                            return refuse(
+                                "only reasoning.effort is taken: summaries are not written (the thinking of a \
+                                 reasoning model comes whole as a reasoning item with the router's reasoning_parser)",
+                            );
+                        }
+                    }
+                }
             }
             "stream_options" => {
                 let only_obfuscation = value.as_object().is_some_and(|o| o.keys().all(|k| k == "include_obfuscation"));
@@ -345,7 +360,7 @@ pub fn response(id: &str, created: &Value, model: &Value, asked: &Asked, output:
            "error": null, "incomplete_details": incomplete, "instructions": asked.instructions, "model": model,
            "output": output, "parallel_tool_calls": asked.parallel_tool_calls, "temperature": asked.temperature,
            "top_p": asked.top_p, "tool_choice": asked.tool_choice, "tools": asked.tools, "text": asked.text,
-           "max_output_tokens": asked.max_output_tokens, "previous_response_id": previous, "reasoning": null,
+           "max_output_tokens": asked.max_output_tokens, "previous_response_id": previous, "reasoning": asked.reasoning,
            "store": asked.store, "truncation": "disabled", "metadata": asked.metadata, "user": asked.user,
            "usage": null})
 }

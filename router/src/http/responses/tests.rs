@@ -75,7 +75,8 @@ fn what_is_not_served_is_refused_by_name() {
         (json!({"model": "m", "input": "?", "conversation": "conv_1"}), "conversation"),
         (json!({"model": "m", "input": "?", "background": true}), "background"),
         (json!({"model": "m", "input": "?", "include": ["reasoning.encrypted_content"]}), "include"),
-        (json!({"model": "m", "input": "?", "reasoning": {"effort": "high"}}), "reasoning"),
+        (json!({"model": "m", "input": "?", "reasoning": {"summary": "auto"}}), "reasoning"),
+        (json!({"model": "m", "input": "?", "reasoning": "high"}), "reasoning"),
         (json!({"model": "m", "input": "?", "tools": [{"type": "web_search"}]}), "tools"),
         (
             json!({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
@@ -93,8 +94,15 @@ fn what_is_not_served_is_refused_by_name() {
                     "metadata": {"k": "v"}, "reasoning": {}, "background": false, "top_logprobs": 0});
     assert!(chat_of(ok).is_ok());
     assert_eq!(
-        (param_of("max_tokens"), param_of("messages"), param_of("seed")),
-        ("max_output_tokens", "input", "seed")
+        (param_of("max_tokens"), param_of("messages"), param_of("seed"), param_of("reasoning_effort")),
+        ("max_output_tokens", "input", "seed", "reasoning.effort")
+    );
+    // The effort is the chat's reasoning_effort (for a chat template that reads it), echoed in the response.
+    let (chat, asked) =
+        chat_of(json!({"model": "m", "input": "?", "reasoning": {"effort": "high", "summary": null}})).expect("valid");
+    assert_eq!(
+        (&chat["reasoning_effort"], &asked.reasoning),
+        (&json!("high"), &json!({"effort": "high", "summary": null}))
     );
 }
 
