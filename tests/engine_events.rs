@@ -51,9 +51,14 @@ impl Publisher {
     /// The publisher binds its ports itself, each one the system picks, and says which: ports found free here
     /// beforehand were sometimes taken by a test running alongside before the publisher bound them.
     fn start(engine: &str) -> Publisher {
+        Publisher::start_ranks(engine, 1)
+    }
+
+    /// A server of `ranks` data-parallel ranks, a publisher each (`events` and `replay` are rank 0's endpoints).
+    fn start_ranks(engine: &str, ranks: u32) -> Publisher {
         let mut child = Command::new("python3")
             .arg(root().join("scripts/e2e/engine_kv_publisher.py"))
-            .args(["--engine", engine, "--source", &sources()])
+            .args(["--engine", engine, "--source", &sources(), "--ranks", &ranks.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -86,7 +91,7 @@ impl Publisher {
 
     /// Stores `tokens` (whole engine blocks) after the engine block `parent`, naming block i `first + i`.
     fn store(&mut self, tokens: &[u32], block: usize, first: u64, parent: Option<u64>, bytes: bool) {
-        self.store_salted(tokens, block, first, parent, bytes, None);
+        self.store_with(tokens, block, first, parent, bytes, json!({}));
     }
 
     /// The same for a request with the cache salt `salt`.
@@ -99,11 +104,20 @@ impl Publisher {
         bytes: bool,
         salt: Option<&str>,
     ) {
+        self.store_with(tokens, block, first, parent, bytes, json!({"salt": salt}));
+    }
+
+    /// The same with the command's other fields `more` (`salt`, `rank`).
+    fn store_with(&mut self, tokens: &[u32], block: usize, first: u64, parent: Option<u64>, bytes: bool, more: Value) {
         let hashes: Vec<Value> = (0..(tokens.len() / block) as u64).map(|i| hash(first + i, bytes)).collect();
-        self.send(json!({
+        let mut command = json!({
             "op": "store", "hashes": hashes, "parent": parent.map(|p| hash(p, bytes)),
-            "tokens": tokens, "block_size": block, "medium": "GPU", "salt": salt,
-        }));
+            "tokens": tokens, "block_size": block, "medium": "GPU",
+        });
+        for (k, v) in more.as_object().expect("an object") {
+            command[k] = v.clone();
+        }
+        self.send(command);
     }
 }
 
@@ -229,6 +243,59 @@ async fn scenario(engine: &str, kind: EngineKind, block: usize, bytes: bool) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     router.shutdown(Duration::from_secs(1)).await;
+}
+
+/// A server of two data-parallel ranks (each its own KV cache, publishing on the configured ports plus its rank):
+/// each rank is a worker of its own, and a prompt cached on one rank is routed there.
+async fn data_parallel(engine: &str, kind: EngineKind, block: usize, bytes: bool) {
+    let text = engine::text::TextModel::open(&model()).expect("the model");
+    let (a, b) = (prompt("first"), prompt("second"));
+    let (tokens_a, tokens_b) = (text.tokenizer().encode(&a), text.tokenizer().encode(&b));
+    let mut publisher = Publisher::start_ranks(engine, 2);
+    let ca = DevCa::generate().expect("ca");
+    let source = EventSource::new(&publisher.events, Some(&publisher.replay), "").expect("endpoints");
+    let url = format!("http://{}", publisher.health);
+    let ranks = Engine::new(&url, kind).expect("url").with_events(Some(source)).ranks(2).expect("two ranks");
+    let config = RouterConfig {
+        external: ranks,
+        external_settings: ExternalSettings { health_period: Duration::from_millis(200), ..Default::default() },
+        ..router_config(&ca, Vec::new())
+    };
+    let router = RunningRouter::start(config).await.expect("router starts");
+    wait_for_workers(&router, 2).await;
+    let (na, nb) = (tokens_a.len() / block * block, tokens_b.len() / block * block);
+    publisher.store_with(&tokens_a[..na], block, 0, None, bytes, json!({"rank": 0}));
+    publisher.store_with(&tokens_b[..nb], block, 5_000, None, bytes, json!({"rank": 1}));
+    for (prompt, rank, n) in [(&a, 0, na), (&b, 1, nb)] {
+        let body = json!({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 1}).to_string();
+        let started = Instant::now();
+        loop {
+            let v = http(router.addr, "POST", "/debug/route", &body, &[]).await.json();
+            let held = |name: String| {
+                v["decode"]["candidates"].as_array().and_then(|c| c.iter().find(|c| c["worker"] == name).cloned())
+            };
+            let own = held(format!("{url}#dp{rank}")).map(|c| c["device_blocks"].clone());
+            let other = held(format!("{url}#dp{}", 1 - rank)).map(|c| c["device_blocks"].clone());
+            if own == Some(json!(n / 16)) && other == Some(json!(0)) {
+                assert_eq!(v["decode"]["worker"], format!("{url}#dp{rank}"), "routed to the rank holding it: {v}");
+                break;
+            }
+            assert!(started.elapsed() < Duration::from_secs(15), "rank {rank}: {v}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    drop(publisher);
+    router.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_data_parallel_ranks_are_workers_of_their_own() {
+    data_parallel("vllm", EngineKind::Vllm, 16, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_data_parallel_ranks_are_workers_of_their_own() {
+    data_parallel("sglang", EngineKind::Sglang, 1, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

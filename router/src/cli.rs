@@ -52,6 +52,11 @@ pub struct Settings {
     /// Their replay sockets (`replay_endpoint`), in the same order (empty: none).
     #[arg(long, env = "TANDEM_EXTERNAL_KV_REPLAY", value_delimiter = ',')]
     pub external_kv_replay: Option<Vec<String>>,
+    /// Data-parallel ranks each external vLLM or SGLang server runs (its `--data-parallel-size` / `--dp-size`,
+    /// default 1): each rank is routed to as a worker of its own, by number, its KV events followed on the
+    /// configured ports plus the rank.
+    #[arg(long, env = "TANDEM_EXTERNAL_DATA_PARALLEL_SIZE")]
+    pub external_data_parallel_size: Option<u32>,
     /// External workers one by one (the file's `[[external]]` tables), next to `external_workers`.
     #[arg(skip)]
     pub external: Option<Vec<ExternalWorker>>,
@@ -156,7 +161,12 @@ pub struct ExternalWorker {
     pub kv_replay: Option<String>,
     /// The topic it publishes under (default: empty, everything on the socket).
     pub kv_topic: Option<String>,
+    /// Its data-parallel ranks (default: `external_data_parallel_size`, else 1).
+    pub data_parallel_size: Option<u32>,
 }
+
+/// Data-parallel ranks one external server may have at most.
+const MAX_RANKS: u32 = 1024;
 
 /// The external workers the settings name, or every reason they do not.
 fn external_workers(s: &mut Settings, file: &mut Settings, problems: &mut Vec<String>) -> Vec<crate::external::Engine> {
@@ -184,6 +194,7 @@ fn external_workers(s: &mut Settings, file: &mut Settings, problems: &mut Vec<St
             problems.push(format!("{name} names {} endpoints for {} external workers", list.len(), urls.len()));
         }
     }
+    let ranks = s.external_data_parallel_size.take().or(file.external_data_parallel_size.take());
     let nonempty = |v: Option<&String>| v.filter(|e| !e.is_empty()).cloned();
     for (i, url) in urls.into_iter().enumerate() {
         tables.push(ExternalWorker {
@@ -213,8 +224,13 @@ fn external_workers(s: &mut Settings, file: &mut Settings, problems: &mut Vec<St
                 }
             }
         };
-        match Engine::new(&t.url, kind) {
-            Ok(engine) => engines.push(engine.with_events(source)),
+        let dp = t.data_parallel_size.or(ranks).unwrap_or(1);
+        if !(1..=MAX_RANKS).contains(&dp) {
+            problems.push(format!("{}: data_parallel_size is 1 to {MAX_RANKS}, not {dp}", t.url));
+            continue;
+        }
+        match Engine::new(&t.url, kind).and_then(|engine| engine.with_events(source).ranks(dp)) {
+            Ok(ranks) => engines.extend(ranks),
             Err(e) => problems.push(e),
         }
     }
@@ -465,6 +481,14 @@ mod tests {
         }
     }
 
+    /// The external workers `flags` and `file` name, which must have no problem.
+    fn resolved(flags: &mut Settings, file: &mut Settings) -> Vec<crate::external::Engine> {
+        let mut problems = Vec::new();
+        let engines = external_workers(flags, file, &mut problems);
+        assert!(problems.is_empty(), "{problems:?}");
+        engines
+    }
+
     #[test]
     fn external_workers_from_flags_and_tables() {
         let p = file(
@@ -479,9 +503,7 @@ mod tests {
             external_kv_replay: Some(vec!["tcp://10.0.0.5:5558".into(), "".into()]),
             ..Default::default()
         };
-        let mut problems = Vec::new();
-        let engines = external_workers(&mut flags, &mut file, &mut problems);
-        assert!(problems.is_empty(), "{problems:?}");
+        let engines = resolved(&mut flags, &mut file);
         let summary: Vec<_> = engines
             .iter()
             .map(|e| {
@@ -511,5 +533,53 @@ mod tests {
         external_workers(&mut bad, &mut Settings::default(), &mut problems);
         assert_eq!(problems.len(), 2, "{problems:?}");
         let _ = std::fs::remove_file(p);
+    }
+
+    #[test]
+    fn data_parallel_servers_are_a_worker_per_rank() {
+        let p = file(
+            "[[external]]\nurl = \"http://10.0.0.9:30000\"\nengine = \"sglang\"\ndata_parallel_size = 3\n\
+             kv_events = \"tcp://10.0.0.9:5557\"\nkv_replay = \"tcp://10.0.0.9:6557\"\n",
+        );
+        let mut file = read_file(&p).expect("parses");
+        let _ = std::fs::remove_file(p);
+        let mut flags = Settings {
+            external_engine: Some("vllm".into()),
+            external_workers: Some(vec!["http://10.0.0.5:8000".into()]),
+            external_data_parallel_size: Some(2),
+            ..Default::default()
+        };
+        let engines = resolved(&mut flags, &mut file);
+        let summary: Vec<_> = engines
+            .iter()
+            .map(|e| {
+                let events = e.events.as_ref().map(|s| (s.endpoint.as_str(), s.replay.as_deref()));
+                (e.name.as_str(), e.rank.map(|r| (r.rank, r.of)), events)
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                ("http://10.0.0.9:30000#dp0", Some((0, 3)), Some(("tcp://10.0.0.9:5557", Some("tcp://10.0.0.9:6557")))),
+                ("http://10.0.0.9:30000#dp1", Some((1, 3)), Some(("tcp://10.0.0.9:5558", Some("tcp://10.0.0.9:6558")))),
+                ("http://10.0.0.9:30000#dp2", Some((2, 3)), Some(("tcp://10.0.0.9:5559", Some("tcp://10.0.0.9:6559")))),
+                ("http://10.0.0.5:8000#dp0", Some((0, 2)), None),
+                ("http://10.0.0.5:8000#dp1", Some((1, 2)), None),
+            ]
+        );
+        // llama-server has no ranks; a rank's port past 65535 and a size of 0 are reported.
+        for (engine, size, events) in [("llama-server", 2, None), ("vllm", 2, Some("tcp://h:65535")), ("vllm", 0, None)]
+        {
+            let mut bad = Settings {
+                external_engine: Some(engine.into()),
+                external_workers: Some(vec!["http://h:1".into()]),
+                external_kv_events: events.map(|e: &str| vec![e.to_string()]),
+                external_data_parallel_size: Some(size),
+                ..Default::default()
+            };
+            let mut problems = Vec::new();
+            assert!(external_workers(&mut bad, &mut Settings::default(), &mut problems).is_empty());
+            assert_eq!(problems.len(), 1, "{engine} {size}: {problems:?}");
+        }
     }
 }

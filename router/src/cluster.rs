@@ -211,8 +211,9 @@ pub struct Cluster {
     /// What new connections to workers present and trust (replaced when the certificates rotate).
     identity: std::sync::RwLock<Arc<Identity>>,
     state: Mutex<State>,
-    /// One follower task per worker address.
-    followers: Mutex<HashMap<SocketAddr, (WorkerId, tokio::task::AbortHandle)>>,
+    /// One follower task per worker: its address and, for an external server's data-parallel rank, the rank (0
+    /// otherwise).
+    followers: Mutex<HashMap<(SocketAddr, u32), (WorkerId, tokio::task::AbortHandle)>>,
     next_id: AtomicU32,
     /// Stalls seen (`tandem_router_worker_stalls_total`).
     stalls_total: AtomicU64,
@@ -301,18 +302,21 @@ impl Cluster {
         tls_name: Option<String>,
     ) -> Result<WorkerId, TooManyWorkers> {
         let tls_name = tls_name.unwrap_or_else(|| addr.ip().to_string());
-        self.start_follower(addr, |cluster, id| async move { cluster.run_follower(id, addr, origin, tls_name).await })
+        self.start_follower(
+            (addr, 0),
+            |cluster, id| async move { cluster.run_follower(id, addr, origin, tls_name).await },
+        )
     }
 
-    /// Runs `follower` (given the cluster and the worker's new id) for `addr`, unless it is followed already or
-    /// the limit is reached.
+    /// Runs `follower` (given the cluster and the worker's new id) for `key` (address and rank), unless it is
+    /// followed already or the limit is reached.
     fn start_follower<F: std::future::Future<Output = ()> + Send + 'static>(
         self: &Arc<Cluster>,
-        addr: SocketAddr,
+        key: (SocketAddr, u32),
         follower: impl FnOnce(Arc<Cluster>, WorkerId) -> F,
     ) -> Result<WorkerId, TooManyWorkers> {
         let mut followers = self.followers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((id, _)) = followers.get(&addr) {
+        if let Some((id, _)) = followers.get(&key) {
             return Ok(*id);
         }
         if followers.len() >= self.settings.max_workers {
@@ -320,7 +324,7 @@ impl Cluster {
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let task = tokio::spawn(follower(Arc::clone(self), id));
-        followers.insert(addr, (id, task.abort_handle()));
+        followers.insert(key, (id, task.abort_handle()));
         Ok(id)
     }
 
@@ -333,7 +337,8 @@ impl Cluster {
         settings: ExternalSettings,
     ) -> Result<WorkerId, TooManyWorkers> {
         let stop = self.stop.clone();
-        self.start_follower(addr, |cluster, id| crate::external::follow(cluster, id, addr, engine, settings, stop))
+        let key = (addr, engine.rank.map_or(0, |r| r.rank));
+        self.start_follower(key, |cluster, id| crate::external::follow(cluster, id, addr, engine, settings, stop))
     }
 
     /// External worker `id` (at `addr`) answers: it is a member, up, with an empty predicted cache.
@@ -349,7 +354,7 @@ impl Cluster {
         let block = u64::from(self.model.block_size.max(1));
         let capacity_blocks = capacity_tokens.map(|t| t / block).or(settings.predicted_blocks).unwrap_or_else(|| {
             let assumed = crate::external::defaults::ASSUMED_CAPACITY_TOKENS;
-            tracing::warn!(worker = %engine.url, assumed, "the server does not say how much KV it holds; assuming tokens");
+            tracing::warn!(worker = %engine.name, assumed, "the server does not say how much KV it holds; assuming tokens");
             assumed / block
         });
         let limit = settings.predicted_blocks.unwrap_or(capacity_blocks).max(1);
@@ -357,13 +362,13 @@ impl Cluster {
         s.members.insert(
             id,
             Member {
-                name: engine.url.clone(),
+                name: engine.name.clone(),
                 addr,
                 role: WorkerRole::Both,
                 capacity_blocks,
                 max_num_batched_tokens: 0,
                 block_bytes: 0,
-                instance: engine.url.clone(),
+                instance: engine.name.clone(),
                 transport: Transport::External(Arc::clone(engine)),
                 joined: Instant::now(),
                 up: true,
@@ -416,7 +421,7 @@ impl Cluster {
 
     /// Stops following the worker at `addr` and forgets it (it left the cluster).
     pub fn unfollow(&self, addr: SocketAddr) -> bool {
-        let removed = self.followers.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
+        let removed = self.followers.lock().unwrap_or_else(|p| p.into_inner()).remove(&(addr, 0));
         let Some((id, task)) = removed else { return false };
         task.abort();
         self.drop_member(id);
@@ -426,7 +431,7 @@ impl Cluster {
 
     /// The follower of `addr` forgets it (from inside its own task, which then ends).
     fn forget(&self, addr: SocketAddr) {
-        let removed = self.followers.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
+        let removed = self.followers.lock().unwrap_or_else(|p| p.into_inner()).remove(&(addr, 0));
         if let Some((id, _)) = removed {
             self.drop_member(id);
         }
@@ -444,9 +449,13 @@ impl Cluster {
         s.predicted.remove(&id);
     }
 
-    /// Addresses being followed.
+    /// Addresses being followed (once each, however many ranks a server has).
     pub fn followed(&self) -> Vec<SocketAddr> {
-        self.followers.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect()
+        let mut addrs: Vec<SocketAddr> =
+            self.followers.lock().unwrap_or_else(|p| p.into_inner()).keys().map(|(a, _)| *a).collect();
+        addrs.sort();
+        addrs.dedup();
+        addrs
     }
 
     async fn run_follower(self: Arc<Cluster>, id: WorkerId, addr: SocketAddr, origin: Origin, tls_name: String) {
@@ -718,8 +727,13 @@ impl Cluster {
     /// Whether the router knows what every worker it follows holds: each has had a snapshot applied, or the ready
     /// timeout has passed since start. Returns that, with the addresses still awaited.
     pub fn synced(&self, now: Instant) -> (bool, Vec<SocketAddr>) {
-        let followed: Vec<(SocketAddr, WorkerId)> =
-            self.followers.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(a, (id, _))| (*a, *id)).collect();
+        let followed: Vec<(SocketAddr, WorkerId)> = self
+            .followers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|((a, _), (id, _))| (*a, *id))
+            .collect();
         let s = self.lock();
         let mut waiting: Vec<SocketAddr> = followed
             .into_iter()
@@ -727,6 +741,7 @@ impl Cluster {
             .map(|(a, _)| a)
             .collect();
         waiting.sort();
+        waiting.dedup();
         let timed_out = now.saturating_duration_since(self.started) >= self.settings.ready_timeout;
         (waiting.is_empty() || timed_out, waiting)
     }

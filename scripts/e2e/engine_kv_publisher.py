@@ -5,11 +5,15 @@ package (a logger, a config holder, address helpers the publisher does not call 
 before the file is loaded; nothing that touches the wire is replaced.
 
     python3 engine_kv_publisher.py --engine vllm --source DIR [--pub-port P --replay-port R --health-port H]
+                                   [--ranks N]
 
 Binds the publisher's two sockets and serves `GET /health` (so a router sees a live server) on 127.0.0.1, on the
 ports given or, for each left at 0, on one the system picks as it binds (a port found free beforehand may be taken
 by another process before it is bound); then prints `ready PUB REPLAY H` (the two endpoints bound and the health
-port) and reads one JSON command per line on stdin, answering each with a line once the publisher has sent it:
+port) and reads one JSON command per line on stdin, answering each with a line once the publisher has sent it.
+With `--ranks N`, a server of N data-parallel ranks: one publisher per rank, each made by the engine's class for its
+rank from the same two endpoints (the class offsets each port by the rank), on two base ports chosen here, which
+`ready` names; a command's `"rank"` (default 0) says which rank publishes it:
     {"op": "store", "hashes": [...], "parent": null, "tokens": [...], "block_size": 16, "medium": "GPU",
      "salt": null}
         (a hash is an integer, or {"bytes": n} for n as 32 bytes, like vLLM's SHA-256 hashes; a salt is the request's
@@ -24,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import random
 import sys
 import threading
 import time
@@ -75,6 +80,7 @@ def main():
     p.add_argument("--replay-port", type=int, default=0)
     p.add_argument("--health-port", type=int, default=0)
     p.add_argument("--topic", default="")
+    p.add_argument("--ranks", type=int, default=1)
     args = p.parse_args()
     kv = load(args.engine, args.source)
 
@@ -95,10 +101,33 @@ def main():
     if args.engine == "vllm":
         # vLLM binds wildcard endpoints and connects to concrete ones; bind this one on loopback.
         kv.ZmqEventPublisher._is_bind_endpoint = staticmethod(lambda endpoint: True)
-        publisher = kv.ZmqEventPublisher(0, endpoint=pub_endpoint, replay_endpoint=replay_endpoint, topic=args.topic)
+
+    def publisher_for(rank, pub, replay):
+        if args.engine == "vllm":
+            return kv.ZmqEventPublisher(rank, endpoint=pub, replay_endpoint=replay, topic=args.topic)
+        return kv.ZmqEventPublisher(rank, endpoint=pub, replay_endpoint=replay, topic=args.topic, bind=True)
+
+    if args.ranks == 1:
+        publishers = [publisher_for(0, pub_endpoint, replay_endpoint)]
     else:
-        publisher = kv.ZmqEventPublisher(0, endpoint=pub_endpoint, replay_endpoint=replay_endpoint, topic=args.topic,
-                                         bind=True)
+        # Two base ports whose next N-1 are free too: the engine's class offsets each rank's by its rank, so the
+        # wildcard port is no use; tried until every rank binds.
+        rng = random.Random()
+        for _ in range(100):
+            pub_port, replay_port = rng.randrange(20000, 40000, 16), rng.randrange(40000, 60000, 16)
+            base = (f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+            publishers = []
+            try:
+                for rank in range(args.ranks):
+                    publishers.append(publisher_for(rank, *base))
+            except zmq.ZMQError:
+                for made in publishers:
+                    made.shutdown()
+                continue
+            bound["pub"], bound["replay"] = base
+            break
+        else:
+            sys.exit("no free ports for the ranks' publishers")
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -116,6 +145,7 @@ def main():
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
+        publisher = publishers[cmd.get("rank", 0)]
         if op == "skip":
             next(publisher._seq_gen)
             print("ok", flush=True)

@@ -245,16 +245,32 @@ impl Default for ExternalSettings {
     }
 }
 
-/// An external worker's server.
+/// An external worker's server, or one data-parallel rank of it.
 #[derive(Debug)]
 pub struct Engine {
     pub kind: EngineKind,
     /// As configured (`http://host:port`).
     pub url: String,
+    /// What the router calls it: the URL, with `#dp<rank>` for a rank.
+    pub name: String,
     authority: String,
     /// Where it publishes its KV events (exact mode); `None`: its cache is predicted.
     pub events: Option<events::EventSource>,
+    /// Its data-parallel rank and how many the server runs (vLLM's and SGLang's `--dp-size`): each rank has its
+    /// own KV cache, events (on the ports after the configured ones) and load, and takes the requests sent to it
+    /// by number. `None`: the server is one engine, or its ranks are not told apart.
+    pub rank: Option<Rank>,
 }
+
+/// One of a server's data-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rank {
+    pub rank: u32,
+    pub of: u32,
+}
+
+/// The header vLLM reads a request's data-parallel rank from (case aside).
+pub const RANK_HEADER: &str = "x-data-parallel-rank";
 
 impl Engine {
     /// `http://host:port` (a trailing `/` or `/v1` is ignored). Plain HTTP: the servers sit next to the router.
@@ -264,12 +280,57 @@ impl Engine {
         if authority.is_empty() || authority.contains('/') || !authority.contains(':') {
             return Err(format!("{url:?} is not http://host:port"));
         }
-        Ok(Engine { kind, url: url.to_string(), authority: authority.to_string(), events: None })
+        Ok(Engine {
+            kind,
+            url: url.to_string(),
+            name: url.to_string(),
+            authority: authority.to_string(),
+            events: None,
+            rank: None,
+        })
     }
 
     /// The same server, its KV events followed at `source`.
     pub fn with_events(self, source: Option<events::EventSource>) -> Engine {
         Engine { events: source, ..self }
+    }
+
+    /// Each of the server's `ranks` data-parallel ranks as an engine of its own, their events at `source`'s ports
+    /// plus the rank, as vLLM and SGLang publish them; one rank: the server itself. llama-server has no ranks.
+    pub fn ranks(self, ranks: u32) -> Result<Vec<Engine>, String> {
+        if ranks <= 1 {
+            return Ok(vec![self]);
+        }
+        if self.kind == EngineKind::LlamaServer {
+            return Err(format!("{}: llama-server has no data-parallel ranks", self.url));
+        }
+        (0..ranks)
+            .map(|rank| {
+                let events = self.events.as_ref().map(|s| s.for_rank(rank)).transpose()?;
+                Ok(Engine {
+                    kind: self.kind,
+                    url: self.url.clone(),
+                    name: format!("{}#dp{rank}", self.url),
+                    authority: self.authority.clone(),
+                    events,
+                    rank: Some(Rank { rank, of: ranks }),
+                })
+            })
+            .collect()
+    }
+
+    /// Addresses a request `body` to this engine's rank: the header to send (vLLM's), or a field of the body
+    /// (SGLang's `/generate` field, `routed_dp_rank` in newer releases, this name still taken).
+    fn address_rank(&self, body: &mut Value) -> Option<(&'static str, u32)> {
+        let Rank { rank, .. } = self.rank?;
+        match self.kind {
+            EngineKind::Vllm => Some((RANK_HEADER, rank)),
+            EngineKind::Sglang => {
+                body["data_parallel_rank"] = rank.into();
+                None
+            }
+            EngineKind::LlamaServer => None,
+        }
     }
 
     /// `host:port`.
@@ -318,7 +379,7 @@ impl Engine {
     /// The load its metrics report, where it serves them.
     pub async fn load(&self, timeout: Duration) -> Option<metrics::EngineLoad> {
         let text = self.get(metrics::PATH, timeout).await.ok()?;
-        metrics::parse(self.kind, &String::from_utf8_lossy(&text))
+        metrics::parse(self.kind, &String::from_utf8_lossy(&text), self.rank)
     }
 
     /// Starts generating after `tokens`, in the cache namespace `namespace`; the stream carries the tokens and then
@@ -340,17 +401,21 @@ impl Engine {
                 Some(g) if g.kind == "lark" => "Lark grammars go to Tandem's workers only",
                 _ => "what the request asks is not relayed to external engines",
             };
-            return Err(Status::invalid_argument(format!("{}: {why}", self.url)));
+            return Err(Status::invalid_argument(format!("{}: {why}", self.name)));
         }
         if self.kind == EngineKind::LlamaServer
             && let Some(field) = llama_server::unsupported(sampling)
         {
-            return Err(Status::invalid_argument(format!("{}: llama-server does not support {field}", self.url)));
+            return Err(Status::invalid_argument(format!("{}: llama-server does not support {field}", self.name)));
         }
-        let body = self.kind.body(tokens, sampling, namespace).to_string();
+        let mut body = self.kind.body(tokens, sampling, namespace);
         let mut req = hyper::Request::post(self.kind.generate_path())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream");
+        if let Some((header, rank)) = self.address_rank(&mut body) {
+            req = req.header(header, rank);
+        }
+        let body = body.to_string();
         if let Some(tp) = traceparent {
             req = req.header("traceparent", tp);
         }
@@ -358,7 +423,7 @@ impl Engine {
         let status = resp.status();
         if !status.is_success() {
             let text = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-            let message = format!("{}: HTTP {status}: {}", self.url, String::from_utf8_lossy(&text));
+            let message = format!("{}: HTTP {status}: {}", self.name, String::from_utf8_lossy(&text));
             // The server refused this request (too long, bad values): another server would too.
             return Err(if status.is_client_error() {
                 Status::invalid_argument(message)
@@ -441,7 +506,7 @@ pub async fn follow(
     let events = async {
         if let Some(source) = source {
             let blocks = settings.max_engine_blocks;
-            events::follow(&cluster, id, &engine.url, &source, blocks, stop.clone()).await;
+            events::follow(&cluster, id, &engine.name, &source, blocks, stop.clone()).await;
         }
     };
     tokio::join!(health(&cluster, id, addr, &engine, &settings, stop.clone()), events);
@@ -462,10 +527,10 @@ async fn health(
             (true, false) => {
                 let capacity = engine.capacity_tokens(timeout).await;
                 cluster.external_up(id, addr, engine, capacity, settings);
-                tracing::info!(worker = %engine.url, "external worker joined");
+                tracing::info!(worker = %engine.name, "external worker joined");
             }
             (false, true) => {
-                tracing::warn!(worker = %engine.url, "external worker stopped answering; dropping what it held");
+                tracing::warn!(worker = %engine.name, "external worker stopped answering; dropping what it held");
                 cluster.leave(id);
             }
             (true, true) => {
@@ -497,5 +562,20 @@ mod tests {
         assert_eq!(EngineKind::parse("llama-server"), Ok(EngineKind::LlamaServer));
         assert_eq!(EngineKind::parse("vllm"), Ok(EngineKind::Vllm));
         assert!(EngineKind::parse("tgi").is_err());
+    }
+
+    #[test]
+    fn a_request_is_addressed_to_its_rank() {
+        let ranks = |kind| Engine::new("http://h:1", kind).expect("ok").ranks(2).expect("ranks");
+        let (vllm, sglang) = (ranks(EngineKind::Vllm), ranks(EngineKind::Sglang));
+        let mut body = serde_json::json!({});
+        assert_eq!(vllm[1].address_rank(&mut body), Some((RANK_HEADER, 1)));
+        assert_eq!(body, serde_json::json!({}));
+        assert_eq!(sglang[1].address_rank(&mut body), None);
+        assert_eq!(body["data_parallel_rank"], 1);
+        // A server of one engine is not addressed.
+        let one = Engine::new("http://h:1", EngineKind::Vllm).expect("ok").ranks(1).expect("one");
+        assert_eq!((one.len(), one[0].rank, one[0].name.as_str()), (1, None, "http://h:1"));
+        assert_eq!(one[0].address_rank(&mut body), None);
     }
 }

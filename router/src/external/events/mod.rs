@@ -44,6 +44,23 @@ impl EventSource {
         }
         Ok(EventSource { endpoint: endpoint.into(), replay: replay.map(Into::into), topic: topic.into() })
     }
+
+    /// Where data-parallel rank `rank` of the server publishes: each port plus the rank, as vLLM and SGLang offset
+    /// them per rank.
+    pub fn for_rank(&self, rank: u32) -> Result<EventSource, String> {
+        let offset = |endpoint: &str| -> Result<String, String> {
+            let authority = zmtp::tcp_authority(endpoint).map_err(|e| e.to_string())?;
+            let (host, port) = authority.rsplit_once(':').ok_or_else(|| format!("{endpoint} has no port"))?;
+            let port = port.parse::<u32>().map_err(|e| format!("{endpoint}: {e}"))? + rank;
+            let port = u16::try_from(port).map_err(|_| format!("{endpoint}: rank {rank}'s port is past 65535"))?;
+            Ok(format!("tcp://{host}:{port}"))
+        };
+        Ok(EventSource {
+            endpoint: offset(&self.endpoint)?,
+            replay: self.replay.as_deref().map(offset).transpose()?,
+            topic: self.topic.clone(),
+        })
+    }
 }
 
 /// How long connecting, a handshake or one replayed batch may take.
