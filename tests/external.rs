@@ -239,3 +239,47 @@ async fn a_shared_prefix_goes_back_to_the_llama_server_that_cached_it_and_a_kill
     assert!(r.status == 400 && r.body.contains("regular expression"), "{}", r.body);
     router.shutdown(Duration::from_secs(5)).await;
 }
+
+/// llama-server has no cache salt: while the router keeps tenants apart, it reuses no cached prompt for anyone (a
+/// tenant's prompt left in a slot would show in another's time to first token), and predicts none; with tenants
+/// sharing, a request of no namespace is served from the cache again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_do_not_share_a_llama_servers_cache() {
+    let bin = llama_server();
+    let ca = DevCa::generate().expect("ca");
+    let server = Server::start(&bin).await;
+    let system = shared_prefix();
+    for share in [false, true] {
+        let tenants = router::tenants::parse(&["team-a:sk-a".into(), "team-b:sk-b".into()]).expect("valid");
+        let mut config = RouterConfig {
+            external: vec![Engine::new(&server.url(), EngineKind::LlamaServer).expect("url")],
+            external_settings: ExternalSettings { health_period: Duration::from_millis(200), ..Default::default() },
+            ..router_config(&ca, Vec::new())
+        };
+        config.tenants = router::tenants::Tenants::new(vec!["sk-open".into()], tenants, share);
+        let router = RunningRouter::start(config).await.expect("router starts");
+        wait_for_workers(&router, 1).await;
+        let mut seen = Vec::new();
+        // Each key sends the same prompt twice; the tenants' keys first, then the key of no tenant.
+        for key in ["sk-a", "sk-a", "sk-b", "sk-open", "sk-open"] {
+            let auth = format!("Bearer {key}");
+            let r = http(
+                router.addr,
+                "POST",
+                "/v1/chat/completions",
+                &chat(&system, "Say hi.", 2, false),
+                &[("authorization", &auth)],
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            seen.push(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached tokens"));
+        }
+        if share {
+            // Sharing: everyone after the first is served from the cache.
+            assert!(seen[1..].iter().all(|&c| c > 300), "{seen:?}");
+        } else {
+            assert_eq!(seen, [0, 0, 0, 0, 0], "nothing is served from llama-server's cache while tenants are apart");
+        }
+        router.shutdown(Duration::from_secs(5)).await;
+    }
+}

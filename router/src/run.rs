@@ -174,6 +174,7 @@ impl RunningRouter {
                 .next()
                 .ok_or_else(|| StartError::External(format!("{}: no address", engine.url)))?;
             let settings = config.external_settings.clone();
+            let engine = engine.isolated(config.tenants.isolated());
             if let Err(e) = cluster.follow_external(addr, Arc::new(engine), settings) {
                 return Err(StartError::External(e.to_string()));
             }

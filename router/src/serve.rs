@@ -366,8 +366,10 @@ async fn decode_once(
                 Ok(Box::pin(r.into_inner()) as TokenStream)
             }
             Transport::External(engine) => {
-                let blocks: Vec<_> = job.hashes.iter().copied().zip(job.locals.iter().copied()).collect();
-                state.cluster.predict(worker, &blocks, std::time::Instant::now());
+                if engine.caches(job.namespace.as_deref()) {
+                    let blocks: Vec<_> = job.hashes.iter().copied().zip(job.locals.iter().copied()).collect();
+                    state.cluster.predict(worker, &blocks, std::time::Instant::now());
+                }
                 let sampling = msg.sampling.unwrap_or_default();
                 // vLLM and SGLang continue the trace from this header (their spans hang under this one).
                 let traceparent = telemetry::trace::traceparent(&span).or_else(|| job.traceparent.clone());

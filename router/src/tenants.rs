@@ -57,6 +57,11 @@ impl Tenants {
         }
     }
 
+    /// Whether tenants' prompts are cached apart: there are tenants, and they do not share.
+    pub fn isolated(&self) -> bool {
+        !self.bound.is_empty() && !self.share
+    }
+
     /// The cache namespace of a request from `tenant` with `salt` (its `cache_salt`): the salt alone without a
     /// tenant (or when tenants share), else the tenant and the salt. A salt has no NUL (the request check refuses
     /// one) and a tenant name none either, so no salt names a tenant's namespace and no two tenants' meet.

@@ -19,13 +19,15 @@ pub const HEALTH_PATH: &str = "/health";
 pub const PROPS_PATH: &str = "/props";
 
 /// The request body for `tokens` sampled as `sampling` says (OpenAI's meaning: llama.cpp's other samplers off).
-pub fn body(tokens: &[u32], sampling: &pb::Sampling) -> Value {
+/// The request body for `tokens` sampled as `sampling` says; `cache_prompt`: whether the server may reuse its
+/// slots' cached prompts for it (and so whether what it caches is predicted).
+pub fn body(tokens: &[u32], sampling: &pb::Sampling, cache_prompt: bool) -> Value {
     let mut b = json!({
         "prompt": tokens,
         "n_predict": sampling.max_tokens,
         "stream": true,
         "return_tokens": true,
-        "cache_prompt": true,
+        "cache_prompt": cache_prompt,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         // 0 turns top-k off in llama.cpp (its default is 40), and min-p (its default is 0.05) unless asked for.
@@ -134,11 +136,11 @@ mod tests {
     #[test]
     fn the_body_asks_for_token_ids_with_openai_sampling() {
         let s = pb::Sampling { temperature: 0.0, top_p: 1.0, max_tokens: 7, seed: Some(3), ..Default::default() };
-        let b = body(&[1, 2, 3], &s);
+        let b = body(&[1, 2, 3], &s, true);
         assert_eq!(b["prompt"], json!([1, 2, 3]));
         assert_eq!((b["n_predict"].as_u64(), b["return_tokens"].as_bool()), (Some(7), Some(true)));
         assert_eq!((b["top_k"].as_u64(), b["min_p"].as_f64(), b["seed"].as_u64()), (Some(0), Some(0.0), Some(3)));
-        let b = body(&[1], &pb::Sampling { min_p: 0.25, ..s.clone() });
+        let b = body(&[1], &pb::Sampling { min_p: 0.25, ..s.clone() }, true);
         assert_eq!(b["min_p"].as_f64(), Some(0.25));
         assert_eq!(b.get("json_schema"), None);
     }
@@ -150,9 +152,9 @@ mod tests {
             ..Default::default()
         };
         let schema = r#"{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}"#;
-        let b = body(&[1], &with("json_schema", schema));
+        let b = body(&[1], &with("json_schema", schema), true);
         assert_eq!(b["json_schema"]["properties"]["n"]["type"], "integer", "{b}");
-        assert_eq!(body(&[1], &with("json_object", ""))["json_schema"], json!({"type": "object"}));
+        assert_eq!(body(&[1], &with("json_object", ""), true)["json_schema"], json!({"type": "object"}));
         assert_eq!(unsupported(&with("json_schema", schema)), None);
         assert_eq!(unsupported(&with("regex", "a+")), Some("structured outputs by regular expression"));
     }
@@ -205,9 +207,9 @@ mod tests {
             assert!(parse(bad, Some(1)).is_err(), "{bad}");
         }
         let s = pb::Sampling { logprobs: Some(0), ..Default::default() };
-        let b = body(&[1], &s);
+        let b = body(&[1], &s, true);
         assert_eq!((b["n_probs"].as_u64(), b["post_sampling_probs"].as_bool()), (Some(1), Some(false)));
-        assert!(body(&[1], &pb::Sampling::default()).get("n_probs").is_none());
+        assert!(body(&[1], &pb::Sampling::default(), true).get("n_probs").is_none());
     }
 
     #[test]

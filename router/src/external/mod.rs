@@ -99,11 +99,11 @@ impl EngineKind {
         }
     }
 
-    /// The request body; `namespace`, the request's cache namespace, goes to vLLM and SGLang as their cache salt
-    /// (llama-server has none: its cache is shared, `docs/external-engines.md`).
-    fn body(self, tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) -> Value {
+    /// The request body; `namespace`, the request's cache namespace, goes to vLLM and SGLang as their cache salt;
+    /// llama-server has none, so `cache_prompt` says whether it may reuse cached prompts for the request at all.
+    fn body(self, tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>, cache_prompt: bool) -> Value {
         match self {
-            EngineKind::LlamaServer => llama_server::body(tokens, sampling),
+            EngineKind::LlamaServer => llama_server::body(tokens, sampling, cache_prompt),
             EngineKind::Vllm => vllm::body(tokens, sampling, namespace),
             EngineKind::Sglang => sglang::body(tokens, sampling, namespace),
         }
@@ -260,6 +260,9 @@ pub struct Engine {
     /// own KV cache, events (on the ports after the configured ones) and load, and takes the requests sent to it
     /// by number. `None`: the server is one engine, or its ranks are not told apart.
     pub rank: Option<Rank>,
+    /// The router keeps tenants' cached prompts apart ([`crate::tenants::Tenants::isolated`]): a server without
+    /// cache salts (llama-server) then reuses no cached prompt at all.
+    pub isolated: bool,
 }
 
 /// One of a server's data-parallel ranks.
@@ -287,7 +290,21 @@ impl Engine {
             authority: authority.to_string(),
             events: None,
             rank: None,
+            isolated: false,
         })
+    }
+
+    /// The same server, for a router that keeps tenants' cached prompts apart or not.
+    pub fn isolated(self, isolated: bool) -> Engine {
+        Engine { isolated, ..self }
+    }
+
+    /// Whether the server may serve a request in cache namespace `namespace` from its cached prompts (and so
+    /// whether what it caches for it is predicted): vLLM and SGLang keep namespaces apart themselves (their cache
+    /// salt); llama-server has no salt, so it caches only requests of no namespace, and none while the router
+    /// keeps tenants apart (a request of no namespace would find what a tenant's left in a slot).
+    pub fn caches(&self, namespace: Option<&str>) -> bool {
+        self.kind != EngineKind::LlamaServer || (namespace.is_none() && !self.isolated)
     }
 
     /// The same server, its KV events followed at `source`.
@@ -314,6 +331,7 @@ impl Engine {
                     authority: self.authority.clone(),
                     events,
                     rank: Some(Rank { rank, of: ranks }),
+                    isolated: self.isolated,
                 })
             })
             .collect()
@@ -408,7 +426,7 @@ impl Engine {
         {
             return Err(Status::invalid_argument(format!("{}: llama-server does not support {field}", self.name)));
         }
-        let mut body = self.kind.body(tokens, sampling, namespace);
+        let mut body = self.kind.body(tokens, sampling, namespace, self.caches(namespace));
         let mut req = hyper::Request::post(self.kind.generate_path())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream");
@@ -562,6 +580,22 @@ mod tests {
         assert_eq!(EngineKind::parse("llama-server"), Ok(EngineKind::LlamaServer));
         assert_eq!(EngineKind::parse("vllm"), Ok(EngineKind::Vllm));
         assert!(EngineKind::parse("tgi").is_err());
+    }
+
+    #[test]
+    fn only_a_server_that_keeps_namespaces_apart_caches_a_namespaced_request() {
+        let engine = |kind, isolated| Engine::new("http://h:1", kind).expect("ok").isolated(isolated);
+        for kind in [EngineKind::Vllm, EngineKind::Sglang] {
+            assert!(engine(kind, true).caches(Some("t\0")) && engine(kind, false).caches(None));
+        }
+        let llama = engine(EngineKind::LlamaServer, false);
+        assert!(llama.caches(None) && !llama.caches(Some("salt")));
+        assert!(!engine(EngineKind::LlamaServer, true).caches(None));
+        let body = |caches| EngineKind::LlamaServer.body(&[1], &pb::Sampling::default(), None, caches);
+        assert_eq!(
+            (body(true)["cache_prompt"].as_bool(), body(false)["cache_prompt"].as_bool()),
+            (Some(true), Some(false))
+        );
     }
 
     #[test]
