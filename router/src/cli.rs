@@ -57,6 +57,12 @@ pub struct Settings {
     /// configured ports plus the rank.
     #[arg(long, env = "TANDEM_EXTERNAL_DATA_PARALLEL_SIZE")]
     pub external_data_parallel_size: Option<u32>,
+    /// Whether the external vLLM or SGLang servers schedule by priority (vLLM's `--scheduling-policy priority`,
+    /// SGLang's `--enable-priority-scheduling`): `off` (default; a request with a priority then goes to Tandem's
+    /// workers only), `on`, or the order they were told (`lower-first`: SGLang's
+    /// `--schedule-low-priority-values-first`; `higher-first`).
+    #[arg(long, env = "TANDEM_EXTERNAL_PRIORITY_SCHEDULING")]
+    pub external_priority_scheduling: Option<String>,
     /// External workers one by one (the file's `[[external]]` tables), next to `external_workers`.
     #[arg(skip)]
     pub external: Option<Vec<ExternalWorker>>,
@@ -163,6 +169,8 @@ pub struct ExternalWorker {
     pub kv_topic: Option<String>,
     /// Its data-parallel ranks (default: `external_data_parallel_size`, else 1).
     pub data_parallel_size: Option<u32>,
+    /// Its priority scheduling (default: `external_priority_scheduling`, else `off`).
+    pub priority_scheduling: Option<String>,
 }
 
 /// Data-parallel ranks one external server may have at most.
@@ -170,7 +178,7 @@ const MAX_RANKS: u32 = 1024;
 
 /// The external workers the settings name, or every reason they do not.
 fn external_workers(s: &mut Settings, file: &mut Settings, problems: &mut Vec<String>) -> Vec<crate::external::Engine> {
-    use crate::external::{Engine, EngineKind, events::EventSource};
+    use crate::external::{Engine, EngineKind, PriorityOrder, events::EventSource};
     let default_kind = s.external_engine.take().or(file.external_engine.take());
     let kind = |name: Option<&str>, problems: &mut Vec<String>| {
         name.or(default_kind.as_deref())
@@ -195,6 +203,7 @@ fn external_workers(s: &mut Settings, file: &mut Settings, problems: &mut Vec<St
         }
     }
     let ranks = s.external_data_parallel_size.take().or(file.external_data_parallel_size.take());
+    let priority = s.external_priority_scheduling.take().or(file.external_priority_scheduling.take());
     let nonempty = |v: Option<&String>| v.filter(|e| !e.is_empty()).cloned();
     for (i, url) in urls.into_iter().enumerate() {
         tables.push(ExternalWorker {
@@ -229,7 +238,16 @@ fn external_workers(s: &mut Settings, file: &mut Settings, problems: &mut Vec<St
             problems.push(format!("{}: data_parallel_size is 1 to {MAX_RANKS}, not {dp}", t.url));
             continue;
         }
-        match Engine::new(&t.url, kind).and_then(|engine| engine.with_events(source).ranks(dp)) {
+        let order =
+            match t.priority_scheduling.as_deref().or(priority.as_deref()).map(|p| PriorityOrder::parse(kind, p)) {
+                Some(Err(e)) => {
+                    problems.push(format!("{}: {e}", t.url));
+                    continue;
+                }
+                Some(Ok(order)) => order,
+                None => None,
+            };
+        match Engine::new(&t.url, kind).and_then(|engine| engine.with_events(source).with_priority(order).ranks(dp)) {
             Ok(ranks) => engines.extend(ranks),
             Err(e) => problems.push(e),
         }
@@ -567,6 +585,21 @@ mod tests {
                 ("http://10.0.0.5:8000#dp1", Some((1, 2)), None),
             ]
         );
+        // Priority scheduling per server, a table's over the flag's.
+        let p = self::file(
+            "[[external]]\nurl = \"http://h:9\"\nengine = \"sglang\"\npriority_scheduling = \"lower-first\"\n",
+        );
+        let mut file = read_file(&p).expect("parses");
+        let _ = std::fs::remove_file(p);
+        let mut flags = Settings {
+            external_engine: Some("sglang".into()),
+            external_workers: Some(vec!["http://h:1".into()]),
+            external_priority_scheduling: Some("on".into()),
+            ..Default::default()
+        };
+        let orders: Vec<_> = resolved(&mut flags, &mut file).iter().map(|e| e.priority).collect();
+        use crate::external::PriorityOrder::{HigherFirst, LowerFirst};
+        assert_eq!(orders, [Some(LowerFirst), Some(HigherFirst)]);
         // llama-server has no ranks; a rank's port past 65535 and a size of 0 are reported.
         for (engine, size, events) in [("llama-server", 2, None), ("vllm", 2, Some("tcp://h:65535")), ("vllm", 0, None)]
         {

@@ -144,26 +144,30 @@ pub struct Needs {
     pub logprobs: bool,
     pub regex: bool,
     pub allowed: bool,
+    /// A priority other than 0, which only a server started with priority scheduling takes.
+    pub priority: bool,
 }
 
 impl Needs {
     /// Any worker will do.
-    pub const ANY: Needs = Needs { protocol: 0, external: true, logprobs: false, regex: false, allowed: false };
+    pub const ANY: Needs =
+        Needs { protocol: 0, external: true, logprobs: false, regex: false, allowed: false, priority: false };
 
     pub fn met_by(&self, m: &Member) -> bool {
         m.protocol >= self.protocol
             || match &m.transport {
-                Transport::External(e) => self.met_by_external(e.kind),
+                Transport::External(e) => self.met_by_external(e),
                 Transport::Tandem(_) => false,
             }
     }
 
-    /// Whether an external engine of `kind` serves all the request asks.
-    pub fn met_by_external(&self, kind: crate::external::EngineKind) -> bool {
+    /// Whether external engine `e` serves all the request asks.
+    pub fn met_by_external(&self, e: &Engine) -> bool {
         self.external
-            && (!self.logprobs || kind.relays_logprobs())
-            && (!self.regex || kind.takes_regex())
-            && (!self.allowed || kind.takes_allowed_tokens())
+            && (!self.logprobs || e.kind.relays_logprobs())
+            && (!self.regex || e.kind.takes_regex())
+            && (!self.allowed || e.kind.takes_allowed_tokens())
+            && (!self.priority || e.priority.is_some())
     }
 }
 
@@ -905,7 +909,7 @@ mod tests {
     use tonic::transport::Channel;
 
     use super::{Member, Transport, protocol_version};
-    use crate::external::{Engine, EngineKind};
+    use crate::external::{Engine, EngineKind, PriorityOrder};
     use crate::scheduler::view::WorkerRole;
     use crate::serve::needs;
 
@@ -1019,6 +1023,16 @@ mod tests {
             assert!(!n.met_by(&tandem(protocol - 1)), "an older worker would ignore it: {ruled:?}");
         }
         assert!(![&llama, &vllm, &sglang].iter().any(|m| scored.met_by(m)), "the prompt's are not relayed");
+        // A priority goes to a server started with priority scheduling (above, none was).
+        let scheduling = |kind, order| {
+            let engine = Engine::new("http://127.0.0.1:1", kind).expect("an address").with_priority(Some(order));
+            member(Transport::External(Arc::new(engine)), worker::LOGITS_RULES_PROTOCOL)
+        };
+        let prioritised = needs(&pb::Sampling { priority: 3, ..Default::default() });
+        assert!(prioritised.met_by(&scheduling(EngineKind::Vllm, PriorityOrder::LowerFirst)));
+        assert!(prioritised.met_by(&scheduling(EngineKind::Sglang, PriorityOrder::HigherFirst)));
+        let with_allowed = needs(&pb::Sampling { priority: 3, allowed_token_ids: vec![1], ..Default::default() });
+        assert!(!with_allowed.met_by(&scheduling(EngineKind::Sglang, PriorityOrder::HigherFirst)), "no allowed ids");
     }
 
     #[test]

@@ -462,8 +462,9 @@ async fn stream_tokens(
 /// allowed tokens and bad words, a version-8 one the priority, a version-10 one a grammar's thinking). External
 /// engines take the sampling fields (`min_p` included) and grammars (as their own structured outputs; regular
 /// expressions not on llama-server; held after the thinking where the engine runs with a reasoning parser of its
-/// own, as vLLM and SGLang do) in their own APIs, and vLLM the allowed tokens; prompt log-probabilities, bad words and priorities are not relayed to them,
-/// log-probabilities only from llama-server and vLLM.
+/// own, as vLLM and SGLang do) in their own APIs, and vLLM the allowed tokens; priorities go to a server started with priority
+/// scheduling; prompt log-probabilities and bad words are not relayed to them, log-probabilities only from
+/// llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
@@ -487,7 +488,7 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     // Lark dialects differ between engines (llguidance's extensions; vLLM's xgrammar backend converts to its own):
     // Tandem's workers only.
     let lark = matches!(grammar, Some(Ok(engine::grammar::Grammar::Lark(_))));
-    let external = relayable && !lark && s.prompt_logprobs.is_none() && s.bad_words.is_empty() && s.priority == 0;
+    let external = relayable && !lark && s.prompt_logprobs.is_none() && s.bad_words.is_empty();
     if s.logprobs.is_some() || s.grammar.is_some() {
         protocol = worker::LOGPROBS_PROTOCOL;
     }
@@ -509,7 +510,7 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     if s.grammar.as_ref().is_some_and(|g| g.thinking != pb::Thinking::Unspecified as i32) {
         protocol = worker::THINKING_PROTOCOL;
     }
-    Needs { protocol, external, logprobs: s.logprobs.is_some(), regex, allowed }
+    Needs { protocol, external, logprobs: s.logprobs.is_some(), regex, allowed, priority: s.priority != 0 }
 }
 
 /// Why only some workers serve a request asking for `s` (to a client whose fleet has none of them up).
@@ -526,7 +527,7 @@ pub fn unserved(s: &pb::Sampling) -> String {
         asked.push("bad_words");
     }
     if s.priority != 0 {
-        asked.push("a priority");
+        asked.push("a priority (taken by vLLM and SGLang servers configured with priority scheduling)");
     }
     if s.grammar.as_ref().is_some_and(|g| g.kind == "lark") {
         asked.push("a Lark grammar");

@@ -263,6 +263,34 @@ pub struct Engine {
     /// The router keeps tenants' cached prompts apart ([`crate::tenants::Tenants::isolated`]): a server without
     /// cache salts (llama-server) then reuses no cached prompt at all.
     pub isolated: bool,
+    /// How the server orders requests by priority, when it was started to (`None`: it refuses priorities).
+    pub priority: Option<PriorityOrder>,
+}
+
+/// The order a server started with priority scheduling serves priorities in (vLLM's `--scheduling-policy
+/// priority`: lower values first; SGLang's `--enable-priority-scheduling`: higher first, lower with
+/// `--schedule-low-priority-values-first`). Tandem's priorities are vLLM's, lower first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PriorityOrder {
+    LowerFirst,
+    HigherFirst,
+}
+
+impl PriorityOrder {
+    /// The setting `priority_scheduling` of a server running `kind`: `off` (none), `on` (the engine's own order
+    /// when switched on), `lower-first`, `higher-first`.
+    pub fn parse(kind: EngineKind, s: &str) -> Result<Option<PriorityOrder>, String> {
+        Ok(match (s, kind) {
+            ("off", _) => None,
+            (_, EngineKind::LlamaServer) => return Err("llama-server has no priority scheduling".into()),
+            ("on", EngineKind::Vllm) | ("lower-first", _) => Some(PriorityOrder::LowerFirst),
+            ("on", EngineKind::Sglang) | ("higher-first", EngineKind::Sglang) => Some(PriorityOrder::HigherFirst),
+            ("higher-first", EngineKind::Vllm) => return Err("vLLM serves lower priority values first".into()),
+            (other, _) => {
+                return Err(format!("priority_scheduling is off, on, lower-first or higher-first, not {other:?}"));
+            }
+        })
+    }
 }
 
 /// One of a server's data-parallel ranks.
@@ -291,7 +319,13 @@ impl Engine {
             events: None,
             rank: None,
             isolated: false,
+            priority: None,
         })
+    }
+
+    /// The same server, scheduling by priority in `order` (`None`: not at all).
+    pub fn with_priority(self, order: Option<PriorityOrder>) -> Engine {
+        Engine { priority: order, ..self }
     }
 
     /// The same server, for a router that keeps tenants' cached prompts apart or not.
@@ -332,6 +366,7 @@ impl Engine {
                     events,
                     rank: Some(Rank { rank, of: ranks }),
                     isolated: self.isolated,
+                    priority: self.priority,
                 })
             })
             .collect()
@@ -349,6 +384,17 @@ impl Engine {
             }
             EngineKind::LlamaServer => None,
         }
+    }
+
+    /// A request's `priority` (Tandem's, lower first) in the body, in the server's order; 0 is not sent (a server
+    /// without priority scheduling refuses any other value, and takes no request that has one: `Needs`).
+    fn put_priority(&self, body: &mut Value, priority: i32) {
+        let (Some(order), false) = (self.priority, priority == 0) else { return };
+        body["priority"] = match order {
+            PriorityOrder::LowerFirst => priority,
+            PriorityOrder::HigherFirst => priority.saturating_neg(),
+        }
+        .into();
     }
 
     /// `host:port`.
@@ -410,7 +456,7 @@ impl Engine {
         namespace: Option<&str>,
         traceparent: Option<&str>,
     ) -> Result<TokenStream, Status> {
-        if !crate::serve::needs(sampling).met_by_external(self.kind) {
+        if !crate::serve::needs(sampling).met_by_external(self) {
             let why = match &sampling.grammar {
                 Some(_) if sampling.prior_generated > 0 => {
                     "a structured output cannot go on after tokens generated elsewhere (the engine would start it over)"
@@ -430,6 +476,7 @@ impl Engine {
         let mut req = hyper::Request::post(self.kind.generate_path())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream");
+        self.put_priority(&mut body, sampling.priority);
         if let Some((header, rank)) = self.address_rank(&mut body) {
             req = req.header(header, rank);
         }
@@ -596,6 +643,31 @@ mod tests {
             (body(true)["cache_prompt"].as_bool(), body(false)["cache_prompt"].as_bool()),
             (Some(true), Some(false))
         );
+    }
+
+    #[test]
+    fn priorities_go_in_the_servers_order() {
+        use PriorityOrder::{HigherFirst, LowerFirst};
+        let parse = |kind, s| PriorityOrder::parse(kind, s);
+        assert_eq!(parse(EngineKind::Vllm, "on"), Ok(Some(LowerFirst)));
+        assert_eq!(parse(EngineKind::Sglang, "on"), Ok(Some(HigherFirst)), "SGLang's default order");
+        assert_eq!(parse(EngineKind::Sglang, "lower-first"), Ok(Some(LowerFirst)));
+        assert_eq!(parse(EngineKind::LlamaServer, "off"), Ok(None));
+        for (kind, s) in
+            [(EngineKind::LlamaServer, "on"), (EngineKind::Vllm, "higher-first"), (EngineKind::Vllm, "yes")]
+        {
+            assert!(parse(kind, s).is_err(), "{kind:?} {s}");
+        }
+        let sent = |order, priority| {
+            let engine = Engine::new("http://h:1", EngineKind::Sglang).expect("ok").with_priority(order);
+            let mut body = serde_json::json!({});
+            engine.put_priority(&mut body, priority);
+            body.get("priority").cloned()
+        };
+        assert_eq!(sent(Some(LowerFirst), -3), Some(serde_json::json!(-3)));
+        assert_eq!(sent(Some(HigherFirst), -3), Some(serde_json::json!(3)), "Tandem's first is the server's first");
+        assert_eq!(sent(Some(HigherFirst), 0), None);
+        assert_eq!(sent(None, 5), None);
     }
 
     #[test]
