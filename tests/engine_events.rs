@@ -245,6 +245,21 @@ async fn scenario(engine: &str, kind: EngineKind, block: usize, bytes: bool) {
     router.shutdown(Duration::from_secs(1)).await;
 }
 
+/// A router following the two data-parallel ranks of the server at `url`, whose events are at `events` and `replay`
+/// (rank 0's; rank 1's on the next ports).
+async fn two_ranks(ca: &DevCa, url: &str, kind: EngineKind, events: &str, replay: &str) -> RunningRouter {
+    let source = EventSource::new(events, Some(replay), "").expect("endpoints");
+    let ranks = Engine::new(url, kind).expect("url").with_events(Some(source)).ranks(2).expect("two ranks");
+    let config = RouterConfig {
+        external: ranks,
+        external_settings: ExternalSettings { health_period: Duration::from_millis(200), ..Default::default() },
+        ..router_config(ca, Vec::new())
+    };
+    let router = RunningRouter::start(config).await.expect("router starts");
+    wait_for_workers(&router, 2).await;
+    router
+}
+
 /// A server of two data-parallel ranks (each its own KV cache, publishing on the configured ports plus its rank):
 /// each rank is a worker of its own, and a prompt cached on one rank is routed there.
 async fn data_parallel(engine: &str, kind: EngineKind, block: usize, bytes: bool) {
@@ -253,16 +268,8 @@ async fn data_parallel(engine: &str, kind: EngineKind, block: usize, bytes: bool
     let (tokens_a, tokens_b) = (text.tokenizer().encode(&a), text.tokenizer().encode(&b));
     let mut publisher = Publisher::start_ranks(engine, 2);
     let ca = DevCa::generate().expect("ca");
-    let source = EventSource::new(&publisher.events, Some(&publisher.replay), "").expect("endpoints");
     let url = format!("http://{}", publisher.health);
-    let ranks = Engine::new(&url, kind).expect("url").with_events(Some(source)).ranks(2).expect("two ranks");
-    let config = RouterConfig {
-        external: ranks,
-        external_settings: ExternalSettings { health_period: Duration::from_millis(200), ..Default::default() },
-        ..router_config(&ca, Vec::new())
-    };
-    let router = RunningRouter::start(config).await.expect("router starts");
-    wait_for_workers(&router, 2).await;
+    let router = two_ranks(&ca, &url, kind, &publisher.events, &publisher.replay).await;
     let (na, nb) = (tokens_a.len() / block * block, tokens_b.len() / block * block);
     publisher.store_with(&tokens_a[..na], block, 0, None, bytes, json!({"rank": 0}));
     publisher.store_with(&tokens_b[..nb], block, 5_000, None, bytes, json!({"rank": 1}));
@@ -284,6 +291,21 @@ async fn data_parallel(engine: &str, kind: EngineKind, block: usize, bytes: bool
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+    router.shutdown(Duration::from_secs(1)).await;
+
+    // Ports configured one too high: rank 0 is followed on rank 1's ports, whose batches say rank 1, so nothing is
+    // taken for rank 0 (rather than rank 1's cache taken for rank 0's).
+    let shifted = |endpoint: &str| {
+        let (host, port) = endpoint.rsplit_once(':').expect("a port");
+        format!("{host}:{}", port.parse::<u16>().expect("a port") + 1)
+    };
+    let router = two_ranks(&ca, &url, kind, &shifted(&publisher.events), &shifted(&publisher.replay)).await;
+    publisher.store_with(&tokens_b[..nb], block, 9_000, None, bytes, json!({"rank": 1}));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let body = json!({"model": "smollm2-135m-instruct", "prompt": &b, "max_tokens": 1}).to_string();
+    let v = http(router.addr, "POST", "/debug/route", &body, &[]).await.json();
+    let candidates = v["decode"]["candidates"].as_array().expect("candidates").clone();
+    assert!(candidates.iter().all(|c| c["device_blocks"] == 0), "another rank's batches are not applied: {v}");
     drop(publisher);
     router.shutdown(Duration::from_secs(1)).await;
 }

@@ -33,6 +33,8 @@ pub struct EventSource {
     pub replay: Option<String>,
     /// The topic it publishes under (`topic`; empty: everything on the socket).
     pub topic: String,
+    /// The data-parallel rank publishing there, whose number its batches carry (`None`: not a rank's).
+    pub rank: Option<u32>,
 }
 
 impl EventSource {
@@ -42,7 +44,7 @@ impl EventSource {
         if let Some(r) = replay {
             zmtp::tcp_authority(r).map_err(|e| e.to_string())?;
         }
-        Ok(EventSource { endpoint: endpoint.into(), replay: replay.map(Into::into), topic: topic.into() })
+        Ok(EventSource { endpoint: endpoint.into(), replay: replay.map(Into::into), topic: topic.into(), rank: None })
     }
 
     /// Where data-parallel rank `rank` of the server publishes: each port plus the rank, as vLLM and SGLang offset
@@ -59,6 +61,7 @@ impl EventSource {
             endpoint: offset(&self.endpoint)?,
             replay: self.replay.as_deref().map(offset).transpose()?,
             topic: self.topic.clone(),
+            rank: Some(rank),
         })
     }
 }
@@ -91,7 +94,7 @@ pub async fn follow(
                 _ = stop.wait_for(|&s| s) => return,
             }
         }
-        let mut follower = Follower { cluster, id, blocks: &mut blocks, source, expected: None };
+        let mut follower = Follower { cluster, id, blocks: &mut blocks, source, expected: None, misranked: false };
         let result = tokio::select! {
             r = follower.run() => r,
             _ = stop.wait_for(|&s| s) => return,
@@ -119,6 +122,8 @@ struct Follower<'a> {
     source: &'a EventSource,
     /// The next sequence number due.
     expected: Option<u64>,
+    /// A batch of another rank than the source's came (said once per connection).
+    misranked: bool,
 }
 
 impl Follower<'_> {
@@ -175,6 +180,16 @@ impl Follower<'_> {
                 return self.reset("an unreadable batch");
             }
         };
+        if let (Some(want), Some(got)) = (self.source.rank, batch.rank)
+            && got != i64::from(want)
+        {
+            // The configured ports are not this rank's (another rank's cache would be taken for this one's).
+            if !std::mem::replace(&mut self.misranked, true) {
+                tracing::warn!(worker = ?self.id, endpoint = %self.source.endpoint, want, got,
+                    "KV events of another data-parallel rank on this rank's port; not applied (check the endpoints)");
+            }
+            return true;
+        }
         for event in &batch.events {
             match self.blocks.apply(event) {
                 Ok(out) => {
