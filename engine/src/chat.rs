@@ -244,12 +244,14 @@ fn python_text(value: &minijinja::Value) -> Result<Option<String>, minijinja::Er
     Ok(Some(text))
 }
 
-/// Variables a `{% set %}` gives a value computed from themselves (`{% set effort = effort if effort is defined
-/// else "high" %}`, Solar Open's and Nemotron 3's way of defaulting an argument): read before they are set, so
-/// arguments, which minijinja's `undeclared_variables` does not count (it sees them set in the template).
+/// Variables whose first `{% set %}` gives them a value computed from themselves (`{% set effort = effort if effort
+/// is defined else "high" %}`, Solar Open's and Nemotron 3's way of defaulting an argument): read before they are
+/// set, so arguments, which minijinja's `undeclared_variables` does not count (it sees them set in the template).
+/// A later set of a variable set before (`{% set text = text + part %}` in a loop) reads the template's own.
 fn self_defaulted(source: &str) -> Vec<String> {
     let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
     let mut names = Vec::new();
+    let mut set_before = std::collections::HashSet::new();
     for block in source.split("{%").skip(1) {
         let Some((body, _)) = block.split_once("%}") else { continue };
         let body = body.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
@@ -258,7 +260,7 @@ fn self_defaulted(source: &str) -> Vec<String> {
         let name_end = rest.find(|c: char| !word(c)).unwrap_or(rest.len());
         let (name, after) = rest.split_at(name_end);
         let Some(expr) = after.trim_start().strip_prefix('=').filter(|e| !e.starts_with('=')) else { continue };
-        if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) {
+        if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) || !set_before.insert(name) {
             continue;
         }
         // The expression's words outside its string literals.
@@ -298,6 +300,7 @@ mod tests {
     fn an_argument_the_template_defaults_itself_is_an_argument() {
         let src = r#"{%- set effort = effort if effort is defined else "high" %}{% set shown = 'shown' %}
             {%- set role = 'role' ~ "effort" %}{% set n = namespace(x=1) %}{% set n.x = n.x + 1 %}
+            {%- set shown = shown ~ '' %}
             {%- set think = think | default(true) -%}{{ effort }}{{ shown }}{{ role }}{{ think }}"#;
         let t = ChatTemplate::new(src, "", "").expect("compiles");
         let named: Vec<&str> = t.arguments().iter().map(String::as_str).collect();
