@@ -277,6 +277,22 @@ impl Api {
                 let events = r.events();
                 let usage: Value = serde_json::from_str(&events[events.len() - 2]).expect("the usage chunk");
                 assert!(usage["usage"]["completion_tokens"].as_u64().is_some(), "{usage}");
+                // vLLM's continuous_usage_stats: every chunk of the choice carries its usage so far, counting up to
+                // the usage after the last.
+                let options = json!({"include_usage": true, "continuous_usage_stats": true});
+                let r = self.send(json!({"stream": true, "stream_options": options, "ignore_eos": true})).await;
+                let events = r.events();
+                let chunks: Vec<Value> =
+                    events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("a chunk")).collect();
+                let (last, each) = chunks.split_last().expect("chunks");
+                let counted: Vec<u64> = each
+                    .iter()
+                    .map(|c| c["usage"]["completion_tokens"].as_u64().unwrap_or_else(|| panic!("usage in {c}")))
+                    .collect();
+                assert!(counted.windows(2).all(|w| w[0] <= w[1]), "{counted:?}");
+                assert_eq!(counted.last(), last["usage"]["completion_tokens"].as_u64().as_ref(), "{last}");
+                assert_eq!(last["usage"]["completion_tokens"], 12, "{last}");
+                assert!(each.iter().all(|c| c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"]));
             }
             "frequency_penalty" | "presence_penalty" => {
                 // Greedy, long enough to repeat itself: a strong penalty changes what is picked (the formulas are

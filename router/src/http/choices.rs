@@ -552,6 +552,14 @@ struct Head<'a> {
     index: usize,
     /// How its tool calls' ids look.
     ids: tools::CallIds,
+    /// vLLM's `continuous_usage_stats`: the choice's usage so far, in every chunk.
+    usage: Option<&'a Progress>,
+}
+
+/// A streamed choice's usage so far.
+struct Progress {
+    prompt: usize,
+    tokens: std::sync::atomic::AtomicUsize,
 }
 
 impl Head<'_> {
@@ -595,12 +603,17 @@ impl Head<'_> {
     /// The chunk of a chat `delta` or a completion's `text`, as its JSON text.
     fn write(&self, delta: Option<Delta>, text: Option<&str>, logprobs: &Value, finish: Option<&str>) -> String {
         let object = if delta.is_some() { "chat.completion.chunk" } else { "text_completion" };
+        let usage = self.usage.map(|p| {
+            let completion = p.tokens.load(std::sync::atomic::Ordering::Relaxed);
+            ChunkUsage { prompt_tokens: p.prompt, completion_tokens: completion, total_tokens: p.prompt + completion }
+        });
         let chunk = Chunk {
             id: self.id,
             object,
             created: created(),
             model: self.model,
             choices: [ChunkChoice { index: self.index, delta, text, logprobs, finish_reason: finish }],
+            usage,
         };
         // Serializing borrowed strings and numbers cannot fail.
         serde_json::to_string(&chunk).unwrap_or_default()
@@ -615,6 +628,16 @@ struct Chunk<'a> {
     created: u64,
     model: &'a str,
     choices: [ChunkChoice<'a>; 1],
+    /// The choice's usage so far (`continuous_usage_stats`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<ChunkUsage>,
+}
+
+#[derive(serde::Serialize)]
+struct ChunkUsage {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    total_tokens: usize,
 }
 
 #[derive(serde::Serialize)]
@@ -842,7 +865,9 @@ async fn stream_choice(
 ) -> Result<Counts, u16> {
     let model = state.served_model.as_str();
     let mut run = Run::start(state, p, arrived).await;
-    let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index, ids: run.checked.call_ids };
+    let progress = Progress { prompt: run.prompt_len, tokens: Default::default() };
+    let usage = run.checked.continuous_usage.then_some(&progress);
+    let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index, ids: run.checked.call_ids, usage };
     let mut first = true;
     let mut calls = CallStream::new(run.checked.tool_calls.as_ref());
     let mut thinking = run.checked.thinking.map(|t| (ReasoningStream::new(t.parser), t.shown));
@@ -884,6 +909,7 @@ async fn stream_choice(
                     Ok(r) => r,
                     Err(e) => return Err(send_error(tx, &e).await),
                 };
+                progress.tokens.store(run.text.tokens, std::sync::atomic::Ordering::Relaxed);
                 // With log-probabilities every token has its chunk, text or not (held back, or end-of-generation):
                 // its thinking's, or else its content's.
                 let (thought, s) = split_thinking(&mut thinking, s, false);
@@ -994,8 +1020,14 @@ mod tests {
     fn chunks_are_written_as_the_value_tree_printed_them() {
         let lp = json!({"content": [{"token": "a\"b", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]});
         for endpoint in [Endpoint::Chat, Endpoint::Completion] {
-            let head =
-                Head { endpoint, id: "cmpl-\u{e9}\"1", model: "smol\\lm", index: 3, ids: tools::CallIds::OpenAi };
+            let head = Head {
+                endpoint,
+                id: "cmpl-\u{e9}\"1",
+                model: "smol\\lm",
+                index: 3,
+                ids: tools::CallIds::OpenAi,
+                usage: None,
+            };
             for (text, finish, role, logprobs) in [
                 (Some("hi \"there\"\n"), None, true, Value::Null),
                 (Some(""), None, false, lp.clone()),
@@ -1008,5 +1040,19 @@ mod tests {
                 assert_eq!(written, as_value_printed(&head, text, finish, role, &logprobs, created));
             }
         }
+    }
+
+    #[test]
+    fn a_chunk_carries_its_choices_usage_so_far_when_asked() {
+        let progress = Progress { prompt: 7, tokens: 3.into() };
+        let head =
+            Head { endpoint: Endpoint::Chat, id: "c", model: "m", index: 0, ids: tools::CallIds::OpenAi, usage: None };
+        let usage = |head: &Head| {
+            serde_json::from_str::<Value>(&head.chunk(Some("x"), None, false, &Value::Null)).expect("JSON")["usage"]
+                .clone()
+        };
+        assert_eq!(usage(&head), Value::Null);
+        let counted = Head { usage: Some(&progress), ..head };
+        assert_eq!(usage(&counted), json!({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}));
     }
 }

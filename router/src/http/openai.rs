@@ -34,7 +34,7 @@ fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Erro
 pub struct StreamOptions {
     #[serde(default, deserialize_with = "null_is_false")]
     pub include_usage: bool,
-    /// vLLM's usage in every chunk: refused when asked for ([`check_stream_options`]).
+    /// vLLM's usage so far in every chunk (with `include_usage`).
     #[serde(default, deserialize_with = "null_is_false")]
     pub continuous_usage_stats: bool,
     /// OpenAI's padding of stream events against size side channels: accepted, with no effect (docs/api.md).
@@ -45,12 +45,13 @@ pub struct StreamOptions {
     pub other: serde_json::Map<String, serde_json::Value>,
 }
 
-/// `stream_options` asks only for what the router does: the usage once, after the last choice.
+/// `stream_options` asks only for what the router does: the usage after the last choice, and (vLLM's) in every
+/// chunk too.
 fn check_stream_options(o: &StreamOptions) -> Result<(), ApiError> {
     let refused = if let Some(name) = o.other.keys().next() {
         format!("unknown stream option `{name}`")
-    } else if o.continuous_usage_stats {
-        "stream_options.continuous_usage_stats is not supported: the usage comes once, after the last choice".into()
+    } else if o.continuous_usage_stats && !o.include_usage {
+        "stream_options.continuous_usage_stats adds the usage to every chunk, which needs include_usage".into()
     } else {
         return Ok(());
     };
@@ -332,6 +333,8 @@ pub struct Checked {
     pub input: Input,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: every streamed chunk carries its choice's usage so far.
+    pub continuous_usage: bool,
     /// `None`: as many as the context allows (capped by the router's default).
     pub max_tokens: Option<u32>,
     pub temperature: f32,
@@ -654,7 +657,8 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         model,
         input,
         stream: c.stream,
-        include_usage: c.stream_options.is_some_and(|o| o.include_usage),
+        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        continuous_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage && o.continuous_usage_stats),
         max_tokens,
         temperature,
         top_p,
@@ -1297,15 +1301,18 @@ mod tests {
     fn stream_options_ask_only_for_what_is_done() {
         let with = |o: &str| {
             let body = format!(r#"{{"model":"m","prompt":"x","stream":true,"stream_options":{o}}}"#);
-            check_completion(body.as_bytes()).map(|c| c.include_usage).map_err(|e| e.body()["error"].clone())
+            check_completion(body.as_bytes())
+                .map(|c| (c.include_usage, c.continuous_usage))
+                .map_err(|e| e.body()["error"].clone())
         };
         assert_eq!(
             with(r#"{"include_usage":true,"continuous_usage_stats":false,"include_obfuscation":true}"#),
-            Ok(true)
+            Ok((true, false))
         );
-        assert_eq!(with("{}"), Ok(false));
+        assert_eq!(with(r#"{"include_usage":true,"continuous_usage_stats":true}"#), Ok((true, true)));
+        assert_eq!(with("{}"), Ok((false, false)));
         for (options, word) in [
-            (r#"{"continuous_usage_stats":true}"#, "continuous_usage_stats"),
+            (r#"{"continuous_usage_stats":true}"#, "include_usage"),
             (r#"{"include_usage":true,"usage_every":3}"#, "usage_every"),
         ] {
             let e = with(options).expect_err(options);
