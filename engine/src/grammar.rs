@@ -238,8 +238,12 @@ impl Grammars {
         };
         let lark = format!("{start}\n{thought}\nWS: /[ \\t\\r\\n]+/\n");
         let mut grammars = vec![llguidance::api::GrammarWithLexer::from_lark(lark)];
-        grammars.extend(answer.grammars.into_iter().take(1).map(|mut g| {
-            g.name = Some("answer".to_string());
+        // The answer's first grammar is its start, named for the wrapper to refer to; any others keep the names its
+        // first refers to them by.
+        grammars.extend(answer.grammars.into_iter().enumerate().map(|(i, mut g)| {
+            if i == 0 {
+                g.name = Some("answer".to_string());
+            }
             g
         }));
         TopLevelGrammar { grammars, max_tokens: answer.max_tokens }

@@ -40,15 +40,29 @@ pub fn deadline(
     }
 }
 
+/// Where a grammar's thinking comes, on the wire.
+pub fn thinking_to_pb(t: engine::grammar::Thinking) -> pb::Thinking {
+    match t {
+        engine::grammar::Thinking::None => pb::Thinking::Unspecified,
+        engine::grammar::Thinking::Open => pb::Thinking::Open,
+        engine::grammar::Thinking::Optional => pb::Thinking::Optional,
+    }
+}
+
+/// Where a grammar's thinking comes, from the wire (an unknown value refused).
+pub fn thinking_from_pb(t: i32) -> Result<engine::grammar::Thinking, ProtoError> {
+    match pb::Thinking::try_from(t) {
+        Ok(pb::Thinking::Unspecified) => Ok(engine::grammar::Thinking::None),
+        Ok(pb::Thinking::Open) => Ok(engine::grammar::Thinking::Open),
+        Ok(pb::Thinking::Optional) => Ok(engine::grammar::Thinking::Optional),
+        Err(e) => Err(ProtoError::Invalid { field: "sampling.grammar.thinking", why: e.to_string() }),
+    }
+}
+
 /// Sampling parameters, validated; `force_max_tokens` overrides the request's (prefill makes one token).
 pub fn sampling(s: Option<pb::Sampling>, force_max_tokens: Option<u32>) -> Result<SamplingParams, ProtoError> {
     let s = s.ok_or(ProtoError::Missing("sampling"))?;
-    let thinking = match s.grammar.as_ref().map(|g| pb::Thinking::try_from(g.thinking)) {
-        None | Some(Ok(pb::Thinking::Unspecified)) => engine::grammar::Thinking::None,
-        Some(Ok(pb::Thinking::Open)) => engine::grammar::Thinking::Open,
-        Some(Ok(pb::Thinking::Optional)) => engine::grammar::Thinking::Optional,
-        Some(Err(e)) => return Err(ProtoError::Invalid { field: "sampling.grammar.thinking", why: e.to_string() }),
-    };
+    let thinking = s.grammar.as_ref().map_or(Ok(engine::grammar::Thinking::None), |g| thinking_from_pb(g.thinking))?;
     let raw = RawSampling {
         temperature: s.temperature,
         top_p: s.top_p,
@@ -322,6 +336,7 @@ mod tests {
             (pb::Thinking::Optional, Thinking::Optional),
         ] {
             assert_eq!(with(wire as i32).expect("valid").thinking(), want);
+            assert_eq!(thinking_to_pb(want), wire, "and back");
         }
         let e = with(7).expect_err("unknown");
         assert!(e.to_string().contains("sampling.grammar.thinking"), "{e}");

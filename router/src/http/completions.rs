@@ -212,11 +212,7 @@ pub async fn plan(
         grammar: checked.grammar.as_ref().map(|(g, _)| pb::Grammar {
             kind: g.kind().into(),
             data: g.data().into(),
-            thinking: match checked.grammar_thinking() {
-                engine::grammar::Thinking::None => pb::Thinking::Unspecified,
-                engine::grammar::Thinking::Open => pb::Thinking::Open,
-                engine::grammar::Thinking::Optional => pb::Thinking::Optional,
-            } as i32,
+            thinking: worker::convert::thinking_to_pb(checked.grammar_thinking()) as i32,
         }),
         min_p: checked.min_p,
         priority: checked.priority,
