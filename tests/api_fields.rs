@@ -1216,6 +1216,15 @@ async fn the_responses_api_answers_as_chat_does() {
         let r = post("/v1/responses", body.clone()).await;
         assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!(param)), "{body}: {}", r.body);
     }
+    // Its requests are counted under its own route, answered or refused (two chat requests were sent above).
+    let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+    let count = |route: &str, status: &str| {
+        let line = format!("tandem_router_requests_total{{route=\"{route}\",status=\"{status}\"}} ");
+        metrics.lines().find_map(|l| l.strip_prefix(line.as_str())).and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    assert_eq!(count("/v1/chat/completions", "200"), Some(2), "{metrics}");
+    assert!(count("/v1/responses", "200").is_some_and(|n| n >= 3), "{metrics}");
+    assert!(count("/v1/responses", "400").is_some_and(|n| n >= 3), "{metrics}");
     stop(router, workers).await;
 }
 

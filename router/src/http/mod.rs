@@ -113,11 +113,11 @@ fn admin(state: &RouterState, headers: &HeaderMap, peer: &Peer) -> Result<(), Ap
 }
 
 async fn chat(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
-    generate(state.0, headers, body, Endpoint::Chat).await
+    generate(state.0, headers, body, Route::CHAT).await
 }
 
 async fn completion(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
-    generate(state.0, headers, body, Endpoint::Completion).await
+    generate(state.0, headers, body, Route::COMPLETIONS).await
 }
 
 async fn responses_api(state: Shared, headers: HeaderMap, body: Bytes) -> Response {
@@ -132,17 +132,30 @@ async fn delete_response(state: Shared, headers: HeaderMap, Path(id): Path<Strin
     responses_route::delete(&state, &headers, &id)
 }
 
+/// A route that generates: the request's shape, its path (which names it in metrics and in its span) and its
+/// OpenTelemetry operation.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Route {
+    pub endpoint: Endpoint,
+    pub path: &'static str,
+    pub operation: &'static str,
+}
+
+impl Route {
+    pub const CHAT: Route = Route { endpoint: Endpoint::Chat, path: "/v1/chat/completions", operation: "chat" };
+    pub const COMPLETIONS: Route =
+        Route { endpoint: Endpoint::Completion, path: "/v1/completions", operation: "text_completion" };
+    /// A Responses request, run as the chat request it becomes.
+    pub const RESPONSES: Route = Route { endpoint: Endpoint::Chat, path: "/v1/responses", operation: "chat" };
+}
+
 /// The request's server span, continuing the client's trace when it sent one.
-fn request_span(endpoint: Endpoint, headers: &HeaderMap) -> tracing::Span {
-    let (name, operation) = match endpoint {
-        Endpoint::Chat => ("POST /v1/chat/completions", "chat"),
-        Endpoint::Completion => ("POST /v1/completions", "text_completion"),
-    };
+fn request_span(route: Route, headers: &HeaderMap) -> tracing::Span {
     let span = tracing::info_span!(
         "request",
-        otel.name = name,
+        otel.name = format!("POST {}", route.path),
         otel.kind = "server",
-        gen_ai.operation.name = operation,
+        gen_ai.operation.name = route.operation,
         request_id = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         gen_ai.request.model = tracing::field::Empty,
@@ -189,23 +202,22 @@ const CLIENT_REQUEST_ID_MAX: usize = 512;
 /// Every answer of a completion endpoint names its request, errors too, as OpenAI's do: `x-request-id` (the
 /// response's `id`) and the client's own `x-client-request-id`, which is refused unless it is at most 512 ASCII
 /// characters.
-pub(super) async fn generate(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
-    let span = request_span(endpoint, &headers);
-    let ident = completions::Ident::new(&state, endpoint);
+pub(super) async fn generate(state: Arc<RouterState>, headers: HeaderMap, body: Bytes, route: Route) -> Response {
+    let span = request_span(route, &headers);
+    let ident = completions::Ident::new(&state, route.endpoint);
     span.record("request_id", ident.id.as_str());
     let id = header::HeaderValue::from_str(&ident.id).ok();
     let client = headers.get(CLIENT_REQUEST_ID).cloned();
     let mut response = match &client {
         Some(c) if c.len() > CLIENT_REQUEST_ID_MAX || c.to_str().is_err() => {
-            let route = route_of(endpoint);
             let message = format!("{CLIENT_REQUEST_ID} must be at most {CLIENT_REQUEST_ID_MAX} ASCII characters");
-            fail(&state, route, ApiError::BadRequest { message, param: None })
+            fail(&state, route.path, ApiError::BadRequest { message, param: None })
         }
         _ => {
             if let Some(c) = client.as_ref().and_then(|c| c.to_str().ok()) {
                 span.record("client_request_id", c);
             }
-            run_request(state, headers, body, endpoint, ident).instrument(span).await
+            run_request(state, headers, body, route, ident).instrument(span).await
         }
     };
     let h = response.headers_mut();
@@ -218,25 +230,17 @@ pub(super) async fn generate(state: Arc<RouterState>, headers: HeaderMap, body: 
     response
 }
 
-fn route_of(endpoint: Endpoint) -> &'static str {
-    match endpoint {
-        Endpoint::Chat => "/v1/chat/completions",
-        Endpoint::Completion => "/v1/completions",
-    }
-}
-
 async fn run_request(
     state: Arc<RouterState>,
     headers: HeaderMap,
     body: Bytes,
-    endpoint: Endpoint,
+    route: Route,
     ident: completions::Ident,
 ) -> Response {
     let arrived = Instant::now();
-    let route = route_of(endpoint);
     let prepared = async {
         let tenant = tenant(&state, &headers)?;
-        let mut checked = check(&state, endpoint, &body)?;
+        let mut checked = check(&state, route.endpoint, &body)?;
         checked.namespace = state.tenants.namespace(tenant.as_deref(), checked.namespace.as_deref());
         let span = tracing::Span::current();
         span.record("gen_ai.request.model", checked.model.as_str());
@@ -255,10 +259,10 @@ async fn run_request(
     }
     .await;
     match prepared {
-        Err(e) => fail(&state, route, e),
-        Ok((permit, planned, true)) => streamed(state, planned, arrived, route, permit).await,
+        Err(e) => fail(&state, route.path, e),
+        Ok((permit, planned, true)) => streamed(state, planned, arrived, route.path, permit).await,
         Ok((permit, planned, false)) => {
-            let response = whole(Arc::clone(&state), planned, arrived, route).await;
+            let response = whole(Arc::clone(&state), planned, arrived, route.path).await;
             drop(permit);
             response
         }

@@ -10,15 +10,16 @@ use serde_json::{Value, json};
 
 use super::completions::fail;
 use super::error::ApiError;
-use super::openai::Endpoint;
-use super::{BODY_LIMIT, CLIENT_REQUEST_ID, generate, responses};
+use super::{BODY_LIMIT, CLIENT_REQUEST_ID, Route, generate, responses};
 use crate::response_store::Stored;
 use crate::state::RouterState;
+
+/// How the Responses API's requests are named in metrics and traces.
+const ROUTE: Route = Route::RESPONSES;
 
 /// OpenAI's Responses API, served as the chat completion it is ([`responses`]): the chat path's answer (or error,
 /// its `param` renamed to this API's field) converted, whole or as this API's events.
 pub async fn serve(state: Arc<RouterState>, headers: HeaderMap, body: Bytes) -> Response {
-    const ROUTE: &str = "/v1/responses";
     let prepared = (|| {
         let tenant = super::tenant(&state, &headers)?;
         let (mut chat, mut asked) = responses::to_chat(&body)?;
@@ -38,7 +39,7 @@ pub async fn serve(state: Arc<RouterState>, headers: HeaderMap, body: Bytes) -> 
     })();
     let (chat, asked, tenant) = match prepared {
         Ok(p) => p,
-        Err(e) => return fail(&state, ROUTE, e),
+        Err(e) => return fail(&state, ROUTE.path, e),
     };
     // What a stored response keeps: its conversation, to which its answer is added.
     let keep = asked.store.then(|| Keep {
@@ -47,12 +48,12 @@ pub async fn serve(state: Arc<RouterState>, headers: HeaderMap, body: Bytes) -> 
         conversation: responses::conversation_of(&chat, &asked),
     });
     let stream = chat["stream"] == json!(true);
-    let answer = generate(Arc::clone(&state), headers, Bytes::from(chat.to_string()), Endpoint::Chat).await;
+    let answer = generate(Arc::clone(&state), headers, Bytes::from(chat.to_string()), ROUTE).await;
     let (mut parts, body) = answer.into_parts();
     parts.headers.remove(header::CONTENT_LENGTH);
     if parts.status != StatusCode::OK || !stream {
         let Ok(bytes) = axum::body::to_bytes(body, BODY_LIMIT * 8).await else {
-            return fail(&state, ROUTE, ApiError::Upstream("the answer could not be read".into()));
+            return fail(&state, ROUTE.path, ApiError::Upstream("the answer could not be read".into()));
         };
         let mut v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         if parts.status == StatusCode::OK {
