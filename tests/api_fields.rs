@@ -438,7 +438,13 @@ impl Api {
                 // A Lark grammar (a sum of small numbers, the `+` nesting), in both of vLLM's forms.
                 let lark = "start: sum\nsum: NUM | NUM \" + \" sum\nNUM: /[1-9]/";
                 let sum = regex::Regex::new(r"^[1-9]( \+ [1-9])*$").expect("regex");
-                for form in [json!({"guided_grammar": lark}), json!({"structured_outputs": {"grammar": lark}})] {
+                // The same in GBNF, as llama.cpp and vLLM's xgrammar backend take it.
+                let gbnf = "root ::= num (\" + \" num)*\nnum ::= [1-9]";
+                for form in [
+                    json!({"guided_grammar": lark}),
+                    json!({"structured_outputs": {"grammar": lark}}),
+                    json!({"guided_grammar": gbnf}),
+                ] {
                     let r = self.send(hot(form.clone())).await;
                     assert_eq!(r.status, 200, "{form}: {}", r.body);
                     for (t, c) in texts(&r.json()).iter().zip(r.json()["choices"].as_array().expect("c")) {
@@ -456,7 +462,7 @@ impl Api {
                     (json!({"guided_regex": "("}), "guided_regex"),
                     (json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}), "guided_regex"),
                     (json!({"guided_choice": []}), "guided_choice"),
-                    (json!({"guided_grammar": "root ::= \"a\""}), "guided_grammar"),
+                    (json!({"guided_grammar": "root ::= b"}), "guided_grammar"),
                     (json!({"guided_grammar": "start: ("}), "guided_grammar"),
                 ] {
                     let r = self.send(bad.clone()).await;

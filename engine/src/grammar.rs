@@ -292,6 +292,11 @@ impl Constrained {
         }
     }
 
+    /// Whether the output may end here (the grammar is complete).
+    pub fn may_end(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+
     /// Takes sampled tokens (end-of-generation ones end the output and are not the grammar's).
     pub fn take(&mut self, tokens: &[u32]) -> Result<(), GrammarError> {
         for &t in tokens {

@@ -13,6 +13,7 @@ mod columns;
 mod datetime;
 pub mod fetch;
 pub mod forward;
+pub mod gbnf;
 pub mod generate;
 pub mod gguf;
 pub mod grammar;

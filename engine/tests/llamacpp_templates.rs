@@ -7,7 +7,7 @@
 //! error, and [`KNOWN`] ones differ in their text on purpose.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use engine::chat::{ChatExtras, ChatMessage, ChatTemplate};
@@ -141,12 +141,7 @@ fn cases() -> Vec<Case> {
 #[test]
 fn real_templates_render_as_transformers_renders_them() {
     let dir = common::llama_cpp_models().join("templates");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("the templates")
-        .map(|e| e.expect("an entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "jinja"))
-        .collect();
-    files.sort();
+    let files = common::files(&dir, "jinja");
     assert!(files.len() >= 60, "{} templates in {}", files.len(), dir.display());
     let (bos, eos) = ("<s>", "</s>");
     let cases = cases();

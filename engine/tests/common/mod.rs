@@ -46,6 +46,17 @@ pub fn greedy(prompt: Vec<u32>, max_tokens: u32) -> Request {
 /// llama.cpp's `models/` directory: its vocabulary GGUFs with their tokenizer tests, and real models' chat
 /// templates. It comes with llama.cpp's source, which `scripts/llama-cpp.sh` fetches from llama-cpp-python's
 /// package on PyPI (building llama-server once; CI fetches it before the tests, for `tests/external.rs`).
+/// The files of `dir` whose names end in `.{extension}`, in order.
+pub fn files(dir: &std::path::Path, extension: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("an entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == extension))
+        .collect();
+    files.sort();
+    files
+}
+
 pub fn llama_cpp_models() -> PathBuf {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = std::process::Command::new(root.join("scripts/llama-cpp.sh"))

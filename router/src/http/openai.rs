@@ -464,15 +464,15 @@ fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError
     Ok(found.pop())
 }
 
-/// A grammar in Lark, as vLLM's `guidance` backend takes it; GBNF (llama.cpp's, which vLLM's `xgrammar` backend
-/// takes) is refused by name rather than left to fail as Lark.
+/// A grammar in Lark, as vLLM's `guidance` backend takes it, or in GBNF (`root ::= ...`: llama.cpp's, which vLLM's
+/// `xgrammar` backend takes), written in Lark ([`engine::gbnf`]).
 fn lark(grammar: &str, param: &'static str) -> Result<Grammar, ApiError> {
     if grammar.trim().is_empty() {
-        return Err(ApiError::bad(format!("{param} is a grammar in Lark, not empty"), param));
+        return Err(ApiError::bad(format!("{param} is a grammar in Lark or GBNF, not empty"), param));
     }
-    if grammar.contains("::=") {
-        let why = format!("{param}: GBNF (`rule ::= ...`) is not supported: write the grammar in Lark (`rule: ...`)");
-        return Err(ApiError::bad(why, param));
+    if engine::gbnf::is_gbnf(grammar) {
+        let lark = engine::gbnf::to_lark(grammar).map_err(|e| ApiError::bad(format!("{param}: {e}"), param))?;
+        return Ok(Grammar::Lark(lark));
     }
     Ok(Grammar::Lark(grammar.to_string()))
 }
@@ -1089,12 +1089,16 @@ mod tests {
         );
         let guided = chat_with(&format!(r#","guided_grammar":{}"#, serde_json::json!(lark))).expect("valid");
         assert_eq!(guided.grammar, Some((Grammar::Lark(lark.into()), "guided_grammar")));
-        for gbnf in [r#","guided_grammar":"root ::= \"a\"""#, r#","guided_grammar":" ""#] {
-            assert!(chat_with(gbnf).is_err_and(|e| e.contains("guided_grammar")), "{gbnf}");
+        for bad in [r#","guided_grammar":"root ::= b""#, r#","guided_grammar":" ""#] {
+            assert!(chat_with(bad).is_err_and(|e| e.contains("guided_grammar")), "{bad}");
         }
+        // GBNF, as llama.cpp and vLLM's xgrammar backend take it: written in Lark.
+        let gbnf = chat_with(r#","guided_grammar":"root ::= \"a\" | \"b\"""#).expect("GBNF");
+        let lark = engine::gbnf::to_lark(r#"root ::= "a" | "b""#).expect("converts");
+        assert_eq!(gbnf.grammar, Some((Grammar::Lark(lark), "guided_grammar")));
         assert_eq!(grammar("null"), Ok(None));
         for refused in [
-            r#"{"grammar":"root ::= \"a\""}"#,
+            r#"{"grammar":"root ::= [z-a]"}"#,
             r#"{"grammar":3}"#,
             r#"{"structural_tag":"x"}"#,
             r#"{"regex":"a","disable_any_whitespace":true}"#,
