@@ -194,6 +194,13 @@ async fn a_router_takes_workers_one_protocol_version_older_and_refuses_newer_one
     } else {
         assert_eq!(lark, vec![current_name.clone()]);
     }
+    // GBNF grammars came with version 12: an older worker would refuse the grammar's kind.
+    let gbnf = candidates(serde_json::json!({"guided_grammar": "root ::= \"a\""})).await;
+    if ours > worker::GBNF_PROTOCOL {
+        assert_eq!(gbnf.len(), 2, "{gbnf:?}");
+    } else {
+        assert_eq!(gbnf, vec![current_name.clone()]);
+    }
     router.shutdown(Duration::from_secs(5)).await;
 }
 

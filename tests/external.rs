@@ -225,6 +225,19 @@ async fn a_shared_prefix_goes_back_to_the_llama_server_that_cached_it_and_a_kill
     assert_eq!(call["name"], "weather", "{}", r.body);
     let args: serde_json::Value = serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("JSON");
     assert!(args["city"].is_string() && args.as_object().map(|o| o.len()) == Some(1), "{args}");
+    // A GBNF grammar goes to llama-server as its own: the answer is a sentence of it.
+    let gbnf = "root ::= (\"yes\" | \"no\") \", \" [0-9]{2}";
+    let r = http(
+        router.addr,
+        "POST",
+        "/v1/chat/completions",
+        &with(serde_json::json!({"guided_grammar": gbnf, "max_tokens": 12})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answer = r.json()["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+    assert!(regex::Regex::new("^(yes|no), [0-9]{2}$").expect("regex").is_match(&answer), "{answer:?}");
     // llama-server takes no regular expression: with only llama-servers up, a 400 says what would serve it.
     let r = http(
         router.addr,

@@ -24,6 +24,9 @@ pub enum Grammar {
     /// A context-free grammar in llguidance's Lark dialect (`start: ...`; vLLM's `guidance` backend takes the
     /// same): the whole output is a sentence of it.
     Lark(String),
+    /// A context-free grammar in llama.cpp's GBNF (`root ::= ...`, which vLLM's `xgrammar` backend takes too),
+    /// compiled as the Lark [`crate::gbnf`] writes it; kept as written for engines that take GBNF themselves.
+    Gbnf(String),
 }
 
 /// Where a reasoning model's thinking comes before what the grammar holds. vLLM, run with a reasoning parser, holds
@@ -65,13 +68,14 @@ impl Grammar {
             Grammar::JsonObject => "json_object",
             Grammar::Regex(_) => "regex",
             Grammar::Lark(_) => "lark",
+            Grammar::Gbnf(_) => "gbnf",
         }
     }
 
     /// The wire form's data (empty for `json_object`).
     pub fn data(&self) -> &str {
         match self {
-            Grammar::JsonSchema(d) | Grammar::Regex(d) | Grammar::Lark(d) => d,
+            Grammar::JsonSchema(d) | Grammar::Regex(d) | Grammar::Lark(d) | Grammar::Gbnf(d) => d,
             Grammar::JsonObject => "",
         }
     }
@@ -83,6 +87,7 @@ impl Grammar {
             "json_object" => Ok(Grammar::JsonObject),
             "regex" => Ok(Grammar::Regex(data.to_string())),
             "lark" => Ok(Grammar::Lark(data.to_string())),
+            "gbnf" => Ok(Grammar::Gbnf(data.to_string())),
             other => Err(GrammarError::UnknownKind(other.to_string())),
         }
     }
@@ -112,6 +117,10 @@ impl Grammar {
             Grammar::JsonObject => Ok(compact(serde_json::json!({"type": "object"}))),
             Grammar::Regex(rx) => Ok(TopLevelGrammar::from_regex(rx)),
             Grammar::Lark(g) => Ok(TopLevelGrammar::from_lark(g.clone())),
+            Grammar::Gbnf(g) => {
+                let lark = crate::gbnf::to_lark(g).map_err(|e| GrammarError::Compile(e.to_string()))?;
+                Ok(TopLevelGrammar::from_lark(lark))
+            }
         }
     }
 }

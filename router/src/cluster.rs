@@ -1023,6 +1023,10 @@ mod tests {
             assert!(!n.met_by(&tandem(protocol - 1)), "an older worker would ignore it: {ruled:?}");
         }
         assert!(![&llama, &vllm, &sglang].iter().any(|m| scored.met_by(m)), "the prompt's are not relayed");
+        // A GBNF grammar: an older worker would refuse its kind; every external engine takes GBNF as its own.
+        let gbnf = grammar("gbnf", "root ::= \"a\"", 0);
+        assert!(gbnf.met_by(&tandem(worker::GBNF_PROTOCOL)) && !gbnf.met_by(&tandem(worker::GBNF_PROTOCOL - 1)));
+        assert!([&llama, &vllm, &sglang].iter().all(|m| gbnf.met_by(m)), "relayed as the engines' own");
         // A priority goes to a server started with priority scheduling (above, none was).
         let scheduling = |kind, order| {
             let engine = Engine::new("http://127.0.0.1:1", kind).expect("an address").with_priority(Some(order));

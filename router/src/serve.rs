@@ -459,10 +459,11 @@ async fn stream_tokens(
 
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
 /// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities, a version-7 one the
-/// allowed tokens and bad words, a version-8 one the priority, a version-10 one a grammar's thinking). External
-/// engines take the sampling fields (`min_p` included) and grammars (as their own structured outputs; regular
-/// expressions not on llama-server; held after the thinking where the engine runs with a reasoning parser of its
-/// own, as vLLM and SGLang do) in their own APIs, and vLLM the allowed tokens; priorities go to a server started with priority
+/// allowed tokens and bad words, a version-8 one the priority, a version-9 one a Lark grammar, a version-10 one a
+/// grammar's thinking, a version-11 one a GBNF grammar). External engines take the sampling fields (`min_p`
+/// included) and grammars (as their own structured outputs, GBNF as it is, Lark not at all; regular expressions not
+/// on llama-server; held after the thinking where the engine runs with a reasoning parser of its own, as vLLM and
+/// SGLang do) in their own APIs, and vLLM the allowed tokens; priorities go to a server started with priority
 /// scheduling; prompt log-probabilities and bad words are not relayed to them, log-probabilities only from
 /// llama-server and vLLM.
 pub fn needs(s: &pb::Sampling) -> Needs {
@@ -510,6 +511,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     if s.grammar.as_ref().is_some_and(|g| g.thinking != pb::Thinking::Unspecified as i32) {
         protocol = worker::THINKING_PROTOCOL;
     }
+    if matches!(grammar, Some(Ok(engine::grammar::Grammar::Gbnf(_)))) {
+        protocol = worker::GBNF_PROTOCOL;
+    }
     Needs { protocol, external, logprobs: s.logprobs.is_some(), regex, allowed, priority: s.priority != 0 }
 }
 
@@ -531,6 +535,9 @@ pub fn unserved(s: &pb::Sampling) -> String {
     }
     if s.grammar.as_ref().is_some_and(|g| g.kind == "lark") {
         asked.push("a Lark grammar");
+    }
+    if s.grammar.as_ref().is_some_and(|g| g.kind == "gbnf") {
+        asked.push("a GBNF grammar (taken by llama-server, vLLM and SGLang)");
     }
     if n.logprobs {
         asked.push("log-probabilities (relayed from llama-server and vLLM)");

@@ -112,10 +112,11 @@ impl WorkerConfig {
 /// outputs). 5: `Prefetch`, and a prefill's lease reservation credited with the live leases of its own request
 /// (a streamed prompt's pieces). 6: `Sampling.min_p`. 7: `Sampling.prompt_logprobs` (on the first `Token` and in
 /// `PrefillResponse`). 8: `Sampling.allowed_token_ids` and `Sampling.bad_words`. 9: `Sampling.priority`. 10: `Grammar` of kind "lark". 11:
-/// `Grammar.thinking` (a reasoning model's thinking before what the grammar holds). A router accepts this and the
+/// `Grammar.thinking` (a reasoning model's thinking before what the grammar holds). 12: `Grammar` of kind "gbnf".
+/// A router accepts this and the
 /// versions back to 4 (`router::cluster::OLDEST_PROTOCOL`), and sends requests that use something newer only to
 /// workers that know it.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// The first protocol whose workers apply `Sampling`'s logits rules.
 pub const LOGITS_RULES_PROTOCOL: u32 = 3;
@@ -145,6 +146,9 @@ pub const LARK_PROTOCOL: u32 = 10;
 /// The first protocol whose workers hold a grammar after a reasoning model's thinking (`Grammar.thinking`; an
 /// older one would hold it from the first token).
 pub const THINKING_PROTOCOL: u32 = 11;
+
+/// The first protocol whose workers take a grammar in GBNF (`Grammar::Gbnf`; an older one refuses the kind).
+pub const GBNF_PROTOCOL: u32 = 12;
 
 /// What a worker calls its model when nothing else is said (the embedded one).
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";

@@ -54,6 +54,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling, cache_prompt: bool) -> Valu
     match super::grammar(sampling) {
         Some(Grammar::JsonSchema(schema)) => b["json_schema"] = super::schema_value(&schema),
         Some(Grammar::JsonObject) => b["json_schema"] = super::schema_value(super::ANY_OBJECT),
+        // GBNF is llama.cpp's own.
+        Some(Grammar::Gbnf(gbnf)) => b["grammar"] = gbnf.into(),
         Some(Grammar::Regex(_) | Grammar::Lark(_)) | None => {}
     }
     b
@@ -155,6 +157,8 @@ mod tests {
         let b = body(&[1], &with("json_schema", schema), true);
         assert_eq!(b["json_schema"]["properties"]["n"]["type"], "integer", "{b}");
         assert_eq!(body(&[1], &with("json_object", ""), true)["json_schema"], json!({"type": "object"}));
+        // GBNF is its own grammar format.
+        assert_eq!(body(&[1], &with("gbnf", "root ::= \"a\""), true)["grammar"], json!("root ::= \"a\""));
         assert_eq!(unsupported(&with("json_schema", schema)), None);
         assert_eq!(unsupported(&with("regex", "a+")), Some("structured outputs by regular expression"));
     }

@@ -36,6 +36,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) ->
         Some(Grammar::JsonObject) => params["json_schema"] = super::ANY_OBJECT.into(),
         Some(Grammar::Regex(regex)) => params["regex"] = regex.into(),
         // Not relayed (`serve::needs`).
+        // SGLang's grammar backend (xgrammar) reads GBNF as its own EBNF.
+        Some(Grammar::Gbnf(gbnf)) => params["ebnf"] = gbnf.into(),
         Some(Grammar::Lark(_)) | None => {}
     }
     let mut b = json!({"input_ids": tokens, "sampling_params": params, "stream": true});
@@ -128,6 +130,7 @@ mod tests {
             (Some(schema), None)
         );
         assert_eq!(params(with("json_object", ""))["json_schema"], json!(r#"{"type": "object"}"#));
+        assert_eq!(params(with("gbnf", "root ::= \"a\""))["ebnf"], json!("root ::= \"a\""));
         assert_eq!(params(with("regex", "a|b"))["regex"], json!("a|b"));
     }
 

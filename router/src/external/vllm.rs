@@ -55,6 +55,8 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) ->
         Some(Grammar::JsonObject) => b["structured_outputs"] = json(super::ANY_OBJECT),
         Some(Grammar::Regex(regex)) => b["structured_outputs"] = json!({"regex": regex}),
         // Not relayed (`serve::needs`).
+        // vLLM's default backend (xgrammar) reads GBNF as its own EBNF.
+        Some(Grammar::Gbnf(gbnf)) => b["structured_outputs"] = json!({"grammar": gbnf}),
         Some(Grammar::Lark(_)) | None => {}
     }
     b
@@ -194,6 +196,8 @@ mod tests {
         let b = body(&[1], &with("json_object", ""), None);
         assert_eq!(b["structured_outputs"], json!({"json": {"type": "object"}, "disable_any_whitespace": true}));
         assert_eq!(body(&[1], &with("regex", "[0-9]+"), None)["structured_outputs"], json!({"regex": "[0-9]+"}));
+        let gbnf = r#"root ::= "a" | "b""#;
+        assert_eq!(body(&[1], &with("gbnf", gbnf), None)["structured_outputs"], json!({"grammar": gbnf}));
     }
 
     #[test]

@@ -465,14 +465,14 @@ fn check_grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>, ApiError
 }
 
 /// A grammar in Lark, as vLLM's `guidance` backend takes it, or in GBNF (`root ::= ...`: llama.cpp's, which vLLM's
-/// `xgrammar` backend takes), written in Lark ([`engine::gbnf`]).
+/// `xgrammar` backend takes; a malformed one is named here, [`engine::gbnf`]).
 fn lark(grammar: &str, param: &'static str) -> Result<Grammar, ApiError> {
     if grammar.trim().is_empty() {
         return Err(ApiError::bad(format!("{param} is a grammar in Lark or GBNF, not empty"), param));
     }
     if engine::gbnf::is_gbnf(grammar) {
-        let lark = engine::gbnf::to_lark(grammar).map_err(|e| ApiError::bad(format!("{param}: {e}"), param))?;
-        return Ok(Grammar::Lark(lark));
+        engine::gbnf::to_lark(grammar).map_err(|e| ApiError::bad(format!("{param}: {e}"), param))?;
+        return Ok(Grammar::Gbnf(grammar.to_string()));
     }
     Ok(Grammar::Lark(grammar.to_string()))
 }
@@ -1092,10 +1092,9 @@ mod tests {
         for bad in [r#","guided_grammar":"root ::= b""#, r#","guided_grammar":" ""#] {
             assert!(chat_with(bad).is_err_and(|e| e.contains("guided_grammar")), "{bad}");
         }
-        // GBNF, as llama.cpp and vLLM's xgrammar backend take it: written in Lark.
+        // GBNF, as llama.cpp and vLLM's xgrammar backend take it.
         let gbnf = chat_with(r#","guided_grammar":"root ::= \"a\" | \"b\"""#).expect("GBNF");
-        let lark = engine::gbnf::to_lark(r#"root ::= "a" | "b""#).expect("converts");
-        assert_eq!(gbnf.grammar, Some((Grammar::Lark(lark), "guided_grammar")));
+        assert_eq!(gbnf.grammar, Some((Grammar::Gbnf(r#"root ::= "a" | "b""#.into()), "guided_grammar")));
         assert_eq!(grammar("null"), Ok(None));
         for refused in [
             r#"{"grammar":"root ::= [z-a]"}"#,
