@@ -199,7 +199,7 @@ async fn a_streaming_client_that_leaves_during_prefill_cancels_it() {
     let (workers, router) = cluster_with(&ca, &[Role::Prefill, Role::Decode], chunked, |r| r).await;
     let prompt: String = (0..700).map(|i| format!("w{i} ")).collect();
     let model = "smollm2-135m-instruct";
-    // A text completion, and a Responses API request (served as a chat completion, counted as one).
+    // A text completion, and a Responses API request (served as a chat completion, counted under its own route).
     for (path, body, route) in [
         (
             "/v1/completions",
@@ -209,7 +209,7 @@ async fn a_streaming_client_that_leaves_during_prefill_cancels_it() {
         (
             "/v1/responses",
             serde_json::json!({"model": model, "input": prompt, "max_output_tokens": 20, "stream": true}),
-            "/v1/chat/completions",
+            "/v1/responses",
         ),
     ] {
         let p = &workers[0];
