@@ -52,7 +52,7 @@ fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f
 }
 
 /// The value of label `key` in a sample's labels' text (`k="v",...`; a value may hold commas and escaped quotes).
-fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+pub(super) fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     let mut rest = labels;
     loop {
         rest = rest.trim_start_matches([',', ' ']);

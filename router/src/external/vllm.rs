@@ -150,13 +150,24 @@ fn token_logprobs(v: Option<&Value>, tokens: &[u32], n: u32) -> Result<Vec<pb::T
 }
 
 /// Tokens of KV the server holds (`num_gpu_blocks` × `block_size` of `vllm:cache_config_info`, in its metrics).
-pub fn capacity_tokens(metrics: &str) -> Option<u64> {
-    let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let label = |name: &str| {
-        let at = line.find(&format!("{name}=\""))? + name.len() + 2;
-        line[at..].split('"').next()?.parse::<u64>().ok()
-    };
-    Some(label("num_gpu_blocks")? * label("block_size")?)
+pub fn capacity_tokens(metrics: &str, rank: Option<u32>) -> Option<u64> {
+    // One sample per engine (a data-parallel rank each, labelled `engine`), with its blocks and their size.
+    let engines: Vec<(Option<&str>, u64)> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("vllm:cache_config_info{")?.rsplit_once('}'))
+        .filter_map(|(labels, _)| {
+            let number = |key| super::metrics::label(labels, key)?.parse::<u64>().ok();
+            Some((super::metrics::label(labels, "engine"), number("num_gpu_blocks")? * number("block_size")?))
+        })
+        .collect();
+    let labelled = engines.iter().any(|(engine, _)| engine.is_some());
+    match rank {
+        // The rank's own engine.
+        Some(r) if labelled => engines.iter().find(|(e, _)| *e == Some(r.to_string().as_str())).map(|(_, t)| *t),
+        // The whole server: every engine's.
+        None if labelled => Some(engines.iter().map(|(_, t)| t).sum()),
+        _ => engines.first().map(|(_, t)| *t),
+    }
 }
 
 #[cfg(test)]
@@ -289,7 +300,16 @@ mod tests {
     fn capacity_from_the_cache_config_metric() {
         let m = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
                  vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"2048\"} 1.0\n";
-        assert_eq!(capacity_tokens(m), Some(32768));
-        assert_eq!(capacity_tokens("vllm:num_requests_running 0\n"), None);
+        assert_eq!(capacity_tokens(m, None), Some(32768));
+        assert_eq!(capacity_tokens("vllm:num_requests_running 0\n", None), None);
+        // A server of two data-parallel engines: the whole server holds both, each rank its own.
+        let two = "vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"2048\"} 1.0\n\
+                   vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"1024\"} 1.0\n";
+        assert_eq!(capacity_tokens(two, None), Some(49152));
+        assert_eq!((capacity_tokens(two, Some(0)), capacity_tokens(two, Some(1))), (Some(32768), Some(16384)));
+        assert_eq!(capacity_tokens(two, Some(2)), None);
+        // No engine label: the one engine's, whatever the rank.
+        let bare = "vllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"10\"} 1.0\n";
+        assert_eq!((capacity_tokens(bare, None), capacity_tokens(bare, Some(1))), (Some(320), Some(320)));
     }
 }
