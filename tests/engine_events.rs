@@ -94,19 +94,6 @@ impl Publisher {
         self.store_with(tokens, block, first, parent, bytes, json!({}));
     }
 
-    /// The same for a request with the cache salt `salt`.
-    fn store_salted(
-        &mut self,
-        tokens: &[u32],
-        block: usize,
-        first: u64,
-        parent: Option<u64>,
-        bytes: bool,
-        salt: Option<&str>,
-    ) {
-        self.store_with(tokens, block, first, parent, bytes, json!({"salt": salt}));
-    }
-
     /// The same with the command's other fields `more` (`salt`, `rank`).
     fn store_with(&mut self, tokens: &[u32], block: usize, first: u64, parent: Option<u64>, bytes: bool, more: Value) {
         let hashes: Vec<Value> = (0..(tokens.len() / block) as u64).map(|i| hash(first + i, bytes)).collect();
@@ -217,15 +204,9 @@ async fn scenario(engine: &str, kind: EngineKind, block: usize, bytes: bool) {
     // nowhere else.
     let (c, tokens_c) = (&a, &tokens_a);
     let half = 64 / block;
-    publisher.store_salted(&tokens_c[..64], block, 20_000, None, bytes, Some("team-a"));
-    publisher.store_salted(
-        &tokens_c[64..n],
-        block,
-        20_000 + half as u64,
-        Some(20_000 + half as u64 - 1),
-        bytes,
-        Some("team-a"),
-    );
+    let salted = json!({"salt": "team-a"});
+    publisher.store_with(&tokens_c[..64], block, 20_000, None, bytes, salted.clone());
+    publisher.store_with(&tokens_c[64..n], block, 20_000 + half as u64, Some(20_000 + half as u64 - 1), bytes, salted);
     expect_salted(addr, c, Some("team-a"), whole(n) as u64, "a salted chain, with its salt").await;
     assert_eq!(view_salted(addr, c, Some("team-b")).await, Some((0, false)), "a salted chain, another salt");
     assert_eq!(view(addr, c).await, Some((0, false)), "a salted chain, no salt");

@@ -98,7 +98,7 @@ pub fn to_lark(gbnf: &str) -> Result<String, GbnfError> {
                     }
                     out.push_str(r);
                 }
-                // Each `::=` opened a rule above.
+                // Never in a body: each `::=` opened a rule above, and a stray one is refused there.
                 Token::Defines => {}
             }
         }
@@ -227,24 +227,14 @@ fn tokenize(s: &str) -> Result<Vec<Token>, GbnfError> {
                 tokens.push(Token::Class(negated, ranges));
                 i += 1;
             }
-            '.' => {
-                tokens.push(Token::Any);
-                i += 1;
-            }
-            '(' => {
-                tokens.push(Token::Open);
-                i += 1;
-            }
-            ')' => {
-                tokens.push(Token::Close);
-                i += 1;
-            }
-            '|' => {
-                tokens.push(Token::Or);
-                i += 1;
-            }
-            '*' | '+' | '?' => {
-                tokens.push(Token::Repeat(c.to_string()));
+            '.' | '(' | ')' | '|' | '*' | '+' | '?' => {
+                tokens.push(match c {
+                    '.' => Token::Any,
+                    '(' => Token::Open,
+                    ')' => Token::Close,
+                    '|' => Token::Or,
+                    _ => Token::Repeat(c.to_string()),
+                });
                 i += 1;
             }
             '{' => {
