@@ -571,7 +571,8 @@ pub async fn follow(
     let events = async {
         if let Some(source) = source {
             let blocks = settings.max_engine_blocks;
-            events::follow(&cluster, id, &engine.name, &source, blocks, stop.clone()).await;
+            let rank = engine.rank.map(|r| r.rank);
+            events::follow(&cluster, id, &engine.name, &source, rank, blocks, stop.clone()).await;
         }
     };
     tokio::join!(health(&cluster, id, addr, &engine, &settings, stop.clone()), events);

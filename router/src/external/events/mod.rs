@@ -33,8 +33,6 @@ pub struct EventSource {
     pub replay: Option<String>,
     /// The topic it publishes under (`topic`; empty: everything on the socket).
     pub topic: String,
-    /// The data-parallel rank publishing there, whose number its batches carry (`None`: not a rank's).
-    pub rank: Option<u32>,
 }
 
 impl EventSource {
@@ -44,7 +42,7 @@ impl EventSource {
         if let Some(r) = replay {
             zmtp::tcp_authority(r).map_err(|e| e.to_string())?;
         }
-        Ok(EventSource { endpoint: endpoint.into(), replay: replay.map(Into::into), topic: topic.into(), rank: None })
+        Ok(EventSource { endpoint: endpoint.into(), replay: replay.map(Into::into), topic: topic.into() })
     }
 
     /// Where data-parallel rank `rank` of the server publishes: each port plus the rank, as vLLM and SGLang offset
@@ -61,7 +59,6 @@ impl EventSource {
             endpoint: offset(&self.endpoint)?,
             replay: self.replay.as_deref().map(offset).transpose()?,
             topic: self.topic.clone(),
-            rank: Some(rank),
         })
     }
 }
@@ -75,12 +72,14 @@ const MEMBERSHIP_CHECK: Duration = Duration::from_millis(500);
 /// Batches one replay may return at most (vLLM and SGLang keep 10,000 by default).
 const MAX_REPLAYED: usize = 1_000_000;
 
-/// Follows `source` for external worker `id` until `stop`, while the worker is up.
+/// Follows `source` for external worker `id` until `stop`, while the worker is up; `rank`: the data-parallel rank
+/// publishing there, whose number its batches carry.
 pub async fn follow(
     cluster: &Arc<Cluster>,
     id: WorkerId,
     url: &str,
     source: &EventSource,
+    rank: Option<u32>,
     max_blocks: usize,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -94,7 +93,8 @@ pub async fn follow(
                 _ = stop.wait_for(|&s| s) => return,
             }
         }
-        let mut follower = Follower { cluster, id, blocks: &mut blocks, source, expected: None, misranked: false };
+        let mut follower =
+            Follower { cluster, id, blocks: &mut blocks, source, rank, expected: None, misranked: false };
         let result = tokio::select! {
             r = follower.run() => r,
             _ = stop.wait_for(|&s| s) => return,
@@ -122,6 +122,8 @@ struct Follower<'a> {
     source: &'a EventSource,
     /// The next sequence number due.
     expected: Option<u64>,
+    /// The data-parallel rank publishing there, whose number its batches carry (`None`: not a rank's).
+    rank: Option<u32>,
     /// A batch of another rank than the source's came (said once per connection).
     misranked: bool,
 }
@@ -180,7 +182,7 @@ impl Follower<'_> {
                 return self.reset("an unreadable batch");
             }
         };
-        if let (Some(want), Some(got)) = (self.source.rank, batch.rank)
+        if let (Some(want), Some(got)) = (self.rank, batch.rank)
             && got != i64::from(want)
         {
             // The configured ports are not this rank's (another rank's cache would be taken for this one's).
