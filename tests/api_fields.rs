@@ -910,8 +910,9 @@ fn merged(mut base: Value, extra: &Value) -> String {
 }
 
 /// `tool_choice: auto` with the router's `tool_call_parser` (Hermes' format): the model's own calls are parsed out
-/// of its text, whole and streamed, across a prefill and a decode worker; text without calls is the content. The
-/// served model writes no calls by itself, so a regular expression (allowed beside `auto`) makes it write one.
+/// of its text, whole and streamed (each call once it is written), across a prefill and a decode worker; text
+/// without calls is the content. The served model writes no calls by itself, so a regular expression (allowed beside
+/// `auto`) makes it write two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_models_own_tool_calls_are_parsed_with_auto() {
     let ca = DevCa::generate().expect("ca");
@@ -924,7 +925,7 @@ async fn the_models_own_tool_calls_are_parsed_with_auto() {
     assert_eq!(r.status, 200, "{}", r.body);
     let now = json!({"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}});
     let ask = |extra: Value| {
-        let base = json!({"model": MODEL, "max_tokens": 40, "temperature": 0, "tools": [now],
+        let base = json!({"model": MODEL, "max_tokens": 80, "temperature": 0, "tools": [now],
                           "messages": [{"role": "user", "content": "What time is it?"}]});
         merged(base, &extra)
     };
@@ -939,35 +940,50 @@ async fn the_models_own_tool_calls_are_parsed_with_auto() {
     assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.is_empty()), "{v}");
     assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
     assert_ne!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
-    // Words, then a call in the model's format.
-    let call = r#"Checking\. <tool_call>\{"name": "now", "arguments": \{"zone": "UTC"\}\}</tool_call>"#;
-    let written = json!({"tool_choice": "auto", "structured_outputs": {"regex": call}});
+    // Words, then two calls in the model's format.
+    let call =
+        |zone: &str| format!(r#"<tool_call>\{{"name": "now", "arguments": \{{"zone": "{zone}"\}}\}}</tool_call>"#);
+    let regex = format!(r#"Checking\. {}\n{}"#, call("UTC"), call("CET"));
+    let written = json!({"tool_choice": "auto", "structured_outputs": {"regex": regex}});
     let r = post(ask(written.clone())).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     let choice = &v["choices"][0];
     assert_eq!((&choice["message"]["content"], &choice["finish_reason"]), (&json!("Checking. "), &json!("tool_calls")));
     let calls = choice["message"]["tool_calls"].as_array().expect("calls");
-    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls.len(), 2, "{v}");
     assert_eq!((&calls[0]["function"]["name"], &calls[0]["type"]), (&json!("now"), &json!("function")), "{v}");
     assert_eq!(calls[0]["function"]["arguments"], json!(r#"{"zone":"UTC"}"#), "{v}");
+    assert_eq!(calls[1]["function"]["arguments"], json!(r#"{"zone":"CET"}"#), "{v}");
     assert!(calls[0]["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{v}");
-    // Streamed: the words as content as they come, never the call's text; the call whole at the end.
+    // Streamed: the words as content as they come, never the calls' text; each call whole once written: the
+    // usage in every chunk shows the first went out before the second was written.
     let mut streamed = written;
     streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
     let r = post(ask(streamed)).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let chunks = json_chunks(&r);
-    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let deltas: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"].get(0)).map(|c| &c["delta"]).collect();
     let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
     assert_eq!(content, "Checking. ", "as the whole answer's: {chunks:?}");
-    let pieces: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).map(|c| &c[0]).collect();
-    assert_eq!(pieces.len(), 1, "{chunks:?}");
-    assert_eq!(
-        (&pieces[0]["function"]["name"], &pieces[0]["function"]["arguments"]),
-        (&json!("now"), &calls[0]["function"]["arguments"])
-    );
-    assert_eq!(chunks.last().expect("chunks")["choices"][0]["finish_reason"], "tool_calls");
+    let pieces: Vec<(&Value, &Value)> = chunks
+        .iter()
+        .filter_map(|c| Some((&c["choices"].get(0)?["delta"].get("tool_calls")?[0], &c["usage"]["completion_tokens"])))
+        .collect();
+    assert_eq!(pieces.len(), 2, "{chunks:?}");
+    for (k, (piece, _)) in pieces.iter().enumerate() {
+        assert_eq!(piece["index"], k, "{chunks:?}");
+        assert_eq!(
+            (&piece["function"]["name"], &piece["function"]["arguments"]),
+            (&json!("now"), &calls[k]["function"]["arguments"])
+        );
+        assert!(piece["id"].as_str().is_some_and(|id| id.starts_with("call_")), "{chunks:?}");
+    }
+    let written_by = |k: usize| pieces[k].1.as_u64().expect("usage in every chunk");
+    assert!(written_by(0) < written_by(1), "the first call out before the second was written: {chunks:?}");
+    let finish = chunks.iter().rev().find_map(|c| c["choices"].get(0)).expect("a choice")["finish_reason"].clone();
+    assert_eq!(finish, "tool_calls");
     stop(router, workers).await;
 }
 

@@ -764,7 +764,7 @@ async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrive
 /// A streamed choice's text as the request asks: content, or pieces of its tool calls. A named function's arguments
 /// stream as they come; required calls are an array that is only known to be calls once whole, so their text is
 /// held and each call goes out whole at the end (the text as content if it is not calls, cut short); the model's
-/// own calls (`auto`) go out whole at the end too, the content before them as it comes ([`AutoStream`]).
+/// own calls (`auto`) go out each whole, the content before them as it comes ([`AutoStream`]).
 enum CallStream {
     Text,
     /// A named function's call; `opened` once its first chunk (id and name) has gone.
@@ -776,7 +776,8 @@ enum CallStream {
     Required {
         held: String,
     },
-    Auto(AutoStream),
+    /// The model's own calls, and how many went out.
+    Auto(AutoStream, usize),
 }
 
 impl CallStream {
@@ -785,26 +786,30 @@ impl CallStream {
             None => CallStream::Text,
             Some(CallMode::Named(name)) => CallStream::Named { name: name.clone(), opened: false },
             Some(CallMode::Required) => CallStream::Required { held: String::new() },
-            Some(CallMode::Auto(choosing)) => CallStream::Auto(AutoStream::new(choosing.clone())),
+            Some(CallMode::Auto(choosing)) => CallStream::Auto(AutoStream::new(choosing.clone()), 0),
         }
     }
 
-    /// The chunk for one token's text `s` (`due`: it has text, is the first, or carries log-probabilities).
-    fn token(&mut self, head: &Head, s: &str, due: bool, first: bool, lps: &Value) -> Option<String> {
+    /// The chunks for one token's text `s` (`due`: it has text, is the first, or carries log-probabilities), into
+    /// `out`.
+    fn token(&mut self, head: &Head, s: &str, due: bool, first: bool, lps: &Value, out: &mut Vec<String>) {
         match self {
-            CallStream::Text => due.then(|| head.chunk(Some(s), None, first, lps)),
+            CallStream::Text => out.extend(due.then(|| head.chunk(Some(s), None, first, lps))),
             CallStream::Named { name, opened } => {
                 let opening = !std::mem::replace(opened, true);
-                (due || opening).then(|| head.call_chunk(0, opening.then_some(name.as_str()), s, first, lps))
+                out.extend(
+                    (due || opening).then(|| head.call_chunk(0, opening.then_some(name.as_str()), s, first, lps)),
+                );
             }
             CallStream::Required { held } => {
                 held.push_str(s);
-                (first || !lps.is_null()).then(|| head.chunk(None, None, first, lps))
+                out.extend((first || !lps.is_null()).then(|| head.chunk(None, None, first, lps)));
             }
-            CallStream::Auto(auto) => {
-                let content = auto.push(s);
-                let text = (!content.is_empty()).then_some(content.as_str());
-                (text.is_some() || first || !lps.is_null()).then(|| head.chunk(text, None, first, lps))
+            CallStream::Auto(auto, made) => {
+                let sent = auto.push(s);
+                let text = (!sent.content.is_empty()).then_some(sent.content.as_str());
+                out.extend((text.is_some() || first || !lps.is_null()).then(|| head.chunk(text, None, first, lps)));
+                out.extend(call_chunks(head, made, &sent.calls));
             }
         }
     }
@@ -812,10 +817,6 @@ impl CallStream {
     /// The chunks for the text left at the end (`rest`), and whether the choice made calls.
     fn end(&mut self, head: &Head, rest: &str) -> (Vec<String>, bool) {
         let content = |text: &str| head.chunk(Some(text), None, false, &Value::Null);
-        let calls = |calls: &[(String, String)]| {
-            let each = calls.iter().enumerate();
-            each.map(|(k, (n, a))| head.call_chunk(k, Some(n), a, false, &Value::Null)).collect::<Vec<_>>()
-        };
         match self {
             CallStream::Text => ((!rest.is_empty()).then(|| content(rest)).into_iter().collect(), false),
             CallStream::Named { name, opened } => {
@@ -827,19 +828,28 @@ impl CallStream {
             CallStream::Required { held } => {
                 held.push_str(rest);
                 match tools::calls(&CallMode::Required, held) {
-                    Some(made) => (calls(&made.calls), true),
+                    Some(made) => (call_chunks(head, &mut 0, &made.calls).collect(), true),
                     None if held.is_empty() => (Vec::new(), false),
                     None => (vec![content(held)], false),
                 }
             }
-            CallStream::Auto(auto) => {
-                let (text, made) = auto.end(rest);
-                let mut chunks: Vec<String> = (!text.is_empty()).then(|| content(&text)).into_iter().collect();
-                chunks.extend(calls(&made));
-                (chunks, !made.is_empty())
+            CallStream::Auto(auto, made) => {
+                let sent = auto.end(rest);
+                let mut chunks: Vec<String> =
+                    (!sent.content.is_empty()).then(|| content(&sent.content)).into_iter().collect();
+                chunks.extend(call_chunks(head, made, &sent.calls));
+                (chunks, *made > 0)
             }
         }
     }
+}
+
+/// The chunks of whole `calls`, numbered on from `made` (the calls that went out before), which they add to.
+fn call_chunks<'a>(head: &'a Head, made: &'a mut usize, calls: &'a [tools::Call]) -> impl Iterator<Item = String> + 'a {
+    calls.iter().map(move |(name, arguments)| {
+        *made += 1;
+        head.call_chunk(*made - 1, Some(name), arguments, false, &Value::Null)
+    })
 }
 
 /// A streamed piece of text `s` (the `last`, with whatever was held back) split by the answer's thinking, when it
@@ -870,6 +880,8 @@ async fn stream_choice(
     let head = Head { endpoint: run.checked.endpoint, id, model, index: run.index, ids: run.checked.call_ids, usage };
     let mut first = true;
     let mut calls = CallStream::new(run.checked.tool_calls.as_ref());
+    // A token's chunks, sent as they are made.
+    let mut out = Vec::with_capacity(1);
     let mut thinking = run.checked.thinking.map(|t| (ReasoningStream::new(t.parser), t.shown));
     // The echoed prompt goes first; with log-probabilities, once they come (before the first token).
     if !run.echo_waits()
@@ -921,10 +933,11 @@ async fn stream_choice(
                     (first, lps) = (false, &Value::Null);
                 }
                 let due = !s.is_empty() || first || !lps.is_null();
-                if let Some(json) = calls.token(&head, &s, due, first, lps)
-                    && !send_text(tx, json).await
-                {
-                    return Err(499);
+                calls.token(&head, &s, due, first, lps, &mut out);
+                for json in out.drain(..) {
+                    if !send_text(tx, json).await {
+                        return Err(499);
+                    }
                 }
                 first = false;
                 if run.text.stopped {

@@ -1,6 +1,10 @@
 //! The formats models write tool calls in among their text, by vLLM's `--tool-call-parser` names: parsed out of a
-//! whole answer, and found in a streamed one as it comes. Each call must name one of the request's functions, or
-//! the answer is plain content (a model that writes a call of no tool has not called one).
+//! whole answer, and found in a streamed one as it comes. A call must name one of the request's functions: a model
+//! that writes a call of no tool has not called one. Where each call is marked (Hermes', Qwen3-Coder's, Mistral's,
+//! Gemma 4's), the calls are those read one after the other from the first marker up to the first that is not a
+//! call, which ends them as text after the last call does; none read, the answer is all content. A streamed answer
+//! gets each call once it is whole, and the same calls as the whole answer. Where the whole answer is the calls
+//! (Llama 3's JSON, pythonic), one that is not a call makes it all content.
 
 use serde_json::Value;
 
@@ -88,20 +92,55 @@ pub(super) enum Scan {
 
 impl ToolParser {
     /// The calls `text` makes of `functions`, with the text before them as content (none when it is only
-    /// whitespace; text after the last call is left out, as vLLM's parsers leave it); `None` when it makes no call,
-    /// or writes one that is not a call of one of them (then it is all content).
+    /// whitespace; text after the last call is left out, as vLLM's parsers leave it); `None` when it makes no call
+    /// (then it is all content).
     pub fn parse(self, text: &str, functions: &[Function]) -> Option<Made> {
         let at = self.opening(text)?;
         let calls = match self {
-            ToolParser::Hermes => hermes(&text[at..], functions),
             ToolParser::Llama3Json => llama3_json(&text[at..], functions),
-            ToolParser::Mistral => mistral(&text[at..], functions),
             ToolParser::Pythonic => pythonic_calls(&text[at..], functions),
-            ToolParser::Qwen3Coder => qwen3_coder(&text[at..], functions),
-            ToolParser::Gemma4 => gemma4_calls(&text[at..], functions),
+            _ => {
+                let mut rest = &text[at..];
+                let mut calls = Vec::new();
+                while let Some((made, used)) = self.next_calls(rest, functions, true) {
+                    calls.extend(made);
+                    rest = &rest[used..];
+                }
+                (!calls.is_empty()).then_some(calls)
+            }
         }?;
         let content = &text[..at];
         Some(Made { content: (!content.trim().is_empty()).then(|| content.to_string()), calls })
+    }
+
+    /// Whether `piece`, added to a streamed answer, may have made a marked call whole: it holds the last character
+    /// of what ends one.
+    pub(super) fn may_close(self, piece: &str) -> bool {
+        match self {
+            ToolParser::Hermes | ToolParser::Qwen3Coder | ToolParser::Gemma4 => piece.contains('>'),
+            ToolParser::Mistral => piece.contains(['}', ']']),
+            ToolParser::Llama3Json | ToolParser::Pythonic => false,
+        }
+    }
+
+    /// The marked call that `rest` starts with (after whitespace; with Mistral's older format, the array of calls)
+    /// once it is whole, and how much of `rest` it takes; `None` when it is not a call of `functions`, or not yet
+    /// whole. `end`: `rest` is all there is, and a last block cut short stands when what came of it is whole. A
+    /// call read before the end is read the same at the end, whatever follows it.
+    pub(super) fn next_calls(self, rest: &str, functions: &[Function], end: bool) -> Option<(Vec<Call>, usize)> {
+        let skipped = rest.len() - rest.trim_start().len();
+        let (calls, tail) = match self {
+            ToolParser::Hermes => block(&rest[skipped..], end, |body| hermes(body, functions))?,
+            ToolParser::Qwen3Coder => block(&rest[skipped..], end, |body| qwen3_coder(body, functions))?,
+            ToolParser::Mistral => mistral(&rest[skipped..], functions)?,
+            ToolParser::Gemma4 => {
+                let (name, arguments, used) = gemma4::call(&rest[skipped..], end)?;
+                let name = known(functions, &name)?.name.clone();
+                (vec![(name, arguments.to_string())], &rest[skipped + used..])
+            }
+            ToolParser::Llama3Json | ToolParser::Pythonic => return None,
+        };
+        Some((calls, rest.len() - tail.len()))
     }
 
     /// Whether the answer must keep its control tokens' text for calls to be found (Mistral's and Gemma 4's
@@ -172,7 +211,7 @@ fn known<'f>(functions: &'f [Function], name: &str) -> Option<&'f Function> {
 
 /// A call object's function (one of `functions`) and its arguments as JSON text, from the first of `keys` present
 /// (given as text, taken as it is; absent or null, `{}`).
-fn call_of(call: &Value, functions: &[Function], keys: &[&str]) -> Option<(String, String)> {
+fn call_of(call: &Value, functions: &[Function], keys: &[&str]) -> Option<Call> {
     let name = call.get("name")?.as_str().filter(|n| known(functions, n).is_some())?;
     let arguments = match keys.iter().find_map(|k| call.get(*k)) {
         None | Some(Value::Null) => "{}".to_string(),
@@ -189,46 +228,47 @@ fn json_prefix(s: &str) -> Option<(Value, &str)> {
     Some((value, &s[values.byte_offset()..]))
 }
 
-fn hermes(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
-    blocks(text, |body| call_of(&serde_json::from_str(body).ok()?, functions, &["arguments"]))
+/// A call by name and arguments as JSON text.
+pub type Call = (String, String);
+
+/// The Hermes block `text` opens with, read by `call`, and the text after it; a block not closed stands at the `end`
+/// only.
+fn block(text: &str, end: bool, call: impl FnOnce(&str) -> Option<Call>) -> Option<(Vec<Call>, &str)> {
+    let open = text.strip_prefix(OPEN)?;
+    let (body, after) = match open.find(CLOSE) {
+        Some(at) => (&open[..at], &open[at + CLOSE.len()..]),
+        None if end => (open, ""),
+        None => return None,
+    };
+    Some((vec![call(body.trim())?], after))
 }
 
-/// Hermes' blocks (a block cut short stands when what came of it is whole), each read by `call`.
-fn blocks(mut rest: &str, mut call: impl FnMut(&str) -> Option<(String, String)>) -> Option<Vec<(String, String)>> {
-    let mut calls = Vec::new();
-    while let Some(open) = rest.strip_prefix(OPEN) {
-        let (body, after) = match open.find(CLOSE) {
-            Some(end) => (&open[..end], &open[end + CLOSE.len()..]),
-            None => (open, ""),
-        };
-        calls.push(call(body.trim())?);
-        rest = after.trim_start();
-    }
-    Some(calls)
+/// A Hermes block's body: a JSON object with the name and `arguments`.
+fn hermes(body: &str, functions: &[Function]) -> Option<Call> {
+    call_of(&serde_json::from_str(body).ok()?, functions, &["arguments"])
 }
 
-fn qwen3_coder(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
-    blocks(text, |body| {
-        let (name, mut rest) = body.strip_prefix("<function=")?.split_once('>')?;
-        let function = known(functions, name.trim())?;
-        let mut arguments = serde_json::Map::new();
-        loop {
-            rest = rest.trim_start();
-            if let Some(after) = rest.strip_prefix("</function>") {
-                return after.trim().is_empty().then(|| (function.name.clone(), Value::Object(arguments).to_string()));
-            }
-            let (key, tail) = rest.strip_prefix("<parameter=")?.split_once('>')?;
-            let (raw, tail) = tail.split_once("</parameter>")?;
-            // The value sits on lines of its own.
-            let raw = raw.strip_prefix('\n').unwrap_or(raw);
-            let raw = raw.strip_suffix('\n').unwrap_or(raw);
-            let key = key.trim();
-            if arguments.insert(key.to_string(), typed(raw, function.param_type(key))).is_some() {
-                return None;
-            }
-            rest = tail;
+/// A Qwen3-Coder block's body: the function and its parameters in XML.
+fn qwen3_coder(body: &str, functions: &[Function]) -> Option<Call> {
+    let (name, mut rest) = body.strip_prefix("<function=")?.split_once('>')?;
+    let function = known(functions, name.trim())?;
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("</function>") {
+            return after.trim().is_empty().then(|| (function.name.clone(), Value::Object(arguments).to_string()));
         }
-    })
+        let (key, tail) = rest.strip_prefix("<parameter=")?.split_once('>')?;
+        let (raw, tail) = tail.split_once("</parameter>")?;
+        // The value sits on lines of its own.
+        let raw = raw.strip_prefix('\n').unwrap_or(raw);
+        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+        let key = key.trim();
+        if arguments.insert(key.to_string(), typed(raw, function.param_type(key))).is_some() {
+            return None;
+        }
+        rest = tail;
+    }
 }
 
 /// A parameter's text as the type its schema gives (`kind`: a type name, or a list of them beside `null`): text as
@@ -262,15 +302,7 @@ fn typed(raw: &str, kind: Option<&Value>) -> Value {
     }
 }
 
-fn gemma4_calls(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
-    let calls = gemma4::calls(text)?;
-    calls
-        .into_iter()
-        .map(|(name, arguments)| Some((known(functions, &name)?.name.clone(), arguments.to_string())))
-        .collect()
-}
-
-fn llama3_json(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
+fn llama3_json(text: &str, functions: &[Function]) -> Option<Vec<Call>> {
     let start = text.trim_start();
     let mut rest = start.strip_prefix(PYTHON_TAG).unwrap_or(start).trim_start();
     let mut calls = Vec::new();
@@ -285,45 +317,36 @@ fn llama3_json(text: &str, functions: &[Function]) -> Option<Vec<(String, String
     }
 }
 
-fn mistral(mut rest: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
-    let mut calls = Vec::new();
-    while let Some(after) = rest.strip_prefix(TOOL_CALLS) {
-        let after = after.trim_start();
-        let tail = if after.starts_with(['[', '{']) {
-            // Before v11: an array of call objects (or one).
-            let (value, tail) = json_prefix(after)?;
-            match value {
-                Value::Array(items) => {
-                    for item in &items {
-                        calls.push(call_of(item, functions, &["arguments"])?);
-                    }
-                }
-                call @ Value::Object(_) => calls.push(call_of(&call, functions, &["arguments"])?),
-                _ => return None,
-            }
-            tail
-        } else {
-            // v11 on: `name`, then `[CALL_ID]id` and `[ARGS]` or neither, then the arguments' object.
-            let end = after.find(['{', '['])?;
-            let name = after[..end].trim();
-            let mut tail = &after[end..];
-            if let Some(id) = tail.strip_prefix(CALL_ID) {
-                tail = &id[id.find(['{', '['])?..];
-            }
-            tail = tail.strip_prefix(ARGS).unwrap_or(tail).trim_start();
-            let (arguments, after) = json_prefix(tail)?;
-            if !arguments.is_object() || known(functions, name).is_none() {
-                return None;
-            }
-            calls.push((name.to_string(), arguments.to_string()));
-            after
-        };
-        rest = tail.trim_start();
+/// The Mistral call `text` opens with (before v11, the array of calls, each a call or none is), and the text after
+/// it. Its JSON ends it, so it is whole or not whatever follows.
+fn mistral<'t>(text: &'t str, functions: &[Function]) -> Option<(Vec<Call>, &'t str)> {
+    let after = text.strip_prefix(TOOL_CALLS)?.trim_start();
+    if after.starts_with(['[', '{']) {
+        // Before v11: an array of call objects (or one).
+        let (value, tail) = json_prefix(after)?;
+        let calls = match value {
+            Value::Array(items) => items.iter().map(|item| call_of(item, functions, &["arguments"])).collect(),
+            call @ Value::Object(_) => call_of(&call, functions, &["arguments"]).map(|c| vec![c]),
+            _ => None,
+        }?;
+        return Some((calls, tail));
     }
-    Some(calls)
+    // v11 on: `name`, then `[CALL_ID]id` and `[ARGS]` or neither, then the arguments' object.
+    let end = after.find(['{', '['])?;
+    let name = after[..end].trim();
+    let mut tail = &after[end..];
+    if let Some(id) = tail.strip_prefix(CALL_ID) {
+        tail = &id[id.find(['{', '['])?..];
+    }
+    tail = tail.strip_prefix(ARGS).unwrap_or(tail).trim_start();
+    let (arguments, after) = json_prefix(tail)?;
+    if !arguments.is_object() || known(functions, name).is_none() {
+        return None;
+    }
+    Some((vec![(name.to_string(), arguments.to_string())], after))
 }
 
-fn pythonic_calls(text: &str, functions: &[Function]) -> Option<Vec<(String, String)>> {
+fn pythonic_calls(text: &str, functions: &[Function]) -> Option<Vec<Call>> {
     let start = text.trim_start();
     let inner = start.strip_prefix(PYTHON_START).unwrap_or(start);
     let (calls, rest) = pythonic::calls(inner)?;
@@ -376,6 +399,9 @@ mod tests {
         assert_eq!((bare.content, bare.calls), (None, calls(&[("now", "{}")])), "arguments given as text");
         // Cut short after a whole call's JSON: still that call.
         assert_eq!(parse(r#"<tool_call>{"name": "now", "arguments": {}}"#).map(|m| m.calls.len()), Some(1));
+        // A block that is not a call ends the calls, as text after them does.
+        let then_not = r#"<tool_call>{"name": "now"}</tool_call><tool_call>{"name": "rain"}</tool_call><tool_call>{"name": "now"}</tool_call>"#;
+        assert_eq!(parse(then_not).expect("a call").calls, calls(&[("now", "{}")]));
         for not_calls in [
             "No tools needed.",
             r#"<tool_call>{"name": "rain", "arguments": {}}</tool_call>"#,
@@ -418,9 +444,12 @@ mod tests {
         let made = parse(new).expect("calls");
         assert_eq!(made.content, None);
         assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}"), ("now", r#"{"tz":"UTC"}"#)]));
+        let then_not = r#"[TOOL_CALLS]now{}[TOOL_CALLS]rain{}[TOOL_CALLS]now{}"#;
+        assert_eq!(parse(then_not).expect("a call").calls, calls(&[("now", "{}")]), "the calls before one that is not");
         for not_calls in [
             "No calls here.",
             r#"[TOOL_CALLS]rain{}"#,
+            r#"[TOOL_CALLS] [{"name": "now", "arguments": {}}, {"name": "rain", "arguments": {}}]"#,
             r#"[TOOL_CALLS]now"#,
             r#"[TOOL_CALLS]now["list"]"#,
             r#"[TOOL_CALLS] [{"name": "now", "arguments": {}"#,

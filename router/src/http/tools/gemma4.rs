@@ -14,34 +14,30 @@ const QUOTE: &str = "<|\"|>";
 /// Objects and lists deeper than this are refused (a model's answer cannot run the stack out).
 const MAX_DEPTH: usize = 128;
 
-/// The calls of `text` (which starts with the first [`OPEN`]) by name and arguments; `None` when a block is not one
-/// call (a last block cut short stands when its arguments are whole). Text after the last call is left out.
-pub fn calls(text: &str) -> Option<Vec<(String, Value)>> {
+/// The call `text` opens with (at its [`OPEN`]) by name and arguments, and how much of `text` it takes; `None` when
+/// it is not one call, or not closed: at the `end`, a call cut short stands when its arguments are whole.
+pub fn call(text: &str, end: bool) -> Option<(String, Value, usize)> {
     let mut r = Reader { s: text, pos: 0, depth: 0 };
-    let mut calls = Vec::new();
-    while r.eat(OPEN) {
-        r.space();
-        if !r.eat("call:") {
-            return None;
-        }
-        let name_len = r.rest().find('{')?;
-        let name = r.rest()[..name_len].trim().to_string();
-        if name.is_empty() {
-            return None;
-        }
-        r.pos += name_len;
-        let arguments = r.value()?;
-        if !arguments.is_object() {
-            return None;
-        }
-        calls.push((name, arguments));
-        r.space();
-        if !r.eat(CLOSE) && !r.rest().is_empty() {
-            return None;
-        }
-        r.space();
+    if !r.eat(OPEN) {
+        return None;
     }
-    Some(calls)
+    r.space();
+    if !r.eat("call:") {
+        return None;
+    }
+    let name_len = r.rest().find('{')?;
+    let name = r.rest()[..name_len].trim().to_string();
+    if name.is_empty() {
+        return None;
+    }
+    r.pos += name_len;
+    let arguments = r.value()?;
+    if !arguments.is_object() {
+        return None;
+    }
+    r.space();
+    let closed = r.eat(CLOSE) || (end && r.rest().is_empty());
+    closed.then_some((name, arguments, r.pos))
 }
 
 struct Reader<'a> {
@@ -162,6 +158,16 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The calls of a whole answer, one after the other, up to the first that is not one.
+    fn calls(mut text: &str) -> Vec<(String, Value)> {
+        let mut calls = Vec::new();
+        while let Some((name, arguments, used)) = call(text, true) {
+            calls.push((name, arguments));
+            text = text[used..].trim_start();
+        }
+        calls
+    }
+
     #[test]
     fn calls_read_as_gemma_4_writes_them() {
         let text = "<|tool_call>call:get_weather{city:<|\"|>Paris, France<|\"|>,days:3,metric:true,\
@@ -169,17 +175,21 @@ mod tests {
                     <|tool_call>call:now{}<tool_call|> and after";
         assert_eq!(
             calls(text),
-            Some(vec![
+            vec![
                 (
                     "get_weather".into(),
                     json!({"city": "Paris, France", "days": 3, "metric": true,
                            "window": {"from": "mon", "to": null}, "tags": ["a", 2.5, "warm"]})
                 ),
                 ("now".into(), json!({})),
-            ])
+            ]
         );
         // The last call cut short stands when its arguments are whole; keys may be marked too.
-        assert_eq!(calls("<|tool_call>call:f{<|\"|>k<|\"|>:1}"), Some(vec![("f".into(), json!({"k": 1}))]));
+        assert_eq!(calls("<|tool_call>call:f{<|\"|>k<|\"|>:1}"), vec![("f".into(), json!({"k": 1}))]);
+        // Before the end, a call is one once closed, and takes the text up to its close.
+        let closed = "<|tool_call>call:f{}<tool_call|>";
+        assert_eq!(call("<|tool_call>call:f{}", false), None);
+        assert_eq!(call(&format!("{closed} more"), false), Some(("f".into(), json!({}), closed.len())));
         for bad in [
             "<|tool_call>get{}<tool_call|>",
             "<|tool_call>call:{a:1}<tool_call|>",
@@ -187,9 +197,9 @@ mod tests {
             "<|tool_call>call:f{a:<|\"|>open}<tool_call|>",
             "<|tool_call>call:f{a:1} trailing",
         ] {
-            assert_eq!(calls(bad), None, "{bad}");
+            assert_eq!(call(bad, true), None, "{bad}");
         }
         let deep = format!("<|tool_call>call:f{{a:{}1{}}}", "[".repeat(200), "]".repeat(200));
-        assert_eq!(calls(&deep), None, "nesting is bounded");
+        assert_eq!(call(&deep, true), None, "nesting is bounded");
     }
 }

@@ -15,7 +15,7 @@ mod gemma4;
 mod pythonic;
 
 use formats::Scan;
-pub use formats::ToolParser;
+pub use formats::{Call, ToolParser};
 
 /// Longest function name OpenAI accepts.
 const MAX_NAME: usize = 64;
@@ -248,9 +248,11 @@ pub fn calls(mode: &CallMode, text: &str) -> Option<Made> {
     }
 }
 
-/// A streamed answer's text as content up to its first call of the model's own (`auto`), then held: content goes out
-/// as it comes, but for an end that may open a call; from a call's opening on, everything waits for the end, when
-/// it is parsed into calls (or, if it is not calls, sent as content).
+/// A streamed answer's text as content up to its first call of the model's own (`auto`), then its calls: content goes
+/// out as it comes, but for an end that may open a call; from a call's opening on, the text is held, and each call
+/// goes out once it is whole where the format marks each one ([`ToolParser`]), or all at the end where the whole
+/// answer is the calls. At the end, whatever was held and is not calls is content. What goes out is the whole
+/// answer's content and calls.
 #[derive(Debug)]
 pub struct AutoStream {
     choosing: Choosing,
@@ -260,42 +262,75 @@ pub struct AutoStream {
     sent: usize,
     /// Whether a call opened (at `sent`).
     held: bool,
+    /// Where the calls read so far end.
+    read: usize,
+    /// How many calls went out.
+    calls: usize,
+}
+
+/// What goes out for a piece of a streamed answer: its content, and the calls it made whole.
+#[derive(Debug, Default, PartialEq)]
+pub struct Sent {
+    pub content: String,
+    pub calls: Vec<Call>,
 }
 
 impl AutoStream {
     pub fn new(choosing: Choosing) -> AutoStream {
-        AutoStream { choosing, text: String::new(), sent: 0, held: false }
+        AutoStream { choosing, text: String::new(), sent: 0, held: false, read: 0, calls: 0 }
     }
 
-    /// The content to send now for the next piece of text `s`.
-    pub fn push(&mut self, s: &str) -> String {
+    /// What to send now for the next piece of text `s`.
+    pub fn push(&mut self, s: &str) -> Sent {
         self.text.push_str(s);
+        let parser = self.choosing.parser;
         if self.held {
-            return String::new();
+            let calls = if parser.may_close(s) { self.whole_calls() } else { Vec::new() };
+            return Sent { content: String::new(), calls };
         }
-        let to = match self.choosing.parser.scan(&self.text, self.sent) {
+        let to = match parser.scan(&self.text, self.sent) {
             Scan::Opens(at) => {
-                self.held = true;
+                (self.held, self.read) = (true, at);
                 at
             }
             Scan::ClearTo(at) => at,
         };
         let content = self.text[self.sent..to].to_string();
         self.sent = to;
-        content
+        // The piece that opens a call may close it too.
+        let calls = if self.held { self.whole_calls() } else { Vec::new() };
+        Sent { content, calls }
     }
 
-    /// At the end: the content still to send, and the calls made (none: whatever was held is that content).
-    pub fn end(&mut self, rest: &str) -> (String, Vec<(String, String)>) {
-        let mut content = self.push(rest);
-        if self.held
-            && let Some(made) = self.choosing.parse(&self.text)
-        {
-            return (content, made.calls);
+    /// At the end, with the last piece `rest`: the content still to send (whatever was held, when it made no calls)
+    /// and the calls not yet sent.
+    pub fn end(&mut self, rest: &str) -> Sent {
+        let mut sent = self.push(rest);
+        match self.held.then(|| self.choosing.parse(&self.text)).flatten() {
+            Some(made) => sent.calls.extend(made.calls.into_iter().skip(self.calls)),
+            // Calls that went out were the whole answer's: it makes some.
+            None if self.calls > 0 => {}
+            // Held back as the start of a marker, or opening what is no call.
+            None => sent.content.push_str(&self.text[self.sent..]),
         }
-        content.push_str(&self.text[self.sent..]);
         self.sent = self.text.len();
-        (content, Vec::new())
+        sent
+    }
+
+    /// The marked calls that are whole since the last read, as many as may still go out.
+    fn whole_calls(&mut self) -> Vec<Call> {
+        let mut out = Vec::new();
+        let most = if self.choosing.parallel { usize::MAX } else { 1 };
+        while self.calls + out.len() < most
+            && let Some((calls, used)) =
+                self.choosing.parser.next_calls(&self.text[self.read..], &self.choosing.functions, false)
+        {
+            self.read += used;
+            out.extend(calls);
+        }
+        out.truncate(most.saturating_sub(self.calls));
+        self.calls += out.len();
+        out
     }
 }
 
@@ -480,8 +515,8 @@ pub(super) mod tests {
         assert_eq!(ids[5], CallIds::Mistral.id("chatcmpl-00ab", 1, 1), "the same call, the same id");
     }
 
-    /// Streamed, content goes out as it comes up to a call's opening, which is held with everything after it; the
-    /// pieces add up to the whole answer's content and calls, however the text is cut.
+    /// Streamed, content goes out as it comes up to a call's opening, which is held with everything after it until
+    /// the call is whole; the pieces add up to the whole answer's content and calls, however the text is cut.
     #[test]
     fn streamed_content_stops_at_a_call_and_the_calls_come_at_the_end() {
         let functions = known(&["now"]);
@@ -490,21 +525,47 @@ pub(super) mod tests {
             let mut s =
                 AutoStream::new(Choosing { parser: ToolParser::Hermes, functions: functions.clone(), parallel: true });
             let mut content = String::new();
+            let mut calls = Vec::new();
             let chars: Vec<char> = text.chars().collect();
             for piece in chars.chunks(cut) {
                 let sent = s.push(&piece.iter().collect::<String>());
-                content.push_str(&sent);
+                content.push_str(&sent.content);
+                calls.extend(sent.calls);
             }
-            let (rest, calls) = s.end("");
-            content.push_str(&rest);
+            assert_eq!(calls, vec![("now".into(), "{}".into())], "cut {cut}: out once closed");
+            assert_eq!(s.end(""), Sent::default(), "cut {cut}");
             assert_eq!(content, "Sure <tool> tag? ", "cut {cut}");
-            assert_eq!(calls, vec![("now".into(), "{}".into())], "cut {cut}");
         }
         // Not a call after all: the held text is content.
         let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, functions, parallel: true });
-        assert_eq!(s.push("a <tool_"), "a ");
-        assert_eq!(s.push("call>oops"), "");
-        assert_eq!(s.end(" end"), ("<tool_call>oops end".to_string(), vec![]));
+        assert_eq!(s.push("a <tool_").content, "a ");
+        assert_eq!(s.push("call>oops"), Sent::default());
+        assert_eq!(s.end(" end"), Sent { content: "<tool_call>oops end".to_string(), calls: vec![] });
+    }
+
+    /// Each marked call goes out once it is whole, the first before the second is written; a call of no tool ends
+    /// the calls; without parallel calls, the first only.
+    #[test]
+    fn marked_calls_go_out_one_by_one() {
+        let call =
+            |zone: &str| format!(r#"<tool_call>{{"name": "now", "arguments": {{"zone": "{zone}"}}}}</tool_call>"#);
+        let made = |zone: &str| ("now".to_string(), format!(r#"{{"zone":"{zone}"}}"#));
+        for parallel in [true, false] {
+            let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, functions: known(&["now"]), parallel });
+            assert_eq!(s.push("Checking. "), Sent { content: "Checking. ".into(), calls: vec![] });
+            assert_eq!(s.push(&call("UTC")[..20]), Sent::default(), "not whole yet");
+            assert_eq!(s.push(&call("UTC")[20..]).calls, vec![made("UTC")]);
+            assert_eq!(s.push(&format!("\n{}", call("CET"))).calls, if parallel { vec![made("CET")] } else { vec![] });
+            assert_eq!(s.push(r#"<tool_call>{"name": "rain"}</tool_call>"#), Sent::default(), "not a call");
+            assert_eq!(s.push(&call("EST")), Sent::default(), "after one that is not a call");
+            assert_eq!(s.end(" Done."), Sent::default(), "what follows the calls is left out");
+        }
+        // Mistral's calls are whole when their JSON is.
+        let mut s =
+            AutoStream::new(Choosing { parser: ToolParser::Mistral, functions: known(&["now"]), parallel: true });
+        assert_eq!(s.push("[TOOL_CALLS]now{\"a\": {\"b\": 1}").calls, vec![]);
+        assert_eq!(s.push("}[TOOL_CALLS]no").calls, vec![("now".to_string(), r#"{"a":{"b":1}}"#.to_string())]);
+        assert_eq!(s.end("w{}").calls, vec![("now".to_string(), "{}".to_string())], "cut short at the end");
     }
 
     /// Each format's calls of the known function, whole, with its markers.
@@ -538,13 +599,14 @@ pub(super) mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
         /// However a text of words, calls, partial markers and JSON is cut into streamed pieces, in any format, the
-        /// content sent and the calls made at the end are the whole answer's: the text before its first call and its
-        /// calls when it makes them, all of it as content when it does not.
+        /// content sent and the calls made as it comes and at the end are the whole answer's: the text before its
+        /// first call and its calls when it makes them, all of it as content when it does not.
         #[test]
         fn a_streamed_answer_is_the_whole_one(
             format in 0usize..PIECES.len(),
             lead in proptest::collection::vec(0usize..LEAD.len(), 0..3),
             whole in proptest::bool::ANY,
+            parallel in proptest::bool::ANY,
             parts in proptest::collection::vec(0usize..10, 0..12),
             cuts in proptest::collection::vec(1usize..6, 1..40),
         ) {
@@ -554,20 +616,23 @@ pub(super) mod tests {
                 text.push_str(CALLS[format]);
             }
             text.extend(parts.iter().map(|&i| pieces[i]));
-            let choosing = Choosing { parser, functions: known(&["now"]), parallel: true };
+            let choosing = Choosing { parser, functions: known(&["now"]), parallel };
             let mut stream = AutoStream::new(choosing.clone());
             let chars: Vec<char> = text.chars().collect();
-            let (mut content, mut at) = (String::new(), 0);
+            let (mut content, mut calls, mut at) = (String::new(), Vec::new(), 0);
             for cut in cuts.iter().cycle() {
                 if at >= chars.len() {
                     break;
                 }
                 let end = (at + cut).min(chars.len());
-                content.push_str(&stream.push(&chars[at..end].iter().collect::<String>()));
+                let sent = stream.push(&chars[at..end].iter().collect::<String>());
+                content.push_str(&sent.content);
+                calls.extend(sent.calls);
                 at = end;
             }
-            let (rest, calls) = stream.end("");
-            content.push_str(&rest);
+            let last = stream.end("");
+            content.push_str(&last.content);
+            calls.extend(last.calls);
             match choosing.parse(&text) {
                 Some(made) => {
                     let opening = parser.opening(&text).expect("a call opens");
