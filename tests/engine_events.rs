@@ -275,14 +275,27 @@ async fn data_parallel(engine: &str, kind: EngineKind, block: usize, bytes: bool
     router.shutdown(Duration::from_secs(1)).await;
 
     // Ports configured one too high: rank 0 is followed on rank 1's ports, whose batches say rank 1, so nothing is
-    // taken for rank 0 (rather than rank 1's cache taken for rank 0's).
+    // taken for rank 0 (rather than rank 1's cache taken for rank 0's), and the metrics say why.
     let shifted = |endpoint: &str| {
         let (host, port) = endpoint.rsplit_once(':').expect("a port");
         format!("{host}:{}", port.parse::<u16>().expect("a port") + 1)
     };
     let router = two_ranks(&ca, &url, kind, &shifted(&publisher.events), &shifted(&publisher.replay)).await;
     publisher.store_with(&tokens_b[..nb], block, 9_000, None, bytes, json!({"rank": 1}));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let refused =
+        format!("tandem_router_worker_event_batches_refused_total{{worker=\"{url}#dp0\",reason=\"other_rank\"}}");
+    let started = Instant::now();
+    loop {
+        let metrics = http(router.addr, "GET", "/metrics", "", &[]).await.body;
+        if metrics.lines().any(|l| l.starts_with(&refused)) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "rank 1's batch is refused on rank 0's follower:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let body = json!({"model": "smollm2-135m-instruct", "prompt": &b, "max_tokens": 1}).to_string();
     let v = http(router.addr, "POST", "/debug/route", &body, &[]).await.json();
     let candidates = v["decode"]["candidates"].as_array().expect("candidates").clone();

@@ -186,6 +186,8 @@ struct State {
     breakers: HashMap<WorkerId, Breaker>,
     /// When each worker's signals last arrived: (load report, KV event batch or heartbeat).
     heard: HashMap<WorkerId, (Option<Instant>, Option<Instant>)>,
+    /// KV event batches of external workers left unapplied, by why ([`Refused`]).
+    refused: HashMap<WorkerId, [u64; Refused::ALL.len()]>,
     /// What each external worker is predicted to hold.
     predicted: HashMap<WorkerId, Predicted>,
     /// Each Tandem worker's engine progress, from its load reports.
@@ -205,6 +207,26 @@ impl State {
 
     fn stall_signal(&mut self, id: WorkerId) -> &watch::Sender<bool> {
         self.stall_signals.entry(id).or_insert_with(|| watch::channel(false).0)
+    }
+}
+
+/// Why a KV event batch of an external worker was not applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// It could not be decoded.
+    Unreadable,
+    /// Another data-parallel rank published it: the rank's event ports are configured wrong.
+    OtherRank,
+}
+
+impl Refused {
+    pub const ALL: [Refused; 2] = [Refused::Unreadable, Refused::OtherRank];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refused::Unreadable => "unreadable",
+            Refused::OtherRank => "other_rank",
+        }
     }
 }
 
@@ -408,6 +430,16 @@ impl Cluster {
         true
     }
 
+    /// A KV event batch of external worker `id` was left unapplied.
+    pub(crate) fn refused_batch(&self, id: WorkerId, why: Refused) {
+        self.lock().refused.entry(id).or_default()[why as usize] += 1;
+    }
+
+    /// The KV event batches of `worker` left unapplied, by why (in [`Refused::ALL`]'s order).
+    pub fn refused_batches(&self, worker: WorkerId) -> [u64; Refused::ALL.len()] {
+        self.lock().refused.get(&worker).copied().unwrap_or_default()
+    }
+
     /// A prompt with these blocks was sent to external worker `id`: they are predicted there from now on.
     pub fn predict(&self, id: WorkerId, blocks: &[(SeqHash, kv_cache::LocalHash)], now: Instant) {
         let mut s = self.lock();
@@ -451,6 +483,7 @@ impl Cluster {
         s.load.forget(id);
         s.heard.remove(&id);
         s.predicted.remove(&id);
+        s.refused.remove(&id);
     }
 
     /// Addresses being followed (once each, however many ranks a server has).

@@ -224,6 +224,21 @@ pub fn render(state: &RouterState) -> String {
         "Blocks the router's index holds for each worker, per tier: the cache it can route to there.",
         &indexed,
     );
+    let refused: Vec<(String, f64)> = members
+        .iter()
+        .flat_map(|(id, mem)| {
+            let counts = state.cluster.refused_batches(*id);
+            crate::cluster::Refused::ALL
+                .map(|why| (labels(&[("worker", &mem.name), ("reason", why.as_str())]), counts[why as usize] as f64))
+        })
+        .filter(|(_, n)| *n > 0.0)
+        .collect();
+    e.counter(
+        "tandem_router_worker_event_batches_refused_total",
+        "KV event batches of an external worker not applied, by reason: unreadable, or published by another \
+         data-parallel rank (its event ports are configured wrong).",
+        &refused,
+    );
     e.gauge(
         "tandem_router_worker_signal_age_seconds",
         "Seconds since each worker's last load report (signal=load) and last KV event batch or heartbeat (signal=events).",

@@ -21,7 +21,7 @@ use tokio::sync::watch;
 
 use self::chain::EngineBlocks;
 use self::zmtp::{Connection, SocketType};
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, Refused};
 use crate::scheduler::view::WorkerId;
 
 /// Where an engine publishes its KV events.
@@ -179,6 +179,7 @@ impl Follower<'_> {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(worker = ?self.id, seq, error = %e, "an unreadable KV event batch");
+                self.cluster.refused_batch(self.id, Refused::Unreadable);
                 return self.reset("an unreadable batch");
             }
         };
@@ -186,6 +187,7 @@ impl Follower<'_> {
             && got != i64::from(want)
         {
             // The configured ports are not this rank's (another rank's cache would be taken for this one's).
+            self.cluster.refused_batch(self.id, Refused::OtherRank);
             if !std::mem::replace(&mut self.misranked, true) {
                 tracing::warn!(worker = ?self.id, endpoint = %self.source.endpoint, want, got,
                     "KV events of another data-parallel rank on this rank's port; not applied (check the endpoints)");
