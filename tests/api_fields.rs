@@ -666,6 +666,10 @@ async fn vllms_text_and_template_fields_through_the_router() {
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}});
     let r = http(router.addr, "POST", "/tokenize", &body.to_string(), &[]).await;
     assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("chat_template_kwargs")), "{}", r.body);
+    // vLLM's `documents` go to a template that reads them (engine/tests/llamacpp_templates.rs renders those);
+    // SmolLM2's does not, so they are refused by name rather than dropped.
+    let r = api.send(json!({"documents": [{"title": "Tides", "text": "The sea rises twice a day."}]})).await;
+    assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("documents")), "{}", r.body);
     // Rules that leave no token possible, on a worker that computes the whole request (the generate path; the
     // penalties test sees it at a prefill worker): a 400 that says so.
     let tokenizer = engine::text::TextModel::open(&model()).expect("model");

@@ -110,7 +110,7 @@ fn cases() -> Vec<Case> {
         Case {
             what: "two calls and their results",
             messages: vec![m("user", "Weather in Paris and Oslo?"), two_calls, answer, second],
-            tools: vec![weather],
+            tools: vec![weather.clone()],
             add_generation_prompt: true,
             arguments: Default::default(),
         },
@@ -134,6 +134,17 @@ fn cases() -> Vec<Case> {
             tools: vec![],
             add_generation_prompt: true,
             arguments: serde_json::Map::from_iter([("reasoning_effort".to_string(), json!("high"))]),
+        },
+        Case {
+            // With a tool: Cohere's templates read documents beside tools, which they iterate (None in Python).
+            what: "documents for retrieval (vLLM's documents, which the router gives a template that reads them)",
+            messages: vec![m("user", "When does the tide come in?")],
+            tools: vec![weather],
+            add_generation_prompt: true,
+            arguments: serde_json::Map::from_iter([(
+                "documents".to_string(),
+                json!([{"title": "Tides", "text": "The sea rises twice a day."}, {"title": "Moon", "text": "Its pull."}]),
+            )]),
         },
     ]
 }
@@ -173,6 +184,10 @@ fn real_templates_render_as_transformers_renders_them() {
     let effort: Vec<&str> =
         ours.iter().filter(|(_, what, _)| what.starts_with("a reasoning effort")).map(|(n, ..)| n.as_str()).collect();
     assert!(effort.len() >= 6, "templates reading reasoning_effort: {effort:?}");
+    // Command R7B's, Cohere's MoE and Granite 3.3's, 4.0's and 4.1's read documents.
+    let documents: Vec<&str> =
+        ours.iter().filter(|(_, what, _)| what.starts_with("documents")).map(|(n, ..)| n.as_str()).collect();
+    assert!(documents.len() >= 5, "templates reading documents: {documents:?}");
     let mut differ = Vec::new();
     let (mut rendered, mut lenient) = (0, 0);
     for ((name, what, ours), theirs) in ours.iter().zip(&reference) {

@@ -70,16 +70,22 @@ pub fn render_chat(
 
 /// A chat request's `chat_template_kwargs` as its template gets them. Under the `qwen3` reasoning parser the router
 /// reads `enable_thinking` itself (`Checked::grammar_thinking`), so a template that does not read it gets it left
-/// out rather than refused. `reasoning_effort` asked of a template that does not read it is refused by that name.
+/// out rather than refused. `reasoning_effort` or `documents` asked of a template that does not read it is refused
+/// by that name.
 fn template_arguments<'a>(
     state: &RouterState,
     checked: &'a Checked,
 ) -> Result<Option<std::borrow::Cow<'a, serde_json::Map<String, serde_json::Value>>>, ApiError> {
     let Some(arguments) = checked.template_arguments.as_ref() else { return Ok(None) };
-    if checked.effort_asked && !state.text.template_reads(EFFORT) {
-        let why = "the served model's chat template does not read reasoning_effort (a reasoning model's thinking is \
-                   split from its answer with the router's reasoning_parser)";
-        return Err(ApiError::bad(why, EFFORT));
+    if let Some(&unread) = checked.template_fields.iter().find(|&&name| !state.text.template_reads(name)) {
+        let why = match unread {
+            EFFORT => {
+                "the served model's chat template does not read reasoning_effort (a reasoning model's thinking \
+                       is split from its answer with the router's reasoning_parser)"
+            }
+            _ => "the served model's chat template does not read documents: put them in a message",
+        };
+        return Err(ApiError::bad(why, unread));
     }
     let read_here = checked.thinking.is_some_and(|t| t.parser.reads_thinking_switch());
     if read_here && arguments.contains_key(THINKING_SWITCH) && !state.text.template_reads(THINKING_SWITCH) {

@@ -100,7 +100,8 @@ fn chat(name: &str) -> Option<Rule> {
         "echo" => Refused(is_false, "echo is not supported for chat"),
         "chat_template" => Refused(never, "the served model's own chat template is used"),
         "chat_template_kwargs" | "include_reasoning" => Used,
-        "documents" => Refused(empty, "the served model's chat template takes no documents"),
+        // Goes to the chat template, where it reads them (`completions::template_arguments`).
+        "documents" => Used,
         "mm_processor_kwargs" => Refused(empty, "only text input is supported"),
         "logprobs" | "top_logprobs" => Used,
         "response_format" => Used,

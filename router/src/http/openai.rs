@@ -210,6 +210,9 @@ pub struct ChatRequest {
     /// OpenAI's: how hard a reasoning model thinks, given to a chat template that reads `reasoning_effort`
     /// (gpt-oss's, DeepSeek V4's...), as vLLM gives it.
     pub reasoning_effort: Option<serde_json::Value>,
+    /// vLLM's: documents for retrieval-augmented generation, each an object of strings (`title`, `text`...), given
+    /// to a chat template that reads `documents` (Command R's, Granite's...), as transformers gives them.
+    pub documents: Option<serde_json::Value>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -388,11 +391,11 @@ pub struct Checked {
     /// Lower first; 0 by default.
     pub priority: i32,
     /// Chat: vLLM's `chat_template_kwargs` (checked against the template when it renders), with
-    /// `reasoning_effort`.
+    /// `reasoning_effort` and `documents`.
     pub template_arguments: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Chat: `reasoning_effort` was asked (it is among the template arguments), so a template that does not read it
-    /// refuses it by that name.
-    pub effort_asked: bool,
+    /// Chat: the request's own fields among the template arguments (`reasoning_effort`, `documents`), so that a
+    /// template that does not read one refuses it by that name.
+    pub template_fields: Vec<&'static str>,
 }
 
 /// How much of a prompt `truncate_prompt_tokens` keeps: its last tokens, cut from the left as vLLM cuts.
@@ -688,7 +691,7 @@ fn check_common(c: Common, endpoint: Endpoint, input: Input) -> Result<Checked, 
         tokens_as_ids: c.return_tokens_as_token_ids,
         priority,
         template_arguments: None,
-        effort_asked: false,
+        template_fields: Vec::new(),
     })
 }
 
@@ -769,16 +772,16 @@ pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiErr
     checked.template_arguments = r.chat_template_kwargs.filter(|a| !a.is_empty());
     match r.reasoning_effort {
         None | Some(serde_json::Value::Null) => {}
-        Some(effort @ serde_json::Value::String(_)) => {
-            let arguments = checked.template_arguments.get_or_insert_with(Default::default);
-            if arguments.get(EFFORT).is_some_and(|given| *given != effort) {
-                let why = "reasoning_effort and chat_template_kwargs.reasoning_effort differ";
-                return Err(ApiError::bad(why, EFFORT));
-            }
-            arguments.insert(EFFORT.into(), effort);
-            checked.effort_asked = true;
-        }
+        Some(effort @ serde_json::Value::String(_)) => checked.template_field(EFFORT, effort)?,
         Some(_) => return Err(ApiError::bad("reasoning_effort is a string (low, medium, high...)", EFFORT)),
+    }
+    match r.documents {
+        None | Some(serde_json::Value::Null) => {}
+        Some(documents) if is_documents(&documents) => checked.template_field(DOCUMENTS, documents)?,
+        Some(_) => {
+            let why = "documents is a list of objects of strings, such as {\"title\": ..., \"text\": ...}";
+            return Err(ApiError::bad(why, DOCUMENTS));
+        }
     }
     if let Some(grammar) = tools.grammar {
         if let Some((_, other)) = &checked.grammar {
@@ -865,8 +868,29 @@ pub fn check_completion(body: &[u8]) -> Result<Checked, ApiError> {
 pub const THINKING_SWITCH: &str = "enable_thinking";
 /// OpenAI's `reasoning_effort`, a template argument of the templates that read it.
 pub const EFFORT: &str = "reasoning_effort";
+/// vLLM's `documents`, a template argument of the templates that read it.
+pub const DOCUMENTS: &str = "documents";
+
+/// Whether `v` is documents as vLLM takes them: a list of objects whose values are strings.
+fn is_documents(v: &serde_json::Value) -> bool {
+    v.as_array().is_some_and(|docs| {
+        docs.iter().all(|d| d.as_object().is_some_and(|d| d.values().all(serde_json::Value::is_string)))
+    })
+}
 
 impl Checked {
+    /// The request's field `name` goes to the chat template as the argument of that name; `chat_template_kwargs`
+    /// may say it too, alike.
+    fn template_field(&mut self, name: &'static str, value: serde_json::Value) -> Result<(), ApiError> {
+        let arguments = self.template_arguments.get_or_insert_with(Default::default);
+        if arguments.get(name).is_some_and(|given| *given != value) {
+            return Err(ApiError::bad(format!("{name} and chat_template_kwargs.{name} differ"), name));
+        }
+        arguments.insert(name.into(), value);
+        self.template_fields.push(name);
+        Ok(())
+    }
+
     /// Where the answer's thinking comes before what its grammar holds (none without a reasoning parser). Qwen3's
     /// templates write an empty block into the prompt when `chat_template_kwargs` turns thinking off: the answer is
     /// then the grammar's from its first token, as vLLM finds the block's end in the prompt and holds it from there.
@@ -903,7 +927,7 @@ mod tests {
     fn reasoning_effort_goes_among_the_template_arguments() {
         let args = |extra: &str| {
             let c = chat_with(extra).expect("valid");
-            (c.template_arguments, c.effort_asked)
+            (c.template_arguments, !c.template_fields.is_empty())
         };
         let high = serde_json::Map::from_iter([(EFFORT.to_string(), serde_json::json!("high"))]);
         assert_eq!(args(r#","reasoning_effort":"high""#), (Some(high.clone()), true));
@@ -921,6 +945,28 @@ mod tests {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{body}}}"#);
             let e = check_chat(body.as_bytes(), OutputParsers::default()).expect_err("refused");
             assert_eq!(e.body()["error"]["param"], EFFORT, "{body}");
+        }
+    }
+
+    #[test]
+    fn documents_go_among_the_template_arguments() {
+        let docs = serde_json::json!([{"title": "Tides", "text": "Twice a day."}, {"text": "Moon."}]);
+        let c = chat_with(&format!(r#","documents":{docs}"#)).expect("valid");
+        assert_eq!(c.template_arguments.and_then(|mut a| a.remove(DOCUMENTS)), Some(docs.clone()));
+        assert_eq!(c.template_fields, vec![DOCUMENTS]);
+        let both =
+            format!(r#","documents":{docs},"reasoning_effort":"low","chat_template_kwargs":{{"documents":{docs}}}"#);
+        assert_eq!(chat_with(&both).expect("said alike").template_fields, vec![EFFORT, DOCUMENTS]);
+        assert!(chat_with(r#","documents":null"#).expect("valid").template_arguments.is_none());
+        for bad in [
+            r#","documents":{"text":"x"}"#,
+            r#","documents":["x"]"#,
+            r#","documents":[{"text":1}]"#,
+            r#","documents":[{"text":"x"}],"chat_template_kwargs":{"documents":[]}"#,
+        ] {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{bad}}}"#);
+            let e = check_chat(body.as_bytes(), OutputParsers::default()).expect_err("refused");
+            assert_eq!(e.body()["error"]["param"], DOCUMENTS, "{bad}");
         }
     }
 
