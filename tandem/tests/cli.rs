@@ -174,3 +174,34 @@ fn certs_init_writes_a_ca_and_component_certificates_once() {
     assert!(tandem(&["certs", "init", "--dir", d, "--force"]).status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Hugging Face tokenizer directory becomes a vocabulary GGUF a router can read: the embedded model's tokenizer
+/// written out (`model tokenizer`) and back in (`model vocab`) tokenizes a conversation as the model's own file does;
+/// a directory without a tokenizer, or a pre-tokenizer Tandem does not implement, is a clear error.
+#[test]
+fn a_tokenizer_directory_becomes_a_vocabulary_the_router_reads() {
+    let dir = std::env::temp_dir().join(format!("tandem-vocab-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (hf, out) = (dir.join("hf"), dir.join("vocab.gguf"));
+    let (hf_s, out_s) = (hf.to_str().expect("utf-8"), out.to_str().expect("utf-8"));
+    assert!(tandem(&["model", "tokenizer", hf_s]).status.success());
+    let made = tandem(&["model", "vocab", hf_s, "--out", out_s]);
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert!(String::from_utf8_lossy(&made.stdout).contains("49152 tokens"), "{made:?}");
+    let path = String::from_utf8_lossy(&tandem(&["model", "path"]).stdout).trim().to_string();
+    let open = |p: &str| engine::text::TextModel::open(std::path::Path::new(p)).expect("opens");
+    let (model, vocab) = (open(&path), open(out_s));
+    let messages = [engine::chat::ChatMessage::new("user", "Grüße! What is 12345 + 678?")];
+    let render = |m: &engine::text::TextModel| {
+        let text = m.render_chat(&messages).expect("the template renders");
+        m.tokenizer().encode_prompt(&text, true, None)
+    };
+    assert_eq!(render(&vocab), render(&model), "the same template and tokens");
+    fails_with(&["model", "vocab", dir.to_str().expect("utf-8"), "--out", out_s], &["no tokenizer.json"]);
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("tokenizer.json")).expect("written")).expect("json");
+    json["pre_tokenizer"] = serde_json::json!({"type": "Metaspace", "replacement": "▁"});
+    std::fs::write(hf.join("tokenizer.json"), json.to_string()).expect("written");
+    fails_with(&["model", "vocab", hf_s, "--out", out_s], &["Metaspace"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -31,18 +31,21 @@ pub fn hugging_face_files(file: &GgufFile) -> Result<(Value, Value), TokenizerEr
         v.tokens.iter().enumerate().map(|(i, t)| (t.clone(), Value::from(i))).collect();
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre = super::pretokenize::Pre::of(v.pre)?;
-    let pre_tokenizer = match (pre, pre.pattern()) {
-        (_, Some(pattern)) => {
-            let split =
-                json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
-            let bytes =
-                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false});
-            json!({"type": "Sequence", "pretokenizers": [split, bytes]})
-        }
-        (super::pretokenize::Pre::DigitsThenGpt2, None) => {
+    let pre_tokenizer = match (pre, pre.patterns()) {
+        (super::pretokenize::Pre::DigitsThenGpt2, _) => {
             json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
         }
-        (_, None) => byte_level.clone(),
+        (_, []) => byte_level.clone(),
+        (_, patterns) => {
+            let mut steps: Vec<Value> = patterns
+                .iter()
+                .map(|p| json!({"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": false}))
+                .collect();
+            steps.push(
+                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}),
+            );
+            json!({"type": "Sequence", "pretokenizers": steps})
+        }
     };
     let tokenizer = json!({
         "version": "1.0",

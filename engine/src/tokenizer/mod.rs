@@ -12,6 +12,7 @@ pub(crate) mod bytes;
 mod decode;
 pub mod export;
 mod gemma4;
+pub mod import;
 mod pretokenize;
 mod spm;
 

@@ -2,7 +2,8 @@
 //! `starcoder` and kin: every digit on its own, then GPT-2's split into contractions, letter runs, number runs,
 //! other-symbol runs and whitespace), and Llama 3's and Qwen 2's patterns (contractions in any case, a letter run
 //! with one leading non-letter, digits in threes or one by one, symbol runs with their line breaks, line breaks with
-//! the whitespace before them).
+//! the whitespace before them), and DeepSeek V3's (digits in threes, then runs of Chinese and Japanese characters,
+//! each isolated, then a pattern of its own over what is left).
 
 use std::sync::OnceLock;
 
@@ -32,6 +33,17 @@ pub const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}
 pub const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// DeepSeek V3's (and V3.1's, R1's, V4's) three splits, as its `tokenizer.json` states them, applied one after the
+/// other (each to every piece the one before made, its matches isolated): digits in threes; runs of CJK ideographs,
+/// hiragana and katakana; then a punctuation mark that leads ASCII letters, a letter run (with combining marks) with
+/// one leading character that is no letter, punctuation or symbol, punctuation and symbol runs with their line
+/// breaks, line breaks with the whitespace before them, and whitespace.
+pub const DEEPSEEK_V3_PATTERNS: [&str; 3] = [
+    r"\p{N}{1,3}",
+    "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+
 /// A vocabulary's pre-tokenizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pre {
@@ -41,6 +53,7 @@ pub enum Pre {
     Llama3,
     Qwen2,
     Qwen35,
+    DeepSeekV3,
 }
 
 impl Pre {
@@ -52,6 +65,7 @@ impl Pre {
             n if LLAMA3.contains(&n) => Ok(Pre::Llama3),
             n if QWEN2.contains(&n) => Ok(Pre::Qwen2),
             "qwen35" => Ok(Pre::Qwen35),
+            "deepseek-v3" => Ok(Pre::DeepSeekV3),
             n => Err(TokenizerError::UnsupportedPre(n.to_string())),
         }
     }
@@ -62,13 +76,15 @@ impl Pre {
         self == Pre::Llama3
     }
 
-    /// The pattern Hugging Face's `tokenizer.json` states for it, when it is not GPT-2's.
-    pub fn pattern(self) -> Option<&'static str> {
+    /// The patterns Hugging Face's `tokenizer.json` states for it, each an isolating split applied after the one
+    /// before, when it is not GPT-2's.
+    pub fn patterns(self) -> &'static [&'static str] {
         match self {
-            Pre::Llama3 => Some(LLAMA3_PATTERN),
-            Pre::Qwen2 => Some(QWEN2_PATTERN),
-            Pre::Qwen35 => Some(QWEN35_PATTERN),
-            Pre::DigitsThenGpt2 | Pre::Gpt2 => None,
+            Pre::Llama3 => &[LLAMA3_PATTERN],
+            Pre::Qwen2 => &[QWEN2_PATTERN],
+            Pre::Qwen35 => &[QWEN35_PATTERN],
+            Pre::DeepSeekV3 => &DEEPSEEK_V3_PATTERNS,
+            Pre::DigitsThenGpt2 | Pre::Gpt2 => &[],
         }
     }
 
@@ -83,7 +99,37 @@ impl Pre {
             Pre::Llama3 => split_pattern(pattern_regex(&LLAMA3_RE, LLAMA3_PATTERN), text, piece),
             Pre::Qwen2 => split_pattern(pattern_regex(&QWEN2_RE, QWEN2_PATTERN), text, piece),
             Pre::Qwen35 => split_pattern(pattern_regex(&QWEN35_RE, QWEN35_PATTERN), text, piece),
+            Pre::DeepSeekV3 => split_deepseek_v3(text, piece),
         }
+    }
+}
+
+/// DeepSeek V3's splits ([`DEEPSEEK_V3_PATTERNS`]): the first two isolate their matches (and leave the text between
+/// them whole), the third cuts each piece as Llama 3's pattern does.
+fn split_deepseek_v3(text: &str, mut piece: impl FnMut(&str)) {
+    static DIGITS: OnceLock<Regex> = OnceLock::new();
+    static CJK: OnceLock<Regex> = OnceLock::new();
+    static REST: OnceLock<Regex> = OnceLock::new();
+    let compile = |cell: &'static OnceLock<Regex>, pattern: &str| {
+        cell.get_or_init(|| Regex::new(pattern).expect("the pre-tokenizer's pattern is a valid regex"))
+    };
+    let (digits, cjk) = (compile(&DIGITS, DEEPSEEK_V3_PATTERNS[0]), compile(&CJK, DEEPSEEK_V3_PATTERNS[1]));
+    let rest = pattern_regex(&REST, DEEPSEEK_V3_PATTERNS[2]);
+    isolate(digits, text, &mut |p| isolate(cjk, p, &mut |p| split_pattern(rest, p, &mut piece)));
+}
+
+/// Cuts `text` at each match of `re`: the matches and the stretches between them are the pieces.
+fn isolate(re: &Regex, text: &str, piece: &mut impl FnMut(&str)) {
+    let mut pos = 0;
+    for m in re.find_iter(text) {
+        if m.start() > pos {
+            piece(&text[pos..m.start()]);
+        }
+        piece(m.as_str());
+        pos = m.end();
+    }
+    if pos < text.len() {
+        piece(&text[pos..]);
     }
 }
 
@@ -105,9 +151,14 @@ fn pattern_regex(cell: &'static OnceLock<Regex>, pattern: &str) -> &'static Rege
 /// Splits by a Llama 3-style pattern. Its `\s+(?!\S)` alternative (a whitespace run not followed by a non-space)
 /// is applied to what the plain `\s+` alternative matched: a run of two or more without a line break (one with a
 /// line break is taken by `\s*[\r\n]+` before) that more text follows gives its last character to the next piece.
+/// Text no alternative matches (none in Llama 3's and Qwen's; a digit or a control character in DeepSeek V3's) is a
+/// piece of its own, as Hugging Face's isolating split leaves it.
 fn split_pattern(re: &Regex, text: &str, mut piece: impl FnMut(&str)) {
     let mut pos = 0;
     while let Some(m) = re.find_at(text, pos) {
+        if m.start() > pos {
+            piece(&text[pos..m.start()]);
+        }
         let run = m.as_str();
         let mut end = m.end();
         if end < text.len()
@@ -120,6 +171,9 @@ fn split_pattern(re: &Regex, text: &str, mut piece: impl FnMut(&str)) {
         }
         piece(&text[m.start()..end]);
         pos = end;
+    }
+    if pos < text.len() {
+        piece(&text[pos..]);
     }
 }
 

