@@ -38,10 +38,15 @@ pub enum ToolParser {
     /// writes them (text between `<|"|>` marks, bare keys): Gemma 4's. Its markers are control tokens, so the answer
     /// keeps their text.
     Gemma4,
+    /// Text, then `<｜tool▁calls▁begin｜>` and calls each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`, the arguments
+    /// in a fenced JSON block, and `<｜tool▁call▁end｜>`: DeepSeek V3's and R1's (and the R1 distillations').
+    DeepSeekV3,
+    /// The same, each call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>`: DeepSeek V3.1's.
+    DeepSeekV31,
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 9] = [
+const NAMES: [(&str, ToolParser); 11] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
@@ -51,6 +56,8 @@ const NAMES: [(&str, ToolParser); 9] = [
     ("qwen3_coder", ToolParser::Qwen3Coder),
     ("qwen3_xml", ToolParser::Qwen3Coder),
     ("gemma4", ToolParser::Gemma4),
+    ("deepseek_v3", ToolParser::DeepSeekV3),
+    ("deepseek_v31", ToolParser::DeepSeekV31),
 ];
 
 impl std::str::FromStr for ToolParser {
@@ -80,6 +87,11 @@ const ARGS: &str = "[ARGS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
 const PYTHON_START: &str = "<|python_start|>";
 const PYTHON_END: &str = "<|python_end|>";
+/// DeepSeek's markers (tokens of their own that are not special: the answer keeps their text).
+const DEEPSEEK_CALLS: &str = "<｜tool▁calls▁begin｜>";
+const DEEPSEEK_CALL: &str = "<｜tool▁call▁begin｜>";
+const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
+const DEEPSEEK_CALL_END: &str = "<｜tool▁call▁end｜>";
 
 /// Where calls open in a streamed answer's text so far.
 #[derive(Debug, PartialEq)]
@@ -117,7 +129,11 @@ impl ToolParser {
     /// of what ends one.
     pub(super) fn may_close(self, piece: &str) -> bool {
         match self {
-            ToolParser::Hermes | ToolParser::Qwen3Coder | ToolParser::Gemma4 => piece.contains('>'),
+            ToolParser::Hermes
+            | ToolParser::Qwen3Coder
+            | ToolParser::Gemma4
+            | ToolParser::DeepSeekV3
+            | ToolParser::DeepSeekV31 => piece.contains('>'),
             ToolParser::Mistral => piece.contains(['}', ']']),
             ToolParser::Llama3Json | ToolParser::Pythonic => false,
         }
@@ -138,6 +154,8 @@ impl ToolParser {
                 let name = known(functions, &name)?.name.clone();
                 (vec![(name, arguments.to_string())], &rest[skipped + used..])
             }
+            ToolParser::DeepSeekV3 => deepseek(&rest[skipped..], end, |body| deepseek_v3(body, functions))?,
+            ToolParser::DeepSeekV31 => deepseek(&rest[skipped..], end, |body| deepseek_v31(body, functions))?,
             ToolParser::Llama3Json | ToolParser::Pythonic => return None,
         };
         Some((calls, rest.len() - tail.len()))
@@ -168,6 +186,7 @@ impl ToolParser {
             ToolParser::Hermes | ToolParser::Qwen3Coder => marked(text, sent, OPEN),
             ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
             ToolParser::Gemma4 => marked(text, sent, gemma4::OPEN),
+            ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => marked(text, sent, DEEPSEEK_CALLS),
             ToolParser::Llama3Json => leading(text, sent, "{", PYTHON_TAG),
             ToolParser::Pythonic => leading(text, sent, "[", PYTHON_START),
         }
@@ -183,7 +202,7 @@ fn marked(text: &str, sent: usize, marker: &str) -> Scan {
     }
     let held = (1..marker.len())
         .rev()
-        .find(|&k| text.ends_with(&marker[..k]) && text.is_char_boundary(text.len() - k))
+        .find(|&k| marker.is_char_boundary(k) && text.ends_with(&marker[..k]) && text.is_char_boundary(text.len() - k))
         .unwrap_or(0);
     Scan::ClearTo((text.len() - held).max(sent))
 }
@@ -241,6 +260,37 @@ fn block(text: &str, end: bool, call: impl FnOnce(&str) -> Option<Call>) -> Opti
         None => return None,
     };
     Some((vec![call(body.trim())?], after))
+}
+
+/// The DeepSeek call `text` opens with (after the calls' opening marker, for the first), read by `call`, and the
+/// text after it; a call not closed stands at the `end` only.
+fn deepseek(text: &str, end: bool, call: impl FnOnce(&str) -> Option<Call>) -> Option<(Vec<Call>, &str)> {
+    let text = text.strip_prefix(DEEPSEEK_CALLS).map_or(text, str::trim_start);
+    let open = text.strip_prefix(DEEPSEEK_CALL)?;
+    let (body, after) = match open.find(DEEPSEEK_CALL_END) {
+        Some(at) => (&open[..at], &open[at + DEEPSEEK_CALL_END.len()..]),
+        None if end => (open, ""),
+        None => return None,
+    };
+    Some((vec![call(body)?], after))
+}
+
+/// A DeepSeek V3 call's body: `function<｜tool▁sep｜>NAME`, then the arguments' JSON object in a ```json block.
+fn deepseek_v3(body: &str, functions: &[Function]) -> Option<Call> {
+    let (kind, rest) = body.split_once(DEEPSEEK_SEP)?;
+    let (name, rest) = rest.split_once('\n')?;
+    let json = rest.trim().strip_prefix("```json")?.strip_suffix("```")?;
+    let arguments: Value = serde_json::from_str(json).ok()?;
+    let function = known(functions, name.trim())?;
+    (kind.trim() == "function" && arguments.is_object()).then(|| (function.name.clone(), arguments.to_string()))
+}
+
+/// A DeepSeek V3.1 call's body: `NAME<｜tool▁sep｜>` and the arguments' JSON object.
+fn deepseek_v31(body: &str, functions: &[Function]) -> Option<Call> {
+    let (name, json) = body.split_once(DEEPSEEK_SEP)?;
+    let arguments: Value = serde_json::from_str(json.trim()).ok()?;
+    let function = known(functions, name.trim())?;
+    arguments.is_object().then(|| (function.name.clone(), arguments.to_string()))
 }
 
 /// A Hermes block's body: a JSON object with the name and `arguments`.
@@ -372,6 +422,43 @@ mod tests {
 
     fn calls(list: &[(&str, &str)]) -> Vec<(String, String)> {
         list.iter().map(|(n, a)| (n.to_string(), a.to_string())).collect()
+    }
+
+    /// DeepSeek's: text, the calls' marker, each call between its own markers, V3's with a fenced JSON block.
+    #[test]
+    fn deepseek_marked_calls_are_calls() {
+        let v3 = "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let made = ToolParser::DeepSeekV3.parse(v3, &functions()).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Let me check."));
+        assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}")]));
+        let v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather<｜tool▁sep｜>{\"city\": \"Oslo\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let made = ToolParser::DeepSeekV31.parse(v31, &functions()).expect("calls");
+        assert_eq!((made.content, made.calls), (None, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}")])));
+        // Cut short after whole arguments: still the call.
+        let cut = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}";
+        assert_eq!(ToolParser::DeepSeekV31.parse(cut, &functions()).map(|m| m.calls.len()), Some(1));
+        for (parser, not_calls) in [
+            (ToolParser::DeepSeekV31, "No calls."),
+            (
+                ToolParser::DeepSeekV31,
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rain<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+            ),
+            (
+                ToolParser::DeepSeekV31,
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
+            ),
+            (ToolParser::DeepSeekV31, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now{}<｜tool▁call▁end｜>"),
+            (
+                ToolParser::DeepSeekV3,
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n{}<｜tool▁call▁end｜>",
+            ),
+            (
+                ToolParser::DeepSeekV3,
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>other<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜>",
+            ),
+        ] {
+            assert_eq!(parser.parse(not_calls, &functions()), None, "{not_calls}");
+        }
     }
 
     #[test]

@@ -569,19 +569,21 @@ pub(super) mod tests {
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 6] = [
+    const CALLS: [&str; 8] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
         "<|python_start|>[now(a=1), now(b='x')]<|python_end|>",
         "<tool_call>\n<function=now>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
         "<|tool_call>call:now{a:<|\"|>x, y<|\"|>}<tool_call|><|tool_call>call:now{}<tool_call|>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 6] = [
+    const PIECES: [(ToolParser, [&str; 10]); 8] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -594,6 +596,11 @@ pub(super) mod tests {
             "<function=rain></function>", "<tool", "_call>", "\n", "é", "<parameter=a>1</parameter>"]),
         (ToolParser::Gemma4, ["Sure ", "<|tool_call>", "<tool_call|>", "call:now{a:1}", "call:rain{}", "<|tool",
             "_call>", "\n", "é", "<|\"|>"]),
+        (ToolParser::DeepSeekV3, ["Sure ", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁end｜>",
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>rain\n```json\n{}\n```",
+            "<｜tool▁calls", "▁begin｜>", "\n", "é", "<｜tool▁calls▁end｜>"]),
+        (ToolParser::DeepSeekV31, ["Sure ", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}",
+            "<｜tool▁call▁begin｜>rain<｜tool▁sep｜>{}", "<｜tool▁calls", "▁begin｜>", "\n", "é", "<｜tool▁calls▁end｜>"]),
     ];
 
     proptest::proptest! {
