@@ -133,9 +133,10 @@ pub struct Settings {
     #[arg(long, env = "TANDEM_RECORD_CANDIDATES", value_name = "BOOL")]
     pub record_candidates: Option<bool>,
     /// How the served model writes tool calls among its text (vLLM's `--tool-call-parser`: `hermes`, `llama3_json`,
-    /// `mistral`, `pythonic`, `qwen3_coder`, `gemma4`, `deepseek_v3`, `deepseek_v31`, and vLLM's `llama4_json`,
-    /// `llama4_pythonic` and `qwen3_xml` for the same formats): with one, `tool_choice: auto` (the default when a
-    /// request has tools) is served and its calls parsed out of the answer; without one it is refused.
+    /// `mistral`, `pythonic`, `qwen3_coder`, `gemma4`, `deepseek_v3`, `deepseek_v31`, `deepseek_v32`, and vLLM's
+    /// `llama4_json`, `llama4_pythonic`, `qwen3_xml` and `deepseek_v4` for the same formats): with one,
+    /// `tool_choice: auto` (the default when a request has tools) is served and its calls parsed out of the answer;
+    /// without one it is refused.
     #[arg(long, env = "TANDEM_TOOL_CALL_PARSER")]
     pub tool_call_parser: Option<crate::http::tools::ToolParser>,
     /// How the served model marks its thinking (vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `gemma4`): with

@@ -105,7 +105,7 @@ pub struct Args {
     #[arg(long)]
     record_candidates: bool,
     /// How the served model writes tool calls among its text (`hermes`, `llama3_json`, `mistral`, `pythonic`,
-    /// `qwen3_coder`, `gemma4`, `deepseek_v3`, `deepseek_v31`): with one, `tool_choice: auto` is served.
+    /// `qwen3_coder`, `gemma4`, `deepseek_v3`, `deepseek_v31`, `deepseek_v32`): with one, `tool_choice: auto` is served.
     #[arg(long)]
     tool_call_parser: Option<router::http::tools::ToolParser>,
     /// How the served model marks its thinking (`deepseek_r1`, `qwen3`, `gemma4`): with one, chat answers carry it

@@ -43,10 +43,14 @@ pub enum ToolParser {
     DeepSeekV3,
     /// The same, each call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>`: DeepSeek V3.1's.
     DeepSeekV31,
+    /// DeepSeek's markup (DSML): text, then `<｜DSML｜function_calls>` (V3.2) or `<｜DSML｜tool_calls>` (V4) and calls
+    /// each `<｜DSML｜invoke name="NAME">` with its parameters `<｜DSML｜parameter name="KEY" string="true|false">value
+    /// </｜DSML｜parameter>` (a string as written, anything else as JSON) and `</｜DSML｜invoke>`.
+    DeepSeekDsml,
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 11] = [
+const NAMES: [(&str, ToolParser); 13] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
@@ -58,6 +62,8 @@ const NAMES: [(&str, ToolParser); 11] = [
     ("gemma4", ToolParser::Gemma4),
     ("deepseek_v3", ToolParser::DeepSeekV3),
     ("deepseek_v31", ToolParser::DeepSeekV31),
+    ("deepseek_v32", ToolParser::DeepSeekDsml),
+    ("deepseek_v4", ToolParser::DeepSeekDsml),
 ];
 
 impl std::str::FromStr for ToolParser {
@@ -92,6 +98,13 @@ const DEEPSEEK_CALLS: &str = "<｜tool▁calls▁begin｜>";
 const DEEPSEEK_CALL: &str = "<｜tool▁call▁begin｜>";
 const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
 const DEEPSEEK_CALL_END: &str = "<｜tool▁call▁end｜>";
+/// DeepSeek's markup: what every tag opens with, the calls' wrappers (V3.2's, V4's), a call's and a parameter's tags.
+const DSML: &str = "<｜DSML｜";
+const DSML_CALLS: [&str; 2] = ["<｜DSML｜function_calls>", "<｜DSML｜tool_calls>"];
+const DSML_INVOKE: &str = "<｜DSML｜invoke name=\"";
+const DSML_INVOKE_END: &str = "</｜DSML｜invoke>";
+const DSML_PARAMETER: &str = "<｜DSML｜parameter name=\"";
+const DSML_PARAMETER_END: &str = "</｜DSML｜parameter>";
 
 /// Where calls open in a streamed answer's text so far.
 #[derive(Debug, PartialEq)]
@@ -133,7 +146,8 @@ impl ToolParser {
             | ToolParser::Qwen3Coder
             | ToolParser::Gemma4
             | ToolParser::DeepSeekV3
-            | ToolParser::DeepSeekV31 => piece.contains('>'),
+            | ToolParser::DeepSeekV31
+            | ToolParser::DeepSeekDsml => piece.contains('>'),
             ToolParser::Mistral => piece.contains(['}', ']']),
             ToolParser::Llama3Json | ToolParser::Pythonic => false,
         }
@@ -156,6 +170,7 @@ impl ToolParser {
             }
             ToolParser::DeepSeekV3 => deepseek(&rest[skipped..], end, |body| deepseek_v3(body, functions))?,
             ToolParser::DeepSeekV31 => deepseek(&rest[skipped..], end, |body| deepseek_v31(body, functions))?,
+            ToolParser::DeepSeekDsml => dsml(&rest[skipped..], end, functions)?,
             ToolParser::Llama3Json | ToolParser::Pythonic => return None,
         };
         Some((calls, rest.len() - tail.len()))
@@ -187,6 +202,8 @@ impl ToolParser {
             ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
             ToolParser::Gemma4 => marked(text, sent, gemma4::OPEN),
             ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => marked(text, sent, DEEPSEEK_CALLS),
+            // Any tag opens the calls (the wrapper is V3.2's or V4's; a call without it is taken too).
+            ToolParser::DeepSeekDsml => marked(text, sent, DSML),
             ToolParser::Llama3Json => leading(text, sent, "{", PYTHON_TAG),
             ToolParser::Pythonic => leading(text, sent, "[", PYTHON_START),
         }
@@ -291,6 +308,41 @@ fn deepseek_v31(body: &str, functions: &[Function]) -> Option<Call> {
     let arguments: Value = serde_json::from_str(json.trim()).ok()?;
     let function = known(functions, name.trim())?;
     arguments.is_object().then(|| (function.name.clone(), arguments.to_string()))
+}
+
+/// The DSML call `text` opens with (after the calls' wrapper, for the first), and the text after it; a call not
+/// closed stands at the `end` only.
+fn dsml<'t>(text: &'t str, end: bool, functions: &[Function]) -> Option<(Vec<Call>, &'t str)> {
+    let text = DSML_CALLS.iter().find_map(|w| text.strip_prefix(w)).map_or(text, str::trim_start);
+    let (name, open) = text.strip_prefix(DSML_INVOKE)?.split_once('"')?;
+    let open = open.trim_start().strip_prefix('>')?;
+    let (mut body, after) = match open.find(DSML_INVOKE_END) {
+        Some(at) => (&open[..at], &open[at + DSML_INVOKE_END.len()..]),
+        None if end => (open, ""),
+        None => return None,
+    };
+    let function = known(functions, name)?;
+    let mut arguments = serde_json::Map::new();
+    loop {
+        body = body.trim_start();
+        if body.is_empty() {
+            return Some((vec![(function.name.clone(), Value::Object(arguments).to_string())], after));
+        }
+        let (key, tail) = body.strip_prefix(DSML_PARAMETER)?.split_once('"')?;
+        let tail = tail.trim_start().strip_prefix("string=\"")?;
+        let (string, tail) = tail.split_once('"')?;
+        let (raw, tail) = tail.trim_start().strip_prefix('>')?.split_once(DSML_PARAMETER_END)?;
+        let value = match string {
+            "true" => Value::String(raw.to_string()),
+            // JSON as asked; a model's value that is not JSON is read as its schema's type, as Qwen3-Coder's are.
+            "false" => serde_json::from_str(raw.trim()).unwrap_or_else(|_| typed(raw, function.param_type(key))),
+            _ => return None,
+        };
+        if arguments.insert(key.to_string(), value).is_some() {
+            return None;
+        }
+        body = tail;
+    }
 }
 
 /// A Hermes block's body: a JSON object with the name and `arguments`.
@@ -458,6 +510,28 @@ mod tests {
             ),
         ] {
             assert_eq!(parser.parse(not_calls, &functions()), None, "{not_calls}");
+        }
+    }
+
+    /// DeepSeek's markup: each invoke a call, string parameters as written, the others as JSON.
+    #[test]
+    fn dsml_invokes_are_calls() {
+        let parse = |text: &str| ToolParser::DeepSeekDsml.parse(text, &functions());
+        let v32 = "Checking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"weather\">\n<｜DSML｜parameter name=\"city\" string=\"true\">New York, \"NY\"</｜DSML｜parameter>\n<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n<｜DSML｜parameter name=\"tags\" string=\"false\">[\"a\", {\"b\": null}]</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"now\">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>";
+        let made = parse(v32).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Checking.\n\n"));
+        let args: Value = serde_json::from_str(&made.calls[0].1).expect("json");
+        assert_eq!(args, serde_json::json!({"city": "New York, \"NY\"", "days": 3, "tags": ["a", {"b": null}]}));
+        assert_eq!(made.calls[1], ("now".to_string(), "{}".to_string()));
+        let v4 = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"now\">\n<｜DSML｜parameter name=\"tz\" string=\"true\">UTC</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        assert_eq!(parse(v4).expect("a call").calls, calls(&[("now", r#"{"tz":"UTC"}"#)]));
+        for not_calls in [
+            "<｜DSML｜function_calls><｜DSML｜invoke name=\"rain\"></｜DSML｜invoke>",
+            "<｜DSML｜function_calls><｜DSML｜invoke name=\"now\"><｜DSML｜parameter name=\"a\">1</｜DSML｜parameter></｜DSML｜invoke>",
+            "<｜DSML｜function_calls><｜DSML｜invoke name=\"now\"><｜DSML｜parameter name=\"a\" string=\"true\">1</｜DSML｜parameter><｜DSML｜parameter name=\"a\" string=\"true\">2</｜DSML｜parameter></｜DSML｜invoke>",
+            "<｜DSML｜function_calls>now()",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
         }
     }
 

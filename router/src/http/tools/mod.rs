@@ -569,7 +569,7 @@ pub(super) mod tests {
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 8] = [
+    const CALLS: [&str; 9] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
@@ -578,12 +578,13 @@ pub(super) mod tests {
         "<|tool_call>call:now{a:<|\"|>x, y<|\"|>}<tool_call|><|tool_call>call:now{}<tool_call|>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"now\">\n<｜DSML｜parameter name=\"a\" string=\"false\">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"now\">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 8] = [
+    const PIECES: [(ToolParser, [&str; 10]); 9] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -601,6 +602,9 @@ pub(super) mod tests {
             "<｜tool▁calls", "▁begin｜>", "\n", "é", "<｜tool▁calls▁end｜>"]),
         (ToolParser::DeepSeekV31, ["Sure ", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}",
             "<｜tool▁call▁begin｜>rain<｜tool▁sep｜>{}", "<｜tool▁calls", "▁begin｜>", "\n", "é", "<｜tool▁calls▁end｜>"]),
+        (ToolParser::DeepSeekDsml, ["Sure ", "<｜DSML｜tool_calls>", "</｜DSML｜invoke>", "<｜DSML｜invoke name=\"now\">",
+            "<｜DSML｜invoke name=\"rain\">", "<｜DS", "ML｜", "\n", "é",
+            "<｜DSML｜parameter name=\"b\" string=\"true\">x</｜DSML｜parameter>"]),
     ];
 
     proptest::proptest! {
