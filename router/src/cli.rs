@@ -139,8 +139,8 @@ pub struct Settings {
     /// without one it is refused.
     #[arg(long, env = "TANDEM_TOOL_CALL_PARSER")]
     pub tool_call_parser: Option<crate::http::tools::ToolParser>,
-    /// How the served model marks its thinking (vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `gemma4`): with
-    /// one, chat answers carry the text in `<think>` … `</think>` (Gemma 4's channel) apart, as
+    /// How the served model marks its thinking (vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `gemma4`,
+    /// `deepseek_v3`): with one, chat answers carry the text in `<think>` … `</think>` (Gemma 4's channel) apart, as
     /// `reasoning_content` (and `reasoning`).
     #[arg(long, env = "TANDEM_REASONING_PARSER")]
     pub reasoning_parser: Option<crate::http::reasoning::ReasoningParser>,

@@ -801,6 +801,7 @@ pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiErr
     // A grammar holds the answer after its thinking (`Checked::grammar_thinking`), so the split is the parser's own.
     checked.thinking = parsers
         .reasoning
+        .and_then(|parser| parser.for_request(checked.template_arguments.as_ref()))
         .map(|parser| super::reasoning::Thinking { parser, shown: r.include_reasoning != Some(false) });
     Ok(checked)
 }
@@ -1313,6 +1314,14 @@ mod tests {
         let off = format!(r#"{json},"chat_template_kwargs":{{"enable_thinking":false}}"#);
         assert_eq!(checked(&off, Some(Qwen3)).grammar_thinking(), Before::None);
         assert_eq!(checked(&off, Some(DeepSeekR1)).grammar_thinking(), Before::Open);
+        // DeepSeek V3.1's and later: R1's thinking when the template arguments turn it on, none otherwise.
+        for on in ["thinking", "enable_thinking"] {
+            let asked = format!(r#","chat_template_kwargs":{{"{on}":true}}"#);
+            assert_eq!(checked(&asked, Some(DeepSeekV3)).thinking, Some(Thinking { parser: DeepSeekR1, shown: true }));
+        }
+        let off = r#","chat_template_kwargs":{"thinking":false}"#;
+        assert_eq!((checked(off, Some(DeepSeekV3)).thinking, checked("", Some(DeepSeekV3)).thinking), (None, None));
+        assert_eq!(checked(json, Some(DeepSeekV3)).grammar_thinking(), Before::None);
         // Gemma 4's channel: its markers' text kept; its grammar from the first token.
         let gemma = checked(json, Some(Gemma4));
         assert!(gemma.keep_control && !checked(json, Some(Qwen3)).keep_control);

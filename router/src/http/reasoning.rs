@@ -17,11 +17,16 @@ pub enum ReasoningParser {
     /// the answer keeps their text); the `thought` label is not part of the thinking. Gemma 4 thinks when
     /// `chat_template_kwargs` has `enable_thinking: true`.
     Gemma4,
+    /// As `DeepSeekR1` when `chat_template_kwargs` turns thinking on (`thinking` or `enable_thinking` true, which
+    /// DeepSeek V3.1's, V3.2's and V4's templates read; their prompt then opens the block), else no thinking at all:
+    /// each request's parser is one of those two ([`ReasoningParser::for_request`]).
+    DeepSeekV3,
 }
 
 /// Each parser's name.
-const NAMES: [(&str, ReasoningParser); 3] = [
+const NAMES: [(&str, ReasoningParser); 4] = [
     ("deepseek_r1", ReasoningParser::DeepSeekR1),
+    ("deepseek_v3", ReasoningParser::DeepSeekV3),
     ("qwen3", ReasoningParser::Qwen3),
     ("gemma4", ReasoningParser::Gemma4),
 ];
@@ -61,13 +66,28 @@ pub struct Split {
 }
 
 impl ReasoningParser {
+    /// The parser of a request whose template arguments are `arguments`: `DeepSeekV3`'s is DeepSeek R1's when they
+    /// turn thinking on, none otherwise; every other parser is its own.
+    pub fn for_request(
+        self,
+        arguments: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Option<ReasoningParser> {
+        let on = |key: &str| arguments.and_then(|a| a.get(key)) == Some(&serde_json::Value::Bool(true));
+        match self {
+            ReasoningParser::DeepSeekV3 => {
+                (on("thinking") || on("enable_thinking")).then_some(ReasoningParser::DeepSeekR1)
+            }
+            parser => Some(parser),
+        }
+    }
+
     /// Where the answer's thinking comes before what a grammar holds, as the worker applies it: the grammar holds
     /// after the thinking, as vLLM's does with a reasoning parser.
     /// Gemma 4's channel is not held apart from the grammar: its grammar holds from the first token (Gemma 4 thinks
     /// only when asked to).
     pub fn before_grammar(self) -> engine::grammar::Thinking {
         match self {
-            ReasoningParser::DeepSeekR1 => engine::grammar::Thinking::Open,
+            ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3 => engine::grammar::Thinking::Open,
             ReasoningParser::Qwen3 => engine::grammar::Thinking::Optional,
             ReasoningParser::Gemma4 => engine::grammar::Thinking::None,
         }
@@ -76,14 +96,16 @@ impl ReasoningParser {
     /// The markers around the thinking.
     fn markers(self) -> (&'static str, &'static str) {
         match self {
-            ReasoningParser::DeepSeekR1 | ReasoningParser::Qwen3 => ("<think>", "</think>"),
+            ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3 | ReasoningParser::Qwen3 => {
+                ("<think>", "</think>")
+            }
             ReasoningParser::Gemma4 => ("<|channel>", "<channel|>"),
         }
     }
 
     /// Whether an answer that does not open with the start marker thinks anyway (the prompt opened it).
     fn thinks_from_the_start(self) -> bool {
-        self == ReasoningParser::DeepSeekR1
+        matches!(self, ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3)
     }
 
     /// Whether the router reads `chat_template_kwargs`' `enable_thinking: false` itself (Qwen3's templates then

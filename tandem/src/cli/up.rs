@@ -108,8 +108,8 @@ pub struct Args {
     /// `qwen3_coder`, `gemma4`, `deepseek_v3`, `deepseek_v31`, `deepseek_v32`): with one, `tool_choice: auto` is served.
     #[arg(long)]
     tool_call_parser: Option<router::http::tools::ToolParser>,
-    /// How the served model marks its thinking (`deepseek_r1`, `qwen3`, `gemma4`): with one, chat answers carry it
-    /// apart.
+    /// How the served model marks its thinking (`deepseek_r1`, `qwen3`, `gemma4`, `deepseek_v3`): with one, chat
+    /// answers carry it apart.
     #[arg(long)]
     reasoning_parser: Option<router::http::reasoning::ReasoningParser>,
     /// MiB of the router's memory for the Responses API's stored responses (default 64; 0 keeps none).
