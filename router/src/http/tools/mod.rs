@@ -609,9 +609,9 @@ pub(super) mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
-        /// However a text of words, calls, partial markers and JSON is cut into streamed pieces, in any format, the
-        /// content sent and the calls made as it comes and at the end are the whole answer's: the text before its
-        /// first call and its calls when it makes them, all of it as content when it does not.
+        /// However a text of words, calls, partial markers, JSON and any characters is cut into streamed pieces, in
+        /// any format, the content sent and the calls made as it comes and at the end are the whole answer's: the
+        /// text before its first call and its calls when it makes them, all of it as content when it does not.
         #[test]
         fn a_streamed_answer_is_the_whole_one(
             format in 0usize..PIECES.len(),
@@ -619,6 +619,7 @@ pub(super) mod tests {
             whole in proptest::bool::ANY,
             parallel in proptest::bool::ANY,
             parts in proptest::collection::vec(0usize..10, 0..12),
+            noise in proptest::collection::vec((0usize..12, "\\PC{0,3}"), 0..3),
             cuts in proptest::collection::vec(1usize..6, 1..40),
         ) {
             let (parser, pieces) = PIECES[format];
@@ -626,7 +627,11 @@ pub(super) mod tests {
             if whole {
                 text.push_str(CALLS[format]);
             }
-            text.extend(parts.iter().map(|&i| pieces[i]));
+            // The pieces, with any characters at all among them.
+            for (k, &i) in parts.iter().enumerate() {
+                text.extend(noise.iter().filter(|(at, _)| *at == k).map(|(_, n)| n.as_str()));
+                text.push_str(pieces[i]);
+            }
             let choosing = Choosing { parser, functions: known(&["now"]), parallel };
             let mut stream = AutoStream::new(choosing.clone());
             let chars: Vec<char> = text.chars().collect();
