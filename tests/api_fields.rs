@@ -1520,7 +1520,21 @@ async fn tool_calls_are_forced_by_their_schemas_across_prefill_and_decode() {
     let whole: Vec<Value> = calls.iter().map(|c| json!([c["function"]["name"], c["function"]["arguments"]])).collect();
     assert_eq!(got, whole, "{chunks:?}");
     assert_eq!(chunks.last().expect("chunks")["choices"][0]["finish_reason"], "tool_calls");
-    // Cut short, the calls are not whole: the text comes back as it is.
+    // Each call goes out once its item is whole, before the array closes: the usage in every chunk shows it.
+    let usage = json!({"include_usage": true, "continuous_usage_stats": true});
+    let r = post(ask(json!({"tool_choice": "required", "stream": true, "stream_options": usage}))).await;
+    let chunks = json_chunks(&r);
+    let tokens = |c: &Value| c["usage"]["completion_tokens"].as_u64().expect("usage in every chunk");
+    let first_call = chunks.iter().find(|c| c["choices"][0]["delta"].get("tool_calls").is_some()).expect("a call");
+    let total = tokens(chunks.last().expect("chunks"));
+    let written_by = tokens(first_call);
+    assert!(written_by < total, "the first call out before the array closed: {chunks:?}");
+    // Cut short after it: the whole items before the cut are the calls, and the answer says it was cut.
+    let r = post(ask(json!({"tool_choice": "required", "max_tokens": written_by}))).await;
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"], calls[0]["function"]["arguments"]);
+    // Cut short before any item is whole: the text comes back as it is.
     let r = post(ask(json!({"tool_choice": "required", "max_tokens": 3}))).await;
     let v = r.json();
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");

@@ -762,9 +762,9 @@ async fn pump(state: &Arc<RouterState>, planned: Vec<Planned>, tx: &Sink, arrive
 }
 
 /// A streamed choice's text as the request asks: content, or pieces of its tool calls. A named function's arguments
-/// stream as they come; required calls are an array that is only known to be calls once whole, so their text is
-/// held and each call goes out whole at the end (the text as content if it is not calls, cut short); the model's
-/// own calls (`auto`) go out each whole, the content before them as it comes ([`AutoStream`]).
+/// stream as they come; required calls are an array whose text is held, each item going out as one call once it is
+/// whole (the text as content if the answer has no whole item, cut short); the model's own calls (`auto`) go out
+/// each whole, the content before them as it comes ([`AutoStream`]).
 enum CallStream {
     Text,
     /// A named function's call; `opened` once its first chunk (id and name) has gone.
@@ -772,9 +772,11 @@ enum CallStream {
         name: String,
         opened: bool,
     },
-    /// The required calls' text so far.
+    /// The required calls' text so far, how much of it the calls sent so far took, and how many they are.
     Required {
         held: String,
+        read: usize,
+        made: usize,
     },
     /// The model's own calls, and how many went out.
     Auto(AutoStream, usize),
@@ -785,7 +787,7 @@ impl CallStream {
         match mode {
             None => CallStream::Text,
             Some(CallMode::Named(name)) => CallStream::Named { name: name.clone(), opened: false },
-            Some(CallMode::Required) => CallStream::Required { held: String::new() },
+            Some(CallMode::Required) => CallStream::Required { held: String::new(), read: 0, made: 0 },
             Some(CallMode::Auto(choosing)) => CallStream::Auto(AutoStream::new(choosing.clone()), 0),
         }
     }
@@ -801,9 +803,16 @@ impl CallStream {
                     (due || opening).then(|| head.call_chunk(0, opening.then_some(name.as_str()), s, first, lps)),
                 );
             }
-            CallStream::Required { held } => {
+            CallStream::Required { held, read, made } => {
                 held.push_str(s);
                 out.extend((first || !lps.is_null()).then(|| head.chunk(None, None, first, lps)));
+                // An item is whole once its object closes.
+                while s.contains('}')
+                    && let Some((call, used)) = tools::required_next(&held[*read..])
+                {
+                    *read += used;
+                    out.extend(call_chunks(head, made, std::slice::from_ref(&call)));
+                }
             }
             CallStream::Auto(auto, made) => {
                 let sent = auto.push(s);
@@ -825,10 +834,13 @@ impl CallStream {
                     .then(|| head.call_chunk(0, opening.then_some(name.as_str()), rest, false, &Value::Null));
                 (last.into_iter().collect(), true)
             }
-            CallStream::Required { held } => {
+            CallStream::Required { held, made, .. } => {
                 held.push_str(rest);
                 match tools::calls(&CallMode::Required, held) {
-                    Some(made) => (call_chunks(head, &mut 0, &made.calls).collect(), true),
+                    Some(all) => {
+                        let sent = *made;
+                        (call_chunks(head, made, &all.calls[sent.min(all.calls.len())..]).collect(), true)
+                    }
                     None if held.is_empty() => (Vec::new(), false),
                     None => (vec![content(held)], false),
                 }

@@ -258,7 +258,7 @@ fn call_of(call: &Value, functions: &[Function], keys: &[&str]) -> Option<Call> 
 }
 
 /// The JSON value `s` starts with, and the text after it.
-fn json_prefix(s: &str) -> Option<(Value, &str)> {
+pub(super) fn json_prefix(s: &str) -> Option<(Value, &str)> {
     let mut values = serde_json::Deserializer::from_str(s).into_iter::<Value>();
     let value = values.next()?.ok()?;
     Some((value, &s[values.byte_offset()..]))

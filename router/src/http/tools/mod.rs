@@ -230,22 +230,33 @@ fn calls_schema(functions: &[(String, Value)], parallel: bool) -> Result<Grammar
 }
 
 /// The calls an answer's text makes: a named function's arguments are the text itself (cut short when the answer
-/// was); required calls are the array the grammar allowed, `None` when the text is not one (cut short by
-/// `max_tokens` or a stop string); the model's own calls are what its parser finds (`None`: the text is content).
+/// was); required calls are the whole items of the array the grammar allowed (those before the cut, when
+/// `max_tokens` or a stop string cut it), `None` when it has none; the model's own calls are what its parser finds
+/// (`None`: the text is content).
 pub fn calls(mode: &CallMode, text: &str) -> Option<Made> {
     match mode {
         CallMode::Named(name) => Some(Made { content: None, calls: vec![(name.clone(), text.to_string())] }),
         CallMode::Required => {
-            let Ok(Value::Array(items)) = serde_json::from_str::<Value>(text) else { return None };
-            items
-                .iter()
-                .map(|c| Some((c.get("name")?.as_str()?.to_string(), c.get("parameters")?.to_string())))
-                .collect::<Option<Vec<_>>>()
-                .filter(|c| !c.is_empty())
-                .map(|calls| Made { content: None, calls })
+            let mut rest = text;
+            let mut calls = Vec::new();
+            while let Some((call, used)) = required_next(rest) {
+                calls.push(call);
+                rest = &rest[used..];
+            }
+            (!calls.is_empty()).then_some(Made { content: None, calls })
         }
         CallMode::Auto(choosing) => choosing.parse(text),
     }
+}
+
+/// The next whole item of required calls' array, `text` being what follows the items read so far (the array's `[`
+/// or a `,`, then `{"name": ..., "parameters": ...}`), and how much of `text` it takes; `None` when no whole item
+/// follows (yet). An item's JSON ends it, so an item read is read the same whatever follows.
+pub fn required_next(text: &str) -> Option<(Call, usize)> {
+    let item = text.trim_start().strip_prefix(['[', ','])?.trim_start();
+    let (value, rest) = formats::json_prefix(item)?;
+    let call = (value.get("name")?.as_str()?.to_string(), value.get("parameters")?.to_string());
+    Some((call, text.len() - rest.len()))
 }
 
 /// A streamed answer's text as content up to its first call of the model's own (`auto`), then its calls: content goes
@@ -383,9 +394,10 @@ impl CallIds {
 
 /// The finish reason of an answer that made calls or not (`made`), where the worker said `reason`: as OpenAI
 /// answers, a named function's call ends with `stop`, and calls the model chose (required or auto) with
-/// `tool_calls`.
+/// `tool_calls`; required calls cut short by `max_tokens` say `length` (the calls are those before the cut).
 pub fn finish_reason(mode: &CallMode, made: bool, reason: &'static str) -> &'static str {
     match mode {
+        CallMode::Required if reason == "length" => reason,
         CallMode::Required | CallMode::Auto(..) if made => "tool_calls",
         _ => reason,
     }
@@ -496,7 +508,14 @@ pub(super) mod tests {
         let two = r#"[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "now", "parameters": {}}]"#;
         assert_eq!(calls(&CallMode::Required, two), only(vec![("weather", r#"{"city":"Oslo"}"#), ("now", "{}")]));
         assert_eq!(calls(&CallMode::Required, r#"[{"name": "weather", "parameters": {"ci"#), None, "cut short");
+        let cut = r#"[{"name": "now", "parameters": {}} , {"name": "weather", "parameters": {"ci"#;
+        assert_eq!(calls(&CallMode::Required, cut), only(vec![("now", "{}")]), "the whole items before the cut");
+        // Read item by item as they come, each once whole.
+        assert_eq!(required_next(r#" [ {"name": "now", "parameters": {}"#), None);
+        assert_eq!(required_next(r#" [ {"name": "now", "parameters": {}} ,"#), Some((("now".into(), "{}".into()), 36)));
+        assert_eq!(required_next(r#"]"#), None);
         assert_eq!(finish_reason(&CallMode::Required, true, "stop"), "tool_calls");
+        assert_eq!(finish_reason(&CallMode::Required, true, "length"), "length", "cut short, whatever came");
         assert_eq!(finish_reason(&CallMode::Required, false, "length"), "length");
         assert_eq!(finish_reason(&named, true, "stop"), "stop");
         let auto = CallMode::Auto(Choosing { parser: ToolParser::Hermes, functions: vec![], parallel: true });
