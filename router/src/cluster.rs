@@ -142,6 +142,9 @@ pub struct Needs {
     pub protocol: u32,
     pub external: bool,
     pub logprobs: bool,
+    /// Log-probabilities asked at a temperature other than 0 and 1, where engines differ in the distribution they
+    /// report ([`crate::external::EngineKind::relays_logprobs`]).
+    pub tempered: bool,
     pub regex: bool,
     pub allowed: bool,
     /// A priority other than 0, which only a server started with priority scheduling takes.
@@ -150,8 +153,15 @@ pub struct Needs {
 
 impl Needs {
     /// Any worker will do.
-    pub const ANY: Needs =
-        Needs { protocol: 0, external: true, logprobs: false, regex: false, allowed: false, priority: false };
+    pub const ANY: Needs = Needs {
+        protocol: 0,
+        external: true,
+        logprobs: false,
+        tempered: false,
+        regex: false,
+        allowed: false,
+        priority: false,
+    };
 
     pub fn met_by(&self, m: &Member) -> bool {
         m.protocol >= self.protocol
@@ -164,7 +174,7 @@ impl Needs {
     /// Whether external engine `e` serves all the request asks.
     pub fn met_by_external(&self, e: &Engine) -> bool {
         self.external
-            && (!self.logprobs || e.kind.relays_logprobs())
+            && (!self.logprobs || e.kind.relays_logprobs(self.tempered))
             && (!self.regex || e.kind.takes_regex())
             && (!self.allowed || e.kind.takes_allowed_tokens())
             && (!self.priority || e.priority.is_some())
@@ -982,7 +992,12 @@ mod tests {
         assert!(logprobs.met_by(&tandem(worker::LOGPROBS_PROTOCOL)));
         assert!(!logprobs.met_by(&tandem(worker::LOGPROBS_PROTOCOL - 1)), "an older worker would drop them");
         assert!(logprobs.met_by(&llama) && logprobs.met_by(&vllm), "relayed from llama-server and vLLM");
-        assert!(!logprobs.met_by(&sglang), "SGLang's are not read");
+        assert!(logprobs.met_by(&sglang), "and from SGLang, greedy: the raw logits' distribution");
+        for (temperature, by_sglang) in [(1.0, true), (0.7, false), (1.3, false)] {
+            let at = needs(&pb::Sampling { logprobs: Some(2), temperature, ..Default::default() });
+            assert!(at.met_by(&llama) && at.met_by(&vllm), "{temperature}");
+            assert_eq!(at.met_by(&sglang), by_sglang, "SGLang's are the tempered distribution's at {temperature}");
+        }
 
         let grammar = |kind: &str, data: &str, prior_generated| {
             let grammar = Some(pb::Grammar { kind: kind.into(), data: data.into(), ..Default::default() });

@@ -464,8 +464,8 @@ async fn stream_tokens(
 /// included) and grammars (as their own structured outputs, GBNF as it is, Lark not at all; regular expressions not
 /// on llama-server; held after the thinking where the engine runs with a reasoning parser of its own, as vLLM and
 /// SGLang do) in their own APIs, and vLLM the allowed tokens; priorities go to a server started with priority
-/// scheduling; prompt log-probabilities and bad words are not relayed to them, log-probabilities only from
-/// llama-server and vLLM.
+/// scheduling; prompt log-probabilities and bad words are not relayed to them, log-probabilities from llama-server
+/// and vLLM, and from SGLang at a temperature of 0 or 1.
 pub fn needs(s: &pb::Sampling) -> Needs {
     let plain = s.logit_bias.is_empty()
         && s.frequency_penalty == 0.0
@@ -514,7 +514,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     if matches!(grammar, Some(Ok(engine::grammar::Grammar::Gbnf(_)))) {
         protocol = worker::GBNF_PROTOCOL;
     }
-    Needs { protocol, external, logprobs: s.logprobs.is_some(), regex, allowed, priority: s.priority != 0 }
+    let logprobs = s.logprobs.is_some();
+    let tempered = logprobs && s.temperature != 0.0 && s.temperature != 1.0;
+    Needs { protocol, external, logprobs, tempered, regex, allowed, priority: s.priority != 0 }
 }
 
 /// Why only some workers serve a request asking for `s` (to a client whose fleet has none of them up).
@@ -540,7 +542,12 @@ pub fn unserved(s: &pb::Sampling) -> String {
         asked.push("a GBNF grammar (taken by llama-server, vLLM and SGLang)");
     }
     if n.logprobs {
-        asked.push("log-probabilities (relayed from llama-server and vLLM)");
+        asked.push(if n.tempered {
+            "log-probabilities at a temperature other than 0 or 1 (relayed from llama-server and vLLM; SGLang reports \
+             those of the tempered distribution)"
+        } else {
+            "log-probabilities (relayed from llama-server, vLLM and SGLang)"
+        });
     }
     if n.regex {
         asked.push("a regular expression (taken by vLLM and SGLang)");

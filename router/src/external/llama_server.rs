@@ -96,7 +96,12 @@ pub fn parse(data: &str, alternatives: Option<u32>) -> Result<Chunk, String> {
         _ => pb::FinishReason::Stop,
     };
     let cached = v.pointer("/timings/cache_n").and_then(Value::as_u64).unwrap_or(0);
-    Ok(Chunk::Finished { tokens, reason, cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX) })
+    Ok(Chunk::Finished {
+        tokens,
+        logprobs: Vec::new(),
+        reason,
+        cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
+    })
 }
 
 /// Each token's entry of `completion_probabilities`, as a worker reports it: its log-probability and the first
@@ -173,12 +178,17 @@ mod tests {
             "timings":{"cache_n":32,"prompt_n":8,"prompt_ms":3.1,"predicted_n":8}}"#;
         assert_eq!(
             parse(last, None),
-            Ok(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Length, cached_tokens: 32 })
+            Ok(Chunk::Finished {
+                tokens: vec![],
+                logprobs: vec![],
+                reason: pb::FinishReason::Length,
+                cached_tokens: 32
+            })
         );
         let eos = r#"{"tokens":[2],"stop":true,"stop_type":"eos"}"#;
         assert_eq!(
             parse(eos, None),
-            Ok(Chunk::Finished { tokens: vec![2], reason: pb::FinishReason::Stop, cached_tokens: 0 })
+            Ok(Chunk::Finished { tokens: vec![2], logprobs: vec![], reason: pb::FinishReason::Stop, cached_tokens: 0 })
         );
         assert!(parse(eos, Some(1)).is_err(), "a token there would go without its log-probabilities");
         assert_eq!(parse(last, Some(1)).map(|c| matches!(c, Chunk::Finished { .. })), Ok(true));

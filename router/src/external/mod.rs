@@ -109,10 +109,15 @@ impl EngineKind {
         }
     }
 
-    /// Whether the router relays log-probabilities from it (llama-server's and vLLM's come by token id; SGLang's
-    /// are not read yet).
-    pub fn relays_logprobs(self) -> bool {
-        matches!(self, EngineKind::LlamaServer | EngineKind::Vllm)
+    /// Whether the router relays log-probabilities from it, for a request at a temperature other than 0 and 1 or
+    /// not (`tempered`): llama-server's and vLLM's (by default) are the model's own distribution's, as Tandem's
+    /// workers report; SGLang's are the tempered one's (`log_softmax(logits / T)`, unless the server runs with
+    /// `SGLANG_RETURN_ORIGINAL_LOGPROB`), the same only at 0 (greedy: the raw logits') and 1.
+    pub fn relays_logprobs(self, tempered: bool) -> bool {
+        match self {
+            EngineKind::LlamaServer | EngineKind::Vllm => true,
+            EngineKind::Sglang => !tempered,
+        }
     }
 
     /// Whether it takes vLLM's `allowed_token_ids` (vLLM's own field, with the same meaning).
@@ -129,7 +134,7 @@ impl EngineKind {
         match self {
             EngineKind::LlamaServer => Parser::LlamaServer(sampling.logprobs),
             EngineKind::Vllm => Parser::Vllm(vllm::Parser::new(sampling.logprobs)),
-            EngineKind::Sglang => Parser::Sglang(sglang::Parser::default()),
+            EngineKind::Sglang => Parser::Sglang(sglang::Parser::new(sampling.logprobs)),
         }
     }
 }
@@ -140,9 +145,10 @@ pub enum Chunk {
     Tokens(Vec<u32>),
     /// Tokens, each with its log-probabilities (asked for, from an engine that relays them).
     Scored(Vec<u32>, Vec<pb::TokenLogprobs>),
-    /// The last chunk, with any tokens it still carries.
+    /// The last chunk, with any tokens it still carries (and their log-probabilities, when asked for).
     Finished {
         tokens: Vec<u32>,
+        logprobs: Vec<pb::TokenLogprobs>,
         reason: pb::FinishReason,
         cached_tokens: u32,
     },
@@ -532,9 +538,9 @@ async fn forward(
                 Ok(None) => continue,
                 Ok(Some(Chunk::Tokens(t))) => (t, Vec::new(), None),
                 Ok(Some(Chunk::Scored(t, lps))) => (t, lps, None),
-                Ok(Some(Chunk::Finished { tokens, reason, cached_tokens })) => (
+                Ok(Some(Chunk::Finished { tokens, logprobs, reason, cached_tokens })) => (
                     tokens,
-                    Vec::new(),
+                    logprobs,
                     Some(pb::Finished { reason: reason as i32, cached_tokens, ..Default::default() }),
                 ),
                 Err(e) => {

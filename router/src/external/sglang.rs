@@ -1,6 +1,9 @@
 //! SGLang's server, through its native `/generate` endpoint: the prompt goes as `input_ids` and the stream carries
 //! `output_ids` (all generated so far by default; only the new ones with `--incremental-streaming-output`, told
 //! apart by `meta_info.completion_tokens`), with `meta_info.finish_reason` and `cached_tokens` on the last chunk.
+//! Log-probabilities are asked with `return_logprob` and `top_logprobs_num` and come in `meta_info` beside the ids,
+//! one `[logprob, id, text]` entry per token in `output_token_logprobs` and a list of such per token in
+//! `output_top_logprobs`, all so far or only the new ones as the ids are.
 
 use engine::grammar::Grammar;
 use proto::worker as pb;
@@ -41,6 +44,10 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) ->
         Some(Grammar::Lark(_)) | None => {}
     }
     let mut b = json!({"input_ids": tokens, "sampling_params": params, "stream": true});
+    if let Some(n) = sampling.logprobs {
+        b["return_logprob"] = true.into();
+        b["top_logprobs_num"] = n.into();
+    }
     if let Some(salt) = namespace {
         b["cache_salt"] = salt.into();
     }
@@ -51,9 +58,16 @@ pub fn body(tokens: &[u32], sampling: &pb::Sampling, namespace: Option<&str>) ->
 pub struct Parser {
     /// Tokens passed on so far.
     sent: usize,
+    /// Whether log-probabilities were asked for.
+    scored: bool,
 }
 
 impl Parser {
+    /// A parser for a request that asked for `alternatives` per token's log-probabilities (`None`: none asked).
+    pub fn new(alternatives: Option<u32>) -> Parser {
+        Parser { sent: 0, scored: alternatives.is_some() }
+    }
+
     pub fn push(&mut self, data: &str) -> Result<Option<Chunk>, String> {
         if data.trim() == "[DONE]" {
             return Ok(None);
@@ -62,14 +76,13 @@ impl Parser {
         let ids = super::token_ids(v.get("output_ids"))?;
         let meta = v.get("meta_info").unwrap_or(&Value::Null);
         let total = meta.get("completion_tokens").and_then(Value::as_u64).map(|t| t as usize);
-        // All generated so far when the count says so, else only the new ones.
-        let new = if total == Some(ids.len()) {
-            ids.get(self.sent..).map(<[u32]>::to_vec).ok_or("the stream went back")?
-        } else {
-            ids
-        };
+        // All generated so far when the count says so, else only the new ones; the log-probabilities alike.
+        let from = if total == Some(ids.len()) { self.sent } else { 0 };
+        let new = ids.get(from..).map(<[u32]>::to_vec).ok_or("the stream went back")?;
+        let logprobs = if self.scored { token_logprobs(meta, from, &new)? } else { Vec::new() };
         self.sent += new.len();
         let reason = match meta.get("finish_reason") {
+            None | Some(Value::Null) if self.scored => return Ok(Some(Chunk::Scored(new, logprobs))),
             None | Some(Value::Null) => return Ok(Some(Chunk::Tokens(new))),
             Some(r) => match r.get("type").and_then(Value::as_str) {
                 Some("length") => pb::FinishReason::Length,
@@ -77,9 +90,50 @@ impl Parser {
                 _ => return Err(format!("the server ended generation with {r}")),
             },
         };
-        let cached = meta.get("cached_tokens").and_then(Value::as_u64).unwrap_or(0);
-        Ok(Some(Chunk::Finished { tokens: new, reason, cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX) }))
+        let cached = u32::try_from(meta.get("cached_tokens").and_then(Value::as_u64).unwrap_or(0)).unwrap_or(u32::MAX);
+        Ok(Some(Chunk::Finished { tokens: new, logprobs, reason, cached_tokens: cached }))
     }
+}
+
+/// The log-probabilities of `tokens`, the entries from `from` on of `meta`'s lists: each token's own
+/// (`[logprob, id, text]`) and its alternatives, most likely first. Anything missing, or naming another token, is
+/// an error: the client asked for them.
+fn token_logprobs(meta: &Value, from: usize, tokens: &[u32]) -> Result<Vec<pb::TokenLogprobs>, String> {
+    let entries = |key: &str| -> Result<&[Value], String> {
+        let list = meta.get(key).and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        list.get(from..from + tokens.len())
+            .ok_or_else(|| format!("meta_info.{key} has no entries for tokens {from} to {}", from + tokens.len()))
+    };
+    // `[logprob, id, text]`.
+    let entry = |e: &Value| -> Result<(u32, f32), String> {
+        let id = e.get(1).and_then(Value::as_u64).and_then(|i| u32::try_from(i).ok());
+        let logprob = e.get(0).and_then(Value::as_f64);
+        match (id, logprob) {
+            (Some(id), Some(lp)) => Ok((id, lp as f32)),
+            _ => Err(format!("a log-probability entry is {e}, not [logprob, id, text]")),
+        }
+    };
+    let own = entries("output_token_logprobs")?;
+    // Present only when alternatives were asked for (top_logprobs_num above 0).
+    let tops = match meta.get("output_top_logprobs") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(entries("output_top_logprobs")?),
+    };
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &token)| {
+            let (id, logprob) = entry(&own[i])?;
+            let top = match tops {
+                None => Vec::new(),
+                Some(tops) => {
+                    let list = tops[i].as_array().ok_or_else(|| format!("an alternatives entry is {}", tops[i]))?;
+                    list.iter().map(entry).collect::<Result<Vec<_>, _>>()?
+                }
+            };
+            super::scored(token, id, logprob, &top)
+        })
+        .collect()
 }
 
 /// Tokens of KV the server holds, from its settings.
@@ -160,9 +214,82 @@ mod tests {
             assert_eq!(p.push(&b), Ok(Some(Chunk::Tokens(vec![8]))));
             assert_eq!(
                 p.push(&c),
-                Ok(Some(Chunk::Finished { tokens: vec![9], reason: pb::FinishReason::Length, cached_tokens: 8 }))
+                Ok(Some(Chunk::Finished {
+                    tokens: vec![9],
+                    logprobs: vec![],
+                    reason: pb::FinishReason::Length,
+                    cached_tokens: 8
+                }))
             );
             assert_eq!(p.push("[DONE]"), Ok(None));
+        }
+    }
+
+    #[test]
+    fn log_probabilities_are_asked_and_read_beside_the_ids() {
+        let s = pb::Sampling { logprobs: Some(2), ..Default::default() };
+        let b = body(&[5], &s, None);
+        assert_eq!((b["return_logprob"].as_bool(), b["top_logprobs_num"].as_u64()), (Some(true), Some(2)));
+        assert!(body(&[5], &pb::Sampling::default(), None).get("return_logprob").is_none());
+        // As the server streams them, all so far (its default) or only the new ones; the alternatives most likely
+        // first, the sampled token among them or not.
+        let chunks = |cumulative: bool| {
+            let (own, top) = (
+                [r#"[-0.25, 7, null]"#, r#"[-1.5, 8, null]"#],
+                [r#"[[-0.25, 7, null], [-2.0, 3, null]]"#, r#"[[-0.75, 4, null], [-1.5, 8, null]]"#],
+            );
+            let upto = |k: usize, list: &[&str; 2]| {
+                let from = if cumulative { 0 } else { k };
+                format!("[{}]", list[from..=k].join(","))
+            };
+            let ids = |k: usize| if cumulative { format!("{:?}", &[7, 8][..=k]) } else { format!("[{}]", [7, 8][k]) };
+            [
+                format!(
+                    r#"{{"output_ids":{},"meta_info":{{"finish_reason":null,"completion_tokens":1,"output_token_logprobs":{},"output_top_logprobs":{}}}}}"#,
+                    ids(0),
+                    upto(0, &own),
+                    upto(0, &top)
+                ),
+                format!(
+                    r#"{{"output_ids":{},"meta_info":{{"finish_reason":{{"type":"stop"}},"completion_tokens":2,"cached_tokens":0,"output_token_logprobs":{},"output_top_logprobs":{}}}}}"#,
+                    ids(1),
+                    upto(1, &own),
+                    upto(1, &top)
+                ),
+            ]
+        };
+        let first = pb::TokenLogprobs { logprob: -0.25, rank: 0, top_ids: vec![7, 3], top_logprobs: vec![-0.25, -2.0] };
+        let second = pb::TokenLogprobs { logprob: -1.5, rank: 0, top_ids: vec![4, 8], top_logprobs: vec![-0.75, -1.5] };
+        for cumulative in [true, false] {
+            let mut p = Parser::new(Some(2));
+            let [a, b] = chunks(cumulative);
+            assert_eq!(p.push(&a), Ok(Some(Chunk::Scored(vec![7], vec![first.clone()]))), "cumulative {cumulative}");
+            assert_eq!(
+                p.push(&b),
+                Ok(Some(Chunk::Finished {
+                    tokens: vec![8],
+                    logprobs: vec![second.clone()],
+                    reason: pb::FinishReason::Stop,
+                    cached_tokens: 0
+                })),
+                "cumulative {cumulative}"
+            );
+        }
+        // No alternatives asked: no list of them.
+        let own_only =
+            r#"{"output_ids":[7],"meta_info":{"completion_tokens":1,"output_token_logprobs":[[-0.25,7,null]]}}"#;
+        let lps = Parser::new(Some(0)).push(own_only);
+        assert_eq!(
+            lps,
+            Ok(Some(Chunk::Scored(vec![7], vec![pb::TokenLogprobs { logprob: -0.25, ..Default::default() }])))
+        );
+        for bad in [
+            r#"{"output_ids":[7],"meta_info":{"completion_tokens":1}}"#,
+            r#"{"output_ids":[7],"meta_info":{"completion_tokens":1,"output_token_logprobs":[[-0.25,9,null]]}}"#,
+            r#"{"output_ids":[7],"meta_info":{"completion_tokens":1,"output_token_logprobs":[[null,7,null]]}}"#,
+            r#"{"output_ids":[7],"meta_info":{"completion_tokens":1,"output_token_logprobs":[[-0.2,7,null]],"output_top_logprobs":[]}}"#,
+        ] {
+            assert!(Parser::new(Some(1)).push(bad).is_err(), "{bad}");
         }
     }
 

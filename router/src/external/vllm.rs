@@ -79,7 +79,12 @@ impl Parser {
 
     pub fn push(&mut self, data: &str) -> Result<Option<Chunk>, String> {
         if data.trim() == "[DONE]" {
-            return Ok(self.finished.take().map(|reason| Chunk::Finished { tokens: vec![], reason, cached_tokens: 0 }));
+            return Ok(self.finished.take().map(|reason| Chunk::Finished {
+                tokens: vec![],
+                logprobs: vec![],
+                reason,
+                cached_tokens: 0,
+            }));
         }
         let v = super::chunk_json(data)?;
         let choices = v.get("choices").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
@@ -90,6 +95,7 @@ impl Parser {
             let reason = self.finished.take().ok_or("the usage chunk came before the last token")?;
             return Ok(Some(Chunk::Finished {
                 tokens: vec![],
+                logprobs: vec![],
                 reason,
                 cached_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
             }));
@@ -222,7 +228,12 @@ mod tests {
         let usage = r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":16}}}"#;
         assert_eq!(
             p.push(usage),
-            Ok(Some(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Length, cached_tokens: 16 }))
+            Ok(Some(Chunk::Finished {
+                tokens: vec![],
+                logprobs: vec![],
+                reason: pb::FinishReason::Length,
+                cached_tokens: 16
+            }))
         );
         assert_eq!(p.push("[DONE]"), Ok(None));
         // Without a usage chunk, `[DONE]` ends it.
@@ -231,7 +242,12 @@ mod tests {
         assert_eq!(q.push(eos), Ok(Some(Chunk::Tokens(vec![2]))));
         assert_eq!(
             q.push("[DONE]"),
-            Ok(Some(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Stop, cached_tokens: 0 }))
+            Ok(Some(Chunk::Finished {
+                tokens: vec![],
+                logprobs: vec![],
+                reason: pb::FinishReason::Stop,
+                cached_tokens: 0
+            }))
         );
     }
 
@@ -271,7 +287,12 @@ mod tests {
         assert!(matches!(p.push(last), Ok(Some(Chunk::Scored(t, _))) if t == [2]));
         assert_eq!(
             p.push("[DONE]"),
-            Ok(Some(Chunk::Finished { tokens: vec![], reason: pb::FinishReason::Stop, cached_tokens: 0 }))
+            Ok(Some(Chunk::Finished {
+                tokens: vec![],
+                logprobs: vec![],
+                reason: pb::FinishReason::Stop,
+                cached_tokens: 0
+            }))
         );
         for bad in [
             r#"{"choices":[{"token_ids":[64],"logprobs":null}]}"#,
