@@ -43,11 +43,16 @@ pub enum Thinking {
     /// The output may open with a thinking block, `<think>` … `</think>` (Qwen 3's hybrid models), and the grammar
     /// holds after it, or from the first token when it does not.
     Optional,
+    /// As `Optional`, in Gemma 4's thinking channel, `<|channel>` … `<channel|>`.
+    Channel,
 }
 
 /// The markers of a thinking block, as vLLM's reasoning parsers for DeepSeek R1 and Qwen 3 read them.
 const THINK_START: &str = "<think>";
 const THINK_END: &str = "</think>";
+/// Gemma 4's thinking channel's.
+const CHANNEL_START: &str = "<|channel>";
+const CHANNEL_END: &str = "<channel|>";
 
 /// Why a grammar cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -205,8 +210,9 @@ impl Grammars {
         let factory = self.factory()?;
         let top = match thinking {
             Thinking::None => grammar.top_level()?,
-            Thinking::Open => self.after_thinking(grammar.top_level()?, false),
-            Thinking::Optional => self.after_thinking(grammar.top_level()?, true),
+            Thinking::Open => self.after_thinking(grammar.top_level()?, false, (THINK_START, THINK_END)),
+            Thinking::Optional => self.after_thinking(grammar.top_level()?, true, (THINK_START, THINK_END)),
+            Thinking::Channel => self.after_thinking(grammar.top_level()?, true, (CHANNEL_START, CHANNEL_END)),
         };
         let parser = factory.create_parser(top).map_err(|e| GrammarError::Compile(e.to_string()))?;
         let mut m = Constrained {
@@ -221,25 +227,26 @@ impl Grammars {
         Ok(m)
     }
 
-    /// `answer` preceded by a thinking block (`optional`: or not): a Lark grammar whose thinking is any text up to the first `</think>`,
-    /// then optional whitespace (models write a blank line there), then `answer` as a grammar of its own. A marker
-    /// that is one special token of the vocabulary (Qwen 3's, DeepSeek R1's) is that token, since no text spells
-    /// it; otherwise it is text. The thinking must end before the output can: end-of-generation tokens are not
-    /// part of it.
-    fn after_thinking(&self, answer: TopLevelGrammar, optional: bool) -> TopLevelGrammar {
+    /// `answer` preceded by a thinking block between `markers` (`optional`: or not): a Lark grammar whose thinking
+    /// is any text up to the first end marker, then optional whitespace (models write a blank line there), then
+    /// `answer` as a grammar of its own. A marker that is one special token of the vocabulary (Qwen 3's, DeepSeek
+    /// R1's, Gemma 4's) is that token, since no text spells it; otherwise it is text. The thinking must end before
+    /// the output can: end-of-generation tokens are not part of it.
+    fn after_thinking(&self, answer: TopLevelGrammar, optional: bool, markers: (&str, &str)) -> TopLevelGrammar {
         let tokenizer = self.text.tokenizer();
-        let thought = match tokenizer.special_id(THINK_END) {
+        let (start_marker, end_marker) = markers;
+        let thought = match tokenizer.special_id(end_marker) {
             Some(end) => {
                 let mut not = vec![end];
                 not.extend(&tokenizer.special().end_of_generation);
                 let not: Vec<String> = not.iter().map(u32::to_string).collect();
                 format!("thought: <[^{}]>* <[{end}]>", not.join(","))
             }
-            None => "thought[lazy]: /(.|\\n)*<\\/think>/".to_string(),
+            None => format!("thought[lazy]: /(.|\\n)*{}/", regex::escape(end_marker).replace('/', "\\/")),
         };
-        let open = match tokenizer.special_id(THINK_START) {
+        let open = match tokenizer.special_id(start_marker) {
             Some(start) => format!("<[{start}]>"),
-            None => format!("{THINK_START:?}"),
+            None => format!("{start_marker:?}"),
         };
         let start = match optional {
             true => format!("start: ({open} thought WS?)? @answer"),

@@ -217,6 +217,8 @@ fn a_grammar_holds_after_the_thinking() {
         .map(|seed| after(&e, open, Thinking::Open, seed))
         .chain((0..4).map(|seed| after(&e, opened, Thinking::Optional, seed)))
         .chain((0..4).map(|seed| after(&e, "", Thinking::Optional, seed)))
+        // Gemma 4's channel, its markers text in this vocabulary.
+        .chain((0..2).map(|seed| after(&e, "<|channel>thought\nA {person}.<channel|>", Thinking::Channel, seed)))
         .collect();
     let mut answered = 0;
     for (i, c) in e.run(&runs, &AtomicBool::new(false), |_| {}).expect("runs").iter().enumerate() {
@@ -241,7 +243,9 @@ fn a_grammar_holds_after_the_thinking() {
     assert!(answered > 8, "some optional-thinking runs answered at once: {answered} answers");
     // Without the thinking before it, the grammar refuses that text; with it optional, text that does not open the
     // block is the grammar's from its first token.
-    for (thought, thinking) in [(open, Thinking::None), ("Hmm.</think>", Thinking::Optional)] {
+    for (thought, thinking) in
+        [(open, Thinking::None), ("Hmm.</think>", Thinking::Optional), ("A {person}.<channel|>", Thinking::Channel)]
+    {
         let r = e.run(&[after(&e, thought, thinking, 1)], &AtomicBool::new(false), |_| {});
         assert!(r.is_err(), "{thought:?} under {thinking:?}");
     }

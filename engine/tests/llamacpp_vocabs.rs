@@ -170,3 +170,37 @@ fn a_gemma_4_vocabulary_renders_and_tokenizes_a_conversation() {
     assert!(tok.is_end_of_generation(end));
     assert_eq!(tok.decode(&ids), rendered);
 }
+
+/// Gemma 4's thinking channel markers are its own control tokens: a grammar held after the channel
+/// (`Thinking::Channel`) lets the answer open it with `<|channel>` and close it with `<channel|>`, any tokens between
+/// but the end of generation, then holds the answer to the grammar; an answer that opens no channel is the grammar's
+/// from its first token.
+#[test]
+fn a_grammar_after_gemma_4s_channel_knows_its_markers() {
+    use engine::grammar::{Grammar, Grammars, Thinking};
+    let text = engine::text::TextModel::open(&models().join("ggml-vocab-gemma-4.gguf")).expect("a text model");
+    let text = std::sync::Arc::new(text);
+    let tok = text.tokenizer();
+    let open = tok.special_id("<|channel>").expect("<|channel> is a token");
+    let close = tok.special_id("<channel|>").expect("<channel|> is a token");
+    let eog = tok.special().end_of_generation.clone();
+    let grammars = Grammars::new(std::sync::Arc::clone(&text));
+    let allowed = |generated: &[u32]| {
+        let mut m = grammars.matcher(&Grammar::JsonObject, Thinking::Channel, generated).expect("takes the tokens");
+        let mut logits = vec![0.0f32; tok.vocab_size()];
+        m.mask(&mut logits).expect("a mask");
+        move |id: u32| logits[id as usize] > f32::NEG_INFINITY
+    };
+    let one = |s: &str| match tok.encode_ordinary(s)[..] {
+        [id] => id,
+        ref ids => panic!("{s:?} is {ids:?}"),
+    };
+    let (brace, word) = (one("{"), one("thought"));
+    let start = allowed(&[]);
+    assert!(start(open) && start(brace) && !start(word) && !start(close));
+    let inside = allowed(&[open, word]);
+    assert!(inside(word) && inside(brace) && inside(close));
+    assert!(eog.iter().all(|&e| !inside(e)), "the channel closes before the output can end");
+    let after = allowed(&[open, word, close]);
+    assert!(after(brace) && !after(word) && !after(open));
+}

@@ -1025,6 +1025,12 @@ mod tests {
         assert!(thinking.met_by(&tandem(worker::THINKING_PROTOCOL)));
         assert!(!thinking.met_by(&tandem(worker::THINKING_PROTOCOL - 1)), "an older worker would not let it think");
         assert!([&llama, &vllm, &sglang].iter().all(|m| thinking.met_by(m)), "relayed as the engines' own");
+        // Gemma 4's channel: an older worker would refuse the value.
+        let channel =
+            pb::Grammar { kind: "json_object".into(), thinking: pb::Thinking::Channel as i32, ..Default::default() };
+        let channel = needs(&pb::Sampling { grammar: Some(channel), ..Default::default() });
+        assert!(channel.met_by(&tandem(worker::CHANNEL_PROTOCOL)));
+        assert!(!channel.met_by(&tandem(worker::CHANNEL_PROTOCOL - 1)), "an older worker would refuse it");
 
         let min_p = needs(&pb::Sampling { min_p: 0.1, ..Default::default() });
         assert!(min_p.met_by(&tandem(worker::MIN_P_PROTOCOL)));

@@ -460,7 +460,7 @@ async fn stream_tokens(
 /// What a worker must speak to apply everything `s` asks for (a version-3 worker would ignore the
 /// log-probabilities, a version-5 one `min_p`, a version-6 one the prompt's log-probabilities, a version-7 one the
 /// allowed tokens and bad words, a version-8 one the priority, a version-9 one a Lark grammar, a version-10 one a
-/// grammar's thinking, a version-11 one a GBNF grammar). External engines take the sampling fields (`min_p`
+/// grammar's thinking, a version-11 one a GBNF grammar, a version-12 one Gemma 4's thinking channel). External engines take the sampling fields (`min_p`
 /// included) and grammars (as their own structured outputs, GBNF as it is, Lark not at all; regular expressions not
 /// on llama-server; held after the thinking where the engine runs with a reasoning parser of its own, as vLLM and
 /// SGLang do) in their own APIs, and vLLM the allowed tokens; priorities go to a server started with priority
@@ -513,6 +513,9 @@ pub fn needs(s: &pb::Sampling) -> Needs {
     }
     if matches!(grammar, Some(Ok(engine::grammar::Grammar::Gbnf(_)))) {
         protocol = worker::GBNF_PROTOCOL;
+    }
+    if s.grammar.as_ref().is_some_and(|g| g.thinking == pb::Thinking::Channel as i32) {
+        protocol = worker::CHANNEL_PROTOCOL;
     }
     let logprobs = s.logprobs.is_some();
     let tempered = logprobs && s.temperature != 0.0 && s.temperature != 1.0;

@@ -46,6 +46,7 @@ pub fn thinking_to_pb(t: engine::grammar::Thinking) -> pb::Thinking {
         engine::grammar::Thinking::None => pb::Thinking::Unspecified,
         engine::grammar::Thinking::Open => pb::Thinking::Open,
         engine::grammar::Thinking::Optional => pb::Thinking::Optional,
+        engine::grammar::Thinking::Channel => pb::Thinking::Channel,
     }
 }
 
@@ -55,6 +56,7 @@ pub fn thinking_from_pb(t: i32) -> Result<engine::grammar::Thinking, ProtoError>
         Ok(pb::Thinking::Unspecified) => Ok(engine::grammar::Thinking::None),
         Ok(pb::Thinking::Open) => Ok(engine::grammar::Thinking::Open),
         Ok(pb::Thinking::Optional) => Ok(engine::grammar::Thinking::Optional),
+        Ok(pb::Thinking::Channel) => Ok(engine::grammar::Thinking::Channel),
         Err(e) => Err(ProtoError::Invalid { field: "sampling.grammar.thinking", why: e.to_string() }),
     }
 }

@@ -113,10 +113,11 @@ impl WorkerConfig {
 /// (a streamed prompt's pieces). 6: `Sampling.min_p`. 7: `Sampling.prompt_logprobs` (on the first `Token` and in
 /// `PrefillResponse`). 8: `Sampling.allowed_token_ids` and `Sampling.bad_words`. 9: `Sampling.priority`. 10: `Grammar` of kind "lark". 11:
 /// `Grammar.thinking` (a reasoning model's thinking before what the grammar holds). 12: `Grammar` of kind "gbnf".
+/// 13: `Thinking.THINKING_CHANNEL` (Gemma 4's thinking channel before what the grammar holds).
 /// A router accepts this and the
 /// versions back to 4 (`router::cluster::OLDEST_PROTOCOL`), and sends requests that use something newer only to
 /// workers that know it.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// The first protocol whose workers apply `Sampling`'s logits rules.
 pub const LOGITS_RULES_PROTOCOL: u32 = 3;
@@ -149,6 +150,10 @@ pub const THINKING_PROTOCOL: u32 = 11;
 
 /// The first protocol whose workers take a grammar in GBNF (`Grammar::Gbnf`; an older one refuses the kind).
 pub const GBNF_PROTOCOL: u32 = 12;
+
+/// The first protocol whose workers hold a grammar after Gemma 4's thinking channel (`THINKING_CHANNEL`; an older
+/// one refuses the value).
+pub const CHANNEL_PROTOCOL: u32 = 13;
 
 /// What a worker calls its model when nothing else is said (the embedded one).
 pub const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";

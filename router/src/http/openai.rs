@@ -1322,10 +1322,10 @@ mod tests {
         let off = r#","chat_template_kwargs":{"thinking":false}"#;
         assert_eq!((checked(off, Some(DeepSeekV3)).thinking, checked("", Some(DeepSeekV3)).thinking), (None, None));
         assert_eq!(checked(json, Some(DeepSeekV3)).grammar_thinking(), Before::None);
-        // Gemma 4's channel: its markers' text kept; its grammar from the first token.
+        // Gemma 4's channel: its markers' text kept; its grammar after the channel, when the answer opens one.
         let gemma = checked(json, Some(Gemma4));
         assert!(gemma.keep_control && !checked(json, Some(Qwen3)).keep_control);
-        assert_eq!(gemma.grammar_thinking(), Before::None);
+        assert_eq!(gemma.grammar_thinking(), Before::Channel);
         assert_eq!(chat_with("").expect("valid").thinking, None, "no parser");
         let turn = |m: &str| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#);

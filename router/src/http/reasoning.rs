@@ -83,13 +83,11 @@ impl ReasoningParser {
 
     /// Where the answer's thinking comes before what a grammar holds, as the worker applies it: the grammar holds
     /// after the thinking, as vLLM's does with a reasoning parser.
-    /// Gemma 4's channel is not held apart from the grammar: its grammar holds from the first token (Gemma 4 thinks
-    /// only when asked to).
     pub fn before_grammar(self) -> engine::grammar::Thinking {
         match self {
             ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3 => engine::grammar::Thinking::Open,
             ReasoningParser::Qwen3 => engine::grammar::Thinking::Optional,
-            ReasoningParser::Gemma4 => engine::grammar::Thinking::None,
+            ReasoningParser::Gemma4 => engine::grammar::Thinking::Channel,
         }
     }
 
