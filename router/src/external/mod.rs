@@ -442,7 +442,9 @@ impl Engine {
                 let text = self.get(metrics::PATH, timeout).await.ok()?;
                 vllm::capacity_tokens(&String::from_utf8_lossy(&text), self.rank.map(|r| r.rank))
             }
-            EngineKind::Sglang => sglang::capacity_tokens(&self.get_json(sglang::INFO_PATH, timeout).await.ok()?),
+            EngineKind::Sglang => {
+                sglang::capacity_tokens(&self.get_json(sglang::INFO_PATH, timeout).await.ok()?, self.rank.is_some())
+            }
         }
     }
 

@@ -136,11 +136,16 @@ fn token_logprobs(meta: &Value, from: usize, tokens: &[u32]) -> Result<Vec<pb::T
         .collect()
 }
 
-/// Tokens of KV the server holds, from its settings.
-pub fn capacity_tokens(info: &Value) -> Option<u64> {
-    info.get("max_total_num_tokens")
+/// Tokens of KV the server holds, from its settings: one scheduler's pool (`max_total_num_tokens`), which is one
+/// data-parallel rank's (`a_rank`), and for the whole server every rank's (`dp_size` of them, each with a pool of
+/// its own the same size).
+pub fn capacity_tokens(info: &Value, a_rank: bool) -> Option<u64> {
+    let one = info
+        .get("max_total_num_tokens")
         .or_else(|| info.pointer("/internal_states/0/max_total_num_tokens"))
-        .and_then(Value::as_u64)
+        .and_then(Value::as_u64)?;
+    let ranks = if a_rank { 1 } else { info.get("dp_size").and_then(Value::as_u64).unwrap_or(1).max(1) };
+    one.checked_mul(ranks)
 }
 
 #[cfg(test)]
@@ -300,7 +305,10 @@ mod tests {
         assert!(p.push(abort).expect_err("an abort").contains("too long"));
         assert!(p.push("[1,2").is_err());
         assert!(p.push(r#"{"output_ids":[-3]}"#).is_err());
-        assert_eq!(capacity_tokens(&json!({"max_total_num_tokens": 500})), Some(500));
-        assert_eq!(capacity_tokens(&json!({"internal_states": [{"max_total_num_tokens": 7}]})), Some(7));
+        assert_eq!(capacity_tokens(&json!({"max_total_num_tokens": 500}), false), Some(500));
+        assert_eq!(capacity_tokens(&json!({"internal_states": [{"max_total_num_tokens": 7}]}), false), Some(7));
+        // A data-parallel server: a pool per rank.
+        let dp = json!({"max_total_num_tokens": 500, "dp_size": 4});
+        assert_eq!((capacity_tokens(&dp, false), capacity_tokens(&dp, true)), (Some(2000), Some(500)));
     }
 }
