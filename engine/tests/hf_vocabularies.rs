@@ -137,4 +137,9 @@ fn an_exported_vocabulary_imports_back_the_same() {
     other["pre_tokenizer"] = json!({"type": "Metaspace", "replacement": "▁"});
     let e = engine::tokenizer::import::vocabulary_gguf(&other, None).expect_err("refused");
     assert!(e.to_string().contains("Metaspace"), "{e}");
+    // Ids far past the vocabulary's size are refused, not allocated for.
+    let mut sparse = tokenizer.clone();
+    sparse["added_tokens"] = json!([{"id": 4_000_000_000u64, "content": "<far>", "special": true}]);
+    let e = engine::tokenizer::import::vocabulary_gguf(&sparse, None).expect_err("refused");
+    assert!(e.to_string().contains("not 0 to N - 1"), "{e}");
 }

@@ -17,28 +17,35 @@ const TOKEN_TYPE_NORMAL: i32 = 1;
 /// The vocabulary GGUF for `tokenizer` (a parsed `tokenizer.json`) and `config` (a parsed `tokenizer_config.json`,
 /// when there is one: the BOS and EOS tokens, whether prompts start with BOS, the chat template).
 pub fn vocabulary_gguf(tokenizer: &Value, config: Option<&Value>) -> Result<GgufWriter, TokenizerError> {
-    let unsupported = |why: String| TokenizerError::UnsupportedModel(why);
+    let malformed = |why: String| TokenizerError::MalformedJson(why);
     let model = &tokenizer["model"];
     if model["type"] != "BPE" || model["byte_fallback"] == true {
-        return Err(unsupported(format!("a {} model (byte-level BPE only)", model["type"])));
+        let kind = model["type"].as_str().unwrap_or("unnamed");
+        let what = if kind == "BPE" { "BPE with byte fallback".to_string() } else { kind.to_string() };
+        return Err(TokenizerError::UnsupportedModel(what));
     }
     let (pre, name) = pre_tokenizer(&tokenizer["pre_tokenizer"])?;
     if model["ignore_merges"].as_bool().unwrap_or(false) != pre.ignores_merges() {
         return Err(TokenizerError::UnsupportedPre(format!("{name} with ignore_merges {}", model["ignore_merges"])));
     }
-    let vocab = model["vocab"].as_object().ok_or_else(|| unsupported("no model.vocab".into()))?;
+    let vocab = model["vocab"].as_object().ok_or_else(|| malformed("no model.vocab".into()))?;
     let added = tokenizer["added_tokens"].as_array().map(Vec::as_slice).unwrap_or_default();
     let size =
         vocab.values().chain(added.iter().map(|a| &a["id"])).filter_map(Value::as_u64).max().map_or(0, |m| m + 1);
-    let mut tokens = vec![None; usize::try_from(size).map_err(|_| unsupported("too many tokens".into()))?];
+    // Ids are 0 to N - 1, each named once or more: no more of them than names.
+    if size > (vocab.len() + added.len()) as u64 {
+        let why = format!("token ids up to {} for {} tokens: ids are not 0 to N - 1", size - 1, vocab.len());
+        return Err(malformed(why));
+    }
+    let mut tokens = vec![None; size as usize];
     let mut types = vec![TOKEN_TYPE_NORMAL; tokens.len()];
     for (text, id) in vocab {
-        let id = id.as_u64().ok_or_else(|| unsupported(format!("token {text:?} has id {id}")))?;
+        let id = id.as_u64().ok_or_else(|| malformed(format!("token {text:?} has id {id}")))?;
         tokens[id as usize] = Some(text.clone());
     }
     for a in added {
         let (Some(id), Some(text)) = (a["id"].as_u64(), a["content"].as_str()) else {
-            return Err(unsupported(format!("an added token without id or content: {a}")));
+            return Err(malformed(format!("an added token without id or content: {a}")));
         };
         tokens[id as usize] = Some(text.to_string());
         types[id as usize] = if a["special"] == true { TOKEN_TYPE_CONTROL } else { TOKEN_TYPE_USER_DEFINED } as i32;
@@ -46,11 +53,11 @@ pub fn vocabulary_gguf(tokenizer: &Value, config: Option<&Value>) -> Result<Gguf
     let tokens = tokens
         .into_iter()
         .enumerate()
-        .map(|(id, t)| t.ok_or_else(|| unsupported(format!("no token has id {id}"))))
+        .map(|(id, t)| t.ok_or_else(|| malformed(format!("no token has id {id}"))))
         .collect::<Result<Vec<String>, _>>()?;
     let merges = model["merges"]
         .as_array()
-        .ok_or_else(|| unsupported("no model.merges".into()))?
+        .ok_or_else(|| malformed("no model.merges".into()))?
         .iter()
         .map(|m| match m {
             // Older files write each merge as "a b", newer ones as ["a", "b"].
@@ -62,7 +69,7 @@ pub fn vocabulary_gguf(tokenizer: &Value, config: Option<&Value>) -> Result<Gguf
             _ => None,
         })
         .collect::<Option<Vec<String>>>()
-        .ok_or_else(|| unsupported("a merge that is not two tokens".into()))?;
+        .ok_or_else(|| malformed("a merge that is not two tokens".into()))?;
     let id_of = |key: &str| {
         let token = config.map(|c| &c[key]).and_then(|t| t.as_str().or_else(|| t["content"].as_str()))?;
         tokens.iter().position(|t| t == token).map(|i| i as u32)

@@ -56,6 +56,8 @@ pub enum TokenizerError {
     UnsupportedModel(String),
     #[error("tokenizer pre-tokenizer {0:?} is not supported")]
     UnsupportedPre(String),
+    #[error("tokenizer.json: {0}")]
+    MalformedJson(String),
     #[error("tokenizer merge {index} ({merge:?}) {what}")]
     BadMerge { index: usize, merge: String, what: &'static str },
 }
