@@ -492,8 +492,9 @@ impl Api {
             "tool_choice" => {
                 // `none`: text, though tools are given; `auto` needs a parser of the model's calls: refused.
                 let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+                // (Sampled: the answer may end before max_tokens, as it did once in CI.)
                 let (text, _, finish) = self.answer(json!({"tools": tools, "tool_choice": "none"})).await;
-                assert!(!text.is_empty() && finish == "length", "{text:?} {finish}");
+                assert!(!text.is_empty() && ["length", "stop"].contains(&finish.as_str()), "{text:?} {finish}");
                 let r = self.send(json!({"tools": tools, "tool_choice": "auto"})).await;
                 assert_eq!((r.status, r.json()["error"]["param"].clone()), (400, json!("tool_choice")), "{}", r.body);
             }
