@@ -13,6 +13,7 @@ pub mod sglang;
 pub mod sse;
 pub mod vllm;
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -271,6 +272,24 @@ pub struct Engine {
     pub isolated: bool,
     /// How the server orders requests by priority, when it was started to (`None`: it refuses priorities).
     pub priority: Option<PriorityOrder>,
+    /// What the server's ranks last read from it (health, metrics, settings), shared by them: each rank polls
+    /// the one server, which answers once for all of them ([`Polled`]). `None` for a server followed whole.
+    polled: Option<Arc<Polled>>,
+}
+
+/// A server's last answers to the GETs its ranks poll, by path, with when each came: a rank asking for a path whose
+/// answer is fresher than [`Polled::FRESH`] takes that answer (an error too) instead of asking again. One rank asks
+/// at a time, so ranks polling together (their periods start together) make one request.
+#[derive(Debug, Default)]
+struct Polled(tokio::sync::Mutex<HashMap<String, Answer>>);
+
+/// When an answer came, and what it was.
+type Answer = (Instant, Result<Bytes, String>);
+
+impl Polled {
+    /// How long an answer serves the other ranks: well under any health period, well over the spread of ranks
+    /// polling together.
+    const FRESH: Duration = Duration::from_millis(100);
 }
 
 /// The order a server started with priority scheduling serves priorities in (vLLM's `--scheduling-policy
@@ -326,6 +345,7 @@ impl Engine {
             rank: None,
             isolated: false,
             priority: None,
+            polled: None,
         })
     }
 
@@ -361,6 +381,7 @@ impl Engine {
         if self.kind == EngineKind::LlamaServer {
             return Err(format!("{}: llama-server has no data-parallel ranks", self.url));
         }
+        let polled = Arc::new(Polled::default());
         (0..ranks)
             .map(|rank| {
                 let events = self.events.as_ref().map(|s| s.for_rank(rank)).transpose()?;
@@ -373,6 +394,7 @@ impl Engine {
                     rank: Some(Rank { rank, of: ranks }),
                     isolated: self.isolated,
                     priority: self.priority,
+                    polled: Some(Arc::clone(&polled)),
                 })
             })
             .collect()
@@ -408,7 +430,22 @@ impl Engine {
         &self.authority
     }
 
+    /// GETs `path` (a poll: health, metrics, settings); for a rank, the server's answer to another rank's GET of
+    /// the same moment when there is one ([`Polled`]).
     async fn get(&self, path: &str, timeout: Duration) -> Result<Bytes, String> {
+        let Some(polled) = &self.polled else { return self.fetch(path, timeout).await };
+        let mut answers = polled.0.lock().await;
+        if let Some((at, answer)) = answers.get(path)
+            && at.elapsed() < Polled::FRESH
+        {
+            return answer.clone();
+        }
+        let answer = self.fetch(path, timeout).await;
+        answers.insert(path.to_string(), (Instant::now(), answer.clone()));
+        answer
+    }
+
+    async fn fetch(&self, path: &str, timeout: Duration) -> Result<Bytes, String> {
         let work = async {
             let req = hyper::Request::get(path);
             let (resp, _conn) = http::send(&self.authority, req, Bytes::new()).await?;
@@ -677,6 +714,38 @@ mod tests {
         assert_eq!(sent(Some(HigherFirst), -3), Some(serde_json::json!(3)), "Tandem's first is the server's first");
         assert_eq!(sent(Some(HigherFirst), 0), None);
         assert_eq!(sent(None, 5), None);
+    }
+
+    /// A server's ranks poll it together and it answers once; later, or followed whole, it is asked each time.
+    #[tokio::test]
+    async fn ranks_polling_together_ask_their_server_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let url = format!("http://{}", listener.local_addr().expect("an address"));
+        let asked = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&asked);
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    let _ = conn.read(&mut buf).await;
+                    let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+                });
+            }
+        });
+        let timeout = Duration::from_secs(5);
+        let ranks = Engine::new(&url, EngineKind::Vllm).expect("a URL").ranks(4).expect("ranks");
+        let all = futures_util::future::join_all(ranks.iter().map(|r| r.healthy(timeout))).await;
+        assert!(all.iter().all(|&h| h));
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "four ranks, one request");
+        tokio::time::sleep(Polled::FRESH * 2).await;
+        assert!(ranks[2].healthy(timeout).await);
+        assert_eq!(asked.load(Ordering::SeqCst), 2, "a later poll asks again");
+        let whole = Engine::new(&url, EngineKind::Vllm).expect("a URL");
+        assert!(whole.healthy(timeout).await && whole.healthy(timeout).await);
+        assert_eq!(asked.load(Ordering::SeqCst), 4, "a server followed whole is asked each time");
     }
 
     #[test]
