@@ -109,6 +109,43 @@ fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
     // Its turn markers are tokens of their own, not text.
     let turn = tok.encode("<｜User｜>Hi<｜Assistant｜>");
     assert_eq!(turn.len(), 3, "{turn:?}");
+    // With DeepSeek V3.1's chat template (its directory has none: `tandem model vocab --chat-template`), a
+    // conversation that called a tool renders and tokenizes with the call's markers as their own tokens, as the
+    // router reads them back (`deepseek_v31`), and decodes to the same text.
+    let template =
+        std::fs::read_to_string(common::llama_cpp_models().join("templates/deepseek-ai-DeepSeek-V3.1.jinja"))
+            .expect("the template");
+    let mut config = config.clone();
+    config["chat_template"] = template.into();
+    let dir = scratch("deepseek-chat");
+    let gguf =
+        engine::tokenizer::import::vocabulary_gguf(&read("tokenizer.json"), Some(&config)).expect("a vocabulary");
+    gguf.write(&dir.join("vocab.gguf")).expect("written");
+    let text = engine::text::TextModel::open(&dir.join("vocab.gguf")).expect("a text model");
+    let call = engine::chat::ChatMessage {
+        tool_calls: Some(json!([{"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": {"city": "Oslo"}}}])),
+        ..engine::chat::ChatMessage::new("assistant", "")
+    };
+    let answer = engine::chat::ChatMessage {
+        tool_call_id: Some("call_1".into()),
+        ..engine::chat::ChatMessage::new("tool", "Rain.")
+    };
+    let rendered = text
+        .render_chat(&[engine::chat::ChatMessage::new("user", "Weather in Oslo?"), call, answer])
+        .expect("the template renders");
+    assert!(
+        rendered.contains("<｜tool▁call▁begin｜>weather<｜tool▁sep｜>{\"city\": \"Oslo\"}<｜tool▁call▁end｜>"),
+        "{rendered}"
+    );
+    let tok = text.tokenizer();
+    let ids = tok.encode_prompt(&rendered, true, None);
+    for marker in ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"]
+    {
+        let id = tok.special_id(marker).expect("a token of its own");
+        assert_eq!(ids.iter().filter(|&&i| i == id).count(), 1, "{marker} in {ids:?}");
+    }
+    assert_eq!(tok.decode(&ids), rendered);
 }
 
 /// A vocabulary written out as Hugging Face's files reads back as the same tokenizer, and Hugging Face's library

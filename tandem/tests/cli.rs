@@ -197,6 +197,12 @@ fn a_tokenizer_directory_becomes_a_vocabulary_the_router_reads() {
         m.tokenizer().encode_prompt(&text, true, None)
     };
     assert_eq!(render(&vocab), render(&model), "the same template and tokens");
+    // A template of one's own, for a directory whose config has none.
+    let own = dir.join("own.jinja");
+    std::fs::write(&own, "{{ '[' + messages[0]['content'] + ']' }}").expect("written");
+    let made = tandem(&["model", "vocab", hf_s, "--out", out_s, "--chat-template", own.to_str().expect("utf-8")]);
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert_eq!(open(out_s).render_chat(&messages).expect("renders"), "[Grüße! What is 12345 + 678?]");
     fails_with(&["model", "vocab", dir.to_str().expect("utf-8"), "--out", out_s], &["no tokenizer.json"]);
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("tokenizer.json")).expect("written")).expect("json");

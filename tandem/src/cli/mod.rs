@@ -96,6 +96,10 @@ enum ModelCommand {
         /// File to write.
         #[arg(long, value_name = "PATH")]
         out: PathBuf,
+        /// A Jinja chat template file to use instead of tokenizer_config.json's (for a directory without one, as
+        /// DeepSeek V4's).
+        #[arg(long, value_name = "FILE")]
+        chat_template: Option<PathBuf>,
     },
     /// Write a GGUF model as a Hugging Face model directory (config.json, model.safetensors in f16, tokenizer
     /// files), for transformers and PyTorch to run the same weights (the GPU check's PyTorch baseline).
@@ -212,7 +216,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
             println!("{}", dir.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Model { command: ModelCommand::Vocab { dir, out } } => {
+        Command::Model { command: ModelCommand::Vocab { dir, out, chat_template } } => {
             let read = |name: &str| -> Result<Option<serde_json::Value>, String> {
                 let path = dir.join(name);
                 match std::fs::read_to_string(&path) {
@@ -222,7 +226,12 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
                 }
             };
             let tokenizer = read("tokenizer.json")?.ok_or_else(|| format!("{}: no tokenizer.json", display(&dir)))?;
-            let gguf = engine::tokenizer::import::vocabulary_gguf(&tokenizer, read("tokenizer_config.json")?.as_ref())
+            let mut config = read("tokenizer_config.json")?;
+            if let Some(path) = &chat_template {
+                let template = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", display(path)))?;
+                config.get_or_insert_with(|| serde_json::json!({}))["chat_template"] = template.into();
+            }
+            let gguf = engine::tokenizer::import::vocabulary_gguf(&tokenizer, config.as_ref())
                 .map_err(|e| format!("{}: {e}", display(&dir)))?;
             gguf.write(&out).map_err(|e| format!("{}: {e}", display(&out)))?;
             // What was written is what the router will read.
