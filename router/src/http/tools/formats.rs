@@ -160,16 +160,22 @@ impl ToolParser {
     pub(super) fn next_calls(self, rest: &str, functions: &[Function], end: bool) -> Option<(Vec<Call>, usize)> {
         let skipped = rest.len() - rest.trim_start().len();
         let (calls, tail) = match self {
-            ToolParser::Hermes => block(&rest[skipped..], end, |body| hermes(body, functions))?,
-            ToolParser::Qwen3Coder => block(&rest[skipped..], end, |body| qwen3_coder(body, functions))?,
+            ToolParser::Hermes => block(&rest[skipped..], (OPEN, CLOSE), end, |body| hermes(body, functions))?,
+            ToolParser::Qwen3Coder => block(&rest[skipped..], (OPEN, CLOSE), end, |body| qwen3_coder(body, functions))?,
             ToolParser::Mistral => mistral(&rest[skipped..], functions)?,
             ToolParser::Gemma4 => {
                 let (name, arguments, used) = gemma4::call(&rest[skipped..], end)?;
                 let name = known(functions, &name)?.name.clone();
                 (vec![(name, arguments.to_string())], &rest[skipped + used..])
             }
-            ToolParser::DeepSeekV3 => deepseek(&rest[skipped..], end, |body| deepseek_v3(body, functions))?,
-            ToolParser::DeepSeekV31 => deepseek(&rest[skipped..], end, |body| deepseek_v31(body, functions))?,
+            ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => {
+                let text = unwrapped(&rest[skipped..], &[DEEPSEEK_CALLS]);
+                let body = |body: &str| match self {
+                    ToolParser::DeepSeekV3 => deepseek_v3(body, functions),
+                    _ => deepseek_v31(body, functions),
+                };
+                block(text, (DEEPSEEK_CALL, DEEPSEEK_CALL_END), end, body)?
+            }
             ToolParser::DeepSeekDsml => dsml(&rest[skipped..], end, functions)?,
             ToolParser::Llama3Json | ToolParser::Pythonic => return None,
         };
@@ -267,29 +273,29 @@ pub(super) fn json_prefix(s: &str) -> Option<(Value, &str)> {
 /// A call by name and arguments as JSON text.
 pub type Call = (String, String);
 
-/// The Hermes block `text` opens with, read by `call`, and the text after it; a block not closed stands at the `end`
-/// only.
-fn block(text: &str, end: bool, call: impl FnOnce(&str) -> Option<Call>) -> Option<(Vec<Call>, &str)> {
-    let open = text.strip_prefix(OPEN)?;
-    let (body, after) = match open.find(CLOSE) {
-        Some(at) => (&open[..at], &open[at + CLOSE.len()..]),
-        None if end => (open, ""),
-        None => return None,
-    };
+/// The block `text` opens with, between `markers` (its opening and closing), read by `call` from its body trimmed,
+/// and the text after it.
+fn block<'t>(
+    text: &'t str,
+    markers: (&str, &str),
+    end: bool,
+    call: impl FnOnce(&str) -> Option<Call>,
+) -> Option<(Vec<Call>, &'t str)> {
+    let (body, after) = until_close(text.strip_prefix(markers.0)?, markers.1, end)?;
     Some((vec![call(body.trim())?], after))
 }
 
-/// The DeepSeek call `text` opens with (after the calls' opening marker, for the first), read by `call`, and the
-/// text after it; a call not closed stands at the `end` only.
-fn deepseek(text: &str, end: bool, call: impl FnOnce(&str) -> Option<Call>) -> Option<(Vec<Call>, &str)> {
-    let text = text.strip_prefix(DEEPSEEK_CALLS).map_or(text, str::trim_start);
-    let open = text.strip_prefix(DEEPSEEK_CALL)?;
-    let (body, after) = match open.find(DEEPSEEK_CALL_END) {
-        Some(at) => (&open[..at], &open[at + DEEPSEEK_CALL_END.len()..]),
-        None if end => (open, ""),
-        None => return None,
-    };
-    Some((vec![call(body)?], after))
+/// A call's body (`text` up to `close`) and the text after it; a body not closed stands at the `end` only.
+fn until_close<'t>(text: &'t str, close: &str, end: bool) -> Option<(&'t str, &'t str)> {
+    match text.find(close) {
+        Some(at) => Some((&text[..at], &text[at + close.len()..])),
+        None => end.then_some((text, "")),
+    }
+}
+
+/// `text` without the calls' wrapper it opens with, when it opens with one of `wrappers` (the first call's).
+fn unwrapped<'t>(text: &'t str, wrappers: &[&str]) -> &'t str {
+    wrappers.iter().find_map(|w| text.strip_prefix(w)).map_or(text, str::trim_start)
 }
 
 /// A DeepSeek V3 call's body: `function<｜tool▁sep｜>NAME`, then the arguments' JSON object in a ```json block.
@@ -313,14 +319,8 @@ fn deepseek_v31(body: &str, functions: &[Function]) -> Option<Call> {
 /// The DSML call `text` opens with (after the calls' wrapper, for the first), and the text after it; a call not
 /// closed stands at the `end` only.
 fn dsml<'t>(text: &'t str, end: bool, functions: &[Function]) -> Option<(Vec<Call>, &'t str)> {
-    let text = DSML_CALLS.iter().find_map(|w| text.strip_prefix(w)).map_or(text, str::trim_start);
-    let (name, open) = text.strip_prefix(DSML_INVOKE)?.split_once('"')?;
-    let open = open.trim_start().strip_prefix('>')?;
-    let (mut body, after) = match open.find(DSML_INVOKE_END) {
-        Some(at) => (&open[..at], &open[at + DSML_INVOKE_END.len()..]),
-        None if end => (open, ""),
-        None => return None,
-    };
+    let (name, open) = unwrapped(text, &DSML_CALLS).strip_prefix(DSML_INVOKE)?.split_once('"')?;
+    let (mut body, after) = until_close(open.trim_start().strip_prefix('>')?, DSML_INVOKE_END, end)?;
     let function = known(functions, name)?;
     let mut arguments = serde_json::Map::new();
     loop {
