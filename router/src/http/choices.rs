@@ -778,8 +778,8 @@ enum CallStream {
         read: usize,
         made: usize,
     },
-    /// The model's own calls, and how many went out.
-    Auto(AutoStream, usize),
+    /// The model's own calls.
+    Auto(AutoStream),
 }
 
 impl CallStream {
@@ -788,7 +788,7 @@ impl CallStream {
             None => CallStream::Text,
             Some(CallMode::Named(name)) => CallStream::Named { name: name.clone(), opened: false },
             Some(CallMode::Required) => CallStream::Required { held: String::new(), read: 0, made: 0 },
-            Some(CallMode::Auto(choosing)) => CallStream::Auto(AutoStream::new(choosing.clone()), 0),
+            Some(CallMode::Auto(choosing)) => CallStream::Auto(AutoStream::new(choosing.clone())),
         }
     }
 
@@ -811,14 +811,15 @@ impl CallStream {
                     && let Some((call, used)) = tools::required_next(&held[*read..])
                 {
                     *read += used;
-                    out.extend(call_chunks(head, made, std::slice::from_ref(&call)));
+                    out.extend(call_chunks(head, *made, std::slice::from_ref(&call)));
+                    *made += 1;
                 }
             }
-            CallStream::Auto(auto, made) => {
+            CallStream::Auto(auto) => {
                 let sent = auto.push(s);
                 let text = (!sent.content.is_empty()).then_some(sent.content.as_str());
                 out.extend((text.is_some() || first || !lps.is_null()).then(|| head.chunk(text, None, first, lps)));
-                out.extend(call_chunks(head, made, &sent.calls));
+                out.extend(call_chunks(head, sent.first, &sent.calls));
             }
         }
     }
@@ -837,31 +838,26 @@ impl CallStream {
             CallStream::Required { held, made, .. } => {
                 held.push_str(rest);
                 match tools::calls(&CallMode::Required, held) {
-                    Some(all) => {
-                        let sent = *made;
-                        (call_chunks(head, made, &all.calls[sent.min(all.calls.len())..]).collect(), true)
-                    }
+                    Some(all) => (call_chunks(head, *made, &all.calls[(*made).min(all.calls.len())..]).collect(), true),
                     None if held.is_empty() => (Vec::new(), false),
                     None => (vec![content(held)], false),
                 }
             }
-            CallStream::Auto(auto, made) => {
+            CallStream::Auto(auto) => {
                 let sent = auto.end(rest);
                 let mut chunks: Vec<String> =
                     (!sent.content.is_empty()).then(|| content(&sent.content)).into_iter().collect();
-                chunks.extend(call_chunks(head, made, &sent.calls));
-                (chunks, *made > 0)
+                chunks.extend(call_chunks(head, sent.first, &sent.calls));
+                (chunks, auto.calls() > 0)
             }
         }
     }
 }
 
-/// The chunks of whole `calls`, numbered on from `made` (the calls that went out before), which they add to.
-fn call_chunks<'a>(head: &'a Head, made: &'a mut usize, calls: &'a [tools::Call]) -> impl Iterator<Item = String> + 'a {
-    calls.iter().map(move |(name, arguments)| {
-        *made += 1;
-        head.call_chunk(*made - 1, Some(name), arguments, false, &Value::Null)
-    })
+/// The chunks of whole `calls`, numbered on from `first` (the calls that went out before).
+fn call_chunks<'a>(head: &'a Head, first: usize, calls: &'a [tools::Call]) -> impl Iterator<Item = String> + 'a {
+    let each = calls.iter().enumerate();
+    each.map(move |(k, (name, arguments))| head.call_chunk(first + k, Some(name), arguments, false, &Value::Null))
 }
 
 /// A streamed piece of text `s` (the `last`, with whatever was held back) split by the answer's thinking, when it

@@ -279,11 +279,13 @@ pub struct AutoStream {
     calls: usize,
 }
 
-/// What goes out for a piece of a streamed answer: its content, and the calls it made whole.
+/// What goes out for a piece of a streamed answer: its content, and the calls it made whole (numbered on from
+/// `first`, the calls that went out before).
 #[derive(Debug, Default, PartialEq)]
 pub struct Sent {
     pub content: String,
     pub calls: Vec<Call>,
+    pub first: usize,
 }
 
 impl AutoStream {
@@ -295,9 +297,10 @@ impl AutoStream {
     pub fn push(&mut self, s: &str) -> Sent {
         self.text.push_str(s);
         let parser = self.choosing.parser;
+        let first = self.calls;
         if self.held {
             let calls = if parser.may_close(s) { self.whole_calls() } else { Vec::new() };
-            return Sent { content: String::new(), calls };
+            return Sent { content: String::new(), calls, first };
         }
         let to = match parser.scan(&self.text, self.sent) {
             Scan::Opens(at) => {
@@ -310,7 +313,12 @@ impl AutoStream {
         self.sent = to;
         // The piece that opens a call may close it too.
         let calls = if self.held { self.whole_calls() } else { Vec::new() };
-        Sent { content, calls }
+        Sent { content, calls, first }
+    }
+
+    /// How many calls went out.
+    pub fn calls(&self) -> usize {
+        self.calls
     }
 
     /// At the end, with the last piece `rest`: the content still to send (whatever was held, when it made no calls)
@@ -318,7 +326,10 @@ impl AutoStream {
     pub fn end(&mut self, rest: &str) -> Sent {
         let mut sent = self.push(rest);
         match self.held.then(|| self.choosing.parse(&self.text)).flatten() {
-            Some(made) => sent.calls.extend(made.calls.into_iter().skip(self.calls)),
+            Some(made) => {
+                sent.calls.extend(made.calls.into_iter().skip(self.calls));
+                self.calls = sent.first + sent.calls.len();
+            }
             // Calls that went out were the whole answer's: it makes some.
             None if self.calls > 0 => {}
             // Held back as the start of a marker, or opening what is no call.
@@ -534,6 +545,11 @@ pub(super) mod tests {
         assert_eq!(ids[5], CallIds::Mistral.id("chatcmpl-00ab", 1, 1), "the same call, the same id");
     }
 
+    /// Nothing to send.
+    fn nothing(s: &Sent) -> bool {
+        s.content.is_empty() && s.calls.is_empty()
+    }
+
     /// Streamed, content goes out as it comes up to a call's opening, which is held with everything after it until
     /// the call is whole; the pieces add up to the whole answer's content and calls, however the text is cut.
     #[test]
@@ -552,14 +568,14 @@ pub(super) mod tests {
                 calls.extend(sent.calls);
             }
             assert_eq!(calls, vec![("now".into(), "{}".into())], "cut {cut}: out once closed");
-            assert_eq!(s.end(""), Sent::default(), "cut {cut}");
+            assert!(nothing(&s.end("")), "cut {cut}");
             assert_eq!(content, "Sure <tool> tag? ", "cut {cut}");
         }
         // Not a call after all: the held text is content.
         let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, functions, parallel: true });
         assert_eq!(s.push("a <tool_").content, "a ");
-        assert_eq!(s.push("call>oops"), Sent::default());
-        assert_eq!(s.end(" end"), Sent { content: "<tool_call>oops end".to_string(), calls: vec![] });
+        assert!(nothing(&s.push("call>oops")));
+        assert_eq!(s.end(" end"), Sent { content: "<tool_call>oops end".to_string(), ..Sent::default() });
     }
 
     /// Each marked call goes out once it is whole, the first before the second is written; a call of no tool ends
@@ -571,13 +587,13 @@ pub(super) mod tests {
         let made = |zone: &str| ("now".to_string(), format!(r#"{{"zone":"{zone}"}}"#));
         for parallel in [true, false] {
             let mut s = AutoStream::new(Choosing { parser: ToolParser::Hermes, functions: known(&["now"]), parallel });
-            assert_eq!(s.push("Checking. "), Sent { content: "Checking. ".into(), calls: vec![] });
-            assert_eq!(s.push(&call("UTC")[..20]), Sent::default(), "not whole yet");
+            assert_eq!(s.push("Checking. "), Sent { content: "Checking. ".into(), ..Sent::default() });
+            assert!(nothing(&s.push(&call("UTC")[..20])), "not whole yet");
             assert_eq!(s.push(&call("UTC")[20..]).calls, vec![made("UTC")]);
             assert_eq!(s.push(&format!("\n{}", call("CET"))).calls, if parallel { vec![made("CET")] } else { vec![] });
-            assert_eq!(s.push(r#"<tool_call>{"name": "rain"}</tool_call>"#), Sent::default(), "not a call");
-            assert_eq!(s.push(&call("EST")), Sent::default(), "after one that is not a call");
-            assert_eq!(s.end(" Done."), Sent::default(), "what follows the calls is left out");
+            assert!(nothing(&s.push(r#"<tool_call>{"name": "rain"}</tool_call>"#)), "not a call");
+            assert!(nothing(&s.push(&call("EST"))), "after one that is not a call");
+            assert!(nothing(&s.end(" Done.")), "what follows the calls is left out");
         }
         // Mistral's calls are whole when their JSON is.
         let mut s =
