@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use engine::gguf::GgufFile;
+use engine::text::TextModel;
 use engine::tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
@@ -39,13 +39,14 @@ fn reference(path: &Path, texts: &[String]) -> Vec<Vec<u32>> {
     serde_json::from_slice(&out.stdout).expect("a JSON list of ids")
 }
 
-/// The vocabulary GGUF of a `tokenizer.json` (and its `tokenizer_config.json`), written in `dir` and read back.
-fn imported(tokenizer: &Value, config: Option<&Value>, dir: &Path) -> Tokenizer {
+/// The vocabulary GGUF of a `tokenizer.json` (and its `tokenizer_config.json`), written in `dir` and read back as a
+/// router reads it.
+fn imported(tokenizer: &Value, config: Option<&Value>, dir: &Path) -> TextModel {
     let gguf =
         engine::tokenizer::import::vocabulary_gguf(tokenizer, config).expect("a vocabulary this tokenizer reads");
     let path = dir.join("vocab.gguf");
     gguf.write(&path).expect("the GGUF is written");
-    Tokenizer::from_gguf(&GgufFile::open(&path).expect("the GGUF opens")).expect("the tokenizer loads")
+    TextModel::open(&path).expect("the vocabulary loads")
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -92,7 +93,8 @@ fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
         serde_json::from_str(&text).expect("JSON")
     };
     let (json_path, config) = (package.join("tokenizer.json"), read("tokenizer_config.json"));
-    let tok = imported(&read("tokenizer.json"), Some(&config), &scratch("deepseek"));
+    let deepseek = imported(&read("tokenizer.json"), Some(&config), &scratch("deepseek"));
+    let tok = deepseek.tokenizer();
     assert_eq!(tok.vocab_size(), 129_280);
     assert_eq!(tok.special().bos, Some(0), "<｜begin▁of▁sentence｜>");
     let texts = texts();
@@ -117,11 +119,7 @@ fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
             .expect("the template");
     let mut config = config.clone();
     config["chat_template"] = template.into();
-    let dir = scratch("deepseek-chat");
-    let gguf =
-        engine::tokenizer::import::vocabulary_gguf(&read("tokenizer.json"), Some(&config)).expect("a vocabulary");
-    gguf.write(&dir.join("vocab.gguf")).expect("written");
-    let text = engine::text::TextModel::open(&dir.join("vocab.gguf")).expect("a text model");
+    let text = imported(&read("tokenizer.json"), Some(&config), &scratch("deepseek-chat"));
     let call = engine::chat::ChatMessage {
         tool_calls: Some(json!([{"id": "call_1", "type": "function",
             "function": {"name": "weather", "arguments": {"city": "Oslo"}}}])),
@@ -156,6 +154,7 @@ fn an_exported_vocabulary_imports_back_the_same() {
     let (tokenizer, config) = engine::tokenizer::export::hugging_face_files(&file).expect("exported");
     let dir = scratch("roundtrip");
     let back = imported(&tokenizer, Some(&config), &dir);
+    let back = back.tokenizer();
     let ours = Tokenizer::from_gguf(&file).expect("the model's tokenizer");
     let texts = texts();
     let json_path = dir.join("tokenizer.json");
