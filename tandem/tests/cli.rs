@@ -203,11 +203,59 @@ fn a_tokenizer_directory_becomes_a_vocabulary_the_router_reads() {
     let made = tandem(&["model", "vocab", hf_s, "--out", out_s, "--chat-template", own.to_str().expect("utf-8")]);
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     assert_eq!(open(out_s).render_chat(&messages).expect("renders"), "[Grüße! What is 12345 + 678?]");
-    fails_with(&["model", "vocab", dir.to_str().expect("utf-8"), "--out", out_s], &["no tokenizer.json"]);
+    // The template file transformers writes beside the others comes before tokenizer_config.json's.
+    std::fs::copy(&own, hf.join("chat_template.jinja")).expect("copied");
+    assert!(tandem(&["model", "vocab", hf_s, "--out", out_s]).status.success());
+    assert_eq!(open(out_s).render_chat(&messages).expect("renders"), "[Grüße! What is 12345 + 678?]");
+    fails_with(
+        &["model", "vocab", dir.to_str().expect("utf-8"), "--out", out_s],
+        &["no tokenizer.json or tekken.json"],
+    );
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("tokenizer.json")).expect("written")).expect("json");
     json["pre_tokenizer"] = serde_json::json!({"type": "Metaspace", "replacement": "▁"});
     std::fs::write(hf.join("tokenizer.json"), json.to_string()).expect("written");
     fails_with(&["model", "vocab", hf_s, "--out", out_s], &["Metaspace"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A directory with Mistral's `tekken.json` and no `tokenizer.json` becomes a vocabulary GGUF: ids past the special
+/// ones, the special tokens (mistral_common's defaults for a file that lists none) as tokens of their own, a token
+/// the ranks make from its bytes. A pattern other than Tekken's is refused by name. (Mistral's real files against
+/// mistral_common: `engine/tests/hf_vocabularies.rs`.)
+#[test]
+fn a_tekken_directory_becomes_a_vocabulary_the_router_reads() {
+    use base64::Engine as _;
+    let dir = std::env::temp_dir().join(format!("tandem-tekken-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let (out, d) = (dir.join("vocab.gguf"), dir.to_str().expect("utf-8"));
+    let b64 = |t: &[u8]| base64::engine::general_purpose::STANDARD.encode(t);
+    let mut vocab: Vec<serde_json::Value> =
+        (0..=255u8).map(|b| serde_json::json!({"rank": b, "token_bytes": b64(&[b]), "token_str": null})).collect();
+    for t in ["ll", "He", "llo", "Hello", " w", " wor", "ld", " world", "unused"] {
+        vocab.push(serde_json::json!({"rank": vocab.len(), "token_bytes": b64(t.as_bytes()), "token_str": t}));
+    }
+    let pattern = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // 30 ids for special tokens, the last listed token ("unused") cut off, as mistral_common cuts.
+    let mut tekken = serde_json::json!({
+        "config": {"pattern": pattern, "num_vocab_tokens": vocab.len(), "default_vocab_size": 30 + vocab.len() - 1,
+            "default_num_special_tokens": 30, "version": "v3"},
+        "vocab": vocab,
+    });
+    std::fs::write(dir.join("tekken.json"), tekken.to_string()).expect("written");
+    let made = tandem(&["model", "vocab", d, "--out", out.to_str().expect("utf-8")]);
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert!(String::from_utf8_lossy(&made.stdout).contains(&format!("{} tokens", 30 + 256 + 8)), "{made:?}");
+    let text = engine::text::TextModel::open(&out).expect("opens");
+    let tok = text.tokenizer();
+    let (hello, world) = (30 + 256 + 3, 30 + 256 + 7);
+    assert_eq!(tok.encode("Hello world"), [1, hello, world], "BOS, then each piece merged whole");
+    assert_eq!(tok.encode("[INST]Hello[/INST]"), [1, 3, hello, 4], "the instruction markers are tokens");
+    assert_eq!(tok.special_id("<SPECIAL_29>"), Some(29), "fillers up to the special ids");
+    assert_eq!(tok.decode(&[hello, world]), "Hello world");
+    tekken["config"]["pattern"] = r"\p{L}+|\s+".into();
+    std::fs::write(dir.join("tekken.json"), tekken.to_string()).expect("written");
+    fails_with(&["model", "vocab", d, "--out", out.to_str().expect("utf-8")], &["Tekken pattern"]);
     let _ = std::fs::remove_dir_all(&dir);
 }

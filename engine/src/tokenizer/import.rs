@@ -12,7 +12,7 @@ use crate::gguf::GgufWriter;
 use crate::gguf::{MetaArray, MetaValue};
 
 /// A normal token's GGUF type.
-const TOKEN_TYPE_NORMAL: i32 = 1;
+pub(super) const TOKEN_TYPE_NORMAL: i32 = 1;
 
 /// The vocabulary GGUF for `tokenizer` (a parsed `tokenizer.json`) and `config` (a parsed `tokenizer_config.json`,
 /// when there is one: the BOS and EOS tokens, whether prompts start with BOS, the chat template).
@@ -75,25 +75,44 @@ pub fn vocabulary_gguf(tokenizer: &Value, config: Option<&Value>) -> Result<Gguf
         tokens.iter().position(|t| t == token).map(|i| i as u32)
     };
     let (bos, eos) = (id_of("bos_token"), id_of("eos_token"));
+    let add_bos = config.and_then(|c| c["add_bos_token"].as_bool()).unwrap_or(false);
+    Ok(write(Vocabulary { pre: name, tokens, types, merges, bos, eos, add_bos }, config))
+}
+
+/// What a byte-level BPE vocabulary GGUF holds.
+pub(super) struct Vocabulary {
+    /// The pre-tokenizer's GGUF name.
+    pub pre: &'static str,
+    /// Each token's text (byte-level BPE's spelling of its bytes; a special token's own text), by id.
+    pub tokens: Vec<String>,
+    pub types: Vec<i32>,
+    /// `"left right"`, the first the most preferred.
+    pub merges: Vec<String>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+}
+
+/// The GGUF of `v`, with the chat template `config` (a parsed `tokenizer_config.json`) gives.
+pub(super) fn write(v: Vocabulary, config: Option<&Value>) -> GgufWriter {
     let mut w = GgufWriter::new();
     w.meta("general.architecture", MetaValue::String("llama".into()))
         .meta("general.type", MetaValue::String("vocab".into()))
         .meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
-        .meta("tokenizer.ggml.pre", MetaValue::String(name.into()))
-        .meta("tokenizer.ggml.tokens", MetaValue::Array(MetaArray::String(tokens)))
-        .meta("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(types)))
-        .meta("tokenizer.ggml.merges", MetaValue::Array(MetaArray::String(merges)));
-    for (key, id) in [("tokenizer.ggml.bos_token_id", bos), ("tokenizer.ggml.eos_token_id", eos)] {
+        .meta("tokenizer.ggml.pre", MetaValue::String(v.pre.into()))
+        .meta("tokenizer.ggml.tokens", MetaValue::Array(MetaArray::String(v.tokens)))
+        .meta("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(v.types)))
+        .meta("tokenizer.ggml.merges", MetaValue::Array(MetaArray::String(v.merges)));
+    for (key, id) in [("tokenizer.ggml.bos_token_id", v.bos), ("tokenizer.ggml.eos_token_id", v.eos)] {
         if let Some(id) = id {
             w.meta(key, MetaValue::U32(id));
         }
     }
-    let add_bos = config.and_then(|c| c["add_bos_token"].as_bool()).unwrap_or(false);
-    w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(add_bos));
+    w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(v.add_bos));
     if let Some(template) = config.and_then(|c| chat_template(&c["chat_template"])) {
         w.meta("tokenizer.chat_template", MetaValue::String(template));
     }
-    Ok(w)
+    w
 }
 
 /// The pre-tokenizer `tokenizer.json` states, and its GGUF name (llama.cpp's).
@@ -122,6 +141,7 @@ fn pre_tokenizer(v: &Value) -> Result<(Pre, &'static str), TokenizerError> {
                 (Pre::Qwen2, "qwen2"),
                 (Pre::Qwen35, "qwen35"),
                 (Pre::DeepSeekV3, "deepseek-v3"),
+                (Pre::Tekken, "tekken"),
             ]
             .into_iter()
             .find(|(pre, _)| patterns.as_ref() == Some(&known(*pre)))

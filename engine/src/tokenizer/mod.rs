@@ -15,6 +15,7 @@ mod gemma4;
 pub mod import;
 mod pretokenize;
 mod spm;
+pub mod tekken;
 
 use std::collections::HashMap;
 

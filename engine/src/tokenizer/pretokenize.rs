@@ -3,7 +3,8 @@
 //! other-symbol runs and whitespace), and Llama 3's and Qwen 2's patterns (contractions in any case, a letter run
 //! with one leading non-letter, digits in threes or one by one, symbol runs with their line breaks, line breaks with
 //! the whitespace before them), and DeepSeek V3's (digits in threes, then runs of Chinese and Japanese characters,
-//! each isolated, then a pattern of its own over what is left).
+//! each isolated, then a pattern of its own over what is left), and Mistral's Tekken (letter runs cut at a change from
+//! lower to upper case, every digit on its own, symbol runs with their line breaks and slashes).
 
 use std::sync::OnceLock;
 
@@ -33,6 +34,13 @@ pub const QWEN35_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}
 pub const QWEN2_PATTERN: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Mistral's Tekken vocabularies' (Mistral NeMo's and later; `config.pattern` in `tekken.json`, Hugging Face's
+/// conversion states the same): a letter run of upper-case letters then lower-case ones, or upper-case ones alone
+/// (title case, modifiers, other letters and marks on both sides), with one leading character that is neither a
+/// letter, a digit nor a line break; each digit alone; a symbol run with the line breaks and slashes after it; line
+/// breaks with the whitespace before them; whitespace. No contractions.
+pub const TEKKEN_PATTERN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// DeepSeek V3's (and V3.1's, R1's, V4's) three splits, as its `tokenizer.json` states them, applied one after the
 /// other (each to every piece the one before made, its matches isolated): digits in threes; runs of CJK ideographs,
 /// hiragana and katakana; then a punctuation mark that leads ASCII letters, a letter run (with combining marks) with
@@ -54,6 +62,7 @@ pub enum Pre {
     Qwen2,
     Qwen35,
     DeepSeekV3,
+    Tekken,
 }
 
 impl Pre {
@@ -66,14 +75,16 @@ impl Pre {
             n if QWEN2.contains(&n) => Ok(Pre::Qwen2),
             "qwen35" => Ok(Pre::Qwen35),
             "deepseek-v3" => Ok(Pre::DeepSeekV3),
+            "tekken" => Ok(Pre::Tekken),
             n => Err(TokenizerError::UnsupportedPre(n.to_string())),
         }
     }
 
     /// Whether a piece that is a whole token of the vocabulary is that token, merges or not (Llama 3's
-    /// `ignore_merges`, as Hugging Face's tokenizer and llama.cpp apply it).
+    /// `ignore_merges`, as Hugging Face's tokenizer and llama.cpp apply it; tiktoken, which Tekken vocabularies are
+    /// encoded with, looks a piece up whole before merging too).
     pub fn ignores_merges(self) -> bool {
-        self == Pre::Llama3
+        matches!(self, Pre::Llama3 | Pre::Tekken)
     }
 
     /// The patterns Hugging Face's `tokenizer.json` states for it, each an isolating split applied after the one
@@ -84,6 +95,7 @@ impl Pre {
             Pre::Qwen2 => &[QWEN2_PATTERN],
             Pre::Qwen35 => &[QWEN35_PATTERN],
             Pre::DeepSeekV3 => &DEEPSEEK_V3_PATTERNS,
+            Pre::Tekken => &[TEKKEN_PATTERN],
             Pre::DigitsThenGpt2 | Pre::Gpt2 => &[],
         }
     }
@@ -100,6 +112,7 @@ impl Pre {
             Pre::Qwen2 => split_pattern(pattern_regex(&QWEN2_RE, QWEN2_PATTERN), text, piece),
             Pre::Qwen35 => split_pattern(pattern_regex(&QWEN35_RE, QWEN35_PATTERN), text, piece),
             Pre::DeepSeekV3 => split_deepseek_v3(text, piece),
+            Pre::Tekken => split_pattern(pattern_regex(&TEKKEN_RE, TEKKEN_PATTERN), text, piece),
         }
     }
 }
@@ -136,6 +149,7 @@ fn isolate(re: &Regex, text: &str, piece: &mut impl FnMut(&str)) {
 static LLAMA3_RE: OnceLock<Regex> = OnceLock::new();
 static QWEN2_RE: OnceLock<Regex> = OnceLock::new();
 static QWEN35_RE: OnceLock<Regex> = OnceLock::new();
+static TEKKEN_RE: OnceLock<Regex> = OnceLock::new();
 
 /// `pattern` compiled without its look-ahead alternative, which [`split_pattern`] applies, and with its
 /// contractions' case spelled out in ASCII (as llama.cpp matches them: Unicode case folding would also take `'ſ`).

@@ -89,15 +89,16 @@ enum ModelCommand {
     /// Write a Hugging Face tokenizer directory (tokenizer.json, and tokenizer_config.json for the special tokens
     /// and the chat template) as a vocabulary-only GGUF: what a router fronting vLLM or SGLang servers of that
     /// model reads its tokenizer and template from (`--model`). Byte-level BPE vocabularies whose pre-tokenizer
-    /// Tandem implements (GPT-2's, Llama 3's, Qwen 2's and 3.5's, DeepSeek V3's); others are refused by name.
+    /// Tandem implements (GPT-2's, Llama 3's, Qwen 2's and 3.5's, DeepSeek V3's, Mistral's Tekken); others are
+    /// refused by name. A directory without tokenizer.json but with Mistral's tekken.json is read from that.
     Vocab {
         /// The tokenizer directory (a model's Hugging Face directory will do).
         dir: PathBuf,
         /// File to write.
         #[arg(long, value_name = "PATH")]
         out: PathBuf,
-        /// A Jinja chat template file to use instead of tokenizer_config.json's (for a directory without one, as
-        /// DeepSeek V4's).
+        /// A Jinja chat template file to use instead of the directory's (its chat_template.jinja, else
+        /// tokenizer_config.json's), for a directory without one, as DeepSeek V4's.
         #[arg(long, value_name = "FILE")]
         chat_template: Option<PathBuf>,
     },
@@ -225,14 +226,19 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
                     Err(e) => Err(format!("{}: {e}", display(&path))),
                 }
             };
-            let tokenizer = read("tokenizer.json")?.ok_or_else(|| format!("{}: no tokenizer.json", display(&dir)))?;
             let mut config = read("tokenizer_config.json")?;
-            if let Some(path) = &chat_template {
+            // The template file transformers writes beside the others, and reads before tokenizer_config.json's.
+            let beside = dir.join("chat_template.jinja");
+            if let Some(path) = chat_template.as_ref().or(Some(&beside).filter(|p| p.exists())) {
                 let template = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", display(path)))?;
                 config.get_or_insert_with(|| serde_json::json!({}))["chat_template"] = template.into();
             }
-            let gguf = engine::tokenizer::import::vocabulary_gguf(&tokenizer, config.as_ref())
-                .map_err(|e| format!("{}: {e}", display(&dir)))?;
+            let gguf = match (read("tokenizer.json")?, read("tekken.json")?) {
+                (Some(tokenizer), _) => engine::tokenizer::import::vocabulary_gguf(&tokenizer, config.as_ref()),
+                (None, Some(tekken)) => engine::tokenizer::tekken::vocabulary_gguf(&tekken, config.as_ref()),
+                (None, None) => return Err(format!("{}: no tokenizer.json or tekken.json", display(&dir))),
+            }
+            .map_err(|e| format!("{}: {e}", display(&dir)))?;
             gguf.write(&out).map_err(|e| format!("{}: {e}", display(&out)))?;
             // What was written is what the router will read.
             let file = engine::gguf::GgufFile::open(&out).map_err(|e| format!("{}: {e}", display(&out)))?;
