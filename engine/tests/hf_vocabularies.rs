@@ -28,8 +28,13 @@ fn reference(path: &Path, texts: &[String]) -> Vec<Vec<u32>> {
 
 /// The ids the reference script writes for `job`.
 fn run_reference(job: Value) -> Vec<Vec<u32>> {
+    python(&script(), job)
+}
+
+/// What the Python `script` (its packages in scripts/e2e/requirements.txt) writes for `job`.
+fn python<T: serde::de::DeserializeOwned>(script: &Path, job: Value) -> T {
     let mut child = Command::new("python3")
-        .arg(script())
+        .arg(script)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -39,10 +44,11 @@ fn run_reference(job: Value) -> Vec<Vec<u32>> {
     let out = child.wait_with_output().expect("the reference finishes");
     assert!(
         out.status.success(),
-        "Hugging Face's tokenizers (scripts/e2e/requirements.txt): {}",
+        "{} (scripts/e2e/requirements.txt): {}",
+        script.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("a JSON list of ids")
+    serde_json::from_slice(&out.stdout).expect("the script's JSON")
 }
 
 /// The vocabulary GGUF of a `tokenizer.json` (and its `tokenizer_config.json`), written in `dir` and read back as a
@@ -235,6 +241,100 @@ fn tekken_vocabularies_encode_as_mistral_common_encodes() {
             .collect();
         let rendered = text.render_chat(&messages).expect("the template renders");
         assert_eq!(&text.tokenizer().encode_prompt(&rendered, true, None), want, "{rendered:?}");
+    }
+}
+
+/// Every pre-tokenizer stated as patterns (Llama 3's, Qwen 2's and 3.5's, DeepSeek V3's, Tekken's, GPT-4o's) cuts
+/// text where Python's `regex` module cuts it with those patterns (`scripts/tokenizers/split_regex.py`), look-aheads
+/// and all: the strings above, and random ones of letters of every case class, marks, digits of three kinds,
+/// contractions, symbols, slashes, and whitespace runs with and without line breaks (a seed from the clock, printed
+/// on failure). Characters whose class the two engines' Unicode tables or `\s` may place apart (the information
+/// separators U+001C–U+001F, long s, new characters) are left out.
+#[test]
+fn every_stated_pattern_splits_as_pythons_regex_splits() {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_nanos() as u64;
+    let mut state = seed | 1;
+    let mut next = move |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let fragments = [
+        "a",
+        "Z",
+        "word",
+        "Word",
+        "WORD",
+        "camelCase",
+        "ǅ",
+        "ʰ",
+        "中文",
+        "ひら",
+        "e\u{301}",
+        "\u{301}",
+        "ß",
+        "Ωmega",
+        "1",
+        "12",
+        "1234",
+        "٣٤",
+        "½",
+        "Ⅻ",
+        " ",
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        "\r\n",
+        " \n",
+        "\u{a0}",
+        "\u{2028}",
+        "'s",
+        "'S",
+        "'re",
+        "'LL",
+        "'d",
+        "'",
+        "/",
+        "//",
+        ".",
+        "!?",
+        "-",
+        "_",
+        "{}",
+        "😀",
+        "\u{0}",
+        "\u{7f}",
+        "é",
+        "$",
+        "+=",
+    ];
+    let mut texts = texts();
+    for _ in 0..1500 {
+        let n = 1 + next(12);
+        texts.push((0..n).map(|_| fragments[next(fragments.len())]).collect());
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tokenizers/split_regex.py");
+    for name in ["llama-bpe", "qwen2", "qwen35", "deepseek-v3", "tekken", "gpt-4o"] {
+        let pre = engine::tokenizer::pretokenize::Pre::of(name).expect("a pre-tokenizer");
+        let want: Vec<Vec<String>> = python(&script, json!({"patterns": pre.patterns(), "texts": texts}));
+        let mut differ = Vec::new();
+        for (text, want) in texts.iter().zip(&want) {
+            let mut got = Vec::new();
+            pre.split(text, |p| got.push(p.to_string()));
+            if &got != want {
+                differ.push(format!("{text:?}: got {got:?}, want {want:?}"));
+            }
+        }
+        assert!(
+            differ.is_empty(),
+            "{name} (seed {seed}): {} of {} differ:\n{}",
+            differ.len(),
+            texts.len(),
+            differ.iter().take(10).cloned().collect::<Vec<_>>().join("\n")
+        );
     }
 }
 

@@ -142,6 +142,7 @@ fn pre_tokenizer(v: &Value) -> Result<(Pre, &'static str), TokenizerError> {
                 (Pre::Qwen35, "qwen35"),
                 (Pre::DeepSeekV3, "deepseek-v3"),
                 (Pre::Tekken, "tekken"),
+                (Pre::Gpt4o, "gpt-4o"),
             ]
             .into_iter()
             .find(|(pre, _)| patterns.as_ref() == Some(&known(*pre)))

@@ -13,7 +13,7 @@ mod decode;
 pub mod export;
 mod gemma4;
 pub mod import;
-mod pretokenize;
+pub mod pretokenize;
 mod spm;
 pub mod tekken;
 

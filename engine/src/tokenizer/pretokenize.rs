@@ -3,8 +3,10 @@
 //! other-symbol runs and whitespace), and Llama 3's and Qwen 2's patterns (contractions in any case, a letter run
 //! with one leading non-letter, digits in threes or one by one, symbol runs with their line breaks, line breaks with
 //! the whitespace before them), and DeepSeek V3's (digits in threes, then runs of Chinese and Japanese characters,
-//! each isolated, then a pattern of its own over what is left), and Mistral's Tekken (letter runs cut at a change from
-//! lower to upper case, every digit on its own, symbol runs with their line breaks and slashes).
+//! each isolated, then a pattern of its own over what is left), Mistral's Tekken (letter runs cut at a change from
+//! lower to upper case, every digit on its own, symbol runs with their line breaks and slashes), and GPT-4o's
+//! (o200k: Tekken's, with contractions kept on their word and digits in threes). Each pattern is checked against
+//! Python's `regex` module, which applies look-aheads itself (`engine/tests/hf_vocabularies.rs`).
 
 use std::sync::OnceLock;
 
@@ -41,6 +43,12 @@ pub const QWEN2_PATTERN: &str =
 /// breaks with the whitespace before them; whitespace. No contractions.
 pub const TEKKEN_PATTERN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// GPT-4o's (OpenAI's o200k vocabulary: gpt-oss's, and Llama 4's and MiniMax M2's, whose GGUFs llama.cpp names
+/// `llama4` and `minimax-m2`): Tekken's, with a contraction (in any case) ending a letter run and digits in threes.
+pub const GPT4O_PATTERN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-4o's names (llama.cpp's `GPT4O` pre-tokenizer type).
+const GPT4O: &[&str] = &["gpt-4o", "llama4", "minimax-m2"];
+
 /// DeepSeek V3's (and V3.1's, R1's, V4's) three splits, as its `tokenizer.json` states them, applied one after the
 /// other (each to every piece the one before made, its matches isolated): digits in threes; runs of CJK ideographs,
 /// hiragana and katakana; then a punctuation mark that leads ASCII letters, a letter run (with combining marks) with
@@ -63,6 +71,7 @@ pub enum Pre {
     Qwen35,
     DeepSeekV3,
     Tekken,
+    Gpt4o,
 }
 
 impl Pre {
@@ -76,6 +85,7 @@ impl Pre {
             "qwen35" => Ok(Pre::Qwen35),
             "deepseek-v3" => Ok(Pre::DeepSeekV3),
             "tekken" => Ok(Pre::Tekken),
+            n if GPT4O.contains(&n) => Ok(Pre::Gpt4o),
             n => Err(TokenizerError::UnsupportedPre(n.to_string())),
         }
     }
@@ -96,6 +106,7 @@ impl Pre {
             Pre::Qwen35 => &[QWEN35_PATTERN],
             Pre::DeepSeekV3 => &DEEPSEEK_V3_PATTERNS,
             Pre::Tekken => &[TEKKEN_PATTERN],
+            Pre::Gpt4o => &[GPT4O_PATTERN],
             Pre::DigitsThenGpt2 | Pre::Gpt2 => &[],
         }
     }
@@ -113,6 +124,7 @@ impl Pre {
             Pre::Qwen35 => split_pattern(pattern_regex(&QWEN35_RE, QWEN35_PATTERN), text, piece),
             Pre::DeepSeekV3 => split_deepseek_v3(text, piece),
             Pre::Tekken => split_pattern(pattern_regex(&TEKKEN_RE, TEKKEN_PATTERN), text, piece),
+            Pre::Gpt4o => split_pattern(pattern_regex(&GPT4O_RE, GPT4O_PATTERN), text, piece),
         }
     }
 }
@@ -150,6 +162,7 @@ static LLAMA3_RE: OnceLock<Regex> = OnceLock::new();
 static QWEN2_RE: OnceLock<Regex> = OnceLock::new();
 static QWEN35_RE: OnceLock<Regex> = OnceLock::new();
 static TEKKEN_RE: OnceLock<Regex> = OnceLock::new();
+static GPT4O_RE: OnceLock<Regex> = OnceLock::new();
 
 /// `pattern` compiled without its look-ahead alternative, which [`split_pattern`] applies, and with its
 /// contractions' case spelled out in ASCII (as llama.cpp matches them: Unicode case folding would also take `'ſ`).
