@@ -16,18 +16,6 @@ use tandem_tests::*;
 
 const MODEL: &str = "smollm2-135m-instruct";
 
-/// Where `scripts/llama-cpp.sh` keeps llama-server (it builds it the first time: minutes).
-fn llama_server() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("scripts/llama-cpp.sh")).arg("llama-server").output().expect("runs the script");
-    assert!(
-        out.status.success(),
-        "scripts/llama-cpp.sh llama-server failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("llama-server")
-}
-
 /// A llama-server process, killed when dropped.
 struct Server {
     child: Child,

@@ -16,6 +16,29 @@ use router::state::Limits;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use worker::{Role, RunningWorker, WorkerConfig};
 
+/// Where `scripts/llama-cpp.sh` keeps llama.cpp's llama-server (it builds it the first time: minutes).
+pub fn llama_server() -> std::path::PathBuf {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new(root.join("scripts/llama-cpp.sh"))
+        .arg("llama-server")
+        .output()
+        .expect("runs the script");
+    assert!(
+        out.status.success(),
+        "scripts/llama-cpp.sh llama-server failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("llama-server")
+}
+
+/// llama.cpp's `models` directory (its test vocabularies, and its copies of models' chat templates in `templates`),
+/// from the source `scripts/llama-cpp.sh` keeps beside its build.
+pub fn llama_cpp_models() -> std::path::PathBuf {
+    // .../llama.cpp/<version>/build-*/bin/llama-server -> .../llama.cpp/<version>/src/models
+    let server = llama_server();
+    server.ancestors().nth(3).expect("the cache's layout").join("src/models")
+}
+
 /// The path of the workspace binary `name` (package `package`), built first so that it is current: a test in
 /// another package cannot ask Cargo for it (`CARGO_BIN_EXE_*` names only its own package's binaries).
 pub fn binary(package: &str, name: &str) -> std::path::PathBuf {

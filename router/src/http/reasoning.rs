@@ -8,10 +8,10 @@
 pub enum ReasoningParser {
     /// The answer thinks from its start, whether or not it writes `<think>` itself (DeepSeek R1's template opens
     /// the block in the prompt), until `</think>`; an answer cut short before it is all thinking. For QwQ and
-    /// the Qwen3 models that always think (their templates open the block too).
+    /// the Qwen3 models that always think (their templates open the block too), and MiniMax M2 (`minimax_m2`).
     DeepSeekR1,
     /// The answer thinks only when it opens with `<think>` (Qwen3's hybrid models; `enable_thinking: false` in
-    /// `chat_template_kwargs` turns it off); otherwise it is all content.
+    /// `chat_template_kwargs` turns it off); otherwise it is all content. GLM 4.5's and 4.6's too (`glm45`).
     Qwen3,
     /// As `Qwen3`, in Gemma 4's channel, `<|channel>thought\n` … `<channel|>` (its markers are control tokens, so
     /// the answer keeps their text); the `thought` label is not part of the thinking. Gemma 4 thinks when
@@ -24,10 +24,12 @@ pub enum ReasoningParser {
 }
 
 /// Each parser's name.
-const NAMES: [(&str, ReasoningParser); 4] = [
+const NAMES: [(&str, ReasoningParser); 6] = [
     ("deepseek_r1", ReasoningParser::DeepSeekR1),
     ("deepseek_v3", ReasoningParser::DeepSeekV3),
     ("qwen3", ReasoningParser::Qwen3),
+    ("glm45", ReasoningParser::Qwen3),
+    ("minimax_m2", ReasoningParser::DeepSeekR1),
     ("gemma4", ReasoningParser::Gemma4),
 ];
 

@@ -1,7 +1,7 @@
 //! The formats models write tool calls in among their text, by vLLM's `--tool-call-parser` names: parsed out of a
 //! whole answer, and found in a streamed one as it comes. A call must name one of the request's functions: a model
 //! that writes a call of no tool has not called one. Where each call is marked (Hermes', Qwen3-Coder's, Mistral's,
-//! Gemma 4's), the calls are those read one after the other from the first marker up to the first that is not a
+//! Gemma 4's, DeepSeek's, GLM's, MiniMax's), the calls are those read one after the other from the first marker up to the first that is not a
 //! call, which ends them as text after the last call does; none read, the answer is all content. A streamed answer
 //! gets each call once it is whole, and the same calls as the whole answer. Where the whole answer is the calls
 //! (Llama 3's JSON, pythonic), one that is not a call makes it all content.
@@ -47,10 +47,18 @@ pub enum ToolParser {
     /// each `<｜DSML｜invoke name="NAME">` with its parameters `<｜DSML｜parameter name="KEY" string="true|false">value
     /// </｜DSML｜parameter>` (a string as written, anything else as JSON) and `</｜DSML｜invoke>`.
     DeepSeekDsml,
+    /// Hermes' blocks holding the name and then each argument as `<arg_key>KEY</arg_key><arg_value>value
+    /// </arg_value>`, on lines of their own or not: GLM 4.5's, 4.6's and 4.7's. A value is read as these templates
+    /// write it: a string parameter's as itself, any other as JSON (or as its schema's type when it is not JSON).
+    Glm45,
+    /// Text, then `<minimax:tool_call>` and calls each `<invoke name="NAME">` with its parameters `<parameter
+    /// name="KEY">value</parameter>` (read as GLM's values are) and `</invoke>`, until `</minimax:tool_call>`:
+    /// MiniMax M2's.
+    MiniMaxM2,
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 13] = [
+const NAMES: [(&str, ToolParser); 16] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
@@ -64,6 +72,9 @@ const NAMES: [(&str, ToolParser); 13] = [
     ("deepseek_v31", ToolParser::DeepSeekV31),
     ("deepseek_v32", ToolParser::DeepSeekDsml),
     ("deepseek_v4", ToolParser::DeepSeekDsml),
+    ("glm45", ToolParser::Glm45),
+    ("glm47", ToolParser::Glm45),
+    ("minimax_m2", ToolParser::MiniMaxM2),
 ];
 
 impl std::str::FromStr for ToolParser {
@@ -105,6 +116,13 @@ const DSML_INVOKE: &str = "<｜DSML｜invoke name=\"";
 const DSML_INVOKE_END: &str = "</｜DSML｜invoke>";
 const DSML_PARAMETER: &str = "<｜DSML｜parameter name=\"";
 const DSML_PARAMETER_END: &str = "</｜DSML｜parameter>";
+/// GLM's argument tags.
+const GLM_KEY: (&str, &str) = ("<arg_key>", "</arg_key>");
+const GLM_VALUE: (&str, &str) = ("<arg_value>", "</arg_value>");
+/// MiniMax M2's calls' wrapper, a call's tags and a parameter's.
+const MINIMAX_CALLS: (&str, &str) = ("<minimax:tool_call>", "</minimax:tool_call>");
+const MINIMAX_INVOKE: (&str, &str) = ("<invoke name=\"", "</invoke>");
+const MINIMAX_PARAMETER: (&str, &str) = ("<parameter name=\"", "</parameter>");
 
 /// Where calls open in a streamed answer's text so far.
 #[derive(Debug, PartialEq)]
@@ -147,7 +165,9 @@ impl ToolParser {
             | ToolParser::Gemma4
             | ToolParser::DeepSeekV3
             | ToolParser::DeepSeekV31
-            | ToolParser::DeepSeekDsml => piece.contains('>'),
+            | ToolParser::DeepSeekDsml
+            | ToolParser::Glm45
+            | ToolParser::MiniMaxM2 => piece.contains('>'),
             ToolParser::Mistral => piece.contains(['}', ']']),
             ToolParser::Llama3Json | ToolParser::Pythonic => false,
         }
@@ -176,7 +196,9 @@ impl ToolParser {
                 };
                 block(text, (DEEPSEEK_CALL, DEEPSEEK_CALL_END), end, body)?
             }
-            ToolParser::DeepSeekDsml => dsml(&rest[skipped..], end, functions)?,
+            ToolParser::DeepSeekDsml => invoke(&rest[skipped..], &DSML_TAGS, end, functions, dsml_value)?,
+            ToolParser::Glm45 => block(&rest[skipped..], (OPEN, CLOSE), end, |body| glm(body, functions))?,
+            ToolParser::MiniMaxM2 => invoke(&rest[skipped..], &MINIMAX_TAGS, end, functions, minimax_value)?,
             ToolParser::Llama3Json | ToolParser::Pythonic => return None,
         };
         Some((calls, rest.len() - tail.len()))
@@ -204,7 +226,8 @@ impl ToolParser {
     /// Where calls open in `text`, the first `sent` bytes of which are known to open none.
     pub(super) fn scan(self, text: &str, sent: usize) -> Scan {
         match self {
-            ToolParser::Hermes | ToolParser::Qwen3Coder => marked(text, sent, OPEN),
+            ToolParser::Hermes | ToolParser::Qwen3Coder | ToolParser::Glm45 => marked(text, sent, OPEN),
+            ToolParser::MiniMaxM2 => marked(text, sent, MINIMAX_CALLS.0),
             ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
             ToolParser::Gemma4 => marked(text, sent, gemma4::OPEN),
             ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => marked(text, sent, DEEPSEEK_CALLS),
@@ -316,11 +339,42 @@ fn deepseek_v31(body: &str, functions: &[Function]) -> Option<Call> {
     arguments.is_object().then(|| (function.name.clone(), arguments.to_string()))
 }
 
-/// The DSML call `text` opens with (after the calls' wrapper, for the first), and the text after it; a call not
-/// closed stands at the `end` only.
-fn dsml<'t>(text: &'t str, end: bool, functions: &[Function]) -> Option<(Vec<Call>, &'t str)> {
-    let (name, open) = unwrapped(text, &DSML_CALLS).strip_prefix(DSML_INVOKE)?.split_once('"')?;
-    let (mut body, after) = until_close(open.trim_start().strip_prefix('>')?, DSML_INVOKE_END, end)?;
+/// How a format that writes each call as an invoke with named parameters marks it (DeepSeek's DSML, MiniMax M2's):
+/// the calls' opening wrappers (before the first call), a closing one that may stand before the next call, a call's
+/// tags (its name between the first and a `"`) and a parameter's (its key likewise, then any attributes up to `>`).
+struct Invokes {
+    wrappers: &'static [&'static str],
+    between: Option<&'static str>,
+    invoke: (&'static str, &'static str),
+    parameter: (&'static str, &'static str),
+}
+
+const DSML_TAGS: Invokes = Invokes {
+    wrappers: &DSML_CALLS,
+    between: None,
+    invoke: (DSML_INVOKE, DSML_INVOKE_END),
+    parameter: (DSML_PARAMETER, DSML_PARAMETER_END),
+};
+const MINIMAX_TAGS: Invokes = Invokes {
+    wrappers: &[MINIMAX_CALLS.0],
+    between: Some(MINIMAX_CALLS.1),
+    invoke: MINIMAX_INVOKE,
+    parameter: MINIMAX_PARAMETER,
+};
+
+/// The invoke `text` opens with (after the calls' wrapper, or a closing and an opening one), read with `value` (of a
+/// parameter's attributes, its text and its schema's type), and the text after it; a call not closed stands at the
+/// `end` only.
+fn invoke<'t>(
+    text: &'t str,
+    tags: &Invokes,
+    end: bool,
+    functions: &[Function],
+    value: impl Fn(&str, &str, Option<&Value>) -> Option<Value>,
+) -> Option<(Vec<Call>, &'t str)> {
+    let text = tags.between.and_then(|w| text.strip_prefix(w)).map_or(text, str::trim_start);
+    let (name, open) = unwrapped(text, tags.wrappers).strip_prefix(tags.invoke.0)?.split_once('"')?;
+    let (mut body, after) = until_close(open.trim_start().strip_prefix('>')?, tags.invoke.1, end)?;
     let function = known(functions, name)?;
     let mut arguments = serde_json::Map::new();
     loop {
@@ -328,20 +382,68 @@ fn dsml<'t>(text: &'t str, end: bool, functions: &[Function]) -> Option<(Vec<Cal
         if body.is_empty() {
             return Some((vec![(function.name.clone(), Value::Object(arguments).to_string())], after));
         }
-        let (key, tail) = body.strip_prefix(DSML_PARAMETER)?.split_once('"')?;
-        let tail = tail.trim_start().strip_prefix("string=\"")?;
-        let (string, tail) = tail.split_once('"')?;
-        let (raw, tail) = tail.trim_start().strip_prefix('>')?.split_once(DSML_PARAMETER_END)?;
-        let value = match string {
-            "true" => Value::String(raw.to_string()),
-            // JSON as asked; a model's value that is not JSON is read as its schema's type, as Qwen3-Coder's are.
-            "false" => serde_json::from_str(raw.trim()).unwrap_or_else(|_| typed(raw, function.param_type(key))),
-            _ => return None,
-        };
+        let (key, tail) = body.strip_prefix(tags.parameter.0)?.split_once('"')?;
+        let (attributes, tail) = tail.split_once('>')?;
+        let (raw, tail) = tail.split_once(tags.parameter.1)?;
+        let value = value(attributes.trim(), raw, function.param_type(key))?;
         if arguments.insert(key.to_string(), value).is_some() {
             return None;
         }
         body = tail;
+    }
+}
+
+/// A DSML parameter's value: `string="true"`, as written; `string="false"`, JSON (a model's value that is not JSON is
+/// read as its schema's type, as Qwen3-Coder's are).
+fn dsml_value(attributes: &str, raw: &str, kind: Option<&Value>) -> Option<Value> {
+    match attributes.strip_prefix("string=\"")?.strip_suffix('"')? {
+        "true" => Some(Value::String(raw.to_string())),
+        "false" => Some(serde_json::from_str(raw.trim()).unwrap_or_else(|_| typed(raw, kind))),
+        _ => None,
+    }
+}
+
+/// A MiniMax M2 parameter's value (no attributes), as GLM's are read.
+fn minimax_value(attributes: &str, raw: &str, kind: Option<&Value>) -> Option<Value> {
+    attributes.is_empty().then(|| written(raw.trim(), kind))
+}
+
+/// A GLM block's body: the function's name, then its arguments' keys and values between their tags.
+fn glm(body: &str, functions: &[Function]) -> Option<Call> {
+    let at = body.find(GLM_KEY.0).unwrap_or(body.len());
+    let function = known(functions, body[..at].trim())?;
+    let mut rest = &body[at..];
+    let mut arguments = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.is_empty() {
+            return Some((function.name.clone(), Value::Object(arguments).to_string()));
+        }
+        let (key, tail) = rest.strip_prefix(GLM_KEY.0)?.split_once(GLM_KEY.1)?;
+        let (raw, tail) = tail.trim_start().strip_prefix(GLM_VALUE.0)?.split_once(GLM_VALUE.1)?;
+        let key = key.trim();
+        if arguments.insert(key.to_string(), written(raw.trim(), function.param_type(key))).is_some() {
+            return None;
+        }
+        rest = tail;
+    }
+}
+
+/// A value as GLM's and MiniMax's templates write it: a string parameter's as itself, any other as JSON; one that is
+/// not JSON is read as its schema's type (a model's `True`, say).
+fn written(raw: &str, kind: Option<&Value>) -> Value {
+    match type_name(kind) {
+        Some("string") => Value::String(raw.to_string()),
+        _ => serde_json::from_str(raw).unwrap_or_else(|_| typed(raw, kind)),
+    }
+}
+
+/// The type a parameter's schema gives (`kind`: a type name, or a list of them beside `null`).
+fn type_name(kind: Option<&Value>) -> Option<&str> {
+    match kind {
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(Value::Array(kinds)) => kinds.iter().filter_map(Value::as_str).find(|k| *k != "null"),
+        _ => None,
     }
 }
 
@@ -377,11 +479,7 @@ fn qwen3_coder(body: &str, functions: &[Function]) -> Option<Call> {
 /// written for a string or an unknown parameter; `null` as null; a number, boolean, object or array parsed, or
 /// left as text when it does not parse as one.
 fn typed(raw: &str, kind: Option<&Value>) -> Value {
-    let name = match kind {
-        Some(Value::String(s)) => Some(s.as_str()),
-        Some(Value::Array(kinds)) => kinds.iter().filter_map(Value::as_str).find(|k| *k != "null"),
-        _ => None,
-    };
+    let name = type_name(kind);
     let text = || Value::String(raw.to_string());
     if raw.trim() == "null" && name != Some("string") {
         return Value::Null;
@@ -530,6 +628,57 @@ mod tests {
             "<｜DSML｜function_calls><｜DSML｜invoke name=\"now\"><｜DSML｜parameter name=\"a\">1</｜DSML｜parameter></｜DSML｜invoke>",
             "<｜DSML｜function_calls><｜DSML｜invoke name=\"now\"><｜DSML｜parameter name=\"a\" string=\"true\">1</｜DSML｜parameter><｜DSML｜parameter name=\"a\" string=\"true\">2</｜DSML｜parameter></｜DSML｜invoke>",
             "<｜DSML｜function_calls>now()",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// GLM's blocks: the name, then keys and values between their tags, with line breaks (4.5, 4.6) or without
+    /// (4.7); a string parameter's value as written, any other as JSON.
+    #[test]
+    fn glm_blocks_are_calls() {
+        let params = serde_json::json!({"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}, "code": {"type": "string"}}});
+        let f = vec![Function { name: "weather".into(), params }, functions().remove(1)];
+        let parse = |text: &str| ToolParser::Glm45.parse(text, &f);
+        let v45 = "Checking.\n<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n\
+                   <arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>code</arg_key>\n<arg_value>42</arg_value>\n\
+                   <arg_key>tags</arg_key>\n<arg_value>[\"a\", 1]</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>";
+        let made = parse(v45).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Checking.\n"));
+        let args: Value = serde_json::from_str(&made.calls[0].1).expect("json");
+        assert_eq!(args, serde_json::json!({"city": "New York", "days": 3, "code": "42", "tags": ["a", 1]}));
+        assert_eq!(made.calls[1], ("now".to_string(), "{}".to_string()));
+        let v47 = "<tool_call>weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>";
+        assert_eq!(parse(v47).expect("a call").calls, calls(&[("weather", r#"{"city":"Oslo"}"#)]));
+        for not_calls in [
+            "<tool_call>rain\n</tool_call>",
+            "<tool_call>now<arg_key>a</arg_key></tool_call>",
+            "<tool_call>now<arg_value>1</arg_value></tool_call>",
+            "<tool_call>now<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>a</arg_key><arg_value>2</arg_value></tool_call>",
+            "<tool_call>{\"name\": \"now\"}</tool_call>",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// MiniMax M2's: each invoke a call, within one wrapper or several; values as GLM's are.
+    #[test]
+    fn minimax_invokes_are_calls() {
+        let parse = |text: &str| ToolParser::MiniMaxM2.parse(text, &functions());
+        let text = "Let me see.\n<minimax:tool_call>\n<invoke name=\"weather\"><parameter name=\"city\">Oslo, \"NO\"</parameter>\n\
+                    <parameter name=\"days\">3</parameter>\n</invoke>\n<invoke name=\"now\"></invoke>\n</minimax:tool_call>\n\
+                    <minimax:tool_call><invoke name=\"now\"><parameter name=\"tz\">UTC</parameter></invoke></minimax:tool_call>";
+        let made = parse(text).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Let me see.\n"));
+        let args: Value = serde_json::from_str(&made.calls[0].1).expect("json");
+        assert_eq!(args, serde_json::json!({"city": "Oslo, \"NO\"", "days": 3}));
+        assert_eq!(made.calls[1..], calls(&[("now", "{}"), ("now", r#"{"tz":"UTC"}"#)]));
+        for not_calls in [
+            "<minimax:tool_call><invoke name=\"rain\"></invoke></minimax:tool_call>",
+            "<minimax:tool_call><invoke name=\"now\"><parameter name=\"a\">1</invoke></minimax:tool_call>",
+            "<minimax:tool_call><invoke name=\"now\"><parameter name=\"a\">1</parameter><parameter name=\"a\">2</parameter></invoke>",
+            "<minimax:tool_call>now()</minimax:tool_call>",
         ] {
             assert_eq!(parse(not_calls), None, "{not_calls}");
         }

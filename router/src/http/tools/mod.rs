@@ -604,7 +604,7 @@ pub(super) mod tests {
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 9] = [
+    const CALLS: [&str; 11] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
@@ -614,12 +614,14 @@ pub(super) mod tests {
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"now\">\n<｜DSML｜parameter name=\"a\" string=\"false\">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"now\">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+        "<tool_call>now\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call><tool_call>now</tool_call>",
+        "<minimax:tool_call>\n<invoke name=\"now\"><parameter name=\"a\">1</parameter>\n</invoke>\n</minimax:tool_call>\n<minimax:tool_call><invoke name=\"now\"></invoke></minimax:tool_call>",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 9] = [
+    const PIECES: [(ToolParser, [&str; 10]); 11] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -640,6 +642,10 @@ pub(super) mod tests {
         (ToolParser::DeepSeekDsml, ["Sure ", "<｜DSML｜tool_calls>", "</｜DSML｜invoke>", "<｜DSML｜invoke name=\"now\">",
             "<｜DSML｜invoke name=\"rain\">", "<｜DS", "ML｜", "\n", "é",
             "<｜DSML｜parameter name=\"b\" string=\"true\">x</｜DSML｜parameter>"]),
+        (ToolParser::Glm45, ["Sure ", "<tool_call>", "</tool_call>", "now", "rain", "<tool", "_call>", "\n", "é",
+            "<arg_key>a</arg_key><arg_value>1</arg_value>"]),
+        (ToolParser::MiniMaxM2, ["Sure ", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=\"now\">",
+            "<invoke name=\"rain\">", "</invoke>", "<minimax:", "\n", "é", "<parameter name=\"b\">x</parameter>"]),
     ];
 
     proptest::proptest! {

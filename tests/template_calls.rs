@@ -1,0 +1,61 @@
+//! Models' own chat templates (llama.cpp's copies, `models/templates`) write an assistant's earlier tool calls as
+//! the model writes its calls, so each tool-call parser must read back what its model's template writes: the
+//! calls of a conversation rendered by the template, read by the parser vLLM names for that model, are the same
+//! calls (names, and arguments as JSON values), for GLM 4.6 and 4.7, MiniMax M2, Qwen3-Coder, DeepSeek V3.1 and
+//! Hermes 2 Pro.
+
+use engine::chat::{ChatExtras, ChatMessage, ChatTemplate};
+use router::http::tools::{Function, ToolParser};
+use serde_json::{Value, json};
+use tandem_tests::llama_cpp_models;
+
+#[test]
+fn each_parser_reads_back_the_calls_its_models_template_writes() {
+    let params = json!({"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "array"}}});
+    let functions = vec![
+        Function { name: "weather".into(), params: params.clone() },
+        Function { name: "now".into(), params: json!({"type": "object", "properties": {}}) },
+    ];
+    let tools: Vec<Value> = functions
+        .iter()
+        .map(|f| json!({"type": "function", "function": {"name": f.name, "description": "d", "parameters": f.params}}))
+        .collect();
+    let arguments = [json!({"city": "Oslo, Norway", "days": 3, "units": ["C", "mm"]}), json!({})];
+    let calls = json!([
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": arguments[0]}},
+        {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": arguments[1]}},
+    ]);
+    let question = "What is the weather in Oslo?";
+    let messages = [
+        ChatMessage::new("user", question),
+        ChatMessage { tool_calls: Some(calls), ..ChatMessage::new("assistant", "") },
+        ChatMessage { tool_call_id: Some("call_1".into()), ..ChatMessage::new("tool", "Rain.") },
+        ChatMessage { tool_call_id: Some("call_2".into()), ..ChatMessage::new("tool", "Noon.") },
+    ];
+    let dir = llama_cpp_models().join("templates");
+    for (file, parser) in [
+        ("GLM-4.6.jinja", "glm45"),
+        ("GLM-4.7-Flash.jinja", "glm47"),
+        ("MiniMax-M2.jinja", "minimax_m2"),
+        ("Qwen3-Coder.jinja", "qwen3_coder"),
+        ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v31"),
+        ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "hermes"),
+    ] {
+        let source = std::fs::read_to_string(dir.join(file)).expect("the template");
+        let template = ChatTemplate::new(&source, "<s>", "</s>").expect("the template compiles");
+        let extras = ChatExtras { tools: &tools, arguments: None };
+        let rendered = template.render_with(&messages, extras, false).expect("the conversation renders");
+        // The assistant's turn: after the question (the system part describes the format with placeholders).
+        let turn = &rendered[rendered.rfind(question).expect("the question") + question.len()..];
+        let parser: ToolParser = parser.parse().expect("a parser");
+        let made = parser.parse(turn, &functions).unwrap_or_else(|| panic!("{file}: no calls read from {turn:?}"));
+        let read: Vec<(String, Value)> = made
+            .calls
+            .iter()
+            .map(|(name, args)| (name.clone(), serde_json::from_str(args).expect("arguments as JSON")))
+            .collect();
+        let want = vec![("weather".to_string(), arguments[0].clone()), ("now".to_string(), arguments[1].clone())];
+        assert_eq!(read, want, "{file} with {parser:?}, from {turn:?}");
+    }
+}
