@@ -219,7 +219,8 @@ fn a_tokenizer_directory_becomes_a_vocabulary_the_router_reads() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A directory with Mistral's `tekken.json` and no `tokenizer.json` becomes a vocabulary GGUF: ids past the special
+/// A directory with Mistral's `tekken.json` (and a `tokenizer.json` beside it, as Mistral's repositories have)
+/// becomes a vocabulary GGUF read from the Tekken file: ids past the special
 /// ones, the special tokens (mistral_common's defaults for a file that lists none) as tokens of their own, a token
 /// the ranks make from its bytes. A pattern other than Tekken's is refused by name. (Mistral's real files against
 /// mistral_common: `engine/tests/hf_vocabularies.rs`.)
@@ -244,6 +245,7 @@ fn a_tekken_directory_becomes_a_vocabulary_the_router_reads() {
         "vocab": vocab,
     });
     std::fs::write(dir.join("tekken.json"), tekken.to_string()).expect("written");
+    std::fs::write(dir.join("tokenizer.json"), r#"{"model": {"type": "Unigram"}}"#).expect("written");
     let made = tandem(&["model", "vocab", d, "--out", out.to_str().expect("utf-8")]);
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     assert!(String::from_utf8_lossy(&made.stdout).contains(&format!("{} tokens", 30 + 256 + 8)), "{made:?}");

@@ -90,7 +90,8 @@ enum ModelCommand {
     /// and the chat template) as a vocabulary-only GGUF: what a router fronting vLLM or SGLang servers of that
     /// model reads its tokenizer and template from (`--model`). Byte-level BPE vocabularies whose pre-tokenizer
     /// Tandem implements (GPT-2's, Llama 3's, Qwen 2's and 3.5's, DeepSeek V3's, Mistral's Tekken); others are
-    /// refused by name. A directory without tokenizer.json but with Mistral's tekken.json is read from that.
+    /// refused by name. A directory with Mistral's tekken.json is read from that (the file mistral_common and vLLM's
+    /// `--tokenizer-mode mistral` encode with), whether or not a tokenizer.json converted from it is beside it.
     Vocab {
         /// The tokenizer directory (a model's Hugging Face directory will do).
         dir: PathBuf,
@@ -233,9 +234,9 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
                 let template = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", display(path)))?;
                 config.get_or_insert_with(|| serde_json::json!({}))["chat_template"] = template.into();
             }
-            let gguf = match (read("tokenizer.json")?, read("tekken.json")?) {
-                (Some(tokenizer), _) => engine::tokenizer::import::vocabulary_gguf(&tokenizer, config.as_ref()),
-                (None, Some(tekken)) => engine::tokenizer::tekken::vocabulary_gguf(&tekken, config.as_ref()),
+            let gguf = match (read("tekken.json")?, read("tokenizer.json")?) {
+                (Some(tekken), _) => engine::tokenizer::tekken::vocabulary_gguf(&tekken, config.as_ref()),
+                (None, Some(tokenizer)) => engine::tokenizer::import::vocabulary_gguf(&tokenizer, config.as_ref()),
                 (None, None) => return Err(format!("{}: no tokenizer.json or tekken.json", display(&dir))),
             }
             .map_err(|e| format!("{}: {e}", display(&dir)))?;
