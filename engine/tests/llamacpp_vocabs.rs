@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use engine::gguf::GgufFile;
+use engine::gguf::{GgufFile, MetaValue};
 use engine::tokenizer::{Tokenizer, TokenizerError};
 
 mod common;
@@ -61,6 +61,36 @@ fn every_vocabulary_this_tokenizer_reads_encodes_as_llama_cpp_expects() {
     // One this tokenizer does not implement is refused by name, not tokenized some other way.
     let file = GgufFile::open(&models.join("ggml-vocab-deepseek-llm.gguf")).expect("a vocabulary GGUF");
     assert!(matches!(Tokenizer::from_gguf(&file), Err(TokenizerError::UnsupportedPre(_))));
+}
+
+/// A GLM 4.5+ GGUF (llama.cpp names its pre-tokenizer `glm4` or `glm5`) is split as Llama 3's and never starts with
+/// a BOS, though its file names one and asks for it: Llama 3's test vocabulary relabelled `glm4` encodes llama.cpp's
+/// test strings alike, and a prompt gets no BOS where the same file labelled `llama-bpe` gets one.
+#[test]
+fn a_glm_vocabulary_is_split_as_llama_3s_and_starts_without_bos() {
+    let models = models();
+    let file = GgufFile::open(&models.join("ggml-vocab-llama-bpe.gguf")).expect("a vocabulary GGUF");
+    let relabelled = |pre: &str| {
+        let mut w = engine::gguf::GgufWriter::new();
+        for (key, value) in file.metadata() {
+            w.meta(key, value.clone());
+        }
+        w.meta("tokenizer.ggml.pre", MetaValue::String(pre.into()))
+            .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(true))
+            .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(128_000));
+        let path = std::env::temp_dir().join(format!("tandem-vocab-{pre}-{}.gguf", std::process::id()));
+        w.write(&path).expect("written");
+        let tok = Tokenizer::from_gguf(&GgufFile::open(&path).expect("opens")).expect("loads");
+        let _ = std::fs::remove_file(&path);
+        tok
+    };
+    let (glm, llama) = (relabelled("glm4"), relabelled("llama-bpe"));
+    for (text, want) in cases(&models, "llama-bpe") {
+        assert_eq!(glm.encode_ordinary(&text), want, "{text:?}");
+    }
+    assert_eq!(llama.encode("Hi")[0], 128_000, "Llama 3's prompts start with BOS");
+    assert_eq!(glm.encode("Hi"), glm.encode_ordinary("Hi"), "GLM's do not");
+    assert_eq!(glm.special().bos, None);
 }
 
 /// A Qwen 2 GGUF serves as a router's text model: its chat template renders a conversation, whose turn markers

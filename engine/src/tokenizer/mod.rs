@@ -218,7 +218,7 @@ impl<'a> GgufVocab<'a> {
             merges,
             scores,
             add_space_prefix: meta.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()).unwrap_or(true),
-            bos: id_of("tokenizer.ggml.bos_token_id"),
+            bos: id_of("tokenizer.ggml.bos_token_id").filter(|_| !pretokenize::NO_BOS.contains(&pre)),
             eos: id_of("tokenizer.ggml.eos_token_id"),
             // Gemma 4's files say false, but its prompts start with BOS (llama.cpp overrides it the same way).
             add_bos: model == "gemma4"

@@ -22,8 +22,12 @@ const GPT2_ONLY: &[&str] = &["gpt2", "gpt-2", "default"];
 /// GPT-2's pattern without its one look-ahead (`\s+(?!\S)`), which [`split_gpt2`] applies by hand.
 const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
 
-/// Llama 3's names (llama.cpp's `LLAMA3` pre-tokenizer type).
-const LLAMA3: &[&str] = &["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral"];
+/// Llama 3's names (llama.cpp's `LLAMA3` pre-tokenizer type, and `glm4`/`glm5` for GLM 4.5 on, which llama.cpp
+/// splits by the same pattern, whole pieces first, and starts without BOS: [`NO_BOS`]).
+const LLAMA3: &[&str] = &["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "glm4", "glm5"];
+/// Vocabularies whose prompts never start with a BOS, whatever their files say (GLM's templates write `[gMASK]<sop>`
+/// themselves; llama.cpp drops their BOS the same way).
+pub const NO_BOS: &[&str] = &["glm4", "glm5"];
 /// Qwen 2's (and Qwen 2.5's, Qwen 3's, the R1 distillations of Qwen's).
 const QWEN2: &[&str] = &["qwen2", "deepseek-r1-qwen"];
 
