@@ -2,9 +2,11 @@
 //! the model writes its calls, so each tool-call parser must read back what its model's template writes: the
 //! calls of a conversation rendered by the template, read by the parser vLLM names for that model, are the same
 //! calls (names, and arguments as JSON values), for GLM 4.6 and 4.7, MiniMax M2, Qwen3-Coder, DeepSeek V3.1 and
-//! Hermes 2 Pro.
+//! Hermes 2 Pro. And where a template opens the thinking in its generation prompt (GLM 4.7's, Qwen 3.5's), the answer
+//! is read as thinking from its start.
 
 use engine::chat::{ChatExtras, ChatMessage, ChatTemplate};
+use router::http::reasoning::ReasoningParser;
 use router::http::tools::{Function, ToolParser};
 use serde_json::{Value, json};
 use tandem_tests::llama_cpp_models;
@@ -57,5 +59,34 @@ fn each_parser_reads_back_the_calls_its_models_template_writes() {
             .collect();
         let want = vec![("weather".to_string(), arguments[0].clone()), ("now".to_string(), arguments[1].clone())];
         assert_eq!(read, want, "{file} with {parser:?}, from {turn:?}");
+    }
+}
+
+/// GLM 4.7's and Qwen 3.5's generation prompts open `<think>` unless `enable_thinking` is false (then they close it),
+/// GLM 4.6's and Qwen3's hybrid models' never do: the `glm45` and `qwen3` parsers read the
+/// answer as thinking from its start exactly where the rendered prompt opened the block.
+#[test]
+fn the_thinking_split_follows_the_rendered_prompt() {
+    let dir = llama_cpp_models().join("templates");
+    let messages = [ChatMessage::new("user", "Hi")];
+    let off: serde_json::Map<String, Value> =
+        [("enable_thinking".to_string(), Value::Bool(false))].into_iter().collect();
+    for (file, parser, arguments, thinks) in [
+        ("GLM-4.7-Flash.jinja", "glm45", None, true),
+        ("GLM-4.7-Flash.jinja", "glm45", Some(&off), false),
+        ("GLM-4.6.jinja", "glm45", None, false),
+        ("Qwen3.5-4B.jinja", "qwen3", None, true),
+        ("Qwen3.5-4B.jinja", "qwen3", Some(&off), false),
+        ("Qwen-Qwen3-0.6B.jinja", "qwen3", None, false),
+    ] {
+        let Ok(source) = std::fs::read_to_string(dir.join(file)) else {
+            panic!("{file}: not among llama.cpp's templates");
+        };
+        let template = ChatTemplate::new(&source, "<s>", "</s>").expect("the template compiles");
+        let extras = ChatExtras { tools: &[], arguments };
+        let prompt = template.render_with(&messages, extras, true).expect("the conversation renders");
+        let parser: ReasoningParser = parser.parse().expect("a parser");
+        let opened = parser.after_prompt(&prompt) == ReasoningParser::DeepSeekR1;
+        assert_eq!(opened, thinks, "{file} {arguments:?}: {prompt:?}");
     }
 }

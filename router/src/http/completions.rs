@@ -37,9 +37,9 @@ const INLINE_TOKENIZE_BYTES: usize = 2048;
 /// Prompt tokens for a checked request: the chat template and the tokenizer, CPU work on bodies of up to 2 MB. A
 /// short prompt is tokenized at once; a longer one on the blocking pool (at most as many at once as the machine
 /// has cores), so the runtime keeps answering.
-async fn tokenize(state: &Arc<RouterState>, checked: Checked) -> Result<(Checked, Vec<u32>), ApiError> {
+async fn tokenize(state: &Arc<RouterState>, mut checked: Checked) -> Result<(Checked, Vec<u32>), ApiError> {
     if checked.grammar.is_none() && checked.input.text_bytes() <= INLINE_TOKENIZE_BYTES {
-        let tokens = tracing::info_span!("tokenize").in_scope(|| tokenize_now(state, &checked))?;
+        let tokens = tracing::info_span!("tokenize").in_scope(|| tokenize_now(state, &mut checked))?;
         return Ok((checked, tokens));
     }
     let _slot = state.tokenize_slots.acquire().await.map_err(|_| ApiError::Unavailable("shutting down".into()))?;
@@ -47,7 +47,7 @@ async fn tokenize(state: &Arc<RouterState>, checked: Checked) -> Result<(Checked
     let span = tracing::info_span!("tokenize");
     tokio::task::spawn_blocking(move || {
         let _entered = span.entered();
-        let tokens = tokenize_now(&shared, &checked)?;
+        let tokens = tokenize_now(&shared, &mut checked)?;
         Ok((checked, tokens))
     })
     .await
@@ -96,11 +96,8 @@ fn template_arguments<'a>(
     Ok(Some(std::borrow::Cow::Borrowed(arguments)))
 }
 
-fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiError> {
-    // A grammar that does not compile is the client's error, named here rather than by a worker.
-    if let Some((g, param)) = &checked.grammar {
-        state.grammars.matcher(g, checked.grammar_thinking(), &[]).map_err(|e| ApiError::bad(e.to_string(), param))?;
-    }
+/// The prompt's tokens; a chat request's thinking split as its rendered prompt leaves the answer (`Checked::rendered`).
+fn tokenize_now(state: &RouterState, checked: &mut Checked) -> Result<Vec<u32>, ApiError> {
     let started = std::time::Instant::now();
     let text = match &checked.input {
         Input::Chat(messages, ending, tools) => {
@@ -110,16 +107,29 @@ fn tokenize_now(state: &RouterState, checked: &Checked) -> Result<Vec<u32>, ApiE
         Input::Text(t) => t.clone(),
         Input::Tokens(ids) => {
             in_vocabulary(state, ids, "prompt")?;
+            grammar_compiles(state, checked)?;
             return Ok(ids.clone());
         }
     };
     let chat = matches!(checked.input, Input::Chat(..));
+    if chat {
+        checked.rendered(&text);
+    }
+    grammar_compiles(state, checked)?;
     let tokens = state.text.tokenizer().encode_prompt(&text, chat, checked.add_special_tokens);
     state.metrics.tokenized(tokens.len(), started.elapsed());
     if tokens.is_empty() {
         return Err(ApiError::bad("the prompt is empty after tokenization", "messages"));
     }
     Ok(tokens)
+}
+
+/// A grammar that does not compile is the client's error, named here rather than by a worker.
+fn grammar_compiles(state: &RouterState, checked: &Checked) -> Result<(), ApiError> {
+    if let Some((g, param)) = &checked.grammar {
+        state.grammars.matcher(g, checked.grammar_thinking(), &[]).map_err(|e| ApiError::bad(e.to_string(), param))?;
+    }
+    Ok(())
 }
 
 /// The token sequences a bad word stands for: the word (its leading whitespace trimmed) and the word after a space,

@@ -892,6 +892,14 @@ impl Checked {
         Ok(())
     }
 
+    /// Once its conversation is rendered as `prompt`: the thinking split as the prompt leaves the answer
+    /// ([`super::reasoning::ReasoningParser::after_prompt`]).
+    pub fn rendered(&mut self, prompt: &str) {
+        if let Some(thinking) = &mut self.thinking {
+            thinking.parser = thinking.parser.after_prompt(prompt);
+        }
+    }
+
     /// Where the answer's thinking comes before what its grammar holds (none without a reasoning parser). Qwen3's
     /// templates write an empty block into the prompt when `chat_template_kwargs` turns thinking off: the answer is
     /// then the grammar's from its first token, as vLLM finds the block's end in the prompt and holds it from there.
@@ -1322,6 +1330,14 @@ mod tests {
         let off = r#","chat_template_kwargs":{"thinking":false}"#;
         assert_eq!((checked(off, Some(DeepSeekV3)).thinking, checked("", Some(DeepSeekV3)).thinking), (None, None));
         assert_eq!(checked(json, Some(DeepSeekV3)).grammar_thinking(), Before::None);
+        // A prompt that opens the block (Qwen3's thinking-only models, GLM 4.7): the answer thinks from its start,
+        // and the grammar holds after the thinking; one that closes it leaves `qwen3`'s split as it was.
+        let mut opened = checked(json, Some(Qwen3));
+        opened.rendered("<|im_start|>assistant\n<think>\n");
+        assert_eq!((opened.thinking.map(|t| t.parser), opened.grammar_thinking()), (Some(DeepSeekR1), Before::Open));
+        let mut closed = checked(&format!(r#"{json},"chat_template_kwargs":{{"enable_thinking":false}}"#), Some(Qwen3));
+        closed.rendered("<|assistant|></think>");
+        assert_eq!((closed.thinking.map(|t| t.parser), closed.grammar_thinking()), (Some(Qwen3), Before::None));
         // Gemma 4's channel: its markers' text kept; its grammar after the channel, when the answer opens one.
         let gemma = checked(json, Some(Gemma4));
         assert!(gemma.keep_control && !checked(json, Some(Qwen3)).keep_control);

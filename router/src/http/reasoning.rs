@@ -83,6 +83,17 @@ impl ReasoningParser {
         }
     }
 
+    /// The parser for an answer to `prompt` (a conversation as its template rendered it): one that thinks only when
+    /// the answer opens the block (`qwen3`, `glm45`) thinks from the answer's start when the prompt opened it, as
+    /// vLLM finds the opening in the prompt. Qwen 3.5, Qwen3's thinking-only models (2507) and GLM 4.7 write `<think>` at the
+    /// end of their generation prompt (GLM 4.7 writes `</think>` there instead when `enable_thinking` is false).
+    pub fn after_prompt(self, prompt: &str) -> ReasoningParser {
+        match self {
+            ReasoningParser::Qwen3 if prompt.trim_end().ends_with(self.markers().0) => ReasoningParser::DeepSeekR1,
+            parser => parser,
+        }
+    }
+
     /// Where the answer's thinking comes before what a grammar holds, as the worker applies it: the grammar holds
     /// after the thinking, as vLLM's does with a reasoning parser.
     pub fn before_grammar(self) -> engine::grammar::Thinking {
@@ -245,6 +256,20 @@ mod tests {
 
     fn some(s: &str) -> Option<String> {
         Some(s.to_string())
+    }
+
+    /// A prompt that ends by opening the block makes a `qwen3` answer think from its start: GLM 4.7's answer
+    /// `Hmm.</think>Yes.` was all content, with its `</think>`, before the split read the prompt.
+    #[test]
+    fn a_prompt_that_opens_the_block_starts_the_answer_thinking() {
+        let glm45: ReasoningParser = "glm45".parse().expect("a parser");
+        let opened = glm45.after_prompt("<|user|>\nHi<|assistant|><think>");
+        assert_eq!(split(opened, "Hmm.</think>Yes."), (some("Hmm."), "Yes.".to_string()));
+        assert_eq!(split(glm45, "Hmm.</think>Yes."), (None, "Hmm.</think>Yes.".to_string()), "as it was");
+        for prompt in ["<|assistant|></think>", "<|im_start|>assistant\n", "<think>x</think>\n"] {
+            assert_eq!(glm45.after_prompt(prompt), ReasoningParser::Qwen3, "{prompt:?}");
+        }
+        assert_eq!(ReasoningParser::Gemma4.after_prompt("<|channel>"), ReasoningParser::Gemma4);
     }
 
     #[test]
