@@ -46,7 +46,16 @@ const END_OF_GENERATION_TEXTS: &[&str] = &[
     "<|file_sep|>",
     "<turn|>",
     "<|tool_response>",
+    // gpt-oss's (o200k_harmony): a final answer's end, and a tool call's.
+    "<|return|>",
+    "<|call|>",
 ];
+
+/// Harmony's markers (gpt-oss): a message's start, its channel, its text's start, its end, and a call's format.
+/// Its answers are messages in these, which a reasoning parser reads apart, so they are text that is always shown,
+/// and a message's end does not end the answer, whose last message ends with `<|return|>` or `<|call|>` (as
+/// llama.cpp reads a vocabulary that has those two).
+const HARMONY_MARKERS: [&str; 5] = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>"];
 
 /// Why a tokenizer could not be built from a model file.
 #[derive(Debug, thiserror::Error)]
@@ -271,14 +280,18 @@ impl Tokenizer {
                 (false, false) => bytes::token_to_bytes(&tokens[i]),
             })
             .collect();
+        let is_control = |i: usize| types[i] == TOKEN_TYPE_CONTROL;
+        let harmony =
+            ["<|return|>", "<|call|>"].iter().all(|t| (0..tokens.len()).any(|i| is_control(i) && tokens[i] == *t));
+        let marker = |i: usize| harmony && HARMONY_MARKERS.contains(&tokens[i].as_str());
         let mut end_of_generation: Vec<u32> = (0..tokens.len())
-            .filter(|&i| types[i] == TOKEN_TYPE_CONTROL && END_OF_GENERATION_TEXTS.contains(&tokens[i].as_str()))
+            .filter(|&i| is_control(i) && END_OF_GENERATION_TEXTS.contains(&tokens[i].as_str()) && !marker(i))
             .map(|i| i as u32)
             .collect();
         end_of_generation.extend(eos.filter(|e| !end_of_generation.contains(e)));
         end_of_generation.sort_unstable();
         let special = SpecialTokens { bos, eos, end_of_generation };
-        let control = (0..tokens.len()).filter(|&i| types[i] == TOKEN_TYPE_CONTROL).map(|i| i as u32).collect();
+        let control = (0..tokens.len()).filter(|&i| is_control(i) && !marker(i)).map(|i| i as u32).collect();
         Ok(Tokenizer {
             tokens,
             token_bytes,
@@ -472,5 +485,58 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> String {
         let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id).iter().copied()).collect();
         String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A byte-level vocabulary of the 256 bytes and these control tokens.
+    fn with_controls(controls: &[&str], eos: Option<u32>) -> Tokenizer {
+        let mut tokens: Vec<String> = (0..=255u8).map(|b| bytes::byte_to_char(b).to_string()).collect();
+        tokens.extend(controls.iter().map(|c| c.to_string()));
+        let mut types = vec![1; 256];
+        types.extend(controls.iter().map(|_| TOKEN_TYPE_CONTROL));
+        let v = GgufVocab {
+            model: "gpt2",
+            pre: "gpt-4o",
+            tokens: &tokens,
+            types,
+            merges: &[],
+            scores: None,
+            add_space_prefix: false,
+            bos: None,
+            eos,
+            add_bos: false,
+        };
+        Tokenizer::new(v).expect("a tokenizer")
+    }
+
+    /// gpt-oss's vocabulary (it has `<|return|>` and `<|call|>`): those end an answer, `<|end|>` only a message,
+    /// and harmony's markers are text that is shown; Phi-3's `<|end|>` still ends one.
+    #[test]
+    fn harmonys_markers_are_text_and_only_its_last_message_ends_an_answer() {
+        let harmony = [
+            "<|start|>",
+            "<|channel|>",
+            "<|message|>",
+            "<|end|>",
+            "<|constrain|>",
+            "<|return|>",
+            "<|call|>",
+            "<|endoftext|>",
+        ];
+        let tok = with_controls(&harmony, Some(256 + 5));
+        let id = |t: &str| tok.special_id(t).expect("a token");
+        for marker in &harmony[..5] {
+            assert!(!tok.is_end_of_generation(id(marker)) && !tok.is_control(id(marker)), "{marker}");
+        }
+        for end in &harmony[5..] {
+            assert!(tok.is_end_of_generation(id(end)) && tok.is_control(id(end)), "{end}");
+        }
+        let phi3 = with_controls(&["<|end|>", "<|user|>", "<|assistant|>"], None);
+        let end = phi3.special_id("<|end|>").expect("a token");
+        assert!(phi3.is_end_of_generation(end) && phi3.is_control(end));
     }
 }
