@@ -90,3 +90,53 @@ fn the_thinking_split_follows_the_rendered_prompt() {
         assert_eq!(opened, thinks, "{file} {arguments:?}: {prompt:?}");
     }
 }
+
+/// gpt-oss's template writes an earlier call as harmony's message to the function (recipient before the channel):
+/// the model's answer as it would write it (after the prompt's `<|start|>assistant`, up to its `<|call|>`), read by
+/// the `openai_gptoss` reasoning parser and the `openai` tool-call parser, is the same call.
+#[test]
+fn gpt_oss_calls_read_back_through_harmony() {
+    let source =
+        std::fs::read_to_string(llama_cpp_models().join("templates/openai-gpt-oss-120b.jinja")).expect("the template");
+    let template = ChatTemplate::new(&source, "<|startoftext|>", "<|return|>").expect("the template compiles");
+    let params = json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}});
+    let functions = vec![Function { name: "weather".into(), params: params.clone() }];
+    let tools =
+        vec![json!({"type": "function", "function": {"name": "weather", "description": "d", "parameters": params}})];
+    let arguments = json!({"city": "Oslo, Norway", "days": 3});
+    let calls = json!([{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": arguments}}]);
+    let messages = [
+        ChatMessage::new("user", "Weather in Oslo?"),
+        ChatMessage { tool_calls: Some(calls), ..ChatMessage::new("assistant", "") },
+        ChatMessage { tool_call_id: Some("call_1".into()), ..ChatMessage::new("tool", "Rain.") },
+    ];
+    let rendered = template
+        .render_with(&messages, ChatExtras { tools: &tools, arguments: None }, false)
+        .expect("the conversation renders");
+    let turn = &rendered[rendered.rfind("Weather in Oslo?").expect("the question")..];
+    let call = &turn[turn.find("<|start|>assistant").expect("the assistant's turn") + "<|start|>assistant".len()..];
+    let answer = &call[..call.find("<|call|>").expect("the call's end")];
+    let split = "openai_gptoss".parse::<ReasoningParser>().expect("a parser").split(answer);
+    let made = "openai".parse::<ToolParser>().expect("a parser").parse(&split.content, &functions);
+    let made = made.unwrap_or_else(|| panic!("no call read from {answer:?} (content {:?})", split.content));
+    let read: Value = serde_json::from_str(&made.calls[0].1).expect("arguments as JSON");
+    assert_eq!((made.calls[0].0.as_str(), read), ("weather", arguments), "{answer:?}");
+}
+
+/// The `openai` tool-call parser reads calls as the `openai_gptoss` reasoning parser hands them on: a router given
+/// the first without the second does not start, and says why.
+#[tokio::test]
+async fn the_openai_tool_parser_needs_the_harmony_reader() {
+    let ca = kv_transfer::tls::DevCa::generate().expect("ca");
+    let openai = Some(ToolParser::OpenAi);
+    let alone = router::run::RouterConfig { tool_call_parser: openai, ..tandem_tests::router_config(&ca, vec![]) };
+    let e = router::run::RunningRouter::start(alone).await.expect_err("refused");
+    assert!(e.to_string().contains("openai_gptoss"), "{e}");
+    let both = router::run::RouterConfig {
+        tool_call_parser: openai,
+        reasoning_parser: Some(ReasoningParser::GptOss),
+        ..tandem_tests::router_config(&ca, vec![])
+    };
+    let router = router::run::RunningRouter::start(both).await.expect("starts");
+    router.shutdown(std::time::Duration::from_secs(1)).await;
+}

@@ -126,6 +126,10 @@ pub enum StartError {
     Record(String),
     #[error("external worker {0}")]
     External(String),
+    #[error(
+        "the tool-call parser openai reads gpt-oss's calls as the reasoning parser openai_gptoss hands them on: set that reasoning parser too"
+    )]
+    Parsers,
 }
 
 /// A running router.
@@ -156,6 +160,10 @@ impl RunningRouter {
     /// Opens the text model, starts following every worker and serves HTTP. Call inside a tokio runtime.
     pub async fn start(config: RouterConfig) -> Result<RunningRouter, StartError> {
         config.scheduler.validate().map_err(|e| StartError::Scheduler(e.join("; ")))?;
+        let harmony = config.reasoning_parser == Some(crate::http::reasoning::ReasoningParser::GptOss);
+        if config.tool_call_parser == Some(crate::http::tools::ToolParser::OpenAi) && !harmony {
+            return Err(StartError::Parsers);
+        }
         let text = Arc::new(TextModel::open(&config.model)?);
         let max_model_len = config.max_model_len.or(text.context_len()).ok_or(StartError::NoContextLength)?;
         let (stop, stop_rx) = watch::channel(false);

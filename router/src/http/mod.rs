@@ -4,6 +4,7 @@ pub mod choices;
 pub mod completions;
 pub mod error;
 pub mod fields;
+pub mod harmony;
 pub mod logprobs;
 pub mod openai;
 pub mod reasoning;

@@ -803,6 +803,14 @@ pub fn check_chat(body: &[u8], parsers: OutputParsers) -> Result<Checked, ApiErr
         .reasoning
         .and_then(|parser| parser.for_request(checked.template_arguments.as_ref()))
         .map(|parser| super::reasoning::Thinking { parser, shown: r.include_reasoning != Some(false) });
+    // gpt-oss's answer is messages; a grammar would have to hold in its final one only, which no worker applies.
+    if let (Some(thinking), Some((_, param))) = (checked.thinking, &checked.grammar)
+        && thinking.parser == super::reasoning::ReasoningParser::GptOss
+    {
+        let why = "structured outputs and forced tool calls are not served with gpt-oss's harmony answers \
+                   (reasoning_parser openai_gptoss): its calls come with tool_choice auto";
+        return Err(ApiError::bad(why, param));
+    }
     Ok(checked)
 }
 
@@ -1338,6 +1346,12 @@ mod tests {
         let mut closed = checked(&format!(r#"{json},"chat_template_kwargs":{{"enable_thinking":false}}"#), Some(Qwen3));
         closed.rendered("<|assistant|></think>");
         assert_eq!((closed.thinking.map(|t| t.parser), closed.grammar_thinking()), (Some(Qwen3), Before::None));
+        // gpt-oss's messages: a grammar would hold in the final one only, which no worker applies: refused by name.
+        let harmony = OutputParsers { reasoning: Some(GptOss), ..Default::default() };
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{json}}}"#);
+        let e = check_chat(body.as_bytes(), harmony).map(|_| ()).expect_err("refused");
+        assert!(e.to_string().contains("gpt-oss"), "{e}");
+        assert!(checked("", Some(GptOss)).keep_control, "its markers' text is kept");
         // Gemma 4's channel: its markers' text kept; its grammar after the channel, when the answer opens one.
         let gemma = checked(json, Some(Gemma4));
         assert!(gemma.keep_control && !checked(json, Some(Qwen3)).keep_control);

@@ -21,15 +21,19 @@ pub enum ReasoningParser {
     /// DeepSeek V3.1's, V3.2's and V4's templates read; their prompt then opens the block), else no thinking at all:
     /// each request's parser is one of those two ([`ReasoningParser::for_request`]).
     DeepSeekV3,
+    /// gpt-oss's harmony messages ([`super::harmony`]): the analysis channel is the thinking, the final channel the
+    /// content, and a message to a function goes on in the content for the `openai` tool-call parser.
+    GptOss,
 }
 
 /// Each parser's name.
-const NAMES: [(&str, ReasoningParser); 6] = [
+const NAMES: [(&str, ReasoningParser); 7] = [
     ("deepseek_r1", ReasoningParser::DeepSeekR1),
     ("deepseek_v3", ReasoningParser::DeepSeekV3),
     ("qwen3", ReasoningParser::Qwen3),
     ("glm45", ReasoningParser::Qwen3),
     ("minimax_m2", ReasoningParser::DeepSeekR1),
+    ("openai_gptoss", ReasoningParser::GptOss),
     ("gemma4", ReasoningParser::Gemma4),
 ];
 
@@ -101,6 +105,8 @@ impl ReasoningParser {
             ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3 => engine::grammar::Thinking::Open,
             ReasoningParser::Qwen3 => engine::grammar::Thinking::Optional,
             ReasoningParser::Gemma4 => engine::grammar::Thinking::Channel,
+            // Not reached: a grammar beside harmony's answers is refused (`openai::check_chat`).
+            ReasoningParser::GptOss => engine::grammar::Thinking::None,
         }
     }
 
@@ -111,6 +117,7 @@ impl ReasoningParser {
                 ("<think>", "</think>")
             }
             ReasoningParser::Gemma4 => ("<|channel>", "<channel|>"),
+            ReasoningParser::GptOss => ("<|channel|>analysis<|message|>", "<|end|>"),
         }
     }
 
@@ -127,11 +134,14 @@ impl ReasoningParser {
 
     /// Whether the answer must keep its control tokens' text for the thinking to be found.
     pub fn needs_control_text(self) -> bool {
-        self == ReasoningParser::Gemma4
+        matches!(self, ReasoningParser::Gemma4 | ReasoningParser::GptOss)
     }
 
     /// Splits a whole answer.
     pub fn split(self, text: &str) -> Split {
+        if self == ReasoningParser::GptOss {
+            return super::harmony::split(text);
+        }
         let (start, end) = self.markers();
         let opened = text.trim_start().strip_prefix(start);
         if !self.thinks_from_the_start() && opened.is_none() {
@@ -166,6 +176,8 @@ enum Phase {
 #[derive(Debug)]
 pub struct ReasoningStream {
     parser: ReasoningParser,
+    /// gpt-oss's messages, read by their own reader.
+    harmony: Option<super::harmony::HarmonyStream>,
     text: String,
     /// How much of `text` has been sent (or swallowed, for the markers).
     sent: usize,
@@ -174,11 +186,15 @@ pub struct ReasoningStream {
 
 impl ReasoningStream {
     pub fn new(parser: ReasoningParser) -> ReasoningStream {
-        ReasoningStream { parser, text: String::new(), sent: 0, phase: Phase::Opening }
+        let harmony = (parser == ReasoningParser::GptOss).then(super::harmony::HarmonyStream::default);
+        ReasoningStream { parser, harmony, text: String::new(), sent: 0, phase: Phase::Opening }
     }
 
     /// The thinking and the content to send for the next piece of text `s`.
     pub fn push(&mut self, s: &str) -> Split {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.push(s);
+        }
         self.text.push_str(s);
         let mut out = Split::default();
         let (start, end) = self.parser.markers();
@@ -230,6 +246,9 @@ impl ReasoningStream {
 
     /// At the end: what is still to send for the last text `rest` and anything held back.
     pub fn end(&mut self, rest: &str) -> Split {
+        if let Some(harmony) = &mut self.harmony {
+            return harmony.end(rest);
+        }
         let mut out = self.push(rest);
         let held = &self.text[self.sent..];
         if !held.is_empty() {

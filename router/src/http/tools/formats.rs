@@ -55,10 +55,14 @@ pub enum ToolParser {
     /// name="KEY">value</parameter>` (read as GLM's values are) and `</invoke>`, until `</minimax:tool_call>`:
     /// MiniMax M2's.
     MiniMaxM2,
+    /// gpt-oss's calls, messages to `functions.NAME` whose text is the arguments' JSON, as the `openai_gptoss`
+    /// reasoning parser hands them on in the content (`to=functions.NAME<|message|>{...}`, [`super::super::harmony`]);
+    /// it needs that parser.
+    OpenAi,
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 16] = [
+const NAMES: [(&str, ToolParser); 17] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
@@ -75,6 +79,7 @@ const NAMES: [(&str, ToolParser); 16] = [
     ("glm45", ToolParser::Glm45),
     ("glm47", ToolParser::Glm45),
     ("minimax_m2", ToolParser::MiniMaxM2),
+    ("openai", ToolParser::OpenAi),
 ];
 
 impl std::str::FromStr for ToolParser {
@@ -169,6 +174,7 @@ impl ToolParser {
             | ToolParser::Glm45
             | ToolParser::MiniMaxM2 => piece.contains('>'),
             ToolParser::Mistral => piece.contains(['}', ']']),
+            ToolParser::OpenAi => piece.contains('}'),
             ToolParser::Llama3Json | ToolParser::Pythonic => false,
         }
     }
@@ -199,6 +205,7 @@ impl ToolParser {
             ToolParser::DeepSeekDsml => invoke(&rest[skipped..], &DSML_TAGS, end, functions, dsml_value)?,
             ToolParser::Glm45 => block(&rest[skipped..], (OPEN, CLOSE), end, |body| glm(body, functions))?,
             ToolParser::MiniMaxM2 => invoke(&rest[skipped..], &MINIMAX_TAGS, end, functions, minimax_value)?,
+            ToolParser::OpenAi => harmony_call(&rest[skipped..], functions)?,
             ToolParser::Llama3Json | ToolParser::Pythonic => return None,
         };
         Some((calls, rest.len() - tail.len()))
@@ -228,6 +235,7 @@ impl ToolParser {
         match self {
             ToolParser::Hermes | ToolParser::Qwen3Coder | ToolParser::Glm45 => marked(text, sent, OPEN),
             ToolParser::MiniMaxM2 => marked(text, sent, MINIMAX_CALLS.0),
+            ToolParser::OpenAi => marked(text, sent, super::super::harmony::CALL),
             ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
             ToolParser::Gemma4 => marked(text, sent, gemma4::OPEN),
             ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => marked(text, sent, DEEPSEEK_CALLS),
@@ -406,6 +414,15 @@ fn dsml_value(attributes: &str, raw: &str, kind: Option<&Value>) -> Option<Value
 /// A MiniMax M2 parameter's value (no attributes), as GLM's are read.
 fn minimax_value(attributes: &str, raw: &str, kind: Option<&Value>) -> Option<Value> {
     attributes.is_empty().then(|| written(raw.trim(), kind))
+}
+
+/// The gpt-oss call `text` opens with, as the harmony reader hands it on: `to=functions.NAME<|message|>` and the
+/// arguments' JSON object, and the text after it. Its JSON ends it.
+fn harmony_call<'t>(text: &'t str, functions: &[Function]) -> Option<(Vec<Call>, &'t str)> {
+    let (name, json) = text.strip_prefix(super::super::harmony::CALL)?.split_once("<|message|>")?;
+    let (arguments, after) = json_prefix(json)?;
+    let function = known(functions, name.trim())?;
+    arguments.is_object().then(|| (vec![(function.name.clone(), arguments.to_string())], after))
 }
 
 /// A GLM block's body: the function's name, then its arguments' keys and values between their tags.
@@ -679,6 +696,26 @@ mod tests {
             "<minimax:tool_call><invoke name=\"now\"><parameter name=\"a\">1</invoke></minimax:tool_call>",
             "<minimax:tool_call><invoke name=\"now\"><parameter name=\"a\">1</parameter><parameter name=\"a\">2</parameter></invoke>",
             "<minimax:tool_call>now()</minimax:tool_call>",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// gpt-oss's calls as the harmony reader hands them on: a call whose JSON is whole; a call of no tool, or
+    /// arguments that are not an object, are not calls.
+    #[test]
+    fn harmony_calls_are_calls() {
+        let parse = |text: &str| ToolParser::OpenAi.parse(text, &functions());
+        let made = parse("Checking.to=functions.weather<|message|>{\"city\": \"Oslo\"}").expect("a call");
+        assert_eq!(
+            (made.content.as_deref(), made.calls),
+            (Some("Checking."), calls(&[("weather", r#"{"city":"Oslo"}"#)]))
+        );
+        for not_calls in [
+            "to=functions.rain<|message|>{}",
+            "to=functions.now<|message|>[1]",
+            "to=functions.now<|message|>{\"a\": ",
+            "to=functions.now{}",
         ] {
             assert_eq!(parse(not_calls), None, "{not_calls}");
         }

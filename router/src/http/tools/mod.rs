@@ -604,7 +604,7 @@ pub(super) mod tests {
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 11] = [
+    const CALLS: [&str; 12] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
@@ -616,12 +616,13 @@ pub(super) mod tests {
         "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"now\">\n<｜DSML｜parameter name=\"a\" string=\"false\">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"now\">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
         "<tool_call>now\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call><tool_call>now</tool_call>",
         "<minimax:tool_call>\n<invoke name=\"now\"><parameter name=\"a\">1</parameter>\n</invoke>\n</minimax:tool_call>\n<minimax:tool_call><invoke name=\"now\"></invoke></minimax:tool_call>",
+        "to=functions.now<|message|>{\"a\": 1}",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 11] = [
+    const PIECES: [(ToolParser, [&str; 10]); 12] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -646,6 +647,8 @@ pub(super) mod tests {
             "<arg_key>a</arg_key><arg_value>1</arg_value>"]),
         (ToolParser::MiniMaxM2, ["Sure ", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=\"now\">",
             "<invoke name=\"rain\">", "</invoke>", "<minimax:", "\n", "é", "<parameter name=\"b\">x</parameter>"]),
+        (ToolParser::OpenAi, ["Sure ", "to=functions.", "now", "rain", "<|message|>", "{\"a\": 1}", "to=func", "\n", "é",
+            "}"]),
     ];
 
     proptest::proptest! {
