@@ -89,8 +89,8 @@ impl ReasoningParser {
 
     /// The parser for an answer to `prompt` (a conversation as its template rendered it): one that thinks only when
     /// the answer opens the block (`qwen3`, `glm45`) thinks from the answer's start when the prompt opened it, as
-    /// vLLM finds the opening in the prompt. Qwen 3.5, Qwen3's thinking-only models (2507) and GLM 4.7 write `<think>` at the
-    /// end of their generation prompt (GLM 4.7 writes `</think>` there instead when `enable_thinking` is false).
+    /// vLLM finds the opening in the prompt. Qwen 3.5, Qwen3's thinking-only models (2507) and GLM 4.7 write
+    /// `<think>` at the end of their generation prompt (`</think>` instead when `enable_thinking` is false).
     pub fn after_prompt(self, prompt: &str) -> ReasoningParser {
         match self {
             ReasoningParser::Qwen3 if prompt.trim_end().ends_with(self.markers().0) => ReasoningParser::DeepSeekR1,
