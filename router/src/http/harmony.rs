@@ -44,11 +44,6 @@ fn part(header: &str) -> (Part, Option<&str>) {
     }
 }
 
-/// The longest end of `text` that may be the start of a message's end or of the next message.
-fn held(text: &str) -> usize {
-    [END, START].iter().flat_map(|m| (1..m.len()).filter(move |&k| text.ends_with(&m[..k]))).max().unwrap_or(0)
-}
-
 /// Where a streamed answer is.
 #[derive(Clone, Debug, PartialEq)]
 enum Phase {
@@ -121,7 +116,8 @@ impl HarmonyStream {
                             self.phase = Phase::Header;
                         }
                         None => {
-                            let len = rest.len() - held(rest);
+                            // An end that may be the start of the message's end or of the next one waits.
+                            let len = rest.len() - super::markers::held(rest, &[END, START]);
                             out.push_str(&rest[..len]);
                             self.read += len;
                             break;

@@ -6,6 +6,7 @@ pub mod error;
 pub mod fields;
 pub mod harmony;
 pub mod logprobs;
+mod markers;
 pub mod openai;
 pub mod reasoning;
 pub mod responses;

@@ -226,10 +226,7 @@ impl ReasoningStream {
                     self.phase = Phase::Answering;
                 }
                 None => {
-                    let held = (1..end.len())
-                        .rev()
-                        .find(|&k| self.text.ends_with(&end[..k]) && self.text.is_char_boundary(self.text.len() - k))
-                        .unwrap_or(0);
+                    let held = super::markers::held(&self.text, &[end]);
                     let to = (self.text.len() - held).max(self.sent);
                     out.reasoning = Some(self.text[self.sent..to].to_string());
                     self.sent = to;

@@ -254,10 +254,7 @@ fn marked(text: &str, sent: usize, marker: &str) -> Scan {
     if let Some(i) = text[sent..].find(marker) {
         return Scan::Opens(sent + i);
     }
-    let held = (1..marker.len())
-        .rev()
-        .find(|&k| marker.is_char_boundary(k) && text.ends_with(&marker[..k]) && text.is_char_boundary(text.len() - k))
-        .unwrap_or(0);
+    let held = super::super::markers::held(text, &[marker]);
     Scan::ClearTo((text.len() - held).max(sent))
 }
 
