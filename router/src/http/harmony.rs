@@ -20,17 +20,16 @@ const OPENINGS: [&str; 3] = [CHANNEL, START, "to="];
 /// How a message to a function goes on in the content, its name after it, then [`MESSAGE`] and its arguments.
 pub const CALL: &str = "to=functions.";
 
-/// What a message is for.
-#[derive(Clone, Debug, PartialEq)]
+/// Where a message's text goes.
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Part {
     Reasoning,
+    /// The content: an answer's, a preamble's, or a call's arguments (after [`CALL`] and the function's name).
     Content,
-    /// Arguments for a function (named in the content before them).
-    Call,
 }
 
 /// The part a message's header (between its start and [`MESSAGE`]) makes its text, by its channel and recipient,
-/// and the function it calls.
+/// and the function it calls, if it does.
 fn part(header: &str) -> (Part, Option<&str>) {
     let word = |key: &str| {
         let at = header.find(key)? + key.len();
@@ -38,14 +37,14 @@ fn part(header: &str) -> (Part, Option<&str>) {
         Some(&rest[..rest.find([' ', '<']).unwrap_or(rest.len())])
     };
     match (word(CHANNEL), word("to=")) {
-        (_, Some(to)) if to.starts_with("functions.") => (Part::Call, Some(&to["functions.".len()..])),
+        (_, Some(to)) if to.starts_with("functions.") => (Part::Content, Some(&to["functions.".len()..])),
         (Some("analysis"), _) => (Part::Reasoning, None),
         _ => (Part::Content, None),
     }
 }
 
 /// Where a streamed answer is.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Phase {
     /// Its start is whitespace or part of a message's start so far.
     Opening,
@@ -80,7 +79,7 @@ impl HarmonyStream {
         let (mut reasoning, mut content) = (String::new(), String::new());
         loop {
             let rest = &self.text[self.read..];
-            match self.phase.clone() {
+            match self.phase {
                 Phase::Opening => {
                     let lead = rest.trim_start();
                     if OPENINGS.iter().any(|o| lead.starts_with(o)) {
@@ -135,7 +134,7 @@ impl HarmonyStream {
         let mut out = self.push(rest);
         let left = &self.text[self.read..];
         match self.phase {
-            Phase::Opening | Phase::Body(Part::Content) | Phase::Body(Part::Call) => out.content.push_str(left),
+            Phase::Opening | Phase::Body(Part::Content) => out.content.push_str(left),
             Phase::Body(Part::Reasoning) => out.reasoning.get_or_insert_with(String::new).push_str(left),
             Phase::Plain | Phase::Header => {}
         }
