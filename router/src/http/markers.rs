@@ -1,6 +1,6 @@
 //! What a parser reading a streamed answer holds back: an end of the text so far that may be the start of a marker
 //! it looks for, until the next piece shows whether it is one (the reasoning split, the harmony reader, the tool-call
-//! scan).
+//! scan); and, for their tests, a text cut into streamed pieces.
 
 /// How long the longest end of `text` is that is the start, not the whole, of one of `markers` (0 when none).
 pub fn held(text: &str, markers: &[&str]) -> usize {
@@ -9,6 +9,23 @@ pub fn held(text: &str, markers: &[&str]) -> usize {
         .filter_map(|m| (1..m.len()).rev().find(|&k| m.is_char_boundary(k) && text.ends_with(&m[..k])))
         .max()
         .unwrap_or(0)
+}
+
+/// `text` cut into streamed pieces of `cuts` characters, taken in turn (and again from the first).
+#[cfg(test)]
+pub fn pieces(text: &str, cuts: &[usize]) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for cut in cuts.iter().cycle() {
+        if at >= chars.len() {
+            break;
+        }
+        let end = (at + cut.max(&1)).min(chars.len());
+        out.push(chars[at..end].iter().collect());
+        at = end;
+    }
+    out
 }
 
 #[cfg(test)]

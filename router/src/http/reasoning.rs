@@ -336,33 +336,32 @@ mod tests {
         /// content sent add up to the whole answer's split.
         #[test]
         fn a_streamed_split_is_the_whole_one(
-            which in 0usize..3,
-            parts in proptest::collection::vec(0usize..9, 0..14),
+            which in 0usize..4,
+            parts in proptest::collection::vec(0usize..16, 0..16),
             cuts in proptest::collection::vec(1usize..6, 1..40),
         ) {
-            const THINK: [&str; 9] = ["<think>", "</think>", "Hmm ", "<th", "ink>", "</th", "\n", "é", "<"];
-            const CHANNEL: [&str; 9] =
-                ["<|channel>", "<channel|>", "thought\n", "thou", "<|chan", "nel>", "\n", "é", "<"];
+            const THINK: &[&str] = &["<think>", "</think>", "Hmm ", "<th", "ink>", "</th", "\n", "é", "<"];
+            const CHANNEL: &[&str] =
+                &["<|channel>", "<channel|>", "thought\n", "thou", "<|chan", "nel>", "\n", "é", "<"];
+            // gpt-oss's messages: headers of every kind, the markers whole and in parts.
+            const HARMONY: &[&str] = &["<|channel|>analysis<|message|>", "<|channel|>", "final", "commentary",
+                " to=functions.now", " <|constrain|>json", "<|message|>", "<|end|>", "<|start|>assistant", "<|st",
+                "<|e", "nd|>", "Hmm, ", "{\"a\": 1}", "\n", "é"];
             let (parser, pieces) = [
                 (ReasoningParser::DeepSeekR1, THINK),
                 (ReasoningParser::Qwen3, THINK),
                 (ReasoningParser::Gemma4, CHANNEL),
+                (ReasoningParser::GptOss, HARMONY),
             ][which];
-            let text: String = parts.iter().map(|&i| pieces[i]).collect();
-            let chars: Vec<char> = text.chars().collect();
+            let text: String = parts.iter().map(|&i| pieces[i % pieces.len()]).collect();
             let mut stream = ReasoningStream::new(parser);
-            let (mut reasoning, mut content, mut at) = (String::new(), String::new(), 0);
+            let (mut reasoning, mut content) = (String::new(), String::new());
             let mut add = |s: Split| {
                 reasoning.push_str(&s.reasoning.unwrap_or_default());
                 content.push_str(&s.content);
             };
-            for cut in cuts.iter().cycle() {
-                if at >= chars.len() {
-                    break;
-                }
-                let end = (at + cut).min(chars.len());
-                add(stream.push(&chars[at..end].iter().collect::<String>()));
-                at = end;
+            for piece in super::super::markers::pieces(&text, &cuts) {
+                add(stream.push(&piece));
             }
             add(stream.end(""));
             let whole = parser.split(&text);

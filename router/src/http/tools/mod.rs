@@ -678,17 +678,11 @@ pub(super) mod tests {
             }
             let choosing = Choosing { parser, functions: known(&["now"]), parallel };
             let mut stream = AutoStream::new(choosing.clone());
-            let chars: Vec<char> = text.chars().collect();
-            let (mut content, mut calls, mut at) = (String::new(), Vec::new(), 0);
-            for cut in cuts.iter().cycle() {
-                if at >= chars.len() {
-                    break;
-                }
-                let end = (at + cut).min(chars.len());
-                let sent = stream.push(&chars[at..end].iter().collect::<String>());
+            let (mut content, mut calls) = (String::new(), Vec::new());
+            for piece in super::super::markers::pieces(&text, &cuts) {
+                let sent = stream.push(&piece);
                 content.push_str(&sent.content);
                 calls.extend(sent.calls);
-                at = end;
             }
             let last = stream.end("");
             content.push_str(&last.content);
