@@ -1,8 +1,13 @@
 //! GPT-2's reversible map between bytes and printable characters, used by byte-level BPE vocabularies.
 
-/// The printable character that stands for byte `b`: printable Latin-1 bytes stand for themselves, the others
-/// are moved to U+0100 and up in byte order.
+/// The printable character that stands for byte `b` (looked up: a tokenizer spells every piece of text with it).
 pub fn byte_to_char(b: u8) -> char {
+    static TABLE: std::sync::OnceLock<[char; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| spell(b as u8)))[b as usize]
+}
+
+/// Printable Latin-1 bytes stand for themselves, the others are moved to U+0100 and up in byte order.
+fn spell(b: u8) -> char {
     let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
     if printable(b) {
         return char::from(b);

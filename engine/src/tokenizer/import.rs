@@ -7,12 +7,9 @@
 use serde_json::Value;
 
 use super::pretokenize::Pre;
-use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TokenizerError};
+use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED, TokenizerError};
 use crate::gguf::GgufWriter;
 use crate::gguf::{MetaArray, MetaValue};
-
-/// A normal token's GGUF type.
-pub(super) const TOKEN_TYPE_NORMAL: i32 = 1;
 
 /// The vocabulary GGUF for `tokenizer` (a parsed `tokenizer.json`) and `config` (a parsed `tokenizer_config.json`,
 /// when there is one: the BOS and EOS tokens, whether prompts start with BOS, the chat template).
@@ -38,7 +35,7 @@ pub fn vocabulary_gguf(tokenizer: &Value, config: Option<&Value>) -> Result<Gguf
         return Err(malformed(why));
     }
     let mut tokens = vec![None; size as usize];
-    let mut types = vec![TOKEN_TYPE_NORMAL; tokens.len()];
+    let mut types = vec![TOKEN_TYPE_NORMAL as i32; tokens.len()];
     for (text, id) in vocab {
         let id = id.as_u64().ok_or_else(|| malformed(format!("token {text:?} has id {id}")))?;
         tokens[id as usize] = Some(text.clone());

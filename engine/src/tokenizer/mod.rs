@@ -25,6 +25,7 @@ use crate::gguf::{GgufFile, MetaArray};
 use bpe::Merges;
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_NORMAL: i64 = 1;
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 /// A SentencePiece vocabulary's byte-fallback token (`<0xXX>`).
@@ -208,7 +209,7 @@ impl<'a> GgufVocab<'a> {
         let tokens = strings("tokenizer.ggml.tokens")?;
         let types = match meta.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
             Some(a) => a.to_i64s().filter(|t| t.len() == tokens.len()),
-            None => Some(vec![1; tokens.len()]),
+            None => Some(vec![TOKEN_TYPE_NORMAL; tokens.len()]),
         };
         let types = types.ok_or(TokenizerError::Missing { key: "tokenizer.ggml.token_type" })?;
         let id_of = |k: &str| meta.get(k).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
@@ -496,7 +497,7 @@ mod tests {
     fn with_controls(controls: &[&str], eos: Option<u32>) -> Tokenizer {
         let mut tokens: Vec<String> = (0..=255u8).map(|b| bytes::byte_to_char(b).to_string()).collect();
         tokens.extend(controls.iter().map(|c| c.to_string()));
-        let mut types = vec![1; 256];
+        let mut types = vec![TOKEN_TYPE_NORMAL; 256];
         types.extend(controls.iter().map(|_| TOKEN_TYPE_CONTROL));
         let v = GgufVocab {
             model: "gpt2",

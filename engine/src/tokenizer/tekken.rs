@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::import::{self, Vocabulary};
 use super::pretokenize::TEKKEN_PATTERN;
-use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TokenizerError, bytes};
+use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED, TokenizerError, bytes};
 use crate::gguf::GgufWriter;
 
 /// The special tokens of a file that lists none (mistral_common's for versions up to v7), by rank from 0.
@@ -71,11 +71,10 @@ pub fn vocabulary_gguf(tekken: &Value, config: Option<&Value>) -> Result<GgufWri
         return Err(malformed("two tokens of the vocab have the same bytes".into()));
     }
     let (specials, control) = special_tokens(tekken, special_count)?;
-    let spelled = spelling();
-    let spell = |t: &[u8]| t.iter().map(|&b| spelled[b as usize]).collect::<String>();
+    let spell = |t: &[u8]| t.iter().map(|&b| bytes::byte_to_char(b)).collect::<String>();
     let mut types: Vec<i32> =
         control.iter().map(|&c| if c { TOKEN_TYPE_CONTROL } else { TOKEN_TYPE_USER_DEFINED } as i32).collect();
-    types.resize(special_count + inner, import::TOKEN_TYPE_NORMAL);
+    types.resize(special_count + inner, TOKEN_TYPE_NORMAL as i32);
     let mut tokens = specials;
     tokens.extend(ranked.iter().map(|t| spell(t)));
     // Every split of a token into two tokens, in rank order: the pair tiktoken would join into it.
@@ -125,11 +124,6 @@ fn special_tokens(tekken: &Value, count: usize) -> Result<(Vec<String>, Vec<bool
         return Err(malformed("two special tokens have the same text".into()));
     }
     Ok((texts, control))
-}
-
-/// Each byte as byte-level BPE writes it.
-fn spelling() -> [char; 256] {
-    std::array::from_fn(|b| bytes::byte_to_char(b as u8))
 }
 
 #[cfg(test)]
