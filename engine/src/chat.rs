@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
+mod pylist;
 mod python;
 
 /// One chat message.
@@ -103,6 +104,7 @@ impl ChatTemplate {
         // What transformers gives templates beyond Jinja: Python's methods on strings, lists and dicts, and the
         // date (Llama 3.2's and 3.3's templates write today's into the system turn).
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("namespace", pylist::namespace);
         env.add_filter("tojson", |v: minijinja::Value, args: minijinja::value::Kwargs| {
             let options = python::JsonOptions {
                 indent: args.get("indent")?,
@@ -308,6 +310,19 @@ mod tests {
         let args = serde_json::Map::from_iter([("effort".to_string(), serde_json::json!("low"))]);
         let extras = ChatExtras { tools: &[], arguments: Some(&args) };
         assert_eq!(t.render_with(&[], extras, false).expect("renders"), "lowshownroleeffortTrue");
+    }
+
+    /// A list kept in a namespace changes in place, as Python's does (Kimi K2's templates queue call ids so), and
+    /// prints, measures and serializes as any list.
+    #[test]
+    fn a_namespaces_list_changes_in_place() {
+        let src = "{% set ns = namespace(q=[], n=0) %}{% set _ = ns.q.append('a') %}{% set _ = ns.q.extend(['b', 'c']) %}\
+                   {{ ns.q.pop(0) }}{{ ns.q.pop() }}{{ ns.q | length }}{{ ns.q }}{{ ns.q | tojson }}\
+                   {% set _ = ns.q.insert(-9, 'z') %}{% for x in ns.q %}{{ x }}{% endfor %}{{ ns.q[-1] }}{{ ns.n }}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        assert_eq!(t.render(&[], false).expect("renders"), "ac1['b'][\"b\"]zbb0");
+        let empty = ChatTemplate::new("{% set ns = namespace(q=[]) %}{{ ns.q.pop(0) }}", "", "").expect("compiles");
+        assert!(empty.render(&[], false).is_err(), "pop from an empty list");
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! template in llama.cpp's `models/templates/` (which comes with llama.cpp's source, fetched by
 //! `scripts/llama-cpp.sh` from PyPI) renders a handful of conversations (a system turn, several turns, tools offered,
 //! a call and its result, no generation prompt) here and through Jinja2 as transformers' `apply_chat_template` sets
-//! it up (`scripts/templates/render_hf.py`); each must give the same text, or both must refuse. Two kinds of
-//! difference are allowed, by template: [`LENIENT`] ones render here where transformers' Python fails with a type
-//! error, and [`KNOWN`] ones differ in their text on purpose.
+//! it up (`scripts/templates/render_hf.py`); each must give the same text, or both must refuse. Three kinds of
+//! difference are allowed: [`LENIENT`] templates render here where transformers' Python fails with a type error,
+//! [`KNOWN`] ones differ in their text on purpose, and a template that changes a list in place (Kimi K2's queue of
+//! call ids), which transformers' immutable sandbox refuses, renders here as Jinja2's sandbox that allows it renders
+//! it (as llama.cpp's renderer does).
 
 use std::io::Write;
 use std::path::Path;
@@ -189,7 +191,7 @@ fn real_templates_render_as_transformers_renders_them() {
         ours.iter().filter(|(_, what, _)| what.starts_with("documents")).map(|(n, ..)| n.as_str()).collect();
     assert!(documents.len() >= 5, "templates reading documents: {documents:?}");
     let mut differ = Vec::new();
-    let (mut rendered, mut lenient) = (0, 0);
+    let (mut rendered, mut lenient, mut in_place) = (0, 0, 0);
     for ((name, what, ours), theirs) in ours.iter().zip(&reference) {
         let python_type_error = LENIENT.contains(&name.as_str())
             && theirs.get("error").and_then(Value::as_str).is_some_and(|e| e.starts_with("TypeError"));
@@ -197,6 +199,7 @@ fn real_templates_render_as_transformers_renders_them() {
             (Ok(a), Some(b)) if a == b => rendered += 1,
             (Ok(_), Some(_)) if KNOWN.iter().any(|(known, _)| known == name) => {}
             (Ok(_), None) if python_type_error => lenient += 1,
+            (Ok(a), None) if theirs.get("in_place").and_then(Value::as_str) == Some(a) => in_place += 1,
             (Err(_), None) => {}
             (Ok(a), Some(b)) => {
                 differ.push(format!("{name}, {what}: rendered differently:\n--- here\n{a}\n--- transformers\n{b}"))
@@ -208,6 +211,7 @@ fn real_templates_render_as_transformers_renders_them() {
     assert!(differ.is_empty(), "{} of {} renders differ:\n{}", differ.len(), ours.len(), differ.join("\n\n"));
     assert!(rendered > ours.len() * 9 / 10, "{rendered} of {} rendered", ours.len());
     assert!(lenient > 0, "the lenient templates are still named for a reason");
+    assert!(in_place >= 4, "Kimi K2's templates rendered with their calls: {in_place}");
 }
 
 /// transformers' renders of `inputs`, by `scripts/templates/render_hf.py`.

@@ -5,7 +5,9 @@
 and `strftime_now`. transformers itself is not needed, only Jinja2 (scripts/e2e/requirements.txt).
 
 Reads a JSON list of cases on stdin, each {"template", "bos_token", "eos_token", "messages", "tools",
-"add_generation_prompt", "arguments"}, and writes a JSON list of results, each {"text": ...} or {"error": ...}.
+"add_generation_prompt", "arguments"}, and writes a JSON list of results, each {"text": ...} or {"error": ...}. Where
+the sandbox refuses a template that changes a list in place (`ns.ids.append(x)`, Kimi K2's), the error comes with
+"in_place": the text Jinja2's sandbox that allows it renders (llama.cpp's renderer renders such templates too).
 """
 
 import json
@@ -14,7 +16,7 @@ from datetime import datetime
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
 
 class Generation(Extension):
@@ -44,8 +46,8 @@ def strftime_now(format):
     return datetime.now().strftime(format)
 
 
-def environment():
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+def environment(kind=ImmutableSandboxedEnvironment):
+    env = kind(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -70,8 +72,14 @@ def render(env, case):
 
 
 def main():
-    env = environment()
-    json.dump([render(env, case) for case in json.load(sys.stdin)], sys.stdout, ensure_ascii=False)
+    env, in_place = environment(), environment(SandboxedEnvironment)
+    out = []
+    for case in json.load(sys.stdin):
+        result = render(env, case)
+        if result.get("error", "").startswith("SecurityError") and "of 'list' object is unsafe" in result["error"]:
+            result["in_place"] = render(in_place, case).get("text")
+        out.append(result)
+    json.dump(out, sys.stdout, ensure_ascii=False)
 
 
 if __name__ == "__main__":
