@@ -317,7 +317,7 @@ fn every_stated_pattern_splits_as_pythons_regex_splits() {
         texts.push((0..n).map(|_| fragments[next(fragments.len())]).collect());
     }
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tokenizers/split_regex.py");
-    for name in ["llama-bpe", "qwen2", "qwen35", "deepseek-v3", "tekken", "gpt-4o"] {
+    for name in ["llama-bpe", "qwen2", "qwen35", "deepseek-v3", "tekken", "gpt-4o", "kimi-k2", "seed-coder"] {
         let pre = engine::tokenizer::pretokenize::Pre::of(name).expect("a pre-tokenizer");
         let want: Vec<Vec<String>> = python(&script, json!({"patterns": pre.patterns(), "texts": texts}));
         let mut differ = Vec::new();

@@ -140,6 +140,8 @@ fn pre_tokenizer(v: &Value) -> Result<(Pre, &'static str), TokenizerError> {
                 (Pre::DeepSeekV3, "deepseek-v3"),
                 (Pre::Tekken, "tekken"),
                 (Pre::Gpt4o, "gpt-4o"),
+                (Pre::KimiK2, "kimi-k2"),
+                (Pre::SeedCoder, "seed-coder"),
             ]
             .into_iter()
             .find(|(pre, _)| patterns.as_ref() == Some(&known(*pre)))

@@ -5,7 +5,8 @@
 //! the whitespace before them), and DeepSeek V3's (digits in threes, then runs of Chinese and Japanese characters,
 //! each isolated, then a pattern of its own over what is left), Mistral's Tekken (letter runs cut at a change from
 //! lower to upper case, every digit on its own, symbol runs with their line breaks and slashes), and GPT-4o's
-//! (o200k: Tekken's, with contractions kept on their word and digits in threes). Each pattern is checked against
+//! (o200k: Tekken's, with contractions kept on their word and digits in threes), Kimi K2's (GPT-4o's, with Han
+//! characters in runs of their own) and Seed-Coder's (Qwen 2's, symbol runs without their line breaks). Each pattern is checked against
 //! Python's `regex` module, which applies look-aheads itself (`engine/tests/hf_vocabularies.rs`).
 
 use std::sync::OnceLock;
@@ -53,6 +54,15 @@ pub const GPT4O_PATTERN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{
 /// GPT-4o's names (llama.cpp's `GPT4O` pre-tokenizer type).
 const GPT4O: &[&str] = &["gpt-4o", "llama4", "minimax-m2"];
 
+/// Kimi K2's (`tokenization_kimi.py`, tiktoken's; llama.cpp's `kimi-k2`): a run of Han characters, then GPT-4o's
+/// pattern with Han characters taken out of its letter classes, and symbol runs without slashes.
+pub const KIMI_K2_PATTERN: &str = r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Seed-Coder's (ByteDance Seed's vocabularies; llama.cpp's `seed-coder`): Qwen 2's, with a symbol run that stops
+/// at a line break instead of taking the line breaks after it.
+pub const SEED_CODER_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// DeepSeek V3's (and V3.1's, R1's, V4's) three splits, as its `tokenizer.json` states them, applied one after the
 /// other (each to every piece the one before made, its matches isolated): digits in threes; runs of CJK ideographs,
 /// hiragana and katakana; then a punctuation mark that leads ASCII letters, a letter run (with combining marks) with
@@ -76,6 +86,8 @@ pub enum Pre {
     DeepSeekV3,
     Tekken,
     Gpt4o,
+    KimiK2,
+    SeedCoder,
 }
 
 impl Pre {
@@ -90,6 +102,8 @@ impl Pre {
             "deepseek-v3" => Ok(Pre::DeepSeekV3),
             "tekken" => Ok(Pre::Tekken),
             n if GPT4O.contains(&n) => Ok(Pre::Gpt4o),
+            "kimi-k2" => Ok(Pre::KimiK2),
+            "seed-coder" => Ok(Pre::SeedCoder),
             n => Err(TokenizerError::UnsupportedPre(n.to_string())),
         }
     }
@@ -111,6 +125,8 @@ impl Pre {
             Pre::DeepSeekV3 => &DEEPSEEK_V3_PATTERNS,
             Pre::Tekken => &[TEKKEN_PATTERN],
             Pre::Gpt4o => &[GPT4O_PATTERN],
+            Pre::KimiK2 => &[KIMI_K2_PATTERN],
+            Pre::SeedCoder => &[SEED_CODER_PATTERN],
             Pre::DigitsThenGpt2 | Pre::Gpt2 => &[],
         }
     }
@@ -129,6 +145,8 @@ impl Pre {
             Pre::DeepSeekV3 => split_deepseek_v3(text, piece),
             Pre::Tekken => split_pattern(pattern_regex(&TEKKEN_RE, TEKKEN_PATTERN), text, piece),
             Pre::Gpt4o => split_pattern(pattern_regex(&GPT4O_RE, GPT4O_PATTERN), text, piece),
+            Pre::KimiK2 => split_pattern(pattern_regex(&KIMI_K2_RE, KIMI_K2_PATTERN), text, piece),
+            Pre::SeedCoder => split_pattern(pattern_regex(&SEED_CODER_RE, SEED_CODER_PATTERN), text, piece),
         }
     }
 }
@@ -167,6 +185,8 @@ static QWEN2_RE: OnceLock<Regex> = OnceLock::new();
 static QWEN35_RE: OnceLock<Regex> = OnceLock::new();
 static TEKKEN_RE: OnceLock<Regex> = OnceLock::new();
 static GPT4O_RE: OnceLock<Regex> = OnceLock::new();
+static KIMI_K2_RE: OnceLock<Regex> = OnceLock::new();
+static SEED_CODER_RE: OnceLock<Regex> = OnceLock::new();
 
 /// `pattern` compiled without its look-ahead alternative, which [`split_pattern`] applies, and with its
 /// contractions' case spelled out in ASCII (as llama.cpp matches them: Unicode case folding would also take `'ſ`).
