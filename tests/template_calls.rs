@@ -1,9 +1,10 @@
 //! Models' own chat templates (llama.cpp's copies, `models/templates`) write an assistant's earlier tool calls as
 //! the model writes its calls, so each tool-call parser must read back what its model's template writes: the
 //! calls of a conversation rendered by the template, read by the parser vLLM names for that model, are the same
-//! calls (names, and arguments as JSON values), for GLM 4.6 and 4.7, MiniMax M2, Qwen3-Coder, DeepSeek V3.1 and
-//! Hermes 2 Pro. And where a template opens the thinking in its generation prompt (GLM 4.7's, Qwen 3.5's), the answer
-//! is read as thinking from its start.
+//! calls (names, and arguments as JSON values), for GLM 4.6 and 4.7, MiniMax M2, Qwen3-Coder, DeepSeek V3.1, Hermes
+//! 2 Pro, Seed-OSS and Kimi K2 (Instruct and Thinking). And where a template opens the thinking in its generation
+//! prompt (GLM 4.7's, Qwen 3.5's), the answer is read as thinking from its start; where it closes it (Seed-OSS's
+//! with no thinking budget), as no thinking at all.
 
 use engine::chat::{ChatExtras, ChatMessage, ChatTemplate};
 use router::http::reasoning::ReasoningParser;
@@ -43,6 +44,10 @@ fn each_parser_reads_back_the_calls_its_models_template_writes() {
         ("Qwen3-Coder.jinja", "qwen3_coder"),
         ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v31"),
         ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "hermes"),
+        ("ByteDance-Seed-OSS.jinja", "seed_oss"),
+        ("moonshotai-Kimi-K2.jinja", "kimi_k2"),
+        ("Kimi-K2-Instruct.jinja", "kimi_k2"),
+        ("Kimi-K2-Thinking.jinja", "kimi_k2"),
     ] {
         let source = std::fs::read_to_string(dir.join(file)).expect("the template");
         let template = ChatTemplate::new(&source, "<s>", "</s>").expect("the template compiles");
@@ -63,14 +68,16 @@ fn each_parser_reads_back_the_calls_its_models_template_writes() {
 }
 
 /// GLM 4.7's and Qwen 3.5's generation prompts open `<think>` unless `enable_thinking` is false (then they close it),
-/// GLM 4.6's and Qwen3's hybrid models' never do: the `glm45` and `qwen3` parsers read the
-/// answer as thinking from its start exactly where the rendered prompt opened the block.
+/// GLM 4.6's and Qwen3's hybrid models' never do: the `glm45` and `qwen3` parsers read the answer as thinking from
+/// its start exactly where the rendered prompt opened the block. Seed-OSS and Kimi K2 Thinking think from the
+/// start, but for Seed-OSS with `thinking_budget` 0, whose prompt closes the block.
 #[test]
 fn the_thinking_split_follows_the_rendered_prompt() {
     let dir = llama_cpp_models().join("templates");
     let messages = [ChatMessage::new("user", "Hi")];
     let off: serde_json::Map<String, Value> =
         [("enable_thinking".to_string(), Value::Bool(false))].into_iter().collect();
+    let no_budget: serde_json::Map<String, Value> = [("thinking_budget".to_string(), json!(0))].into_iter().collect();
     for (file, parser, arguments, thinks) in [
         ("GLM-4.7-Flash.jinja", "glm45", None, true),
         ("GLM-4.7-Flash.jinja", "glm45", Some(&off), false),
@@ -78,6 +85,9 @@ fn the_thinking_split_follows_the_rendered_prompt() {
         ("Qwen3.5-4B.jinja", "qwen3", None, true),
         ("Qwen3.5-4B.jinja", "qwen3", Some(&off), false),
         ("Qwen-Qwen3-0.6B.jinja", "qwen3", None, false),
+        ("ByteDance-Seed-OSS.jinja", "seed_oss", None, true),
+        ("ByteDance-Seed-OSS.jinja", "seed_oss", Some(&no_budget), false),
+        ("Kimi-K2-Thinking.jinja", "kimi_k2", None, true),
     ] {
         let Ok(source) = std::fs::read_to_string(dir.join(file)) else {
             panic!("{file}: not among llama.cpp's templates");
@@ -86,7 +96,8 @@ fn the_thinking_split_follows_the_rendered_prompt() {
         let extras = ChatExtras { tools: &[], arguments };
         let prompt = template.render_with(&messages, extras, true).expect("the conversation renders");
         let parser: ReasoningParser = parser.parse().expect("a parser");
-        let opened = parser.after_prompt(&prompt) == ReasoningParser::DeepSeekR1;
+        // An answer that writes no marker is thinking only where the prompt left it thinking.
+        let opened = parser.after_prompt(&prompt).is_some_and(|p| p.split("Hmm").reasoning.is_some());
         assert_eq!(opened, thinks, "{file} {arguments:?}: {prompt:?}");
     }
 }

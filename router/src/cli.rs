@@ -134,14 +134,14 @@ pub struct Settings {
     pub record_candidates: Option<bool>,
     /// How the served model writes tool calls among its text (vLLM's `--tool-call-parser`: `hermes`, `llama3_json`,
     /// `mistral`, `pythonic`, `qwen3_coder`, `gemma4`, `deepseek_v3`, `deepseek_v31`, `deepseek_v32`, `glm45`,
-    /// `minimax_m2`, `openai` (with the reasoning parser `openai_gptoss`), and vLLM's `llama4_json`, `llama4_pythonic`, `qwen3_xml`, `deepseek_v4` and `glm47` for the same
+    /// `minimax_m2`, `openai` (with the reasoning parser `openai_gptoss`), `seed_oss`, `kimi_k2`, and vLLM's `llama4_json`, `llama4_pythonic`, `qwen3_xml`, `deepseek_v4` and `glm47` for the same
     /// formats): with one,
     /// `tool_choice: auto` (the default when a request has tools) is served and its calls parsed out of the answer;
     /// without one it is refused.
     #[arg(long, env = "TANDEM_TOOL_CALL_PARSER")]
     pub tool_call_parser: Option<crate::http::tools::ToolParser>,
     /// How the served model marks its thinking (vLLM's `--reasoning-parser`: `deepseek_r1`, `qwen3`, `gemma4`,
-    /// `deepseek_v3`, `openai_gptoss`, and `glm45` and `minimax_m2` for `qwen3`'s and `deepseek_r1`'s ways): with one, chat answers carry the text in `<think>` … `</think>` (Gemma 4's channel) apart, as
+    /// `deepseek_v3`, `openai_gptoss`, `seed_oss`, `kimi_k2`, and `glm45` and `minimax_m2` for `qwen3`'s and `deepseek_r1`'s ways): with one, chat answers carry the text in `<think>` … `</think>` (Gemma 4's channel) apart, as
     /// `reasoning_content` (and `reasoning`).
     #[arg(long, env = "TANDEM_REASONING_PARSER")]
     pub reasoning_parser: Option<crate::http::reasoning::ReasoningParser>,

@@ -578,7 +578,7 @@ impl Head<'_> {
     /// A chat chunk with a piece of tool call `k`: its id, type and name come with its first piece (`name`), then
     /// the rest of its arguments' text.
     fn call_chunk(&self, k: usize, name: Option<&str>, arguments: &str, role: bool, logprobs: &Value) -> String {
-        let id = name.map(|_| self.ids.id(self.id, self.index, k));
+        let id = name.map(|name| self.ids.id(self.id, self.index, k, name));
         let call = CallDelta {
             index: k,
             id: id.as_deref(),

@@ -903,9 +903,9 @@ impl Checked {
     /// Once its conversation is rendered as `prompt`: the thinking split as the prompt leaves the answer
     /// ([`super::reasoning::ReasoningParser::after_prompt`]).
     pub fn rendered(&mut self, prompt: &str) {
-        if let Some(thinking) = &mut self.thinking {
-            thinking.parser = thinking.parser.after_prompt(prompt);
-        }
+        self.thinking = self
+            .thinking
+            .and_then(|t| Some(super::reasoning::Thinking { parser: t.parser.after_prompt(prompt)?, ..t }));
     }
 
     /// Where the answer's thinking comes before what its grammar holds (none without a reasoning parser). Qwen3's

@@ -24,10 +24,16 @@ pub enum ReasoningParser {
     /// gpt-oss's harmony messages ([`super::harmony`]): the analysis channel is the thinking, the final channel the
     /// content, and a message to a function goes on in the content for the `openai` tool-call parser.
     GptOss,
+    /// As `DeepSeekR1`, in `<seed:think>` … `</seed:think>`: ByteDance's Seed-OSS. Its markers may be control tokens,
+    /// so the answer keeps their text.
+    SeedOss,
+    /// As `DeepSeekR1` unless `chat_template_kwargs` turns `thinking` off (then no thinking at all), as vLLM reads
+    /// Kimi K2's answers: K2 Thinking's. Its vocabulary's markers are control tokens, so the answer keeps their text.
+    KimiK2,
 }
 
 /// Each parser's name.
-const NAMES: [(&str, ReasoningParser); 7] = [
+const NAMES: [(&str, ReasoningParser); 9] = [
     ("deepseek_r1", ReasoningParser::DeepSeekR1),
     ("deepseek_v3", ReasoningParser::DeepSeekV3),
     ("qwen3", ReasoningParser::Qwen3),
@@ -35,6 +41,8 @@ const NAMES: [(&str, ReasoningParser); 7] = [
     ("minimax_m2", ReasoningParser::DeepSeekR1),
     ("openai_gptoss", ReasoningParser::GptOss),
     ("gemma4", ReasoningParser::Gemma4),
+    ("seed_oss", ReasoningParser::SeedOss),
+    ("kimi_k2", ReasoningParser::KimiK2),
 ];
 
 impl std::str::FromStr for ReasoningParser {
@@ -73,28 +81,35 @@ pub struct Split {
 
 impl ReasoningParser {
     /// The parser of a request whose template arguments are `arguments`: `DeepSeekV3`'s is DeepSeek R1's when they
-    /// turn thinking on, none otherwise; every other parser is its own.
+    /// turn thinking on, none otherwise; `KimiK2`'s is DeepSeek R1's unless they turn it off; every other parser is
+    /// its own.
     pub fn for_request(
         self,
         arguments: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Option<ReasoningParser> {
-        let on = |key: &str| arguments.and_then(|a| a.get(key)) == Some(&serde_json::Value::Bool(true));
+        let set = |key: &str, to: bool| arguments.and_then(|a| a.get(key)) == Some(&serde_json::Value::Bool(to));
         match self {
             ReasoningParser::DeepSeekV3 => {
-                (on("thinking") || on("enable_thinking")).then_some(ReasoningParser::DeepSeekR1)
+                (set("thinking", true) || set("enable_thinking", true)).then_some(ReasoningParser::DeepSeekR1)
             }
+            ReasoningParser::KimiK2 => (!set("thinking", false)).then_some(ReasoningParser::DeepSeekR1),
             parser => Some(parser),
         }
     }
 
-    /// The parser for an answer to `prompt` (a conversation as its template rendered it): one that thinks only when
-    /// the answer opens the block (`qwen3`, `glm45`) thinks from the answer's start when the prompt opened it, as
-    /// vLLM finds the opening in the prompt. Qwen 3.5, Qwen3's thinking-only models (2507) and GLM 4.7 write
-    /// `<think>` at the end of their generation prompt (`</think>` instead when `enable_thinking` is false).
-    pub fn after_prompt(self, prompt: &str) -> ReasoningParser {
+    /// The parser for an answer to `prompt` (a conversation as its template rendered it), `None` when the answer
+    /// cannot think: one that thinks only when the answer opens the block (`qwen3`, `glm45`) thinks from the
+    /// answer's start when the prompt opened it, as vLLM finds the opening in the prompt (Qwen 3.5, Qwen3's
+    /// thinking-only models (2507) and GLM 4.7 write `<think>` at the end of their generation prompt); one that
+    /// thinks from the start does not think at all when the prompt closed the block (Seed-OSS's template does with
+    /// `thinking_budget: 0`), where vLLM's would take the whole answer for thinking.
+    pub fn after_prompt(self, prompt: &str) -> Option<ReasoningParser> {
+        let (start, end) = self.markers();
+        let prompt = prompt.trim_end();
         match self {
-            ReasoningParser::Qwen3 if prompt.trim_end().ends_with(self.markers().0) => ReasoningParser::DeepSeekR1,
-            parser => parser,
+            ReasoningParser::Qwen3 if prompt.ends_with(start) => Some(ReasoningParser::DeepSeekR1),
+            parser if parser.thinks_from_the_start() && prompt.ends_with(end) => None,
+            parser => Some(parser),
         }
     }
 
@@ -102,7 +117,10 @@ impl ReasoningParser {
     /// after the thinking, as vLLM's does with a reasoning parser.
     pub fn before_grammar(self) -> engine::grammar::Thinking {
         match self {
-            ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3 => engine::grammar::Thinking::Open,
+            ReasoningParser::DeepSeekR1
+            | ReasoningParser::DeepSeekV3
+            | ReasoningParser::SeedOss
+            | ReasoningParser::KimiK2 => engine::grammar::Thinking::Open,
             ReasoningParser::Qwen3 => engine::grammar::Thinking::Optional,
             ReasoningParser::Gemma4 => engine::grammar::Thinking::Channel,
             // Not reached: a grammar beside harmony's answers is refused (`openai::check_chat`).
@@ -113,9 +131,11 @@ impl ReasoningParser {
     /// The markers around the thinking.
     fn markers(self) -> (&'static str, &'static str) {
         match self {
-            ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3 | ReasoningParser::Qwen3 => {
-                ("<think>", "</think>")
-            }
+            ReasoningParser::DeepSeekR1
+            | ReasoningParser::DeepSeekV3
+            | ReasoningParser::Qwen3
+            | ReasoningParser::KimiK2 => ("<think>", "</think>"),
+            ReasoningParser::SeedOss => ("<seed:think>", "</seed:think>"),
             ReasoningParser::Gemma4 => ("<|channel>", "<channel|>"),
             ReasoningParser::GptOss => ("<|channel|>analysis<|message|>", "<|end|>"),
         }
@@ -123,7 +143,13 @@ impl ReasoningParser {
 
     /// Whether an answer that does not open with the start marker thinks anyway (the prompt opened it).
     fn thinks_from_the_start(self) -> bool {
-        matches!(self, ReasoningParser::DeepSeekR1 | ReasoningParser::DeepSeekV3)
+        matches!(
+            self,
+            ReasoningParser::DeepSeekR1
+                | ReasoningParser::DeepSeekV3
+                | ReasoningParser::SeedOss
+                | ReasoningParser::KimiK2
+        )
     }
 
     /// Whether the router reads `chat_template_kwargs`' `enable_thinking: false` itself (Qwen3's templates then
@@ -134,7 +160,10 @@ impl ReasoningParser {
 
     /// Whether the answer must keep its control tokens' text for the thinking to be found.
     pub fn needs_control_text(self) -> bool {
-        matches!(self, ReasoningParser::Gemma4 | ReasoningParser::GptOss)
+        matches!(
+            self,
+            ReasoningParser::Gemma4 | ReasoningParser::GptOss | ReasoningParser::SeedOss | ReasoningParser::KimiK2
+        )
     }
 
     /// Splits a whole answer.
@@ -279,13 +308,42 @@ mod tests {
     #[test]
     fn a_prompt_that_opens_the_block_starts_the_answer_thinking() {
         let glm45: ReasoningParser = "glm45".parse().expect("a parser");
-        let opened = glm45.after_prompt("<|user|>\nHi<|assistant|><think>");
+        let opened = glm45.after_prompt("<|user|>\nHi<|assistant|><think>").expect("a parser");
         assert_eq!(split(opened, "Hmm.</think>Yes."), (some("Hmm."), "Yes.".to_string()));
         assert_eq!(split(glm45, "Hmm.</think>Yes."), (None, "Hmm.</think>Yes.".to_string()), "as it was");
         for prompt in ["<|assistant|></think>", "<|im_start|>assistant\n", "<think>x</think>\n"] {
-            assert_eq!(glm45.after_prompt(prompt), ReasoningParser::Qwen3, "{prompt:?}");
+            assert_eq!(glm45.after_prompt(prompt), Some(ReasoningParser::Qwen3), "{prompt:?}");
         }
-        assert_eq!(ReasoningParser::Gemma4.after_prompt("<|channel>"), ReasoningParser::Gemma4);
+        assert_eq!(ReasoningParser::Gemma4.after_prompt("<|channel>"), Some(ReasoningParser::Gemma4));
+    }
+
+    /// A prompt that closes the block leaves an answer that thinks from its start nothing to think: Seed-OSS's
+    /// template closes it when `thinking_budget` is 0, and the answer was all thinking.
+    #[test]
+    fn a_prompt_that_closes_the_block_leaves_no_thinking() {
+        let seed: ReasoningParser = "seed_oss".parse().expect("a parser");
+        assert_eq!(split(seed, "Hmm.</seed:think>Yes."), (some("Hmm."), "Yes.".to_string()));
+        assert_eq!(split(seed, "Yes."), (some("Yes."), String::new()), "thinking from the start");
+        let closed =
+            "<seed:bos>assistant\n<seed:think>\n<seed:cot_budget_reflect>0</seed:cot_budget_reflect>\n</seed:think>";
+        assert_eq!(seed.after_prompt(closed), None);
+        assert_eq!(seed.after_prompt("<seed:bos>assistant\n"), Some(seed));
+        assert_eq!(ReasoningParser::DeepSeekR1.after_prompt("<think>\n\n</think>\n\n"), None);
+        assert_eq!(ReasoningParser::DeepSeekR1.after_prompt("<think>\n"), Some(ReasoningParser::DeepSeekR1));
+    }
+
+    /// Kimi K2 thinks unless `chat_template_kwargs` turns `thinking` off, as vLLM reads it.
+    #[test]
+    fn kimi_k2_thinks_unless_turned_off() {
+        let kimi: ReasoningParser = "kimi_k2".parse().expect("a parser");
+        let args = |v: serde_json::Value| v.as_object().cloned();
+        assert_eq!(kimi.for_request(None), Some(ReasoningParser::DeepSeekR1));
+        assert_eq!(
+            kimi.for_request(args(serde_json::json!({"thinking": true})).as_ref()),
+            Some(ReasoningParser::DeepSeekR1)
+        );
+        assert_eq!(kimi.for_request(args(serde_json::json!({"thinking": false})).as_ref()), None);
+        assert!(kimi.needs_control_text() && ReasoningParser::SeedOss.needs_control_text());
     }
 
     #[test]
@@ -336,7 +394,7 @@ mod tests {
         /// content sent add up to the whole answer's split.
         #[test]
         fn a_streamed_split_is_the_whole_one(
-            which in 0usize..4,
+            which in 0usize..5,
             parts in proptest::collection::vec(0usize..16, 0..16),
             cuts in proptest::collection::vec(1usize..6, 1..40),
         ) {
@@ -347,11 +405,13 @@ mod tests {
             const HARMONY: &[&str] = &["<|channel|>analysis<|message|>", "<|channel|>", "final", "commentary",
                 " to=functions.now", " <|constrain|>json", "<|message|>", "<|end|>", "<|start|>assistant", "<|st",
                 "<|e", "nd|>", "Hmm, ", "{\"a\": 1}", "\n", "é"];
+            const SEED: &[&str] = &["<seed:think>", "</seed:think>", "Hmm ", "<seed:", "think>", "</seed", "\n", "é", "<"];
             let (parser, pieces) = [
                 (ReasoningParser::DeepSeekR1, THINK),
                 (ReasoningParser::Qwen3, THINK),
                 (ReasoningParser::Gemma4, CHANNEL),
                 (ReasoningParser::GptOss, HARMONY),
+                (ReasoningParser::SeedOss, SEED),
             ][which];
             let text: String = parts.iter().map(|&i| pieces[i % pieces.len()]).collect();
             let mut stream = ReasoningStream::new(parser);

@@ -55,6 +55,14 @@ pub enum ToolParser {
     /// name="KEY">value</parameter>` (read as GLM's values are) and `</invoke>`, until `</minimax:tool_call>`:
     /// MiniMax M2's.
     MiniMaxM2,
+    /// Qwen3-Coder's XML calls in `<seed:tool_call>` … `</seed:tool_call>` blocks: ByteDance's Seed-OSS's. Its markers
+    /// may be control tokens, so the answer keeps their text.
+    SeedOss,
+    /// Text, then `<|tool_calls_section_begin|>` and calls each `<|tool_call_begin|>functions.NAME:N
+    /// <|tool_call_argument_begin|>{arguments}<|tool_call_end|>`, then `<|tool_calls_section_end|>`: Kimi K2's. Its
+    /// markers are control tokens, so the answer keeps their text; call ids are `functions.NAME:N` as its templates
+    /// write them.
+    KimiK2,
     /// gpt-oss's calls, messages to `functions.NAME` whose text is the arguments' JSON, as the `openai_gptoss`
     /// reasoning parser hands them on in the content (`to=functions.NAME<|message|>{...}`, [`super::super::harmony`]);
     /// it needs that parser.
@@ -62,7 +70,7 @@ pub enum ToolParser {
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 17] = [
+const NAMES: [(&str, ToolParser); 19] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
@@ -79,6 +87,8 @@ const NAMES: [(&str, ToolParser); 17] = [
     ("glm45", ToolParser::Glm45),
     ("glm47", ToolParser::Glm45),
     ("minimax_m2", ToolParser::MiniMaxM2),
+    ("seed_oss", ToolParser::SeedOss),
+    ("kimi_k2", ToolParser::KimiK2),
     ("openai", ToolParser::OpenAi),
 ];
 
@@ -124,6 +134,12 @@ const DSML_PARAMETER_END: &str = "</｜DSML｜parameter>";
 /// GLM's argument tags.
 const GLM_KEY: (&str, &str) = ("<arg_key>", "</arg_key>");
 const GLM_VALUE: (&str, &str) = ("<arg_value>", "</arg_value>");
+/// Seed-OSS's blocks.
+const SEED_BLOCK: (&str, &str) = ("<seed:tool_call>", "</seed:tool_call>");
+/// Kimi K2's calls' section, a call's markers, and the marker between its id and its arguments.
+const KIMI_SECTION: &str = "<|tool_calls_section_begin|>";
+const KIMI_CALL: (&str, &str) = ("<|tool_call_begin|>", "<|tool_call_end|>");
+const KIMI_ARGUMENTS: &str = "<|tool_call_argument_begin|>";
 /// MiniMax M2's calls' wrapper, a call's tags and a parameter's.
 const MINIMAX_CALLS: (&str, &str) = ("<minimax:tool_call>", "</minimax:tool_call>");
 const MINIMAX_INVOKE: (&str, &str) = ("<invoke name=\"", "</invoke>");
@@ -172,7 +188,9 @@ impl ToolParser {
             | ToolParser::DeepSeekV31
             | ToolParser::DeepSeekDsml
             | ToolParser::Glm45
-            | ToolParser::MiniMaxM2 => piece.contains('>'),
+            | ToolParser::MiniMaxM2
+            | ToolParser::SeedOss
+            | ToolParser::KimiK2 => piece.contains('>'),
             ToolParser::Mistral => piece.contains(['}', ']']),
             ToolParser::OpenAi => piece.contains('}'),
             ToolParser::Llama3Json | ToolParser::Pythonic => false,
@@ -188,6 +206,11 @@ impl ToolParser {
         let (calls, tail) = match self {
             ToolParser::Hermes => block(&rest[skipped..], (OPEN, CLOSE), end, |body| hermes(body, functions))?,
             ToolParser::Qwen3Coder => block(&rest[skipped..], (OPEN, CLOSE), end, |body| qwen3_coder(body, functions))?,
+            ToolParser::SeedOss => block(&rest[skipped..], SEED_BLOCK, end, |body| qwen3_coder(body, functions))?,
+            ToolParser::KimiK2 => {
+                let text = unwrapped(&rest[skipped..], &[KIMI_SECTION]);
+                block(text, KIMI_CALL, end, |body| kimi_k2(body, functions))?
+            }
             ToolParser::Mistral => mistral(&rest[skipped..], functions)?,
             ToolParser::Gemma4 => {
                 let (name, arguments, used) = gemma4::call(&rest[skipped..], end)?;
@@ -214,12 +237,7 @@ impl ToolParser {
     /// Whether the answer must keep its control tokens' text for calls to be found (Mistral's and Gemma 4's
     /// markers are such tokens, and vLLM keeps them for these parsers too).
     pub fn needs_control_text(self) -> bool {
-        matches!(self, ToolParser::Mistral | ToolParser::Gemma4)
-    }
-
-    /// Whether call ids are Mistral's 9 letters and digits.
-    pub fn short_ids(self) -> bool {
-        self == ToolParser::Mistral
+        matches!(self, ToolParser::Mistral | ToolParser::Gemma4 | ToolParser::SeedOss | ToolParser::KimiK2)
     }
 
     /// Where the first call in a whole answer opens.
@@ -235,6 +253,8 @@ impl ToolParser {
         match self {
             ToolParser::Hermes | ToolParser::Qwen3Coder | ToolParser::Glm45 => marked(text, sent, OPEN),
             ToolParser::MiniMaxM2 => marked(text, sent, MINIMAX_CALLS.0),
+            ToolParser::SeedOss => marked(text, sent, SEED_BLOCK.0),
+            ToolParser::KimiK2 => marked(text, sent, KIMI_SECTION),
             ToolParser::OpenAi => marked(text, sent, super::super::harmony::CALL),
             ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
             ToolParser::Gemma4 => marked(text, sent, gemma4::OPEN),
@@ -334,6 +354,18 @@ fn deepseek_v3(body: &str, functions: &[Function]) -> Option<Call> {
     let arguments: Value = serde_json::from_str(json).ok()?;
     let function = known(functions, name.trim())?;
     (kind.trim() == "function" && arguments.is_object()).then(|| (function.name.clone(), arguments.to_string()))
+}
+
+/// A Kimi K2 call's body: its id, `functions.NAME:N` (or `NAME:N`), then `<|tool_call_argument_begin|>` and the
+/// arguments' JSON object.
+fn kimi_k2(body: &str, functions: &[Function]) -> Option<Call> {
+    let (id, json) = body.split_once(KIMI_ARGUMENTS)?;
+    let (name, n) = id.trim().rsplit_once(':')?;
+    let name = name.strip_prefix("functions.").unwrap_or(name);
+    let arguments: Value = serde_json::from_str(json.trim()).ok()?;
+    let function = known(functions, name)?;
+    (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && arguments.is_object())
+        .then(|| (function.name.clone(), arguments.to_string()))
 }
 
 /// A DeepSeek V3.1 call's body: `NAME<｜tool▁sep｜>` and the arguments' JSON object.
@@ -490,8 +522,8 @@ fn qwen3_coder(body: &str, functions: &[Function]) -> Option<Call> {
 }
 
 /// A parameter's text as the type its schema gives (`kind`: a type name, or a list of them beside `null`): text as
-/// written for a string or an unknown parameter; `null` as null; a number, boolean, object or array parsed, or
-/// left as text when it does not parse as one.
+/// written for a string or an unknown parameter; `null` as null; a number, boolean, object or array parsed (an
+/// object or array as JSON or as a Python literal), or left as text when it does not parse as one.
 fn typed(raw: &str, kind: Option<&Value>) -> Value {
     let name = type_name(kind);
     let text = || Value::String(raw.to_string());
@@ -512,7 +544,8 @@ fn typed(raw: &str, kind: Option<&Value>) -> Value {
             "false" | "False" => Value::Bool(false),
             _ => text(),
         },
-        Some(_) => serde_json::from_str(raw_t).unwrap_or_else(|_| text()),
+        // An object or array as JSON, or as Python writes it (vLLM reads these with `ast.literal_eval` too).
+        Some(_) => serde_json::from_str(raw_t).ok().or_else(|| pythonic::literal(raw_t)).unwrap_or_else(text),
     }
 }
 
@@ -698,6 +731,49 @@ mod tests {
         }
     }
 
+    /// Seed-OSS's: Qwen3-Coder's calls, each in a `<seed:tool_call>` block, values without lines of their own.
+    #[test]
+    fn seed_oss_blocks_are_qwen3_coders_calls() {
+        let parse = |text: &str| ToolParser::SeedOss.parse(text, &functions());
+        let text = "Checking.\n<seed:tool_call>\n<function=weather>\n<parameter=city>Oslo</parameter>\n\
+                    <parameter=days>3</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=now>\n\
+                    </function>\n</seed:tool_call>";
+        let made = parse(text).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Checking.\n"));
+        assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo","days":"3"}"#), ("now", "{}")]));
+        for not_calls in [
+            "<seed:tool_call><function=rain></function></seed:tool_call>",
+            "<tool_call><function=now></function></tool_call>",
+            "<seed:tool_call>{\"name\": \"now\"}</seed:tool_call>",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
+    /// Kimi K2's: calls in a section, each with its id (`functions.NAME:N`, or `NAME:N`) and its arguments' JSON
+    /// object; a call of no tool, an id without its number, or arguments that are not an object, are not calls.
+    #[test]
+    fn kimi_k2_sections_are_calls() {
+        let parse = |text: &str| ToolParser::KimiK2.parse(text, &functions());
+        let text = "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.weather:0\
+                    <|tool_call_argument_begin|>{\"city\": \"Oslo\"}<|tool_call_end|>\n<|tool_call_begin|> now:1 \
+                    <|tool_call_argument_begin|> {} <|tool_call_end|><|tool_calls_section_end|>";
+        let made = parse(text).expect("calls");
+        assert_eq!(made.content.as_deref(), Some("Checking."));
+        assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}")]));
+        let cut = "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}";
+        assert_eq!(parse(cut).expect("a call cut short at the end").calls, calls(&[("now", "{}")]));
+        for not_calls in [
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.rain:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.now<|tool_call_argument_begin|>{}<|tool_call_end|>",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:x<|tool_call_argument_begin|>{}<|tool_call_end|>",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>[]<|tool_call_end|>",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0{}<|tool_call_end|>",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
     /// gpt-oss's calls as the harmony reader hands them on: a call whose JSON is whole; a call of no tool, or
     /// arguments that are not an object, are not calls.
     #[test]
@@ -842,6 +918,9 @@ mod tests {
                                "zone": " 12 ", "limit": null, "extra": "7"})
         );
         assert_eq!(made.calls[1], ("now".to_string(), "{}".to_string()));
+        // An array or object as Python writes it (Seed-OSS's template shows values so), read as vLLM reads it.
+        let python = "<tool_call><function=weather><parameter=tags>['a', (1, True)]</parameter></function></tool_call>";
+        assert_eq!(parse(python).expect("a call").calls[0].1, r#"{"tags":["a",[1,true]]}"#);
         // A value that is not its type stays text.
         let loose = "<tool_call><function=weather><parameter=days>three</parameter></function></tool_call>";
         assert_eq!(parse(loose).expect("a call").calls[0].1, r#"{"days":"three"}"#);

@@ -357,26 +357,33 @@ impl AutoStream {
 }
 
 /// How call ids look: OpenAI's `call_` and hex, unique as request ids are, or, for a model whose chat template
-/// takes only those back, Mistral's 9 letters and digits (a hash of the same: 53 bits, so unique within any
-/// conversation).
+/// takes only its own back, Mistral's 9 letters and digits (a hash of the same: 53 bits, so unique within any
+/// conversation) or Kimi K2's `functions.NAME:K` (K the call's place in its answer, as Kimi K2's template numbers the
+/// calls it shows, and the tool results it shows by these ids).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CallIds {
     #[default]
     OpenAi,
     Mistral,
+    Kimi,
 }
 
 impl CallIds {
     /// The ids the served model's calls take, given its parser.
     pub fn of(parser: Option<ToolParser>) -> CallIds {
-        if parser.is_some_and(ToolParser::short_ids) { CallIds::Mistral } else { CallIds::OpenAi }
+        match parser {
+            Some(ToolParser::Mistral) => CallIds::Mistral,
+            Some(ToolParser::KimiK2) => CallIds::Kimi,
+            _ => CallIds::OpenAi,
+        }
     }
 
-    /// The id of call `k` of choice `index` of request `request_id`.
-    pub fn id(self, request_id: &str, index: usize, k: usize) -> String {
+    /// The id of call `k`, of function `name`, in choice `index` of request `request_id`.
+    pub fn id(self, request_id: &str, index: usize, k: usize, name: &str) -> String {
         let own = request_id.rsplit('-').next().unwrap_or(request_id);
         match self {
             CallIds::OpenAi => format!("call_{own}{index:02x}{k:02x}"),
+            CallIds::Kimi => format!("functions.{name}:{k}"),
             CallIds::Mistral => {
                 use std::hash::{BuildHasher, BuildHasherDefault};
                 type Fixed = BuildHasherDefault<std::hash::DefaultHasher>;
@@ -396,7 +403,7 @@ impl CallIds {
     /// The answer's `tool_calls`, for a whole (not streamed) answer.
     pub fn calls_json(self, request_id: &str, index: usize, calls: &[(String, String)]) -> Value {
         let calls = calls.iter().enumerate().map(|(k, (name, arguments))| {
-            json!({"id": self.id(request_id, index, k), "type": "function",
+            json!({"id": self.id(request_id, index, k, name), "type": "function",
                    "function": {"name": name, "arguments": arguments}})
         });
         Value::Array(calls.collect())
@@ -539,10 +546,18 @@ pub(super) mod tests {
         // Mistral's templates take back only 9 letters and digits.
         assert_eq!(CallIds::of(Some(ToolParser::Mistral)), CallIds::Mistral);
         assert_eq!((CallIds::of(Some(ToolParser::Hermes)), CallIds::of(None)), (CallIds::OpenAi, CallIds::OpenAi));
-        let ids: Vec<String> = (0..64).map(|k| CallIds::Mistral.id("chatcmpl-00ab", k % 4, k / 4)).collect();
+        let ids: Vec<String> = (0..64).map(|k| CallIds::Mistral.id("chatcmpl-00ab", k % 4, k / 4, "f")).collect();
         assert!(ids.iter().all(|id| id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric())), "{ids:?}");
         assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), ids.len(), "{ids:?}");
-        assert_eq!(ids[5], CallIds::Mistral.id("chatcmpl-00ab", 1, 1), "the same call, the same id");
+        assert_eq!(ids[5], CallIds::Mistral.id("chatcmpl-00ab", 1, 1, "f"), "the same call, the same id");
+        // Kimi K2's template numbers an answer's calls `functions.NAME:K`, and shows tool results by those ids.
+        assert_eq!(CallIds::of(Some(ToolParser::KimiK2)), CallIds::Kimi);
+        let calls = [("now".into(), "{}".into()), ("get_weather".into(), "{}".into())];
+        let v = CallIds::Kimi.calls_json("chatcmpl-00ab", 1, &calls);
+        assert_eq!(
+            (v[0]["id"].as_str(), v[1]["id"].as_str()),
+            (Some("functions.now:0"), Some("functions.get_weather:1"))
+        );
     }
 
     /// Nothing to send.
@@ -604,7 +619,7 @@ pub(super) mod tests {
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 12] = [
+    const CALLS: [&str; 14] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
@@ -617,12 +632,14 @@ pub(super) mod tests {
         "<tool_call>now\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call><tool_call>now</tool_call>",
         "<minimax:tool_call>\n<invoke name=\"now\"><parameter name=\"a\">1</parameter>\n</invoke>\n</minimax:tool_call>\n<minimax:tool_call><invoke name=\"now\"></invoke></minimax:tool_call>",
         "to=functions.now<|message|>{\"a\": 1}",
+        "<seed:tool_call>\n<function=now>\n<parameter=a>1</parameter>\n</function>\n</seed:tool_call><seed:tool_call><function=now></function></seed:tool_call>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{\"a\": 1}<|tool_call_end|><|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 12] = [
+    const PIECES: [(ToolParser, [&str; 10]); 14] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -649,6 +666,11 @@ pub(super) mod tests {
             "<invoke name=\"rain\">", "</invoke>", "<minimax:", "\n", "é", "<parameter name=\"b\">x</parameter>"]),
         (ToolParser::OpenAi, ["Sure ", "to=functions.", "now", "rain", "<|message|>", "{\"a\": 1}", "to=func", "\n", "é",
             "}"]),
+        (ToolParser::SeedOss, ["Sure ", "<seed:tool_call>", "</seed:tool_call>", "<function=now></function>",
+            "<function=rain></function>", "<seed:", "tool_call>", "\n", "é", "<parameter=a>1</parameter>"]),
+        (ToolParser::KimiK2, ["Sure ", "<|tool_calls_section_begin|>", "<|tool_call_end|>",
+            "<|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}", "<|tool_call_begin|>rain:1<|tool_call_argument_begin|>{}",
+            "<|tool_calls", "_section_begin|>", "\n", "é", "<|tool_calls_section_end|>"]),
     ];
 
     proptest::proptest! {

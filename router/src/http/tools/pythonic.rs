@@ -24,6 +24,14 @@ pub fn calls(s: &str) -> Option<(Vec<Call>, &str)> {
     Some((calls, &s[p.at..]))
 }
 
+/// The Python literal `s` is, whole (surrounding whitespace aside), as JSON: how Python's `ast.literal_eval` reads a
+/// value a model wrote as a template shows Python's values (`['C', 'mm']`, `{'a': True}`).
+pub fn literal(s: &str) -> Option<Value> {
+    let mut p = Reader { s: s.trim(), at: 0, depth: 0 };
+    let value = p.value()?;
+    p.rest().is_empty().then_some(value)
+}
+
 /// Reads a text from `at` on.
 struct Reader<'a> {
     s: &'a str,
