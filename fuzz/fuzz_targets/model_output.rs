@@ -1,7 +1,8 @@
-//! A model's answer, as a worker or an external engine streams it back to the router: every tool-call parser and
-//! every reasoning parser reads any text without a panic, and the same text cut into any pieces and streamed gives
-//! what the whole answer gives (the content, the thinking and the calls a streaming client sees are a
-//! non-streaming client's).
+//! A model's answer, as a worker or an external engine streams it back to the router: every reasoning parser (or
+//! none) and every tool-call parser after it read any text without a panic, and the same text cut into any pieces
+//! and streamed gives what the whole answer gives (the thinking, the content and the calls a streaming client sees
+//! are a non-streaming client's), the tool-call parser reading the content pieces the thinking's split leaves, as
+//! the router's stream does.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -47,28 +48,35 @@ fn pieces(text: &str, seed: u8) -> Vec<String> {
 fuzz_target!(|data: &[u8]| {
     let [tool, reasoning, seed, parallel, rest @ ..] = data else { return };
     let text = String::from_utf8_lossy(rest);
-    let cut = pieces(&text, *seed);
 
-    // The thinking.
-    let parser: ReasoningParser = REASONING_PARSERS[*reasoning as usize % REASONING_PARSERS.len()].parse().unwrap();
-    let whole = parser.split(&text);
-    let mut stream = ReasoningStream::new(parser);
-    let (mut thought, mut content) = (String::new(), String::new());
-    let mut add = |s: Split| {
-        thought.push_str(&s.reasoning.unwrap_or_default());
-        content.push_str(&s.content);
+    // The thinking, when the router has a reasoning parser: the content pieces it leaves, streamed, add up to the
+    // whole answer's content, and the thinking to its thinking.
+    let (content, pieces) = match REASONING_PARSERS.get(*reasoning as usize % (REASONING_PARSERS.len() + 1)) {
+        None => (text.to_string(), pieces(&text, *seed)),
+        Some(name) => {
+            let parser: ReasoningParser = name.parse().unwrap();
+            let whole = parser.split(&text);
+            let mut stream = ReasoningStream::new(parser);
+            let (mut thought, mut content, mut left) = (String::new(), String::new(), Vec::new());
+            let mut add = |s: Split| {
+                thought.push_str(&s.reasoning.unwrap_or_default());
+                content.push_str(&s.content);
+                left.push(s.content);
+            };
+            for piece in pieces(&text, *seed) {
+                add(stream.push(&piece));
+            }
+            add(stream.end(""));
+            assert_eq!(content, whole.content, "{parser:?} streamed content");
+            match whole.reasoning {
+                Some(r) => assert_eq!(thought, r, "{parser:?} streamed thinking"),
+                None => assert!(thought.trim().is_empty(), "{parser:?} streamed thinking {thought:?}"),
+            }
+            (whole.content, left)
+        }
     };
-    for piece in &cut {
-        add(stream.push(piece));
-    }
-    add(stream.end(""));
-    assert_eq!(content, whole.content, "{parser:?} streamed content");
-    match whole.reasoning {
-        Some(r) => assert_eq!(thought, r, "{parser:?} streamed thinking"),
-        None => assert!(thought.trim().is_empty(), "{parser:?} streamed thinking {thought:?}"),
-    }
 
-    // The calls.
+    // The calls, read from that content as the router reads them: whole, and from the pieces as they come.
     let functions = vec![
         Function {
             name: "now".into(),
@@ -78,28 +86,28 @@ fuzz_target!(|data: &[u8]| {
     ];
     let parser: ToolParser = TOOL_PARSERS[*tool as usize % TOOL_PARSERS.len()].parse().unwrap();
     let choosing = Choosing { parser, functions, parallel: parallel & 1 == 1 };
-    let made = choosing.parse(&text);
+    let made = choosing.parse(&content);
     let mut stream = AutoStream::new(choosing);
-    let (mut content, mut calls) = (String::new(), Vec::new());
-    for piece in &cut {
-        let sent = stream.push(piece);
-        assert_eq!(sent.first, calls.len());
-        content.push_str(&sent.content);
-        calls.extend(sent.calls);
+    let (mut sent, mut calls) = (String::new(), Vec::new());
+    for piece in &pieces {
+        let out = stream.push(piece);
+        assert_eq!(out.first, calls.len());
+        sent.push_str(&out.content);
+        calls.extend(out.calls);
     }
     let last = stream.end("");
-    content.push_str(&last.content);
+    sent.push_str(&last.content);
     calls.extend(last.calls);
     match made {
         Some(made) => {
             assert_eq!(calls, made.calls, "{parser:?} streamed calls");
             match made.content {
-                Some(c) => assert_eq!(content, c, "{parser:?} streamed content"),
-                None => assert!(content.trim().is_empty(), "{parser:?} streamed content {content:?}"),
+                Some(c) => assert_eq!(sent, c, "{parser:?} streamed content"),
+                None => assert!(sent.trim().is_empty(), "{parser:?} streamed content {sent:?}"),
             }
         }
         None => {
-            assert_eq!(content, *text, "{parser:?} streamed content");
+            assert_eq!(sent, content, "{parser:?} streamed content");
             assert!(calls.is_empty(), "{parser:?} streamed calls {calls:?}");
         }
     }
