@@ -11,7 +11,7 @@ use router::http::tools::{AutoStream, Choosing, Function, ToolParser};
 use serde_json::json;
 
 /// Every tool-call parser and reasoning parser, by name.
-const TOOL_PARSERS: [&str; 14] = [
+const TOOL_PARSERS: [&str; 15] = [
     "hermes",
     "llama3_json",
     "mistral",
@@ -26,6 +26,7 @@ const TOOL_PARSERS: [&str; 14] = [
     "openai",
     "seed_oss",
     "kimi_k2",
+    "granite",
 ];
 const REASONING_PARSERS: [&str; 6] = ["deepseek_r1", "qwen3", "gemma4", "openai_gptoss", "seed_oss", "kimi_k2"];
 

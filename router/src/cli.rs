@@ -134,7 +134,7 @@ pub struct Settings {
     pub record_candidates: Option<bool>,
     /// How the served model writes tool calls among its text (vLLM's `--tool-call-parser`: `hermes`, `llama3_json`,
     /// `mistral`, `pythonic`, `qwen3_coder`, `gemma4`, `deepseek_v3`, `deepseek_v31`, `deepseek_v32`, `glm45`,
-    /// `minimax_m2`, `openai` (with the reasoning parser `openai_gptoss`), `seed_oss`, `kimi_k2`, and vLLM's `llama4_json`, `llama4_pythonic`, `qwen3_xml`, `deepseek_v4` and `glm47` for the same
+    /// `minimax_m2`, `openai` (with the reasoning parser `openai_gptoss`), `seed_oss`, `kimi_k2`, `granite`, and vLLM's `llama4_json`, `llama4_pythonic`, `qwen3_xml`, `deepseek_v4` and `glm47` for the same
     /// formats): with one,
     /// `tool_choice: auto` (the default when a request has tools) is served and its calls parsed out of the answer;
     /// without one it is refused.

@@ -55,6 +55,10 @@ pub enum ToolParser {
     /// name="KEY">value</parameter>` (read as GLM's values are) and `</invoke>`, until `</minimax:tool_call>`:
     /// MiniMax M2's.
     MiniMaxM2,
+    /// The whole answer is a JSON array of `{"name", "arguments"}` calls, after an optional `<|tool_call|>` (Granite
+    /// 3.0's token, left out of the text when the vocabulary makes it a control token) and `<tool_call>` (3.1's):
+    /// IBM Granite 3's.
+    Granite,
     /// Qwen3-Coder's XML calls in `<seed:tool_call>` … `</seed:tool_call>` blocks: ByteDance's Seed-OSS's. Its markers
     /// may be control tokens, so the answer keeps their text.
     SeedOss,
@@ -70,7 +74,7 @@ pub enum ToolParser {
 }
 
 /// Each parser's names, vLLM's aliases included.
-const NAMES: [(&str, ToolParser); 19] = [
+const NAMES: [(&str, ToolParser); 20] = [
     ("hermes", ToolParser::Hermes),
     ("llama3_json", ToolParser::Llama3Json),
     ("llama4_json", ToolParser::Llama3Json),
@@ -88,6 +92,7 @@ const NAMES: [(&str, ToolParser); 19] = [
     ("glm47", ToolParser::Glm45),
     ("minimax_m2", ToolParser::MiniMaxM2),
     ("seed_oss", ToolParser::SeedOss),
+    ("granite", ToolParser::Granite),
     ("kimi_k2", ToolParser::KimiK2),
     ("openai", ToolParser::OpenAi),
 ];
@@ -134,6 +139,8 @@ const DSML_PARAMETER_END: &str = "</｜DSML｜parameter>";
 /// GLM's argument tags.
 const GLM_KEY: (&str, &str) = ("<arg_key>", "</arg_key>");
 const GLM_VALUE: (&str, &str) = ("<arg_value>", "</arg_value>");
+/// Granite 3.0's marker before its calls (3.1 on write Hermes' `<tool_call>` there).
+const GRANITE_TOOL_CALL: &str = "<|tool_call|>";
 /// Seed-OSS's blocks.
 const SEED_BLOCK: (&str, &str) = ("<seed:tool_call>", "</seed:tool_call>");
 /// Kimi K2's calls' section, a call's markers, and the marker between its id and its arguments.
@@ -163,6 +170,7 @@ impl ToolParser {
         let calls = match self {
             ToolParser::Llama3Json => llama3_json(&text[at..], functions),
             ToolParser::Pythonic => pythonic_calls(&text[at..], functions),
+            ToolParser::Granite => granite_calls(&text[at..], functions),
             _ => {
                 let mut rest = &text[at..];
                 let mut calls = Vec::new();
@@ -193,7 +201,7 @@ impl ToolParser {
             | ToolParser::KimiK2 => piece.contains('>'),
             ToolParser::Mistral => piece.contains(['}', ']']),
             ToolParser::OpenAi => piece.contains('}'),
-            ToolParser::Llama3Json | ToolParser::Pythonic => false,
+            ToolParser::Llama3Json | ToolParser::Pythonic | ToolParser::Granite => false,
         }
     }
 
@@ -229,7 +237,7 @@ impl ToolParser {
             ToolParser::Glm45 => block(&rest[skipped..], (OPEN, CLOSE), end, |body| glm(body, functions))?,
             ToolParser::MiniMaxM2 => invoke(&rest[skipped..], &MINIMAX_TAGS, end, functions, minimax_value)?,
             ToolParser::OpenAi => harmony_call(&rest[skipped..], functions)?,
-            ToolParser::Llama3Json | ToolParser::Pythonic => return None,
+            ToolParser::Llama3Json | ToolParser::Pythonic | ToolParser::Granite => return None,
         };
         Some((calls, rest.len() - tail.len()))
     }
@@ -261,8 +269,9 @@ impl ToolParser {
             ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => marked(text, sent, DEEPSEEK_CALLS),
             // Any tag opens the calls (the wrapper is V3.2's or V4's; a call without it is taken too).
             ToolParser::DeepSeekDsml => marked(text, sent, DSML),
-            ToolParser::Llama3Json => leading(text, sent, "{", PYTHON_TAG),
-            ToolParser::Pythonic => leading(text, sent, "[", PYTHON_START),
+            ToolParser::Llama3Json => leading(text, sent, "{", &[PYTHON_TAG]),
+            ToolParser::Pythonic => leading(text, sent, "[", &[PYTHON_START]),
+            ToolParser::Granite => leading(text, sent, "[", &[GRANITE_TOOL_CALL, OPEN]),
         }
     }
 }
@@ -278,16 +287,16 @@ fn marked(text: &str, sent: usize, marker: &str) -> Scan {
     Scan::ClearTo((text.len() - held).max(sent))
 }
 
-/// Calls are the whole answer, which (after any whitespace) opens with `first` or with `marker`: decided at the
-/// answer's start, held while that start is whitespace or part of the marker.
-fn leading(text: &str, sent: usize, first: &str, marker: &str) -> Scan {
+/// Calls are the whole answer, which (after any whitespace) opens with `first` or with one of `markers`: decided at
+/// the answer's start, held while that start is whitespace or part of a marker.
+fn leading(text: &str, sent: usize, first: &str, markers: &[&str]) -> Scan {
     if sent > 0 {
         return Scan::ClearTo(text.len());
     }
     let start = text.trim_start();
-    if start.starts_with(first) || start.starts_with(marker) {
+    if start.starts_with(first) || markers.iter().any(|m| start.starts_with(m)) {
         Scan::Opens(0)
-    } else if marker.starts_with(start) {
+    } else if markers.iter().any(|m| m.starts_with(start)) {
         Scan::ClearTo(0)
     } else {
         Scan::ClearTo(text.len())
@@ -609,6 +618,16 @@ fn pythonic_calls(text: &str, functions: &[Function]) -> Option<Vec<Call>> {
         .collect()
 }
 
+/// Granite's answer: after its markers (each optional), a JSON array of calls, and nothing after it.
+fn granite_calls(text: &str, functions: &[Function]) -> Option<Vec<Call>> {
+    let start = text.trim_start();
+    let start = start.strip_prefix(GRANITE_TOOL_CALL).unwrap_or(start).trim_start();
+    let start = start.strip_prefix(OPEN).unwrap_or(start).trim_start();
+    let (value, after) = json_prefix(start)?;
+    let items = value.as_array().filter(|items| !items.is_empty() && after.trim().is_empty())?;
+    items.iter().map(|item| call_of(item, functions, &["arguments"])).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -731,6 +750,27 @@ mod tests {
         }
     }
 
+    /// Granite 3's: the whole answer is an array of calls, after `<|tool_call|>` (3.0), `<tool_call>` (3.1) or
+    /// neither; anything else, or anything after the array, makes it content.
+    #[test]
+    fn granite_arrays_are_calls() {
+        let parse = |text: &str| ToolParser::Granite.parse(text, &functions());
+        let two = r#"[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "now", "arguments": {}}]"#;
+        for lead in ["", "<|tool_call|>", " <|tool_call|> <tool_call>", "<tool_call>\n"] {
+            let made = parse(&format!("{lead}{two}")).expect("calls");
+            assert_eq!((made.content, made.calls), (None, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}")])));
+        }
+        for not_calls in [
+            "Sure. <|tool_call|>[{\"name\": \"now\", \"arguments\": {}}]",
+            "<|tool_call|>[{\"name\": \"now\", \"arguments\": {}}] and more",
+            "<|tool_call|>[{\"name\": \"rain\", \"arguments\": {}}]",
+            "<|tool_call|>{\"name\": \"now\", \"arguments\": {}}",
+            "<|tool_call|>[]",
+        ] {
+            assert_eq!(parse(not_calls), None, "{not_calls}");
+        }
+    }
+
     /// Seed-OSS's: Qwen3-Coder's calls, each in a `<seed:tool_call>` block, values without lines of their own.
     #[test]
     fn seed_oss_blocks_are_qwen3_coders_calls() {
@@ -800,9 +840,9 @@ mod tests {
             assert_eq!(name.parse::<ToolParser>(), Ok(parser));
             assert_eq!(serde_json::from_value::<ToolParser>(Value::from(name)).expect("known"), parser);
         }
-        let e = "granite".parse::<ToolParser>().expect_err("unknown");
-        assert!(e.contains("granite") && e.contains("llama3_json"), "{e}");
-        assert!(serde_json::from_value::<ToolParser>(Value::from("granite")).is_err());
+        let e = "granite_20b_fc".parse::<ToolParser>().expect_err("unknown");
+        assert!(e.contains("granite_20b_fc") && e.contains("llama3_json"), "{e}");
+        assert!(serde_json::from_value::<ToolParser>(Value::from("granite_20b_fc")).is_err());
     }
 
     /// Hermes' format: calls in `<tool_call>` blocks after any text, parsed only when each is a call of a known

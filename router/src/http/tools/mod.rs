@@ -619,7 +619,7 @@ pub(super) mod tests {
     }
 
     /// Each format's calls of the known function, whole, with its markers.
-    const CALLS: [&str; 14] = [
+    const CALLS: [&str; 15] = [
         "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>",
         "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}; {\"name\": \"now\", \"parameters\": {\"a\": 1}}",
         "[TOOL_CALLS]now{\"a\": 1}[TOOL_CALLS]now[ARGS]{}",
@@ -634,12 +634,13 @@ pub(super) mod tests {
         "to=functions.now<|message|>{\"a\": 1}",
         "<seed:tool_call>\n<function=now>\n<parameter=a>1</parameter>\n</function>\n</seed:tool_call><seed:tool_call><function=now></function></seed:tool_call>",
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{\"a\": 1}<|tool_call_end|><|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+        "<|tool_call|>[{\"name\": \"now\", \"arguments\": {\"a\": 1}}, {\"name\": \"now\", \"arguments\": {}}]",
     ];
     /// What may come before them: words or whitespace.
     const LEAD: [&str; 4] = ["Sure ", "\n", "é", " "];
     /// Each format's pieces: its markers whole and in parts, a call of the known function, one of another, words.
     #[rustfmt::skip]
-    const PIECES: [(ToolParser, [&str; 10]); 14] = [
+    const PIECES: [(ToolParser, [&str; 10]); 15] = [
         (ToolParser::Hermes, ["Sure ", "<tool_call>", "</tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<tool", "_call>", "\n", "é", "<"]),
         (ToolParser::Llama3Json, ["Sure ", "<|python_tag|>", "; ", r#"{"name": "now", "parameters": {}}"#,
@@ -671,6 +672,8 @@ pub(super) mod tests {
         (ToolParser::KimiK2, ["Sure ", "<|tool_calls_section_begin|>", "<|tool_call_end|>",
             "<|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}", "<|tool_call_begin|>rain:1<|tool_call_argument_begin|>{}",
             "<|tool_calls", "_section_begin|>", "\n", "é", "<|tool_calls_section_end|>"]),
+        (ToolParser::Granite, ["Sure ", "<|tool_call|>", "<tool_call>", r#"{"name": "now", "arguments": {}}"#,
+            r#"{"name": "rain"}"#, "<|tool", "[", "\n", "é", "]"]),
     ];
 
     proptest::proptest! {
