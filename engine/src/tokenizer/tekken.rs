@@ -16,6 +16,9 @@ use super::pretokenize::TEKKEN_PATTERN;
 use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED, TokenizerError, bytes};
 use crate::gguf::GgufWriter;
 
+/// The most token ids a file may state (the largest vocabularies have a few hundred thousand).
+const MAX_IDS: usize = 1 << 22;
+
 /// The special tokens of a file that lists none (mistral_common's for versions up to v7), by rank from 0.
 const DEFAULT_SPECIALS: [&str; 20] = [
     "<unk>",
@@ -52,6 +55,10 @@ pub fn vocabulary_gguf(tekken: &Value, config: Option<&Value>) -> Result<GgufWri
     let count =
         |key: &str| settings[key].as_u64().map(|n| n as usize).ok_or_else(|| malformed(format!("no config.{key}")));
     let (size, special_count) = (count("default_vocab_size")?, count("default_num_special_tokens")?);
+    // The special ids become tokens of their own: a count no vocabulary has would be memory no machine has.
+    if size > MAX_IDS {
+        return Err(malformed(format!("{size} token ids, more than any vocabulary has ({MAX_IDS})")));
+    }
     let listed = tekken["vocab"].as_array().ok_or_else(|| malformed("no vocab".into()))?;
     // mistral_common keeps the first `size - special_count` tokens of the list.
     let inner = size.checked_sub(special_count).filter(|&n| n <= listed.len() && n >= 256).ok_or_else(|| {
@@ -199,6 +206,9 @@ mod tests {
         assert!(refused(&file(&["ab"], 20, "v13")).contains("lists no special tokens"));
         // Fewer special ids than mistral_common's default special tokens.
         assert!(refused(&file(&["ab"], 10, "v3")).contains("20 special tokens for 10"));
+        // A count of special ids no vocabulary has is refused, not allocated (found by the vocab_import fuzz target's
+        // seed with its counts raised: the reader asked for 24 TB).
+        assert!(refused(&file(&["ab"], 1_000_000_000_000, "v3")).contains("more than any vocabulary has"));
         let mut listed = file(&["ab"], 4, "v13");
         listed["special_tokens"] = json!([{"rank": 0, "token_str": "<unk>"}, {"rank": 1, "token_str": "<unk>"}]);
         assert!(refused(&listed).contains("same text"));
