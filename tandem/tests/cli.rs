@@ -209,7 +209,7 @@ fn a_tokenizer_directory_becomes_a_vocabulary_the_router_reads() {
     assert_eq!(open(out_s).render_chat(&messages).expect("renders"), "[Grüße! What is 12345 + 678?]");
     fails_with(
         &["model", "vocab", dir.to_str().expect("utf-8"), "--out", out_s],
-        &["no tokenizer.json or tekken.json"],
+        &["no tokenizer.json, tekken.json or tiktoken.model"],
     );
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("tokenizer.json")).expect("written")).expect("json");
@@ -259,5 +259,47 @@ fn a_tekken_directory_becomes_a_vocabulary_the_router_reads() {
     tekken["config"]["pattern"] = r"\p{L}+|\s+".into();
     std::fs::write(dir.join("tekken.json"), tekken.to_string()).expect("written");
     fails_with(&["model", "vocab", d, "--out", out.to_str().expect("utf-8")], &["Tekken pattern"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A directory with Kimi K2's `tiktoken.model` and the `tokenizer_config.json` that names its tokenizer becomes a
+/// vocabulary GGUF: the ranks as tokens (Han characters split from letters, as Kimi's pattern splits), then the 256
+/// special ids, named by `added_tokens_decoder` or reserved, the chat template's markers single ids. A tiktoken file
+/// of another tokenizer, or without its config, is refused by name.
+#[test]
+fn a_kimi_directory_becomes_a_vocabulary_the_router_reads() {
+    use base64::Engine as _;
+    let dir = std::env::temp_dir().join(format!("tandem-kimi-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let (out, d) = (dir.join("vocab.gguf"), dir.to_str().expect("utf-8"));
+    let b64 = |t: &[u8]| base64::engine::general_purpose::STANDARD.encode(t);
+    let mut ranked: Vec<Vec<u8>> = (0..=255u8).rev().map(|b| vec![b]).collect();
+    ranked.extend(["He", "llo", "Hello", "中文", "中文Hello"].map(|t| t.as_bytes().to_vec()));
+    let model: String = ranked.iter().enumerate().map(|(r, t)| format!("{} {r}\n", b64(t))).collect();
+    std::fs::write(dir.join("tiktoken.model"), model).expect("written");
+    fails_with(&["model", "vocab", d, "--out", out.to_str().expect("utf-8")], &["tokenizer_config.json"]);
+    let mut config = serde_json::json!({
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]},
+        "added_tokens_decoder": {"261": {"content": "[BOS]", "special": true}, "262": {"content": "[EOS]", "special": true},
+            "263": {"content": "<|im_end|>", "special": true}, "264": {"content": "<|im_user|>", "special": true}},
+        "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "chat_template": "{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}",
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("written");
+    let made = tandem(&["model", "vocab", d, "--out", out.to_str().expect("utf-8")]);
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert!(String::from_utf8_lossy(&made.stdout).contains(&format!("{} tokens", 261 + 256)), "{made:?}");
+    let text = engine::text::TextModel::open(&out).expect("opens");
+    let tok = text.tokenizer();
+    let messages = [engine::chat::ChatMessage::new("user", "中文Hello")];
+    let prompt = text.render_chat(&messages).expect("the template renders");
+    // `中文Hello` is a token, but Kimi's pattern cuts Han characters from letters: two pieces, each whole.
+    assert_eq!(tok.encode_prompt(&prompt, true, None), [264, 259, 258, 263], "{prompt:?}");
+    assert_eq!((tok.special().bos, tok.special().eos), (Some(261), Some(262)));
+    assert_eq!(tok.special_id("<|reserved_token_4|>"), Some(265), "reserved names for the ids not listed");
+    config["auto_map"]["AutoTokenizer"][0] = "tokenization_qwen.QWenTokenizer".into();
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("written");
+    fails_with(&["model", "vocab", d, "--out", out.to_str().expect("utf-8")], &["tokenization_qwen"]);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -16,6 +16,7 @@ pub mod import;
 pub mod pretokenize;
 mod spm;
 pub mod tekken;
+pub mod tiktoken;
 
 use std::collections::HashMap;
 

@@ -109,10 +109,11 @@ impl Pre {
     }
 
     /// Whether a piece that is a whole token of the vocabulary is that token, merges or not (Llama 3's
-    /// `ignore_merges`, as Hugging Face's tokenizer and llama.cpp apply it; tiktoken, which Tekken vocabularies are
-    /// encoded with, looks a piece up whole before merging too).
+    /// `ignore_merges`, as Hugging Face's tokenizer and llama.cpp apply it; tiktoken, which Tekken and Kimi K2
+    /// vocabularies are encoded with, looks a piece up whole before merging too: llama.cpp reads a Kimi K2 GGUF
+    /// without this, and Kimi's own tokenizer, which vLLM runs, with it).
     pub fn ignores_merges(self) -> bool {
-        matches!(self, Pre::Llama3 | Pre::Tekken)
+        matches!(self, Pre::Llama3 | Pre::Tekken | Pre::KimiK2)
     }
 
     /// The patterns Hugging Face's `tokenizer.json` states for it, each an isolating split applied after the one

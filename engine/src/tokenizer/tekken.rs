@@ -73,20 +73,34 @@ pub fn vocabulary_gguf(tekken: &Value, config: Option<&Value>) -> Result<GgufWri
             .ok_or_else(|| malformed(format!("vocab entry {i} is not rank {i}'s bytes: {entry}")))?;
         ranked.push(token);
     }
-    let rank_of: HashMap<&[u8], u32> = ranked.iter().enumerate().map(|(r, t)| (t.as_slice(), r as u32)).collect();
-    if rank_of.len() != ranked.len() {
-        return Err(malformed("two tokens of the vocab have the same bytes".into()));
-    }
+    let (spelled, merges) = ranked_tokens(&ranked)?;
     let (specials, control) = special_tokens(tekken, special_count)?;
-    let spell = |t: &[u8]| t.iter().map(|&b| bytes::byte_to_char(b)).collect::<String>();
     let mut types: Vec<i32> =
         control.iter().map(|&c| if c { TOKEN_TYPE_CONTROL } else { TOKEN_TYPE_USER_DEFINED } as i32).collect();
     types.resize(special_count + inner, TOKEN_TYPE_NORMAL as i32);
     let mut tokens = specials;
-    tokens.extend(ranked.iter().map(|t| spell(t)));
-    // Every split of a token into two tokens, in rank order: the pair tiktoken would join into it.
+    tokens.extend(spelled);
+    let id_of = |name: &str| tokens[..special_count].iter().position(|t| t == name).map(|i| i as u32);
+    let add_bos = config.and_then(|c| c["add_bos_token"].as_bool()).unwrap_or(true);
+    let (bos, eos) = (id_of("<s>"), id_of("</s>"));
+    Ok(import::write(Vocabulary { pre: "tekken", tokens, types, merges, bos, eos, add_bos }, config))
+}
+
+/// tiktoken's tokens by rank (`ranked`, each token's bytes; every single byte among them) as byte-level BPE's
+/// spelling of them, and the merges that join as tiktoken joins: every split of a token into two tokens, in rank
+/// order (the pair whose join ranks lowest is joined first).
+pub(super) fn ranked_tokens(ranked: &[Vec<u8>]) -> Result<(Vec<String>, Vec<String>), TokenizerError> {
+    let malformed = |why: String| TokenizerError::MalformedJson(why);
+    let rank_of: HashMap<&[u8], u32> = ranked.iter().enumerate().map(|(r, t)| (t.as_slice(), r as u32)).collect();
+    if rank_of.len() != ranked.len() {
+        return Err(malformed("two tokens of the vocab have the same bytes".into()));
+    }
+    if let Some(b) = (0..=255u8).find(|b| !rank_of.contains_key(&[*b][..])) {
+        return Err(malformed(format!("byte {b:#04x} is not a token of its own")));
+    }
+    let spell = |t: &[u8]| t.iter().map(|&b| bytes::byte_to_char(b)).collect::<String>();
     let mut merges = Vec::new();
-    for token in &ranked[256..] {
+    for token in ranked.iter().filter(|t| t.len() > 1) {
         for k in 1..token.len() {
             let (left, right) = token.split_at(k);
             if rank_of.contains_key(left) && rank_of.contains_key(right) {
@@ -94,10 +108,7 @@ pub fn vocabulary_gguf(tekken: &Value, config: Option<&Value>) -> Result<GgufWri
             }
         }
     }
-    let id_of = |name: &str| tokens[..special_count].iter().position(|t| t == name).map(|i| i as u32);
-    let add_bos = config.and_then(|c| c["add_bos_token"].as_bool()).unwrap_or(true);
-    let (bos, eos) = (id_of("<s>"), id_of("</s>"));
-    Ok(import::write(Vocabulary { pre: "tekken", tokens, types, merges, bos, eos, add_bos }, config))
+    Ok((ranked.iter().map(|t| spell(t)).collect(), merges))
 }
 
 /// The special tokens' texts by id (those the file lists, then mistral_common's fillers up to `count`) and whether
@@ -157,22 +168,13 @@ mod tests {
         vocabulary_gguf(tekken, None).map(|_| ()).expect_err("refused").to_string()
     }
 
-    /// tiktoken's joining, written plainly: the whole piece if it is a token; else, from single bytes, the adjacent
-    /// pair whose join is the lowest-ranked token, the leftmost of equals, until no join is a token.
+    /// tiktoken's joining over the 256 bytes at their own ranks and `ranks` after them.
     fn tiktoken(ranks: &[&str], piece: &str) -> Vec<u32> {
-        let rank = |t: &[u8]| ranks.iter().position(|r| r.as_bytes() == t).map(|r| 256 + r as u32);
-        if let Some(r) = rank(piece.as_bytes()) {
-            return vec![r];
-        }
-        let mut parts: Vec<Vec<u8>> = piece.bytes().map(|b| vec![b]).collect();
-        loop {
-            let joins = (0..parts.len().saturating_sub(1))
-                .filter_map(|i| Some((rank(&[parts[i].clone(), parts[i + 1].clone()].concat())?, i)));
-            let Some((_, i)) = joins.min() else { break };
-            let right = parts.remove(i + 1);
-            parts[i].extend(right);
-        }
-        parts.iter().map(|p| rank(p).unwrap_or(p[0] as u32)).collect()
+        let rank = |t: &[u8]| match t {
+            [b] => Some(u32::from(*b)),
+            _ => ranks.iter().position(|r| r.as_bytes() == t).map(|r| 256 + r as u32),
+        };
+        crate::tokenizer::tiktoken::tests::plain(rank, piece)
     }
 
     proptest::proptest! {

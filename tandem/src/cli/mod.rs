@@ -89,9 +89,11 @@ enum ModelCommand {
     /// Write a Hugging Face tokenizer directory (tokenizer.json, and tokenizer_config.json for the special tokens
     /// and the chat template) as a vocabulary-only GGUF: what a router fronting vLLM or SGLang servers of that
     /// model reads its tokenizer and template from (`--model`). Byte-level BPE vocabularies whose pre-tokenizer
-    /// Tandem implements (GPT-2's, Llama 3's, Qwen 2's and 3.5's, DeepSeek V3's, Mistral's Tekken); others are
-    /// refused by name. A directory with Mistral's tekken.json is read from that (the file mistral_common and vLLM's
-    /// `--tokenizer-mode mistral` encode with), whether or not a tokenizer.json converted from it is beside it.
+    /// Tandem implements (GPT-2's, Llama 3's, Qwen 2's and 3.5's, DeepSeek V3's, Mistral's Tekken, Kimi K2's,
+    /// Seed-Coder's); others are refused by name. A directory with Mistral's tekken.json is read from that (the file
+    /// mistral_common and vLLM's `--tokenizer-mode mistral` encode with), whether or not a tokenizer.json converted
+    /// from it is beside it; Kimi K2's from its tiktoken.model, with the tokenizer_config.json that names its
+    /// tokenizer (tokenization_kimi) and special tokens.
     Vocab {
         /// The tokenizer directory (a model's Hugging Face directory will do).
         dir: PathBuf,
@@ -234,10 +236,25 @@ pub fn run(cli: Cli) -> Result<ExitCode, String> {
                 let template = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", display(path)))?;
                 config.get_or_insert_with(|| serde_json::json!({}))["chat_template"] = template.into();
             }
-            let gguf = match (read("tekken.json")?, read("tokenizer.json")?) {
-                (Some(tekken), _) => engine::tokenizer::tekken::vocabulary_gguf(&tekken, config.as_ref()),
-                (None, Some(tokenizer)) => engine::tokenizer::import::vocabulary_gguf(&tokenizer, config.as_ref()),
-                (None, None) => return Err(format!("{}: no tokenizer.json or tekken.json", display(&dir))),
+            // Kimi K2's tiktoken file: its ranks in text, its tokenizer named by tokenizer_config.json.
+            let tiktoken = dir.join("tiktoken.model");
+            let tiktoken = match std::fs::read_to_string(&tiktoken) {
+                Ok(text) => Some(text),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(format!("{}: {e}", display(&tiktoken))),
+            };
+            let gguf = match (read("tekken.json")?, read("tokenizer.json")?, tiktoken) {
+                (Some(tekken), ..) => engine::tokenizer::tekken::vocabulary_gguf(&tekken, config.as_ref()),
+                (None, Some(tokenizer), _) => engine::tokenizer::import::vocabulary_gguf(&tokenizer, config.as_ref()),
+                (None, None, Some(model)) => {
+                    let config = config.as_ref().ok_or_else(|| {
+                        format!("{}: a tiktoken.model without the tokenizer_config.json that names it", display(&dir))
+                    })?;
+                    engine::tokenizer::tiktoken::vocabulary_gguf(&model, config)
+                }
+                (None, None, None) => {
+                    return Err(format!("{}: no tokenizer.json, tekken.json or tiktoken.model", display(&dir)));
+                }
             }
             .map_err(|e| format!("{}: {e}", display(&dir)))?;
             gguf.write(&out).map_err(|e| format!("{}: {e}", display(&out)))?;
