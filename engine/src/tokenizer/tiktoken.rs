@@ -26,8 +26,8 @@ pub fn vocabulary_gguf(model: &str, config: &Value) -> Result<GgufWriter, Tokeni
     let tokenizer = config.pointer("/auto_map/AutoTokenizer/0").and_then(Value::as_str).unwrap_or("none");
     if !tokenizer.starts_with("tokenization_kimi.") {
         let why = format!(
-            "a tiktoken.model of the tokenizer {tokenizer:?}: its split pattern is in that tokenizer's \
-                           code, and only Kimi's (tokenization_kimi) is known"
+            "a tiktoken.model of the tokenizer {tokenizer:?}: its split pattern is in that tokenizer's code, and \
+             only Kimi's (tokenization_kimi) is known"
         );
         return Err(TokenizerError::UnsupportedModel(why));
     }
@@ -39,7 +39,9 @@ pub fn vocabulary_gguf(model: &str, config: &Value) -> Result<GgufWriter, Tokeni
             }
             _ => None,
         };
-        ranked.push(token.ok_or_else(|| malformed(format!("tiktoken.model line {} is not rank {i}'s bytes", i + 1)))?);
+        let why =
+            || malformed(format!("tiktoken.model line {} is not rank {i}'s bytes (of at most {MAX_RANKS})", i + 1));
+        ranked.push(token.ok_or_else(why)?);
     }
     let (mut tokens, merges) = super::tekken::ranked_tokens(&ranked)?;
     let mut types = vec![TOKEN_TYPE_NORMAL as i32; tokens.len()];
