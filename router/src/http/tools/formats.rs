@@ -143,8 +143,9 @@ const GLM_VALUE: (&str, &str) = ("<arg_value>", "</arg_value>");
 const GRANITE_TOOL_CALL: &str = "<|tool_call|>";
 /// Seed-OSS's blocks.
 const SEED_BLOCK: (&str, &str) = ("<seed:tool_call>", "</seed:tool_call>");
-/// Kimi K2's calls' section, a call's markers, and the marker between its id and its arguments.
-const KIMI_SECTION: &str = "<|tool_calls_section_begin|>";
+/// Kimi K2's calls' section (and the singular spelling the model sometimes writes, which vLLM takes too), a call's
+/// markers, and the marker between its id and its arguments.
+const KIMI_SECTIONS: [&str; 2] = ["<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"];
 const KIMI_CALL: (&str, &str) = ("<|tool_call_begin|>", "<|tool_call_end|>");
 const KIMI_ARGUMENTS: &str = "<|tool_call_argument_begin|>";
 /// MiniMax M2's calls' wrapper, a call's tags and a parameter's.
@@ -216,7 +217,7 @@ impl ToolParser {
             ToolParser::Qwen3Coder => block(&rest[skipped..], (OPEN, CLOSE), end, |body| qwen3_coder(body, functions))?,
             ToolParser::SeedOss => block(&rest[skipped..], SEED_BLOCK, end, |body| qwen3_coder(body, functions))?,
             ToolParser::KimiK2 => {
-                let text = unwrapped(&rest[skipped..], &[KIMI_SECTION]);
+                let text = unwrapped(&rest[skipped..], &KIMI_SECTIONS);
                 block(text, KIMI_CALL, end, |body| kimi_k2(body, functions))?
             }
             ToolParser::Mistral => mistral(&rest[skipped..], functions)?,
@@ -259,16 +260,16 @@ impl ToolParser {
     /// Where calls open in `text`, the first `sent` bytes of which are known to open none.
     pub(super) fn scan(self, text: &str, sent: usize) -> Scan {
         match self {
-            ToolParser::Hermes | ToolParser::Qwen3Coder | ToolParser::Glm45 => marked(text, sent, OPEN),
-            ToolParser::MiniMaxM2 => marked(text, sent, MINIMAX_CALLS.0),
-            ToolParser::SeedOss => marked(text, sent, SEED_BLOCK.0),
-            ToolParser::KimiK2 => marked(text, sent, KIMI_SECTION),
-            ToolParser::OpenAi => marked(text, sent, super::super::harmony::CALL),
-            ToolParser::Mistral => marked(text, sent, TOOL_CALLS),
-            ToolParser::Gemma4 => marked(text, sent, gemma4::OPEN),
-            ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => marked(text, sent, DEEPSEEK_CALLS),
+            ToolParser::Hermes | ToolParser::Qwen3Coder | ToolParser::Glm45 => marked(text, sent, &[OPEN]),
+            ToolParser::MiniMaxM2 => marked(text, sent, &[MINIMAX_CALLS.0]),
+            ToolParser::SeedOss => marked(text, sent, &[SEED_BLOCK.0]),
+            ToolParser::KimiK2 => marked(text, sent, &KIMI_SECTIONS),
+            ToolParser::OpenAi => marked(text, sent, &[super::super::harmony::CALL]),
+            ToolParser::Mistral => marked(text, sent, &[TOOL_CALLS]),
+            ToolParser::Gemma4 => marked(text, sent, &[gemma4::OPEN]),
+            ToolParser::DeepSeekV3 | ToolParser::DeepSeekV31 => marked(text, sent, &[DEEPSEEK_CALLS]),
             // Any tag opens the calls (the wrapper is V3.2's or V4's; a call without it is taken too).
-            ToolParser::DeepSeekDsml => marked(text, sent, DSML),
+            ToolParser::DeepSeekDsml => marked(text, sent, &[DSML]),
             ToolParser::Llama3Json => leading(text, sent, "{", &[PYTHON_TAG]),
             ToolParser::Pythonic => leading(text, sent, "[", &[PYTHON_START]),
             ToolParser::Granite => leading(text, sent, "[", &[GRANITE_TOOL_CALL, OPEN]),
@@ -276,14 +277,14 @@ impl ToolParser {
     }
 }
 
-/// Calls open at `marker`, anywhere: the first one after `sent`, or, while none, an end of `text` that may be the
-/// start of one held back.
-fn marked(text: &str, sent: usize, marker: &str) -> Scan {
+/// Calls open at one of `markers`, anywhere: the first one after `sent`, or, while none, an end of `text` that may
+/// be the start of one held back.
+fn marked(text: &str, sent: usize, markers: &[&str]) -> Scan {
     // A marker that began in the held-back end is found again from `sent`.
-    if let Some(i) = text[sent..].find(marker) {
+    if let Some(i) = markers.iter().filter_map(|m| text[sent..].find(m)).min() {
         return Scan::Opens(sent + i);
     }
-    let held = super::super::markers::held(text, &[marker]);
+    let held = super::super::markers::held(text, markers);
     Scan::ClearTo((text.len() - held).max(sent))
 }
 
@@ -803,6 +804,10 @@ mod tests {
         assert_eq!(made.calls, calls(&[("weather", r#"{"city":"Oslo"}"#), ("now", "{}")]));
         let cut = "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}";
         assert_eq!(parse(cut).expect("a call cut short at the end").calls, calls(&[("now", "{}")]));
+        let singular =
+            "Hm.<|tool_call_section_begin|><|tool_call_begin|>now:0<|tool_call_argument_begin|>{}<|tool_call_end|>";
+        let made = parse(singular).expect("the section's singular spelling");
+        assert_eq!((made.content.as_deref(), made.calls), (Some("Hm."), calls(&[("now", "{}")])));
         for not_calls in [
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.rain:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.now<|tool_call_argument_begin|>{}<|tool_call_end|>",

@@ -671,7 +671,7 @@ pub(super) mod tests {
             "<function=rain></function>", "<seed:", "tool_call>", "\n", "é", "<parameter=a>1</parameter>"]),
         (ToolParser::KimiK2, ["Sure ", "<|tool_calls_section_begin|>", "<|tool_call_end|>",
             "<|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}", "<|tool_call_begin|>rain:1<|tool_call_argument_begin|>{}",
-            "<|tool_calls", "_section_begin|>", "\n", "é", "<|tool_calls_section_end|>"]),
+            "<|tool_calls", "_section_begin|>", "\n", "<|tool_call_section_begin|>", "<|tool_calls_section_end|>"]),
         (ToolParser::Granite, ["Sure ", "<|tool_call|>", "<tool_call>", r#"{"name": "now", "arguments": {}}"#,
             r#"{"name": "rain"}"#, "<|tool", "[", "\n", "é", "]"]),
     ];
