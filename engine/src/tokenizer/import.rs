@@ -67,11 +67,7 @@ pub fn vocabulary_gguf(tokenizer: &Value, config: Option<&Value>) -> Result<Gguf
         })
         .collect::<Option<Vec<String>>>()
         .ok_or_else(|| malformed("a merge that is not two tokens".into()))?;
-    let id_of = |key: &str| {
-        let token = config.map(|c| &c[key]).and_then(|t| t.as_str().or_else(|| t["content"].as_str()))?;
-        tokens.iter().position(|t| t == token).map(|i| i as u32)
-    };
-    let (bos, eos) = (id_of("bos_token"), id_of("eos_token"));
+    let (bos, eos) = (named_id(&tokens, 0, config, "bos_token"), named_id(&tokens, 0, config, "eos_token"));
     let add_bos = config.and_then(|c| c["add_bos_token"].as_bool()).unwrap_or(false);
     Ok(write(Vocabulary { pre: name, tokens, types, merges, bos, eos, add_bos }, config))
 }
@@ -110,6 +106,14 @@ pub(super) fn write(v: Vocabulary, config: Option<&Value>) -> GgufWriter {
         w.meta("tokenizer.chat_template", MetaValue::String(template));
     }
     w
+}
+
+/// The id of the token `config` names under `key` (transformers' spellings: the token's text, or an object with its
+/// `content`), looked for from id `from` on (where a vocabulary's special tokens start).
+pub(super) fn named_id(tokens: &[String], from: usize, config: Option<&Value>, key: &str) -> Option<u32> {
+    let v = &config?[key];
+    let text = v.as_str().or_else(|| v["content"].as_str())?;
+    tokens.get(from..)?.iter().position(|t| t == text).map(|i| (from + i) as u32)
 }
 
 /// The pre-tokenizer `tokenizer.json` states, and its GGUF name (llama.cpp's).

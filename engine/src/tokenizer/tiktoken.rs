@@ -66,12 +66,8 @@ pub fn vocabulary_gguf(model: &str, config: &Value) -> Result<GgufWriter, Tokeni
     if tokens[first..].iter().collect::<std::collections::HashSet<_>>().len() != KIMI_SPECIALS {
         return Err(malformed("two special tokens have the same text".into()));
     }
-    // transformers' spellings: a token's text, or an object with its `content`.
-    let named = |key: &str| {
-        let v = &config[key];
-        let text = v.as_str().or_else(|| v["content"].as_str())?;
-        tokens[first..].iter().position(|t| t == text).map(|i| (first + i) as u32)
-    };
+    // Among the special ids only: a ranked token may spell `[BOS]` too.
+    let named = |key: &str| import::named_id(&tokens, first, Some(config), key);
     let (bos, eos) = (named("bos_token"), named("eos_token"));
     let add_bos = config["add_bos_token"].as_bool().unwrap_or(false);
     Ok(import::write(Vocabulary { pre: "kimi-k2", tokens, types, merges, bos, eos, add_bos }, Some(config)))
